@@ -1,0 +1,249 @@
+"""Pointwise expression IR: a straight-line program over broadcast tensors.
+
+A fused pointwise node carries its computation as a `Program`, serialized to text in the
+node attribute ``program``. Three back ends read it: the numpy evaluator below (tests and
+reference), the Triton code generator (`onnxfuse.codegen`) and the C++ CPU kernel in
+``csrc/``. The text format is the contract between them:
+
+    onnxfuse.pointwise v1
+    input %0 f32
+    input %1 bool
+    %2 = mul %0 2.0
+    %3 = sigmoid %2
+    %4 = select %1 %3 %2
+    output %4 f16
+
+Rules:
+- One statement per line, single spaces between tokens, no comments, ``\\n`` line ends.
+- ``input %i DTYPE`` lines come first, numbered 0..k-1 in node-input order. DTYPE is one
+  of f32, f16, bf16 (values are upcast to fp32) or bool (read as 1.0 / 0.0).
+- ``%n = OP ARG...`` defines value n (numbered consecutively after the inputs). Every
+  value is an fp32 scalar per element; all math is fp32. An ARG is ``%m`` (m < n) or a
+  float literal as written by Python's ``repr(float)`` (``inf``, ``-inf``, ``nan`` too).
+- ``output %n DTYPE`` lines come last, in node-output order; the value is cast to DTYPE
+  (f32, f16 or bf16, round-to-nearest-even) when stored.
+- Broadcasting follows numpy: each input is broadcast to the node's output shape, which
+  is the broadcast of all input shapes. All outputs have that shape.
+
+Ops (see `UNARY`, `BINARY`, `TERNARY`):
+- unary: neg abs exp log sqrt tanh erf cos sin sigmoid softplus round_f16 round_bf16
+  (``round_f16 x`` rounds x to the nearest float16 and widens back: an ONNX Cast)
+- binary: add sub mul div pow max min gt ge lt le eq
+  (max/min propagate NaN like numpy's maximum/minimum; comparisons give 1.0 or 0.0)
+- ternary: ``select c a b`` is ``a`` where ``c != 0`` else ``b``
+- ``softplus x`` is log(1 + exp(x)) computed without overflow: x + log1p(exp(-x)) for
+  x > 0, log1p(exp(x)) otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+HEADER = "onnxfuse.pointwise v1"
+
+UNARY = (
+    "neg", "abs", "exp", "log", "sqrt", "tanh", "erf", "cos", "sin", "sigmoid", "softplus",
+    "round_f16", "round_bf16",
+)
+BINARY = ("add", "sub", "mul", "div", "pow", "max", "min", "gt", "ge", "lt", "le", "eq")
+TERNARY = ("select",)
+ARITY = {**{op: 1 for op in UNARY}, **{op: 2 for op in BINARY}, **{op: 3 for op in TERNARY}}
+
+INPUT_DTYPES = ("f32", "f16", "bf16", "bool")
+OUTPUT_DTYPES = ("f32", "f16", "bf16")
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A reference to value %index (an input or an earlier instruction)."""
+
+    index: int
+
+
+Operand = Union[Ref, float]
+
+
+@dataclass(frozen=True)
+class Instr:
+    op: str
+    args: tuple[Operand, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    """Inputs (dtypes), instructions defining values len(inputs)..., outputs (value, dtype)."""
+
+    input_dtypes: tuple[str, ...]
+    instrs: tuple[Instr, ...]
+    outputs: tuple[tuple[int, str], ...]
+
+    @property
+    def n_values(self) -> int:
+        return len(self.input_dtypes) + len(self.instrs)
+
+    def to_text(self) -> str:
+        lines = [HEADER]
+        lines += [f"input %{i} {dt}" for i, dt in enumerate(self.input_dtypes)]
+        base = len(self.input_dtypes)
+        for k, ins in enumerate(self.instrs):
+            args = " ".join(_fmt_operand(a) for a in ins.args)
+            lines.append(f"%{base + k} = {ins.op} {args}")
+        lines += [f"output %{v} {dt}" for v, dt in self.outputs]
+        return "\n".join(lines) + "\n"
+
+    @staticmethod
+    def from_text(text: str) -> "Program":
+        return parse(text)
+
+    def validate(self) -> None:
+        """Raise ValueError if the program breaks the rules in the module docstring."""
+        for dt in self.input_dtypes:
+            if dt not in INPUT_DTYPES:
+                raise ValueError(f"bad input dtype {dt!r}")
+        base = len(self.input_dtypes)
+        for k, ins in enumerate(self.instrs):
+            if ins.op not in ARITY:
+                raise ValueError(f"unknown op {ins.op!r}")
+            if len(ins.args) != ARITY[ins.op]:
+                raise ValueError(f"{ins.op} takes {ARITY[ins.op]} operands, got {len(ins.args)}")
+            for a in ins.args:
+                if isinstance(a, Ref) and not 0 <= a.index < base + k:
+                    raise ValueError(f"%{base + k} uses undefined %{a.index}")
+        if not self.outputs:
+            raise ValueError("program has no outputs")
+        for v, dt in self.outputs:
+            if not 0 <= v < self.n_values:
+                raise ValueError(f"output %{v} is undefined")
+            if dt not in OUTPUT_DTYPES:
+                raise ValueError(f"bad output dtype {dt!r}")
+
+
+def _fmt_operand(a: Operand) -> str:
+    if isinstance(a, Ref):
+        return f"%{a.index}"
+    return repr(float(a))
+
+
+def _parse_operand(tok: str) -> Operand:
+    if tok.startswith("%"):
+        return Ref(int(tok[1:]))
+    return float(tok)
+
+
+def parse(text: str) -> Program:
+    """Parse the text format into a validated Program."""
+    lines = text.strip("\n").split("\n")
+    if not lines or lines[0] != HEADER:
+        raise ValueError(f"program must start with {HEADER!r}")
+    inputs: list[str] = []
+    instrs: list[Instr] = []
+    outputs: list[tuple[int, str]] = []
+    for line in lines[1:]:
+        tok = line.split(" ")
+        if tok[0] == "input":
+            if instrs or outputs or tok[1] != f"%{len(inputs)}":
+                raise ValueError(f"misplaced input line: {line!r}")
+            inputs.append(tok[2])
+        elif tok[0] == "output":
+            outputs.append((int(tok[1][1:]), tok[2]))
+        elif len(tok) >= 3 and tok[1] == "=":
+            if outputs or tok[0] != f"%{len(inputs) + len(instrs)}":
+                raise ValueError(f"misplaced instruction: {line!r}")
+            instrs.append(Instr(tok[2], tuple(_parse_operand(t) for t in tok[3:])))
+        else:
+            raise ValueError(f"cannot parse line: {line!r}")
+    prog = Program(tuple(inputs), tuple(instrs), tuple(outputs))
+    prog.validate()
+    return prog
+
+
+class Builder:
+    """Appends instructions; used by the ONNX-to-program lowering in `onnxfuse.ops`."""
+
+    def __init__(self, input_dtypes: list[str]):
+        self.input_dtypes = list(input_dtypes)
+        self.instrs: list[Instr] = []
+
+    def emit(self, op: str, *args: Operand) -> Ref:
+        self.instrs.append(Instr(op, tuple(args)))
+        return Ref(len(self.input_dtypes) + len(self.instrs) - 1)
+
+    def build(self, outputs: list[tuple[Ref, str]]) -> Program:
+        prog = Program(tuple(self.input_dtypes), tuple(self.instrs),
+                       tuple((r.index, dt) for r, dt in outputs))
+        prog.validate()
+        return prog
+
+
+# ---------------------------------------------------------------------------------------
+# numpy reference evaluator
+# ---------------------------------------------------------------------------------------
+
+NUMPY_DTYPES = {"f32": np.float32, "f16": np.float16, "bool": np.bool_}
+
+
+def _np_out_dtype(dt: str):
+    if dt == "bf16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return NUMPY_DTYPES[dt]
+
+
+def _round_bf16(x: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    return x.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def _softplus(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return np.where(x > 0, x + np.log1p(np.exp(-np.abs(x))), np.log1p(np.exp(np.minimum(x, 0))))
+
+
+def _erf(x: np.ndarray) -> np.ndarray:
+    return np.vectorize(math.erf, otypes=[np.float64])(x).astype(np.float32)
+
+
+_NP_UNARY = {
+    "neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
+    "tanh": np.tanh, "erf": _erf, "cos": np.cos, "sin": np.sin,
+    "sigmoid": lambda x: (1.0 / (1.0 + np.exp(-x))).astype(np.float32),
+    "softplus": _softplus,
+    "round_f16": lambda x: x.astype(np.float16).astype(np.float32),
+    "round_bf16": _round_bf16,
+}
+_NP_BINARY = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "div": np.divide, "pow": np.power,
+    "max": np.maximum, "min": np.minimum,
+    "gt": lambda a, b: (a > b).astype(np.float32), "ge": lambda a, b: (a >= b).astype(np.float32),
+    "lt": lambda a, b: (a < b).astype(np.float32), "le": lambda a, b: (a <= b).astype(np.float32),
+    "eq": lambda a, b: (a == b).astype(np.float32),
+}
+
+
+def evaluate(prog: Program, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """Evaluate the program with numpy in fp32; returns outputs at their dtypes."""
+    if len(inputs) != len(prog.input_dtypes):
+        raise ValueError(f"expected {len(prog.input_dtypes)} inputs, got {len(inputs)}")
+    shape = np.broadcast_shapes(*(np.shape(x) for x in inputs))
+    vals: list[np.ndarray] = [np.asarray(x).astype(np.float32) for x in inputs]
+
+    def get(a: Operand) -> np.ndarray:
+        return vals[a.index] if isinstance(a, Ref) else np.float32(a)
+
+    with np.errstate(all="ignore"):
+        for ins in prog.instrs:
+            args = [get(a) for a in ins.args]
+            if ins.op in _NP_UNARY:
+                r = _NP_UNARY[ins.op](np.asarray(args[0], np.float32))
+            elif ins.op in _NP_BINARY:
+                r = _NP_BINARY[ins.op](args[0], args[1])
+            else:
+                r = np.where(args[0] != 0, args[1], args[2])
+            vals.append(np.asarray(r, dtype=np.float32))
+        return [np.broadcast_to(vals[v], shape).astype(_np_out_dtype(dt)) for v, dt in prog.outputs]
