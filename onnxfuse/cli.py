@@ -1,0 +1,79 @@
+"""The `onnxfuse` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from onnxfuse.errors import OnnxfuseError
+
+EXIT_BAD_INPUT = 2
+
+
+def _cmd_optimize(args: argparse.Namespace) -> int:
+    from onnxfuse.pipeline import optimize
+
+    src, dst = Path(args.input), Path(args.output)
+    if src.exists() and dst.exists() and os.path.samefile(src, dst):
+        raise OnnxfuseError(f"{dst}: output would overwrite the input model; choose another path")
+    hook = None
+    if args.target != "none":
+        from onnxfuse.kernels import compile_hook
+
+        hook = compile_hook(args.target, jobs=args.jobs)
+    report = optimize(src, dst, args.patterns or (), compile_hook=hook)
+    print(report.summary())
+    print(f"wrote {dst}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    return 0
+
+
+def _cmd_patterns(args: argparse.Namespace) -> int:
+    from onnxfuse.pattern import load_patterns
+
+    patterns = load_patterns(args.patterns or ())
+    width = max(len(p.name) for p in patterns)
+    for p in patterns:
+        print(f"{p.name:<{width}}  {p.description}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="onnxfuse", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("optimize", help="fuse a model: onnxfuse optimize in.onnx out.onnx")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--patterns", action="append", metavar="DIR", help="also load pattern files from DIR")
+    p.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    p.add_argument("--target", default="auto",
+                   help="GPU architectures to compile kernels for, e.g. sm_90,sm_80; 'auto' (the local "
+                        "GPU, else the default set) or 'none' to embed no kernels")
+    p.add_argument("--jobs", type=int, default=None, help="parallel kernel compilations")
+    p.set_defaults(func=_cmd_optimize)
+
+    p = sub.add_parser("patterns", help="list the loaded fusion patterns")
+    p.add_argument("--patterns", action="append", metavar="DIR", help="also load pattern files from DIR")
+    p.set_defaults(func=_cmd_patterns)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except OnnxfuseError as e:
+        print(f"onnxfuse: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("onnxfuse: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,226 @@
+"""Load a model with clear errors, undo exporters' habits, and infer shapes.
+
+Steps (each a function from ModelProto to ModelProto):
+- `load_model`: read the file (external data too) and check it, or raise OnnxfuseError.
+- `canonicalize`: Constant nodes become initializers, initializers listed as graph inputs
+  (IR < 4) become plain constants, Identity and inference-mode Dropout nodes are removed.
+- `infer_shapes`: ONNX shape inference, returned as a separate model so the output keeps
+  only the value_info the user had.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import ModelProto, numpy_helper
+
+from onnxfuse.errors import OnnxfuseError
+
+# Oldest and newest default-domain opsets the optimizer accepts.
+MIN_OPSET = 7
+MAX_OPSET = onnx.defs.onnx_opset_version()
+
+
+def load_model(path: str | os.PathLike) -> ModelProto:
+    """Read and check an ONNX model file; every failure is a one-line OnnxfuseError."""
+    p = Path(path)
+    if not p.exists():
+        raise OnnxfuseError(f"{p}: no such file")
+    if p.is_dir():
+        raise OnnxfuseError(f"{p}: is a directory, not an ONNX model")
+    try:
+        model = onnx.load(str(p), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError) as e:
+        raise OnnxfuseError(f"{p}: not a valid ONNX model ({_first_line(e) or 'cannot parse protobuf'})") from None
+    if not model.graph.node and not model.graph.output:
+        raise OnnxfuseError(f"{p}: not a valid ONNX model (empty or truncated file)")
+    _check_external_data(model, p.parent)
+    try:
+        onnx.load_external_data_for_model(model, str(p.parent))
+    except (OSError, ValueError) as e:
+        raise OnnxfuseError(f"{p}: cannot read external data ({_first_line(e)})") from None
+    check_opsets(model, str(p))
+    try:
+        if model.ByteSize() < 2**31 - 1:
+            onnx.checker.check_model(model)
+        else:
+            onnx.checker.check_model(str(p))
+    except onnx.checker.ValidationError as e:
+        raise OnnxfuseError(f"{p}: invalid ONNX model ({_first_line(e)})") from None
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _check_external_data(model: ModelProto, base: Path) -> None:
+    for t in _all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = next((kv.value for kv in t.external_data if kv.key == "location"), None)
+            if loc is None or not (base / loc).is_file():
+                raise OnnxfuseError(f"missing external data file {loc!r} for tensor {t.name!r} (looked in {base})")
+
+
+def _all_tensors(model: ModelProto):
+    from onnx.external_data_helper import _get_all_tensors
+
+    return _get_all_tensors(model)
+
+
+def check_opsets(model: ModelProto, where: str = "model") -> None:
+    for imp in model.opset_import:
+        if imp.domain in ("", "ai.onnx"):
+            if imp.version > MAX_OPSET:
+                raise OnnxfuseError(
+                    f"{where}: opset {imp.version} is newer than this onnxfuse supports (<= {MAX_OPSET})")
+            if imp.version < MIN_OPSET:
+                raise OnnxfuseError(f"{where}: opset {imp.version} is older than supported (>= {MIN_OPSET})")
+            return
+    if model.graph.node and any(n.domain in ("", "ai.onnx") for n in model.graph.node):
+        raise OnnxfuseError(f"{where}: no default-domain opset import")
+
+
+def default_opset(model: ModelProto) -> int:
+    return next(i.version for i in model.opset_import if i.domain in ("", "ai.onnx"))
+
+
+def canonicalize(model: ModelProto) -> ModelProto:
+    """Return a copy with Constants as initializers, IR-3 input initializers as constants,
+    and Identity / inference-mode Dropout nodes removed (graph I/O names kept)."""
+    m = ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    _constants_to_initializers(g)
+    init_names = {t.name for t in g.initializer}
+    kept_inputs = [i for i in g.input if i.name not in init_names]
+    if len(kept_inputs) != len(g.input):
+        del g.input[:]
+        g.input.extend(kept_inputs)
+    _remove_passthrough(g)
+    return m
+
+
+def _constants_to_initializers(g: onnx.GraphProto) -> None:
+    keep = []
+    for n in g.node:
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.attribute) == 1:
+            t = _constant_value(n)
+            if t is not None and n.output[0] not in {o.name for o in g.output}:
+                t.name = n.output[0]
+                g.initializer.append(t)
+                continue
+        keep.append(n)
+    if len(keep) != len(g.node):
+        del g.node[:]
+        g.node.extend(keep)
+
+
+def _constant_value(n: onnx.NodeProto) -> onnx.TensorProto | None:
+    a = n.attribute[0]
+    import numpy as np
+
+    if a.name == "value":
+        t = onnx.TensorProto()
+        t.CopyFrom(a.t)
+        return t
+    if a.name == "value_float":
+        return numpy_helper.from_array(np.array(a.f, dtype=np.float32))
+    if a.name == "value_floats":
+        return numpy_helper.from_array(np.array(a.floats, dtype=np.float32))
+    if a.name == "value_int":
+        return numpy_helper.from_array(np.array(a.i, dtype=np.int64))
+    if a.name == "value_ints":
+        return numpy_helper.from_array(np.array(a.ints, dtype=np.int64))
+    return None
+
+
+def _is_passthrough(n: onnx.NodeProto, init: dict) -> bool:
+    if n.domain not in ("", "ai.onnx"):
+        return False
+    if n.op_type == "Identity":
+        return True
+    if n.op_type == "Dropout":
+        if len(n.output) > 1 and n.output[1]:
+            return False  # the mask is used
+        if len(n.input) > 2 and n.input[2]:
+            t = init.get(n.input[2])
+            return t is not None and not bool(numpy_helper.to_array(t))
+        return True
+    return False
+
+
+def _remove_passthrough(g: onnx.GraphProto) -> None:
+    init = {t.name: t for t in g.initializer}
+    graph_inputs = {i.name for i in g.input}
+    graph_outputs = {o.name for o in g.output}
+    rename: dict[str, str] = {}
+    drop: set[int] = set()
+    producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
+    for idx, n in enumerate(g.node):
+        if not _is_passthrough(n, init):
+            continue
+        src, dst = n.input[0], n.output[0]
+        src = rename.get(src, src)
+        if dst not in graph_outputs:
+            rename[dst] = src
+            drop.add(idx)
+        elif src in producer and src not in graph_outputs and src not in graph_inputs and src not in init:
+            # The graph output keeps its name: the producer writes it directly.
+            rename[src] = dst
+            drop.add(idx)
+    if not drop:
+        return
+    # Resolve chains of renames.
+    def resolve(name: str) -> str:
+        seen = set()
+        while name in rename and name not in seen:
+            seen.add(name)
+            name = rename[name]
+        return name
+
+    nodes = [n for i, n in enumerate(g.node) if i not in drop]
+    for n in nodes:
+        for k, name in enumerate(n.input):
+            if name:
+                n.input[k] = resolve(name)
+        for k, name in enumerate(n.output):
+            if name:
+                n.output[k] = resolve(name)
+        _rename_in_subgraphs(n, resolve)
+    del g.node[:]
+    g.node.extend(nodes)
+    dropped_names = {g_out for g_out in rename}
+    vi = [v for v in g.value_info if v.name not in dropped_names]
+    del g.value_info[:]
+    g.value_info.extend(vi)
+
+
+def _rename_in_subgraphs(n: onnx.NodeProto, resolve) -> None:
+    for a in n.attribute:
+        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
+        for sg in graphs:
+            local = {i.name for i in sg.input} | {t.name for t in sg.initializer}
+            local |= {o for sn in sg.node for o in sn.output}
+            for sn in sg.node:
+                for k, name in enumerate(sn.input):
+                    if name and name not in local:
+                        sn.input[k] = resolve(name)
+                _rename_in_subgraphs(sn, resolve)
+            for o in sg.output:
+                if o.name not in local:
+                    o.name = resolve(o.name)
+
+
+def infer_shapes(model: ModelProto) -> ModelProto:
+    """Shape-inferred copy of the model (for analysis only; never written out)."""
+    try:
+        if model.ByteSize() < 2**31 - 1:
+            return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+    except Exception:  # inference is best effort: unknown shapes only block fusion
+        pass
+    return model

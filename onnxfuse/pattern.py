@@ -1,0 +1,203 @@
+"""Declarative fusion patterns: one YAML file each, validated when loaded.
+
+A pattern file has three parts:
+
+    name: pointwise_chain              # unique; becomes part of kernel names
+    description: one line for `onnxfuse patterns`
+    priority: 100                      # lower runs first; a node joins at most one match
+    match:                             # read by the matcher (onnxfuse.match) only
+      kind: elementwise_group          # the matching strategy
+      ops: [Add, Mul, Sigmoid, ...]    # op types that may join a group
+      dtypes: [float32, float16, bfloat16]
+      min_nodes: 2
+    replace:                           # read by the rewriter and code generator only
+      op_type: PointwiseChain          # custom op in domain onnxfuse
+      kernel: pointwise                # code generator, looked up by name
+    example:                           # a tiny graph the tests build and optimize
+      inputs: {x: [float32, [2, 3]]}
+      nodes:
+        - [Mul, [x, 2.0], [t]]
+        - [Sigmoid, [t], [y]]
+      outputs: [y]
+      expect: {PointwiseChain: 1}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from onnxfuse.errors import PatternError
+from onnxfuse.ops import ELEMENTWISE_OPS
+
+
+def _builtin_dir() -> Path:
+    """The installed copy of the repository's patterns/ folder (package onnxfuse.patterns)."""
+    from importlib.resources import files
+
+    return Path(str(files("onnxfuse.patterns")))
+
+
+BUILTIN_DIR = _builtin_dir()
+MATCH_KINDS = ("elementwise_group",)
+KERNELS = ("pointwise",)
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class ElementwiseGroupMatch:
+    """Match connected groups of elementwise nodes."""
+
+    ops: frozenset[str]
+    dtypes: frozenset[str]
+    min_nodes: int
+
+
+@dataclass(frozen=True)
+class Replacement:
+    op_type: str
+    kernel: str
+
+
+@dataclass(frozen=True)
+class Example:
+    inputs: dict[str, tuple[str, tuple[int, ...]]]
+    nodes: tuple[tuple[str, tuple[Any, ...], tuple[str, ...], dict], ...]
+    outputs: tuple[str, ...]
+    expect: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Pattern:
+    name: str
+    description: str
+    priority: int
+    match: ElementwiseGroupMatch
+    replace: Replacement
+    example: Example | None
+    source: str  # the file it came from
+
+
+def load_patterns(extra_dirs: list[str | Path] | tuple = ()) -> list[Pattern]:
+    """Built-in patterns plus those in extra_dirs, sorted by (priority, name)."""
+    dirs = [BUILTIN_DIR, *map(Path, extra_dirs)]
+    patterns: dict[str, Pattern] = {}
+    for d in dirs:
+        if not d.is_dir():
+            raise PatternError(f"{d}: pattern folder does not exist")
+        for f in sorted(d.glob("*.yaml")) + sorted(d.glob("*.yml")):
+            p = load_pattern_file(f)
+            if p.name in patterns and d != BUILTIN_DIR:
+                patterns.pop(p.name)  # a user's pattern replaces a built-in one of the same name
+            elif p.name in patterns:
+                raise PatternError(f"{f}: name: {p.name!r} is already defined in {patterns[p.name].source}")
+            patterns[p.name] = p
+    return sorted(patterns.values(), key=lambda p: (p.priority, p.name))
+
+
+class _Fields:
+    """Typed access to a mapping that reports errors as `file: field: problem`."""
+
+    def __init__(self, data: Any, path: Path, prefix: str = ""):
+        self.path, self.prefix = path, prefix
+        if not isinstance(data, dict):
+            self.fail(prefix.rstrip(".") or "(top level)", "must be a mapping")
+        self.data = data
+
+    def fail(self, field: str, problem: str):
+        raise PatternError(f"{self.path}: {field}: {problem}")
+
+    def get(self, key: str, typ: type | tuple, default: Any = ..., ) -> Any:
+        field = self.prefix + key
+        if key not in self.data:
+            if default is ...:
+                self.fail(field, "is required")
+            return default
+        value = self.data[key]
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+            self.fail(field, f"must be {names}, got {type(value).__name__}")
+        return value
+
+    def sub(self, key: str, default: Any = ...) -> _Fields | None:
+        value = self.get(key, dict, default)
+        return None if value is None else _Fields(value, self.path, self.prefix + key + ".")
+
+    def no_extra(self, allowed: set[str]) -> None:
+        for k in self.data:
+            if k not in allowed:
+                self.fail(self.prefix + str(k), f"unknown field (allowed: {', '.join(sorted(allowed))})")
+
+
+def load_pattern_file(path: str | Path) -> Pattern:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "(file)"
+        raise PatternError(f"{path}: {where}: not valid YAML ({getattr(e, 'problem', e)})") from None
+    except OSError as e:
+        raise PatternError(f"{path}: cannot read ({e.strerror})") from None
+    top = _Fields(data, path)
+    top.no_extra({"name", "description", "priority", "match", "replace", "example"})
+    name = top.get("name", str)
+    if not name.isidentifier():
+        top.fail("name", f"{name!r} must be an identifier (letters, digits, _)")
+    description = top.get("description", str)
+    priority = top.get("priority", int, 100)
+
+    m = top.sub("match")
+    m.no_extra({"kind", "ops", "dtypes", "min_nodes"})
+    kind = m.get("kind", str)
+    if kind not in MATCH_KINDS:
+        m.fail("match.kind", f"unknown kind {kind!r} (known: {', '.join(MATCH_KINDS)})")
+    ops = m.get("ops", list)
+    for op in ops:
+        if op not in ELEMENTWISE_OPS:
+            m.fail("match.ops", f"{op!r} is not an elementwise op onnxfuse can fuse")
+    dtypes = m.get("dtypes", list, list(DTYPES))
+    for dt in dtypes:
+        if dt not in DTYPES:
+            m.fail("match.dtypes", f"{dt!r} is not one of {', '.join(DTYPES)}")
+    min_nodes = m.get("min_nodes", int, 2)
+    if min_nodes < 1:
+        m.fail("match.min_nodes", "must be at least 1")
+
+    r = top.sub("replace")
+    r.no_extra({"op_type", "kernel"})
+    op_type = r.get("op_type", str)
+    kernel = r.get("kernel", str)
+    if kernel not in KERNELS:
+        r.fail("replace.kernel", f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
+
+    example = _load_example(top.sub("example", None), path)
+    return Pattern(
+        name=name, description=description, priority=priority,
+        match=ElementwiseGroupMatch(frozenset(ops), frozenset(dtypes), min_nodes),
+        replace=Replacement(op_type=op_type, kernel=kernel),
+        example=example, source=str(path),
+    )
+
+
+def _load_example(e: _Fields | None, path: Path) -> Example | None:
+    if e is None:
+        return None
+    e.no_extra({"inputs", "nodes", "outputs", "expect"})
+    inputs = {}
+    for k, v in e.get("inputs", dict).items():
+        if not (isinstance(v, list) and len(v) == 2 and v[0] in DTYPES + ("bool",) and isinstance(v[1], list)):
+            e.fail(f"example.inputs.{k}", "must be [dtype, [dims...]]")
+        inputs[k] = (v[0], tuple(v[1]))
+    nodes = []
+    for i, n in enumerate(e.get("nodes", list)):
+        if not (isinstance(n, list) and len(n) in (3, 4) and isinstance(n[0], str)
+                and isinstance(n[1], list) and isinstance(n[2], list)):
+            e.fail(f"example.nodes[{i}]", "must be [OpType, [inputs], [outputs]] or with a 4th {attrs} item")
+        nodes.append((n[0], tuple(n[1]), tuple(n[2]), n[3] if len(n) == 4 else {}))
+    outputs = tuple(e.get("outputs", list))
+    expect = e.get("expect", dict)
+    return Example(inputs, tuple(nodes), outputs, expect)
