@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Union
 
 import numpy as np
 
@@ -64,7 +63,7 @@ class Ref:
     index: int
 
 
-Operand = Union[Ref, float]
+Operand = Ref | float
 
 
 @dataclass(frozen=True)
@@ -96,7 +95,7 @@ class Program:
         return "\n".join(lines) + "\n"
 
     @staticmethod
-    def from_text(text: str) -> "Program":
+    def from_text(text: str) -> Program:
         return parse(text)
 
     def validate(self) -> None:

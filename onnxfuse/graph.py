@@ -107,4 +107,4 @@ def same_shape(a: Shape | None, b: Shape | None) -> bool:
     """True when both shapes are known to be equal (symbolic dims compare by name)."""
     if a is None or b is None or len(a) != len(b):
         return False
-    return all(x is not None and x == y for x, y in zip(a, b))
+    return all(x is not None and x == y for x, y in zip(a, b, strict=True))
