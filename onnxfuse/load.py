@@ -102,6 +102,8 @@ def canonicalize(model: ModelProto) -> ModelProto:
         del g.input[:]
         g.input.extend(kept_inputs)
     _remove_passthrough(g)
+    # IR < 4 requires every initializer to be a graph input; ours are constants now.
+    m.ir_version = max(m.ir_version, 4)
     return m
 
 

@@ -220,6 +220,9 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int])
             work += _components(view, set(group) - after) + _components(view, after)
             continue
         outputs = exposed_outputs(view, group)
+        if not outputs:
+            result.rejected["result is never used"] += len(group)
+            continue
         misfits = _shape_misfits(view, group, outputs)
         if misfits:
             result.rejected["output shape differs from the group's"] += len(misfits)

@@ -189,9 +189,6 @@ ELEMENTWISE_OPS = frozenset(RULES)
 
 
 def node_attrs(node: NodeProto) -> dict:
-    """Attribute values of a node as Python values."""
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
-
-
-def decode_attr_strings(attrs: dict) -> dict:
-    return {k: v.decode() if isinstance(v, bytes) else v for k, v in attrs.items()}
+    """Attribute values of a node as Python values (strings decoded)."""
+    values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return {k: v.decode() if isinstance(v, bytes) else v for k, v in values.items()}

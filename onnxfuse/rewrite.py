@@ -79,8 +79,7 @@ def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], di
                 folded[name] = lits[i][k]
             else:
                 args.append(env[name])
-        attrs = {k: v.decode() if isinstance(v, bytes) else v for k, v in node_attrs(n).items()}
-        env[n.output[0]] = rules[i].lower(b, args, attrs, consts)
+        env[n.output[0]] = rules[i].lower(b, args, node_attrs(n), consts)
     outs: list[tuple[Ref, str]] = []
     for o in match.outputs:
         v = env[o]

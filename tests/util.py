@@ -1,0 +1,124 @@
+"""Helpers for building tiny models and checking a fusion end to end."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxfuse import optimize_model
+from onnxfuse.expr import evaluate
+from onnxfuse.load import canonicalize, infer_shapes
+from onnxfuse.pipeline import Result
+
+NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
+      TensorProto.BOOL: np.bool_, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
+      TensorProto.BFLOAT16: ml_dtypes.bfloat16}
+ONNX_TYPE = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16,
+             "bool": TensorProto.BOOL, "int64": TensorProto.INT64, "float64": TensorProto.DOUBLE}
+# Relative tolerance per output dtype, for fused vs original.
+RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2, np.dtype(ml_dtypes.bfloat16): 2e-2}
+
+
+def model(nodes, inputs, outputs, initializers=(), opset=20, ir_version=None) -> onnx.ModelProto:
+    """inputs/outputs: {name: (dtype, shape)}; initializers: {name: ndarray}."""
+    g = helper.make_graph(
+        nodes, "test",
+        [helper.make_tensor_value_info(k, ONNX_TYPE[dt], shape) for k, (dt, shape) in inputs.items()],
+        [helper.make_tensor_value_info(k, ONNX_TYPE[dt], shape) for k, (dt, shape) in outputs.items()],
+        [numpy_helper.from_array(np.asarray(v), k) for k, v in dict(initializers).items()],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = ir_version or 10
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def random_feeds(m: onnx.ModelProto, dims: dict[str, int] | None = None, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    init = {t.name for t in m.graph.initializer}
+    feeds = {}
+    for i in m.graph.input:
+        if i.name in init:
+            continue
+        tt = i.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else (dims or {}).get(d.dim_param, 3) for d in tt.shape.dim]
+        dt = NP[tt.elem_type]
+        if dt == np.bool_:
+            feeds[i.name] = rng.random(shape) > 0.5
+        else:
+            feeds[i.name] = np.asarray(rng.standard_normal(shape) * 2).astype(dt)
+    return feeds
+
+
+def run(m: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def assert_close(expected: np.ndarray, actual: np.ndarray, rtol: float | None = None, what: str = "") -> None:
+    assert expected.dtype == actual.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert expected.shape == actual.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    rtol = RTOL.get(expected.dtype, 1e-5) if rtol is None else rtol
+    e, a = expected.astype(np.float64), actual.astype(np.float64)
+    np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * 1e-1, equal_nan=True, err_msg=what)
+
+
+def intermediates(m: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    """Every tensor of the canonicalized model, by running it with all of them as outputs."""
+    c = canonicalize(m)
+    inferred = infer_shapes(c)
+    types = {vi.name: vi for vi in list(inferred.graph.value_info) + list(inferred.graph.output)}
+    outs = [o.name for o in c.graph.output]
+    for n in c.graph.node:
+        for o in n.output:
+            # numpy has no bfloat16 that ONNX Runtime's Python API returns
+            if o and o not in outs and o in types and types[o].type.tensor_type.elem_type != TensorProto.BFLOAT16:
+                c.graph.output.append(types[o])
+                outs.append(o)
+    values = dict(zip(outs, run(c, feeds), strict=True))
+    values.update(feeds)
+    values.update({t.name: numpy_helper.to_array(t) for t in c.graph.initializer})
+    return values
+
+
+def check_programs(m: onnx.ModelProto, result: Result, feeds: dict, rtol: float | None = None) -> None:
+    """Each fused node's program, evaluated with numpy on the node's actual inputs, gives the
+    original graph's tensors: the check that the expression the kernels run is right."""
+    values = intermediates(m, feeds)
+    for f in result.fused:
+        outs = evaluate(f.program, [values[x] for x in f.inputs])
+        for name, got in zip(f.outputs, outs, strict=True):
+            assert_close(values[name], got, rtol=rtol, what=f"program of {f.node_name}, output {name}")
+
+
+def check_fusion(m: onnx.ModelProto, expect_fused: int | None = None, feeds: dict | None = None,
+                 rtol: float | None = None) -> Result:
+    """Optimize, validate, and compare original vs optimized on seeded random inputs (stock
+    ONNX Runtime CPU, so fused nodes run their function bodies) and check each program.
+
+    rtol: for the programs, which compute in fp32 where the original rounds intermediates to
+    fp16 (default: by output dtype; pass 1e-2 when the group has fp16 intermediates)."""
+    before = m.SerializeToString()
+    result = optimize_model(m)
+    assert m.SerializeToString() == before, "optimize_model modified its input"
+    onnx.checker.check_model(result.model, full_check=True)
+    fused_nodes = [n for n in result.model.graph.node if n.domain == "onnxfuse"]
+    if expect_fused is not None:
+        assert len(fused_nodes) == expect_fused, result.report.summary()
+    feeds = random_feeds(m) if feeds is None else feeds
+    expected = run(m, feeds)
+    actual = run(result.model, feeds)
+    assert [o.name for o in result.model.graph.output] == [o.name for o in m.graph.output]
+    for o, e, a in zip(m.graph.output, expected, actual, strict=True):
+        assert_close(e, a, rtol=1e-6 if e.dtype == np.float32 else rtol, what=o.name)
+    check_programs(m, result, feeds, rtol)
+    return result
+
+
+def op_types(m: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in m.graph.node]
