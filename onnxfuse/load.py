@@ -85,8 +85,9 @@ def check_opsets(model: ModelProto, where: str = "model") -> None:
         raise OnnxfuseError(f"{where}: no default-domain opset import")
 
 
-def default_opset(model: ModelProto) -> int:
-    return next(i.version for i in model.opset_import if i.domain in ("", "ai.onnx"))
+def default_opset(model: ModelProto) -> int | None:
+    """The model's ai.onnx opset version, or None when it imports none."""
+    return next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), None)
 
 
 def canonicalize(model: ModelProto) -> ModelProto:
@@ -219,10 +220,43 @@ def _rename_in_subgraphs(n: onnx.NodeProto, resolve) -> None:
 
 
 def infer_shapes(model: ModelProto) -> ModelProto:
-    """Shape-inferred copy of the model (for analysis only; never written out)."""
+    """Shape-inferred copy of the model (for analysis only; never written out). Large
+    initializers are replaced by empty stand-ins first: inference needs their shapes, not
+    their values, and models over 2 GB cannot go through the checker's protobuf otherwise."""
+    light = ModelProto()
+    light.CopyFrom(model) if model.ByteSize() < 2**31 - 1 else _copy_without_weights(model, light)
+    for t in light.graph.initializer:
+        if _tensor_bytes(t) > 4096:
+            _make_placeholder(t)
     try:
-        if model.ByteSize() < 2**31 - 1:
-            return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
+        return onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
     except Exception:  # inference is best effort: unknown shapes only block fusion
-        pass
-    return model
+        return light
+
+
+def _tensor_bytes(t: onnx.TensorProto) -> int:
+    return len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data) + len(t.double_data))
+
+
+def _make_placeholder(t: onnx.TensorProto) -> None:
+    """Drop a tensor's values, keeping name, type and shape (as an empty external tensor)."""
+    t.ClearField("raw_data")
+    for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data"):
+        t.ClearField(f)
+    t.data_location = onnx.TensorProto.EXTERNAL
+    del t.external_data[:]
+    kv = t.external_data.add()
+    kv.key, kv.value = "location", "onnxfuse-placeholder"
+
+
+def _copy_without_weights(model: ModelProto, into: ModelProto) -> None:
+    saved = []
+    for t in model.graph.initializer:
+        if _tensor_bytes(t) > 4096:
+            saved.append((t, t.raw_data))
+            t.ClearField("raw_data")
+    try:
+        into.CopyFrom(model)
+    finally:
+        for t, raw in saved:
+            t.raw_data = raw

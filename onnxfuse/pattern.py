@@ -201,3 +201,40 @@ def _load_example(e: _Fields | None, path: Path) -> Example | None:
     outputs = tuple(e.get("outputs", list))
     expect = e.get("expect", dict)
     return Example(inputs, tuple(nodes), outputs, expect)
+
+
+def example_model(pattern: Pattern, opset: int = 20):
+    """Build the tiny ONNX model a pattern file's `example` describes (numbers in node inputs
+    become float constants of the first input's dtype)."""
+    import numpy as np
+    import onnx
+    from onnx import helper, numpy_helper
+
+    ex = pattern.example
+    if ex is None:
+        raise PatternError(f"{pattern.source}: example: pattern has no example")
+    types = {"float32": onnx.TensorProto.FLOAT, "float16": onnx.TensorProto.FLOAT16,
+             "bfloat16": onnx.TensorProto.BFLOAT16, "bool": onnx.TensorProto.BOOL}
+    first_dtype = next(iter(ex.inputs.values()))[0]
+    np_dtype = {"float32": np.float32, "float16": np.float16}.get(first_dtype, np.float32)
+    inits, nodes = [], []
+    for k, (op, ins, outs, attrs) in enumerate(ex.nodes):
+        names = []
+        for j, x in enumerate(ins):
+            if isinstance(x, (int, float)) and not isinstance(x, bool):
+                name = f"const_{k}_{j}"
+                inits.append(numpy_helper.from_array(np.array(x, np_dtype), name))
+                names.append(name)
+            else:
+                names.append(str(x))
+        nodes.append(helper.make_node(op, names, list(outs), name=f"{op.lower()}_{k}", **attrs))
+    inputs = [helper.make_tensor_value_info(k, types[dt], list(shape)) for k, (dt, shape) in ex.inputs.items()]
+    graph = helper.make_graph(nodes, f"{pattern.name}_example", inputs, [], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=True)
+    known = {vi.name: vi for vi in inferred.graph.value_info}
+    for name in ex.outputs:
+        if name not in known:
+            raise PatternError(f"{pattern.source}: example.outputs: {name!r} is not produced by a node")
+        model.graph.output.append(known[name])
+    return model

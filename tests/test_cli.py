@@ -1,0 +1,145 @@
+"""The command line: optimize and patterns, bad input, atomic output, the input left alone."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from models.build import example
+from tests.util import random_feeds, run
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "models" / "example.onnx"
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onnxfuse.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+def sha(p: Path) -> str:
+    return hashlib.sha256(p.read_bytes()).hexdigest()
+
+
+def test_bundled_example_is_current():
+    assert EXAMPLE.read_bytes() == example().SerializeToString(deterministic=True)
+
+
+def test_optimize_example(tmp_path):
+    out, js = tmp_path / "out.onnx", tmp_path / "report.json"
+    before = sha(EXAMPLE)
+    r = cli("optimize", str(EXAMPLE), str(out), "--target", "none", "--json", str(js))
+    assert r.returncode == 0, r.stderr
+    assert "pointwise_chain: 4 fused" in r.stdout
+    assert "nodes: 19 -> 8" in r.stdout
+    assert sha(EXAMPLE) == before
+    report = json.loads(js.read_text())
+    assert report["patterns_applied"] == {"pointwise_chain": 4}
+    assert report["nodes_before"] == 19 and report["nodes_after"] == 8
+    assert {"node", "pattern", "kernel", "replaces"} <= set(report["fused"][0])
+    m, o = onnx.load(str(EXAMPLE)), onnx.load(str(out))
+    onnx.checker.check_model(o, full_check=True)
+    feeds = random_feeds(m, {"N": 5})
+    for a, b in zip(run(m, feeds), run(o, feeds), strict=True):
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+    # byte-identical on a second run, and a fixed point when run on its own output
+    out2, out3 = tmp_path / "out2.onnx", tmp_path / "out3.onnx"
+    assert cli("optimize", str(EXAMPLE), str(out2), "--target", "none").returncode == 0
+    assert cli("optimize", str(out), str(out3), "--target", "none").returncode == 0
+    assert out2.read_bytes() == out.read_bytes() == out3.read_bytes()
+
+
+def test_patterns_command(tmp_path):
+    r = cli("patterns")
+    assert r.returncode == 0
+    assert r.stdout.startswith("pointwise_chain ")
+
+
+def bad(tmp_path: Path, *args: str) -> str:
+    out = tmp_path / "out.onnx"
+    r = cli("optimize", *args, str(out), "--target", "none")
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.onnx")], "temporary file left behind"
+    return r.stderr
+
+
+def test_missing_file(tmp_path):
+    assert "no such file" in bad(tmp_path, str(tmp_path / "nope.onnx"))
+
+
+def test_not_onnx(tmp_path):
+    p = tmp_path / "text.onnx"
+    p.write_text("hello, I am not a model\n" * 10)
+    assert "not a valid ONNX model" in bad(tmp_path, str(p))
+
+
+def test_truncated(tmp_path):
+    p = tmp_path / "trunc.onnx"
+    p.write_bytes(EXAMPLE.read_bytes()[: 5000])
+    assert "not a valid ONNX model" in bad(tmp_path, str(p))
+
+
+def test_unsupported_opset(tmp_path):
+    m = onnx.load(str(EXAMPLE))
+    m.opset_import[0].version = 99
+    p = tmp_path / "future.onnx"
+    p.write_bytes(m.SerializeToString())
+    assert "opset 99" in bad(tmp_path, str(p))
+
+
+def test_missing_external_data(tmp_path):
+    m = onnx.load(str(EXAMPLE))
+    p = tmp_path / "ext.onnx"
+    onnx.save_model(m, str(p), save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
+    os.unlink(tmp_path / "ext.onnx.data")
+    assert "missing external data" in bad(tmp_path, str(p))
+
+
+def test_output_folder_missing(tmp_path):
+    r = cli("optimize", str(EXAMPLE), str(tmp_path / "no" / "out.onnx"), "--target", "none")
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_refuses_to_overwrite_input(tmp_path):
+    p = tmp_path / "m.onnx"
+    p.write_bytes(EXAMPLE.read_bytes())
+    r = cli("optimize", str(p), str(p), "--target", "none")
+    assert r.returncode == 2 and "overwrite the input" in r.stderr
+    assert p.read_bytes() == EXAMPLE.read_bytes()
+
+
+def test_bad_pattern_folder_is_a_one_line_error(tmp_path):
+    (tmp_path / "broken.yaml").write_text("name: x\n")
+    r = cli("patterns", "--patterns", str(tmp_path))
+    assert r.returncode == 2
+    assert r.stderr.strip() == f"onnxfuse: error: {tmp_path / 'broken.yaml'}: description: is required"
+
+
+def test_external_data_model_round_trips(tmp_path):
+    m = onnx.load(str(EXAMPLE))
+    src = tmp_path / "ext.onnx"
+    onnx.save_model(m, str(src), save_as_external_data=True, location="ext.onnx.data", size_threshold=0)
+    out = tmp_path / "out.onnx"
+    r = cli("optimize", str(src), str(out), "--target", "none")
+    assert r.returncode == 0, r.stderr
+    ref = onnx.load(str(EXAMPLE))  # save_model moved m's weights out
+    feeds = random_feeds(ref)
+    np.testing.assert_allclose(run(onnx.load(str(out)), feeds)[0], run(ref, feeds)[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("module", ["models.build"])
+def test_model_scripts_run(tmp_path, module):
+    r = subprocess.run([sys.executable, "-m", module, "--out", str(tmp_path)], capture_output=True, text=True,
+                       cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "example.onnx").exists()

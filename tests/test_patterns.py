@@ -1,0 +1,104 @@
+"""Pattern files: loading, validation errors that name file and field, examples, user folders."""
+
+from __future__ import annotations
+
+import textwrap
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from onnxfuse import PatternError, load_patterns
+from onnxfuse.pattern import BUILTIN_DIR, example_model, load_pattern_file
+from tests.util import check_fusion
+
+BUILTIN = load_patterns()
+VALID = textwrap.dedent("""\
+    name: activations_only
+    description: Only activation functions.
+    priority: 10
+    match:
+      kind: elementwise_group
+      ops: [Relu, Sigmoid, Tanh]
+    replace:
+      op_type: PointwiseChain
+      kernel: pointwise
+    example:
+      inputs: {x: [float32, [4]]}
+      nodes:
+        - [Sigmoid, [x], [s]]
+        - [Tanh, [s], [y]]
+      outputs: [y]
+      expect: {PointwiseChain: 1}
+    """)
+
+
+def test_builtin_patterns_load():
+    names = [p.name for p in BUILTIN]
+    assert "pointwise_chain" in names
+    assert all(p.description and p.source.startswith(str(BUILTIN_DIR)) for p in BUILTIN)
+
+
+@pytest.mark.parametrize("pattern", [p for p in BUILTIN if p.example], ids=lambda p: p.name)
+def test_pattern_example_fuses_as_declared(pattern):
+    m = example_model(pattern)
+    r = check_fusion(m)
+    counts = Counter(n.op_type for n in r.model.graph.node)
+    for op, n in pattern.example.expect.items():
+        assert counts[op] == n, r.report.summary()
+
+
+def write(tmp_path: Path, text: str, name: str = "p.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def test_user_folder_adds_patterns(tmp_path):
+    write(tmp_path, VALID)
+    names = [p.name for p in load_patterns([tmp_path])]
+    assert names[0] == "activations_only"  # priority 10 runs first
+    assert "pointwise_chain" in names
+
+
+def test_user_pattern_example_runs(tmp_path):
+    p = load_pattern_file(write(tmp_path, VALID))
+    r = check_fusion(example_model(p), expect_fused=1)
+    assert r.fused[0].pattern == "pointwise_chain"  # the built-ins only: p was not passed
+
+
+@pytest.mark.parametrize("edit,field", [
+    (("kind: elementwise_group", "kind: tree"), "match.kind"),
+    (("ops: [Relu, Sigmoid, Tanh]", "ops: [Relu, Conv]"), "match.ops"),
+    (("ops: [Relu, Sigmoid, Tanh]", "ops: Relu"), "match.ops"),
+    (("kernel: pointwise", "kernel: cutlass"), "replace.kernel"),
+    (("name: activations_only", "name: 'bad name'"), "name"),
+    (("priority: 10", "priority: high"), "priority"),
+    (("description: Only activation functions.\n", ""), "description"),
+    (("  op_type: PointwiseChain\n", "  op_type: PointwiseChain\n  extra: 1\n"), "replace.extra"),
+    (("inputs: {x: [float32, [4]]}", "inputs: {x: float32}"), "example.inputs.x"),
+])
+def test_bad_pattern_names_file_and_field(tmp_path, edit, field):
+    old, new = edit
+    assert old in VALID
+    path = write(tmp_path, VALID.replace(old, new))
+    with pytest.raises(PatternError) as e:
+        load_pattern_file(path)
+    assert str(e.value).startswith(f"{path}: {field}:"), str(e.value)
+
+
+def test_invalid_yaml_names_file_and_line(tmp_path):
+    path = write(tmp_path, "name: [unclosed\n")
+    with pytest.raises(PatternError, match=rf"^{path}: line \d+: not valid YAML"):
+        load_pattern_file(path)
+
+
+def test_duplicate_builtin_name_in_user_folder_replaces_it(tmp_path):
+    write(tmp_path, VALID.replace("name: activations_only", "name: pointwise_chain"))
+    (p,) = [p for p in load_patterns([tmp_path]) if p.name == "pointwise_chain"]
+    assert p.source.startswith(str(tmp_path))
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(PatternError, match="does not exist"):
+        load_patterns([tmp_path / "nope"])
