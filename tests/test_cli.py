@@ -143,3 +143,18 @@ def test_model_scripts_run(tmp_path, module):
                        cwd=Path(__file__).resolve().parent.parent, timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "example.onnx").exists()
+
+
+def test_big_models_are_written_with_external_data(tmp_path, monkeypatch):
+    # Stand-in for a model over 2 GB: lower the threshold instead of allocating gigabytes.
+    from onnxfuse import pipeline
+
+    monkeypatch.setattr(pipeline, "EXTERNAL_DATA_THRESHOLD", 1000)
+    out = tmp_path / "big.onnx"
+    pipeline.optimize(EXAMPLE, out)
+    assert (tmp_path / "big.onnx.data").stat().st_size > 100_000
+    assert out.stat().st_size < 50_000
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.onnx.data"]
+    ref = onnx.load(str(EXAMPLE))
+    feeds = random_feeds(ref)
+    np.testing.assert_allclose(run(onnx.load(str(out)), feeds)[0], run(ref, feeds)[0], rtol=1e-6)
