@@ -1,0 +1,101 @@
+"""Timing on the GPU: ONNX Runtime sessions with IO binding on a torch stream, CUDA events.
+
+ONNX Runtime runs on the stream torch uses (``user_compute_stream``), inputs and outputs are
+bound on the device once (IO binding), so only the session's run is timed, between CUDA
+events recorded on that stream. ``cuda_graph=True`` turns on ONNX Runtime's CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+TORCH_DTYPES = {1: torch.float32, 10: torch.float16, 16: torch.bfloat16, 9: torch.bool, 7: torch.int64}
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    min_ms: float
+
+
+def summarize(times_ms: list[float]) -> Timing:
+    q = np.percentile(times_ms, [10, 90])
+    return Timing(statistics.median(times_ms), float(q[0]), float(q[1]), min(times_ms))
+
+
+def time_cuda(fn: Callable[[], object], iters: int = 50, warmup: int = 10) -> Timing:
+    """Median of per-call CUDA-event times of fn on torch's current stream."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends, strict=True):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return summarize([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])
+
+
+class BoundSession:
+    """An ORT CUDA session with inputs and outputs bound to torch tensors on the GPU."""
+
+    def __init__(self, model: onnx.ModelProto | str, feeds: dict[str, torch.Tensor], *,
+                 cuda_graph: bool = False, library: str | None = None, prefer_nhwc: bool = False,
+                 level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+        so = ort.SessionOptions()
+        so.graph_optimization_level = level
+        so.log_severity_level = 3
+        if library:
+            so.register_custom_ops_library(library)
+        stream = torch.cuda.current_stream().cuda_stream
+        opts = {"device_id": "0", "has_user_compute_stream": "1", "user_compute_stream": str(stream)}
+        if cuda_graph:
+            opts["enable_cuda_graph"] = "1"
+        if prefer_nhwc:
+            opts["prefer_nhwc"] = "1"
+        data = model.SerializeToString() if isinstance(model, onnx.ModelProto) else model
+        self.feeds = {k: v.contiguous() for k, v in feeds.items()}
+        # Output shapes: one run of a session without CUDA graphs on numpy copies of the inputs.
+        plain = {k: v for k, v in opts.items() if k != "enable_cuda_graph"}
+        probe = ort.InferenceSession(data, so, providers=[("CUDAExecutionProvider", plain)])
+        arrays = probe.run(None, {k: v.cpu().numpy() for k, v in self.feeds.items()})
+        self.outputs = {o.name: torch.from_numpy(np.ascontiguousarray(a)).cuda()
+                        for o, a in zip(probe.get_outputs(), arrays, strict=True)}
+        del probe
+        self.sess = ort.InferenceSession(data, so, providers=[("CUDAExecutionProvider", opts)])
+        self.binding = self.sess.io_binding()
+        for name, t in list(self.feeds.items()) + list(self.outputs.items()):
+            bind = self.binding.bind_input if name in self.feeds else self.binding.bind_output
+            bind(name, "cuda", 0, _np_dtype(t.dtype), list(t.shape), t.data_ptr())
+
+    def run(self) -> None:
+        self.sess.run_with_iobinding(self.binding)
+
+    def result(self) -> dict[str, torch.Tensor]:
+        self.run()
+        torch.cuda.synchronize()
+        return {k: v.clone() for k, v in self.outputs.items()}
+
+
+def _np_dtype(dt: torch.dtype):
+    return {torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_,
+            torch.int64: np.int64}.get(dt, np.float32) if dt != torch.bfloat16 else np.uint16
+
+
+def copy_bandwidth(n_bytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written."""
+    a = torch.empty(n_bytes // 4, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    t = time_cuda(lambda: b.copy_(a), iters=30)
+    return 2 * n_bytes / (t.median_ms * 1e-3)

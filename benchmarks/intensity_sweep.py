@@ -1,0 +1,168 @@
+"""The intensity sweep: y = x*2 repeated r times on 64M floats, r = 1, 2, 4, ..., 256, and cos(cos(x)).
+
+For each workload, in one run on one GPU: the original model in ONNX Runtime (CUDA EP,
+ORT_ENABLE_ALL, IO binding), the onnxfuse model in ONNX Runtime (with and without CUDA
+graphs), torch.compile of the same function, and the memory floor (2 x 64M x 4 bytes at the
+measured copy bandwidth). Fused, the bytes stay at one read and one write while FLOPs grow
+with r, so the time stays flat until the kernel turns compute-bound.
+
+    python benchmarks/intensity_sweep.py --json sweep.json --png sweep.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.gpu_timing import BoundSession, copy_bandwidth, time_cuda  # noqa: E402
+from models.build import cos_cos, mul_chain  # noqa: E402
+from onnxfuse import library_path, load_patterns, optimize_model  # noqa: E402
+from onnxfuse.compile import local_gpu_archs  # noqa: E402
+from onnxfuse.kernels import compile_fused  # noqa: E402
+
+WIDTH = 1024
+
+
+def fuse(m, single_ops: bool):
+    """Optimize and compile; single_ops lets a lone elementwise node fuse too (r = 1)."""
+    patterns = load_patterns()
+    if single_ops:
+        patterns = [dataclasses.replace(p, match=dataclasses.replace(p.match, min_nodes=1)) for p in patterns]
+    r = optimize_model(m, patterns)
+    compile_fused(r.model, r.fused, local_gpu_archs())
+    return r.model, len(r.fused)
+
+
+def measure(name: str, m, fn, flops_per_elem: int, x: torch.Tensor, floor_ms: float, iters: int) -> dict:
+    feeds = {"x": x}
+    fused, n_fused = fuse(m, single_ops=True)
+    lib = library_path()
+    orig = BoundSession(m, feeds)
+    fz = BoundSession(fused, feeds, library=lib)
+    fzg = BoundSession(fused, feeds, library=lib, cuda_graph=True)
+    expected = fn(x)
+    errs = []
+    for s in (orig, fz, fzg):
+        y = s.result()["y"]
+        errs.append(float(((y - expected).abs() / expected.abs().clamp_min(1e-30)).max()))
+    compiled = torch.compile(fn)
+    compiled(x)
+    t_orig = time_cuda(orig.run, iters)
+    t_fused = time_cuda(fz.run, iters)
+    t_graph = time_cuda(fzg.run, iters)
+    t_tc = time_cuda(lambda: compiled(x), iters)
+    n = x.numel()
+    best = min(t_fused.median_ms, t_graph.median_ms)
+    return {
+        "workload": name, "fused_nodes": n_fused, "ort_ms": t_orig.median_ms, "fused_ms": t_fused.median_ms,
+        "fused_graph_ms": t_graph.median_ms, "torch_compile_ms": t_tc.median_ms, "floor_ms": floor_ms,
+        "fused_over_floor": best / floor_ms, "speedup_vs_ort": t_orig.median_ms / best,
+        "fused_vs_torch_compile": best / t_tc.median_ms,
+        "fused_tflops": n * flops_per_elem / (best * 1e-3) / 1e12, "fused_gbps": 8 * n / (best * 1e-3) / 1e9,
+        "max_rel_err_ort_fused_graph": errs,
+        "detail": {"ort": dataclasses.asdict(t_orig), "fused": dataclasses.asdict(t_fused),
+                   "fused_graph": dataclasses.asdict(t_graph), "torch_compile": dataclasses.asdict(t_tc)},
+    }
+
+
+def chain(r: int):
+    def f(x):
+        for _ in range(r):
+            x = x * 2
+        return x
+
+    return f
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--elements", type=int, default=64 * 2**20)
+    ap.add_argument("--max-r", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--png", type=Path)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    x = torch.randn(args.elements // WIDTH, WIDTH, device="cuda")
+    bw = copy_bandwidth()
+    floor_ms = 2 * x.numel() * 4 / bw * 1e3
+    rows = []
+    r = 1
+    while r <= args.max_r:
+        rows.append(measure(f"x*2 r={r}", mul_chain(r, WIDTH), chain(r), r, x, floor_ms, args.iters))
+        print(_fmt(rows[-1]), flush=True)
+        r *= 2
+    rows.append(measure("cos(cos(x))", cos_cos(WIDTH), lambda t: torch.cos(torch.cos(t)), 2, x, floor_ms, args.iters))
+    print(_fmt(rows[-1]), flush=True)
+    result = {
+        "benchmark": "intensity_sweep", "date": datetime.date.today().isoformat(),
+        "device": torch.cuda.get_device_name(), "elements": x.numel(), "copy_bandwidth_tbps": bw / 1e12,
+        "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__,
+                     "triton": __import__("triton").__version__, "python": platform.python_version()},
+        "rows": rows,
+    }
+    print(table(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.png:
+        plot(result, args.png)
+
+
+HEADER = ("| workload | ORT ms | onnxfuse ms | onnxfuse+graph ms | torch.compile ms | floor ms | "
+          "best/floor | vs ORT | vs compile | TFLOP/s | GB/s |")
+
+
+def _fmt(row: dict) -> str:
+    return (f"| {row['workload']} | {row['ort_ms']:.3f} | {row['fused_ms']:.3f} | {row['fused_graph_ms']:.3f} | "
+            f"{row['torch_compile_ms']:.3f} | {row['floor_ms']:.3f} | {row['fused_over_floor']:.2f} | "
+            f"{row['speedup_vs_ort']:.1f}x | {row['fused_vs_torch_compile']:.2f} | {row['fused_tflops']:.2f} | "
+            f"{row['fused_gbps']:.0f} |")
+
+
+def table(result: dict) -> str:
+    lines = [f"{result['device']}, {result['elements']} fp32 elements, copy bandwidth "
+             f"{result['copy_bandwidth_tbps']:.2f} TB/s, {result['date']}", "", HEADER,
+             "|" + "---|" * (HEADER.count("|") - 1)]
+    lines += [_fmt(r) for r in result["rows"]]
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["rows"] if r["workload"].startswith("x*2")]
+    rs = [int(r["workload"].split("=")[1]) for r in rows]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))
+    series = (("ort_ms", "ORT (unfused)"), ("fused_ms", "onnxfuse"), ("fused_graph_ms", "onnxfuse + CUDA graph"),
+              ("torch_compile_ms", "torch.compile"), ("floor_ms", "memory floor"))
+    for key, label in series:
+        ax[0].plot(rs, [r[key] for r in rows], marker="o", label=label)
+    ax[0].set(xscale="log", yscale="log", xlabel="r (multiplies per element)", ylabel="ms", title="run time")
+    ax[0].legend()
+    ax[1].plot(rs, [r["fused_tflops"] for r in rows], marker="o")
+    ax[1].set(xscale="log", yscale="log", xlabel="r", ylabel="TFLOP/s", title="onnxfuse achieved FLOP rate")
+    ax[2].plot(rs, [r["fused_gbps"] for r in rows], marker="o")
+    ax[2].axhline(result["copy_bandwidth_tbps"] * 1e3, color="gray", linestyle="--", label="copy bandwidth")
+    ax[2].set(xscale="log", xlabel="r", ylabel="GB/s", title="onnxfuse achieved bandwidth")
+    ax[2].legend()
+    fig.suptitle(f"x*2 repeated r times, {result['elements']} floats, {result['device']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    np.random.seed(0)
+    main()
