@@ -175,12 +175,25 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
     del g.node[:]
     g.node.extend(nodes)
     _drop_dead_tensors(g, view)
-    g.node  # noqa: B018
+    _type_fused_outputs(g, view, fused)
     out.functions.extend(functions[k] for k in sorted(functions))
     if not any(i.domain == DOMAIN for i in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     out.ir_version = max(out.ir_version, MIN_IR_VERSION)
     return out, fused
+
+
+def _type_fused_outputs(g: onnx.GraphProto, view: GraphView, fused: list[FusedNode]) -> None:
+    """Give every fused output that is not a graph output a value_info: ONNX Runtime cannot
+    infer the element types of a custom op's variadic outputs (docs/format.md)."""
+    typed = {o.name for o in g.output} | {v.name for v in g.value_info}
+    for f in fused:
+        for name in f.outputs:
+            if name not in typed:
+                shape = view.shapes.get(name)
+                dims = None if shape is None else list(shape)
+                g.value_info.append(helper.make_tensor_value_info(name, view.types[name], dims))
+                typed.add(name)
 
 
 def _unique(name: str, used: set[str]) -> str:
