@@ -1,0 +1,191 @@
+// Helpers shared by the CPU and CUDA kernels: ORT C API access, errors, attributes,
+// tensors, and the parts of the OrtCustomOp that both registrations share.
+#pragma once
+
+#include <onnxruntime_c_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "program.h"
+#include "shape.h"
+
+namespace onnxfuse {
+
+// Set by RegisterCustomOps before any op is used.
+extern const OrtApi* g_ort;
+
+constexpr const char* kDomain = "onnxfuse";
+constexpr const char* kOpName = "PointwiseChain";
+
+// Throws Error with the status' message (releasing the status).
+inline void check(OrtStatus* st) {
+  if (!st) return;
+  std::string msg = g_ort->GetErrorMessage(st);
+  g_ort->ReleaseStatus(st);
+  throw Error(msg);
+}
+
+inline OrtStatus* make_status(const std::string& msg, OrtErrorCode code = ORT_FAIL) {
+  return g_ort->CreateStatus(code, msg.c_str());
+}
+
+// A string attribute's bytes (binary-safe: ORT copies the attribute with memcpy and adds a
+// terminating NUL). Returns false if the node has no such string attribute.
+inline bool get_string_attr(const OrtKernelInfo* info, const char* name, std::string* out) {
+  size_t size = 0;
+  OrtStatus* st = g_ort->KernelInfoGetAttribute_string(info, name, nullptr, &size);
+  if (st) {
+    g_ort->ReleaseStatus(st);
+    return false;
+  }
+  std::string buf(size, '\0');
+  check(g_ort->KernelInfoGetAttribute_string(info, name, &buf[0], &size));
+  buf.resize(size > 0 ? size - 1 : 0);
+  *out = std::move(buf);
+  return true;
+}
+
+inline std::string node_name(const OrtKernelInfo* info) {
+  size_t size = 0;
+  OrtStatus* st = g_ort->KernelInfo_GetNodeName(info, nullptr, &size);
+  if (st) {
+    g_ort->ReleaseStatus(st);
+    return std::string();
+  }
+  std::string buf(size, '\0');
+  st = g_ort->KernelInfo_GetNodeName(info, &buf[0], &size);
+  if (st) {
+    g_ort->ReleaseStatus(st);
+    return std::string();
+  }
+  buf.resize(size > 0 ? size - 1 : 0);
+  return buf;
+}
+
+inline std::string describe_node(const std::string& name) {
+  return std::string("onnxfuse ") + kOpName + (name.empty() ? "" : " node '" + name + "'");
+}
+
+inline const char* elem_type_name(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return "bool";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "float64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return "uint8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT16: return "int16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return "int32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return "int64";
+    default: return "another type";
+  }
+}
+
+inline ONNXTensorElementDataType ort_type(DType d) {
+  switch (d) {
+    case DType::F32: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    case DType::F16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    case DType::BF16: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16;
+    case DType::BOOL: return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
+  }
+  return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+}
+
+inline size_t elem_size(DType d) { return d == DType::F32 ? 4 : d == DType::BOOL ? 1 : 2; }
+
+struct TensorRef {
+  ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  Shape shape;
+  void* data = nullptr;
+};
+
+inline void read_tensor(const OrtValue* v, TensorRef* t) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(g_ort->GetTensorTypeAndShape(v, &info));
+  size_t rank = 0;
+  OrtStatus* st = g_ort->GetTensorElementType(info, &t->type);
+  if (!st) st = g_ort->GetDimensionsCount(info, &rank);
+  if (!st) {
+    t->shape.assign(rank, 0);
+    st = g_ort->GetDimensions(info, t->shape.data(), rank);
+  }
+  g_ort->ReleaseTensorTypeAndShapeInfo(info);
+  check(st);
+  check(g_ort->GetTensorMutableData(const_cast<OrtValue*>(v), &t->data));
+}
+
+// Inputs checked against the program, the broadcast output shape, and the outputs
+// allocated with that shape and checked against the program.
+struct Io {
+  std::vector<TensorRef> in, out;
+  Shape out_shape;
+  int64_t n = 0;
+};
+
+inline Io bind_io(const Program& prog, OrtKernelContext* ctx) {
+  Io io;
+  size_t n_in = 0, n_out = 0;
+  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
+  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
+  if (n_in != prog.inputs.size())
+    throw Error("the node has " + std::to_string(n_in) + " inputs, its program declares " +
+                std::to_string(prog.inputs.size()));
+  if (n_out != prog.outputs.size())
+    throw Error("the node has " + std::to_string(n_out) + " outputs, its program declares " +
+                std::to_string(prog.outputs.size()));
+  io.in.resize(n_in);
+  std::vector<Shape> shapes(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const OrtValue* v = nullptr;
+    check(g_ort->KernelContext_GetInput(ctx, i, &v));
+    if (!v) throw Error("input " + std::to_string(i) + " is missing");
+    read_tensor(v, &io.in[i]);
+    if (io.in[i].type != ort_type(prog.inputs[i]))
+      throw Error("input " + std::to_string(i) + " is " + elem_type_name(io.in[i].type) +
+                  ", the program declares " + dtype_name(prog.inputs[i]));
+    shapes[i] = io.in[i].shape;
+  }
+  io.out_shape = broadcast_shapes(shapes);
+  io.n = numel(io.out_shape);
+  io.out.resize(n_out);
+  for (size_t j = 0; j < n_out; ++j) {
+    OrtValue* v = nullptr;
+    const int64_t dummy = 0;  // a rank-0 output still needs a valid pointer
+    const int64_t* dims = io.out_shape.empty() ? &dummy : io.out_shape.data();
+    check(g_ort->KernelContext_GetOutput(ctx, j, dims, io.out_shape.size(), &v));
+    if (!v) throw Error("could not allocate output " + std::to_string(j));
+    read_tensor(v, &io.out[j]);
+    if (io.out[j].type != ort_type(prog.outputs[j].second))
+      throw Error("output " + std::to_string(j) + " is " + elem_type_name(io.out[j].type) +
+                  " in the graph, the program stores " + dtype_name(prog.outputs[j].second));
+  }
+  return io;
+}
+
+// The OrtCustomOp fields shared by every PointwiseChain registration: variadic,
+// heterogeneous inputs and outputs of any element type, at least one of each.
+inline void init_common_op(OrtCustomOp* op) {
+  *op = OrtCustomOp{};
+  op->version = ORT_API_VERSION;
+  op->GetName = [](const OrtCustomOp*) -> const char* { return kOpName; };
+  op->GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
+  op->GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op->GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
+  op->GetOutputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
+  op->GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
+  op->GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
+  op->GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
+  op->GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op->GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 0; };
+  op->GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
+  op->GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 0; };
+}
+
+// Registration entry points of the two kernels (cpu_ops.cc, cuda_ops.cc).
+void append_cpu_ops(std::vector<OrtCustomOp*>* ops);
+void append_cuda_ops(std::vector<OrtCustomOp*>* ops);
+
+}  // namespace onnxfuse

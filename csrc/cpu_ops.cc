@@ -1,0 +1,302 @@
+// CPU kernel of onnxfuse::PointwiseChain: evaluates the node's program over the
+// broadcast output in cache-sized blocks, in parallel on ORT's intra-op thread pool.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+
+#include "common.h"
+
+namespace onnxfuse {
+namespace {
+
+constexpr int kMaxRank = 64;
+
+size_t block_elems() {
+  static const size_t b = [] {
+    const char* s = std::getenv("ONNXFUSE_CPU_BLOCK");
+    long v = s ? std::strtol(s, nullptr, 10) : 0;
+    if (v < 64 || v > (1 << 20)) v = 2048;
+    return static_cast<size_t>(v) & ~static_cast<size_t>(15);
+  }();
+  return b;
+}
+
+// Elements per parallel task: large enough that scheduling costs nothing, small enough
+// to balance the work over the pool's threads.
+constexpr int64_t kTaskElems = 1 << 16;
+
+// Per-input gather description (only for InputKind::GATHER).
+struct Gather {
+  int input = 0;
+  DType dtype = DType::F32;
+  const void* src = nullptr;
+  Shape dims;     // collapsed output index space
+  Shape strides;  // element strides of this input over dims
+};
+
+template <class T, class Conv>
+inline void gather_run(const T* __restrict src, int64_t off, int64_t stride, float* __restrict dst,
+                       size_t run, Conv conv) {
+  if (stride == 1) {
+    const T* s = src + off;
+    for (size_t i = 0; i < run; ++i) dst[i] = conv(s[i]);
+  } else if (stride == 0) {
+    const float v = conv(src[off]);
+    for (size_t i = 0; i < run; ++i) dst[i] = v;
+  } else {
+    for (size_t i = 0; i < run; ++i) dst[i] = conv(src[off + static_cast<int64_t>(i) * stride]);
+  }
+}
+
+template <class T, class Conv>
+void gather_block(const Gather& g, const T* src, int64_t start, size_t len, float* dst, Conv conv) {
+  const int r = static_cast<int>(g.dims.size());
+  if (r == 0) {
+    gather_run(src, 0, 0, dst, len, conv);
+    return;
+  }
+  int64_t idx[kMaxRank];
+  int64_t rem = start;
+  for (int d = r - 1; d >= 0; --d) {
+    idx[d] = rem % g.dims[d];
+    rem /= g.dims[d];
+  }
+  const int64_t inner = g.dims[r - 1];
+  const int64_t inner_stride = g.strides[r - 1];
+  size_t done = 0;
+  while (done < len) {
+    int64_t off = 0;
+    for (int d = 0; d < r; ++d) off += idx[d] * g.strides[d];
+    const size_t run = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(len - done), inner - idx[r - 1]));
+    gather_run(src, off, inner_stride, dst + done, run, conv);
+    done += run;
+    idx[r - 1] += static_cast<int64_t>(run);
+    for (int d = r - 1; d > 0 && idx[d] == g.dims[d]; --d) {
+      idx[d] = 0;
+      ++idx[d - 1];
+    }
+  }
+}
+
+void gather_any(const Gather& g, int64_t start, size_t len, float* dst) {
+  switch (g.dtype) {
+    case DType::F32:
+      gather_block(g, static_cast<const float*>(g.src), start, len, dst, [](float x) { return x; });
+      break;
+    case DType::F16:
+      gather_block(g, static_cast<const uint16_t*>(g.src), start, len, dst, f16_to_f32);
+      break;
+    case DType::BF16:
+      gather_block(g, static_cast<const uint16_t*>(g.src), start, len, dst, bf16_to_f32);
+      break;
+    case DType::BOOL:
+      gather_block(g, static_cast<const uint8_t*>(g.src), start, len, dst,
+                   [](uint8_t b) { return b ? 1.0f : 0.0f; });
+      break;
+  }
+}
+
+float read_scalar(DType d, const void* p) {
+  switch (d) {
+    case DType::F32: return *static_cast<const float*>(p);
+    case DType::F16: return f16_to_f32(*static_cast<const uint16_t*>(p));
+    case DType::BF16: return bf16_to_f32(*static_cast<const uint16_t*>(p));
+    case DType::BOOL: return *static_cast<const uint8_t*>(p) ? 1.0f : 0.0f;
+  }
+  return 0.0f;
+}
+
+void store(DType d, const float* __restrict src, void* out, int64_t start, size_t len) {
+  switch (d) {
+    case DType::F32:
+      std::memcpy(static_cast<float*>(out) + start, src, len * sizeof(float));
+      break;
+    case DType::F16: {
+      uint16_t* __restrict o = static_cast<uint16_t*>(out) + start;
+      for (size_t i = 0; i < len; ++i) o[i] = f32_to_f16(src[i]);
+      break;
+    }
+    case DType::BF16: {
+      uint16_t* __restrict o = static_cast<uint16_t*>(out) + start;
+      for (size_t i = 0; i < len; ++i) o[i] = f32_to_bf16(src[i]);
+      break;
+    }
+    case DType::BOOL:
+      break;  // not an output dtype (rejected by the parser)
+  }
+}
+
+struct Job {
+  const Program* prog;
+  ExecPlan plan;
+  std::vector<Gather> gathers;
+  std::vector<const void*> in_ptr;
+  std::vector<void*> out_ptr;
+  int64_t n = 0;
+  size_t block = 0;
+  int64_t n_blocks = 0;
+  int64_t blocks_per_task = 1;
+  int64_t n_tasks = 0;
+};
+
+void run_task(const Job& job, int64_t task) {
+  const ExecPlan& plan = job.plan;
+  const size_t B = job.block;
+  const size_t n_slots = static_cast<size_t>(plan.n_slots);
+  const size_t n_consts = plan.consts.size();
+
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<float*> table;
+  const size_t need = (n_slots + n_consts) * B + 16;
+  if (scratch.size() < need) scratch.assign(need, 0.0f);
+  // 64-byte aligned start
+  float* base = scratch.data();
+  base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;
+  float* slots = base;
+  float* consts = base + n_slots * B;
+  for (size_t c = 0; c < n_consts; ++c) std::fill(consts + c * B, consts + (c + 1) * B, plan.consts[c]);
+
+  table.assign(plan.table_size(), nullptr);
+  for (size_t c = 0; c < n_consts; ++c) table[plan.n_values + c] = consts + c * B;
+  const int nv = plan.n_values;
+
+  const int64_t b0 = task * job.blocks_per_task;
+  const int64_t b1 = std::min(job.n_blocks, b0 + job.blocks_per_task);
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t start = blk * static_cast<int64_t>(B);
+    const size_t len = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(B), job.n - start));
+    for (int v = 0; v < nv; ++v) {
+      const Loc& l = plan.loc[v];
+      switch (l.kind) {
+        case Loc::SLOT: table[v] = slots + static_cast<size_t>(l.index) * B; break;
+        case Loc::CONST: table[v] = consts + static_cast<size_t>(l.index) * B; break;
+        case Loc::INPUT:
+          table[v] = const_cast<float*>(static_cast<const float*>(job.in_ptr[l.index])) + start;
+          break;
+        case Loc::OUTPUT: table[v] = static_cast<float*>(job.out_ptr[l.index]) + start; break;
+        case Loc::NONE: table[v] = nullptr; break;
+      }
+    }
+    for (const Gather& g : job.gathers) gather_any(g, start, len, table[g.input]);
+    eval_block(plan, table.data(), len);
+    for (size_t j = 0; j < job.prog->outputs.size(); ++j) {
+      const int v = job.prog->outputs[j].first;
+      const Loc& l = plan.loc[v];
+      if (l.kind == Loc::OUTPUT && l.index == static_cast<int>(j)) continue;
+      store(job.prog->outputs[j].second, table[v], job.out_ptr[j], start, len);
+    }
+  }
+}
+
+void run_task_cb(void* job, size_t task) { run_task(*static_cast<const Job*>(job), static_cast<int64_t>(task)); }
+
+struct CpuKernel {
+  Program prog;
+  std::string name;
+
+  void compute(OrtKernelContext* ctx) const {
+    Io io = bind_io(prog, ctx);
+    if (io.n == 0) return;
+
+    Job job;
+    job.prog = &prog;
+    job.n = io.n;
+    const size_t n_in = prog.inputs.size();
+    std::vector<InputKind> kinds(n_in);
+    std::vector<float> scalars(n_in, 0.0f);
+    job.in_ptr.resize(n_in);
+    for (size_t i = 0; i < n_in; ++i) {
+      const TensorRef& t = io.in[i];
+      job.in_ptr[i] = t.data;
+      const int64_t ni = numel(t.shape);
+      if (ni == 1) {
+        kinds[i] = InputKind::SCALAR;
+        scalars[i] = read_scalar(prog.inputs[i], t.data);
+      } else if (ni == io.n && prog.inputs[i] == DType::F32) {
+        kinds[i] = InputKind::DIRECT;  // same shape as the output (up to leading 1s)
+      } else {
+        kinds[i] = InputKind::GATHER;
+      }
+    }
+    job.out_ptr.resize(io.out.size());
+    for (size_t j = 0; j < io.out.size(); ++j) job.out_ptr[j] = io.out[j].data;
+    job.plan = make_plan(prog, kinds, scalars, /*allow_output_direct=*/true);
+
+    for (size_t i = 0; i < n_in; ++i) {
+      if (kinds[i] != InputKind::GATHER || job.plan.loc[i].kind == Loc::NONE) continue;
+      Gather g;
+      g.input = static_cast<int>(i);
+      g.dtype = prog.inputs[i];
+      g.src = io.in[i].data;
+      Collapsed c = collapse(io.out_shape, {broadcast_strides(io.in[i].shape, io.out_shape)});
+      if (c.dims.size() > static_cast<size_t>(kMaxRank)) throw Error("rank too large");
+      g.dims = std::move(c.dims);
+      g.strides = std::move(c.strides[0]);
+      job.gathers.push_back(std::move(g));
+    }
+
+    job.block = block_elems();
+    job.n_blocks = (io.n + static_cast<int64_t>(job.block) - 1) / static_cast<int64_t>(job.block);
+    job.blocks_per_task = std::max<int64_t>(1, kTaskElems / static_cast<int64_t>(job.block));
+    job.n_tasks = (job.n_blocks + job.blocks_per_task - 1) / job.blocks_per_task;
+
+    if (job.n_tasks <= 1) {
+      run_task(job, 0);
+      return;
+    }
+    OrtStatus* st = g_ort->KernelContext_ParallelFor(ctx, run_task_cb, static_cast<size_t>(job.n_tasks), 0, &job);
+    if (st) {  // no thread pool available: run serially
+      g_ort->ReleaseStatus(st);
+      for (int64_t t = 0; t < job.n_tasks; ++t) run_task(job, t);
+    }
+  }
+};
+
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+  std::string name;
+  try {
+    name = node_name(info);
+    std::string text;
+    if (!get_string_attr(info, "program", &text))
+      throw Error("the node has no string attribute 'program'");
+    auto k = std::make_unique<CpuKernel>();
+    k->prog = parse_program(text);
+    k->name = name;
+    *kernel = k.release();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(describe_node(name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
+  }
+}
+
+OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
+  const CpuKernel* k = static_cast<const CpuKernel*>(kernel);
+  try {
+    k->compute(ctx);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(describe_node(k->name) + ": " + e.what());
+  }
+}
+
+void ORT_API_CALL destroy(void* kernel) { delete static_cast<CpuKernel*>(kernel); }
+
+OrtCustomOp make_cpu_op() {
+  OrtCustomOp op;
+  init_common_op(&op);
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
+  op.CreateKernelV2 = create_kernel;
+  op.KernelComputeV2 = compute;
+  op.KernelDestroy = destroy;
+  return op;
+}
+
+}  // namespace
+
+void append_cpu_ops(std::vector<OrtCustomOp*>* ops) {
+  static OrtCustomOp op = make_cpu_op();
+  ops->push_back(&op);
+}
+
+}  // namespace onnxfuse

@@ -1,0 +1,55 @@
+// Entry point of libonnxfuse_ops.so: registers onnxfuse::PointwiseChain for the CPU and
+// CUDA execution providers. This is the only exported symbol.
+#include <exception>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace onnxfuse {
+const OrtApi* g_ort = nullptr;
+}  // namespace onnxfuse
+
+using namespace onnxfuse;
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (!api) {
+    // Any ORT has API version 1, which is enough to report the problem.
+    const OrtApi* old = api_base->GetApi(1);
+    std::string msg = std::string("onnxfuse: the custom-op library needs onnxruntime >= 1.") +
+                      std::to_string(ORT_API_VERSION) + ", this is " + api_base->GetVersionString();
+    return old ? old->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
+  }
+  static std::once_flag once;
+  std::call_once(once, [api] { g_ort = api; });
+  try {
+    static std::vector<OrtCustomOp*> ops;
+    static std::once_flag ops_once;
+    std::call_once(ops_once, [] {
+      append_cpu_ops(&ops);
+      append_cuda_ops(&ops);
+    });
+    // The domain must outlive every session that uses these options; it is small and
+    // created once per registration, so it is kept for the life of the process.
+    OrtCustomOpDomain* domain = nullptr;
+    if (OrtStatus* st = api->CreateCustomOpDomain(kDomain, &domain)) return st;
+    for (OrtCustomOp* op : ops) {
+      if (OrtStatus* st = api->CustomOpDomain_Add(domain, op)) {
+        api->ReleaseCustomOpDomain(domain);
+        return st;
+      }
+    }
+    if (OrtStatus* st = api->AddCustomOpDomain(options, domain)) {
+      api->ReleaseCustomOpDomain(domain);
+      return st;
+    }
+    return nullptr;
+  } catch (const std::exception& e) {
+    return api->CreateStatus(ORT_FAIL, (std::string("onnxfuse: registration failed: ") + e.what()).c_str());
+  } catch (...) {
+    return api->CreateStatus(ORT_FAIL, "onnxfuse: registration failed");
+  }
+}
