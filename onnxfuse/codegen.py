@@ -1,0 +1,346 @@
+"""Code generation: a pointwise `Program` becomes the source of one Triton kernel.
+
+`generate` turns (program, kernel name, output rank, input modes, source node names,
+variant) into a `KernelSource`: the text of a Python module holding one ``@triton.jit``
+function plus what `triton.compile` needs beside it (signature, constexprs, divisibility
+attributes, num_warps). The module text does not depend on the variant, so both variants
+of a kernel share one file; the variant only changes the compile-time hints.
+
+The kernel reads like the Triton tutorials:
+
+    program id -> int64 offsets -> mask -> loads (upcast to fp32) -> one ``tmpN`` per
+    instruction (``tmpN`` is value ``%N`` of the program) -> stores cast to the output
+    dtype (round-to-nearest-even for f16 / bf16).
+
+Its parameters follow the launch ABI of docs/format.md: input pointers, output pointers,
+``n_elements``, then (only when some input is ``strided``) the output's ``rank`` sizes and
+each strided input's ``rank`` strides, all integers 64-bit; Triton appends the two scratch
+pointers itself. ``BLOCK`` is a constexpr and takes no parameter slot.
+
+Math semantics are those of `onnxfuse.expr`: fp32 throughout, IEEE division and square
+root (``tl.div_rn``, ``tl.sqrt_rn``), libdevice for transcendental functions (accurate to
+a few ulp, unlike the fast ``tl.exp`` / ``tl.log`` approximations), NaN-propagating
+max/min, comparisons that give 1.0 / 0.0, and ``select`` on ``c != 0``.
+"""
+
+from __future__ import annotations
+
+import keyword
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from onnxfuse.expr import BINARY, TERNARY, UNARY, Instr, Operand, Program, Ref
+
+INPUT_MODES = ("full", "scalar", "strided")
+
+# Pointer element types in Triton's signature notation. Bool tensors are bytes (0 or 1):
+# they are read as int8 and compared with 0, so any nonzero byte counts as true.
+POINTER_TYPES = {"f32": "*fp32", "f16": "*fp16", "bf16": "*bf16", "bool": "*i8"}
+TL_DTYPES = {"f32": "tl.float32", "f16": "tl.float16", "bf16": "tl.bfloat16"}
+INT_TYPE = "i64"  # every integer parameter: n_elements, sizes, strides
+_MODULE_NAMES = ("triton", "tl", "libdevice")  # imported by the generated module
+
+
+@dataclass(frozen=True)
+class Variant:
+    """Compile-time choices for one binary of a kernel.
+
+    ``ptr_align`` (bytes) and ``n_multiple`` are promises the launcher checks before it
+    picks this variant (0 means no promise); they become ``tt.divisibility`` hints on
+    the pointer parameters and on ``n_elements`` so that loads and stores vectorize.
+    """
+
+    index: int
+    block: int = 1024
+    num_warps: int = 4
+    ptr_align: int = 0
+    n_multiple: int = 0
+
+    def requires(self) -> dict[str, int]:
+        """The variant's ``requires`` object in ``kernel_meta`` (docs/format.md)."""
+        req = {}
+        if self.n_multiple:
+            req["n_multiple"] = self.n_multiple
+        if self.ptr_align:
+            req["ptr_align"] = self.ptr_align
+        return req
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """A generated kernel: module source plus the arguments of `triton.compile`."""
+
+    name: str
+    source: str
+    params: tuple[tuple[str, str], ...]  # launch parameters in order: (name, Triton type)
+    constexprs: tuple[tuple[str, int], ...]  # (("BLOCK", 1024),)
+    divisible: tuple[int, ...]  # indices of parameters hinted divisible by 16
+    num_warps: int
+    variant: Variant
+
+    @property
+    def signature(self) -> dict[str, str]:
+        """Triton's signature dict: every parameter, constexprs marked ``constexpr``."""
+        sig = dict(self.params)
+        sig.update((name, "constexpr") for name, _ in self.constexprs)
+        return sig
+
+    @property
+    def attrs(self) -> dict[tuple[int, ...], list[list]]:
+        """Triton's per-parameter attributes (divisibility hints)."""
+        return {(i,): [["tt.divisibility", 16]] for i in self.divisible}
+
+
+def param_names(n_inputs: int, n_outputs: int, rank: int, input_modes: tuple[str, ...]) -> list[str]:
+    """Kernel parameter names in launch order (docs/format.md), without constexprs."""
+    names = [f"x{i}_ptr" for i in range(n_inputs)] + [f"out{j}_ptr" for j in range(n_outputs)]
+    names.append("n_elements")
+    strided = [i for i, m in enumerate(input_modes) if m == "strided"]
+    if strided:
+        names += [f"size{d}" for d in range(rank)]
+        for i in strided:
+            names += [f"stride_x{i}_{d}" for d in range(rank)]
+    return names
+
+
+def generate(
+    program: Program,
+    name: str,
+    rank: int,
+    input_modes: tuple[str, ...],
+    source_nodes: list[str] | tuple[str, ...],
+    variant: Variant,
+) -> KernelSource:
+    """Generate the Triton kernel `name` computing `program` over an output of `rank` dims."""
+    program.validate()
+    input_modes = tuple(input_modes)
+    _check_args(program, name, rank, input_modes, variant)
+    n_in, n_out = len(program.input_dtypes), len(program.outputs)
+    names = param_names(n_in, n_out, rank, input_modes)
+    types = [POINTER_TYPES[dt] for dt in program.input_dtypes]
+    types += [POINTER_TYPES[dt] for _, dt in program.outputs]
+    types += [INT_TYPE] * (len(names) - n_in - n_out)
+    params = tuple(zip(names, types, strict=True))
+    divisible: tuple[int, ...] = ()
+    if variant.ptr_align or variant.n_multiple:
+        if variant.ptr_align not in (0, 16) or variant.n_multiple not in (0, 16):
+            raise ValueError("divisibility hints are 16 (bytes for pointers, elements for n)")
+        pointers = tuple(range(n_in + n_out)) if variant.ptr_align else ()
+        divisible = pointers + ((n_in + n_out,) if variant.n_multiple else ())
+    source = _module_source(program, name, rank, input_modes, source_nodes, names)
+    return KernelSource(
+        name=name,
+        source=source,
+        params=params,
+        constexprs=(("BLOCK", variant.block),),
+        divisible=divisible,
+        num_warps=variant.num_warps,
+        variant=variant,
+    )
+
+
+def _check_args(program: Program, name: str, rank: int, modes: tuple[str, ...], variant: Variant) -> None:
+    if not name.isidentifier() or keyword.iskeyword(name) or not name.isascii() or name in _MODULE_NAMES:
+        raise ValueError(f"kernel name {name!r} is not an identifier free to use in the module")
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    if len(modes) != len(program.input_dtypes):
+        raise ValueError(f"{len(program.input_dtypes)} inputs but {len(modes)} input modes")
+    for m in modes:
+        if m not in INPUT_MODES:
+            raise ValueError(f"input mode {m!r} is not one of {INPUT_MODES}")
+    if variant.block <= 0 or variant.block & (variant.block - 1):
+        raise ValueError(f"BLOCK must be a power of two, got {variant.block}")
+    if variant.num_warps <= 0 or variant.num_warps & (variant.num_warps - 1):
+        raise ValueError(f"num_warps must be a power of two, got {variant.num_warps}")
+
+
+# ---------------------------------------------------------------------------------------
+# module text
+# ---------------------------------------------------------------------------------------
+
+
+def _module_source(
+    program: Program,
+    name: str,
+    rank: int,
+    modes: tuple[str, ...],
+    source_nodes: list[str] | tuple[str, ...],
+    names: list[str],
+) -> str:
+    lines = [f"# {name}: generated by onnxfuse.codegen; do not edit.", "#"]
+    lines.append("# Replaces the ONNX nodes:")
+    lines += [f"#   {_comment_text(n)}" for n in source_nodes] or ["#   (none listed)"]
+    lines.append("#")
+    lines.append(f"# Program (output rank {rank}):")
+    lines += [f"#   {line}" for line in program.to_text().splitlines()]
+    lines += [
+        "",
+        "import triton",
+        "import triton.language as tl",
+        "from triton.language.extra import libdevice",
+        "",
+        "",
+        "@triton.jit",
+        f"def {name}(",
+    ]
+    lines += [f"    {', '.join(group)}," for group in _param_groups(names)]
+    lines += ["    BLOCK: tl.constexpr,", "):"]
+    lines += ["    " + s for s in _body(program, rank, modes)]
+    return "\n".join(lines) + "\n"
+
+
+def _param_groups(names: list[str]) -> list[list[str]]:
+    """Parameters grouped one line per role: pointers, n_elements, sizes, each input's strides."""
+    groups: dict[str, list[str]] = {}
+    for p in names:
+        if p.endswith("_ptr"):
+            key = "ptr"
+        elif p.startswith("stride_"):
+            key = p.rsplit("_", 1)[0]
+        else:
+            key = p.rstrip("0123456789")
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def _comment_text(text: str) -> str:
+    """One printable ASCII line, safe inside a ``#`` comment."""
+    return " ".join(str(text).split()).encode("ascii", "backslashreplace").decode("ascii")
+
+
+def _body(program: Program, rank: int, modes: tuple[str, ...]) -> list[str]:
+    out = [
+        "pid = tl.program_id(axis=0)",
+        "# int64 offsets: tensors may hold more than 2**31 elements.",
+        "offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)",
+        "mask = offsets < n_elements",
+    ]
+    strided = [i for i, m in enumerate(modes) if m == "strided"]
+    if strided:
+        out += _unravel(rank, strided)
+    out.append("# Load the inputs and upcast to fp32.")
+    for i, (dt, mode) in enumerate(zip(program.input_dtypes, modes, strict=True)):
+        out.append(f"x{i} = {_load(i, dt, mode)}")
+    base = len(program.input_dtypes)
+    for k, ins in enumerate(program.instrs):
+        n = base + k
+        out.append(f"# %{n} = {ins.op} {' '.join(_operand_text(a) for a in ins.args)}")
+        out.append(f"tmp{n} = {_expr(ins, base)}")
+    out.append("# Store, cast to the output dtypes.")
+    for j, (v, dt) in enumerate(program.outputs):
+        val = _value_name(v, base)
+        if dt != "f32":
+            val = f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
+        out.append(f"tl.store(out{j}_ptr + offsets, {val}, mask=mask)")
+    return out
+
+
+def _unravel(rank: int, strided: list[int]) -> list[str]:
+    """Unrolled row-major unravel of `offsets`, then each strided input's element offsets."""
+    out = ["# Unravel the linear index into output coordinates for the strided inputs."]
+    if rank == 0:
+        return out + [f"x{i}_offsets = offsets * 0" for i in strided]
+    if rank == 1:
+        out.append("idx0 = offsets")
+    else:
+        out.append("rem = offsets")
+        for d in range(rank - 1, 0, -1):
+            out.append(f"idx{d} = rem % size{d}")
+            out.append(f"rem = rem // size{d}")
+        out.append("idx0 = rem")
+    for i in strided:
+        terms = " + ".join(f"idx{d} * stride_x{i}_{d}" for d in range(rank))
+        out.append(f"x{i}_offsets = {terms}")
+    return out
+
+
+def _load(i: int, dtype: str, mode: str) -> str:
+    if mode == "scalar":
+        load = f"tl.load(x{i}_ptr)"
+    elif mode == "full":
+        load = f"tl.load(x{i}_ptr + offsets, mask=mask)"
+    else:
+        load = f"tl.load(x{i}_ptr + x{i}_offsets, mask=mask)"
+    if dtype == "bool":
+        return f"({load} != 0).to(tl.float32)"
+    if dtype == "f32":
+        return load
+    return f"{load}.to(tl.float32)"
+
+
+# One Triton expression per op; {0}, {1}, {2} are the operands.
+OP_TABLE: dict[str, str] = {
+    "neg": "-{0}",
+    "abs": "tl.abs({0})",
+    "exp": "libdevice.exp({0})",
+    "log": "libdevice.log({0})",
+    "sqrt": "tl.sqrt_rn({0})",
+    "tanh": "libdevice.tanh({0})",
+    "erf": "libdevice.erf({0})",
+    "cos": "libdevice.cos({0})",
+    "sin": "libdevice.sin({0})",
+    "sigmoid": "tl.div_rn(1.0, 1.0 + libdevice.exp(-{0}))",
+    # Both branches are finite where selected: exp(-x) <= 1 for x > 0, exp(x) <= 1 else.
+    "softplus": "tl.where({0} > 0, {0} + libdevice.log1p(libdevice.exp(-{0})), libdevice.log1p(libdevice.exp({0})))",
+    "round_f16": '{0}.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)',
+    "round_bf16": '{0}.to(tl.bfloat16, fp_downcast_rounding="rtne").to(tl.float32)',
+    "add": "{0} + {1}",
+    "sub": "{0} - {1}",
+    "mul": "{0} * {1}",
+    "div": "tl.div_rn({0}, {1})",
+    "pow": "libdevice.pow({0}, {1})",
+    "max": "tl.maximum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "min": "tl.minimum({0}, {1}, propagate_nan=tl.PropagateNan.ALL)",
+    "gt": "({0} > {1}).to(tl.float32)",
+    "ge": "({0} >= {1}).to(tl.float32)",
+    "lt": "({0} < {1}).to(tl.float32)",
+    "le": "({0} <= {1}).to(tl.float32)",
+    "eq": "({0} == {1}).to(tl.float32)",
+    "select": "tl.where({0} != 0, {1}, {2})",
+}
+assert set(OP_TABLE) == set(UNARY) | set(BINARY) | set(TERNARY)
+
+# A comparison whose left operand is a literal is written mirrored (x < 2.0, not 2.0 > x).
+_MIRROR = {"gt": "lt", "ge": "le", "lt": "gt", "le": "ge", "eq": "eq"}
+
+
+def _expr(ins: Instr, base: int) -> str:
+    op, args = ins.op, list(ins.args)
+    if op in _MIRROR and not isinstance(args[0], Ref) and isinstance(args[1], Ref):
+        op, args = _MIRROR[op], [args[1], args[0]]
+    texts = [_value_name(a.index, base) if isinstance(a, Ref) else _literal(a) for a in args]
+    if not any(isinstance(a, Ref) for a in args):
+        # Only literals: make the first one an fp32 tensor so the math stays in Triton.
+        texts[0] = f"tl.full([], {_literal(args[0])}, tl.float32)"
+    return OP_TABLE[op].format(*texts)
+
+
+def _value_name(v: int, base: int) -> str:
+    return f"x{v}" if v < base else f"tmp{v}"
+
+
+def _operand_text(a: Operand) -> str:
+    return f"%{a.index}" if isinstance(a, Ref) else repr(float(a))
+
+
+def _literal(value: float) -> str:
+    """A Python expression for the fp32 value of `value` that Triton types as fp32.
+
+    The shortest decimal is used when Triton's double -> fp32 rounding gives back the same
+    fp32 (always, in practice); inf and nan are spelled ``float("inf")`` etc. Subnormal fp32
+    values would be typed fp64 by Triton, so they become explicit fp32 tensors.
+    """
+    v32 = np.float32(value)
+    if math.isnan(v32):
+        return 'float("nan")'
+    if math.isinf(v32):
+        return 'float("inf")' if v32 > 0 else 'float("-inf")'
+    text = str(v32)
+    if np.float32(float(text)).tobytes() != v32.tobytes():
+        text = repr(float(v32))
+    if v32 != 0 and abs(float(v32)) < 2.0**-126:
+        return f"tl.full([], {text}, tl.float32)"
+    return text

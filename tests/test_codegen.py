@@ -1,0 +1,712 @@
+"""Generated Triton kernels against the numpy reference, and ahead-of-time compilation.
+
+Numerics run the generated kernels under ``TRITON_INTERPRET=1`` in ONE child process for
+all cases (this file run as a script), so the interpreter setting never reaches this
+process, where other tests compile kernels ahead of time. The interpreter has no libdevice,
+so the child stands in numpy functions for the libdevice calls; the real libdevice numerics
+are checked by the ``gpu`` tests, which run the same cases on a CUDA device and launch the
+AOT binaries through the driver API with the parameter list of docs/format.md.
+
+    pytest tests/test_codegen.py              # CPU: interpreter + AOT for sm_90
+    pytest tests/test_codegen.py -m gpu       # on a machine with an NVIDIA GPU and torch
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+
+from onnxfuse.codegen import Variant, generate, param_names
+from onnxfuse.compile import (
+    DEFAULT_TARGETS,
+    SUPPORTED_ARCHS,
+    KernelSpec,
+    attach,
+    choose_variants,
+    compile_kernels,
+    default_targets,
+    parse_targets,
+)
+from onnxfuse.errors import OnnxfuseError
+from onnxfuse.expr import BINARY, HEADER, UNARY, evaluate, parse
+
+REPO = Path(__file__).resolve().parents[1]
+
+NAME = "onnxfuse_pointwise_chain_0123456789ab"
+# Per output dtype: (rtol, atol).
+TOLERANCE = {"f32": (1e-5, 1e-6), "f16": (1e-2, 1e-3), "bf16": (1e-2, 1e-2)}
+
+
+# ---------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    program: str  # body lines after the header; inputs are declared by `dtypes`
+    shapes: tuple[tuple[int, ...], ...]  # one per input
+    dtypes: tuple[str, ...]
+    modes: tuple[str, ...] | None = None  # default: derived from the shapes
+    block: int = 256
+
+
+def _prog(dtypes: tuple[str, ...], body: str) -> str:
+    lines = [HEADER] + [f"input %{i} {dt}" for i, dt in enumerate(dtypes)]
+    return "\n".join(lines + [ln.strip() for ln in body.strip().splitlines()]) + "\n"
+
+
+def _op_cases() -> list[Case]:
+    cases = []
+    for op in UNARY:
+        cases.append(Case(f"unary-{op}", f"%1 = {op} %0\noutput %1 f32", ((1031,),), ("f32",)))
+    for op in BINARY:
+        cases.append(Case(f"binary-{op}", f"%2 = {op} %0 %1\noutput %2 f32", ((1031,), (1031,)), ("f32", "f32")))
+    for op in ("sub", "div", "pow", "max", "min", "gt", "ge", "lt", "le", "eq"):
+        cases.append(Case(f"literal-left-{op}", f"%1 = {op} 2.5 %0\noutput %1 f32", ((517,),), ("f32",)))
+        cases.append(Case(f"literal-right-{op}", f"%1 = {op} %0 -1.5\noutput %1 f32", ((517,),), ("f32",)))
+    cases.append(Case("select", "%3 = select %0 %1 %2\noutput %3 f32", ((1031,),) * 3, ("f32",) * 3))
+    cases.append(Case("select-bool", "%3 = select %0 %1 %2\noutput %3 f32", ((1031,),) * 3, ("bool", "f32", "f16")))
+    return cases
+
+
+def _size_cases() -> list[Case]:
+    body = "%1 = mul %0 3.0\n%2 = sin %1\noutput %2 f32"
+    cases = [Case(f"size-{n}", body, ((n,),), ("f32",)) for n in (1, 17, 255, 256, 257, 1031)]
+    cases.append(Case("size-4099-block-1024", body, ((4099,),), ("f32",), block=1024))
+    cases.append(Case("size-4096-block-1024", body, ((4096,),), ("f32",), block=1024))
+    return cases
+
+
+def _broadcast_cases() -> list[Case]:
+    add3 = "%3 = add %0 %1\n%4 = mul %3 %2\noutput %4 f32"
+    return [
+        Case("scalar", "%2 = sub %0 %1\noutput %2 f32", ((7, 9), ()), ("f32", "f32")),
+        Case("scalar-first", "%2 = div %0 %1\noutput %2 f32", ((), (5, 11)), ("f16", "f32")),
+        Case("size1-dims", "%2 = add %0 %1\noutput %2 f32", ((4, 1, 5), (1, 3, 5)), ("f32", "f32")),
+        Case("rank-mismatch", add3, ((2, 3, 4, 5), (5,), (3, 1, 1)), ("f32", "bf16", "f16")),
+        Case("scalar-as-strided", add3, ((6, 7), (1, 1), (7,)), ("f32", "f32", "f32"),
+             modes=("full", "strided", "strided")),
+        Case("full-as-strided", "%2 = max %0 %1\noutput %2 f32", ((5, 6, 7), (6, 1)), ("f32", "f32"),
+             modes=("strided", "strided")),
+        Case("rank1-strided", "%2 = mul %0 %1\noutput %2 f32", ((33,), (1,)), ("f32", "f32"),
+             modes=("full", "strided")),
+        Case("rank0", "%2 = add %0 %1\noutput %2 f16", ((), ()), ("f32", "f32")),
+        Case("rank0-strided", "%2 = add %0 %1\noutput %2 f32", ((), ()), ("f32", "f32"),
+             modes=("full", "strided")),
+        Case("bool-strided", "%2 = select %0 %1 -7.0\noutput %2 f32", ((3, 1), (3, 40)), ("bool", "f32")),
+        Case("big-rank", add3, ((2, 1, 3, 1, 2, 3), (3, 4, 1, 3), (1,)), ("f32", "f32", "f32")),
+    ]
+
+
+def _dtype_cases() -> list[Case]:
+    cases = []
+    for din in ("f32", "f16", "bf16", "bool"):
+        for dout in ("f32", "f16", "bf16"):
+            cases.append(Case(f"dtype-{din}-{dout}", f"%1 = mul %0 1.75\n%2 = add %1 0.25\noutput %2 {dout}",
+                              ((1031,),), (din,)))
+    cases.append(Case("passthrough", "output %0 f16\noutput %1 f32\noutput %0 bf16\noutput %2 f32",
+                      ((301,), (301,), (301,)), ("f32", "bf16", "bool")))
+    cases.append(Case("scalar-output", "%2 = exp %1\n%3 = add %0 %2\noutput %1 f32\noutput %2 f16\noutput %3 f32",
+                      ((3, 37), ()), ("f32", "bf16")))
+    cases.append(Case("multi-output", """
+        %3 = mul %0 %1
+        %4 = tanh %3
+        %5 = gt %3 %2
+        %6 = select %5 %4 %0
+        output %4 f32
+        output %6 f16
+        output %5 bf16
+        output %3 f32""", ((9, 115), (115,), (9, 1)), ("f16", "bf16", "f32")))
+    cases.append(Case("round-ties", "%1 = round_f16 %0\n%2 = round_bf16 %0\noutput %1 f32\noutput %2 f32\n"
+                      "output %0 f16\noutput %0 bf16", ((1031,),), ("f32",)))
+    return cases
+
+
+def _literal_cases() -> list[Case]:
+    return [
+        Case("literal-inf", "%1 = min %0 inf\n%2 = max %1 -inf\n%3 = mul %2 nan\n%4 = eq %3 %3\n"
+             "output %2 f32\noutput %3 f32\noutput %4 f32", ((129,),), ("f32",)),
+        Case("literal-only", "%1 = add 1.0 2.0\n%2 = exp 1.0\n%3 = mul %1 %0\n%4 = neg 0.5\n"
+             "output %3 f32\noutput %2 f32\noutput %4 f16", ((33,),), ("f32",)),
+        Case("literal-odd", "%1 = mul %0 0.1\n%2 = add %1 1e-40\n%3 = mul %2 -0.0\n%4 = add %1 3.4028234663852886e+38\n"
+             "output %2 f32\noutput %3 f32\noutput %4 f32", ((65,),), ("f32",)),
+        Case("select-literal-cond", "%1 = select 1.0 %0 2.0\n%2 = select 0.0 %0 2.0\n%3 = select nan %0 2.0\n"
+             "output %1 f32\noutput %2 f32\noutput %3 f32", ((40,),), ("f32",)),
+        Case("gelu-tanh", """
+            %1 = mul %0 %0
+            %2 = mul %1 %0
+            %3 = mul %2 0.044715
+            %4 = add %0 %3
+            %5 = mul %4 0.7978845608028654
+            %6 = tanh %5
+            %7 = add %6 1.0
+            %8 = mul %0 0.5
+            %9 = mul %8 %7
+            output %9 f16""", ((2, 515),), ("f16",)),
+    ]
+
+
+CASES = _op_cases() + _size_cases() + _broadcast_cases() + _dtype_cases() + _literal_cases()
+
+
+def _out_shape(case: Case) -> tuple[int, ...]:
+    return tuple(np.broadcast_shapes(*case.shapes))
+
+
+def _modes(case: Case) -> tuple[str, ...]:
+    if case.modes is not None:
+        return case.modes
+    out = _out_shape(case)
+    return tuple("full" if s == out else "scalar" if math.prod(s) == 1 else "strided" for s in case.shapes)
+
+
+SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 0.5, 2.0, -2.0, 3.0, 1e-3, 20.0, -20.0,
+                     50.0, -50.0, 88.0, -100.0, 1e-30, 65504.0, 70000.0, 1 + 2**-11, 1 + 3 * 2**-11,
+                     1 + 2**-8, 1 + 3 * 2**-8, 2049.0, 2051.0], dtype=np.float32)
+
+
+def _random_input(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    n = math.prod(shape)
+    if dtype == "bool":
+        return rng.random(n).reshape(shape) < 0.5
+    x = (rng.standard_normal(n) * 3).astype(np.float32)
+    pick = rng.random(n)
+    x = np.where(pick < 0.15, rng.choice(SPECIALS, n), x)
+    x = np.where((pick >= 0.15) & (pick < 0.25), rng.integers(-3, 4, n).astype(np.float32), x)
+    x = x.reshape(shape).astype(np.float32)
+    if dtype == "f16":
+        with np.errstate(over="ignore"):
+            return x.astype(np.float16)
+    if dtype == "bf16":
+        return x.astype(ml_dtypes.bfloat16)
+    return x
+
+
+def _case_inputs(index: int, case: Case) -> list[np.ndarray]:
+    rng = np.random.default_rng(1000 + index)
+    return [_random_input(rng, s, dt) for s, dt in zip(case.shapes, case.dtypes, strict=True)]
+
+
+def _launch_ints(case: Case) -> list[int]:
+    """n_elements, then (if some input is strided) the output dims and strided inputs' strides."""
+    out = _out_shape(case)
+    ints = [math.prod(out)]
+    modes = _modes(case)
+    if "strided" in modes:
+        ints += list(out)
+        for shape, mode in zip(case.shapes, modes, strict=True):
+            if mode == "strided":
+                ints += _broadcast_strides(shape, out)
+    return ints
+
+
+def _broadcast_strides(shape: tuple[int, ...], out: tuple[int, ...]) -> list[int]:
+    padded = (1,) * (len(out) - len(shape)) + tuple(shape)
+    strides, step = [], 1
+    for d in reversed(padded):
+        strides.append(step if d != 1 else 0)
+        step *= d
+    return strides[::-1]
+
+
+def _write_workdir(workdir: Path, cases: list[Case]) -> list[dict]:
+    """Generate every case's kernel module and inputs; returns the manifest."""
+    manifest = []
+    for i, case in enumerate(cases):
+        prog = parse(_prog(case.dtypes, case.program))
+        ks = generate(prog, NAME, len(_out_shape(case)), _modes(case), [f"case {case.id}"], Variant(1))
+        (workdir / f"case{i}.py").write_text(ks.source)
+        arrays = {f"in{j}": _to_storage(a) for j, a in enumerate(_case_inputs(i, case))}
+        np.savez(workdir / f"case{i}_in.npz", **arrays)
+        manifest.append({
+            "id": case.id, "name": NAME, "block": case.block, "ints": _launch_ints(case),
+            "input_dtypes": list(case.dtypes), "output_dtypes": [dt for _, dt in prog.outputs],
+        })
+    (workdir / "manifest.json").write_text(json.dumps(manifest))
+    return manifest
+
+
+def _to_storage(a: np.ndarray) -> np.ndarray:
+    """Arrays as the kernel reads them: bf16 as its bits, bool as int8 bytes."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return a.view(np.int16)
+    if a.dtype == np.bool_:
+        return a.astype(np.int8)
+    return a
+
+
+def _from_storage(a: np.ndarray, dtype: str) -> np.ndarray:
+    return a.view(ml_dtypes.bfloat16) if dtype == "bf16" else a
+
+
+# ---------------------------------------------------------------------------------------
+# running kernels (child process under TRITON_INTERPRET=1, or in-process on a GPU)
+# ---------------------------------------------------------------------------------------
+
+
+def _install_libdevice_shims() -> None:
+    """The interpreter has no libdevice: stand numpy in for the functions codegen uses."""
+    import triton.language as tl
+    from triton.language.extra import libdevice
+    from triton.runtime.interpreter import TensorHandle
+
+    def shim(np_fn):
+        def fn(*args, **_):
+            tensors = [a for a in args if isinstance(a, tl.tensor)]
+            arrays = [a.handle.data if isinstance(a, tl.tensor) else np.float32(a) for a in args]
+            with np.errstate(all="ignore"):
+                data = np.asarray(np_fn(*arrays), dtype=np.float32)
+            ty = max(tensors, key=lambda t: len(t.shape)).type
+            return tl.tensor(TensorHandle(data, tl.float32), ty)
+        return fn
+
+    erf = np.vectorize(math.erf, otypes=[np.float64])
+    table = {"exp": np.exp, "log": np.log, "tanh": np.tanh, "cos": np.cos, "sin": np.sin, "pow": np.power,
+             "log1p": np.log1p, "sqrt": np.sqrt, "erf": lambda x: erf(x).astype(np.float32)}
+    for name, np_fn in table.items():
+        setattr(libdevice, name, shim(np_fn))
+
+
+def _install_bf16_rounding_fix() -> None:
+    """The interpreter truncates fp32 -> bf16; the GPU (cvt.rn.bf16.f32) rounds to nearest
+    even. Give the interpreter the GPU's rounding so the reference comparison is exact."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+    from triton.runtime.interpreter import TensorHandle
+
+    builder = interpreter.InterpreterBuilder
+    cast_impl, fp_to_fp = builder.cast_impl, builder.create_fp_to_fp
+
+    def rne(src, dst_type):
+        bits = src.data.astype(np.float32).astype(ml_dtypes.bfloat16).view(np.uint16)
+        return TensorHandle(bits.view(interpreter._get_np_dtype(dst_type)), dst_type.scalar)
+
+    def new_cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            return rne(src, dst_type)
+        return cast_impl(self, src, dst_type)
+
+    def new_fp_to_fp(self, src, dst_type, rounding_mode):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16 and rounding_mode is not None \
+                and rounding_mode == interpreter._ir.ROUNDING_MODE.RTNE:
+            return rne(src, dst_type)
+        return fp_to_fp(self, src, dst_type, rounding_mode)
+
+    builder.cast_impl, builder.create_fp_to_fp = new_cast_impl, new_fp_to_fp
+
+
+def _run_cases(workdir: Path, device: str) -> None:
+    """Launch every case's kernel on `device`; writes case{i}_out.npz or case{i}_error.txt."""
+    import importlib.util
+
+    import torch
+
+    torch_dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+    manifest = json.loads((workdir / "manifest.json").read_text())
+    for i, c in enumerate(manifest):
+        try:
+            spec = importlib.util.spec_from_file_location(f"case{i}", workdir / f"case{i}.py")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            data = np.load(workdir / f"case{i}_in.npz")
+            ins = []
+            for j, dt in enumerate(c["input_dtypes"]):
+                t = torch.from_numpy(np.ascontiguousarray(data[f"in{j}"])).to(device)
+                ins.append(t.view(torch.bfloat16) if dt == "bf16" else t)
+            n = c["ints"][0]
+            outs = [torch.empty(n, dtype=torch_dtypes[dt], device=device) for dt in c["output_dtypes"]]
+            grid = ((n + c["block"] - 1) // c["block"],)
+            getattr(mod, c["name"])[grid](*ins, *outs, *c["ints"], BLOCK=c["block"])
+            arrays = {f"out{j}": (o.view(torch.int16) if o.dtype == torch.bfloat16 else o).cpu().numpy()
+                      for j, o in enumerate(outs)}
+            np.savez(workdir / f"case{i}_out.npz", **arrays)
+        except Exception as e:  # reported by the case's test in the parent
+            (workdir / f"case{i}_error.txt").write_text(f"{type(e).__name__}: {e}")
+
+
+def _check_case(workdir: Path, index: int, case: Case, label: str) -> None:
+    err = workdir / f"case{index}_error.txt"
+    if err.exists():
+        pytest.fail(f"{label}: kernel failed: {err.read_text()}")
+    prog = parse(_prog(case.dtypes, case.program))
+    expected = evaluate(prog, _case_inputs(index, case))
+    got = np.load(workdir / f"case{index}_out.npz")
+    for j, ((_, dt), want) in enumerate(zip(prog.outputs, expected, strict=True)):
+        out = _from_storage(got[f"out{j}"], dt).reshape(want.shape).astype(np.float32)
+        rtol, atol = TOLERANCE[dt]
+        np.testing.assert_allclose(out, want.astype(np.float32), rtol=rtol, atol=atol, equal_nan=True,
+                                   err_msg=f"{label} case {case.id}, output {j} ({dt})")
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """Run all cases in one child process with TRITON_INTERPRET=1; yields its work dir."""
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-interp-") as tmp:
+        workdir = Path(tmp)
+        _write_workdir(workdir, CASES)
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+        proc = subprocess.run([sys.executable, __file__, "--interpret", str(workdir)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        yield workdir
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.id for c in CASES])
+def test_interpreted_kernel_matches_reference(interpreted, index):
+    _check_case(interpreted, index, CASES[index], "interpreter")
+
+
+def test_cases_cover_every_op_dtype_and_mode():
+    text = " ".join(_prog(c.dtypes, c.program) for c in CASES)
+    for op in (*UNARY, *BINARY, "select"):
+        assert f"= {op} " in text, op
+    assert {dt for c in CASES for dt in c.dtypes} == {"f32", "f16", "bf16", "bool"}
+    assert {m for c in CASES for m in _modes(c)} == {"full", "scalar", "strided"}
+
+
+# ---------------------------------------------------------------------------------------
+# source
+# ---------------------------------------------------------------------------------------
+
+GOLDEN_PROGRAM = _prog(("f32", "bool", "f16"), """
+    %3 = mul %0 2.0
+    %4 = sigmoid %3
+    %5 = select %1 %4 %2
+    %6 = max %5 0.0
+    %7 = min %6 %0
+    output %7 f16
+    output %3 f32""")
+
+
+def _golden(variant_index: int = 0):
+    return generate(parse(GOLDEN_PROGRAM), NAME, 2, ("full", "strided", "scalar"),
+                    ["Mul /block/mul", "Sigmoid /block/sigmoid", "Where /block/where", "Relu /block/relu"],
+                    Variant(variant_index, ptr_align=16 if variant_index == 0 else 0,
+                            n_multiple=16 if variant_index == 0 else 0))
+
+
+def test_source_is_deterministic_and_documented():
+    a, b = _golden(), _golden()
+    assert a.source == b.source
+    assert a.source == _golden(1).source  # the variant changes hints, not the text
+    assert a.source.startswith(f"# {NAME}: generated by onnxfuse.codegen")
+    assert "#   Mul /block/mul\n" in a.source and "#   Relu /block/relu\n" in a.source
+    assert "#   %4 = sigmoid %3\n" in a.source
+    assert f"def {NAME}(\n" in a.source
+    assert "offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)" in a.source
+    assert "x1_offsets = idx0 * stride_x1_0 + idx1 * stride_x1_1" in a.source
+    assert "x2 = tl.load(x2_ptr).to(tl.float32)" in a.source
+    assert "propagate_nan=tl.PropagateNan.ALL" in a.source
+    assert "tmp7 = tl.minimum(tmp6, x0, propagate_nan=tl.PropagateNan.ALL)" in a.source
+    assert 'tmp7.to(tl.float16, fp_downcast_rounding="rtne")' in a.source
+    compile(a.source, "golden.py", "exec")
+
+
+def test_signature_follows_the_launch_abi():
+    k = _golden()
+    assert [n for n, _ in k.params] == ["x0_ptr", "x1_ptr", "x2_ptr", "out0_ptr", "out1_ptr", "n_elements",
+                                        "size0", "size1", "stride_x1_0", "stride_x1_1"]
+    assert dict(k.params)["x1_ptr"] == "*i8" and dict(k.params)["out0_ptr"] == "*fp16"
+    assert all(t == "i64" for n, t in k.params if not n.endswith("_ptr"))
+    assert k.signature["BLOCK"] == "constexpr"
+    assert sorted(i for (i,) in k.attrs) == [0, 1, 2, 3, 4, 5]  # pointers and n_elements
+    assert _golden(1).attrs == {}
+
+
+def test_launch_configuration_heuristic():
+    def spec(text):
+        return KernelSpec(parse(text), NAME, 1, ("full",))
+
+    v0, v1 = choose_variants(spec(_prog(("f32",), "%1 = neg %0\noutput %1 f16")))
+    assert (v0.block, v0.num_warps, v0.requires()) == (1024, 4, {"n_multiple": 16, "ptr_align": 16})
+    assert (v1.block, v1.num_warps, v1.requires()) == (1024, 4, {})
+    v0, _ = choose_variants(spec(_prog(("f16",), "%1 = neg %0\noutput %1 bf16")))
+    assert (v0.block, v0.num_warps) == (2048, 4)
+    long = "\n".join(f"%{i + 1} = mul %{i} 2.0" for i in range(40)) + "\noutput %40 f32"
+    v0, _ = choose_variants(spec(_prog(("f32",), long)))
+    assert (v0.block, v0.num_warps) == (1024, 8)
+
+
+def test_generate_rejects_bad_arguments():
+    prog = parse(GOLDEN_PROGRAM)
+    for bad in ("not-a-name", "tl", "class"):
+        with pytest.raises(ValueError, match="identifier"):
+            generate(prog, bad, 2, ("full",) * 3, [], Variant(1))
+    with pytest.raises(ValueError, match="input modes"):
+        generate(prog, NAME, 2, ("full",), [], Variant(1))
+    with pytest.raises(ValueError, match="input mode"):
+        generate(prog, NAME, 2, ("full", "full", "diagonal"), [], Variant(1))
+    with pytest.raises(ValueError, match="power of two"):
+        generate(prog, NAME, 2, ("full",) * 3, [], Variant(1, block=1000))
+
+
+def test_comment_lines_stay_comments():
+    k = generate(parse(GOLDEN_PROGRAM), NAME, 2, ("full",) * 3, ["Mul a\nimport os", "Relu \u00e9"], Variant(1))
+    assert "#   Mul a import os\n" in k.source and "#   Relu \\xe9\n" in k.source
+
+
+# ---------------------------------------------------------------------------------------
+# ahead-of-time compilation
+# ---------------------------------------------------------------------------------------
+
+
+def _entry_params(ptx: str, name: str) -> list[str]:
+    m = re.search(rf"\.entry\s+{name}\s*\(([^)]*)\)", ptx)
+    assert m, f"no .entry {name} in the PTX"
+    return [ln.strip() for ln in m.group(1).splitlines() if ln.strip().startswith(".param")]
+
+
+@pytest.fixture(scope="module")
+def aot(tmp_path_factory):
+    """Golden program compiled for sm_90 (two worker processes), then again from the cache."""
+    cache = tmp_path_factory.mktemp("kernels")
+    spec = KernelSpec(parse(GOLDEN_PROGRAM), NAME, 2, ("full", "strided", "scalar"), ("Mul /block/mul",))
+    [first] = compile_kernels([spec], [90], cache_dir=cache, jobs=2)
+    [second] = compile_kernels([spec], [90], cache_dir=cache)
+    return first, second, cache
+
+
+def test_aot_binaries_for_sm90(aot):
+    ck, *_ = aot
+    meta = ck.kernel_meta()
+    assert meta["version"] == 1 and meta["name"] == NAME and meta["rank"] == 2
+    assert meta["input_modes"] == ["full", "strided", "scalar"]
+    assert meta["variants"] == [{"requires": {"n_multiple": 16, "ptr_align": 16}, "block": 1024},
+                                {"requires": {}, "block": 1024}]
+    assert [(b["variant"], b["arch"], b["format"]) for b in meta["binaries"]] == [
+        (0, 90, "cubin"), (0, 90, "ptx"), (1, 90, "cubin"), (1, 90, "ptx")]
+    blobs = ck.kernels()
+    assert len(blobs) == len(meta["binaries"])
+    for b, blob in zip(meta["binaries"], blobs, strict=True):
+        assert b["entry"] == NAME and b["num_warps"] == 4
+        for field in ("shared", "global_scratch_size", "profile_scratch_size"):
+            assert isinstance(b[field], int) and b[field] >= 0
+        if b["format"] == "cubin":
+            assert blob[:4] == b"\x7fELF"
+            assert len(blob) < 64 * 1024  # no line info / embedded PTX
+        else:
+            ptx = blob.decode()
+            assert f".entry {NAME}(" in ptx and ".target sm_90\n" in ptx
+            assert "max.NaN.f32" in ptx and "min.NaN.f32" in ptx  # max/min propagate NaN
+
+
+def test_aot_parameter_count_is_the_launch_abi(aot):
+    """docs/format.md: inputs, outputs, n_elements, [rank dims, rank strides per strided
+    input], then the two scratch pointers; every parameter is 64-bit."""
+    ck, *_ = aot
+    n_in, n_out, rank, n_strided = 3, 2, 2, 1
+    expected = n_in + n_out + 1 + (rank + rank * n_strided) + 2
+    for b in ck.binaries:
+        if b.format == "ptx":
+            params = _entry_params(b.data.decode(), NAME)
+            assert len(params) == expected
+            assert all(p.startswith(".param .u64") for p in params), params
+    assert len(param_names(n_in, n_out, rank, ("full", "strided", "scalar"))) + 2 == expected
+
+
+def test_aot_second_compile_is_a_cache_hit(aot):
+    first, second, _ = aot
+    assert (first.compiled, first.cache_hits) == (2, 0) and first.compile_seconds > 0
+    assert (second.compiled, second.cache_hits) == (0, 2) and second.compile_seconds == 0
+    assert second.kernels() == first.kernels()
+    assert second.kernel_meta_json() == first.kernel_meta_json()
+
+
+def test_ptx_assembles_for_newer_archs(aot, tmp_path):
+    """The embedded PTX (relaxed to sm_90) is what a newer driver JITs: ptxas must take it."""
+    from triton import knobs
+
+    ck, *_ = aot
+    ptx = next(b.data for b in ck.binaries if b.format == "ptx")
+    path = tmp_path / "k.ptx"
+    path.write_bytes(ptx)
+    for tool, arch in ((knobs.nvidia.ptxas, "sm_90"), (knobs.nvidia.ptxas_blackwell, "sm_100"),
+                       (knobs.nvidia.ptxas_blackwell, "sm_120")):
+        proc = subprocess.run([tool.path, f"--gpu-name={arch}", str(path), "-o", str(tmp_path / "k.o")],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, f"{arch}: {proc.stderr}"
+
+
+def test_attach_sets_one_attribute_per_binary(aot):
+    ck, *_ = aot
+    node = onnx.helper.make_node("PointwiseChain", ["a", "b", "c"], ["y", "z"], domain="onnxfuse",
+                                 program=GOLDEN_PROGRAM, kernels=[b"old format"], kernel_meta="{}", kernel_9=b"x")
+    node.overload = NAME
+    attach(node, ck)
+    attach(node, ck)
+    attrs = {a.name: a for a in node.attribute}
+    n = len(ck.binaries)
+    assert sorted(attrs) == sorted(["program", "kernel_meta"] + [f"kernel_{i}" for i in range(n)])
+    assert len(node.attribute) == n + 2
+    assert all(a.type == onnx.AttributeProto.STRING for a in attrs.values())
+    assert json.loads(attrs["kernel_meta"].s) == ck.kernel_meta()
+    assert [attrs[f"kernel_{i}"].s for i in range(n)] == ck.kernels()
+    other = onnx.helper.make_node("PointwiseChain", ["a"], ["y"], domain="onnxfuse", program="x")
+    with pytest.raises(ValueError, match="program"):
+        attach(other, ck)
+
+
+def test_parse_targets():
+    assert parse_targets("sm_90,sm_80") == [90, 80]
+    assert parse_targets(" sm_90 , sm90a, sm_90") == [90]
+    for bad in ("", "sm_", "compute_90", "90", "sm_90,,sm_80"):
+        with pytest.raises(OnnxfuseError, match="bad GPU target"):
+            parse_targets(bad)
+    with pytest.raises(OnnxfuseError, match="not supported"):
+        parse_targets("sm_110")
+
+
+def test_default_targets_are_supported():
+    targets = default_targets()
+    assert targets and all(t in SUPPORTED_ARCHS for t in targets)
+    assert set(DEFAULT_TARGETS) <= set(SUPPORTED_ARCHS)
+
+
+# ---------------------------------------------------------------------------------------
+# on a GPU: libdevice numerics, and the AOT binaries launched through the driver API
+# ---------------------------------------------------------------------------------------
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_match_reference(tmp_path):
+    """Every case, JIT-compiled by Triton on the device: the real libdevice numerics."""
+    if not _cuda_available():
+        pytest.skip("needs torch with a CUDA GPU")
+    _write_workdir(tmp_path, CASES)
+    _run_cases(tmp_path, "cuda")
+    failures = []
+    for i, case in enumerate(CASES):
+        try:
+            _check_case(tmp_path, i, case, "cuda")
+        except (AssertionError, pytest.fail.Exception) as e:
+            failures.append(str(e)[:1500])
+    assert not failures, "\n\n".join(failures)
+
+
+class _Driver:
+    """Just enough of the CUDA driver API (ctypes) to launch a binary the way the C++
+    launcher does: cuModuleLoadData, cuModuleGetFunction, cuLaunchKernel."""
+
+    def __init__(self):
+        import ctypes
+
+        self.ct = ctypes
+        self.lib = ctypes.CDLL("libcuda.so.1")
+
+    def check(self, rc, what):
+        assert rc == 0, f"{what} failed with CUresult {rc}"
+
+    def launch(self, image: bytes, entry: str, grid: int, num_warps: int, shared: int, args: list[int],
+               stream: int):
+        ct = self.ct
+        mod, fn = ct.c_void_p(), ct.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ct.byref(mod), ct.c_char_p(image)), "cuModuleLoadData")
+        self.check(self.lib.cuModuleGetFunction(ct.byref(fn), mod, entry.encode()), "cuModuleGetFunction")
+        values = [ct.c_uint64(a & (2**64 - 1)) for a in args] + [ct.c_uint64(0), ct.c_uint64(0)]
+        params = (ct.c_void_p * len(values))(*[ct.cast(ct.byref(v), ct.c_void_p) for v in values])
+        if shared > 48 * 1024:
+            self.check(self.lib.cuFuncSetAttribute(fn, 8, shared), "cuFuncSetAttribute")
+        self.check(self.lib.cuLaunchKernel(fn, grid, 1, 1, 32 * num_warps, 1, 1, shared, ct.c_void_p(stream),
+                                           params, None), "cuLaunchKernel")
+        return mod
+
+
+@pytest.mark.gpu
+def test_gpu_aot_binaries_launch_with_the_documented_abi(tmp_path):
+    if not _cuda_available():
+        pytest.skip("needs torch with a CUDA GPU")
+    import torch
+
+    cases = [c for c in CASES if c.id in ("rank-mismatch", "multi-output", "scalar", "gelu-tanh", "bool-strided",
+                                          "size-4096-block-1024", "dtype-bool-bf16", "select-literal-cond")]
+    arch = torch.cuda.get_device_capability()
+    arch = arch[0] * 10 + arch[1]
+    targets = [arch] if arch in SUPPORTED_ARCHS else [max(a for a in SUPPORTED_ARCHS if a < arch)]
+    specs = [KernelSpec(parse(_prog(c.dtypes, c.program)), f"{NAME[:-2]}{k:02d}", len(_out_shape(c)), _modes(c))
+             for k, c in enumerate(cases)]
+    compiled = compile_kernels(specs, targets, cache_dir=tmp_path / "cache")
+    drv = _Driver()
+    torch_dtypes = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+    for case, ck in zip(cases, compiled, strict=True):
+        index = CASES.index(case)
+        inputs = _case_inputs(index, case)
+        expected = evaluate(ck.spec.program, inputs)
+        meta = ck.kernel_meta()
+        for b, blob in zip(meta["binaries"], ck.kernels(), strict=True):
+            if b["format"] == "cubin" and b["arch"] != arch:
+                continue
+            block = meta["variants"][b["variant"]]["block"]
+            ins = [torch.from_numpy(np.ascontiguousarray(_to_storage(a))).cuda() for a in inputs]
+            ins = [t.view(torch.bfloat16) if dt == "bf16" else t for t, dt in zip(ins, case.dtypes, strict=True)]
+            ints = _launch_ints(case)
+            outs = [torch.full((ints[0],), float("nan"), dtype=torch_dtypes[dt], device="cuda")
+                    for _, dt in ck.spec.program.outputs]
+            req = meta["variants"][b["variant"]]["requires"]
+            if req and (ints[0] % req["n_multiple"] or any(t.data_ptr() % req["ptr_align"] for t in ins + outs)):
+                continue
+            image = blob if b["format"] == "cubin" else blob + b"\0"
+            stream = torch.cuda.current_stream().cuda_stream
+            drv.launch(image, b["entry"], -(-ints[0] // block), b["num_warps"], b["shared"],
+                       [t.data_ptr() for t in ins + outs] + ints, stream)
+            torch.cuda.synchronize()
+            for j, ((_, dt), want, out) in enumerate(zip(ck.spec.program.outputs, expected, outs, strict=True)):
+                got = out.float().cpu().numpy().reshape(want.shape)
+                rtol, atol = TOLERANCE[dt]
+                np.testing.assert_allclose(got, want.astype(np.float32), rtol=rtol, atol=atol, equal_nan=True,
+                                           err_msg=f"{case.id} {b['format']} variant {b['variant']} output {j}")
+
+
+@pytest.mark.gpu
+def test_gpu_more_than_2_31_elements(tmp_path):
+    if not _cuda_available():
+        pytest.skip("needs torch with a CUDA GPU")
+    import torch
+
+    if torch.cuda.get_device_properties(0).total_memory < 24 * 2**30:
+        pytest.skip("needs 24 GiB of GPU memory")
+    prog = parse(_prog(("f16",), "%1 = neg %0\noutput %1 f16"))
+    arch = torch.cuda.get_device_capability()
+    arch = arch[0] * 10 + arch[1]
+    [ck] = compile_kernels([KernelSpec(prog, NAME, 1, ("full",))], [arch], cache_dir=tmp_path)
+    n = 2**31 + 17
+    x = torch.ones(n, dtype=torch.float16, device="cuda")
+    x[-5:] = 3.0
+    y = torch.zeros_like(x)
+    b = ck.kernel_meta()["binaries"][-2]  # variant 1 cubin
+    blob = ck.kernels()[-2]
+    _Driver().launch(blob, b["entry"], -(-n // 1024), b["num_warps"], b["shared"], [x.data_ptr(), y.data_ptr(), n],
+                     torch.cuda.current_stream().cuda_stream)
+    torch.cuda.synchronize()
+    assert y[-5:].tolist() == [-3.0] * 5 and y[-6].item() == -1.0 and y[0].item() == -1.0
+    assert bool((y == -1.0).sum() == n - 5)
+
+
+if __name__ == "__main__":
+    # Child process of the `interpreted` fixture: TRITON_INTERPRET=1 is set by the parent.
+    if sys.argv[1:2] == ["--interpret"]:
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        _install_libdevice_shims()
+        _install_bf16_rounding_fix()
+        _run_cases(Path(sys.argv[2]), "cpu")
