@@ -155,7 +155,8 @@ void run_task(const Job& job, int64_t task) {
   base += (16 - (reinterpret_cast<uintptr_t>(base) / sizeof(float)) % 16) % 16;
   float* slots = base;
   float* consts = base + n_slots * B;
-  for (size_t c = 0; c < n_consts; ++c) std::fill(consts + c * B, consts + (c + 1) * B, plan.consts[c]);
+  for (size_t c = 0; c < n_consts; ++c)
+    if (plan.const_read[c]) std::fill(consts + c * B, consts + (c + 1) * B, plan.consts[c]);
 
   table.assign(plan.table_size(), nullptr);
   for (size_t c = 0; c < n_consts; ++c) table[plan.n_values + c] = consts + c * B;

@@ -287,6 +287,24 @@ ExecPlan make_plan(const Program& p, const std::vector<InputKind>& kinds,
     if (last_use[v] < 0 && plan.loc[v].kind == Loc::SLOT) free_slots.push_back(plan.loc[v].index);
     plan.code.push_back(ci);
   }
+
+  plan.const_read.assign(plan.consts.size(), 0);
+  auto const_of = [&](int32_t t) -> int {  // constant buffer behind table entry t, or -1
+    if (t >= nv) return t - nv;
+    return plan.loc[t].kind == Loc::CONST ? plan.loc[t].index : -1;
+  };
+  for (const CInstr& ci : plan.code) {
+    const int arity = op_arity(ci.op);
+    const bool scalar_side = arity == 2 && ci.is_const[0] != ci.is_const[1];  // see eval_block
+    for (int a = 0; a < arity; ++a) {
+      const int c = const_of(ci.src[a]);
+      if (c >= 0 && !scalar_side) plan.const_read[c] = 1;
+    }
+  }
+  for (const auto& o : p.outputs) {
+    const int c = const_of(o.first);
+    if (c >= 0) plan.const_read[c] = 1;
+  }
   return plan;
 }
 

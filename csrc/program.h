@@ -100,6 +100,8 @@ struct ExecPlan {
   std::vector<Loc> loc;          // per value
   std::vector<CInstr> code;      // live instructions, in order
   std::vector<float> consts;     // value of constant buffer c
+  std::vector<char> const_read;  // whether buffer c is read through its pointer (else the
+                                 // instructions use the value as a scalar: no need to fill it)
   int n_slots = 0;
   // The pointer table used by eval_block has n_values + consts.size() entries: values
   // first, then one entry per constant buffer (literals refer to those).

@@ -307,9 +307,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m onnxfuse.build", description=__doc__.splitlines()[0])
     ap.add_argument("--force", action="store_true", help="rebuild even if the cached library is current")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the compiler command")
+    ap.add_argument("--headers", action="store_true",
+                    help="only fetch the ONNX Runtime C API headers and print their folder (to copy to a "
+                         "machine without network access, where ONNXFUSE_ORT_INCLUDE points at them)")
     args = ap.parse_args(argv)
     try:
-        print(build(force=args.force, verbose=args.verbose))
+        print(ort_include_dir() if args.headers else build(force=args.force, verbose=args.verbose))
     except OnnxfuseError as e:
         print(f"onnxfuse: error: {e}", file=sys.stderr)
         return 2

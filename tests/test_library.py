@@ -395,6 +395,18 @@ def test_several_outputs(lib):
     check(prog, [RNG.normal(size=(33, 65)), RNG.normal(size=(65,))], lib)
 
 
+def test_one_element_inputs_everywhere(lib):
+    # One-element inputs become constants: used as scalars by binary ops, through buffers
+    # by unary ops, select and stores.
+    b = Builder(["f32", "f16", "f32"])
+    e = b.emit("exp", Ref(1))
+    s = b.emit("select", Ref(1), Ref(0), e)
+    m = b.emit("mul", b.emit("add", Ref(0), Ref(1)), Ref(2))
+    prog = b.build([(s, "f32"), (e, "f32"), (Ref(1), "bf16"), (m, "f32"), (b.emit("sub", Ref(1), Ref(2)), "f32")])
+    check(prog, [RNG.normal(size=(7, 300)), np.float16(0.75), RNG.normal(size=(1, 1))], lib)
+    check(prog, [RNG.normal(size=(7, 300)), np.zeros((1, 1), np.float16), np.float32(2.0)], lib)
+
+
 def test_dead_values_and_reused_slots(lib):
     text = (f"{expr.HEADER}\ninput %0 f32\ninput %1 f32\n%2 = exp %1\n%3 = mul %0 %0\n%4 = add %3 %0\n"
             "%5 = mul %4 %4\n%6 = sub %5 %3\n%7 = neg %6\n%8 = abs %7\n%9 = log %8\noutput %6 f32\noutput %9 f16\n")
