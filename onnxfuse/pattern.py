@@ -35,7 +35,11 @@ from onnxfuse.ops import ELEMENTWISE_OPS
 
 
 def _builtin_dir() -> Path:
-    """The installed copy of the repository's patterns/ folder (package onnxfuse.patterns)."""
+    """The repository's patterns/ folder: installed as package onnxfuse.patterns, or beside
+    the package when it runs from a source checkout (PYTHONPATH=.)."""
+    checkout = Path(__file__).resolve().parent.parent / "patterns"
+    if checkout.is_dir():
+        return checkout
     from importlib.resources import files
 
     return Path(str(files("onnxfuse.patterns")))
