@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# What one H200 session runs (device tool), after onnxruntime-gpu is installed in /tmp/site:
+#   bash benchmarks/gpu_session.sh tests|sweep
+# Results go to $OUT (the device tool's folder); the custom-op library comes from
+# $ONNXFUSE_LIBRARY (built on the CPU machine) or is built there from carried headers.
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+[ -f .devlib/libonnxfuse_ops.so ] && export ONNXFUSE_LIBRARY=$PWD/.devlib/libonnxfuse_ops.so
+[ -d .devlib/ort-include ] && export ONNXFUSE_ORT_INCLUDE=$PWD/.devlib/ort-include
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+case "${1:-tests}" in
+  tests)
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
+    python3 -c "import onnxruntime as o, torch, triton; print(o.__version__, torch.__version__, triton.__version__)" | tee -a "$OUT/device.txt"
+    python3 -m pytest -m gpu tests/ -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
+    ;;
+  sweep)
+    python3 benchmarks/intensity_sweep.py --json "$OUT/intensity_sweep.json" --png "$OUT/intensity_sweep.png" 2>&1 | tee "$OUT/intensity_sweep.log"
+    ;;
+esac
