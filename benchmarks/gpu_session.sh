@@ -14,7 +14,12 @@ case "${1:-tests}" in
     python3 -c "import onnxruntime as o, torch, triton; print(o.__version__, torch.__version__, triton.__version__)" | tee -a "$OUT/device.txt"
     python3 -m pytest -m gpu tests/ -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
     ;;
+  tune)
+    python3 benchmarks/tune_pointwise.py --json "$OUT/tune.json" --best "$OUT/best.txt" 2>&1 | tee "$OUT/tune.log"
+    ;;
   sweep)
+    [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")
+    echo "ONNXFUSE_POINTWISE_CONFIG=${ONNXFUSE_POINTWISE_CONFIG:-default}"
     python3 benchmarks/intensity_sweep.py --json "$OUT/intensity_sweep.json" --png "$OUT/intensity_sweep.png" 2>&1 | tee "$OUT/intensity_sweep.log"
     ;;
 esac

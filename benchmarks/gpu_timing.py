@@ -99,3 +99,24 @@ def copy_bandwidth(n_bytes: int = 1 << 30) -> float:
     b = torch.empty_like(a)
     t = time_cuda(lambda: b.copy_(a), iters=30)
     return 2 * n_bytes / (t.median_ms * 1e-3)
+
+
+def gpu_time_per_call(fn: Callable[[], object], iters: int = 20, prefix: str | None = None) -> float:
+    """Device time (ms) of the GPU kernels one call of fn launches, from CUPTI (torch's
+    profiler sees every kernel in the process, ONNX Runtime's included); host overhead is
+    not counted. prefix: only kernels whose name starts with it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us = 0.0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in e.name.lower():
+            continue
+        if prefix is None or e.name.startswith(prefix):
+            total_us += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+    return total_us / iters / 1e3

@@ -109,6 +109,7 @@ struct Binary {
 struct Variant {
   int64_t n_multiple = 1;
   int64_t ptr_align = 1;
+  int64_t max_elements = 0;  // 0: no limit
   int64_t block = 0;
 };
 
@@ -191,12 +192,13 @@ Meta parse_meta(const std::string& text, const Program& prog, const OrtKernelInf
     if (const Json* req = vj.get("requires")) {
       if (req->kind != Json::OBJECT) throw Error("kernel_meta: " + where + ".requires is not an object");
       for (const auto& kv : req->obj) {
-        if (kv.first != "n_multiple" && kv.first != "ptr_align")
+        if (kv.first != "n_multiple" && kv.first != "ptr_align" && kv.first != "max_elements")
           throw Error("kernel_meta: " + where + " requires \"" + kv.first + "\", which this library does not know");
       }
       // 0 (or absent) means no requirement.
       var.n_multiple = std::max<int64_t>(1, meta_int(*req, "n_multiple", where + ".requires", false, 1));
       var.ptr_align = std::max<int64_t>(1, meta_int(*req, "ptr_align", where + ".requires", false, 1));
+      var.max_elements = std::max<int64_t>(0, meta_int(*req, "max_elements", where + ".requires", false, 0));
     }
     m.variants.push_back(var);
   }
@@ -420,6 +422,7 @@ struct CudaKernel {
       if (!L.fn[v]) continue;
       const Variant& var = meta.variants[v];
       if (io.n % var.n_multiple != 0) continue;
+      if (var.max_elements > 0 && io.n > var.max_elements) continue;
       bool aligned = true;
       for (size_t k = 0; k < n_in + n_out; ++k) aligned &= args[k] % static_cast<uint64_t>(var.ptr_align) == 0;
       if (aligned) chosen = static_cast<int>(v);

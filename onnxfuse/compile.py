@@ -138,16 +138,29 @@ class CompiledKernel:
         return [b.data for b in self.binaries]
 
 
-def choose_variants(spec: KernelSpec) -> tuple[Variant, Variant]:
-    """Variant 0 (aligned, n % 16 == 0) and variant 1 (no requirement); see module doc."""
+def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
+    """The variants of a kernel, most specialized first (the launcher takes the first whose
+    requirements hold): 0: aligned, n a multiple of BLOCK, int32 offsets, no mask;
+    1: aligned, n % 16 == 0, int32 offsets; 2: anything, int64 offsets.
+
+    ``$ONNXFUSE_POINTWISE_CONFIG`` (e.g. ``block=2048,warps=8,int32=0,even=0``) overrides
+    the launch configuration; it is for tuning experiments (benchmarks/tune_pointwise.py)."""
     prog = spec.program
     narrow = "f32" not in prog.input_dtypes and all(dt != "f32" for _, dt in prog.outputs)
-    block = BLOCK_16BIT if narrow else BLOCK
-    num_warps = 8 if len(prog.instrs) > LONG_PROGRAM else 4
-    return (
-        Variant(0, block=block, num_warps=num_warps, ptr_align=16, n_multiple=16),
-        Variant(1, block=block, num_warps=num_warps),
-    )
+    cfg = {"block": BLOCK_16BIT if narrow else BLOCK, "warps": 8 if len(prog.instrs) > LONG_PROGRAM else 4,
+           "int32": 1, "even": 1}
+    for item in filter(None, os.environ.get("ONNXFUSE_POINTWISE_CONFIG", "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in cfg:
+            raise OnnxfuseError(f"ONNXFUSE_POINTWISE_CONFIG: unknown key {key!r} (known: {', '.join(cfg)})")
+        cfg[key] = int(value)
+    block, warps, bits = cfg["block"], cfg["warps"], 32 if cfg["int32"] else 64
+    variants = []
+    if cfg["even"]:
+        variants.append(dict(ptr_align=16, n_multiple=max(block, 16), index_bits=bits))
+    variants.append(dict(ptr_align=16, n_multiple=16, index_bits=bits))
+    variants.append(dict(index_bits=64))
+    return tuple(Variant(k, block=block, num_warps=warps, **v) for k, v in enumerate(variants))
 
 
 # ---------------------------------------------------------------------------------------

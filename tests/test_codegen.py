@@ -228,7 +228,14 @@ def _write_workdir(workdir: Path, cases: list[Case]) -> list[dict]:
     manifest = []
     for i, case in enumerate(cases):
         prog = parse(_prog(case.dtypes, case.program))
-        ks = generate(prog, NAME, len(_out_shape(case)), _modes(case), [f"case {case.id}"], Variant(1))
+        # Every variant kind the compiler emits: no mask when n is a multiple of the block,
+        # int32 offsets on odd cases, int64 on even ones.
+        n = int(np.prod(_out_shape(case), dtype=np.int64))
+        if n and n % case.block == 0 and case.block % 16 == 0:
+            variant = Variant(1, block=case.block, n_multiple=case.block, index_bits=32)
+        else:
+            variant = Variant(1, block=case.block, index_bits=32 if i % 2 else 64)
+        ks = generate(prog, NAME, len(_out_shape(case)), _modes(case), [f"case {case.id}"], variant)
         (workdir / f"case{i}.py").write_text(ks.source)
         arrays = {f"in{j}": _to_storage(a) for j, a in enumerate(_case_inputs(i, case))}
         np.savez(workdir / f"case{i}_in.npz", **arrays)
@@ -431,13 +438,16 @@ def test_launch_configuration_heuristic():
     def spec(text):
         return KernelSpec(parse(text), NAME, 1, ("full",))
 
-    v0, v1 = choose_variants(spec(_prog(("f32",), "%1 = neg %0\noutput %1 f16")))
-    assert (v0.block, v0.num_warps, v0.requires()) == (1024, 4, {"n_multiple": 16, "ptr_align": 16})
-    assert (v1.block, v1.num_warps, v1.requires()) == (1024, 4, {})
-    v0, _ = choose_variants(spec(_prog(("f16",), "%1 = neg %0\noutput %1 bf16")))
+    v0, v1, v2 = choose_variants(spec(_prog(("f32",), "%1 = neg %0\noutput %1 f16")))
+    limit = 2**31 - 1 - 1024
+    assert (v0.block, v0.num_warps, v0.requires(), v0.even) == (
+        1024, 4, {"n_multiple": 1024, "ptr_align": 16, "max_elements": limit}, True)
+    assert (v1.requires(), v1.even) == ({"n_multiple": 16, "ptr_align": 16, "max_elements": limit}, False)
+    assert (v2.block, v2.num_warps, v2.requires(), v2.index_bits) == (1024, 4, {}, 64)
+    v0, *_ = choose_variants(spec(_prog(("f16",), "%1 = neg %0\noutput %1 bf16")))
     assert (v0.block, v0.num_warps) == (2048, 4)
     long = "\n".join(f"%{i + 1} = mul %{i} 2.0" for i in range(40)) + "\noutput %40 f32"
-    v0, _ = choose_variants(spec(_prog(("f32",), long)))
+    v0, *_ = choose_variants(spec(_prog(("f32",), long)))
     assert (v0.block, v0.num_warps) == (1024, 8)
 
 
@@ -485,10 +495,13 @@ def test_aot_binaries_for_sm90(aot):
     meta = ck.kernel_meta()
     assert meta["version"] == 1 and meta["name"] == NAME and meta["rank"] == 2
     assert meta["input_modes"] == ["full", "strided", "scalar"]
-    assert meta["variants"] == [{"requires": {"n_multiple": 16, "ptr_align": 16}, "block": 1024},
-                                {"requires": {}, "block": 1024}]
+    limit = 2**31 - 1 - 1024
+    assert meta["variants"] == [
+        {"requires": {"n_multiple": 1024, "ptr_align": 16, "max_elements": limit}, "block": 1024},
+        {"requires": {"n_multiple": 16, "ptr_align": 16, "max_elements": limit}, "block": 1024},
+        {"requires": {}, "block": 1024}]
     assert [(b["variant"], b["arch"], b["format"]) for b in meta["binaries"]] == [
-        (0, 90, "cubin"), (0, 90, "ptx"), (1, 90, "cubin"), (1, 90, "ptx")]
+        (v, 90, fmt) for v in range(3) for fmt in ("cubin", "ptx")]
     blobs = ck.kernels()
     assert len(blobs) == len(meta["binaries"])
     for b, blob in zip(meta["binaries"], blobs, strict=True):
@@ -520,8 +533,8 @@ def test_aot_parameter_count_is_the_launch_abi(aot):
 
 def test_aot_second_compile_is_a_cache_hit(aot):
     first, second, _ = aot
-    assert (first.compiled, first.cache_hits) == (2, 0) and first.compile_seconds > 0
-    assert (second.compiled, second.cache_hits) == (0, 2) and second.compile_seconds == 0
+    assert (first.compiled, first.cache_hits) == (3, 0) and first.compile_seconds > 0
+    assert (second.compiled, second.cache_hits) == (0, 3) and second.compile_seconds == 0
     assert second.kernels() == first.kernels()
     assert second.kernel_meta_json() == first.kernel_meta_json()
 
