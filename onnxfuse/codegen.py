@@ -230,9 +230,6 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant)
     if variant.index_bits == 32:
         out += ["# int32 offsets: the launcher picks this variant for fewer than 2**31 - BLOCK elements.",
                 "offsets = pid * BLOCK + tl.arange(0, BLOCK)"]
-        if strided:
-            out += [f"size{d} = size{d}.to(tl.int32)" for d in range(rank)]
-            out += [f"stride_x{i}_{d} = stride_x{i}_{d}.to(tl.int32)" for i in strided for d in range(rank)]
     else:
         out += ["# int64 offsets: tensors may hold more than 2**31 elements.",
                 "offsets = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)"]

@@ -19,7 +19,11 @@ fp32, 2048 when all are 16-bit or bool. Programs longer than 32 instructions get
 (half the elements per thread) to keep register pressure down. Measured once on the H200
 (64M elements, Triton JIT, 2026-11-29): 1024/4 was within about 5% of the best of
 512..4096 x 2..16 warps for cos(cos(x)) and x*2 (8x) in fp32; an fp16 GELU ran 116 us at
-1024/4 and 110 us at 2048/4. Not tuned further.
+1024/4 and 110 us at 2048/4. benchmarks/tune_pointwise.py (2026-11-29, H200, 64M
+elements, 32 configurations x 5 workloads, BENCHMARKS.md): 1024/4 with int32 offsets was
+best by geometric mean and equal to torch.compile's kernels; mask-free (even) kernels and
+int64 offsets made no measurable difference, so the mask-free variant is off by default
+(ONNXFUSE_POINTWISE_CONFIG=even=1 turns it on).
 
 Targets: triton 3.6 compiles sm_70 ... sm_90 with its bundled ptxas (CUDA 12.8) and
 sm_100, sm_101, sm_103, sm_120, sm_121 with its bundled ptxas-blackwell (CUDA 12.9);
@@ -148,7 +152,7 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     prog = spec.program
     narrow = "f32" not in prog.input_dtypes and all(dt != "f32" for _, dt in prog.outputs)
     cfg = {"block": BLOCK_16BIT if narrow else BLOCK, "warps": 8 if len(prog.instrs) > LONG_PROGRAM else 4,
-           "int32": 1, "even": 1}
+           "int32": 1, "even": 0}
     for item in filter(None, os.environ.get("ONNXFUSE_POINTWISE_CONFIG", "").split(",")):
         key, _, value = item.partition("=")
         if key not in cfg:
