@@ -91,12 +91,16 @@ def chain(r: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--replot", type=Path, metavar="JSON", help="only redraw --png from an earlier --json")
     ap.add_argument("--elements", type=int, default=64 * 2**20)
     ap.add_argument("--max-r", type=int, default=256)
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
     args = ap.parse_args()
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.png)
+        return
     torch.manual_seed(0)
     x = torch.randn(args.elements // WIDTH, WIDTH, device="cuda")
     bw = copy_bandwidth()
@@ -157,6 +161,9 @@ def plot(result: dict, path: Path) -> None:
               ("torch_compile_ms", "torch.compile"), ("floor_ms", "memory floor"))
     for key, label in series:
         ax[0].plot(rs, [r[key] for r in rows], marker="o", label=label)
+    if all("kernel_ms" in r for r in rows):
+        ax[0].plot(rs, [r["kernel_ms"]["fused"] for r in rows], linestyle="--", marker=".",
+                   label="onnxfuse kernel alone (CUPTI)")
     ax[0].set(xscale="log", yscale="log", xlabel="r (multiplies per element)", ylabel="ms", title="run time")
     ax[0].legend()
     ax[1].plot(rs, [r["fused_tflops"] for r in rows], marker="o")

@@ -10,6 +10,7 @@ Nodes that could have joined but did not are reported with the reason.
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -129,6 +130,36 @@ def _components(view: GraphView, members: set[int]) -> list[list[int]]:
     return list(groups.values())
 
 
+def _exit_levels(view: GraphView, group: list[int]) -> list[set[int]]:
+    """Split a group into convex parts in one pass: a member's level is the largest number
+    of times a path from the group's members to it leaves the group. Levels never decrease
+    along an edge and rise when a path leaves, so no path leaves a level set and comes back.
+    Visits only nodes between the group's first and last member (in topological order)."""
+    members = set(group)
+    hi = group[-1]
+    level = dict.fromkeys(group, 0)
+    heap = list(group)
+    heapq.heapify(heap)
+    queued = set(group)
+    while heap:
+        v = heapq.heappop(heap)
+        lv, leaving = level[v], v in members
+        for o in view.nodes[v].output:
+            for c in view.consumers.get(o, ()):
+                if c > hi or c == v:
+                    continue
+                step = lv + 1 if leaving and c not in members else lv
+                if step > level.get(c, -1):
+                    level[c] = step
+                if c not in queued:
+                    queued.add(c)
+                    heapq.heappush(heap, c)
+    parts: dict[int, set[int]] = {}
+    for i in group:
+        parts.setdefault(level[i], set()).add(i)
+    return list(parts.values())
+
+
 def _reentering(view: GraphView, group: list[int]) -> set[int]:
     """Members reachable from the group through a path that leaves it (including their
     in-group descendants). Empty for a convex group."""
@@ -211,7 +242,8 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int])
             candidates.add(i)
         else:
             result.rejected[reason] += 1
-    work = _components(view, candidates)
+    work = [part for comp in _components(view, candidates) for level_set in _exit_levels(view, comp)
+            for part in _components(view, level_set)]
     done: list[list[int]] = []
     while work:
         group = work.pop()

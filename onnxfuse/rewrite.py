@@ -57,10 +57,12 @@ def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], di
 
     # Boundary inputs first (in order of first use): instruction numbers start after them.
     inputs: list[str] = []
+    seen: set[str] = set()
     for i in match.nodes:
         for k, name in operand_inputs(i):
-            if k not in lits[i] and view.producer.get(name) not in members and name not in inputs:
+            if k not in lits[i] and view.producer.get(name) not in members and name not in seen:
                 inputs.append(name)
+                seen.add(name)
     b = Builder([_ir_dtype(view, x) for x in inputs])
     env: dict[str, Operand] = {x: Ref(k) for k, x in enumerate(inputs)}
     folded: dict[str, float] = {}
