@@ -78,6 +78,25 @@ def InferenceSession(path_or_bytes: Any, providers: Any = None, sess_options: An
 
     if isinstance(path_or_bytes, os.PathLike):
         path_or_bytes = os.fspath(path_or_bytes)
-    so = session_options(sess_options)
+    so = sess_options if sess_options is not None else ort.SessionOptions()
+    try:
+        so.register_custom_ops_library(library_path())
+    except OnnxfuseError as e:
+        _warn_no_library(str(e))
     return ort.InferenceSession(path_or_bytes, sess_options=so,
                                 providers=providers if providers is not None else default_providers(), **kw)
+
+
+_warned = False
+
+
+def _warn_no_library(reason: str) -> None:
+    """Once per process: the session runs without the library, so fused nodes run their
+    ONNX function bodies (the original subgraphs): correct, but unfused and slower."""
+    global _warned
+    if not _warned:
+        _warned = True
+        import warnings
+
+        warnings.warn(f"onnxfuse: custom-op library not available ({reason}); fused nodes run their ONNX "
+                      "function bodies instead of the fused kernels", RuntimeWarning, stacklevel=3)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -637,3 +638,26 @@ def test_node_with_compiled_kernels_runs_on_cpu(lib):
     model = with_kernels(fused_model(prog, [x.shape]), prog, [x.shape], archs=[90])
     onnx.checker.check_model(model)
     np.testing.assert_allclose(run(model, prog, [x], lib)[0], expr.evaluate(prog, [x])[0], rtol=1e-5, atol=1e-6)
+
+
+def test_missing_library_falls_back_to_function_bodies_with_one_warning(monkeypatch, tmp_path):
+    """No library (here: ONNXFUSE_LIBRARY points nowhere): the session still runs, through
+    the function bodies, and says so once."""
+    import warnings
+
+    import onnxfuse
+    from onnxfuse import runtime
+    from tests.util import random_feeds, run
+
+    m = onnx.load(str(Path(__file__).resolve().parent.parent / "models" / "example.onnx"))
+    opt = onnxfuse.optimize_model(m).model
+    monkeypatch.setenv("ONNXFUSE_LIBRARY", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(runtime, "_warned", False)
+    feeds = random_feeds(m)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = onnxfuse.InferenceSession(opt.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+        onnxfuse.InferenceSession(opt.SerializeToString(), providers=["CPUExecutionProvider"])
+    msgs = [str(w.message) for w in caught if "custom-op library not available" in str(w.message)]
+    assert len(msgs) == 1 and "missing.so" in msgs[0]
+    np.testing.assert_allclose(out[0], run(m, feeds)[0], rtol=1e-6, atol=1e-6)
