@@ -46,3 +46,16 @@ def test_readme_cli_command_runs(tmp_path, command):
     if argv[1] == "optimize":
         assert "pointwise_chain: 4 fused" in r.stdout
         assert (tmp_path / argv[3]).exists()
+
+
+PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+
+
+@pytest.mark.parametrize("code", PYTHON_BLOCKS, ids=[f"python{i}" for i in range(len(PYTHON_BLOCKS))])
+def test_readme_python_example_runs(tmp_path, code):
+    # the examples use the optimized bundled example (on this machine's providers: CPU here)
+    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "optimize", str(ROOT / "models" / "example.onnx"),
+                        "example.opt.onnx", "--target", "none"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
