@@ -79,8 +79,16 @@ class BoundSession:
             bind = self.binding.bind_input if name in self.feeds else self.binding.bind_output
             bind(name, "cuda", 0, _np_dtype(t.dtype), list(t.shape), t.data_ptr())
 
+        # For throughput: runs that return without waiting for the GPU (the caller
+        # synchronizes the device); see time_throughput.
+        self.async_options = ort.RunOptions()
+        self.async_options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+
     def run(self) -> None:
         self.sess.run_with_iobinding(self.binding)
+
+    def run_async(self) -> None:
+        self.sess.run_with_iobinding(self.binding, self.async_options)
 
     def result(self) -> dict[str, torch.Tensor]:
         self.run()
@@ -91,6 +99,23 @@ class BoundSession:
 def _np_dtype(dt: torch.dtype):
     return {torch.float32: np.float32, torch.float16: np.float16, torch.bool: np.bool_,
             torch.int64: np.int64}.get(dt, np.float32) if dt != torch.bfloat16 else np.uint16
+
+
+def time_throughput(fn: Callable[[], object], iters: int = 200, warmup: int = 20) -> float:
+    """Milliseconds per call of `iters` back-to-back calls between two device-wide
+    synchronizations (wall clock): steady-state throughput, where host work overlaps the
+    GPU's. For ONNX Runtime use BoundSession.run_async: ORT runs on its own stream, which
+    only a device-wide synchronization waits for."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
 
 
 def copy_bandwidth(n_bytes: int = 1 << 30) -> float:
