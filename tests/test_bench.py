@@ -1,0 +1,329 @@
+"""`onnxfuse bench` on the CPU: runs on small models, a stable JSON schema, the accuracy gate
+(exit 1 on a wrong model, 0 on identical ones), exit 2 on bad input; and compare.py's dry run."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxfuse import bench as ob
+from onnxfuse.cli import main
+from onnxfuse.pipeline import optimize_model, save_model
+from tests.util import model as make_model
+
+pytest.importorskip("onnxruntime")
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "models" / "example.onnx"
+FAST = ["--warmup", "1", "--iters", "3"]
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onnxfuse.cli", "bench", *args], capture_output=True, text=True,
+                          cwd=cwd or ROOT, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def optimized(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench") / "example.opt.onnx"
+    save_model(optimize_model(onnx.load(str(EXAMPLE))).model, out)
+    return out
+
+
+def one_constant_changed(src: Path, dst: Path) -> str:
+    """A copy of src with one element of its first float initializer moved by 0.01."""
+    m = onnx.load(str(src))
+    for t in m.graph.initializer:
+        a = numpy_helper.to_array(t)
+        if a.dtype == np.float32 and a.size > 1:
+            a = a.copy()
+            a.flat[0] += 0.01
+            t.CopyFrom(numpy_helper.from_array(a, t.name))
+            onnx.save(m, str(dst))
+            return t.name
+    raise AssertionError("no float initializer")
+
+
+# ---------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------
+
+MODEL_KEYS = {"name", "path", "onnxfuse_nodes", "library", "load_ms", "first_run_ms", "latency_ms", "runs_per_s",
+              "samples_per_s", "peak_gpu_mem_mb", "speedup", "outputs", "passed"}
+OUTPUT_KEYS = {"name", "dtype", "shape", "max_abs_err", "max_rel_err", "atol", "rtol", "mismatches", "passed", "note"}
+
+
+def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimized):
+    js = tmp_path / "bench.json"
+    r = cli(str(EXAMPLE), str(optimized), "--batch", "4", *FAST, "--json", str(js))
+    assert r.returncode == 0, r.stderr
+    assert "example.opt.onnx" in r.stdout and "reference" in r.stdout
+    d = json.loads(js.read_text())
+    assert list(d) == ["schema", "date", "provider", "device", "versions", "settings", "inputs", "batch", "models",
+                       "passed"]
+    assert d["schema"] == "onnxfuse.bench/1" and d["provider"] == "cpu" and d["passed"] is True
+    assert set(d["versions"]) == {"onnxfuse", "onnxruntime", "onnx", "numpy", "python"}
+    assert set(d["settings"]) == {"shapes", "inputs", "batch", "warmup", "iters", "cuda_graph", "atol", "rtol",
+                                  "seed", "threads", "library", "opt_level", "provider_options"}
+    assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": [4, 16, 64]}]
+    assert d["batch"] == 4
+    first, second = d["models"]
+    for m in (first, second):
+        assert set(m) == MODEL_KEYS
+        assert set(m["latency_ms"]) == {"median", "p10", "p90", "min", "max", "mean", "iters"}
+        assert m["latency_ms"]["iters"] == 3
+        assert m["latency_ms"]["min"] <= m["latency_ms"]["median"] <= m["latency_ms"]["max"]
+        assert m["peak_gpu_mem_mb"] is None
+        assert m["samples_per_s"] == pytest.approx(4 * m["runs_per_s"])
+    assert first["outputs"] == [] and first["speedup"] == 1.0 and first["library"] is False
+    assert second["onnxfuse_nodes"] == 4 and second["library"] is True
+    (out,) = second["outputs"]
+    assert set(out) == OUTPUT_KEYS
+    assert out["name"] == "y" and out["passed"] and out["rtol"] == 1e-5 and out["atol"] == 1e-6
+    assert out["max_abs_err"] < 1e-5
+
+
+def test_identical_models_pass(tmp_path):
+    r = cli(str(EXAMPLE), str(EXAMPLE), *FAST)
+    assert r.returncode == 0, r.stderr
+
+
+def test_wrong_model_fails_the_gate_with_exit_1(tmp_path, optimized):
+    wrong = tmp_path / "wrong.onnx"
+    changed = one_constant_changed(optimized, wrong)
+    js = tmp_path / "b.json"
+    r = cli(str(EXAMPLE), str(optimized), str(wrong), *FAST, "--json", str(js))
+    assert r.returncode == 1, (changed, r.stdout, r.stderr)
+    assert "FAIL" in r.stdout
+    assert "mismatch" in r.stderr and "wrong.onnx" in r.stderr and "'y'" in r.stderr
+    assert "example.opt.onnx" not in r.stderr
+    d = json.loads(js.read_text())
+    assert d["passed"] is False
+    assert [m["passed"] for m in d["models"]] == [True, True, False]
+    bad = d["models"][2]["outputs"][0]
+    assert bad["mismatches"] > 0 and bad["max_abs_err"] > 1e-3
+    # A loose enough tolerance lets it through.
+    assert cli(str(EXAMPLE), str(wrong), *FAST, "--atol", "1").returncode == 0
+
+
+def test_function_bodies_without_the_library(tmp_path, optimized):
+    js = tmp_path / "b.json"
+    r = cli(str(EXAMPLE), str(optimized), *FAST, "--no-library", "--json", str(js))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(js.read_text())
+    assert d["models"][1]["library"] is False and d["models"][1]["onnxfuse_nodes"] == 4
+    assert d["models"][1]["outputs"][0]["max_abs_err"] == 0.0
+    assert d["settings"]["library"] == "off"
+
+
+def test_markdown(tmp_path, optimized):
+    md = tmp_path / "b.md"
+    r = cli(str(EXAMPLE), str(optimized), *FAST, "--markdown", str(md))
+    assert r.returncode == 0, r.stderr
+    text = md.read_text()
+    lines = text.splitlines()
+    assert lines[2].startswith("| model | fused | load ms |")
+    assert lines[3].startswith("|---|")
+    assert lines[4].startswith("| example.onnx |") and lines[5].startswith("| example.opt.onnx | 4 (lib) |")
+    r = cli(str(EXAMPLE), *FAST, "--markdown")
+    assert r.returncode == 0 and r.stdout.splitlines()[2].startswith("| model |")
+
+
+def test_shapes_named_dims_and_given_inputs(tmp_path):
+    # Two inputs sharing the dim "T", an int64 scalar given on the command line.
+    m = make_model([helper.make_node("Add", ["a", "b"], ["s"]), helper.make_node("Cast", ["k"], ["kf"], to=1),
+                    helper.make_node("Mul", ["s", "kf"], ["y"])],
+                   {"a": ("float32", ["N", "T"]), "b": ("float32", ["T"]), "k": ("int64", [])},
+                   {"y": ("float32", ["N", "T"])}, opset=17)
+    p = tmp_path / "m.onnx"
+    onnx.save(m, str(p))
+    js = tmp_path / "b.json"
+    r = cli(str(p), str(p), *FAST, "--shape", "T=5", "--batch", "3", "--input", "k=7", "--json", str(js))
+    assert r.returncode == 0, r.stderr
+    d = json.loads(js.read_text())
+    assert d["inputs"] == [{"name": "a", "dtype": "float32", "shape": [3, 5]},
+                           {"name": "b", "dtype": "float32", "shape": [5]},
+                           {"name": "k", "dtype": "int64", "shape": []}]
+    assert "note" not in r.stderr
+    r = cli(str(p), *FAST, "--shape", "a=2x4", "--shape", "b=4")
+    assert r.returncode == 0, r.stderr
+    # Defaults are stated.
+    r = cli(str(p), *FAST)
+    assert r.returncode == 0, r.stderr
+    assert "note: input 'a': leading dim N set to 1" in r.stderr and "dim 1 (T) set to 1" in r.stderr
+    np.save(tmp_path / "k.npy", np.array(3, dtype=np.int64))
+    assert cli(str(p), *FAST, "--input", f"k={tmp_path / 'k.npy'}").returncode == 0
+
+
+def bad(*args: str) -> str:
+    r = cli(*args)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("onnxfuse: error: ")
+    return r.stderr
+
+
+def test_bad_input_exits_2(tmp_path):
+    assert "no such file" in bad(str(tmp_path / "nope.onnx"))
+    junk = tmp_path / "junk.onnx"
+    junk.write_text("not a model\n" * 20)
+    assert "not a valid ONNX model" in bad(str(junk))
+    assert "no input or dimension named 'z'" in bad(str(EXAMPLE), "--shape", "z=3")
+    assert "bad dimensions" in bad(str(EXAMPLE), "--shape", "x=axb")
+    assert "NAME=VALUE" in bad(str(EXAMPLE), "--shape", "x")
+    assert "dim 1 is 16 in the model" in bad(str(EXAMPLE), "--shape", "x=2x15x64")
+    assert "--iters" in bad(str(EXAMPLE), "--iters", "0")
+    assert "--cuda-graph needs --provider cuda" in bad(str(EXAMPLE), "--provider", "cpu", "--cuda-graph")
+    other = tmp_path / "other.onnx"
+    onnx.save(make_model([helper.make_node("Relu", ["z"], ["y"])], {"z": ("float32", [3])},
+                         {"y": ("float32", [3])}), str(other))
+    assert "has input 'z'" in bad(str(EXAMPLE), str(other))
+    # A model ONNX Runtime cannot load: a node ORT has no kernel for.
+    broken = tmp_path / "broken.onnx"
+    m = make_model([helper.make_node("Relu", ["x"], ["y"])], {"x": ("float32", [3])}, {"y": ("float32", [3])})
+    m.graph.node[0].domain = "nowhere"
+    m.opset_import.append(helper.make_opsetid("nowhere", 1))
+    broken.write_bytes(m.SerializeToString())
+    assert "onnxruntime cannot load it" in bad(str(broken))
+
+
+def test_provider_cuda_without_cuda_is_bad_input():
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has CUDA")
+    assert "no CUDA execution provider" in bad(str(EXAMPLE), "--provider", "cuda")
+
+
+def test_in_process_main_returns_the_status(capsys, tmp_path, optimized):
+    wrong = tmp_path / "wrong.onnx"
+    one_constant_changed(optimized, wrong)
+    assert main(["bench", str(EXAMPLE), str(wrong), *FAST]) == 1
+    assert main(["bench", str(EXAMPLE), str(EXAMPLE), *FAST]) == 0
+    assert main(["bench", str(tmp_path / "none.onnx")]) == 2
+    capsys.readouterr()
+
+
+# ---------------------------------------------------------------------------------------
+# Pieces
+# ---------------------------------------------------------------------------------------
+
+def test_compare_output_rules():
+    f32 = np.array([1.0, 0.0, np.nan, np.inf, -2.0], dtype=np.float32)
+    assert ob.compare_output("y", f32, f32.copy()).passed
+    near = f32.copy()
+    near[0] += 5e-6                          # within rtol 1e-5
+    near[1] = 5e-7                           # within atol 1e-6 (and not counted in max_rel)
+    c = ob.compare_output("y", f32, near)
+    assert c.passed and c.max_rel_err == pytest.approx(5e-6, rel=1e-2) and c.max_abs_err == pytest.approx(5e-6, rel=0.1)
+    far = f32.copy()
+    far[4] = -2.001
+    c = ob.compare_output("y", f32, far)
+    assert not c.passed and c.mismatches == 1
+    nan = f32.copy()
+    nan[0] = np.nan
+    c = ob.compare_output("y", f32, nan)
+    assert not c.passed and c.max_abs_err is None
+    inf = f32.copy()
+    inf[3] = -np.inf
+    assert not ob.compare_output("y", f32, inf).passed
+    assert not ob.compare_output("y", f32, f32.astype(np.float16)).passed
+    assert "shape" in ob.compare_output("y", f32, f32[:4]).note
+    assert ob.compare_output("y", f32, None).note.startswith("missing")
+    h = np.array([1.0, 100.0], dtype=np.float16)
+    assert ob.compare_output("y", h, np.array([1.005, 100.5], dtype=np.float16)).passed
+    i = np.array([1, 2, 3])
+    assert ob.compare_output("y", i, i.copy()).passed
+    assert not ob.compare_output("y", i, i + np.array([0, 0, 1])).passed
+    assert ob.compare_output("y", i, i + np.array([0, 0, 1]), atol=1).passed
+    assert ob.compare_output("y", np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32)).passed
+
+
+def test_parse_dims():
+    assert ob.parse_dims("1x3x224x224") == (1, 3, 224, 224)
+    assert ob.parse_dims("[1, 3, 5]") == (1, 3, 5)
+    assert ob.parse_dims("7") == (7,)
+    assert ob.parse_dims("") == ()
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_shows_only_after_the_delay():
+    now = [0.0]
+    s = FakeTTY()
+    p = ob.Progress("m.onnx", 100, stream=s, delay=2.0, clock=lambda: now[0])
+    now[0] = 1.0
+    p.update(10)
+    assert s.getvalue() == ""
+    now[0] = 2.5
+    p.update(50, "timed")
+    assert "m.onnx [############            ] 50/100 timed 2.5 s" in s.getvalue()
+    p.close()
+    assert s.getvalue().endswith("\r")
+    quiet = io.StringIO()              # not a terminal: nothing
+    p = ob.Progress("m", 10, stream=quiet, delay=0.0)
+    p.update(5)
+    assert quiet.getvalue() == ""
+
+
+def test_report_of_one_model_and_onnxfuse_node_count(optimized):
+    assert ob.count_onnxfuse_nodes(onnx.load(str(optimized))) == 4
+    # In a subgraph too.
+    inner = helper.make_graph([helper.make_node("PointwiseChain", ["x"], ["y"], domain="onnxfuse")], "g", [],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    node = helper.make_node("If", ["c"], ["y"], then_branch=inner, else_branch=inner)
+    g = helper.make_graph([node], "m", [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    assert ob.count_onnxfuse_nodes(helper.make_model(g)) == 2
+    rep = ob.bench([str(EXAMPLE)], ob.BenchSettings(warmup=0, iters=2), notes=io.StringIO())
+    assert rep.passed and rep.models[0].speedup == 1.0
+    assert rep.plain().splitlines()[1].split()[:3] == ["model", "fused", "load"]
+
+
+# ---------------------------------------------------------------------------------------
+# benchmarks/compare.py, dry run (the GPU run is done on the device)
+# ---------------------------------------------------------------------------------------
+
+def test_compare_dry_run(tmp_path):
+    js, md = tmp_path / "c.json", tmp_path / "c.md"
+    r = subprocess.run([sys.executable, "benchmarks/compare.py", "--dry-run", "--models",
+                        "relu_maxpool,conv_relu,mlp_block,cos_cos,resnet18", "--json", str(js), "--markdown", str(md)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(js.read_text())
+    assert d["dry_run"] is True and [c["model"] for c in d["cases"]] == [
+        "relu_maxpool", "conv_relu", "mlp_block", "cos_cos", "resnet18"]
+    by = {c["model"]: c for c in d["cases"]}
+    assert by["mlp_block"]["fused_nodes"] == 2 and by["cos_cos"]["fused_nodes"] == 1
+    for name in ("relu_maxpool", "conv_relu", "mlp_block", "cos_cos"):
+        v = by[name]["variants"]
+        assert v["ort"]["error"] is None and v["onnxfuse"]["error"] is None, v
+        assert v["onnxfuse"]["max_abs_err"] < 1e-5
+        if "torch_eager" in v:
+            assert v["torch_eager"]["max_abs_err"] < 1e-4, (name, v["torch_eager"])
+    text = md.read_text()
+    assert "| model | inputs | fused nodes | ORT | onnxfuse |" in text
+    assert "| mlp_block | 2x8x32 | 2 |" in text
+
+
+def test_compare_lists_every_benchmark_model():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    names = [c.name for c in compare.cases()]
+    assert names[:5] == ["relu_maxpool", "conv_relu", "conv_relu_maxpool", "vgg_stack", "mlp_block"]
+    assert {"resnet18", "vgg11", "mobilenet_v3_small", "ppocr_det", "ppocr_rec", "ppocr_cls", "silero_vad",
+            "yolov8n_320", "mul_chain_8", "cos_cos"} <= set(names)
+    assert all(c.shapes and c.dry_shapes for c in compare.cases())
