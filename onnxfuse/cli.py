@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="time models on the same inputs and check that their outputs agree")
     bench_arguments(p)
     p.set_defaults(func=_cmd_bench)
+
+    from onnxfuse.analyze import add_commands as analysis_commands
+
+    analysis_commands(sub)  # analyze, profile, calibrate
     return parser
 
 

@@ -1,0 +1,764 @@
+"""`onnxfuse profile`: measured time per node in ONNX Runtime, against its roofline bound.
+
+Runs the model with ONNX Runtime's profiler on (the onnxfuse custom-op library registered
+when the model has onnxfuse nodes), parses the profile JSON and joins every node's
+measured time with its static cost (`onnxfuse.cost`, counted on the shapes the profiler
+recorded): achieved GB/s and TFLOP/s, the roofline bound max(FLOPs/peak, bytes/bandwidth),
+the percentage of the bound reached (bound / measured) and the time lost against it.
+
+Where the times come from
+- CPU: the profiler's per-node ``*_kernel_time`` events (the node's Compute, run to
+  completion on the calling thread).
+- CUDA: a node's Compute only launches its kernels, so its host time is not the kernel
+  time. The GPU time per node comes from, in order: the profiler's own ``Kernel`` events
+  (ONNX Runtime builds with CUDA profiling); else CUPTI through torch's profiler, each
+  kernel attributed to the node whose Compute launched it (the launch's host timestamp
+  falls in the node's interval; both clocks are the system clock, aligned by a search
+  that maximizes containment); kernels named ``onnxfuse_*`` are also matched to the node
+  whose overload they are. Without either, host times are reported with a warning.
+ONNX Runtime's graph optimizations (``--ort-level``, default ``all``) may fuse or replace
+nodes; those are costed from the optimized graph ONNX Runtime saves, and marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import shutil
+import statistics
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import NodeProto, TensorProto
+
+from onnxfuse.analyze import Roof, fmt_intensity, fmt_si, fmt_time, load_device, make_roof
+from onnxfuse.cost import NodeCost, Tensor, cost_node, functions_of, parse_shape_args, prepare, tensors_of
+from onnxfuse.errors import OnnxfuseError
+
+ORT_DTYPES = {
+    "float": TensorProto.FLOAT, "float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
+    "MLFloat16": TensorProto.FLOAT16, "bfloat16": TensorProto.BFLOAT16, "BFloat16": TensorProto.BFLOAT16,
+    "double": TensorProto.DOUBLE, "int8": TensorProto.INT8, "uint8": TensorProto.UINT8,
+    "int16": TensorProto.INT16, "uint16": TensorProto.UINT16, "int32": TensorProto.INT32,
+    "uint32": TensorProto.UINT32, "int64": TensorProto.INT64, "uint64": TensorProto.UINT64,
+    "bool": TensorProto.BOOL, "string": TensorProto.STRING,
+    "Float8E4M3FN": TensorProto.FLOAT8E4M3FN, "Float8E5M2": TensorProto.FLOAT8E5M2,
+}
+NP_DTYPES = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+    "tensor(int16)": np.int16, "tensor(uint16)": np.uint16, "tensor(bool)": np.bool_,
+}
+LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
+          "all": "ORT_ENABLE_ALL"}
+SUFFIX = "_kernel_time"
+
+
+# ---------------------------------------------------------------------------------------
+# Parsing ONNX Runtime's profile
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class NodeTiming:
+    """One node's measured times, one entry per measured run (µs)."""
+
+    name: str
+    op_type: str
+    provider: str
+    times_us: list[float] = field(default_factory=list)
+    inputs: list[tuple[str, list[int]]] = field(default_factory=list)  # (ORT dtype, shape) per input
+    outputs: list[tuple[str, list[int]]] = field(default_factory=list)
+    first_ts: float = 0.0  # execution order
+
+    @property
+    def median_us(self) -> float:
+        return statistics.median(self.times_us) if self.times_us else 0.0
+
+
+@dataclass
+class ParsedProfile:
+    runs: list[tuple[float, float]]  # measured model_run intervals (µs since profiling start)
+    run_us: list[float]  # their durations
+    nodes: dict[str, NodeTiming]  # by node name, host times
+    node_events: list[tuple[int, str, float, float]]  # (run, node, ts, dur) of measured runs
+    kernel_us: dict[tuple[int, str], float]  # (run, node) -> GPU kernel µs, from "Kernel" events
+
+
+def _type_shapes(entries) -> list[tuple[str, list[int]]]:
+    out = []
+    for e in entries or []:
+        if isinstance(e, dict):
+            for dt, shape in e.items():
+                out.append((dt, [int(d) for d in shape]))
+    return out
+
+
+def parse_ort_profile(events: list[dict], warmup: int = 0) -> ParsedProfile:
+    """Per-node times of the runs after the first `warmup` ones."""
+    runs_all = sorted((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))) for e in events
+                      if e.get("cat") == "Session" and e.get("name") == "model_run")
+    runs = runs_all[warmup:]
+    starts = [r[0] for r in runs]
+
+    def run_of(ts: float) -> int | None:
+        k = bisect.bisect_right(starts, ts) - 1
+        if k >= 0 and ts <= runs[k][1] + 1:
+            return k
+        return None
+
+    nodes: dict[str, NodeTiming] = {}
+    per_run: dict[tuple[int, str], float] = defaultdict(float)
+    node_events: list[tuple[int, str, float, float]] = []
+    kernel_us: dict[tuple[int, str], float] = defaultdict(float)
+    last_node: tuple[int, str] | None = None
+    for e in events:
+        cat, name = e.get("cat"), str(e.get("name", ""))
+        if cat == "Node" and name.endswith(SUFFIX):
+            node = name[: -len(SUFFIX)]
+            ts, dur = float(e["ts"]), float(e.get("dur", 0))
+            k = run_of(ts)
+            last_node = None if k is None else (k, node)
+            if k is None:
+                continue
+            args = e.get("args", {})
+            t = nodes.get(node)
+            if t is None:
+                t = nodes[node] = NodeTiming(node, args.get("op_name", "?"), args.get("provider", "?"),
+                                             inputs=_type_shapes(args.get("input_type_shape")),
+                                             outputs=_type_shapes(args.get("output_type_shape")), first_ts=ts)
+            per_run[(k, node)] += dur
+            node_events.append((k, node, ts, dur))
+        elif cat == "Kernel":
+            args = e.get("args", {})
+            parent = args.get("parent_name")
+            if parent:
+                k = run_of(float(e["ts"]))
+                if k is not None:
+                    kernel_us[(k, parent)] += float(e.get("dur", 0))
+            elif last_node is not None:
+                kernel_us[last_node] += float(e.get("dur", 0))
+    for (_run, node), dur in sorted(per_run.items()):
+        nodes[node].times_us.append(dur)
+    return ParsedProfile(runs, [b - a for a, b in runs], nodes, node_events, dict(kernel_us))
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA kernels from CUPTI (torch's profiler), attributed to nodes
+# ---------------------------------------------------------------------------------------
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+API_CATS = ("cuda_runtime", "cuda_driver")
+
+
+@dataclass
+class Attribution:
+    kernel_us: dict[tuple[int, str], float]  # (run, node) -> device µs
+    unattributed_us: float
+    kernels: int
+    offset_us: float  # added to ORT's timestamps to meet the trace's
+
+
+def best_offset(times: list[float], intervals: list[tuple[float, float]], window: float) -> float:
+    """The clock offset o (|o| <= window) that puts the most launch times t inside a node
+    interval (s <= t - o <= e): a sweep over the offsets each (launch, interval) pair allows.
+    Among equally good ranges, the one nearest 0; inside it, 0 or its middle."""
+    if not times or not intervals:
+        return 0.0
+    iv = sorted(intervals)
+    starts = [a for a, _ in iv]
+    longest = max(b - a for a, b in iv)
+    edges: list[tuple[float, int]] = []
+    for t in times:
+        lo = bisect.bisect_left(starts, t - window - longest)
+        hi = bisect.bisect_right(starts, t + window)
+        for s, e in iv[lo:hi]:
+            a, b = max(t - e, -window), min(t - s, window)
+            if a <= b:
+                edges.append((a, 1))
+                edges.append((b, -1))
+    if not edges:
+        return 0.0
+    edges.sort(key=lambda x: (x[0], -x[1]))  # closed ranges: openings first
+    depth, top, ranges = 0, 0, []
+    for k, (pos, d) in enumerate(edges):
+        depth += d
+        if d > 0 and k + 1 < len(edges):
+            nxt = edges[k + 1][0]
+            if depth > top:
+                top, ranges = depth, [(pos, nxt)]
+            elif depth == top:
+                ranges.append((pos, nxt))
+    if not ranges:
+        return 0.0
+    a, b = min(ranges, key=lambda r: 0.0 if r[0] <= 0 <= r[1] else min(abs(r[0]), abs(r[1])))
+    return 0.0 if a <= 0 <= b else (a + b) / 2
+
+
+def _coarse_offset(events: list[dict], base_us: float, runs: list[tuple[float, float]] | None, ort_us: float,
+                   window: float) -> float:
+    """Where to center the offset search: 0 when the clocks agree (the usual case: both use
+    the system clock), else the median gap between our per-run annotations
+    (``onnxfuse_run_<i>``) in the trace and ONNX Runtime's model_run starts."""
+    if not runs:
+        return 0.0
+    marks = sorted(base_us + float(e["ts"]) for e in events
+                   if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith("onnxfuse_run_"))
+    if len(marks) != len(runs):
+        return 0.0
+    gap = statistics.median(m - (ort_us + r[0]) for m, r in zip(marks, sorted(runs), strict=True))
+    return 0.0 if abs(gap) < window / 2 else gap
+
+
+def attribute_kernels(trace: dict, node_events: list[tuple[int, str, float, float]], ort_start_ns: int,
+                      kernel_owner: dict[str, list[str]] | None = None, search_us: float = 500.0,
+                      runs: list[tuple[float, float]] | None = None) -> Attribution:
+    """Attribute each GPU activity of a torch (kineto) chrome trace to the node whose Compute
+    launched it. node_events: (run, node, ts µs since ORT's profiling start, dur µs); runs:
+    the measured model_run intervals on the same axis.
+    kernel_owner: kernel name -> node names (onnxfuse kernels: the node's overload), used
+    when a kernel's launch call is not in the trace. Both profilers stamp host events with
+    the system clock; `best_offset` absorbs what is left between them."""
+    base_us = float(trace.get("baseTimeNanoseconds", 0)) / 1000.0
+    events = trace.get("traceEvents", [])
+    launches: dict[int, float] = {}
+    gpu: list[tuple[int | None, str, float, float]] = []
+    for e in events:
+        cat = e.get("cat")
+        args = e.get("args") or {}
+        corr = args.get("correlation")
+        if cat in API_CATS and corr is not None:
+            launches[int(corr)] = base_us + float(e["ts"])
+        elif cat in GPU_CATS:
+            gpu.append((int(corr) if corr is not None else None, str(e.get("name", "")), base_us + float(e["ts"]),
+                        float(e.get("dur", 0))))
+    ort_us = ort_start_ns / 1000.0
+    intervals = sorted((ort_us + ts, ort_us + ts + dur, run, node) for run, node, ts, dur in node_events)
+    starts = [iv[0] for iv in intervals]
+
+    def owner(t: float, offset: float) -> tuple[int, str] | None:
+        k = bisect.bisect_right(starts, t - offset) - 1
+        if k >= 0 and t - offset <= intervals[k][1]:
+            return intervals[k][2], intervals[k][3]
+        return None
+
+    launch_times = [launches[c] for c, *_ in gpu if c is not None and c in launches]
+    center = _coarse_offset(events, base_us, runs, ort_us, search_us)
+    best = center + best_offset([t - center for t in launch_times], [(s, e) for s, e, _, _ in intervals],
+                                search_us)
+    kernel_us: dict[tuple[int, str], float] = defaultdict(float)
+    unattributed, count = 0.0, 0
+    # runs in absolute time, for kernels matched by name: ORT's model_run intervals (they end
+    # after the end-of-run synchronization), else the span of each run's nodes
+    run_spans: dict[int, tuple[float, float]] = {}
+    if runs:
+        run_spans = {k: (ort_us + a, ort_us + b) for k, (a, b) in enumerate(runs)}
+    else:
+        for s, e, run, _ in intervals:
+            a, b = run_spans.get(run, (s, e))
+            run_spans[run] = (min(a, s), max(b, e + 1000))
+    by_name_seen: dict[tuple[int, str], int] = defaultdict(int)
+    for corr, name, ts, dur in gpu:
+        count += 1
+        who = owner(launches[corr], best) if corr is not None and corr in launches else None
+        if who is None and kernel_owner and name in kernel_owner:
+            run = next((r for r, (a, b) in run_spans.items() if a <= ts - best <= b), None)
+            if run is not None:
+                owners = kernel_owner[name]
+                i = by_name_seen[(run, name)]
+                by_name_seen[(run, name)] += 1
+                who = (run, owners[i % len(owners)])
+        if who is None:
+            unattributed += dur
+        else:
+            kernel_us[who] += dur
+    return Attribution(dict(kernel_us), unattributed, count, best)
+
+
+# ---------------------------------------------------------------------------------------
+# Joining with the static costs
+# ---------------------------------------------------------------------------------------
+
+@dataclass
+class ProfiledNode:
+    name: str
+    op_type: str
+    provider: str
+    in_model: bool  # False: created by ONNX Runtime's graph optimizations
+    times_us: list[float]
+    cost: NodeCost
+    bound_s: float | None
+
+    @property
+    def median_s(self) -> float:
+        return (statistics.median(self.times_us) if self.times_us else 0.0) * 1e-6
+
+    @property
+    def achieved_gbps(self) -> float | None:
+        return self.cost.bytes / self.median_s / 1e9 if self.cost.bytes is not None and self.median_s > 0 else None
+
+    @property
+    def achieved_tflops(self) -> float | None:
+        return self.cost.flops / self.median_s / 1e12 if self.cost.flops is not None and self.median_s > 0 else None
+
+    @property
+    def pct_of_bound(self) -> float | None:
+        if self.bound_s is None or self.median_s <= 0:
+            return None
+        return 100.0 * self.bound_s / self.median_s
+
+    @property
+    def lost_s(self) -> float | None:
+        return None if self.bound_s is None else max(self.median_s - self.bound_s, 0.0)
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "op_type": self.op_type, "provider": self.provider, "in_model": self.in_model,
+            "times_us": self.times_us, "median_s": self.median_s, "bound_s": self.bound_s,
+            "achieved_gbps": self.achieved_gbps, "achieved_tflops": self.achieved_tflops,
+            "pct_of_bound": self.pct_of_bound, "lost_s": self.lost_s, "cost": self.cost.to_dict(),
+        }
+
+
+@dataclass
+class ProfileResult:
+    model: str
+    provider: str
+    roof: Roof
+    ort_level: str
+    iters: int
+    warmup: int
+    time_source: str  # "ort-node", "ort-kernel", "cupti", "host"
+    run_us: list[float]
+    nodes: list[ProfiledNode]  # ranked by time lost against the bound
+    input_shapes: dict[str, tuple[int, ...]]
+    warnings: list[str] = field(default_factory=list)
+    unattributed_us: float = 0.0
+
+    @property
+    def run_median_s(self) -> float:
+        return statistics.median(self.run_us) * 1e-6 if self.run_us else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model, "provider": self.provider, "roof": self.roof.to_dict(), "ort_level": self.ort_level,
+            "iters": self.iters, "warmup": self.warmup, "time_source": self.time_source, "run_us": self.run_us,
+            "run_median_s": self.run_median_s, "input_shapes": {k: list(v) for k, v in self.input_shapes.items()},
+            "warnings": self.warnings, "unattributed_gpu_us_per_run": self.unattributed_us,
+            "nodes": [n.to_dict() for n in self.nodes],
+        }
+
+
+def _align(names: list[str], prof: list[tuple[str, list[int]]], consts: set[str]) -> dict[str, Tensor]:
+    """Profiled (dtype, shape) entries matched to tensor names. ONNX Runtime leaves out inputs it
+    does not hold at run time (absent optional ones, pre-packed weights)."""
+    present = [n for n in names if n]
+    for cand in (present, [n for n in present if n not in consts]):
+        if len(cand) == len(prof):
+            out = {}
+            for n, (dt, shape) in zip(cand, prof, strict=True):
+                if dt in ORT_DTYPES:
+                    out[n] = Tensor(n, tuple(shape), ORT_DTYPES[dt], n in consts)
+            return out
+    return {}
+
+
+def join(parsed_nodes: dict[str, NodeTiming], times: dict[str, list[float]], roof: Roof,
+         graphs: list[onnx.ModelProto], static: dict[str, Tensor], model_nodes: set[str],
+         functions) -> list[ProfiledNode]:
+    """Static cost per profiled node, from the node in the first graph that has it (ONNX
+    Runtime's optimized graph, then the model) and the shapes the profiler recorded."""
+    by_name: dict[str, NodeProto] = {}
+    consts: set[str] = set()
+    init_shapes: dict[str, Tensor] = {}
+    for g in reversed(graphs):
+        for n in g.graph.node:
+            if n.name:
+                by_name[n.name] = n
+        for t in g.graph.initializer:
+            consts.add(t.name)
+            init_shapes[t.name] = Tensor(t.name, tuple(t.dims), t.data_type, True)
+    out = []
+    for name, t in parsed_nodes.items():
+        node = by_name.get(name)
+        if node is None:  # not in any graph we have: cost from the profiled shapes alone
+            node = onnx.helper.make_node(t.op_type, [f"{name}:in{k}" for k in range(len(t.inputs))],
+                                         [f"{name}:out{k}" for k in range(len(t.outputs))], name=name)
+        found = {**static, **init_shapes, **_align(list(node.input), t.inputs, consts),
+                 **_align(list(node.output), t.outputs, set())}
+        ins = [(found.get(n) or Tensor(n, None, 0, n in consts)) if n else None for n in node.input]
+        outs = [(found.get(n) or Tensor(n, None, 0)) if n else None for n in node.output]
+        cost = cost_node(node, ins, outs, functions)
+        cost.name = name
+        out.append(ProfiledNode(name, t.op_type, t.provider, name in model_nodes, times.get(name, t.times_us),
+                                cost, roof.time(cost)))
+    out.sort(key=lambda p: (p.lost_s is None, -(p.lost_s or 0), -p.median_s))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------
+
+def random_feeds(sess, input_shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in sess.get_inputs():
+        shape = input_shapes.get(i.name)
+        if shape is None:
+            shape = tuple(d if isinstance(d, int) else 1 for d in (i.shape or []))
+        dt = NP_DTYPES.get(i.type)
+        if dt is None:
+            raise OnnxfuseError(f"input {i.name}: cannot make random data of type {i.type}")
+        if dt == np.bool_:
+            feeds[i.name] = rng.random(shape) > 0.5
+        elif np.issubdtype(dt, np.integer):
+            feeds[i.name] = np.zeros(shape, dtype=dt)  # indices and ids: 0 is always valid
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(dt)
+    return feeds
+
+
+def detect_device(provider: str) -> tuple[str, str | None]:
+    """A device preset for the provider, and a warning when it is a guess."""
+    if provider == "cpu":
+        return "cpu", None
+    name = gpu_name()
+    key = preset_for(name)
+    if key is not None:
+        return key, None
+    return "h200", f"GPU {name or '(unknown)'} has no preset: using h200's roofline (pass --device)"
+
+
+def gpu_name() -> str:
+    """The first GPU's name, from torch or nvidia-smi; "" when neither knows."""
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:  # noqa: BLE001 - torch is optional
+        pass
+    import subprocess
+
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=20)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def preset_for(name: str) -> str | None:
+    """The device preset for a GPU name: "NVIDIA H200" -> h200, "NVIDIA A100-SXM4-80GB" -> a100."""
+    n = name.lower().replace(" ", "").replace("-", "")
+    if "l40" in n:
+        return None  # L40 / L40S are not an L4
+    return next((key for key in ("h200", "h100", "a100", "l4") if key in n), None)
+
+
+def _ort_error(e: Exception) -> OnnxfuseError:
+    text = str(e).strip().splitlines()
+    return OnnxfuseError(f"onnxruntime: {text[0] if text else type(e).__name__}")
+
+
+def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tflops: float | None = None,
+            bandwidth_tbps: float | None = None, dtype_peak: str = "auto",
+            shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None, iters: int = 10,
+            warmup: int = 3, ort_level: str = "all", keep_trace: str | None = None) -> ProfileResult:
+    from onnxfuse.analyze import auto_dtype_peak
+    from onnxfuse.cost import model_cost
+    from onnxfuse.load import load_model
+
+    if iters < 1 or warmup < 0:
+        raise OnnxfuseError("--iters must be at least 1 and --warmup at least 0")
+    model = load_model(path)
+    prep = prepare(model, shapes, batch)
+    warnings = list(prep.warnings)
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise OnnxfuseError("profile needs onnxruntime: pip install 'onnxfuse[cpu]' (or [gpu])") from None
+    if provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
+        raise OnnxfuseError("--provider cuda: this onnxruntime has no CUDA execution provider "
+                            "(install onnxruntime-gpu)")
+    if device is None:
+        device, warn = detect_device(provider)
+        if warn:
+            warnings.append(warn)
+    load_device(device)  # a bad --device fails before anything runs
+    cost = model_cost(model, shapes, batch)
+    roof = make_roof(device, peak_tflops, bandwidth_tbps, auto_dtype_peak(cost) if dtype_peak == "auto" else dtype_peak)
+    torch = None
+    if provider == "cuda":
+        try:
+            import torch  # noqa: F811 - CUPTI through torch's profiler, when it has CUDA
+            if not torch.cuda.is_available():
+                torch = None
+        except ImportError:
+            torch = None
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-profile-") as tmp:
+        sess, dumped = _session(ort, path, model, provider, ort_level, Path(tmp))
+        feeds = random_feeds(sess, prep.input_shapes)
+        run = _runner(ort, sess, feeds, provider)
+        trace = None
+        try:
+            for _ in range(warmup):
+                run()
+            if torch is not None:
+                trace = _run_under_cupti(torch, run, iters, Path(tmp))
+            else:
+                for _ in range(iters):
+                    run()
+        except OnnxfuseError:
+            raise
+        except Exception as e:  # noqa: BLE001 - onnxruntime's exception types
+            raise _ort_error(e) from None
+        start_ns = sess.get_profiling_start_time_ns()
+        profile_path = sess.end_profiling()
+        if keep_trace:
+            try:
+                shutil.copyfile(profile_path, keep_trace)
+            except OSError as e:
+                raise OnnxfuseError(f"{keep_trace}: cannot write ({e.strerror or e})") from None
+        events = json.loads(Path(profile_path).read_text())
+        optimized = onnx.load(str(dumped), load_external_data=False) if dumped and dumped.is_file() else None
+    parsed = parse_ort_profile(events, warmup)
+    if not parsed.runs:
+        raise OnnxfuseError("onnxruntime's profile has no runs")
+    times = {name: t.times_us for name, t in parsed.nodes.items()}
+    source = "ort-node"
+    unattributed = 0.0
+    if provider == "cuda":
+        owners = _kernel_owners(model)
+        if parsed.kernel_us:
+            times, source = _per_node(parsed.kernel_us, len(parsed.runs)), "ort-kernel"
+        elif trace is not None:
+            att = attribute_kernels(trace, parsed.node_events, start_ns, owners, runs=parsed.runs)
+            if att.kernels:
+                times, source = _per_node(att.kernel_us, len(parsed.runs)), "cupti"
+                unattributed = att.unattributed_us / len(parsed.runs)
+                if att.unattributed_us > 0.05 * sum(att.kernel_us.values()):
+                    warnings.append(f"{unattributed:.1f} µs of GPU time per run not attributed to a node")
+            else:
+                warnings.append("torch's profiler saw no GPU kernels: times are host-side launch times")
+                source = "host"
+        else:
+            warnings.append("no GPU kernel times (ONNX Runtime without CUDA profiling, no torch with CUDA): "
+                            "node times are host-side launch times, not kernel times")
+            source = "host"
+        for name, t in parsed.nodes.items():
+            if t.provider == "CPUExecutionProvider":  # run on the host, synchronously: its own time
+                times[name] = t.times_us
+            times.setdefault(name, [0.0] * len(parsed.runs))
+    graphs = [g for g in (optimized, prep.model) if g is not None]
+    static = {}
+    for name in prep.view.shapes:
+        (t,) = tensors_of(prep.view, [name])
+        if t is not None and t.shape is not None:
+            static[name] = t
+    model_nodes = {n.name for n in prep.model.graph.node}
+    nodes = join(parsed.nodes, times, roof, graphs, static, model_nodes, functions_of(prep.model))
+    created = [n.name for n in nodes if not n.in_model]
+    if created:
+        warnings.append(f"{len(created)} node(s) created by ONNX Runtime's graph optimizations (marked +; "
+                        "--ort-level disable keeps the model's own nodes)")
+    return ProfileResult(str(path), provider, roof, ort_level, iters, warmup, source, parsed.run_us, nodes,
+                         prep.input_shapes, warnings, unattributed)
+
+
+def _per_node(kernel_us: dict[tuple[int, str], float], runs: int) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0] * runs)
+    for (run, node), us in kernel_us.items():
+        out[node][run] += us
+    return dict(out)
+
+
+def _kernel_owners(model: onnx.ModelProto) -> dict[str, list[str]]:
+    owners: dict[str, list[str]] = defaultdict(list)
+    for n in model.graph.node:
+        if n.domain == "onnxfuse" and getattr(n, "overload", ""):
+            owners[n.overload].append(n.name)
+    return dict(owners)
+
+
+def _session(ort, path: str, model: onnx.ModelProto, provider: str, level: str, tmp: Path):
+    """A profiling session, saving ONNX Runtime's optimized graph when it can."""
+    def options(dump: Path | None):
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = str(tmp / "ort_profile")
+        so.log_severity_level = 3
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
+        if dump is not None:
+            so.optimized_model_filepath = str(dump)
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                        dump.name + ".data")
+        if any(n.domain == "onnxfuse" for n in model.graph.node):
+            from onnxfuse.runtime import session_options
+
+            session_options(so)  # the custom-op library runs the fused nodes
+        return so
+
+    if provider == "cuda":
+        providers = [("CUDAExecutionProvider", {"device_id": "0"}), "CPUExecutionProvider"]
+    else:
+        providers = ["CPUExecutionProvider"]
+    dump = tmp / "ort_optimized.onnx"
+    try:
+        sess = ort.InferenceSession(str(path), options(dump), providers=providers)
+    except Exception:  # noqa: BLE001 - saving the optimized graph is best effort
+        dump = None
+        try:
+            sess = ort.InferenceSession(str(path), options(None), providers=providers)
+        except OnnxfuseError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise _ort_error(e) from None
+    if provider == "cuda" and sess.get_providers()[0] != "CUDAExecutionProvider":
+        raise OnnxfuseError("--provider cuda: ONNX Runtime could not use the CUDA execution provider (no GPU?)")
+    return sess, dump
+
+
+def _runner(ort, sess, feeds: dict[str, np.ndarray], provider: str):
+    if provider != "cuda":
+        return lambda: sess.run(None, feeds)
+    binding = sess.io_binding()
+    for name, arr in feeds.items():  # inputs live on the GPU: no copies inside the timed runs
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr, "cuda", 0))
+    for o in sess.get_outputs():
+        binding.bind_output(o.name, "cuda", 0)
+    return lambda: sess.run_with_iobinding(binding)
+
+
+def _run_under_cupti(torch, run, iters: int, tmp: Path) -> dict | None:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(iters):
+            with record_function(f"onnxfuse_run_{i}"):
+                run()
+        torch.cuda.synchronize()
+    out = tmp / "cupti_trace.json"
+    prof.export_chrome_trace(str(out))
+    try:
+        return json.loads(out.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------
+# Text and command line
+# ---------------------------------------------------------------------------------------
+
+SOURCES = {
+    "ort-node": "ONNX Runtime's profiler, per node",
+    "ort-kernel": "ONNX Runtime's CUDA kernel events",
+    "cupti": "CUPTI (torch's profiler), GPU kernels attributed to nodes",
+    "host": "host-side times (kernel times unavailable)",
+}
+
+
+def format_profile(r: ProfileResult, top: int | None = 30) -> str:
+    roof = r.roof
+    lines = [f"model: {r.model}", f"provider: {r.provider}, ONNX Runtime level {r.ort_level}, "
+             f"{r.iters} measured runs after {r.warmup} warm-up; times: {SOURCES[r.time_source]}"]
+    if r.input_shapes:
+        lines.append("inputs: " + ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in r.input_shapes.items()))
+    lines.append(f"roofline: {roof.device}: {roof.bandwidth / 1e12:.3g} TB/s, {roof.vector_peak / 1e12:.3g} "
+                 f"TFLOP/s" + (f" ({roof.matrix_peak / 1e12:.3g} for matmul-class nodes)"
+                               if roof.matrix_peak != roof.vector_peak else ""))
+    lines += [f"warning: {w}" for w in r.warnings]
+    node_total = sum(n.median_s for n in r.nodes)
+    bound_total = sum(n.bound_s or 0 for n in r.nodes)
+    run = r.run_median_s
+    lines.append(f"run: median {fmt_time(run)}; nodes {fmt_time(node_total)}"
+                 + (f" ({100 * node_total / run:.0f}% of the run)" if run else "")
+                 + f"; roofline bound of the nodes {fmt_time(bound_total)}"
+                 + (f" ({100 * bound_total / node_total:.1f}% of the nodes' time)" if node_total else ""))
+    lines.append("")
+    shown = r.nodes if not top else r.nodes[:top]
+    w = min(36, max([len(n.name) for n in shown] + [4]))
+    ow = min(20, max([len(n.op_type) for n in shown] + [2]))
+    lines.append(f"  {'node':<{w}}  {'op':<{ow}}  {'measured':>9}  {'bound':>9}  {'% bound':>7}  {'lost':>9}  "
+                 f"{'GB/s':>8}  {'TFLOP/s':>8}  {'FLOP/B':>7}")
+    for n in shown:
+        mark = " " if n.in_model else "+"
+        name = n.name if len(n.name) <= w else n.name[: w - 1] + "…"
+        op = n.op_type if len(n.op_type) <= ow else n.op_type[: ow - 1] + "…"
+        if not n.cost.ok:
+            lines.append(f"{mark} {name:<{w}}  {op:<{ow}}  {fmt_time(n.median_s):>9}  {n.cost.status}: {n.cost.note}")
+            continue
+        pct = f"{n.pct_of_bound:.1f}%" if n.pct_of_bound is not None else "?"
+        gbps = f"{n.achieved_gbps:.3g}" if n.achieved_gbps is not None else "?"
+        tflops = f"{n.achieved_tflops:.3g}" if n.achieved_tflops is not None else "?"
+        lines.append(f"{mark} {name:<{w}}  {op:<{ow}}  {fmt_time(n.median_s):>9}  {fmt_time(n.bound_s):>9}  "
+                     f"{pct:>7}  {fmt_time(n.lost_s):>9}  {gbps:>8}  {tflops:>8}  "
+                     f"{fmt_intensity(n.cost.intensity):>7}")
+    if top and len(r.nodes) > top:
+        lines.append(f"  ... {len(r.nodes) - top} more nodes (--top 0 shows all)")
+    lines.append("(ranked by time lost against the roofline bound; % bound = bound / measured"
+                 + ("; + = created by ONNX Runtime" if any(not n.in_model for n in r.nodes) else "") + ")")
+    worst = [n for n in r.nodes if n.lost_s][:3]
+    if worst:
+        lines.append("most time lost: " + ", ".join(f"{n.name} ({fmt_time(n.lost_s)}, "
+                                                    f"{fmt_si((n.cost.bytes or 0), 'B')})" for n in worst))
+    return "\n".join(lines)
+
+
+def plot_profile(r: ProfileResult, path: str) -> Path:
+    from onnxfuse.plot import Series, roofline_plot
+
+    total = sum(n.median_s for n in r.nodes) or 1.0
+    series = []
+    kinds = (("fused nodes", lambda n: n.cost.domain == "onnxfuse"),
+             ("matmul-class nodes", lambda n: n.cost.domain != "onnxfuse" and n.cost.matrix),
+             ("other nodes", lambda n: n.cost.domain != "onnxfuse" and not n.cost.matrix))
+    skipped = 0
+    for (label, keep), color in zip(kinds, ("tab:red", "tab:blue", "tab:green"), strict=True):
+        s = Series(f"measured: {label}", color=color)
+        for n in r.nodes:
+            if not keep(n):
+                continue
+            i = n.cost.intensity
+            if i is None or not n.cost.flops or math.isinf(i) or n.median_s <= 0:
+                skipped += 1
+                continue
+            s.x.append(i)
+            s.y.append(n.cost.flops / n.median_s)
+            s.size.append(n.median_s / total)
+            s.names.append(n.name)
+        if s.x:
+            series.append(s)
+    notes = [f"{r.provider}, times: {SOURCES[r.time_source]}", "marker area: share of the measured node time"]
+    if skipped:
+        notes.append(f"{skipped} node(s) without FLOPs or cost not shown")
+    return roofline_plot(path, r.roof, series, [], f"{Path(r.model).name}: measured on {r.provider}", None, notes,
+                         ylabel="achieved")
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from onnxfuse.plot import check_path
+
+    if args.plot:
+        check_path(args.plot)
+    r = profile(args.model, args.provider, args.profile_file or args.device, args.peak_tflops, args.bandwidth_tbps,
+                args.dtype_peak, parse_shape_args(args.shape), args.batch, args.iters, args.warmup, args.ort_level,
+                args.keep_trace)
+    print(format_profile(r, top=args.top or None))
+    if args.json:
+        try:
+            Path(args.json).write_text(json.dumps(r.to_dict(), indent=2, default=str) + "\n")
+        except OSError as e:
+            raise OnnxfuseError(f"{args.json}: cannot write ({e.strerror or e})") from None
+        print(f"wrote {args.json}")
+    if args.plot:
+        plot_profile(r, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
