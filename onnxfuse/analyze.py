@@ -259,8 +259,9 @@ def rows_for(nodes: list[NodeCost], roof: Roof, threshold: float) -> tuple[list[
         i = c.intensity
         rows.append(Row(c, t, roof.bound(c), (t / total) if t is not None and total > 0 else None,
                         i is not None and i < threshold and (c.bytes or 0) > 0))
-    rows.sort(key=lambda r: (r.cost.intensity is None, r.cost.intensity if r.cost.intensity is not None else 0,
-                             -(r.time or 0)))
+    # lowest intensity first; nodes that cost nothing (views), then unknown ones, at the end
+    rows.sort(key=lambda r: (r.cost.intensity is None, r.cost.ok and not r.cost.flops and not r.cost.bytes,
+                             r.cost.intensity if r.cost.intensity is not None else 0, -(r.time or 0)))
     totals = Totals(
         nodes=len(nodes), unknown=sum(1 for c in nodes if not c.ok),
         flops=sum(c.flops or 0 for c in nodes if c.ok), bytes=sum(c.bytes or 0 for c in nodes if c.ok),
@@ -502,6 +503,10 @@ def _device_arg(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
+    if args.plot:
+        from onnxfuse.plot import check_path
+
+        check_path(args.plot)  # before the work
     a = analyze(args.model, _device_arg(args), args.peak_tflops, args.bandwidth_tbps, args.dtype_peak,
                 args.threshold, parse_shape_args(args.shape), args.batch, args.patterns or (),
                 fuse=not args.no_fuse)

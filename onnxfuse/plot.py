@@ -48,9 +48,14 @@ def _figure():
 
 
 def check_path(path: str | Path) -> Path:
+    """The plot path, after checking its format and that matplotlib is installed."""
     p = Path(path)
     if p.suffix.lower() not in FORMATS:
         raise OnnxfuseError(f"{p}: plot file must end in {', '.join(FORMATS)}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise OnnxfuseError("plots need matplotlib: pip install 'onnxfuse[plot]'") from None
     return p
 
 

@@ -73,7 +73,7 @@ def test_device_profile_file(tmp_path):
 
 def test_analyze_example():
     a = analyze(str(EXAMPLE), "h200", batch=64)
-    known = [r.cost.intensity for r in a.rows if r.cost.ok]
+    known = [r.cost.intensity for r in a.rows if r.cost.ok and r.cost.bytes]
     assert known == sorted(known) and len(a.rows) == 19
     for r in a.rows:
         assert r.candidate == (r.cost.intensity < 10)
