@@ -199,7 +199,7 @@ def _errors(ref: dict[str, np.ndarray] | None, outs: dict[str, np.ndarray], res:
 def _ort_variant(path: str, feeds, provider: str, library: bool, warmup: int, iters: int, *, graph=False,
                  nhwc=False, gpu=None) -> tuple[VariantResult, dict[str, np.ndarray]]:
     opts = {"prefer_nhwc": "1"} if nhwc else {}
-    settings = ob.BenchSettings(provider=provider, warmup=warmup, iters=iters, cuda_graph=graph,
+    settings = ob.BenchSettings(provider=provider, warmup=warmup, iters=iters, cuda_graph=graph, tf32=True,
                                 provider_options=opts)
     r = ob.run_model(path, feeds, settings, library, ob.Progress(Path(path).name, warmup + iters), gpu)
     lat = ob.Latency.of(r.times_ms)

@@ -21,6 +21,10 @@ float64 1e-7 / 1e-9; other dtypes must be equal. ``--rtol`` / ``--atol`` replace
 every dtype. Exit status: 0 when every output passes, 1 when one does not, 2 on bad input
 (unreadable model, unknown input name, a model ONNX Runtime cannot load or run).
 
+On CUDA, TF32 is off unless ``--tf32`` (ONNX Runtime's CUDA EP turns it on by default): with
+it, MatMul and Conv results differ between two sessions by about 1e-3, far outside the fp32
+tolerance, so a gate on fp32 outputs needs it off (or looser ``--rtol``/``--atol``).
+
 A model with ``onnxfuse`` nodes gets the onnxfuse custom-op library registered
 (`onnxfuse.runtime`); ``--no-library`` runs their function bodies instead.
 
@@ -29,8 +33,8 @@ minor revision, never renamed::
 
     {"schema": "onnxfuse.bench/1", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
      "device": str, "versions": {"onnxfuse", "onnxruntime", "onnx", "numpy", "python": str},
-     "settings": {"warmup", "iters", "batch", "seed", "cuda_graph", "threads", "atol", "rtol",
-                  "library", "opt_level", "shapes", "inputs", "provider_options"},
+     "settings": {"warmup", "iters", "batch", "seed", "cuda_graph", "tf32", "threads", "atol",
+                  "rtol", "library", "opt_level", "shapes", "inputs", "provider_options"},
      "inputs": [{"name", "dtype", "shape"}],            # what every model was fed
      "batch": int,                                       # samples per run (leading dim of the first input)
      "models": [{
@@ -105,6 +109,7 @@ class BenchSettings:
     library: bool = True                                  # register it for models with onnxfuse nodes
     opt_level: str = "all"
     device_id: int = 0
+    tf32: bool = False                                    # CUDA: let MatMul/Conv use TF32
     provider_options: dict[str, str] = field(default_factory=dict)  # extra CUDA EP options
 
     def to_dict(self) -> dict:
@@ -632,7 +637,8 @@ def _session_options(settings: BenchSettings, library: bool) -> Any:
 def _providers(settings: BenchSettings, cuda_graph: bool) -> list:
     if settings.provider != "cuda":
         return ["CPUExecutionProvider"]
-    opts = {"device_id": str(settings.device_id), **settings.provider_options}
+    opts = {"device_id": str(settings.device_id), "use_tf32": "1" if settings.tf32 else "0",
+            **settings.provider_options}
     if cuda_graph:
         opts["enable_cuda_graph"] = "1"
     return [("CUDAExecutionProvider", opts), "CPUExecutionProvider"]
@@ -884,6 +890,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=10, help="untimed runs after the first (default 10)")
     p.add_argument("--iters", type=int, default=100, help="timed runs (default 100)")
     p.add_argument("--cuda-graph", action="store_true", help="run with ONNX Runtime's CUDA graphs")
+    p.add_argument("--tf32", action="store_true",
+                   help="let CUDA MatMul/Conv use TF32 (ORT's own default; off here so fp32 outputs compare at 1e-5)")
     p.add_argument("--atol", type=float, help="absolute tolerance for every output (default per dtype)")
     p.add_argument("--rtol", type=float, help="relative tolerance for every output (default per dtype)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
@@ -903,7 +911,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     shapes = {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
     return BenchSettings(
         provider=provider, shapes=shapes, inputs=parse_assignments(args.input, "--input"), batch=args.batch,
-        warmup=args.warmup, iters=args.iters, cuda_graph=args.cuda_graph, atol=args.atol, rtol=args.rtol,
+        warmup=args.warmup, iters=args.iters, cuda_graph=args.cuda_graph, tf32=args.tf32, atol=args.atol,
+        rtol=args.rtol,
         seed=args.seed, threads=args.threads, library=not args.no_library, opt_level=args.opt_level)
 
 

@@ -23,7 +23,7 @@ pytest.importorskip("onnxruntime")
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "models" / "example.onnx"
-FAST = ["--warmup", "1", "--iters", "3"]
+FAST = ["--provider", "cpu", "--warmup", "1", "--iters", "3"]
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
@@ -71,8 +71,8 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
                        "passed"]
     assert d["schema"] == "onnxfuse.bench/1" and d["provider"] == "cpu" and d["passed"] is True
     assert set(d["versions"]) == {"onnxfuse", "onnxruntime", "onnx", "numpy", "python"}
-    assert set(d["settings"]) == {"shapes", "inputs", "batch", "warmup", "iters", "cuda_graph", "atol", "rtol",
-                                  "seed", "threads", "library", "opt_level", "provider_options"}
+    assert set(d["settings"]) == {"shapes", "inputs", "batch", "warmup", "iters", "cuda_graph", "tf32", "atol",
+                                  "rtol", "seed", "threads", "library", "opt_level", "provider_options"}
     assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": [4, 16, 64]}]
     assert d["batch"] == 4
     first, second = d["models"]
@@ -287,7 +287,7 @@ def test_report_of_one_model_and_onnxfuse_node_count(optimized):
     g = helper.make_graph([node], "m", [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
     assert ob.count_onnxfuse_nodes(helper.make_model(g)) == 2
-    rep = ob.bench([str(EXAMPLE)], ob.BenchSettings(warmup=0, iters=2), notes=io.StringIO())
+    rep = ob.bench([str(EXAMPLE)], ob.BenchSettings(provider="cpu", warmup=0, iters=2), notes=io.StringIO())
     assert rep.passed and rep.models[0].speedup == 1.0
     assert rep.plain().splitlines()[1].split()[:3] == ["model", "fused", "load"]
 
@@ -327,3 +327,31 @@ def test_compare_lists_every_benchmark_model():
     assert {"resnet18", "vgg11", "mobilenet_v3_small", "ppocr_det", "ppocr_rec", "ppocr_cls", "silero_vad",
             "yolov8n_320", "mul_chain_8", "cos_cos"} <= set(names)
     assert all(c.shapes and c.dry_shapes for c in compare.cases())
+
+
+# ---------------------------------------------------------------------------------------
+# On the GPU (run on the device: pytest -m gpu)
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graph", [False, True], ids=["plain", "cuda_graph"])
+def test_bench_on_the_gpu(tmp_path, graph):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime without the CUDA execution provider")
+    opt = tmp_path / "example.opt.onnx"
+    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "optimize", str(EXAMPLE), str(opt)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=600)                 # kernels for the local GPU
+    assert r.returncode == 0, r.stderr
+    js = tmp_path / "b.json"
+    r = cli(str(EXAMPLE), str(opt), "--provider", "cuda", "--batch", "256", "--warmup", "3", "--iters", "20",
+            "--json", str(js), *(["--cuda-graph"] if graph else []))
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    d = json.loads(js.read_text())
+    assert d["provider"] == "cuda" and d["settings"]["cuda_graph"] is graph and d["passed"]
+    assert not d["device"].startswith("CUDA device")                     # the name, from the driver
+    for m in d["models"]:
+        assert m["peak_gpu_mem_mb"] is not None and m["peak_gpu_mem_mb"] > 0
+        assert 0 < m["latency_ms"]["median"] < 50
+    assert d["models"][1]["library"] is True and d["models"][1]["onnxfuse_nodes"] == 4
