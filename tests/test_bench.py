@@ -355,3 +355,23 @@ def test_bench_on_the_gpu(tmp_path, graph):
         assert m["peak_gpu_mem_mb"] is not None and m["peak_gpu_mem_mb"] > 0
         assert 0 < m["latency_ms"]["median"] < 50
     assert d["models"][1]["library"] is True and d["models"][1]["onnxfuse_nodes"] == 4
+
+
+def test_compare_torchvision_case_with_a_stand_in_module(tmp_path, monkeypatch):
+    # torchvision is not installable next to the CPU torch here: a small CNN stands in for it,
+    # so the export-then-compare path of the torchvision cases runs.
+    torch = pytest.importorskip("torch")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    def stand_in(arch: str, seed: int = 0):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Hardswish(),
+                                   torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, 10)).eval()
+
+    monkeypatch.setattr(compare.mb, "torchvision_module", stand_in)
+    case = compare._torchvision("mobilenet_v3_small")
+    res = compare.run_case(case, tmp_path, True, ("ort", "onnxfuse", "torch_eager"), 0, 2, log=lambda *a: None)
+    assert res.skipped is None
+    assert all(v.error is None for v in res.variants.values()), res.variants
+    assert res.variants["torch_eager"].max_abs_err < 1e-4 and res.variants["onnxfuse"].max_abs_err < 1e-5
