@@ -29,23 +29,23 @@ def test_setup_command_installs_then_optimizes_the_bundled_example():
     assert "models/example.onnx" in setup
 
 
-CLI_COMMANDS = [c.split("&&")[-1].strip() for c in COMMANDS if "onnxfuse " in c]
+# Each line's onnxfuse commands, in order (a set-up line chains pip install && onnxfuse ...).
+CLI_COMMANDS = [[part.strip() for part in c.split("&&") if part.strip().startswith("onnxfuse ")]
+                for c in COMMANDS if "onnxfuse " in c]
 
 
-@pytest.mark.parametrize("command", CLI_COMMANDS)
-def test_readme_cli_command_runs(tmp_path, command):
+@pytest.mark.parametrize("commands", CLI_COMMANDS, ids=lambda cs: " && ".join(cs)[:60])
+def test_readme_cli_command_runs(tmp_path, commands):
     (tmp_path / "models").mkdir()
     shutil.copy(ROOT / "models" / "example.onnx", tmp_path / "models" / "example.onnx")
-    argv = command.split()
-    assert argv[0] == "onnxfuse"
-    if argv[1] == "optimize" and "--target" not in argv:
-        argv += ["--target", "none"]  # the set-up command compiles; covered by the compile tests
-    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", *argv[1:]], cwd=tmp_path, capture_output=True,
-                       text=True, timeout=600)
-    assert r.returncode == 0, r.stderr
-    if argv[1] == "optimize":
-        assert "pointwise_chain: 4 fused" in r.stdout
-        assert (tmp_path / argv[3]).exists()
+    for command in commands:
+        argv = command.split()
+        r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", *argv[1:]], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, (command, r.stdout, r.stderr)
+        if argv[1] == "optimize":
+            assert "pointwise_chain: 4 fused" in r.stdout
+            assert (tmp_path / argv[3]).exists()
 
 
 PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
