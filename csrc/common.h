@@ -125,7 +125,16 @@ struct Io {
   int64_t n = 0;
 };
 
-inline Io bind_io(const Program& prog, OrtKernelContext* ctx) {
+// Whether a tensor of type `t` may stand for a program value of dtype `d`: the same type;
+// with `f32_for_half`, also float32 for f16/bf16. ONNX Runtime's CPU provider runs an
+// fp16 node whose neighbours it casts to fp32 in fp32 as well ("isolated fp16 node"),
+// assuming every CPU kernel has a float32 version, and rewires its inputs and outputs.
+inline bool type_fits(ONNXTensorElementDataType t, DType d, bool f32_for_half) {
+  return t == ort_type(d) ||
+         (f32_for_half && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && (d == DType::F16 || d == DType::BF16));
+}
+
+inline Io bind_io(const Program& prog, OrtKernelContext* ctx, bool f32_for_half = false) {
   Io io;
   size_t n_in = 0, n_out = 0;
   check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
@@ -143,7 +152,7 @@ inline Io bind_io(const Program& prog, OrtKernelContext* ctx) {
     check(g_ort->KernelContext_GetInput(ctx, i, &v));
     if (!v) throw Error("input " + std::to_string(i) + " is missing");
     read_tensor(v, &io.in[i]);
-    if (io.in[i].type != ort_type(prog.inputs[i]))
+    if (!type_fits(io.in[i].type, prog.inputs[i], f32_for_half))
       throw Error("input " + std::to_string(i) + " is " + elem_type_name(io.in[i].type) +
                   ", the program declares " + dtype_name(prog.inputs[i]));
     shapes[i] = io.in[i].shape;
@@ -158,7 +167,7 @@ inline Io bind_io(const Program& prog, OrtKernelContext* ctx) {
     check(g_ort->KernelContext_GetOutput(ctx, j, dims, io.out_shape.size(), &v));
     if (!v) throw Error("could not allocate output " + std::to_string(j));
     read_tensor(v, &io.out[j]);
-    if (io.out[j].type != ort_type(prog.outputs[j].second))
+    if (!type_fits(io.out[j].type, prog.outputs[j].second, f32_for_half))
       throw Error("output " + std::to_string(j) + " is " + elem_type_name(io.out[j].type) +
                   " in the graph, the program stores " + dtype_name(prog.outputs[j].second));
   }

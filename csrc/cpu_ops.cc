@@ -107,7 +107,23 @@ float read_scalar(DType d, const void* p) {
   return 0.0f;
 }
 
-void store(DType d, const float* __restrict src, void* out, int64_t start, size_t len) {
+// The dtype a tensor is read or written as: the program's, except float32 standing for f16
+// or bf16 (bind_io's f32_for_half).
+DType actual_dtype(const TensorRef& t, DType declared) {
+  return t.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? DType::F32 : declared;
+}
+
+// Store a block of output j: `d` is the program's dtype, `actual` the tensor's. A float32
+// tensor standing for an f16/bf16 output gets the value rounded as the program says.
+void store(DType d, DType actual, const float* __restrict src, void* out, int64_t start, size_t len) {
+  if (actual == DType::F32 && d != DType::F32) {
+    float* __restrict o = static_cast<float*>(out) + start;
+    if (d == DType::F16)
+      for (size_t i = 0; i < len; ++i) o[i] = f16_to_f32(f32_to_f16(src[i]));
+    else
+      for (size_t i = 0; i < len; ++i) o[i] = bf16_to_f32(f32_to_bf16(src[i]));
+    return;
+  }
   switch (d) {
     case DType::F32:
       std::memcpy(static_cast<float*>(out) + start, src, len * sizeof(float));
@@ -133,6 +149,7 @@ struct Job {
   std::vector<Gather> gathers;
   std::vector<const void*> in_ptr;
   std::vector<void*> out_ptr;
+  std::vector<DType> out_dtype;  // as stored (see store)
   int64_t n = 0;
   size_t block = 0;
   int64_t n_blocks = 0;
@@ -185,7 +202,7 @@ void run_task(const Job& job, int64_t task) {
       const int v = job.prog->outputs[j].first;
       const Loc& l = plan.loc[v];
       if (l.kind == Loc::OUTPUT && l.index == static_cast<int>(j)) continue;
-      store(job.prog->outputs[j].second, table[v], job.out_ptr[j], start, len);
+      store(job.prog->outputs[j].second, job.out_dtype[j], table[v], job.out_ptr[j], start, len);
     }
   }
 }
@@ -197,7 +214,7 @@ struct CpuKernel {
   std::string name;
 
   void compute(OrtKernelContext* ctx) const {
-    Io io = bind_io(prog, ctx);
+    Io io = bind_io(prog, ctx, /*f32_for_half=*/true);
     if (io.n == 0) return;
 
     Job job;
@@ -209,26 +226,30 @@ struct CpuKernel {
     job.in_ptr.resize(n_in);
     for (size_t i = 0; i < n_in; ++i) {
       const TensorRef& t = io.in[i];
+      const DType dt = actual_dtype(t, prog.inputs[i]);
       job.in_ptr[i] = t.data;
       const int64_t ni = numel(t.shape);
       if (ni == 1) {
         kinds[i] = InputKind::SCALAR;
-        scalars[i] = read_scalar(prog.inputs[i], t.data);
-      } else if (ni == io.n && prog.inputs[i] == DType::F32) {
+        scalars[i] = read_scalar(dt, t.data);
+      } else if (ni == io.n && dt == DType::F32) {
         kinds[i] = InputKind::DIRECT;  // same shape as the output (up to leading 1s)
       } else {
         kinds[i] = InputKind::GATHER;
       }
     }
     job.out_ptr.resize(io.out.size());
-    for (size_t j = 0; j < io.out.size(); ++j) job.out_ptr[j] = io.out[j].data;
+    for (size_t j = 0; j < io.out.size(); ++j) {
+      job.out_ptr[j] = io.out[j].data;
+      job.out_dtype.push_back(actual_dtype(io.out[j], prog.outputs[j].second));
+    }
     job.plan = make_plan(prog, kinds, scalars, /*allow_output_direct=*/true);
 
     for (size_t i = 0; i < n_in; ++i) {
       if (kinds[i] != InputKind::GATHER || job.plan.loc[i].kind == Loc::NONE) continue;
       Gather g;
       g.input = static_cast<int>(i);
-      g.dtype = prog.inputs[i];
+      g.dtype = actual_dtype(io.in[i], prog.inputs[i]);
       g.src = io.in[i].data;
       Collapsed c = collapse(io.out_shape, {broadcast_strides(io.in[i].shape, io.out_shape)});
       if (c.dims.size() > static_cast<size_t>(kMaxRank)) throw Error("rank too large");

@@ -6,15 +6,16 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from pathlib import Path
 
-from onnxfuse.errors import OnnxfuseError
+from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 
 EXIT_BAD_INPUT = 2
 
 
 def _cmd_optimize(args: argparse.Namespace) -> int:
-    from onnxfuse.pipeline import optimize
+    from onnxfuse.pipeline import optimize, write_text
 
     src, dst = Path(args.input), Path(args.output)
     if src.exists() and dst.exists() and os.path.samefile(src, dst):
@@ -24,11 +25,15 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         from onnxfuse.kernels import compile_hook
 
         hook = compile_hook(args.target, jobs=args.jobs)
-    report = optimize(src, dst, args.patterns or (), compile_hook=hook)
+    with warnings.catch_warnings():  # the report carries them; printed below
+        warnings.simplefilter("ignore", OnnxfuseWarning)
+        report = optimize(src, dst, args.patterns or (), compile_hook=hook)
     print(report.summary())
     print(f"wrote {dst}")
+    for w in report.warnings:
+        print(f"onnxfuse: warning: {w}", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        write_text(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
     return 0
 
 

@@ -345,6 +345,9 @@ def _operand_text(a: Operand) -> str:
     return f"%{a.index}" if isinstance(a, Ref) else repr(float(a))
 
 
+_FP32_MAX = float(np.finfo(np.float32).max)
+
+
 def _literal(value: float) -> str:
     """A Python expression for the fp32 value of `value` that Triton types as fp32.
 
@@ -358,7 +361,9 @@ def _literal(value: float) -> str:
     if math.isinf(v32):
         return 'float("inf")' if v32 > 0 else 'float("-inf")'
     text = str(v32)
-    if np.float32(float(text)).tobytes() != v32.tobytes():
+    if np.float32(float(text)).tobytes() != v32.tobytes() or abs(float(text)) > _FP32_MAX:
+        # the shortest decimal of FLT_MAX (3.4028235e+38) is above it as a double: Triton
+        # would type it fp64; the exact value is not
         text = repr(float(v32))
     if v32 != 0 and abs(float(v32)) < 2.0**-126:
         return f"tl.full([], {text}, tl.float32)"

@@ -142,6 +142,15 @@ class CompiledKernel:
         return [b.data for b in self.binaries]
 
 
+@dataclass(frozen=True)
+class CompileFailure:
+    """A kernel that did not compile (`compile_kernels(..., errors="collect")`)."""
+
+    spec: KernelSpec
+    targets: tuple[int, ...]  # the archs it failed for
+    message: str  # the first failure's error, shortened
+
+
 def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     """The variants of a kernel, most specialized first (the launcher takes the first whose
     requirements hold): 0: aligned, n a multiple of BLOCK, int32 offsets, no mask;
@@ -251,8 +260,12 @@ def compile_kernels(
     targets: list[int],
     cache_dir: str | os.PathLike | None = None,
     jobs: int | None = None,
-) -> list[CompiledKernel]:
-    """Compile every spec's variants for every target (cached, in parallel); same order."""
+    errors: str = "raise",
+) -> list[CompiledKernel | CompileFailure]:
+    """Compile every spec's variants for every target (cached, in parallel); same order.
+
+    A (variant, target) that fails to compile raises OnnxfuseError, or with
+    errors="collect" makes its spec's entry a CompileFailure (the others still compile)."""
     if not targets:
         raise OnnxfuseError("no GPU targets to compile for")
     for arch in targets:
@@ -276,15 +289,29 @@ def compile_kernels(
                 results[key] = hit
             elif key not in misses:
                 misses[key] = _Job(kernel, arch, key, str(root))
-    timings = _run_jobs(list(misses.values()), jobs)
+    timings, failures = _run_jobs(list(misses.values()), jobs)
+    if failures and errors != "collect":
+        key, message = next(iter(failures.items()))
+        raise OnnxfuseError(f"kernel compilation failed ({misses[key].kernel.name}, sm_{misses[key].arch}):\n"
+                            f"{message}")
     for key in misses:
+        if key in failures:
+            continue
         entry = _cache_get(root, key)
         if entry is None:
-            raise OnnxfuseError(f"compiled kernel {misses[key].kernel.name} is missing from the cache at {root}")
+            failures[key] = f"compiled kernel {misses[key].kernel.name} is missing from the cache at {root}"
+            if errors != "collect":
+                raise OnnxfuseError(failures[key])
+            continue
         results[key] = entry
 
-    out = []
+    out: list[CompiledKernel | CompileFailure] = []
     for spec, (variants, entries) in zip(specs, plans, strict=True):
+        failed = [(a, failures[key]) for _, a, key in entries if key in failures]
+        if failed:
+            archs = tuple(sorted({a for a, _ in failed}))
+            out.append(CompileFailure(spec, archs, failed[0][1]))
+            continue
         binaries: list[Binary] = []
         for v in variants:
             mine = [(a, results[key]) for k, a, key in entries if k.variant == v]
@@ -302,44 +329,91 @@ def compile_kernels(
     return out
 
 
-def _run_jobs(todo: list[_Job], jobs: int | None) -> dict[str, float]:
-    """Compile the jobs, in `jobs` worker processes when there are several; seconds per key.
+def _run_jobs(todo: list[_Job], jobs: int | None) -> tuple[dict[str, float], dict[str, str]]:
+    """Compile the jobs, in `jobs` worker processes when there are several. Returns seconds
+    per compiled key and an error message per failed key: a job that raises fails alone;
+    when a worker process dies, its unfinished jobs run again one per process, so only the
+    job that kills its compiler fails.
 
     Workers are fresh interpreters (``python -c``) fed a pickled list of jobs, rather than
     a multiprocessing pool: "fork" would copy the caller's threads (ONNX Runtime, MLIR),
-    and "spawn" re-imports the caller's main script, which breaks unguarded scripts.
+    and "spawn" re-imports the caller's main script, which breaks unguarded scripts. When
+    the caller is interrupted (Ctrl-C) or fails, the workers are killed.
     """
     n = min(len(todo), jobs or os.cpu_count() or 1)
     if n <= 1:
-        return dict(_compile_job(j) for j in todo)
+        return _compile_all(todo)
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-compile-") as tmp:
+        timings, failures, crashed = _run_workers([todo[w::n] for w in range(n)], n, Path(tmp), "w")
+        if len(crashed) > 1:
+            for j in crashed:
+                failures.pop(j.key, None)
+            t2, f2, _ = _run_workers([[j] for j in crashed], n, Path(tmp), "r")
+            timings.update(t2)
+            failures.update(f2)
+        return timings, failures
+
+
+def _run_workers(groups: list[list[_Job]], parallel: int, tmp: Path, tag: str):
+    """Run each group of jobs in one worker process, at most `parallel` at a time. Returns
+    (timings, failures, jobs of workers that died without a result)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     env.pop("TRITON_INTERPRET", None)
-    with tempfile.TemporaryDirectory(prefix="onnxfuse-compile-") as tmp:
+    timings: dict[str, float] = {}
+    failures: dict[str, str] = {}
+    crashed: list[_Job] = []
+    for first in range(0, len(groups), parallel):
         procs = []
-        for w in range(n):
-            job_file, log_file = Path(tmp, f"jobs{w}.pickle"), Path(tmp, f"log{w}.txt")
-            job_file.write_bytes(pickle.dumps(todo[w::n]))
-            with open(log_file, "wb") as log:
-                cmd = [sys.executable, "-c", f"import onnxfuse.compile as c; c._worker_main({str(job_file)!r})"]
-                procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                               stdin=subprocess.DEVNULL), job_file, log_file))
-        timings: dict[str, float] = {}
-        failed = []
-        for proc, job_file, log_file in procs:
-            if proc.wait() != 0:
-                failed.append(log_file.read_text(errors="replace")[-4000:])
-                continue
-            timings.update(pickle.loads(job_file.with_suffix(".out").read_bytes()))
-        if failed:
-            raise OnnxfuseError(f"kernel compilation failed:\n{failed[0]}")
-        return timings
+        try:
+            for w, mine in enumerate(groups[first:first + parallel], start=first):
+                job_file, log_file = tmp / f"{tag}{w}.pickle", tmp / f"{tag}{w}.log"
+                job_file.write_bytes(pickle.dumps(mine))
+                with open(log_file, "wb") as log:
+                    cmd = [sys.executable, "-c", f"import onnxfuse.compile as c; c._worker_main({str(job_file)!r})"]
+                    procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                   stdin=subprocess.DEVNULL), mine, job_file, log_file))
+            for proc, mine, job_file, log_file in procs:
+                code = proc.wait()
+                out = job_file.with_suffix(".out")
+                if code == 0 and out.exists():
+                    done, failed = pickle.loads(out.read_bytes())
+                    timings.update(done)
+                    failures.update(failed)
+                    continue
+                log = log_file.read_text(errors="replace")[-4000:]
+                for j in mine:
+                    failures[j.key] = f"compiler process exited with code {code}:\n{log}"
+                crashed += mine
+        finally:
+            alive = [proc for proc, *_ in procs if proc.poll() is None]
+            for proc in alive:
+                proc.kill()
+            for proc in alive:
+                proc.wait()
+    return timings, failures, crashed
+
+
+def _compile_all(todo: list[_Job]) -> tuple[dict[str, float], dict[str, str]]:
+    timings: dict[str, float] = {}
+    failures: dict[str, str] = {}
+    for j in todo:
+        try:
+            key, seconds = _compile_job(j)
+            timings[key] = seconds
+        except Exception as e:  # one kernel's failure: reported, the others go on
+            failures[j.key] = _error_text(e)
+    return timings, failures
+
+
+def _error_text(e: BaseException) -> str:
+    lines = [ln for ln in f"{type(e).__name__}: {e}".strip().splitlines() if ln.strip()]
+    return "\n".join(lines[:20])
 
 
 def _worker_main(job_path: str) -> None:
-    """Worker process: compile the pickled jobs, write {key: seconds} beside them."""
+    """Worker process: compile the pickled jobs, write ({key: seconds}, {key: error}) beside them."""
     todo = pickle.loads(Path(job_path).read_bytes())
-    timings = dict(_compile_job(j) for j in todo)
-    Path(job_path).with_suffix(".out").write_bytes(pickle.dumps(timings))
+    Path(job_path).with_suffix(".out").write_bytes(pickle.dumps(_compile_all(todo)))
 
 
 def _compile_job(job: _Job) -> tuple[str, float]:

@@ -7,3 +7,7 @@ class OnnxfuseError(Exception):
 
 class PatternError(OnnxfuseError):
     """A pattern file is invalid; the message names the file and the field."""
+
+
+class OnnxfuseWarning(UserWarning):
+    """Something the user should know that did not stop the optimizer (also in Report.warnings)."""

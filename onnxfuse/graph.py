@@ -47,13 +47,15 @@ class GraphView:
                     shapes[vi.name] = tuple(_dim(d) for d in tt.shape.dim)
                 else:
                     shapes.setdefault(vi.name, None)
-        constants = {t.name: t for t in g.initializer}
+        # an initializer that is also a graph input is an overridable default, not a constant
+        graph_inputs = {i.name for i in g.input}
+        constants = {t.name: t for t in g.initializer if t.name not in graph_inputs}
         for t in g.initializer:
             types[t.name] = t.data_type
             shapes[t.name] = tuple(t.dims)
         return GraphView(
             nodes=list(g.node), producer=producer, consumers=consumers,
-            graph_inputs={i.name for i in g.input}, graph_outputs={o.name for o in g.output},
+            graph_inputs=graph_inputs, graph_outputs={o.name for o in g.output},
             constants=constants, types=types, shapes=shapes,
         )
 

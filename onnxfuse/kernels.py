@@ -30,27 +30,58 @@ def compile_hook(target: str, jobs: int | None = None) -> Callable:
         from onnxfuse import compile as aot
 
         targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
-        return compile_fused(result.model, result.fused, targets, jobs=jobs)
+        info = compile_fused(result.model, result.fused, targets, jobs=jobs)
+        if info["failed"]:
+            result.drop_fused({f["node"] for f in info["failed"]}, FAILED_REASON)
+            for f in info["failed"]:
+                result.warn(failure_warning(f))
+        return info
 
     return hook
 
 
+FAILED_REASON = "kernel failed to compile (left unfused)"
+
+
+def failure_warning(f: dict) -> str:
+    first = next((ln for ln in f["error"].splitlines() if ln.strip()), "no error message")
+    archs = ",".join(f"sm_{a}" for a in f["targets"])
+    return (f"the kernel of fused node {f['node']} failed to compile for {archs} ({first}); its "
+            f"{f['nodes']} original nodes are kept instead")
+
+
 def compile_fused(model, fused: list, targets: list[int], jobs: int | None = None) -> dict:
     """Compile the kernel of every fused node of `model` for `targets` and attach it to the
-    node; returns the compile part of the report."""
+    node; returns the compile part of the report.
+
+    A fused node whose kernel fails to compile for any target is turned back into its
+    original nodes (`onnxfuse.rewrite.unfuse`): a node without kernels would fail on CUDA at
+    run time. It is listed under "failed" (node, kernel, targets, error, nodes); the
+    caller updates its report (see `compile_hook`)."""
     from onnxfuse import compile as aot
+    from onnxfuse.rewrite import unfuse
 
     specs = [aot.KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes) for f in fused]
-    compiled = aot.compile_kernels(specs, targets, jobs=jobs)
-    nodes = {n.name: n for n in model.graph.node}
-    for f, ck in zip(fused, compiled, strict=True):
-        aot.attach(nodes[f.node_name], ck)
+    results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
+    failed = []
+    for f, ck in zip(fused, results, strict=True):
+        if isinstance(ck, aot.CompileFailure):
+            unfuse(model, f)
+            failed.append({"node": f.node_name, "kernel": f.kernel_name, "targets": list(ck.targets),
+                           "error": ck.message, "nodes": len(f.source_nodes)})
+    nodes = {n.name: n for n in model.graph.node}  # after unfuse, which rebuilds the node list
+    compiled = [ck for ck in results if not isinstance(ck, aot.CompileFailure)]
+    for f, ck in zip(fused, results, strict=True):
+        if not isinstance(ck, aot.CompileFailure):
+            aot.attach(nodes[f.node_name], ck)
     seconds = sum(c.compile_seconds for c in compiled)
     hits = sum(c.cache_hits for c in compiled)
     built = sum(c.compiled for c in compiled)
     names = ",".join(f"sm_{t}" for t in targets)
+    summary = f"kernels: {len(compiled)} for {names}: {built} compiled in {seconds:.1f} s, {hits} cache hits"
+    if failed:
+        summary += f", {len(failed)} failed (left unfused)"
     return {
-        "summary": f"kernels: {len(compiled)} for {names}: {built} compiled in {seconds:.1f} s, {hits} cache hits",
-        "kernels": len(compiled), "targets": list(targets), "compile_seconds": seconds,
-        "cache_hits": hits, "compiled": built,
+        "summary": summary, "kernels": len(compiled), "targets": list(targets), "compile_seconds": seconds,
+        "cache_hits": hits, "compiled": built, "failed": failed,
     }

@@ -3,7 +3,8 @@
 Steps (each a function from ModelProto to ModelProto):
 - `load_model`: read the file (external data too) and check it, or raise OnnxfuseError.
 - `canonicalize`: Constant nodes become initializers, initializers listed as graph inputs
-  (IR < 4) become plain constants, Identity and inference-mode Dropout nodes are removed.
+  (IR < 4) become plain constants (from IR 4 on they are defaults the caller may override,
+  and stay inputs), Identity and inference-mode Dropout nodes are removed.
 - `infer_shapes`: ONNX shape inference, returned as a separate model so the output keeps
   only the value_info the user had.
 """
@@ -43,6 +44,8 @@ def load_model(path: str | os.PathLike) -> ModelProto:
     except (OSError, ValueError) as e:
         raise OnnxfuseError(f"{p}: cannot read external data ({_first_line(e)})") from None
     check_opsets(model, str(p))
+    if opset_problem(model) is not None:
+        return model  # an opset newer than onnx knows cannot be checked; optimize leaves it unchanged
     try:
         if model.ByteSize() < 2**31 - 1:
             onnx.checker.check_model(model)
@@ -73,16 +76,31 @@ def _all_tensors(model: ModelProto):
 
 
 def check_opsets(model: ModelProto, where: str = "model") -> None:
+    """Raise OnnxfuseError for a default-domain opset older than MIN_OPSET, or for
+    default-domain nodes without a default-domain opset import. Newer opsets are not an
+    error: `opset_too_new` says why such a model is left unchanged."""
     for imp in model.opset_import:
         if imp.domain in ("", "ai.onnx"):
-            if imp.version > MAX_OPSET:
-                raise OnnxfuseError(
-                    f"{where}: opset {imp.version} is newer than this onnxfuse supports (<= {MAX_OPSET})")
             if imp.version < MIN_OPSET:
                 raise OnnxfuseError(f"{where}: opset {imp.version} is older than supported (>= {MIN_OPSET})")
             return
     if model.graph.node and any(n.domain in ("", "ai.onnx") for n in model.graph.node):
         raise OnnxfuseError(f"{where}: no default-domain opset import")
+
+
+def opset_problem(model: ModelProto) -> str | None:
+    """Why the model cannot be optimized safely because of its default-domain opset, or None.
+
+    Newer than the installed onnx knows: any op may have a new version there, with other
+    semantics, and the opset applies to every node, so no node is known to be safe. Older
+    than MIN_OPSET: not supported. Other domains' opsets do not matter (onnxfuse fuses
+    default-domain ops only)."""
+    v = default_opset(model)
+    if v is not None and v > MAX_OPSET:
+        return f"opset {v} is newer than this onnxfuse knows (<= {MAX_OPSET}, from onnx {onnx.__version__})"
+    if v is not None and v < MIN_OPSET:
+        return f"opset {v} is older than supported (>= {MIN_OPSET})"
+    return None
 
 
 def default_opset(model: ModelProto) -> int | None:
@@ -98,7 +116,9 @@ def canonicalize(model: ModelProto) -> ModelProto:
     g = m.graph
     _constants_to_initializers(g)
     init_names = {t.name for t in g.initializer}
-    kept_inputs = [i for i in g.input if i.name not in init_names]
+    # From IR 4 on, an initializer that is also a graph input is the input's default value,
+    # which the caller may override: it stays an input (and is not a constant).
+    kept_inputs = [i for i in g.input if i.name not in init_names or m.ir_version >= 4]
     if len(kept_inputs) != len(g.input):
         del g.input[:]
         g.input.extend(kept_inputs)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from onnxfuse.graph import GraphView, same_shape
+from onnxfuse.graph import GraphView, _outer_refs, same_shape
 from onnxfuse.ops import DTYPE_NAMES, RULES, node_attrs
 from onnxfuse.pattern import Pattern
 
@@ -272,10 +272,35 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int])
     return result
 
 
+def live_nodes(view: GraphView) -> set[int]:
+    """Nodes that a graph output depends on (directly, or through subgraphs that read them)."""
+    live: set[int] = set()
+    stack = [view.producer[o] for o in view.graph_outputs if o in view.producer]
+    while stack:
+        i = stack.pop()
+        if i in live:
+            continue
+        live.add(i)
+        n = view.nodes[i]
+        stack += [view.producer[x] for x in list(n.input) + sorted(_outer_refs(n)) if x in view.producer]
+    return live
+
+
 def find_matches(view: GraphView, patterns: list[Pattern]) -> MatchResult:
-    """Apply patterns in priority order; a node joins at most one match."""
+    """Apply patterns in priority order; a node joins at most one match.
+
+    Dead nodes (no graph output depends on them) never join: a group computes over the
+    broadcast shape of all its inputs, and a dead node could read a larger input than the
+    tensors the group exposes."""
     total = MatchResult()
+    live = live_nodes(view)
+    ops = {op for p in patterns for op in p.match.ops}
     taken: set[int] = set()
+    for i, n in enumerate(view.nodes):
+        if i not in live:
+            taken.add(i)
+            if n.op_type in ops and n.domain in ("", "ai.onnx"):
+                total.rejected["result is never used"] += 1
     for p in patterns:
         r = match_elementwise_groups(view, p, taken)
         for m in r.matches:

@@ -26,6 +26,13 @@ DTYPE_NAMES = {
 
 Lower = Callable[[Builder, list[Operand], dict, list], Operand]
 
+# Key added to the attributes passed to `lower`: the ONNX element type of the node's output.
+ELEM_TYPE = "_elem_type"
+# Largest finite value per element type: Clip's default bounds (ONNX: numeric_limits::max()
+# and lowest(); ONNX Runtime clamps +-inf to them).
+FINITE_MAX = {TensorProto.FLOAT: float(np.finfo(np.float32).max), TensorProto.FLOAT16: 65504.0,
+              TensorProto.BFLOAT16: float.fromhex("0x1.fep127")}
+
 
 @dataclass(frozen=True)
 class OpRule:
@@ -35,6 +42,7 @@ class OpRule:
     const_inputs: indices of optional inputs that must be scalar constants when present;
         their values are passed to `lower` as the `consts` list (None where absent).
     bool_inputs: indices of inputs that are bool (Where's condition).
+    lower(builder, operands, attrs, consts): attrs are the node's attributes plus ELEM_TYPE.
     """
 
     lower: Lower
@@ -87,7 +95,8 @@ def _leaky_relu(b: Builder, a: list[Operand], attrs: dict, c: list) -> Operand:
 def _elu(b: Builder, a: list[Operand], attrs: dict, c: list) -> Operand:
     alpha = attrs.get("alpha", 1.0)
     neg = b.emit("mul", b.emit("sub", b.emit("exp", a[0]), 1.0), alpha)
-    return b.emit("select", b.emit("gt", a[0], 0.0), a[0], neg)
+    # x >= 0, not x > 0: Elu(-0.0) is -0.0 (the ONNX definition; ONNX Runtime agrees)
+    return b.emit("select", b.emit("ge", a[0], 0.0), a[0], neg)
 
 
 def _hard_sigmoid(b: Builder, a: list[Operand], attrs: dict, c: list) -> Operand:
@@ -107,12 +116,10 @@ def _reciprocal(b: Builder, a: list[Operand], attrs: dict, c: list) -> Operand:
 def _clip(b: Builder, a: list[Operand], attrs: dict, c: list) -> Operand:
     lo = c[0] if c and c[0] is not None else attrs.get("min")
     hi = c[1] if len(c) > 1 and c[1] is not None else attrs.get("max")
-    x = a[0]
-    if lo is not None:
-        x = b.emit("max", x, float(lo))
-    if hi is not None:
-        x = b.emit("min", x, float(hi))
-    return x
+    # An absent bound is the type's lowest / largest finite value, so +-inf is clamped too.
+    limit = FINITE_MAX[attrs.get(ELEM_TYPE, TensorProto.FLOAT)]
+    x = b.emit("max", a[0], -limit if lo is None else float(lo))
+    return b.emit("min", x, limit if hi is None else float(hi))
 
 
 def _where(b: Builder, a: list[Operand], attrs: dict, c: list) -> Operand:

@@ -146,6 +146,8 @@ def load_pattern_file(path: str | Path) -> Pattern:
         raise PatternError(f"{path}: {where}: not valid YAML ({getattr(e, 'problem', e)})") from None
     except OSError as e:
         raise PatternError(f"{path}: cannot read ({e.strerror})") from None
+    except UnicodeDecodeError as e:
+        raise PatternError(f"{path}: (file): not UTF-8 text (byte {e.start})") from None
     top = _Fields(data, path)
     top.no_extra({"name", "description", "priority", "match", "replace", "example"})
     name = top.get("name", str)

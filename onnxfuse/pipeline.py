@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -12,9 +13,9 @@ from pathlib import Path
 import onnx
 from onnx import ModelProto
 
-from onnxfuse.errors import OnnxfuseError
+from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.graph import GraphView
-from onnxfuse.load import canonicalize, infer_shapes, load_model
+from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem
 from onnxfuse.match import find_matches
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.rewrite import FusedNode, rewrite
@@ -44,6 +45,7 @@ class Report:
     not_fused: dict[str, int] = field(default_factory=dict)  # reason -> nodes
     compile: dict | None = None
     seconds: float = 0.0
+    warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -66,6 +68,7 @@ class Report:
         if self.compile is not None:
             c = self.compile
             lines.append(c["summary"] if "summary" in c else f"compile: {c}")
+        lines += [f"warning: {w}" for w in self.warnings]
         lines.append(f"time: {self.seconds:.2f} s")
         return "\n".join(lines)
 
@@ -76,11 +79,41 @@ class Result:
     report: Report
     fused: list[FusedNode]
 
+    def warn(self, message: str) -> None:
+        """Record a warning in the report and issue it as an OnnxfuseWarning."""
+        self.report.warnings.append(message)
+        warnings.warn(message, OnnxfuseWarning, stacklevel=3)
+
+    def drop_fused(self, names: set[str], reason: str) -> None:
+        """Forget fused nodes that were turned back into their original nodes
+        (`onnxfuse.rewrite.unfuse`): they count as not fused, for `reason`."""
+        dropped = [f for f in self.fused if f.node_name in names]
+        self.fused[:] = [f for f in self.fused if f.node_name not in names]
+        r = self.report
+        r.fused = [rec for rec in r.fused if rec.node not in names]
+        r.patterns_applied = dict(Counter(f.pattern for f in self.fused))
+        r.nodes_after = len(self.model.graph.node)
+        if dropped:
+            r.not_fused[reason] = r.not_fused.get(reason, 0) + sum(len(f.source_nodes) for f in dropped)
+
 
 def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None) -> Result:
-    """Fuse a model in memory. The input model is not modified."""
+    """Fuse a model in memory. The input model is not modified.
+
+    A model whose default-domain opset is newer than this onnxfuse knows (or older than
+    `onnxfuse.load.MIN_OPSET`) comes back unchanged (a copy), with a warning: an op may
+    mean something else in that opset (`onnxfuse.load.opset_problem`)."""
     t0 = time.perf_counter()
     patterns = load_patterns() if patterns is None else patterns
+    too_new = opset_problem(model)
+    if too_new is not None:
+        same = ModelProto()
+        same.CopyFrom(model)
+        n = len(model.graph.node)
+        result = Result(same, Report(nodes_before=n, nodes_after=n, not_fused={too_new: n}), [])
+        result.warn(f"{too_new}: the model is left unchanged")
+        result.report.seconds = time.perf_counter() - t0
+        return result
     canonical = canonicalize(model)                       # exporters' habits undone
     inferred = infer_shapes(canonical)                    # types and shapes for matching
     view = GraphView.build(canonical, inferred)           # producers, consumers, constants
@@ -94,8 +127,40 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None) -> 
                             len(f.inputs), len(f.outputs)) for f in fused],
         not_fused=dict(found.rejected),
     )
+    for reason, count in _not_visited(canonical, patterns).items():
+        report.not_fused[reason] = report.not_fused.get(reason, 0) + count
     report.seconds = time.perf_counter() - t0
     return Result(fused_model, report, fused)
+
+
+SUBGRAPH_REASON = "inside an If/Loop/Scan body (subgraphs are not optimized)"
+FUNCTION_REASON = "inside a model-local function (functions are not optimized)"
+
+
+def _not_visited(model: ModelProto, patterns: list[Pattern]) -> Counter:
+    """Nodes of fusible op types that the matcher does not look at: in subgraphs (If, Loop,
+    Scan bodies) and in the model's own functions (not onnxfuse's)."""
+    ops = {op for p in patterns for op in p.match.ops}
+    counts: Counter = Counter()
+
+    def fusible(n: onnx.NodeProto) -> bool:
+        return n.domain in ("", "ai.onnx") and n.op_type in ops
+
+    def walk(nodes, reason: str, nested: bool) -> None:
+        for n in nodes:
+            if nested and fusible(n):
+                counts[reason] += 1
+            for a in n.attribute:
+                for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    walk(sg.node, reason, True)
+
+    walk(model.graph.node, SUBGRAPH_REASON, False)
+    from onnxfuse.rewrite import DOMAIN
+
+    for f in model.functions:
+        if f.domain != DOMAIN:
+            walk(f.node, FUNCTION_REASON, True)
+    return counts
 
 
 def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
@@ -114,40 +179,84 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
 
 def save_model(model: ModelProto, path: str | os.PathLike) -> None:
     """Write atomically: to a temporary file in the same folder, then rename. Models too big
-    for one protobuf go to external data beside it (<name>.data)."""
+    for one protobuf go to external data beside it (<name>.data). After any failure (full
+    disk, no permission, Ctrl-C) no partial or temporary file is left and a file already at
+    `path` is untouched; OSError becomes a one-line OnnxfuseError."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise OnnxfuseError(f"{path}: folder {folder} does not exist")
+    if path.is_dir():
+        raise OnnxfuseError(f"{path}: is a directory")
     big = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
     data_name = path.name + ".data"
-    tmp_data = folder / f".{data_name}.tmp"
+    temps: list[str] = []
+    data_moved = False
     try:
+        tmp = _temp_file(folder, path.name, temps)
         if big:
+            tmp_data = _temp_file(folder, data_name, temps)
             m = ModelProto()
             m.CopyFrom(model)
             onnx.save_model(m, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                            location=tmp_data.name, size_threshold=1024)
+                            location=Path(tmp_data).name, size_threshold=1024)
             # Point the tensors at the final data file name, then move both into place.
             m2 = onnx.load(tmp, load_external_data=False)
             for t in _external_tensors(m2):
                 for kv in t.external_data:
                     if kv.key == "location":
                         kv.value = data_name
-            onnx.save_model(m2, tmp)
+            _write_file(tmp, m2.SerializeToString())
             os.replace(tmp_data, folder / data_name)
+            data_moved = True
         else:
-            with open(tmp, "wb") as f:
-                f.write(model.SerializeToString(deterministic=True))
+            _write_file(tmp, model.SerializeToString(deterministic=True))
+        os.replace(tmp, path)
+    except OSError as e:
+        if data_moved:
+            _unlink(folder / data_name)
+        raise OnnxfuseError(f"{path}: cannot write ({e.strerror or e})") from None
+    finally:
+        for p in temps:
+            _unlink(p)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write a small text file (the JSON report) atomically, like `save_model`."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    temps: list[str] = []
+    try:
+        tmp = _temp_file(folder, path.name, temps)
+        _write_file(tmp, text.encode())
         os.replace(tmp, path)
     except OSError as e:
         raise OnnxfuseError(f"{path}: cannot write ({e.strerror or e})") from None
     finally:
-        for p in (tmp, tmp_data):
-            if os.path.exists(p):
-                os.unlink(p)
+        for p in temps:
+            _unlink(p)
+
+
+def _temp_file(folder: Path, name: str, temps: list[str]) -> str:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    temps.append(tmp)
+    os.close(fd)
+    return tmp
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Write and flush to disk (a full disk shows up here, not after the rename)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _unlink(path: str | os.PathLike) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def _external_tensors(model: ModelProto):

@@ -13,7 +13,7 @@ from onnxfuse.expr import Builder, Operand, Program, Ref
 from onnxfuse.graph import GraphView, _outer_refs, same_shape
 from onnxfuse.load import default_opset
 from onnxfuse.match import Match, literal_inputs, numel
-from onnxfuse.ops import FLOAT_TYPES, RULES, node_attrs
+from onnxfuse.ops import ELEM_TYPE, FLOAT_TYPES, RULES, node_attrs
 
 DOMAIN = "onnxfuse"
 DOMAIN_VERSION = 1
@@ -38,6 +38,21 @@ class FusedNode:
 def _ir_dtype(view: GraphView, name: str) -> str:
     t = view.types[name]
     return "bool" if t == onnx.TensorProto.BOOL else FLOAT_TYPES[t]
+
+
+def _round_trip_source(view: GraphView, members: set[int], n: NodeProto) -> str | None:
+    """s, when n is Cast(Cast(s: T -> float32) -> T) with both casts in the group (T is
+    float16 or bfloat16): the original's value is s exactly. The program keeps s unrounded
+    (it rounds only where it stores), so a rounding here would make the round trip differ
+    from s by up to half an ulp of T, e.g. s - Cast(Cast(s)) would not be 0."""
+    if n.op_type != "Cast" or view.types.get(n.input[0]) != onnx.TensorProto.FLOAT:
+        return None
+    to = node_attrs(n).get("to")
+    p = view.producer.get(n.input[0])
+    if to not in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) or p not in members:
+        return None
+    widen = view.nodes[p]
+    return widen.input[0] if widen.op_type == "Cast" and view.types.get(widen.input[0]) == to else None
 
 
 def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], dict[str, float]]:
@@ -81,7 +96,12 @@ def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], di
                 folded[name] = lits[i][k]
             else:
                 args.append(env[name])
-        env[n.output[0]] = rules[i].lower(b, args, node_attrs(n), consts)
+        source = _round_trip_source(view, members, n)
+        if source is not None:
+            env[n.output[0]] = env[source]
+            continue
+        attrs = dict(node_attrs(n), **{ELEM_TYPE: view.types[n.output[0]]})
+        env[n.output[0]] = rules[i].lower(b, args, attrs, consts)
     outs: list[tuple[Ref, str]] = []
     for o in match.outputs:
         v = env[o]
@@ -248,3 +268,62 @@ def toposort(nodes: list[NodeProto], g: onnx.GraphProto) -> list[NodeProto]:
     if len(order) != len(nodes):
         raise AssertionError("fusion created a cycle; please report this model")
     return [nodes[i] for i in order]
+
+
+def unfuse(model: ModelProto, fused: FusedNode) -> None:
+    """Turn a fused node of `model` back into its original nodes, in place: its function
+    body, inlined with the node's tensor names (internal tensors get fresh names, folded
+    constants become Constant nodes, node names are the originals'). The function goes
+    when no node uses it any more, the onnxfuse opset import when nothing uses the domain."""
+    g = model.graph
+    idx = next(i for i, n in enumerate(g.node) if n.name == fused.node_name)
+    node = g.node[idx]
+    key = (node.domain, node.op_type, node.overload)
+    f = next(f for f in model.functions if (f.domain, f.name, f.overload) == key)
+    rename = dict(zip(f.input, node.input, strict=True)) | dict(zip(f.output, node.output, strict=True))
+    taken = _all_names(model)
+    originals = iter(s.split(" ", 1)[1] if " " in s else "" for s in fused.source_nodes)
+    body = []
+    for b in f.node:
+        n = NodeProto()
+        n.CopyFrom(b)
+        for k, name in enumerate(n.output):
+            if name and name not in rename:
+                rename[name] = _unique(f"{fused.node_name}/{name}", taken)
+            if name:
+                n.output[k] = rename[name]
+        for k, name in enumerate(n.input):
+            if name:
+                n.input[k] = rename[name]
+        n.name = next(originals, "") if n.op_type != "Constant" or n.domain not in ("", "ai.onnx") else ""
+        body.append(n)
+    nodes = list(g.node[:idx]) + body + list(g.node[idx + 1:])
+    del g.node[:]
+    g.node.extend(nodes)
+    if not any((n.domain, n.op_type, n.overload) == key for n in g.node):
+        kept = [fn for fn in model.functions if (fn.domain, fn.name, fn.overload) != key]
+        del model.functions[:]
+        model.functions.extend(kept)
+    if not any(n.domain == DOMAIN for n in g.node) and not any(fn.domain == DOMAIN for fn in model.functions):
+        kept_imports = [i for i in model.opset_import if i.domain != DOMAIN]
+        del model.opset_import[:]
+        model.opset_import.extend(kept_imports)
+
+
+def _all_names(model: ModelProto) -> set[str]:
+    """Every tensor name of the main graph and its subgraphs."""
+    names: set[str] = set()
+
+    def walk(g: onnx.GraphProto) -> None:
+        names.update(i.name for i in g.input)
+        names.update(o.name for o in g.output)
+        names.update(t.name for t in g.initializer)
+        names.update(v.name for v in g.value_info)
+        for n in g.node:
+            names.update(x for x in list(n.input) + list(n.output) if x)
+            for a in n.attribute:
+                for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                    walk(sg)
+
+    walk(model.graph)
+    return names

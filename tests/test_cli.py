@@ -89,12 +89,29 @@ def test_truncated(tmp_path):
     assert "not a valid ONNX model" in bad(tmp_path, str(p))
 
 
-def test_unsupported_opset(tmp_path):
+def test_opset_newer_than_known_leaves_the_model_unchanged(tmp_path):
+    """Any op may mean something else in an opset onnx does not know yet: the model is written
+    unchanged, with a warning, and the command succeeds."""
     m = onnx.load(str(EXAMPLE))
     m.opset_import[0].version = 99
-    p = tmp_path / "future.onnx"
+    p, out, js = tmp_path / "future.onnx", tmp_path / "out.onnx", tmp_path / "r.json"
     p.write_bytes(m.SerializeToString())
-    assert "opset 99" in bad(tmp_path, str(p))
+    r = cli("optimize", str(p), str(out), "--target", "none", "--json", str(js))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("onnxfuse: warning: opset 99 is newer than this onnxfuse knows"), r.stderr
+    assert "left unchanged" in r.stderr and "Traceback" not in r.stderr
+    assert onnx.load(str(out)).graph == m.graph
+    report = json.loads(js.read_text())
+    assert report["nodes_after"] == report["nodes_before"] == len(m.graph.node)
+    assert report["warnings"] and not report["fused"]
+
+
+def test_unsupported_old_opset(tmp_path):
+    m = onnx.load(str(EXAMPLE))
+    m.opset_import[0].version = 5
+    p = tmp_path / "old.onnx"
+    p.write_bytes(m.SerializeToString())
+    assert "opset 5 is older than supported" in bad(tmp_path, str(p))
 
 
 def test_missing_external_data(tmp_path):

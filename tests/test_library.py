@@ -436,10 +436,29 @@ def test_bad_program_fails_at_session_creation(lib):
 def test_dtype_mismatch_is_a_clear_error(lib):
     prog = prog1("neg", 1)  # declares an f32 input
     model = fused_model(prog, [(3,)])
-    text = model.graph.node[0].attribute[0].s.decode().replace("input %0 f32", "input %0 f16")
+    text = model.graph.node[0].attribute[0].s.decode().replace("input %0 f32", "input %0 bool")
     model.graph.node[0].attribute[0].s = text.encode()
-    with pytest.raises(Exception, match="input 0 is float32, the program declares f16"):
+    with pytest.raises(Exception, match="input 0 is float32, the program declares bool"):
         run(model, prog, [np.zeros(3, np.float32)], lib)
+
+
+def test_float32_tensors_may_stand_for_half_values(lib):
+    """ONNX Runtime's CPU provider runs an fp16 node whose neighbours it casts to fp32 in
+    fp32 too, rewiring its inputs and outputs to float32 ("isolated fp16 node"): the CPU
+    kernel reads and writes float32 there, rounding outputs as the program says."""
+    prog = expr.parse(f"{expr.HEADER}\ninput %0 f16\n%1 = mul %0 3.0\noutput %1 f16\noutput %0 f16\n")
+    as_f32 = prog_with_dtypes(prog, "f32")
+    model = fused_model(as_f32, [(5,)])
+    model.graph.node[0].attribute[0].s = prog.to_text().encode()
+    x = np.array([1.0, 1e-3, 70000.0, -0.1, 1 / 3], np.float32)
+    out = run(model, as_f32, [x], lib)
+    with np.errstate(over="ignore"):
+        np.testing.assert_array_equal(out[0], (x * 3).astype(np.float16).astype(np.float32))
+        np.testing.assert_array_equal(out[1], x.astype(np.float16).astype(np.float32))
+
+
+def prog_with_dtypes(prog: Program, dtype: str) -> Program:
+    return Program(tuple(dtype for _ in prog.input_dtypes), prog.instrs, tuple((v, dtype) for v, _ in prog.outputs))
 
 
 def test_erf_reference_is_exact_enough():
