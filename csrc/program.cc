@@ -6,6 +6,26 @@
 #include <map>
 #include <sstream>
 
+// Vector math: glibc's libmvec has SIMD versions of these functions (SSE/AVX2/AVX-512,
+// within 4 ulp). math.h declares them SIMD-callable only under -ffast-math, whose other
+// effects (NaN handling) the program semantics cannot take; these declarations make the
+// same promise without it, so the vectorizer calls _ZGV*_expf and friends for whole
+// registers. The build (onnxfuse/build.py) defines ONNXFUSE_VECTOR_MATH only where
+// libmvec has them all (glibc >= 2.35); elsewhere the scalar functions are used.
+#if defined(ONNXFUSE_VECTOR_MATH) && defined(__x86_64__)
+#define ONNXFUSE_SIMD __attribute__((simd("notinbranch")))
+extern "C" {
+ONNXFUSE_SIMD float expf(float) noexcept;
+ONNXFUSE_SIMD float logf(float) noexcept;
+ONNXFUSE_SIMD float log1pf(float) noexcept;
+ONNXFUSE_SIMD float tanhf(float) noexcept;
+ONNXFUSE_SIMD float erff(float) noexcept;
+ONNXFUSE_SIMD float cosf(float) noexcept;
+ONNXFUSE_SIMD float sinf(float) noexcept;
+ONNXFUSE_SIMD float powf(float, float) noexcept;
+}
+#endif
+
 namespace onnxfuse {
 
 namespace {
@@ -335,7 +355,7 @@ inline void loop2(float* __restrict d, const float* __restrict a, const float* _
 }
 
 inline float softplus(float x) {
-  return x > 0.0f ? x + std::log1p(std::exp(-x)) : std::log1p(std::exp(x));
+  return x > 0.0f ? x + ::log1pf(::expf(-x)) : ::log1pf(::expf(x));
 }
 
 }  // namespace
@@ -350,15 +370,15 @@ void eval_block(const ExecPlan& plan, float* const* t, size_t n) {
     switch (c.op) {
       case Op::NEG: loop1(d, a, n, [](float x) { return -x; }); break;
       case Op::ABS: loop1(d, a, n, [](float x) { return std::fabs(x); }); break;
-      case Op::EXP: loop1(d, a, n, [](float x) { return std::exp(x); }); break;
-      case Op::LOG: loop1(d, a, n, [](float x) { return std::log(x); }); break;
+      case Op::EXP: loop1(d, a, n, [](float x) { return ::expf(x); }); break;
+      case Op::LOG: loop1(d, a, n, [](float x) { return ::logf(x); }); break;
       case Op::SQRT: loop1(d, a, n, [](float x) { return std::sqrt(x); }); break;
-      case Op::TANH: loop1(d, a, n, [](float x) { return std::tanh(x); }); break;
-      case Op::ERF: loop1(d, a, n, [](float x) { return std::erf(x); }); break;
-      case Op::COS: loop1(d, a, n, [](float x) { return std::cos(x); }); break;
-      case Op::SIN: loop1(d, a, n, [](float x) { return std::sin(x); }); break;
+      case Op::TANH: loop1(d, a, n, [](float x) { return ::tanhf(x); }); break;
+      case Op::ERF: loop1(d, a, n, [](float x) { return ::erff(x); }); break;
+      case Op::COS: loop1(d, a, n, [](float x) { return ::cosf(x); }); break;
+      case Op::SIN: loop1(d, a, n, [](float x) { return ::sinf(x); }); break;
       case Op::SIGMOID:
-        loop1(d, a, n, [](float x) { return 1.0f / (1.0f + std::exp(-x)); });
+        loop1(d, a, n, [](float x) { return 1.0f / (1.0f + ::expf(-x)); });
         break;
       case Op::SOFTPLUS: loop1(d, a, n, softplus); break;
       case Op::ROUND_F16: loop1(d, a, n, [](float x) { return f16_to_f32(f32_to_f16(x)); }); break;
@@ -367,7 +387,7 @@ void eval_block(const ExecPlan& plan, float* const* t, size_t n) {
       case Op::SUB: loop2(d, a, b, c, n, [](float x, float y) { return x - y; }); break;
       case Op::MUL: loop2(d, a, b, c, n, [](float x, float y) { return x * y; }); break;
       case Op::DIV: loop2(d, a, b, c, n, [](float x, float y) { return x / y; }); break;
-      case Op::POW: loop2(d, a, b, c, n, [](float x, float y) { return std::pow(x, y); }); break;
+      case Op::POW: loop2(d, a, b, c, n, [](float x, float y) { return ::powf(x, y); }); break;
       // numpy's maximum/minimum: NaN in either operand gives NaN.
       case Op::MAX: loop2(d, a, b, c, n, [](float x, float y) { return (x >= y || x != x) ? x : y; }); break;
       case Op::MIN: loop2(d, a, b, c, n, [](float x, float y) { return (x <= y || x != x) ? x : y; }); break;

@@ -46,6 +46,9 @@ CXXFLAGS = [
     "-fvisibility-inlines-hidden", "-fno-math-errno", "-Wall", "-Wextra", "-Wno-unused-parameter",
 ]
 LDFLAGS = ["-ldl", "-Wl,--exclude-libs,ALL", "-Wl,-z,defs"]
+# SIMD transcendental functions from glibc's libmvec (see csrc/program.cc); dropped when the
+# C library lacks them.
+VECTOR_MATH = ["-DONNXFUSE_VECTOR_MATH=1", "-lmvec", "-lm"]
 # Only RegisterCustomOps is exported; everything else (including inline std:: code) is local.
 VERSION_SCRIPT = "{ global: RegisterCustomOps; local: *; };\n"
 
@@ -243,7 +246,7 @@ def _digest(cxx: str, ort_inc: Path, cuda_inc: Path | None) -> str:
     h = hashlib.sha256()
     for p in _sources(source_dir()):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    h.update(" ".join(CXXFLAGS + LDFLAGS).encode() + VERSION_SCRIPT.encode())
+    h.update(" ".join(CXXFLAGS + LDFLAGS + VECTOR_MATH).encode() + VERSION_SCRIPT.encode())
     h.update(_compiler_id(cxx).encode())
     h.update((ort_inc / "onnxruntime_c_api.h").read_bytes())
     h.update(b"cuda" if cuda_inc else b"nocuda")
@@ -286,10 +289,14 @@ def build(force: bool = False, verbose: bool = False) -> Path:
         cmd += [f"-I{cuda_inc}", "-DONNXFUSE_WITH_CUDA=1"]
     cmd += [str(p) for p in _sources(src) if p.suffix == ".cc"]
     cmd += ["-o", str(tmp), f"-Wl,--version-script={vs}", *LDFLAGS]
-    if verbose:
-        print(" ".join(cmd), file=sys.stderr)
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        # First with glibc's vector math (libmvec, glibc >= 2.35), else with scalar libm.
+        for extra in (VECTOR_MATH, []):
+            if verbose:
+                print(" ".join(cmd + extra), file=sys.stderr)
+            res = subprocess.run(cmd + extra, capture_output=True, text=True)
+            if res.returncode == 0:
+                break
         if res.returncode != 0:
             errs = [ln for ln in res.stderr.splitlines() if "error" in ln] or res.stderr.splitlines()
             raise OnnxfuseError("compiling the onnxfuse custom-op library failed: "
