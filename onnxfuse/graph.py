@@ -38,13 +38,18 @@ class GraphView:
         types: dict[str, int] = {}
         shapes: dict[str, Shape | None] = {}
         src = inferred.graph if inferred is not None else g
-        for vi in list(src.input) + list(src.value_info) + list(src.output) + list(g.input) + list(g.output):
+        inferred_vis = list(src.input) + list(src.value_info) + list(src.output)
+        for k, vi in enumerate(inferred_vis + list(g.input) + list(g.output)):
             if vi.type.HasField("tensor_type"):
+                # the model's own graph inputs and outputs only fill in what inference lacks
+                # (inference may have named dims the declarations leave unknown)
+                own = k >= len(inferred_vis)
                 tt = vi.type.tensor_type
-                if tt.elem_type:
+                if tt.elem_type and not (own and vi.name in types):
                     types[vi.name] = tt.elem_type
                 if tt.HasField("shape"):
-                    shapes[vi.name] = tuple(_dim(d) for d in tt.shape.dim)
+                    if not (own and shapes.get(vi.name) is not None):
+                        shapes[vi.name] = tuple(_dim(d) for d in tt.shape.dim)
                 else:
                     shapes.setdefault(vi.name, None)
         # an initializer that is also a graph input is an overridable default, not a constant

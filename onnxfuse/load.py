@@ -248,10 +248,26 @@ def infer_shapes(model: ModelProto) -> ModelProto:
     for t in light.graph.initializer:
         if _tensor_bytes(t) > 4096:
             _make_placeholder(t)
+    _name_unknown_dims(light.graph)
     try:
         return onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
     except Exception:  # inference is best effort: unknown shapes only block fusion
         return light
+
+
+# Prefix of the names `infer_shapes` gives to graph-input dims that have neither a size nor
+# a name, so that inference can tell tensors derived from the same input have equal dims.
+UNKNOWN_DIM = "onnxfuse_unknown_"
+
+
+def _name_unknown_dims(g: onnx.GraphProto) -> None:
+    k = 0
+    for vi in g.input:
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
+            for d in vi.type.tensor_type.shape.dim:
+                if not d.HasField("dim_value") and not d.dim_param:
+                    d.dim_param = f"{UNKNOWN_DIM}{k}"
+                    k += 1
 
 
 def _tensor_bytes(t: onnx.TensorProto) -> int:

@@ -213,10 +213,11 @@ def exposed_outputs(view: GraphView, group: list[int]) -> list[str]:
 
 def _shape_misfits(view: GraphView, group: list[int], outputs: list[str]) -> set[int]:
     """Members whose exposed output's shape differs from the group's shape (that of the
-    highest-rank output, the latest among equals)."""
+    highest-rank output, the latest among equals), or is not known to be equal to it."""
     ranked = [(len(view.shapes.get(o) or ()), k) for k, o in enumerate(outputs)]
-    target = view.shapes.get(outputs[max(ranked)[1]])
-    return {view.producer[o] for o in outputs if not same_shape(view.shapes.get(o), target)}
+    target_name = outputs[max(ranked)[1]]
+    target = view.shapes.get(target_name)
+    return {view.producer[o] for o in outputs if o != target_name and not same_shape(view.shapes.get(o), target)}
 
 
 def _has_tensor_input(view: GraphView, group: list[int]) -> bool:

@@ -11,7 +11,7 @@ from onnx import FunctionProto, ModelProto, NodeProto, helper
 
 from onnxfuse.expr import Builder, Operand, Program, Ref
 from onnxfuse.graph import GraphView, _outer_refs, same_shape
-from onnxfuse.load import default_opset
+from onnxfuse.load import UNKNOWN_DIM, default_opset
 from onnxfuse.match import Match, literal_inputs, numel
 from onnxfuse.ops import ELEM_TYPE, FLOAT_TYPES, RULES, node_attrs
 
@@ -198,7 +198,10 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
     g.node.extend(nodes)
     _drop_dead_tensors(g, view)
     _type_fused_outputs(g, view, fused)
-    out.functions.extend(functions[k] for k in sorted(functions))
+    # An input optimized before may have some of these functions already (same key, same body).
+    present = {(f.domain, f.name, f.overload) for f in out.functions}
+    out.functions.extend(f for k in sorted(functions) if (f := functions[k]) and
+                         (f.domain, f.name, f.overload) not in present)
     if not any(i.domain == DOMAIN for i in out.opset_import):
         out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     out.ir_version = max(out.ir_version, MIN_IR_VERSION)
@@ -213,7 +216,8 @@ def _type_fused_outputs(g: onnx.GraphProto, view: GraphView, fused: list[FusedNo
         for name in f.outputs:
             if name not in typed:
                 shape = view.shapes.get(name)
-                dims = None if shape is None else list(shape)
+                dims = None if shape is None else [
+                    None if isinstance(d, str) and d.startswith(UNKNOWN_DIM) else d for d in shape]
                 g.value_info.append(helper.make_tensor_value_info(name, view.types[name], dims))
                 typed.add(name)
 
