@@ -17,6 +17,11 @@ case "${1:-tests}" in
   tune)
     python3 benchmarks/tune_pointwise.py --json "$OUT/tune.json" --best "$OUT/best.txt" 2>&1 | tee "$OUT/tune.log"
     ;;
+  compare)
+    export ONNXFUSE_MODELS=$PWD/models/build/pretrained
+    python3 benchmarks/compare.py --models "${2:-relu_maxpool,conv_relu,conv_relu_maxpool,vgg_stack,mlp_block,resnet18,yolov8n_320,ppocr_det}" \
+      --iters 30 --json "$OUT/compare.json" --markdown "$OUT/compare.md" 2>&1 | grep -v "W:onnxruntime" | tee "$OUT/compare.log"
+    ;;
   sweep)
     [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")
     echo "ONNXFUSE_POINTWISE_CONFIG=${ONNXFUSE_POINTWISE_CONFIG:-default}"
