@@ -15,8 +15,8 @@ newer than every cubin can JIT it. `attach` writes the result onto a fused node 
 
 Launch configuration (`choose_variants`): 4 warps, and a BLOCK giving each thread two
 16-byte accesses per tensor: 1024 (8 elements per thread) when some input or output is
-fp32, 2048 when all are 16-bit or bool. Programs longer than 32 instructions get 8 warps
-(half the elements per thread) to keep register pressure down. Measured once on the H200
+fp32, 2048 when all are 16-bit or bool. Long programs keep 4 warps: with 8 warps, x*2
+repeated 64-256 times ran 6-16% slower on the H200 (compute-bound there). Measured on the H200
 (64M elements, Triton JIT, 2026-11-29): 1024/4 was within about 5% of the best of
 512..4096 x 2..16 warps for cos(cos(x)) and x*2 (8x) in fp32; an fp16 GELU ran 116 us at
 1024/4 and 110 us at 2048/4. benchmarks/tune_pointwise.py (2026-11-29, H200, 64M
@@ -67,7 +67,7 @@ SUPPORTED_ARCHS = (70, 72, 75, 80, 86, 87, 89, 90, 100, 101, 103, 120, 121)
 
 BLOCK = 1024  # with any fp32 tensor
 BLOCK_16BIT = 2048  # when every tensor is f16, bf16 or bool
-LONG_PROGRAM = 32  # instructions; longer programs get 8 warps
+NUM_WARPS = 4  # 8 warps for long programs was 6-16% slower on the H200 (BENCHMARKS.md)
 
 # triton.compile options. enable_reflect_ftz=False keeps subnormals in libdevice math
 # (the numpy reference and ONNX Runtime do not flush them).
@@ -160,7 +160,7 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     the launch configuration; it is for tuning experiments (benchmarks/tune_pointwise.py)."""
     prog = spec.program
     narrow = "f32" not in prog.input_dtypes and all(dt != "f32" for _, dt in prog.outputs)
-    cfg = {"block": BLOCK_16BIT if narrow else BLOCK, "warps": 8 if len(prog.instrs) > LONG_PROGRAM else 4,
+    cfg = {"block": BLOCK_16BIT if narrow else BLOCK, "warps": NUM_WARPS,
            "int32": 1, "even": 0}
     for item in filter(None, os.environ.get("ONNXFUSE_POINTWISE_CONFIG", "").split(",")):
         key, _, value = item.partition("=")

@@ -447,7 +447,7 @@ def test_launch_configuration_heuristic():
     assert (v0.block, v0.num_warps) == (2048, 4)
     long = "\n".join(f"%{i + 1} = mul %{i} 2.0" for i in range(40)) + "\noutput %40 f32"
     v0, *_ = choose_variants(spec(_prog(("f32",), long)))
-    assert (v0.block, v0.num_warps) == (1024, 8)
+    assert (v0.block, v0.num_warps) == (1024, 4)  # long programs too: 8 warps measured slower
 
 
 def test_launch_configuration_override(monkeypatch):
