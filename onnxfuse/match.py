@@ -160,31 +160,75 @@ def _exit_levels(view: GraphView, group: list[int]) -> list[set[int]]:
     return list(parts.values())
 
 
-def _reentering(view: GraphView, group: list[int]) -> set[int]:
+class _Accepted:
+    """Groups accepted so far (each to become one node). A path that reaches one member of
+    such a group goes on from all of its members, as it will once the group is one node."""
+
+    def __init__(self, n_nodes: int):
+        self.owner: dict[int, int] = {}
+        self.groups: list[list[int]] = []
+        self._tree = [-1] * (n_nodes + 1)  # Fenwick tree: max last member by first member
+
+    def add(self, group: list[int]) -> None:
+        gid = len(self.groups)
+        self.groups.append(group)
+        for i in group:
+            self.owner[i] = gid
+        k, last = group[0] + 1, group[-1]
+        while k < len(self._tree):
+            self._tree[k] = max(self._tree[k], last)
+            k += k & -k
+
+    def horizon(self, hi: int) -> int:
+        """The largest index a path from nodes <= hi can reach and still come back to an
+        index <= hi: only through a group that has members on both sides."""
+        while True:
+            k, h = hi + 1, hi
+            while k > 0:
+                h = max(h, self._tree[k])
+                k -= k & -k
+            if h == hi:
+                return hi
+            hi = h
+
+
+def _reentering(view: GraphView, group: list[int], accepted: _Accepted | None = None) -> set[int]:
     """Members reachable from the group through a path that leaves it (including their
-    in-group descendants). Empty for a convex group."""
+    in-group descendants), where the groups in `accepted` count as single nodes (two groups
+    that each depend on the other would make a cycle). Empty for a convex group."""
     members = set(group)
-    hi = group[-1]
+    hi = accepted.horizon(group[-1]) if accepted else group[-1]
     seen: set[int] = set()
     stack: list[int] = []
+    expanded: set[int] = set()
+    tainted: set[int] = set()
+
+    def visit(c: int) -> None:
+        if c > hi or c in seen:
+            return
+        if c in members:
+            tainted.add(c)
+            return
+        seen.add(c)
+        stack.append(c)
+        g = accepted.owner.get(c) if accepted else None
+        if g is not None and g not in expanded:
+            expanded.add(g)
+            for h in accepted.groups[g]:
+                if h not in seen:
+                    seen.add(h)
+                    stack.append(h)
+
     for i in group:
         for o in view.nodes[i].output:
             for c in view.consumers.get(o, ()):
-                if c not in members and c <= hi and c not in seen:
-                    seen.add(c)
-                    stack.append(c)
-    tainted: set[int] = set()
+                if c not in members:
+                    visit(c)
     while stack:
         v = stack.pop()
         for o in view.nodes[v].output:
             for c in view.consumers.get(o, ()):
-                if c > hi or c in seen:
-                    continue
-                if c in members:
-                    tainted.add(c)
-                else:
-                    seen.add(c)
-                    stack.append(c)
+                visit(c)
     if not tainted:
         return tainted
     for i in group:  # in-group descendants of tainted members are tainted too
@@ -232,8 +276,12 @@ def _has_tensor_input(view: GraphView, group: list[int]) -> bool:
     return False
 
 
-def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int]) -> MatchResult:
+def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
+                             accepted: _Accepted | None = None) -> MatchResult:
+    """Groups of this pattern among the nodes not in `taken`; `accepted` holds the groups
+    already matched (by patterns before this one) and gets this pattern's groups added."""
     result = MatchResult()
+    accepted = _Accepted(len(view.nodes)) if accepted is None else accepted
     candidates: set[int] = set()
     for i, n in enumerate(view.nodes):
         if i in taken or n.op_type not in pattern.match.ops or n.domain not in ("", "ai.onnx"):
@@ -245,10 +293,9 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int])
             result.rejected[reason] += 1
     work = [part for comp in _components(view, candidates) for level_set in _exit_levels(view, comp)
             for part in _components(view, level_set)]
-    done: list[list[int]] = []
     while work:
         group = work.pop()
-        after = _reentering(view, group)
+        after = _reentering(view, group, accepted)
         if after:
             work += _components(view, set(group) - after) + _components(view, after)
             continue
@@ -261,15 +308,15 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int])
             result.rejected["output shape differs from the group's"] += len(misfits)
             work += _components(view, set(group) - misfits)
             continue
-        done.append(group)
-    for group in sorted(done):
         if len(group) < pattern.match.min_nodes:
             result.rejected["no elementwise neighbour to fuse with"] += len(group)
             continue
         if not _has_tensor_input(view, group):
             result.rejected["computes only on constants"] += len(group)
             continue
-        result.matches.append(Match(pattern, tuple(group), tuple(exposed_outputs(view, group))))
+        accepted.add(group)
+        result.matches.append(Match(pattern, tuple(group), tuple(outputs)))
+    result.matches.sort(key=lambda m: m.nodes)
     return result
 
 
@@ -302,8 +349,9 @@ def find_matches(view: GraphView, patterns: list[Pattern]) -> MatchResult:
             taken.add(i)
             if n.op_type in ops and n.domain in ("", "ai.onnx"):
                 total.rejected["result is never used"] += 1
+    accepted = _Accepted(len(view.nodes))
     for p in patterns:
-        r = match_elementwise_groups(view, p, taken)
+        r = match_elementwise_groups(view, p, taken, accepted)
         for m in r.matches:
             taken.update(m.nodes)
         total.matches += r.matches

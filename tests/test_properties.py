@@ -482,6 +482,38 @@ REGRESSIONS: dict[str, tuple[str, dict]] = {
             r = Relu (v)
             y = Sub (c, r)
         }""", {"s": np.array([3.92, 1.1, 2.7, 0.3], F16)}),
+    # Two groups, each convex, that depend on each other through ReduceMeans: fused into
+    # two nodes they formed a cycle ("fusion created a cycle"). The matcher now treats
+    # accepted groups as single nodes when it checks a new group's convexity.
+    "groups depending on each other": ("""
+        g (float[4] x) => (float[4] y1, float[4] y2) {
+            a1 = Relu (x)
+            a2 = Neg (a1)
+            b1 = Sigmoid (x)
+            b2 = Tanh (b1)
+            ra = ReduceMean <keepdims: int = 1> (a2)
+            rb = ReduceMean <keepdims: int = 1> (b2)
+            a3 = Add (a2, rb)
+            y1 = Relu (a3)
+            b3 = Add (b2, ra)
+            y2 = Exp (b3)
+        }""", {"x": np.array([0.25, -1.5, 2.0, 0.0], np.float32)}),
+    "groups depending on each other (as found)": ("""
+        g (float[1] x) => (float[1] v12, float[1] v11) <float c0 = {0.5}, int64[1] c1 = {0}, int64[1] c2 = {0}> {
+            v0 = Relu (x)
+            v1 = Relu (v0)
+            v2 = Abs (v1)
+            v3 = Add (v2, c0)
+            v4 = Log (v3)
+            v5 = Relu (x)
+            v6 = Relu (v5)
+            v7 = Relu (v6)
+            v8 = ReduceMean <keepdims: int = 1> (v7, c1)
+            v9 = ReduceMean <keepdims: int = 1> (v4, c2)
+            v10 = Add (v8, v4)
+            v11 = Relu (v10)
+            v12 = Add (v7, v9)
+        }""", {"x": np.array([0.25146043], np.float32)}),
     # Not a bug: ONNX Runtime's CPU provider computes Relu and Sub on fp16 in fp32 but has an
     # fp16 Clip, so the original's v - Clip(v) is up to half an fp16 ulp of v, not 0 (the
     # optimized model gives 0). The fp16 tolerance is relative to the graph's largest tensor.
