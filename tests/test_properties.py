@@ -41,6 +41,7 @@ import onnxruntime as ort
 import pytest
 from hypothesis import HealthCheck, event, given, note, settings
 from hypothesis import strategies as st
+from hypothesis.control import currently_in_test_context
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxfuse
@@ -387,13 +388,16 @@ def largest_intermediate(m: onnx.ModelProto, feeds: dict) -> float:
 
 
 def check_equivalent(m: onnx.ModelProto, feeds: dict) -> onnxfuse.Result:
-    """fp16 graphs: the library's kernel rounds where it stores (fused-node outputs) and
-    ONNX Runtime's CPU provider where its fp16 kernels store (it computes the other fp16
-    ops in fp32, so x - Clip(x) is not 0 in the original when only Clip has an fp16
-    kernel); a value rounded from a 1-ulp different fp32 value can come out one fp16 ulp
-    apart, and a later difference of nearly equal tensors keeps that ulp of the operands.
-    Their tolerance is relative to the largest tensor the graph computes, for both ways.
-    fp32 graphs round only at Casts of bit-exact tensors (see the module)."""
+    """Near zero, results are compared at an absolute tolerance relative to the tensors they
+    were computed from: a difference of nearly equal tensors keeps their rounding errors
+    (7.42 - pow(7.42, tanh(6.92)) is 2.8e-5, and an ulp of tanh moves it by 1.4e-6). fp32:
+    first relative to the output's own largest value; where that fails, to the largest
+    tensor the graph computes (fallback counted in the statistics). fp16: always the
+    latter, an fp16 ulp of it: the library's kernel rounds where it stores (fused-node
+    outputs) and ONNX Runtime's CPU provider where its fp16 kernels store (it computes the
+    other fp16 ops in fp32, so x - Clip(x) is not 0 in the original when only Clip has an
+    fp16 kernel); a value rounded from a 1-ulp different fp32 value comes out one fp16 ulp
+    apart."""
     onnx.checker.check_model(m, full_check=True)
     before = m.SerializeToString()
     result = optimize_model(m)
@@ -403,14 +407,21 @@ def check_equivalent(m: onnx.ModelProto, feeds: dict) -> onnxfuse.Result:
     expected = _session(m, library=False).run(None, feeds)
     bodies = _session(result.model, library=False).run(None, feeds)
     kernels = _session(result.model, library=True).run(None, feeds)
-    scale = 1.0
-    if any(e.dtype != np.float32 for e in expected):
-        scale = largest_intermediate(m, feeds)
+    scale = None
     for o, e, b, k in zip(m.graph.output, expected, bodies, kernels, strict=True):
         if e.dtype == np.float32:
-            assert_close(e, b, 1e-6, f"output {o.name} (function bodies)")
-            assert_close(e, k, 1e-5, f"output {o.name} (library kernel)")
+            try:
+                assert_close(e, b, 1e-6, f"output {o.name} (function bodies)")
+                assert_close(e, k, 1e-5, f"output {o.name} (library kernel)")
+                continue
+            except AssertionError:
+                if currently_in_test_context():
+                    event("fp32: tolerance relative to the largest tensor")
+                scale = scale or largest_intermediate(m, feeds)
+            assert_close(e, b, 1e-6, f"output {o.name} (function bodies)", scale)
+            assert_close(e, k, 1e-5, f"output {o.name} (library kernel)", scale)
         else:  # an fp16 ulp (2**-10 ~ 1e-3 near 1) of the largest tensor, absolute
+            scale = scale or largest_intermediate(m, feeds)
             assert_close(e, b, 1e-3, f"output {o.name} (function bodies)", scale, atol_per_unit=1e-3)
             assert_close(e, k, 1e-2, f"output {o.name} (library kernel)", scale, atol_per_unit=1e-3)
     return result
@@ -514,6 +525,22 @@ REGRESSIONS: dict[str, tuple[str, dict]] = {
             v11 = Relu (v10)
             v12 = Add (v7, v9)
         }""", {"x": np.array([0.25146043], np.float32)}),
+    # Not a bug: 7.42 - pow(7.42, tanh(6.92)) = 2.8e-5 cancels; ONNX Runtime's Tanh and the
+    # kernel's differ by an ulp, which moves the result by 1.4e-6 (5 %).
+    "fp32 cancellation after pow": ("""
+        g (float[3] a, float b) => (float[6] y) <float half = {0.5}> {
+            c = Concat <axis: int = 0> (a, a)
+            s = Add (b, c)
+            t = Tanh (s)
+            m = Abs (s)
+            p = Add (m, half)
+            w = Pow (p, t)
+            r = Relu (w)
+            q = Transpose <perm: ints = [0]> (r)
+            r2 = Relu (q)
+            d = Sub (p, r2)
+            y = Relu (d)
+        }""", {"a": np.array([2.2985113, 0.38497606, -2.0827987], np.float32), "b": np.array(4.62442, np.float32)}),
     # Not a bug: ONNX Runtime's CPU provider computes Relu and Sub on fp16 in fp32 but has an
     # fp16 Clip, so the original's v - Clip(v) is up to half an fp16 ulp of v, not 0 (the
     # optimized model gives 0). The fp16 tolerance is relative to the graph's largest tensor.
