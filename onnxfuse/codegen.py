@@ -292,7 +292,9 @@ def _load(i: int, dtype: str, mode: str) -> str:
 
 # One Triton expression per op; {0}, {1}, {2} are the operands.
 OP_TABLE: dict[str, str] = {
-    "neg": "-{0}",
+    # Triton's unary minus is 0 - x, which turns -(+0.0) into +0.0; multiplying by -1 is
+    # IEEE negation (seen on the H200: Neg(+0.0) gave +0.0 where ORT gives -0.0).
+    "neg": "{0} * -1.0",
     "abs": "tl.abs({0})",
     "exp": "libdevice.exp({0})",
     "log": "libdevice.log({0})",

@@ -107,10 +107,11 @@ class Bound:
 def test_cuda_graphs_with_changing_batch_sizes(make):
     """One captured graph per batch size (run option gpu_graph_id), replayed in an interleaved
     order with new input values written into the bound buffers before every run; each result
-    is compared with the original model on the CPU."""
+    is compared with the original model on CUDA without graphs (on the CPU, mlp_block's
+    MatMuls differ from cuBLAS's by 2e-5 relative: seen on the H200)."""
     m = make()
     f = fused_model(m)
-    reference = session(m, library=False, cpu=True)
+    reference = session(m, library=False)
     sess = session(f, library=True, cuda_graph=True)
     batches = [1, 8, 33, 8, 1, 33, 64, 1, 64, 8]
     bound: dict[int, Bound] = {}
@@ -214,7 +215,13 @@ def test_cuda_unary_edges(op, attrs, atol):
               {"y": ("float32", [len(EDGE)])}, ONE)
     # ORT's CUDA kernels and libdevice may differ by an ulp or two on denormals and in
     # sigmoid's tail; the sign of a zero from max/min is not specified
-    cuda_three_ways(m, {"x": EDGE}, atol=max(atol, 1e-37), signed_zero=op not in ("Relu", "HardSigmoid", "HardSwish"))
+    # Measured on the H200 against ORT's CUDA kernels (README, Reliability): ORT CUDA's Elu
+    # gives +0.0 for -0.0 (its CPU kernel, which the lowering follows, gives -0.0); its
+    # Softplus gives 0 below about -16.6 where the kernel returns exp(x) (~1e-8).
+    if op == "Softplus":
+        atol = max(atol, 1e-7)
+    cuda_three_ways(m, {"x": EDGE}, atol=max(atol, 1e-37),
+                    signed_zero=op not in ("Relu", "HardSigmoid", "HardSwish", "Elu"))
 
 
 @pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div", "Pow", "Max", "Min"])
