@@ -334,22 +334,9 @@ class _Input:
 
 
 def _read_model(path: str) -> Any:
-    import onnx
-    from google.protobuf.message import DecodeError
+    from onnxfuse.load import read_model
 
-    p = Path(path)
-    if not p.exists():
-        raise OnnxfuseError(f"{p}: no such file")
-    if p.is_dir():
-        raise OnnxfuseError(f"{p}: is a directory, not an ONNX model")
-    try:
-        m = onnx.load(str(p), load_external_data=False)
-    except (DecodeError, RuntimeError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise OnnxfuseError(f"{p}: not a valid ONNX model ({first})") from None
-    if not m.graph.node and not m.graph.output:
-        raise OnnxfuseError(f"{p}: not a valid ONNX model (empty or truncated file)")
-    return m
+    return read_model(path)
 
 
 def _signature(model: Any) -> list[_Input]:

@@ -25,8 +25,9 @@ MIN_OPSET = 7
 MAX_OPSET = onnx.defs.onnx_opset_version()
 
 
-def load_model(path: str | os.PathLike) -> ModelProto:
-    """Read and check an ONNX model file; every failure is a one-line OnnxfuseError."""
+def read_model(path: str | os.PathLike) -> ModelProto:
+    """Parse an ONNX model file without its external data; a one-line OnnxfuseError when
+    the file is missing, a folder, not ONNX or truncated."""
     p = Path(path)
     if not p.exists():
         raise OnnxfuseError(f"{p}: no such file")
@@ -38,6 +39,13 @@ def load_model(path: str | os.PathLike) -> ModelProto:
         raise OnnxfuseError(f"{p}: not a valid ONNX model ({_first_line(e) or 'cannot parse protobuf'})") from None
     if not model.graph.node and not model.graph.output:
         raise OnnxfuseError(f"{p}: not a valid ONNX model (empty or truncated file)")
+    return model
+
+
+def load_model(path: str | os.PathLike) -> ModelProto:
+    """Read and check an ONNX model file; every failure is a one-line OnnxfuseError."""
+    p = Path(path)
+    model = read_model(p)
     _check_external_data(model, p.parent)
     try:
         onnx.load_external_data_for_model(model, str(p.parent))
