@@ -33,11 +33,13 @@ RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}
 def fused_model(m: onnx.ModelProto) -> onnx.ModelProto:
     r = optimize_model(m)
     assert r.fused, r.report.summary()
-    compile_fused(r.model, r.fused, local_gpu_archs())
+    info = compile_fused(r.model, r.fused, local_gpu_archs())
+    assert not info["failed"], info["failed"]
     return r.model
 
 
-def session(m: onnx.ModelProto, library: bool, cuda_graph: bool = False, profile: str | None = None):
+def session(m: onnx.ModelProto, library: bool, cuda_graph: bool = False, profile: str | None = None,
+            cpu: bool = False):
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if library:
@@ -45,6 +47,8 @@ def session(m: onnx.ModelProto, library: bool, cuda_graph: bool = False, profile
     if profile:
         so.enable_profiling = True
         so.profile_file_prefix = profile
+    if cpu:
+        return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
     # TF32 off: the MatMuls around the fused nodes would otherwise differ by ~1e-3 between
     # the two graphs (ORT picks algorithms per graph), which is not what is tested here.
     opts = {"use_tf32": "0"}
@@ -53,11 +57,12 @@ def session(m: onnx.ModelProto, library: bool, cuda_graph: bool = False, profile
     return ort.InferenceSession(m.SerializeToString(), so, providers=[("CUDAExecutionProvider", opts)])
 
 
-def compare(expected: list[np.ndarray], actual: list[np.ndarray]) -> None:
+def compare(expected: list[np.ndarray], actual: list[np.ndarray], what: str = "") -> None:
     for e, a in zip(expected, actual, strict=True):
-        assert e.dtype == a.dtype and e.shape == a.shape
+        assert e.dtype == a.dtype and e.shape == a.shape, what
         rtol = RTOL[e.dtype]
-        np.testing.assert_allclose(a.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=rtol * 0.1)
+        np.testing.assert_allclose(a.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=rtol * 0.1,
+                                   err_msg=what)
 
 
 CASES = {

@@ -23,53 +23,15 @@ import onnx
 import pytest
 from onnx import helper
 
-ort = pytest.importorskip("onnxruntime")
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime without the CUDA execution provider", allow_module_level=True)
-torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
-
+# The GPU helpers (and the skip when there is no CUDA) come from tests/test_gpu.py.
 from models.build import example  # noqa: E402
-from onnxfuse import library_path, optimize_model  # noqa: E402
-from onnxfuse.compile import local_gpu_archs  # noqa: E402
-from onnxfuse.kernels import compile_fused  # noqa: E402
 from tests.test_edges import EDGE, F16_EDGE, UNARY, assert_same  # noqa: E402
+from tests.test_gpu import compare, fused_model, ort, session, torch  # noqa: E402
 from tests.util import model, random_feeds  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 N = helper.make_node
-RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}
 MIB = 1 << 20
-
-
-def fused_model(m: onnx.ModelProto) -> onnx.ModelProto:
-    r = optimize_model(m)
-    assert r.fused, r.report.summary()
-    info = compile_fused(r.model, r.fused, local_gpu_archs())
-    assert not info["failed"], info["failed"]
-    return r.model
-
-
-def session(m: onnx.ModelProto, library: bool, cuda_graph: bool = False, cpu: bool = False):
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if library:
-        so.register_custom_ops_library(library_path())
-    if cpu:
-        return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    opts = {"use_tf32": "0"}
-    if cuda_graph:
-        opts["enable_cuda_graph"] = "1"
-    return ort.InferenceSession(m.SerializeToString(), so, providers=[("CUDAExecutionProvider", opts)])
-
-
-def compare(expected: list[np.ndarray], actual: list[np.ndarray], what: str = "") -> None:
-    for e, a in zip(expected, actual, strict=True):
-        assert e.dtype == a.dtype and e.shape == a.shape, what
-        rtol = RTOL[e.dtype]
-        np.testing.assert_allclose(a.astype(np.float64), e.astype(np.float64), rtol=rtol, atol=rtol * 0.1,
-                                   err_msg=what)
 
 
 def broadcast_model() -> onnx.ModelProto:
