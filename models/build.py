@@ -67,6 +67,22 @@ def gelu_erf(width: int = 1024) -> onnx.ModelProto:
                   [_const("sqrt2", np.sqrt(2.0)), _const("one", 1.0), _const("half", 0.5)])
 
 
+def _mlp_nodes() -> list[onnx.NodeProto]:
+    """h0 -> MatMul, bias, GELU written out around Erf, MatMul, bias, residual Add of x -> y."""
+    return [
+        N("MatMul", ["h0", "fc1.weight"], ["h1"], name="fc1/matmul"),
+        N("Add", ["h1", "fc1.bias"], ["h2"], name="fc1/bias"),
+        N("Div", ["h2", "sqrt2"], ["g0"], name="gelu/div"),
+        N("Erf", ["g0"], ["g1"], name="gelu/erf"),
+        N("Add", ["g1", "one"], ["g2"], name="gelu/add"),
+        N("Mul", ["h2", "g2"], ["g3"], name="gelu/mul"),
+        N("Mul", ["g3", "half"], ["g4"], name="gelu/half"),
+        N("MatMul", ["g4", "fc2.weight"], ["h3"], name="fc2/matmul"),
+        N("Add", ["h3", "fc2.bias"], ["h4"], name="fc2/bias"),
+        N("Add", ["h4", "x"], ["y"], name="residual"),
+    ]
+
+
 def example(dim: int = 64, hidden: int = 256, seed: int = 0) -> onnx.ModelProto:
     """A transformer MLP block as a PyTorch export writes it: LayerNorm written out, MatMul,
     bias, GELU around Erf, MatMul, bias, residual Add. The bundled example model."""
@@ -89,16 +105,7 @@ def example(dim: int = 64, hidden: int = 256, seed: int = 0) -> onnx.ModelProto:
         N("Div", ["xc", "std"], ["xn"], name="ln/div"),
         N("Mul", ["xn", "ln.weight"], ["xs"], name="ln/scale"),
         N("Add", ["xs", "ln.bias"], ["h0"], name="ln/shift"),
-        N("MatMul", ["h0", "fc1.weight"], ["h1"], name="fc1/matmul"),
-        N("Add", ["h1", "fc1.bias"], ["h2"], name="fc1/bias"),
-        N("Div", ["h2", "sqrt2"], ["g0"], name="gelu/div"),
-        N("Erf", ["g0"], ["g1"], name="gelu/erf"),
-        N("Add", ["g1", "one"], ["g2"], name="gelu/add"),
-        N("Mul", ["h2", "g2"], ["g3"], name="gelu/mul"),
-        N("Mul", ["g3", "half"], ["g4"], name="gelu/half"),
-        N("MatMul", ["g4", "fc2.weight"], ["h3"], name="fc2/matmul"),
-        N("Add", ["h3", "fc2.bias"], ["h4"], name="fc2/bias"),
-        N("Add", ["h4", "x"], ["y"], name="residual"),
+        *_mlp_nodes(),
     ]
     return _model("mlp_block", nodes, [helper.make_tensor_value_info("x", F, ["N", 16, dim])],
                   [helper.make_tensor_value_info("y", F, ["N", 16, dim])], inits)
@@ -187,16 +194,7 @@ def mlp_block(tokens: int = 128, dim: int = 768, hidden: int = 3072, seed: int =
     ]
     nodes = [
         N("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["h0"], axis=-1, epsilon=1e-5, name="ln"),
-        N("MatMul", ["h0", "fc1.weight"], ["h1"], name="fc1/matmul"),
-        N("Add", ["h1", "fc1.bias"], ["h2"], name="fc1/bias"),
-        N("Div", ["h2", "sqrt2"], ["g0"], name="gelu/div"),
-        N("Erf", ["g0"], ["g1"], name="gelu/erf"),
-        N("Add", ["g1", "one"], ["g2"], name="gelu/add"),
-        N("Mul", ["h2", "g2"], ["g3"], name="gelu/mul"),
-        N("Mul", ["g3", "half"], ["g4"], name="gelu/half"),
-        N("MatMul", ["g4", "fc2.weight"], ["h3"], name="fc2/matmul"),
-        N("Add", ["h3", "fc2.bias"], ["h4"], name="fc2/bias"),
-        N("Add", ["h4", "x"], ["y"], name="residual"),
+        *_mlp_nodes(),
     ]
     return _model("mlp_block", nodes, [helper.make_tensor_value_info("x", F, ["N", tokens, dim])],
                   [helper.make_tensor_value_info("y", F, ["N", tokens, dim])], inits)
