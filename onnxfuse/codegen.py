@@ -90,7 +90,8 @@ class KernelSource:
     constexprs: tuple[tuple[str, int], ...]  # (("BLOCK", 1024),)
     divisible: tuple[int, ...]  # indices of parameters hinted divisible by 16
     num_warps: int
-    variant: Variant
+    variant: Variant  # or codegen_conv.ConvVariant / PoolVariant
+    num_stages: int | None = None  # software pipelining depth; None: Triton's default
 
     @property
     def signature(self) -> dict[str, str]:

@@ -57,6 +57,14 @@ from pathlib import Path
 import onnx
 
 from onnxfuse.codegen import KernelSource, Variant, generate
+from onnxfuse.codegen_conv import (
+    ConvSpec,
+    ConvVariant,
+    MaxPoolSpec,
+    PoolVariant,
+    generate_conv,
+    generate_maxpool,
+)
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
 
@@ -112,26 +120,44 @@ class Binary:
         }
 
 
+AnySpec = KernelSpec | ConvSpec | MaxPoolSpec
+
+
 @dataclass(frozen=True)
 class CompiledKernel:
     """All binaries of one kernel, plus how they were obtained."""
 
-    spec: KernelSpec
-    variants: tuple[Variant, ...]
+    spec: AnySpec
+    variants: tuple[Variant | ConvVariant | PoolVariant, ...]
     binaries: tuple[Binary, ...]
     compile_seconds: float  # time spent compiling this kernel's misses (0.0 if all hit)
     cache_hits: int  # (variant, target) pairs found in the cache
     compiled: int  # (variant, target) pairs compiled now
 
     def kernel_meta(self) -> dict:
-        """The ``kernel_meta`` object of docs/format.md."""
+        """The ``kernel_meta`` object of docs/format.md (kind pointwise, conv or maxpool)."""
+        spec, binaries = self.spec, [b.meta() for b in self.binaries]
+        if isinstance(spec, ConvSpec):
+            return {
+                "version": META_VERSION, "kind": "conv", "name": spec.name, "n_extras": spec.n_extras,
+                "pool_in_epilogue": list(spec.pool.kernel) if spec.pool else None,
+                "variants": [{"requires": v.requires(), "block_m": v.block_m, "block_n": v.block_n}
+                             for v in self.variants],
+                "binaries": binaries,
+            }
+        if isinstance(spec, MaxPoolSpec):
+            return {
+                "version": META_VERSION, "kind": "maxpool", "name": spec.name, "n_extras": spec.n_extras,
+                "variants": [{"requires": v.requires(), "block": v.block} for v in self.variants],
+                "binaries": binaries,
+            }
         return {
             "version": META_VERSION,
-            "name": self.spec.name,
-            "rank": self.spec.rank,
-            "input_modes": list(self.spec.input_modes),
+            "name": spec.name,
+            "rank": spec.rank,
+            "input_modes": list(spec.input_modes),
             "variants": [{"requires": v.requires(), "block": v.block} for v in self.variants],
-            "binaries": [b.meta() for b in self.binaries],
+            "binaries": binaries,
         }
 
     def kernel_meta_json(self) -> str:
@@ -146,7 +172,7 @@ class CompiledKernel:
 class CompileFailure:
     """A kernel that did not compile (`compile_kernels(..., errors="collect")`)."""
 
-    spec: KernelSpec
+    spec: AnySpec
     targets: tuple[int, ...]  # the archs it failed for
     message: str  # the first failure's error, shortened
 
@@ -174,6 +200,54 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     variants.append(dict(ptr_align=16, n_multiple=16, index_bits=bits))
     variants.append(dict(index_bits=64))
     return tuple(Variant(k, block=block, num_warps=warps, **v) for k, v in enumerate(variants))
+
+
+def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
+    """The tile configuration of a conv kernel (one variant), by the heuristics measured with
+    benchmarks/conv_kernels.py on the H200 (BENCHMARKS.md): 64x64 tiles of 2 warps with
+    BLOCK_K 32 and 3 stages were best or within 5% of the best on every 64-channel VGG layer;
+    BLOCK_K 16 with 4 stages for inputs of fewer than 16 channels (the image layer: 0.36 ms
+    against 0.62 with 32); BLOCK_N 128 with 4 stages for 128 filters or more.
+
+    ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=``) overrides it."""
+    cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3}
+    if spec.channels < 16:
+        cfg.update(block_k=16, stages=4)
+    if spec.filters >= 128:
+        cfg.update(block_n=128, stages=4)
+    if spec.dtype == "f16" and spec.channels >= 64:
+        cfg.update(block_k=64)
+    for item in filter(None, os.environ.get("ONNXFUSE_CONV_CONFIG", "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in cfg:
+            raise OnnxfuseError(f"ONNXFUSE_CONV_CONFIG: unknown key {key!r} (known: {', '.join(cfg)})")
+        cfg[key] = int(value)
+    if spec.pool is not None:  # BLOCK_M holds whole (padded) windows
+        win = 1 << (spec.pool.kernel[0] * spec.pool.kernel[1] - 1).bit_length()
+        cfg["block_m"] = max(cfg["block_m"], win)
+    return (ConvVariant(0, cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["warps"], cfg["stages"]),)
+
+
+def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
+    """256 outputs per program, 4 warps: the best of 256..2048 x 4/8 warps for Relu+MaxPool
+    2x2 at 32x64x112x112 on the H200 (83-85% of copy bandwidth; BENCHMARKS.md)."""
+    return (PoolVariant(0, 256, 4),)
+
+
+def _variants(spec: AnySpec) -> tuple:
+    if isinstance(spec, ConvSpec):
+        return conv_variants(spec)
+    if isinstance(spec, MaxPoolSpec):
+        return pool_variants(spec)
+    return choose_variants(spec)
+
+
+def _generate(spec: AnySpec, variant) -> KernelSource:
+    if isinstance(spec, ConvSpec):
+        return generate_conv(spec, variant)
+    if isinstance(spec, MaxPoolSpec):
+        return generate_maxpool(spec, variant)
+    return generate(spec.program, spec.name, spec.rank, spec.input_modes, list(spec.source_nodes), variant)
 
 
 # ---------------------------------------------------------------------------------------
@@ -256,7 +330,7 @@ class _Job:
 
 
 def compile_kernels(
-    specs: list[KernelSpec],
+    specs: list[AnySpec],
     targets: list[int],
     cache_dir: str | os.PathLike | None = None,
     jobs: int | None = None,
@@ -275,14 +349,19 @@ def compile_kernels(
     archs = sorted(set(targets))
     plans = []  # per spec: (variants, [(kernel, arch, key)])
     for spec in specs:
-        variants = choose_variants(spec)
-        kernels = [generate(spec.program, spec.name, spec.rank, spec.input_modes, list(spec.source_nodes), v)
-                   for v in variants]
-        plans.append((variants, [(k, a, _cache_key(k, a)) for k in kernels for a in archs]))
+        try:
+            variants = _variants(spec)
+            kernels = [_generate(spec, v) for v in variants]
+        except ValueError as e:  # a kernel this code generator cannot write
+            if errors != "collect":
+                raise OnnxfuseError(f"kernel {spec.name}: {e}") from None
+            plans.append(((), [], str(e)))
+            continue
+        plans.append((variants, [(k, a, _cache_key(k, a)) for k in kernels for a in archs], None))
 
     results: dict[str, dict] = {}
     misses: dict[str, _Job] = {}
-    for _, entries in plans:
+    for _, entries, _ in plans:
         for kernel, arch, key in entries:
             hit = _cache_get(root, key)
             if hit is not None:
@@ -306,7 +385,10 @@ def compile_kernels(
         results[key] = entry
 
     out: list[CompiledKernel | CompileFailure] = []
-    for spec, (variants, entries) in zip(specs, plans, strict=True):
+    for spec, (variants, entries, problem) in zip(specs, plans, strict=True):
+        if problem is not None:
+            out.append(CompileFailure(spec, tuple(archs), problem))
+            continue
         failed = [(a, failures[key]) for _, a, key in entries if key in failures]
         if failed:
             archs = tuple(sorted({a for a, _ in failed}))
@@ -316,7 +398,7 @@ def compile_kernels(
         for v in variants:
             mine = [(a, results[key]) for k, a, key in entries if k.variant == v]
             binaries += [_binary(v.index, a, r, "cubin") for a, r in mine]
-            binaries.append(_binary(v.index, mine[-1][0], mine[-1][1], "ptx"))
+            binaries.append(_ptx_binary(spec, v.index, mine))
         keys = [key for _, _, key in entries]
         out.append(CompiledKernel(
             spec=spec,
@@ -434,6 +516,8 @@ def _compile_job(job: _Job) -> tuple[str, float]:
         knobs.runtime.override_arch = None
         src = ASTSource(fn, k.signature, dict(k.constexprs), k.attrs)
         options = dict(COMPILE_OPTIONS, num_warps=k.num_warps)
+        if k.num_stages is not None:
+            options["num_stages"] = k.num_stages
         ck = triton.compile(src, target=GPUTarget("cuda", job.arch, 32), options=options)
     md = ck.metadata
     meta = {
@@ -485,6 +569,7 @@ def _cache_key(kernel: KernelSource, arch: int) -> str:
         "constexprs": kernel.constexprs,
         "divisible": kernel.divisible,
         "num_warps": kernel.num_warps,
+        "num_stages": kernel.num_stages,
         "options": COMPILE_OPTIONS,
     }
     return hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).hexdigest()
@@ -525,8 +610,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def _binary(variant: int, arch: int, entry: dict, fmt: str) -> Binary:
-    data = entry["cubin"] if fmt == "cubin" else portable_ptx(entry["ptx"]).encode()
+def _binary(variant: int, arch: int, entry: dict, fmt: str, relax: bool = True) -> Binary:
+    ptx = entry["ptx"]
+    data = entry["cubin"] if fmt == "cubin" else (portable_ptx(ptx) if relax else ptx).encode()
     return Binary(
         variant=variant, arch=arch, format=fmt, entry=entry["entry"], num_warps=entry["num_warps"],
         shared=entry["shared"], global_scratch_size=entry["global_scratch_size"],
@@ -534,6 +620,19 @@ def _binary(variant: int, arch: int, entry: dict, fmt: str) -> Binary:
         profile_scratch_size=entry["profile_scratch_size"],
         profile_scratch_align=entry["profile_scratch_align"], data=data,
     )
+
+
+def _ptx_binary(spec: AnySpec, variant: int, mine: list[tuple[int, dict]]) -> Binary:
+    """The PTX to embed beside the cubins. Pointwise and maxpool kernels: the highest
+    target's, relaxed to run on newer GPUs (`portable_ptx`). Conv kernels use tensor-core
+    instructions that are specific to sm_90a (wgmma), so their sm_90a+ PTX cannot be
+    relaxed: the PTX of the highest target below sm_90 is embedded when there is one (it
+    JITs on any newer GPU), else the highest target's PTX as it is."""
+    if not isinstance(spec, ConvSpec):
+        return _binary(variant, mine[-1][0], mine[-1][1], "ptx")
+    below = [(a, r) for a, r in mine if a < 90]
+    arch, entry = below[-1] if below else mine[-1]
+    return _binary(variant, arch, entry, "ptx", relax=False)
 
 
 def portable_ptx(ptx: str) -> str:

@@ -12,7 +12,7 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def compile_hook(target: str, jobs: int | None = None) -> Callable:
+def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf32") -> Callable:
     """A pipeline hook that compiles every fused node's kernel for `target` and attaches it.
 
     target: "auto" (the local GPU, else the default set; skipped with a note when Triton is
@@ -30,7 +30,7 @@ def compile_hook(target: str, jobs: int | None = None) -> Callable:
         from onnxfuse import compile as aot
 
         targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
-        info = compile_fused(result.model, result.fused, targets, jobs=jobs)
+        info = compile_fused(result.model, result.fused, targets, jobs=jobs, conv_precision=conv_precision)
         if info["failed"]:
             result.drop_fused({f["node"] for f in info["failed"]}, FAILED_REASON)
             for f in info["failed"]:
@@ -50,7 +50,26 @@ def failure_warning(f: dict) -> str:
             f"{f['nodes']} original nodes are kept instead")
 
 
-def compile_fused(model, fused: list, targets: list[int], jobs: int | None = None) -> dict:
+def kernel_spec(model, f, conv_precision: str = "tf32"):
+    """What to compile for one FusedNode of `model`: a KernelSpec (pointwise), ConvSpec or
+    MaxPoolSpec. C and K of a conv come from its packed weights [R, S, C/group, K]."""
+    from onnxfuse import compile as aot
+
+    if f.kind == "pointwise":
+        return aot.KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes)
+    inits = {t.name: t for t in model.graph.initializer}
+    if f.kind == "conv":
+        w = inits[f.inputs[1]]
+        return aot.ConvSpec(f.kernel_name, f.program, channels=int(w.dims[2]) * f.conv.group,
+                            filters=int(w.dims[3]), conv=f.conv, pool=f.pool, precision=conv_precision,
+                            source_nodes=f.source_nodes)
+    if f.kind == "maxpool":
+        return aot.MaxPoolSpec(f.kernel_name, f.program, pool=f.pool, source_nodes=f.source_nodes)
+    raise ValueError(f"unknown fused node kind {f.kind!r}")
+
+
+def compile_fused(model, fused: list, targets: list[int], jobs: int | None = None,
+                  conv_precision: str = "tf32") -> dict:
     """Compile the kernel of every fused node of `model` for `targets` and attach it to the
     node; returns the compile part of the report.
 
@@ -61,7 +80,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     from onnxfuse import compile as aot
     from onnxfuse.rewrite import unfuse
 
-    specs = [aot.KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes) for f in fused]
+    specs = [kernel_spec(model, f, conv_precision) for f in fused]
     results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
     failed = []
     for f, ck in zip(fused, results, strict=True):

@@ -1,0 +1,203 @@
+"""The generated FusedConv / FusedMaxPool Triton kernels on their own, against cuDNN and
+torch.compile, at the layer shapes of the CNN benchmark models (no ONNX Runtime involved).
+
+For each layer: every tile configuration in CONFIGS (JIT-compiled by Triton, checked
+against torch's result), torch eager (cuDNN, NCHW and channels-last, TF32 allowed as the
+peers in ../shared/DESIGN.md were measured) and torch.compile of the same function. Times
+are triton.testing.do_bench medians (L2 flushed between runs). This is how the default
+tile configurations in onnxfuse/codegen_conv.py are chosen.
+
+    python benchmarks/conv_kernels.py --json results/conv_kernels.json [--quick] [--no-compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from onnxfuse.codegen_conv import (  # noqa: E402
+    ConvSpec,
+    ConvVariant,
+    MaxPoolSpec,
+    PoolVariant,
+    generate_conv,
+    generate_maxpool,
+)
+from onnxfuse.expr import HEADER, parse  # noqa: E402
+from onnxfuse.layers import ConvAttrs, PoolAttrs  # noqa: E402
+
+RELU = parse(HEADER + "\ninput %0 {dt}\n%1 = max %0 0.0\noutput %1 {dt}\n".replace("{dt}", "f32"))
+
+# (name, N, C, H, K, pool?)
+LAYERS = [
+    ("conv3x3_relu 32x64x112", 32, 64, 112, 64, False),
+    ("conv3x3_relu_maxpool 32x64x112", 32, 64, 112, 64, True),
+    ("vgg block0 3->64 224 +pool", 32, 3, 224, 64, True),
+    ("vgg block2 64 56 +pool", 32, 64, 56, 64, True),
+    ("vgg block3 64 28 +pool", 32, 64, 28, 64, True),
+    ("resnet 128 28", 32, 128, 28, 128, False),
+    ("resnet 256 14", 32, 256, 14, 256, False),
+]
+
+CONFIGS = [  # block_m, block_n, block_k, warps, stages
+    (64, 64, 32, 2, 4), (64, 64, 32, 2, 3), (64, 64, 32, 2, 5), (64, 64, 16, 2, 4),
+    (64, 64, 64, 2, 3), (32, 64, 32, 2, 4), (32, 64, 32, 1, 4), (64, 64, 32, 1, 4),
+    (128, 64, 32, 4, 4), (256, 64, 32, 4, 3), (64, 128, 32, 4, 4), (128, 128, 32, 4, 3),
+    (128, 128, 32, 8, 3), (64, 32, 32, 1, 4), (128, 32, 32, 2, 4), (64, 128, 32, 2, 4),
+]
+QUICK = CONFIGS[:4]
+
+
+def _load(src: str, name: str, tmp: Path):
+    path = tmp / f"{name}.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, name)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="4 configurations per layer")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    ap.add_argument("--precision", default="tf32")
+    args = ap.parse_args()
+
+    import torch
+    import triton
+    from triton.testing import do_bench
+
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = True
+    dev = torch.device("cuda")
+    tmp = Path(tempfile.mkdtemp(prefix="conv_kernels_"))
+    rows, out = [], {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "triton": triton.__version__, "date": time.strftime("%Y-%m-%d"), "layers": []}
+
+    def bench(fn) -> float:
+        return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
+
+    for lname, n, c, h, k, pool in LAYERS:
+        conv = ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1))
+        pa = PoolAttrs((2, 2), (2, 2)) if pool else None
+        g = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(n, c, h, h, generator=g).to(dev)
+        w = (torch.randn(k, c, 3, 3, generator=g) / (c * 9) ** 0.5).to(dev)
+        b = torch.randn(k, generator=g).to(dev)
+        wp = w.permute(2, 3, 1, 0).contiguous()
+
+        def ref_fn(x=x, w=w, b=b, pool=pool):
+            y = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1))
+            return torch.nn.functional.max_pool2d(y, 2, 2) if pool else y
+
+        with torch.no_grad():
+            torch.backends.cudnn.allow_tf32 = False
+            exact = ref_fn()
+            torch.backends.cudnn.allow_tf32 = True
+        layer = {"layer": lname, "shape": [n, c, h, h, k], "pool": pool, "configs": []}
+        layer["cudnn_nchw_ms"] = bench(ref_fn)
+        xl, wl = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
+        layer["cudnn_nhwc_ms"] = bench(lambda: ref_fn(xl, wl))
+        if not args.no_compile:
+            cfn = torch.compile(ref_fn)
+            cfn()
+            layer["torch_compile_ms"] = bench(cfn)
+            cfl = torch.compile(lambda: ref_fn(xl, wl))
+            cfl()
+            layer["torch_compile_nhwc_ms"] = bench(cfl)
+        p, q = conv.out_size(h, h)
+        op, oq = pa.out_size(p, q) if pa else (p, q)
+        y = torch.empty(n, k, op, oq, device=dev)
+        best = None
+        for i, (bm, bn, bk, nw, ns) in enumerate(QUICK if args.quick else CONFIGS):
+            v = ConvVariant(0, bm, bn, bk, nw, ns)
+            name = f"k_conv_{len(out['layers'])}_{i}"
+            try:
+                ks = generate_conv(ConvSpec(name, RELU, c, k, conv, pa, args.precision), v)
+                fn = _load(ks.source, name, tmp)
+                win = 4 if pa else 1
+                m = n * op * oq * win
+                grid = (triton.cdiv(m, bm), triton.cdiv(k, bn))
+                consts = dict(ks.constexprs)
+
+                def run(fn=fn, grid=grid, consts=consts, nw=nw, ns=ns):
+                    fn[grid](x, wp, b, y, n, h, h, p, q, op, oq, num_warps=nw, num_stages=ns, **consts)
+
+                run()
+                torch.cuda.synchronize()
+                err = float(((y - exact).abs().max() / exact.abs().max()).item())
+                ms = bench(run)
+                rec = {"config": [bm, bn, bk, nw, ns], "ms": ms, "max_rel_err": err}
+            except Exception as e:  # a config that does not compile or fit: recorded, skipped
+                rec = {"config": [bm, bn, bk, nw, ns], "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            layer["configs"].append(rec)
+            if "ms" in rec and (best is None or rec["ms"] < best["ms"]):
+                best = rec
+        layer["best"] = best
+        flops = 2 * n * k * c * 9 * p * q
+        if best:
+            layer["best_tflops"] = flops / best["ms"] / 1e9
+        out["layers"].append(layer)
+        rows.append((lname, layer["cudnn_nchw_ms"], layer["cudnn_nhwc_ms"], layer.get("torch_compile_ms"),
+                     layer.get("torch_compile_nhwc_ms"), best["ms"] if best else None,
+                     best["config"] if best else None, best["max_rel_err"] if best else None))
+        print(json.dumps(layer["configs"]), flush=True)
+
+    # Relu + MaxPool 2x2 at 32x64x112x112: the FusedMaxPool kernel against the memory floor.
+    n, c, h = 32, 64, 112
+    x = torch.randn(n, c, h, h, device=dev)
+    pa = PoolAttrs((2, 2), (2, 2))
+    ref = torch.nn.functional.max_pool2d(torch.relu(x), 2, 2)
+    y = torch.empty_like(ref)
+    copy_src = torch.empty(n * c * h * h + ref.numel(), device=dev)
+    copy_dst = torch.empty_like(copy_src)
+    floor = bench(lambda: copy_dst.copy_(copy_src)) / 2  # copy reads and writes: half is one pass
+    pool_layer = {"layer": "relu_maxpool 32x64x112", "floor_ms": floor, "configs": []}
+    pool_layer["torch_eager_ms"] = bench(lambda: torch.nn.functional.max_pool2d(torch.relu(x), 2, 2))
+    if not args.no_compile:
+        cf = torch.compile(lambda: torch.nn.functional.max_pool2d(torch.relu(x), 2, 2))
+        cf()
+        pool_layer["torch_compile_ms"] = bench(cf)
+    for blk, nw in [(256, 4), (512, 4), (1024, 4), (1024, 8), (2048, 8)]:
+        name = f"k_pool_{blk}_{nw}"
+        ks = generate_maxpool(MaxPoolSpec(name, RELU, pa), PoolVariant(0, blk, nw))
+        fn = _load(ks.source, name, tmp)
+        consts = dict(ks.constexprs)
+
+        def run(fn=fn, consts=consts, blk=blk, nw=nw):
+            fn[(triton.cdiv(ref.numel(), blk),)](x, y, n, c, h, h, h // 2, h // 2, num_warps=nw, **consts)
+
+        run()
+        torch.cuda.synchronize()
+        err = float((y - ref).abs().max().item())
+        pool_layer["configs"].append({"config": [blk, nw], "ms": bench(run), "max_abs_err": err})
+    pbest = min(pool_layer["configs"], key=lambda r: r["ms"])
+    pool_layer["best"] = pbest
+    out["layers"].append(pool_layer)
+
+    print(f"\n{'layer':34} {'cuDNN':>7} {'cuDNN-cl':>8} {'compile':>8} {'comp-cl':>8} {'onnxfuse':>8}  config / err")
+    for r in rows:
+        cells = [f"{v:8.3f}" if isinstance(v, float) else f"{'-':>8}" for v in r[1:6]]
+        print(f"{r[0]:34} {' '.join(cells)}  {r[6]} {r[7]}")
+    print(f"relu_maxpool: floor {floor:.4f} ms, eager {pool_layer['torch_eager_ms']:.4f}, compile "
+          f"{pool_layer.get('torch_compile_ms', float('nan')):.4f}, onnxfuse {pbest['ms']:.4f} {pbest['config']} "
+          f"({floor / pbest['ms']:.0%} of copy bandwidth)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    np.random.seed(0)
+    main()

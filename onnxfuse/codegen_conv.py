@@ -1,0 +1,375 @@
+"""Code generation for FusedConv and FusedMaxPool (docs/format.md): Triton source text.
+
+FusedConv is a 2-D convolution written as an implicit GEMM over NCHW tensors:
+
+    M = output pixels (n, p, q)     N = output channels k     K = (r, s, c) reduction
+
+Each program computes a BLOCK_M x BLOCK_N tile of the output. One flat loop walks the
+reduction in steps of BLOCK_K input channels for each kernel tap (r, s): the A tile is the
+[BLOCK_M pixels, BLOCK_K channels] slice of X that the tap reads (masked where the tap
+falls into the padding), the B tile the [BLOCK_K, BLOCK_N] slice of the packed weights
+[R, S, C, K] (contiguous along K). One flat loop lets Triton pipeline the loads
+(`num_stages`) even when C is small. The epilogue adds the bias, rounds to the conv's
+dtype (fp16), loads the extra inputs through broadcast strides and evaluates the pointwise
+program on the tile; then either stores the tile or, when a tiling MaxPool is fused, takes
+the max over each window before the store, so the full-size activation never reaches DRAM.
+
+With a pool in the epilogue, the M index enumerates (n, op, oq, window position) with the
+window position fastest; windows whose size is not a power of two are padded to the next
+power of two with masked rows (tensors in Triton have power-of-two shapes).
+
+FusedMaxPool: each program computes BLOCK pooled outputs; each tap of the window is
+loaded, run through the prologue program, masked to -inf in the padding, and max-reduced.
+
+The program text is evaluated with the expression table of `onnxfuse.codegen`, so the
+numerics of the epilogue are exactly those of PointwiseChain kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from onnxfuse.codegen import (
+    POINTER_TYPES,
+    TL_DTYPES,
+    KernelSource,
+    _check_args,
+    _comment_text,
+    _expr,
+    _operand_text,
+    _value_name,
+)
+from onnxfuse.expr import Program
+from onnxfuse.layers import ConvAttrs, PoolAttrs
+
+PRECISIONS = ("tf32", "tf32x3", "ieee")  # tl.dot input_precision for float32 convolutions
+INT_TYPE = "i32"  # every integer parameter of conv and maxpool kernels (docs/format.md)
+MAX_ELEMENTS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class ConvVariant:
+    """Tile sizes and pipeline depth of one conv binary."""
+
+    index: int = 0
+    block_m: int = 128
+    block_n: int = 64
+    block_k: int = 32
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def requires(self) -> dict[str, int]:
+        return {"max_elements": MAX_ELEMENTS}
+
+
+@dataclass(frozen=True)
+class PoolVariant:
+    index: int = 0
+    block: int = 512
+    num_warps: int = 4
+
+    def requires(self) -> dict[str, int]:
+        return {"max_elements": MAX_ELEMENTS}
+
+
+@dataclass(frozen=True)
+class ConvSpec:
+    """What a FusedConv kernel computes: channels, layer parameters, dtype, epilogue."""
+
+    name: str
+    program: Program  # %0: conv output incl. bias; %1...: the extras; one output
+    channels: int  # C
+    filters: int  # K
+    conv: ConvAttrs
+    pool: PoolAttrs | None = None  # only tiling pools (PoolAttrs.tiles)
+    precision: str = "tf32"
+    source_nodes: tuple[str, ...] = ()
+
+    @property
+    def dtype(self) -> str:
+        return self.program.input_dtypes[0]
+
+    @property
+    def n_extras(self) -> int:
+        return len(self.program.input_dtypes) - 1
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        return None if self.pool is None else self.pool.kernel
+
+
+@dataclass(frozen=True)
+class MaxPoolSpec:
+    name: str
+    program: Program  # %0: X; %1...: the extras; one output
+    pool: PoolAttrs
+    source_nodes: tuple[str, ...] = ()
+
+    @property
+    def n_extras(self) -> int:
+        return len(self.program.input_dtypes) - 1
+
+
+def conv_param_names(n_extras: int) -> list[str]:
+    """Kernel parameters in launch order (docs/format.md, kind conv), without constexprs."""
+    names = ["x_ptr", "w_ptr", "b_ptr"] + [f"e{i}_ptr" for i in range(n_extras)] + ["y_ptr"]
+    names += ["N", "H", "W", "P", "Q", "OP", "OQ"]
+    for i in range(n_extras):
+        names += [f"stride_e{i}_n", f"stride_e{i}_k", f"stride_e{i}_p", f"stride_e{i}_q"]
+    return names
+
+
+def maxpool_param_names(n_extras: int) -> list[str]:
+    names = ["x_ptr"] + [f"e{i}_ptr" for i in range(n_extras)] + ["y_ptr"]
+    names += ["N", "C", "H", "W", "OH", "OW"]
+    for i in range(n_extras):
+        names += [f"stride_e{i}_n", f"stride_e{i}_c", f"stride_e{i}_h", f"stride_e{i}_w"]
+    return names
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _check_program(program: Program, name: str) -> None:
+    program.validate()
+    _check_args(program, name, 4, ("strided",) * len(program.input_dtypes), _AnyVariant())
+    if len(program.outputs) != 1:
+        raise ValueError(f"{name}: the program must have exactly one output, it has {len(program.outputs)}")
+    if program.input_dtypes[0] not in ("f32", "f16"):
+        raise ValueError(f"{name}: conv/pool input dtype {program.input_dtypes[0]} is not f32 or f16")
+
+
+@dataclass(frozen=True)
+class _AnyVariant:  # satisfies codegen._check_args' power-of-two checks
+    block: int = 1
+    num_warps: int = 1
+
+
+def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
+    """The Triton kernel of a FusedConv node."""
+    _check_program(spec.program, spec.name)
+    if spec.precision not in PRECISIONS:
+        raise ValueError(f"precision {spec.precision!r} is not one of {PRECISIONS}")
+    if spec.conv.group != 1:
+        raise ValueError(f"{spec.name}: the Triton conv kernel handles group 1, not {spec.conv.group}")
+    if spec.pool is not None and not spec.pool.tiles:
+        raise ValueError(f"{spec.name}: only a pool whose windows tile the input runs in the conv epilogue")
+    for v in (variant.block_m, variant.block_n, variant.block_k, variant.num_warps):
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"conv tile sizes and num_warps must be powers of two: {variant}")
+    if variant.block_k < 16 or variant.block_n < 16 or variant.block_m < 16:
+        raise ValueError("tl.dot needs tiles of at least 16")
+    win = 1
+    if spec.pool is not None:
+        win = _next_pow2(spec.pool.kernel[0] * spec.pool.kernel[1])
+        if variant.block_m % win or variant.block_m // win < 1:
+            raise ValueError(f"BLOCK_M {variant.block_m} is not a multiple of the padded window {win}")
+    names = conv_param_names(spec.n_extras)
+    dt = spec.dtype
+    types = [POINTER_TYPES[dt]] * 3 + [POINTER_TYPES[d] for d in spec.program.input_dtypes[1:]]
+    types += [POINTER_TYPES[spec.program.outputs[0][1]]]
+    types += [INT_TYPE] * (len(names) - len(types))
+    (r, s), (sh, sw), (pt, pl, _, _), (dh, dw) = spec.conv.kernel, spec.conv.strides, spec.conv.pads, spec.conv.dilations
+    constexprs = [
+        ("C", spec.channels), ("K", spec.filters), ("R", r), ("S", s), ("STRIDE_H", sh), ("STRIDE_W", sw),
+        ("PAD_H", pt), ("PAD_W", pl), ("DIL_H", dh), ("DIL_W", dw),
+        ("PH", spec.pool.kernel[0] if spec.pool else 1), ("PW", spec.pool.kernel[1] if spec.pool else 1),
+        ("WIN", win),
+        ("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n), ("BLOCK_K", variant.block_k),
+        ("C_BLOCKS", -(-spec.channels // variant.block_k)), ("STEPS", r * s * -(-spec.channels // variant.block_k)),
+    ]
+    source = _conv_module(spec, variant, names, [c for c, _ in constexprs])
+    # 16-byte alignment of the pointers is always true for ORT's allocations; it lets
+    # Triton vectorize the contiguous weight loads.
+    divisible = (1, 2)
+    return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
+                        constexprs=tuple(constexprs), divisible=divisible, num_warps=variant.num_warps,
+                        variant=variant, num_stages=variant.num_stages)
+
+
+def generate_maxpool(spec: MaxPoolSpec, variant: PoolVariant) -> KernelSource:
+    """The Triton kernel of a FusedMaxPool node."""
+    _check_program(spec.program, spec.name)
+    if variant.block <= 0 or variant.block & (variant.block - 1):
+        raise ValueError(f"BLOCK must be a power of two, got {variant.block}")
+    names = maxpool_param_names(spec.n_extras)
+    types = [POINTER_TYPES[d] for d in spec.program.input_dtypes] + [POINTER_TYPES[spec.program.outputs[0][1]]]
+    types += [INT_TYPE] * (len(names) - len(types))
+    p = spec.pool
+    constexprs = [
+        ("KH", p.kernel[0]), ("KW", p.kernel[1]), ("SH", p.strides[0]), ("SW", p.strides[1]),
+        ("PAD_H", p.pads[0]), ("PAD_W", p.pads[1]), ("DH", p.dilations[0]), ("DW", p.dilations[1]),
+        ("BLOCK", variant.block),
+    ]
+    source = _maxpool_module(spec, names, [c for c, _ in constexprs])
+    return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
+                        constexprs=tuple(constexprs), divisible=(), num_warps=variant.num_warps,
+                        variant=variant, num_stages=None)
+
+
+# ---------------------------------------------------------------------------------------
+# module text
+# ---------------------------------------------------------------------------------------
+
+
+def _header(name: str, what: str, program: Program, source_nodes) -> list[str]:
+    lines = [f"# {name}: generated by onnxfuse.codegen_conv; do not edit.", "#", f"# {what}", "#",
+             "# Replaces the ONNX nodes:"]
+    lines += [f"#   {_comment_text(n)}" for n in source_nodes] or ["#   (none listed)"]
+    lines += ["#", "# Program (%0 is the value the pointwise part starts from):"]
+    lines += [f"#   {line}" for line in program.to_text().splitlines()]
+    return lines + ["", "import triton", "import triton.language as tl",
+                    "from triton.language.extra import libdevice", "", "", "@triton.jit"]
+
+
+def _signature(name: str, names: list[str], constexprs: list[str]) -> list[str]:
+    out = [f"def {name}("]
+    ptrs = [n for n in names if n.endswith("_ptr")]
+    ints = [n for n in names if not n.endswith("_ptr") and not n.startswith("stride_")]
+    out.append(f"    {', '.join(ptrs)},")
+    out.append(f"    {', '.join(ints)},")
+    strides: dict[str, list[str]] = {}
+    for n in names:
+        if n.startswith("stride_"):
+            strides.setdefault(n.rsplit("_", 1)[0], []).append(n)
+    out += [f"    {', '.join(group)}," for group in strides.values()]
+    out.append(f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},")
+    return out + ["):"]
+
+
+def _program_lines(program: Program) -> list[str]:
+    base = len(program.input_dtypes)
+    out = []
+    for k, ins in enumerate(program.instrs):
+        n = base + k
+        out.append(f"# %{n} = {ins.op} {' '.join(_operand_text(a) for a in ins.args)}")
+        out.append(f"tmp{n} = {_expr(ins, base)}")
+    return out
+
+
+def _extra_loads(program: Program, coords: tuple[str, str, str, str], mask: str, dims: str) -> list[str]:
+    lines = []
+    for i, dt in enumerate(program.input_dtypes[1:]):
+        a, b, c, d = coords
+        off = (f"{a} * stride_e{i}_{dims[0]} + {b} * stride_e{i}_{dims[1]} + "
+               f"{c} * stride_e{i}_{dims[2]} + {d} * stride_e{i}_{dims[3]}")
+        load = f"tl.load(e{i}_ptr + ({off}), mask={mask}, other=0)"
+        if dt == "bool":
+            load = f"({load} != 0).to(tl.float32)"
+        elif dt != "f32":
+            load += ".to(tl.float32)"
+        lines.append(f"x{i + 1} = {load}")
+    return lines
+
+
+def _out_value(program: Program) -> tuple[str, str]:
+    v, dt = program.outputs[0]
+    return _value_name(v, len(program.input_dtypes)), dt
+
+
+def _store_cast(val: str, dt: str) -> str:
+    return val if dt == "f32" else f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
+
+
+def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constexprs: list[str]) -> str:
+    c, k, pool = spec.channels, spec.filters, spec.pool
+    what = (f"Conv {c}->{k} {spec.conv.kernel[0]}x{spec.conv.kernel[1]} stride {spec.conv.strides} "
+            f"pads {spec.conv.pads} dilations {spec.conv.dilations}, {spec.dtype}, dot precision "
+            f"{spec.precision if spec.dtype == 'f32' else 'fp16'}"
+            + (f"; max pool {pool.kernel[0]}x{pool.kernel[1]} in the epilogue" if pool else ""))
+    lines = _header(spec.name, what, spec.program, spec.source_nodes)
+    lines += _signature(spec.name, names, constexprs)
+    body = ["pid_m = tl.program_id(axis=0)", "pid_n = tl.program_id(axis=1)"]
+    body += ["# Rows of the tile: output pixels. Columns: output channels."]
+    body += ["offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+             "offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+             "mask_n = offs_n < K"]
+    if pool is None:
+        body += ["mask_m = offs_m < N * P * Q",
+                 "q = offs_m % Q", "p = (offs_m // Q) % P", "n = offs_m // (P * Q)"]
+    else:
+        body += ["# Pooled pixel (n, op, oq) and window position, the window position fastest.",
+                 "win = offs_m % WIN", "pooled = offs_m // WIN",
+                 "mask_m = (pooled < N * OP * OQ) & (win < PH * PW)",
+                 "oq = pooled % OQ", "op = (pooled // OQ) % OP", "n = pooled // (OP * OQ)",
+                 "p = op * PH + win // PW", "q = oq * PW + win % PW"]
+    body += ["ih0 = p * STRIDE_H - PAD_H", "iw0 = q * STRIDE_W - PAD_W",
+             "offs_c = tl.arange(0, BLOCK_K)",
+             "# Pointers of the first tap's A tile [pixels, channels] and B tile [channels, filters];",
+             "# every later step only adds a scalar offset to them.",
+             "a_ptrs = x_ptr + (n * (C * H * W) + ih0 * W + iw0)[:, None] + offs_c[None, :] * (H * W)",
+             "b_ptrs = w_ptr + offs_c[:, None] * K + offs_n[None, :]",
+             "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+             "# One flat loop over (tap, channel block) so that Triton can pipeline it.",
+             "for step in range(0, STEPS):  # STEPS = R * S * C_BLOCKS",
+             "    tap = step // C_BLOCKS",
+             "    c0 = (step % C_BLOCKS) * BLOCK_K",
+             "    dh = (tap // S) * DIL_H",
+             "    dw = (tap % S) * DIL_W",
+             "    in_image = mask_m & (ih0 + dh >= 0) & (ih0 + dh < H) & (iw0 + dw >= 0) & (iw0 + dw < W)",
+             "    a_step = a_ptrs + (dh * W + dw + c0 * (H * W))",
+             "    b_step = b_ptrs + (tap * C + c0) * K"]
+    if spec.channels % variant.block_k == 0:
+        body += ["    # C is a multiple of BLOCK_K: no channel mask.",
+                 "    a = tl.load(a_step, mask=in_image[:, None], other=0.0)",
+                 "    b = tl.load(b_step, mask=mask_n[None, :], other=0.0)"]
+    else:
+        body += ["    mask_c = c0 + offs_c < C",
+                 "    a = tl.load(a_step, mask=in_image[:, None] & mask_c[None, :], other=0.0)",
+                 "    b = tl.load(b_step, mask=mask_c[:, None] & mask_n[None, :], other=0.0)"]
+    if spec.dtype == "f32":
+        body.append(f'    acc = tl.dot(a, b, acc, input_precision="{spec.precision}")')
+    else:
+        body.append("    acc = tl.dot(a, b, acc)")
+    body += ["# Epilogue: bias, then the pointwise program on the tile.",
+             "x0 = acc + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]"]
+    if spec.dtype == "f16":
+        body.append('x0 = x0.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)  # the conv output is fp16')
+    body.append("mask = mask_m[:, None] & mask_n[None, :]")
+    body += _extra_loads(spec.program, ("n[:, None]", "offs_n[None, :]", "p[:, None]", "q[:, None]"), "mask", "nkpq")
+    body += _program_lines(spec.program)
+    val, dt = _out_value(spec.program)
+    if pool is None:
+        body += ["y_offs = n[:, None] * (K * P * Q) + offs_n[None, :] * (P * Q) + (p * Q + q)[:, None]",
+                 f"tl.store(y_ptr + y_offs, {_store_cast(val, dt)}, mask=mask)"]
+    else:
+        body += ["# Max over each window (rows outside the window or the image hold -inf), then store.",
+                 f'pooled_val = tl.where(mask, {val}, float("-inf"))',
+                 "pooled_val = tl.max(tl.reshape(pooled_val, (BLOCK_M // WIN, WIN, BLOCK_N)), axis=1)",
+                 "offs_pm = pid_m * (BLOCK_M // WIN) + tl.arange(0, BLOCK_M // WIN)",
+                 "pq_ = offs_pm % (OP * OQ)", "pn = offs_pm // (OP * OQ)",
+                 "y_offs = pn[:, None] * (K * OP * OQ) + offs_n[None, :] * (OP * OQ) + pq_[:, None]",
+                 "pmask = (offs_pm < N * OP * OQ)[:, None] & mask_n[None, :]",
+                 f"tl.store(y_ptr + y_offs, {_store_cast('pooled_val', dt)}, mask=pmask)"]
+    lines += ["    " + ln for ln in body]
+    return "\n".join(lines) + "\n"
+
+
+def _maxpool_module(spec: MaxPoolSpec, names: list[str], constexprs: list[str]) -> str:
+    p = spec.pool
+    what = (f"MaxPool {p.kernel[0]}x{p.kernel[1]} stride {p.strides} pads {p.pads} dilations {p.dilations} "
+            f"ceil_mode {int(p.ceil_mode)} after the pointwise prologue")
+    lines = _header(spec.name, what, spec.program, spec.source_nodes)
+    lines += _signature(spec.name, names, constexprs)
+    body = ["pid = tl.program_id(axis=0)",
+            "offs = pid * BLOCK + tl.arange(0, BLOCK)",
+            "mask = offs < N * C * OH * OW",
+            "ow = offs % OW", "oh = (offs // OW) % OH", "nc = offs // (OH * OW)",
+            "n = nc // C", "c = nc % C",
+            'best = tl.full((BLOCK,), float("-inf"), tl.float32)',
+            "for kh in tl.static_range(KH):",
+            "    for kw in tl.static_range(KW):",
+            "        ih = oh * SH - PAD_H + kh * DH",
+            "        iw = ow * SW - PAD_W + kw * DW",
+            "        inside = mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)"]
+    x0 = "tl.load(x_ptr + nc * (H * W) + ih * W + iw, mask=inside, other=0)"
+    body.append(f"        x0 = {x0 if spec.program.input_dtypes[0] == 'f32' else x0 + '.to(tl.float32)'}")
+    inner = _extra_loads(spec.program, ("n", "c", "ih", "iw"), "inside", "nchw")
+    inner += _program_lines(spec.program)
+    val, dt = _out_value(spec.program)
+    inner += ['best = tl.maximum(best, tl.where(inside, ' + val + ', float("-inf")))']
+    body += ["        " + ln for ln in inner]
+    body.append(f"tl.store(y_ptr + offs, {_store_cast('best', dt)}, mask=mask)")
+    lines += ["    " + ln for ln in body]
+    return "\n".join(lines) + "\n"

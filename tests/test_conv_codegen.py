@@ -1,0 +1,316 @@
+"""Generated FusedConv / FusedMaxPool Triton kernels against the numpy references of
+tests/layer_ref.py, under ``TRITON_INTERPRET=1`` in one child process (this file run as a
+script, so the interpreter setting never reaches the process where other tests compile
+kernels), and their ahead-of-time compilation for sm_80 / sm_90 with no GPU.
+
+The interpreter evaluates ``tl.dot`` in fp32, so the kernels' indexing, masking, epilogue
+and pooling are checked to fp32 accuracy here; TF32 numerics are checked on the GPU
+(tests/test_gpu_conv.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from onnxfuse.codegen_conv import (
+    ConvSpec,
+    ConvVariant,
+    MaxPoolSpec,
+    PoolVariant,
+    conv_param_names,
+    generate_conv,
+    generate_maxpool,
+)
+from onnxfuse.compile import compile_kernels, conv_variants
+from onnxfuse.expr import HEADER, evaluate, parse
+from onnxfuse.layers import ConvAttrs, PoolAttrs
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+from layer_ref import conv2d, maxpool2d  # noqa: E402
+
+RELU = "%1 = max %0 0.0\noutput %1 {dt}"
+RESIDUAL_RELU = "%2 = add %0 %1\n%3 = max %2 0.0\noutput %3 {dt}"
+SILU = "%1 = sigmoid %0\n%2 = mul %0 %1\noutput %2 {dt}"
+AFFINE = "%2 = mul %0 %1\n%3 = add %2 %1\n%4 = min %3 6.0\noutput %4 {dt}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvCase:
+    id: str
+    n: int
+    c: int
+    hw: tuple[int, int]
+    k: int
+    conv: ConvAttrs
+    pool: PoolAttrs | None = None
+    body: str = RELU
+    extras: tuple[str, ...] = ()  # "full", "channel" [1,K,1,1], "scalar" [1]
+    dtype: str = "f32"
+    tile: tuple[int, int, int] = (32, 16, 16)  # small tiles: many programs, ragged edges
+
+
+CONV_CASES = [
+    ConvCase("3x3-pad1", 2, 3, (9, 11), 5, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1))),
+    ConvCase("even-channels", 1, 32, (7, 6), 20, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1))),
+    ConvCase("stride2-asym-dilated", 1, 20, (10, 7), 17, ConvAttrs((3, 2), (2, 1), (0, 1, 2, 0), (2, 1))),
+    ConvCase("1x1", 3, 16, (5, 5), 8, ConvAttrs((1, 1))),
+    ConvCase("7x7-s2-p3", 1, 3, (17, 15), 16, ConvAttrs((7, 7), (2, 2), (3, 3, 3, 3))),
+    ConvCase("batch1-no-pad", 1, 5, (6, 9), 3, ConvAttrs((3, 3))),
+    ConvCase("pool2x2", 2, 4, (8, 8), 6, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2))),
+    ConvCase("pool2x2-odd", 2, 4, (9, 7), 6, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2))),
+    ConvCase("pool3x3-padded-window", 1, 4, (9, 9), 6, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)),
+             PoolAttrs((3, 3), (3, 3))),
+    ConvCase("residual", 2, 4, (6, 5), 6, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), body=RESIDUAL_RELU,
+             extras=("full",)),
+    ConvCase("per-channel", 2, 4, (6, 5), 6, ConvAttrs((1, 1)), body=AFFINE, extras=("channel",)),
+    ConvCase("scalar-extra", 1, 4, (6, 5), 6, ConvAttrs((1, 1)), body=RESIDUAL_RELU, extras=("scalar",)),
+    ConvCase("silu", 2, 8, (7, 7), 12, ConvAttrs((3, 3), (2, 2), (1, 1, 1, 1)), body=SILU),
+    ConvCase("fp16", 2, 16, (7, 7), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), dtype="f16",
+             pool=PoolAttrs((2, 2), (2, 2))),
+    ConvCase("default-tiles", 2, 64, (12, 12), 64, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)),
+             PoolAttrs((2, 2), (2, 2)), tile=(0, 0, 0)),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolCase:
+    id: str
+    shape: tuple[int, int, int, int]
+    pool: PoolAttrs
+    body: str = RELU
+    extras: tuple[str, ...] = ()
+    dtype: str = "f32"
+
+
+POOL_CASES = [
+    PoolCase("2x2", (2, 3, 8, 8), PoolAttrs((2, 2), (2, 2))),
+    PoolCase("2x2-odd", (2, 3, 9, 7), PoolAttrs((2, 2), (2, 2))),
+    PoolCase("3x3-s2-p1", (2, 3, 9, 9), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1))),
+    PoolCase("ceil-padded", (1, 2, 10, 9), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1), (1, 1), True)),
+    PoolCase("asym-pads-dilated-ceil", (1, 3, 11, 9), PoolAttrs((2, 3), (2, 2), (0, 1, 1, 0), (2, 1), True)),
+    PoolCase("residual-prologue", (2, 3, 6, 6), PoolAttrs((2, 2), (2, 2)), RESIDUAL_RELU, ("full",)),
+    PoolCase("fp16", (2, 3, 8, 8), PoolAttrs((2, 2), (2, 2)), dtype="f16"),
+]
+
+
+def _program(body: str, dtype: str, n_extras: int):
+    lines = [HEADER, f"input %0 {dtype}"] + [f"input %{i + 1} f32" for i in range(n_extras)]
+    text = "\n".join(lines) + "\n" + body.replace("{dt}", dtype)
+    return parse(text + "\n")
+
+
+def _conv_program(case: ConvCase):
+    return _program(case.body, case.dtype, len(case.extras))
+
+
+def _extra_shape(kind: str, full: tuple[int, ...]) -> tuple[int, ...]:
+    return {"full": full, "channel": (1, full[1], 1, 1), "scalar": (1,)}[kind]
+
+
+def _np_dtype(dt: str):
+    return np.float16 if dt == "f16" else np.float32
+
+
+def _conv_inputs(i: int, case: ConvCase):
+    rng = np.random.default_rng(1000 + i)
+    h, w = case.hw
+    x = rng.standard_normal((case.n, case.c, h, w)).astype(_np_dtype(case.dtype))
+    wt = (rng.standard_normal((case.k, case.c) + case.conv.kernel) / np.sqrt(case.c * 9)).astype(x.dtype)
+    b = rng.standard_normal(case.k).astype(x.dtype)
+    p, q = case.conv.out_size(h, w)
+    extras = [rng.standard_normal(_extra_shape(e, (case.n, case.k, p, q))).astype(np.float32) for e in case.extras]
+    return x, wt, b, extras
+
+
+def _conv_spec(i: int, case: ConvCase) -> tuple[ConvSpec, ConvVariant]:
+    spec = ConvSpec(f"k_conv_{i}", _conv_program(case), case.c, case.k, case.conv, case.pool, "ieee")
+    if case.tile == (0, 0, 0):
+        return spec, conv_variants(spec)[0]
+    bm, bn, bk = case.tile
+    if case.pool is not None:
+        bm = max(bm, 16)
+    return spec, ConvVariant(0, bm, bn, bk, 2, 2)
+
+
+def _conv_reference(case: ConvCase, x, wt, b, extras) -> np.ndarray:
+    y = conv2d(x, wt, b, case.conv).astype(x.dtype)
+    (z,) = evaluate(_conv_program(case), [y, *extras])
+    return z if case.pool is None else maxpool2d(z, case.pool)
+
+
+def _pool_inputs(i: int, case: PoolCase):
+    rng = np.random.default_rng(2000 + i)
+    x = rng.standard_normal(case.shape).astype(_np_dtype(case.dtype))
+    return x, [rng.standard_normal(_extra_shape(e, case.shape)).astype(np.float32) for e in case.extras]
+
+
+def _pool_reference(case: PoolCase, x, extras) -> np.ndarray:
+    (z,) = evaluate(_program(case.body, case.dtype, len(case.extras)), [x, *extras])
+    return maxpool2d(z, case.pool)
+
+
+# ---------------------------------------------------------------------------------------
+# the child process: run every kernel under the interpreter
+# ---------------------------------------------------------------------------------------
+
+
+def _broadcast_strides(shape: tuple[int, ...], full: tuple[int, ...]) -> list[int]:
+    shape = (1,) * (len(full) - len(shape)) + tuple(shape)
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc if d != 1 else 0)
+        acc *= d
+    return list(reversed(strides))
+
+
+def _run_all(workdir: Path) -> None:
+    import importlib.util
+
+    import torch
+
+    def load(source: str, name: str):
+        path = workdir / f"{name}.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return getattr(mod, name)
+
+    results = {}
+    for i, case in enumerate(CONV_CASES):
+        try:
+            spec, v = _conv_spec(i, case)
+            ks = generate_conv(spec, v)
+            fn = load(ks.source, spec.name)
+            x, wt, b, extras = _conv_inputs(i, case)
+            n, _, h, w = x.shape
+            p, q = case.conv.out_size(h, w)
+            op, oq = case.pool.out_size(p, q) if case.pool else (p, q)
+            y = torch.empty((n, case.k, op, oq), dtype=torch.float16 if case.dtype == "f16" else torch.float32)
+            strides = [s for e in extras for s in _broadcast_strides(e.shape, (n, case.k, p, q))]
+            win = 1 << (case.pool.kernel[0] * case.pool.kernel[1] - 1).bit_length() if case.pool else 1
+            m = n * op * oq * win if case.pool else n * p * q
+            grid = (-(-m // v.block_m), -(-case.k // v.block_n))
+            packed = torch.from_numpy(np.ascontiguousarray(wt.transpose(2, 3, 1, 0)))
+            fn[grid](torch.from_numpy(x), packed, torch.from_numpy(b), *map(torch.from_numpy, extras), y,
+                     n, h, w, p, q, op, oq, *strides, **dict(ks.constexprs))
+            results[f"conv{i}"] = y.float().numpy()
+        except Exception as e:  # reported by the case's test
+            (workdir / f"conv{i}_error.txt").write_text(f"{type(e).__name__}: {e}")
+    for i, case in enumerate(POOL_CASES):
+        try:
+            prog = _program(case.body, case.dtype, len(case.extras))
+            ks = generate_maxpool(MaxPoolSpec(f"k_pool_{i}", prog, case.pool), PoolVariant(0, 64, 4))
+            fn = load(ks.source, f"k_pool_{i}")
+            x, extras = _pool_inputs(i, case)
+            n, c, h, w = x.shape
+            oh, ow = case.pool.out_size(h, w)
+            y = torch.empty((n, c, oh, ow), dtype=torch.float16 if case.dtype == "f16" else torch.float32)
+            strides = [s for e in extras for s in _broadcast_strides(e.shape, x.shape)]
+            fn[(-(-y.numel() // 64),)](torch.from_numpy(x), *map(torch.from_numpy, extras), y,
+                                      n, c, h, w, oh, ow, *strides, **dict(ks.constexprs))
+            results[f"pool{i}"] = y.float().numpy()
+        except Exception as e:
+            (workdir / f"pool{i}_error.txt").write_text(f"{type(e).__name__}: {e}")
+    np.savez(workdir / "out.npz", **results)
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-conv-interp-") as tmp:
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+        proc = subprocess.run([sys.executable, __file__, "--interpret", tmp], env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        yield Path(tmp)
+
+
+def _check(workdir: Path, key: str, want: np.ndarray, dtype: str) -> None:
+    err = workdir / f"{key}_error.txt"
+    if err.exists():
+        pytest.fail(f"kernel failed: {err.read_text()}")
+    got = np.load(workdir / "out.npz")[key]
+    want = want.astype(np.float32)
+    assert got.shape == want.shape
+    scale = float(np.abs(want).max()) or 1.0
+    # fp32: the kernel sums in another order than the float64 reference
+    rtol, atol = (1e-2, 1e-2 * scale) if dtype == "f16" else (1e-5, 1e-5 * scale)
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("index", range(len(CONV_CASES)), ids=[c.id for c in CONV_CASES])
+def test_conv_kernel_matches_reference(interpreted, index):
+    case = CONV_CASES[index]
+    x, wt, b, extras = _conv_inputs(index, case)
+    _check(interpreted, f"conv{index}", _conv_reference(case, x, wt, b, extras), case.dtype)
+
+
+@pytest.mark.parametrize("index", range(len(POOL_CASES)), ids=[c.id for c in POOL_CASES])
+def test_maxpool_kernel_matches_reference(interpreted, index):
+    case = POOL_CASES[index]
+    x, extras = _pool_inputs(index, case)
+    _check(interpreted, f"pool{index}", _pool_reference(case, x, extras), case.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# source and compile-time checks
+# ---------------------------------------------------------------------------------------
+
+
+def test_source_is_deterministic_and_names_its_nodes():
+    spec, v = _conv_spec(0, CONV_CASES[0])
+    spec = dataclasses.replace(spec, source_nodes=("Conv conv1", "Relu relu1"))
+    a, b = generate_conv(spec, v), generate_conv(spec, v)
+    assert a.source == b.source
+    assert "#   Conv conv1" in a.source and "#   Relu relu1" in a.source
+    assert [p for p, _ in a.params] == conv_param_names(0)
+
+
+def test_rejected_specs():
+    spec, v = _conv_spec(0, CONV_CASES[0])
+    with pytest.raises(ValueError, match="group 1"):
+        generate_conv(dataclasses.replace(spec, conv=ConvAttrs((3, 3), group=3)), v)
+    with pytest.raises(ValueError, match="tile"):
+        generate_conv(dataclasses.replace(spec, pool=PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1))), v)
+    with pytest.raises(ValueError, match="precision"):
+        generate_conv(dataclasses.replace(spec, precision="fast"), v)
+
+
+def test_aot_compile_for_sm80_and_sm90(tmp_path):
+    pytest.importorskip("triton")
+    case = CONV_CASES[-1]
+    conv = ConvSpec("onnxfuse_conv_relu_maxpool_0123456789ab", _conv_program(case), 64, 64, case.conv, case.pool)
+    pool = MaxPoolSpec("onnxfuse_relu_maxpool_0123456789ab", _program(RELU, "f32", 0), PoolAttrs((3, 3), (2, 2)))
+    out = compile_kernels([conv, pool], [80, 90], cache_dir=tmp_path, jobs=2)
+    meta = out[0].kernel_meta()
+    assert meta["kind"] == "conv" and meta["pool_in_epilogue"] == [2, 2] and meta["n_extras"] == 0
+    assert meta["variants"][0]["requires"] == {"max_elements": 2**31 - 1}
+    formats = [(b["arch"], b["format"]) for b in meta["binaries"]]
+    # the conv's sm_90a PTX uses wgmma, so the portable PTX is sm_80's
+    assert formats == [(80, "cubin"), (90, "cubin"), (80, "ptx")]
+    assert all(b["global_scratch_size"] == 0 and b["shared"] <= 227 * 1024 for b in meta["binaries"])
+    ptx = out[0].kernels()[2].decode()
+    assert ".target sm_80" in ptx
+    pmeta = out[1].kernel_meta()
+    assert pmeta["kind"] == "maxpool" and [b["format"] for b in pmeta["binaries"]] == ["cubin", "cubin", "ptx"]
+    again = compile_kernels([conv, pool], [80, 90], cache_dir=tmp_path)
+    assert again[0].cache_hits == 2 and again[0].compiled == 0
+    assert json.dumps(again[0].kernel_meta()) == json.dumps(meta)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--interpret"]:
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        from tests.test_codegen import _install_libdevice_shims
+
+        _install_libdevice_shims()  # the interpreter has no libdevice (sigmoid uses exp)
+        _run_all(Path(sys.argv[2]))
