@@ -20,11 +20,23 @@ A pattern file has three parts:
         - [Sigmoid, [t], [y]]
       outputs: [y]
       expect: {PointwiseChain: 1}
+
+Match kinds and their fields (besides `kind`):
+- elementwise_group: ops, dtypes, min_nodes (default 2)
+- conv_epilogue: ops, dtypes, group (1 or "any"), pool ("none": no MaxPool after the
+  epilogue; "tiling": a MaxPool whose windows tile its input must follow). A 2-D Conv and
+  the pointwise ops after it (kernel conv, docs/format.md "FusedConv").
+- pool_prologue: ops, dtypes, min_nodes (default 1). Pointwise ops and the 2-D MaxPool
+  they feed (kernel maxpool, "FusedMaxPool").
+
+An example may declare constant weights: `initializers: {w: [float32, [4, 3, 3, 3]]}` is
+seeded random (scaled by 1/sqrt of its fan-in), `{b: [float32, [4], 0.5]}` all 0.5. Input
+dims may be names (symbolic, e.g. N).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +58,11 @@ def _builtin_dir() -> Path:
 
 
 BUILTIN_DIR = _builtin_dir()
-MATCH_KINDS = ("elementwise_group",)
-KERNELS = ("pointwise",)
+MATCH_KINDS = ("elementwise_group", "conv_epilogue", "pool_prologue")
+KERNELS = ("pointwise", "conv", "maxpool")
+KERNEL_OF_KIND = {"elementwise_group": "pointwise", "conv_epilogue": "conv", "pool_prologue": "maxpool"}
 DTYPES = ("float32", "float16", "bfloat16")
+POOL_MODES = ("none", "tiling")
 
 
 @dataclass(frozen=True)
@@ -59,6 +73,42 @@ class ElementwiseGroupMatch:
     dtypes: frozenset[str]
     min_nodes: int
 
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        """Every op type a match may contain."""
+        return self.ops
+
+
+@dataclass(frozen=True)
+class ConvEpilogueMatch:
+    """Match a 2-D Conv, the largest pointwise group after it with one result, and (pool
+    "tiling") the MaxPool that reads that result when its windows tile the conv output."""
+
+    ops: frozenset[str]  # op types allowed in the epilogue
+    dtypes: frozenset[str]
+    group: int | None  # the only Conv group fused; None: any
+    pool: str  # one of POOL_MODES
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        return self.ops | {"Conv"} | ({"MaxPool"} if self.pool != "none" else set())
+
+
+@dataclass(frozen=True)
+class PoolPrologueMatch:
+    """Match a 2-D MaxPool and the pointwise group whose one result it reads."""
+
+    ops: frozenset[str]  # op types allowed in the prologue
+    dtypes: frozenset[str]
+    min_nodes: int
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        return self.ops | {"MaxPool"}
+
+
+MatchSpec = ElementwiseGroupMatch | ConvEpilogueMatch | PoolPrologueMatch
+
 
 @dataclass(frozen=True)
 class Replacement:
@@ -68,10 +118,12 @@ class Replacement:
 
 @dataclass(frozen=True)
 class Example:
-    inputs: dict[str, tuple[str, tuple[int, ...]]]
+    inputs: dict[str, tuple[str, tuple[int | str, ...]]]
     nodes: tuple[tuple[str, tuple[Any, ...], tuple[str, ...], dict], ...]
     outputs: tuple[str, ...]
     expect: dict[str, int]
+    # name -> (dtype, dims, fill value or None for seeded random numbers)
+    initializers: dict[str, tuple[str, tuple[int, ...], float | None]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -79,7 +131,7 @@ class Pattern:
     name: str
     description: str
     priority: int
-    match: ElementwiseGroupMatch
+    match: MatchSpec
     replace: Replacement
     example: Example | None
     source: str  # the file it came from
@@ -157,10 +209,40 @@ def load_pattern_file(path: str | Path) -> Pattern:
     priority = top.get("priority", int, 100)
 
     m = top.sub("match")
-    m.no_extra({"kind", "ops", "dtypes", "min_nodes"})
     kind = m.get("kind", str)
     if kind not in MATCH_KINDS:
         m.fail("match.kind", f"unknown kind {kind!r} (known: {', '.join(MATCH_KINDS)})")
+    match = _load_match(m, kind)
+
+    r = top.sub("replace")
+    r.no_extra({"op_type", "kernel"})
+    op_type = r.get("op_type", str)
+    kernel = r.get("kernel", str)
+    if kernel not in KERNELS:
+        r.fail("replace.kernel", f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
+    if kernel != KERNEL_OF_KIND[kind]:
+        r.fail("replace.kernel", f"kernel {kernel!r} does not run matches of kind {kind} "
+                                 f"(use {KERNEL_OF_KIND[kind]})")
+
+    example = _load_example(top.sub("example", None), path)
+    return Pattern(
+        name=name, description=description, priority=priority,
+        match=match,
+        replace=Replacement(op_type=op_type, kernel=kernel),
+        example=example, source=str(path),
+    )
+
+
+_KIND_FIELDS = {
+    "elementwise_group": {"kind", "ops", "dtypes", "min_nodes"},
+    "conv_epilogue": {"kind", "ops", "dtypes", "group", "pool"},
+    "pool_prologue": {"kind", "ops", "dtypes", "min_nodes"},
+}
+
+
+def _load_match(m: _Fields, kind: str) -> MatchSpec:
+    """The `match` part of a pattern file, validated for its kind."""
+    m.no_extra(_KIND_FIELDS[kind])
     ops = m.get("ops", list)
     for op in ops:
         if op not in ELEMENTWISE_OPS:
@@ -169,35 +251,47 @@ def load_pattern_file(path: str | Path) -> Pattern:
     for dt in dtypes:
         if dt not in DTYPES:
             m.fail("match.dtypes", f"{dt!r} is not one of {', '.join(DTYPES)}")
-    min_nodes = m.get("min_nodes", int, 2)
+    if kind == "conv_epilogue":
+        group = m.get("group", (int, str), 1)
+        if group != "any" and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
+            m.fail("match.group", f"{group!r} must be a positive number or 'any'")
+        pool = m.get("pool", str, "none")
+        if pool not in POOL_MODES:
+            m.fail("match.pool", f"{pool!r} is not one of {', '.join(POOL_MODES)}")
+        for dt in dtypes:
+            if dt not in ("float32", "float16"):
+                m.fail("match.dtypes", f"{dt!r}: convolutions are fused for float32 and float16 only")
+        return ConvEpilogueMatch(frozenset(ops), frozenset(dtypes), None if group == "any" else group, pool)
+    default_min = 2 if kind == "elementwise_group" else 1
+    min_nodes = m.get("min_nodes", int, default_min)
     if min_nodes < 1:
         m.fail("match.min_nodes", "must be at least 1")
-
-    r = top.sub("replace")
-    r.no_extra({"op_type", "kernel"})
-    op_type = r.get("op_type", str)
-    kernel = r.get("kernel", str)
-    if kernel not in KERNELS:
-        r.fail("replace.kernel", f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
-
-    example = _load_example(top.sub("example", None), path)
-    return Pattern(
-        name=name, description=description, priority=priority,
-        match=ElementwiseGroupMatch(frozenset(ops), frozenset(dtypes), min_nodes),
-        replace=Replacement(op_type=op_type, kernel=kernel),
-        example=example, source=str(path),
-    )
+    if kind == "pool_prologue":
+        for dt in dtypes:
+            if dt not in ("float32", "float16"):
+                m.fail("match.dtypes", f"{dt!r}: max pools are fused for float32 and float16 only")
+        return PoolPrologueMatch(frozenset(ops), frozenset(dtypes), min_nodes)
+    return ElementwiseGroupMatch(frozenset(ops), frozenset(dtypes), min_nodes)
 
 
 def _load_example(e: _Fields | None, path: Path) -> Example | None:
     if e is None:
         return None
-    e.no_extra({"inputs", "nodes", "outputs", "expect"})
+    e.no_extra({"inputs", "initializers", "nodes", "outputs", "expect"})
     inputs = {}
     for k, v in e.get("inputs", dict).items():
-        if not (isinstance(v, list) and len(v) == 2 and v[0] in DTYPES + ("bool",) and isinstance(v[1], list)):
-            e.fail(f"example.inputs.{k}", "must be [dtype, [dims...]]")
+        if not (isinstance(v, list) and len(v) == 2 and v[0] in DTYPES + ("bool",) and isinstance(v[1], list)
+                and all(isinstance(d, (int, str)) and not isinstance(d, bool) for d in v[1])):
+            e.fail(f"example.inputs.{k}", "must be [dtype, [dims...]] (a dim is a number or a name)")
         inputs[k] = (v[0], tuple(v[1]))
+    inits = {}
+    for k, v in e.get("initializers", dict, {}).items():
+        if not (isinstance(v, list) and len(v) in (2, 3) and v[0] in ("float32", "float16")
+                and isinstance(v[1], list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v[1])
+                and (len(v) == 2 or (isinstance(v[2], (int, float)) and not isinstance(v[2], bool)))):
+            e.fail(f"example.initializers.{k}", "must be [dtype, [dims...]] or [dtype, [dims...], value] "
+                                                "(dtype float32 or float16)")
+        inits[k] = (v[0], tuple(v[1]), float(v[2]) if len(v) == 3 else None)
     nodes = []
     for i, n in enumerate(e.get("nodes", list)):
         if not (isinstance(n, list) and len(n) in (3, 4) and isinstance(n[0], str)
@@ -206,12 +300,12 @@ def _load_example(e: _Fields | None, path: Path) -> Example | None:
         nodes.append((n[0], tuple(n[1]), tuple(n[2]), n[3] if len(n) == 4 else {}))
     outputs = tuple(e.get("outputs", list))
     expect = e.get("expect", dict)
-    return Example(inputs, tuple(nodes), outputs, expect)
+    return Example(inputs, tuple(nodes), outputs, expect, inits)
 
 
 def example_model(pattern: Pattern, opset: int = 20):
     """Build the tiny ONNX model a pattern file's `example` describes (numbers in node inputs
-    become float constants of the first input's dtype)."""
+    become float constants of the first input's dtype; random initializers are seeded)."""
     import numpy as np
     import onnx
     from onnx import helper, numpy_helper
@@ -224,6 +318,14 @@ def example_model(pattern: Pattern, opset: int = 20):
     first_dtype = next(iter(ex.inputs.values()))[0]
     np_dtype = {"float32": np.float32, "float16": np.float16}.get(first_dtype, np.float32)
     inits, nodes = [], []
+    rng = np.random.default_rng(0)
+    for name, (dt, dims, value) in ex.initializers.items():
+        if value is None:
+            fan_in = int(np.prod(dims[1:])) if len(dims) > 1 else 1
+            arr = rng.standard_normal(dims) / np.sqrt(fan_in)
+        else:
+            arr = np.full(dims, value)
+        inits.append(numpy_helper.from_array(arr.astype(np.float16 if dt == "float16" else np.float32), name))
     for k, (op, ins, outs, attrs) in enumerate(ex.nodes):
         names = []
         for j, x in enumerate(ins):

@@ -14,6 +14,7 @@ import onnx
 from onnx import ModelProto
 
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
+from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
 from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem
 from onnxfuse.match import find_matches
@@ -43,6 +44,7 @@ class Report:
     patterns_applied: dict[str, int] = field(default_factory=dict)
     fused: list[FusionRecord] = field(default_factory=list)
     not_fused: dict[str, int] = field(default_factory=dict)  # reason -> nodes
+    folded_batchnorm: int = 0  # BatchNormalization nodes folded into the Conv before them
     compile: dict | None = None
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
@@ -52,6 +54,8 @@ class Report:
 
     def summary(self) -> str:
         lines = [f"nodes: {self.nodes_before} -> {self.nodes_after}"]
+        if self.folded_batchnorm:
+            lines.append(f"folded_batchnorm: {self.folded_batchnorm} BatchNormalization into Conv weights")
         if self.patterns_applied:
             for name, count in sorted(self.patterns_applied.items()):
                 lines.append(f"{name}: {count} fused")
@@ -115,6 +119,7 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None) -> 
         result.report.seconds = time.perf_counter() - t0
         return result
     canonical = canonicalize(model)                       # exporters' habits undone
+    canonical, folded = fold_batchnorm(canonical)         # Conv -> BatchNormalization: one Conv
     inferred = infer_shapes(canonical)                    # types and shapes for matching
     view = GraphView.build(canonical, inferred)           # producers, consumers, constants
     found = find_matches(view, patterns)                  # groups each pattern fuses
@@ -126,6 +131,7 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None) -> 
         fused=[FusionRecord(f.node_name, f.pattern, f.kernel_name, list(f.source_nodes),
                             len(f.inputs), len(f.outputs)) for f in fused],
         not_fused=dict(found.rejected),
+        folded_batchnorm=folded,
     )
     for reason, count in _not_visited(canonical, patterns).items():
         report.not_fused[reason] = report.not_fused.get(reason, 0) + count
@@ -140,7 +146,7 @@ FUNCTION_REASON = "inside a model-local function (functions are not optimized)"
 def _not_visited(model: ModelProto, patterns: list[Pattern]) -> Counter:
     """Nodes of fusible op types that the matcher does not look at: in subgraphs (If, Loop,
     Scan bodies) and in the model's own functions (not onnxfuse's)."""
-    ops = {op for p in patterns for op in p.match.ops}
+    ops = {op for p in patterns for op in p.match.fused_ops}
     counts: Counter = Counter()
 
     def fusible(n: onnx.NodeProto) -> bool:

@@ -1,4 +1,8 @@
-"""Replace each match with one `onnxfuse` node whose function body is the original subgraph."""
+"""Replace each match with one `onnxfuse` node whose function body is the original subgraph.
+
+Pointwise groups become PointwiseChain-like nodes; conv_epilogue matches FusedConv and
+pool_prologue matches FusedMaxPool nodes, laid out as docs/format.md says (packed weights,
+explicit pads, the epilogue / prologue as a one-output program, pool_* attributes)."""
 
 from __future__ import annotations
 
@@ -6,11 +10,13 @@ import hashlib
 import heapq
 from dataclasses import dataclass
 
+import numpy as np
 import onnx
-from onnx import FunctionProto, ModelProto, NodeProto, helper
+from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.expr import Builder, Operand, Program, Ref
 from onnxfuse.graph import GraphView, _outer_refs, same_shape
+from onnxfuse.layers import ConvAttrs, PoolAttrs
 from onnxfuse.load import UNKNOWN_DIM, default_opset
 from onnxfuse.match import Match, literal_inputs, numel
 from onnxfuse.ops import ELEM_TYPE, FLOAT_TYPES, RULES, node_attrs
@@ -28,11 +34,14 @@ class FusedNode:
     pattern: str
     kernel_name: str  # also the function overload
     program: Program
-    inputs: tuple[str, ...]
+    inputs: tuple[str, ...]  # the node's inputs (FusedConv: X, packed W, B, extras...)
     outputs: tuple[str, ...]
-    rank: int
-    input_modes: tuple[str, ...]
+    rank: int  # 4 for conv and maxpool nodes
+    input_modes: tuple[str, ...]  # per program input (conv/maxpool: %0 is "full")
     source_nodes: tuple[str, ...]  # "OpType name" of each replaced node
+    kind: str = "pointwise"  # "pointwise", "conv" or "maxpool": the kernel_meta kind
+    conv: ConvAttrs | None = None  # kind conv
+    pool: PoolAttrs | None = None  # kind maxpool, or conv with a fused MaxPool
 
 
 def _ir_dtype(view: GraphView, name: str) -> str:
@@ -56,11 +65,21 @@ def _round_trip_source(view: GraphView, members: set[int], n: NodeProto) -> str 
 
 
 def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], dict[str, float]]:
-    """Lower a match to a Program; returns it, the boundary input tensors in program
-    order, and the constant inputs that became literals (name -> value)."""
-    members = set(match.nodes)
-    rules = {i: RULES[view.nodes[i].op_type] for i in match.nodes}
-    lits = {i: literal_inputs(view, i) for i in match.nodes}
+    """Lower a match to a Program; returns it, the program's input tensors in order, and
+    the constant inputs that became literals (name -> value). For conv and maxpool
+    matches the program is the epilogue / prologue: %0 is `match.first_input`."""
+    if match.kind == "pointwise":
+        return lower_group(view, match.nodes, match.outputs)
+    return lower_group(view, match.pointwise, (match.result,), first=match.first_input)
+
+
+def lower_group(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...],
+                first: str | None = None) -> tuple[Program, list[str], dict[str, float]]:
+    """Lower pointwise nodes (topological order) to a Program computing `outputs`. Its
+    inputs are `first` (if given), then the other boundary tensors in order of first use."""
+    members = set(nodes)
+    rules = {i: RULES[view.nodes[i].op_type] for i in nodes}
+    lits = {i: literal_inputs(view, i) for i in nodes}
 
     def operand_inputs(i: int):
         """(k, name) of node i's inputs that are program operands, not constants."""
@@ -71,9 +90,9 @@ def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], di
             yield k, name
 
     # Boundary inputs first (in order of first use): instruction numbers start after them.
-    inputs: list[str] = []
-    seen: set[str] = set()
-    for i in match.nodes:
+    inputs: list[str] = [first] if first is not None else []
+    seen: set[str] = set(inputs)
+    for i in nodes:
         for k, name in operand_inputs(i):
             if k not in lits[i] and view.producer.get(name) not in members and name not in seen:
                 inputs.append(name)
@@ -81,7 +100,7 @@ def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], di
     b = Builder([_ir_dtype(view, x) for x in inputs])
     env: dict[str, Operand] = {x: Ref(k) for k, x in enumerate(inputs)}
     folded: dict[str, float] = {}
-    for i in match.nodes:
+    for i in nodes:
         n = view.nodes[i]
         consts = []
         for k in rules[i].const_inputs:
@@ -103,7 +122,7 @@ def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], di
         attrs = dict(node_attrs(n), **{ELEM_TYPE: view.types[n.output[0]]})
         env[n.output[0]] = rules[i].lower(b, args, attrs, consts)
     outs: list[tuple[Ref, str]] = []
-    for o in match.outputs:
+    for o in outputs:
         v = env[o]
         if not isinstance(v, Ref):
             v = b.emit("add", v, 0.0)
@@ -113,12 +132,14 @@ def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], di
     return b.build(outs), inputs, folded
 
 
-def _function_body(view: GraphView, match: Match, inputs: list[str], folded: dict[str, float],
-                   opset: int) -> tuple[list[NodeProto], list[str], list[str]]:
-    """The match's nodes with names normalized: x<i> inputs, y<i> outputs, t<i> internals,
-    and Constant nodes for the constants that became literals."""
-    names: dict[str, str] = {x: f"x{k}" for k, x in enumerate(inputs)}
-    names.update({y: f"y{k}" for k, y in enumerate(match.outputs)})
+def _function_body(view: GraphView, nodes: list[NodeProto], inputs: list[str], outputs: tuple[str, ...],
+                   folded: dict[str, float]) -> tuple[list[NodeProto], list[str], list[str]]:
+    """Copies of `nodes` with names normalized: x<i> inputs, y<i> outputs, t<i> internals,
+    n<j> nodes, and Constant nodes for the constants that became literals."""
+    names: dict[str, str] = {}
+    for k, x in enumerate(inputs):
+        names.setdefault(x, f"x{k}")  # a tensor passed twice is read through its first input
+    names.update({y: f"y{k}" for k, y in enumerate(outputs)})
     body: list[NodeProto] = []
     for k, c in enumerate(sorted(folded)):
         names[c] = f"c{k}"
@@ -127,9 +148,9 @@ def _function_body(view: GraphView, match: Match, inputs: list[str], folded: dic
         t.name = ""
         body.append(helper.make_node("Constant", [], [f"c{k}"], value=t))
     internal = 0
-    for j, i in enumerate(match.nodes):
+    for j, src in enumerate(nodes):
         n = NodeProto()
-        n.CopyFrom(view.nodes[i])
+        n.CopyFrom(src)
         n.name = f"n{j}"
         for k, name in enumerate(n.input):
             if name:
@@ -141,7 +162,7 @@ def _function_body(view: GraphView, match: Match, inputs: list[str], folded: dic
             if name:
                 n.output[k] = names[name]
         body.append(n)
-    return body, [f"x{k}" for k in range(len(inputs))], [f"y{k}" for k in range(len(match.outputs))]
+    return body, [f"x{k}" for k in range(len(inputs))], [f"y{k}" for k in range(len(outputs))]
 
 
 def _input_mode(view: GraphView, name: str, out_shape) -> str:
@@ -160,15 +181,22 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
     g = out.graph
     opset = default_opset(model)
     used_names = {n.name for n in g.node if n.name}
+    tensor_names = _all_names(out)
     functions: dict[str, FunctionProto] = {}
     fused: list[FusedNode] = []
     replaced: dict[int, NodeProto | None] = {}
     for m in matches:
-        program, inputs, folded = build_program(view, m)
-        body, fin, fout = _function_body(view, m, inputs, folded, opset)
+        program, prog_inputs, folded = build_program(view, m)
+        node_name = _unique(f"{m.pattern.name}_{view.nodes[m.nodes[0]].name or m.nodes[0]}", used_names)
+        if m.kind == "pointwise":
+            layout = _Layout(prog_inputs, [view.nodes[i] for i in m.nodes], {}, "")
+        else:
+            layout = _layer_layout(view, m, prog_inputs, node_name, tensor_names, g)
+        body, fin, fout = _function_body(view, layout.body, layout.inputs, m.outputs, folded)
         digest = hashlib.sha256(program.to_text().encode())
         for n in body:
             digest.update(n.SerializeToString(deterministic=True))
+        digest.update(layout.key.encode())
         kernel_name = f"onnxfuse_{m.pattern.name}_{digest.hexdigest()[:12]}"
         if kernel_name not in functions:
             f = helper.make_function(DOMAIN, m.pattern.replace.op_type, fin, fout, body,
@@ -176,16 +204,17 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
             f.overload = kernel_name
             f.doc_string = f"onnxfuse pattern {m.pattern.name}: the original subgraph"
             functions[kernel_name] = f
-        node_name = _unique(f"{m.pattern.name}_{view.nodes[m.nodes[0]].name or m.nodes[0]}", used_names)
-        node = helper.make_node(m.pattern.replace.op_type, inputs, list(m.outputs), name=node_name,
-                                domain=DOMAIN, program=program.to_text())
+        node = helper.make_node(m.pattern.replace.op_type, layout.inputs, list(m.outputs), name=node_name,
+                                domain=DOMAIN, program=program.to_text(), **layout.attrs)
         node.overload = kernel_name
-        out_shape = view.shapes[m.outputs[0]]
+        shape = view.shapes[m.outputs[0] if m.kind == "pointwise" else m.result]
         fused.append(FusedNode(
             node_name=node_name, pattern=m.pattern.name, kernel_name=kernel_name, program=program,
-            inputs=tuple(inputs), outputs=m.outputs, rank=len(out_shape),
-            input_modes=tuple(_input_mode(view, x, out_shape) for x in inputs),
+            inputs=tuple(layout.inputs), outputs=m.outputs, rank=len(shape),
+            input_modes=tuple("full" if k == 0 and m.kind != "pointwise" else _input_mode(view, x, shape)
+                              for k, x in enumerate(prog_inputs)),
             source_nodes=tuple(f"{view.nodes[i].op_type} {view.nodes[i].name}".rstrip() for i in m.nodes),
+            kind=m.kind, conv=m.conv_attrs, pool=m.pool_attrs,
         ))
         for i in m.nodes:
             replaced[i] = None
@@ -206,6 +235,49 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
         out.opset_import.append(helper.make_opsetid(DOMAIN, DOMAIN_VERSION))
     out.ir_version = max(out.ir_version, MIN_IR_VERSION)
     return out, fused
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """How a match becomes a node: its inputs, the function body's nodes (original tensor
+    names), its attributes besides `program`, and what else names its kernel."""
+
+    inputs: list[str]
+    body: list[NodeProto]
+    attrs: dict
+    key: str
+
+
+def _layer_layout(view: GraphView, m: Match, prog_inputs: list[str], node_name: str, tensor_names: set[str],
+                  g: onnx.GraphProto) -> _Layout:
+    """FusedConv: [X, packed W, B, extras...] (new initializers for the packed weights and,
+    without a bias, zeros), body Transpose + Conv + epilogue + MaxPool. FusedMaxPool:
+    [X, extras...], body prologue + MaxPool. See docs/format.md."""
+    pool = [view.nodes[m.pool]] if m.pool is not None else []
+    pointwise = [view.nodes[i] for i in m.pointwise]
+    attrs = m.pool_attrs.node_attrs() if m.pool_attrs is not None else {}
+    if m.kind == "maxpool":
+        channels = view.shapes[m.first_input][1]
+        return _Layout(prog_inputs, pointwise + pool, attrs, f"maxpool C={channels} {m.pool_attrs}")
+    conv = view.nodes[m.conv]
+    x, w = conv.input[0], conv.input[1]
+    weights = numpy_helper.to_array(view.constants[w])
+    k, c = weights.shape[0], view.shapes[x][1]
+    packed = _unique(f"{node_name}.weight_packed", tensor_names)
+    g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weights.transpose(2, 3, 1, 0)), packed))
+    bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else ""
+    if not bias:
+        bias = _unique(f"{node_name}.bias", tensor_names)
+        g.initializer.append(numpy_helper.from_array(np.zeros(k, weights.dtype), bias))
+    unpacked = f"{packed}\0onnx_weights"  # any name the graph cannot have: renamed in the body
+    unpack = helper.make_node("Transpose", [packed], [unpacked], perm=[3, 2, 0, 1])
+    body_conv = NodeProto()
+    body_conv.CopyFrom(conv)
+    del body_conv.input[:]
+    body_conv.input.extend([x, unpacked, bias])
+    attrs = {**m.conv_attrs.node_attrs(), **attrs}
+    key = f"conv C={c} K={k} {m.conv_attrs} pool {m.pool_attrs}"
+    return _Layout([x, packed, bias, *prog_inputs[1:]], [unpack, body_conv, *pointwise, *pool], attrs, key)
 
 
 def _type_fused_outputs(g: onnx.GraphProto, view: GraphView, fused: list[FusedNode]) -> None:
@@ -286,7 +358,10 @@ def unfuse(model: ModelProto, fused: FusedNode) -> None:
     f = next(f for f in model.functions if (f.domain, f.name, f.overload) == key)
     rename = dict(zip(f.input, node.input, strict=True)) | dict(zip(f.output, node.output, strict=True))
     taken = _all_names(model)
-    originals = iter(s.split(" ", 1)[1] if " " in s else "" for s in fused.source_nodes)
+    # original node names, in order; a body node of another op type (FusedConv's weight
+    # Transpose) gets a new name
+    originals = [tuple(s.split(" ", 1)) if " " in s else (s, "") for s in fused.source_nodes]
+    node_names = {n.name for n in g.node if n.name}
     body = []
     for b in f.node:
         n = NodeProto()
@@ -299,7 +374,12 @@ def unfuse(model: ModelProto, fused: FusedNode) -> None:
         for k, name in enumerate(n.input):
             if name:
                 n.input[k] = rename[name]
-        n.name = next(originals, "") if n.op_type != "Constant" or n.domain not in ("", "ai.onnx") else ""
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
+            n.name = ""
+        elif originals and originals[0][0] == n.op_type:
+            n.name = originals.pop(0)[1]
+        else:
+            n.name = _unique(f"{fused.node_name}/{n.op_type.lower()}", node_names)
         body.append(n)
     nodes = list(g.node[:idx]) + body + list(g.node[idx + 1:])
     del g.node[:]

@@ -167,8 +167,10 @@ def test_where_passes_nan_and_inf_through():
 
 
 def test_maxpool_with_nan_between_fused_groups():
-    """MaxPool is not fused: it stays in the graph and ONNX Runtime's semantics for NaN hold;
-    the fused Relu chains around it keep NaN and -0.0 as the original does."""
+    """Mul -> Relu -> MaxPool fuse into a FusedMaxPool, Neg -> Relu into a chain: NaN and -0.0
+    come out as the original's. (ONNX Runtime 1.32's CPU MaxPool computes m = m > x ? m : x over
+    the window, the SSE max rule: a NaN wins only as the last element read; the library's CPU
+    max pool must do the same.)"""
     x = np.resize(EDGE, (1, 1, 5, 5))
     m = model([N("Mul", ["x", "one"], ["t"]), N("Relu", ["t"], ["r"]),
                N("MaxPool", ["r"], ["p"], kernel_shape=[2, 2], strides=[1, 1]),

@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Small versions (the defaults are 32x64x112x112 activations), and the fused nodes expected.
 SMALL_BENCH = {
-    "relu_maxpool": (lambda: mb.relu_maxpool(8, 16), 0),
-    "conv_relu": (lambda: mb.conv_relu(8, 16), 0),
-    "conv_relu_maxpool": (lambda: mb.conv_relu_maxpool(8, 16), 0),
-    "vgg_stack": (lambda: mb.vgg_stack(4, 8, 3, 32), 0),
+    "relu_maxpool": (lambda: mb.relu_maxpool(8, 16), 1),  # FusedMaxPool
+    "conv_relu": (lambda: mb.conv_relu(8, 16), 1),  # FusedConv
+    "conv_relu_maxpool": (lambda: mb.conv_relu_maxpool(8, 16), 1),  # FusedConv with the pool
+    "vgg_stack": (lambda: mb.vgg_stack(4, 8, 3, 32), 4),  # a FusedConv with its pool per block
     "mlp_block": (lambda: mb.mlp_block(8, 32, 64), 2),
 }
 

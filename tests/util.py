@@ -12,6 +12,7 @@ from onnxfuse import optimize_model
 from onnxfuse.expr import evaluate
 from onnxfuse.load import canonicalize, infer_shapes
 from onnxfuse.pipeline import Result
+from tests.layer_ref import evaluate_fused
 
 NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
       TensorProto.BOOL: np.bool_, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
@@ -90,7 +91,18 @@ def check_programs(m: onnx.ModelProto, result: Result, feeds: dict, rtol: float 
     """Each fused node's program, evaluated with numpy on the node's actual inputs, gives the
     original graph's tensors: the check that the expression the kernels run is right."""
     values = intermediates(m, feeds)
+    values.update({t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer})  # packed weights
+    nodes = {n.name: n for n in result.model.graph.node}
     for f in result.fused:
+        if f.kind != "pointwise":  # conv and maxpool: the node's contract (docs/format.md) in numpy
+            got = evaluate_fused(nodes[f.node_name], [values[x] for x in f.inputs])
+            want = values[f.outputs[0]]
+            tol = RTOL.get(want.dtype, 1e-5) if rtol is None else rtol
+            # a convolution sums many products: its error scales with the output's magnitude
+            np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+                                       atol=tol * float(np.max(np.abs(want), initial=1.0)),
+                                       err_msg=f"{f.node_name} against the numpy reference of {f.kind}")
+            continue
         outs = evaluate(f.program, [values[x] for x in f.inputs])
         for name, got in zip(f.outputs, outs, strict=True):
             assert_close(values[name], got, rtol=rtol, what=f"program of {f.node_name}, output {name}")

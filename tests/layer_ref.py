@@ -1,0 +1,63 @@
+"""numpy references of FusedConv and FusedMaxPool, computed from the node's own inputs and
+attributes exactly as docs/format.md defines them (not from the function body): they check
+that the optimizer wrote the contract the kernels implement."""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import NodeProto, helper
+
+from onnxfuse.expr import Program, evaluate
+from onnxfuse.layers import ConvAttrs, PoolAttrs, conv_from_fused, pool_from_fused
+
+
+def conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray, conv: ConvAttrs) -> np.ndarray:
+    """ONNX Conv in float64: x [N, C, H, W], w [K, C/group, R, S], b [K]."""
+    n, c, h, wd = x.shape
+    k, cg, r, s = w.shape
+    (sh, sw), (pt, pl, pb, pr), (dh, dw), g = conv.strides, conv.pads, conv.dilations, conv.group
+    p, q = conv.out_size(h, wd)
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    w64 = w.astype(np.float64)
+    kg = k // g
+    out = np.zeros((n, k, p, q))
+    for i in range(r):
+        for j in range(s):
+            patch = xp[:, :, i * dh:i * dh + sh * (p - 1) + 1:sh, j * dw:j * dw + sw * (q - 1) + 1:sw]
+            for gi in range(g):
+                out[:, gi * kg:(gi + 1) * kg] += np.einsum(
+                    "ncpq,kc->nkpq", patch[:, gi * cg:(gi + 1) * cg], w64[gi * kg:(gi + 1) * kg, :, i, j])
+    return out + b.astype(np.float64)[None, :, None, None]
+
+
+def maxpool2d(x: np.ndarray, pool: PoolAttrs) -> np.ndarray:
+    """ONNX MaxPool: padding never wins; with ceil_mode the last window may be partial."""
+    n, c, h, w = x.shape
+    (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw) = pool.kernel, pool.strides, pool.pads, pool.dilations
+    oh, ow = pool.out_size(h, w)
+    need_h = (oh - 1) * sh + dh * (kh - 1) + 1
+    need_w = (ow - 1) * sw + dw * (kw - 1) + 1
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, max(pb, need_h - h - pt)), (pl, max(pr, need_w - w - pl))),
+                constant_values=-np.inf)
+    out = np.full((n, c, oh, ow), -np.inf)
+    for i in range(kh):
+        for j in range(kw):
+            out = np.maximum(out, xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw])
+    return out.astype(x.dtype)
+
+
+def evaluate_fused(node: NodeProto, inputs: list[np.ndarray]) -> np.ndarray:
+    """Output 0 of a FusedConv or FusedMaxPool node for these input values."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    program = Program.from_text(attrs["program"].decode())
+    if node.op_type == "FusedConv":
+        x, packed, b, *extras = inputs
+        w = packed.transpose(3, 2, 0, 1)  # [R, S, C/group, K] -> [K, C/group, R, S]
+        y = conv2d(x, w, b, conv_from_fused(attrs)).astype(x.dtype)  # rounded to X's dtype
+        (z,) = evaluate(program, [y, *extras])
+    elif node.op_type == "FusedMaxPool":
+        (z,) = evaluate(program, inputs)
+    else:
+        raise ValueError(f"not a conv or max pool node: {node.op_type}")
+    pool = pool_from_fused(attrs)
+    return z if pool is None else maxpool2d(z, pool)
