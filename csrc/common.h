@@ -17,7 +17,10 @@ namespace onnxfuse {
 extern const OrtApi* g_ort;
 
 constexpr const char* kDomain = "onnxfuse";
-constexpr const char* kOpName = "PointwiseChain";
+// The ops of the domain (docs/format.md).
+constexpr const char* kPointwiseChain = "PointwiseChain";
+constexpr const char* kFusedConv = "FusedConv";
+constexpr const char* kFusedMaxPool = "FusedMaxPool";
 
 // Throws Error with the status' message (releasing the status).
 inline void check(OrtStatus* st) {
@@ -47,6 +50,29 @@ inline bool get_string_attr(const OrtKernelInfo* info, const char* name, std::st
   return true;
 }
 
+// An int attribute; false if the node has no such attribute.
+inline bool get_int_attr(const OrtKernelInfo* info, const char* name, int64_t* out) {
+  OrtStatus* st = g_ort->KernelInfoGetAttribute_int64(info, name, out);
+  if (st) {
+    g_ort->ReleaseStatus(st);
+    return false;
+  }
+  return true;
+}
+
+// An ints attribute; false if the node has no such attribute.
+inline bool get_ints_attr(const OrtKernelInfo* info, const char* name, std::vector<int64_t>* out) {
+  size_t size = 0;
+  OrtStatus* st = g_ort->KernelInfoGetAttributeArray_int64(info, name, nullptr, &size);
+  if (st) {
+    g_ort->ReleaseStatus(st);
+    return false;
+  }
+  out->assign(size, 0);
+  if (size > 0) check(g_ort->KernelInfoGetAttributeArray_int64(info, name, out->data(), &size));
+  return true;
+}
+
 inline std::string node_name(const OrtKernelInfo* info) {
   size_t size = 0;
   OrtStatus* st = g_ort->KernelInfo_GetNodeName(info, nullptr, &size);
@@ -64,8 +90,9 @@ inline std::string node_name(const OrtKernelInfo* info) {
   return buf;
 }
 
-inline std::string describe_node(const std::string& name) {
-  return std::string("onnxfuse ") + kOpName + (name.empty() ? "" : " node '" + name + "'");
+// "onnxfuse FusedConv node 'conv1'": the prefix of every error message of a node.
+inline std::string describe_node(const char* op, const std::string& name) {
+  return std::string("onnxfuse ") + op + (name.empty() ? "" : " node '" + name + "'");
 }
 
 inline const char* elem_type_name(ONNXTensorElementDataType t) {
@@ -174,12 +201,22 @@ inline Io bind_io(const Program& prog, OrtKernelContext* ctx, bool f32_for_half 
   return io;
 }
 
-// The OrtCustomOp fields shared by every PointwiseChain registration: variadic,
-// heterogeneous inputs and outputs of any element type, at least one of each.
-inline void init_common_op(OrtCustomOp* op) {
-  *op = OrtCustomOp{};
+// A registered op: ORT hands the OrtCustomOp back to every callback, so the op's name and
+// minimum input count live next to it.
+struct OpDef : OrtCustomOp {
+  const char* op_name = nullptr;
+  int min_inputs = 1;
+};
+
+// The OrtCustomOp fields shared by every registration: variadic, heterogeneous inputs and
+// outputs of any element type, at least `min_inputs` inputs and one output. (The ops check
+// their actual counts, types and shapes in Compute, with messages naming the problem.)
+inline void init_common_op(OpDef* op, const char* op_name, int min_inputs) {
+  static_cast<OrtCustomOp&>(*op) = OrtCustomOp{};
+  op->op_name = op_name;
+  op->min_inputs = min_inputs;
   op->version = ORT_API_VERSION;
-  op->GetName = [](const OrtCustomOp*) -> const char* { return kOpName; };
+  op->GetName = [](const OrtCustomOp* self) -> const char* { return static_cast<const OpDef*>(self)->op_name; };
   op->GetInputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
   op->GetInputTypeCount = [](const OrtCustomOp*) -> size_t { return 1; };
   op->GetOutputType = [](const OrtCustomOp*, size_t) { return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED; };
@@ -187,14 +224,16 @@ inline void init_common_op(OrtCustomOp* op) {
   op->GetInputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
   op->GetOutputCharacteristic = [](const OrtCustomOp*, size_t) { return INPUT_OUTPUT_VARIADIC; };
   op->GetInputMemoryType = [](const OrtCustomOp*, size_t) { return OrtMemTypeDefault; };
-  op->GetVariadicInputMinArity = [](const OrtCustomOp*) { return 1; };
+  op->GetVariadicInputMinArity = [](const OrtCustomOp* self) { return static_cast<const OpDef*>(self)->min_inputs; };
   op->GetVariadicInputHomogeneity = [](const OrtCustomOp*) { return 0; };
   op->GetVariadicOutputMinArity = [](const OrtCustomOp*) { return 1; };
   op->GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 0; };
 }
 
-// Registration entry points of the two kernels (cpu_ops.cc, cuda_ops.cc).
+// Registration entry points of the kernels: PointwiseChain on the CPU (cpu_ops.cc),
+// FusedConv and FusedMaxPool on the CPU (conv_cpu.cc), all three on CUDA (cuda_ops.cc).
 void append_cpu_ops(std::vector<OrtCustomOp*>* ops);
+void append_cpu_conv_ops(std::vector<OrtCustomOp*>* ops);
 void append_cuda_ops(std::vector<OrtCustomOp*>* ops);
 
 }  // namespace onnxfuse

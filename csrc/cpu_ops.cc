@@ -5,7 +5,7 @@
 #include <cstring>
 #include <memory>
 
-#include "common.h"
+#include "cpu_ops.h"
 
 namespace onnxfuse {
 namespace {
@@ -107,14 +107,8 @@ float read_scalar(DType d, const void* p) {
   return 0.0f;
 }
 
-// The dtype a tensor is read or written as: the program's, except float32 standing for f16
-// or bf16 (bind_io's f32_for_half).
-DType actual_dtype(const TensorRef& t, DType declared) {
-  return t.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? DType::F32 : declared;
-}
+}  // namespace
 
-// Store a block of output j: `d` is the program's dtype, `actual` the tensor's. A float32
-// tensor standing for an f16/bf16 output gets the value rounded as the program says.
 void store(DType d, DType actual, const float* __restrict src, void* out, int64_t start, size_t len) {
   if (actual == DType::F32 && d != DType::F32) {
     float* __restrict o = static_cast<float*>(out) + start;
@@ -142,6 +136,8 @@ void store(DType d, DType actual, const float* __restrict src, void* out, int64_
       break;  // not an output dtype (rejected by the parser)
   }
 }
+
+namespace {
 
 struct Job {
   const Program* prog;
@@ -207,7 +203,58 @@ void run_task(const Job& job, int64_t task) {
   }
 }
 
-void run_task_cb(void* job, size_t task) { run_task(*static_cast<const Job*>(job), static_cast<int64_t>(task)); }
+}  // namespace
+
+void run_program(const Program& prog, const std::vector<HostTensor>& in, const std::vector<HostTensor>& out,
+                 const Shape& out_shape, OrtKernelContext* ctx) {
+  Job job;
+  job.prog = &prog;
+  job.n = numel(out_shape);
+  if (job.n == 0) return;
+  const size_t n_in = prog.inputs.size();
+  std::vector<InputKind> kinds(n_in);
+  std::vector<float> scalars(n_in, 0.0f);
+  job.in_ptr.resize(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const HostTensor& t = in[i];
+    job.in_ptr[i] = t.data;
+    const int64_t ni = numel(t.shape);
+    if (ni == 1) {
+      kinds[i] = InputKind::SCALAR;
+      scalars[i] = read_scalar(t.dtype, t.data);
+    } else if (ni == job.n && t.dtype == DType::F32) {
+      kinds[i] = InputKind::DIRECT;  // same shape as the output (up to leading 1s)
+    } else {
+      kinds[i] = InputKind::GATHER;
+    }
+  }
+  for (const HostTensor& t : out) {
+    job.out_ptr.push_back(t.data);
+    job.out_dtype.push_back(t.dtype);
+  }
+  job.plan = make_plan(prog, kinds, scalars, /*allow_output_direct=*/true);
+
+  for (size_t i = 0; i < n_in; ++i) {
+    if (kinds[i] != InputKind::GATHER || job.plan.loc[i].kind == Loc::NONE) continue;
+    Gather g;
+    g.input = static_cast<int>(i);
+    g.dtype = in[i].dtype;
+    g.src = in[i].data;
+    Collapsed c = collapse(out_shape, {broadcast_strides(in[i].shape, out_shape)});
+    if (c.dims.size() > static_cast<size_t>(kMaxRank)) throw Error("rank too large");
+    g.dims = std::move(c.dims);
+    g.strides = std::move(c.strides[0]);
+    job.gathers.push_back(std::move(g));
+  }
+
+  job.block = block_elems();
+  job.n_blocks = (job.n + static_cast<int64_t>(job.block) - 1) / static_cast<int64_t>(job.block);
+  job.blocks_per_task = std::max<int64_t>(1, kTaskElems / static_cast<int64_t>(job.block));
+  job.n_tasks = (job.n_blocks + job.blocks_per_task - 1) / job.blocks_per_task;
+  parallel_for(ctx, job.n_tasks, [&job](int64_t task) { run_task(job, task); });
+}
+
+namespace {
 
 struct CpuKernel {
   Program prog;
@@ -215,63 +262,12 @@ struct CpuKernel {
 
   void compute(OrtKernelContext* ctx) const {
     Io io = bind_io(prog, ctx, /*f32_for_half=*/true);
-    if (io.n == 0) return;
-
-    Job job;
-    job.prog = &prog;
-    job.n = io.n;
-    const size_t n_in = prog.inputs.size();
-    std::vector<InputKind> kinds(n_in);
-    std::vector<float> scalars(n_in, 0.0f);
-    job.in_ptr.resize(n_in);
-    for (size_t i = 0; i < n_in; ++i) {
-      const TensorRef& t = io.in[i];
-      const DType dt = actual_dtype(t, prog.inputs[i]);
-      job.in_ptr[i] = t.data;
-      const int64_t ni = numel(t.shape);
-      if (ni == 1) {
-        kinds[i] = InputKind::SCALAR;
-        scalars[i] = read_scalar(dt, t.data);
-      } else if (ni == io.n && dt == DType::F32) {
-        kinds[i] = InputKind::DIRECT;  // same shape as the output (up to leading 1s)
-      } else {
-        kinds[i] = InputKind::GATHER;
-      }
-    }
-    job.out_ptr.resize(io.out.size());
-    for (size_t j = 0; j < io.out.size(); ++j) {
-      job.out_ptr[j] = io.out[j].data;
-      job.out_dtype.push_back(actual_dtype(io.out[j], prog.outputs[j].second));
-    }
-    job.plan = make_plan(prog, kinds, scalars, /*allow_output_direct=*/true);
-
-    for (size_t i = 0; i < n_in; ++i) {
-      if (kinds[i] != InputKind::GATHER || job.plan.loc[i].kind == Loc::NONE) continue;
-      Gather g;
-      g.input = static_cast<int>(i);
-      g.dtype = actual_dtype(io.in[i], prog.inputs[i]);
-      g.src = io.in[i].data;
-      Collapsed c = collapse(io.out_shape, {broadcast_strides(io.in[i].shape, io.out_shape)});
-      if (c.dims.size() > static_cast<size_t>(kMaxRank)) throw Error("rank too large");
-      g.dims = std::move(c.dims);
-      g.strides = std::move(c.strides[0]);
-      job.gathers.push_back(std::move(g));
-    }
-
-    job.block = block_elems();
-    job.n_blocks = (io.n + static_cast<int64_t>(job.block) - 1) / static_cast<int64_t>(job.block);
-    job.blocks_per_task = std::max<int64_t>(1, kTaskElems / static_cast<int64_t>(job.block));
-    job.n_tasks = (job.n_blocks + job.blocks_per_task - 1) / job.blocks_per_task;
-
-    if (job.n_tasks <= 1) {
-      run_task(job, 0);
-      return;
-    }
-    OrtStatus* st = g_ort->KernelContext_ParallelFor(ctx, run_task_cb, static_cast<size_t>(job.n_tasks), 0, &job);
-    if (st) {  // no thread pool available: run serially
-      g_ort->ReleaseStatus(st);
-      for (int64_t t = 0; t < job.n_tasks; ++t) run_task(job, t);
-    }
+    std::vector<HostTensor> in, out;
+    for (size_t i = 0; i < io.in.size(); ++i)
+      in.push_back({actual_dtype(io.in[i].type, prog.inputs[i]), io.in[i].data, io.in[i].shape});
+    for (size_t j = 0; j < io.out.size(); ++j)
+      out.push_back({actual_dtype(io.out[j].type, prog.outputs[j].second), io.out[j].data, io.out_shape});
+    run_program(prog, in, out, io.out_shape, ctx);
   }
 };
 
@@ -288,7 +284,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {
-    return make_status(describe_node(name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
+    return make_status(describe_node(kPointwiseChain, name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
   }
 }
 
@@ -298,15 +294,15 @@ OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
     k->compute(ctx);
     return nullptr;
   } catch (const std::exception& e) {
-    return make_status(describe_node(k->name) + ": " + e.what());
+    return make_status(describe_node(kPointwiseChain, k->name) + ": " + e.what());
   }
 }
 
 void ORT_API_CALL destroy(void* kernel) { delete static_cast<CpuKernel*>(kernel); }
 
-OrtCustomOp make_cpu_op() {
-  OrtCustomOp op;
-  init_common_op(&op);
+OpDef make_cpu_op() {
+  OpDef op;
+  init_common_op(&op, kPointwiseChain, 1);
   op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute;
@@ -317,7 +313,7 @@ OrtCustomOp make_cpu_op() {
 }  // namespace
 
 void append_cpu_ops(std::vector<OrtCustomOp*>* ops) {
-  static OrtCustomOp op = make_cpu_op();
+  static OpDef op = make_cpu_op();
   ops->push_back(&op);
 }
 

@@ -469,7 +469,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {
-    return make_status(describe_node(name) + " (CUDA): " + e.what(), ORT_INVALID_ARGUMENT);
+    return make_status(describe_node(kPointwiseChain, name) + " (CUDA): " + e.what(), ORT_INVALID_ARGUMENT);
   }
 }
 
@@ -479,15 +479,15 @@ OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
     k->compute(ctx);
     return nullptr;
   } catch (const std::exception& e) {
-    return make_status(describe_node(k->name) + " (CUDA): " + e.what());
+    return make_status(describe_node(kPointwiseChain, k->name) + " (CUDA): " + e.what());
   }
 }
 
 void ORT_API_CALL destroy(void* kernel) { delete static_cast<CudaKernel*>(kernel); }
 
-OrtCustomOp make_cuda_op() {
-  OrtCustomOp op;
-  init_common_op(&op);
+OpDef make_cuda_op() {
+  OpDef op;
+  init_common_op(&op, kPointwiseChain, 1);
   op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; };
   op.CreateKernelV2 = create_kernel;
   op.KernelComputeV2 = compute;
@@ -498,7 +498,7 @@ OrtCustomOp make_cuda_op() {
 }  // namespace
 
 void append_cuda_ops(std::vector<OrtCustomOp*>* ops) {
-  static OrtCustomOp op = make_cuda_op();
+  static OpDef op = make_cuda_op();
   ops->push_back(&op);
 }
 

@@ -1,5 +1,5 @@
-// Entry point of libonnxfuse_ops.so: registers onnxfuse::PointwiseChain for the CPU and
-// CUDA execution providers. This is the only exported symbol.
+// Entry point of libonnxfuse_ops.so: registers onnxfuse::PointwiseChain, FusedConv and
+// FusedMaxPool for the CPU and CUDA execution providers. This is the only exported symbol.
 #include <exception>
 #include <mutex>
 #include <string>
@@ -30,6 +30,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     static std::once_flag ops_once;
     std::call_once(ops_once, [] {
       append_cpu_ops(&ops);
+      append_cpu_conv_ops(&ops);
       append_cuda_ops(&ops);
     });
     // The domain must outlive every session that uses these options; it is small and

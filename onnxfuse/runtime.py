@@ -4,8 +4,9 @@
     sess = onnxfuse.InferenceSession("out.onnx")            # CUDA if available, else CPU
     sess.run(None, {"x": x})
 
-The library (``libonnxfuse_ops.so``, see `onnxfuse.build`) implements the fused
-``onnxfuse::PointwiseChain`` nodes for the CPU and CUDA execution providers. It is built on
+The library (``libonnxfuse_ops.so``, see `onnxfuse.build`) implements the fused nodes
+(``onnxfuse::PointwiseChain``, ``FusedConv``, ``FusedMaxPool``) for the CPU and CUDA execution
+providers. It is built on
 first use and cached; ``ONNXFUSE_LIBRARY`` points at a prebuilt one instead.
 """
 

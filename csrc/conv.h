@@ -1,0 +1,176 @@
+// The layer parameters of FusedConv and FusedMaxPool (docs/format.md): reading them from a
+// node's attributes, ONNX's output-size rules (onnxfuse/layers.py in Python), and the
+// run-time shape checks, shared by the CPU and CUDA kernels.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace onnxfuse {
+
+// A 2-D convolution; pads are (top, left, bottom, right).
+struct ConvParams {
+  int64_t kernel[2] = {1, 1};  // R, S
+  int64_t strides[2] = {1, 1};
+  int64_t dilations[2] = {1, 1};
+  int64_t pads[4] = {0, 0, 0, 0};
+  int64_t group = 1;
+};
+
+// A 2-D max pool; pads are (top, left, bottom, right).
+struct PoolParams {
+  int64_t kernel[2] = {1, 1};
+  int64_t strides[2] = {1, 1};
+  int64_t dilations[2] = {1, 1};
+  int64_t pads[4] = {0, 0, 0, 0};
+  bool ceil_mode = false;
+};
+
+inline std::string ints_str(const int64_t* v, size_t n) {
+  std::string s = "[";
+  for (size_t i = 0; i < n; ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+// Reads ints attribute `name` of exactly n values, each >= min_value; throws Error when it is
+// missing, has another length or a value below min_value.
+inline void read_ints(const OrtKernelInfo* info, const char* name, size_t n, int64_t min_value, int64_t* out) {
+  std::vector<int64_t> v;
+  if (!get_ints_attr(info, name, &v)) throw Error(std::string("the node has no ints attribute '") + name + "'");
+  if (v.size() != n)
+    throw Error(std::string("attribute '") + name + "' is " + ints_str(v.data(), v.size()) + ", expected " +
+                std::to_string(n) + " numbers");
+  for (size_t i = 0; i < n; ++i) {
+    if (v[i] < min_value)
+      throw Error(std::string("attribute '") + name + "' is " + ints_str(v.data(), n) + ", values must be >= " +
+                  std::to_string(min_value));
+    out[i] = v[i];
+  }
+}
+
+inline ConvParams read_conv_params(const OrtKernelInfo* info) {
+  ConvParams c;
+  read_ints(info, "kernel_shape", 2, 1, c.kernel);
+  read_ints(info, "strides", 2, 1, c.strides);
+  read_ints(info, "dilations", 2, 1, c.dilations);
+  read_ints(info, "pads", 4, 0, c.pads);
+  if (!get_int_attr(info, "group", &c.group)) throw Error("the node has no int attribute 'group'");
+  if (c.group < 1) throw Error("attribute 'group' is " + std::to_string(c.group) + ", must be >= 1");
+  return c;
+}
+
+// The pool_* attributes: all five, or none (false; only when !required).
+inline bool read_pool_params(const OrtKernelInfo* info, bool required, PoolParams* p) {
+  static const char* const kNames[] = {"pool_kernel", "pool_strides", "pool_dilations", "pool_pads"};
+  std::vector<int64_t> tmp;
+  int64_t ceil_mode = 0;
+  int present = get_int_attr(info, "pool_ceil_mode", &ceil_mode) ? 1 : 0;
+  for (const char* n : kNames) present += get_ints_attr(info, n, &tmp) ? 1 : 0;
+  if (present == 0 && !required) return false;
+  if (present != 5)
+    throw Error(required ? "the node needs the five attributes pool_kernel, pool_strides, pool_dilations, pool_pads "
+                           "and pool_ceil_mode"
+                         : "the node has some of the pool_* attributes but not all five (pool_kernel, pool_strides, "
+                           "pool_dilations, pool_pads, pool_ceil_mode)");
+  read_ints(info, "pool_kernel", 2, 1, p->kernel);
+  read_ints(info, "pool_strides", 2, 1, p->strides);
+  read_ints(info, "pool_dilations", 2, 1, p->dilations);
+  read_ints(info, "pool_pads", 4, 0, p->pads);
+  if (ceil_mode != 0 && ceil_mode != 1)
+    throw Error("attribute 'pool_ceil_mode' is " + std::to_string(ceil_mode) + ", must be 0 or 1");
+  p->ceil_mode = ceil_mode == 1;
+  return true;
+}
+
+// ONNX Conv's output size along one axis; <= 0 when the input is too small.
+inline int64_t conv_out_dim(int64_t n, int64_t k, int64_t s, int64_t p0, int64_t p1, int64_t d) {
+  const int64_t span = n + p0 + p1 - d * (k - 1) - 1;
+  return span < 0 ? 0 : span / s + 1;
+}
+
+// ONNX MaxPool's output size along one axis; with ceil_mode a window that would start in
+// the end padding is dropped (as ONNX Runtime and PyTorch do). <= 0: input too small.
+inline int64_t pool_out_dim(int64_t n, int64_t k, int64_t s, int64_t p0, int64_t p1, int64_t d, bool ceil_mode) {
+  const int64_t span = n + p0 + p1 - d * (k - 1) - 1;
+  if (span < 0) return 0;
+  if (!ceil_mode) return span / s + 1;
+  int64_t out = (span + s - 1) / s + 1;
+  if ((out - 1) * s >= n + p0) --out;
+  return out;
+}
+
+// The sizes of one FusedConv run, checked.
+struct ConvShapes {
+  int64_t N = 0, C = 0, H = 0, W = 0, K = 0;
+  int64_t P = 0, Q = 0;    // conv output
+  int64_t OP = 0, OQ = 0;  // node output: pooled, or P, Q without a pool
+  Shape conv_out() const { return {N, K, P, Q}; }
+  Shape out() const { return {N, K, OP, OQ}; }
+};
+
+inline Shape pool_shape(const PoolParams& p, const Shape& in) {
+  const int64_t oh = pool_out_dim(in[2], p.kernel[0], p.strides[0], p.pads[0], p.pads[2], p.dilations[0], p.ceil_mode);
+  const int64_t ow = pool_out_dim(in[3], p.kernel[1], p.strides[1], p.pads[1], p.pads[3], p.dilations[1], p.ceil_mode);
+  if (oh <= 0 || ow <= 0)
+    throw Error("the max pool's input " + shape_str(in) + " is too small for pool_kernel " + ints_str(p.kernel, 2) +
+                ", pool_dilations " + ints_str(p.dilations, 2) + " and pool_pads " + ints_str(p.pads, 4));
+  return {in[0], in[1], oh, ow};
+}
+
+inline void check_rank4(const Shape& x, const char* what) {
+  if (x.size() != 4)
+    throw Error(std::string("input 0 (") + what + ") has shape " + shape_str(x) + ", expected rank 4 [N, C, H, W]");
+}
+
+// Checks X [N, C, H, W], the packed weights [R, S, C/group, K] and the bias [K] against
+// each other and the attributes; returns the sizes.
+inline ConvShapes conv_shapes(const ConvParams& c, const PoolParams* pool, const Shape& x, const Shape& w,
+                              const Shape& b) {
+  check_rank4(x, "X");
+  ConvShapes s;
+  s.N = x[0], s.C = x[1], s.H = x[2], s.W = x[3];
+  if (s.C % c.group != 0)
+    throw Error("input 0 (X) has " + std::to_string(s.C) + " channels, not a multiple of group " +
+                std::to_string(c.group));
+  const int64_t cg = s.C / c.group;
+  if (w.size() != 4 || w[0] != c.kernel[0] || w[1] != c.kernel[1] || w[2] != cg)
+    throw Error("input 1 (W) has shape " + shape_str(w) + ", expected the packed weights [R, S, C/group, K] = [" +
+                std::to_string(c.kernel[0]) + ", " + std::to_string(c.kernel[1]) + ", " + std::to_string(cg) +
+                ", K] (kernel_shape " + ints_str(c.kernel, 2) + ", X's C = " + std::to_string(s.C) + ", group " +
+                std::to_string(c.group) + ")");
+  s.K = w[3];
+  if (s.K % c.group != 0)
+    throw Error("input 1 (W) has K = " + std::to_string(s.K) + " output channels, not a multiple of group " +
+                std::to_string(c.group));
+  if (b.size() != 1 || b[0] != s.K)
+    throw Error("input 2 (B) has shape " + shape_str(b) + ", expected the bias [K] = [" + std::to_string(s.K) + "]");
+  s.P = conv_out_dim(s.H, c.kernel[0], c.strides[0], c.pads[0], c.pads[2], c.dilations[0]);
+  s.Q = conv_out_dim(s.W, c.kernel[1], c.strides[1], c.pads[1], c.pads[3], c.dilations[1]);
+  if (s.P <= 0 || s.Q <= 0)
+    throw Error("input 0 (X) " + shape_str(x) + " is too small for kernel_shape " + ints_str(c.kernel, 2) +
+                ", dilations " + ints_str(c.dilations, 2) + " and pads " + ints_str(c.pads, 4));
+  s.OP = s.P, s.OQ = s.Q;
+  if (pool) {
+    const Shape o = pool_shape(*pool, s.conv_out());
+    s.OP = o[2], s.OQ = o[3];
+  }
+  return s;
+}
+
+// An extra (epilogue / prologue) input must broadcast to `to` ([N, K, P, Q] or X's shape),
+// rank <= 4, right-aligned.
+inline void check_extra(size_t input, int program_input, const Shape& e, const Shape& to, const char* to_what) {
+  bool ok = e.size() <= to.size();
+  for (size_t i = 0; ok && i < e.size(); ++i) {
+    const int64_t d = e[e.size() - 1 - i];
+    ok = d == 1 || d == to[to.size() - 1 - i];
+  }
+  if (!ok)
+    throw Error("input " + std::to_string(input) + " (program input %" + std::to_string(program_input) +
+                ") has shape " + shape_str(e) + ", which does not broadcast to " + to_what + " " + shape_str(to));
+}
+
+}  // namespace onnxfuse

@@ -1,0 +1,655 @@
+// CPU kernels of onnxfuse::FusedConv and onnxfuse::FusedMaxPool (docs/format.md).
+//
+// Reference implementations, in three passes over fp32 buffers, each parallel on ORT's
+// intra-op thread pool:
+//   1. FusedConv only: the direct convolution plus bias, into [N, K, P, Q] (rounded to the
+//      program's %0 dtype: fp16 for a float16 node);
+//   2. the program (epilogue / prologue), with the PointwiseChain evaluator (cpu_ops.h);
+//   3. when pooled: ONNX's max pool, any kernel, strides, pads, dilations and ceil_mode.
+// float16 tensors are widened to fp32 first; all arithmetic is fp32.
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <string>
+
+#include "conv.h"
+#include "cpu_ops.h"
+
+namespace onnxfuse {
+namespace {
+
+// An uninitialized fp32 buffer from the execution provider's allocator (ORT's CPU arena
+// by default, so a large buffer is not page-faulted in again on every run), or from new[]
+// when the kernel has no allocator.
+class Floats {
+ public:
+  Floats() = default;
+  Floats(OrtAllocator* alloc, int64_t n) : alloc_(alloc) {
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float);
+    if (alloc_) {
+      void* p = nullptr;
+      check(g_ort->AllocatorAlloc(alloc_, bytes, &p));
+      if (!p) throw Error("out of memory (" + std::to_string(bytes) + " bytes of scratch)");
+      p_ = static_cast<float*>(p);
+    } else {
+      p_ = new float[bytes / sizeof(float)];
+    }
+  }
+  Floats(Floats&& o) noexcept : alloc_(o.alloc_), p_(o.p_) { o.p_ = nullptr; }
+  Floats& operator=(Floats&& o) noexcept {
+    std::swap(alloc_, o.alloc_);
+    std::swap(p_, o.p_);
+    return *this;
+  }
+  Floats(const Floats&) = delete;
+  Floats& operator=(const Floats&) = delete;
+  ~Floats() {
+    if (!p_) return;
+    if (alloc_) {
+      if (OrtStatus* st = g_ort->AllocatorFree(alloc_, p_)) g_ort->ReleaseStatus(st);
+    } else {
+      delete[] p_;
+    }
+  }
+  float* get() const { return p_; }
+  float& operator[](int64_t i) const { return p_[i]; }
+
+ private:
+  OrtAllocator* alloc_ = nullptr;
+  float* p_ = nullptr;
+};
+
+// Elements (or multiply-adds) per parallel task: enough that scheduling costs nothing.
+constexpr int64_t kTaskWork = 1 << 18;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+float widen(const void* src, bool half, int64_t i) {
+  return half ? f16_to_f32(static_cast<const uint16_t*>(src)[i]) : static_cast<const float*>(src)[i];
+}
+
+float round_to(DType d, float v) {
+  switch (d) {
+    case DType::F16: return f16_to_f32(f32_to_f16(v));
+    case DType::BF16: return bf16_to_f32(f32_to_bf16(v));
+    default: return v;
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Convolution
+//
+// X is first copied into a zero-padded fp32 buffer [N, C, Hp, Wp] (Hp = pad_top + H +
+// pad_bottom, ...; skipped for an unpadded float32 X), so the loops need no bounds checks.
+// Two loop nests:
+//   - tiles (K/group >= 8): vectorized over output channels. The weights are repacked as
+//     [group][K block][C/group][R][S][16 channels]; a tile of QB output positions x 16
+//     channels accumulates in registers over the C/group * R * S taps, each tap one vector
+//     of weights times QB broadcast inputs (a small GEMM micro-kernel, compiled per ISA).
+//   - rows (depthwise and other narrow groups): vectorized over the output row, for each
+//     tap and output channel.
+// ---------------------------------------------------------------------------------------
+
+// Output channels per tile (one AVX-512 vector of fp32).
+constexpr int kKB = 16;
+// Output positions per task of the tile loop: a multiple of every QB below.
+constexpr int64_t kPosAlign = 24;
+
+struct ConvJob {
+  OrtAllocator* alloc = nullptr;  // for scratch buffers
+  ConvParams c;
+  ConvShapes s;
+  int64_t Cg = 0, Kg = 0;  // channels per group (in, out)
+  int64_t Hp = 0, Wp = 0;  // padded input
+  const float* x = nullptr;   // padded X [N, C, Hp, Wp]
+  const float* w = nullptr;   // rows: the weights [R, S, C/group, K]; tiles: repacked (above)
+  const float* b = nullptr;   // bias [K]
+  float* y = nullptr;         // conv result [N, K, P, Q]
+  DType y_dtype = DType::F32;  // the value the conv result is rounded to (program %0)
+  std::vector<int64_t> taps;   // tiles: offset in X of tap (c, r, s), in that order
+  int64_t k_blocks = 0;        // tiles: per group
+  int64_t chunk = 0;           // tiles: output positions per task; rows: output rows per task
+  int64_t chunks = 0;          // per (n, group, K block)
+};
+
+// Y at (n, k, position m) = round(acc + bias).
+inline void store_y(const ConvJob& j, int64_t n, int64_t k, int64_t m, float acc) {
+  j.y[(n * j.s.K + k) * j.s.P * j.s.Q + m] = round_to(j.y_dtype, acc + j.b[k]);
+}
+
+// Tiles for output positions [m0, m1) of image n, channels [k0, k0 + kb) of group g.
+// V: a vector of fp32 (GCC vector extension); NV vectors make kKB channels.
+template <class V, int QB, int NV>
+__attribute__((always_inline)) inline void conv_tiles(const ConvJob& j, int64_t n, int64_t g, int64_t kblk,
+                                                      int64_t m0, int64_t m1) {
+  static_assert(sizeof(V) * NV == kKB * sizeof(float), "a tile row is kKB channels");
+  const ConvShapes& s = j.s;
+  const int64_t T = static_cast<int64_t>(j.taps.size());
+  const int64_t* __restrict taps = j.taps.data();
+  const float* xg = j.x + (n * s.C + g * j.Cg) * j.Hp * j.Wp;
+  const float* wb = j.w + (g * j.k_blocks + kblk) * T * kKB;
+  const int64_t k0 = g * j.Kg + kblk * kKB;
+  const int64_t kb = std::min<int64_t>(kKB, j.Kg - kblk * kKB);
+  const int64_t last = s.P * s.Q - 1;
+  for (int64_t m = m0; m < m1; m += QB) {
+    // X offset of each position's window (positions past the end repeat the last one)
+    int64_t off[QB];
+    for (int i = 0; i < QB; ++i) {
+      const int64_t mm = std::min(m + i, last);
+      off[i] = (mm / s.Q) * j.c.strides[0] * j.Wp + (mm % s.Q) * j.c.strides[1];
+    }
+    V acc[QB][NV];
+#pragma GCC unroll 16
+    for (int i = 0; i < QB; ++i)
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[i][v] = V{};
+    for (int64_t t = 0; t < T; ++t) {
+      V wv[NV];
+      std::memcpy(wv, wb + t * kKB, sizeof wv);
+      const float* __restrict xt = xg + taps[t];
+#pragma GCC unroll 16
+      for (int i = 0; i < QB; ++i) {
+        const float xv = xt[off[i]];
+#pragma GCC unroll 4
+        for (int v = 0; v < NV; ++v) acc[i][v] += xv * wv[v];
+      }
+    }
+    float out[QB][kKB];
+    std::memcpy(out, acc, sizeof out);
+    const int64_t qn = std::min<int64_t>(QB, m1 - m);
+    for (int64_t kk = 0; kk < kb; ++kk)
+      for (int64_t i = 0; i < qn; ++i) store_y(j, n, k0 + kk, m + i, out[i][kk]);
+  }
+}
+
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+using TileFn = void (*)(const ConvJob&, int64_t, int64_t, int64_t, int64_t, int64_t);
+
+// Register budgets: AVX-512 8 x 1 accumulators of 32; AVX2 6 x 2 of 16; SSE 2 x 4 of 16.
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx2,fma"))) void tiles_avx512(const ConvJob& j, int64_t n, int64_t g, int64_t kblk,
+                                                               int64_t m0, int64_t m1) {
+  conv_tiles<V16, 8, 1>(j, n, g, kblk, m0, m1);
+}
+__attribute__((target("avx2,fma"))) void tiles_avx2(const ConvJob& j, int64_t n, int64_t g, int64_t kblk, int64_t m0,
+                                                     int64_t m1) {
+  conv_tiles<V8, 6, 2>(j, n, g, kblk, m0, m1);
+}
+#endif
+void tiles_generic(const ConvJob& j, int64_t n, int64_t g, int64_t kblk, int64_t m0, int64_t m1) {
+  conv_tiles<V4, 2, 4>(j, n, g, kblk, m0, m1);
+}
+
+bool cpu_has(const char* isa) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  if (std::strcmp(isa, "avx512") == 0) return __builtin_cpu_supports("avx512f");
+  if (std::strcmp(isa, "avx2") == 0) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#endif
+  return std::strcmp(isa, "generic") == 0;
+}
+
+void conv_rows(const ConvJob& j, int64_t n, int64_t g, int64_t kblk, int64_t p0, int64_t p1);
+
+// The loop nest for K/group output channels per group: the widest tile micro-kernel this
+// CPU has, or the rows for narrow groups. ONNXFUSE_CPU_CONV=rows|avx512|avx2|generic
+// forces one (tests; an ISA the CPU lacks is ignored).
+TileFn conv_loop(int64_t kg, bool* tiles) {
+  const char* env = std::getenv("ONNXFUSE_CPU_CONV");
+  std::string want = env ? env : "";
+  if (want != "rows" && want != "avx512" && want != "avx2" && want != "generic") want.clear();
+  *tiles = want != "rows" && (kg >= kKB / 2 || !want.empty());
+#if defined(__x86_64__)
+  if (*tiles && (want.empty() || want == "avx512") && cpu_has("avx512")) return tiles_avx512;
+  if (*tiles && (want.empty() || want == "avx512" || want == "avx2") && cpu_has("avx2")) return tiles_avx2;
+#endif
+  return *tiles ? tiles_generic : conv_rows;
+}
+
+// acc[jj * Q + q] = the conv sum of output row p, channel k0 + jj (jj < kb) of the group
+// whose X starts at xg; wk: W [R, S, C/group, K] at channel k0. The inner loops run over q,
+// contiguous in acc (and in X for stride 1), so they vectorize; xs: scratch of Q floats.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void conv_row(const ConvJob& j, const float* xg, const float* wk, int64_t kb, int64_t p, float* __restrict acc,
+              float* __restrict xs) {
+  const ConvParams& c = j.c;
+  const int64_t Q = j.s.Q, K = j.s.K, Cg = j.Cg, R = c.kernel[0], S = c.kernel[1], sw = c.strides[1];
+  std::fill(acc, acc + kb * Q, 0.0f);
+  for (int64_t ci = 0; ci < Cg; ++ci) {
+    for (int64_t r = 0; r < R; ++r) {
+      const float* __restrict xrow = xg + (ci * j.Hp + p * c.strides[0] + r * c.dilations[0]) * j.Wp;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t off = s * c.dilations[1];
+        const float* __restrict src = xrow + off;
+        if (sw != 1) {
+          for (int64_t q = 0; q < Q; ++q) xs[q] = xrow[q * sw + off];
+          src = xs;
+        }
+        const float* __restrict wp = wk + ((r * S + s) * Cg + ci) * K;
+        for (int64_t jj = 0; jj < kb; ++jj) {
+          const float wv = wp[jj];
+          float* __restrict a = acc + jj * Q;
+          for (int64_t q = 0; q < Q; ++q) a[q] += wv * src[q];
+        }
+      }
+    }
+  }
+}
+
+// Rows [p0, p1) of image n, channels [k0, k0 + kb) of group g, kb <= kKB.
+void conv_rows(const ConvJob& j, int64_t n, int64_t g, int64_t kblk, int64_t p0, int64_t p1) {
+  const ConvShapes& s = j.s;
+  const int64_t k0 = g * j.Kg + kblk * kKB;
+  const int64_t kb = std::min<int64_t>(kKB, j.Kg - kblk * kKB);
+  thread_local std::vector<float> scratch;
+  const size_t need = static_cast<size_t>((kKB + 1) * s.Q);
+  if (scratch.size() < need) scratch.resize(need);
+  float* acc = scratch.data();
+  float* xs = acc + kKB * s.Q;
+  const float* xg = j.x + (n * s.C + g * j.Cg) * j.Hp * j.Wp;
+  for (int64_t p = p0; p < p1; ++p) {
+    conv_row(j, xg, j.w + k0, kb, p, acc, xs);
+    for (int64_t jj = 0; jj < kb; ++jj)
+      for (int64_t q = 0; q < s.Q; ++q) store_y(j, n, k0 + jj, p * s.Q + q, acc[jj * s.Q + q]);
+  }
+}
+
+// The zero-padded fp32 copy of X (or X itself: float32 without padding).
+const float* padded_input(OrtKernelContext* ctx, const TensorRef& x, ConvJob& j, Floats* buf) {
+  const ConvShapes& s = j.s;
+  const int64_t* pads = j.c.pads;
+  j.Hp = s.H + pads[0] + pads[2];
+  j.Wp = s.W + pads[1] + pads[3];
+  const bool half = x.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  if (!half && j.Hp == s.H && j.Wp == s.W) return static_cast<const float*>(x.data);
+  *buf = Floats(j.alloc, s.N * s.C * j.Hp * j.Wp);
+  float* dst = buf->get();
+  const void* src = x.data;
+  const int64_t planes = s.N * s.C;
+  const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, j.Hp * j.Wp));
+  const ConvJob& cj = j;
+  parallel_for(ctx, ceil_div(planes, per_task), [&cj, dst, src, half, planes, per_task, pads](int64_t t) {
+    const ConvShapes& sh = cj.s;
+    for (int64_t pl = t * per_task; pl < std::min(planes, (t + 1) * per_task); ++pl) {
+      float* d = dst + pl * cj.Hp * cj.Wp;
+      std::fill(d, d + pads[0] * cj.Wp, 0.0f);
+      for (int64_t h = 0; h < sh.H; ++h) {
+        float* row = d + (pads[0] + h) * cj.Wp;
+        std::fill(row, row + pads[1], 0.0f);
+        const int64_t base = (pl * sh.H + h) * sh.W;
+        for (int64_t w = 0; w < sh.W; ++w) row[pads[1] + w] = widen(src, half, base + w);
+        std::fill(row + pads[1] + sh.W, row + cj.Wp, 0.0f);
+      }
+      std::fill(d + (pads[0] + sh.H) * cj.Wp, d + cj.Hp * cj.Wp, 0.0f);
+    }
+  });
+  return dst;
+}
+
+// The weights [R, S, C/group, K] as the tile loop reads them: [group][K block][C/group][R]
+// [S][kKB], channels past K/group zero.
+const float* tile_weights(OrtKernelContext* ctx, const TensorRef& w, const ConvJob& j, Floats* buf) {
+  const int64_t R = j.c.kernel[0], S = j.c.kernel[1], Cg = j.Cg, K = j.s.K, T = Cg * R * S;
+  const bool half = w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  *buf = Floats(j.alloc, j.c.group * j.k_blocks * T * kKB);
+  float* dst = buf->get();
+  const void* src = w.data;
+  parallel_for(ctx, j.c.group * j.k_blocks, [&j, dst, src, half, R, S, Cg, K, T](int64_t gb) {
+    const int64_t g = gb / j.k_blocks, kblk = gb % j.k_blocks;
+    const int64_t k0 = g * j.Kg + kblk * kKB;
+    const int64_t kb = std::min<int64_t>(kKB, j.Kg - kblk * kKB);
+    float* d = dst + gb * T * kKB;
+    for (int64_t ci = 0; ci < Cg; ++ci)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t s = 0; s < S; ++s, d += kKB) {
+          const int64_t base = ((r * S + s) * Cg + ci) * K + k0;
+          for (int64_t kk = 0; kk < kKB; ++kk) d[kk] = kk < kb ? widen(src, half, base + kk) : 0.0f;
+        }
+  });
+  return dst;
+}
+
+// Y = conv(X, W) + B, rounded to y_dtype.
+void run_conv(OrtKernelContext* ctx, ConvJob& j, const TensorRef& x, const TensorRef& w, const TensorRef& b) {
+  const ConvShapes& s = j.s;
+  const int64_t R = j.c.kernel[0], S = j.c.kernel[1];
+  j.Cg = s.C / j.c.group;
+  j.Kg = s.K / j.c.group;
+  j.k_blocks = ceil_div(j.Kg, kKB);
+  Floats xb, wb, bb;
+  j.x = padded_input(ctx, x, j, &xb);
+  if (b.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+    bb = Floats(j.alloc, s.K);
+    for (int64_t k = 0; k < s.K; ++k) bb[k] = f16_to_f32(static_cast<const uint16_t*>(b.data)[k]);
+    j.b = bb.get();
+  } else {
+    j.b = static_cast<const float*>(b.data);
+  }
+  const int64_t tap_work = std::max<int64_t>(1, j.Cg * R * S * kKB);  // multiply-adds per output position
+  bool tiles = false;
+  const TileFn fn = conv_loop(j.Kg, &tiles);
+  if (tiles) {
+    j.w = tile_weights(ctx, w, j, &wb);
+    for (int64_t ci = 0; ci < j.Cg; ++ci)
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t sx = 0; sx < S; ++sx)
+          j.taps.push_back((ci * j.Hp + r * j.c.dilations[0]) * j.Wp + sx * j.c.dilations[1]);
+    j.chunk = std::max<int64_t>(1, kTaskWork / tap_work / kPosAlign) * kPosAlign;
+    j.chunks = ceil_div(s.P * s.Q, j.chunk);
+  } else {
+    if (w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+      const int64_t nw = numel(w.shape);
+      wb = Floats(j.alloc, nw);
+      for (int64_t i = 0; i < nw; ++i) wb[i] = f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
+      j.w = wb.get();
+    } else {
+      j.w = static_cast<const float*>(w.data);
+    }
+    j.chunk = std::min(s.P, std::max<int64_t>(1, kTaskWork / (tap_work * s.Q)));
+    j.chunks = ceil_div(s.P, j.chunk);
+  }
+  const int64_t end = tiles ? s.P * s.Q : s.P;
+  // Task t: image n, group g, K block kblk, chunk of positions (tiles) or rows.
+  parallel_for(ctx, s.N * j.c.group * j.k_blocks * j.chunks, [&j, fn, end](int64_t t) {
+    const int64_t chunk = t % j.chunks;
+    t /= j.chunks;
+    const int64_t kblk = t % j.k_blocks;
+    t /= j.k_blocks;
+    const int64_t g = t % j.c.group, n = t / j.c.group;
+    fn(j, n, g, kblk, chunk * j.chunk, std::min(end, (chunk + 1) * j.chunk));
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// Max pool
+// ---------------------------------------------------------------------------------------
+
+// The window positions i (0 <= i < k) with 0 <= start + i * d < n: [*lo, *hi).
+void window(int64_t start, int64_t k, int64_t d, int64_t n, int64_t* lo, int64_t* hi) {
+  *lo = start >= 0 ? 0 : ceil_div(-start, d);
+  *hi = n - 1 - start < 0 ? 0 : std::min(k, (n - 1 - start) / d + 1);
+}
+
+// max(m, v) ignoring a NaN v (m, starting from -inf, is never NaN).
+inline float max_num(float m, float v) { return v > m ? v : m; }
+
+// The valid part of each window along one axis: output o reads input start[o] + i * d for
+// i in [lo[o], hi[o]) (lo >= hi: the window is all padding).
+struct Windows {
+  std::vector<int64_t> start, lo, hi;
+  Windows(int64_t out, int64_t n, int64_t k, int64_t s, int64_t pad, int64_t d) : start(out), lo(out), hi(out) {
+    for (int64_t o = 0; o < out; ++o) {
+      start[o] = o * s - pad;
+      window(start[o], k, d, n, &lo[o], &hi[o]);
+    }
+  }
+};
+
+// One plane: out_row gets the max over the window's rows (a vectorizable column max over
+// the whole input row, `cols`), then over its columns. The result is the max of the
+// window's elements that are not NaN, -inf when there is none (all padding or all NaN): as
+// the Triton kernels (tl.maximum from -inf). ONNX Runtime's own CPU MaxPool treats NaN
+// differently from one code path to another.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void pool_plane(const float* __restrict z, int64_t W, int64_t dh, int64_t dw, const Windows& rows,
+                const Windows& colw, float* __restrict cols, float* __restrict out_row, DType declared, DType actual,
+                void* out, int64_t out_start) {
+  const float kNone = -std::numeric_limits<float>::infinity();
+  const int64_t OH = static_cast<int64_t>(rows.start.size()), OW = static_cast<int64_t>(colw.start.size());
+  for (int64_t oh = 0; oh < OH; ++oh) {
+    std::fill(cols, cols + W, kNone);
+    for (int64_t i = rows.lo[oh]; i < rows.hi[oh]; ++i) {
+      const float* __restrict zr = z + (rows.start[oh] + i * dh) * W;
+      for (int64_t w = 0; w < W; ++w) cols[w] = max_num(cols[w], zr[w]);
+    }
+    for (int64_t ow = 0; ow < OW; ++ow) {
+      float m = kNone;
+      for (int64_t j = colw.lo[ow]; j < colw.hi[ow]; ++j) m = max_num(m, cols[colw.start[ow] + j * dw]);
+      out_row[ow] = m;
+    }
+    store(declared, actual, out_row, out, out_start + oh * OW, static_cast<size_t>(OW));
+  }
+}
+
+// out [N, C, OH, OW] = MaxPool(z [N, C, H, W]), stored as (declared, actual) dtype.
+// Padding never wins; NaN: pool_plane.
+void max_pool(OrtKernelContext* ctx, const PoolParams& pp, const float* z, const Shape& in, const Shape& out_shape,
+              DType declared, DType actual, void* out) {
+  const int64_t planes = in[0] * in[1], H = in[2], W = in[3];
+  const int64_t OH = out_shape[2], OW = out_shape[3];
+  if (planes * OH * OW == 0) return;
+  const Windows rows(OH, H, pp.kernel[0], pp.strides[0], pp.pads[0], pp.dilations[0]);
+  const Windows colw(OW, W, pp.kernel[1], pp.strides[1], pp.pads[1], pp.dilations[1]);
+  const int64_t per_plane = std::max<int64_t>(1, H * W + OH * OW * pp.kernel[1]);
+  const int64_t planes_per_task = std::max<int64_t>(1, kTaskWork / per_plane);
+  parallel_for(ctx, ceil_div(planes, planes_per_task), [&](int64_t task) {
+    thread_local std::vector<float> buf;
+    buf.resize(static_cast<size_t>(W + OW));
+    for (int64_t pl = task * planes_per_task; pl < std::min(planes, (task + 1) * planes_per_task); ++pl)
+      pool_plane(z + pl * H * W, W, pp.dilations[0], pp.dilations[1], rows, colw, buf.data(), buf.data() + W,
+                 declared, actual, out, pl * OH * OW);
+  });
+}
+
+// ---------------------------------------------------------------------------------------
+// The kernels
+// ---------------------------------------------------------------------------------------
+
+const char* const kInputNames[] = {"X", "W", "B"};
+
+// Reads the node's inputs and checks their count and the program's dtypes: the first
+// `n_fixed` inputs (X, W, B or X), then the program's extra inputs %1, %2, ...
+std::vector<TensorRef> read_inputs(const Program& prog, OrtKernelContext* ctx, size_t n_fixed) {
+  size_t n_in = 0, n_out = 0;
+  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
+  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
+  const size_t want = n_fixed + prog.inputs.size() - 1;
+  if (n_in != want)
+    throw Error("the node has " + std::to_string(n_in) + " inputs, expected " + std::to_string(want) + " (" +
+                (n_fixed == 3 ? "X, W, B" : "X") + " and the program's " + std::to_string(prog.inputs.size() - 1) +
+                " extra inputs)");
+  if (n_out != 1) throw Error("the node has " + std::to_string(n_out) + " outputs, expected 1");
+  std::vector<TensorRef> t(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const OrtValue* v = nullptr;
+    check(g_ort->KernelContext_GetInput(ctx, i, &v));
+    if (!v) throw Error("input " + std::to_string(i) + " is missing");
+    read_tensor(v, &t[i]);
+    // X is program input %0, W and B have X's type, extra input i is %(i - n_fixed + 1).
+    const size_t pi = i < n_fixed ? 0 : i - n_fixed + 1;
+    const std::string what = i < n_fixed ? std::string(" (") + kInputNames[n_fixed == 3 ? i : 0] + ")"
+                                         : " (program input %" + std::to_string(pi) + ")";
+    if (i > 0 && i < n_fixed) {
+      if (t[i].type != t[0].type)
+        throw Error("input " + std::to_string(i) + what + " is " + elem_type_name(t[i].type) + ", X is " +
+                    elem_type_name(t[0].type));
+    } else if (!type_fits(t[i].type, prog.inputs[pi], /*f32_for_half=*/true)) {
+      throw Error("input " + std::to_string(i) + what + " is " + elem_type_name(t[i].type) +
+                  ", the program declares " + dtype_name(prog.inputs[pi]));
+    }
+  }
+  return t;
+}
+
+// Allocates output 0 with `shape` and checks its type against the program's output.
+TensorRef make_output(const Program& prog, OrtKernelContext* ctx, const Shape& shape) {
+  OrtValue* v = nullptr;
+  check(g_ort->KernelContext_GetOutput(ctx, 0, shape.data(), shape.size(), &v));
+  if (!v) throw Error("could not allocate the output");
+  TensorRef t;
+  read_tensor(v, &t);
+  if (!type_fits(t.type, prog.outputs[0].second, /*f32_for_half=*/true))
+    throw Error(std::string("the output is ") + elem_type_name(t.type) + " in the graph, the program stores " +
+                dtype_name(prog.outputs[0].second));
+  return t;
+}
+
+// Program inputs: `first` (the conv result or X), then the extra tensors from `extras`.
+std::vector<HostTensor> program_inputs(const Program& prog, HostTensor first, const std::vector<TensorRef>& t,
+                                       size_t extras) {
+  std::vector<HostTensor> in{std::move(first)};
+  for (size_t i = extras; i < t.size(); ++i)
+    in.push_back({actual_dtype(t[i].type, prog.inputs[in.size()]), t[i].data, t[i].shape});
+  return in;
+}
+
+// Runs the program over `shape` into `out` (no pool) or into an fp32 buffer that the pool
+// reads (values rounded as the program says), then pools into `out`.
+void program_then_pool(OrtKernelContext* ctx, OrtAllocator* alloc, const Program& prog,
+                       const std::vector<HostTensor>& in, const Shape& shape, const PoolParams* pool,
+                       const TensorRef& out) {
+  const DType declared = prog.outputs[0].second;
+  const DType actual = actual_dtype(out.type, declared);
+  if (!pool) {
+    run_program(prog, in, {{actual, out.data, shape}}, shape, ctx);
+    return;
+  }
+  Floats z(alloc, numel(shape));
+  run_program(prog, in, {{DType::F32, z.get(), shape}}, shape, ctx);
+  max_pool(ctx, *pool, z.get(), shape, out.shape, declared, actual, out.data);
+}
+
+void check_program(const Program& prog) {
+  if (prog.outputs.size() != 1)
+    throw Error("the program has " + std::to_string(prog.outputs.size()) + " outputs, expected 1");
+}
+
+// What both kernels hold: the program, the node's name (for messages) and the EP's
+// allocator (for scratch buffers; null if ORT has none for the kernel).
+struct KernelBase {
+  Program prog;
+  std::string name;
+  OrtAllocator* alloc = nullptr;
+  KernelBase() = default;
+  KernelBase(const KernelBase&) = delete;
+  KernelBase& operator=(const KernelBase&) = delete;
+  ~KernelBase() {
+    if (alloc) g_ort->ReleaseAllocator(alloc);
+  }
+};
+
+struct ConvKernel : KernelBase {
+  ConvParams conv;
+  bool has_pool = false;
+  PoolParams pool;
+
+  void compute(OrtKernelContext* ctx) const {
+    const std::vector<TensorRef> t = read_inputs(prog, ctx, 3);
+    if (t[0].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t[0].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
+      throw Error(std::string("input 0 (X) is ") + elem_type_name(t[0].type) + ", FusedConv takes float32 or float16");
+    const ConvShapes s = conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape);
+    const Shape conv_out = s.conv_out();
+    for (size_t i = 3; i < t.size(); ++i)
+      check_extra(i, static_cast<int>(i - 2), t[i].shape, conv_out, "the conv output [N, K, P, Q] =");
+    const TensorRef out = make_output(prog, ctx, s.out());
+    if (numel(s.out()) == 0) return;
+
+    ConvJob job;
+    job.alloc = alloc;
+    job.c = conv;
+    job.s = s;
+    job.y_dtype = prog.inputs[0];
+    Floats y(alloc, numel(conv_out));
+    job.y = y.get();
+    run_conv(ctx, job, t[0], t[1], t[2]);
+    program_then_pool(ctx, alloc, prog, program_inputs(prog, {DType::F32, y.get(), conv_out}, t, 3), conv_out,
+                      has_pool ? &pool : nullptr, out);
+  }
+};
+
+struct MaxPoolKernel : KernelBase {
+  PoolParams pool;
+
+  void compute(OrtKernelContext* ctx) const {
+    const std::vector<TensorRef> t = read_inputs(prog, ctx, 1);
+    check_rank4(t[0].shape, "X");
+    for (size_t i = 1; i < t.size(); ++i)
+      check_extra(i, static_cast<int>(i), t[i].shape, t[0].shape, "X's shape");
+    const TensorRef out = make_output(prog, ctx, pool_shape(pool, t[0].shape));
+    if (numel(out.shape) == 0) return;
+    const HostTensor x{actual_dtype(t[0].type, prog.inputs[0]), t[0].data, t[0].shape};
+    program_then_pool(ctx, alloc, prog, program_inputs(prog, x, t, 1), t[0].shape, &pool, out);
+  }
+};
+
+template <class K>
+const char* op_of();
+template <>
+const char* op_of<ConvKernel>() { return kFusedConv; }
+template <>
+const char* op_of<MaxPoolKernel>() { return kFusedMaxPool; }
+
+void init(ConvKernel* k, const OrtKernelInfo* info) {
+  if (k->prog.inputs[0] != DType::F32 && k->prog.inputs[0] != DType::F16)
+    throw Error(std::string("the program's %0 (the conv output) is ") + dtype_name(k->prog.inputs[0]) +
+                ", FusedConv computes f32 or f16");
+  k->conv = read_conv_params(info);
+  k->has_pool = read_pool_params(info, /*required=*/false, &k->pool);
+}
+
+void init(MaxPoolKernel* k, const OrtKernelInfo* info) { read_pool_params(info, /*required=*/true, &k->pool); }
+
+template <class K>
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+  std::string name;
+  try {
+    name = node_name(info);
+    std::string text;
+    if (!get_string_attr(info, "program", &text)) throw Error("the node has no string attribute 'program'");
+    auto k = std::make_unique<K>();
+    k->prog = parse_program(text);
+    k->name = name;
+    check_program(k->prog);
+    init(k.get(), info);
+    if (OrtStatus* st = g_ort->KernelInfoGetAllocator(info, OrtMemTypeDefault, &k->alloc)) {
+      g_ort->ReleaseStatus(st);  // scratch from new[] instead
+      k->alloc = nullptr;
+    }
+    *kernel = k.release();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(describe_node(op_of<K>(), name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
+  }
+}
+
+template <class K>
+OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
+  const K* k = static_cast<const K*>(kernel);
+  try {
+    k->compute(ctx);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(describe_node(op_of<K>(), k->name) + ": " + e.what());
+  }
+}
+
+template <class K>
+void ORT_API_CALL destroy(void* kernel) {
+  delete static_cast<K*>(kernel);
+}
+
+template <class K>
+OpDef make_op(int min_inputs) {
+  OpDef op;
+  init_common_op(&op, op_of<K>(), min_inputs);
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
+  op.CreateKernelV2 = create_kernel<K>;
+  op.KernelComputeV2 = compute<K>;
+  op.KernelDestroy = destroy<K>;
+  return op;
+}
+
+}  // namespace
+
+void append_cpu_conv_ops(std::vector<OrtCustomOp*>* ops) {
+  static OpDef conv_op = make_op<ConvKernel>(3);
+  static OpDef pool_op = make_op<MaxPoolKernel>(1);
+  ops->push_back(&conv_op);
+  ops->push_back(&pool_op);
+}
+
+}  // namespace onnxfuse

@@ -1,0 +1,451 @@
+"""The custom-op library's FusedConv and FusedMaxPool CPU kernels (docs/format.md).
+
+Each model here is one hand-built FusedConv / FusedMaxPool node (no function body: with the
+library registered, onnxruntime runs the library's kernel, and without it the session
+cannot be created). Its result is compared with the same computation as standard ONNX ops
+(Conv with the weights in ONNX's layout, the program lowered to ONNX ops by
+tests/test_library.py's function-body builder, MaxPool) in onnxruntime's CPU provider, on
+seeded random inputs.
+
+Tolerances. fp32: rtol 1e-5, plus an atol for the convolution's summation order: each
+output sums n = C/group * R * S products of magnitude at most max|x| * max|w|; both sides
+round every partial sum (~6e-8 relative each) in a different order, so they differ by a
+few ulp of the partial sums, far below 1e-5 * sqrt(n) * max|x| * max|w| (a random walk of
+n terms of that size has magnitude ~ sqrt(n) * max|x| * max|w|), which is the atol, times
+the largest factor an extra input multiplies the conv result by. fp16: rtol 1e-2 and an
+atol of one fp16 ulp (2^-10 relative) of the largest conv result: the conv result is
+rounded to fp16 before the epilogue, and a different summation order can round it to the
+neighbouring half, which an epilogue that cancels (x + residual) turns into a large
+relative difference.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from onnxfuse.expr import Builder, Program, Ref
+from onnxfuse.layers import ConvAttrs, PoolAttrs
+
+ort = pytest.importorskip("onnxruntime")
+
+from tests.test_library import _body as program_nodes  # noqa: E402  (the program as ONNX nodes)
+
+OPSET = 21
+TP = {"f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16}
+NP = {"f32": np.float32, "f16": np.float16}
+
+
+@pytest.fixture(scope="session")
+def lib() -> str:
+    from onnxfuse import runtime
+
+    return runtime.library_path()
+
+
+# ---------------------------------------------------------------------------------------
+# Programs
+# ---------------------------------------------------------------------------------------
+
+def epilogue(extras: int, dtype: str = "f32", act: str = "relu") -> Program:
+    """%0 (+ or *) %1 (+ or *) ... then an activation: extra input i is added when i is odd,
+    multiplied when even."""
+    b = Builder([dtype] * (1 + extras))
+    v = Ref(0)
+    for i in range(1, 1 + extras):
+        v = b.emit("add" if i % 2 else "mul", v, Ref(i))
+    if act == "relu":
+        v = b.emit("max", v, 0.0)
+    elif act == "silu":
+        v = b.emit("mul", v, b.emit("sigmoid", v))
+    elif act == "tanh2":
+        v = b.emit("mul", b.emit("tanh", v), 2.0)
+    elif act != "none":
+        raise AssertionError(act)
+    return b.build([(v, dtype)])
+
+
+# ---------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------
+
+def _vi(name: str, dtype: str, rank: int):
+    return helper.make_tensor_value_info(name, TP[dtype], [None] * rank)
+
+
+def _model(nodes, inputs, output: str, dtype: str) -> onnx.ModelProto:
+    """inputs: [(name, dtype, rank)]; every dimension dynamic, so the kernels' own checks
+    see wrong shapes."""
+    graph = helper.make_graph(nodes, "conv", [_vi(*i) for i in inputs], [_vi(output, dtype, 4)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid("onnxfuse", 1)],
+                             ir_version=10)
+
+
+def fused_conv_model(conv: ConvAttrs, pool: PoolAttrs | None, prog: Program, extra_ranks: list[int],
+                     **attr_overrides) -> onnx.ModelProto:
+    dt = prog.input_dtypes[0]
+    ins = ["x", "w", "b"] + [f"e{i}" for i in range(len(extra_ranks))]
+    attrs = {**conv.node_attrs(), **(pool.node_attrs() if pool else {}), "program": prog.to_text(), **attr_overrides}
+    node = helper.make_node("FusedConv", ins, ["y"], domain="onnxfuse", name="conv0", **attrs)
+    inputs = [("x", dt, 4), ("w", dt, 4), ("b", dt, 1)]
+    inputs += [(f"e{i}", prog.input_dtypes[1 + i], r) for i, r in enumerate(extra_ranks)]
+    return _model([node], inputs, "y", prog.outputs[0][1])
+
+
+def reference_conv_model(conv: ConvAttrs, pool: PoolAttrs | None, prog: Program, extra_ranks: list[int],
+                         conv_out: tuple[int, ...], bias: bool) -> onnx.ModelProto:
+    """Conv (ONNX weights [K, C/group, R, S]) -> the program as ONNX ops -> MaxPool."""
+    dt = prog.input_dtypes[0]
+    extras = [f"e{i}" for i in range(len(extra_ranks))]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"] if bias else ["x", "w"], ["c"], **conv.node_attrs())]
+    nodes += program_nodes(prog, ["c", *extras], ["z" if pool else "y"], conv_out)
+    if pool:
+        nodes.append(helper.make_node("MaxPool", ["z"], ["y"], **pool.node_attrs(prefix="")))
+    inputs = [("x", dt, 4), ("w", dt, 4)] + ([("b", dt, 1)] if bias else [])
+    inputs += [(e, prog.input_dtypes[1 + i], r) for i, (e, r) in enumerate(zip(extras, extra_ranks, strict=True))]
+    return _model(nodes, inputs, "y", prog.outputs[0][1])
+
+
+def fused_pool_model(pool: PoolAttrs, prog: Program, extra_ranks: list[int], **attr_overrides) -> onnx.ModelProto:
+    ins = ["x"] + [f"e{i}" for i in range(len(extra_ranks))]
+    attrs = {**pool.node_attrs(), "program": prog.to_text(), **attr_overrides}
+    node = helper.make_node("FusedMaxPool", ins, ["y"], domain="onnxfuse", name="pool0", **attrs)
+    inputs = [(n, dt, r) for n, dt, r in zip(ins, prog.input_dtypes, [4, *extra_ranks], strict=True)]
+    return _model([node], inputs, "y", prog.outputs[0][1])
+
+
+def reference_pool_model(pool: PoolAttrs, prog: Program, extra_ranks: list[int], x_shape) -> onnx.ModelProto:
+    ins = ["x"] + [f"e{i}" for i in range(len(extra_ranks))]
+    nodes = program_nodes(prog, ins, ["z"], tuple(x_shape))
+    nodes.append(helper.make_node("MaxPool", ["z"], ["y"], **pool.node_attrs(prefix="")))
+    inputs = [(n, dt, r) for n, dt, r in zip(ins, prog.input_dtypes, [4, *extra_ranks], strict=True)]
+    return _model(nodes, inputs, "y", prog.outputs[0][1])
+
+
+def run(model: onnx.ModelProto, feeds: dict, lib: str | None, threads: int = 0) -> np.ndarray:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.intra_op_num_threads = threads
+    if lib:
+        so.register_custom_ops_library(lib)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# FusedConv against Conv -> program -> MaxPool
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConvCase:
+    x: tuple[int, int, int, int]  # N, C, H, W
+    k: int
+    conv: ConvAttrs
+    pool: PoolAttrs | None = None
+    extras: tuple[str, ...] = ()  # "full" [N, K, P, Q], "channel" [1, K, 1, 1], "scalar" [], "row" [Q]
+    act: str = "relu"
+    bias: bool = True
+    dtype: str = "f32"
+    threads: int = 0
+    id: str = field(default="", compare=False)
+
+
+CONV_CASES = [
+    ConvCase((1, 3, 8, 8), 4, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), id="3x3_same"),
+    ConvCase((2, 5, 11, 13), 7, ConvAttrs((3, 3)), id="odd_sizes_valid"),
+    ConvCase((2, 4, 15, 17), 6, ConvAttrs((3, 3), strides=(2, 2), pads=(1, 1, 1, 1)), id="stride2"),
+    ConvCase((1, 3, 9, 10), 5, ConvAttrs((3, 2), strides=(2, 1), pads=(0, 2, 1, 0)), id="asym_pads_strides"),
+    ConvCase((1, 4, 12, 12), 8, ConvAttrs((3, 3), pads=(2, 2, 2, 2), dilations=(2, 2)), id="dilation2"),
+    ConvCase((1, 2, 13, 9), 3, ConvAttrs((2, 3), dilations=(3, 1), strides=(1, 3), pads=(1, 0, 0, 2)),
+             id="dilation_stride_mixed"),
+    ConvCase((2, 16, 7, 9), 24, ConvAttrs((1, 1)), id="1x1"),
+    ConvCase((1, 8, 9, 9), 12, ConvAttrs((1, 1), strides=(2, 2)), id="1x1_stride2"),
+    ConvCase((1, 3, 32, 30), 16, ConvAttrs((7, 7), strides=(2, 2), pads=(3, 3, 3, 3)), id="7x7_stem"),
+    ConvCase((1, 6, 10, 10), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=2), id="group2"),
+    ConvCase((2, 8, 10, 11), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=8), id="depthwise"),
+    ConvCase((1, 4, 9, 9), 12, ConvAttrs((3, 3), strides=(2, 2), group=4), id="depthwise_multiplier3_stride2"),
+    ConvCase((1, 3, 8, 8), 5, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), bias=False, id="no_bias"),
+    ConvCase((2, 4, 8, 8), 6, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), extras=("full",), id="residual"),
+    ConvCase((2, 4, 8, 8), 6, ConvAttrs((3, 3)), extras=("channel", "channel"), act="none",
+             id="per_channel_scale_shift"),
+    ConvCase((1, 4, 8, 8), 6, ConvAttrs((3, 3)), extras=("scalar",), act="silu", id="scalar_extra_silu"),
+    ConvCase((2, 3, 8, 9), 5, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), extras=("row", "full", "channel"),
+             act="tanh2", id="three_extras"),
+    ConvCase((1, 20, 17, 19), 40, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), id="k_blocks_partial"),
+    # with a max pool
+    ConvCase((2, 3, 16, 16), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)), id="pool2x2"),
+    ConvCase((1, 3, 15, 13), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             id="pool2x2_odd"),
+    ConvCase((1, 3, 17, 16), 6, ConvAttrs((3, 3)), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), id="pool3x3_s2_p1"),
+    ConvCase((1, 3, 12, 12), 6, ConvAttrs((3, 3)), PoolAttrs((3, 3), (2, 2), (0, 1, 1, 0), ceil_mode=True),
+             id="pool_ceil_padded"),
+    ConvCase((1, 3, 14, 14), 6, ConvAttrs((3, 3)), PoolAttrs((2, 3), (1, 2), dilations=(2, 2)),
+             id="pool_dilation2"),
+    ConvCase((2, 4, 16, 16), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             extras=("full", "channel"), id="pool_with_extras"),
+    ConvCase((1, 4, 16, 16), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=4), PoolAttrs((3, 3), (2, 2)),
+             act="silu", id="depthwise_pool"),
+    # float16
+    ConvCase((2, 4, 10, 11), 6, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), dtype="f16", id="f16"),
+    ConvCase((2, 4, 16, 16), 6, ConvAttrs((3, 3), strides=(2, 2), pads=(1, 0, 1, 1)),
+             PoolAttrs((2, 2), (2, 2)), extras=("full", "channel"), dtype="f16", id="f16_extras_pool"),
+    ConvCase((1, 8, 9, 9), 8, ConvAttrs((3, 3), dilations=(2, 2), group=8), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)),
+             act="silu", dtype="f16", id="f16_depthwise_dilated_pool"),
+    # bigger: many parallel tasks; one thread and the default pool
+    ConvCase((2, 32, 40, 40), 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             extras=("full",), id="big"),
+    ConvCase((2, 32, 40, 40), 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), threads=1, id="big_one_thread"),
+]
+
+
+def _extra_shape(kind: str, n: int, k: int, p: int, q: int) -> tuple[int, ...]:
+    return {"full": (n, k, p, q), "channel": (1, k, 1, 1), "scalar": (), "row": (q,)}[kind]
+
+
+def conv_feeds(case: ConvCase, rng: np.random.Generator) -> tuple[dict, dict, tuple[int, ...]]:
+    """(fused feeds, reference feeds, conv output shape)."""
+    n, c, h, w = case.x
+    conv = case.conv
+    p, q = conv.out_size(h, w)
+    dt = NP[case.dtype]
+    x = rng.standard_normal(case.x).astype(dt)
+    wt = (rng.standard_normal((case.k, c // conv.group, *conv.kernel)) / math.sqrt(c // conv.group)).astype(dt)
+    b = (rng.standard_normal(case.k) if case.bias else np.zeros(case.k)).astype(dt)
+    extras = {}
+    for i, kind in enumerate(case.extras):
+        shape = _extra_shape(kind, n, case.k, p, q)
+        # multiplied extras (even i >= 2) stay in [0.5, 1.5]
+        e = rng.uniform(0.5, 1.5, shape) if i % 2 else rng.standard_normal(shape)
+        extras[f"e{i}"] = np.asarray(e).astype(dt)
+    fused = {"x": x, "w": np.ascontiguousarray(wt.transpose(2, 3, 1, 0)), "b": b, **extras}
+    ref = {"x": x, "w": wt, **({"b": b} if case.bias else {}), **extras}
+    return fused, ref, (n, case.k, p, q)
+
+
+def conv_atol(case: ConvCase, feeds: dict, expected_conv_scale: float) -> float:
+    if case.dtype == "f16":
+        return 2.0**-10 * expected_conv_scale
+    n = case.x[1] // case.conv.group * math.prod(case.conv.kernel)
+    gain = max([1.0] + [float(np.abs(feeds[f"e{i}"]).max()) for i in range(1, len(case.extras), 2)])
+    return 1e-5 * math.sqrt(n) * float(np.abs(feeds["x"]).max()) * float(np.abs(feeds["w"]).max()) * gain
+
+
+# The CPU kernel's loop nests (ONNXFUSE_CPU_CONV; default: by K/group and the CPU): rows,
+# and the tile micro-kernel per instruction set (one the CPU lacks falls back to a narrower one).
+LOOPS = ["rows", "avx512", "avx2", "generic"]
+CONV_PARAMS = [pytest.param(c, "", id=c.id) for c in CONV_CASES]
+CONV_PARAMS += [pytest.param(c, loop, id=f"{c.id}-{loop}") for loop in LOOPS for c in CONV_CASES
+                if not c.id.startswith("big")]
+
+
+@pytest.mark.parametrize("case,loop", CONV_PARAMS)
+def test_fused_conv(case, loop, lib, monkeypatch):
+    if loop:
+        monkeypatch.setenv("ONNXFUSE_CPU_CONV", loop)
+    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
+    prog = epilogue(len(case.extras), case.dtype, case.act)
+    fused_feeds, ref_feeds, conv_out = conv_feeds(case, rng)
+    ranks = [len(fused_feeds[f"e{i}"].shape) for i in range(len(case.extras))]
+    got = run(fused_conv_model(case.conv, case.pool, prog, ranks), fused_feeds, lib, case.threads)
+    want = run(reference_conv_model(case.conv, case.pool, prog, ranks, conv_out, case.bias), ref_feeds, None)
+    expect_shape = conv_out if case.pool is None else (*conv_out[:2], *case.pool.out_size(*conv_out[2:]))
+    assert got.shape == want.shape == expect_shape
+    assert got.dtype == want.dtype == NP[case.dtype]
+    # the largest conv result, for the fp16 atol: from a plain Conv
+    plain = reference_conv_model(case.conv, None, epilogue(0, case.dtype, "none"), [], conv_out, case.bias)
+    scale = float(np.abs(run(plain, {k: v for k, v in ref_feeds.items() if k in ("x", "w", "b")}, None)).max())
+    rtol = 1e-5 if case.dtype == "f32" else 1e-2
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
+                               atol=conv_atol(case, fused_feeds, scale))
+
+
+def test_fused_conv_is_deterministic_across_thread_counts(lib):
+    case = CONV_CASES[-2]
+    fused_feeds, _, _ = conv_feeds(case, np.random.default_rng(7))
+    model = fused_conv_model(case.conv, case.pool, epilogue(1), [4])
+    np.testing.assert_array_equal(run(model, fused_feeds, lib, threads=1), run(model, fused_feeds, lib, threads=3))
+
+
+def test_fused_conv_empty_batch(lib):
+    conv = ConvAttrs((3, 3), pads=(1, 1, 1, 1))
+    model = fused_conv_model(conv, PoolAttrs((2, 2), (2, 2)), epilogue(0), [])
+    feeds = {"x": np.zeros((0, 3, 8, 8), np.float32), "w": np.zeros((3, 3, 3, 4), np.float32),
+             "b": np.zeros(4, np.float32)}
+    assert run(model, feeds, lib).shape == (0, 4, 4, 4)
+
+
+# ---------------------------------------------------------------------------------------
+# FusedMaxPool against the program -> MaxPool
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PoolCase:
+    x: tuple[int, int, int, int]
+    pool: PoolAttrs
+    extras: tuple[tuple[int, ...], ...] = ()
+    act: str = "relu"
+    dtype: str = "f32"
+    id: str = field(default="", compare=False)
+
+
+POOL_CASES = [
+    PoolCase((2, 3, 16, 16), PoolAttrs((2, 2), (2, 2)), id="relu_2x2_s2"),
+    PoolCase((1, 4, 15, 17), PoolAttrs((2, 2), (2, 2)), id="relu_2x2_s2_odd"),
+    PoolCase((2, 3, 17, 16), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), id="relu_3x3_s2_p1"),
+    PoolCase((1, 3, 12, 13), PoolAttrs((3, 3), (2, 2), (1, 0, 0, 1), ceil_mode=True), id="ceil_mode_padded"),
+    PoolCase((1, 3, 10, 10), PoolAttrs((2, 2), (3, 3), ceil_mode=True), id="ceil_mode_unpadded"),
+    PoolCase((1, 2, 14, 15), PoolAttrs((3, 2), (1, 2), (1, 1, 2, 0), dilations=(2, 2)), id="dilation2_padded"),
+    PoolCase((1, 2, 9, 9), PoolAttrs((1, 1), (2, 2)), act="none", id="1x1_subsample"),
+    PoolCase((2, 4, 8, 8), PoolAttrs((2, 2), (2, 2)), extras=((1, 4, 1, 1),), id="extra_per_channel"),
+    PoolCase((2, 4, 9, 8), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), extras=((2, 4, 9, 8), (8,)), act="silu",
+             id="extra_full_and_row"),
+    PoolCase((2, 3, 16, 16), PoolAttrs((2, 2), (2, 2)), extras=((1, 3, 1, 1),), dtype="f16", id="f16"),
+    PoolCase((1, 3, 13, 12), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1), ceil_mode=True), dtype="f16",
+             id="f16_ceil_padded"),
+    PoolCase((4, 32, 56, 56), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), id="big"),
+]
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=[c.id for c in POOL_CASES])
+def test_fused_maxpool(case, lib):
+    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
+    prog = epilogue(len(case.extras), case.dtype, case.act)
+    dt = NP[case.dtype]
+    feeds = {"x": rng.standard_normal(case.x).astype(dt)}
+    for i, s in enumerate(case.extras):
+        feeds[f"e{i}"] = (rng.uniform(0.5, 1.5, s) if i % 2 else rng.standard_normal(s)).astype(dt)
+    ranks = [len(s) for s in case.extras]
+    got = run(fused_pool_model(case.pool, prog, ranks), feeds, lib)
+    want = run(reference_pool_model(case.pool, prog, ranks, case.x), feeds, None)
+    assert got.shape == want.shape == (*case.x[:2], *case.pool.out_size(*case.x[2:]))
+    assert got.dtype == want.dtype
+    if case.dtype == "f32" and case.act in ("relu", "none"):  # rational ops, one rounding: exact
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64),
+                                   rtol=1e-5 if case.dtype == "f32" else 1e-2, atol=1e-6)
+
+
+def test_fused_maxpool_padding_never_wins(lib):
+    """All-negative input, padded windows: the result is the largest real element, not 0."""
+    pool = PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1), ceil_mode=True)
+    prog = epilogue(0, act="none")
+    x = -1.0 - np.random.default_rng(3).random((1, 2, 6, 7)).astype(np.float32)
+    got = run(fused_pool_model(pool, prog, []), {"x": x}, lib)
+    want = run(reference_pool_model(pool, prog, [], x.shape), {"x": x}, None)
+    np.testing.assert_array_equal(got, want)
+    assert (got < -1.0).all()
+
+
+@pytest.mark.parametrize("pool", [PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), PoolAttrs((2, 2), (1, 1), dilations=(2, 2)),
+                                  PoolAttrs((2, 2), (2, 2))], ids=["3x3_s2_p1", "dilated", "2x2_s2"])
+def test_fused_maxpool_ignores_nan(pool, lib):
+    """A window's result is the max of its elements that are not NaN, -inf when all are NaN,
+    as the Triton kernels compute it (tl.maximum from -inf). (ONNX Runtime's own MaxPool
+    treats NaN differently from one code path to another, so it is no reference here.)"""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 3, 9, 8)).astype(np.float32)
+    x[rng.random(x.shape) < 0.4] = np.nan
+    x[0, 0, :4, :4] = np.nan  # some all-NaN windows
+    got = run(fused_pool_model(pool, epilogue(0, act="none"), []), {"x": x}, lib)
+    (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw) = pool.kernel, pool.strides, pool.pads, pool.dilations
+    oh, ow = pool.out_size(9, 8)
+    xp = np.pad(x, ((0, 0), (0, 0), (pt, pb), (pl, pr)), constant_values=-np.inf)
+    want = np.full((2, 3, oh, ow), -np.inf, np.float32)
+    for i in range(kh):
+        for j in range(kw):
+            want = np.fmax(want, xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw])
+    np.testing.assert_array_equal(got, want)
+    assert np.isneginf(got[0, 0, 0, 0])
+
+
+# ---------------------------------------------------------------------------------------
+# Clear errors
+# ---------------------------------------------------------------------------------------
+
+def without_ranks(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph inputs' ranks unknown too, so that onnxruntime lets any rank through."""
+    for i in model.graph.input:
+        i.type.tensor_type.ClearField("shape")
+    return model
+
+
+def _conv_feeds(x=(1, 4, 8, 8), w=(3, 3, 4, 6), b=(6,), extras=()):
+    z = {"x": np.zeros(x, np.float32), "w": np.zeros(w, np.float32), "b": np.zeros(b, np.float32)}
+    z.update({f"e{i}": np.zeros(s, np.float32) for i, s in enumerate(extras)})
+    return z
+
+
+CONV_ERRORS = [
+    (dict(x=(4, 8, 8)), r"input 0 \(X\) has shape \[4, 8, 8\], expected rank 4"),
+    (dict(w=(3, 3, 5, 6)), r"input 1 \(W\) has shape \[3, 3, 5, 6\], expected the packed weights .*\[3, 3, 4, K\]"),
+    (dict(w=(6, 4, 3, 3)), r"input 1 \(W\) has shape \[6, 4, 3, 3\], expected the packed weights"),
+    (dict(b=(5,)), r"input 2 \(B\) has shape \[5\], expected the bias \[K\] = \[6\]"),
+    (dict(extras=[(1, 6, 8, 7)]), r"input 3 \(program input %1\) has shape \[1, 6, 8, 7\], which does not broadcast "
+                                   r"to the conv output \[N, K, P, Q\] = \[1, 6, 8, 8\]"),
+    (dict(extras=[(2, 1, 6, 1, 1)]), r"input 3 .* does not broadcast"),
+    (dict(x=(1, 4, 1, 8)), r"input 0 \(X\) \[1, 4, 1, 8\] is too small for kernel_shape \[3, 3\]"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", CONV_ERRORS, ids=[str(k) for k, _ in CONV_ERRORS])
+def test_fused_conv_shape_errors(kw, msg, lib):
+    extras = kw.get("extras", [(1, 6, 1, 1)])
+    model = without_ranks(fused_conv_model(ConvAttrs((3, 3), pads=(1, 1, 1, 1) if "x" not in kw else (0, 0, 0, 0)),
+                                           None, epilogue(1), [len(s) for s in extras]))
+    with pytest.raises(Exception, match=r"onnxfuse FusedConv node 'conv0': " + msg):
+        run(model, _conv_feeds(**{**kw, "extras": extras}), lib)
+
+
+def test_fused_conv_type_errors(lib):
+    model = fused_conv_model(ConvAttrs((3, 3)), None, epilogue(0), [])
+    feeds = _conv_feeds()
+    model.graph.input[1].type.tensor_type.elem_type = TensorProto.FLOAT16
+    feeds["w"] = feeds["w"].astype(np.float16)
+    with pytest.raises(Exception, match=r"FusedConv node 'conv0': input 1 \(W\) is float16, X is float32"):
+        run(model, feeds, lib)
+
+
+def test_fused_conv_wrong_input_count(lib):
+    model = fused_conv_model(ConvAttrs((3, 3)), None, epilogue(1), [4])
+    del model.graph.node[0].input[3]
+    del model.graph.input[3]
+    with pytest.raises(Exception, match=r"FusedConv node 'conv0': the node has 3 inputs, expected 4"):
+        run(model, _conv_feeds(), lib)
+
+
+@pytest.mark.parametrize("attrs,msg", [
+    ({"pads": [1, 1]}, r"attribute 'pads' is \[1, 1\], expected 4 numbers"),
+    ({"strides": [0, 1]}, r"attribute 'strides' is \[0, 1\], values must be >= 1"),
+    ({"pool_kernel": [2, 2]}, r"the node has some of the pool_\* attributes but not all five"),
+    ({"program": "onnxfuse.pointwise v1\ninput %0 f32\noutput %0 f32\noutput %0 f32"},
+     r"the program has 2 outputs, expected 1"),
+])
+def test_fused_conv_attribute_errors_at_session_creation(attrs, msg, lib):
+    model = fused_conv_model(ConvAttrs((3, 3)), None, epilogue(0), [], **attrs)
+    with pytest.raises(Exception, match=r"onnxfuse FusedConv node 'conv0': " + msg):
+        run(model, _conv_feeds(), lib)
+
+
+def test_fused_maxpool_errors(lib):
+    pool = PoolAttrs((2, 2), (2, 2))
+    model = without_ranks(fused_pool_model(pool, epilogue(1), [4]))
+    with pytest.raises(Exception, match=r"onnxfuse FusedMaxPool node 'pool0': input 0 \(X\) has shape \[3, 8, 8\], "
+                                        r"expected rank 4"):
+        run(model, {"x": np.zeros((3, 8, 8), np.float32), "e0": np.zeros((1, 3, 1, 1), np.float32)}, lib)
+    with pytest.raises(Exception, match=r"FusedMaxPool node 'pool0': input 1 \(program input %1\) has shape "
+                                        r"\[1, 4, 1, 1\], which does not broadcast to X's shape \[1, 3, 8, 8\]"):
+        run(model, {"x": np.zeros((1, 3, 8, 8), np.float32), "e0": np.zeros((1, 4, 1, 1), np.float32)}, lib)
+    with pytest.raises(Exception, match=r"FusedMaxPool node 'pool0': the max pool's input \[1, 3, 1, 8\] is too small"):
+        run(model, {"x": np.zeros((1, 3, 1, 8), np.float32), "e0": np.zeros((1, 3, 1, 1), np.float32)}, lib)
+    no_pool = fused_pool_model(pool, epilogue(0), [])
+    for a in [a for a in no_pool.graph.node[0].attribute if a.name == "pool_strides"]:
+        no_pool.graph.node[0].attribute.remove(a)
+    with pytest.raises(Exception, match=r"FusedMaxPool node 'pool0': the node needs the five attributes"):
+        run(no_pool, {"x": np.zeros((1, 3, 8, 8), np.float32)}, lib)
