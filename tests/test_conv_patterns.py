@@ -8,6 +8,9 @@ its own inputs and attributes (tests/layer_ref.py, via check_fusion / check_prog
 
 from __future__ import annotations
 
+import io
+import textwrap
+import warnings
 from collections import Counter
 
 import numpy as np
@@ -16,10 +19,11 @@ import pytest
 from onnx import helper, numpy_helper
 
 from models import build as mb
-from onnxfuse import optimize_model
+from onnxfuse import PatternError, load_patterns, optimize_model
 from onnxfuse.expr import Program
 from onnxfuse.fold import fold_batchnorm
 from onnxfuse.layers import ConvAttrs, PoolAttrs
+from onnxfuse.pattern import ConvEpilogueMatch, example_model, load_pattern_file
 from onnxfuse.pipeline import Result
 from onnxfuse.rewrite import unfuse
 from tests.util import check_fusion, check_programs, op_types, random_feeds, run
@@ -569,3 +573,142 @@ def test_build_models_fuse(name, make, want):
     assert r.report.not_fused == {}
     if name in ("conv_relu_maxpool", "vgg_stack"):
         assert all(f.pattern == "conv_relu_maxpool" and f.pool == PoolAttrs((2, 2), (2, 2)) for f in r.fused)
+
+
+# ---------------------------------------------------------------------------------------
+# Pattern files of the new kinds
+# ---------------------------------------------------------------------------------------
+
+CONV_PATTERN = textwrap.dedent("""\
+    name: my_conv
+    description: Conv and Relu only.
+    priority: 5
+    match:
+      kind: conv_epilogue
+      ops: [Relu]
+      dtypes: [float32]
+      group: 1
+      pool: none
+    replace:
+      op_type: FusedConv
+      kernel: conv
+    example:
+      inputs: {x: [float32, [N, 2, 5, 5]]}
+      initializers: {w: [float32, [3, 2, 3, 3]], b: [float32, [3], 0.5]}
+      nodes:
+        - [Conv, [x, w, b], [c], {kernel_shape: [3, 3]}]
+        - [Relu, [c], [y]]
+      outputs: [y]
+      expect: {FusedConv: 1}
+    """)
+
+
+def test_user_conv_pattern_runs_alone(tmp_path):
+    path = tmp_path / "my_conv.yaml"
+    path.write_text(CONV_PATTERN)
+    p = load_pattern_file(path)
+    assert p.match == ConvEpilogueMatch(frozenset({"Relu"}), frozenset({"float32"}), 1, "none")
+    m = example_model(p)
+    init = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
+    assert (init["b"] == 0.5).all() and init["w"].shape == (3, 2, 3, 3) and init["w"].std() > 0
+    r = optimize_model(m, [p])
+    assert op_types(r.model) == ["FusedConv"] and r.fused[0].pattern == "my_conv"
+
+
+def test_group_any_fuses_grouped_convolutions(tmp_path):
+    path = tmp_path / "any.yaml"
+    path.write_text(CONV_PATTERN.replace("group: 1", "group: any"))
+    p = load_pattern_file(path)
+    m = model([N("Conv", ["x", "w", "b"], ["c0"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=2),
+               N("Relu", ["c0"], ["y"])], image(4), out("y"), {"w": weights(6, 2, 3), "b": bias(6)})
+    r = optimize_model(m, [p])
+    assert op_types(r.model) == ["FusedConv"] and r.fused[0].conv.group == 2
+    packed = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}[r.fused[0].inputs[1]]
+    assert packed.shape == (3, 3, 2, 6)  # [R, S, C/group, K]
+    check_close(m, r, 1e-5)
+
+
+@pytest.mark.parametrize("edit,field", [
+    (("pool: none", "pool: sometimes"), "match.pool"),
+    (("group: 1", "group: 0"), "match.group"),
+    (("group: 1", "group: true"), "match.group"),
+    (("kernel: conv", "kernel: pointwise"), "replace.kernel"),
+    (("dtypes: [float32]", "dtypes: [bfloat16]"), "match.dtypes"),
+    (("pool: none", "min_nodes: 2"), "match.min_nodes"),
+    (("b: [float32, [3], 0.5]", "b: [float32, 3]"), "example.initializers.b"),
+    (("b: [float32, [3], 0.5]", "b: [int64, [3]]"), "example.initializers.b"),
+    (("kind: conv_epilogue", "kind: pool_prologue"), "match.group"),  # a conv field in a pool pattern
+])
+def test_bad_conv_pattern_names_file_and_field(tmp_path, edit, field):
+    old, new = edit
+    assert old in CONV_PATTERN
+    path = tmp_path / "p.yaml"
+    path.write_text(CONV_PATTERN.replace(old, new))
+    with pytest.raises(PatternError) as e:
+        load_pattern_file(path)
+    assert str(e.value).startswith(f"{path}: {field}:"), str(e.value)
+
+
+def test_builtin_conv_patterns_run_in_priority_order():
+    names = [p.name for p in load_patterns()]
+    assert names.index("conv_relu_maxpool") < names.index("conv_relu") < names.index("relu_maxpool") \
+        < names.index("pointwise_chain")
+
+
+def test_pointwise_ops_around_a_conv_do_not_make_a_cycle():
+    """s = Sigmoid(x) feeds the conv and Mul(s, Relu(conv)) reads it: Mul and Tanh join the
+    epilogue (s is an extra input) and Sigmoid stays apart (one node with Sigmoid and Mul
+    would both feed and read the FusedConv)."""
+    m = model([N("Sigmoid", ["x"], ["s"]), N("Conv", ["s", "w", "b"], ["c0"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+               N("Relu", ["c0"], ["r"]), N("Mul", ["s", "r"], ["t"]), N("Tanh", ["t"], ["y"])],
+              image(4), out("y"), {"w": weights(4, 4, 3), "b": bias(4)})
+    r = check_fusion(m)
+    assert op_types(r.model) == ["Sigmoid", "FusedConv"]
+    assert list(fused_node(r).input)[3:] == ["s"] and len(r.fused[0].source_nodes) == 4
+
+
+def test_resnet_style_block_exported_by_torch():
+    """A torch module (stem Conv-BN-ReLU-MaxPool 3x3, a basic block with a downsampling
+    shortcut, Conv-BN-SiLU, Conv-Hardswish-MaxPool 2x2) exported with BatchNormalization
+    kept in the graph: the five BNs fold, five convs fuse, the shortcut conv and the
+    overlapping pool stay."""
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Sequential(nn.Conv2d(3, 8, 7, 2, 3, bias=False), nn.BatchNorm2d(8), nn.ReLU(),
+                                      nn.MaxPool2d(3, 2, 1))
+            self.c1, self.b1 = nn.Conv2d(8, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16)
+            self.c2, self.b2 = nn.Conv2d(16, 16, 3, 1, 1, bias=False), nn.BatchNorm2d(16)
+            self.down = nn.Sequential(nn.Conv2d(8, 16, 1, 2, bias=False), nn.BatchNorm2d(16))
+            self.head = nn.Sequential(nn.Conv2d(16, 16, 3, 1, 1), nn.BatchNorm2d(16), nn.SiLU(),
+                                      nn.Conv2d(16, 8, 1), nn.Hardswish(), nn.MaxPool2d(2))
+
+        def forward(self, x):
+            x = self.stem(x)
+            return self.head(torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))) + self.down(x)))
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    for bn_mod in net.modules():
+        if isinstance(bn_mod, nn.BatchNorm2d):
+            bn_mod.running_mean.uniform_(-0.2, 0.2)
+            bn_mod.running_var.uniform_(0.5, 1.5)
+            bn_mod.weight.data.uniform_(0.5, 1.5)
+            bn_mod.bias.data.uniform_(-0.2, 0.2)
+    f = io.BytesIO()
+    with warnings.catch_warnings(), torch.no_grad():  # the TorchScript exporter's deprecation notes
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, (torch.randn(2, 3, 32, 32),), f, dynamo=False, opset_version=17, input_names=["x"],
+                          output_names=["y"], dynamic_axes={"x": {0: "N"}, "y": {0: "N"}},
+                          do_constant_folding=False)  # keep BatchNormalization in the graph
+    m = onnx.load_from_string(f.getvalue())
+    assert Counter(op_types(m))["BatchNormalization"] == 5
+    r = optimize_model(m)
+    assert r.report.folded_batchnorm == 5
+    assert r.report.patterns_applied == {"conv_relu": 4, "conv_relu_maxpool": 1}
+    assert counts(r) == Counter({"FusedConv": 5, "Conv": 1, "MaxPool": 1})
+    assert sorted(len(f.source_nodes) for f in r.fused) == [2, 2, 3, 3, 3]  # Conv+Add+Relu, SiLU, Hardswish+pool
+    check_close(m, r, FOLD_RTOL, random_feeds(m, {"N": 2}))
