@@ -60,8 +60,10 @@ from models import pretrained  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
 from onnxfuse.pipeline import optimize_model, save_model  # noqa: E402
 
-VARIANTS = ("ort", "ort_nhwc", "onnxfuse", "onnxfuse_graph", "onnxfuse_nhwc", "torch_eager", "torch_compile")
-LABELS = {"ort": "ORT", "ort_nhwc": "ORT nhwc", "onnxfuse": "onnxfuse", "onnxfuse_graph": "onnxfuse + graph",
+VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "onnxfuse_nhwc", "torch_eager",
+            "torch_compile")
+LABELS = {"ort": "ORT", "ort_nhwc": "ORT nhwc", "ort_graph": "ORT + graph", "onnxfuse": "onnxfuse",
+          "onnxfuse_graph": "onnxfuse + graph",
           "onnxfuse_nhwc": "onnxfuse nhwc", "torch_eager": "torch eager", "torch_compile": "torch.compile"}
 DRY_VARIANTS = ("ort", "onnxfuse", "torch_eager")
 
@@ -77,6 +79,7 @@ class Case:
     onnx: Callable[[bool], onnx.ModelProto] | None = None  # dry -> model (None: pretrained)
     torch: Callable[[onnx.ModelProto], object] | None = None  # model -> nn.Module
     note: str = ""
+    pretrained: str = ""                                  # models/pretrained.py name, if not `name`
 
 
 class _Chain:
@@ -141,6 +144,12 @@ def cases() -> list[Case]:
     tv = [_torchvision(a) for a in mb.TORCHVISION_ARCHS]
     pre = [Case(p.name, "pretrained", dict(p.bench_shapes), dict(p.shapes), note=p.description)
            for p in pretrained.PRETRAINED.values()]
+    # the shapes of the conv issue's bars: batch 1 and 16, YOLOv8n at 320x320, PP-OCRv4 det at 640x640
+    for b in (1, 16):
+        pre.append(Case(f"yolov8n_320_b{b}", "pretrained", {"images": (b, 3, 320, 320)},
+                        {"images": (1, 3, 320, 320)}, note="YOLOv8n (nudenet 320n)", pretrained="yolov8n_320"))
+        pre.append(Case(f"ppocr_det_640_b{b}", "pretrained", {"x": (b, 3, 640, 640)}, {"x": (1, 3, 160, 224)},
+                        note="PP-OCRv4 det", pretrained="ppocr_det"))
     return syn + intensity + tv + pre
 
 
@@ -175,7 +184,7 @@ class CaseResult:
 
 def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProto) -> dict[str, np.ndarray]:
     if case.kind == "pretrained":
-        return pretrained.feeds(case.name, shapes)
+        return pretrained.feeds(case.pretrained or case.name, shapes)
     sig = ob._signature(model)
     specs, _ = ob.resolve_inputs(sig, ob.BenchSettings(shapes=shapes), case.name)
     return ob.make_feeds(specs, ob.BenchSettings())
@@ -247,11 +256,12 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     res = CaseResult(case.name, case.kind, {k: list(v) for k, v in shapes.items()})
     try:
         if case.kind == "pretrained":
-            cached = pretrained.cache_dir() / f"{case.name}.onnx"
+            name = case.pretrained or case.name
+            cached = pretrained.cache_dir() / f"{name}.onnx"
             if dry and not cached.is_file():
                 res.skipped = "not in the cache (run python -m models.pretrained)"
                 return res
-            model = onnx.load(str(pretrained.fetch(case.name)))
+            model = onnx.load(str(pretrained.fetch(name)))
         else:
             model = case.onnx(dry)
     except (mb.TorchUnavailable, pretrained.RegistryUnavailable) as e:

@@ -22,6 +22,24 @@ case "${1:-tests}" in
     python3 benchmarks/compare.py --models "${2:-relu_maxpool,conv_relu,conv_relu_maxpool,vgg_stack,mlp_block,resnet18,yolov8n_320,ppocr_det}" \
       --iters 30 --json "$OUT/compare.json" --markdown "$OUT/compare.md" 2>&1 | grep -v "W:onnxruntime" | tee "$OUT/compare.log"
     ;;
+  conv)
+    # the conv issue's models and layers, plus the models the bench issue had not run yet
+    export ONNXFUSE_MODELS=$PWD/models/build/pretrained
+    python3 benchmarks/compare.py --models "${2:-relu_maxpool,conv_relu,conv_relu_maxpool,vgg_stack,resnet18,vgg11,mobilenet_v3_small,yolov8n_320_b1,yolov8n_320_b16,ppocr_det_640_b1,ppocr_det_640_b16}" \
+      --iters 30 --json "$OUT/compare_${3:-conv}.json" --markdown "$OUT/compare_${3:-conv}.md" 2>&1 | grep -v "W:onnxruntime" | tee "$OUT/compare_${3:-conv}.log"
+    ;;
+  roofline)
+    # issue 6 on the GPU: calibrate the device, then profile original and optimized models against it
+    python3 -m onnxfuse.cli calibrate --out "$OUT/h200_profile.json" 2>&1 | tee "$OUT/calibrate.log"
+    python3 -c "from models.build import mlp_block, conv_relu_maxpool; import onnx; onnx.save(mlp_block(), '/tmp/mlp.onnx'); onnx.save(conv_relu_maxpool(), '/tmp/crm.onnx')"
+    for m in mlp crm; do
+      python3 -m onnxfuse.cli optimize /tmp/$m.onnx /tmp/$m.opt.onnx --target sm_90 > /dev/null
+      for v in $m $m.opt; do
+        python3 -m onnxfuse.cli profile /tmp/$v.onnx --provider cuda --device "$OUT/h200_profile.json" --batch 32 \
+          --json "$OUT/profile_$v.json" --plot "$OUT/profile_$v.png" 2>&1 | tee "$OUT/profile_$v.log"
+      done
+    done
+    ;;
   sweep)
     [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")
     echo "ONNXFUSE_POINTWISE_CONFIG=${ONNXFUSE_POINTWISE_CONFIG:-default}"
