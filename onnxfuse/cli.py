@@ -21,10 +21,18 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     if src.exists() and dst.exists() and os.path.samefile(src, dst):
         raise OnnxfuseError(f"{dst}: output would overwrite the input model; choose another path")
     hook = None
+    tune = None
+    if args.tune:
+        if args.target == "none":
+            raise OnnxfuseError("--tune times compiled kernels: it cannot be combined with --target none")
+        from onnxfuse.bench import parse_assignments, parse_dims
+
+        shapes = {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
+        tune = {"shapes": shapes, "batch": args.batch}
     if args.target != "none":
         from onnxfuse.kernels import compile_hook
 
-        hook = compile_hook(args.target, jobs=args.jobs, conv_precision=args.conv_precision)
+        hook = compile_hook(args.target, jobs=args.jobs, conv_precision=args.conv_precision, tune=tune)
     with warnings.catch_warnings():  # the report carries them; printed below
         warnings.simplefilter("ignore", OnnxfuseWarning)
         report = optimize(src, dst, args.patterns or (), compile_hook=hook)
@@ -70,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-core precision of float32 convolutions (default tf32: about 1e-3 relative "
                         "error, like cuDNN's default; tf32x3 about 1e-6 at 3x the math; ieee exact fp32 "
                         "FMA, slowest)")
+    p.add_argument("--tune", action="store_true",
+                   help="on a GPU: time each fused kernel (several configurations) against its original "
+                        "subgraph at the model's shapes and keep the faster; the report lists the times")
+    p.add_argument("--shape", action="append", metavar="NAME=DIMS",
+                   help="--tune: dims of an input, e.g. x=32,3,224,224")
+    p.add_argument("--batch", type=int, default=None, help="--tune: size of symbolic first dims")
     p.set_defaults(func=_cmd_optimize)
 
     p = sub.add_parser("patterns", help="list the loaded fusion patterns")

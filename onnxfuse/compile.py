@@ -335,11 +335,13 @@ def compile_kernels(
     cache_dir: str | os.PathLike | None = None,
     jobs: int | None = None,
     errors: str = "raise",
+    variant_override: tuple | None = None,
 ) -> list[CompiledKernel | CompileFailure]:
     """Compile every spec's variants for every target (cached, in parallel); same order.
 
     A (variant, target) that fails to compile raises OnnxfuseError, or with
-    errors="collect" makes its spec's entry a CompileFailure (the others still compile)."""
+    errors="collect" makes its spec's entry a CompileFailure (the others still compile).
+    variant_override: the variants to compile for every spec instead of the defaults (tuning)."""
     if not targets:
         raise OnnxfuseError("no GPU targets to compile for")
     for arch in targets:
@@ -350,7 +352,7 @@ def compile_kernels(
     plans = []  # per spec: (variants, [(kernel, arch, key)])
     for spec in specs:
         try:
-            variants = _variants(spec)
+            variants = variant_override if variant_override is not None else _variants(spec)
             kernels = [_generate(spec, v) for v in variants]
         except ValueError as e:  # a kernel this code generator cannot write
             if errors != "collect":

@@ -12,11 +12,14 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf32") -> Callable:
+def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf32",
+                 tune: dict | None = None) -> Callable:
     """A pipeline hook that compiles every fused node's kernel for `target` and attaches it.
 
     target: "auto" (the local GPU, else the default set; skipped with a note when Triton is
     not installed) or a list like "sm_90,sm_80" (an error when Triton is missing).
+    tune: {"shapes": {input: dims}, "batch": N or None} to time every fused node against its
+    original subgraph on the local GPU and keep the faster (`onnxfuse.tune`).
     """
     if target != "auto" and not triton_available():
         raise OnnxfuseError("--target needs Triton: pip install 'onnxfuse[compile]' (or use --target none)")
@@ -35,6 +38,15 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
             result.drop_fused({f["node"] for f in info["failed"]}, FAILED_REASON)
             for f in info["failed"]:
                 result.warn(failure_warning(f))
+        if tune is not None and result.fused:
+            import dataclasses
+
+            from onnxfuse import tune as tuning
+
+            dims = tuning.fix_shapes(result.model, tune.get("shapes", {}), tune.get("batch"))
+            records = tuning.tune(result, targets, dims, conv_precision=conv_precision, jobs=jobs)
+            info["tune"] = [dataclasses.asdict(r) for r in records]
+            info["summary"] += "\n" + tuning.summary(records)
         return info
 
     return hook

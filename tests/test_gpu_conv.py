@@ -174,3 +174,22 @@ def test_fp16_conv_stack_matches_original():
     assert "FusedConv" in ops
     feeds = random_feeds(m, {"N": 3}, seed=3)
     check(session(m, library=False).run(None, feeds), session(f, library=True).run(None, feeds), 1e-2, "fp16")
+
+
+@pytest.mark.parametrize("name", ["conv_relu_maxpool", "relu_maxpool", "residual_block"])
+def test_tune_times_candidates_and_keeps_a_correct_model(name):
+    from onnxfuse.kernels import compile_hook
+
+    m = CASES[name]()
+    r = optimize_model(m)
+    info = compile_hook("auto", tune={"shapes": {}, "batch": 4})(r)
+    records = info["tune"]
+    assert len(records) == len(r.fused) + len([x for x in records if x["chosen"] == "original"])
+    for rec in records:
+        assert rec["original_ms"] > 0
+        timed = [c for c in rec["candidates"] if "ms" in c]
+        assert timed and all(c["ms"] > 0 for c in timed), rec
+        assert rec["chosen"] == "original" or rec["chosen"] in {c["config"] for c in timed}
+    feeds = random_feeds(m, {"N": 4}, seed=11)
+    check(session(m, library=False).run(None, feeds), session(r.model, library=True).run(None, feeds), 1e-2,
+          name + " tuned")

@@ -1,0 +1,62 @@
+"""`optimize --tune`: the candidate configurations, fixing the input shapes, and the clear
+errors where it cannot run. The timing itself needs a GPU: tests/test_gpu_conv.py."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+
+from models.build import conv_relu_maxpool
+from onnxfuse.cli import main
+from onnxfuse.codegen_conv import ConvSpec, MaxPoolSpec
+from onnxfuse.compile import KernelSpec, local_gpu_archs
+from onnxfuse.errors import OnnxfuseError
+from onnxfuse.expr import HEADER, parse
+from onnxfuse.layers import ConvAttrs, PoolAttrs
+from onnxfuse.tune import candidates, fix_shapes
+
+RELU = parse(HEADER + "\ninput %0 f32\n%1 = max %0 0.0\noutput %1 f32\n")
+
+
+def test_conv_candidates_are_distinct_and_hold_whole_windows():
+    pool = PoolAttrs((4, 4), (4, 4))  # a 16-row window
+    spec = ConvSpec("k", RELU, 64, 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), pool)
+    cands = candidates(spec)
+    configs = [v for _, (v,) in cands]
+    assert len(cands) >= 4 and len({(v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages)
+                                    for v in configs}) == len(cands)
+    assert all(v.block_m % 16 == 0 for v in configs)
+    assert cands[0][0].startswith("tile 64x64x32")  # the heuristic default comes first
+
+
+def test_pool_and_pointwise_candidates():
+    assert [label for label, _ in candidates(MaxPoolSpec("k", RELU, PoolAttrs((2, 2), (2, 2))))] == \
+        ["block 256", "block 512", "block 1024"]
+    (label, variants), = candidates(KernelSpec(RELU, "k", 1, ("full",)))
+    assert label == "default" and len(variants) >= 2
+
+
+def test_fix_shapes():
+    m = conv_relu_maxpool(channels=8, size=16)
+    assert fix_shapes(m, {}, 4) == {"x": (4, 8, 16, 16)}
+    assert fix_shapes(m, {"x": (2, 8, 10, 10)}, None) == {"x": (2, 8, 10, 10)}
+    with pytest.raises(OnnxfuseError, match="--shape x="):
+        fix_shapes(m, {}, None)
+
+
+@pytest.mark.skipif(bool(local_gpu_archs()), reason="checks the error on a machine without a GPU")
+def test_tune_without_gpu_is_a_clear_error(tmp_path, capsys):
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(conv_relu_maxpool(channels=8, size=16), str(src))
+    assert main(["optimize", str(src), str(dst), "--tune", "--batch", "2", "--target", "sm_90"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tune needs an NVIDIA GPU" in err[0]
+    assert not dst.exists()
+
+
+def test_tune_with_target_none_is_a_clear_error(tmp_path, capsys):
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(conv_relu_maxpool(channels=8, size=16), str(src))
+    assert main(["optimize", str(src), str(dst), "--tune", "--target", "none"]) == 2
+    assert "--target none" in capsys.readouterr().err
+    assert not dst.exists()
