@@ -557,6 +557,8 @@ def _conv_match(view: GraphView, ci: int, pattern: Pattern, taken: set[int], acc
     if _reentering(view, nodes, accepted):
         return "fusing would create a cycle"
     final = view.nodes[pool].output[0] if pool is not None else result
+    if view.types.get(final) is None:
+        return "unknown dtype"
     return Match(pattern, tuple(nodes), (final,), conv=ci, pool=pool, pointwise=tuple(sorted(epilogue)),
                  conv_attrs=attrs, pool_attrs=pool_attrs, first_input=out, result=result)
 
@@ -635,6 +637,8 @@ def _pool_match(view: GraphView, pi: int, pattern: Pattern, taken: set[int], acc
     nodes = sorted(group | {pi})
     if _reentering(view, nodes, accepted):
         return "fusing would create a cycle"
+    if view.types.get(n.output[0]) is None:
+        return "unknown dtype"
     return Match(pattern, tuple(nodes), (n.output[0],), pool=pi, pointwise=tuple(ordered),
                  pool_attrs=attrs, first_input=first, result=x)
 

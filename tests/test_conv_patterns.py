@@ -712,3 +712,12 @@ def test_resnet_style_block_exported_by_torch():
     assert counts(r) == Counter({"FusedConv": 5, "Conv": 1, "MaxPool": 1})
     assert sorted(len(f.source_nodes) for f in r.fused) == [2, 2, 3, 3, 3]  # Conv+Add+Relu, SiLU, Hardswish+pool
     check_close(m, r, FOLD_RTOL, random_feeds(m, {"N": 2}))
+
+
+def test_tiling_pool_that_leaves_rows_over():
+    """MaxPool 3x3 stride 3 on a 10 x 12 conv output: floor mode drops the last row; the
+    windows still tile what they cover, so the pool joins the conv."""
+    m = conv_then([N("Relu", ["c0"], ["r"]), N("MaxPool", ["r"], ["y"], kernel_shape=[3, 3], strides=[3, 3])])
+    r = check_fusion(m, expect_fused=1)
+    assert op_types(r.model) == ["FusedConv"] and r.fused[0].pool == PoolAttrs((3, 3), (3, 3))
+    assert [d.dim_value for d in r.model.graph.output[0].type.tensor_type.shape.dim][1:] == [4, 3, 4]
