@@ -1,10 +1,16 @@
-// CUDA kernel of onnxfuse::PointwiseChain: launches the Triton kernels embedded in the
-// node (docs/format.md) with the CUDA driver API on ORT's compute stream.
+// CUDA kernels of the onnxfuse ops (PointwiseChain, FusedConv, FusedMaxPool): launch the
+// Triton kernels embedded in each node (docs/format.md) with the CUDA driver API on ORT's
+// compute stream.
 //
-// libcuda.so.1 is opened with dlopen on the first Compute, so the library builds and loads
-// on machines without CUDA; cuda.h (from the triton wheel) only provides the types.
-// Compute allocates no device memory and never synchronizes, so it can be captured into
-// a CUDA graph. Modules are loaded once per CUDA context, on the first Compute in it.
+// Shared by the three ops: the driver (libcuda.so.1, opened with dlopen on the first
+// Compute, so the library builds and loads on machines without CUDA; cuda.h from the
+// triton wheel only provides the types), kernel_meta parsing, the choice of a variant and
+// of a binary for the device, and module loading (once per CUDA context, on the first
+// Compute in it). Per op: the checks of the inputs, the kernel parameters and the grid of
+// its kernel_meta "kind" (pointwise, conv, maxpool).
+//
+// Compute allocates no device memory and never synchronizes, so it can be captured into a
+// CUDA graph.
 #include "common.h"
 
 #ifdef ONNXFUSE_WITH_CUDA
@@ -14,11 +20,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <type_traits>
 
+#include "conv.h"
 #include "json.h"
 
 namespace onnxfuse {
@@ -91,6 +99,18 @@ const Driver& driver() {
 // kernel_meta
 // ---------------------------------------------------------------------------------------
 
+// What a kernel computes, and so its parameter list and grid (docs/format.md).
+enum class Kind { POINTWISE, CONV, MAXPOOL };
+
+const char* kind_name(Kind k) {
+  switch (k) {
+    case Kind::POINTWISE: return "pointwise";
+    case Kind::CONV: return "conv";
+    case Kind::MAXPOOL: return "maxpool";
+  }
+  return "?";
+}
+
 enum class Mode { FULL, SCALAR, STRIDED };
 
 struct Binary {
@@ -110,16 +130,23 @@ struct Variant {
   int64_t n_multiple = 1;
   int64_t ptr_align = 1;
   int64_t max_elements = 0;  // 0: no limit
-  int64_t block = 0;
+  int64_t block = 0;         // pointwise, maxpool
+  int64_t block_m = 0;       // conv
+  int64_t block_n = 0;       // conv
 };
 
 struct Meta {
+  Kind kind = Kind::POINTWISE;
   std::string name;
-  int rank = 0;
-  std::vector<Mode> modes;
   std::vector<Variant> variants;
   std::vector<Binary> binaries;
+  // pointwise
+  int rank = 0;
+  std::vector<Mode> modes;
   bool any_strided = false;
+  // conv: the pool window (PH, PW) when the max pool runs in the epilogue
+  bool pool_in_epilogue = false;
+  int64_t pool_window[2] = {1, 1};
 
   // "cubin sm_90 (variant 0), ptx sm_90 (variant 0), ..."
   std::string embedded() const {
@@ -144,6 +171,12 @@ int64_t meta_int(const Json& o, const char* key, const std::string& where, bool 
   return static_cast<int64_t>(v->num);
 }
 
+int64_t meta_positive(const Json& o, const char* key, const std::string& where) {
+  const int64_t v = meta_int(o, key, where);
+  if (v <= 0) throw Error("kernel_meta: " + where + "." + key + " must be positive");
+  return v;
+}
+
 std::string meta_str(const Json& o, const char* key, const std::string& where) {
   const Json* v = o.get(key);
   if (!v || v->kind != Json::STRING) throw Error("kernel_meta: " + where + " has no string \"" + key + "\"");
@@ -156,7 +189,9 @@ const Json& meta_array(const Json& o, const char* key, const std::string& where)
   return *v;
 }
 
-Meta parse_meta(const std::string& text, const Program& prog, const OrtKernelInfo* info) {
+// The kernel_meta of a node whose op launches kernels of kind `expected`; n_inputs: the
+// program's inputs (the node's, for pointwise).
+Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const OrtKernelInfo* info) {
   Json j = Json::parse(text);
   if (j.kind != Json::OBJECT) throw Error("kernel_meta is not a JSON object");
   Meta m;
@@ -164,20 +199,49 @@ Meta parse_meta(const std::string& text, const Program& prog, const OrtKernelInf
   if (version != 1)
     throw Error("kernel_meta version " + std::to_string(version) + " is not supported by this library (it reads 1)");
   m.name = meta_str(j, "name", "kernel_meta");
-  const int64_t rank = meta_int(j, "rank", "kernel_meta");
-  if (rank < 0 || rank > 64) throw Error("kernel_meta: bad rank " + std::to_string(rank));
-  m.rank = static_cast<int>(rank);
+  const std::string kind = j.get("kind") ? meta_str(j, "kind", "kernel_meta") : "pointwise";
+  if (kind == "pointwise") m.kind = Kind::POINTWISE;
+  else if (kind == "conv") m.kind = Kind::CONV;
+  else if (kind == "maxpool") m.kind = Kind::MAXPOOL;
+  else throw Error("kernel_meta: unknown kind \"" + kind + "\"");
+  if (m.kind != expected)
+    throw Error("kernel_meta describes a kernel of kind \"" + kind + "\", this op launches kind \"" +
+                kind_name(expected) + "\"");
 
-  const Json& modes = meta_array(j, "input_modes", "kernel_meta");
-  if (modes.arr.size() != prog.inputs.size())
-    throw Error("kernel_meta has " + std::to_string(modes.arr.size()) + " input_modes, the program has " +
-                std::to_string(prog.inputs.size()) + " inputs");
-  for (const Json& md : modes.arr) {
-    if (md.kind != Json::STRING) throw Error("kernel_meta: input_modes must be strings");
-    if (md.str == "full") m.modes.push_back(Mode::FULL);
-    else if (md.str == "scalar") m.modes.push_back(Mode::SCALAR);
-    else if (md.str == "strided") m.modes.push_back(Mode::STRIDED), m.any_strided = true;
-    else throw Error("kernel_meta: unknown input mode \"" + md.str + "\"");
+  if (m.kind == Kind::POINTWISE) {
+    const int64_t rank = meta_int(j, "rank", "kernel_meta");
+    if (rank < 0 || rank > 64) throw Error("kernel_meta: bad rank " + std::to_string(rank));
+    m.rank = static_cast<int>(rank);
+    const Json& modes = meta_array(j, "input_modes", "kernel_meta");
+    if (modes.arr.size() != n_inputs)
+      throw Error("kernel_meta has " + std::to_string(modes.arr.size()) + " input_modes, the program has " +
+                  std::to_string(n_inputs) + " inputs");
+    for (const Json& md : modes.arr) {
+      if (md.kind != Json::STRING) throw Error("kernel_meta: input_modes must be strings");
+      if (md.str == "full") m.modes.push_back(Mode::FULL);
+      else if (md.str == "scalar") m.modes.push_back(Mode::SCALAR);
+      else if (md.str == "strided") m.modes.push_back(Mode::STRIDED), m.any_strided = true;
+      else throw Error("kernel_meta: unknown input mode \"" + md.str + "\"");
+    }
+  } else {
+    const int64_t n_extras = meta_int(j, "n_extras", "kernel_meta");
+    if (n_extras != static_cast<int64_t>(n_inputs) - 1)
+      throw Error("kernel_meta has n_extras " + std::to_string(n_extras) + ", the program has " +
+                  std::to_string(n_inputs - 1) + " extra inputs");
+  }
+  if (m.kind == Kind::CONV) {
+    const Json* pool = j.get("pool_in_epilogue");
+    if (pool && pool->kind != Json::NUL) {
+      if (pool->kind != Json::ARRAY || pool->arr.size() != 2)
+        throw Error("kernel_meta: pool_in_epilogue must be null or [PH, PW]");
+      for (int d = 0; d < 2; ++d) {
+        const Json& v = pool->arr[d];
+        if (v.kind != Json::NUMBER || v.num != std::floor(v.num) || v.num < 1 || v.num > 65536)
+          throw Error("kernel_meta: pool_in_epilogue must be null or [PH, PW] of positive integers");
+        m.pool_window[d] = static_cast<int64_t>(v.num);
+      }
+      m.pool_in_epilogue = true;
+    }
   }
 
   const Json& variants = meta_array(j, "variants", "kernel_meta");
@@ -187,8 +251,12 @@ Meta parse_meta(const std::string& text, const Program& prog, const OrtKernelInf
     const Json& vj = variants.arr[v];
     if (vj.kind != Json::OBJECT) throw Error("kernel_meta: " + where + " is not an object");
     Variant var;
-    var.block = meta_int(vj, "block", where);
-    if (var.block <= 0) throw Error("kernel_meta: " + where + ".block must be positive");
+    if (m.kind == Kind::CONV) {
+      var.block_m = meta_positive(vj, "block_m", where);
+      var.block_n = meta_positive(vj, "block_n", where);
+    } else {
+      var.block = meta_positive(vj, "block", where);
+    }
     if (const Json* req = vj.get("requires")) {
       if (req->kind != Json::OBJECT) throw Error("kernel_meta: " + where + ".requires is not an object");
       for (const auto& kv : req->obj) {
@@ -239,7 +307,47 @@ Meta parse_meta(const std::string& text, const Program& prog, const OrtKernelInf
 }
 
 // ---------------------------------------------------------------------------------------
-// The kernel
+// Kernel parameters
+// ---------------------------------------------------------------------------------------
+
+// The parameters of one launch: one 8-byte slot per parameter holding its value in its
+// first bytes (little endian: an int32 parameter is read from the slot's first 4 bytes),
+// and the pointer to each slot that cuLaunchKernel takes. Reused per thread, so a launch
+// allocates nothing once warm.
+struct Params {
+  std::vector<uint64_t> slots;
+  std::vector<void*> ptrs;
+
+  void clear() { slots.clear(); }
+  void ptr(const void* p) { slots.push_back(reinterpret_cast<uintptr_t>(p)); }
+  void i64(int64_t v) { slots.push_back(static_cast<uint64_t>(v)); }
+  void i32(int64_t v, const char* what) {
+    if (v < INT32_MIN || v > INT32_MAX)
+      throw Error(std::string(what) + " = " + std::to_string(v) + " does not fit the kernel's 32-bit parameter");
+    const int32_t x = static_cast<int32_t>(v);
+    uint64_t s = 0;
+    std::memcpy(&s, &x, sizeof x);
+    slots.push_back(s);
+  }
+  void scratch() {  // the global and profile scratch pointers Triton appends: none
+    ptr(nullptr);
+    ptr(nullptr);
+  }
+  void** finish() {
+    ptrs.resize(slots.size());
+    for (size_t k = 0; k < slots.size(); ++k) ptrs[k] = &slots[k];
+    return ptrs.data();
+  }
+};
+
+Params& thread_params() {
+  thread_local Params p;
+  p.clear();
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------
+// What every CUDA kernel shares: kernel_meta, modules per context, variant choice, launch
 // ---------------------------------------------------------------------------------------
 
 // The modules of one kernel instance in one CUDA context: per variant, the function to
@@ -251,15 +359,26 @@ struct Loaded {
   std::vector<const Binary*> bin;
 };
 
-struct CudaKernel {
+// Where a Compute launches: the current context's modules and ORT's stream.
+struct Target {
+  const Loaded* L = nullptr;
+  CUstream stream = nullptr;
+};
+
+struct CudaKernelBase {
+  const char* op = nullptr;
+  std::string name;
   Program prog;
   Meta meta;
   std::string meta_error;  // why kernel_meta / kernel_<i> cannot be used (reported by Compute)
-  std::string name;
   std::mutex mu;
   std::map<CUcontext, std::unique_ptr<Loaded>> loaded;
 
-  ~CudaKernel() {
+  CudaKernelBase() = default;
+  CudaKernelBase(const CudaKernelBase&) = delete;
+  CudaKernelBase& operator=(const CudaKernelBase&) = delete;
+
+  ~CudaKernelBase() {
     const Driver& d = driver();
     if (!d.error.empty()) return;
     for (auto& kv : loaded) {
@@ -323,7 +442,8 @@ struct CudaKernel {
         if (r != CUDA_SUCCESS)
           throw Error("loading kernel " + meta.name + " (" + (pick->cubin ? "cubin" : "ptx") + " sm_" +
                       std::to_string(pick->arch) + ") on a device of compute capability " + std::to_string(major) +
-                      "." + std::to_string(minor) + " failed: " + d.describe(r) + (log[0] ? std::string(": ") + log : ""));
+                      "." + std::to_string(minor) + " failed: " + d.describe(r) +
+                      (log[0] ? std::string(": ") + log : ""));
         l->modules.push_back(mod);
         CUfunction fn = nullptr;
         r = d.ModuleGetFunction(&fn, mod, pick->entry.c_str());
@@ -353,10 +473,8 @@ struct CudaKernel {
     return l;
   }
 
-  void compute(OrtKernelContext* ctx) {
-    if (!meta_error.empty()) throw Error(meta_error);
-    Io io = bind_io(prog, ctx);
-    if (io.n == 0) return;
+  // The driver, ORT's stream and the current context's modules (loaded on first use).
+  Target target(OrtKernelContext* ctx) {
     const Driver& d = driver();
     if (!d.error.empty()) throw Error(d.error);
     void* stream = nullptr;
@@ -365,7 +483,107 @@ struct CudaKernel {
     CUresult r = d.CtxGetCurrent(&cu);
     if (r != CUDA_SUCCESS || cu == nullptr)
       throw Error("no current CUDA context in Compute" + (r != CUDA_SUCCESS ? ": " + d.describe(r) : std::string()));
-    const Loaded& L = modules_for(cu);
+    return Target{&modules_for(cu), static_cast<CUstream>(stream)};
+  }
+
+  // The first variant with a binary for this device whose requirements hold: every pointer
+  // a multiple of ptr_align, n a multiple of n_multiple, each tensor touched at most
+  // max_elements elements (`largest`; kinds with 32-bit parameters: also at most 2^31 - 1).
+  int choose_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest) const {
+    for (size_t v = 0; v < meta.variants.size(); ++v) {
+      if (!t.L->fn[v]) continue;
+      const Variant& var = meta.variants[v];
+      if (n % var.n_multiple != 0) continue;
+      if (var.max_elements > 0 && largest > var.max_elements) continue;
+      if (meta.kind != Kind::POINTWISE && largest > INT32_MAX) continue;
+      bool aligned = true;
+      for (const void* p : ptrs) aligned &= reinterpret_cast<uintptr_t>(p) % static_cast<uint64_t>(var.ptr_align) == 0;
+      if (aligned) return static_cast<int>(v);
+    }
+    std::string limits;
+    for (const Variant& var : meta.variants)
+      limits += (limits.empty() ? "" : ", ") +
+                (var.max_elements > 0 ? std::to_string(var.max_elements) : std::string("no limit"));
+    throw Error("kernel " + meta.name + ": no variant with a binary for this GPU accepts these tensors (n = " +
+                std::to_string(n) + ", largest tensor " + std::to_string(largest) +
+                " elements; max_elements per variant: " + limits + "); embedded: " + meta.embedded());
+  }
+
+  void launch(const Target& t, int v, int64_t grid_x, int64_t grid_y, Params& params) const {
+    if (grid_x > 0x7fffffffLL || grid_y > 65535)
+      throw Error("tensor too large for one launch of " + meta.name + ": grid (" + std::to_string(grid_x) + ", " +
+                  std::to_string(grid_y) + ")");
+    const Driver& d = driver();
+    const Binary& b = *t.L->bin[v];
+    CUresult r = d.LaunchKernel(t.L->fn[v], static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), 1,
+                                static_cast<unsigned>(32 * b.num_warps), 1, 1, static_cast<unsigned>(b.shared),
+                                t.stream, params.finish(), nullptr);
+    if (r != CUDA_SUCCESS) throw Error("cuLaunchKernel of " + meta.name + " failed: " + d.describe(r));
+  }
+};
+
+// Reads the node's inputs (count checked against `want`, each element type against the
+// program's dtypes: X is %0, W and B have X's type, extra input k is program input %k).
+// n_fixed: the inputs before the extras (3 for X, W, B; 1 for X).
+std::vector<TensorRef> read_layer_inputs(const Program& prog, OrtKernelContext* ctx, size_t n_fixed) {
+  static const char* const kNames[] = {"X", "W", "B"};
+  size_t n_in = 0, n_out = 0;
+  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
+  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
+  const size_t want = n_fixed + prog.inputs.size() - 1;
+  if (n_in != want)
+    throw Error("the node has " + std::to_string(n_in) + " inputs, expected " + std::to_string(want) + " (" +
+                (n_fixed == 3 ? "X, W, B" : "X") + " and the program's " + std::to_string(prog.inputs.size() - 1) +
+                " extra inputs)");
+  if (n_out != 1) throw Error("the node has " + std::to_string(n_out) + " outputs, expected 1");
+  std::vector<TensorRef> t(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const OrtValue* v = nullptr;
+    check(g_ort->KernelContext_GetInput(ctx, i, &v));
+    if (!v) throw Error("input " + std::to_string(i) + " is missing");
+    read_tensor(v, &t[i]);
+    const size_t pi = i < n_fixed ? 0 : i - n_fixed + 1;
+    const ONNXTensorElementDataType want_type = ort_type(prog.inputs[pi]);
+    if (t[i].type != want_type)
+      throw Error("input " + std::to_string(i) + " (" +
+                  (i < n_fixed ? std::string(kNames[i]) : "program input %" + std::to_string(pi)) + ") is " +
+                  elem_type_name(t[i].type) + ", the kernel was compiled for " + elem_type_name(want_type));
+  }
+  return t;
+}
+
+TensorRef layer_output(const Program& prog, OrtKernelContext* ctx, const Shape& shape) {
+  OrtValue* v = nullptr;
+  check(g_ort->KernelContext_GetOutput(ctx, 0, shape.data(), shape.size(), &v));
+  if (!v) throw Error("could not allocate the output");
+  TensorRef t;
+  read_tensor(v, &t);
+  if (t.type != ort_type(prog.outputs[0].second))
+    throw Error(std::string("the output is ") + elem_type_name(t.type) + " in the graph, the program stores " +
+                dtype_name(prog.outputs[0].second));
+  return t;
+}
+
+// Each extra input's 4 element strides over `over` (the conv output [N, K, P, Q] or X's
+// [N, C, H, W]): right-aligned, 0 on broadcast dimensions.
+void push_extra_strides(Params& p, const std::vector<TensorRef>& t, size_t first_extra, const Shape& over) {
+  for (size_t i = first_extra; i < t.size(); ++i)
+    for (int64_t s : broadcast_strides(t[i].shape, over)) p.i32(s, "an extra input's stride");
+}
+
+// ---------------------------------------------------------------------------------------
+// Kind "pointwise": PointwiseChain
+// ---------------------------------------------------------------------------------------
+
+struct PointwiseKernel : CudaKernelBase {
+  static constexpr Kind kKind = Kind::POINTWISE;
+  void init(const OrtKernelInfo*) {}
+
+  void compute(OrtKernelContext* ctx) {
+    if (!meta_error.empty()) throw Error(meta_error);
+    Io io = bind_io(prog, ctx);
+    if (io.n == 0) return;
+    const Target t = target(ctx);
 
     const size_t n_in = prog.inputs.size();
     const size_t n_out = prog.outputs.size();
@@ -388,14 +606,13 @@ struct CudaKernel {
       }
     }
 
-    // Kernel parameters (docs/format.md, Launch): every value 64-bit, kept in `args`,
-    // `params` pointing at each.
-    thread_local std::vector<uint64_t> args;
-    thread_local std::vector<void*> params;
-    args.clear();
-    for (size_t i = 0; i < n_in; ++i) args.push_back(reinterpret_cast<uintptr_t>(io.in[i].data));
-    for (size_t j = 0; j < n_out; ++j) args.push_back(reinterpret_cast<uintptr_t>(io.out[j].data));
-    args.push_back(static_cast<uint64_t>(io.n));
+    // docs/format.md, Launch: every integer 64-bit.
+    Params& p = thread_params();
+    std::vector<const void*> ptrs;
+    for (size_t i = 0; i < n_in; ++i) ptrs.push_back(io.in[i].data);
+    for (size_t j = 0; j < n_out; ++j) ptrs.push_back(io.out[j].data);
+    for (const void* ptr : ptrs) p.ptr(ptr);
+    p.i64(io.n);
     if (meta.any_strided) {
       std::vector<Shape> st;
       for (size_t i : strided) st.push_back(broadcast_strides(io.in[i].shape, io.out_shape));
@@ -404,53 +621,181 @@ struct CudaKernel {
         throw Error("output shape " + shape_str(io.out_shape) + " needs rank " + std::to_string(c.dims.size()) +
                     " for its strided inputs, the kernel was compiled for rank " + std::to_string(meta.rank));
       const size_t pad = static_cast<size_t>(meta.rank) - c.dims.size();
-      for (size_t k = 0; k < pad; ++k) args.push_back(1);
-      for (int64_t dim : c.dims) args.push_back(static_cast<uint64_t>(dim));
+      for (size_t k = 0; k < pad; ++k) p.i64(1);
+      for (int64_t dim : c.dims) p.i64(dim);
       for (size_t s = 0; s < strided.size(); ++s) {
-        for (size_t k = 0; k < pad; ++k) args.push_back(0);
-        for (int64_t stv : c.strides[s]) args.push_back(static_cast<uint64_t>(stv));
+        for (size_t k = 0; k < pad; ++k) p.i64(0);
+        for (int64_t stv : c.strides[s]) p.i64(stv);
       }
     }
-    args.push_back(0);  // global scratch
-    args.push_back(0);  // profile scratch
-    params.resize(args.size());
-    for (size_t k = 0; k < args.size(); ++k) params[k] = &args[k];
+    p.scratch();
 
-    // The first variant whose requirements hold (and that has a binary for this device).
-    int chosen = -1;
-    for (size_t v = 0; v < meta.variants.size() && chosen < 0; ++v) {
-      if (!L.fn[v]) continue;
-      const Variant& var = meta.variants[v];
-      if (io.n % var.n_multiple != 0) continue;
-      if (var.max_elements > 0 && io.n > var.max_elements) continue;
-      bool aligned = true;
-      for (size_t k = 0; k < n_in + n_out; ++k) aligned &= args[k] % static_cast<uint64_t>(var.ptr_align) == 0;
-      if (aligned) chosen = static_cast<int>(v);
-    }
-    if (chosen < 0)
-      throw Error("kernel " + meta.name + ": no variant with a binary for this GPU accepts these tensors (n = " +
-                  std::to_string(io.n) + "); embedded: " + meta.embedded());
-
-    const Binary& b = *L.bin[chosen];
-    const int64_t block = meta.variants[chosen].block;
-    const int64_t grid = (io.n + block - 1) / block;
-    if (grid > 0x7fffffffLL)
-      throw Error("tensor too large for one launch: " + std::to_string(grid) + " programs of " + std::to_string(block));
-    r = d.LaunchKernel(L.fn[chosen], static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(32 * b.num_warps), 1, 1,
-                       static_cast<unsigned>(b.shared), static_cast<CUstream>(stream), params.data(), nullptr);
-    if (r != CUDA_SUCCESS) throw Error("cuLaunchKernel of " + meta.name + " failed: " + d.describe(r));
+    const int v = choose_variant(t, ptrs, io.n, io.n);
+    const int64_t block = meta.variants[v].block;
+    launch(t, v, (io.n + block - 1) / block, 1, p);
   }
 };
 
+// ---------------------------------------------------------------------------------------
+// Kind "conv": FusedConv
+// ---------------------------------------------------------------------------------------
+
+struct ConvKernel : CudaKernelBase {
+  static constexpr Kind kKind = Kind::CONV;
+  ConvParams conv;
+  bool has_pool = false;
+  PoolParams pool;
+
+  void init(const OrtKernelInfo* info) {
+    if (prog.outputs.size() != 1)
+      throw Error("the program has " + std::to_string(prog.outputs.size()) + " outputs, expected 1");
+    conv = read_conv_params(info);
+    has_pool = read_pool_params(info, /*required=*/false, &pool);
+  }
+
+  // The node's pool and the kernel's must agree: the kernel pools in its epilogue, which
+  // needs windows that tile the conv output (docs/format.md, FusedConv).
+  void check_pool_meta() {
+    if (!meta_error.empty()) return;
+    if (has_pool != meta.pool_in_epilogue) {
+      meta_error = has_pool ? "the node has pool_* attributes, its kernel_meta has no pool_in_epilogue"
+                            : "the node has no pool_* attributes, its kernel_meta has pool_in_epilogue";
+      return;
+    }
+    if (!has_pool) return;
+    const bool tiles = pool.kernel[0] == pool.strides[0] && pool.kernel[1] == pool.strides[1] &&
+                       pool.pads[0] == 0 && pool.pads[1] == 0 && pool.pads[2] == 0 && pool.pads[3] == 0 &&
+                       pool.dilations[0] == 1 && pool.dilations[1] == 1 && !pool.ceil_mode;
+    if (!tiles || pool.kernel[0] != meta.pool_window[0] || pool.kernel[1] != meta.pool_window[1])
+      meta_error = "the node's max pool (pool_kernel " + ints_str(pool.kernel, 2) + ", pool_strides " +
+                   ints_str(pool.strides, 2) + ", pool_pads " + ints_str(pool.pads, 4) + ", pool_dilations " +
+                   ints_str(pool.dilations, 2) + ", pool_ceil_mode " + std::to_string(pool.ceil_mode ? 1 : 0) +
+                   ") is not the kernel's pool_in_epilogue " + ints_str(meta.pool_window, 2) +
+                   " with windows that tile the conv output";
+  }
+
+  void compute(OrtKernelContext* ctx) {
+    if (!meta_error.empty()) throw Error(meta_error);
+    const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 3);
+    const ConvShapes s = conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape);
+    const Shape conv_out = s.conv_out();
+    for (size_t i = 3; i < t.size(); ++i)
+      check_extra(i, static_cast<int>(i - 2), t[i].shape, conv_out, "the conv output [N, K, P, Q] =");
+    const TensorRef y = layer_output(prog, ctx, s.out());
+    const int64_t n_out = numel(s.out());
+    // M: the output positions the kernel computes (with the pool: the windows' positions)
+    const int64_t m = meta.pool_in_epilogue ? s.N * s.OP * s.OQ * meta.pool_window[0] * meta.pool_window[1]
+                                            : s.N * s.P * s.Q;
+    if (n_out == 0 || m == 0) return;
+    const Target tg = target(ctx);
+
+    std::vector<const void*> ptrs;
+    int64_t largest = std::max(numel(conv_out), n_out);
+    for (const TensorRef& x : t) {
+      ptrs.push_back(x.data);
+      largest = std::max(largest, numel(x.shape));
+    }
+    ptrs.push_back(y.data);
+
+    // docs/format.md, kind conv: pointers, int32 N H W P Q OP OQ, 4 strides per extra.
+    Params& p = thread_params();
+    for (const void* ptr : ptrs) p.ptr(ptr);
+    p.i32(s.N, "N");
+    p.i32(s.H, "H");
+    p.i32(s.W, "W");
+    p.i32(s.P, "P");
+    p.i32(s.Q, "Q");
+    p.i32(s.OP, "OP");
+    p.i32(s.OQ, "OQ");
+    push_extra_strides(p, t, 3, conv_out);
+    p.scratch();
+
+    const int v = choose_variant(tg, ptrs, n_out, largest);
+    const Variant& var = meta.variants[v];
+    launch(tg, v, (m + var.block_m - 1) / var.block_m, (s.K + var.block_n - 1) / var.block_n, p);
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Kind "maxpool": FusedMaxPool
+// ---------------------------------------------------------------------------------------
+
+struct MaxPoolKernel : CudaKernelBase {
+  static constexpr Kind kKind = Kind::MAXPOOL;
+  PoolParams pool;
+
+  void init(const OrtKernelInfo* info) {
+    if (prog.outputs.size() != 1)
+      throw Error("the program has " + std::to_string(prog.outputs.size()) + " outputs, expected 1");
+    read_pool_params(info, /*required=*/true, &pool);
+  }
+
+  void compute(OrtKernelContext* ctx) {
+    if (!meta_error.empty()) throw Error(meta_error);
+    const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 1);
+    const Shape& xs = t[0].shape;
+    check_rank4(xs, "X");
+    for (size_t i = 1; i < t.size(); ++i) check_extra(i, static_cast<int>(i), t[i].shape, xs, "X's shape");
+    const Shape out_shape = pool_shape(pool, xs);
+    const TensorRef y = layer_output(prog, ctx, out_shape);
+    const int64_t n_out = numel(out_shape);
+    if (n_out == 0) return;
+    const Target tg = target(ctx);
+
+    std::vector<const void*> ptrs;
+    int64_t largest = n_out;
+    for (const TensorRef& x : t) {
+      ptrs.push_back(x.data);
+      largest = std::max(largest, numel(x.shape));
+    }
+    ptrs.push_back(y.data);
+
+    // docs/format.md, kind maxpool: pointers, int32 N C H W OH OW, 4 strides per extra.
+    Params& p = thread_params();
+    for (const void* ptr : ptrs) p.ptr(ptr);
+    p.i32(xs[0], "N");
+    p.i32(xs[1], "C");
+    p.i32(xs[2], "H");
+    p.i32(xs[3], "W");
+    p.i32(out_shape[2], "OH");
+    p.i32(out_shape[3], "OW");
+    push_extra_strides(p, t, 1, xs);
+    p.scratch();
+
+    const int v = choose_variant(tg, ptrs, n_out, largest);
+    const int64_t block = meta.variants[v].block;
+    launch(tg, v, (n_out + block - 1) / block, 1, p);
+  }
+};
+
+// ---------------------------------------------------------------------------------------
+// Registration
+// ---------------------------------------------------------------------------------------
+
+template <class K>
+const char* op_of();
+template <>
+const char* op_of<PointwiseKernel>() { return kPointwiseChain; }
+template <>
+const char* op_of<ConvKernel>() { return kFusedConv; }
+template <>
+const char* op_of<MaxPoolKernel>() { return kFusedMaxPool; }
+
+void after_meta(CudaKernelBase*) {}
+void after_meta(ConvKernel* k) { k->check_pool_meta(); }
+
+template <class K>
 OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
   std::string name;
   try {
     name = node_name(info);
     std::string text;
     if (!get_string_attr(info, "program", &text)) throw Error("the node has no string attribute 'program'");
-    auto k = std::make_unique<CudaKernel>();
+    auto k = std::make_unique<K>();
+    k->op = op_of<K>();
     k->prog = parse_program(text);
     k->name = name;
+    k->init(info);
     // KernelInfo is only valid here, so the attributes are read now; a problem with them
     // is reported by the first Compute (the session itself can still be created).
     std::string meta;
@@ -461,45 +806,55 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
           "sm_90), or run it on the CPU execution provider";
     } else {
       try {
-        k->meta = parse_meta(meta, k->prog, info);
+        k->meta = parse_meta(meta, K::kKind, k->prog.inputs.size(), info);
       } catch (const std::exception& e) {
         k->meta_error = e.what();
       }
     }
+    after_meta(k.get());
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {
-    return make_status(describe_node(kPointwiseChain, name) + " (CUDA): " + e.what(), ORT_INVALID_ARGUMENT);
+    return make_status(describe_node(op_of<K>(), name) + " (CUDA): " + e.what(), ORT_INVALID_ARGUMENT);
   }
 }
 
+template <class K>
 OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
-  CudaKernel* k = static_cast<CudaKernel*>(kernel);
+  K* k = static_cast<K*>(kernel);
   try {
     k->compute(ctx);
     return nullptr;
   } catch (const std::exception& e) {
-    return make_status(describe_node(kPointwiseChain, k->name) + " (CUDA): " + e.what());
+    return make_status(describe_node(k->op, k->name) + " (CUDA): " + e.what());
   }
 }
 
-void ORT_API_CALL destroy(void* kernel) { delete static_cast<CudaKernel*>(kernel); }
+template <class K>
+void ORT_API_CALL destroy(void* kernel) {
+  delete static_cast<K*>(kernel);
+}
 
-OpDef make_cuda_op() {
+template <class K>
+OpDef make_cuda_op(int min_inputs) {
   OpDef op;
-  init_common_op(&op, kPointwiseChain, 1);
+  init_common_op(&op, op_of<K>(), min_inputs);
   op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  op.KernelDestroy = destroy;
+  op.CreateKernelV2 = create_kernel<K>;
+  op.KernelComputeV2 = compute<K>;
+  op.KernelDestroy = destroy<K>;
   return op;
 }
 
 }  // namespace
 
 void append_cuda_ops(std::vector<OrtCustomOp*>* ops) {
-  static OpDef op = make_cuda_op();
-  ops->push_back(&op);
+  static OpDef pointwise = make_cuda_op<PointwiseKernel>(1);
+  static OpDef conv = make_cuda_op<ConvKernel>(3);
+  static OpDef pool = make_cuda_op<MaxPoolKernel>(1);
+  ops->push_back(&pointwise);
+  ops->push_back(&conv);
+  ops->push_back(&pool);
 }
 
 }  // namespace onnxfuse

@@ -449,3 +449,93 @@ def test_fused_maxpool_errors(lib):
         no_pool.graph.node[0].attribute.remove(a)
     with pytest.raises(Exception, match=r"FusedMaxPool node 'pool0': the node needs the five attributes"):
         run(no_pool, {"x": np.zeros((1, 3, 8, 8), np.float32)}, lib)
+
+
+# ---------------------------------------------------------------------------------------
+# CUDA launcher (the device machine): kernels compiled with onnxfuse.compile, attached as
+# docs/format.md says, compared with the CPU kernel of the same node
+# ---------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                         reason="onnxruntime without the CUDA execution provider")
+
+
+def with_kernels(model: onnx.ModelProto, spec) -> onnx.ModelProto:
+    import json
+
+    from onnxfuse.compile import compile_kernels, local_gpu_archs
+
+    ck = compile_kernels([spec], local_gpu_archs())[0]
+    node = model.graph.node[0]
+    node.attribute.append(helper.make_attribute("kernel_meta", json.dumps(ck.kernel_meta())))
+    for i, blob in enumerate(ck.kernels()):
+        node.attribute.append(helper.make_attribute(f"kernel_{i}", blob))
+    return model
+
+
+def run_cuda(model: onnx.ModelProto, feeds: dict, lib: str) -> np.ndarray:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.register_custom_ops_library(lib)
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # the node must run on CUDA
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+    return sess.run(None, feeds)[0]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", [None, PoolAttrs((2, 2), (2, 2))], ids=["no_pool", "pool2x2"])
+def test_cuda_fused_conv_extras_of_every_shape(pool, lib):
+    """One extra input of each broadcast shape (full, per channel, scalar, rank-1 row): the
+    launcher's strides over [N, K, P, Q], right-aligned."""
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import ConvSpec
+
+    case = ConvCase((2, 8, 12, 13), 16, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), pool,
+                    extras=("full", "channel", "scalar", "row"), act="relu", id="cuda")
+    prog = epilogue(4)
+    feeds, _, _ = conv_feeds(case, np.random.default_rng(11))
+    ranks = [len(feeds[f"e{i}"].shape) for i in range(4)]
+    model = fused_conv_model(case.conv, pool, prog, ranks)
+    want = run(model, feeds, lib)  # the CPU kernel (no kernel_meta needed)
+    spec = ConvSpec("onnxfuse_conv_test_cuda_0000", prog, 8, 16, case.conv, pool, "ieee")
+    got = run_cuda(with_kernels(model, spec), feeds, lib)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_fused_maxpool_extra_of_rank_3(lib):
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import MaxPoolSpec
+
+    pool = PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1))
+    prog = epilogue(1)
+    rng = np.random.default_rng(12)
+    feeds = {"x": rng.standard_normal((2, 5, 11, 12)).astype(np.float32),
+             "e0": rng.standard_normal((5, 1, 1)).astype(np.float32)}
+    model = fused_pool_model(pool, prog, [3])
+    want = run(model, feeds, lib)
+    got = run_cuda(with_kernels(model, MaxPoolSpec("onnxfuse_pool_test_cuda_0000", prog, pool)), feeds, lib)
+    np.testing.assert_array_equal(got, want)
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_kernel_meta_mismatches_are_clear_errors(lib):
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import ConvSpec, MaxPoolSpec
+
+    conv, pool = ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2))
+    feeds = _conv_feeds(extras=[])
+    # a maxpool kernel attached to a FusedConv node
+    model = with_kernels(fused_conv_model(conv, None, epilogue(0), []),
+                         MaxPoolSpec("onnxfuse_pool_test_cuda_0001", epilogue(0), pool))
+    with pytest.raises(Exception, match=r"FusedConv node 'conv0' \(CUDA\): kernel_meta describes a kernel of kind "
+                                        r"\"maxpool\", this op launches kind \"conv\""):
+        run_cuda(model, feeds, lib)
+    # a kernel without the pool attached to a node with one
+    model = with_kernels(fused_conv_model(conv, pool, epilogue(0), []),
+                         ConvSpec("onnxfuse_conv_test_cuda_0001", epilogue(0), 4, 6, conv, None, "ieee"))
+    with pytest.raises(Exception, match=r"the node has pool_\* attributes, its kernel_meta has no pool_in_epilogue"):
+        run_cuda(model, feeds, lib)

@@ -5,7 +5,12 @@ library's CPU kernel; the kernels of every fused node compile.
 The models are fetched with pip into ~/.cache/onnxfuse/models (sha256-checked); without a
 reachable registry the tests are skipped, saying so. Tolerance: fp32, |a - e| <= 1e-6 +
 1e-5 * |e| per element (rel 1e-5; the absolute part covers elements near 0, where the
-library's expf-based sigmoid and ORT's differ by an ulp or two of their own scale).
+library's expf-based sigmoid and ORT's differ by an ulp or two of their own scale). Through
+the library, the absolute part is also at least 1e-5 of the output's largest magnitude: its
+FusedConv kernel sums each convolution in another order than ONNX Runtime's (MLAS), and
+through a stack of convolutions those differences (an ulp or so of each layer's sums) reach
+a few 1e-6 of the output's scale (ppocr_rec, 20 FusedConv: 2.6e-6 at an element of 0.09,
+the output's largest being 0.86), which a purely relative bound cannot take near 0.
 """
 
 from __future__ import annotations
@@ -47,11 +52,12 @@ def _session(model: onnx.ModelProto, library: bool):
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
-def _check(expected: list[np.ndarray], actual: list[np.ndarray], what: str) -> None:
+def _check(expected: list[np.ndarray], actual: list[np.ndarray], what: str, scaled_atol: bool = False) -> None:
     assert len(expected) == len(actual)
     for i, (e, a) in enumerate(zip(expected, actual, strict=True)):
         assert e.dtype == a.dtype and e.shape == a.shape, what
-        np.testing.assert_allclose(a, e, rtol=RTOL, atol=ATOL, err_msg=f"{what}, output {i}")
+        atol = max(ATOL, RTOL * float(np.abs(e).max(initial=0.0))) if scaled_atol else ATOL
+        np.testing.assert_allclose(a, e, rtol=RTOL, atol=atol, err_msg=f"{what}, output {i}")
 
 
 def test_optimized_model_is_valid(case):
@@ -68,7 +74,8 @@ def test_same_outputs_as_the_original(case, library):
         feeds = pretrained.feeds(name, seed=seed)
         expected = _session(original, False).run(None, feeds)
         actual = _session(result.model, library).run(None, feeds)
-        _check(expected, actual, f"{name}, seed {seed}, {'library' if library else 'function bodies'}")
+        _check(expected, actual, f"{name}, seed {seed}, {'library' if library else 'function bodies'}",
+               scaled_atol=library)
 
 
 def test_kernels_compile(case):
