@@ -12,7 +12,10 @@ case "${1:-tests}" in
   tests)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
     python3 -c "import onnxruntime as o, torch, triton; print(o.__version__, torch.__version__, triton.__version__)" | tee -a "$OUT/device.txt"
-    python3 -m pytest -m gpu tests/ -q -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log"
+    python3 -m pytest -m gpu tests/test_gpu_conv.py tests/test_conv_library.py -q -p no:cacheprovider -x \
+      --junitxml="$OUT/gpu_conv_tests.xml" 2>&1 | tee "$OUT/gpu_conv_tests.log" | tail -40
+    python3 -m pytest -m gpu tests/ --ignore=tests/test_gpu_conv.py --ignore=tests/test_conv_library.py -q \
+      -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/gpu_tests.log" | tail -15
     ;;
   tune)
     python3 benchmarks/tune_pointwise.py --json "$OUT/tune.json" --best "$OUT/best.txt" 2>&1 | tee "$OUT/tune.log"

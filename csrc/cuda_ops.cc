@@ -683,9 +683,11 @@ struct ConvKernel : CudaKernelBase {
       check_extra(i, static_cast<int>(i - 2), t[i].shape, conv_out, "the conv output [N, K, P, Q] =");
     const TensorRef y = layer_output(prog, ctx, s.out());
     const int64_t n_out = numel(s.out());
-    // M: the output positions the kernel computes (with the pool: the windows' positions)
-    const int64_t m = meta.pool_in_epilogue ? s.N * s.OP * s.OQ * meta.pool_window[0] * meta.pool_window[1]
-                                            : s.N * s.P * s.Q;
+    // M: the output positions the kernel computes (with the pool: the windows' positions,
+    // each window padded to a power of two of rows)
+    int64_t win = 1;
+    while (win < meta.pool_window[0] * meta.pool_window[1]) win *= 2;
+    const int64_t m = meta.pool_in_epilogue ? s.N * s.OP * s.OQ * win : s.N * s.P * s.Q;
     if (n_out == 0 || m == 0) return;
     const Target tg = target(ctx);
 

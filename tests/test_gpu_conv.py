@@ -99,14 +99,32 @@ def residual_block(c: int = 32, size: int = 20, seed: int = 0) -> onnx.ModelProt
     return onnx.shape_inference.infer_shapes(m)
 
 
+def conv_pool3(c: int = 16, size: int = 19) -> onnx.ModelProto:
+    """Conv 3x3 + Relu + MaxPool 3x3 stride 3: a tiling window of 9 rows, padded to 16 in the
+    kernel, on a size that leaves a row and a column over."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) / (c * 9) ** 0.5).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b")]
+    nodes = [N("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv"),
+             N("Relu", ["c"], ["r"], name="relu"),
+             N("MaxPool", ["r"], ["y"], kernel_shape=[3, 3], strides=[3, 3], name="pool")]
+    g = helper.make_graph(nodes, "conv_pool3",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return onnx.shape_inference.infer_shapes(m)
+
+
 CASES = {
+    "conv_pool3": conv_pool3,
     "conv_relu": lambda: conv_relu(channels=32, size=30),
     "conv_relu_maxpool": lambda: conv_relu_maxpool(channels=32, size=30),
     "relu_maxpool": lambda: relu_maxpool(channels=16, size=31),
     "vgg_stack": lambda: vgg_stack(blocks=4, channels=32, size=64),
     "residual_block": residual_block,
 }
-EXPECT = {"conv_relu": {"FusedConv"}, "conv_relu_maxpool": {"FusedConv"}, "relu_maxpool": {"FusedMaxPool"},
+EXPECT = {"conv_pool3": {"FusedConv"}, "conv_relu": {"FusedConv"}, "conv_relu_maxpool": {"FusedConv"}, "relu_maxpool": {"FusedMaxPool"},
           "vgg_stack": {"FusedConv"}, "residual_block": {"FusedConv"}}
 TF32_TOL = {"vgg_stack": 1e-2, "residual_block": 1e-2}
 
