@@ -150,11 +150,13 @@ def make_roof(device: str | Device | None = "h200", peak_tflops: float | None = 
     return Roof(name, source, bw, matrix, vector, dtype_peak if peak_tflops is None else "custom")
 
 
-def auto_dtype_peak(cost: ModelCost) -> str:
-    """fp16 when most matmul-class FLOPs produce fp16/bf16, else fp32."""
+def auto_dtype_peak(cost: ModelCost, tf32: bool = False) -> str:
+    """fp16 when most matmul-class FLOPs produce fp16/bf16, else fp32 (tf32 where float32
+    matmuls and convolutions run on TF32 tensor cores: ONNX Runtime's CUDA EP by default,
+    `use_tf32` 1, and onnxfuse's FusedConv kernels by default)."""
     half = sum(n.flops or 0 for n in cost.known if n.matrix and n.dtype in ("float16", "bfloat16"))
     full = sum(n.flops or 0 for n in cost.known if n.matrix and n.dtype not in ("float16", "bfloat16"))
-    return "fp16" if half > full else "fp32"
+    return "fp16" if half > full else ("tf32" if tf32 else "fp32")
 
 
 # ---------------------------------------------------------------------------------------
@@ -495,7 +497,7 @@ def _add_device_args(p: argparse.ArgumentParser, default: str | None = "h200") -
     p.add_argument("--bandwidth-tbps", type=float, help="DRAM bandwidth in TB/s (overrides the device)")
     p.add_argument("--dtype-peak", choices=(*DTYPE_PEAKS, "auto"), default="auto",
                    help="which peak matmul-class nodes use: fp32, tf32 or fp16 tensor cores; auto: fp16 for "
-                        "fp16/bf16 models, else fp32")
+                        "fp16/bf16 models, else fp32 (profile --provider cuda: tf32, as ONNX Runtime runs them)")
 
 
 def _device_arg(args: argparse.Namespace) -> str | None:

@@ -134,7 +134,14 @@ def generate(
     names = param_names(n_in, n_out, rank, input_modes)
     types = [POINTER_TYPES[dt] for dt in program.input_dtypes]
     types += [POINTER_TYPES[dt] for _, dt in program.outputs]
-    types += [INT_TYPE] * (len(names) - n_in - n_out)
+    # Variants with int32 offsets take their integers as int32 too: the index arithmetic
+    # (unravelling the element index by the sizes for strided inputs) then stays 32-bit.
+    # With int64 sizes every `%` and `//` was a 64-bit division, emulated in software: a
+    # bias + GELU over 4096 x 3072 ran at 1.2 TB/s on the H200 (BENCHMARKS.md). The launcher
+    # passes 64-bit slots; a 32-bit parameter reads the low half (little-endian), and the
+    # variant's max_elements bounds every size and stride below 2**31.
+    int_type = "i32" if variant.index_bits == 32 else INT_TYPE
+    types += [int_type] * (len(names) - n_in - n_out)
     params = tuple(zip(names, types, strict=True))
     divisible: tuple[int, ...] = ()
     if variant.ptr_align or variant.n_multiple:

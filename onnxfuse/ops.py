@@ -196,6 +196,14 @@ ELEMENTWISE_OPS = frozenset(RULES)
 
 
 def node_attrs(node: NodeProto) -> dict:
-    """Attribute values of a node as Python values (strings decoded)."""
+    """Attribute values of a node as Python values: text strings decoded, binary ones (the
+    compiled kernels of a fused node, cubin bytes) kept as bytes."""
     values = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    return {k: v.decode() if isinstance(v, bytes) else v for k, v in values.items()}
+    return {k: _text(v) if isinstance(v, bytes) else v for k, v in values.items()}
+
+
+def _text(v: bytes) -> str | bytes:
+    try:
+        return v.decode()
+    except UnicodeDecodeError:
+        return v

@@ -493,7 +493,8 @@ def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tf
             warnings.append(warn)
     load_device(device)  # a bad --device fails before anything runs
     cost = model_cost(model, shapes, batch)
-    roof = make_roof(device, peak_tflops, bandwidth_tbps, auto_dtype_peak(cost) if dtype_peak == "auto" else dtype_peak)
+    auto = auto_dtype_peak(cost, tf32=provider == "cuda")  # the CUDA EP runs fp32 Conv/MatMul on TF32
+    roof = make_roof(device, peak_tflops, bandwidth_tbps, auto if dtype_peak == "auto" else dtype_peak)
     torch = None
     if provider == "cuda":
         try:

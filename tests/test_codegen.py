@@ -528,15 +528,23 @@ def test_aot_binaries_for_sm90(aot):
 
 def test_aot_parameter_count_is_the_launch_abi(aot):
     """docs/format.md: inputs, outputs, n_elements, [rank dims, rank strides per strided
-    input], then the two scratch pointers; every parameter is 64-bit."""
+    input], then the two scratch pointers; pointers are 64-bit, integers 32-bit in the
+    variants with int32 offsets and 64-bit in the int64 one."""
     ck, *_ = aot
     n_in, n_out, rank, n_strided = 3, 2, 2, 1
     expected = n_in + n_out + 1 + (rank + rank * n_strided) + 2
+    bits = set()
     for b in ck.binaries:
         if b.format == "ptx":
             params = _entry_params(b.data.decode(), NAME)
             assert len(params) == expected
-            assert all(p.startswith(".param .u64") for p in params), params
+            width = ck.variants[b.variant].index_bits
+            bits.add(width)
+            ints = params[n_in + n_out:-2]
+            assert all(p.startswith(".param .u64 .ptr") for p in params[:n_in + n_out]), params
+            assert all(p.startswith(f".param .u{width} ") for p in ints), params
+            assert all(p.startswith(".param .u64 .ptr") for p in params[-2:]), params
+    assert bits == {32, 64}
     assert len(param_names(n_in, n_out, rank, ("full", "strided", "scalar"))) + 2 == expected
 
 
