@@ -276,7 +276,9 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         from onnxfuse.compile import default_targets
         from onnxfuse.kernels import compile_fused
 
-        res.compile = compile_fused(result.model, result.fused, default_targets())["summary"]
+        info = compile_fused(result.model, result.fused, default_targets())
+        res.compile = info["summary"]
+        res.fused_nodes -= len(info["declined"]) + len(info["failed"])
     save_model(result.model, fused)
     feeds = _feeds(case, shapes, model)
     provider = "cpu" if dry else "cuda"

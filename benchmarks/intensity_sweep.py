@@ -44,7 +44,8 @@ def fuse(m, single_ops: bool):
     """Optimize and compile; single_ops lets a lone elementwise node fuse too (r = 1)."""
     patterns = load_patterns()
     if single_ops:
-        patterns = [dataclasses.replace(p, match=dataclasses.replace(p.match, min_nodes=1)) for p in patterns]
+        patterns = [dataclasses.replace(p, match=dataclasses.replace(p.match, min_nodes=1))
+                    if p.name == "pointwise_chain" else p for p in patterns]
     r = optimize_model(m, patterns)
     compile_fused(r.model, r.fused, local_gpu_archs())
     return r.model, len(r.fused)

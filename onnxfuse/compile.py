@@ -228,6 +228,24 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     return (ConvVariant(0, cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["warps"], cfg["stages"]),)
 
 
+# Reduction length C·R·S above which the NCHW implicit-GEMM kernel loses to cuDNN, measured
+# on the H200 (benchmarks/conv_kernels.py, BENCHMARKS.md): 64 channels 3x3 (576) won at every
+# size, 128 channels 3x3 at 28x28 (1152) tied with cuDNN (0.070 vs 0.071 ms), 256 channels
+# 3x3 at 14x14 (2304) lost (0.085 vs 0.061 ms).
+CONV_MAX_REDUCTION = 1152
+DECLINED_REASON = ("conv reduction C*R*S above 1152: cuDNN is faster on the H200 (heuristic; "
+                   "--tune measures instead)")
+
+
+def conv_declined(spec: ConvSpec) -> bool:
+    """Whether the heuristic keeps this conv for ONNX Runtime (cuDNN) rather than fusing it.
+    ``$ONNXFUSE_CONV_ALL=1`` fuses every conv."""
+    if os.environ.get("ONNXFUSE_CONV_ALL") == "1":
+        return False
+    r, s = spec.conv.kernel
+    return spec.channels // spec.conv.group * r * s > CONV_MAX_REDUCTION
+
+
 def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
     """256 outputs per program, 4 warps: the best of 256..2048 x 4/8 warps for Relu+MaxPool
     2x2 at 32x64x112x112 on the H200 (83-85% of copy bandwidth; BENCHMARKS.md)."""

@@ -33,7 +33,10 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
         from onnxfuse import compile as aot
 
         targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
-        info = compile_fused(result.model, result.fused, targets, jobs=jobs, conv_precision=conv_precision)
+        info = compile_fused(result.model, result.fused, targets, jobs=jobs, conv_precision=conv_precision,
+                             decline_slow_convs=tune is None)
+        if info["declined"]:
+            result.drop_fused({d["node"] for d in info["declined"]}, aot.DECLINED_REASON)
         if info["failed"]:
             result.drop_fused({f["node"] for f in info["failed"]}, FAILED_REASON)
             for f in info["failed"]:
@@ -81,17 +84,30 @@ def kernel_spec(model, f, conv_precision: str = "tf32"):
 
 
 def compile_fused(model, fused: list, targets: list[int], jobs: int | None = None,
-                  conv_precision: str = "tf32") -> dict:
+                  conv_precision: str = "tf32", decline_slow_convs: bool = True) -> dict:
     """Compile the kernel of every fused node of `model` for `targets` and attach it to the
     node; returns the compile part of the report.
 
     A fused node whose kernel fails to compile for any target is turned back into its
     original nodes (`onnxfuse.rewrite.unfuse`): a node without kernels would fail on CUDA at
     run time. It is listed under "failed" (node, kernel, targets, error, nodes); the
-    caller updates its report (see `compile_hook`)."""
+    caller updates its report (see `compile_hook`).
+
+    With decline_slow_convs, conv nodes the heuristic of `onnxfuse.compile.conv_declined`
+    expects to be slower than cuDNN are unfused too, listed under "declined"."""
     from onnxfuse import compile as aot
     from onnxfuse.rewrite import unfuse
 
+    declined = []
+    if decline_slow_convs:
+        keep = []
+        for f in fused:
+            if f.kind == "conv" and aot.conv_declined(kernel_spec(model, f, conv_precision)):
+                unfuse(model, f)
+                declined.append({"node": f.node_name, "kernel": f.kernel_name, "nodes": len(f.source_nodes)})
+            else:
+                keep.append(f)
+        fused = keep
     specs = [kernel_spec(model, f, conv_precision) for f in fused]
     results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
     failed = []
@@ -112,7 +128,9 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     summary = f"kernels: {len(compiled)} for {names}: {built} compiled in {seconds:.1f} s, {hits} cache hits"
     if failed:
         summary += f", {len(failed)} failed (left unfused)"
+    if declined:
+        summary += f"; {len(declined)} convs left to cuDNN (reduction above {aot.CONV_MAX_REDUCTION})"
     return {
         "summary": summary, "kernels": len(compiled), "targets": list(targets), "compile_seconds": seconds,
-        "cache_hits": hits, "compiled": built, "failed": failed,
+        "cache_hits": hits, "compiled": built, "failed": failed, "declined": declined,
     }

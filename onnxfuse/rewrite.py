@@ -384,6 +384,8 @@ def unfuse(model: ModelProto, fused: FusedNode) -> None:
     nodes = list(g.node[:idx]) + body + list(g.node[idx + 1:])
     del g.node[:]
     g.node.extend(nodes)
+    if fused.kind == "conv":
+        _fold_weight_transposes(g, [n for n in body if n.op_type == "Transpose"])
     if not any((n.domain, n.op_type, n.overload) == key for n in g.node):
         kept = [fn for fn in model.functions if (fn.domain, fn.name, fn.overload) != key]
         del model.functions[:]
@@ -392,6 +394,30 @@ def unfuse(model: ModelProto, fused: FusedNode) -> None:
         kept_imports = [i for i in model.opset_import if i.domain != DOMAIN]
         del model.opset_import[:]
         model.opset_import.extend(kept_imports)
+
+
+def _fold_weight_transposes(g: onnx.GraphProto, transposes: list[NodeProto]) -> None:
+    """After unfusing a FusedConv: a Transpose of packed weights that only it reads becomes
+    the ONNX weights again, an initializer, so the unfused Conv reads them as the original
+    did (no Transpose left for the runtime to fold)."""
+    inits = {t.name: t for t in g.initializer}
+    for t in transposes:
+        src = t.input[0]
+        # (g.node holds copies of the body's nodes: compare by name)
+        if src not in inits or any(src in n.input for n in g.node if n.name != t.name):
+            continue
+        perm = next(list(a.ints) for a in t.attribute if a.name == "perm")
+        weights = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[src]).transpose(perm)),
+                                          t.output[0])
+        kept = [n for n in g.node if n.name != t.name]
+        del g.node[:]
+        g.node.extend(kept)
+        others = [x for x in g.initializer if x.name != src]
+        del g.initializer[:]
+        g.initializer.extend(others + [weights])
+        vi = [v for v in g.value_info if v.name != t.output[0]]
+        del g.value_info[:]
+        g.value_info.extend(vi)
 
 
 def _all_names(model: ModelProto) -> set[str]:

@@ -314,3 +314,40 @@ if __name__ == "__main__":
 
         _install_libdevice_shims()  # the interpreter has no libdevice (sigmoid uses exp)
         _run_all(Path(sys.argv[2]))
+
+
+def _deep_conv_model(channels: int):
+    import onnx
+    from onnx import helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((channels, channels, 3, 3)).astype(np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+                           helper.make_node("Relu", ["c"], ["y"])], "deep",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", channels, 14, 14])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", channels, 14, 14])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+@pytest.mark.parametrize("channels,fuse_all,kept", [(256, False, False), (128, False, True), (256, True, True)])
+def test_heuristic_leaves_deep_convs_to_cudnn(channels, fuse_all, kept, tmp_path, monkeypatch):
+    pytest.importorskip("triton")
+    from onnxfuse.compile import DECLINED_REASON
+    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import optimize_model
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    if fuse_all:
+        monkeypatch.setenv("ONNXFUSE_CONV_ALL", "1")
+    r = optimize_model(_deep_conv_model(channels))
+    assert len(r.fused) == 1
+    info = compile_hook("sm_90")(r)
+    ops = [n.op_type for n in r.model.graph.node]
+    if kept:
+        assert ops == ["FusedConv"] and not info["declined"]
+    else:
+        assert ops == ["Conv", "Relu"] and len(info["declined"]) == 1
+        assert r.report.not_fused == {DECLINED_REASON: 2} and r.report.patterns_applied == {}
+        assert "left to cuDNN" in info["summary"]

@@ -88,5 +88,7 @@ def test_kernels_compile(case):
     model = onnx.ModelProto()
     model.CopyFrom(result.model)
     report = compile_fused(model, result.fused, [90])
-    assert report["kernels"] == len(result.fused)
+    # every fused node gets its kernels, except convs the heuristic leaves to cuDNN (unfused)
+    assert not report["failed"]
+    assert report["kernels"] + len(report["declined"]) == len(result.fused)
     assert all(any(a.name == "kernel_meta" for a in n.attribute) for n in model.graph.node if n.domain == "onnxfuse")
