@@ -345,3 +345,20 @@ def test_parse_shape_args():
     for bad in ("x", "x=", "x=a,b", "=3"):
         with pytest.raises(OnnxfuseError, match="--shape"):
             parse_shape_args([bad])
+
+
+def test_fused_conv_body_costs_leave_out_the_weight_layout():
+    """The unfused equivalent of a FusedConv is Conv -> Relu -> MaxPool: the Transpose of its
+    packed (constant) weights in the function body is not a per-run round trip."""
+    from models.build import conv_relu_maxpool
+    from onnxfuse import optimize_model
+    from onnxfuse.cost import model_cost
+
+    r = optimize_model(conv_relu_maxpool(channels=8, size=16))
+    (node,) = model_cost(r.model, {}, 2).known
+    assert node.op_type == "FusedConv"
+    assert [b.op_type for b in node.body] == ["Conv", "Relu", "MaxPool"]
+    x, out = 2 * 8 * 16 * 16 * 4, 2 * 8 * 8 * 8 * 4
+    weights = (8 * 8 * 9 + 8) * 4
+    assert node.bytes_read == x + weights and node.bytes_written == out
+    assert node.flops == sum(b.flops for b in node.body)
