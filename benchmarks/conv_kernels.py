@@ -72,6 +72,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 configurations per layer")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--precision", default="tf32")
+    ap.add_argument("--layouts", default="nchw,nhwc",
+                    help="kernel layouts of X and Y to time: nchw (what the optimizer emits), nhwc (channels "
+                         "last, for the layout pass the conv issue asks to measure first)")
     args = ap.parse_args()
 
     import torch
@@ -88,7 +91,7 @@ def main() -> None:
     def bench(fn) -> float:
         return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
-    for lname, n, c, h, k, pool in LAYERS:
+    def measure_layer(lname: str, n: int, c: int, h: int, k: int, pool: bool) -> None:
         conv = ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1))
         pa = PoolAttrs((2, 2), (2, 2)) if pool else None
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -118,41 +121,58 @@ def main() -> None:
             layer["torch_compile_nhwc_ms"] = bench(cfl)
         p, q = conv.out_size(h, h)
         op, oq = pa.out_size(p, q) if pa else (p, q)
-        y = torch.empty(n, k, op, oq, device=dev)
         best = None
-        for i, (bm, bn, bk, nw, ns) in enumerate(QUICK if args.quick else CONFIGS):
-            v = ConvVariant(0, bm, bn, bk, nw, ns)
-            name = f"k_conv_{len(out['layers'])}_{i}"
-            try:
-                ks = generate_conv(ConvSpec(name, RELU, c, k, conv, pa, args.precision), v)
-                fn = _load(ks.source, name, tmp)
-                win = 4 if pa else 1
-                m = n * op * oq * win
-                grid = (triton.cdiv(m, bm), triton.cdiv(k, bn))
-                consts = dict(ks.constexprs)
+        layouts = args.layouts.split(",")
+        for layout in layouts:
+            # nhwc: X and Y channels last (the same logical tensors; the kernel reads storage)
+            xin = x if layout == "nchw" else xl
+            y = torch.empty(n, k, op, oq, device=dev)
+            if layout == "nhwc":
+                y = y.to(memory_format=torch.channels_last)
+            lbest = None
+            for i, (bm, bn, bk, nw, ns) in enumerate(QUICK if args.quick else CONFIGS):
+                v = ConvVariant(0, bm, bn, bk, nw, ns)
+                name = f"k_conv_{len(out['layers'])}_{layout}_{i}"
+                try:
+                    spec = ConvSpec(name, RELU, c, k, conv, pa, args.precision, x_layout=layout, y_layout=layout)
+                    ks = generate_conv(spec, v)
+                    fn = _load(ks.source, name, tmp)
+                    win = 4 if pa else 1
+                    m = n * op * oq * win
+                    grid = (triton.cdiv(m, bm), triton.cdiv(k, bn))
+                    consts = dict(ks.constexprs)
 
-                def run(fn=fn, grid=grid, consts=consts, nw=nw, ns=ns):
-                    fn[grid](x, wp, b, y, n, h, h, p, q, op, oq, num_warps=nw, num_stages=ns, **consts)
+                    def run(fn=fn, grid=grid, consts=consts, nw=nw, ns=ns, xin=xin, y=y):
+                        fn[grid](xin, wp, b, y, n, h, h, p, q, op, oq, num_warps=nw, num_stages=ns, **consts)
 
-                run()
-                torch.cuda.synchronize()
-                err = float(((y - exact).abs().max() / exact.abs().max()).item())
-                ms = bench(run)
-                rec = {"config": [bm, bn, bk, nw, ns], "ms": ms, "max_rel_err": err}
-            except Exception as e:  # a config that does not compile or fit: recorded, skipped
-                rec = {"config": [bm, bn, bk, nw, ns], "error": f"{type(e).__name__}: {str(e)[:200]}"}
-            layer["configs"].append(rec)
-            if "ms" in rec and (best is None or rec["ms"] < best["ms"]):
-                best = rec
+                    run()
+                    torch.cuda.synchronize()
+                    err = float(((y - exact).abs().max() / exact.abs().max()).item())
+                    ms = bench(run)
+                    rec = {"layout": layout, "config": [bm, bn, bk, nw, ns], "ms": ms, "max_rel_err": err}
+                except Exception as e:  # a config that does not compile or fit: recorded, skipped
+                    rec = {"layout": layout, "config": [bm, bn, bk, nw, ns],
+                           "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                layer["configs"].append(rec)
+                if "ms" in rec and (lbest is None or rec["ms"] < lbest["ms"]):
+                    lbest = rec
+            layer[f"best_{layout}"] = lbest
+            if lbest and (best is None or lbest["ms"] < best["ms"]):
+                best = lbest
         layer["best"] = best
         flops = 2 * n * k * c * 9 * p * q
         if best:
             layer["best_tflops"] = flops / best["ms"] / 1e9
         out["layers"].append(layer)
+        bn_, bh_ = layer.get("best_nchw"), layer.get("best_nhwc")
         rows.append((lname, layer["cudnn_nchw_ms"], layer["cudnn_nhwc_ms"], layer.get("torch_compile_ms"),
-                     layer.get("torch_compile_nhwc_ms"), best["ms"] if best else None,
-                     best["config"] if best else None, best["max_rel_err"] if best else None))
+                     layer.get("torch_compile_nhwc_ms"), bn_["ms"] if bn_ else None, bh_["ms"] if bh_ else None,
+                     (bh_ or bn_ or {}).get("config"), best["max_rel_err"] if best else None))
         print(json.dumps(layer["configs"]), flush=True)
+
+
+    for lname, n, c, h, k, pool in LAYERS:
+        measure_layer(lname, n, c, h, k, pool)
 
     # Relu + MaxPool 2x2 at 32x64x112x112: the FusedMaxPool kernel against the memory floor.
     n, c, h = 32, 64, 112
@@ -186,10 +206,11 @@ def main() -> None:
     pool_layer["best"] = pbest
     out["layers"].append(pool_layer)
 
-    print(f"\n{'layer':34} {'cuDNN':>7} {'cuDNN-cl':>8} {'compile':>8} {'comp-cl':>8} {'onnxfuse':>8}  config / err")
+    print(f"\n{'layer':34} {'cuDNN':>7} {'cuDNN-cl':>8} {'compile':>8} {'comp-cl':>8} {'of-nchw':>8} {'of-nhwc':>8}"
+          "  best nhwc config / err")
     for r in rows:
-        cells = [f"{v:8.3f}" if isinstance(v, float) else f"{'-':>8}" for v in r[1:6]]
-        print(f"{r[0]:34} {' '.join(cells)}  {r[6]} {r[7]}")
+        cells = [f"{v:8.3f}" if isinstance(v, float) else f"{'-':>8}" for v in r[1:7]]
+        print(f"{r[0]:34} {' '.join(cells)}  {r[7]} {r[8]}")
     print(f"relu_maxpool: floor {floor:.4f} ms, eager {pool_layer['torch_eager_ms']:.4f}, compile "
           f"{pool_layer.get('torch_compile_ms', float('nan')):.4f}, onnxfuse {pbest['ms']:.4f} {pbest['config']} "
           f"({floor / pbest['ms']:.0%} of copy bandwidth)")

@@ -84,6 +84,12 @@ class ConvSpec:
     pool: PoolAttrs | None = None  # only tiling pools (PoolAttrs.tiles)
     precision: str = "tf32"
     source_nodes: tuple[str, ...] = ()
+    # Memory layout of X and Y: "nchw" (ONNX's) or "nhwc" (channels last: a tile's channels
+    # are contiguous, so loads and stores vectorize). Extra inputs are read through strides
+    # in any layout. benchmarks/conv_kernels.py --layouts measures both; the optimizer emits
+    # nchw only until the NHWC pass exists (BENCHMARKS.md).
+    x_layout: str = "nchw"
+    y_layout: str = "nchw"
 
     @property
     def dtype(self) -> str:
@@ -151,6 +157,8 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
     _check_program(spec.program, spec.name)
     if spec.precision not in PRECISIONS:
         raise ValueError(f"precision {spec.precision!r} is not one of {PRECISIONS}")
+    if spec.x_layout not in ("nchw", "nhwc") or spec.y_layout not in ("nchw", "nhwc"):
+        raise ValueError(f"layouts must be nchw or nhwc, not {spec.x_layout!r}/{spec.y_layout!r}")
     if spec.conv.group != 1:
         raise ValueError(f"{spec.name}: the Triton conv kernel handles group 1, not {spec.conv.group}")
     if spec.pool is not None and not spec.pool.tiles:
@@ -170,7 +178,8 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
     types = [POINTER_TYPES[dt]] * 3 + [POINTER_TYPES[d] for d in spec.program.input_dtypes[1:]]
     types += [POINTER_TYPES[spec.program.outputs[0][1]]]
     types += [INT_TYPE] * (len(names) - len(types))
-    (r, s), (sh, sw), (pt, pl, _, _), (dh, dw) = spec.conv.kernel, spec.conv.strides, spec.conv.pads, spec.conv.dilations
+    conv = spec.conv
+    (r, s), (sh, sw), (pt, pl, _, _), (dh, dw) = conv.kernel, conv.strides, conv.pads, conv.dilations
     constexprs = [
         ("C", spec.channels), ("K", spec.filters), ("R", r), ("S", s), ("STRIDE_H", sh), ("STRIDE_W", sw),
         ("PAD_H", pt), ("PAD_W", pl), ("DIL_H", dh), ("DIL_W", dw),
@@ -277,7 +286,9 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     what = (f"Conv {c}->{k} {spec.conv.kernel[0]}x{spec.conv.kernel[1]} stride {spec.conv.strides} "
             f"pads {spec.conv.pads} dilations {spec.conv.dilations}, {spec.dtype}, dot precision "
             f"{spec.precision if spec.dtype == 'f32' else 'fp16'}"
-            + (f"; max pool {pool.kernel[0]}x{pool.kernel[1]} in the epilogue" if pool else ""))
+            + (f"; max pool {pool.kernel[0]}x{pool.kernel[1]} in the epilogue" if pool else "")
+            + (f"; X {spec.x_layout.upper()}, Y {spec.y_layout.upper()}"
+               if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else ""))
     lines = _header(spec.name, what, spec.program, spec.source_nodes)
     lines += _signature(spec.name, names, constexprs)
     body = ["pid_m = tl.program_id(axis=0)", "pid_n = tl.program_id(axis=1)"]
@@ -298,7 +309,9 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
              "offs_c = tl.arange(0, BLOCK_K)",
              "# Pointers of the first tap's A tile [pixels, channels] and B tile [channels, filters];",
              "# every later step only adds a scalar offset to them.",
-             "a_ptrs = x_ptr + (n * (C * H * W) + ih0 * W + iw0)[:, None] + offs_c[None, :] * (H * W)",
+             ("a_ptrs = x_ptr + (n * (C * H * W) + ih0 * W + iw0)[:, None] + offs_c[None, :] * (H * W)"
+              if spec.x_layout == "nchw" else
+              "a_ptrs = x_ptr + ((n * H + ih0) * W + iw0)[:, None] * C + offs_c[None, :]  # NHWC"),
              "b_ptrs = w_ptr + offs_c[:, None] * K + offs_n[None, :]",
              "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
              "# One flat loop over (tap, channel block) so that Triton can pipeline it.",
@@ -308,7 +321,8 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
              "    dh = (tap // S) * DIL_H",
              "    dw = (tap % S) * DIL_W",
              "    in_image = mask_m & (ih0 + dh >= 0) & (ih0 + dh < H) & (iw0 + dw >= 0) & (iw0 + dw < W)",
-             "    a_step = a_ptrs + (dh * W + dw + c0 * (H * W))",
+             ("    a_step = a_ptrs + (dh * W + dw + c0 * (H * W))" if spec.x_layout == "nchw" else
+              "    a_step = a_ptrs + ((dh * W + dw) * C + c0)"),
              "    b_step = b_ptrs + (tap * C + c0) * K"]
     if spec.channels % variant.block_k == 0:
         body += ["    # C is a multiple of BLOCK_K: no channel mask.",
@@ -331,7 +345,9 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     body += _program_lines(spec.program)
     val, dt = _out_value(spec.program)
     if pool is None:
-        body += ["y_offs = n[:, None] * (K * P * Q) + offs_n[None, :] * (P * Q) + (p * Q + q)[:, None]",
+        body += [("y_offs = n[:, None] * (K * P * Q) + offs_n[None, :] * (P * Q) + (p * Q + q)[:, None]"
+                  if spec.y_layout == "nchw" else
+                  "y_offs = ((n * P + p) * Q + q)[:, None] * K + offs_n[None, :]  # NHWC"),
                  f"tl.store(y_ptr + y_offs, {_store_cast(val, dt)}, mask=mask)"]
     else:
         body += ["# Max over each window (rows outside the window or the image hold -inf), then store.",
@@ -339,7 +355,9 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
                  "pooled_val = tl.max(tl.reshape(pooled_val, (BLOCK_M // WIN, WIN, BLOCK_N)), axis=1)",
                  "offs_pm = pid_m * (BLOCK_M // WIN) + tl.arange(0, BLOCK_M // WIN)",
                  "pq_ = offs_pm % (OP * OQ)", "pn = offs_pm // (OP * OQ)",
-                 "y_offs = pn[:, None] * (K * OP * OQ) + offs_n[None, :] * (OP * OQ) + pq_[:, None]",
+                 ("y_offs = pn[:, None] * (K * OP * OQ) + offs_n[None, :] * (OP * OQ) + pq_[:, None]"
+                  if spec.y_layout == "nchw" else
+                  "y_offs = (pn * (OP * OQ) + pq_)[:, None] * K + offs_n[None, :]  # NHWC"),
                  "pmask = (offs_pm < N * OP * OQ)[:, None] & mask_n[None, :]",
                  f"tl.store(y_ptr + y_offs, {_store_cast('pooled_val', dt)}, mask=pmask)"]
     lines += ["    " + ln for ln in body]

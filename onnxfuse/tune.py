@@ -59,7 +59,7 @@ def candidates(spec) -> list[tuple[str, tuple]]:
             key = (v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages)
             if key not in seen:
                 seen.add(key)
-                out.append(("tile %dx%dx%d, %d warps, %d stages" % key, (v,)))
+                out.append(("tile {}x{}x{}, {} warps, {} stages".format(*key), (v,)))
         return out
     if isinstance(spec, aot.MaxPoolSpec):
         return [(f"block {b}", (PoolVariant(0, b, 4),)) for b in (256, 512, 1024)]

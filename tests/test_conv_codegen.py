@@ -56,6 +56,7 @@ class ConvCase:
     extras: tuple[str, ...] = ()  # "full", "channel" [1,K,1,1], "scalar" [1]
     dtype: str = "f32"
     tile: tuple[int, int, int] = (32, 16, 16)  # small tiles: many programs, ragged edges
+    layouts: tuple[str, str] = ("nchw", "nchw")  # X, Y
 
 
 CONV_CASES = [
@@ -78,6 +79,13 @@ CONV_CASES = [
              pool=PoolAttrs((2, 2), (2, 2))),
     ConvCase("default-tiles", 2, 64, (12, 12), 64, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)),
              PoolAttrs((2, 2), (2, 2)), tile=(0, 0, 0)),
+    ConvCase("nhwc", 2, 32, (9, 7), 24, ConvAttrs((3, 3), (2, 1), (1, 0, 1, 2)), body=RESIDUAL_RELU,
+             extras=("full",), layouts=("nhwc", "nhwc")),
+    ConvCase("nhwc-pool", 2, 16, (8, 9), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             layouts=("nhwc", "nhwc")),
+    ConvCase("nchw-to-nhwc", 1, 3, (11, 10), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), layouts=("nchw", "nhwc")),
+    ConvCase("nhwc-to-nchw", 1, 16, (6, 6), 8, ConvAttrs((1, 1)), body=AFFINE, extras=("channel",),
+             layouts=("nhwc", "nchw")),
 ]
 
 
@@ -132,7 +140,8 @@ def _conv_inputs(i: int, case: ConvCase):
 
 
 def _conv_spec(i: int, case: ConvCase) -> tuple[ConvSpec, ConvVariant]:
-    spec = ConvSpec(f"k_conv_{i}", _conv_program(case), case.c, case.k, case.conv, case.pool, "ieee")
+    spec = ConvSpec(f"k_conv_{i}", _conv_program(case), case.c, case.k, case.conv, case.pool, "ieee",
+                    x_layout=case.layouts[0], y_layout=case.layouts[1])
     if case.tile == (0, 0, 0):
         return spec, conv_variants(spec)[0]
     bm, bn, bk = case.tile
@@ -196,12 +205,17 @@ def _run_all(workdir: Path) -> None:
             p, q = case.conv.out_size(h, w)
             op, oq = case.pool.out_size(p, q) if case.pool else (p, q)
             y = torch.empty((n, case.k, op, oq), dtype=torch.float16 if case.dtype == "f16" else torch.float32)
+            if case.layouts[1] == "nhwc":  # the same logical tensor, stored channels last
+                y = y.to(memory_format=torch.channels_last)
             strides = [s for e in extras for s in _broadcast_strides(e.shape, (n, case.k, p, q))]
             win = 1 << (case.pool.kernel[0] * case.pool.kernel[1] - 1).bit_length() if case.pool else 1
             m = n * op * oq * win if case.pool else n * p * q
             grid = (-(-m // v.block_m), -(-case.k // v.block_n))
             packed = torch.from_numpy(np.ascontiguousarray(wt.transpose(2, 3, 1, 0)))
-            fn[grid](torch.from_numpy(x), packed, torch.from_numpy(b), *map(torch.from_numpy, extras), y,
+            xt = torch.from_numpy(x)
+            if case.layouts[0] == "nhwc":
+                xt = xt.to(memory_format=torch.channels_last)
+            fn[grid](xt, packed, torch.from_numpy(b), *map(torch.from_numpy, extras), y,
                      n, h, w, p, q, op, oq, *strides, **dict(ks.constexprs))
             results[f"conv{i}"] = y.float().numpy()
         except Exception as e:  # reported by the case's test
@@ -287,7 +301,7 @@ def test_rejected_specs():
 
 def test_aot_compile_for_sm80_and_sm90(tmp_path):
     pytest.importorskip("triton")
-    case = CONV_CASES[-1]
+    case = next(c for c in CONV_CASES if c.id == "default-tiles")
     conv = ConvSpec("onnxfuse_conv_relu_maxpool_0123456789ab", _conv_program(case), 64, 64, case.conv, case.pool)
     pool = MaxPoolSpec("onnxfuse_relu_maxpool_0123456789ab", _program(RELU, "f32", 0), PoolAttrs((3, 3), (2, 2)))
     out = compile_kernels([conv, pool], [80, 90], cache_dir=tmp_path, jobs=2)
