@@ -35,7 +35,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         hook = compile_hook(args.target, jobs=args.jobs, conv_precision=args.conv_precision, tune=tune)
     with warnings.catch_warnings():  # the report carries them; printed below
         warnings.simplefilter("ignore", OnnxfuseWarning)
-        report = optimize(src, dst, args.patterns or (), compile_hook=hook)
+        report = optimize(src, dst, args.patterns or (), compile_hook=hook, exclude=args.exclude_pattern or ())
     print(report.summary())
     print(f"wrote {dst}")
     for w in report.warnings:
@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tensor-core precision of float32 convolutions (default tf32: about 1e-3 relative "
                         "error, like cuDNN's default; tf32x3 about 1e-6 at 3x the math; ieee exact fp32 "
                         "FMA, slowest)")
+    p.add_argument("--exclude-pattern", action="append", metavar="NAME",
+                   help="do not apply this pattern (repeatable; names from `onnxfuse patterns`)")
     p.add_argument("--tune", action="store_true",
                    help="on a GPU: time each fused kernel (several configurations) against its original "
                         "subgraph at the model's shapes and keep the faster; the report lists the times")

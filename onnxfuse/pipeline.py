@@ -170,10 +170,10 @@ def _not_visited(model: ModelProto, patterns: list[Pattern]) -> Counter:
 
 
 def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
-             pattern_dirs: list[str] | tuple = (), compile_hook=None) -> Report:
+             pattern_dirs: list[str] | tuple = (), compile_hook=None, exclude: list[str] | tuple = ()) -> Report:
     """Read, fuse and atomically write a model file. compile_hook(result) may attach kernels."""
     t0 = time.perf_counter()
-    patterns = load_patterns(pattern_dirs)
+    patterns = select_patterns(load_patterns(pattern_dirs), exclude)
     model = load_model(input_path)
     result = optimize_model(model, patterns)
     if compile_hook is not None:
@@ -181,6 +181,15 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
     save_model(result.model, output_path)
     result.report.seconds = time.perf_counter() - t0
     return result.report
+
+
+def select_patterns(patterns: list[Pattern], exclude: list[str] | tuple) -> list[Pattern]:
+    """The patterns without those named in `exclude` (an unknown name is an error)."""
+    known = {p.name for p in patterns}
+    for name in exclude:
+        if name not in known:
+            raise OnnxfuseError(f"--exclude-pattern {name}: no such pattern (known: {', '.join(sorted(known))})")
+    return [p for p in patterns if p.name not in set(exclude)]
 
 
 def save_model(model: ModelProto, path: str | os.PathLike) -> None:

@@ -87,7 +87,8 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
     assert second["onnxfuse_nodes"] == 4 and second["library"] is True
     (out,) = second["outputs"]
     assert set(out) == OUTPUT_KEYS
-    assert out["name"] == "y" and out["passed"] and out["rtol"] == 1e-5 and out["atol"] == 1e-6
+    # atol is 1e-5 x the output's largest magnitude (bench.DEFAULT_TOLERANCES)
+    assert out["name"] == "y" and out["passed"] and out["rtol"] == 1e-5 and 0 < out["atol"] < 1e-3
     assert out["max_abs_err"] < 1e-5
 
 
@@ -222,9 +223,11 @@ def test_compare_output_rules():
     assert ob.compare_output("y", f32, f32.copy()).passed
     near = f32.copy()
     near[0] += 5e-6                          # within rtol 1e-5
-    near[1] = 5e-7                           # within atol 1e-6 (and not counted in max_rel)
+    near[1] = 1.5e-5                         # within atol 1e-5 x max|e| = 2e-5 (not counted in max_rel)
     c = ob.compare_output("y", f32, near)
-    assert c.passed and c.max_rel_err == pytest.approx(5e-6, rel=1e-2) and c.max_abs_err == pytest.approx(5e-6, rel=0.1)
+    assert c.passed and c.max_rel_err == pytest.approx(5e-6, rel=1e-2) and c.max_abs_err == pytest.approx(1.5e-5)
+    assert c.atol == pytest.approx(2e-5)     # scaled by the largest finite magnitude, 2.0
+    assert not ob.compare_output("y", f32, near, atol=1e-6).passed  # --atol is absolute
     far = f32.copy()
     far[4] = -2.001
     c = ob.compare_output("y", f32, far)

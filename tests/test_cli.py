@@ -176,3 +176,22 @@ def test_big_models_are_written_with_external_data(tmp_path, monkeypatch):
     ref = onnx.load(str(EXAMPLE))
     feeds = random_feeds(ref)
     np.testing.assert_allclose(run(onnx.load(str(out)), feeds)[0], run(ref, feeds)[0], rtol=1e-6)
+
+
+def test_exclude_pattern(tmp_path, capsys):
+    import onnx
+
+    from models.build import vgg_stack
+    from onnxfuse.cli import main
+
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(vgg_stack(blocks=2, channels=8, size=16), str(src))
+    args = ["optimize", str(src), str(dst), "--target", "none"]
+    assert main([*args, "--exclude-pattern", "conv_relu_maxpool", "--exclude-pattern", "conv_relu"]) == 0
+    ops = [n.op_type for n in onnx.load(str(dst)).graph.node]
+    assert ops == ["Conv", "FusedMaxPool"] * 2  # Relu + MaxPool still fuse
+    capsys.readouterr()
+    dst.unlink()
+    assert main([*args, "--exclude-pattern", "no_such_pattern"]) == 2
+    err = capsys.readouterr().err
+    assert "no_such_pattern: no such pattern" in err and "conv_relu" in err and not dst.exists()
