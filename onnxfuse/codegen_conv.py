@@ -59,7 +59,9 @@ class ConvVariant:
     num_stages: int = 3
 
     def requires(self) -> dict[str, int]:
-        return {"max_elements": MAX_ELEMENTS}
+        # ptr_align: the weight and bias pointers carry 16-byte divisibility hints (vector
+        # loads); the launcher checks every pointer before it launches.
+        return {"max_elements": MAX_ELEMENTS, "ptr_align": 16}
 
 
 @dataclass(frozen=True)

@@ -307,7 +307,7 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
     out = compile_kernels([conv, pool], [80, 90], cache_dir=tmp_path, jobs=2)
     meta = out[0].kernel_meta()
     assert meta["kind"] == "conv" and meta["pool_in_epilogue"] == [2, 2] and meta["n_extras"] == 0
-    assert meta["variants"][0]["requires"] == {"max_elements": 2**31 - 1}
+    assert meta["variants"][0]["requires"] == {"max_elements": 2**31 - 1, "ptr_align": 16}
     formats = [(b["arch"], b["format"]) for b in meta["binaries"]]
     # the conv's sm_90a PTX uses wgmma, so the portable PTX is sm_80's
     assert formats == [(80, "cubin"), (90, "cubin"), (80, "ptx")]
