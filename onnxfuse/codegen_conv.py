@@ -89,9 +89,10 @@ class ConvSpec:
     # Memory layout of X and Y: "nchw" (ONNX's) or "nhwc" (channels last: a tile's channels
     # are contiguous, so loads and stores vectorize). Extra inputs are read through strides
     # in any layout. benchmarks/conv_kernels.py --layouts measures both; the optimizer emits
-    # nchw only until the NHWC pass exists (BENCHMARKS.md).
+    # nhwc where `optimize --layout nhwc` (onnxfuse.layout) asks for it.
     x_layout: str = "nchw"
     y_layout: str = "nchw"
+    extra_layouts: tuple[int, ...] = ()  # for kernel_meta only: extras are read through strides
 
     @property
     def dtype(self) -> str:

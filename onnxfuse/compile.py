@@ -141,6 +141,9 @@ class CompiledKernel:
             return {
                 "version": META_VERSION, "kind": "conv", "name": spec.name, "n_extras": spec.n_extras,
                 "pool_in_epilogue": list(spec.pool.kernel) if spec.pool else None,
+                **({"x_layout": spec.x_layout, "y_layout": spec.y_layout,
+                    "extra_layouts": list(spec.extra_layouts) or [0] * spec.n_extras}
+                   if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") or any(spec.extra_layouts) else {}),
                 "variants": [{"requires": v.requires(), "block_m": v.block_m, "block_n": v.block_n}
                              for v in self.variants],
                 "binaries": binaries,

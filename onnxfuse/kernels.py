@@ -13,7 +13,7 @@ def triton_available() -> bool:
 
 
 def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf32",
-                 tune: dict | None = None) -> Callable:
+                 tune: dict | None = None, layout: str = "nchw") -> Callable:
     """A pipeline hook that compiles every fused node's kernel for `target` and attaches it.
 
     target: "auto" (the local GPU, else the default set; skipped with a note when Triton is
@@ -34,7 +34,10 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
 
         targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
         info = compile_fused(result.model, result.fused, targets, jobs=jobs, conv_precision=conv_precision,
-                             decline_slow_convs=tune is None)
+                             decline_slow_convs=tune is None, layout=layout)
+        kernels = {f.node_name: f.kernel_name for f in result.fused}
+        for rec in result.report.fused:  # the NHWC pass renames kernels
+            rec.kernel = kernels.get(rec.node, rec.kernel)
         if info["declined"]:
             result.drop_fused({d["node"] for d in info["declined"]}, aot.DECLINED_REASON)
         if info["failed"]:
@@ -77,14 +80,15 @@ def kernel_spec(model, f, conv_precision: str = "tf32"):
         w = inits[f.inputs[1]]
         return aot.ConvSpec(f.kernel_name, f.program, channels=int(w.dims[2]) * f.conv.group,
                             filters=int(w.dims[3]), conv=f.conv, pool=f.pool, precision=conv_precision,
-                            source_nodes=f.source_nodes)
+                            source_nodes=f.source_nodes, x_layout=f.x_layout, y_layout=f.y_layout,
+                            extra_layouts=f.extra_layouts)
     if f.kind == "maxpool":
         return aot.MaxPoolSpec(f.kernel_name, f.program, pool=f.pool, source_nodes=f.source_nodes)
     raise ValueError(f"unknown fused node kind {f.kind!r}")
 
 
 def compile_fused(model, fused: list, targets: list[int], jobs: int | None = None,
-                  conv_precision: str = "tf32", decline_slow_convs: bool = True) -> dict:
+                  conv_precision: str = "tf32", decline_slow_convs: bool = True, layout: str = "nchw") -> dict:
     """Compile the kernel of every fused node of `model` for `targets` and attach it to the
     node; returns the compile part of the report.
 
@@ -94,10 +98,15 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     caller updates its report (see `compile_hook`).
 
     With decline_slow_convs, conv nodes the heuristic of `onnxfuse.compile.conv_declined`
-    expects to be slower than cuDNN are unfused too, listed under "declined"."""
+    expects to be slower than cuDNN are unfused too, listed under "declined". With layout
+    "nhwc", the NHWC pass (`onnxfuse.layout`) runs after that; the FusedNode values in
+    `fused` whose kernel names and layouts it changes are replaced in place."""
     from onnxfuse import compile as aot
     from onnxfuse.rewrite import unfuse
 
+    if layout not in ("nchw", "nhwc"):
+        raise OnnxfuseError(f"--layout {layout}: choose nchw or nhwc")
+    caller = fused
     declined = []
     if decline_slow_convs:
         keep = []
@@ -108,6 +117,12 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
             else:
                 keep.append(f)
         fused = keep
+    if layout == "nhwc":
+        from onnxfuse.layout import apply_layouts
+
+        fused = apply_layouts(model, fused)
+        changed = {f.node_name: f for f in fused}
+        caller[:] = [changed.get(f.node_name, f) for f in caller]
     specs = [kernel_spec(model, f, conv_precision) for f in fused]
     results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
     failed = []

@@ -1,0 +1,128 @@
+"""The NHWC layout pass (`optimize --layout nhwc`, onnxfuse/layout.py): which tensors turn
+channels-last, the node attributes and functions it writes, and that the model computes the
+same: through its function bodies in plain ONNX Runtime and through the library's CPU
+kernels. Kernels are compiled for sm_90 (no GPU needed); the GPU run is tests/test_gpu_conv.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from models.build import vgg_stack
+from onnxfuse import optimize_model
+from onnxfuse.cli import main
+from onnxfuse.runtime import library_path
+from tests.util import random_feeds
+
+pytest.importorskip("triton")
+N = helper.make_node
+
+
+def attrs(node: onnx.NodeProto) -> dict:
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute if not a.name.startswith("kernel")}
+
+
+def nhwc_model(m: onnx.ModelProto, tmp_path, monkeypatch):
+    from onnxfuse.kernels import compile_hook
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    r = optimize_model(m)
+    info = compile_hook("sm_90", layout="nhwc")(r)
+    assert not info["failed"] and not info["declined"]
+    onnx.checker.check_model(r.model, full_check=True)
+    return r
+
+
+def run(m: onnx.ModelProto, feeds, library: bool):
+    so = ort.SessionOptions()
+    if library:
+        so.register_custom_ops_library(library_path())
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def check_same(m, fused, library: bool):
+    feeds = random_feeds(m, {"N": 2}, seed=5)
+    for e, a in zip(run(m, feeds, False), run(fused, feeds, library), strict=True):
+        assert e.shape == a.shape
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
+
+
+def test_vgg_stack_runs_channels_last_between_its_convs(tmp_path, monkeypatch):
+    m = vgg_stack(blocks=4, channels=8, size=32)
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    nodes = [n for n in r.model.graph.node]
+    assert [n.op_type for n in nodes] == ["FusedConv"] * 4
+    got = [(attrs(n).get("x_layout", b"NCHW"), attrs(n).get("y_layout", b"NCHW")) for n in nodes]
+    assert got == [(b"NCHW", b"NHWC"), (b"NHWC", b"NHWC"), (b"NHWC", b"NHWC"), (b"NHWC", b"NCHW")]
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in r.model.graph.value_info}
+    assert shapes["p0"][1:] == [16, 16, 8] and shapes["p2"][1:] == [4, 4, 8]  # [N, H, W, C]
+    # each layout combination is its own kernel and function
+    overloads = [n.overload for n in nodes]
+    assert overloads[0].endswith("_nchw_nhwc") and overloads[3].endswith("_nhwc_nchw")
+    assert {f.overload for f in r.model.functions} == set(overloads)
+    assert [f.kernel_name for f in r.fused] == overloads
+    assert [rec.kernel for rec in r.report.fused] == overloads
+    meta = json.loads(attrs_all(nodes[1])["kernel_meta"])
+    assert (meta["x_layout"], meta["y_layout"]) == ("nhwc", "nhwc")
+    check_same(m, r.model, library=False)  # the function bodies: Transposes around the originals
+
+
+def attrs_all(node):
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
+def residual(c: int = 8, size: int = 9) -> onnx.ModelProto:
+    """conv1 -> Relu = r1; conv2(r1) + r1 -> Relu = y: r1 is conv2's X and its epilogue extra."""
+    rng = np.random.default_rng(1)
+    inits = [numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) / (3 * c)).astype(np.float32), f"w{i}")
+             for i in (1, 2)]
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv1"),
+             N("Relu", ["c1"], ["r1"], name="relu1"),
+             N("Conv", ["r1", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv2"),
+             N("Add", ["c2", "r1"], ["a"], name="add"),
+             N("Relu", ["a"], ["y"], name="relu2")]
+    g = helper.make_graph(nodes, "residual",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", c, size, size])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def test_a_tensor_read_as_x_and_as_an_extra_turns_nhwc_for_both(tmp_path, monkeypatch):
+    m = residual()
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    first, second = r.model.graph.node
+    assert attrs(first)["y_layout"] == b"NHWC"
+    assert attrs(second)["x_layout"] == b"NHWC" and attrs(second)["extra_layouts"] == [1]
+    assert attrs(second)["y_layout"] == b"NCHW"  # a graph output stays NCHW
+    assert r.fused[1].extra_layouts == (1,)
+    meta = json.loads(attrs_all(second)["kernel_meta"])
+    assert meta["extra_layouts"] == [1]
+    check_same(m, r.model, library=False)
+
+
+def test_a_conv_read_by_other_ops_stays_nchw(tmp_path, monkeypatch):
+    m = residual()
+    # the first conv's result is also read by a Sigmoid that is not a conv
+    m.graph.node.append(N("Sigmoid", ["r1"], ["s"], name="sig"))
+    m.graph.output.append(helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, None))
+    r = optimize_model(m)
+    from onnxfuse.kernels import compile_hook
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    compile_hook("sm_90", layout="nhwc")(r)
+    assert all("x_layout" not in attrs(n) and "y_layout" not in attrs(n) for n in r.model.graph.node)
+
+
+def test_cli_layout_needs_gpu_kernels(tmp_path, capsys):
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(residual(), str(src))
+    assert main(["optimize", str(src), str(dst), "--layout", "nhwc", "--target", "none"]) == 2
+    assert "--target none" in capsys.readouterr().err and not dst.exists()
