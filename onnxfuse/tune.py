@@ -10,7 +10,9 @@ For every fused node, at the model's shapes (graph inputs fixed by --shape / --b
 3. the fastest candidate's kernel is kept; when the original subgraph is faster than every
    candidate, the node is unfused.
 
-The report lists every time (`Report.compile["tune"]`). Without a GPU (or without
+The report lists every time (`Report.compile["tune"]`). With `--layout nhwc` a node's
+original subgraph includes the Transposes of its function body, which favours the fused
+kernel; tune NCHW models for a fair comparison. Without a GPU (or without
 onnxruntime-gpu) --tune is an error; the default configurations then come from the
 heuristics in `onnxfuse.compile.conv_variants` / `pool_variants` / `choose_variants`.
 """
