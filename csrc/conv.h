@@ -102,6 +102,57 @@ inline int64_t pool_out_dim(int64_t n, int64_t k, int64_t s, int64_t p0, int64_t
   return out;
 }
 
+// The optional layout attributes of FusedConv (docs/format.md, FusedConv, Layouts):
+// x_layout / y_layout "NCHW" (default) or "NHWC"; extra_layouts, one per extra input,
+// 0 = as is (numpy broadcast to [N, K, P, Q]), 1 = a 4-D NHWC tensor.
+struct ConvLayouts {
+  bool x_nhwc = false;
+  bool y_nhwc = false;
+  std::vector<int64_t> extra;  // per extra input; all 0 when the attribute is absent
+
+  bool extra_nhwc(size_t e) const { return e < extra.size() && extra[e] == 1; }
+  bool any() const {
+    if (x_nhwc || y_nhwc) return true;
+    for (int64_t v : extra)
+      if (v != 0) return true;
+    return false;
+  }
+};
+
+inline const char* layout_name(bool nhwc) { return nhwc ? "NHWC" : "NCHW"; }
+
+// Reads x_layout, y_layout and extra_layouts (n_extras: the program's extra inputs);
+// throws Error on an unknown value or a wrong count.
+inline ConvLayouts read_conv_layouts(const OrtKernelInfo* info, size_t n_extras) {
+  ConvLayouts l;
+  for (const char* name : {"x_layout", "y_layout"}) {
+    std::string v;
+    if (!get_string_attr(info, name, &v)) {
+      int64_t dummy = 0;
+      std::vector<int64_t> dummies;
+      if (get_int_attr(info, name, &dummy) || get_ints_attr(info, name, &dummies))
+        throw Error(std::string("attribute '") + name + "' must be a string, \"NCHW\" or \"NHWC\"");
+      continue;  // absent: NCHW
+    }
+    if (v != "NCHW" && v != "NHWC")
+      throw Error(std::string("attribute '") + name + "' is \"" + v + "\", expected \"NCHW\" or \"NHWC\"");
+    (name[0] == 'x' ? l.x_nhwc : l.y_nhwc) = v == "NHWC";
+  }
+  if (get_ints_attr(info, "extra_layouts", &l.extra)) {
+    if (l.extra.size() != n_extras)
+      throw Error("attribute 'extra_layouts' is " + ints_str(l.extra.data(), l.extra.size()) + ", " +
+                  std::to_string(l.extra.size()) + " values for " + std::to_string(n_extras) +
+                  " extra inputs (expected one per extra input)");
+    for (int64_t v : l.extra)
+      if (v != 0 && v != 1)
+        throw Error("attribute 'extra_layouts' is " + ints_str(l.extra.data(), l.extra.size()) +
+                    ", values must be 0 (as is) or 1 (NHWC)");
+  } else {
+    l.extra.assign(n_extras, 0);
+  }
+  return l;
+}
+
 // The sizes of one FusedConv run, checked.
 struct ConvShapes {
   int64_t N = 0, C = 0, H = 0, W = 0, K = 0;
@@ -109,6 +160,8 @@ struct ConvShapes {
   int64_t OP = 0, OQ = 0;  // node output: pooled, or P, Q without a pool
   Shape conv_out() const { return {N, K, P, Q}; }
   Shape out() const { return {N, K, OP, OQ}; }
+  // The node's output tensor: [N, K, OP, OQ], or [N, OP, OQ, K] with y_layout NHWC.
+  Shape y_shape(bool nhwc) const { return nhwc ? Shape{N, OP, OQ, K} : out(); }
 };
 
 inline Shape pool_shape(const PoolParams& p, const Shape& in) {
@@ -120,26 +173,33 @@ inline Shape pool_shape(const PoolParams& p, const Shape& in) {
   return {in[0], in[1], oh, ow};
 }
 
-inline void check_rank4(const Shape& x, const char* what) {
+inline void check_rank4(const Shape& x, const char* what, bool nhwc = false) {
   if (x.size() != 4)
-    throw Error(std::string("input 0 (") + what + ") has shape " + shape_str(x) + ", expected rank 4 [N, C, H, W]");
+    throw Error(std::string("input 0 (") + what + ") has shape " + shape_str(x) + ", expected rank 4 " +
+                (nhwc ? "[N, H, W, C] (x_layout NHWC)" : "[N, C, H, W]"));
 }
 
-// Checks X [N, C, H, W], the packed weights [R, S, C/group, K] and the bias [K] against
-// each other and the attributes; returns the sizes.
+// Checks X ([N, C, H, W], or [N, H, W, C] with x_nhwc), the packed weights
+// [R, S, C/group, K] and the bias [K] against each other and the attributes; returns the
+// sizes.
 inline ConvShapes conv_shapes(const ConvParams& c, const PoolParams* pool, const Shape& x, const Shape& w,
-                              const Shape& b) {
-  check_rank4(x, "X");
+                              const Shape& b, bool x_nhwc = false) {
+  const char* xname = x_nhwc ? "X, x_layout NHWC" : "X";
+  check_rank4(x, xname, x_nhwc);
   ConvShapes s;
-  s.N = x[0], s.C = x[1], s.H = x[2], s.W = x[3];
+  if (x_nhwc)
+    s.N = x[0], s.H = x[1], s.W = x[2], s.C = x[3];
+  else
+    s.N = x[0], s.C = x[1], s.H = x[2], s.W = x[3];
   if (s.C % c.group != 0)
-    throw Error("input 0 (X) has " + std::to_string(s.C) + " channels, not a multiple of group " +
-                std::to_string(c.group));
+    throw Error(std::string("input 0 (") + xname + ") has " + std::to_string(s.C) +
+                " channels, not a multiple of group " + std::to_string(c.group));
   const int64_t cg = s.C / c.group;
   if (w.size() != 4 || w[0] != c.kernel[0] || w[1] != c.kernel[1] || w[2] != cg)
     throw Error("input 1 (W) has shape " + shape_str(w) + ", expected the packed weights [R, S, C/group, K] = [" +
                 std::to_string(c.kernel[0]) + ", " + std::to_string(c.kernel[1]) + ", " + std::to_string(cg) +
-                ", K] (kernel_shape " + ints_str(c.kernel, 2) + ", X's C = " + std::to_string(s.C) + ", group " +
+                ", K] (kernel_shape " + ints_str(c.kernel, 2) + ", X's C = " + std::to_string(s.C) +
+                (x_nhwc ? " from its last dimension (x_layout NHWC: X is [N, H, W, C])" : "") + ", group " +
                 std::to_string(c.group) + ")");
   s.K = w[3];
   if (s.K % c.group != 0)
@@ -150,8 +210,9 @@ inline ConvShapes conv_shapes(const ConvParams& c, const PoolParams* pool, const
   s.P = conv_out_dim(s.H, c.kernel[0], c.strides[0], c.pads[0], c.pads[2], c.dilations[0]);
   s.Q = conv_out_dim(s.W, c.kernel[1], c.strides[1], c.pads[1], c.pads[3], c.dilations[1]);
   if (s.P <= 0 || s.Q <= 0)
-    throw Error("input 0 (X) " + shape_str(x) + " is too small for kernel_shape " + ints_str(c.kernel, 2) +
-                ", dilations " + ints_str(c.dilations, 2) + " and pads " + ints_str(c.pads, 4));
+    throw Error(std::string("input 0 (") + xname + ") " + shape_str(x) + " is too small for kernel_shape " +
+                ints_str(c.kernel, 2) + ", dilations " + ints_str(c.dilations, 2) + " and pads " +
+                ints_str(c.pads, 4));
   s.OP = s.P, s.OQ = s.Q;
   if (pool) {
     const Shape o = pool_shape(*pool, s.conv_out());
@@ -171,6 +232,34 @@ inline void check_extra(size_t input, int program_input, const Shape& e, const S
   if (!ok)
     throw Error("input " + std::to_string(input) + " (program input %" + std::to_string(program_input) +
                 ") has shape " + shape_str(e) + ", which does not broadcast to " + to_what + " " + shape_str(to));
+}
+
+// An extra input of FusedConv: as is (check_extra against the conv output [N, K, P, Q]),
+// or with extra_layouts 1 a 4-D NHWC tensor [N', P', Q', K'] whose NCHW transpose
+// [N', K', P', Q'] broadcasts to it.
+inline void check_conv_extra(size_t input, int program_input, const Shape& e, bool nhwc, const Shape& conv_out) {
+  if (!nhwc) {
+    check_extra(input, program_input, e, conv_out, "the conv output [N, K, P, Q] =");
+    return;
+  }
+  const std::string what =
+      "input " + std::to_string(input) + " (program input %" + std::to_string(program_input) + ", extra_layouts 1: NHWC)";
+  if (e.size() != 4)
+    throw Error(what + " has shape " + shape_str(e) + ", expected a rank-4 NHWC tensor [N, P, Q, K]");
+  const Shape t{e[0], e[3], e[1], e[2]};
+  for (size_t d = 0; d < 4; ++d)
+    if (t[d] != 1 && t[d] != conv_out[d])
+      throw Error(what + " has shape " + shape_str(e) + ", whose NCHW transpose " + shape_str(t) +
+                  " does not broadcast to the conv output [N, K, P, Q] = " + shape_str(conv_out));
+}
+
+// An extra input's element strides over the conv output [N, K, P, Q], 0 on broadcast
+// dimensions: as is, numpy broadcasting (right-aligned); NHWC [n, p, q, k] (checked by
+// check_conv_extra), its permuted strides (p*q*k, 1, q*k, k).
+inline Shape conv_extra_strides(const Shape& e, bool nhwc, const Shape& conv_out) {
+  if (!nhwc) return broadcast_strides(e, conv_out);
+  const int64_t p = e[1], q = e[2], k = e[3];
+  return {e[0] == 1 ? 0 : p * q * k, k == 1 ? 0 : 1, p == 1 ? 0 : q * k, q == 1 ? 0 : k};
 }
 
 }  // namespace onnxfuse

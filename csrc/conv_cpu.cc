@@ -7,6 +7,12 @@
 //   2. the program (epilogue / prologue), with the PointwiseChain evaluator (cpu_ops.h);
 //   3. when pooled: ONNX's max pool, any kernel, strides, pads, dilations and ceil_mode.
 // float16 tensors are widened to fp32 first; all arithmetic is fp32.
+//
+// Layouts (FusedConv's x_layout, y_layout, extra_layouts): an NHWC X is transposed into the
+// padded NCHW fp32 copy of X. Without a pool, an NHWC output makes pass 1 store the conv
+// result as [N, P, Q, K] and pass 2 run over that order, writing the output directly; with
+// a pool, passes 1-3 run in NCHW and the pooled result is transposed into the output. The
+// program reads each extra input through its strides over the order it runs in.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -103,10 +109,12 @@ struct ConvJob {
   ConvShapes s;
   int64_t Cg = 0, Kg = 0;  // channels per group (in, out)
   int64_t Hp = 0, Wp = 0;  // padded input
+  bool x_nhwc = false;        // the node's X is [N, H, W, C] (the padded copy is NCHW all the same)
+  bool y_nhwc = false;        // y is [N, P, Q, K]
   const float* x = nullptr;   // padded X [N, C, Hp, Wp]
   const float* w = nullptr;   // rows: the weights [R, S, C/group, K]; tiles: repacked (above)
   const float* b = nullptr;   // bias [K]
-  float* y = nullptr;         // conv result [N, K, P, Q]
+  float* y = nullptr;         // conv result [N, K, P, Q], or [N, P, Q, K] with y_nhwc
   DType y_dtype = DType::F32;  // the value the conv result is rounded to (program %0)
   std::vector<int64_t> taps;   // tiles: offset in X of tap (c, r, s), in that order
   int64_t k_blocks = 0;        // tiles: per group
@@ -114,9 +122,10 @@ struct ConvJob {
   int64_t chunks = 0;          // per (n, group, K block)
 };
 
-// Y at (n, k, position m) = round(acc + bias).
+// Y at (n, k, position m = p * Q + q) = round(acc + bias).
 inline void store_y(const ConvJob& j, int64_t n, int64_t k, int64_t m, float acc) {
-  j.y[(n * j.s.K + k) * j.s.P * j.s.Q + m] = round_to(j.y_dtype, acc + j.b[k]);
+  const int64_t at = j.y_nhwc ? (n * j.s.P * j.s.Q + m) * j.s.K + k : (n * j.s.K + k) * j.s.P * j.s.Q + m;
+  j.y[at] = round_to(j.y_dtype, acc + j.b[k]);
 }
 
 // Tiles for output positions [m0, m1) of image n, channels [k0, k0 + kb) of group g.
@@ -159,8 +168,13 @@ __attribute__((always_inline)) inline void conv_tiles(const ConvJob& j, int64_t 
     float out[QB][kKB];
     std::memcpy(out, acc, sizeof out);
     const int64_t qn = std::min<int64_t>(QB, m1 - m);
-    for (int64_t kk = 0; kk < kb; ++kk)
-      for (int64_t i = 0; i < qn; ++i) store_y(j, n, k0 + kk, m + i, out[i][kk]);
+    if (j.y_nhwc) {
+      for (int64_t i = 0; i < qn; ++i)
+        for (int64_t kk = 0; kk < kb; ++kk) store_y(j, n, k0 + kk, m + i, out[i][kk]);
+    } else {
+      for (int64_t kk = 0; kk < kb; ++kk)
+        for (int64_t i = 0; i < qn; ++i) store_y(j, n, k0 + kk, m + i, out[i][kk]);
+    }
   }
 }
 
@@ -253,22 +267,67 @@ void conv_rows(const ConvJob& j, int64_t n, int64_t g, int64_t kblk, int64_t p0,
   const float* xg = j.x + (n * s.C + g * j.Cg) * j.Hp * j.Wp;
   for (int64_t p = p0; p < p1; ++p) {
     conv_row(j, xg, j.w + k0, kb, p, acc, xs);
-    for (int64_t jj = 0; jj < kb; ++jj)
-      for (int64_t q = 0; q < s.Q; ++q) store_y(j, n, k0 + jj, p * s.Q + q, acc[jj * s.Q + q]);
+    if (j.y_nhwc) {
+      for (int64_t q = 0; q < s.Q; ++q)
+        for (int64_t jj = 0; jj < kb; ++jj) store_y(j, n, k0 + jj, p * s.Q + q, acc[jj * s.Q + q]);
+    } else {
+      for (int64_t jj = 0; jj < kb; ++jj)
+        for (int64_t q = 0; q < s.Q; ++q) store_y(j, n, k0 + jj, p * s.Q + q, acc[jj * s.Q + q]);
+    }
   }
 }
 
-// The zero-padded fp32 copy of X (or X itself: float32 without padding).
+// The zero-padded fp32 NCHW copy of an NHWC X [N, H, W, C]: one task per group of padded
+// rows (n, hp); each input row is read contiguously and scattered into the C planes.
+void padded_input_nhwc(OrtKernelContext* ctx, const void* src, bool half, const ConvJob& j, float* dst) {
+  const ConvShapes& s = j.s;
+  const int64_t* pads = j.c.pads;
+  const int64_t rows = s.N * j.Hp, plane = j.Hp * j.Wp;
+  const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, j.Wp * s.C));
+  parallel_for(ctx, ceil_div(rows, per_task), [&j, &s, dst, src, half, rows, plane, per_task, pads](int64_t t) {
+    for (int64_t r = t * per_task; r < std::min(rows, (t + 1) * per_task); ++r) {
+      const int64_t n = r / j.Hp, hp = r % j.Hp, h = hp - pads[0];
+      float* d0 = dst + n * s.C * plane + hp * j.Wp;  // row hp of plane (n, 0); plane c is c * plane further
+      if (h < 0 || h >= s.H) {
+        for (int64_t c = 0; c < s.C; ++c) std::fill(d0 + c * plane, d0 + c * plane + j.Wp, 0.0f);
+        continue;
+      }
+      for (int64_t c = 0; c < s.C; ++c) {
+        float* row = d0 + c * plane;
+        std::fill(row, row + pads[1], 0.0f);
+        std::fill(row + pads[1] + s.W, row + j.Wp, 0.0f);
+      }
+      const int64_t base = (n * s.H + h) * s.W * s.C;
+      for (int64_t w = 0; w < s.W; ++w) {
+        float* col = d0 + pads[1] + w;
+        const int64_t at = base + w * s.C;
+        if (half) {
+          const uint16_t* x = static_cast<const uint16_t*>(src) + at;
+          for (int64_t c = 0; c < s.C; ++c) col[c * plane] = f16_to_f32(x[c]);
+        } else {
+          const float* x = static_cast<const float*>(src) + at;
+          for (int64_t c = 0; c < s.C; ++c) col[c * plane] = x[c];
+        }
+      }
+    }
+  });
+}
+
+// The zero-padded fp32 copy of X, NCHW (or X itself: float32 NCHW without padding).
 const float* padded_input(OrtKernelContext* ctx, const TensorRef& x, ConvJob& j, Floats* buf) {
   const ConvShapes& s = j.s;
   const int64_t* pads = j.c.pads;
   j.Hp = s.H + pads[0] + pads[2];
   j.Wp = s.W + pads[1] + pads[3];
   const bool half = x.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-  if (!half && j.Hp == s.H && j.Wp == s.W) return static_cast<const float*>(x.data);
+  if (!half && !j.x_nhwc && j.Hp == s.H && j.Wp == s.W) return static_cast<const float*>(x.data);
   *buf = Floats(j.alloc, s.N * s.C * j.Hp * j.Wp);
   float* dst = buf->get();
   const void* src = x.data;
+  if (j.x_nhwc) {
+    padded_input_nhwc(ctx, src, half, j, dst);
+    return dst;
+  }
   const int64_t planes = s.N * s.C;
   const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, j.Hp * j.Wp));
   const ConvJob& cj = j;
@@ -497,11 +556,29 @@ std::vector<HostTensor> program_inputs(const Program& prog, HostTensor first, co
   return in;
 }
 
+// out [N, H, W, C] = src [N, C, H, W] (fp32, `nchw`), stored as (declared, actual) dtype.
+void store_nhwc(OrtKernelContext* ctx, const float* src, const Shape& nchw, DType declared, DType actual,
+                void* out) {
+  const int64_t C = nchw[1], HW = nchw[2] * nchw[3];
+  const int64_t rows = nchw[0] * HW;  // output rows (n, h, w) of C values
+  const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, C));
+  parallel_for(ctx, ceil_div(rows, per_task), [=](int64_t t) {
+    thread_local std::vector<float> buf;
+    buf.resize(static_cast<size_t>(C));
+    for (int64_t r = t * per_task; r < std::min(rows, (t + 1) * per_task); ++r) {
+      const float* sp = src + (r / HW) * C * HW + r % HW;
+      for (int64_t c = 0; c < C; ++c) buf[c] = sp[c * HW];
+      store(declared, actual, buf.data(), out, r * C, static_cast<size_t>(C));
+    }
+  });
+}
+
 // Runs the program over `shape` into `out` (no pool) or into an fp32 buffer that the pool
-// reads (values rounded as the program says), then pools into `out`.
+// reads (values rounded as the program says), then pools into `out`; with out_nhwc the
+// pooled result [N, C, OH, OW] is stored transposed, as [N, OH, OW, C] (pool only).
 void program_then_pool(OrtKernelContext* ctx, OrtAllocator* alloc, const Program& prog,
                        const std::vector<HostTensor>& in, const Shape& shape, const PoolParams* pool,
-                       const TensorRef& out) {
+                       const TensorRef& out, bool out_nhwc = false) {
   const DType declared = prog.outputs[0].second;
   const DType actual = actual_dtype(out.type, declared);
   if (!pool) {
@@ -510,7 +587,16 @@ void program_then_pool(OrtKernelContext* ctx, OrtAllocator* alloc, const Program
   }
   Floats z(alloc, numel(shape));
   run_program(prog, in, {{DType::F32, z.get(), shape}}, shape, ctx);
-  max_pool(ctx, *pool, z.get(), shape, out.shape, declared, actual, out.data);
+  if (!out_nhwc) {
+    max_pool(ctx, *pool, z.get(), shape, out.shape, declared, actual, out.data);
+    return;
+  }
+  // z holds values already rounded to the declared dtype: pool them in fp32, then round
+  // (exactly) while transposing.
+  const Shape pooled = pool_shape(*pool, shape);
+  Floats zp(alloc, numel(pooled));
+  max_pool(ctx, *pool, z.get(), shape, pooled, DType::F32, DType::F32, zp.get());
+  store_nhwc(ctx, zp.get(), pooled, declared, actual, out.data);
 }
 
 void check_program(const Program& prog) {
@@ -536,28 +622,43 @@ struct ConvKernel : KernelBase {
   ConvParams conv;
   bool has_pool = false;
   PoolParams pool;
+  ConvLayouts lay;
 
   void compute(OrtKernelContext* ctx) const {
     const std::vector<TensorRef> t = read_inputs(prog, ctx, 3);
     if (t[0].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t[0].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
       throw Error(std::string("input 0 (X) is ") + elem_type_name(t[0].type) + ", FusedConv takes float32 or float16");
-    const ConvShapes s = conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape);
+    const ConvShapes s =
+        conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape, lay.x_nhwc);
     const Shape conv_out = s.conv_out();
     for (size_t i = 3; i < t.size(); ++i)
-      check_extra(i, static_cast<int>(i - 2), t[i].shape, conv_out, "the conv output [N, K, P, Q] =");
-    const TensorRef out = make_output(prog, ctx, s.out());
+      check_conv_extra(i, static_cast<int>(i - 2), t[i].shape, lay.extra_nhwc(i - 3), conv_out);
+    const TensorRef out = make_output(prog, ctx, s.y_shape(lay.y_nhwc));
     if (numel(s.out()) == 0) return;
 
+    // The order the conv result is stored in and the program runs over: the output's when
+    // no pool follows (the program writes the output directly), else NCHW (the pool's).
+    const bool nhwc = lay.y_nhwc && !has_pool;
+    const Shape space = nhwc ? Shape{s.N, s.P, s.Q, s.K} : conv_out;
     ConvJob job;
     job.alloc = alloc;
     job.c = conv;
     job.s = s;
+    job.x_nhwc = lay.x_nhwc;
+    job.y_nhwc = nhwc;
     job.y_dtype = prog.inputs[0];
     Floats y(alloc, numel(conv_out));
     job.y = y.get();
     run_conv(ctx, job, t[0], t[1], t[2]);
-    program_then_pool(ctx, alloc, prog, program_inputs(prog, {DType::F32, y.get(), conv_out}, t, 3), conv_out,
-                      has_pool ? &pool : nullptr, out);
+    std::vector<HostTensor> in = program_inputs(prog, {DType::F32, y.get(), space}, t, 3);
+    if (lay.any()) {
+      // each extra through its strides over [N, K, P, Q], permuted to the order of `space`
+      for (size_t e = 1; e < in.size(); ++e) {
+        const Shape st = conv_extra_strides(t[e + 2].shape, lay.extra_nhwc(e - 1), conv_out);
+        in[e].strides = nhwc ? Shape{st[0], st[2], st[3], st[1]} : st;
+      }
+    }
+    program_then_pool(ctx, alloc, prog, in, space, has_pool ? &pool : nullptr, out, lay.y_nhwc && has_pool);
   }
 };
 
@@ -584,11 +685,13 @@ template <>
 const char* op_of<MaxPoolKernel>() { return kFusedMaxPool; }
 
 void init(ConvKernel* k, const OrtKernelInfo* info) {
+  if (k->prog.inputs.empty()) throw Error("the program has no inputs (its %0 is the conv output)");
   if (k->prog.inputs[0] != DType::F32 && k->prog.inputs[0] != DType::F16)
     throw Error(std::string("the program's %0 (the conv output) is ") + dtype_name(k->prog.inputs[0]) +
                 ", FusedConv computes f32 or f16");
   k->conv = read_conv_params(info);
   k->has_pool = read_pool_params(info, /*required=*/false, &k->pool);
+  k->lay = read_conv_layouts(info, k->prog.inputs.size() - 1);
 }
 
 void init(MaxPoolKernel* k, const OrtKernelInfo* info) { read_pool_params(info, /*required=*/true, &k->pool); }

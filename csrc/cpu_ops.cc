@@ -97,6 +97,12 @@ void gather_any(const Gather& g, int64_t start, size_t len, float* dst) {
   }
 }
 
+// Whether `strides` over `shape` read the elements in row-major order, one after another.
+bool contiguous(const Shape& shape, const Shape& strides) {
+  const Collapsed c = collapse(shape, {strides});
+  return c.dims.empty() || (c.dims.size() == 1 && c.strides[0][0] == 1);
+}
+
 float read_scalar(DType d, const void* p) {
   switch (d) {
     case DType::F32: return *static_cast<const float*>(p);
@@ -219,11 +225,16 @@ void run_program(const Program& prog, const std::vector<HostTensor>& in, const s
     const HostTensor& t = in[i];
     job.in_ptr[i] = t.data;
     const int64_t ni = numel(t.shape);
+    if (!t.strides.empty() && t.strides.size() != out_shape.size())
+      throw Error("input " + std::to_string(i) + " has " + std::to_string(t.strides.size()) + " strides over a rank-" +
+                  std::to_string(out_shape.size()) + " shape");
     if (ni == 1) {
       kinds[i] = InputKind::SCALAR;
       scalars[i] = read_scalar(t.dtype, t.data);
-    } else if (ni == job.n && t.dtype == DType::F32) {
+    } else if (ni == job.n && t.dtype == DType::F32 && t.strides.empty()) {
       kinds[i] = InputKind::DIRECT;  // same shape as the output (up to leading 1s)
+    } else if (ni == job.n && t.dtype == DType::F32 && contiguous(out_shape, t.strides)) {
+      kinds[i] = InputKind::DIRECT;  // strided, but in the evaluated order
     } else {
       kinds[i] = InputKind::GATHER;
     }
@@ -240,7 +251,8 @@ void run_program(const Program& prog, const std::vector<HostTensor>& in, const s
     g.input = static_cast<int>(i);
     g.dtype = in[i].dtype;
     g.src = in[i].data;
-    Collapsed c = collapse(out_shape, {broadcast_strides(in[i].shape, out_shape)});
+    Collapsed c = collapse(out_shape, {in[i].strides.empty() ? broadcast_strides(in[i].shape, out_shape)
+                                                             : in[i].strides});
     if (c.dims.size() > static_cast<size_t>(kMaxRank)) throw Error("rank too large");
     g.dims = std::move(c.dims);
     g.strides = std::move(c.strides[0]);

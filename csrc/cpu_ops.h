@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -12,10 +13,19 @@ namespace onnxfuse {
 
 // A host tensor as the evaluator sees it: `dtype` is how its bytes are read or written
 // (float32 standing for an f16/bf16 program value is F32 here), the data contiguous.
+// `strides` (inputs only; optional): the element strides of the input over the evaluated
+// shape (run_program's out_shape, same rank), 0 on broadcast dimensions, for an input
+// whose elements are not in the evaluated order (a transposed layout); empty: numpy
+// broadcasting of the contiguous `shape`.
 struct HostTensor {
   DType dtype = DType::F32;
   void* data = nullptr;
   Shape shape;
+  Shape strides;
+
+  HostTensor() = default;
+  HostTensor(DType d, void* p, Shape s, Shape st = {})
+      : dtype(d), data(p), shape(std::move(s)), strides(std::move(st)) {}
 };
 
 // The dtype a tensor is read or written as: the program's, except float32 standing for f16
@@ -25,8 +35,9 @@ inline DType actual_dtype(ONNXTensorElementDataType t, DType declared) {
 }
 
 // Evaluates `prog` over `out_shape`: input i (which must broadcast to out_shape; the caller
-// checks) is read with numpy broadcasting, output j is written contiguously with out_shape,
-// rounded as the program declares. Runs on ctx's intra-op thread pool.
+// checks) is read with numpy broadcasting (or through its `strides`), output j is written
+// contiguously with out_shape, rounded as the program declares. Runs on ctx's intra-op
+// thread pool.
 void run_program(const Program& prog, const std::vector<HostTensor>& in, const std::vector<HostTensor>& out,
                  const Shape& out_shape, OrtKernelContext* ctx);
 

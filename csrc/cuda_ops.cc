@@ -147,6 +147,11 @@ struct Meta {
   // conv: the pool window (PH, PW) when the max pool runs in the epilogue
   bool pool_in_epilogue = false;
   int64_t pool_window[2] = {1, 1};
+  // conv: the layouts the kernel was compiled for ("x_layout", "y_layout": "nchw" when
+  // absent) and "extra_layouts" (all 0 when absent), as the node's attributes must say
+  bool x_nhwc = false;
+  bool y_nhwc = false;
+  std::vector<int64_t> extra_layouts;
 
   // "cubin sm_90 (variant 0), ptx sm_90 (variant 0), ..."
   std::string embedded() const {
@@ -241,6 +246,25 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
         m.pool_window[d] = static_cast<int64_t>(v.num);
       }
       m.pool_in_epilogue = true;
+    }
+    for (const char* key : {"x_layout", "y_layout"}) {
+      const Json* v = j.get(key);
+      if (!v) continue;
+      if (v->kind != Json::STRING || (v->str != "nchw" && v->str != "nhwc"))
+        throw Error(std::string("kernel_meta: ") + key + " must be \"nchw\" or \"nhwc\"");
+      (key[0] == 'x' ? m.x_nhwc : m.y_nhwc) = v->str == "nhwc";
+    }
+    m.extra_layouts.assign(n_inputs - 1, 0);
+    if (const Json* el = j.get("extra_layouts")) {
+      if (el->kind != Json::ARRAY || el->arr.size() != n_inputs - 1)
+        throw Error("kernel_meta: extra_layouts must be a list of " + std::to_string(n_inputs - 1) +
+                    " numbers (one per extra input)");
+      for (size_t e = 0; e < el->arr.size(); ++e) {
+        const Json& v = el->arr[e];
+        if (v.kind != Json::NUMBER || (v.num != 0 && v.num != 1))
+          throw Error("kernel_meta: extra_layouts must hold 0 (as is) or 1 (NHWC)");
+        m.extra_layouts[e] = static_cast<int64_t>(v.num);
+      }
     }
   }
 
@@ -564,8 +588,8 @@ TensorRef layer_output(const Program& prog, OrtKernelContext* ctx, const Shape& 
   return t;
 }
 
-// Each extra input's 4 element strides over `over` (the conv output [N, K, P, Q] or X's
-// [N, C, H, W]): right-aligned, 0 on broadcast dimensions.
+// Each extra input's 4 element strides over `over` (FusedMaxPool: X's [N, C, H, W]):
+// right-aligned, 0 on broadcast dimensions. (FusedConv: conv_extra_strides, by layout.)
 void push_extra_strides(Params& p, const std::vector<TensorRef>& t, size_t first_extra, const Shape& over) {
   for (size_t i = first_extra; i < t.size(); ++i)
     for (int64_t s : broadcast_strides(t[i].shape, over)) p.i32(s, "an extra input's stride");
@@ -645,12 +669,29 @@ struct ConvKernel : CudaKernelBase {
   ConvParams conv;
   bool has_pool = false;
   PoolParams pool;
+  ConvLayouts lay;
 
   void init(const OrtKernelInfo* info) {
     if (prog.outputs.size() != 1)
       throw Error("the program has " + std::to_string(prog.outputs.size()) + " outputs, expected 1");
+    if (prog.inputs.empty()) throw Error("the program has no inputs (its %0 is the conv output)");
     conv = read_conv_params(info);
     has_pool = read_pool_params(info, /*required=*/false, &pool);
+    lay = read_conv_layouts(info, prog.inputs.size() - 1);
+  }
+
+  // The node's layouts and the kernel's must agree: the kernel addresses X and Y in the
+  // layouts it was compiled for (docs/format.md, FusedConv, Layouts).
+  void check_layout_meta() {
+    if (!meta_error.empty()) return;
+    if (lay.x_nhwc != meta.x_nhwc || lay.y_nhwc != meta.y_nhwc)
+      meta_error = std::string("the node has x_layout ") + layout_name(lay.x_nhwc) + " and y_layout " +
+                   layout_name(lay.y_nhwc) + ", its kernel_meta has x_layout \"" + (meta.x_nhwc ? "nhwc" : "nchw") +
+                   "\" and y_layout \"" + (meta.y_nhwc ? "nhwc" : "nchw") + "\" (absent: \"nchw\")";
+    else if (lay.extra != meta.extra_layouts)
+      meta_error = "the node has extra_layouts " + ints_str(lay.extra.data(), lay.extra.size()) +
+                   ", its kernel_meta has extra_layouts " +
+                   ints_str(meta.extra_layouts.data(), meta.extra_layouts.size()) + " (absent: all 0)";
   }
 
   // The node's pool and the kernel's must agree: the kernel pools in its epilogue, which
@@ -677,11 +718,12 @@ struct ConvKernel : CudaKernelBase {
   void compute(OrtKernelContext* ctx) {
     if (!meta_error.empty()) throw Error(meta_error);
     const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 3);
-    const ConvShapes s = conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape);
+    const ConvShapes s =
+        conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape, lay.x_nhwc);
     const Shape conv_out = s.conv_out();
     for (size_t i = 3; i < t.size(); ++i)
-      check_extra(i, static_cast<int>(i - 2), t[i].shape, conv_out, "the conv output [N, K, P, Q] =");
-    const TensorRef y = layer_output(prog, ctx, s.out());
+      check_conv_extra(i, static_cast<int>(i - 2), t[i].shape, lay.extra_nhwc(i - 3), conv_out);
+    const TensorRef y = layer_output(prog, ctx, s.y_shape(lay.y_nhwc));
     const int64_t n_out = numel(s.out());
     // M: the output positions the kernel computes (with the pool: the windows' positions,
     // each window padded to a power of two of rows)
@@ -699,7 +741,9 @@ struct ConvKernel : CudaKernelBase {
     }
     ptrs.push_back(y.data);
 
-    // docs/format.md, kind conv: pointers, int32 N H W P Q OP OQ, 4 strides per extra.
+    // docs/format.md, kind conv: pointers, int32 N H W P Q OP OQ (whatever the layouts:
+    // the kernel addresses X and Y in its compiled layouts), then each extra input's 4
+    // strides over [N, K, P, Q] (an NHWC extra's permuted).
     Params& p = thread_params();
     for (const void* ptr : ptrs) p.ptr(ptr);
     p.i32(s.N, "N");
@@ -709,7 +753,9 @@ struct ConvKernel : CudaKernelBase {
     p.i32(s.Q, "Q");
     p.i32(s.OP, "OP");
     p.i32(s.OQ, "OQ");
-    push_extra_strides(p, t, 3, conv_out);
+    for (size_t i = 3; i < t.size(); ++i)
+      for (int64_t st : conv_extra_strides(t[i].shape, lay.extra_nhwc(i - 3), conv_out))
+        p.i32(st, "an extra input's stride");
     p.scratch();
 
     const int v = choose_variant(tg, ptrs, n_out, largest);
@@ -784,7 +830,10 @@ template <>
 const char* op_of<MaxPoolKernel>() { return kFusedMaxPool; }
 
 void after_meta(CudaKernelBase*) {}
-void after_meta(ConvKernel* k) { k->check_pool_meta(); }
+void after_meta(ConvKernel* k) {
+  k->check_pool_meta();
+  k->check_layout_meta();
+}
 
 template <class K>
 OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {

@@ -46,12 +46,30 @@ def maxpool2d(x: np.ndarray, pool: PoolAttrs) -> np.ndarray:
     return out.astype(x.dtype)
 
 
+def _layout(attrs: dict, name: str) -> str:
+    v = attrs.get(name, b"NCHW")
+    v = v.decode() if isinstance(v, bytes) else v
+    if v not in ("NCHW", "NHWC"):
+        raise ValueError(f"{name} is {v!r}, expected 'NCHW' or 'NHWC'")
+    return v
+
+
 def evaluate_fused(node: NodeProto, inputs: list[np.ndarray]) -> np.ndarray:
-    """Output 0 of a FusedConv or FusedMaxPool node for these input values."""
+    """Output 0 of a FusedConv or FusedMaxPool node for these input values. A FusedConv's
+    optional layout attributes (x_layout, y_layout, extra_layouts) are honoured: NHWC
+    tensors are transposed to NCHW before, an NHWC output from NCHW after."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     program = Program.from_text(attrs["program"].decode())
+    y_nhwc = False
     if node.op_type == "FusedConv":
         x, packed, b, *extras = inputs
+        if _layout(attrs, "x_layout") == "NHWC":
+            x = x.transpose(0, 3, 1, 2)
+        y_nhwc = _layout(attrs, "y_layout") == "NHWC"
+        layouts = list(attrs.get("extra_layouts", [0] * len(extras)))
+        if len(layouts) != len(extras) or any(v not in (0, 1) for v in layouts):
+            raise ValueError(f"extra_layouts {layouts} for {len(extras)} extra inputs")
+        extras = [e.transpose(0, 3, 1, 2) if v == 1 else e for e, v in zip(extras, layouts, strict=True)]
         w = packed.transpose(3, 2, 0, 1)  # [R, S, C/group, K] -> [K, C/group, R, S]
         y = conv2d(x, w, b, conv_from_fused(attrs)).astype(x.dtype)  # rounded to X's dtype
         (z,) = evaluate(program, [y, *extras])
@@ -60,4 +78,5 @@ def evaluate_fused(node: NodeProto, inputs: list[np.ndarray]) -> np.ndarray:
     else:
         raise ValueError(f"not a conv or max pool node: {node.op_type}")
     pool = pool_from_fused(attrs)
-    return z if pool is None else maxpool2d(z, pool)
+    z = z if pool is None else maxpool2d(z, pool)
+    return np.ascontiguousarray(z.transpose(0, 2, 3, 1)) if y_nhwc else z

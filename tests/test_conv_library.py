@@ -17,6 +17,10 @@ atol of one fp16 ulp (2^-10 relative) of the largest conv result: the conv resul
 rounded to fp16 before the epilogue, and a different summation order can round it to the
 neighbouring half, which an epilogue that cancels (x + residual) turns into a large
 relative difference.
+
+Layouts (FusedConv's optional x_layout, y_layout and extra_layouts): the reference is the
+same computation with Transpose nodes around it (NHWC X -> NCHW before the Conv, each NHWC
+extra input before the program, the output -> NHWC after the MaxPool), on the same inputs.
 """
 
 from __future__ import annotations
@@ -99,14 +103,30 @@ def fused_conv_model(conv: ConvAttrs, pool: PoolAttrs | None, prog: Program, ext
 
 
 def reference_conv_model(conv: ConvAttrs, pool: PoolAttrs | None, prog: Program, extra_ranks: list[int],
-                         conv_out: tuple[int, ...], bias: bool) -> onnx.ModelProto:
-    """Conv (ONNX weights [K, C/group, R, S]) -> the program as ONNX ops -> MaxPool."""
+                         conv_out: tuple[int, ...], bias: bool, x_nhwc: bool = False, y_nhwc: bool = False,
+                         extra_layouts: tuple[int, ...] = ()) -> onnx.ModelProto:
+    """Conv (ONNX weights [K, C/group, R, S]) -> the program as ONNX ops -> MaxPool; with
+    layouts, Transpose (perm [0, 3, 1, 2]) of an NHWC X and of each NHWC extra input
+    (extra_layouts 1) before, Transpose (perm [0, 2, 3, 1]) of the output after."""
     dt = prog.input_dtypes[0]
     extras = [f"e{i}" for i in range(len(extra_ranks))]
-    nodes = [helper.make_node("Conv", ["x", "w", "b"] if bias else ["x", "w"], ["c"], **conv.node_attrs())]
-    nodes += program_nodes(prog, ["c", *extras], ["z" if pool else "y"], conv_out)
+    nodes = []
+    if x_nhwc:
+        nodes.append(helper.make_node("Transpose", ["x"], ["x_nchw"], perm=[0, 3, 1, 2]))
+    conv_in = ["x_nchw" if x_nhwc else "x", "w"] + (["b"] if bias else [])
+    nodes.append(helper.make_node("Conv", conv_in, ["c"], **conv.node_attrs()))
+    prog_in = ["c"]
+    for i, e in enumerate(extras):
+        if i < len(extra_layouts) and extra_layouts[i] == 1:
+            nodes.append(helper.make_node("Transpose", [e], [f"{e}_nchw"], perm=[0, 3, 1, 2]))
+            e = f"{e}_nchw"
+        prog_in.append(e)
+    out = "y_nchw" if y_nhwc else "y"
+    nodes += program_nodes(prog, prog_in, ["z" if pool else out], conv_out)
     if pool:
-        nodes.append(helper.make_node("MaxPool", ["z"], ["y"], **pool.node_attrs(prefix="")))
+        nodes.append(helper.make_node("MaxPool", ["z"], [out], **pool.node_attrs(prefix="")))
+    if y_nhwc:
+        nodes.append(helper.make_node("Transpose", [out], ["y"], perm=[0, 2, 3, 1]))
     inputs = [("x", dt, 4), ("w", dt, 4)] + ([("b", dt, 1)] if bias else [])
     inputs += [(e, prog.input_dtypes[1 + i], r) for i, (e, r) in enumerate(zip(extras, extra_ranks, strict=True))]
     return _model(nodes, inputs, "y", prog.outputs[0][1])
@@ -148,12 +168,32 @@ class ConvCase:
     k: int
     conv: ConvAttrs
     pool: PoolAttrs | None = None
-    extras: tuple[str, ...] = ()  # "full" [N, K, P, Q], "channel" [1, K, 1, 1], "scalar" [], "row" [Q]
+    # as is: "full" [N, K, P, Q], "channel" [1, K, 1, 1], "scalar" [], "row" [Q]; NHWC
+    # (extra_layouts 1): "full_nhwc" [N, P, Q, K], "channel_nhwc" [1, 1, 1, K], "pixel_nhwc" [N, P, Q, 1]
+    extras: tuple[str, ...] = ()
     act: str = "relu"
     bias: bool = True
     dtype: str = "f32"
     threads: int = 0
+    x_layout: str = "NCHW"  # X [N, C, H, W], or "NHWC" [N, H, W, C] (shape x stays N, C, H, W)
+    y_layout: str = "NCHW"
     id: str = field(default="", compare=False)
+
+    @property
+    def extra_layouts(self) -> tuple[int, ...]:
+        return tuple(int(e.endswith("_nhwc")) for e in self.extras)
+
+    @property
+    def layout_attrs(self) -> dict:
+        """The node's layout attributes (none for an all-NCHW case)."""
+        a = {}
+        if self.x_layout != "NCHW":
+            a["x_layout"] = self.x_layout
+        if self.y_layout != "NCHW":
+            a["y_layout"] = self.y_layout
+        if any(self.extra_layouts):
+            a["extra_layouts"] = list(self.extra_layouts)
+        return a
 
 
 CONV_CASES = [
@@ -201,20 +241,51 @@ CONV_CASES = [
     ConvCase((2, 32, 40, 40), 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
              extras=("full",), id="big"),
     ConvCase((2, 32, 40, 40), 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), threads=1, id="big_one_thread"),
+    # layouts (x_layout, y_layout, extra_layouts)
+    ConvCase((2, 5, 11, 13), 7, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), x_layout="NHWC", id="nhwc_x"),
+    ConvCase((2, 16, 7, 9), 24, ConvAttrs((1, 1)), x_layout="NHWC", extras=("full",), id="nhwc_x_unpadded_1x1"),
+    ConvCase((2, 4, 15, 17), 6, ConvAttrs((3, 3), strides=(2, 2), pads=(1, 1, 1, 1)), y_layout="NHWC",
+             extras=("channel", "row"), id="nhwc_y"),
+    ConvCase((2, 4, 8, 9), 12, ConvAttrs((3, 3), pads=(1, 2, 0, 1)), x_layout="NHWC", y_layout="NHWC",
+             extras=("full_nhwc", "channel"), id="nhwc_both_residual"),
+    ConvCase((2, 3, 8, 9), 10, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), x_layout="NHWC", y_layout="NHWC",
+             extras=("pixel_nhwc", "channel_nhwc", "scalar", "full"), act="tanh2", id="nhwc_both_mixed_extras"),
+    ConvCase((2, 8, 10, 11), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=8), x_layout="NHWC", y_layout="NHWC",
+             extras=("full_nhwc",), act="silu", id="nhwc_both_depthwise"),
+    ConvCase((1, 20, 17, 19), 40, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), x_layout="NHWC", y_layout="NHWC",
+             id="nhwc_both_k_blocks_partial"),
+    ConvCase((2, 4, 16, 16), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             extras=("full_nhwc", "channel"), x_layout="NHWC", y_layout="NHWC", id="nhwc_both_pool2x2"),
+    ConvCase((1, 3, 17, 16), 6, ConvAttrs((3, 3)), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), y_layout="NHWC",
+             extras=("full_nhwc",), id="nhwc_y_pool3x3_s2_p1"),
+    ConvCase((2, 3, 16, 15), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)), x_layout="NHWC",
+             extras=("channel",), id="nhwc_x_pool2x2"),
+    ConvCase((2, 4, 16, 16), 6, ConvAttrs((3, 3), strides=(2, 2), pads=(1, 0, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             extras=("full_nhwc", "channel"), dtype="f16", x_layout="NHWC", y_layout="NHWC", id="nhwc_f16_both_pool"),
+    ConvCase((2, 4, 10, 11), 6, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), extras=("full_nhwc",), dtype="f16",
+             x_layout="NHWC", y_layout="NHWC", id="nhwc_f16_both"),
+    ConvCase((2, 32, 40, 40), 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), extras=("full_nhwc",), x_layout="NHWC",
+             y_layout="NHWC", id="big_nhwc"),
+    ConvCase((2, 32, 40, 40), 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             extras=("full_nhwc",), x_layout="NHWC", y_layout="NHWC", threads=1, id="big_nhwc_pool_one_thread"),
 ]
 
 
 def _extra_shape(kind: str, n: int, k: int, p: int, q: int) -> tuple[int, ...]:
-    return {"full": (n, k, p, q), "channel": (1, k, 1, 1), "scalar": (), "row": (q,)}[kind]
+    return {"full": (n, k, p, q), "channel": (1, k, 1, 1), "scalar": (), "row": (q,),
+            "full_nhwc": (n, p, q, k), "channel_nhwc": (1, 1, 1, k), "pixel_nhwc": (n, p, q, 1)}[kind]
 
 
 def conv_feeds(case: ConvCase, rng: np.random.Generator) -> tuple[dict, dict, tuple[int, ...]]:
-    """(fused feeds, reference feeds, conv output shape)."""
+    """(fused feeds, reference feeds, conv output shape [N, K, P, Q]); X (and the NHWC
+    extras) in the case's layouts, the same tensors in both feeds."""
     n, c, h, w = case.x
     conv = case.conv
     p, q = conv.out_size(h, w)
     dt = NP[case.dtype]
     x = rng.standard_normal(case.x).astype(dt)
+    if case.x_layout == "NHWC":
+        x = np.ascontiguousarray(x.transpose(0, 2, 3, 1))
     wt = (rng.standard_normal((case.k, c // conv.group, *conv.kernel)) / math.sqrt(c // conv.group)).astype(dt)
     b = (rng.standard_normal(case.k) if case.bias else np.zeros(case.k)).astype(dt)
     extras = {}
@@ -226,6 +297,10 @@ def conv_feeds(case: ConvCase, rng: np.random.Generator) -> tuple[dict, dict, tu
     fused = {"x": x, "w": np.ascontiguousarray(wt.transpose(2, 3, 1, 0)), "b": b, **extras}
     ref = {"x": x, "w": wt, **({"b": b} if case.bias else {}), **extras}
     return fused, ref, (n, case.k, p, q)
+
+
+def _nchw(a: np.ndarray, layout: str) -> np.ndarray:
+    return a.transpose(0, 3, 1, 2) if layout == "NHWC" else a
 
 
 def conv_atol(case: ConvCase, feeds: dict, expected_conv_scale: float) -> float:
@@ -252,24 +327,48 @@ def test_fused_conv(case, loop, lib, monkeypatch):
     prog = epilogue(len(case.extras), case.dtype, case.act)
     fused_feeds, ref_feeds, conv_out = conv_feeds(case, rng)
     ranks = [len(fused_feeds[f"e{i}"].shape) for i in range(len(case.extras))]
-    got = run(fused_conv_model(case.conv, case.pool, prog, ranks), fused_feeds, lib, case.threads)
-    want = run(reference_conv_model(case.conv, case.pool, prog, ranks, conv_out, case.bias), ref_feeds, None)
-    expect_shape = conv_out if case.pool is None else (*conv_out[:2], *case.pool.out_size(*conv_out[2:]))
+    got = run(fused_conv_model(case.conv, case.pool, prog, ranks, **case.layout_attrs), fused_feeds, lib,
+              case.threads)
+    want = run(reference_conv_model(case.conv, case.pool, prog, ranks, conv_out, case.bias,
+                                    x_nhwc=case.x_layout == "NHWC", y_nhwc=case.y_layout == "NHWC",
+                                    extra_layouts=case.extra_layouts), ref_feeds, None)
+    n, k, p, q = conv_out if case.pool is None else (*conv_out[:2], *case.pool.out_size(*conv_out[2:]))
+    expect_shape = (n, p, q, k) if case.y_layout == "NHWC" else (n, k, p, q)
     assert got.shape == want.shape == expect_shape
     assert got.dtype == want.dtype == NP[case.dtype]
     # the largest conv result, for the fp16 atol: from a plain Conv
     plain = reference_conv_model(case.conv, None, epilogue(0, case.dtype, "none"), [], conv_out, case.bias)
-    scale = float(np.abs(run(plain, {k: v for k, v in ref_feeds.items() if k in ("x", "w", "b")}, None)).max())
+    plain_feeds = {k: v for k, v in ref_feeds.items() if k in ("w", "b")}
+    plain_feeds["x"] = np.ascontiguousarray(_nchw(ref_feeds["x"], case.x_layout))
+    scale = float(np.abs(run(plain, plain_feeds, None)).max())
     rtol = 1e-5 if case.dtype == "f32" else 1e-2
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=rtol,
                                atol=conv_atol(case, fused_feeds, scale))
 
 
+@pytest.mark.parametrize("case_id", ["nhwc_both_mixed_extras", "nhwc_y_pool3x3_s2_p1", "nhwc_x_pool2x2", "residual"])
+def test_layer_ref_honours_layouts(case_id, lib):
+    """tests/layer_ref.py's numpy reference of a node with layout attributes agrees with the
+    library's kernel."""
+    from tests.layer_ref import evaluate_fused
+
+    case = next(c for c in CONV_CASES if c.id == case_id)
+    prog = epilogue(len(case.extras), case.dtype, case.act)
+    feeds, _, _ = conv_feeds(case, np.random.default_rng(3))
+    ranks = [len(feeds[f"e{i}"].shape) for i in range(len(case.extras))]
+    model = fused_conv_model(case.conv, case.pool, prog, ranks, **case.layout_attrs)
+    got = run(model, feeds, lib)
+    want = evaluate_fused(model.graph.node[0], [feeds[n] for n in model.graph.node[0].input])
+    assert want.shape == got.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 def test_fused_conv_is_deterministic_across_thread_counts(lib):
-    case = CONV_CASES[-2]
-    fused_feeds, _, _ = conv_feeds(case, np.random.default_rng(7))
-    model = fused_conv_model(case.conv, case.pool, epilogue(1), [4])
-    np.testing.assert_array_equal(run(model, fused_feeds, lib, threads=1), run(model, fused_feeds, lib, threads=3))
+    for case in [c for c in CONV_CASES if c.id in ("big", "big_nhwc_pool_one_thread")]:
+        fused_feeds, _, _ = conv_feeds(case, np.random.default_rng(7))
+        model = fused_conv_model(case.conv, case.pool, epilogue(1), [4], **case.layout_attrs)
+        np.testing.assert_array_equal(run(model, fused_feeds, lib, threads=1),
+                                      run(model, fused_feeds, lib, threads=3))
 
 
 def test_fused_conv_empty_batch(lib):
@@ -433,6 +532,70 @@ def test_fused_conv_attribute_errors_at_session_creation(attrs, msg, lib):
         run(model, _conv_feeds(), lib)
 
 
+@pytest.mark.parametrize("attrs,msg", [
+    ({"x_layout": "NCWH"}, r"attribute 'x_layout' is \"NCWH\", expected \"NCHW\" or \"NHWC\""),
+    ({"y_layout": "nhwc"}, r"attribute 'y_layout' is \"nhwc\", expected \"NCHW\" or \"NHWC\""),
+    ({"x_layout": 1}, r"attribute 'x_layout' must be a string"),
+    ({"extra_layouts": [0, 1]}, r"attribute 'extra_layouts' is \[0, 1\], 2 values for 1 extra inputs"),
+    ({"extra_layouts": [2]}, r"attribute 'extra_layouts' is \[2\], values must be 0 \(as is\) or 1 \(NHWC\)"),
+], ids=["bad_x_layout", "lower_case_y_layout", "int_x_layout", "extra_layouts_count", "extra_layouts_value"])
+def test_fused_conv_layout_attribute_errors_at_session_creation(attrs, msg, lib):
+    model = fused_conv_model(ConvAttrs((3, 3)), None, epilogue(1), [4], **attrs)
+    with pytest.raises(Exception, match=r"onnxfuse FusedConv node 'conv0': " + msg):
+        run(model, _conv_feeds(extras=[(1, 6, 1, 1)]), lib)
+
+
+def test_fused_conv_extra_layouts_without_extras(lib):
+    model = fused_conv_model(ConvAttrs((3, 3)), None, epilogue(0), [], extra_layouts=[1])
+    with pytest.raises(Exception, match=r"FusedConv node 'conv0': attribute 'extra_layouts' is \[1\], 1 values for "
+                                        r"0 extra inputs"):
+        run(model, _conv_feeds(), lib)
+
+
+NHWC_ERRORS = [
+    (dict(x=(4, 8, 8)), r"input 0 \(X, x_layout NHWC\) has shape \[4, 8, 8\], expected rank 4 \[N, H, W, C\] "
+                        r"\(x_layout NHWC\)"),
+    # an NCHW X given to an NHWC node: C is read from the last dimension
+    (dict(x=(1, 4, 8, 8)), r"input 1 \(W\) has shape \[3, 3, 4, 6\], expected the packed weights .*\[3, 3, 8, K\] "
+                           r".*X's C = 8 from its last dimension \(x_layout NHWC: X is \[N, H, W, C\]\)"),
+    (dict(x=(1, 8, 8, 5), w=(3, 3, 5, 6)), None),  # fine: C = 5 (group 1)
+    (dict(x=(1, 1, 8, 4)), r"input 0 \(X, x_layout NHWC\) \[1, 1, 8, 4\] is too small for kernel_shape \[3, 3\]"),
+    (dict(extras=[(1, 6, 8, 8)]), r"input 3 \(program input %1, extra_layouts 1: NHWC\) has shape \[1, 6, 8, 8\], "
+                                  r"whose NCHW transpose \[1, 8, 6, 8\] does not broadcast to the conv output "
+                                  r"\[N, K, P, Q\] = \[1, 6, 8, 8\]"),
+    (dict(extras=[(8, 8, 6)]), r"input 3 \(program input %1, extra_layouts 1: NHWC\) has shape \[8, 8, 6\], "
+                               r"expected a rank-4 NHWC tensor"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", NHWC_ERRORS, ids=[str(k) for k, _ in NHWC_ERRORS])
+def test_fused_conv_nhwc_shape_errors(kw, msg, lib):
+    """x_layout and y_layout NHWC, extra_layouts [1]: the messages name the layout they
+    assumed. X [1, 8, 8, 4] (pads 1, or none when the case changes X), W [3, 3, 4, 6]."""
+    extras = kw.get("extras", [(1, 8, 8, 6)])
+    model = without_ranks(fused_conv_model(ConvAttrs((3, 3), pads=(1, 1, 1, 1) if "x" not in kw else (0, 0, 0, 0)),
+                                           None, epilogue(1), [len(s) for s in extras], x_layout="NHWC",
+                                           y_layout="NHWC", extra_layouts=[1]))
+    feeds = _conv_feeds(**{"x": (1, 8, 8, 4), **kw, "extras": extras})
+    if msg is None:
+        feeds["e0"] = np.zeros((1, 6, 6, 6), np.float32)
+        assert run(model, feeds, lib).shape == (1, 6, 6, 6)
+        return
+    with pytest.raises(Exception, match=r"onnxfuse FusedConv node 'conv0': " + msg):
+        run(model, feeds, lib)
+
+
+def test_fused_conv_nhwc_empty_batch(lib):
+    conv = ConvAttrs((3, 3), pads=(1, 1, 1, 1))
+    model = fused_conv_model(conv, PoolAttrs((2, 2), (2, 2)), epilogue(0), [], x_layout="NHWC", y_layout="NHWC")
+    feeds = {"x": np.zeros((0, 8, 8, 3), np.float32), "w": np.zeros((3, 3, 3, 4), np.float32),
+             "b": np.zeros(4, np.float32)}
+    assert run(model, feeds, lib).shape == (0, 4, 4, 4)
+    model = fused_conv_model(conv, None, epilogue(0), [], y_layout="NHWC")
+    feeds["x"] = np.zeros((0, 3, 8, 6), np.float32)
+    assert run(model, feeds, lib).shape == (0, 8, 6, 4)
+
+
 def test_fused_maxpool_errors(lib):
     pool = PoolAttrs((2, 2), (2, 2))
     model = without_ranks(fused_pool_model(pool, epilogue(1), [4]))
@@ -503,6 +666,36 @@ def test_cuda_fused_conv_extras_of_every_shape(pool, lib):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
+CUDA_LAYOUTS = [("NHWC", "NCHW", None), ("NCHW", "NHWC", None), ("NHWC", "NHWC", None),
+                ("NHWC", "NHWC", PoolAttrs((2, 2), (2, 2))), ("NCHW", "NHWC", PoolAttrs((2, 2), (2, 2)))]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_layout,y_layout,pool", CUDA_LAYOUTS,
+                         ids=[f"{x}_{y}" + ("_pool" if p else "") for x, y, p in CUDA_LAYOUTS])
+def test_cuda_fused_conv_layouts(x_layout, y_layout, pool, lib):
+    """x_layout / y_layout / extra_layouts on CUDA (kernel compiled for the layouts, the
+    launcher's shapes and NHWC extra strides) against the CPU kernel of the same node."""
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import ConvSpec
+
+    case = ConvCase((2, 8, 12, 14), 16, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), pool,
+                    extras=("full_nhwc", "channel", "pixel_nhwc", "full"), x_layout=x_layout, y_layout=y_layout,
+                    id="cuda_layouts")
+    prog = epilogue(4)
+    feeds, _, _ = conv_feeds(case, np.random.default_rng(13))
+    ranks = [len(feeds[f"e{i}"].shape) for i in range(4)]
+    model = fused_conv_model(case.conv, pool, prog, ranks, **case.layout_attrs)
+    want = run(model, feeds, lib)  # the CPU kernel
+    idx = CUDA_LAYOUTS.index((x_layout, y_layout, pool))
+    spec = ConvSpec(f"onnxfuse_conv_test_cuda_1{idx:03d}", prog, 8, 16, case.conv, pool, "ieee",
+                    x_layout=x_layout.lower(), y_layout=y_layout.lower(), extra_layouts=case.extra_layouts)
+    got = run_cuda(with_kernels(model, spec), feeds, lib)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 @gpu
 @pytest.mark.gpu
 def test_cuda_fused_maxpool_extra_of_rank_3(lib):
@@ -539,3 +732,9 @@ def test_cuda_kernel_meta_mismatches_are_clear_errors(lib):
                          ConvSpec("onnxfuse_conv_test_cuda_0001", epilogue(0), 4, 6, conv, None, "ieee"))
     with pytest.raises(Exception, match=r"the node has pool_\* attributes, its kernel_meta has no pool_in_epilogue"):
         run_cuda(model, feeds, lib)
+    # an NCHW kernel attached to a node with x_layout NHWC
+    model = with_kernels(fused_conv_model(conv, None, epilogue(0), [], x_layout="NHWC"),
+                         ConvSpec("onnxfuse_conv_test_cuda_0002", epilogue(0), 4, 6, conv, None, "ieee"))
+    with pytest.raises(Exception, match=r"FusedConv node 'conv0' \(CUDA\): the node has x_layout NHWC and y_layout "
+                                        r"NCHW, its kernel_meta has x_layout \"nchw\" and y_layout \"nchw\""):
+        run_cuda(model, {**feeds, "x": np.zeros((1, 8, 8, 4), np.float32)}, lib)
