@@ -212,3 +212,19 @@ def test_tune_times_candidates_and_keeps_a_correct_model(name):
     feeds = random_feeds(m, {"N": 4}, seed=11)
     check(session(m, library=False).run(None, feeds), session(r.model, library=True).run(None, feeds), 1e-2,
           name + " tuned")
+
+
+@pytest.mark.parametrize("name", ["vgg_stack", "residual_block"])
+def test_nhwc_layout_pass_matches_original(name):
+    """`optimize --layout nhwc`: channels-last tensors between fused convs (docs/format.md)."""
+    from onnxfuse.kernels import compile_hook
+
+    m = CASES[name]()
+    r = optimize_model(m)
+    compile_hook("auto", layout="nhwc")(r)
+    layouts = {a.s for n in r.model.graph.node for a in n.attribute if a.name in ("x_layout", "y_layout")}
+    assert b"NHWC" in layouts
+    sess = session(r.model, library=True)
+    for batch in (2, 1):
+        feeds = random_feeds(m, {"N": batch}, seed=20 + batch)
+        check(session(m, library=False).run(None, feeds), sess.run(None, feeds), 1e-2, f"{name} nhwc")

@@ -108,6 +108,25 @@ def test_a_tensor_read_as_x_and_as_an_extra_turns_nhwc_for_both(tmp_path, monkey
     check_same(m, r.model, library=False)
 
 
+def test_library_cpu_kernels_honour_the_layouts(tmp_path, monkeypatch):
+    for m in (vgg_stack(blocks=3, channels=8, size=16), residual()):
+        r = nhwc_model(m, tmp_path, monkeypatch)
+        check_same(m, r.model, library=True)
+    # The channels-last tensor itself, exposed as an extra output after the pass: a kernel
+    # that ignored the layouts would still give the right final output (it would write and
+    # read NCHW consistently), but not this.
+    m = residual()
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    r.model.graph.output.append(helper.make_tensor_value_info("r1", onnx.TensorProto.FLOAT, None))
+    m.graph.output.append(helper.make_tensor_value_info("r1", onnx.TensorProto.FLOAT, None))
+    feeds = random_feeds(m, {"N": 2}, seed=6)
+    want = run(m, feeds, False)[1].transpose(0, 2, 3, 1)
+    for library in (False, True):
+        got = run(r.model, feeds, library)[1]
+        assert got.shape == want.shape, library
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 def test_a_conv_read_by_other_ops_stays_nchw(tmp_path, monkeypatch):
     m = residual()
     # the first conv's result is also read by a Sigmoid that is not a conv
