@@ -9,6 +9,8 @@ models/pretrained.py), on the same seeded inputs:
 - ``onnxfuse``       the onnxfuse model (kernels compiled for the local GPU, library registered)
 - ``onnxfuse_graph`` the same under ONNX Runtime's CUDA graphs
 - ``onnxfuse_nhwc``  the onnxfuse model with ``prefer_nhwc``
+- ``onnxfuse_cl`` / ``onnxfuse_cl_graph``  optimized with ``--layout nhwc`` (channels-last
+  tensors between fused convs; "CL"), without and with CUDA graphs
 - ``torch_eager`` / ``torch_compile``  the same PyTorch module (where one exists: the
   synthetic models, whose ONNX weights it loads, and the torchvision ones, exported from it)
 
@@ -60,10 +62,11 @@ from models import pretrained  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
 from onnxfuse.pipeline import optimize_model, save_model  # noqa: E402
 
-VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "onnxfuse_nhwc", "torch_eager",
-            "torch_compile")
+VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "onnxfuse_nhwc", "onnxfuse_cl",
+            "onnxfuse_cl_graph", "torch_eager", "torch_compile")
 LABELS = {"ort": "ORT", "ort_nhwc": "ORT nhwc", "ort_graph": "ORT + graph", "onnxfuse": "onnxfuse",
-          "onnxfuse_graph": "onnxfuse + graph",
+          "onnxfuse_graph": "onnxfuse + graph", "onnxfuse_cl": "onnxfuse CL",
+          "onnxfuse_cl_graph": "onnxfuse CL + graph",
           "onnxfuse_nhwc": "onnxfuse nhwc", "torch_eager": "torch eager", "torch_compile": "torch.compile"}
 DRY_VARIANTS = ("ort", "onnxfuse", "torch_eager")
 
@@ -280,6 +283,16 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         res.compile = info["summary"]
         res.fused_nodes -= len(info["declined"]) + len(info["failed"])
     save_model(result.model, fused)
+    fused_cl = workdir / f"{case.name}.onnxfuse_cl.onnx"
+    if not dry and any(v.startswith("onnxfuse_cl") for v in variants):
+        # the same optimization with the NHWC layout pass (optimize --layout nhwc)
+        from onnxfuse.compile import default_targets
+        from onnxfuse.kernels import compile_fused
+
+        cl = optimize_model(model)
+        if cl.fused:
+            compile_fused(cl.model, cl.fused, default_targets(), layout="nhwc")
+        save_model(cl.model, fused_cl)
     feeds = _feeds(case, shapes, model)
     provider = "cpu" if dry else "cuda"
     gpu = None if dry else ob.CudaDriver()
@@ -294,7 +307,9 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
                     module = case.torch(model)
                 r, outs = _torch_variant(module, feeds, not dry, v == "torch_compile", warmup, iters)
             else:
-                path = str(fused if v.startswith("onnxfuse") else orig)
+                if v.startswith("onnxfuse_cl") and not fused_cl.exists():
+                    continue
+                path = str(fused_cl if v.startswith("onnxfuse_cl") else fused if v.startswith("onnxfuse") else orig)
                 lib = v.startswith("onnxfuse") and res.fused_nodes > 0
                 r, outs = _ort_variant(path, feeds, provider, lib, warmup, iters, graph=v.endswith("graph"),
                                        nhwc=v.endswith("nhwc"), gpu=gpu)

@@ -43,6 +43,14 @@ case "${1:-tests}" in
       done
     done
     ;;
+  layout)
+    # first thing for the NHWC decision: the conv kernel in both layouts, then the models
+    python3 benchmarks/conv_kernels.py --no-compile --json "$OUT/conv_kernels_layouts.json" 2>&1 | tail -12 | tee "$OUT/conv_kernels_layouts.log"
+    python3 -m pytest -m gpu tests/test_gpu_conv.py tests/test_conv_library.py -q -p no:cacheprovider -k "nhwc or layout" 2>&1 | tail -5
+    python3 benchmarks/compare.py --models conv_relu,conv_relu_maxpool,vgg_stack,resnet18,vgg11 \
+      --variants ort,ort_graph,onnxfuse,onnxfuse_graph,onnxfuse_cl,onnxfuse_cl_graph --iters 30 \
+      --json "$OUT/compare_layout.json" --markdown "$OUT/compare_layout.md" 2>&1 | grep -v "W:onnxruntime" | tail -12
+    ;;
   sweep)
     [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")
     echo "ONNXFUSE_POINTWISE_CONFIG=${ONNXFUSE_POINTWISE_CONFIG:-default}"
