@@ -230,6 +230,38 @@ inline void init_common_op(OpDef* op, const char* op_name, int min_inputs) {
   op->GetVariadicOutputHomogeneity = [](const OrtCustomOp*) { return 0; };
 }
 
+// The ORT callbacks every kernel type K shares. K has a `name`, a compute(OrtKernelContext*)
+// and static members kOp (the op's name), kProvider (its execution provider) and kWhere
+// (what messages add after the node: "" or " (CUDA)"). Exceptions become an OrtStatus
+// naming the op and the node.
+template <class K>
+OrtStatus* ORT_API_CALL compute_kernel(void* kernel, OrtKernelContext* ctx) {
+  K* k = static_cast<K*>(kernel);
+  try {
+    k->compute(ctx);
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(describe_node(K::kOp, k->name) + K::kWhere + ": " + e.what());
+  }
+}
+
+template <class K>
+void ORT_API_CALL destroy_kernel(void* kernel) {
+  delete static_cast<K*>(kernel);
+}
+
+// The registration of kernel type K; `create` builds a K from the node's attributes.
+template <class K>
+OpDef make_op(int min_inputs, decltype(OrtCustomOp::CreateKernelV2) create) {
+  OpDef op;
+  init_common_op(&op, K::kOp, min_inputs);
+  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return K::kProvider; };
+  op.CreateKernelV2 = create;
+  op.KernelComputeV2 = compute_kernel<K>;
+  op.KernelDestroy = destroy_kernel<K>;
+  return op;
+}
+
 // Registration entry points of the kernels: PointwiseChain on the CPU (cpu_ops.cc),
 // FusedConv and FusedMaxPool on the CPU (conv_cpu.cc), all three on CUDA (cuda_ops.cc).
 void append_cpu_ops(std::vector<OrtCustomOp*>* ops);

@@ -607,6 +607,8 @@ void check_program(const Program& prog) {
 // What both kernels hold: the program, the node's name (for messages) and the EP's
 // allocator (for scratch buffers; null if ORT has none for the kernel).
 struct KernelBase {
+  static constexpr const char* kProvider = "CPUExecutionProvider";
+  static constexpr const char* kWhere = "";
   Program prog;
   std::string name;
   OrtAllocator* alloc = nullptr;
@@ -619,6 +621,7 @@ struct KernelBase {
 };
 
 struct ConvKernel : KernelBase {
+  static constexpr const char* kOp = kFusedConv;
   ConvParams conv;
   bool has_pool = false;
   PoolParams pool;
@@ -663,6 +666,7 @@ struct ConvKernel : KernelBase {
 };
 
 struct MaxPoolKernel : KernelBase {
+  static constexpr const char* kOp = kFusedMaxPool;
   PoolParams pool;
 
   void compute(OrtKernelContext* ctx) const {
@@ -676,13 +680,6 @@ struct MaxPoolKernel : KernelBase {
     program_then_pool(ctx, alloc, prog, program_inputs(prog, x, t, 1), t[0].shape, &pool, out);
   }
 };
-
-template <class K>
-const char* op_of();
-template <>
-const char* op_of<ConvKernel>() { return kFusedConv; }
-template <>
-const char* op_of<MaxPoolKernel>() { return kFusedMaxPool; }
 
 void init(ConvKernel* k, const OrtKernelInfo* info) {
   if (k->prog.inputs.empty()) throw Error("the program has no inputs (its %0 is the conv output)");
@@ -715,42 +712,15 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {
-    return make_status(describe_node(op_of<K>(), name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
+    return make_status(describe_node(K::kOp, name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
   }
-}
-
-template <class K>
-OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
-  const K* k = static_cast<const K*>(kernel);
-  try {
-    k->compute(ctx);
-    return nullptr;
-  } catch (const std::exception& e) {
-    return make_status(describe_node(op_of<K>(), k->name) + ": " + e.what());
-  }
-}
-
-template <class K>
-void ORT_API_CALL destroy(void* kernel) {
-  delete static_cast<K*>(kernel);
-}
-
-template <class K>
-OpDef make_op(int min_inputs) {
-  OpDef op;
-  init_common_op(&op, op_of<K>(), min_inputs);
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
-  op.CreateKernelV2 = create_kernel<K>;
-  op.KernelComputeV2 = compute<K>;
-  op.KernelDestroy = destroy<K>;
-  return op;
 }
 
 }  // namespace
 
 void append_cpu_conv_ops(std::vector<OrtCustomOp*>* ops) {
-  static OpDef conv_op = make_op<ConvKernel>(3);
-  static OpDef pool_op = make_op<MaxPoolKernel>(1);
+  static OpDef conv_op = make_op<ConvKernel>(3, create_kernel<ConvKernel>);
+  static OpDef pool_op = make_op<MaxPoolKernel>(1, create_kernel<MaxPoolKernel>);
   ops->push_back(&conv_op);
   ops->push_back(&pool_op);
 }

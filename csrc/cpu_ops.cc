@@ -269,6 +269,9 @@ void run_program(const Program& prog, const std::vector<HostTensor>& in, const s
 namespace {
 
 struct CpuKernel {
+  static constexpr const char* kOp = kPointwiseChain;
+  static constexpr const char* kProvider = "CPUExecutionProvider";
+  static constexpr const char* kWhere = "";
   Program prog;
   std::string name;
 
@@ -300,32 +303,10 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
   }
 }
 
-OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
-  const CpuKernel* k = static_cast<const CpuKernel*>(kernel);
-  try {
-    k->compute(ctx);
-    return nullptr;
-  } catch (const std::exception& e) {
-    return make_status(describe_node(kPointwiseChain, k->name) + ": " + e.what());
-  }
-}
-
-void ORT_API_CALL destroy(void* kernel) { delete static_cast<CpuKernel*>(kernel); }
-
-OpDef make_cpu_op() {
-  OpDef op;
-  init_common_op(&op, kPointwiseChain, 1);
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CPUExecutionProvider"; };
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  op.KernelDestroy = destroy;
-  return op;
-}
-
 }  // namespace
 
 void append_cpu_ops(std::vector<OrtCustomOp*>* ops) {
-  static OpDef op = make_cpu_op();
+  static OpDef op = make_op<CpuKernel>(1, create_kernel);
   ops->push_back(&op);
 }
 

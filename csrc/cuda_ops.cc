@@ -390,7 +390,8 @@ struct Target {
 };
 
 struct CudaKernelBase {
-  const char* op = nullptr;
+  static constexpr const char* kProvider = "CUDAExecutionProvider";
+  static constexpr const char* kWhere = " (CUDA)";
   std::string name;
   Program prog;
   Meta meta;
@@ -601,6 +602,7 @@ void push_extra_strides(Params& p, const std::vector<TensorRef>& t, size_t first
 
 struct PointwiseKernel : CudaKernelBase {
   static constexpr Kind kKind = Kind::POINTWISE;
+  static constexpr const char* kOp = kPointwiseChain;
   void init(const OrtKernelInfo*) {}
 
   void compute(OrtKernelContext* ctx) {
@@ -666,6 +668,7 @@ struct PointwiseKernel : CudaKernelBase {
 
 struct ConvKernel : CudaKernelBase {
   static constexpr Kind kKind = Kind::CONV;
+  static constexpr const char* kOp = kFusedConv;
   ConvParams conv;
   bool has_pool = false;
   PoolParams pool;
@@ -770,6 +773,7 @@ struct ConvKernel : CudaKernelBase {
 
 struct MaxPoolKernel : CudaKernelBase {
   static constexpr Kind kKind = Kind::MAXPOOL;
+  static constexpr const char* kOp = kFusedMaxPool;
   PoolParams pool;
 
   void init(const OrtKernelInfo* info) {
@@ -820,15 +824,6 @@ struct MaxPoolKernel : CudaKernelBase {
 // Registration
 // ---------------------------------------------------------------------------------------
 
-template <class K>
-const char* op_of();
-template <>
-const char* op_of<PointwiseKernel>() { return kPointwiseChain; }
-template <>
-const char* op_of<ConvKernel>() { return kFusedConv; }
-template <>
-const char* op_of<MaxPoolKernel>() { return kFusedMaxPool; }
-
 void after_meta(CudaKernelBase*) {}
 void after_meta(ConvKernel* k) {
   k->check_pool_meta();
@@ -843,7 +838,6 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     std::string text;
     if (!get_string_attr(info, "program", &text)) throw Error("the node has no string attribute 'program'");
     auto k = std::make_unique<K>();
-    k->op = op_of<K>();
     k->prog = parse_program(text);
     k->name = name;
     k->init(info);
@@ -866,43 +860,16 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {
-    return make_status(describe_node(op_of<K>(), name) + " (CUDA): " + e.what(), ORT_INVALID_ARGUMENT);
+    return make_status(describe_node(K::kOp, name) + " (CUDA): " + e.what(), ORT_INVALID_ARGUMENT);
   }
-}
-
-template <class K>
-OrtStatus* ORT_API_CALL compute(void* kernel, OrtKernelContext* ctx) {
-  K* k = static_cast<K*>(kernel);
-  try {
-    k->compute(ctx);
-    return nullptr;
-  } catch (const std::exception& e) {
-    return make_status(describe_node(k->op, k->name) + " (CUDA): " + e.what());
-  }
-}
-
-template <class K>
-void ORT_API_CALL destroy(void* kernel) {
-  delete static_cast<K*>(kernel);
-}
-
-template <class K>
-OpDef make_cuda_op(int min_inputs) {
-  OpDef op;
-  init_common_op(&op, op_of<K>(), min_inputs);
-  op.GetExecutionProviderType = [](const OrtCustomOp*) -> const char* { return "CUDAExecutionProvider"; };
-  op.CreateKernelV2 = create_kernel<K>;
-  op.KernelComputeV2 = compute<K>;
-  op.KernelDestroy = destroy<K>;
-  return op;
 }
 
 }  // namespace
 
 void append_cuda_ops(std::vector<OrtCustomOp*>* ops) {
-  static OpDef pointwise = make_cuda_op<PointwiseKernel>(1);
-  static OpDef conv = make_cuda_op<ConvKernel>(3);
-  static OpDef pool = make_cuda_op<MaxPoolKernel>(1);
+  static OpDef pointwise = make_op<PointwiseKernel>(1, create_kernel<PointwiseKernel>);
+  static OpDef conv = make_op<ConvKernel>(3, create_kernel<ConvKernel>);
+  static OpDef pool = make_op<MaxPoolKernel>(1, create_kernel<MaxPoolKernel>);
   ops->push_back(&pointwise);
   ops->push_back(&conv);
   ops->push_back(&pool);
