@@ -589,6 +589,18 @@ TensorRef layer_output(const Program& prog, OrtKernelContext* ctx, const Shape& 
   return t;
 }
 
+// The pointers of a layer's inputs and its output, in launch order; *largest becomes at
+// least the element count of each (for the variants' max_elements).
+std::vector<const void*> layer_pointers(const std::vector<TensorRef>& t, const TensorRef& y, int64_t* largest) {
+  std::vector<const void*> ptrs;
+  for (const TensorRef& x : t) {
+    ptrs.push_back(x.data);
+    *largest = std::max(*largest, numel(x.shape));
+  }
+  ptrs.push_back(y.data);
+  return ptrs;
+}
+
 // Each extra input's 4 element strides over `over` (FusedMaxPool: X's [N, C, H, W]):
 // right-aligned, 0 on broadcast dimensions. (FusedConv: conv_extra_strides, by layout.)
 void push_extra_strides(Params& p, const std::vector<TensorRef>& t, size_t first_extra, const Shape& over) {
@@ -736,13 +748,8 @@ struct ConvKernel : CudaKernelBase {
     if (n_out == 0 || m == 0) return;
     const Target tg = target(ctx);
 
-    std::vector<const void*> ptrs;
     int64_t largest = std::max(numel(conv_out), n_out);
-    for (const TensorRef& x : t) {
-      ptrs.push_back(x.data);
-      largest = std::max(largest, numel(x.shape));
-    }
-    ptrs.push_back(y.data);
+    const std::vector<const void*> ptrs = layer_pointers(t, y, &largest);
 
     // docs/format.md, kind conv: pointers, int32 N H W P Q OP OQ (whatever the layouts:
     // the kernel addresses X and Y in its compiled layouts), then each extra input's 4
@@ -794,13 +801,8 @@ struct MaxPoolKernel : CudaKernelBase {
     if (n_out == 0) return;
     const Target tg = target(ctx);
 
-    std::vector<const void*> ptrs;
     int64_t largest = n_out;
-    for (const TensorRef& x : t) {
-      ptrs.push_back(x.data);
-      largest = std::max(largest, numel(x.shape));
-    }
-    ptrs.push_back(y.data);
+    const std::vector<const void*> ptrs = layer_pointers(t, y, &largest);
 
     // docs/format.md, kind maxpool: pointers, int32 N C H W OH OW, 4 strides per extra.
     Params& p = thread_params();
