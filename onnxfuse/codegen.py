@@ -161,9 +161,14 @@ def generate(
     )
 
 
-def _check_args(program: Program, name: str, rank: int, modes: tuple[str, ...], variant: Variant) -> None:
+def check_kernel_name(name: str) -> None:
+    """The kernel's name must be a Python identifier the generated module does not use."""
     if not name.isidentifier() or keyword.iskeyword(name) or not name.isascii() or name in _MODULE_NAMES:
         raise ValueError(f"kernel name {name!r} is not an identifier free to use in the module")
+
+
+def _check_args(program: Program, name: str, rank: int, modes: tuple[str, ...], variant: Variant) -> None:
+    check_kernel_name(name)
     if rank < 0:
         raise ValueError(f"rank must be >= 0, got {rank}")
     if len(modes) != len(program.input_dtypes):

@@ -33,11 +33,11 @@ from onnxfuse.codegen import (
     POINTER_TYPES,
     TL_DTYPES,
     KernelSource,
-    _check_args,
     _comment_text,
     _expr,
     _operand_text,
     _value_name,
+    check_kernel_name,
 )
 from onnxfuse.expr import Program
 from onnxfuse.layers import ConvAttrs, PoolAttrs
@@ -142,17 +142,11 @@ def _next_pow2(n: int) -> int:
 
 def _check_program(program: Program, name: str) -> None:
     program.validate()
-    _check_args(program, name, 4, ("strided",) * len(program.input_dtypes), _AnyVariant())
+    check_kernel_name(name)
     if len(program.outputs) != 1:
         raise ValueError(f"{name}: the program must have exactly one output, it has {len(program.outputs)}")
     if program.input_dtypes[0] not in ("f32", "f16"):
         raise ValueError(f"{name}: conv/pool input dtype {program.input_dtypes[0]} is not f32 or f16")
-
-
-@dataclass(frozen=True)
-class _AnyVariant:  # satisfies codegen._check_args' power-of-two checks
-    block: int = 1
-    num_warps: int = 1
 
 
 def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:

@@ -68,18 +68,20 @@ def failure_warning(f: dict) -> str:
             f"{f['nodes']} original nodes are kept instead")
 
 
-def kernel_spec(model, f, conv_precision: str = "tf32"):
+def kernel_spec(model, f, conv_precision: str = "tf32", weight_dims: dict | None = None):
     """What to compile for one FusedNode of `model`: a KernelSpec (pointwise), ConvSpec or
-    MaxPoolSpec. C and K of a conv come from its packed weights [R, S, C/group, K]."""
+    MaxPoolSpec. C and K of a conv come from its packed weights [R, S, C/group, K];
+    `weight_dims` (initializer name -> dims, built once by the caller) saves a search of the
+    initializers per node."""
     from onnxfuse import compile as aot
 
     if f.kind == "pointwise":
         return aot.KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes)
-    inits = {t.name: t for t in model.graph.initializer}
     if f.kind == "conv":
-        w = inits[f.inputs[1]]
-        return aot.ConvSpec(f.kernel_name, f.program, channels=int(w.dims[2]) * f.conv.group,
-                            filters=int(w.dims[3]), conv=f.conv, pool=f.pool, precision=conv_precision,
+        dims = (weight_dims[f.inputs[1]] if weight_dims is not None else
+                tuple(next(t.dims for t in model.graph.initializer if t.name == f.inputs[1])))
+        return aot.ConvSpec(f.kernel_name, f.program, channels=int(dims[2]) * f.conv.group,
+                            filters=int(dims[3]), conv=f.conv, pool=f.pool, precision=conv_precision,
                             source_nodes=f.source_nodes, x_layout=f.x_layout, y_layout=f.y_layout,
                             extra_layouts=f.extra_layouts)
     if f.kind == "maxpool":
@@ -107,11 +109,12 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     if layout not in ("nchw", "nhwc"):
         raise OnnxfuseError(f"--layout {layout}: choose nchw or nhwc")
     caller = fused
+    weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
     declined = []
     if decline_slow_convs:
         keep = []
         for f in fused:
-            if f.kind == "conv" and aot.conv_declined(kernel_spec(model, f, conv_precision)):
+            if f.kind == "conv" and aot.conv_declined(kernel_spec(model, f, conv_precision, weight_dims)):
                 unfuse(model, f)
                 declined.append({"node": f.node_name, "kernel": f.kernel_name, "nodes": len(f.source_nodes)})
             else:
@@ -123,7 +126,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
         fused = apply_layouts(model, fused)
         changed = {f.node_name: f for f in fused}
         caller[:] = [changed.get(f.node_name, f) for f in caller]
-    specs = [kernel_spec(model, f, conv_precision) for f in fused]
+    specs = [kernel_spec(model, f, conv_precision, weight_dims) for f in fused]
     results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
     failed = []
     for f, ck in zip(fused, results, strict=True):

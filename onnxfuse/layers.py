@@ -109,6 +109,18 @@ def _resolve_pads(a: dict, kernel, strides, dilations, spatial: tuple[int, int] 
     return _same_pads(spatial, kernel, strides, dilations, upper=auto == "SAME_UPPER")
 
 
+def _window(a: dict, kernel, spatial: tuple[int, int] | None) -> tuple | str:
+    """(strides, pads, dilations) of a Conv or MaxPool node's attributes, or why not 2-D."""
+    strides = tuple(a.get("strides", (1, 1)))
+    dilations = tuple(a.get("dilations", (1, 1)))
+    if len(strides) != 2 or len(dilations) != 2:
+        return "strides or dilations are not 2 numbers"
+    pads = _resolve_pads(a, kernel, strides, dilations, spatial)
+    if isinstance(pads, str):
+        return pads
+    return strides, pads, dilations
+
+
 def conv_from_node(node: NodeProto, weight_dims: tuple[int, ...],
                    spatial: tuple[int, int] | None) -> ConvAttrs | str:
     """The ConvAttrs of a Conv node with 4-D weights of `weight_dims`, or why it is not a
@@ -119,14 +131,10 @@ def conv_from_node(node: NodeProto, weight_dims: tuple[int, ...],
     kernel = tuple(a.get("kernel_shape", weight_dims[2:]))
     if kernel != tuple(weight_dims[2:]):
         return "kernel_shape differs from the weights"
-    strides = tuple(a.get("strides", (1, 1)))
-    dilations = tuple(a.get("dilations", (1, 1)))
-    if len(strides) != 2 or len(dilations) != 2:
-        return "strides or dilations are not 2 numbers"
-    pads = _resolve_pads(a, kernel, strides, dilations, spatial)
-    if isinstance(pads, str):
-        return pads
-    return ConvAttrs(kernel, strides, pads, dilations, int(a.get("group", 1)))
+    window = _window(a, kernel, spatial)
+    if isinstance(window, str):
+        return window
+    return ConvAttrs(kernel, *window, int(a.get("group", 1)))
 
 
 def pool_from_node(node: NodeProto, spatial: tuple[int, int] | None) -> PoolAttrs | str:
@@ -139,14 +147,10 @@ def pool_from_node(node: NodeProto, spatial: tuple[int, int] | None) -> PoolAttr
         return "MaxPool's Indices output is used"
     if int(a.get("storage_order", 0)) != 0:
         return "MaxPool storage_order is not 0"
-    strides = tuple(a.get("strides", (1, 1)))
-    dilations = tuple(a.get("dilations", (1, 1)))
-    if len(strides) != 2 or len(dilations) != 2:
-        return "strides or dilations are not 2 numbers"
-    pads = _resolve_pads(a, kernel, strides, dilations, spatial)
-    if isinstance(pads, str):
-        return pads
-    return PoolAttrs(kernel, strides, pads, dilations, bool(a.get("ceil_mode", 0)))
+    window = _window(a, kernel, spatial)
+    if isinstance(window, str):
+        return window
+    return PoolAttrs(kernel, *window, bool(a.get("ceil_mode", 0)))
 
 
 def conv_from_fused(attrs: dict) -> ConvAttrs:
