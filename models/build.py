@@ -83,18 +83,24 @@ def _mlp_nodes() -> list[onnx.NodeProto]:
     ]
 
 
-def example(dim: int = 64, hidden: int = 256, seed: int = 0) -> onnx.ModelProto:
-    """A transformer MLP block as a PyTorch export writes it: LayerNorm written out, MatMul,
-    bias, GELU around Erf, MatMul, bias, residual Add. The bundled example model."""
+def _mlp_weights(seed: int, dim: int, hidden: int) -> list:
+    """The seeded weights of the MLP blocks: fc1/fc2 weights ([in, out]) and biases, the
+    LayerNorm scale and bias."""
     rng = np.random.default_rng(seed)
     w1 = (rng.standard_normal((dim, hidden)) / np.sqrt(dim)).astype(np.float32)
     w2 = (rng.standard_normal((hidden, dim)) / np.sqrt(hidden)).astype(np.float32)
-    inits = [
+    return [
         numpy_helper.from_array(w1, "fc1.weight"), numpy_helper.from_array(w2, "fc2.weight"),
         _const("fc1.bias", rng.standard_normal(hidden) * 0.1), _const("fc2.bias", rng.standard_normal(dim) * 0.1),
         _const("ln.weight", 1 + rng.standard_normal(dim) * 0.1), _const("ln.bias", rng.standard_normal(dim) * 0.1),
-        _const("eps", 1e-5), _const("sqrt2", np.sqrt(2.0)), _const("one", 1.0), _const("half", 0.5),
     ]
+
+
+def example(dim: int = 64, hidden: int = 256, seed: int = 0) -> onnx.ModelProto:
+    """A transformer MLP block as a PyTorch export writes it: LayerNorm written out, MatMul,
+    bias, GELU around Erf, MatMul, bias, residual Add. The bundled example model."""
+    inits = _mlp_weights(seed, dim, hidden) + [
+        _const("eps", 1e-5), _const("sqrt2", np.sqrt(2.0)), _const("one", 1.0), _const("half", 0.5)]
     nodes = [
         N("ReduceMean", ["x"], ["mean"], axes=[-1], name="ln/mean"),
         N("Sub", ["x", "mean"], ["xc"], name="ln/sub"),
@@ -183,15 +189,8 @@ def mlp_block(tokens: int = 128, dim: int = 768, hidden: int = 3072, seed: int =
     MatMul + bias, GELU written out around Erf, MatMul + bias, residual Add. Initializers:
     'ln.weight', 'ln.bias', 'fc1.weight' ([dim, hidden], the transpose of nn.Linear's),
     'fc1.bias', 'fc2.weight', 'fc2.bias'."""
-    rng = np.random.default_rng(seed)
-    w1 = (rng.standard_normal((dim, hidden)) / np.sqrt(dim)).astype(np.float32)
-    w2 = (rng.standard_normal((hidden, dim)) / np.sqrt(hidden)).astype(np.float32)
-    inits = [
-        numpy_helper.from_array(w1, "fc1.weight"), numpy_helper.from_array(w2, "fc2.weight"),
-        _const("fc1.bias", rng.standard_normal(hidden) * 0.1), _const("fc2.bias", rng.standard_normal(dim) * 0.1),
-        _const("ln.weight", 1 + rng.standard_normal(dim) * 0.1), _const("ln.bias", rng.standard_normal(dim) * 0.1),
-        _const("sqrt2", np.sqrt(2.0)), _const("one", 1.0), _const("half", 0.5),
-    ]
+    inits = _mlp_weights(seed, dim, hidden) + [_const("sqrt2", np.sqrt(2.0)), _const("one", 1.0),
+                                                _const("half", 0.5)]
     nodes = [
         N("LayerNormalization", ["x", "ln.weight", "ln.bias"], ["h0"], axis=-1, epsilon=1e-5, name="ln"),
         *_mlp_nodes(),
