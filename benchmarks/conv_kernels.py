@@ -55,6 +55,13 @@ CONFIGS = [  # block_m, block_n, block_k, warps, stages
     (128, 128, 32, 8, 3), (64, 32, 32, 1, 4), (128, 32, 32, 2, 4), (64, 128, 32, 2, 4),
 ]
 QUICK = CONFIGS[:4]
+# Channels-last: 16-byte loads along channels, and with 4+ warps Triton emits sm_90 wgmma,
+# whose TF32 form wants both operands K-major (weights packed [K, R, S, C]: "krsc").
+NHWC_CONFIGS = [
+    (64, 64, 32, 2, 3), (64, 64, 32, 2, 4), (64, 128, 32, 4, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 3),
+    (128, 64, 32, 4, 4), (128, 128, 32, 4, 3), (128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 3),
+    (128, 128, 64, 8, 3), (256, 64, 32, 8, 3), (256, 128, 32, 8, 3), (64, 64, 64, 4, 3), (64, 256, 32, 8, 3),
+]
 
 
 def _load(src: str, name: str, tmp: Path):
@@ -72,9 +79,10 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="4 configurations per layer")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--precision", default="tf32")
-    ap.add_argument("--layouts", default="nchw,nhwc",
-                    help="kernel layouts of X and Y to time: nchw (what the optimizer emits), nhwc (channels "
-                         "last, for the layout pass the conv issue asks to measure first)")
+    ap.add_argument("--layouts", default="nchw,nhwc,nhwc-krsc",
+                    help="kernel layouts to time: nchw (X, Y NCHW, weights [R,S,C,K]), nhwc (X, Y channels "
+                         "last), nhwc-krsc (channels last and weights [K,R,S,C])")
+    ap.add_argument("--layers", default=None, help="comma-separated indices into LAYERS (default: all)")
     args = ap.parse_args()
 
     import torch
@@ -99,6 +107,7 @@ def main() -> None:
         w = (torch.randn(k, c, 3, 3, generator=g) / (c * 9) ** 0.5).to(dev)
         b = torch.randn(k, generator=g).to(dev)
         wp = w.permute(2, 3, 1, 0).contiguous()
+        wk = w.permute(0, 2, 3, 1).contiguous()
 
         def ref_fn(x=x, w=w, b=b, pool=pool):
             y = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1))
@@ -126,15 +135,19 @@ def main() -> None:
         for layout in layouts:
             # nhwc: X and Y channels last (the same logical tensors; the kernel reads storage)
             xin = x if layout == "nchw" else xl
+            xlay, wlay = (layout.split("-") + ["rsck"])[:2]
+            wt = wk if wlay == "krsc" else wp
             y = torch.empty(n, k, op, oq, device=dev)
-            if layout == "nhwc":
+            if xlay == "nhwc":
                 y = y.to(memory_format=torch.channels_last)
             lbest = None
-            for i, (bm, bn, bk, nw, ns) in enumerate(QUICK if args.quick else CONFIGS):
+            configs = CONFIGS[:6] if xlay == "nchw" else NHWC_CONFIGS  # NCHW: the 6 best of the first sweep
+            for i, (bm, bn, bk, nw, ns) in enumerate(configs[:4] if args.quick else configs):
                 v = ConvVariant(0, bm, bn, bk, nw, ns)
-                name = f"k_conv_{len(out['layers'])}_{layout}_{i}"
+                name = f"k_conv_{len(out['layers'])}_{layout.replace('-', '_')}_{i}"
                 try:
-                    spec = ConvSpec(name, RELU, c, k, conv, pa, args.precision, x_layout=layout, y_layout=layout)
+                    spec = ConvSpec(name, RELU, c, k, conv, pa, args.precision, x_layout=xlay, y_layout=xlay,
+                                    w_layout=wlay)
                     ks = generate_conv(spec, v)
                     fn = _load(ks.source, name, tmp)
                     win = 4 if pa else 1
@@ -142,8 +155,8 @@ def main() -> None:
                     grid = (triton.cdiv(m, bm), triton.cdiv(k, bn))
                     consts = dict(ks.constexprs)
 
-                    def run(fn=fn, grid=grid, consts=consts, nw=nw, ns=ns, xin=xin, y=y):
-                        fn[grid](xin, wp, b, y, n, h, h, p, q, op, oq, num_warps=nw, num_stages=ns, **consts)
+                    def run(fn=fn, grid=grid, consts=consts, nw=nw, ns=ns, xin=xin, y=y, wt=wt):
+                        fn[grid](xin, wt, b, y, n, h, h, p, q, op, oq, num_warps=nw, num_stages=ns, **consts)
 
                     run()
                     torch.cuda.synchronize()
@@ -164,14 +177,20 @@ def main() -> None:
         if best:
             layer["best_tflops"] = flops / best["ms"] / 1e9
         out["layers"].append(layer)
-        bn_, bh_ = layer.get("best_nchw"), layer.get("best_nhwc")
+        bn_ = layer.get("best_nchw")
+        bh_ = min((layer[f"best_{lay}"] for lay in layouts if lay != "nchw" and layer.get(f"best_{lay}")),
+                  key=lambda r: r["ms"], default=None)
         rows.append((lname, layer["cudnn_nchw_ms"], layer["cudnn_nhwc_ms"], layer.get("torch_compile_ms"),
                      layer.get("torch_compile_nhwc_ms"), bn_["ms"] if bn_ else None, bh_["ms"] if bh_ else None,
                      (bh_ or bn_ or {}).get("config"), best["max_rel_err"] if best else None))
         print(json.dumps(layer["configs"]), flush=True)
+        if args.json:  # after every layer: a run cut short by a time limit keeps what it measured
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(out, indent=1))
 
 
-    for lname, n, c, h, k, pool in LAYERS:
+    chosen = [LAYERS[int(i)] for i in args.layers.split(",")] if args.layers else LAYERS
+    for lname, n, c, h, k, pool in chosen:
         measure_layer(lname, n, c, h, k, pool)
 
     # Relu + MaxPool 2x2 at 32x64x112x112: the FusedMaxPool kernel against the memory floor.
@@ -207,7 +226,7 @@ def main() -> None:
     out["layers"].append(pool_layer)
 
     print(f"\n{'layer':34} {'cuDNN':>7} {'cuDNN-cl':>8} {'compile':>8} {'comp-cl':>8} {'of-nchw':>8} {'of-nhwc':>8}"
-          "  best nhwc config / err")
+          "  best channels-last config / err")
     for r in rows:
         cells = [f"{v:8.3f}" if isinstance(v, float) else f"{'-':>8}" for v in r[1:7]]
         print(f"{r[0]:34} {' '.join(cells)}  {r[7]} {r[8]}")

@@ -44,8 +44,12 @@ case "${1:-tests}" in
     done
     ;;
   layout)
-    # first thing for the NHWC decision: the conv kernel in both layouts, then the models
-    python3 benchmarks/conv_kernels.py --no-compile --json "$OUT/conv_kernels_layouts.json" 2>&1 | tail -12 | tee "$OUT/conv_kernels_layouts.log"
+    # the NHWC decision, part 1: the conv kernel in each layout and weight packing ([layer indices])
+    timeout "${KERNEL_LIMIT:-480}" python3 benchmarks/conv_kernels.py --no-compile --json "$OUT/conv_kernels_layouts.json" \
+      ${2:+--layers "$2"} > "$OUT/conv_kernels_layouts.log" 2>&1; tail -12 "$OUT/conv_kernels_layouts.log"
+    ;;
+  layout-models)
+    # part 2: the layout GPU tests, then the models with and without the NHWC pass
     python3 -m pytest -m gpu tests/test_gpu_conv.py tests/test_conv_library.py -q -p no:cacheprovider -k "nhwc or layout" 2>&1 | tail -5
     python3 benchmarks/compare.py --models conv_relu,conv_relu_maxpool,vgg_stack,resnet18,vgg11 \
       --variants ort,ort_graph,onnxfuse,onnxfuse_graph,onnxfuse_cl,onnxfuse_cl_graph --iters 30 \

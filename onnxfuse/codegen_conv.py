@@ -93,6 +93,9 @@ class ConvSpec:
     x_layout: str = "nchw"
     y_layout: str = "nchw"
     extra_layouts: tuple[int, ...] = ()  # for kernel_meta only: extras are read through strides
+    # Packed weight layout: "rsck" ([R, S, C, K], filters contiguous) or "krsc" ([K, R, S, C],
+    # channels contiguous: the B tile is K-major, which sm_90's TF32 wgmma needs).
+    w_layout: str = "rsck"
 
     @property
     def dtype(self) -> str:
@@ -156,6 +159,8 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
         raise ValueError(f"precision {spec.precision!r} is not one of {PRECISIONS}")
     if spec.x_layout not in ("nchw", "nhwc") or spec.y_layout not in ("nchw", "nhwc"):
         raise ValueError(f"layouts must be nchw or nhwc, not {spec.x_layout!r}/{spec.y_layout!r}")
+    if spec.w_layout not in ("rsck", "krsc"):
+        raise ValueError(f"weight layout must be rsck or krsc, not {spec.w_layout!r}")
     if spec.conv.group != 1:
         raise ValueError(f"{spec.name}: the Triton conv kernel handles group 1, not {spec.conv.group}")
     if spec.pool is not None and not spec.pool.tiles:
@@ -186,9 +191,10 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
         ("C_BLOCKS", -(-spec.channels // variant.block_k)), ("STEPS", r * s * -(-spec.channels // variant.block_k)),
     ]
     source = _conv_module(spec, variant, names, [c for c, _ in constexprs])
-    # 16-byte alignment of the pointers is always true for ORT's allocations; it lets
-    # Triton vectorize the contiguous weight loads.
-    divisible = (1, 2)
+    # 16-byte alignment of the pointers is always true for ORT's allocations (the launcher
+    # checks it: ptr_align); it lets Triton vectorize the contiguous weight loads and, channels
+    # last, the activation loads and stores.
+    divisible = (0, 1, 2, 3 + spec.n_extras)
     return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
                         constexprs=tuple(constexprs), divisible=divisible, num_warps=variant.num_warps,
                         variant=variant, num_stages=variant.num_stages)
@@ -309,7 +315,8 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
              ("a_ptrs = x_ptr + (n * (C * H * W) + ih0 * W + iw0)[:, None] + offs_c[None, :] * (H * W)"
               if spec.x_layout == "nchw" else
               "a_ptrs = x_ptr + ((n * H + ih0) * W + iw0)[:, None] * C + offs_c[None, :]  # NHWC"),
-             "b_ptrs = w_ptr + offs_c[:, None] * K + offs_n[None, :]",
+             ("b_ptrs = w_ptr + offs_c[:, None] * K + offs_n[None, :]" if spec.w_layout == "rsck" else
+              "b_ptrs = w_ptr + offs_n[None, :] * (R * S * C) + offs_c[:, None]  # weights [K, R, S, C]"),
              "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
              "# One flat loop over (tap, channel block) so that Triton can pipeline it.",
              "for step in range(0, STEPS):  # STEPS = R * S * C_BLOCKS",
@@ -320,7 +327,8 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
              "    in_image = mask_m & (ih0 + dh >= 0) & (ih0 + dh < H) & (iw0 + dw >= 0) & (iw0 + dw < W)",
              ("    a_step = a_ptrs + (dh * W + dw + c0 * (H * W))" if spec.x_layout == "nchw" else
               "    a_step = a_ptrs + ((dh * W + dw) * C + c0)"),
-             "    b_step = b_ptrs + (tap * C + c0) * K"]
+             ("    b_step = b_ptrs + (tap * C + c0) * K" if spec.w_layout == "rsck" else
+              "    b_step = b_ptrs + (tap * C + c0)")]
     if spec.channels % variant.block_k == 0:
         body += ["    # C is a multiple of BLOCK_K: no channel mask.",
                  "    a = tl.load(a_step, mask=in_image[:, None], other=0.0)",

@@ -57,6 +57,7 @@ class ConvCase:
     dtype: str = "f32"
     tile: tuple[int, int, int] = (32, 16, 16)  # small tiles: many programs, ragged edges
     layouts: tuple[str, str] = ("nchw", "nchw")  # X, Y
+    w_layout: str = "rsck"  # packed weights [R, S, C, K] or [K, R, S, C]
 
 
 CONV_CASES = [
@@ -86,6 +87,12 @@ CONV_CASES = [
     ConvCase("nchw-to-nhwc", 1, 3, (11, 10), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), layouts=("nchw", "nhwc")),
     ConvCase("nhwc-to-nchw", 1, 16, (6, 6), 8, ConvAttrs((1, 1)), body=AFFINE, extras=("channel",),
              layouts=("nhwc", "nchw")),
+    ConvCase("nhwc-krsc-ragged-channels", 2, 20, (9, 7), 24, ConvAttrs((3, 3), (2, 1), (1, 0, 1, 2)),
+             body=RESIDUAL_RELU, extras=("full",), layouts=("nhwc", "nhwc"), w_layout="krsc"),
+    ConvCase("nhwc-krsc-pool", 2, 32, (8, 9), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             layouts=("nhwc", "nhwc"), w_layout="krsc"),
+    ConvCase("nchw-krsc-dilated", 1, 5, (10, 7), 17, ConvAttrs((3, 2), (2, 1), (0, 1, 2, 0), (2, 1)),
+             w_layout="krsc"),
 ]
 
 
@@ -141,7 +148,7 @@ def _conv_inputs(i: int, case: ConvCase):
 
 def _conv_spec(i: int, case: ConvCase) -> tuple[ConvSpec, ConvVariant]:
     spec = ConvSpec(f"k_conv_{i}", _conv_program(case), case.c, case.k, case.conv, case.pool, "ieee",
-                    x_layout=case.layouts[0], y_layout=case.layouts[1])
+                    x_layout=case.layouts[0], y_layout=case.layouts[1], w_layout=case.w_layout)
     if case.tile == (0, 0, 0):
         return spec, conv_variants(spec)[0]
     bm, bn, bk = case.tile
@@ -211,7 +218,8 @@ def _run_all(workdir: Path) -> None:
             win = 1 << (case.pool.kernel[0] * case.pool.kernel[1] - 1).bit_length() if case.pool else 1
             m = n * op * oq * win if case.pool else n * p * q
             grid = (-(-m // v.block_m), -(-case.k // v.block_n))
-            packed = torch.from_numpy(np.ascontiguousarray(wt.transpose(2, 3, 1, 0)))
+            packed = torch.from_numpy(np.ascontiguousarray(
+                wt.transpose(2, 3, 1, 0) if case.w_layout == "rsck" else wt.transpose(0, 2, 3, 1)))
             xt = torch.from_numpy(x)
             if case.layouts[0] == "nhwc":
                 xt = xt.to(memory_format=torch.channels_last)
