@@ -291,7 +291,8 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
             f"{spec.precision if spec.dtype == 'f32' else 'fp16'}"
             + (f"; max pool {pool.kernel[0]}x{pool.kernel[1]} in the epilogue" if pool else "")
             + (f"; X {spec.x_layout.upper()}, Y {spec.y_layout.upper()}"
-               if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else ""))
+               if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else "")
+            + ("; weights [K, R, S, C]" if spec.w_layout == "krsc" else ""))
     lines = _header(spec.name, what, spec.program, spec.source_nodes)
     lines += _signature(spec.name, names, constexprs)
     body = ["pid_m = tl.program_id(axis=0)", "pid_n = tl.program_id(axis=1)"]

@@ -144,6 +144,7 @@ class CompiledKernel:
                 **({"x_layout": spec.x_layout, "y_layout": spec.y_layout,
                     "extra_layouts": list(spec.extra_layouts) or [0] * spec.n_extras}
                    if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") or any(spec.extra_layouts) else {}),
+                **({"w_layout": spec.w_layout} if spec.w_layout != "rsck" else {}),
                 "variants": [{"requires": v.requires(), "block_m": v.block_m, "block_n": v.block_n}
                              for v in self.variants],
                 "binaries": binaries,
@@ -212,12 +213,24 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     BLOCK_K 16 with 4 stages for inputs of fewer than 16 channels (the image layer: 0.36 ms
     against 0.62 with 32); BLOCK_N 128 with 4 stages for 128 filters or more.
 
+    Channels-last X with [K, R, S, C] weights (the NHWC pass) runs on sm_90's TF32 wgmma,
+    which needs 4 warps: 128x64 tiles for up to 64 filters, 64x128 from 128 filters, BLOCK_K
+    32, 3 stages were best or within 10% of the best of 15 configurations on every layer of
+    the same sweep with 16 or more channels (benchmarks/results/conv_kernels_layouts.json).
+
     ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=``) overrides it."""
     cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3}
-    if spec.channels < 16:
-        cfg.update(block_k=16, stages=4)
-    if spec.filters >= 128:
-        cfg.update(block_n=128, stages=4)
+    if spec.x_layout == "nhwc" and spec.w_layout == "krsc":
+        cfg.update(block_m=128, warps=4)
+        if spec.filters >= 128:
+            cfg.update(block_m=64, block_n=128)
+        if spec.channels < 32:
+            cfg.update(block_k=16)
+    else:
+        if spec.channels < 16:
+            cfg.update(block_k=16, stages=4)
+        if spec.filters >= 128:
+            cfg.update(block_n=128, stages=4)
     if spec.dtype == "f16" and spec.channels >= 64:
         cfg.update(block_k=64)
     for item in filter(None, os.environ.get("ONNXFUSE_CONV_CONFIG", "").split(",")):

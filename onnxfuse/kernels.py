@@ -70,7 +70,8 @@ def failure_warning(f: dict) -> str:
 
 def kernel_spec(model, f, conv_precision: str = "tf32", weight_dims: dict | None = None):
     """What to compile for one FusedNode of `model`: a KernelSpec (pointwise), ConvSpec or
-    MaxPoolSpec. C and K of a conv come from its packed weights [R, S, C/group, K];
+    MaxPoolSpec. C and K of a conv come from its packed weights ([R, S, C/group, K], or
+    [K, R, S, C/group] with w_layout krsc);
     `weight_dims` (initializer name -> dims, built once by the caller) saves a search of the
     initializers per node."""
     from onnxfuse import compile as aot
@@ -80,10 +81,11 @@ def kernel_spec(model, f, conv_precision: str = "tf32", weight_dims: dict | None
     if f.kind == "conv":
         dims = (weight_dims[f.inputs[1]] if weight_dims is not None else
                 tuple(next(t.dims for t in model.graph.initializer if t.name == f.inputs[1])))
-        return aot.ConvSpec(f.kernel_name, f.program, channels=int(dims[2]) * f.conv.group,
-                            filters=int(dims[3]), conv=f.conv, pool=f.pool, precision=conv_precision,
+        c, k = (dims[2], dims[3]) if f.w_layout == "rsck" else (dims[3], dims[0])
+        return aot.ConvSpec(f.kernel_name, f.program, channels=int(c) * f.conv.group,
+                            filters=int(k), conv=f.conv, pool=f.pool, precision=conv_precision,
                             source_nodes=f.source_nodes, x_layout=f.x_layout, y_layout=f.y_layout,
-                            extra_layouts=f.extra_layouts)
+                            extra_layouts=f.extra_layouts, w_layout=f.w_layout)
     if f.kind == "maxpool":
         return aot.MaxPoolSpec(f.kernel_name, f.program, pool=f.pool, source_nodes=f.source_nodes)
     raise ValueError(f"unknown fused node kind {f.kind!r}")
@@ -99,10 +101,12 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     run time. It is listed under "failed" (node, kernel, targets, error, nodes); the
     caller updates its report (see `compile_hook`).
 
-    With decline_slow_convs, conv nodes the heuristic of `onnxfuse.compile.conv_declined`
-    expects to be slower than cuDNN are unfused too, listed under "declined". With layout
-    "nhwc", the NHWC pass (`onnxfuse.layout`) runs after that; the FusedNode values in
-    `fused` whose kernel names and layouts it changes are replaced in place."""
+    With decline_slow_convs and layout "nchw", conv nodes the heuristic of
+    `onnxfuse.compile.conv_declined` expects to be slower than cuDNN are unfused too, listed
+    under "declined". With layout "nhwc" the NHWC pass (`onnxfuse.layout`) runs instead (its
+    channels-last kernels were as fast as cuDNN's channels-last convs or faster on every
+    layer measured, BENCHMARKS.md); the FusedNode values in `fused` whose kernel names,
+    inputs and layouts it changes are replaced in place."""
     from onnxfuse import compile as aot
     from onnxfuse.rewrite import unfuse
 
@@ -111,7 +115,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     caller = fused
     weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
     declined = []
-    if decline_slow_convs:
+    if decline_slow_convs and layout == "nchw":
         keep = []
         for f in fused:
             if f.kind == "conv" and aot.conv_declined(kernel_spec(model, f, conv_precision, weight_dims)):
@@ -126,6 +130,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
         fused = apply_layouts(model, fused)
         changed = {f.node_name: f for f in fused}
         caller[:] = [changed.get(f.node_name, f) for f in caller]
+        weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}  # repacked weights
     specs = [kernel_spec(model, f, conv_precision, weight_dims) for f in fused]
     results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
     failed = []

@@ -47,6 +47,7 @@ class FusedNode:
     x_layout: str = "nchw"
     y_layout: str = "nchw"
     extra_layouts: tuple[int, ...] = ()
+    w_layout: str = "rsck"  # packed weights [R, S, C/group, K], or [K, R, S, C/group] ("krsc")
 
 
 def _ir_dtype(view: GraphView, name: str) -> str:

@@ -64,12 +64,17 @@ def test_vgg_stack_runs_channels_last_between_its_convs(tmp_path, monkeypatch):
     assert shapes["p0"][1:] == [16, 16, 8] and shapes["p2"][1:] == [4, 4, 8]  # [N, H, W, C]
     # each layout combination is its own kernel and function
     overloads = [n.overload for n in nodes]
-    assert overloads[0].endswith("_nchw_nhwc") and overloads[3].endswith("_nhwc_nchw")
+    assert overloads[0].endswith("_nchw_nhwc") and overloads[3].endswith("_nhwc_nchw_krsc")
+    # channels-last readers take [K, R, S, C] weights (the image layer keeps [R, S, C, K])
+    assert [attrs(n).get("w_layout", b"RSCK") for n in nodes] == [b"RSCK"] + [b"KRSC"] * 3
+    inits = {t.name: tuple(t.dims) for t in r.model.graph.initializer}
+    assert inits[nodes[0].input[1]] == (3, 3, 3, 8) and inits[nodes[1].input[1]] == (8, 3, 3, 8)
     assert {f.overload for f in r.model.functions} == set(overloads)
     assert [f.kernel_name for f in r.fused] == overloads
     assert [rec.kernel for rec in r.report.fused] == overloads
     meta = json.loads(attrs_all(nodes[1])["kernel_meta"])
-    assert (meta["x_layout"], meta["y_layout"]) == ("nhwc", "nhwc")
+    assert (meta["x_layout"], meta["y_layout"], meta["w_layout"]) == ("nhwc", "nhwc", "krsc")
+    assert "w_layout" not in json.loads(attrs_all(nodes[0])["kernel_meta"])
     check_same(m, r.model, library=False)  # the function bodies: Transposes around the originals
 
 
@@ -145,3 +150,32 @@ def test_cli_layout_needs_gpu_kernels(tmp_path, capsys):
     onnx.save(residual(), str(src))
     assert main(["optimize", str(src), str(dst), "--layout", "nhwc", "--target", "none"]) == 2
     assert "--target none" in capsys.readouterr().err and not dst.exists()
+
+
+def test_convs_reading_nchw_tensors_get_a_transpose_at_the_boundary(tmp_path, monkeypatch):
+    # 16 channels: the graph input and r1 (also read by a Sigmoid, so conv1 writes NCHW) are
+    # read by the convs through one Transpose each; the residual extra stays NCHW.
+    m = residual(c=16)
+    m.graph.node.append(N("Sigmoid", ["r1"], ["s"], name="sig"))
+    m.graph.output.append(helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, ["N", 16, 9, 9]))
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    ops = [(n.op_type, list(n.input)[:1]) for n in r.model.graph.node]
+    assert ops == [("Transpose", ["x"]), ("FusedConv", ["x_nhwc"]), ("Transpose", ["r1"]),
+                   ("FusedConv", ["r1_nhwc"]), ("Sigmoid", ["r1"])]
+    t1, c1, t2, c2, _ = r.model.graph.node
+    assert attrs(t1)["perm"] == [0, 2, 3, 1] == attrs(t2)["perm"]
+    assert (attrs(c1)["x_layout"], attrs(c1)["y_layout"], attrs(c1)["w_layout"]) == (b"NHWC", b"NCHW", b"KRSC")
+    assert attrs(c2)["x_layout"] == b"NHWC" and attrs(c2).get("extra_layouts", [0]) == [0]
+    assert list(c2.input)[3] == "r1"
+    assert [f.inputs[0] for f in r.fused] == ["x_nhwc", "r1_nhwc"]
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in r.model.graph.value_info}
+    assert shapes["x_nhwc"] == ["N", 9, 9, 16]
+    check_same(m, r.model, library=False)
+
+
+def test_narrow_inputs_stay_nchw(tmp_path, monkeypatch):
+    # 8 channels from the graph input: below MIN_NHWC_CHANNELS, no Transpose
+    r = nhwc_model(residual(c=8), tmp_path, monkeypatch)
+    assert [n.op_type for n in r.model.graph.node] == ["FusedConv", "FusedConv"]
+    assert "x_layout" not in attrs(r.model.graph.node[0]) or attrs(r.model.graph.node[0])["x_layout"] == b"NCHW"
