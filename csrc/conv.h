@@ -104,13 +104,16 @@ inline int64_t pool_out_dim(int64_t n, int64_t k, int64_t s, int64_t p0, int64_t
 
 // The optional layout attributes of FusedConv (docs/format.md, FusedConv, Layouts):
 // x_layout / y_layout "NCHW" (default) or "NHWC"; extra_layouts, one per extra input,
-// 0 = as is (numpy broadcast to [N, K, P, Q]), 1 = a 4-D NHWC tensor.
+// 0 = as is (numpy broadcast to [N, K, P, Q]), 1 = a 4-D NHWC tensor; w_layout, the packed
+// weights' order, "RSCK" (default: [R, S, C/group, K]) or "KRSC" ([K, R, S, C/group]).
 struct ConvLayouts {
   bool x_nhwc = false;
   bool y_nhwc = false;
+  bool w_krsc = false;
   std::vector<int64_t> extra;  // per extra input; all 0 when the attribute is absent
 
   bool extra_nhwc(size_t e) const { return e < extra.size() && extra[e] == 1; }
+  // Whether X, Y or an extra input is not NCHW (the weights' order is not counted).
   bool any() const {
     if (x_nhwc || y_nhwc) return true;
     for (int64_t v : extra)
@@ -120,24 +123,31 @@ struct ConvLayouts {
 };
 
 inline const char* layout_name(bool nhwc) { return nhwc ? "NHWC" : "NCHW"; }
+inline const char* w_layout_name(bool krsc) { return krsc ? "KRSC" : "RSCK"; }
 
-// Reads x_layout, y_layout and extra_layouts (n_extras: the program's extra inputs);
-// throws Error on an unknown value or a wrong count.
+// Reads the optional string attribute `name`, one of `a` (the default when absent) and `b`:
+// true when it is `b`. Throws Error on another value or an attribute of another type.
+inline bool read_choice_attr(const OrtKernelInfo* info, const char* name, const char* a, const char* b) {
+  const std::string expected = std::string("\"") + a + "\" or \"" + b + "\"";
+  std::string v;
+  if (!get_string_attr(info, name, &v)) {
+    int64_t dummy = 0;
+    std::vector<int64_t> dummies;
+    if (get_int_attr(info, name, &dummy) || get_ints_attr(info, name, &dummies))
+      throw Error(std::string("attribute '") + name + "' must be a string, " + expected);
+    return false;  // absent: a
+  }
+  if (v != a && v != b) throw Error(std::string("attribute '") + name + "' is \"" + v + "\", expected " + expected);
+  return v == b;
+}
+
+// Reads x_layout, y_layout, w_layout and extra_layouts (n_extras: the program's extra
+// inputs); throws Error on an unknown value or a wrong count.
 inline ConvLayouts read_conv_layouts(const OrtKernelInfo* info, size_t n_extras) {
   ConvLayouts l;
-  for (const char* name : {"x_layout", "y_layout"}) {
-    std::string v;
-    if (!get_string_attr(info, name, &v)) {
-      int64_t dummy = 0;
-      std::vector<int64_t> dummies;
-      if (get_int_attr(info, name, &dummy) || get_ints_attr(info, name, &dummies))
-        throw Error(std::string("attribute '") + name + "' must be a string, \"NCHW\" or \"NHWC\"");
-      continue;  // absent: NCHW
-    }
-    if (v != "NCHW" && v != "NHWC")
-      throw Error(std::string("attribute '") + name + "' is \"" + v + "\", expected \"NCHW\" or \"NHWC\"");
-    (name[0] == 'x' ? l.x_nhwc : l.y_nhwc) = v == "NHWC";
-  }
+  l.x_nhwc = read_choice_attr(info, "x_layout", "NCHW", "NHWC");
+  l.y_nhwc = read_choice_attr(info, "y_layout", "NCHW", "NHWC");
+  l.w_krsc = read_choice_attr(info, "w_layout", "RSCK", "KRSC");
   if (get_ints_attr(info, "extra_layouts", &l.extra)) {
     if (l.extra.size() != n_extras)
       throw Error("attribute 'extra_layouts' is " + ints_str(l.extra.data(), l.extra.size()) + ", " +
@@ -180,10 +190,10 @@ inline void check_rank4(const Shape& x, const char* what, bool nhwc = false) {
 }
 
 // Checks X ([N, C, H, W], or [N, H, W, C] with x_nhwc), the packed weights
-// [R, S, C/group, K] and the bias [K] against each other and the attributes; returns the
-// sizes.
+// ([R, S, C/group, K], or [K, R, S, C/group] with w_krsc) and the bias [K] against each
+// other and the attributes; returns the sizes.
 inline ConvShapes conv_shapes(const ConvParams& c, const PoolParams* pool, const Shape& x, const Shape& w,
-                              const Shape& b, bool x_nhwc = false) {
+                              const Shape& b, bool x_nhwc = false, bool w_krsc = false) {
   const char* xname = x_nhwc ? "X, x_layout NHWC" : "X";
   check_rank4(x, xname, x_nhwc);
   ConvShapes s;
@@ -195,13 +205,17 @@ inline ConvShapes conv_shapes(const ConvParams& c, const PoolParams* pool, const
     throw Error(std::string("input 0 (") + xname + ") has " + std::to_string(s.C) +
                 " channels, not a multiple of group " + std::to_string(c.group));
   const int64_t cg = s.C / c.group;
-  if (w.size() != 4 || w[0] != c.kernel[0] || w[1] != c.kernel[1] || w[2] != cg)
-    throw Error("input 1 (W) has shape " + shape_str(w) + ", expected the packed weights [R, S, C/group, K] = [" +
-                std::to_string(c.kernel[0]) + ", " + std::to_string(c.kernel[1]) + ", " + std::to_string(cg) +
-                ", K] (kernel_shape " + ints_str(c.kernel, 2) + ", X's C = " + std::to_string(s.C) +
+  const std::string r = std::to_string(c.kernel[0]), sz = std::to_string(c.kernel[1]), cgs = std::to_string(cg);
+  const bool w_ok = w.size() == 4 && (w_krsc ? w[1] == c.kernel[0] && w[2] == c.kernel[1] && w[3] == cg
+                                             : w[0] == c.kernel[0] && w[1] == c.kernel[1] && w[2] == cg);
+  if (!w_ok)
+    throw Error("input 1 (W) has shape " + shape_str(w) + ", expected the packed weights " +
+                (w_krsc ? "[K, R, S, C/group] = [K, " + r + ", " + sz + ", " + cgs + "] (w_layout KRSC, "
+                        : "[R, S, C/group, K] = [" + r + ", " + sz + ", " + cgs + ", K] (") +
+                "kernel_shape " + ints_str(c.kernel, 2) + ", X's C = " + std::to_string(s.C) +
                 (x_nhwc ? " from its last dimension (x_layout NHWC: X is [N, H, W, C])" : "") + ", group " +
                 std::to_string(c.group) + ")");
-  s.K = w[3];
+  s.K = w_krsc ? w[0] : w[3];
   if (s.K % c.group != 0)
     throw Error("input 1 (W) has K = " + std::to_string(s.K) + " output channels, not a multiple of group " +
                 std::to_string(c.group));

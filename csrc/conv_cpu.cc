@@ -12,7 +12,9 @@
 // padded NCHW fp32 copy of X. Without a pool, an NHWC output makes pass 1 store the conv
 // result as [N, P, Q, K] and pass 2 run over that order, writing the output directly; with
 // a pool, passes 1-3 run in NCHW and the pooled result is transposed into the output. The
-// program reads each extra input through its strides over the order it runs in.
+// program reads each extra input through its strides over the order it runs in. KRSC
+// weights (w_layout) are read in their order when the tile loop repacks them; the rows loop
+// reads RSCK, so KRSC weights are first copied into that order.
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
@@ -111,8 +113,9 @@ struct ConvJob {
   int64_t Hp = 0, Wp = 0;  // padded input
   bool x_nhwc = false;        // the node's X is [N, H, W, C] (the padded copy is NCHW all the same)
   bool y_nhwc = false;        // y is [N, P, Q, K]
+  bool w_krsc = false;        // the node's W is [K, R, S, C/group] (w_layout KRSC)
   const float* x = nullptr;   // padded X [N, C, Hp, Wp]
-  const float* w = nullptr;   // rows: the weights [R, S, C/group, K]; tiles: repacked (above)
+  const float* w = nullptr;   // rows: the weights [R, S, C/group, K] (KRSC: repacked so); tiles: repacked (above)
   const float* b = nullptr;   // bias [K]
   float* y = nullptr;         // conv result [N, K, P, Q], or [N, P, Q, K] with y_nhwc
   DType y_dtype = DType::F32;  // the value the conv result is rounded to (program %0)
@@ -349,15 +352,17 @@ const float* padded_input(OrtKernelContext* ctx, const TensorRef& x, ConvJob& j,
   return dst;
 }
 
-// The weights [R, S, C/group, K] as the tile loop reads them: [group][K block][C/group][R]
-// [S][kKB], channels past K/group zero.
+// The weights ([R, S, C/group, K], or [K, R, S, C/group] with w_krsc) as the tile loop
+// reads them: [group][K block][C/group][R][S][kKB], channels past K/group zero.
 const float* tile_weights(OrtKernelContext* ctx, const TensorRef& w, const ConvJob& j, Floats* buf) {
   const int64_t R = j.c.kernel[0], S = j.c.kernel[1], Cg = j.Cg, K = j.s.K, T = Cg * R * S;
-  const bool half = w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  const bool half = w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16, krsc = j.w_krsc;
+  // element (r, s, ci, k): RSCK ((r * S + s) * Cg + ci) * K + k; KRSC k * T + (r * S + s) * Cg + ci
+  const int64_t k_stride = krsc ? T : 1;
   *buf = Floats(j.alloc, j.c.group * j.k_blocks * T * kKB);
   float* dst = buf->get();
   const void* src = w.data;
-  parallel_for(ctx, j.c.group * j.k_blocks, [&j, dst, src, half, R, S, Cg, K, T](int64_t gb) {
+  parallel_for(ctx, j.c.group * j.k_blocks, [&j, dst, src, half, krsc, k_stride, R, S, Cg, K, T](int64_t gb) {
     const int64_t g = gb / j.k_blocks, kblk = gb % j.k_blocks;
     const int64_t k0 = g * j.Kg + kblk * kKB;
     const int64_t kb = std::min<int64_t>(kKB, j.Kg - kblk * kKB);
@@ -365,9 +370,26 @@ const float* tile_weights(OrtKernelContext* ctx, const TensorRef& w, const ConvJ
     for (int64_t ci = 0; ci < Cg; ++ci)
       for (int64_t r = 0; r < R; ++r)
         for (int64_t s = 0; s < S; ++s, d += kKB) {
-          const int64_t base = ((r * S + s) * Cg + ci) * K + k0;
-          for (int64_t kk = 0; kk < kKB; ++kk) d[kk] = kk < kb ? widen(src, half, base + kk) : 0.0f;
+          const int64_t tap = (r * S + s) * Cg + ci;
+          const int64_t base = krsc ? k0 * T + tap : tap * K + k0;
+          for (int64_t kk = 0; kk < kKB; ++kk) d[kk] = kk < kb ? widen(src, half, base + kk * k_stride) : 0.0f;
         }
+  });
+  return dst;
+}
+
+// KRSC weights [K, R, S, C/group] as fp32 RSCK [R, S, C/group, K], the rows loop's order:
+// one task per output channel k, each writing the strided column k of the result.
+const float* rsck_weights(OrtKernelContext* ctx, const TensorRef& w, const ConvJob& j, Floats* buf) {
+  const int64_t K = j.s.K, T = j.Cg * j.c.kernel[0] * j.c.kernel[1];  // T: taps (r, s, ci) per channel
+  const bool half = w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+  *buf = Floats(j.alloc, K * T);
+  float* dst = buf->get();
+  const void* src = w.data;
+  const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, T));
+  parallel_for(ctx, ceil_div(K, per_task), [dst, src, half, K, T, per_task](int64_t t) {
+    for (int64_t k = t * per_task; k < std::min(K, (t + 1) * per_task); ++k)
+      for (int64_t tap = 0; tap < T; ++tap) dst[tap * K + k] = widen(src, half, k * T + tap);
   });
   return dst;
 }
@@ -400,7 +422,9 @@ void run_conv(OrtKernelContext* ctx, ConvJob& j, const TensorRef& x, const Tenso
     j.chunk = std::max<int64_t>(1, kTaskWork / tap_work / kPosAlign) * kPosAlign;
     j.chunks = ceil_div(s.P * s.Q, j.chunk);
   } else {
-    if (w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
+    if (j.w_krsc) {
+      j.w = rsck_weights(ctx, w, j, &wb);
+    } else if (w.type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16) {
       const int64_t nw = numel(w.shape);
       wb = Floats(j.alloc, nw);
       for (int64_t i = 0; i < nw; ++i) wb[i] = f16_to_f32(static_cast<const uint16_t*>(w.data)[i]);
@@ -632,7 +656,7 @@ struct ConvKernel : KernelBase {
     if (t[0].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t[0].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
       throw Error(std::string("input 0 (X) is ") + elem_type_name(t[0].type) + ", FusedConv takes float32 or float16");
     const ConvShapes s =
-        conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape, lay.x_nhwc);
+        conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape, lay.x_nhwc, lay.w_krsc);
     const Shape conv_out = s.conv_out();
     for (size_t i = 3; i < t.size(); ++i)
       check_conv_extra(i, static_cast<int>(i - 2), t[i].shape, lay.extra_nhwc(i - 3), conv_out);
@@ -649,6 +673,7 @@ struct ConvKernel : KernelBase {
     job.s = s;
     job.x_nhwc = lay.x_nhwc;
     job.y_nhwc = nhwc;
+    job.w_krsc = lay.w_krsc;
     job.y_dtype = prog.inputs[0];
     Floats y(alloc, numel(conv_out));
     job.y = y.get();

@@ -148,9 +148,11 @@ struct Meta {
   bool pool_in_epilogue = false;
   int64_t pool_window[2] = {1, 1};
   // conv: the layouts the kernel was compiled for ("x_layout", "y_layout": "nchw" when
-  // absent) and "extra_layouts" (all 0 when absent), as the node's attributes must say
+  // absent; "w_layout": "rsck" when absent) and "extra_layouts" (all 0 when absent), as the
+  // node's attributes must say
   bool x_nhwc = false;
   bool y_nhwc = false;
+  bool w_krsc = false;
   std::vector<int64_t> extra_layouts;
 
   // "cubin sm_90 (variant 0), ptx sm_90 (variant 0), ..."
@@ -253,6 +255,11 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
       if (v->kind != Json::STRING || (v->str != "nchw" && v->str != "nhwc"))
         throw Error(std::string("kernel_meta: ") + key + " must be \"nchw\" or \"nhwc\"");
       (key[0] == 'x' ? m.x_nhwc : m.y_nhwc) = v->str == "nhwc";
+    }
+    if (const Json* v = j.get("w_layout")) {
+      if (v->kind != Json::STRING || (v->str != "rsck" && v->str != "krsc"))
+        throw Error("kernel_meta: w_layout must be \"rsck\" or \"krsc\"");
+      m.w_krsc = v->str == "krsc";
     }
     m.extra_layouts.assign(n_inputs - 1, 0);
     if (const Json* el = j.get("extra_layouts")) {
@@ -695,7 +702,7 @@ struct ConvKernel : CudaKernelBase {
     lay = read_conv_layouts(info, prog.inputs.size() - 1);
   }
 
-  // The node's layouts and the kernel's must agree: the kernel addresses X and Y in the
+  // The node's layouts and the kernel's must agree: the kernel addresses X, W and Y in the
   // layouts it was compiled for (docs/format.md, FusedConv, Layouts).
   void check_layout_meta() {
     if (!meta_error.empty()) return;
@@ -707,6 +714,9 @@ struct ConvKernel : CudaKernelBase {
       meta_error = "the node has extra_layouts " + ints_str(lay.extra.data(), lay.extra.size()) +
                    ", its kernel_meta has extra_layouts " +
                    ints_str(meta.extra_layouts.data(), meta.extra_layouts.size()) + " (absent: all 0)";
+    else if (lay.w_krsc != meta.w_krsc)
+      meta_error = std::string("the node has w_layout ") + w_layout_name(lay.w_krsc) +
+                   ", its kernel_meta has w_layout \"" + (meta.w_krsc ? "krsc" : "rsck") + "\" (absent: \"rsck\")";
   }
 
   // The node's pool and the kernel's must agree: the kernel pools in its epilogue, which
@@ -734,7 +744,7 @@ struct ConvKernel : CudaKernelBase {
     if (!meta_error.empty()) throw Error(meta_error);
     const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 3);
     const ConvShapes s =
-        conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape, lay.x_nhwc);
+        conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape, lay.x_nhwc, lay.w_krsc);
     const Shape conv_out = s.conv_out();
     for (size_t i = 3; i < t.size(); ++i)
       check_conv_extra(i, static_cast<int>(i - 2), t[i].shape, lay.extra_nhwc(i - 3), conv_out);
@@ -752,7 +762,7 @@ struct ConvKernel : CudaKernelBase {
     const std::vector<const void*> ptrs = layer_pointers(t, y, &largest);
 
     // docs/format.md, kind conv: pointers, int32 N H W P Q OP OQ (whatever the layouts:
-    // the kernel addresses X and Y in its compiled layouts), then each extra input's 4
+    // the kernel addresses X, W and Y in its compiled layouts), then each extra input's 4
     // strides over [N, K, P, Q] (an NHWC extra's permuted).
     Params& p = thread_params();
     for (const void* ptr : ptrs) p.ptr(ptr);

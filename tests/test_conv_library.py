@@ -21,6 +21,8 @@ relative difference.
 Layouts (FusedConv's optional x_layout, y_layout and extra_layouts): the reference is the
 same computation with Transpose nodes around it (NHWC X -> NCHW before the Conv, each NHWC
 extra input before the program, the output -> NHWC after the MaxPool), on the same inputs.
+w_layout KRSC: the fused node gets the weights packed [K, R, S, C/group], the reference the
+same ONNX weights as always.
 """
 
 from __future__ import annotations
@@ -177,6 +179,7 @@ class ConvCase:
     threads: int = 0
     x_layout: str = "NCHW"  # X [N, C, H, W], or "NHWC" [N, H, W, C] (shape x stays N, C, H, W)
     y_layout: str = "NCHW"
+    w_layout: str = "RSCK"  # packed weights [R, S, C/group, K], or "KRSC" [K, R, S, C/group]
     id: str = field(default="", compare=False)
 
     @property
@@ -193,6 +196,8 @@ class ConvCase:
             a["y_layout"] = self.y_layout
         if any(self.extra_layouts):
             a["extra_layouts"] = list(self.extra_layouts)
+        if self.w_layout != "RSCK":
+            a["w_layout"] = self.w_layout
         return a
 
 
@@ -268,6 +273,51 @@ CONV_CASES = [
              y_layout="NHWC", id="big_nhwc"),
     ConvCase((2, 32, 40, 40), 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
              extras=("full_nhwc",), x_layout="NHWC", y_layout="NHWC", threads=1, id="big_nhwc_pool_one_thread"),
+    # w_layout KRSC: weights [K, R, S, C/group] (the optimizer's NHWC path); R != S and
+    # C/group > 1 in some cases, so that a mixed-up axis shows
+    ConvCase((1, 3, 8, 8), 4, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), w_layout="KRSC", id="krsc_3x3_same"),
+    ConvCase((1, 20, 17, 19), 40, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), w_layout="KRSC", id="krsc_k_blocks_partial"),
+    ConvCase((1, 5, 10, 7), 17, ConvAttrs((3, 2), strides=(2, 1), pads=(0, 1, 2, 0), dilations=(2, 1)),
+             w_layout="KRSC", id="krsc_3x2_dilated"),
+    ConvCase((1, 2, 13, 9), 3, ConvAttrs((2, 3), dilations=(3, 1), strides=(1, 3), pads=(1, 0, 0, 2)),
+             w_layout="KRSC", id="krsc_2x3_narrow"),
+    ConvCase((2, 16, 7, 9), 24, ConvAttrs((1, 1)), w_layout="KRSC", id="krsc_1x1"),
+    ConvCase((1, 6, 10, 10), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=2), w_layout="KRSC", id="krsc_group2"),
+    ConvCase((1, 6, 9, 11), 20, ConvAttrs((3, 2), pads=(1, 0, 1, 1), group=2), w_layout="KRSC",
+             id="krsc_group2_3x2_wide"),
+    ConvCase((2, 8, 10, 11), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=8), w_layout="KRSC", id="krsc_depthwise"),
+    ConvCase((1, 4, 9, 9), 12, ConvAttrs((3, 3), strides=(2, 2), group=4), w_layout="KRSC",
+             id="krsc_depthwise_multiplier3_stride2"),
+    ConvCase((2, 4, 8, 8), 6, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), extras=("full",), w_layout="KRSC",
+             id="krsc_residual"),
+    ConvCase((2, 3, 16, 16), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)), w_layout="KRSC",
+             id="krsc_pool2x2"),
+    ConvCase((1, 3, 17, 16), 6, ConvAttrs((3, 3)), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), extras=("channel",),
+             w_layout="KRSC", id="krsc_pool3x3_s2_p1"),
+    ConvCase((2, 5, 11, 13), 7, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), x_layout="NHWC", w_layout="KRSC",
+             id="krsc_nhwc_x"),
+    ConvCase((2, 4, 15, 17), 6, ConvAttrs((3, 3), strides=(2, 2), pads=(1, 1, 1, 1)), y_layout="NHWC",
+             extras=("channel", "row"), w_layout="KRSC", id="krsc_nhwc_y"),
+    ConvCase((2, 4, 8, 9), 12, ConvAttrs((3, 3), pads=(1, 2, 0, 1)), x_layout="NHWC", y_layout="NHWC",
+             extras=("full_nhwc", "channel"), w_layout="KRSC", id="krsc_nhwc_both_residual"),
+    ConvCase((2, 8, 10, 11), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=8), x_layout="NHWC", y_layout="NHWC",
+             extras=("full_nhwc",), act="silu", w_layout="KRSC", id="krsc_nhwc_both_depthwise"),
+    ConvCase((1, 12, 9, 10), 24, ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=3), x_layout="NHWC", y_layout="NHWC",
+             w_layout="KRSC", id="krsc_nhwc_both_group3"),
+    ConvCase((2, 4, 16, 16), 8, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             extras=("full_nhwc", "channel"), x_layout="NHWC", y_layout="NHWC", w_layout="KRSC",
+             id="krsc_nhwc_both_pool2x2"),
+    ConvCase((2, 4, 10, 11), 6, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), dtype="f16", w_layout="KRSC", id="krsc_f16"),
+    ConvCase((2, 4, 16, 16), 6, ConvAttrs((3, 3), strides=(2, 2), pads=(1, 0, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             extras=("full_nhwc", "channel"), dtype="f16", x_layout="NHWC", y_layout="NHWC", w_layout="KRSC",
+             id="krsc_nhwc_f16_both_pool"),
+    ConvCase((1, 8, 9, 9), 8, ConvAttrs((3, 3), dilations=(2, 2), group=8), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)),
+             act="silu", dtype="f16", w_layout="KRSC", id="krsc_f16_depthwise_dilated_pool"),
+    ConvCase((2, 32, 40, 40), 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), extras=("full_nhwc",), x_layout="NHWC",
+             y_layout="NHWC", w_layout="KRSC", id="big_nhwc_krsc"),
+    ConvCase((2, 32, 40, 40), 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             extras=("full_nhwc",), x_layout="NHWC", y_layout="NHWC", w_layout="KRSC", threads=1,
+             id="big_nhwc_krsc_pool_one_thread"),
 ]
 
 
@@ -294,7 +344,8 @@ def conv_feeds(case: ConvCase, rng: np.random.Generator) -> tuple[dict, dict, tu
         # multiplied extras (even i >= 2) stay in [0.5, 1.5]
         e = rng.uniform(0.5, 1.5, shape) if i % 2 else rng.standard_normal(shape)
         extras[f"e{i}"] = np.asarray(e).astype(dt)
-    fused = {"x": x, "w": np.ascontiguousarray(wt.transpose(2, 3, 1, 0)), "b": b, **extras}
+    packed = wt.transpose(0, 2, 3, 1) if case.w_layout == "KRSC" else wt.transpose(2, 3, 1, 0)
+    fused = {"x": x, "w": np.ascontiguousarray(packed), "b": b, **extras}
     ref = {"x": x, "w": wt, **({"b": b} if case.bias else {}), **extras}
     return fused, ref, (n, case.k, p, q)
 
@@ -364,7 +415,7 @@ def test_layer_ref_honours_layouts(case_id, lib):
 
 
 def test_fused_conv_is_deterministic_across_thread_counts(lib):
-    for case in [c for c in CONV_CASES if c.id in ("big", "big_nhwc_pool_one_thread")]:
+    for case in [c for c in CONV_CASES if c.id in ("big", "big_nhwc_pool_one_thread", "big_nhwc_krsc")]:
         fused_feeds, _, _ = conv_feeds(case, np.random.default_rng(7))
         model = fused_conv_model(case.conv, case.pool, epilogue(1), [4], **case.layout_attrs)
         np.testing.assert_array_equal(run(model, fused_feeds, lib, threads=1),
@@ -538,7 +589,12 @@ def test_fused_conv_attribute_errors_at_session_creation(attrs, msg, lib):
     ({"x_layout": 1}, r"attribute 'x_layout' must be a string"),
     ({"extra_layouts": [0, 1]}, r"attribute 'extra_layouts' is \[0, 1\], 2 values for 1 extra inputs"),
     ({"extra_layouts": [2]}, r"attribute 'extra_layouts' is \[2\], values must be 0 \(as is\) or 1 \(NHWC\)"),
-], ids=["bad_x_layout", "lower_case_y_layout", "int_x_layout", "extra_layouts_count", "extra_layouts_value"])
+    ({"w_layout": "KCRS"}, r"attribute 'w_layout' is \"KCRS\", expected \"RSCK\" or \"KRSC\""),
+    ({"w_layout": "krsc"}, r"attribute 'w_layout' is \"krsc\", expected \"RSCK\" or \"KRSC\""),
+    ({"w_layout": 1}, r"attribute 'w_layout' must be a string, \"RSCK\" or \"KRSC\""),
+    ({"w_layout": [1, 2]}, r"attribute 'w_layout' must be a string, \"RSCK\" or \"KRSC\""),
+], ids=["bad_x_layout", "lower_case_y_layout", "int_x_layout", "extra_layouts_count", "extra_layouts_value",
+        "bad_w_layout", "lower_case_w_layout", "int_w_layout", "ints_w_layout"])
 def test_fused_conv_layout_attribute_errors_at_session_creation(attrs, msg, lib):
     model = fused_conv_model(ConvAttrs((3, 3)), None, epilogue(1), [4], **attrs)
     with pytest.raises(Exception, match=r"onnxfuse FusedConv node 'conv0': " + msg):
@@ -583,6 +639,62 @@ def test_fused_conv_nhwc_shape_errors(kw, msg, lib):
         return
     with pytest.raises(Exception, match=r"onnxfuse FusedConv node 'conv0': " + msg):
         run(model, feeds, lib)
+
+
+KRSC_ERRORS = [
+    # RSCK weights given to a KRSC node
+    (dict(w=(3, 3, 4, 6)), r"input 1 \(W\) has shape \[3, 3, 4, 6\], expected the packed weights \[K, R, S, C/group\] "
+                           r"= \[K, 3, 3, 4\] \(w_layout KRSC, kernel_shape \[3, 3\], X's C = 4, group 1\)"),
+    (dict(w=(6, 3, 3, 5)), r"input 1 \(W\) has shape \[6, 3, 3, 5\], expected the packed weights "
+                           r"\[K, R, S, C/group\] = \[K, 3, 3, 4\] \(w_layout KRSC"),
+    (dict(w=(6, 3, 3)), r"input 1 \(W\) has shape \[6, 3, 3\], expected the packed weights \[K, R, S, C/group\]"),
+    # K comes from W's first dimension
+    (dict(w=(5, 3, 3, 4)), r"input 2 \(B\) has shape \[6\], expected the bias \[K\] = \[5\]"),
+    (dict(w=(5, 3, 3, 4), b=(5,), extras=[(1, 5, 1, 1)]), None),  # fine: K = 5
+    # an NCHW X given to an NHWC node: C is read from the last dimension
+    (dict(x_layout="NHWC"),
+     r"input 1 \(W\) has shape \[6, 3, 3, 4\], expected the packed weights \[K, R, S, C/group\] = "
+     r"\[K, 3, 3, 8\] \(w_layout KRSC, kernel_shape \[3, 3\], X's C = 8 from its last dimension"),
+    (dict(group=2, w=(5, 3, 3, 2), b=(5,), extras=[(1, 5, 1, 1)]),
+     r"input 1 \(W\) has K = 5 output channels, not a multiple of group 2"),
+    (dict(group=2), r"input 1 \(W\) has shape \[6, 3, 3, 4\], expected the packed weights \[K, R, S, C/group\] = "
+                    r"\[K, 3, 3, 2\] \(w_layout KRSC, kernel_shape \[3, 3\], X's C = 4, group 2\)"),
+]
+
+
+@pytest.mark.parametrize("kw,msg", KRSC_ERRORS, ids=[str(k) for k, _ in KRSC_ERRORS])
+def test_fused_conv_krsc_shape_errors(kw, msg, lib):
+    """w_layout KRSC: W must be [K, R, S, C/group], K is its first dimension. X [1, 4, 8, 8]
+    (NCHW unless the case says x_layout), W [6, 3, 3, 4], pads 1."""
+    kw = dict(kw)
+    extras = kw.pop("extras", [(1, 6, 1, 1)])
+    layouts = {"x_layout": kw.pop("x_layout")} if "x_layout" in kw else {}
+    conv = ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=kw.pop("group", 1))
+    model = without_ranks(fused_conv_model(conv, None, epilogue(1), [len(s) for s in extras], w_layout="KRSC",
+                                           **layouts))
+    feeds = _conv_feeds(**{"w": (6, 3, 3, 4), **kw, "extras": extras})
+    if msg is None:
+        assert run(model, feeds, lib).shape == (1, 5, 8, 8)
+        return
+    with pytest.raises(Exception, match=r"onnxfuse FusedConv node 'conv0': " + msg):
+        run(model, feeds, lib)
+
+
+def test_fused_conv_krsc_is_not_rsck(lib):
+    """The same tensor read as KRSC and as RSCK (a square one, so both nodes accept it)
+    gives different results: the attribute is not ignored."""
+    conv = ConvAttrs((3, 3), pads=(1, 1, 1, 1))
+    rng = np.random.default_rng(17)
+    feeds = {"x": rng.standard_normal((1, 3, 6, 6)).astype(np.float32),
+             "w": rng.standard_normal((3, 3, 3, 3)).astype(np.float32), "b": np.zeros(3, np.float32)}
+    prog = epilogue(0, act="none")
+    krsc = run(fused_conv_model(conv, None, prog, [], w_layout="KRSC"), feeds, lib)
+    rsck = run(fused_conv_model(conv, None, prog, [], w_layout="RSCK"), feeds, lib)
+    np.testing.assert_array_equal(rsck, run(fused_conv_model(conv, None, prog, []), feeds, lib))
+    assert not np.allclose(krsc, rsck)
+    ref = run(reference_conv_model(conv, None, prog, [], (1, 3, 6, 6), True),
+              {**feeds, "w": np.ascontiguousarray(feeds["w"].transpose(0, 3, 1, 2))}, None)
+    np.testing.assert_allclose(krsc, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_conv_nhwc_empty_batch(lib):
@@ -633,6 +745,17 @@ def with_kernels(model: onnx.ModelProto, spec) -> onnx.ModelProto:
     node.attribute.append(helper.make_attribute("kernel_meta", json.dumps(ck.kernel_meta())))
     for i, blob in enumerate(ck.kernels()):
         node.attribute.append(helper.make_attribute(f"kernel_{i}", blob))
+    return model
+
+
+def with_meta_keys(model: onnx.ModelProto, **keys) -> onnx.ModelProto:
+    """The node's kernel_meta with `keys` set, or removed where the value is None (a
+    hand-made mismatch)."""
+    import json
+
+    attr = next(a for a in model.graph.node[0].attribute if a.name == "kernel_meta")
+    meta = {**json.loads(attr.s), **keys}
+    attr.s = json.dumps({k: v for k, v in meta.items() if v is not None}).encode()
     return model
 
 
@@ -696,6 +819,36 @@ def test_cuda_fused_conv_layouts(x_layout, y_layout, pool, lib):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
+CUDA_KRSC = [("NHWC", "NHWC", None), ("NHWC", "NHWC", PoolAttrs((2, 2), (2, 2))), ("NCHW", "NCHW", None)]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_layout,y_layout,pool", CUDA_KRSC,
+                         ids=[f"{x}_{y}" + ("_pool" if p else "") for x, y, p in CUDA_KRSC])
+def test_cuda_fused_conv_krsc(x_layout, y_layout, pool, lib):
+    """w_layout KRSC on CUDA (a kernel compiled for [K, R, S, C] weights, kernel_meta
+    "w_layout": "krsc") against the CPU kernel of the same node."""
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import ConvSpec
+
+    case = ConvCase((2, 12, 10, 14), 20, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), pool,
+                    extras=("full_nhwc" if y_layout == "NHWC" else "full", "channel"), x_layout=x_layout,
+                    y_layout=y_layout, w_layout="KRSC", id="cuda_krsc")
+    prog = epilogue(2)
+    feeds, _, _ = conv_feeds(case, np.random.default_rng(14))
+    ranks = [len(feeds[f"e{i}"].shape) for i in range(2)]
+    model = fused_conv_model(case.conv, pool, prog, ranks, **case.layout_attrs)
+    want = run(model, feeds, lib)  # the CPU kernel
+    idx = CUDA_KRSC.index((x_layout, y_layout, pool))
+    spec = ConvSpec(f"onnxfuse_conv_test_cuda_2{idx:03d}", prog, 12, 20, case.conv, pool, "ieee",
+                    x_layout=x_layout.lower(), y_layout=y_layout.lower(), extra_layouts=case.extra_layouts,
+                    w_layout="krsc")
+    got = run_cuda(with_kernels(model, spec), feeds, lib)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 @gpu
 @pytest.mark.gpu
 def test_cuda_fused_maxpool_extra_of_rank_3(lib):
@@ -738,3 +891,22 @@ def test_cuda_kernel_meta_mismatches_are_clear_errors(lib):
     with pytest.raises(Exception, match=r"FusedConv node 'conv0' \(CUDA\): the node has x_layout NHWC and y_layout "
                                         r"NCHW, its kernel_meta has x_layout \"nchw\" and y_layout \"nchw\""):
         run_cuda(model, {**feeds, "x": np.zeros((1, 8, 8, 4), np.float32)}, lib)
+    # an RSCK kernel (kernel_meta without w_layout) attached to a node with w_layout KRSC
+    krsc_feeds = {**feeds, "w": np.zeros((6, 3, 3, 4), np.float32)}
+    model = with_kernels(fused_conv_model(conv, None, epilogue(0), [], w_layout="KRSC"),
+                         ConvSpec("onnxfuse_conv_test_cuda_0003", epilogue(0), 4, 6, conv, None, "ieee"))
+    with pytest.raises(Exception, match=r"FusedConv node 'conv0' \(CUDA\): the node has w_layout KRSC, its "
+                                        r"kernel_meta has w_layout \"rsck\" \(absent: \"rsck\"\)"):
+        run_cuda(with_meta_keys(model, w_layout=None), krsc_feeds, lib)
+    # a kernel_meta saying krsc on a node without w_layout (RSCK)
+    model = with_kernels(fused_conv_model(conv, None, epilogue(0), []),
+                         ConvSpec("onnxfuse_conv_test_cuda_0003", epilogue(0), 4, 6, conv, None, "ieee"))
+    with pytest.raises(Exception, match=r"FusedConv node 'conv0' \(CUDA\): the node has w_layout RSCK, its "
+                                        r"kernel_meta has w_layout \"krsc\""):
+        run_cuda(with_meta_keys(model, w_layout="krsc"), feeds, lib)
+    # w_layout in kernel_meta is lower case
+    model = with_kernels(fused_conv_model(conv, None, epilogue(0), [], w_layout="KRSC"),
+                         ConvSpec("onnxfuse_conv_test_cuda_0003", epilogue(0), 4, 6, conv, None, "ieee"))
+    with pytest.raises(Exception, match=r"FusedConv node 'conv0' \(CUDA\): kernel_meta: w_layout must be \"rsck\" "
+                                        r"or \"krsc\""):
+        run_cuda(with_meta_keys(model, w_layout="KRSC"), krsc_feeds, lib)
