@@ -46,6 +46,8 @@ LAYERS = [
     ("vgg block3 64 28 +pool", 32, 64, 28, 64, True),
     ("resnet 128 28", 32, 128, 28, 128, False),
     ("resnet 256 14", 32, 256, 14, 256, False),
+    ("yolo b1 64 40", 1, 64, 40, 64, False),
+    ("yolo b1 128 20", 1, 128, 20, 128, False),
 ]
 
 CONFIGS = [  # block_m, block_n, block_k, warps, stages
@@ -57,10 +59,11 @@ CONFIGS = [  # block_m, block_n, block_k, warps, stages
 QUICK = CONFIGS[:4]
 # Channels-last: 16-byte loads along channels, and with 4+ warps Triton emits sm_90 wgmma,
 # whose TF32 form wants both operands K-major (weights packed [K, R, S, C]: "krsc").
-NHWC_CONFIGS = [
-    (64, 64, 32, 2, 3), (64, 64, 32, 2, 4), (64, 128, 32, 4, 3), (64, 128, 32, 4, 4), (128, 64, 32, 4, 3),
-    (128, 64, 32, 4, 4), (128, 128, 32, 4, 3), (128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 3),
+NHWC_CONFIGS = [  # the first five: the best of the first channels-last sweep
+    (128, 64, 32, 4, 3), (64, 128, 32, 4, 3), (128, 64, 32, 4, 4), (128, 128, 32, 4, 3), (64, 64, 32, 2, 3),
+    (64, 128, 32, 4, 4), (64, 64, 32, 2, 4), (128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 3),
     (128, 128, 64, 8, 3), (256, 64, 32, 8, 3), (256, 128, 32, 8, 3), (64, 64, 64, 4, 3), (64, 256, 32, 8, 3),
+    (64, 64, 32, 4, 3), (64, 32, 32, 4, 3),
 ]
 
 
@@ -80,9 +83,11 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--precision", default="tf32")
     ap.add_argument("--layouts", default="nchw,nhwc,nhwc-krsc",
-                    help="kernel layouts to time: nchw (X, Y NCHW, weights [R,S,C,K]), nhwc (X, Y channels "
-                         "last), nhwc-krsc (channels last and weights [K,R,S,C])")
+                    help="kernel layouts to time, X[-W[-Y]]: nchw (X, Y NCHW, weights [R,S,C,K]), nhwc (X, Y "
+                         "channels last), nhwc-krsc (channels last, weights [K,R,S,C]), nhwc-krsc-nchw "
+                         "(channels-last X, NCHW Y)")
     ap.add_argument("--layers", default=None, help="comma-separated indices into LAYERS (default: all)")
+    ap.add_argument("--configs", type=int, default=None, help="time only the first N configurations per layout")
     args = ap.parse_args()
 
     import torch
@@ -134,19 +139,23 @@ def main() -> None:
         layouts = args.layouts.split(",")
         for layout in layouts:
             # nhwc: X and Y channels last (the same logical tensors; the kernel reads storage)
-            xin = x if layout == "nchw" else xl
-            xlay, wlay = (layout.split("-") + ["rsck"])[:2]
+            parts = layout.split("-")  # X layout [-weights [-Y layout]]
+            xlay, wlay, ylay = parts[0], (parts[1:2] or ["rsck"])[0], (parts[2:3] or [parts[0]])[0]
+            xin = x if xlay == "nchw" else xl
             wt = wk if wlay == "krsc" else wp
             y = torch.empty(n, k, op, oq, device=dev)
-            if xlay == "nhwc":
+            if ylay == "nhwc":
                 y = y.to(memory_format=torch.channels_last)
             lbest = None
-            configs = CONFIGS[:6] if xlay == "nchw" else NHWC_CONFIGS  # NCHW: the 6 best of the first sweep
+            # NCHW: the 6 best of the first sweep
+            configs = CONFIGS[:6] if wlay == "rsck" and xlay == "nchw" else NHWC_CONFIGS
+            if args.configs:
+                configs = configs[:args.configs]
             for i, (bm, bn, bk, nw, ns) in enumerate(configs[:4] if args.quick else configs):
                 v = ConvVariant(0, bm, bn, bk, nw, ns)
                 name = f"k_conv_{len(out['layers'])}_{layout.replace('-', '_')}_{i}"
                 try:
-                    spec = ConvSpec(name, RELU, c, k, conv, pa, args.precision, x_layout=xlay, y_layout=xlay,
+                    spec = ConvSpec(name, RELU, c, k, conv, pa, args.precision, x_layout=xlay, y_layout=ylay,
                                     w_layout=wlay)
                     ks = generate_conv(spec, v)
                     fn = _load(ks.source, name, tmp)

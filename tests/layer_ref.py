@@ -56,7 +56,7 @@ def _layout(attrs: dict, name: str) -> str:
 
 def evaluate_fused(node: NodeProto, inputs: list[np.ndarray]) -> np.ndarray:
     """Output 0 of a FusedConv or FusedMaxPool node for these input values. A FusedConv's
-    optional layout attributes (x_layout, y_layout, extra_layouts) are honoured: NHWC
+    optional layout attributes (x_layout, y_layout, extra_layouts, w_layout) are honoured: NHWC
     tensors are transposed to NCHW before, an NHWC output from NCHW after."""
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     program = Program.from_text(attrs["program"].decode())
@@ -70,7 +70,12 @@ def evaluate_fused(node: NodeProto, inputs: list[np.ndarray]) -> np.ndarray:
         if len(layouts) != len(extras) or any(v not in (0, 1) for v in layouts):
             raise ValueError(f"extra_layouts {layouts} for {len(extras)} extra inputs")
         extras = [e.transpose(0, 3, 1, 2) if v == 1 else e for e, v in zip(extras, layouts, strict=True)]
-        w = packed.transpose(3, 2, 0, 1)  # [R, S, C/group, K] -> [K, C/group, R, S]
+        w_layout = attrs.get("w_layout", b"RSCK")
+        w_layout = w_layout.decode() if isinstance(w_layout, bytes) else w_layout
+        if w_layout not in ("RSCK", "KRSC"):
+            raise ValueError(f"w_layout {w_layout!r}")
+        # [R, S, C/group, K] or [K, R, S, C/group] -> ONNX's [K, C/group, R, S]
+        w = packed.transpose(3, 2, 0, 1) if w_layout == "RSCK" else packed.transpose(0, 3, 1, 2)
         y = conv2d(x, w, b, conv_from_fused(attrs)).astype(x.dtype)  # rounded to X's dtype
         (z,) = evaluate(program, [y, *extras])
     elif node.op_type == "FusedMaxPool":

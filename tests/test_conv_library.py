@@ -397,7 +397,8 @@ def test_fused_conv(case, loop, lib, monkeypatch):
                                atol=conv_atol(case, fused_feeds, scale))
 
 
-@pytest.mark.parametrize("case_id", ["nhwc_both_mixed_extras", "nhwc_y_pool3x3_s2_p1", "nhwc_x_pool2x2", "residual"])
+@pytest.mark.parametrize("case_id", ["nhwc_both_mixed_extras", "nhwc_y_pool3x3_s2_p1", "nhwc_x_pool2x2", "residual",
+                                     "krsc_group2", "krsc_nhwc_both_residual"])
 def test_layer_ref_honours_layouts(case_id, lib):
     """tests/layer_ref.py's numpy reference of a node with layout attributes agrees with the
     library's kernel."""

@@ -172,6 +172,7 @@ def test_convs_reading_nchw_tensors_get_a_transpose_at_the_boundary(tmp_path, mo
               for v in r.model.graph.value_info}
     assert shapes["x_nhwc"] == ["N", 9, 9, 16]
     check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
 
 
 def test_narrow_inputs_stay_nchw(tmp_path, monkeypatch):
