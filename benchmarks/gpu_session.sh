@@ -55,14 +55,17 @@ case "${1:-tests}" in
       --variants ort,ort_graph,onnxfuse,onnxfuse_graph,onnxfuse_cl,onnxfuse_cl_graph --iters 30 \
       --json "$OUT/compare_layout.json" --markdown "$OUT/compare_layout.md" 2>&1 | grep -v "W:onnxruntime" | tail -12
     ;;
-  nhwc)
-    # the NHWC pass with [K,R,S,C] weights: boundary kernels (NCHW Y from channels-last X and
-    # the reverse), the batch-1 YOLO layers, the conv GPU tests, then the conv models
+  nhwc-kernels)
+    # boundary kernels of the NHWC pass (NCHW Y from channels-last X and the reverse), then
+    # the batch-1 YOLO layers
     timeout 150 python3 benchmarks/conv_kernels.py --no-compile --layers 0,2 --configs 6 \
       --layouts nhwc-krsc,nhwc-krsc-nchw,nchw-rsck-nhwc,nchw-krsc --json "$OUT/conv_kernels_boundary.json" \
       > "$OUT/conv_kernels_boundary.log" 2>&1; tail -4 "$OUT/conv_kernels_boundary.log"
     timeout 120 python3 benchmarks/conv_kernels.py --no-compile --layers 7,8 --layouts nchw,nhwc-krsc \
       --json "$OUT/conv_kernels_small.json" > "$OUT/conv_kernels_small.log" 2>&1; tail -4 "$OUT/conv_kernels_small.log"
+    ;;
+  nhwc)
+    # the NHWC pass with [K,R,S,C] weights: the conv GPU tests, then the conv models
     python3 -m pytest -m gpu tests/test_gpu_conv.py tests/test_conv_library.py -q -p no:cacheprovider \
       --junitxml="$OUT/gpu_conv_tests.xml" 2>&1 | tee "$OUT/gpu_conv_tests.log" | tail -6
     python3 benchmarks/compare.py --models "${2:-conv_relu,conv_relu_maxpool,vgg_stack,resnet18,vgg11}" \
