@@ -37,7 +37,7 @@ from onnxfuse.layers import ConvAttrs, PoolAttrs  # noqa: E402
 
 RELU = parse(HEADER + "\ninput %0 {dt}\n%1 = max %0 0.0\noutput %1 {dt}\n".replace("{dt}", "f32"))
 
-# (name, N, C, H, K, pool?)
+# (name, N, C, H, K, pool?[, kernel, stride, pad]): 3x3 stride 1 pad 1 unless given
 LAYERS = [
     ("conv3x3_relu 32x64x112", 32, 64, 112, 64, False),
     ("conv3x3_relu_maxpool 32x64x112", 32, 64, 112, 64, True),
@@ -48,6 +48,7 @@ LAYERS = [
     ("resnet 256 14", 32, 256, 14, 256, False),
     ("yolo b1 64 40", 1, 64, 40, 64, False),
     ("yolo b1 128 20", 1, 128, 20, 128, False),
+    ("resnet stem 3->64 7x7 s2 224", 32, 3, 224, 64, False, 7, 2, 3),
 ]
 
 CONFIGS = [  # block_m, block_n, block_k, warps, stages
@@ -57,6 +58,10 @@ CONFIGS = [  # block_m, block_n, block_k, warps, stages
     (128, 128, 32, 8, 3), (64, 32, 32, 1, 4), (128, 32, 32, 2, 4), (64, 128, 32, 2, 4),
 ]
 QUICK = CONFIGS[:4]
+FLAT_CONFIGS = [  # for few input channels: the reduction R*S*C in one flat loop
+    (64, 64, 32, 2, 3), (128, 64, 32, 4, 3), (64, 64, 16, 2, 4), (128, 64, 16, 4, 3), (128, 64, 32, 4, 2),
+    (64, 64, 32, 4, 2), (256, 64, 32, 8, 2), (64, 64, 64, 2, 2),
+]
 # Channels-last: 16-byte loads along channels, and with 4+ warps Triton emits sm_90 wgmma,
 # whose TF32 form wants both operands K-major (weights packed [K, R, S, C]: "krsc").
 NHWC_CONFIGS = [  # the first five: the best of the first channels-last sweep
@@ -83,7 +88,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     ap.add_argument("--precision", default="tf32")
     ap.add_argument("--layouts", default="nchw,nhwc,nhwc-krsc",
-                    help="kernel layouts to time, X[-W[-Y]]: nchw (X, Y NCHW, weights [R,S,C,K]), nhwc (X, Y "
+                    help="kernel layouts to time, X[-W[-Y]][+flat]: nchw (X, Y NCHW, weights [R,S,C,K]), nhwc (X, Y "
                          "channels last), nhwc-krsc (channels last, weights [K,R,S,C]), nhwc-krsc-nchw "
                          "(channels-last X, NCHW Y)")
     ap.add_argument("--layers", default=None, help="comma-separated indices into LAYERS (default: all)")
@@ -104,18 +109,19 @@ def main() -> None:
     def bench(fn) -> float:
         return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
-    def measure_layer(lname: str, n: int, c: int, h: int, k: int, pool: bool) -> None:
-        conv = ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1))
+    def measure_layer(lname: str, n: int, c: int, h: int, k: int, pool: bool, kw: int = 3, st: int = 1,
+                      pad: int = 1) -> None:
+        conv = ConvAttrs((kw, kw), (st, st), (pad,) * 4)
         pa = PoolAttrs((2, 2), (2, 2)) if pool else None
         g = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(n, c, h, h, generator=g).to(dev)
-        w = (torch.randn(k, c, 3, 3, generator=g) / (c * 9) ** 0.5).to(dev)
+        w = (torch.randn(k, c, kw, kw, generator=g) / (c * kw * kw) ** 0.5).to(dev)
         b = torch.randn(k, generator=g).to(dev)
         wp = w.permute(2, 3, 1, 0).contiguous()
         wk = w.permute(0, 2, 3, 1).contiguous()
 
         def ref_fn(x=x, w=w, b=b, pool=pool):
-            y = torch.relu(torch.nn.functional.conv2d(x, w, b, padding=1))
+            y = torch.relu(torch.nn.functional.conv2d(x, w, b, stride=st, padding=pad))
             return torch.nn.functional.max_pool2d(y, 2, 2) if pool else y
 
         with torch.no_grad():
@@ -139,7 +145,8 @@ def main() -> None:
         layouts = args.layouts.split(",")
         for layout in layouts:
             # nhwc: X and Y channels last (the same logical tensors; the kernel reads storage)
-            parts = layout.split("-")  # X layout [-weights [-Y layout]]
+            flat = layout.endswith("+flat")  # the flat (tap, channel) reduction
+            parts = layout.removesuffix("+flat").split("-")  # X layout [-weights [-Y layout]]
             xlay, wlay, ylay = parts[0], (parts[1:2] or ["rsck"])[0], (parts[2:3] or [parts[0]])[0]
             xin = x if xlay == "nchw" else xl
             wt = wk if wlay == "krsc" else wp
@@ -149,11 +156,13 @@ def main() -> None:
             lbest = None
             # NCHW: the 6 best of the first sweep
             configs = CONFIGS[:6] if wlay == "rsck" and xlay == "nchw" else NHWC_CONFIGS
+            if flat:
+                configs = FLAT_CONFIGS
             if args.configs:
                 configs = configs[:args.configs]
             for i, (bm, bn, bk, nw, ns) in enumerate(configs[:4] if args.quick else configs):
-                v = ConvVariant(0, bm, bn, bk, nw, ns)
-                name = f"k_conv_{len(out['layers'])}_{layout.replace('-', '_')}_{i}"
+                v = ConvVariant(0, bm, bn, bk, nw, ns, flat=flat)
+                name = f"k_conv_{len(out['layers'])}_{layout.replace('-', '_').replace('+', '_')}_{i}"
                 try:
                     spec = ConvSpec(name, RELU, c, k, conv, pa, args.precision, x_layout=xlay, y_layout=ylay,
                                     w_layout=wlay)
@@ -182,7 +191,7 @@ def main() -> None:
             if lbest and (best is None or lbest["ms"] < best["ms"]):
                 best = lbest
         layer["best"] = best
-        flops = 2 * n * k * c * 9 * p * q
+        flops = 2 * n * k * c * kw * kw * p * q
         if best:
             layer["best_tflops"] = flops / best["ms"] / 1e9
         out["layers"].append(layer)
@@ -199,8 +208,8 @@ def main() -> None:
 
 
     chosen = [LAYERS[int(i)] for i in args.layers.split(",")] if args.layers else LAYERS
-    for lname, n, c, h, k, pool in chosen:
-        measure_layer(lname, n, c, h, k, pool)
+    for layer in chosen:
+        measure_layer(*layer)
 
     # Relu + MaxPool 2x2 at 32x64x112x112: the FusedMaxPool kernel against the memory floor.
     n, c, h = 32, 64, 112

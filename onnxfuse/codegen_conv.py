@@ -57,6 +57,9 @@ class ConvVariant:
     block_k: int = 32
     num_warps: int = 4
     num_stages: int = 3
+    # One flat reduction over (tap, channel) instead of BLOCK_K channels per tap: for convs
+    # with few input channels (an RGB image: 3 channels would fill 3 of every BLOCK_K).
+    flat: bool = False
 
     def requires(self) -> dict[str, int]:
         # ptr_align: the weight and bias pointers carry 16-byte divisibility hints (vector
@@ -188,7 +191,9 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
         ("PH", spec.pool.kernel[0] if spec.pool else 1), ("PW", spec.pool.kernel[1] if spec.pool else 1),
         ("WIN", win),
         ("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n), ("BLOCK_K", variant.block_k),
-        ("C_BLOCKS", -(-spec.channels // variant.block_k)), ("STEPS", r * s * -(-spec.channels // variant.block_k)),
+        ("C_BLOCKS", -(-spec.channels // variant.block_k)),
+        ("STEPS", -(-(r * s * spec.channels) // variant.block_k) if variant.flat
+         else r * s * -(-spec.channels // variant.block_k)),
     ]
     source = _conv_module(spec, variant, names, [c for c, _ in constexprs])
     # 16-byte alignment of the pointers is always true for ORT's allocations (the launcher
@@ -292,7 +297,8 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
             + (f"; max pool {pool.kernel[0]}x{pool.kernel[1]} in the epilogue" if pool else "")
             + (f"; X {spec.x_layout.upper()}, Y {spec.y_layout.upper()}"
                if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else "")
-            + ("; weights [K, R, S, C]" if spec.w_layout == "krsc" else ""))
+            + ("; weights [K, R, S, C]" if spec.w_layout == "krsc" else "")
+            + ("; one flat reduction over (tap, channel)" if variant.flat else ""))
     lines = _header(spec.name, what, spec.program, spec.source_nodes)
     lines += _signature(spec.name, names, constexprs)
     body = ["pid_m = tl.program_id(axis=0)", "pid_n = tl.program_id(axis=1)"]
@@ -309,35 +315,8 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
                  "mask_m = (pooled < N * OP * OQ) & (win < PH * PW)",
                  "oq = pooled % OQ", "op = (pooled // OQ) % OP", "n = pooled // (OP * OQ)",
                  "p = op * PH + win // PW", "q = oq * PW + win % PW"]
-    body += ["ih0 = p * STRIDE_H - PAD_H", "iw0 = q * STRIDE_W - PAD_W",
-             "offs_c = tl.arange(0, BLOCK_K)",
-             "# Pointers of the first tap's A tile [pixels, channels] and B tile [channels, filters];",
-             "# every later step only adds a scalar offset to them.",
-             ("a_ptrs = x_ptr + (n * (C * H * W) + ih0 * W + iw0)[:, None] + offs_c[None, :] * (H * W)"
-              if spec.x_layout == "nchw" else
-              "a_ptrs = x_ptr + ((n * H + ih0) * W + iw0)[:, None] * C + offs_c[None, :]  # NHWC"),
-             ("b_ptrs = w_ptr + offs_c[:, None] * K + offs_n[None, :]" if spec.w_layout == "rsck" else
-              "b_ptrs = w_ptr + offs_n[None, :] * (R * S * C) + offs_c[:, None]  # weights [K, R, S, C]"),
-             "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
-             "# One flat loop over (tap, channel block) so that Triton can pipeline it.",
-             "for step in range(0, STEPS):  # STEPS = R * S * C_BLOCKS",
-             "    tap = step // C_BLOCKS",
-             "    c0 = (step % C_BLOCKS) * BLOCK_K",
-             "    dh = (tap // S) * DIL_H",
-             "    dw = (tap % S) * DIL_W",
-             "    in_image = mask_m & (ih0 + dh >= 0) & (ih0 + dh < H) & (iw0 + dw >= 0) & (iw0 + dw < W)",
-             ("    a_step = a_ptrs + (dh * W + dw + c0 * (H * W))" if spec.x_layout == "nchw" else
-              "    a_step = a_ptrs + ((dh * W + dw) * C + c0)"),
-             ("    b_step = b_ptrs + (tap * C + c0) * K" if spec.w_layout == "rsck" else
-              "    b_step = b_ptrs + (tap * C + c0)")]
-    if spec.channels % variant.block_k == 0:
-        body += ["    # C is a multiple of BLOCK_K: no channel mask.",
-                 "    a = tl.load(a_step, mask=in_image[:, None], other=0.0)",
-                 "    b = tl.load(b_step, mask=mask_n[None, :], other=0.0)"]
-    else:
-        body += ["    mask_c = c0 + offs_c < C",
-                 "    a = tl.load(a_step, mask=in_image[:, None] & mask_c[None, :], other=0.0)",
-                 "    b = tl.load(b_step, mask=mask_c[:, None] & mask_n[None, :], other=0.0)"]
+    body += ["ih0 = p * STRIDE_H - PAD_H", "iw0 = q * STRIDE_W - PAD_W"]
+    body += _flat_loop(spec) if variant.flat else _tap_loop(spec, variant)
     if spec.dtype == "f32":
         body.append(f'    acc = tl.dot(a, b, acc, input_precision="{spec.precision}")')
     else:
@@ -368,6 +347,62 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
                  f"tl.store(y_ptr + y_offs, {_store_cast('pooled_val', dt)}, mask=pmask)"]
     lines += ["    " + ln for ln in body]
     return "\n".join(lines) + "\n"
+
+
+def _tap_loop(spec: ConvSpec, variant: ConvVariant) -> list[str]:
+    """The main loop: for each kernel tap, BLOCK_K channels at a time."""
+    body = ["offs_c = tl.arange(0, BLOCK_K)",
+            "# Pointers of the first tap's A tile [pixels, channels] and B tile [channels, filters];",
+            "# every later step only adds a scalar offset to them.",
+            ("a_ptrs = x_ptr + (n * (C * H * W) + ih0 * W + iw0)[:, None] + offs_c[None, :] * (H * W)"
+             if spec.x_layout == "nchw" else
+             "a_ptrs = x_ptr + ((n * H + ih0) * W + iw0)[:, None] * C + offs_c[None, :]  # NHWC"),
+            ("b_ptrs = w_ptr + offs_c[:, None] * K + offs_n[None, :]" if spec.w_layout == "rsck" else
+             "b_ptrs = w_ptr + offs_n[None, :] * (R * S * C) + offs_c[:, None]  # weights [K, R, S, C]"),
+            "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+            "# One flat loop over (tap, channel block) so that Triton can pipeline it.",
+            "for step in range(0, STEPS):  # STEPS = R * S * C_BLOCKS",
+            "    tap = step // C_BLOCKS",
+            "    c0 = (step % C_BLOCKS) * BLOCK_K",
+            "    dh = (tap // S) * DIL_H",
+            "    dw = (tap % S) * DIL_W",
+            "    in_image = mask_m & (ih0 + dh >= 0) & (ih0 + dh < H) & (iw0 + dw >= 0) & (iw0 + dw < W)",
+            ("    a_step = a_ptrs + (dh * W + dw + c0 * (H * W))" if spec.x_layout == "nchw" else
+             "    a_step = a_ptrs + ((dh * W + dw) * C + c0)"),
+            ("    b_step = b_ptrs + (tap * C + c0) * K" if spec.w_layout == "rsck" else
+             "    b_step = b_ptrs + (tap * C + c0)")]
+    if spec.channels % variant.block_k == 0:
+        body += ["    # C is a multiple of BLOCK_K: no channel mask.",
+                "    a = tl.load(a_step, mask=in_image[:, None], other=0.0)",
+                "    b = tl.load(b_step, mask=mask_n[None, :], other=0.0)"]
+    else:
+        body += ["    mask_c = c0 + offs_c < C",
+                "    a = tl.load(a_step, mask=in_image[:, None] & mask_c[None, :], other=0.0)",
+                "    b = tl.load(b_step, mask=mask_c[:, None] & mask_n[None, :], other=0.0)"]
+    return body
+
+
+def _flat_loop(spec: ConvSpec) -> list[str]:
+    """The main loop over the flattened reduction index kk = (r * S + s) * C + c, BLOCK_K at a
+    time (both packed weight layouts store this order contiguously): each A element is
+    gathered with its own tap and padding mask."""
+    x_off = ("n[:, None] * (C * H * W) + c[None, :] * (H * W) + ih * W + iw" if spec.x_layout == "nchw" else
+             "((n[:, None] * H + ih) * W + iw) * C + c[None, :]")
+    b_off = ("kk[:, None] * K + offs_n[None, :]" if spec.w_layout == "rsck" else
+             "offs_n[None, :] * (R * S * C) + kk[:, None]")
+    return ["offs_k = tl.arange(0, BLOCK_K)",
+            "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+            "# One loop over the flattened reduction (tap, channel), channels fastest.",
+            "for step in range(0, STEPS):  # STEPS = cdiv(R * S * C, BLOCK_K)",
+            "    kk = step * BLOCK_K + offs_k",
+            "    c = kk % C",
+            "    tap = kk // C",
+            "    ih = ih0[:, None] + ((tap // S) * DIL_H)[None, :]",
+            "    iw = iw0[:, None] + ((tap % S) * DIL_W)[None, :]",
+            "    in_k = kk < R * S * C",
+            "    a_mask = mask_m[:, None] & in_k[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)",
+            f"    a = tl.load(x_ptr + ({x_off}), mask=a_mask, other=0.0)",
+            f"    b = tl.load(w_ptr + ({b_off}), mask=in_k[:, None] & mask_n[None, :], other=0.0)"]
 
 
 def _maxpool_module(spec: MaxPoolSpec, names: list[str], constexprs: list[str]) -> str:

@@ -206,6 +206,9 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     return tuple(Variant(k, block=block, num_warps=warps, **v) for k, v in enumerate(variants))
 
 
+FLAT_MAX_CHANNELS = 16  # convs with fewer input channels use the flat reduction
+
+
 def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     """The tile configuration of a conv kernel (one variant), by the heuristics measured with
     benchmarks/conv_kernels.py on the H200 (BENCHMARKS.md): 64x64 tiles of 2 warps with
@@ -218,17 +221,22 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     32, 3 stages were best or within 10% of the best of 15 configurations on every layer of
     the same sweep with 16 or more channels (benchmarks/results/conv_kernels_layouts.json).
 
-    ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=``) overrides it."""
-    cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3}
-    if spec.x_layout == "nhwc" and spec.w_layout == "krsc":
+    Fewer than 16 input channels (an image): one flat reduction over (tap, channel) in
+    128x64x32 tiles, 4 warps, 2 stages, the best of 8 on ResNet's 7x7 stride-2 stem (0.126 ms
+    against 0.388 per tap and 0.339 for cuDNN channels-last) and VGG's first layer (0.105
+    against 0.362; conv_kernels_flat_*.json).
+
+    ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=,flat=``) overrides it."""
+    cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3, "flat": 0}
+    if spec.channels < FLAT_MAX_CHANNELS:
+        cfg.update(block_m=128, warps=4, stages=2, flat=1)
+    elif spec.x_layout == "nhwc" and spec.w_layout == "krsc":
         cfg.update(block_m=128, warps=4)
         if spec.filters >= 128:
             cfg.update(block_m=64, block_n=128)
         if spec.channels < 32:
             cfg.update(block_k=16)
     else:
-        if spec.channels < 16:
-            cfg.update(block_k=16, stages=4)
         if spec.filters >= 128:
             cfg.update(block_n=128, stages=4)
     if spec.dtype == "f16" and spec.channels >= 64:
@@ -241,7 +249,8 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     if spec.pool is not None:  # BLOCK_M holds whole (padded) windows
         win = 1 << (spec.pool.kernel[0] * spec.pool.kernel[1] - 1).bit_length()
         cfg["block_m"] = max(cfg["block_m"], win)
-    return (ConvVariant(0, cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["warps"], cfg["stages"]),)
+    return (ConvVariant(0, cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["warps"], cfg["stages"],
+                        bool(cfg["flat"])),)
 
 
 # Reduction length C·R·S above which the NCHW implicit-GEMM kernel loses to cuDNN, measured

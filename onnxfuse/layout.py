@@ -85,8 +85,9 @@ def plan(model: ModelProto, fused: list) -> Plan:
         if layouts[name][0] == "nchw" and channels(f, weight_dims) >= MIN_NHWC_CHANNELS:
             layouts[name][0] = "nhwc"
             boundaries.setdefault(f.inputs[0], []).append(name)
-    nodes = {name: (x, y, tuple(e), "krsc" if x == "nhwc" else f.w_layout)
-             for (name, (x, y, e)), f in ((item, convs[item[0]]) for item in layouts.items())}
+    # every conv of the pass takes [K, R, S, C] weights: the channels-last kernels need them
+    # for wgmma, and the flat kernel of narrow NCHW inputs was fastest with them too
+    nodes = {name: (x, y, tuple(e), "krsc") for name, (x, y, e) in layouts.items()}
     return Plan({name: v for name, v in nodes.items()
                  if (v[0], v[1]) != ("nchw", "nchw") or any(v[2]) or v[3] != convs[name].w_layout}, boundaries)
 

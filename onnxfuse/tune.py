@@ -57,11 +57,11 @@ def candidates(spec) -> list[tuple[str, tuple]]:
         out, seen = [], set()
         win = 1 << (spec.pool.kernel[0] * spec.pool.kernel[1] - 1).bit_length() if spec.pool else 1
         for v in tiles:
-            v = ConvVariant(0, max(v.block_m, win), v.block_n, v.block_k, v.num_warps, v.num_stages)
+            v = ConvVariant(0, max(v.block_m, win), v.block_n, v.block_k, v.num_warps, v.num_stages, v.flat)
             key = (v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages)
             if key not in seen:
                 seen.add(key)
-                out.append(("tile {}x{}x{}, {} warps, {} stages".format(*key), (v,)))
+                out.append(("tile {}x{}x{}, {} warps, {} stages".format(*key) + (", flat" if v.flat else ""), (v,)))
         return out
     if isinstance(spec, aot.MaxPoolSpec):
         return [(f"block {b}", (PoolVariant(0, b, 4),)) for b in (256, 512, 1024)]

@@ -58,6 +58,7 @@ class ConvCase:
     tile: tuple[int, int, int] = (32, 16, 16)  # small tiles: many programs, ragged edges
     layouts: tuple[str, str] = ("nchw", "nchw")  # X, Y
     w_layout: str = "rsck"  # packed weights [R, S, C, K] or [K, R, S, C]
+    flat: bool = False  # one flat reduction over (tap, channel)
 
 
 CONV_CASES = [
@@ -93,6 +94,15 @@ CONV_CASES = [
              layouts=("nhwc", "nhwc"), w_layout="krsc"),
     ConvCase("nchw-krsc-dilated", 1, 5, (10, 7), 17, ConvAttrs((3, 2), (2, 1), (0, 1, 2, 0), (2, 1)),
              w_layout="krsc"),
+    ConvCase("flat-rgb-pool", 2, 3, (9, 10), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
+             flat=True),
+    ConvCase("flat-7x7-s2-p3", 1, 3, (17, 15), 16, ConvAttrs((7, 7), (2, 2), (3, 3, 3, 3)), flat=True),
+    ConvCase("flat-dilated-asym", 1, 5, (10, 7), 17, ConvAttrs((3, 2), (2, 1), (0, 1, 2, 0), (2, 1)), flat=True),
+    ConvCase("flat-nhwc-krsc-residual", 2, 4, (6, 5), 6, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), body=RESIDUAL_RELU,
+             extras=("full",), layouts=("nhwc", "nhwc"), w_layout="krsc", flat=True),
+    ConvCase("flat-nchw-to-nhwc-krsc", 1, 3, (11, 10), 16, ConvAttrs((3, 3), (2, 2), (1, 1, 1, 1)),
+             layouts=("nchw", "nhwc"), w_layout="krsc", flat=True),
+    ConvCase("flat-fp16", 2, 3, (7, 7), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), dtype="f16", flat=True),
 ]
 
 
@@ -154,7 +164,7 @@ def _conv_spec(i: int, case: ConvCase) -> tuple[ConvSpec, ConvVariant]:
     bm, bn, bk = case.tile
     if case.pool is not None:
         bm = max(bm, 16)
-    return spec, ConvVariant(0, bm, bn, bk, 2, 2)
+    return spec, ConvVariant(0, bm, bn, bk, 2, 2, flat=case.flat)
 
 
 def _conv_reference(case: ConvCase, x, wt, b, extras) -> np.ndarray:
@@ -373,3 +383,29 @@ def test_heuristic_leaves_deep_convs_to_cudnn(channels, fuse_all, kept, tmp_path
         assert ops == ["Conv", "Relu"] and len(info["declined"]) == 1
         assert r.report.not_fused == {DECLINED_REASON: 2} and r.report.patterns_applied == {}
         assert "left to cuDNN" in info["summary"]
+
+
+def test_heuristic_deep_convs_stay_fused_under_nhwc(tmp_path, monkeypatch):
+    """The channels-last kernels matched cuDNN's channels-last convs on deep layers: the NHWC
+    path declines nothing."""
+    pytest.importorskip("triton")
+    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import optimize_model
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    r = optimize_model(_deep_conv_model(256))
+    info = compile_hook("sm_90", layout="nhwc")(r)
+    assert [n.op_type for n in r.model.graph.node] == ["Transpose", "FusedConv"] and not info["declined"]
+
+
+@pytest.mark.parametrize("channels,x_layout,w_layout,want", [
+    (3, "nchw", "rsck", (128, 64, 32, 4, 2, True)),  # an image: the flat reduction
+    (3, "nchw", "krsc", (128, 64, 32, 4, 2, True)),
+    (64, "nhwc", "krsc", (128, 64, 32, 4, 3, False)),  # channels last: wgmma tiles
+    (64, "nchw", "rsck", (64, 64, 32, 2, 3, False)),  # NCHW: 2-warp mma tiles
+])
+def test_conv_tile_heuristic(channels, x_layout, w_layout, want):
+    spec = ConvSpec("k", _program(RELU, "f32", 0), channels, 64, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)),
+                    x_layout=x_layout, w_layout=w_layout)
+    v = conv_variants(spec)[0]
+    assert (v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages, v.flat) == want

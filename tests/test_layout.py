@@ -64,17 +64,17 @@ def test_vgg_stack_runs_channels_last_between_its_convs(tmp_path, monkeypatch):
     assert shapes["p0"][1:] == [16, 16, 8] and shapes["p2"][1:] == [4, 4, 8]  # [N, H, W, C]
     # each layout combination is its own kernel and function
     overloads = [n.overload for n in nodes]
-    assert overloads[0].endswith("_nchw_nhwc") and overloads[3].endswith("_nhwc_nchw_krsc")
-    # channels-last readers take [K, R, S, C] weights (the image layer keeps [R, S, C, K])
-    assert [attrs(n).get("w_layout", b"RSCK") for n in nodes] == [b"RSCK"] + [b"KRSC"] * 3
+    assert overloads[0].endswith("_nchw_nhwc_krsc") and overloads[3].endswith("_nhwc_nchw_krsc")
+    # every conv of the pass takes [K, R, S, C] weights
+    assert [attrs(n).get("w_layout", b"RSCK") for n in nodes] == [b"KRSC"] * 4
     inits = {t.name: tuple(t.dims) for t in r.model.graph.initializer}
-    assert inits[nodes[0].input[1]] == (3, 3, 3, 8) and inits[nodes[1].input[1]] == (8, 3, 3, 8)
+    assert inits[nodes[0].input[1]] == (8, 3, 3, 3) and inits[nodes[1].input[1]] == (8, 3, 3, 8)
     assert {f.overload for f in r.model.functions} == set(overloads)
     assert [f.kernel_name for f in r.fused] == overloads
     assert [rec.kernel for rec in r.report.fused] == overloads
     meta = json.loads(attrs_all(nodes[1])["kernel_meta"])
     assert (meta["x_layout"], meta["y_layout"], meta["w_layout"]) == ("nhwc", "nhwc", "krsc")
-    assert "w_layout" not in json.loads(attrs_all(nodes[0])["kernel_meta"])
+    assert json.loads(attrs_all(nodes[0])["kernel_meta"])["w_layout"] == "krsc"
     check_same(m, r.model, library=False)  # the function bodies: Transposes around the originals
 
 
@@ -142,7 +142,9 @@ def test_a_conv_read_by_other_ops_stays_nchw(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     compile_hook("sm_90", layout="nhwc")(r)
-    assert all("x_layout" not in attrs(n) and "y_layout" not in attrs(n) for n in r.model.graph.node)
+    convs = [n for n in r.model.graph.node if n.op_type == "FusedConv"]
+    assert len(convs) == 2
+    assert all(attrs(n).get(k, b"NCHW") == b"NCHW" for n in convs for k in ("x_layout", "y_layout"))
 
 
 def test_cli_layout_needs_gpu_kernels(tmp_path, capsys):
@@ -179,4 +181,4 @@ def test_narrow_inputs_stay_nchw(tmp_path, monkeypatch):
     # 8 channels from the graph input: below MIN_NHWC_CHANNELS, no Transpose
     r = nhwc_model(residual(c=8), tmp_path, monkeypatch)
     assert [n.op_type for n in r.model.graph.node] == ["FusedConv", "FusedConv"]
-    assert "x_layout" not in attrs(r.model.graph.node[0]) or attrs(r.model.graph.node[0])["x_layout"] == b"NCHW"
+    assert attrs(r.model.graph.node[0])["x_layout"] == b"NCHW"
