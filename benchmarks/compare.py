@@ -289,7 +289,7 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         from onnxfuse.compile import default_targets
         from onnxfuse.kernels import compile_fused
 
-        cl = optimize_model(model)
+        cl = optimize_model(model, layout="nhwc")
         if cl.fused:
             compile_fused(cl.model, cl.fused, default_targets(), layout="nhwc")
         save_model(cl.model, fused_cl)

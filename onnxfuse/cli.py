@@ -22,8 +22,9 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         raise OnnxfuseError(f"{dst}: output would overwrite the input model; choose another path")
     hook = None
     tune = None
-    if args.layout != "nchw" and args.target == "none":
+    if args.layout == "nhwc" and args.target == "none":
         raise OnnxfuseError("--layout nhwc is for the GPU kernels: it cannot be combined with --target none")
+    layout = args.layout if args.layout != "auto" else ("nchw" if args.target == "none" else "nhwc")
     if args.tune:
         if args.target == "none":
             raise OnnxfuseError("--tune times compiled kernels: it cannot be combined with --target none")
@@ -35,10 +36,11 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         from onnxfuse.kernels import compile_hook
 
         hook = compile_hook(args.target, jobs=args.jobs, conv_precision=args.conv_precision, tune=tune,
-                            layout=args.layout)
+                            layout=layout)
     with warnings.catch_warnings():  # the report carries them; printed below
         warnings.simplefilter("ignore", OnnxfuseWarning)
-        report = optimize(src, dst, args.patterns or (), compile_hook=hook, exclude=args.exclude_pattern or ())
+        report = optimize(src, dst, args.patterns or (), compile_hook=hook, exclude=args.exclude_pattern or (),
+                          layout=layout)
     print(report.summary())
     print(f"wrote {dst}")
     for w in report.warnings:
@@ -83,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "FMA, slowest)")
     p.add_argument("--exclude-pattern", action="append", metavar="NAME",
                    help="do not apply this pattern (repeatable; names from `onnxfuse patterns`)")
-    p.add_argument("--layout", choices=["nchw", "nhwc"], default="nchw",
-                   help="nhwc: tensors passed between fused convolutions stay channels-last (experimental: "
-                        "not yet measured in ONNX Runtime on a GPU; see BENCHMARKS.md)")
+    p.add_argument("--layout", choices=["auto", "nchw", "nhwc"], default="auto",
+                   help="nhwc: convolutions run channels-last ([K,R,S,C] weights, Transposes only where a "
+                        "run of fused convs meets other ops); nchw: as the model is; auto (default): nhwc "
+                        "when kernels are compiled for a GPU, nchw with --target none")
     p.add_argument("--tune", action="store_true",
                    help="on a GPU: time each fused kernel (several configurations) against its original "
                         "subgraph at the model's shapes and keep the faster; the report lists the times")

@@ -526,10 +526,10 @@ def _conv_match(view: GraphView, ci: int, pattern: Pattern, taken: set[int], acc
     attrs, target = layer
     out = view.nodes[ci].output[0]
     epilogue = _grow_epilogue(view, ci, target, pattern, taken)
-    if not epilogue and m.pool == "none":
+    if not epilogue and m.pool == "none" and not m.alone:
         return "conv without a fusible epilogue"
     direct = [c for c in view.consumers.get(out, ()) if c not in epilogue]
-    if out in view.graph_outputs or direct:
+    if (out in view.graph_outputs or direct) and not (m.alone and not epilogue):
         pool_only = (m.pool != "none" and not epilogue and len(direct) == 1
                      and view.nodes[direct[0]].op_type == "MaxPool" and out not in view.graph_outputs)
         if not pool_only:
@@ -608,6 +608,10 @@ def _pool_match(view: GraphView, pi: int, pattern: Pattern, taken: set[int], acc
     if isinstance(attrs, str):
         return attrs
     p = view.producer.get(x)
+    prologue = p is not None and p not in accepted.owner and _pointwise_candidate(view, p, pattern, taken) \
+        and not _readers_outside(view, x, {pi})
+    if not prologue and m.min_nodes == 0:  # the max pool alone: the identity program on X
+        return _lone_pool_match(view, pi, pattern, attrs, x)
     if p is not None and p in accepted.owner:
         return "its input is computed by another fused node"
     if p is None or not _pointwise_candidate(view, p, pattern, taken):
@@ -641,6 +645,14 @@ def _pool_match(view: GraphView, pi: int, pattern: Pattern, taken: set[int], acc
         return "unknown dtype"
     return Match(pattern, tuple(nodes), (n.output[0],), pool=pi, pointwise=tuple(ordered),
                  pool_attrs=attrs, first_input=first, result=x)
+
+
+def _lone_pool_match(view: GraphView, pi: int, pattern: Pattern, attrs, x: str) -> Match | str:
+    """A MaxPool with no fusible prologue (pattern min_nodes 0): program %0 -> %0."""
+    n = view.nodes[pi]
+    if view.types.get(n.output[0]) is None:
+        return "unknown dtype"
+    return Match(pattern, (pi,), (n.output[0],), pool=pi, pointwise=(), pool_attrs=attrs, first_input=x, result=x)
 
 
 def match_layers(view: GraphView, pattern: Pattern, taken: set[int],

@@ -24,10 +24,11 @@ A pattern file has three parts:
 Match kinds and their fields (besides `kind`):
 - elementwise_group: ops, dtypes, min_nodes (default 2)
 - conv_epilogue: ops, dtypes, group (1 or "any"), pool ("none": no MaxPool after the
-  epilogue; "tiling": a MaxPool whose windows tile its input must follow). A 2-D Conv and
-  the pointwise ops after it (kernel conv, docs/format.md "FusedConv").
-- pool_prologue: ops, dtypes, min_nodes (default 1). Pointwise ops and the 2-D MaxPool
-  they feed (kernel maxpool, "FusedMaxPool").
+  epilogue; "tiling": a MaxPool whose windows tile its input must follow), alone (default
+  false; true: a Conv with no fusible epilogue matches too, its program the identity). A
+  2-D Conv and the pointwise ops after it (kernel conv, docs/format.md "FusedConv").
+- pool_prologue: ops, dtypes, min_nodes (default 1; 0: a MaxPool alone matches too).
+  Pointwise ops and the 2-D MaxPool they feed (kernel maxpool, "FusedMaxPool").
 
 An example may declare constant weights: `initializers: {w: [float32, [4, 3, 3, 3]]}` is
 seeded random (scaled by 1/sqrt of its fan-in), `{b: [float32, [4], 0.5]}` all 0.5. Input
@@ -88,6 +89,7 @@ class ConvEpilogueMatch:
     dtypes: frozenset[str]
     group: int | None  # the only Conv group fused; None: any
     pool: str  # one of POOL_MODES
+    alone: bool = False  # a Conv without an epilogue matches too (identity program)
 
     @property
     def fused_ops(self) -> frozenset[str]:
@@ -235,7 +237,7 @@ def load_pattern_file(path: str | Path) -> Pattern:
 
 _KIND_FIELDS = {
     "elementwise_group": {"kind", "ops", "dtypes", "min_nodes"},
-    "conv_epilogue": {"kind", "ops", "dtypes", "group", "pool"},
+    "conv_epilogue": {"kind", "ops", "dtypes", "group", "pool", "alone"},
     "pool_prologue": {"kind", "ops", "dtypes", "min_nodes"},
 }
 
@@ -261,11 +263,12 @@ def _load_match(m: _Fields, kind: str) -> MatchSpec:
         for dt in dtypes:
             if dt not in ("float32", "float16"):
                 m.fail("match.dtypes", f"{dt!r}: convolutions are fused for float32 and float16 only")
-        return ConvEpilogueMatch(frozenset(ops), frozenset(dtypes), None if group == "any" else group, pool)
+        alone = m.get("alone", bool, False)
+        return ConvEpilogueMatch(frozenset(ops), frozenset(dtypes), None if group == "any" else group, pool, alone)
     default_min = 2 if kind == "elementwise_group" else 1
     min_nodes = m.get("min_nodes", int, default_min)
-    if min_nodes < 1:
-        m.fail("match.min_nodes", "must be at least 1")
+    if min_nodes < (0 if kind == "pool_prologue" else 1):
+        m.fail("match.min_nodes", "must be at least 1" if kind != "pool_prologue" else "must be at least 0")
     if kind == "pool_prologue":
         for dt in dtypes:
             if dt not in ("float32", "float16"):

@@ -101,14 +101,26 @@ class Result:
             r.not_fused[reason] = r.not_fused.get(reason, 0) + sum(len(f.source_nodes) for f in dropped)
 
 
-def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None) -> Result:
-    """Fuse a model in memory. The input model is not modified.
+# Patterns that only pay off when the NHWC pass runs (`layout="nhwc"`): a conv alone gains
+# nothing from fusion, only from staying channels-last between fused convs.
+NHWC_ONLY_PATTERNS = frozenset({"conv_alone"})
+
+
+def for_layout(patterns: list[Pattern], layout: str) -> list[Pattern]:
+    """`patterns` without NHWC_ONLY_PATTERNS unless layout is "nhwc"."""
+    return patterns if layout == "nhwc" else [p for p in patterns if p.name not in NHWC_ONLY_PATTERNS]
+
+
+def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, layout: str = "nchw") -> Result:
+    """Fuse a model in memory. The input model is not modified. `patterns` defaults to the
+    built-in ones, for `layout` (see NHWC_ONLY_PATTERNS; the NHWC pass itself runs with
+    the kernels, `onnxfuse.kernels.compile_hook`).
 
     A model whose default-domain opset is newer than this onnxfuse knows (or older than
     `onnxfuse.load.MIN_OPSET`) comes back unchanged (a copy), with a warning: an op may
     mean something else in that opset (`onnxfuse.load.opset_problem`)."""
     t0 = time.perf_counter()
-    patterns = load_patterns() if patterns is None else patterns
+    patterns = for_layout(load_patterns(), layout) if patterns is None else patterns
     too_new = opset_problem(model)
     if too_new is not None:
         same = ModelProto()
@@ -170,10 +182,12 @@ def _not_visited(model: ModelProto, patterns: list[Pattern]) -> Counter:
 
 
 def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
-             pattern_dirs: list[str] | tuple = (), compile_hook=None, exclude: list[str] | tuple = ()) -> Report:
-    """Read, fuse and atomically write a model file. compile_hook(result) may attach kernels."""
+             pattern_dirs: list[str] | tuple = (), compile_hook=None, exclude: list[str] | tuple = (),
+             layout: str = "nchw") -> Report:
+    """Read, fuse and atomically write a model file. compile_hook(result) may attach kernels
+    (and run the NHWC pass: pass the same `layout` to both)."""
     t0 = time.perf_counter()
-    patterns = select_patterns(load_patterns(pattern_dirs), exclude)
+    patterns = for_layout(select_patterns(load_patterns(pattern_dirs), exclude), layout)
     model = load_model(input_path)
     result = optimize_model(model, patterns)
     if compile_hook is not None:

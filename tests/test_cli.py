@@ -60,7 +60,8 @@ def test_patterns_command(tmp_path):
     r = cli("patterns")
     assert r.returncode == 0
     names = [line.split()[0] for line in r.stdout.splitlines()]
-    assert names == ["conv_relu_maxpool", "conv_relu", "relu_maxpool", "pointwise_chain"]  # by priority
+    assert names == ["conv_relu_maxpool", "conv_relu", "relu_maxpool", "maxpool", "conv_alone",
+                     "pointwise_chain"]  # by priority
 
 
 def bad(tmp_path: Path, *args: str) -> str:

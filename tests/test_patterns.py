@@ -41,8 +41,10 @@ def test_builtin_patterns_load():
 
 @pytest.mark.parametrize("pattern", [p for p in BUILTIN if p.example], ids=lambda p: p.name)
 def test_pattern_example_fuses_as_declared(pattern):
+    from onnxfuse.pipeline import NHWC_ONLY_PATTERNS
+
     m = example_model(pattern)
-    r = check_fusion(m)
+    r = check_fusion(m, layout="nhwc" if pattern.name in NHWC_ONLY_PATTERNS else "nchw")
     counts = Counter(n.op_type for n in r.model.graph.node)
     for op, n in pattern.example.expect.items():
         assert counts[op] == n, r.report.summary()
@@ -102,3 +104,11 @@ def test_duplicate_builtin_name_in_user_folder_replaces_it(tmp_path):
 def test_missing_folder(tmp_path):
     with pytest.raises(PatternError, match="does not exist"):
         load_patterns([tmp_path / "nope"])
+
+
+def test_nhwc_only_patterns_apply_only_for_the_nhwc_layout():
+    from onnxfuse.pipeline import optimize_model
+
+    m = example_model(next(p for p in BUILTIN if p.name == "conv_alone"))
+    assert [n.op_type for n in optimize_model(m).model.graph.node] == ["Conv", "Concat"]
+    assert [n.op_type for n in optimize_model(m, layout="nhwc").model.graph.node] == ["FusedConv", "Concat"]

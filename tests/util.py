@@ -109,14 +109,15 @@ def check_programs(m: onnx.ModelProto, result: Result, feeds: dict, rtol: float 
 
 
 def check_fusion(m: onnx.ModelProto, expect_fused: int | None = None, feeds: dict | None = None,
-                 rtol: float | None = None) -> Result:
+                 rtol: float | None = None, layout: str = "nchw", patterns: list | None = None) -> Result:
     """Optimize, validate, and compare original vs optimized on seeded random inputs (stock
     ONNX Runtime CPU, so fused nodes run their function bodies) and check each program.
 
     rtol: for the programs, which compute in fp32 where the original rounds intermediates to
-    fp16 (default: by output dtype; pass 1e-2 when the group has fp16 intermediates)."""
+    fp16 (default: by output dtype; pass 1e-2 when the group has fp16 intermediates).
+    layout: the patterns' layout (onnxfuse.pipeline.NHWC_ONLY_PATTERNS)."""
     before = m.SerializeToString()
-    result = optimize_model(m)
+    result = optimize_model(m, patterns, layout=layout)
     assert m.SerializeToString() == before, "optimize_model modified its input"
     onnx.checker.check_model(result.model, full_check=True)
     fused_nodes = [n for n in result.model.graph.node if n.domain == "onnxfuse"]
