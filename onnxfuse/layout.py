@@ -47,11 +47,23 @@ MIN_NHWC_CHANNELS = 16
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What the pass changes: per FusedConv node (x_layout, y_layout, extra_layouts,
-    w_layout), and the NCHW tensors that get a Transpose to channels-last (tensor -> the
-    nodes that read the NHWC copy as their X)."""
+    w_layout); the NCHW tensors that get a Transpose to channels-last (tensor -> the nodes
+    that read the NHWC copy as their X); the tensors that become NHWC; and the Concat /
+    Split nodes between fused convs that then work on the channel axis 3."""
 
     nodes: dict[str, tuple[str, str, tuple[int, ...], str]]
     boundaries: dict[str, list[str]]
+    nhwc: frozenset[str] = frozenset()
+    transparent: frozenset[str] = frozenset()
+
+
+def _channel_axis_node(n: NodeProto) -> bool:
+    """A Concat or Split over axis 1 (the channels of a 4-D tensor: every tensor the pass
+    considers is a conv output or joined to one through such nodes, so rank 4)."""
+    if n.domain not in ("", "ai.onnx") or n.op_type not in ("Concat", "Split"):
+        return False
+    axis = next((helper.get_attribute_value(a) for a in n.attribute if a.name == "axis"), 0)
+    return axis in (1, -3)
 
 
 def plan(model: ModelProto, fused: list) -> Plan:
@@ -59,27 +71,71 @@ def plan(model: ModelProto, fused: list) -> Plan:
     convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None and f.conv.group == 1}
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
     readers: dict[str, list[tuple[str, int]]] = {}
+    producer: dict[str, str] = {}
     for n in g.node:
         for k, name in enumerate(n.input):
             if name:
                 readers.setdefault(name, []).append((n.name, k))
         for name in _outer_refs(n):
             readers.setdefault(name, []).append((n.name, -1))
+        for name in n.output:
+            producer[name] = n.name
     outputs = {o.name for o in g.output}
+    fixed = outputs | {i.name for i in g.input} | set(weight_dims)
+    joins = {n.name: n for n in g.node if _channel_axis_node(n)}
+    # Tensors joined by channel-axis Concat / Split nodes form one component: all of it turns
+    # NHWC or none of it does.
+    parent: dict[str, str] = {}
+
+    def find(t: str) -> str:
+        while parent.setdefault(t, t) != t:
+            parent[t] = parent[parent[t]]
+            t = parent[t]
+        return t
+
+    for n in joins.values():
+        tensors = [t for t in ([n.input[0]] if n.op_type == "Split" else list(n.input)) + list(n.output) if t]
+        for t in tensors[1:]:
+            parent[find(t)] = find(tensors[0])
+    for f in convs.values():
+        find(f.outputs[0])
+    components: dict[str, list[str]] = {}
+    for t in list(parent):
+        components.setdefault(find(t), []).append(t)
+
+    def reader_ok(u: str, k: int) -> bool:
+        if u in convs:
+            return k == 0 or k >= 3
+        return u in joins and (k == 0 or joins[u].op_type == "Concat")
+
+    def producer_ok(t: str) -> bool:
+        p = producer.get(t)
+        return (p in convs and convs[p].outputs[0] == t) or p in joins
+
     layouts = {name: ["nchw", "nchw", [0] * (len(f.inputs) - 3)] for name, f in convs.items()}
-    for name, f in convs.items():
-        y = f.outputs[0]
-        users = readers.get(y, [])
-        if y in outputs or not users:
+    nhwc: set[str] = set()
+    transparent: set[str] = set()
+    for comp in components.values():
+        if any(t in fixed or not producer_ok(t) for t in comp):
             continue
-        if not all(u in convs and (k == 0 or k >= 3) for u, k in users):
+        if not all(reader_ok(u, k) for t in comp for u, k in readers.get(t, [])):
             continue
-        layouts[name][1] = "nhwc"
-        for u, k in users:
-            if k == 0:
-                layouts[u][0] = "nhwc"
+        if not any(u in convs for t in comp for u, _ in readers.get(t, [])):
+            continue  # nothing channels-last reads it
+        nhwc.update(comp)
+        for t in comp:
+            p = producer[t]
+            if p in convs:
+                layouts[p][1] = "nhwc"
             else:
-                layouts[u][2][k - 3] = 1
+                transparent.add(p)
+            for u, k in readers.get(t, []):
+                if u not in convs:
+                    continue
+                if k == 0:
+                    layouts[u][0] = "nhwc"
+                else:
+                    layouts[u][2][k - 3] = 1
     boundaries: dict[str, list[str]] = {}
     for name, f in convs.items():
         if layouts[name][0] == "nchw" and channels(f, weight_dims) >= MIN_NHWC_CHANNELS:
@@ -89,7 +145,8 @@ def plan(model: ModelProto, fused: list) -> Plan:
     # for wgmma, and the flat kernel of narrow NCHW inputs was fastest with them too
     nodes = {name: (x, y, tuple(e), "krsc") for name, (x, y, e) in layouts.items()}
     return Plan({name: v for name, v in nodes.items()
-                 if (v[0], v[1]) != ("nchw", "nchw") or any(v[2]) or v[3] != convs[name].w_layout}, boundaries)
+                 if (v[0], v[1]) != ("nchw", "nchw") or any(v[2]) or v[3] != convs[name].w_layout}, boundaries,
+                frozenset(nhwc), frozenset(transparent))
 
 
 def channels(f, weight_dims: dict[str, tuple[int, ...]]) -> int:
@@ -102,11 +159,17 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
     """Rewrite `model` in place for the NHWC plan; returns `fused` with the changed nodes'
     FusedNode values replaced (new kernel names, inputs and layouts), in the same order."""
     p = plan(model, fused)
-    if not p.nodes:
+    if not p.nodes and not p.transparent:
         return list(fused)
     g = model.graph
     nhwc_copy = _insert_boundary_transposes(g, p.boundaries)  # rebuilds the node list: first
     nodes = {n.name: n for n in g.node}
+    for name in p.transparent:  # Concat / Split between fused convs: channels are axis 3 now
+        n = nodes[name]
+        for a in [a for a in n.attribute if a.name == "axis"]:
+            n.attribute.remove(a)
+        n.attribute.append(helper.make_attribute("axis", 3))
+    p_done: set[str] = set()
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     new_functions: dict[str, FunctionProto] = {}
     initializers = {t.name: t for t in g.initializer}
@@ -140,8 +203,11 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
             inputs = (node.input[0], *inputs[1:])
         if y == "nhwc":
             _permute_value_info(g, f.outputs[0])
+            p_done.add(f.outputs[0])
         out.append(dataclasses.replace(f, kernel_name=name, inputs=inputs, x_layout=x, y_layout=y,
                                        extra_layouts=extras, w_layout=w))
+    for t in sorted(p.nhwc - p_done):  # the Concat / Split results
+        _permute_value_info(g, t)
     used = {(n.domain, n.op_type, n.overload) for n in g.node}
     kept = [fn for fn in model.functions if (fn.domain, fn.name, fn.overload) in used]
     present = {(fn.domain, fn.name, fn.overload) for fn in kept}

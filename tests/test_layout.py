@@ -182,3 +182,61 @@ def test_narrow_inputs_stay_nchw(tmp_path, monkeypatch):
     r = nhwc_model(residual(c=8), tmp_path, monkeypatch)
     assert [n.op_type for n in r.model.graph.node] == ["FusedConv", "FusedConv"]
     assert attrs(r.model.graph.node[0])["x_layout"] == b"NCHW"
+
+
+def c2f(extra_reader: bool = False) -> onnx.ModelProto:
+    """YOLOv8's C2f shape: conv1 -> Split(axis 1) -> a, b; conv2(b) = c; Concat(a, b, c) ->
+    conv3. With extra_reader, a Sigmoid also reads the Concat (so it must stay NCHW)."""
+    rng = np.random.default_rng(2)
+
+    def w(k, c, r):
+        return (rng.standard_normal((k, c, r, r)) / (3 * c)).astype(np.float32)
+
+    inits = [numpy_helper.from_array(w(32, 16, 1), "w1"), numpy_helper.from_array(w(16, 16, 3), "w2"),
+             numpy_helper.from_array(w(16, 48, 1), "w3"),
+             numpy_helper.from_array(np.array([16, 16], np.int64), "split")]
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[1, 1], name="conv1"),
+             N("Relu", ["c1"], ["r1"], name="relu1"),
+             N("Split", ["r1", "split"], ["a", "b"], axis=1, name="split"),
+             N("Conv", ["b", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv2"),
+             N("Relu", ["c2"], ["r2"], name="relu2"),
+             N("Concat", ["a", "b", "r2"], ["cat"], axis=1, name="concat"),
+             N("Conv", ["cat", "w3"], ["c3"], kernel_shape=[1, 1], name="conv3"),
+             N("Relu", ["c3"], ["y"], name="relu3")]
+    outs = [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])]
+    if extra_reader:
+        nodes.append(N("Sigmoid", ["cat"], ["s"], name="sig"))
+        outs.append(helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, ["N", 48, 8, 8]))
+    g = helper.make_graph(nodes, "c2f", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])],
+                          outs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def test_split_and_concat_between_fused_convs_work_channels_last(tmp_path, monkeypatch):
+    m = c2f()
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    nodes = list(r.model.graph.node)
+    assert [n.op_type for n in nodes] == ["Transpose", "FusedConv", "Split", "FusedConv", "Concat", "FusedConv"]
+    _, c1, split, c2, cat, c3 = nodes
+    assert attrs(split)["axis"] == 3 and attrs(cat)["axis"] == 3
+    assert attrs(c1)["y_layout"] == b"NHWC" and attrs(c2)["x_layout"] == b"NHWC" == attrs(c2)["y_layout"]
+    assert attrs(c3)["x_layout"] == b"NHWC" and attrs(c3)["y_layout"] == b"NCHW"  # a graph output
+    # the value infos say NHWC where they exist, so inference carries it through Split and Concat
+    inferred = onnx.shape_inference.infer_shapes(r.model, strict_mode=True)
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in inferred.graph.value_info}
+    assert shapes["r1"] == ["N", 8, 8, 32] and shapes["a"] == ["N", 8, 8, 16] and shapes["cat"] == ["N", 8, 8, 48]
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
+
+
+def test_a_concat_read_by_another_op_keeps_its_component_nchw(tmp_path, monkeypatch):
+    m = c2f(extra_reader=True)
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    ops = [n.op_type for n in r.model.graph.node]
+    assert ops.count("Transpose") == 3  # x, b (conv2's X) and cat (conv3's X) are read through one each
+    split = next(n for n in r.model.graph.node if n.op_type == "Split")
+    assert attrs(split)["axis"] == 1
+    check_same(m, r.model, library=False)
