@@ -72,6 +72,11 @@ case "${1:-tests}" in
       --variants "${3:-ort,ort_graph,onnxfuse,onnxfuse_cl,onnxfuse_cl_graph,torch_compile}" --iters 30 \
       --json "$OUT/compare_nhwc.json" --markdown "$OUT/compare_nhwc.md" 2>&1 | grep -v "W:onnxruntime" | tail -12
     ;;
+  final)
+    # the GPU tests that touch convs, layouts and --tune, after the NHWC default
+    timeout 200 python3 -m pytest -m gpu tests/test_gpu_conv.py tests/test_conv_library.py tests/test_tune.py \
+      tests/test_layout.py -q -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests_final.log" | tail -4
+    ;;
   nhwc-models)
     export ONNXFUSE_MODELS=$PWD/models/build/pretrained
     python3 benchmarks/compare.py --models "${2:-mobilenet_v3_small,yolov8n_320_b1,yolov8n_320_b16,ppocr_det_640_b1,ppocr_det_640_b16}" \
