@@ -1,22 +1,32 @@
-"""The NHWC layout pass (`onnxfuse optimize --layout nhwc`): tensors passed from one FusedConv
-to others stay channels-last, with conversions only at the boundaries of such a run.
+"""The NHWC layout pass (`onnxfuse optimize --layout nhwc`, the default when kernels are
+compiled for a GPU): convolutions run channels-last, with conversions only where a run of
+fused convs meets other ops.
 
-The conv kernel reads NCHW activations with the channel (reduction) dimension strided by
-H·W, so its tensor-core tiles are fed by 4-byte gathers; channels-last makes a tile's
-channels contiguous (BENCHMARKS.md, conv kernels). A FusedConv output Y becomes NHWC when
-every node that reads it is a FusedConv (group 1) reading it as its X or as an epilogue
-extra, and Y is not a graph output. Then:
+Why (H200, BENCHMARKS.md "Channels-last convolutions"): with NCHW activations a tile's
+channels (the reduction dimension) are strided by H·W, and TF32 `wgmma` needs both tile
+operands K-major; channels-last activations plus weights packed [K, R, S, C] make both
+contiguous, and the 4-warp `wgmma` kernel ran 1.8x the NCHW one.
 
-- the producer gets `y_layout` NHWC, each reader `x_layout` NHWC or `extra_layouts[i]` 1
-  (docs/format.md, "Layouts");
-- Y's value_info becomes [N, P, Q, K];
-- each changed node gets its own kernel name and function overload (suffix such as
-  `_nhwc_nchw`), whose body transposes the NHWC tensors around the original subgraph, so
-  the model stays valid ONNX that runs anywhere.
+The plan, over the group-1 FusedConvs:
+- Tensors joined by Concat or Split over the channels (axis 1) form one component with the
+  conv outputs they carry. A component turns NHWC when every tensor in it is produced by a
+  FusedConv (its Y) or by such a Concat / Split, none is a graph input or output, and every
+  reader is a FusedConv (as X or as an epilogue extra) or such a Concat / Split. Then its
+  producers get `y_layout` NHWC, its readers `x_layout` NHWC or `extra_layouts[i]` 1, and
+  its Concat / Split nodes axis 3. (A lone conv output is the one-tensor case.)
+- A conv whose X is still NCHW and has at least MIN_NHWC_CHANNELS channels reads it through
+  one `Transpose(perm=[0, 2, 3, 1])` put before its first reader (shared by all such
+  readers); narrower inputs (an image) stay NCHW for the flat-reduction kernel.
+- Every conv of the pass gets `w_layout` KRSC: its packed weights are repacked.
+- Each changed node gets its own kernel name and function overload (suffix such as
+  `_nhwc_nchw_krsc`), whose body transposes the NHWC tensors around the original
+  subgraph, so the model stays valid ONNX that runs anywhere; value_infos of NHWC tensors
+  are permuted to [N, H, W, C].
 
-It runs in the compile step (`onnxfuse.kernels.compile_fused`), after the convs the
-heuristic leaves to cuDNN are unfused: an unfused conv between two fused ones would
-otherwise run through Transposes.
+It runs in the compile step (`onnxfuse.kernels.compile_fused`); with it no conv is left to
+cuDNN (the channels-last kernel matched or beat cuDNN's channels-last convs on every layer
+measured), and the `conv_alone` pattern fuses convs with nothing after them so that they
+stay channels-last too (`onnxfuse.pipeline.NHWC_ONLY_PATTERNS`).
 """
 
 from __future__ import annotations
