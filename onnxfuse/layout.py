@@ -64,7 +64,7 @@ class Plan:
     nodes: dict[str, tuple[str, str, tuple[int, ...], str]]
     boundaries: dict[str, list[str]]
     nhwc: frozenset[str] = frozenset()
-    transparent: frozenset[str] = frozenset()
+    transparent: frozenset[int] = frozenset()  # indices into the graph's node list as planned
 
 
 def _channel_axis_node(n: NodeProto) -> bool:
@@ -80,19 +80,21 @@ def plan(model: ModelProto, fused: list) -> Plan:
     g = model.graph
     convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None and f.conv.group == 1}
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
-    readers: dict[str, list[tuple[str, int]]] = {}
-    producer: dict[str, str] = {}
-    for n in g.node:
+    # Nodes by index: only the fused nodes' names are known to be unique.
+    conv_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in convs}
+    readers: dict[str, list[tuple[int, int]]] = {}
+    producer: dict[str, int] = {}
+    for i, n in enumerate(g.node):
         for k, name in enumerate(n.input):
             if name:
-                readers.setdefault(name, []).append((n.name, k))
+                readers.setdefault(name, []).append((i, k))
         for name in _outer_refs(n):
-            readers.setdefault(name, []).append((n.name, -1))
+            readers.setdefault(name, []).append((i, -1))
         for name in n.output:
-            producer[name] = n.name
+            producer[name] = i
     outputs = {o.name for o in g.output}
     fixed = outputs | {i.name for i in g.input} | set(weight_dims)
-    joins = {n.name: n for n in g.node if _channel_axis_node(n)}
+    joins = {i: n for i, n in enumerate(g.node) if _channel_axis_node(n)}
     # Tensors joined by channel-axis Concat / Split nodes form one component: all of it turns
     # NHWC or none of it does.
     parent: dict[str, str] = {}
@@ -113,39 +115,39 @@ def plan(model: ModelProto, fused: list) -> Plan:
     for t in list(parent):
         components.setdefault(find(t), []).append(t)
 
-    def reader_ok(u: str, k: int) -> bool:
-        if u in convs:
+    def reader_ok(u: int, k: int) -> bool:
+        if u in conv_at:
             return k == 0 or k >= 3
         return u in joins and (k == 0 or joins[u].op_type == "Concat")
 
     def producer_ok(t: str) -> bool:
         p = producer.get(t)
-        return (p in convs and convs[p].outputs[0] == t) or p in joins
+        return (p in conv_at and convs[conv_at[p]].outputs[0] == t) or p in joins
 
     layouts = {name: ["nchw", "nchw", [0] * (len(f.inputs) - 3)] for name, f in convs.items()}
     nhwc: set[str] = set()
-    transparent: set[str] = set()
+    transparent: set[int] = set()
     for comp in components.values():
         if any(t in fixed or not producer_ok(t) for t in comp):
             continue
         if not all(reader_ok(u, k) for t in comp for u, k in readers.get(t, [])):
             continue
-        if not any(u in convs for t in comp for u, _ in readers.get(t, [])):
+        if not any(u in conv_at for t in comp for u, _ in readers.get(t, [])):
             continue  # nothing channels-last reads it
         nhwc.update(comp)
         for t in comp:
             p = producer[t]
-            if p in convs:
-                layouts[p][1] = "nhwc"
+            if p in conv_at:
+                layouts[conv_at[p]][1] = "nhwc"
             else:
                 transparent.add(p)
             for u, k in readers.get(t, []):
-                if u not in convs:
+                if u not in conv_at:
                     continue
                 if k == 0:
-                    layouts[u][0] = "nhwc"
+                    layouts[conv_at[u]][0] = "nhwc"
                 else:
-                    layouts[u][2][k - 3] = 1
+                    layouts[conv_at[u]][2][k - 3] = 1
     boundaries: dict[str, list[str]] = {}
     for name, f in convs.items():
         if layouts[name][0] == "nchw" and channels(f, weight_dims) >= MIN_NHWC_CHANNELS:
@@ -172,13 +174,13 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
     if not p.nodes and not p.transparent:
         return list(fused)
     g = model.graph
-    nhwc_copy = _insert_boundary_transposes(g, p.boundaries)  # rebuilds the node list: first
-    nodes = {n.name: n for n in g.node}
-    for name in p.transparent:  # Concat / Split between fused convs: channels are axis 3 now
-        n = nodes[name]
+    for i in p.transparent:  # Concat / Split between fused convs: channels are axis 3 now
+        n = g.node[i]
         for a in [a for a in n.attribute if a.name == "axis"]:
             n.attribute.remove(a)
         n.attribute.append(helper.make_attribute("axis", 3))
+    nhwc_copy = _insert_boundary_transposes(g, p.boundaries)  # rebuilds the node list
+    nodes = {n.name: n for n in g.node if n.domain == "onnxfuse"}  # fused nodes' names are unique
     p_done: set[str] = set()
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     new_functions: dict[str, FunctionProto] = {}

@@ -240,3 +240,17 @@ def test_a_concat_read_by_another_op_keeps_its_component_nchw(tmp_path, monkeypa
     split = next(n for n in r.model.graph.node if n.op_type == "Split")
     assert attrs(split)["axis"] == 1
     check_same(m, r.model, library=False)
+
+
+def test_unnamed_nodes(tmp_path, monkeypatch):
+    """Exporters may leave node names empty: the pass must not key nodes by name (it once
+    put Concat's axis on a Conv and read the wrong readers; found by
+    tests/test_properties.py::test_random_cnns_keep_their_results_channels_last)."""
+    m = c2f()
+    for n in m.graph.node:
+        n.name = ""
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    assert [n.op_type for n in r.model.graph.node] == ["Transpose", "FusedConv", "Split", "FusedConv", "Concat",
+                                                       "FusedConv"]
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)

@@ -23,6 +23,10 @@ Ops whose argument must be positive (Log, Sqrt, Reciprocal, Div's divisor, Pow's
 ways compute bit for bit (inputs, and results of exactly rounded ops), because a 1-ulp
 difference before a rounding step or a comparison is not a miscompile.
 
+The same random graphs, and random small CNNs (convs, Split / Concat over the channels,
+Adds, Sigmoids), also go through the NHWC layout pass (`onnxfuse.layout`, with the
+boundary threshold lowered so that the few-channel tensors get Transposes).
+
 Runs are deterministic (derandomize, no example database; about 10 s for 1000 examples on
 2 cores). `ONNXFUSE_PROPERTY_EXAMPLES=30000 ONNXFUSE_PROPERTY_RANDOM=1` hunts with fresh
 random examples. An example that ever failed is kept below as a plain regression test
@@ -387,7 +391,7 @@ def largest_intermediate(m: onnx.ModelProto, feeds: dict) -> float:
     return max([1.0] + [float(np.abs(v[np.isfinite(v)]).max()) for v in values if np.isfinite(v).any()])
 
 
-def check_equivalent(m: onnx.ModelProto, feeds: dict) -> onnxfuse.Result:
+def check_equivalent(m: onnx.ModelProto, feeds: dict, layout: str = "nchw") -> onnxfuse.Result:
     """Near zero, results are compared at an absolute tolerance relative to the tensors they
     were computed from: a difference of nearly equal tensors keeps their rounding errors
     (7.42 - pow(7.42, tanh(6.92)) is 2.8e-5, and an ulp of tanh moves it by 1.4e-6). fp32:
@@ -397,11 +401,18 @@ def check_equivalent(m: onnx.ModelProto, feeds: dict) -> onnxfuse.Result:
     outputs) and ONNX Runtime's CPU provider where its fp16 kernels store (it computes the
     other fp16 ops in fp32, so x - Clip(x) is not 0 in the original when only Clip has an
     fp16 kernel); a value rounded from a 1-ulp different fp32 value comes out one fp16 ulp
-    apart."""
+    apart.
+
+    layout "nhwc": the NHWC pass (onnxfuse.layout.apply_layouts, without compiled kernels)
+    runs on the optimized model too."""
     onnx.checker.check_model(m, full_check=True)
     before = m.SerializeToString()
-    result = optimize_model(m)
+    result = optimize_model(m, layout=layout)
     assert m.SerializeToString() == before, "optimize_model modified its input"
+    if layout == "nhwc":
+        from onnxfuse.layout import apply_layouts
+
+        result.fused[:] = apply_layouts(result.model, result.fused)
     onnx.checker.check_model(result.model, full_check=True)
     assert [o.name for o in result.model.graph.output] == [o.name for o in m.graph.output]
     expected = _session(m, library=False).run(None, feeds)
@@ -439,6 +450,95 @@ def test_random_graphs_keep_their_results(case):
     fused_ops = {op.split(' ')[0] for f in result.fused for op in f.source_nodes}
     for op in fused_ops:
         event(f"fused op: {op}")
+
+
+@settings(**{**SETTINGS, "max_examples": max(EXAMPLES // 4, 1)})
+@given(graphs())
+def test_random_graphs_keep_their_results_channels_last(case):
+    """The same graphs through the NHWC pass (conv_alone included), with every conv input
+    wide enough for a boundary Transpose (the random graphs' tensors have few channels)."""
+    from unittest import mock
+
+    from onnxfuse import layout
+
+    m, feeds = case
+    note(onnx.printer.to_text(m))
+    with mock.patch.object(layout, "MIN_NHWC_CHANNELS", 1):
+        result = check_equivalent(m, feeds, layout="nhwc")
+    nhwc = [n for n in result.model.graph.node if n.op_type == "FusedConv"
+            and any(a.name == "x_layout" and a.s == b"NHWC" for a in n.attribute)]
+    event(f"channels-last convs: {min(len(nhwc), 3)}")
+    event(f"channel-axis Concat/Split: {sum(1 for n in result.model.graph.node if n.op_type in ('Concat', 'Split') and any(a.name == 'axis' and a.i == 3 for a in n.attribute))}")
+
+
+@st.composite
+def conv_nets(draw):
+    """Random small CNN graphs for the NHWC pass: convs (with or without Relu), Split and
+    Concat over the channels, Adds, and Sigmoids as readers the pass cannot make
+    channels-last; graph outputs anywhere."""
+    c0 = draw(st.integers(1, 4))
+    values = [("x", c0)]
+    nodes, inits = [], {}
+    rng = np.random.default_rng(draw(st.integers(0, 2**16)))
+    for i in range(draw(st.integers(1, 9))):
+        kind = draw(st.sampled_from(["conv", "conv", "conv_relu", "split", "concat", "add", "sigmoid"]))
+        name, c = draw(st.sampled_from(values))
+        out = f"t{i}"
+        if kind in ("conv", "conv_relu"):
+            k, co = draw(st.sampled_from([1, 3])), draw(st.integers(1, 4))
+            inits[f"w{i}"] = (rng.standard_normal((co, c, k, k)) * 0.4).astype(np.float32)
+            nodes.append(N("Conv", [name, f"w{i}"], [out if kind == "conv" else f"c{i}"], kernel_shape=[k, k],
+                           pads=[k // 2] * 4))
+            if kind == "conv_relu":
+                nodes.append(N("Relu", [f"c{i}"], [out]))
+            values.append((out, co))
+        elif kind == "split" and c >= 2:
+            first = draw(st.integers(1, c - 1))
+            inits[f"s{i}"] = np.array([first, c - first], np.int64)
+            nodes.append(N("Split", [name, f"s{i}"], [f"{out}a", f"{out}b"], axis=1))
+            values += [(f"{out}a", first), (f"{out}b", c - first)]
+        elif kind == "concat":
+            other, c2 = draw(st.sampled_from(values))
+            nodes.append(N("Concat", [name, other], [out], axis=draw(st.sampled_from([1, -3]))))
+            values.append((out, c + c2))
+        elif kind == "add":
+            same = [v for v in values if v[1] == c]
+            other, _ = draw(st.sampled_from(same))
+            nodes.append(N("Add", [name, other], [out]))
+            values.append((out, c))
+        elif kind == "sigmoid":
+            nodes.append(N("Sigmoid", [name], [out]))
+            values.append((out, c))
+    produced = values[1:] or values
+    outs = [produced[-1]] + [v for v in produced[:-1] if draw(st.booleans()) and draw(st.booleans())]
+    g = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c0, 5, 6])],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["N", c, 5, 6]) for n, c in outs],
+                          [numpy_helper.from_array(v, k) for k, v in inits.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, c0, 5, 6)).astype(np.float32)}
+    return m, feeds
+
+
+@settings(**{**SETTINGS, "max_examples": max(EXAMPLES // 4, 1)})
+@given(conv_nets(), st.sampled_from([1, 2, 3]))
+def test_random_cnns_keep_their_results_channels_last(case, min_channels):
+    from unittest import mock
+
+    from onnxfuse import layout
+
+    m, feeds = case
+    note(onnx.printer.to_text(m))
+    with mock.patch.object(layout, "MIN_NHWC_CHANNELS", min_channels):
+        result = check_equivalent(m, feeds, layout="nhwc")
+    nodes = result.model.graph.node
+    event(f"channels-last convs: {min(sum(_attr(n, 'x_layout') == b'NHWC' for n in nodes), 3)}")
+    event(f"channel-axis Concat/Split on axis 3: {min(sum(_attr(n, 'axis') == 3 for n in nodes), 2)}")
+    event(f"boundary Transposes: {min(sum(n.op_type == 'Transpose' for n in nodes), 2)}")
+
+
+def _attr(n: onnx.NodeProto, name: str):
+    return next((helper.get_attribute_value(a) for a in n.attribute if a.name == name), None)
 
 
 # ---------------------------------------------------------------------------------------
