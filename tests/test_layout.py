@@ -92,9 +92,15 @@ def residual(c: int = 8, size: int = 9) -> onnx.ModelProto:
              N("Conv", ["r1", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv2"),
              N("Add", ["c2", "r1"], ["a"], name="add"),
              N("Relu", ["a"], ["y"], name="relu2")]
-    g = helper.make_graph(nodes, "residual",
+    return image_model(nodes, "residual", c, size, [("y", c)], inits)
+
+
+def image_model(nodes, name: str, c: int, size: int, outputs: list[tuple[str, int]], inits) -> onnx.ModelProto:
+    """Opset 17, IR 10: input x [N, c, size, size], outputs [N, channels, size, size]."""
+    g = helper.make_graph(nodes, name,
                           [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
-                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", c, size, size])], inits)
+                          [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, ["N", k, size, size])
+                           for o, k in outputs], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 10
     return m
@@ -203,15 +209,11 @@ def c2f(extra_reader: bool = False) -> onnx.ModelProto:
              N("Concat", ["a", "b", "r2"], ["cat"], axis=1, name="concat"),
              N("Conv", ["cat", "w3"], ["c3"], kernel_shape=[1, 1], name="conv3"),
              N("Relu", ["c3"], ["y"], name="relu3")]
-    outs = [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])]
+    outs = [("y", 16)]
     if extra_reader:
         nodes.append(N("Sigmoid", ["cat"], ["s"], name="sig"))
-        outs.append(helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, ["N", 48, 8, 8]))
-    g = helper.make_graph(nodes, "c2f", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 16, 8, 8])],
-                          outs, inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return m
+        outs.append(("s", 48))
+    return image_model(nodes, "c2f", 16, 8, outs, inits)
 
 
 def test_split_and_concat_between_fused_convs_work_channels_last(tmp_path, monkeypatch):
