@@ -66,6 +66,7 @@ from onnx import FunctionProto, ModelProto, NodeProto, TensorProto, helper
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Builder, Ref, parse
 from onnxfuse.graph import GraphView
+from onnxfuse.layout import BODY_TRANSPOSE_PREFIX
 from onnxfuse.load import canonicalize, infer_shapes
 from onnxfuse.ops import RULES, node_attrs
 
@@ -865,8 +866,11 @@ def body_costs(function: FunctionProto, inputs: list[Tensor | None],
     # A FusedConv's body starts with Transpose(packed weights): the layout of a constant,
     # which a runtime folds once (ONNX Runtime does at session creation), not a per-run
     # round trip of the unfused model.
+    # The same for the Transposes a channels-last node's body has around the original nodes
+    # (onnxfuse.layout): they read the node's NHWC storage; the fused kernel does not run them.
     consts = {name for name, t in zip(function.input, inputs, strict=False) if t is not None and t.const}
-    layout = {n.name for n in function.node if n.op_type == "Transpose" and n.input and n.input[0] in consts}
+    layout = {n.name for n in function.node if n.op_type == "Transpose" and n.input
+              and (n.input[0] in consts or n.name.startswith(BODY_TRANSPOSE_PREFIX))}
     return [c for c in costs if c.op_type != "Constant" and not (c.op_type == "Transpose" and c.name in layout)]
 
 

@@ -43,6 +43,9 @@ LAYOUTS = ("nchw", "nhwc")
 TO_NCHW = [0, 3, 1, 2]
 TO_NHWC = [0, 2, 3, 1]
 UNPACK = {"rsck": [3, 2, 0, 1], "krsc": [0, 3, 1, 2]}  # packed weights -> ONNX's [K, C, R, S]
+# Name prefix of the Transposes a function body gets for its NHWC tensors: they are how the
+# body reads channels-last storage, not work of the original model (onnxfuse.cost skips them).
+BODY_TRANSPOSE_PREFIX = "onnxfuse_layout_"
 
 
 # A conv whose X arrives NCHW (a graph input, or any other node's output) reads it through a
@@ -274,7 +277,7 @@ def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: 
     nhwc_inputs = ([f.input[0]] if x == "nhwc" else []) + [f.input[3 + i] for i, e in enumerate(extras) if e]
     rename = {name: f"{name}_nchw" for name in nhwc_inputs}
     body: list[NodeProto] = [helper.make_node("Transpose", [name], [rename[name]], perm=TO_NCHW,
-                                              name=f"to_nchw_{name}") for name in nhwc_inputs]
+                                              name=f"{BODY_TRANSPOSE_PREFIX}to_nchw_{name}") for name in nhwc_inputs]
     y0 = f.output[0]
     for n in f.node:
         m = NodeProto()
@@ -291,7 +294,8 @@ def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: 
             m.attribute.append(helper.make_attribute("perm", UNPACK[w]))
         body.append(m)
     if y == "nhwc":
-        body.append(helper.make_node("Transpose", [f"{y0}_nchw"], [y0], perm=TO_NHWC, name="to_nhwc_y0"))
+        body.append(helper.make_node("Transpose", [f"{y0}_nchw"], [y0], perm=TO_NHWC,
+                                     name=f"{BODY_TRANSPOSE_PREFIX}to_nhwc_y0"))
     del f.node[:]
     f.node.extend(body)
     f.doc_string = (old.doc_string + f"; X {x.upper()}, Y {y.upper()}"

@@ -256,3 +256,24 @@ def test_unnamed_nodes(tmp_path, monkeypatch):
                                                        "FusedConv"]
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
+
+
+def test_analyze_sees_the_same_work_in_either_layout(tmp_path, monkeypatch):
+    """onnxfuse analyze costs a channels-last node like its NCHW twin: the Transposes its
+    function body has for the NHWC storage are not work of the original model."""
+    from onnxfuse.analyze import analyze
+
+    m = vgg_stack(blocks=2, channels=32, size=32)
+    costs = {}
+    for layout in ("nchw", "nhwc"):
+        r = optimize_model(m, layout=layout)
+        from onnxfuse.kernels import compile_hook
+
+        monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+        compile_hook("sm_90", layout=layout)(r)
+        onnx.save(r.model, str(tmp_path / f"{layout}.onnx"))
+        a = analyze(str(tmp_path / f"{layout}.onnx"), "h200", batch=8)
+        costs[layout] = ([(row.cost.flops, row.cost.bytes) for row in a.rows], a.unfused_totals.bytes,
+                         [(g.chain, g.round_trips_before, g.bytes_before) for g in a.groups])
+    assert any(attrs(n).get("x_layout") == b"NHWC" for n in onnx.load(str(tmp_path / "nhwc.onnx")).graph.node)
+    assert costs["nhwc"] == costs["nchw"]
