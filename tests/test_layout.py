@@ -277,3 +277,23 @@ def test_analyze_sees_the_same_work_in_either_layout(tmp_path, monkeypatch):
                          [(g.chain, g.round_trips_before, g.bytes_before) for g in a.groups])
     assert any(attrs(n).get("x_layout") == b"NHWC" for n in onnx.load(str(tmp_path / "nhwc.onnx")).graph.node)
     assert costs["nhwc"] == costs["nchw"]
+
+
+def test_unfusing_channels_last_nodes_keeps_the_results(tmp_path, monkeypatch):
+    """What happens to a node whose kernel fails to compile, or that --tune finds slower: its
+    function body (layout Transposes, [K, R, S, C] weights unpacked) replaces it."""
+    from onnxfuse.rewrite import unfuse
+
+    m = c2f()
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    for f in list(r.fused)[::2]:  # the first and the last conv
+        unfuse(r.model, f)
+    onnx.checker.check_model(r.model, full_check=True)
+    ops = [n.op_type for n in r.model.graph.node]
+    assert ops.count("FusedConv") == 1 and ops.count("Conv") == 2
+    # the unfused convs read ONNX weights again (initializers, no Transpose of packed ones)
+    convs = [n for n in r.model.graph.node if n.op_type == "Conv"]
+    inits = {t.name: tuple(t.dims) for t in r.model.graph.initializer}
+    assert [inits[c.input[1]] for c in convs] == [(32, 16, 1, 1), (16, 48, 1, 1)]
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
