@@ -50,10 +50,21 @@ def candidates(spec) -> list[tuple[str, tuple]]:
 
     if isinstance(spec, aot.ConvSpec):
         base = aot.conv_variants(spec)[0]
-        tiles = [base, dataclasses.replace(base, block_m=128, num_warps=4),
-                 dataclasses.replace(base, block_m=32, num_stages=4),
-                 dataclasses.replace(base, block_k=16, num_stages=4),
-                 dataclasses.replace(base, block_n=128 if base.block_n == 64 else 64, num_warps=4)]
+        if base.flat:  # the runners-up of the flat-reduction sweep (conv_kernels_flat_*.json)
+            tiles = [base, dataclasses.replace(base, block_m=256, num_warps=8),
+                     dataclasses.replace(base, block_k=16, num_stages=3),
+                     dataclasses.replace(base, block_m=64, num_warps=2, num_stages=3)]
+        elif base.num_warps >= 4:  # channels-last wgmma tiles: that sweep's runners-up
+            tiles = [base, dataclasses.replace(base, num_stages=4),
+                     dataclasses.replace(base, block_m=64 if base.block_m == 128 else 128,
+                                         block_n=128 if base.block_n == 64 else 64),
+                     dataclasses.replace(base, block_m=128, block_n=128),
+                     dataclasses.replace(base, block_m=64, block_n=64, block_k=64)]
+        else:
+            tiles = [base, dataclasses.replace(base, block_m=128, num_warps=4),
+                     dataclasses.replace(base, block_m=32, num_stages=4),
+                     dataclasses.replace(base, block_k=16, num_stages=4),
+                     dataclasses.replace(base, block_n=128 if base.block_n == 64 else 64, num_warps=4)]
         out, seen = [], set()
         win = 1 << (spec.pool.kernel[0] * spec.pool.kernel[1] - 1).bit_length() if spec.pool else 1
         for v in tiles:

@@ -29,6 +29,23 @@ def test_conv_candidates_are_distinct_and_hold_whole_windows():
     assert cands[0][0].startswith("tile 64x64x32")  # the heuristic default comes first
 
 
+@pytest.mark.parametrize("channels,x_layout,w_layout,first,flat", [
+    (64, "nhwc", "krsc", "tile 128x64x32, 4 warps, 3 stages", False),
+    (3, "nchw", "krsc", "tile 128x64x32, 4 warps, 2 stages, flat", True),
+])
+def test_channels_last_and_flat_candidates(channels, x_layout, w_layout, first, flat):
+    """The heuristic's config first, then the runners-up of the H200 sweeps, all distinct and
+    of the same kernel kind (flat or not)."""
+    spec = ConvSpec("k", RELU, channels, 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), x_layout=x_layout,
+                    w_layout=w_layout)
+    cands = candidates(spec)
+    configs = [v for _, (v,) in cands]
+    assert cands[0][0] == first and len(cands) >= 4
+    assert len({(v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages) for v in configs}) == len(cands)
+    assert all(v.flat == flat for v in configs)
+    assert flat or all(v.num_warps >= 4 for v in configs)  # wgmma needs a warp group
+
+
 def test_pool_and_pointwise_candidates():
     assert [label for label, _ in candidates(MaxPoolSpec("k", RELU, PoolAttrs((2, 2), (2, 2))))] == \
         ["block 256", "block 512", "block 1024"]
