@@ -482,7 +482,7 @@ def conv_nets(draw):
     nodes, inits = [], {}
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     for i in range(draw(st.integers(1, 9))):
-        kind = draw(st.sampled_from(["conv", "conv", "conv_relu", "split", "concat", "add", "sigmoid"]))
+        kind = draw(st.sampled_from(["conv", "conv", "conv_relu", "split", "concat", "add", "sigmoid", "c2f"]))
         name, c = draw(st.sampled_from(values))
         out = f"t{i}"
         if kind in ("conv", "conv_relu"):
@@ -510,6 +510,22 @@ def conv_nets(draw):
         elif kind == "sigmoid":
             nodes.append(N("Sigmoid", [name], [out]))
             values.append((out, c))
+        elif kind == "c2f":  # YOLO's block: conv, Split, conv on one half, Concat of all three
+            co = 2 * draw(st.integers(1, 2))
+            inits[f"w{i}a"] = (rng.standard_normal((co, c, 1, 1)) * 0.4).astype(np.float32)
+            inits[f"w{i}b"] = (rng.standard_normal((co // 2, co // 2, 3, 3)) * 0.4).astype(np.float32)
+            inits[f"s{i}"] = np.array([co // 2, co // 2], np.int64)
+            nodes += [N("Conv", [name, f"w{i}a"], [f"{out}c"], kernel_shape=[1, 1]),
+                      N("Relu", [f"{out}c"], [f"{out}r"]),
+                      N("Split", [f"{out}r", f"s{i}"], [f"{out}a", f"{out}b"], axis=1),
+                      N("Conv", [f"{out}b", f"w{i}b"], [f"{out}d"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+                      N("Concat", [f"{out}a", f"{out}b", f"{out}d"], [f"{out}cat"], axis=1)]
+            if draw(st.booleans()):  # the block's own output conv reads the Concat
+                inits[f"w{i}e"] = (rng.standard_normal((c, co + co // 2, 1, 1)) * 0.4).astype(np.float32)
+                nodes.append(N("Conv", [f"{out}cat", f"w{i}e"], [out], kernel_shape=[1, 1]))
+                values.append((out, c))
+            else:  # the halves and the Concat are left for other steps (and outputs) to read
+                values += [(f"{out}a", co // 2), (f"{out}b", co // 2), (f"{out}cat", co + co // 2)]
     produced = values[1:] or values
     outs = [produced[-1]] + [v for v in produced[:-1] if draw(st.booleans()) and draw(st.booleans())]
     g = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", c0, 5, 6])],
