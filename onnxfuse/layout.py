@@ -38,6 +38,7 @@ import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.graph import _outer_refs
+from onnxfuse.rewrite import _all_names
 
 LAYOUTS = ("nchw", "nhwc")
 TO_NCHW = [0, 3, 1, 2]
@@ -182,7 +183,7 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
         for a in [a for a in n.attribute if a.name == "axis"]:
             n.attribute.remove(a)
         n.attribute.append(helper.make_attribute("axis", 3))
-    nhwc_copy = _insert_boundary_transposes(g, p.boundaries)  # rebuilds the node list
+    nhwc_copy = _insert_boundary_transposes(g, p.boundaries, _all_names(model))  # rebuilds the node list
     nodes = {n.name: n for n in g.node if n.domain == "onnxfuse"}  # fused nodes' names are unique
     p_done: set[str] = set()
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
@@ -232,13 +233,13 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
     return out
 
 
-def _insert_boundary_transposes(g: onnx.GraphProto, boundaries: dict[str, list[str]]) -> dict[str, str]:
+def _insert_boundary_transposes(g: onnx.GraphProto, boundaries: dict[str, list[str]],
+                                taken: set[str]) -> dict[str, str]:
     """Put `Transpose(perm=[0, 2, 3, 1])` of each boundary tensor right before its first
-    reader; returns reader node name -> the NHWC tensor it reads."""
+    reader; returns reader node name -> the NHWC tensor it reads. `taken`: every tensor name
+    of the model, its subgraphs' included (the new names avoid them)."""
     if not boundaries:
         return {}
-    taken = {v for n in g.node for v in (*n.input, *n.output)} | {i.name for i in g.input} | \
-        {t.name for t in g.initializer}
     copies: dict[str, str] = {}
     for tensor in boundaries:
         name, k = f"{tensor}_nhwc", 1

@@ -297,3 +297,23 @@ def test_unfusing_channels_last_nodes_keeps_the_results(tmp_path, monkeypatch):
     assert [inits[c.input[1]] for c in convs] == [(32, 16, 1, 1), (16, 48, 1, 1)]
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
+
+
+def test_boundary_transpose_names_avoid_the_names_of_subgraphs(tmp_path, monkeypatch):
+    """The NHWC copy of a boundary tensor gets a name no subgraph uses either: an If branch
+    that computes its own `x_nhwc` would otherwise make the model break SSA (invalid ONNX)."""
+    m = residual(c=16)
+
+    def branch(name: str) -> onnx.GraphProto:
+        return helper.make_graph([N("Neg", ["x"], ["x_nhwc"]), N("Identity", ["x_nhwc"], [f"o_{name}"])], name, [],
+                                 [helper.make_tensor_value_info(f"o_{name}", onnx.TensorProto.FLOAT, ["N", 16, 9, 9])])
+
+    m.graph.initializer.append(numpy_helper.from_array(np.array(True), "cond"))
+    m.graph.node.append(N("If", ["cond"], ["z"], then_branch=branch("then"), else_branch=branch("else"), name="if"))
+    m.graph.output.append(helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, ["N", 16, 9, 9]))
+    onnx.checker.check_model(m, full_check=True)
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    transpose = r.model.graph.node[0]
+    assert transpose.op_type == "Transpose" and transpose.output[0] != "x_nhwc"
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
