@@ -38,6 +38,7 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
         kernels = {f.node_name: f.kernel_name for f in result.fused}
         for rec in result.report.fused:  # the NHWC pass renames kernels
             rec.kernel = kernels.get(rec.node, rec.kernel)
+        result.report.nodes_after = len(result.model.graph.node)  # and adds boundary Transposes
         if info["declined"]:
             result.drop_fused({d["node"] for d in info["declined"]}, aot.DECLINED_REASON)
         if info["failed"]:

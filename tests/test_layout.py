@@ -317,3 +317,12 @@ def test_boundary_transpose_names_avoid_the_names_of_subgraphs(tmp_path, monkeyp
     assert transpose.op_type == "Transpose" and transpose.output[0] != "x_nhwc"
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
+
+
+def test_the_report_counts_the_boundary_transposes(tmp_path, monkeypatch):
+    """The report's node count after optimizing is the written model's: the NHWC pass (in the
+    compile step, after fusion) adds a Transpose where a conv reads an NCHW tensor."""
+    r = nhwc_model(c2f(), tmp_path, monkeypatch)
+    assert [n.op_type for n in r.model.graph.node].count("Transpose") == 1
+    assert r.report.nodes_after == len(r.model.graph.node) == 6
+    assert r.report.summary().startswith("nodes: 8 -> 6")
