@@ -24,7 +24,12 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     tune = None
     if args.layout == "nhwc" and args.target == "none":
         raise OnnxfuseError("--layout nhwc is for the GPU kernels: it cannot be combined with --target none")
-    layout = args.layout if args.layout != "auto" else ("nchw" if args.target == "none" else "nhwc")
+    from onnxfuse.kernels import triton_available
+
+    # auto: nhwc when kernels are compiled (the NHWC pass runs with them); without Triton the
+    # compile step does nothing
+    layout = args.layout if args.layout != "auto" else (
+        "nhwc" if args.target != "none" and triton_available() else "nchw")
     if args.tune:
         if args.target == "none":
             raise OnnxfuseError("--tune times compiled kernels: it cannot be combined with --target none")

@@ -326,3 +326,18 @@ def test_the_report_counts_the_boundary_transposes(tmp_path, monkeypatch):
     assert [n.op_type for n in r.model.graph.node].count("Transpose") == 1
     assert r.report.nodes_after == len(r.model.graph.node) == 6
     assert r.report.summary().startswith("nodes: 8 -> 6")
+
+
+def test_cli_auto_layout_is_nchw_when_no_kernels_are_compiled(tmp_path, monkeypatch):
+    """--layout auto means nhwc only when kernels are compiled: without Triton the compile
+    step (and with it the NHWC pass) does not run, so a Conv alone is not fused (pattern
+    conv_alone is for the NHWC pass only; the library's CPU conv is slower than ORT's)."""
+    monkeypatch.setattr("onnxfuse.kernels.triton_available", lambda: False)
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array((rng.standard_normal((8, 16, 1, 1)) / 4).astype(np.float32), "w")
+    m = image_model([N("MaxPool", ["x"], ["p"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="pool"),
+                     N("Conv", ["p", "w"], ["y"], kernel_shape=[1, 1], name="conv")], "lone", 16, 9, [("y", 8)], [w])
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(m, str(src))
+    assert main(["optimize", str(src), str(dst)]) == 0
+    assert [n.op_type for n in onnx.load(str(dst)).graph.node] == ["FusedMaxPool", "Conv"]
