@@ -188,6 +188,7 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
     p_done: set[str] = set()
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     new_functions: dict[str, FunctionProto] = {}
+    renamed: set[tuple[str, str, str]] = set()  # the functions of the nodes given new overloads
     initializers = {t.name: t for t in g.initializer}
     out = []
     for f in fused:
@@ -200,6 +201,7 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
             ("_krsc" if w == "krsc" else "")
         name = f.kernel_name + suffix
         old = functions[(node.domain, node.op_type, node.overload)]
+        renamed.add((node.domain, node.op_type, node.overload))
         if name not in new_functions:
             new_functions[name] = _layout_function(old, name, x, y, extras, w)
         for attr in [a for a in node.attribute if a.name in ("x_layout", "y_layout", "extra_layouts", "w_layout")]:
@@ -224,8 +226,10 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
                                        extra_layouts=extras, w_layout=w))
     for t in sorted(p.nhwc - p_done):  # the Concat / Split results
         _permute_value_info(g, t)
+    # the renamed nodes' old functions go when no node uses them; the model's own functions
+    # stay (they may be called from other functions or subgraphs only)
     used = {(n.domain, n.op_type, n.overload) for n in g.node}
-    kept = [fn for fn in model.functions if (fn.domain, fn.name, fn.overload) in used]
+    kept = [fn for fn in model.functions if (key := (fn.domain, fn.name, fn.overload)) in used or key not in renamed]
     present = {(fn.domain, fn.name, fn.overload) for fn in kept}
     kept += [fn for k, fn in sorted(new_functions.items()) if (fn.domain, fn.name, fn.overload) not in present]
     del model.functions[:]

@@ -341,3 +341,22 @@ def test_cli_auto_layout_is_nchw_when_no_kernels_are_compiled(tmp_path, monkeypa
     onnx.save(m, str(src))
     assert main(["optimize", str(src), str(dst)]) == 0
     assert [n.op_type for n in onnx.load(str(dst)).graph.node] == ["FusedMaxPool", "Conv"]
+
+
+def test_the_models_own_functions_stay(tmp_path, monkeypatch):
+    """The pass drops only the functions of the nodes it renamed: a model-local function
+    called only from another function (or a subgraph) stays, or the model would not load."""
+    m = residual()
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("local", 1)]
+    inner = helper.make_function("local", "Inner", ["a"], ["b"], [N("Neg", ["a"], ["b"])], opsets[:1])
+    outer = helper.make_function("local", "Outer", ["a"], ["b"],
+                                 [N("Inner", ["a"], ["t"], domain="local"), N("Abs", ["t"], ["b"])], opsets)
+    m.functions.extend([inner, outer])
+    m.opset_import.append(opsets[1])
+    m.graph.node.append(N("Outer", ["x"], ["z"], domain="local", name="outer"))
+    m.graph.output.append(helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, ["N", 8, 9, 9]))
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    names = [f.name for f in r.model.functions]
+    assert names.count("FusedConv") == 2 and {"Inner", "Outer"} <= set(names)
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
