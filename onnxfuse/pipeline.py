@@ -101,9 +101,12 @@ class Result:
             r.not_fused[reason] = r.not_fused.get(reason, 0) + sum(len(f.source_nodes) for f in dropped)
 
 
-# Patterns that only pay off when the NHWC pass runs (`layout="nhwc"`): a conv alone gains
-# nothing from fusion, only from staying channels-last between fused convs.
-NHWC_ONLY_PATTERNS = frozenset({"conv_alone"})
+# Patterns for the GPU kernels' path only (`layout="nhwc"`, what `optimize` uses when it
+# compiles kernels): a conv alone gains nothing from fusion, only from staying channels-last
+# between fused convs; a max pool alone runs faster as the Triton kernel than as ONNX
+# Runtime's CUDA MaxPool, but slower in the library's CPU kernel than in ORT's CPU MaxPool
+# (0.56-0.65x on 4x64x112x112, 2-core CPU, BENCHMARKS.md).
+NHWC_ONLY_PATTERNS = frozenset({"conv_alone", "maxpool"})
 
 
 def for_layout(patterns: list[Pattern], layout: str) -> list[Pattern]:

@@ -357,13 +357,17 @@ def test_conv_maxpool_without_epilogue_fuses():
 
 
 def test_overlapping_pool_stays_after_conv_relu():
-    """MaxPool 3x3 stride 2 pad 1 does not tile: conv_relu fuses, the pool becomes a
-    FusedMaxPool of its own (pattern maxpool: its input comes from the FusedConv)."""
+    """MaxPool 3x3 stride 2 pad 1 does not tile: conv_relu fuses, the pool stays (its input
+    comes from the FusedConv, not from a pointwise op); on the GPU path (layout nhwc) it
+    becomes a FusedMaxPool of its own (pattern maxpool)."""
     m = conv_then([N("Relu", ["c0"], ["r"]),
                    N("MaxPool", ["r"], ["y"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])])
-    r = check_fusion(m, expect_fused=2)
-    assert op_types(r.model) == ["FusedConv", "FusedMaxPool"]
+    r = check_fusion(m, expect_fused=1)
+    assert op_types(r.model) == ["FusedConv", "MaxPool"]
     assert r.fused[0].pattern == "conv_relu" and r.fused[0].pool is None
+    assert r.report.not_fused == {"its input is computed by another fused node": 1}
+    r = check_fusion(m, expect_fused=2, layout="nhwc")
+    assert op_types(r.model) == ["FusedConv", "FusedMaxPool"]
     assert r.fused[1].pattern == "maxpool" and r.fused[1].program.to_text().endswith("output %0 f32\n")
 
 
@@ -408,11 +412,11 @@ def test_maxpool_reasons():
     m = model([N("MaxPool", ["x"], ["p"], kernel_shape=[2, 2]), N("Relu", ["p"], ["r"]),
                N("MaxPool", ["r"], ["y"], kernel_shape=[2, 2]), N("Sigmoid", ["r"], ["z"])],
               image(4, 8, 8), out("y", "z"))
-    r = check_fusion(m, expect_fused=1, patterns=[p for p in load_patterns() if p.name != "maxpool"])
+    r = check_fusion(m, expect_fused=1)
     assert op_types(r.model) == ["MaxPool", "PointwiseChain", "MaxPool"]  # Relu + Sigmoid
     assert r.report.not_fused == {"no pointwise op before the max pool": 1, "max pool input is also read elsewhere": 1}
-    # with the maxpool pattern both pools run alone as FusedMaxPool
-    r = check_fusion(m, expect_fused=3)
+    # on the GPU path (pattern maxpool) both pools run alone as FusedMaxPool
+    r = check_fusion(m, expect_fused=3, layout="nhwc")
     assert op_types(r.model) == ["FusedMaxPool", "PointwiseChain", "FusedMaxPool"]
 
 
@@ -713,11 +717,11 @@ def test_resnet_style_block_exported_by_torch():
     assert Counter(op_types(m))["BatchNormalization"] == 5
     r = optimize_model(m)
     assert r.report.folded_batchnorm == 5
-    assert r.report.patterns_applied == {"conv_relu": 4, "conv_relu_maxpool": 1, "maxpool": 1}
-    assert counts(r) == Counter({"FusedConv": 5, "Conv": 1, "FusedMaxPool": 1})
-    assert sorted(len(f.source_nodes) for f in r.fused) == [1, 2, 2, 3, 3, 3]  # pool, Conv+Add+Relu, SiLU, ...
+    assert r.report.patterns_applied == {"conv_relu": 4, "conv_relu_maxpool": 1}
+    assert counts(r) == Counter({"FusedConv": 5, "Conv": 1, "MaxPool": 1})
+    assert sorted(len(f.source_nodes) for f in r.fused) == [2, 2, 3, 3, 3]  # Conv+Add+Relu, SiLU, Hardswish+pool
     check_close(m, r, FOLD_RTOL, random_feeds(m, {"N": 2}))
-    # the NHWC patterns fuse the shortcut conv too
+    # the GPU path's patterns fuse the shortcut conv and the overlapping pool too
     r = optimize_model(m, layout="nhwc")
     assert counts(r) == Counter({"FusedConv": 6, "FusedMaxPool": 1})
     check_close(m, r, FOLD_RTOL, random_feeds(m, {"N": 2}))

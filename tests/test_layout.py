@@ -330,8 +330,9 @@ def test_the_report_counts_the_boundary_transposes(tmp_path, monkeypatch):
 
 def test_cli_auto_layout_is_nchw_when_no_kernels_are_compiled(tmp_path, monkeypatch):
     """--layout auto means nhwc only when kernels are compiled: without Triton the compile
-    step (and with it the NHWC pass) does not run, so a Conv alone is not fused (pattern
-    conv_alone is for the NHWC pass only; the library's CPU conv is slower than ORT's)."""
+    step (and with it the NHWC pass) does not run, so neither a Conv alone nor a MaxPool
+    alone is fused (patterns conv_alone and maxpool are for the GPU path only; the library's
+    CPU conv and max pool are slower than ORT's)."""
     monkeypatch.setattr("onnxfuse.kernels.triton_available", lambda: False)
     rng = np.random.default_rng(3)
     w = numpy_helper.from_array((rng.standard_normal((8, 16, 1, 1)) / 4).astype(np.float32), "w")
@@ -340,7 +341,7 @@ def test_cli_auto_layout_is_nchw_when_no_kernels_are_compiled(tmp_path, monkeypa
     src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
     onnx.save(m, str(src))
     assert main(["optimize", str(src), str(dst)]) == 0
-    assert [n.op_type for n in onnx.load(str(dst)).graph.node] == ["FusedMaxPool", "Conv"]
+    assert [n.op_type for n in onnx.load(str(dst)).graph.node] == ["MaxPool", "Conv"]
 
 
 def test_the_models_own_functions_stay(tmp_path, monkeypatch):

@@ -112,3 +112,6 @@ def test_nhwc_only_patterns_apply_only_for_the_nhwc_layout():
     m = example_model(next(p for p in BUILTIN if p.name == "conv_alone"))
     assert [n.op_type for n in optimize_model(m).model.graph.node] == ["Conv", "Concat"]
     assert [n.op_type for n in optimize_model(m, layout="nhwc").model.graph.node] == ["FusedConv", "Concat"]
+    m = example_model(next(p for p in BUILTIN if p.name == "maxpool"))
+    assert [n.op_type for n in optimize_model(m).model.graph.node] == ["MaxPool"]
+    assert [n.op_type for n in optimize_model(m, layout="nhwc").model.graph.node] == ["FusedMaxPool"]
