@@ -26,6 +26,9 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
         raise OnnxfuseError("--layout nhwc is for the GPU kernels: it cannot be combined with --target none")
     from onnxfuse.kernels import triton_available
 
+    if args.layout == "nhwc" and not triton_available():
+        raise OnnxfuseError("--layout nhwc runs with the compiled GPU kernels and needs Triton: "
+                            "pip install 'onnxfuse[compile]'")
     # auto: nhwc when kernels are compiled (the NHWC pass runs with them); without Triton the
     # compile step does nothing
     layout = args.layout if args.layout != "auto" else (

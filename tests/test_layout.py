@@ -344,6 +344,14 @@ def test_cli_auto_layout_is_nchw_when_no_kernels_are_compiled(tmp_path, monkeypa
     assert [n.op_type for n in onnx.load(str(dst)).graph.node] == ["MaxPool", "Conv"]
 
 
+def test_cli_explicit_nhwc_needs_triton(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("onnxfuse.kernels.triton_available", lambda: False)
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(residual(), str(src))
+    assert main(["optimize", str(src), str(dst), "--layout", "nhwc"]) == 2
+    assert "needs Triton" in capsys.readouterr().err and not dst.exists()
+
+
 def test_the_models_own_functions_stay(tmp_path, monkeypatch):
     """The pass drops only the functions of the nodes it renamed: a model-local function
     called only from another function (or a subgraph) stays, or the model would not load."""
