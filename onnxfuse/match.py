@@ -533,10 +533,12 @@ def _conv_match(view: GraphView, ci: int, pattern: Pattern, taken: set[int], acc
         pool_only = (m.pool != "none" and not epilogue and len(direct) == 1
                      and view.nodes[direct[0]].op_type == "MaxPool" and out not in view.graph_outputs)
         if not pool_only:
-            return "conv output is also read elsewhere"
+            if not m.alone:
+                return "conv output is also read elsewhere"
+            epilogue = set()  # the conv alone: its output goes to every reader
     grown = bool(epilogue)
     epilogue, result = _single_result(view, ci, out, epilogue, accepted)
-    if grown and not epilogue:  # every smaller group leaves the conv output to other readers
+    if grown and not epilogue and not m.alone:  # every smaller group leaves the conv output to others
         return "conv output is also read elsewhere"
     result = result or out
     pool = pool_attrs = None

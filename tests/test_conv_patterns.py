@@ -624,6 +624,22 @@ def test_user_conv_pattern_runs_alone(tmp_path):
     assert op_types(r.model) == ["FusedConv"] and r.fused[0].pattern == "my_conv"
 
 
+def test_alone_pattern_with_ops_falls_back_to_the_conv_alone(tmp_path):
+    """alone: true with epilogue ops: a conv whose output other nodes also read fuses alone
+    (its output goes to every reader) instead of not fusing."""
+    path = tmp_path / "alone.yaml"
+    path.write_text(CONV_PATTERN.replace("  pool: none\n", "  pool: none\n  alone: true\n"))
+    p = load_pattern_file(path)
+    assert p.match.alone
+    m = model([N("Conv", ["x", "w", "b"], ["c0"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+               N("Relu", ["c0"], ["y"]), N("Sigmoid", ["c0"], ["z"])],
+              image(4), out("y", "z"), {"w": weights(4, 4, 3), "b": bias(4)})
+    r = optimize_model(m, [p])
+    assert op_types(r.model) == ["FusedConv", "Relu", "Sigmoid"]
+    assert r.fused[0].program.to_text().endswith("output %0 f32\n")
+    check_close(m, r, 1e-5)
+
+
 def test_group_any_fuses_grouped_convolutions(tmp_path):
     path = tmp_path / "any.yaml"
     path.write_text(CONV_PATTERN.replace("group: 1", "group: any"))
