@@ -103,8 +103,8 @@ CONV_CASES = [
     ConvCase("flat-nchw-to-nhwc-krsc", 1, 3, (11, 10), 16, ConvAttrs((3, 3), (2, 2), (1, 1, 1, 1)),
              layouts=("nchw", "nhwc"), w_layout="krsc", flat=True),
     ConvCase("flat-fp16", 2, 3, (7, 7), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), dtype="f16", flat=True),
-    ConvCase("nhwc-krsc-fp16-pool", 2, 32, (8, 6), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), PoolAttrs((2, 2), (2, 2)),
-             dtype="f16", layouts=("nhwc", "nhwc"), w_layout="krsc"),
+    ConvCase("nhwc-krsc-fp16-pool", 2, 32, (8, 6), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)),
+             PoolAttrs((2, 2), (2, 2)), dtype="f16", layouts=("nhwc", "nhwc"), w_layout="krsc"),
     ConvCase("nhwc-krsc-fp16-residual", 1, 16, (5, 7), 24, ConvAttrs((1, 1)), body=RESIDUAL_RELU, extras=("full",),
              dtype="f16", layouts=("nhwc", "nchw"), w_layout="krsc"),
 ]
