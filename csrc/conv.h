@@ -276,4 +276,55 @@ inline Shape conv_extra_strides(const Shape& e, bool nhwc, const Shape& conv_out
   return {e[0] == 1 ? 0 : p * q * k, k == 1 ? 0 : 1, p == 1 ? 0 : q * k, q == 1 ? 0 : k};
 }
 
+// Reads a FusedConv / FusedMaxPool node's inputs and checks their count and types: the
+// first `n_fixed` inputs (X, W, B or X), then the program's extra inputs %1, %2, ... X is
+// program input %0, W and B have X's type. f32_for_half as in type_fits (the CPU kernels
+// accept what ONNX Runtime's CPU provider rewires to float32; CUDA kernels take exactly the
+// types they were compiled for).
+inline std::vector<TensorRef> read_layer_inputs(const Program& prog, OrtKernelContext* ctx, size_t n_fixed,
+                                                bool f32_for_half) {
+  static const char* const kInputNames[] = {"X", "W", "B"};
+  size_t n_in = 0, n_out = 0;
+  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
+  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
+  const size_t want = n_fixed + prog.inputs.size() - 1;
+  if (n_in != want)
+    throw Error("the node has " + std::to_string(n_in) + " inputs, expected " + std::to_string(want) + " (" +
+                (n_fixed == 3 ? "X, W, B" : "X") + " and the program's " + std::to_string(prog.inputs.size() - 1) +
+                " extra inputs)");
+  if (n_out != 1) throw Error("the node has " + std::to_string(n_out) + " outputs, expected 1");
+  std::vector<TensorRef> t(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const OrtValue* v = nullptr;
+    check(g_ort->KernelContext_GetInput(ctx, i, &v));
+    if (!v) throw Error("input " + std::to_string(i) + " is missing");
+    read_tensor(v, &t[i]);
+    const size_t pi = i < n_fixed ? 0 : i - n_fixed + 1;
+    const std::string what = i < n_fixed ? std::string(" (") + kInputNames[i] + ")"
+                                         : " (program input %" + std::to_string(pi) + ")";
+    if (i > 0 && i < n_fixed) {
+      if (t[i].type != t[0].type)
+        throw Error("input " + std::to_string(i) + what + " is " + elem_type_name(t[i].type) + ", X is " +
+                    elem_type_name(t[0].type));
+    } else if (!type_fits(t[i].type, prog.inputs[pi], f32_for_half)) {
+      throw Error("input " + std::to_string(i) + what + " is " + elem_type_name(t[i].type) +
+                  ", the program declares " + dtype_name(prog.inputs[pi]));
+    }
+  }
+  return t;
+}
+
+// Allocates output 0 with `shape` and checks its type against the program's output.
+inline TensorRef layer_output(const Program& prog, OrtKernelContext* ctx, bool f32_for_half, const Shape& shape) {
+  OrtValue* v = nullptr;
+  check(g_ort->KernelContext_GetOutput(ctx, 0, shape.data(), shape.size(), &v));
+  if (!v) throw Error("could not allocate the output");
+  TensorRef t;
+  read_tensor(v, &t);
+  if (!type_fits(t.type, prog.outputs[0].second, f32_for_half))
+    throw Error(std::string("the output is ") + elem_type_name(t.type) + " in the graph, the program stores " +
+                dtype_name(prog.outputs[0].second));
+  return t;
+}
+
 }  // namespace onnxfuse

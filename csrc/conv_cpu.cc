@@ -522,55 +522,6 @@ void max_pool(OrtKernelContext* ctx, const PoolParams& pp, const float* z, const
 // The kernels
 // ---------------------------------------------------------------------------------------
 
-const char* const kInputNames[] = {"X", "W", "B"};
-
-// Reads the node's inputs and checks their count and the program's dtypes: the first
-// `n_fixed` inputs (X, W, B or X), then the program's extra inputs %1, %2, ...
-std::vector<TensorRef> read_inputs(const Program& prog, OrtKernelContext* ctx, size_t n_fixed) {
-  size_t n_in = 0, n_out = 0;
-  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
-  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
-  const size_t want = n_fixed + prog.inputs.size() - 1;
-  if (n_in != want)
-    throw Error("the node has " + std::to_string(n_in) + " inputs, expected " + std::to_string(want) + " (" +
-                (n_fixed == 3 ? "X, W, B" : "X") + " and the program's " + std::to_string(prog.inputs.size() - 1) +
-                " extra inputs)");
-  if (n_out != 1) throw Error("the node has " + std::to_string(n_out) + " outputs, expected 1");
-  std::vector<TensorRef> t(n_in);
-  for (size_t i = 0; i < n_in; ++i) {
-    const OrtValue* v = nullptr;
-    check(g_ort->KernelContext_GetInput(ctx, i, &v));
-    if (!v) throw Error("input " + std::to_string(i) + " is missing");
-    read_tensor(v, &t[i]);
-    // X is program input %0, W and B have X's type, extra input i is %(i - n_fixed + 1).
-    const size_t pi = i < n_fixed ? 0 : i - n_fixed + 1;
-    const std::string what = i < n_fixed ? std::string(" (") + kInputNames[n_fixed == 3 ? i : 0] + ")"
-                                         : " (program input %" + std::to_string(pi) + ")";
-    if (i > 0 && i < n_fixed) {
-      if (t[i].type != t[0].type)
-        throw Error("input " + std::to_string(i) + what + " is " + elem_type_name(t[i].type) + ", X is " +
-                    elem_type_name(t[0].type));
-    } else if (!type_fits(t[i].type, prog.inputs[pi], /*f32_for_half=*/true)) {
-      throw Error("input " + std::to_string(i) + what + " is " + elem_type_name(t[i].type) +
-                  ", the program declares " + dtype_name(prog.inputs[pi]));
-    }
-  }
-  return t;
-}
-
-// Allocates output 0 with `shape` and checks its type against the program's output.
-TensorRef make_output(const Program& prog, OrtKernelContext* ctx, const Shape& shape) {
-  OrtValue* v = nullptr;
-  check(g_ort->KernelContext_GetOutput(ctx, 0, shape.data(), shape.size(), &v));
-  if (!v) throw Error("could not allocate the output");
-  TensorRef t;
-  read_tensor(v, &t);
-  if (!type_fits(t.type, prog.outputs[0].second, /*f32_for_half=*/true))
-    throw Error(std::string("the output is ") + elem_type_name(t.type) + " in the graph, the program stores " +
-                dtype_name(prog.outputs[0].second));
-  return t;
-}
-
 // Program inputs: `first` (the conv result or X), then the extra tensors from `extras`.
 std::vector<HostTensor> program_inputs(const Program& prog, HostTensor first, const std::vector<TensorRef>& t,
                                        size_t extras) {
@@ -652,7 +603,7 @@ struct ConvKernel : KernelBase {
   ConvLayouts lay;
 
   void compute(OrtKernelContext* ctx) const {
-    const std::vector<TensorRef> t = read_inputs(prog, ctx, 3);
+    const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 3, /*f32_for_half=*/true);
     if (t[0].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && t[0].type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16)
       throw Error(std::string("input 0 (X) is ") + elem_type_name(t[0].type) + ", FusedConv takes float32 or float16");
     const ConvShapes s =
@@ -660,7 +611,7 @@ struct ConvKernel : KernelBase {
     const Shape conv_out = s.conv_out();
     for (size_t i = 3; i < t.size(); ++i)
       check_conv_extra(i, static_cast<int>(i - 2), t[i].shape, lay.extra_nhwc(i - 3), conv_out);
-    const TensorRef out = make_output(prog, ctx, s.y_shape(lay.y_nhwc));
+    const TensorRef out = layer_output(prog, ctx, /*f32_for_half=*/true, s.y_shape(lay.y_nhwc));
     if (numel(s.out()) == 0) return;
 
     // The order the conv result is stored in and the program runs over: the output's when
@@ -695,11 +646,11 @@ struct MaxPoolKernel : KernelBase {
   PoolParams pool;
 
   void compute(OrtKernelContext* ctx) const {
-    const std::vector<TensorRef> t = read_inputs(prog, ctx, 1);
+    const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 1, /*f32_for_half=*/true);
     check_rank4(t[0].shape, "X");
     for (size_t i = 1; i < t.size(); ++i)
       check_extra(i, static_cast<int>(i), t[i].shape, t[0].shape, "X's shape");
-    const TensorRef out = make_output(prog, ctx, pool_shape(pool, t[0].shape));
+    const TensorRef out = layer_output(prog, ctx, /*f32_for_half=*/true, pool_shape(pool, t[0].shape));
     if (numel(out.shape) == 0) return;
     const HostTensor x{actual_dtype(t[0].type, prog.inputs[0]), t[0].data, t[0].shape};
     program_then_pool(ctx, alloc, prog, program_inputs(prog, x, t, 1), t[0].shape, &pool, out);

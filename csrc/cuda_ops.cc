@@ -554,48 +554,6 @@ struct CudaKernelBase {
   }
 };
 
-// Reads the node's inputs (count checked against `want`, each element type against the
-// program's dtypes: X is %0, W and B have X's type, extra input k is program input %k).
-// n_fixed: the inputs before the extras (3 for X, W, B; 1 for X).
-std::vector<TensorRef> read_layer_inputs(const Program& prog, OrtKernelContext* ctx, size_t n_fixed) {
-  static const char* const kNames[] = {"X", "W", "B"};
-  size_t n_in = 0, n_out = 0;
-  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
-  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
-  const size_t want = n_fixed + prog.inputs.size() - 1;
-  if (n_in != want)
-    throw Error("the node has " + std::to_string(n_in) + " inputs, expected " + std::to_string(want) + " (" +
-                (n_fixed == 3 ? "X, W, B" : "X") + " and the program's " + std::to_string(prog.inputs.size() - 1) +
-                " extra inputs)");
-  if (n_out != 1) throw Error("the node has " + std::to_string(n_out) + " outputs, expected 1");
-  std::vector<TensorRef> t(n_in);
-  for (size_t i = 0; i < n_in; ++i) {
-    const OrtValue* v = nullptr;
-    check(g_ort->KernelContext_GetInput(ctx, i, &v));
-    if (!v) throw Error("input " + std::to_string(i) + " is missing");
-    read_tensor(v, &t[i]);
-    const size_t pi = i < n_fixed ? 0 : i - n_fixed + 1;
-    const ONNXTensorElementDataType want_type = ort_type(prog.inputs[pi]);
-    if (t[i].type != want_type)
-      throw Error("input " + std::to_string(i) + " (" +
-                  (i < n_fixed ? std::string(kNames[i]) : "program input %" + std::to_string(pi)) + ") is " +
-                  elem_type_name(t[i].type) + ", the kernel was compiled for " + elem_type_name(want_type));
-  }
-  return t;
-}
-
-TensorRef layer_output(const Program& prog, OrtKernelContext* ctx, const Shape& shape) {
-  OrtValue* v = nullptr;
-  check(g_ort->KernelContext_GetOutput(ctx, 0, shape.data(), shape.size(), &v));
-  if (!v) throw Error("could not allocate the output");
-  TensorRef t;
-  read_tensor(v, &t);
-  if (t.type != ort_type(prog.outputs[0].second))
-    throw Error(std::string("the output is ") + elem_type_name(t.type) + " in the graph, the program stores " +
-                dtype_name(prog.outputs[0].second));
-  return t;
-}
-
 // The pointers of a layer's inputs and its output, in launch order; *largest becomes at
 // least the element count of each (for the variants' max_elements).
 std::vector<const void*> layer_pointers(const std::vector<TensorRef>& t, const TensorRef& y, int64_t* largest) {
@@ -742,13 +700,13 @@ struct ConvKernel : CudaKernelBase {
 
   void compute(OrtKernelContext* ctx) {
     if (!meta_error.empty()) throw Error(meta_error);
-    const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 3);
+    const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 3, /*f32_for_half=*/false);
     const ConvShapes s =
         conv_shapes(conv, has_pool ? &pool : nullptr, t[0].shape, t[1].shape, t[2].shape, lay.x_nhwc, lay.w_krsc);
     const Shape conv_out = s.conv_out();
     for (size_t i = 3; i < t.size(); ++i)
       check_conv_extra(i, static_cast<int>(i - 2), t[i].shape, lay.extra_nhwc(i - 3), conv_out);
-    const TensorRef y = layer_output(prog, ctx, s.y_shape(lay.y_nhwc));
+    const TensorRef y = layer_output(prog, ctx, /*f32_for_half=*/false, s.y_shape(lay.y_nhwc));
     const int64_t n_out = numel(s.out());
     // M: the output positions the kernel computes (with the pool: the windows' positions,
     // each window padded to a power of two of rows)
@@ -801,12 +759,12 @@ struct MaxPoolKernel : CudaKernelBase {
 
   void compute(OrtKernelContext* ctx) {
     if (!meta_error.empty()) throw Error(meta_error);
-    const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 1);
+    const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 1, /*f32_for_half=*/false);
     const Shape& xs = t[0].shape;
     check_rank4(xs, "X");
     for (size_t i = 1; i < t.size(); ++i) check_extra(i, static_cast<int>(i), t[i].shape, xs, "X's shape");
     const Shape out_shape = pool_shape(pool, xs);
-    const TensorRef y = layer_output(prog, ctx, out_shape);
+    const TensorRef y = layer_output(prog, ctx, /*f32_for_half=*/false, out_shape);
     const int64_t n_out = numel(out_shape);
     if (n_out == 0) return;
     const Target tg = target(ctx);
