@@ -90,6 +90,13 @@ inline std::string node_name(const OrtKernelInfo* info) {
   return buf;
 }
 
+// The node's 'program' attribute, parsed (every onnxfuse op has one); throws Error.
+inline Program read_program(const OrtKernelInfo* info) {
+  std::string text;
+  if (!get_string_attr(info, "program", &text)) throw Error("the node has no string attribute 'program'");
+  return parse_program(text);
+}
+
 // "onnxfuse FusedConv node 'conv1'": the prefix of every error message of a node.
 inline std::string describe_node(const char* op, const std::string& name) {
   return std::string("onnxfuse ") + op + (name.empty() ? "" : " node '" + name + "'");

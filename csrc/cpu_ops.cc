@@ -290,11 +290,8 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
   std::string name;
   try {
     name = node_name(info);
-    std::string text;
-    if (!get_string_attr(info, "program", &text))
-      throw Error("the node has no string attribute 'program'");
     auto k = std::make_unique<CpuKernel>();
-    k->prog = parse_program(text);
+    k->prog = read_program(info);
     k->name = name;
     *kernel = k.release();
     return nullptr;

@@ -805,10 +805,8 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
   std::string name;
   try {
     name = node_name(info);
-    std::string text;
-    if (!get_string_attr(info, "program", &text)) throw Error("the node has no string attribute 'program'");
     auto k = std::make_unique<K>();
-    k->prog = parse_program(text);
+    k->prog = read_program(info);
     k->name = name;
     k->init(info);
     // KernelInfo is only valid here, so the attributes are read now; a problem with them
