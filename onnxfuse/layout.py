@@ -185,7 +185,6 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
         n.attribute.append(helper.make_attribute("axis", 3))
     nhwc_copy = _insert_boundary_transposes(g, p.boundaries, _all_names(model))  # rebuilds the node list
     nodes = {n.name: n for n in g.node if n.domain == "onnxfuse"}  # fused nodes' names are unique
-    p_done: set[str] = set()
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     new_functions: dict[str, FunctionProto] = {}
     renamed: set[tuple[str, str, str]] = set()  # the functions of the nodes given new overloads
@@ -219,12 +218,9 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
         if f.node_name in nhwc_copy:
             node.input[0] = nhwc_copy[f.node_name]
             inputs = (node.input[0], *inputs[1:])
-        if y == "nhwc":
-            _permute_value_info(g, f.outputs[0])
-            p_done.add(f.outputs[0])
         out.append(dataclasses.replace(f, kernel_name=name, inputs=inputs, x_layout=x, y_layout=y,
                                        extra_layouts=extras, w_layout=w))
-    for t in sorted(p.nhwc - p_done):  # the Concat / Split results
+    for t in sorted(p.nhwc):  # the conv outputs that turn NHWC and the Concat / Split results
         _permute_value_info(g, t)
     # the renamed nodes' old functions go when no node uses them; the model's own functions
     # stay (they may be called from other functions or subgraphs only)
