@@ -40,7 +40,6 @@ from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 from onnxfuse.graph import _outer_refs
 from onnxfuse.rewrite import _all_names
 
-LAYOUTS = ("nchw", "nhwc")
 TO_NCHW = [0, 3, 1, 2]
 TO_NHWC = [0, 2, 3, 1]
 UNPACK = {"rsck": [3, 2, 0, 1], "krsc": [0, 3, 1, 2]}  # packed weights -> ONNX's [K, C, R, S]
