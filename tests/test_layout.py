@@ -16,6 +16,7 @@ from onnx import helper, numpy_helper
 from models.build import vgg_stack
 from onnxfuse import optimize_model
 from onnxfuse.cli import main
+from onnxfuse.kernels import compile_hook
 from onnxfuse.runtime import library_path
 from tests.util import random_feeds
 
@@ -28,8 +29,6 @@ def attrs(node: onnx.NodeProto) -> dict:
 
 
 def nhwc_model(m: onnx.ModelProto, tmp_path, monkeypatch):
-    from onnxfuse.kernels import compile_hook
-
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     r = optimize_model(m)
     info = compile_hook("sm_90", layout="nhwc")(r)
@@ -144,8 +143,6 @@ def test_a_conv_read_by_other_ops_stays_nchw(tmp_path, monkeypatch):
     m.graph.node.append(N("Sigmoid", ["r1"], ["s"], name="sig"))
     m.graph.output.append(helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, None))
     r = optimize_model(m)
-    from onnxfuse.kernels import compile_hook
-
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     compile_hook("sm_90", layout="nhwc")(r)
     convs = [n for n in r.model.graph.node if n.op_type == "FusedConv"]
@@ -265,11 +262,9 @@ def test_analyze_sees_the_same_work_in_either_layout(tmp_path, monkeypatch):
 
     m = vgg_stack(blocks=2, channels=32, size=32)
     costs = {}
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     for layout in ("nchw", "nhwc"):
         r = optimize_model(m, layout=layout)
-        from onnxfuse.kernels import compile_hook
-
-        monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
         compile_hook("sm_90", layout=layout)(r)
         onnx.save(r.model, str(tmp_path / f"{layout}.onnx"))
         a = analyze(str(tmp_path / f"{layout}.onnx"), "h200", batch=8)
