@@ -32,12 +32,13 @@ from onnxfuse.codegen_conv import (  # noqa: E402
     generate_conv,
     generate_maxpool,
 )
+from onnxfuse.compile import conv_variants  # noqa: E402
 from onnxfuse.expr import HEADER, parse  # noqa: E402
 from onnxfuse.layers import ConvAttrs, PoolAttrs  # noqa: E402
 
 RELU = parse(HEADER + "\ninput %0 {dt}\n%1 = max %0 0.0\noutput %1 {dt}\n".replace("{dt}", "f32"))
 
-# (name, N, C, H, K, pool?[, kernel, stride, pad]): 3x3 stride 1 pad 1 unless given
+# (name, N, C, H, K, pool?[, kernel, stride, pad[, group]]): 3x3 stride 1 pad 1 group 1 unless given
 LAYERS = [
     ("conv3x3_relu 32x64x112", 32, 64, 112, 64, False),
     ("conv3x3_relu_maxpool 32x64x112", 32, 64, 112, 64, True),
@@ -49,6 +50,13 @@ LAYERS = [
     ("yolo b1 64 40", 1, 64, 40, 64, False),
     ("yolo b1 128 20", 1, 128, 20, 128, False),
     ("resnet stem 3->64 7x7 s2 224", 32, 3, 224, 64, False, 7, 2, 3),
+    # MobileNetV3-small's depthwise convs at batch 32 (indices 10-15)
+    ("mbv3 dw 16 3x3 s2 112", 32, 16, 112, 16, False, 3, 2, 1, 16),
+    ("mbv3 dw 72 3x3 s2 56", 32, 72, 56, 72, False, 3, 2, 1, 72),
+    ("mbv3 dw 88 3x3 28", 32, 88, 28, 88, False, 3, 1, 1, 88),
+    ("mbv3 dw 96 5x5 s2 28", 32, 96, 28, 96, False, 5, 2, 2, 96),
+    ("mbv3 dw 240 5x5 14", 32, 240, 14, 240, False, 5, 1, 2, 240),
+    ("mbv3 dw 576 5x5 7", 32, 576, 7, 576, False, 5, 1, 2, 576),
 ]
 
 CONFIGS = [  # block_m, block_n, block_k, warps, stages
@@ -58,6 +66,12 @@ CONFIGS = [  # block_m, block_n, block_k, warps, stages
     (128, 128, 32, 8, 3), (64, 32, 32, 1, 4), (128, 32, 32, 2, 4), (64, 128, 32, 2, 4),
 ]
 QUICK = CONFIGS[:4]
+# Grouped / depthwise convs, the direct loop (block_k, stages unused); the first entry is
+# replaced by onnxfuse.compile.conv_variants' heuristic for the layer.
+GROUPED_CONFIGS = [
+    None, (32, 64, 32, 4, 1), (64, 64, 32, 4, 1), (16, 64, 32, 2, 1), (64, 32, 32, 4, 1), (128, 16, 32, 4, 1),
+    (256, 8, 32, 4, 1), (128, 8, 32, 2, 1), (32, 128, 32, 4, 1), (64, 128, 32, 8, 1), (128, 32, 32, 8, 1),
+]
 FLAT_CONFIGS = [  # for few input channels: the reduction R*S*C in one flat loop
     (64, 64, 32, 2, 3), (128, 64, 32, 4, 3), (64, 64, 16, 2, 4), (128, 64, 16, 4, 3), (128, 64, 32, 4, 2),
     (64, 64, 32, 4, 2), (256, 64, 32, 8, 2), (64, 64, 64, 2, 2),
@@ -110,25 +124,25 @@ def main() -> None:
         return float(do_bench(fn, warmup=25, rep=200, return_mode="median"))
 
     def measure_layer(lname: str, n: int, c: int, h: int, k: int, pool: bool, kw: int = 3, st: int = 1,
-                      pad: int = 1) -> None:
-        conv = ConvAttrs((kw, kw), (st, st), (pad,) * 4)
+                      pad: int = 1, group: int = 1) -> None:
+        conv = ConvAttrs((kw, kw), (st, st), (pad,) * 4, group=group)
         pa = PoolAttrs((2, 2), (2, 2)) if pool else None
         g = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(n, c, h, h, generator=g).to(dev)
-        w = (torch.randn(k, c, kw, kw, generator=g) / (c * kw * kw) ** 0.5).to(dev)
+        w = (torch.randn(k, c // group, kw, kw, generator=g) / (c // group * kw * kw) ** 0.5).to(dev)
         b = torch.randn(k, generator=g).to(dev)
         wp = w.permute(2, 3, 1, 0).contiguous()
         wk = w.permute(0, 2, 3, 1).contiguous()
 
         def ref_fn(x=x, w=w, b=b, pool=pool):
-            y = torch.relu(torch.nn.functional.conv2d(x, w, b, stride=st, padding=pad))
+            y = torch.relu(torch.nn.functional.conv2d(x, w, b, stride=st, padding=pad, groups=group))
             return torch.nn.functional.max_pool2d(y, 2, 2) if pool else y
 
         with torch.no_grad():
             torch.backends.cudnn.allow_tf32 = False
             exact = ref_fn()
             torch.backends.cudnn.allow_tf32 = True
-        layer = {"layer": lname, "shape": [n, c, h, h, k], "pool": pool, "configs": []}
+        layer = {"layer": lname, "shape": [n, c, h, h, k], "group": group, "pool": pool, "configs": []}
         layer["cudnn_nchw_ms"] = bench(ref_fn)
         xl, wl = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
         layer["cudnn_nhwc_ms"] = bench(lambda: ref_fn(xl, wl))
@@ -141,6 +155,10 @@ def main() -> None:
             layer["torch_compile_nhwc_ms"] = bench(cfl)
         p, q = conv.out_size(h, h)
         op, oq = pa.out_size(p, q) if pa else (p, q)
+        if group != 1:  # memory-bound: one read of X and one write of Y at copy bandwidth
+            src = torch.empty(x.numel() + n * k * op * oq, device=dev)
+            dst = torch.empty_like(src)
+            layer["floor_ms"] = bench(lambda: dst.copy_(src)) / 2
         best = None
         layouts = args.layouts.split(",")
         for layout in layouts:
@@ -158,6 +176,11 @@ def main() -> None:
             configs = CONFIGS[:6] if wlay == "rsck" and xlay == "nchw" else NHWC_CONFIGS
             if flat:
                 configs = FLAT_CONFIGS
+            if group != 1:
+                heur = conv_variants(ConvSpec("k", RELU, c, k, conv, pa, x_layout=xlay, y_layout=ylay,
+                                              w_layout=wlay))[0]
+                configs = [(heur.block_m, heur.block_n, heur.block_k, heur.num_warps, heur.num_stages)]
+                configs += [cfg for cfg in GROUPED_CONFIGS[1:] if cfg != configs[0]]
             if args.configs:
                 configs = configs[:args.configs]
             for i, (bm, bn, bk, nw, ns) in enumerate(configs[:4] if args.quick else configs):
@@ -191,7 +214,7 @@ def main() -> None:
             if lbest and (best is None or lbest["ms"] < best["ms"]):
                 best = lbest
         layer["best"] = best
-        flops = 2 * n * k * c * kw * kw * p * q
+        flops = 2 * n * k * c // group * kw * kw * p * q
         if best:
             layer["best_tflops"] = flops / best["ms"] / 1e9
         out["layers"].append(layer)

@@ -21,6 +21,11 @@ power of two with masked rows (tensors in Triton have power-of-two shapes).
 FusedMaxPool: each program computes BLOCK pooled outputs; each tap of the window is
 loaded, run through the prologue program, masked to -inf in the padding, and max-reduced.
 
+Grouped and depthwise convs (group > 1) have no GEMM worth the tensor cores (a depthwise
+conv reduces over one channel per tap): a direct loop adds, per tap and input channel of
+the group, a [pixels, channels] tile of X times one weight per output channel, in fp32 on
+CUDA cores. The tile, the masks and the epilogue are the GEMM kernel's.
+
 The program text is evaluated with the expression table of `onnxfuse.codegen`, so the
 numerics of the epilogue are exactly those of PointwiseChain kernels.
 """
@@ -164,14 +169,17 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
         raise ValueError(f"layouts must be nchw or nhwc, not {spec.x_layout!r}/{spec.y_layout!r}")
     if spec.w_layout not in ("rsck", "krsc"):
         raise ValueError(f"weight layout must be rsck or krsc, not {spec.w_layout!r}")
-    if spec.conv.group != 1:
-        raise ValueError(f"{spec.name}: the Triton conv kernel handles group 1, not {spec.conv.group}")
+    group = spec.conv.group
+    if group < 1 or spec.channels % group or spec.filters % group:
+        raise ValueError(f"{spec.name}: group {group} does not divide C = {spec.channels} and K = {spec.filters}")
+    if group != 1 and variant.flat:
+        raise ValueError(f"{spec.name}: the flat reduction is for group 1; grouped convs use the direct loop")
     if spec.pool is not None and not spec.pool.tiles:
         raise ValueError(f"{spec.name}: only a pool whose windows tile the input runs in the conv epilogue")
     for v in (variant.block_m, variant.block_n, variant.block_k, variant.num_warps):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"conv tile sizes and num_warps must be powers of two: {variant}")
-    if variant.block_k < 16 or variant.block_n < 16 or variant.block_m < 16:
+    if group == 1 and (variant.block_k < 16 or variant.block_n < 16 or variant.block_m < 16):
         raise ValueError("tl.dot needs tiles of at least 16")
     win = 1
     if spec.pool is not None:
@@ -195,6 +203,8 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
         ("STEPS", -(-(r * s * spec.channels) // variant.block_k) if variant.flat
          else r * s * -(-spec.channels // variant.block_k)),
     ]
+    if group != 1:  # channels per group, in and out
+        constexprs += [("CG", spec.channels // group), ("KG", spec.filters // group)]
     source = _conv_module(spec, variant, names, [c for c, _ in constexprs])
     # 16-byte alignment of the pointers is always true for ORT's allocations (the launcher
     # checks it: ptr_align); it lets Triton vectorize the contiguous weight loads and, channels
@@ -298,7 +308,9 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
             + (f"; X {spec.x_layout.upper()}, Y {spec.y_layout.upper()}"
                if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else "")
             + ("; weights [K, R, S, C]" if spec.w_layout == "krsc" else "")
-            + ("; one flat reduction over (tap, channel)" if variant.flat else ""))
+            + ("; one flat reduction over (tap, channel)" if variant.flat else "")
+            + (f"; group {spec.conv.group}" + (" (depthwise)" if spec.channels == spec.conv.group else "")
+               + ", direct loop on CUDA cores" if spec.conv.group != 1 else ""))
     lines = _header(spec.name, what, spec.program, spec.source_nodes)
     lines += _signature(spec.name, names, constexprs)
     body = ["pid_m = tl.program_id(axis=0)", "pid_n = tl.program_id(axis=1)"]
@@ -316,11 +328,14 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
                  "oq = pooled % OQ", "op = (pooled // OQ) % OP", "n = pooled // (OP * OQ)",
                  "p = op * PH + win // PW", "q = oq * PW + win % PW"]
     body += ["ih0 = p * STRIDE_H - PAD_H", "iw0 = q * STRIDE_W - PAD_W"]
-    body += _flat_loop(spec) if variant.flat else _tap_loop(spec, variant)
-    if spec.dtype == "f32":
-        body.append(f'    acc = tl.dot(a, b, acc, input_precision="{spec.precision}")')
+    if spec.conv.group != 1:
+        body += _grouped_loop(spec)
     else:
-        body.append("    acc = tl.dot(a, b, acc)")
+        body += _flat_loop(spec) if variant.flat else _tap_loop(spec, variant)
+        if spec.dtype == "f32":
+            body.append(f'    acc = tl.dot(a, b, acc, input_precision="{spec.precision}")')
+        else:
+            body.append("    acc = tl.dot(a, b, acc)")
     body += ["# Epilogue: bias, then the pointwise program on the tile.",
              "x0 = acc + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]"]
     if spec.dtype == "f16":
@@ -403,6 +418,34 @@ def _flat_loop(spec: ConvSpec) -> list[str]:
             "    a_mask = mask_m[:, None] & in_k[None, :] & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)",
             f"    a = tl.load(x_ptr + ({x_off}), mask=a_mask, other=0.0)",
             f"    b = tl.load(w_ptr + ({b_off}), mask=in_k[:, None] & mask_n[None, :], other=0.0)"]
+
+
+def _grouped_loop(spec: ConvSpec) -> list[str]:
+    """Grouped and depthwise convs: a direct loop on CUDA cores. Output channel k belongs to
+    group k // KG and reads the CG input channels from (k // KG) * CG on; each tap and input
+    channel adds a [pixels, channels] tile of X times one weight per column. There is no
+    GEMM to feed the tensor cores (CG is 1 for depthwise), and the kernel is bound by
+    reading X: channels last, a row of the tile is BLOCK_N contiguous channels."""
+    cg, kg = spec.channels // spec.conv.group, spec.filters // spec.conv.group
+    first = ("offs_n" if (cg, kg) == (1, 1) else
+             "offs_n // KG" if cg == 1 else "(offs_n // KG) * CG")
+    x_off = ("(n * (C * H * W) + ih * W + iw)[:, None] + c_in[None, :] * (H * W)" if spec.x_layout == "nchw" else
+             "((n * H + ih) * W + iw)[:, None] * C + c_in[None, :]")
+    w_off = ("(tap * CG + ci) * K + offs_n" if spec.w_layout == "rsck" else
+             "offs_n * (R * S * CG) + (tap * CG + ci)")
+    loop = "tl.static_range(CG)" if cg <= 4 else "range(0, CG)"
+    return [f"c_first = {first}  # the first input channel of each column's group",
+            "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+            "for tap in tl.static_range(R * S):",
+            "    ih = ih0 + (tap // S) * DIL_H",
+            "    iw = iw0 + (tap % S) * DIL_W",
+            "    in_image = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)",
+            "    a_mask = in_image[:, None] & mask_n[None, :]",
+            f"    for ci in {loop}:",
+            "        c_in = c_first + ci",
+            f"        a = tl.load(x_ptr + ({x_off}), mask=a_mask, other=0.0).to(tl.float32)",
+            f"        b = tl.load(w_ptr + ({w_off}), mask=mask_n, other=0.0).to(tl.float32)",
+            "        acc += a * b[None, :]"]
 
 
 def _maxpool_module(spec: MaxPoolSpec, names: list[str], constexprs: list[str]) -> str:

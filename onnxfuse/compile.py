@@ -228,7 +228,9 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
 
     ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=,flat=``) overrides it."""
     cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3, "flat": 0}
-    if spec.channels < FLAT_MAX_CHANNELS:
+    if spec.conv.group != 1:
+        cfg.update(_grouped_tile(spec))
+    elif spec.channels < FLAT_MAX_CHANNELS:
         cfg.update(block_m=128, warps=4, stages=2, flat=1)
     elif spec.x_layout == "nhwc" and spec.w_layout == "krsc":
         cfg.update(block_m=128, warps=4)
@@ -239,7 +241,7 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     else:
         if spec.filters >= 128:
             cfg.update(block_n=128, stages=4)
-    if spec.dtype == "f16" and spec.channels >= 64:
+    if spec.dtype == "f16" and spec.channels >= 64 and spec.conv.group == 1:
         cfg.update(block_k=64)
     for item in filter(None, os.environ.get("ONNXFUSE_CONV_CONFIG", "").split(",")):
         key, _, value = item.partition("=")
@@ -253,6 +255,22 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
                         bool(cfg["flat"])),)
 
 
+GROUPED_TILE_ELEMENTS = 2048  # outputs per program of the direct (grouped) loop
+
+
+def _grouped_tile(spec: ConvSpec) -> dict[str, int]:
+    """Tiles of the direct loop of grouped and depthwise convs: BLOCK_N the largest power of
+    two up to 64 that divides K (no masked columns: MobileNet's 72, 88 or 120 channels get
+    8, 96 or 288 get 32), BLOCK_M the pixels that make GROUPED_TILE_ELEMENTS outputs, 4 warps;
+    the kernel is bound by reading X, and channels last a tile row is BLOCK_N contiguous
+    channels."""
+    bn = 64
+    while bn > 8 and spec.filters % bn:
+        bn //= 2
+    return {"block_m": GROUPED_TILE_ELEMENTS // bn, "block_n": bn, "block_k": 32, "warps": 4, "stages": 1,
+            "flat": 0}
+
+
 # Reduction length C·R·S above which the NCHW implicit-GEMM kernel loses to cuDNN, measured
 # on the H200 (benchmarks/conv_kernels.py, BENCHMARKS.md): 64 channels 3x3 (576) won at every
 # size, 128 channels 3x3 at 28x28 (1152) tied with cuDNN (0.070 vs 0.071 ms), 256 channels
@@ -260,15 +278,31 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
 CONV_MAX_REDUCTION = 1152
 DECLINED_REASON = ("conv reduction C*R*S above 1152: cuDNN is faster on the H200 (heuristic; "
                    "--tune measures instead)")
+# Grouped convs run a direct loop on CUDA cores (no tensor cores): fine for depthwise convs
+# and narrow groups, which are memory-bound, but a group of many channels is a GEMM that
+# cuDNN runs on the tensor cores.
+GROUPED_MAX_CHANNELS = 8
+GROUPED_REASON = (f"grouped conv with more than {GROUPED_MAX_CHANNELS} input channels per group: the direct "
+                  "kernel has no tensor cores, cuDNN's grouped GEMM does (heuristic; --tune measures instead)")
 
 
-def conv_declined(spec: ConvSpec) -> bool:
-    """Whether the heuristic keeps this conv for ONNX Runtime (cuDNN) rather than fusing it.
-    ``$ONNXFUSE_CONV_ALL=1`` fuses every conv."""
+def conv_decline_reason(spec: ConvSpec, layout: str = "nchw") -> str | None:
+    """Why the heuristic keeps this conv for ONNX Runtime (cuDNN) rather than fusing it, or
+    None: grouped convs with wide groups always; deep convs on the NCHW path (the
+    channels-last kernels matched cuDNN there). ``$ONNXFUSE_CONV_ALL=1`` fuses every conv."""
     if os.environ.get("ONNXFUSE_CONV_ALL") == "1":
-        return False
+        return None
+    if spec.conv.group != 1 and spec.channels // spec.conv.group > GROUPED_MAX_CHANNELS:
+        return GROUPED_REASON
     r, s = spec.conv.kernel
-    return spec.channels // spec.conv.group * r * s > CONV_MAX_REDUCTION
+    if layout == "nchw" and spec.channels // spec.conv.group * r * s > CONV_MAX_REDUCTION:
+        return DECLINED_REASON
+    return None
+
+
+def conv_declined(spec: ConvSpec, layout: str = "nchw") -> bool:
+    """Whether `conv_decline_reason` gives a reason."""
+    return conv_decline_reason(spec, layout) is not None
 
 
 def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:

@@ -39,8 +39,8 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
         for rec in result.report.fused:  # the NHWC pass renames kernels
             rec.kernel = kernels.get(rec.node, rec.kernel)
         result.report.nodes_after = len(result.model.graph.node)  # and adds boundary Transposes
-        if info["declined"]:
-            result.drop_fused({d["node"] for d in info["declined"]}, aot.DECLINED_REASON)
+        for reason in dict.fromkeys(d["reason"] for d in info["declined"]):
+            result.drop_fused({d["node"] for d in info["declined"] if d["reason"] == reason}, reason)
         if info["failed"]:
             result.drop_fused({f["node"] for f in info["failed"]}, FAILED_REASON)
             for f in info["failed"]:
@@ -102,12 +102,13 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     run time. It is listed under "failed" (node, kernel, targets, error, nodes); the
     caller updates its report (see `compile_hook`).
 
-    With decline_slow_convs and layout "nchw", conv nodes the heuristic of
-    `onnxfuse.compile.conv_declined` expects to be slower than cuDNN are unfused too, listed
-    under "declined". With layout "nhwc" the NHWC pass (`onnxfuse.layout`) runs instead (its
-    channels-last kernels were as fast as cuDNN's channels-last convs or faster on every
-    layer measured, BENCHMARKS.md); the FusedNode values in `fused` whose kernel names,
-    inputs and layouts it changes are replaced in place."""
+    With decline_slow_convs, conv nodes the heuristic of `onnxfuse.compile.conv_decline_reason`
+    expects to be slower than cuDNN are unfused too, listed under "declined" with the reason:
+    grouped convs with wide groups, and on layout "nchw" deep convs. With layout "nhwc" the
+    NHWC pass (`onnxfuse.layout`) runs next (its channels-last kernels were as fast as
+    cuDNN's channels-last convs or faster on every layer measured, BENCHMARKS.md); the
+    FusedNode values in `fused` whose kernel names, inputs and layouts it changes are
+    replaced in place."""
     from onnxfuse import compile as aot
     from onnxfuse.rewrite import unfuse
 
@@ -116,12 +117,16 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     caller = fused
     weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
     declined = []
-    if decline_slow_convs and layout == "nchw":
+    if decline_slow_convs:
         keep = []
         for f in fused:
-            if f.kind == "conv" and aot.conv_declined(kernel_spec(model, f, conv_precision, weight_dims)):
+            reason = None
+            if f.kind == "conv":
+                reason = aot.conv_decline_reason(kernel_spec(model, f, conv_precision, weight_dims), layout)
+            if reason:
                 unfuse(model, f)
-                declined.append({"node": f.node_name, "kernel": f.kernel_name, "nodes": len(f.source_nodes)})
+                declined.append({"node": f.node_name, "kernel": f.kernel_name, "nodes": len(f.source_nodes),
+                                 "reason": reason})
             else:
                 keep.append(f)
         fused = keep
@@ -153,7 +158,9 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     if failed:
         summary += f", {len(failed)} failed (left unfused)"
     if declined:
-        summary += f"; {len(declined)} convs left to cuDNN (reduction above {aot.CONV_MAX_REDUCTION})"
+        summary += f"; {len(declined)} convs left to cuDNN (" + "; ".join(
+            f"{sum(d['reason'] == r for d in declined)}: {r.split(':')[0]}"
+            for r in dict.fromkeys(d["reason"] for d in declined)) + ")"
     return {
         "summary": summary, "kernels": len(compiled), "targets": list(targets), "compile_seconds": seconds,
         "cache_hits": hits, "compiled": built, "failed": failed, "declined": declined,

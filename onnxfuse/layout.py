@@ -7,14 +7,15 @@ channels (the reduction dimension) are strided by H·W, and TF32 `wgmma` needs b
 operands K-major; channels-last activations plus weights packed [K, R, S, C] make both
 contiguous, and the 4-warp `wgmma` kernel ran 1.8x the NCHW one.
 
-The plan, over the group-1 FusedConvs:
+The plan, over the FusedConvs (grouped and depthwise ones too: their direct kernel reads
+channels-last X a row of contiguous channels at a time):
 - Tensors joined by Concat or Split over the channels (axis 1) form one component with the
   conv outputs they carry. A component turns NHWC when every tensor in it is produced by a
   FusedConv (its Y) or by such a Concat / Split, none is a graph input or output, and every
   reader is a FusedConv (as X or as an epilogue extra) or such a Concat / Split. Then its
   producers get `y_layout` NHWC, its readers `x_layout` NHWC or `extra_layouts[i]` 1, and
   its Concat / Split nodes axis 3. (A lone conv output is the one-tensor case.)
-- A conv whose X is still NCHW and has at least MIN_NHWC_CHANNELS channels reads it through
+- A group-1 conv whose X is still NCHW and has at least MIN_NHWC_CHANNELS channels reads it through
   one `Transpose(perm=[0, 2, 3, 1])` put before its first reader (shared by all such
   readers); narrower inputs (an image) stay NCHW for the flat-reduction kernel.
 - Every conv of the pass gets `w_layout` KRSC: its packed weights are repacked.
@@ -81,7 +82,7 @@ def _channel_axis_node(n: NodeProto) -> bool:
 
 def plan(model: ModelProto, fused: list) -> Plan:
     g = model.graph
-    convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None and f.conv.group == 1}
+    convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None}
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
     # Nodes by index: only the fused nodes' names are known to be unique.
     conv_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in convs}
@@ -153,7 +154,9 @@ def plan(model: ModelProto, fused: list) -> Plan:
                     layouts[conv_at[u]][2][k - 3] = 1
     boundaries: dict[str, list[str]] = {}
     for name, f in convs.items():
-        if layouts[name][0] == "nchw" and channels(f, weight_dims) >= MIN_NHWC_CHANNELS:
+        # grouped convs read NCHW X as it is: they are memory-bound, a Transpose would double
+        # their traffic, and their direct kernel has no wgmma operand layout to satisfy
+        if layouts[name][0] == "nchw" and f.conv.group == 1 and channels(f, weight_dims) >= MIN_NHWC_CHANNELS:
             layouts[name][0] = "nhwc"
             boundaries.setdefault(f.inputs[0], []).append(name)
     # every conv of the pass takes [K, R, S, C] weights: the channels-last kernels need them

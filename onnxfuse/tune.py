@@ -50,7 +50,12 @@ def candidates(spec) -> list[tuple[str, tuple]]:
 
     if isinstance(spec, aot.ConvSpec):
         base = aot.conv_variants(spec)[0]
-        if base.flat:  # the runners-up of the flat-reduction sweep (conv_kernels_flat_*.json)
+        if spec.conv.group != 1:  # the direct loop: more or fewer pixels, wider or narrower columns
+            tiles = [base, dataclasses.replace(base, block_m=base.block_m * 2),
+                     dataclasses.replace(base, block_m=max(base.block_m // 2, 1)),
+                     dataclasses.replace(base, block_m=max(base.block_m // 2, 1), block_n=base.block_n * 2),
+                     dataclasses.replace(base, num_warps=8)]
+        elif base.flat:  # the runners-up of the flat-reduction sweep (conv_kernels_flat_*.json)
             tiles = [base, dataclasses.replace(base, block_m=256, num_warps=8),
                      dataclasses.replace(base, block_k=16, num_stages=3),
                      dataclasses.replace(base, block_m=64, num_warps=2, num_stages=3)]
@@ -72,7 +77,9 @@ def candidates(spec) -> list[tuple[str, tuple]]:
             key = (v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages)
             if key not in seen:
                 seen.add(key)
-                out.append(("tile {}x{}x{}, {} warps, {} stages".format(*key) + (", flat" if v.flat else ""), (v,)))
+                label = ("tile {}x{}x{}, {} warps, {} stages".format(*key) + (", flat" if v.flat else "")
+                         if spec.conv.group == 1 else f"tile {v.block_m}x{v.block_n}, {v.num_warps} warps, direct")
+                out.append((label, (v,)))
         return out
     if isinstance(spec, aot.MaxPoolSpec):
         return [(f"block {b}", (PoolVariant(0, b, 4),)) for b in (256, 512, 1024)]

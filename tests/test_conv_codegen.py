@@ -107,6 +107,22 @@ CONV_CASES = [
              PoolAttrs((2, 2), (2, 2)), dtype="f16", layouts=("nhwc", "nhwc"), w_layout="krsc"),
     ConvCase("nhwc-krsc-fp16-residual", 1, 16, (5, 7), 24, ConvAttrs((1, 1)), body=RESIDUAL_RELU, extras=("full",),
              dtype="f16", layouts=("nhwc", "nchw"), w_layout="krsc"),
+    # grouped and depthwise convs: the direct loop
+    ConvCase("depthwise-nhwc-krsc", 2, 24, (9, 7), 24, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1), group=24),
+             layouts=("nhwc", "nhwc"), w_layout="krsc"),
+    ConvCase("depthwise-5x5-s2-asym-silu", 1, 20, (11, 10), 20, ConvAttrs((5, 5), (2, 2), (2, 1, 2, 2), group=20),
+             body=SILU, layouts=("nhwc", "nhwc"), w_layout="krsc"),
+    ConvCase("depthwise-nchw-rsck-dilated", 2, 6, (10, 9), 6, ConvAttrs((3, 3), (1, 2), (2, 2, 2, 2), (2, 2), group=6)),
+    ConvCase("depthwise-multiplier3-residual", 1, 5, (8, 7), 15, ConvAttrs((3, 3), (2, 1), (1, 1, 1, 1), group=5),
+             body=RESIDUAL_RELU, extras=("full",), layouts=("nhwc", "nchw"), w_layout="krsc"),
+    ConvCase("grouped-cg3-kg2-pool", 2, 12, (8, 9), 8, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1), group=4),
+             PoolAttrs((2, 2), (2, 2)), layouts=("nhwc", "nhwc"), w_layout="krsc"),
+    ConvCase("grouped-cg8-nchw-channel-extra", 1, 16, (6, 7), 8, ConvAttrs((3, 3), group=2), body=AFFINE,
+             extras=("channel",), layouts=("nchw", "nhwc"), w_layout="rsck"),
+    ConvCase("depthwise-fp16-nhwc", 2, 16, (7, 6), 16, ConvAttrs((3, 3), (2, 2), (1, 1, 1, 1), group=16),
+             dtype="f16", layouts=("nhwc", "nhwc"), w_layout="krsc"),
+    ConvCase("depthwise-default-tiles", 2, 72, (9, 9), 72, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1), group=72),
+             layouts=("nhwc", "nhwc"), w_layout="krsc", tile=(0, 0, 0)),
 ]
 
 
@@ -153,7 +169,8 @@ def _conv_inputs(i: int, case: ConvCase):
     rng = np.random.default_rng(1000 + i)
     h, w = case.hw
     x = rng.standard_normal((case.n, case.c, h, w)).astype(_np_dtype(case.dtype))
-    wt = (rng.standard_normal((case.k, case.c) + case.conv.kernel) / np.sqrt(case.c * 9)).astype(x.dtype)
+    cg = case.c // case.conv.group
+    wt = (rng.standard_normal((case.k, cg) + case.conv.kernel) / np.sqrt(cg * 9)).astype(x.dtype)
     b = rng.standard_normal(case.k).astype(x.dtype)
     p, q = case.conv.out_size(h, w)
     extras = [rng.standard_normal(_extra_shape(e, (case.n, case.k, p, q))).astype(np.float32) for e in case.extras]
@@ -313,8 +330,11 @@ def test_source_is_deterministic_and_names_its_nodes():
 
 def test_rejected_specs():
     spec, v = _conv_spec(0, CONV_CASES[0])
-    with pytest.raises(ValueError, match="group 1"):
-        generate_conv(dataclasses.replace(spec, conv=ConvAttrs((3, 3), group=3)), v)
+    with pytest.raises(ValueError, match="does not divide"):
+        generate_conv(dataclasses.replace(spec, conv=ConvAttrs((3, 3), group=2)), v)  # C = 3
+    with pytest.raises(ValueError, match="flat reduction is for group 1"):
+        generate_conv(dataclasses.replace(spec, channels=5, filters=5, conv=ConvAttrs((3, 3), group=5)),
+                      dataclasses.replace(v, flat=True))
     with pytest.raises(ValueError, match="tile"):
         generate_conv(dataclasses.replace(spec, pool=PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1))), v)
     with pytest.raises(ValueError, match="precision"):

@@ -8,6 +8,7 @@ its own inputs and attributes (tests/layer_ref.py, via check_fusion / check_prog
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import textwrap
 import warnings
@@ -261,11 +262,20 @@ def test_conv_output_that_is_a_graph_output_is_not_fused():
     assert r.report.not_fused == {"conv output is also read elsewhere": 1, "no elementwise neighbour to fuse with": 1}
 
 
-@pytest.mark.parametrize("group,k", [(2, 4), (4, 4)], ids=["grouped", "depthwise"])
-def test_grouped_conv_is_not_fused(group, k):
+@pytest.mark.parametrize("group,k", [(2, 4), (4, 4), (4, 8)], ids=["grouped", "depthwise", "depthwise-multiplier2"])
+def test_grouped_conv_is_fused(group, k):
     m = model([N("Conv", ["x", "w", "b"], ["c0"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=group),
                N("Relu", ["c0"], ["y"])], image(4), out("y"), {"w": weights(k, 4 // group, 3), "b": bias(k)})
-    r = check_fusion(m, expect_fused=0)
+    r = check_fusion(m, expect_fused=1)
+    assert attrs_of(fused_node(r))["group"] == group
+
+
+def test_pattern_for_group_1_leaves_grouped_convs():
+    patterns = [p for p in load_patterns() if p.name == "conv_relu"]
+    patterns = [dataclasses.replace(p, match=dataclasses.replace(p.match, group=1)) for p in patterns]
+    m = model([N("Conv", ["x", "w", "b"], ["c0"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=4),
+               N("Relu", ["c0"], ["y"])], image(4), out("y"), {"w": weights(4, 1, 3), "b": bias(4)})
+    r = check_fusion(m, expect_fused=0, patterns=patterns)
     assert r.report.not_fused["grouped convolution"] == 1
 
 

@@ -116,18 +116,56 @@ def conv_pool3(c: int = 16, size: int = 19) -> onnx.ModelProto:
     return onnx.shape_inference.infer_shapes(m)
 
 
+def mobile_block(c: int = 16, e: int = 72, size: int = 29) -> onnx.ModelProto:
+    """MobileNetV3's block: 1x1 expand + HardSwish, 5x5 stride-2 depthwise + Relu, a
+    squeeze-excite (GlobalAveragePool, 1x1, Relu, 1x1, HardSigmoid, Mul), 1x1 project; then
+    a depthwise conv with channel multiplier 2 and a grouped conv of 4 channels per group."""
+    rng = np.random.default_rng(4)
+
+    def init(name, *shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32),
+                                       name)
+
+    inits = [init("w1", e, c, 1, 1), init("w2", e, 1, 5, 5), init("b2", e), init("w3", e // 4, e, 1, 1),
+             init("w4", e, e // 4, 1, 1), init("w5", c, e, 1, 1), init("w6", 2 * c, 1, 3, 3),
+             init("w7", 2 * c, 4, 3, 3)]
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[1, 1], name="expand"),
+             N("HardSwish", ["c1"], ["h1"], name="hswish"),
+             N("Conv", ["h1", "w2", "b2"], ["c2"], kernel_shape=[5, 5], strides=[2, 2], pads=[2, 2, 2, 2], group=e,
+               name="dw"),
+             N("Relu", ["c2"], ["r2"], name="relu"),
+             N("GlobalAveragePool", ["r2"], ["g"], name="gap"),
+             N("Conv", ["g", "w3"], ["s1"], kernel_shape=[1, 1], name="se1"),
+             N("Relu", ["s1"], ["s2"], name="se_relu"),
+             N("Conv", ["s2", "w4"], ["s3"], kernel_shape=[1, 1], name="se2"),
+             N("HardSigmoid", ["s3"], ["s4"], alpha=1 / 6, name="se_hsig"),
+             N("Mul", ["r2", "s4"], ["se"], name="se_mul"),
+             N("Conv", ["se", "w5"], ["c5"], kernel_shape=[1, 1], name="project"),
+             N("Conv", ["c5", "w6"], ["c6"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=c, name="dw_mult2"),
+             N("Relu", ["c6"], ["r6"], name="relu6"),
+             N("Conv", ["r6", "w7"], ["c7"], kernel_shape=[3, 3], pads=[0, 1, 2, 1], group=2 * c // 4, name="grouped"),
+             N("Sigmoid", ["c7"], ["y"], name="sig")]
+    g = helper.make_graph(nodes, "mobile_block",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return onnx.shape_inference.infer_shapes(m)
+
+
 CASES = {
     "conv_pool3": conv_pool3,
+    "mobile_block": mobile_block,
     "conv_relu": lambda: conv_relu(channels=32, size=30),
     "conv_relu_maxpool": lambda: conv_relu_maxpool(channels=32, size=30),
     "relu_maxpool": lambda: relu_maxpool(channels=16, size=31),
     "vgg_stack": lambda: vgg_stack(blocks=4, channels=32, size=64),
     "residual_block": residual_block,
 }
-EXPECT = {"conv_pool3": {"FusedConv"}, "conv_relu": {"FusedConv"}, "conv_relu_maxpool": {"FusedConv"},
+EXPECT = {"conv_pool3": {"FusedConv"}, "mobile_block": {"FusedConv", "PointwiseChain"}, "conv_relu": {"FusedConv"}, "conv_relu_maxpool": {"FusedConv"},
           "relu_maxpool": {"FusedMaxPool"},
           "vgg_stack": {"FusedConv"}, "residual_block": {"FusedConv"}}
-TF32_TOL = {"vgg_stack": 1e-2, "residual_block": 1e-2}
+TF32_TOL = {"vgg_stack": 1e-2, "residual_block": 1e-2, "mobile_block": 1e-2}
 
 
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
@@ -214,7 +252,7 @@ def test_tune_times_candidates_and_keeps_a_correct_model(name):
           name + " tuned")
 
 
-@pytest.mark.parametrize("name", ["vgg_stack", "residual_block"])
+@pytest.mark.parametrize("name", ["vgg_stack", "residual_block", "mobile_block"])
 def test_nhwc_layout_pass_matches_original(name):
     """`optimize --layout nhwc`: channels-last tensors between fused convs (docs/format.md)."""
     from onnxfuse.kernels import compile_hook
@@ -228,3 +266,23 @@ def test_nhwc_layout_pass_matches_original(name):
     for batch in (2, 1):
         feeds = random_feeds(m, {"N": batch}, seed=20 + batch)
         check(session(m, library=False).run(None, feeds), sess.run(None, feeds), 1e-2, f"{name} nhwc")
+
+
+def test_mobilenet_v3_small_channels_last_matches_original():
+    """torchvision's MobileNetV3-small (seeded random weights) on the GPU path: depthwise convs
+    in the direct kernel, channels-last between fused convs, against the original."""
+    pytest.importorskip("torchvision")
+    from models.build import torchvision_model
+    from onnxfuse.kernels import compile_hook
+
+    m = torchvision_model("mobilenet_v3_small", size=96)
+    r = optimize_model(m, layout="nhwc")
+    info = compile_hook("auto", layout="nhwc")(r)
+    assert not info["failed"] and not info["declined"]
+    groups = [a.i for n in r.model.graph.node if n.op_type == "FusedConv" for a in n.attribute if a.name == "group"]
+    assert sum(g > 1 for g in groups) == 11  # every depthwise conv
+    assert not [n for n in r.model.graph.node if n.op_type == "Conv"]
+    sess = session(r.model, library=True)
+    for batch in (3, 1):
+        feeds = random_feeds(m, {"N": batch}, seed=30 + batch)
+        check(session(m, library=False).run(None, feeds), sess.run(None, feeds), 1e-2, f"mobilenet b{batch}")

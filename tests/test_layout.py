@@ -364,3 +364,56 @@ def test_the_models_own_functions_stay(tmp_path, monkeypatch):
     assert names.count("FusedConv") == 2 and {"Inner", "Outer"} <= set(names)
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
+
+
+def inverted_residual(c: int = 8, e: int = 24, size: int = 9, group: int | None = None) -> onnx.ModelProto:
+    """MobileNet's block: 1x1 expand + HardSwish -> 3x3 depthwise (or `group`) + Relu -> 1x1
+    project, + x."""
+    rng = np.random.default_rng(2)
+    g = group or e
+    inits = [numpy_helper.from_array((rng.standard_normal(s) / np.sqrt(np.prod(s[1:]))).astype(np.float32), n)
+             for n, s in (("w1", (e, c, 1, 1)), ("w2", (e, e // g, 3, 3)), ("w3", (c, e, 1, 1)))]
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[1, 1], name="expand"),
+             N("HardSwish", ["c1"], ["h1"], name="hswish"),
+             N("Conv", ["h1", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=g, name="dw"),
+             N("Relu", ["c2"], ["r2"], name="relu"),
+             N("Conv", ["r2", "w3"], ["c3"], kernel_shape=[1, 1], name="project"),
+             N("Add", ["c3", "x"], ["y"], name="add")]
+    return image_model(nodes, "inverted_residual", c, size, [("y", c)], inits)
+
+
+def test_depthwise_convs_run_channels_last_between_fused_convs(tmp_path, monkeypatch):
+    m = inverted_residual()
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    nodes = list(r.model.graph.node)
+    assert [n.op_type for n in nodes] == ["FusedConv"] * 3  # no Transposes
+    got = [(attrs(n).get("x_layout", b"NCHW"), attrs(n).get("y_layout", b"NCHW")) for n in nodes]
+    assert got == [(b"NCHW", b"NHWC"), (b"NHWC", b"NHWC"), (b"NHWC", b"NCHW")]
+    assert attrs(nodes[1])["group"] == 24 and attrs(nodes[1])["w_layout"] == b"KRSC"
+    inits = {t.name: tuple(t.dims) for t in r.model.graph.initializer}
+    assert inits[nodes[1].input[1]] == (24, 3, 3, 1)  # [K, R, S, C/group]
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
+
+
+def test_a_depthwise_conv_reads_an_nchw_input_without_a_transpose(tmp_path, monkeypatch):
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array((rng.standard_normal((32, 1, 3, 3)) / 3).astype(np.float32), "w")
+    m = image_model([N("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=32),
+                     N("Relu", ["c"], ["y"])], "dw", 32, 7, [("y", 32)], [w])
+    r = nhwc_model(m, tmp_path, monkeypatch)
+    assert [n.op_type for n in r.model.graph.node] == ["FusedConv"]
+    check_same(m, r.model, library=True)
+
+
+def test_wide_groups_are_left_to_cudnn(tmp_path, monkeypatch):
+    from onnxfuse.compile import GROUPED_REASON
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    m = inverted_residual(c=8, e=32, group=2)  # 16 channels per group
+    r = optimize_model(m)
+    info = compile_hook("sm_90", layout="nhwc")(r)
+    assert [d["reason"] for d in info["declined"]] == [GROUPED_REASON]
+    assert r.report.not_fused[GROUPED_REASON] == 2  # the Conv and its Relu
+    assert [n.op_type for n in r.model.graph.node].count("Conv") == 1
+    check_same(m, r.model, library=True)

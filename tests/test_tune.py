@@ -46,6 +46,20 @@ def test_channels_last_and_flat_candidates(channels, x_layout, w_layout, first, 
     assert flat or all(v.num_warps >= 4 for v in configs)  # wgmma needs a warp group
 
 
+@pytest.mark.parametrize("channels,pool", [(72, None), (576, None), (16, PoolAttrs((3, 3), (3, 3)))])
+def test_grouped_candidates(channels, pool):
+    """Depthwise convs: the direct loop's tiles, the heuristic's first, all distinct, whole
+    (padded) windows per program."""
+    spec = ConvSpec("k", RELU, channels, channels, ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=channels), pool,
+                    x_layout="nhwc", y_layout="nhwc", w_layout="krsc")
+    cands = candidates(spec)
+    configs = [v for _, (v,) in cands]
+    assert len(cands) >= 4 and cands[0][0].endswith("direct")
+    assert len({(v.block_m, v.block_n, v.num_warps) for v in configs}) == len(cands)
+    assert all(v.block_m % (16 if pool else 1) == 0 and not v.flat for v in configs)
+    assert channels % configs[0].block_n == 0
+
+
 def test_pool_and_pointwise_candidates():
     assert [label for label, _ in candidates(MaxPoolSpec("k", RELU, PoolAttrs((2, 2), (2, 2))))] == \
         ["block 256", "block 512", "block 1024"]
