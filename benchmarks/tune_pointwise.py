@@ -175,13 +175,16 @@ class InductorConfigLog:
                     pass
 
         self.handler = Grab(logging.DEBUG)
+        self.propagate = self.log.propagate
         self.log.addHandler(self.handler)
         self.log.setLevel(logging.DEBUG)
+        self.log.propagate = False  # the debug messages go to this handler only, not to stderr
         return self
 
     def __exit__(self, *exc):
         self.log.removeHandler(self.handler)
         self.log.setLevel(self.level)
+        self.log.propagate = self.propagate
         return False
 
     def configs(self) -> list[str]:
