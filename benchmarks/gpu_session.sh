@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one H200 session runs (device tool), after onnxruntime-gpu is installed in /tmp/site:
-#   bash benchmarks/gpu_session.sh tests|sweep
+#   bash benchmarks/gpu_session.sh tests|sweep|tune|tune-long|...
 # Results go to $OUT (the device tool's folder); the custom-op library comes from
 # $ONNXFUSE_LIBRARY (built on the CPU machine) or is built there from carried headers.
 set -uo pipefail
@@ -19,6 +19,11 @@ case "${1:-tests}" in
     ;;
   tune)
     python3 benchmarks/tune_pointwise.py --json "$OUT/tune.json" --best "$OUT/best.txt" 2>&1 | tee "$OUT/tune.log"
+    ;;
+  tune-long)
+    # the long chains only (the r = 64 knee), BLOCK 256..8192 x 2/4/8 warps, int32, masked: ~2 min
+    timeout 300 python3 benchmarks/tune_pointwise.py --workloads "r=32,r=64,r=128" --blocks 256,512,1024,2048,4096,8192 \
+      --warps 2,4,8 --int32 1 --even 0 --json "$OUT/tune_long.json" 2>&1 | tee "$OUT/tune_long.log"
     ;;
   compare)
     export ONNXFUSE_MODELS=$PWD/models/build/pretrained

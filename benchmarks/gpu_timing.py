@@ -3,6 +3,14 @@
 ONNX Runtime runs on the stream torch uses (``user_compute_stream``), inputs and outputs are
 bound on the device once (IO binding), so only the session's run is timed, between CUDA
 events recorded on that stream. ``cuda_graph=True`` turns on ONNX Runtime's CUDA graphs.
+
+Three timings, each meaning one thing for every contender:
+- `time_cuda`: latency, call -> result available. Each call starts on an idle GPU and is
+  followed by a device-wide synchronization, so the host's launch work is inside the time
+  for every contender (ONNX Runtime's ``run_with_iobinding`` synchronizes by itself;
+  torch's asynchronous calls would otherwise queue behind the previous call and hide it).
+- `time_throughput`: back-to-back calls, wall clock per call (host work overlaps the GPU).
+- `gpu_time_per_call`: the kernels' device time alone (CUPTI).
 """
 
 from __future__ import annotations
@@ -33,9 +41,32 @@ def summarize(times_ms: list[float]) -> Timing:
 
 
 def time_cuda(fn: Callable[[], object], iters: int = 50, warmup: int = 10) -> Timing:
-    """Median of per-call CUDA-event times of fn on torch's current stream."""
+    """Latency of fn: per call, the CUDA-event time from before the call to after its result
+    is available, on torch's current stream.
+
+    Every iteration records the start event on an idle GPU, calls fn, records the end event
+    and synchronizes the device before the next call. So each call's host work (Python,
+    guards, launches; ONNX Runtime's Run and its end-of-run synchronization) counts, whether
+    fn synchronizes by itself (ONNX Runtime) or returns before the GPU is done (torch): what
+    a caller that waits for each result sees. Without the per-call synchronization an
+    asynchronous fn's start event would queue behind the previous call's kernels and the
+    times would be back-to-back throughput with the launch hidden (see `time_throughput`
+    for that, and `time_queued`)."""
+    return _time_events(fn, iters, warmup, sync_each=True)
+
+
+def time_queued(fn: Callable[[], object], iters: int = 50, warmup: int = 10) -> Timing:
+    """CUDA-event times of calls queued back to back (one synchronization at the end): for
+    an asynchronous fn whose GPU work is much longer than its launch (a large copy), the
+    device time per call with the launch hidden. Not a latency; `copy_bandwidth` uses it."""
+    return _time_events(fn, iters, warmup, sync_each=False)
+
+
+def _time_events(fn: Callable[[], object], iters: int, warmup: int, sync_each: bool) -> Timing:
     for _ in range(warmup):
         fn()
+        if sync_each:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
@@ -43,6 +74,8 @@ def time_cuda(fn: Callable[[], object], iters: int = 50, warmup: int = 10) -> Ti
         s.record()
         fn()
         e.record()
+        if sync_each:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     return summarize([s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)])
 
@@ -52,7 +85,10 @@ class BoundSession:
 
     def __init__(self, model: onnx.ModelProto | str, feeds: dict[str, torch.Tensor], *,
                  cuda_graph: bool = False, library: str | None = None, prefer_nhwc: bool = False,
-                 level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL):
+                 level: ort.GraphOptimizationLevel = ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+                 profile_prefix: str | None = None):
+        """profile_prefix: turn on ONNX Runtime's profiler for the timed session (its JSON
+        file starts with this; ``self.sess.end_profiling()`` writes it and returns the path)."""
         so = ort.SessionOptions()
         so.graph_optimization_level = level
         so.log_severity_level = 3
@@ -73,6 +109,9 @@ class BoundSession:
         self.outputs = {o.name: torch.from_numpy(np.ascontiguousarray(a)).cuda()
                         for o, a in zip(probe.get_outputs(), arrays, strict=True)}
         del probe
+        if profile_prefix:
+            so.enable_profiling = True
+            so.profile_file_prefix = profile_prefix
         self.sess = ort.InferenceSession(data, so, providers=[("CUDAExecutionProvider", opts)])
         self.binding = self.sess.io_binding()
         for name, t in list(self.feeds.items()) + list(self.outputs.items()):
@@ -119,10 +158,12 @@ def time_throughput(fn: Callable[[], object], iters: int = 200, warmup: int = 20
 
 
 def copy_bandwidth(n_bytes: int = 1 << 30) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written."""
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written (copies
+    queued back to back, as before the latency fix of `time_cuda`: the floor stays a device
+    rate, with no launch in it)."""
     a = torch.empty(n_bytes // 4, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
-    t = time_cuda(lambda: b.copy_(a), iters=30)
+    t = time_queued(lambda: b.copy_(a), iters=30)
     return 2 * n_bytes / (t.median_ms * 1e-3)
 
 

@@ -6,7 +6,20 @@ graphs), torch.compile of the same function, and the memory floor (2 x 64M x 4 b
 measured copy bandwidth). Fused, the bytes stay at one read and one write while FLOPs grow
 with r, so the time stays flat until the kernel turns compute-bound.
 
+Three times per contender (benchmarks/gpu_timing.py):
+- latency (the "ms" columns): `time_cuda`, call -> result available, the device synchronized
+  after every call, so every contender's host work (ORT's Run, torch.compile's guards and
+  launch) is inside it. The earlier runs (BENCHMARKS.md's intensity sweep tables of
+  2026-11-29) did not synchronize after torch.compile's calls, which hid its launch.
+- throughput: back-to-back calls, wall clock per call (`time_throughput`);
+- kernel: CUPTI device time of the kernels alone (`gpu_time_per_call`).
+Each row's ``host_ms`` is latency minus kernel time: the host and synchronization overhead.
+``--ort-profile DIR`` also writes ONNX Runtime's profile of 20 runs of the fused model
+(without CUDA graphs) per workload and adds its medians to the row (``ort_profile``): the
+whole Run (``model_run``) and the fused node's Compute on the host (``node``).
+
     python benchmarks/intensity_sweep.py --json sweep.json --png sweep.png
+    python benchmarks/intensity_sweep.py --max-r 64 --ort-profile /tmp/prof   # quicker
 """
 
 from __future__ import annotations
@@ -51,7 +64,32 @@ def fuse(m, single_ops: bool):
     return r.model, len(r.fused)
 
 
-def measure(name: str, m, fn, flops_per_elem: int, x: torch.Tensor, floor_ms: float, iters: int) -> dict:
+def ort_profile(model, feeds: dict, library: str, prefix: Path, runs: int = 20) -> dict:
+    """Medians (ms) of ONNX Runtime's own profile of `runs` runs of a session without CUDA
+    graphs: ``model_run`` (the whole Run, host side, its synchronization included) and
+    ``node`` (the fused node's Compute on the host: bind, choose, launch)."""
+    s = BoundSession(model, feeds, library=library, profile_prefix=str(prefix))
+    for _ in range(5 + runs):  # the first runs (warm-up, module loading) are dropped below
+        s.run()
+    path = s.sess.end_profiling()
+    return {"file": path, **profile_medians(json.loads(Path(path).read_text()), runs)}
+
+
+def profile_medians(events: list[dict], runs: int) -> dict:
+    """From an ONNX Runtime profile: the medians (ms) of the last `runs` ``model_run`` events
+    and of the last `runs` PointwiseChain nodes' ``*_kernel_time`` events (None if absent)."""
+    runs_us = [e["dur"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"]
+    node_us = [e["dur"] for e in events if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time")
+               and e.get("args", {}).get("op_name") == "PointwiseChain"]
+
+    def med(xs):
+        return float(np.median(xs[-runs:])) / 1e3 if xs else None
+
+    return {"model_run_ms": med(runs_us), "node_ms": med(node_us)}
+
+
+def measure(name: str, m, fn, flops_per_elem: int, x: torch.Tensor, floor_ms: float, iters: int,
+            profile_dir: Path | None = None) -> dict:
     feeds = {"x": x}
     fused, n_fused = fuse(m, single_ops=True)
     lib = library_path()
@@ -76,6 +114,12 @@ def measure(name: str, m, fn, flops_per_elem: int, x: torch.Tensor, floor_ms: fl
     # Throughput: back-to-back runs that do not wait for the GPU, like torch's calls.
     tput = {"ort": time_throughput(orig.run_async), "fused": time_throughput(fz.run_async),
             "fused_graph": time_throughput(fzg.run_async), "torch_compile": time_throughput(lambda: compiled(x))}
+    host = {"ort": t_orig.median_ms - gpu["ort"], "fused": t_fused.median_ms - gpu["fused"],
+            "fused_graph": t_graph.median_ms - gpu["fused"], "torch_compile": t_tc.median_ms - gpu["torch_compile"]}
+    prof = None
+    if profile_dir is not None:
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        prof = ort_profile(fused, feeds, lib, profile_dir / name.replace("*", "x").replace(" ", "_").replace("=", ""))
     n = x.numel()
     best = min(t_fused.median_ms, t_graph.median_ms)
     return {
@@ -84,7 +128,8 @@ def measure(name: str, m, fn, flops_per_elem: int, x: torch.Tensor, floor_ms: fl
         "fused_over_floor": best / floor_ms, "speedup_vs_ort": t_orig.median_ms / best,
         "fused_vs_torch_compile": best / t_tc.median_ms,
         "fused_tflops": n * flops_per_elem / (best * 1e-3) / 1e12, "fused_gbps": 8 * n / (best * 1e-3) / 1e9,
-        "max_rel_err_ort_fused_graph": errs, "kernel_ms": gpu, "throughput_ms": tput,
+        "max_rel_err_ort_fused_graph": errs, "kernel_ms": gpu, "throughput_ms": tput, "host_ms": host,
+        "ort_profile": prof,
         "detail": {"ort": dataclasses.asdict(t_orig), "fused": dataclasses.asdict(t_fused),
                    "fused_graph": dataclasses.asdict(t_graph), "torch_compile": dataclasses.asdict(t_tc)},
     }
@@ -107,6 +152,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--png", type=Path)
+    ap.add_argument("--ort-profile", type=Path, metavar="DIR",
+                    help="also write ONNX Runtime profiles of the fused model per workload here")
     args = ap.parse_args()
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.png)
@@ -118,14 +165,17 @@ def main() -> None:
     rows = []
     r = 1
     while r <= args.max_r:
-        rows.append(measure(f"x*2 r={r}", mul_chain(r, WIDTH), chain(r), r, x, floor_ms, args.iters))
+        rows.append(measure(f"x*2 r={r}", mul_chain(r, WIDTH), chain(r), r, x, floor_ms, args.iters,
+                            args.ort_profile))
         print(_fmt(rows[-1]), flush=True)
         r *= 2
-    rows.append(measure("cos(cos(x))", cos_cos(WIDTH), lambda t: torch.cos(torch.cos(t)), 2, x, floor_ms, args.iters))
+    rows.append(measure("cos(cos(x))", cos_cos(WIDTH), lambda t: torch.cos(torch.cos(t)), 2, x, floor_ms, args.iters,
+                        args.ort_profile))
     print(_fmt(rows[-1]), flush=True)
     result = {
         "benchmark": "intensity_sweep",
         "pointwise_config": os.environ.get("ONNXFUSE_POINTWISE_CONFIG", "default"),
+        "latency": "time_cuda: CUDA events, device synchronized after every call (host work included)",
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(), "elements": x.numel(), "copy_bandwidth_tbps": bw / 1e12,
         "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__,
@@ -139,9 +189,10 @@ def main() -> None:
         plot(result, args.png)
 
 
-HEADER = ("| workload | ORT ms | onnxfuse ms | onnxfuse+graph ms | torch.compile ms | floor ms | "
-          "best/floor | vs ORT | vs compile | TFLOP/s | GB/s | kernel ms: onnxfuse / torch.compile | "
-          "throughput ms/run: ORT / onnxfuse / onnxfuse+graph / torch.compile |")
+HEADER = ("| workload | ORT latency ms | onnxfuse latency ms | onnxfuse+graph latency ms | torch.compile latency ms | "
+          "floor ms | best/floor | vs ORT | vs compile | TFLOP/s | GB/s | kernel ms: onnxfuse / torch.compile | "
+          "throughput ms/run: ORT / onnxfuse / onnxfuse+graph / torch.compile | "
+          "latency - kernel ms: onnxfuse+graph / torch.compile |")
 
 
 def _fmt(row: dict) -> str:
@@ -150,7 +201,8 @@ def _fmt(row: dict) -> str:
             f"{row['speedup_vs_ort']:.1f}x | {row['fused_vs_torch_compile']:.2f} | {row['fused_tflops']:.2f} | "
             f"{row['fused_gbps']:.0f} | {row['kernel_ms']['fused']:.3f} / {row['kernel_ms']['torch_compile']:.3f} | "
             + " / ".join(f"{row['throughput_ms'][k]:.3f}" for k in ("ort", "fused", "fused_graph", "torch_compile"))
-            + " |")
+            + " | " + (" / ".join(f"{row['host_ms'][k]:.3f}" for k in ("fused_graph", "torch_compile"))
+                       if "host_ms" in row else "") + " |")
 
 
 def table(result: dict) -> str:

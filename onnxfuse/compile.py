@@ -77,6 +77,24 @@ BLOCK = 1024  # with any fp32 tensor
 BLOCK_16BIT = 2048  # when every tensor is f16, bf16 or bool
 NUM_WARPS = 4  # 8 warps for long programs was 6-16% slower on the H200 (BENCHMARKS.md)
 
+
+@dataclass(frozen=True)
+class LongProgram:
+    """The launch configuration of long (compute-bound) programs: those of at least
+    `min_instrs` instructions get `block` and `warps` instead of BLOCK / NUM_WARPS."""
+
+    min_instrs: int
+    block: int
+    warps: int
+
+
+# The hook for long programs; None (the default): every program gets the default launch.
+# Set it from benchmarks/tune_pointwise.py's long chains ("x*2 r=32/64/128": x*2 r=64 is
+# where the kernel turns compute-bound, 0.162 ms against torch.compile's 0.157), e.g.
+# LONG_PROGRAM = LongProgram(min_instrs=48, block=2048, warps=8). $ONNXFUSE_POINTWISE_CONFIG
+# still overrides it.
+LONG_PROGRAM: LongProgram | None = None
+
 # triton.compile options. enable_reflect_ftz=False keeps subnormals in libdevice math
 # (the numpy reference and ONNX Runtime do not flush them).
 COMPILE_OPTIONS = {"enable_reflect_ftz": False}
@@ -186,12 +204,16 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     requirements hold): 0: aligned, n a multiple of BLOCK, int32 offsets, no mask;
     1: aligned, n % 16 == 0, int32 offsets; 2: anything, int64 offsets.
 
+    Programs of at least ``LONG_PROGRAM.min_instrs`` instructions take LONG_PROGRAM's block
+    and warps (when it is set; it is not by default).
     ``$ONNXFUSE_POINTWISE_CONFIG`` (e.g. ``block=2048,warps=8,int32=0,even=0``) overrides
     the launch configuration; it is for tuning experiments (benchmarks/tune_pointwise.py)."""
     prog = spec.program
     narrow = "f32" not in prog.input_dtypes and all(dt != "f32" for _, dt in prog.outputs)
     cfg = {"block": BLOCK_16BIT if narrow else BLOCK, "warps": NUM_WARPS,
            "int32": 1, "even": 0}
+    if LONG_PROGRAM is not None and len(prog.instrs) >= LONG_PROGRAM.min_instrs:
+        cfg.update(block=LONG_PROGRAM.block, warps=LONG_PROGRAM.warps)
     for item in filter(None, os.environ.get("ONNXFUSE_POINTWISE_CONFIG", "").split(",")):
         key, _, value = item.partition("=")
         if key not in cfg:

@@ -450,6 +450,24 @@ def test_launch_configuration_heuristic():
     assert (v0.block, v0.num_warps) == (1024, 4)  # long programs too: 8 warps measured slower
 
 
+def test_long_program_hook(monkeypatch):
+    from onnxfuse import compile as aot
+
+    def spec(n):
+        body = "\n".join(f"%{i + 1} = mul %{i} 2.0" for i in range(n)) + f"\noutput %{n} f32"
+        return KernelSpec(parse(_prog(("f32",), body)), NAME, 1, ("full",))
+
+    monkeypatch.setattr(aot, "LONG_PROGRAM", None)  # off (the default until measured): the default launch
+    assert {(v.block, v.num_warps) for v in choose_variants(spec(64))} == {(1024, 4)}
+    monkeypatch.setattr(aot, "LONG_PROGRAM", aot.LongProgram(min_instrs=48, block=2048, warps=8))
+    long_variants = choose_variants(spec(48))
+    assert {(v.block, v.num_warps) for v in long_variants} == {(2048, 8)}
+    assert [v.index_bits for v in long_variants] == [32, 64]  # only block and warps change
+    assert {(v.block, v.num_warps) for v in choose_variants(spec(47))} == {(1024, 4)}
+    monkeypatch.setenv("ONNXFUSE_POINTWISE_CONFIG", "warps=2")  # the environment still wins
+    assert {(v.block, v.num_warps) for v in choose_variants(spec(64))} == {(2048, 2)}
+
+
 def test_launch_configuration_override(monkeypatch):
     spec = KernelSpec(parse(_prog(("f32",), "%1 = neg %0\noutput %1 f32")), NAME, 1, ("full",))
     monkeypatch.setenv("ONNXFUSE_POINTWISE_CONFIG", "block=2048,warps=8,even=1")

@@ -1,0 +1,120 @@
+"""The GPU benchmark scripts' CPU-testable parts: time_cuda's per-call synchronization (with a
+fake torch.cuda), tune_pointwise's arguments and Inductor log parsing, and the intensity
+sweep's reading of an ONNX Runtime profile."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+pytest.importorskip("onnxruntime")
+
+from benchmarks import gpu_timing, intensity_sweep, tune_pointwise  # noqa: E402
+
+
+class _FakeCuda:
+    """Records the order of events, calls and synchronizations."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                pass
+
+            def record(self):
+                fake.log.append("record")
+
+            def elapsed_time(self, other):
+                return 1.0
+
+        self.Event = Event
+
+    def synchronize(self):
+        self.log.append("sync")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    fake = _FakeCuda()
+    monkeypatch.setattr(gpu_timing.torch.cuda, "Event", fake.Event)
+    monkeypatch.setattr(gpu_timing.torch.cuda, "synchronize", fake.synchronize)
+    return fake
+
+
+def test_time_cuda_waits_for_every_call(fake_cuda):
+    t = gpu_timing.time_cuda(lambda: fake_cuda.log.append("call"), iters=3, warmup=1)
+    assert t.median_ms == 1.0
+    timed = fake_cuda.log[fake_cuda.log.index("record"):]
+    assert timed == ["record", "call", "record", "sync"] * 3 + ["sync"]
+    assert fake_cuda.log[:2] == ["call", "sync"]  # warm-up calls wait too
+
+
+def test_time_queued_synchronizes_once(fake_cuda):
+    gpu_timing.time_queued(lambda: fake_cuda.log.append("call"), iters=3, warmup=1)
+    timed = fake_cuda.log[fake_cuda.log.index("record"):]
+    assert timed == ["record", "call", "record"] * 3 + ["sync"]
+
+
+def test_tune_pointwise_workload_filter():
+    assert tune_pointwise.select_workloads(None) == list(tune_pointwise.DEFAULT_WORKLOADS)
+    assert tune_pointwise.select_workloads("r=32, r=64,r=128") == ["x*2 r=32", "x*2 r=64", "x*2 r=128"]
+    assert tune_pointwise.select_workloads("x*2 r=8") == ["x*2 r=8"]  # exact name: not the fp16 one
+    assert tune_pointwise.select_workloads("r=8") == ["x*2 r=8", "x*2 r=8 fp16"]
+    assert tune_pointwise.select_workloads("all") == list(tune_pointwise.WORKLOADS)
+    with pytest.raises(SystemExit, match="matches none"):
+        tune_pointwise.select_workloads("r=7")
+
+
+def test_tune_pointwise_arguments():
+    a = tune_pointwise.parse_args([])
+    assert len(a.configs) == 32 and a.workload_names == list(tune_pointwise.DEFAULT_WORKLOADS)
+    assert (a.warmup, a.rep) == (50, 300)
+    a = tune_pointwise.parse_args(["--workloads", "r=64", "--blocks", "256,512,1024,2048,4096,8192",
+                                   "--warps", "2,4,8", "--int32", "1", "--even", "0"])
+    assert a.workload_names == ["x*2 r=64"]
+    assert len(a.configs) == 18 and (256, 2, 1, 0) in a.configs and (8192, 8, 1, 0) in a.configs
+    for bad in (["--blocks", "300"], ["--warps", "3"], ["--even", "2"], ["--blocks", "a"]):
+        with pytest.raises(SystemExit):
+            tune_pointwise.parse_args(bad)
+
+
+def test_long_chain_workloads_fuse_to_one_kernel():
+    from onnxfuse import optimize_model
+
+    for name, r in (("x*2 r=32", 32), ("x*2 r=64", 64), ("x*2 r=128", 128)):
+        (f,) = optimize_model(tune_pointwise.WORKLOADS[name][0]()).fused
+        assert len(f.program.instrs) == r
+
+
+def test_inductor_config_log():
+    log = logging.getLogger(tune_pointwise.InductorConfigLog.LOGGER)
+    with tune_pointwise.InductorConfigLog() as grab:
+        log.debug("CachingAutotuner gets %d configs for %s", 2, "triton_poi_fused_mul_0")
+        log.debug("XBLOCK: 1024, num_warps: 4")
+        log.debug("XBLOCK: 2048, num_warps: 8")
+        log.debug("something else")
+    assert grab.configs() == ["CachingAutotuner gets 2 configs for triton_poi_fused_mul_0",
+                              "XBLOCK: 1024, num_warps: 4", "XBLOCK: 2048, num_warps: 8"]
+    assert not any(h.__class__.__name__ == "Grab" for h in log.handlers) and log.propagate
+    with tune_pointwise.InductorConfigLog() as grab:
+        log.debug("CachingAutotuner gets %d configs for %s", 2, "k")
+        log.debug("Best config for %s: %s: %f", "k", "XBLOCK: 1024, num_warps: 4", 0.1)
+    assert grab.configs() == ["Best config for k: XBLOCK: 1024, num_warps: 4: 0.100000"]
+
+
+def test_profile_medians():
+    def node(dur, op="PointwiseChain"):
+        return {"cat": "Node", "name": "pointwise_chain_0_kernel_time", "dur": dur, "args": {"op_name": op}}
+
+    events = [{"cat": "Session", "name": "model_run", "dur": 1000}, node(900)]  # warm-up, dropped
+    for k in range(3):
+        events += [node(10 + k), node(500, op="Mul"),
+                   {"cat": "Session", "name": "SequentialExecutor::Execute", "dur": 30},
+                   {"cat": "Session", "name": "model_run", "dur": 40 + k}]
+    assert intensity_sweep.profile_medians(events, runs=3) == {"model_run_ms": 0.041, "node_ms": 0.011}
+    assert intensity_sweep.profile_medians([], runs=3) == {"model_run_ms": None, "node_ms": None}
