@@ -88,12 +88,15 @@ class LongProgram:
     warps: int
 
 
-# The hook for long programs; None (the default): every program gets the default launch.
-# Set it from benchmarks/tune_pointwise.py's long chains ("x*2 r=32/64/128": x*2 r=64 is
-# where the kernel turns compute-bound, 0.162 ms against torch.compile's 0.157), e.g.
-# LONG_PROGRAM = LongProgram(min_instrs=48, block=2048, warps=8). $ONNXFUSE_POINTWISE_CONFIG
-# still overrides it.
-LONG_PROGRAM: LongProgram | None = None
+# Long programs turn compute-bound (x*2 repeated 64 times: the knee of the intensity sweep).
+# benchmarks/tune_pointwise.py on the H200 (tune_long.json, 2026-11-29, kernel ms at 64M
+# floats): r = 64: 1024/4 0.1636, 1024/2 0.1495, 4096/4 0.1480, torch.compile 0.1577;
+# r = 128: 1024/4 0.2812, 1024/2 0.2719, torch.compile 0.2826; r = 32: 1024/4 0.1307,
+# 1024/2 0.1325. 1024 x 2 warps had the best geometric mean of the long chains (18
+# configurations); 8 warps was worse. Fewer threads per block hold more elements each,
+# whose independent multiply chains hide the FMA latency. $ONNXFUSE_POINTWISE_CONFIG
+# still overrides it; None turns it off.
+LONG_PROGRAM: LongProgram | None = LongProgram(min_instrs=48, block=1024, warps=2)
 
 # triton.compile options. enable_reflect_ftz=False keeps subnormals in libdevice math
 # (the numpy reference and ONNX Runtime do not flush them).
@@ -205,7 +208,7 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     1: aligned, n % 16 == 0, int32 offsets; 2: anything, int64 offsets.
 
     Programs of at least ``LONG_PROGRAM.min_instrs`` instructions take LONG_PROGRAM's block
-    and warps (when it is set; it is not by default).
+    and warps (1024 and 2: measured on the long chains, see LONG_PROGRAM).
     ``$ONNXFUSE_POINTWISE_CONFIG`` (e.g. ``block=2048,warps=8,int32=0,even=0``) overrides
     the launch configuration; it is for tuning experiments (benchmarks/tune_pointwise.py)."""
     prog = spec.program
@@ -277,20 +280,17 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
                         bool(cfg["flat"])),)
 
 
-GROUPED_TILE_ELEMENTS = 2048  # outputs per program of the direct (grouped) loop
-
-
 def _grouped_tile(spec: ConvSpec) -> dict[str, int]:
-    """Tiles of the direct loop of grouped and depthwise convs: BLOCK_N the largest power of
-    two up to 64 that divides K (no masked columns: MobileNet's 72, 88 or 120 channels get
-    8, 96 or 288 get 32), BLOCK_M the pixels that make GROUPED_TILE_ELEMENTS outputs, 4 warps;
-    the kernel is bound by reading X, and channels last a tile row is BLOCK_N contiguous
-    channels."""
-    bn = 64
-    while bn > 8 and spec.filters % bn:
-        bn //= 2
-    return {"block_m": GROUPED_TILE_ELEMENTS // bn, "block_n": bn, "block_k": 32, "warps": 4, "stages": 1,
-            "flat": 0}
+    """Tiles of the direct loop of grouped and depthwise convs, from 10 configurations on
+    MobileNetV3-small's six kinds of depthwise layer at batch 32 on the H200
+    (conv_kernels_depthwise.json): up to 16 filters 128 pixels x 16 channels with 4 warps,
+    otherwise 16 pixels x 64 channels with 2 warps. That was the best on four layers and
+    within 35% of the best on the other two (88 channels 3x3 at 28²: 0.0193 ms, best
+    0.0147; 240 channels 5x5 at 14²: 0.0220, best 0.0163), and faster than cuDNN's
+    channels-last depthwise convs on all six (0.0190-0.0297 ms). Both hold 16 outputs per
+    thread. `--tune` measures the runners-up."""
+    bm, bn, warps = (128, 16, 4) if spec.filters <= 16 else (16, 64, 2)
+    return {"block_m": bm, "block_n": bn, "block_k": 32, "warps": warps, "stages": 1, "flat": 0}
 
 
 # Reduction length C·R·S above which the NCHW implicit-GEMM kernel loses to cuDNN, measured

@@ -50,11 +50,9 @@ def candidates(spec) -> list[tuple[str, tuple]]:
 
     if isinstance(spec, aot.ConvSpec):
         base = aot.conv_variants(spec)[0]
-        if spec.conv.group != 1:  # the direct loop: more or fewer pixels, wider or narrower columns
-            tiles = [base, dataclasses.replace(base, block_m=base.block_m * 2),
-                     dataclasses.replace(base, block_m=max(base.block_m // 2, 1)),
-                     dataclasses.replace(base, block_m=max(base.block_m // 2, 1), block_n=base.block_n * 2),
-                     dataclasses.replace(base, num_warps=8)]
+        if spec.conv.group != 1:  # the direct loop: the runners-up of conv_kernels_depthwise.json
+            tiles = [base] + [dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w)
+                              for bm, bn, w in ((128, 16, 4), (16, 64, 2), (64, 32, 4), (32, 128, 4), (128, 32, 8))]
         elif base.flat:  # the runners-up of the flat-reduction sweep (conv_kernels_flat_*.json)
             tiles = [base, dataclasses.replace(base, block_m=256, num_warps=8),
                      dataclasses.replace(base, block_k=16, num_stages=3),

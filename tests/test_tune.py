@@ -57,7 +57,7 @@ def test_grouped_candidates(channels, pool):
     assert len(cands) >= 4 and cands[0][0].endswith("direct")
     assert len({(v.block_m, v.block_n, v.num_warps) for v in configs}) == len(cands)
     assert all(v.block_m % (16 if pool else 1) == 0 and not v.flat for v in configs)
-    assert channels % configs[0].block_n == 0
+    assert (configs[0].block_m, configs[0].block_n) == ((128, 16) if channels <= 16 else (16, 64))
 
 
 def test_pool_and_pointwise_candidates():
