@@ -654,7 +654,8 @@ struct MaxPoolKernel : KernelBase {
     const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 1, /*f32_for_half=*/true);
     const Shape xs = pool_input_shape(t[0].shape, lay.x_nhwc);
     for (size_t i = 1; i < t.size(); ++i)
-      check_extra(i, static_cast<int>(i), t[i].shape, xs, "X's logical shape [N, C, H, W] =");
+      check_extra(i, static_cast<int>(i), t[i].shape, xs,
+                  lay.x_nhwc ? "X's logical shape (x_layout NHWC) [N, C, H, W] =" : "X's shape");
     const Shape pooled = pool_shape(pool, xs);
     const TensorRef out = layer_output(prog, ctx, /*f32_for_half=*/true, pool_y_shape(pooled, lay.y_nhwc));
     if (numel(pooled) == 0) return;

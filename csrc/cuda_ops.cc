@@ -790,7 +790,8 @@ struct MaxPoolKernel : CudaKernelBase {
     const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 1, /*f32_for_half=*/false);
     const Shape xs = pool_input_shape(t[0].shape, lay.x_nhwc);  // logical [N, C, H, W]
     for (size_t i = 1; i < t.size(); ++i)
-      check_extra(i, static_cast<int>(i), t[i].shape, xs, "X's logical shape [N, C, H, W] =");
+      check_extra(i, static_cast<int>(i), t[i].shape, xs,
+                  lay.x_nhwc ? "X's logical shape (x_layout NHWC) [N, C, H, W] =" : "X's shape");
     const Shape out_shape = pool_shape(pool, xs);
     const TensorRef y = layer_output(prog, ctx, /*f32_for_half=*/false, pool_y_shape(out_shape, lay.y_nhwc));
     const int64_t n_out = numel(out_shape);
