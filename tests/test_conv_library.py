@@ -927,6 +927,61 @@ def test_cuda_fused_maxpool_extra_of_rank_3(lib):
     np.testing.assert_array_equal(got, want)
 
 
+CUDA_POOLS = [  # (pool, x_layout, y_layout, variant tile)
+    (PoolAttrs((2, 2), (2, 2)), "NCHW", "NCHW", "rows"),
+    (PoolAttrs((3, 3), (3, 3)), "NCHW", "NCHW", "rows"),
+    (PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), "NCHW", "NCHW", "flat"),
+    (PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), "NHWC", "NHWC", "nhwc"),
+    (PoolAttrs((5, 5), (1, 1), (2, 2, 2, 2)), "NHWC", "NHWC", "nhwc"),
+    (PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1), ceil_mode=True), "NHWC", "NHWC", "nhwc"),
+    (PoolAttrs((3, 2), (1, 2), (1, 1, 2, 0), dilations=(2, 2)), "NHWC", "NCHW", "nhwc"),
+    (PoolAttrs((2, 2), (2, 2)), "NHWC", "NHWC", "nhwc"),
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("index", range(len(CUDA_POOLS)),
+                         ids=[f"{p.kernel[0]}x{p.kernel[1]}s{p.strides[0]}_{x}_{y}_{t}" for p, x, y, t in CUDA_POOLS])
+def test_cuda_fused_maxpool_kernels(index, dtype, lib):
+    """Each pool kernel (compile.pool_variants' choice: rows, flat, nhwc) on CUDA against the
+    CPU kernel of the same node, with a per-channel prologue extra; odd sizes."""
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import MaxPoolSpec
+    from onnxfuse.compile import pool_variants
+
+    pool, x_layout, y_layout, tile = CUDA_POOLS[index]
+    prog = epilogue(1, dtype)
+    rng = np.random.default_rng(40 + index)
+    x = rng.standard_normal((3, 70, 23, 29)).astype(NP[dtype])
+    feeds = {"x": np.ascontiguousarray(x.transpose(0, 2, 3, 1)) if x_layout == "NHWC" else x,
+             "e0": rng.standard_normal((1, 70, 1, 1)).astype(NP[dtype])}
+    model = fused_pool_model(pool, prog, [4], x_layout=x_layout, y_layout=y_layout)
+    want = run(model, feeds, lib)
+    spec = MaxPoolSpec(f"onnxfuse_pool_test_cuda_1{index:02d}{dtype}", prog, pool, x_layout=x_layout.lower(),
+                       y_layout=y_layout.lower())
+    assert pool_variants(spec)[0].tile == tile
+    got = run_cuda(with_kernels(model, spec), feeds, lib)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-2 if dtype == "f16" else 1e-6,
+                               atol=1e-6)
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_fused_maxpool_layout_mismatch_is_a_clear_error(lib):
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import MaxPoolSpec
+
+    pool = PoolAttrs((2, 2), (2, 2))
+    model = with_kernels(fused_pool_model(pool, epilogue(0), [], x_layout="NHWC", y_layout="NHWC"),
+                         MaxPoolSpec("onnxfuse_pool_test_cuda_0002", epilogue(0), pool))
+    with pytest.raises(Exception, match=r"FusedMaxPool node 'pool0' \(CUDA\): the node has x_layout NHWC and y_layout "
+                                        r"NHWC, its kernel_meta has x_layout \"nchw\" and y_layout \"nchw\""):
+        run_cuda(model, {"x": np.zeros((1, 8, 8, 4), np.float32)}, lib)
+
+
 @gpu
 @pytest.mark.gpu
 def test_cuda_kernel_meta_mismatches_are_clear_errors(lib):
