@@ -88,10 +88,10 @@ def _channel_axis_node(n: NodeProto) -> bool:
 def plan(model: ModelProto, fused: list) -> Plan:
     g = model.graph
     convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None and f.conv.group == 1}
-    pools = {f.node_name: f for f in fused if f.kind == "maxpool"}
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
     # Nodes by index: only the fused nodes' names are known to be unique.
     conv_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in convs}
+    pools = {f.node_name: f for f in fused if f.kind == "maxpool"}
     pool_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in pools}
     readers: dict[str, list[tuple[int, int]]] = {}
     producer: dict[str, int] = {}
