@@ -8,6 +8,7 @@ are triton.testing.do_bench medians (L2 flushed between runs). This is how the d
 tile configurations in onnxfuse/codegen_conv.py are chosen.
 
     python benchmarks/conv_kernels.py --json results/conv_kernels.json [--quick] [--no-compile]
+    python benchmarks/conv_kernels.py --pool-only --no-compile   # Relu + MaxPool 2x2 kernels only
 """
 
 from __future__ import annotations
@@ -85,6 +86,15 @@ NHWC_CONFIGS = [  # the first five: the best of the first channels-last sweep
     (64, 64, 32, 4, 3), (64, 32, 32, 4, 3),
 ]
 
+# Relu + MaxPool 2x2: (tile, blocks, warps). flat: (BLOCK,); rows: (BLOCK_OH, BLOCK_OW) of
+# one plane (56 output columns here: BLOCK_OW 64 covers a row); nhwc: (BLOCK_P, BLOCK_C).
+POOL_CONFIGS = [
+    ("flat", (256,), 4), ("flat", (512,), 4), ("flat", (1024,), 4), ("flat", (1024, ), 8), ("flat", (2048,), 8),
+    ("rows", (8, 64), 4), ("rows", (4, 64), 4), ("rows", (2, 64), 2), ("rows", (16, 64), 8), ("rows", (8, 32), 4),
+    ("rows", (4, 32), 2), ("rows", (16, 32), 4), ("rows", (32, 64), 8), ("rows", (1, 64), 1),
+    ("nhwc", (32, 64), 4), ("nhwc", (64, 64), 4), ("nhwc", (16, 64), 2), ("nhwc", (128, 64), 8), ("nhwc", (64, 32), 4),
+]
+
 
 def _load(src: str, name: str, tmp: Path):
     path = tmp / f"{name}.py"
@@ -107,6 +117,7 @@ def main() -> None:
                          "(channels-last X, NCHW Y)")
     ap.add_argument("--layers", default=None, help="comma-separated indices into LAYERS (default: all)")
     ap.add_argument("--configs", type=int, default=None, help="time only the first N configurations per layout")
+    ap.add_argument("--pool-only", action="store_true", help="only the Relu + MaxPool 2x2 section")
     args = ap.parse_args()
 
     import torch
@@ -231,6 +242,8 @@ def main() -> None:
 
 
     chosen = [LAYERS[int(i)] for i in args.layers.split(",")] if args.layers else LAYERS
+    if args.pool_only:
+        chosen = []
     for layer in chosen:
         measure_layer(*layer)
 
@@ -249,21 +262,40 @@ def main() -> None:
         cf = torch.compile(lambda: torch.nn.functional.max_pool2d(torch.relu(x), 2, 2))
         cf()
         pool_layer["torch_compile_ms"] = bench(cf)
-    for blk, nw in [(256, 4), (512, 4), (1024, 4), (1024, 8), (2048, 8)]:
-        name = f"k_pool_{blk}_{nw}"
-        ks = generate_maxpool(MaxPoolSpec(name, RELU, pa), PoolVariant(0, blk, nw))
+    # (tile, block sizes, warps): the flat kernel (one NCHW index per lane, BLOCK outputs),
+    # the rows kernel for tiling pools (BLOCK_OH x BLOCK_OW outputs of one plane) and the
+    # channels-last kernel (BLOCK_P pixels x BLOCK_C channels, X and Y NHWC)
+    xl = x.to(memory_format=torch.channels_last)
+    yl = torch.empty_like(ref).to(memory_format=torch.channels_last)
+    for tile, blocks, nw in POOL_CONFIGS:
+        name = f"k_pool_{tile}_{'_'.join(map(str, blocks))}_{nw}"
+        v = (PoolVariant(0, blocks[0], nw) if tile == "flat" else
+             PoolVariant(0, 0, nw, "rows", block_oh=blocks[0], block_ow=blocks[1]) if tile == "rows" else
+             PoolVariant(0, 0, nw, "nhwc", block_p=blocks[0], block_c=blocks[1]))
+        lay = "nhwc" if tile == "nhwc" else "nchw"
+        ks = generate_maxpool(MaxPoolSpec(name, RELU, pa, x_layout=lay, y_layout=lay), v)
         fn = _load(ks.source, name, tmp)
         consts = dict(ks.constexprs)
+        grid = v.grid(n, c, h // 2, h // 2)  # as the C++ launcher computes it
+        xin, yout = (xl, yl) if tile == "nhwc" else (x, y)
 
-        def run(fn=fn, consts=consts, blk=blk, nw=nw):
-            fn[(triton.cdiv(ref.numel(), blk),)](x, y, n, c, h, h, h // 2, h // 2, num_warps=nw, **consts)
+        def run(fn=fn, consts=consts, grid=grid, nw=nw, xin=xin, yout=yout):
+            fn[grid](xin, yout, n, c, h, h, h // 2, h // 2, num_warps=nw, **consts)
 
+        yout.zero_()
         run()
         torch.cuda.synchronize()
-        err = float((y - ref).abs().max().item())
-        pool_layer["configs"].append({"config": [blk, nw], "ms": bench(run), "max_abs_err": err})
+        err = float((yout - ref).abs().max().item())
+        ms = bench(run)
+        pool_layer["configs"].append({"tile": tile, "config": [*blocks, nw], "ms": ms, "max_abs_err": err,
+                                      "of_copy_bandwidth": floor / ms})
+        print(f"relu_maxpool {tile:4} {str(blocks):10} warps {nw}: {ms:.4f} ms ({floor / ms:.0%} of copy "
+              f"bandwidth) err {err:.1e}", flush=True)
     pbest = min(pool_layer["configs"], key=lambda r: r["ms"])
     pool_layer["best"] = pbest
+    for tile in ("flat", "rows", "nhwc"):
+        pool_layer[f"best_{tile}"] = min((r for r in pool_layer["configs"] if r["tile"] == tile),
+                                         key=lambda r: r["ms"], default=None)
     out["layers"].append(pool_layer)
 
     print(f"\n{'layer':34} {'cuDNN':>7} {'cuDNN-cl':>8} {'compile':>8} {'comp-cl':>8} {'of-nchw':>8} {'of-nhwc':>8}"
@@ -272,8 +304,12 @@ def main() -> None:
         cells = [f"{v:8.3f}" if isinstance(v, float) else f"{'-':>8}" for v in r[1:7]]
         print(f"{r[0]:34} {' '.join(cells)}  {r[7]} {r[8]}")
     print(f"relu_maxpool: floor {floor:.4f} ms, eager {pool_layer['torch_eager_ms']:.4f}, compile "
-          f"{pool_layer.get('torch_compile_ms', float('nan')):.4f}, onnxfuse {pbest['ms']:.4f} {pbest['config']} "
-          f"({floor / pbest['ms']:.0%} of copy bandwidth)")
+          f"{pool_layer.get('torch_compile_ms', float('nan')):.4f}, onnxfuse {pbest['ms']:.4f} {pbest['tile']} "
+          f"{pbest['config']} ({floor / pbest['ms']:.0%} of copy bandwidth)")
+    for tile in ("flat", "rows", "nhwc"):
+        b = pool_layer[f"best_{tile}"]
+        if b:
+            print(f"  best {tile:4}: {b['ms']:.4f} ms {b['config']} ({floor / b['ms']:.0%} of copy bandwidth)")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(out, indent=1))

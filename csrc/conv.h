@@ -163,6 +163,22 @@ inline ConvLayouts read_conv_layouts(const OrtKernelInfo* info, size_t n_extras)
   return l;
 }
 
+// The optional layout attributes of FusedMaxPool (docs/format.md, FusedMaxPool): x_layout /
+// y_layout "NCHW" (default) or "NHWC". Extra inputs broadcast to X's logical [N, C, H, W].
+struct PoolLayouts {
+  bool x_nhwc = false;
+  bool y_nhwc = false;
+};
+
+inline PoolLayouts read_pool_layouts(const OrtKernelInfo* info) {
+  PoolLayouts l;
+  l.x_nhwc = read_choice_attr(info, "x_layout", "NCHW", "NHWC");
+  l.y_nhwc = read_choice_attr(info, "y_layout", "NCHW", "NHWC");
+  return l;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // The sizes of one FusedConv run, checked.
 struct ConvShapes {
   int64_t N = 0, C = 0, H = 0, W = 0, K = 0;
@@ -187,6 +203,18 @@ inline void check_rank4(const Shape& x, const char* what, bool nhwc = false) {
   if (x.size() != 4)
     throw Error(std::string("input 0 (") + what + ") has shape " + shape_str(x) + ", expected rank 4 " +
                 (nhwc ? "[N, H, W, C] (x_layout NHWC)" : "[N, C, H, W]"));
+}
+
+// A FusedMaxPool's X checked for rank 4; its logical shape [N, C, H, W] (X is [N, H, W, C]
+// with x_layout NHWC).
+inline Shape pool_input_shape(const Shape& x, bool x_nhwc) {
+  check_rank4(x, x_nhwc ? "X, x_layout NHWC" : "X", x_nhwc);
+  return x_nhwc ? Shape{x[0], x[3], x[1], x[2]} : x;
+}
+
+// A FusedMaxPool's output tensor for the pooled [N, C, OH, OW]: [N, OH, OW, C] with y_layout NHWC.
+inline Shape pool_y_shape(const Shape& pooled, bool y_nhwc) {
+  return y_nhwc ? Shape{pooled[0], pooled[2], pooled[3], pooled[1]} : pooled;
 }
 
 // Checks X ([N, C, H, W], or [N, H, W, C] with x_nhwc), the packed weights

@@ -8,6 +8,9 @@
 //   3. when pooled: ONNX's max pool, any kernel, strides, pads, dilations and ceil_mode.
 // float16 tensors are widened to fp32 first; all arithmetic is fp32.
 //
+// FusedMaxPool's x_layout / y_layout: the program reads an NHWC X through its strides over
+// [N, C, H, W]; an NHWC output is the pooled NCHW result stored transposed.
+//
 // Layouts (FusedConv's x_layout, y_layout, extra_layouts): an NHWC X is transposed into the
 // padded NCHW fp32 copy of X. Without a pool, an NHWC output makes pass 1 store the conv
 // result as [N, P, Q, K] and pass 2 run over that order, writing the output directly; with
@@ -72,7 +75,6 @@ class Floats {
 // Elements (or multiply-adds) per parallel task: enough that scheduling costs nothing.
 constexpr int64_t kTaskWork = 1 << 18;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 float widen(const void* src, bool half, int64_t i) {
   return half ? f16_to_f32(static_cast<const uint16_t*>(src)[i]) : static_cast<const float*>(src)[i];
@@ -644,16 +646,23 @@ struct ConvKernel : KernelBase {
 struct MaxPoolKernel : KernelBase {
   static constexpr const char* kOp = kFusedMaxPool;
   PoolParams pool;
+  PoolLayouts lay;
 
+  // The program runs over X's logical [N, C, H, W]; an NHWC X is read through its strides
+  // (no copy), an NHWC output is stored transposed after the pool.
   void compute(OrtKernelContext* ctx) const {
     const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 1, /*f32_for_half=*/true);
-    check_rank4(t[0].shape, "X");
+    const Shape xs = pool_input_shape(t[0].shape, lay.x_nhwc);
     for (size_t i = 1; i < t.size(); ++i)
-      check_extra(i, static_cast<int>(i), t[i].shape, t[0].shape, "X's shape");
-    const TensorRef out = layer_output(prog, ctx, /*f32_for_half=*/true, pool_shape(pool, t[0].shape));
-    if (numel(out.shape) == 0) return;
-    const HostTensor x{actual_dtype(t[0].type, prog.inputs[0]), t[0].data, t[0].shape};
-    program_then_pool(ctx, alloc, prog, program_inputs(prog, x, t, 1), t[0].shape, &pool, out);
+      check_extra(i, static_cast<int>(i), t[i].shape, xs,
+                  lay.x_nhwc ? "X's logical shape (x_layout NHWC) [N, C, H, W] =" : "X's shape");
+    const Shape pooled = pool_shape(pool, xs);
+    const TensorRef out = layer_output(prog, ctx, /*f32_for_half=*/true, pool_y_shape(pooled, lay.y_nhwc));
+    if (numel(pooled) == 0) return;
+    const int64_t C = xs[1], H = xs[2], W = xs[3];
+    const Shape x_strides = lay.x_nhwc ? Shape{H * W * C, 1, W * C, C} : Shape{};
+    const HostTensor x{actual_dtype(t[0].type, prog.inputs[0]), t[0].data, xs, x_strides};
+    program_then_pool(ctx, alloc, prog, program_inputs(prog, x, t, 1), xs, &pool, out, lay.y_nhwc);
   }
 };
 
@@ -667,7 +676,10 @@ void init(ConvKernel* k, const OrtKernelInfo* info) {
   k->lay = read_conv_layouts(info, k->prog.inputs.size() - 1);
 }
 
-void init(MaxPoolKernel* k, const OrtKernelInfo* info) { read_pool_params(info, /*required=*/true, &k->pool); }
+void init(MaxPoolKernel* k, const OrtKernelInfo* info) {
+  read_pool_params(info, /*required=*/true, &k->pool);
+  k->lay = read_pool_layouts(info);
+}
 
 template <class K>
 OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {

@@ -126,13 +126,20 @@ struct Binary {
   std::string code;  // cubin bytes or PTX text (std::string keeps a terminating NUL)
 };
 
+// The grid of a maxpool kernel, by the block keys of its variant (docs/format.md, kind
+// maxpool): "block" (flat), "block_oh" + "block_ow" (rows), "block_p" + "block_c" (nhwc).
+enum class PoolGrid { FLAT, ROWS, PIXELS };
+
 struct Variant {
   int64_t n_multiple = 1;
   int64_t ptr_align = 1;
   int64_t max_elements = 0;  // 0: no limit
-  int64_t block = 0;         // pointwise, maxpool
+  int64_t block = 0;         // pointwise, maxpool flat
   int64_t block_m = 0;       // conv
   int64_t block_n = 0;       // conv
+  PoolGrid pool_grid = PoolGrid::FLAT;  // maxpool
+  int64_t block_oh = 0, block_ow = 0;   // maxpool rows
+  int64_t block_p = 0, block_c = 0;     // maxpool nhwc
 };
 
 struct Meta {
@@ -147,9 +154,9 @@ struct Meta {
   // conv: the pool window (PH, PW) when the max pool runs in the epilogue
   bool pool_in_epilogue = false;
   int64_t pool_window[2] = {1, 1};
-  // conv: the layouts the kernel was compiled for ("x_layout", "y_layout": "nchw" when
-  // absent; "w_layout": "rsck" when absent) and "extra_layouts" (all 0 when absent), as the
-  // node's attributes must say
+  // conv and maxpool: the layouts the kernel was compiled for ("x_layout", "y_layout": "nchw"
+  // when absent); conv: "w_layout" ("rsck" when absent) and "extra_layouts" (all 0 when
+  // absent), as the node's attributes must say
   bool x_nhwc = false;
   bool y_nhwc = false;
   bool w_krsc = false;
@@ -236,6 +243,15 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
       throw Error("kernel_meta has n_extras " + std::to_string(n_extras) + ", the program has " +
                   std::to_string(n_inputs - 1) + " extra inputs");
   }
+  if (m.kind == Kind::CONV || m.kind == Kind::MAXPOOL) {
+    for (const char* key : {"x_layout", "y_layout"}) {
+      const Json* v = j.get(key);
+      if (!v) continue;
+      if (v->kind != Json::STRING || (v->str != "nchw" && v->str != "nhwc"))
+        throw Error(std::string("kernel_meta: ") + key + " must be \"nchw\" or \"nhwc\"");
+      (key[0] == 'x' ? m.x_nhwc : m.y_nhwc) = v->str == "nhwc";
+    }
+  }
   if (m.kind == Kind::CONV) {
     const Json* pool = j.get("pool_in_epilogue");
     if (pool && pool->kind != Json::NUL) {
@@ -248,13 +264,6 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
         m.pool_window[d] = static_cast<int64_t>(v.num);
       }
       m.pool_in_epilogue = true;
-    }
-    for (const char* key : {"x_layout", "y_layout"}) {
-      const Json* v = j.get(key);
-      if (!v) continue;
-      if (v->kind != Json::STRING || (v->str != "nchw" && v->str != "nhwc"))
-        throw Error(std::string("kernel_meta: ") + key + " must be \"nchw\" or \"nhwc\"");
-      (key[0] == 'x' ? m.x_nhwc : m.y_nhwc) = v->str == "nhwc";
     }
     if (const Json* v = j.get("w_layout")) {
       if (v->kind != Json::STRING || (v->str != "rsck" && v->str != "krsc"))
@@ -285,6 +294,14 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
     if (m.kind == Kind::CONV) {
       var.block_m = meta_positive(vj, "block_m", where);
       var.block_n = meta_positive(vj, "block_n", where);
+    } else if (m.kind == Kind::MAXPOOL && vj.get("block_oh")) {
+      var.pool_grid = PoolGrid::ROWS;
+      var.block_oh = meta_positive(vj, "block_oh", where);
+      var.block_ow = meta_positive(vj, "block_ow", where);
+    } else if (m.kind == Kind::MAXPOOL && vj.get("block_p")) {
+      var.pool_grid = PoolGrid::PIXELS;
+      var.block_p = meta_positive(vj, "block_p", where);
+      var.block_c = meta_positive(vj, "block_c", where);
     } else {
       var.block = meta_positive(vj, "block", where);
     }
@@ -750,21 +767,33 @@ struct MaxPoolKernel : CudaKernelBase {
   static constexpr Kind kKind = Kind::MAXPOOL;
   static constexpr const char* kOp = kFusedMaxPool;
   PoolParams pool;
+  PoolLayouts lay;
 
   void init(const OrtKernelInfo* info) {
     if (prog.outputs.size() != 1)
       throw Error("the program has " + std::to_string(prog.outputs.size()) + " outputs, expected 1");
     read_pool_params(info, /*required=*/true, &pool);
+    lay = read_pool_layouts(info);
+  }
+
+  // The node's layouts and the kernel's must agree (docs/format.md, FusedMaxPool).
+  void check_layout_meta() {
+    if (!meta_error.empty()) return;
+    if (lay.x_nhwc != meta.x_nhwc || lay.y_nhwc != meta.y_nhwc)
+      meta_error = std::string("the node has x_layout ") + layout_name(lay.x_nhwc) + " and y_layout " +
+                   layout_name(lay.y_nhwc) + ", its kernel_meta has x_layout \"" + (meta.x_nhwc ? "nhwc" : "nchw") +
+                   "\" and y_layout \"" + (meta.y_nhwc ? "nhwc" : "nchw") + "\" (absent: \"nchw\")";
   }
 
   void compute(OrtKernelContext* ctx) {
     if (!meta_error.empty()) throw Error(meta_error);
     const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 1, /*f32_for_half=*/false);
-    const Shape& xs = t[0].shape;
-    check_rank4(xs, "X");
-    for (size_t i = 1; i < t.size(); ++i) check_extra(i, static_cast<int>(i), t[i].shape, xs, "X's shape");
+    const Shape xs = pool_input_shape(t[0].shape, lay.x_nhwc);  // logical [N, C, H, W]
+    for (size_t i = 1; i < t.size(); ++i)
+      check_extra(i, static_cast<int>(i), t[i].shape, xs,
+                  lay.x_nhwc ? "X's logical shape (x_layout NHWC) [N, C, H, W] =" : "X's shape");
     const Shape out_shape = pool_shape(pool, xs);
-    const TensorRef y = layer_output(prog, ctx, /*f32_for_half=*/false, out_shape);
+    const TensorRef y = layer_output(prog, ctx, /*f32_for_half=*/false, pool_y_shape(out_shape, lay.y_nhwc));
     const int64_t n_out = numel(out_shape);
     if (n_out == 0) return;
     const Target tg = target(ctx);
@@ -772,7 +801,8 @@ struct MaxPoolKernel : CudaKernelBase {
     int64_t largest = n_out;
     const std::vector<const void*> ptrs = layer_pointers(t, y, &largest);
 
-    // docs/format.md, kind maxpool: pointers, int32 N C H W OH OW, 4 strides per extra.
+    // docs/format.md, kind maxpool: pointers, int32 N C H W OH OW (the logical sizes in any
+    // layout), 4 strides per extra over [N, C, H, W].
     Params& p = thread_params();
     for (const void* ptr : ptrs) p.ptr(ptr);
     p.i32(xs[0], "N");
@@ -785,8 +815,15 @@ struct MaxPoolKernel : CudaKernelBase {
     p.scratch();
 
     const int v = choose_variant(tg, ptrs, n_out, largest);
-    const int64_t block = meta.variants[v].block;
-    launch(tg, v, (n_out + block - 1) / block, 1, p);
+    const Variant& var = meta.variants[v];
+    const int64_t n = xs[0], c = xs[1], oh = out_shape[2], ow = out_shape[3];
+    switch (var.pool_grid) {
+      case PoolGrid::FLAT: launch(tg, v, ceil_div(n_out, var.block), 1, p); break;
+      case PoolGrid::ROWS:
+        launch(tg, v, n * c * ceil_div(oh, var.block_oh) * ceil_div(ow, var.block_ow), 1, p);
+        break;
+      case PoolGrid::PIXELS: launch(tg, v, ceil_div(n * oh * ow, var.block_p), ceil_div(c, var.block_c), p); break;
+    }
   }
 };
 
@@ -799,6 +836,7 @@ void after_meta(ConvKernel* k) {
   k->check_pool_meta();
   k->check_layout_meta();
 }
+void after_meta(MaxPoolKernel* k) { k->check_layout_meta(); }
 
 template <class K>
 OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {

@@ -18,8 +18,17 @@ With a pool in the epilogue, the M index enumerates (n, op, oq, window position)
 window position fastest; windows whose size is not a power of two are padded to the next
 power of two with masked rows (tensors in Triton have power-of-two shapes).
 
-FusedMaxPool: each program computes BLOCK pooled outputs; each tap of the window is
-loaded, run through the prologue program, masked to -inf in the padding, and max-reduced.
+FusedMaxPool has three kernels, picked by the variant's `tile` (PoolVariant):
+- "flat": each program computes BLOCK pooled outputs of one flat NCHW index; each tap of
+  the window is loaded, run through the prologue program, masked to -inf in the padding,
+  and max-reduced. Any pool attributes.
+- "rows": pools whose windows tile the input (PoolAttrs.tiles, e.g. 2x2 stride 2), NCHW.
+  Each program takes a [BLOCK_OH, BLOCK_OW] tile of one (n, c) plane; for each window row
+  it loads the contiguous input span under the tile's columns as [BLOCK_OH, BLOCK_OW * KW]
+  and reduces each window's KW neighbours with a reshape + max. No per-element division.
+- "nhwc": channels-last X. Each program takes [BLOCK_P output pixels, BLOCK_C channels];
+  a tap's load reads BLOCK_C contiguous channels per pixel, and the pixel's (n, oh, ow)
+  is computed once per row of the tile, not per element. Any pool attributes.
 
 Grouped and depthwise convs (group > 1) have no GEMM worth the tensor cores (a depthwise
 conv reduces over one channel per tap): a direct loop adds, per tap and input channel of
@@ -72,14 +81,43 @@ class ConvVariant:
         return {"max_elements": MAX_ELEMENTS, "ptr_align": 16}
 
 
+POOL_TILES = ("flat", "rows", "nhwc")
+
+
 @dataclass(frozen=True)
 class PoolVariant:
+    """Which FusedMaxPool kernel (`tile`, see the module docstring) and its block sizes:
+    "flat" uses `block`, "rows" `block_oh` x `block_ow`, "nhwc" `block_p` x `block_c`."""
+
     index: int = 0
     block: int = 512
     num_warps: int = 4
+    tile: str = "flat"
+    block_oh: int = 0
+    block_ow: int = 0
+    block_p: int = 0
+    block_c: int = 0
 
     def requires(self) -> dict[str, int]:
         return {"max_elements": MAX_ELEMENTS}
+
+    def meta(self) -> dict[str, int]:
+        """The block sizes as kernel_meta's variant lists them (docs/format.md, kind maxpool):
+        which keys are present says which grid the launcher uses."""
+        if self.tile == "rows":
+            return {"block_oh": self.block_oh, "block_ow": self.block_ow}
+        if self.tile == "nhwc":
+            return {"block_p": self.block_p, "block_c": self.block_c}
+        return {"block": self.block}
+
+    def grid(self, n: int, c: int, oh: int, ow: int) -> tuple[int, int]:
+        """The launch grid for output [N, C, OH, OW] (logical sizes, any layout), as the C++
+        launcher computes it."""
+        if self.tile == "rows":
+            return (n * c * -(-oh // self.block_oh) * -(-ow // self.block_ow), 1)
+        if self.tile == "nhwc":
+            return (-(-(n * oh * ow) // self.block_p), -(-c // self.block_c))
+        return (-(-(n * c * oh * ow) // self.block), 1)
 
 
 @dataclass(frozen=True)
@@ -120,10 +158,16 @@ class ConvSpec:
 
 @dataclass(frozen=True)
 class MaxPoolSpec:
+    """What a FusedMaxPool kernel computes: the prologue program, the pool, the layouts."""
+
     name: str
     program: Program  # %0: X; %1...: the extras; one output
     pool: PoolAttrs
     source_nodes: tuple[str, ...] = ()
+    # Memory layout of X and Y, "nchw" or "nhwc" (docs/format.md, FusedMaxPool); extras are
+    # read through strides over the logical [N, C, H, W] in any layout.
+    x_layout: str = "nchw"
+    y_layout: str = "nchw"
 
     @property
     def n_extras(self) -> int:
@@ -216,20 +260,38 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
 
 
 def generate_maxpool(spec: MaxPoolSpec, variant: PoolVariant) -> KernelSource:
-    """The Triton kernel of a FusedMaxPool node."""
+    """The Triton kernel of a FusedMaxPool node, of the variant's `tile` kind."""
     _check_program(spec.program, spec.name)
-    if variant.block <= 0 or variant.block & (variant.block - 1):
-        raise ValueError(f"BLOCK must be a power of two, got {variant.block}")
+    p = spec.pool
+    layouts = (spec.x_layout, spec.y_layout)
+    if not set(layouts) <= {"nchw", "nhwc"}:
+        raise ValueError(f"layouts must be nchw or nhwc, not {spec.x_layout!r}/{spec.y_layout!r}")
+    if variant.tile not in POOL_TILES:
+        raise ValueError(f"pool tile {variant.tile!r} is not one of {POOL_TILES}")
+    if variant.tile in ("flat", "rows") and layouts != ("nchw", "nchw"):
+        raise ValueError(f"{spec.name}: the {variant.tile!r} pool kernel reads and writes NCHW, not {layouts}")
+    if variant.tile == "nhwc" and spec.x_layout != "nhwc":
+        raise ValueError(f"{spec.name}: the 'nhwc' pool kernel reads a channels-last X")
+    if variant.tile == "rows" and not p.tiles:
+        raise ValueError(f"{spec.name}: the 'rows' pool kernel needs windows that tile the input")
+    blocks = {"flat": ("BLOCK",), "rows": ("BLOCK_OH", "BLOCK_OW"), "nhwc": ("BLOCK_P", "BLOCK_C")}[variant.tile]
+    sizes = {"BLOCK": variant.block, "BLOCK_OH": variant.block_oh, "BLOCK_OW": variant.block_ow,
+             "BLOCK_P": variant.block_p, "BLOCK_C": variant.block_c}
+    for v in [sizes[b] for b in blocks] + [variant.num_warps]:
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"pool block sizes and num_warps must be powers of two: {variant}")
     names = maxpool_param_names(spec.n_extras)
     types = [POINTER_TYPES[d] for d in spec.program.input_dtypes] + [POINTER_TYPES[spec.program.outputs[0][1]]]
     types += [INT_TYPE] * (len(names) - len(types))
-    p = spec.pool
     constexprs = [
         ("KH", p.kernel[0]), ("KW", p.kernel[1]), ("SH", p.strides[0]), ("SW", p.strides[1]),
         ("PAD_H", p.pads[0]), ("PAD_W", p.pads[1]), ("DH", p.dilations[0]), ("DW", p.dilations[1]),
-        ("BLOCK", variant.block),
     ]
-    source = _maxpool_module(spec, names, [c for c, _ in constexprs])
+    if variant.tile == "rows":
+        constexprs.append(("KW_P", _next_pow2(p.kernel[1])))
+    constexprs += [(b, sizes[b]) for b in blocks]
+    body = {"flat": _pool_flat_body, "rows": _pool_rows_body, "nhwc": _pool_nhwc_body}[variant.tile](spec)
+    source = _maxpool_module(spec, variant, names, [c for c, _ in constexprs], body)
     return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
                         constexprs=tuple(constexprs), divisible=(), num_warps=variant.num_warps,
                         variant=variant, num_stages=None)
@@ -448,12 +510,26 @@ def _grouped_loop(spec: ConvSpec) -> list[str]:
             "        acc += a * b[None, :]"]
 
 
-def _maxpool_module(spec: MaxPoolSpec, names: list[str], constexprs: list[str]) -> str:
+def _maxpool_module(spec: MaxPoolSpec, variant: PoolVariant, names: list[str], constexprs: list[str],
+                    body: list[str]) -> str:
     p = spec.pool
     what = (f"MaxPool {p.kernel[0]}x{p.kernel[1]} stride {p.strides} pads {p.pads} dilations {p.dilations} "
-            f"ceil_mode {int(p.ceil_mode)} after the pointwise prologue")
+            f"ceil_mode {int(p.ceil_mode)} after the pointwise prologue; {variant.tile} kernel"
+            + (f"; X {spec.x_layout.upper()}, Y {spec.y_layout.upper()}"
+               if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else ""))
     lines = _header(spec.name, what, spec.program, spec.source_nodes)
     lines += _signature(spec.name, names, constexprs)
+    lines += ["    " + ln for ln in body]
+    return "\n".join(lines) + "\n"
+
+
+def _load_x0(ptrs: str, mask: str, dtype: str) -> str:
+    load = f"tl.load({ptrs}, mask={mask}, other=0)"
+    return f"x0 = {load if dtype == 'f32' else load + '.to(tl.float32)'}"
+
+
+def _pool_flat_body(spec: MaxPoolSpec) -> list[str]:
+    """One flat NCHW output index per lane: any pool attributes."""
     body = ["pid = tl.program_id(axis=0)",
             "offs = pid * BLOCK + tl.arange(0, BLOCK)",
             "mask = offs < N * C * OH * OW",
@@ -465,13 +541,84 @@ def _maxpool_module(spec: MaxPoolSpec, names: list[str], constexprs: list[str]) 
             "        ih = oh * SH - PAD_H + kh * DH",
             "        iw = ow * SW - PAD_W + kw * DW",
             "        inside = mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)"]
-    x0 = "tl.load(x_ptr + nc * (H * W) + ih * W + iw, mask=inside, other=0)"
-    body.append(f"        x0 = {x0 if spec.program.input_dtypes[0] == 'f32' else x0 + '.to(tl.float32)'}")
-    inner = _extra_loads(spec.program, ("n", "c", "ih", "iw"), "inside", "nchw")
+    inner = [_load_x0("x_ptr + nc * (H * W) + ih * W + iw", "inside", spec.program.input_dtypes[0])]
+    inner += _extra_loads(spec.program, ("n", "c", "ih", "iw"), "inside", "nchw")
     inner += _program_lines(spec.program)
     val, dt = _out_value(spec.program)
     inner += ['best = tl.maximum(best, tl.where(inside, ' + val + ', float("-inf")))']
     body += ["        " + ln for ln in inner]
     body.append(f"tl.store(y_ptr + offs, {_store_cast('best', dt)}, mask=mask)")
-    lines += ["    " + ln for ln in body]
-    return "\n".join(lines) + "\n"
+    return body
+
+
+def _pool_rows_body(spec: MaxPoolSpec) -> list[str]:
+    """Windows that tile the input (KH == SH, KW == SW, no padding): a [BLOCK_OH, BLOCK_OW]
+    tile of one plane per program, reading whole input spans."""
+    body = ["# Program -> (plane nc = n * C + c, block of output rows, block of output columns):",
+            "# the kernel's only divisions, once per program.",
+            "pid = tl.program_id(axis=0)",
+            "col_blocks = tl.cdiv(OW, BLOCK_OW)",
+            "row_blocks = tl.cdiv(OH, BLOCK_OH)",
+            "pid_ow = pid % col_blocks",
+            "pid_oh = (pid // col_blocks) % row_blocks",
+            "nc = pid // (col_blocks * row_blocks)",
+            "n = nc // C",
+            "c = nc % C",
+            "# Rows of the tile: output rows. Columns: the input columns under BLOCK_OW outputs,",
+            "# each window's KW columns side by side (padded to KW_P, a power of two, with masked",
+            "# columns). With KW == KW_P a row of the tile is one contiguous span of the input.",
+            "oh = pid_oh * BLOCK_OH + tl.arange(0, BLOCK_OH)",
+            "cols = tl.arange(0, BLOCK_OW * KW_P)",
+            "ow = pid_ow * BLOCK_OW + cols // KW_P  # KW_P is a power of two: a shift",
+            "kw = cols % KW_P",
+            "iw = ow * SW + kw",
+            "# Floor mode without padding: a valid output row or column reads only inside the image.",
+            "mask = (oh < OH)[:, None] & ((ow < OW) & (kw < KW))[None, :]",
+            "x_plane = x_ptr + nc * (H * W)",
+            'best = tl.full((BLOCK_OH, BLOCK_OW), float("-inf"), tl.float32)',
+            "# One window row at a time: load the row's spans, then max over each window's columns.",
+            "for kh in tl.static_range(KH):",
+            "    ih = oh * SH + kh"]
+    inner = [_load_x0("x_plane + ih[:, None] * W + iw[None, :]", "mask", spec.program.input_dtypes[0])]
+    inner += _extra_loads(spec.program, ("n", "c", "ih[:, None]", "iw[None, :]"), "mask", "nchw")
+    inner += _program_lines(spec.program)
+    val, dt = _out_value(spec.program)
+    inner += [f'val = tl.where(mask, {val}, float("-inf"))',
+              "best = tl.maximum(best, tl.max(tl.reshape(val, (BLOCK_OH, BLOCK_OW, KW_P)), axis=2))"]
+    body += ["    " + ln for ln in inner]
+    body += ["out_ow = pid_ow * BLOCK_OW + tl.arange(0, BLOCK_OW)",
+             "y_offs = nc * (OH * OW) + oh[:, None] * OW + out_ow[None, :]",
+             f"tl.store(y_ptr + y_offs, {_store_cast('best', dt)}, mask=(oh < OH)[:, None] & (out_ow < OW)[None, :])"]
+    return body
+
+
+def _pool_nhwc_body(spec: MaxPoolSpec) -> list[str]:
+    """Channels-last X: [BLOCK_P output pixels, BLOCK_C channels] per program, any pool."""
+    body = ["pid_p = tl.program_id(axis=0)",
+            "pid_c = tl.program_id(axis=1)",
+            "# Rows of the tile: output pixels (n, oh, ow), unravelled once per row. Columns:",
+            "# channels, contiguous in X (and in Y when it is NHWC).",
+            "offs_p = pid_p * BLOCK_P + tl.arange(0, BLOCK_P)",
+            "offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)",
+            "mask_p = offs_p < N * OH * OW",
+            "mask_c = offs_c < C",
+            "ow = offs_p % OW", "oh = (offs_p // OW) % OH", "n = offs_p // (OH * OW)",
+            'best = tl.full((BLOCK_P, BLOCK_C), float("-inf"), tl.float32)',
+            "for kh in tl.static_range(KH):",
+            "    for kw in tl.static_range(KW):",
+            "        ih = oh * SH - PAD_H + kh * DH",
+            "        iw = ow * SW - PAD_W + kw * DW",
+            "        in_image = mask_p & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)",
+            "        inside = in_image[:, None] & mask_c[None, :]"]
+    inner = [_load_x0("x_ptr + ((n * H + ih) * W + iw)[:, None] * C + offs_c[None, :]", "inside",
+                      spec.program.input_dtypes[0])]
+    inner += _extra_loads(spec.program, ("n[:, None]", "offs_c[None, :]", "ih[:, None]", "iw[:, None]"),
+                          "inside", "nchw")
+    inner += _program_lines(spec.program)
+    val, dt = _out_value(spec.program)
+    inner += ['best = tl.maximum(best, tl.where(inside, ' + val + ', float("-inf")))']
+    body += ["        " + ln for ln in inner]
+    body += [("y_offs = offs_p[:, None] * C + offs_c[None, :]  # NHWC" if spec.y_layout == "nhwc" else
+              "y_offs = (n[:, None] * C + offs_c[None, :]) * (OH * OW) + (oh * OW + ow)[:, None]  # NCHW"),
+             f"tl.store(y_ptr + y_offs, {_store_cast('best', dt)}, mask=mask_p[:, None] & mask_c[None, :])"]
+    return body

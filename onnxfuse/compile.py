@@ -173,7 +173,9 @@ class CompiledKernel:
         if isinstance(spec, MaxPoolSpec):
             return {
                 "version": META_VERSION, "kind": "maxpool", "name": spec.name, "n_extras": spec.n_extras,
-                "variants": [{"requires": v.requires(), "block": v.block} for v in self.variants],
+                **({"x_layout": spec.x_layout, "y_layout": spec.y_layout}
+                   if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else {}),
+                "variants": [{"requires": v.requires(), **v.meta()} for v in self.variants],
                 "binaries": binaries,
             }
         return {
@@ -328,9 +330,31 @@ def conv_declined(spec: ConvSpec, layout: str = "nchw") -> bool:
 
 
 def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
-    """256 outputs per program, 4 warps: the best of 256..2048 x 4/8 warps for Relu+MaxPool
-    2x2 at 32x64x112x112 on the H200 (83-85% of copy bandwidth; BENCHMARKS.md)."""
-    return (PoolVariant(0, 256, 4),)
+    """The pool kernel and its blocks (one variant):
+    - channels-last X: the "nhwc" kernel, 32 pixels x 64 channels, 4 warps (not yet tuned:
+      benchmarks/conv_kernels.py measures it);
+    - NCHW pools whose windows tile the input (2x2 stride 2): the "rows" kernel, 8 x 64
+      outputs, 4 warps (not yet tuned on a GPU: benchmarks/conv_kernels.py, Relu + MaxPool);
+    - other NCHW pools: the "flat" kernel, 256 outputs per program, 4 warps: the best of
+      256..2048 x 4/8 warps for Relu+MaxPool 2x2 at 32x64x112x112 on the H200 (83-85% of
+      copy bandwidth; BENCHMARKS.md).
+
+    ``$ONNXFUSE_POOL_CONFIG`` (``tile=flat|rows|nhwc,block=,block_oh=,block_ow=,block_p=,block_c=,warps=``)
+    overrides it."""
+    if spec.x_layout == "nhwc":
+        cfg: dict = {"tile": "nhwc", "block_p": 32, "block_c": 64, "warps": 4}
+    elif spec.pool.tiles:
+        cfg = {"tile": "rows", "block_oh": 8, "block_ow": 64, "warps": 4}
+    else:
+        cfg = {"tile": "flat", "block": 256, "warps": 4}
+    known = ("tile", "block", "block_oh", "block_ow", "block_p", "block_c", "warps")
+    for item in filter(None, os.environ.get("ONNXFUSE_POOL_CONFIG", "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in known:
+            raise OnnxfuseError(f"ONNXFUSE_POOL_CONFIG: unknown key {key!r} (known: {', '.join(known)})")
+        cfg[key] = value if key == "tile" else int(value)
+    return (PoolVariant(0, cfg.get("block", 256), cfg["warps"], cfg["tile"], cfg.get("block_oh", 8),
+                        cfg.get("block_ow", 64), cfg.get("block_p", 32), cfg.get("block_c", 64)),)
 
 
 def _variants(spec: AnySpec) -> tuple:

@@ -88,7 +88,8 @@ def kernel_spec(model, f, conv_precision: str = "tf32", weight_dims: dict | None
                             source_nodes=f.source_nodes, x_layout=f.x_layout, y_layout=f.y_layout,
                             extra_layouts=f.extra_layouts, w_layout=f.w_layout)
     if f.kind == "maxpool":
-        return aot.MaxPoolSpec(f.kernel_name, f.program, pool=f.pool, source_nodes=f.source_nodes)
+        return aot.MaxPoolSpec(f.kernel_name, f.program, pool=f.pool, source_nodes=f.source_nodes,
+                               x_layout=f.x_layout, y_layout=f.y_layout)
     raise ValueError(f"unknown fused node kind {f.kind!r}")
 
 

@@ -15,6 +15,11 @@ channels-last X a row of contiguous channels at a time):
   reader is a FusedConv (as X or as an epilogue extra) or such a Concat / Split. Then its
   producers get `y_layout` NHWC, its readers `x_layout` NHWC or `extra_layouts[i]` 1, and
   its Concat / Split nodes axis 3. (A lone conv output is the one-tensor case.)
+- A FusedMaxPool joins its X and Y into one component (a pool runs NHWC in and out or not
+  at all): so conv -> pool -> conv (ResNet's stem) and conv -> pool -> pool -> pool into a
+  Concat with the conv output (YOLO's SPPF) run channels-last with no Transpose. A pool reads
+  its X as the one channels-last-capable input; its prologue's extra inputs stay NCHW (a
+  component that one of them is in stays NCHW). Such pools get `x_layout` and `y_layout` NHWC.
 - A group-1 conv whose X is still NCHW and has at least MIN_NHWC_CHANNELS channels reads it through
   one `Transpose(perm=[0, 2, 3, 1])` put before its first reader (shared by all such
   readers); narrower inputs (an image) stay NCHW for the flat-reduction kernel.
@@ -61,9 +66,10 @@ MIN_NHWC_CHANNELS = 16
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """What the pass changes: per FusedConv node (x_layout, y_layout, extra_layouts,
-    w_layout); the NCHW tensors that get a Transpose to channels-last (tensor -> the nodes
-    that read the NHWC copy as their X); the tensors that become NHWC; and the Concat /
-    Split nodes between fused convs that then work on the channel axis 3."""
+    w_layout), per FusedMaxPool node ("nhwc", "nhwc", (), its unchanged w_layout); the NCHW
+    tensors that get a Transpose to channels-last (tensor -> the nodes that read the NHWC
+    copy as their X); the tensors that become NHWC; and the Concat / Split nodes between
+    fused convs that then work on the channel axis 3."""
 
     nodes: dict[str, tuple[str, str, tuple[int, ...], str]]
     boundaries: dict[str, list[str]]
@@ -86,6 +92,8 @@ def plan(model: ModelProto, fused: list) -> Plan:
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
     # Nodes by index: only the fused nodes' names are known to be unique.
     conv_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in convs}
+    pools = {f.node_name: f for f in fused if f.kind == "maxpool"}
+    pool_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in pools}
     readers: dict[str, list[tuple[int, int]]] = {}
     producer: dict[str, int] = {}
     for i, n in enumerate(g.node):
@@ -113,6 +121,8 @@ def plan(model: ModelProto, fused: list) -> Plan:
         tensors = [t for t in ([n.input[0]] if n.op_type == "Split" else list(n.input)) + list(n.output) if t]
         for t in tensors[1:]:
             parent[find(t)] = find(tensors[0])
+    for f in pools.values():  # a pool's X and Y turn NHWC together
+        parent[find(f.outputs[0])] = find(f.inputs[0])
     for f in convs.values():
         find(f.outputs[0])
     components: dict[str, list[str]] = {}
@@ -122,15 +132,19 @@ def plan(model: ModelProto, fused: list) -> Plan:
     def reader_ok(u: int, k: int) -> bool:
         if u in conv_at:
             return k == 0 or k >= 3
+        if u in pool_at:
+            return k == 0
         return u in joins and (k == 0 or joins[u].op_type == "Concat")
 
     def producer_ok(t: str) -> bool:
         p = producer.get(t)
-        return (p in conv_at and convs[conv_at[p]].outputs[0] == t) or p in joins
+        return ((p in conv_at and convs[conv_at[p]].outputs[0] == t) or p in joins
+                or (p in pool_at and pools[pool_at[p]].outputs[0] == t))
 
     layouts = {name: ["nchw", "nchw", [0] * (len(f.inputs) - 3)] for name, f in convs.items()}
     nhwc: set[str] = set()
     transparent: set[int] = set()
+    nhwc_pools: set[str] = set()
     for comp in components.values():
         if any(t in fixed or not producer_ok(t) for t in comp):
             continue
@@ -143,6 +157,8 @@ def plan(model: ModelProto, fused: list) -> Plan:
             p = producer[t]
             if p in conv_at:
                 layouts[conv_at[p]][1] = "nhwc"
+            elif p in pool_at:
+                nhwc_pools.add(pool_at[p])
             else:
                 transparent.add(p)
             for u, k in readers.get(t, []):
@@ -162,9 +178,10 @@ def plan(model: ModelProto, fused: list) -> Plan:
     # every conv of the pass takes [K, R, S, C] weights: the channels-last kernels need them
     # for wgmma, and the flat kernel of narrow NCHW inputs was fastest with them too
     nodes = {name: (x, y, tuple(e), "krsc") for name, (x, y, e) in layouts.items()}
-    return Plan({name: v for name, v in nodes.items()
-                 if (v[0], v[1]) != ("nchw", "nchw") or any(v[2]) or v[3] != convs[name].w_layout}, boundaries,
-                frozenset(nhwc), frozenset(transparent))
+    changed = {name: v for name, v in nodes.items()
+               if (v[0], v[1]) != ("nchw", "nchw") or any(v[2]) or v[3] != convs[name].w_layout}
+    changed.update({name: ("nhwc", "nhwc", (), pools[name].w_layout) for name in sorted(nhwc_pools)})
+    return Plan(changed, boundaries, frozenset(nhwc), frozenset(transparent))
 
 
 def channels(f, weight_dims: dict[str, tuple[int, ...]]) -> int:
@@ -204,7 +221,7 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
         old = functions[(node.domain, node.op_type, node.overload)]
         renamed.add((node.domain, node.op_type, node.overload))
         if name not in new_functions:
-            new_functions[name] = _layout_function(old, name, x, y, extras, w)
+            new_functions[name] = _layout_function(old, name, x, y, extras, w if f.kind == "conv" else None)
         for attr in [a for a in node.attribute if a.name in ("x_layout", "y_layout", "extra_layouts", "w_layout")]:
             node.attribute.remove(attr)
         node.attribute.append(helper.make_attribute("x_layout", x.upper()))
@@ -271,9 +288,10 @@ def _repack(t: onnx.TensorProto, src: str, dst: str) -> None:
 
 
 def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: tuple[int, ...],
-                     w: str = "rsck") -> FunctionProto:
-    """The function of a FusedConv with layouts: the NCHW body between Transposes; with
-    [K, R, S, C] weights its unpacking Transpose has perm [0, 3, 1, 2]."""
+                     w: str | None = "rsck") -> FunctionProto:
+    """The function of a FusedConv (or, with w None, a FusedMaxPool: no weights, no NHWC
+    extras) with layouts: the NCHW body between Transposes; with [K, R, S, C] weights its
+    unpacking Transpose has perm [0, 3, 1, 2]."""
     f = FunctionProto()
     f.CopyFrom(old)
     f.overload = overload
@@ -292,7 +310,7 @@ def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: 
             for k, name in enumerate(m.output):
                 if name == y0:
                     m.output[k] = f"{y0}_nchw"
-        if m.op_type == "Transpose" and m.input[0] == f.input[1]:  # the weights' unpacking
+        if w is not None and m.op_type == "Transpose" and m.input[0] == f.input[1]:  # the weights' unpacking
             del m.attribute[:]
             m.attribute.append(helper.make_attribute("perm", UNPACK[w]))
         body.append(m)
@@ -302,7 +320,8 @@ def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: 
     del f.node[:]
     f.node.extend(body)
     f.doc_string = (old.doc_string + f"; X {x.upper()}, Y {y.upper()}"
-                    + (f", extras {list(extras)}" if any(extras) else "") + (f", W {w.upper()}" if w != "rsck" else ""))
+                    + (f", extras {list(extras)}" if any(extras) else "")
+                    + (f", W {w.upper()}" if w not in ("rsck", None) else ""))
     return f
 
 

@@ -42,8 +42,8 @@ class FusedNode:
     kind: str = "pointwise"  # "pointwise", "conv" or "maxpool": the kernel_meta kind
     conv: ConvAttrs | None = None  # kind conv
     pool: PoolAttrs | None = None  # kind maxpool, or conv with a fused MaxPool
-    # kind conv: memory layouts of X and Y ("nchw" or "nhwc") and per extra input 0 (as is)
-    # or 1 (NHWC); set by onnxfuse.layout (docs/format.md, Layouts)
+    # kind conv and maxpool: memory layouts of X and Y ("nchw" or "nhwc"); kind conv: per
+    # extra input 0 (as is) or 1 (NHWC); set by onnxfuse.layout (docs/format.md, Layouts)
     x_layout: str = "nchw"
     y_layout: str = "nchw"
     extra_layouts: tuple[int, ...] = ()

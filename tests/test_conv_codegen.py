@@ -29,7 +29,7 @@ from onnxfuse.codegen_conv import (
     generate_conv,
     generate_maxpool,
 )
-from onnxfuse.compile import compile_kernels, conv_variants
+from onnxfuse.compile import compile_kernels, conv_variants, pool_variants
 from onnxfuse.expr import HEADER, evaluate, parse
 from onnxfuse.layers import ConvAttrs, PoolAttrs
 
@@ -134,6 +134,10 @@ class PoolCase:
     body: str = RELU
     extras: tuple[str, ...] = ()
     dtype: str = "f32"
+    # the kernel: "flat", "rows" (tiling pools), "nhwc" (channels-last X) with small blocks
+    # (many programs, ragged edges), or "default" (compile.pool_variants' choice)
+    tile: str = "flat"
+    layouts: tuple[str, str] = ("nchw", "nchw")  # X, Y
 
 
 POOL_CASES = [
@@ -144,7 +148,38 @@ POOL_CASES = [
     PoolCase("asym-pads-dilated-ceil", (1, 3, 11, 9), PoolAttrs((2, 3), (2, 2), (0, 1, 1, 0), (2, 1), True)),
     PoolCase("residual-prologue", (2, 3, 6, 6), PoolAttrs((2, 2), (2, 2)), RESIDUAL_RELU, ("full",)),
     PoolCase("fp16", (2, 3, 8, 8), PoolAttrs((2, 2), (2, 2)), dtype="f16"),
+    # the "rows" kernel: N*C = 15 planes, H and W not multiples of the windows or blocks
+    PoolCase("rows-2x2-odd", (3, 5, 13, 11), PoolAttrs((2, 2), (2, 2)), tile="rows"),
+    PoolCase("rows-3x3-s3-padded-columns", (2, 3, 11, 14), PoolAttrs((3, 3), (3, 3)), tile="rows"),
+    PoolCase("rows-2x3-s2x3", (1, 7, 9, 17), PoolAttrs((2, 3), (2, 3)), tile="rows"),
+    PoolCase("rows-fp16-prologue", (2, 5, 9, 10), PoolAttrs((2, 2), (2, 2)), AFFINE, ("channel",), "f16", "rows"),
+    PoolCase("rows-residual-prologue", (3, 3, 7, 9), PoolAttrs((2, 2), (2, 2)), RESIDUAL_RELU, ("full",),
+             tile="rows"),
+    PoolCase("rows-default-blocks", (2, 3, 20, 150), PoolAttrs((2, 2), (2, 2)), tile="default"),
+    # the "nhwc" kernel: C = 5 or 6 against BLOCK_C 4
+    PoolCase("nhwc-3x3-s2-p1", (2, 6, 9, 11), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), tile="nhwc",
+             layouts=("nhwc", "nhwc")),
+    PoolCase("nhwc-5x5-s1-p2", (1, 5, 8, 7), PoolAttrs((5, 5), (1, 1), (2, 2, 2, 2)), tile="nhwc",
+             layouts=("nhwc", "nhwc")),
+    PoolCase("nhwc-ceil-padded", (1, 5, 10, 9), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1), (1, 1), True), tile="nhwc",
+             layouts=("nhwc", "nhwc")),
+    PoolCase("nhwc-asym-pads-dilated-ceil", (2, 6, 11, 9), PoolAttrs((2, 3), (2, 2), (0, 1, 1, 0), (2, 1), True),
+             tile="nhwc", layouts=("nhwc", "nhwc")),
+    PoolCase("nhwc-to-nchw-residual", (2, 5, 7, 6), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), RESIDUAL_RELU,
+             ("full",), tile="nhwc", layouts=("nhwc", "nchw")),
+    PoolCase("nhwc-fp16-channel-extra", (2, 6, 8, 9), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), AFFINE, ("channel",),
+             "f16", "nhwc", ("nhwc", "nhwc")),
+    PoolCase("nhwc-default-blocks", (2, 70, 9, 9), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), tile="default",
+             layouts=("nhwc", "nhwc")),
 ]
+
+
+def _pool_spec(i: int, case: PoolCase) -> tuple[MaxPoolSpec, PoolVariant]:
+    prog = _program(case.body, case.dtype, len(case.extras))
+    spec = MaxPoolSpec(f"k_pool_{i}", prog, case.pool, x_layout=case.layouts[0], y_layout=case.layouts[1])
+    variant = {"flat": PoolVariant(0, 64, 4), "rows": PoolVariant(0, 0, 4, "rows", block_oh=2, block_ow=4),
+               "nhwc": PoolVariant(0, 0, 4, "nhwc", block_p=8, block_c=4)}.get(case.tile)
+    return spec, variant or pool_variants(spec)[0]
 
 
 def _program(body: str, dtype: str, n_extras: int):
@@ -261,16 +296,22 @@ def _run_all(workdir: Path) -> None:
             (workdir / f"conv{i}_error.txt").write_text(f"{type(e).__name__}: {e}")
     for i, case in enumerate(POOL_CASES):
         try:
-            prog = _program(case.body, case.dtype, len(case.extras))
-            ks = generate_maxpool(MaxPoolSpec(f"k_pool_{i}", prog, case.pool), PoolVariant(0, 64, 4))
-            fn = load(ks.source, f"k_pool_{i}")
+            spec, v = _pool_spec(i, case)
+            ks = generate_maxpool(spec, v)
+            fn = load(ks.source, spec.name)
             x, extras = _pool_inputs(i, case)
             n, c, h, w = x.shape
             oh, ow = case.pool.out_size(h, w)
             y = torch.empty((n, c, oh, ow), dtype=torch.float16 if case.dtype == "f16" else torch.float32)
+            xt = torch.from_numpy(x)
+            if case.layouts[0] == "nhwc":  # the same logical tensors, stored channels last
+                xt = xt.to(memory_format=torch.channels_last)
+            if case.layouts[1] == "nhwc":
+                y = y.to(memory_format=torch.channels_last)
             strides = [s for e in extras for s in _broadcast_strides(e.shape, x.shape)]
-            fn[(-(-y.numel() // 64),)](torch.from_numpy(x), *map(torch.from_numpy, extras), y,
-                                      n, c, h, w, oh, ow, *strides, **dict(ks.constexprs))
+            # the grid the C++ launcher computes for the variant (PoolVariant.grid)
+            fn[v.grid(n, c, oh, ow)](xt, *map(torch.from_numpy, extras), y,
+                                     n, c, h, w, oh, ow, *strides, **dict(ks.constexprs))
             results[f"pool{i}"] = y.float().numpy()
         except Exception as e:
             (workdir / f"pool{i}_error.txt").write_text(f"{type(e).__name__}: {e}")
@@ -361,6 +402,50 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
     again = compile_kernels([conv, pool], [80, 90], cache_dir=tmp_path)
     assert again[0].cache_hits == 2 and again[0].compiled == 0
     assert json.dumps(again[0].kernel_meta()) == json.dumps(meta)
+
+
+@pytest.mark.parametrize("pool,x_layout,tile", [
+    (PoolAttrs((2, 2), (2, 2)), "nchw", "rows"),  # windows tile the input
+    (PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), "nchw", "flat"),
+    (PoolAttrs((2, 2), (2, 2), ceil_mode=True), "nchw", "flat"),  # ceil mode: not a tiling
+    (PoolAttrs((2, 2), (2, 2)), "nhwc", "nhwc"),
+])
+def test_pool_kernel_choice(pool, x_layout, tile):
+    spec = MaxPoolSpec("k", _program(RELU, "f32", 0), pool, x_layout=x_layout, y_layout=x_layout)
+    (v,) = pool_variants(spec)
+    assert v.tile == tile
+    src = generate_maxpool(spec, v).source
+    assert f"{tile} kernel" in src
+    if tile == "rows":  # the per-element unravel is gone: divisions only of program ids
+        assert "offs //" not in src and "offs %" not in src and "cols // KW_P" in src
+
+
+def test_rejected_pool_specs():
+    spec = MaxPoolSpec("k", _program(RELU, "f32", 0), PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)))
+    with pytest.raises(ValueError, match="tile the input"):
+        generate_maxpool(spec, PoolVariant(0, 0, 4, "rows", 4, 32))
+    with pytest.raises(ValueError, match="channels-last X"):
+        generate_maxpool(spec, PoolVariant(0, 0, 4, "nhwc", block_p=32, block_c=32))
+    with pytest.raises(ValueError, match="reads and writes NCHW"):
+        generate_maxpool(dataclasses.replace(spec, x_layout="nhwc", y_layout="nhwc"), PoolVariant(0, 256, 4))
+    with pytest.raises(ValueError, match="powers of two"):
+        generate_maxpool(dataclasses.replace(spec, pool=PoolAttrs((2, 2), (2, 2))), PoolVariant(0, 0, 4, "rows", 3, 32))
+
+
+def test_aot_compile_pool_kernels_for_sm90(tmp_path):
+    """The rows kernel (fp32 and fp16) and the channels-last kernel compile ahead of time;
+    kernel_meta lists the variant's block keys and the layouts."""
+    pytest.importorskip("triton")
+    specs = [MaxPoolSpec(f"onnxfuse_relu_maxpool_{dt}0123456789", _program(RELU, dt, 0), PoolAttrs((2, 2), (2, 2)))
+             for dt in ("f32", "f16")]
+    specs.append(MaxPoolSpec("onnxfuse_maxpool_0123456789ab", _program(AFFINE, "f16", 1),
+                             PoolAttrs((5, 5), (1, 1), (2, 2, 2, 2)), x_layout="nhwc", y_layout="nhwc"))
+    out = compile_kernels(specs, [90], cache_dir=tmp_path, jobs=2)
+    metas = [o.kernel_meta() for o in out]
+    assert [set(m["variants"][0]) for m in metas] == [{"requires", "block_oh", "block_ow"}] * 2 + [
+        {"requires", "block_p", "block_c"}]
+    assert "x_layout" not in metas[0] and (metas[2]["x_layout"], metas[2]["y_layout"]) == ("nhwc", "nhwc")
+    assert all(m["binaries"] and all(b["global_scratch_size"] == 0 for b in m["binaries"]) for m in metas)
 
 
 if __name__ == "__main__":

@@ -483,6 +483,66 @@ def test_fused_maxpool(case, lib):
                                    rtol=1e-5 if case.dtype == "f32" else 1e-2, atol=1e-6)
 
 
+NHWC_POOL_CASES = [c for c in POOL_CASES if c.id in (
+    "relu_2x2_s2_odd", "relu_3x3_s2_p1", "ceil_mode_padded", "dilation2_padded", "extra_per_channel",
+    "extra_full_and_row", "f16", "f16_ceil_padded")] + [
+    PoolCase((2, 6, 9, 8), PoolAttrs((5, 5), (1, 1), (2, 2, 2, 2)), act="none", id="sppf_5x5_s1_p2"),
+]
+
+
+@pytest.mark.parametrize("y_layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("case", NHWC_POOL_CASES, ids=[c.id for c in NHWC_POOL_CASES])
+def test_fused_maxpool_channels_last(case, y_layout, lib):
+    """x_layout NHWC (and y_layout NHWC or NCHW): the same values as the NCHW node, on X
+    stored [N, H, W, C]; the extras still broadcast to the logical [N, C, H, W]."""
+    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
+    prog = epilogue(len(case.extras), case.dtype, case.act)
+    dt = NP[case.dtype]
+    feeds = {"x": rng.standard_normal(case.x).astype(dt)}
+    for i, s in enumerate(case.extras):
+        feeds[f"e{i}"] = (rng.uniform(0.5, 1.5, s) if i % 2 else rng.standard_normal(s)).astype(dt)
+    ranks = [len(s) for s in case.extras]
+    want = run(fused_pool_model(case.pool, prog, ranks), feeds, lib)
+    nhwc_feeds = {**feeds, "x": np.ascontiguousarray(feeds["x"].transpose(0, 2, 3, 1))}
+    got = run(fused_pool_model(case.pool, prog, ranks, x_layout="NHWC", y_layout=y_layout), nhwc_feeds, lib)
+    if y_layout == "NHWC":
+        want = want.transpose(0, 2, 3, 1)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)
+
+
+def test_fused_maxpool_nchw_x_nhwc_y(lib):
+    case = next(c for c in POOL_CASES if c.id == "relu_3x3_s2_p1")
+    prog = epilogue(0)
+    x = np.random.default_rng(7).standard_normal(case.x).astype(np.float32)
+    want = run(fused_pool_model(case.pool, prog, []), {"x": x}, lib)
+    got = run(fused_pool_model(case.pool, prog, [], y_layout="NHWC"), {"x": x}, lib)
+    np.testing.assert_array_equal(got, want.transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("attrs,msg", [
+    ({"x_layout": "NCWH"}, r"attribute 'x_layout' is \"NCWH\", expected \"NCHW\" or \"NHWC\""),
+    ({"y_layout": 1}, r"attribute 'y_layout' must be a string"),
+])
+def test_fused_maxpool_layout_attribute_errors(attrs, msg, lib):
+    with pytest.raises(Exception, match=msg):
+        run(fused_pool_model(PoolAttrs((2, 2), (2, 2)), epilogue(0), [], **attrs),
+            {"x": np.zeros((1, 2, 4, 4), np.float32)}, lib)
+
+
+def test_fused_maxpool_nhwc_shape_errors(lib):
+    prog = epilogue(1)
+    model = without_ranks(fused_pool_model(PoolAttrs((2, 2), (2, 2)), prog, [4], x_layout="NHWC"))
+    x = np.zeros((1, 8, 8, 3), np.float32)
+    with pytest.raises(Exception, match=r"input 1 \(program input %1\) has shape \[1, 8, 1, 1\], which does not "
+                                        r"broadcast to X's logical shape \(x_layout NHWC\) \[N, C, H, W\] = "
+                                        r"\[1, 3, 8, 8\]"):
+        run(model, {"x": x, "e0": np.zeros((1, 8, 1, 1), np.float32)}, lib)
+    with pytest.raises(Exception, match=r"input 0 \(X, x_layout NHWC\) has shape \[8, 8, 3\], expected rank 4 "
+                                        r"\[N, H, W, C\]"):
+        run(model, {"x": np.zeros((8, 8, 3), np.float32), "e0": np.zeros((1, 3, 1, 1), np.float32)}, lib)
+
+
 def test_fused_maxpool_padding_never_wins(lib):
     """All-negative input, padded windows: the result is the largest real element, not 0."""
     pool = PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1), ceil_mode=True)
@@ -865,6 +925,61 @@ def test_cuda_fused_maxpool_extra_of_rank_3(lib):
     want = run(model, feeds, lib)
     got = run_cuda(with_kernels(model, MaxPoolSpec("onnxfuse_pool_test_cuda_0000", prog, pool)), feeds, lib)
     np.testing.assert_array_equal(got, want)
+
+
+CUDA_POOLS = [  # (pool, x_layout, y_layout, variant tile)
+    (PoolAttrs((2, 2), (2, 2)), "NCHW", "NCHW", "rows"),
+    (PoolAttrs((3, 3), (3, 3)), "NCHW", "NCHW", "rows"),
+    (PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), "NCHW", "NCHW", "flat"),
+    (PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), "NHWC", "NHWC", "nhwc"),
+    (PoolAttrs((5, 5), (1, 1), (2, 2, 2, 2)), "NHWC", "NHWC", "nhwc"),
+    (PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1), ceil_mode=True), "NHWC", "NHWC", "nhwc"),
+    (PoolAttrs((3, 2), (1, 2), (1, 1, 2, 0), dilations=(2, 2)), "NHWC", "NCHW", "nhwc"),
+    (PoolAttrs((2, 2), (2, 2)), "NHWC", "NHWC", "nhwc"),
+]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+@pytest.mark.parametrize("index", range(len(CUDA_POOLS)),
+                         ids=[f"{p.kernel[0]}x{p.kernel[1]}s{p.strides[0]}_{x}_{y}_{t}" for p, x, y, t in CUDA_POOLS])
+def test_cuda_fused_maxpool_kernels(index, dtype, lib):
+    """Each pool kernel (compile.pool_variants' choice: rows, flat, nhwc) on CUDA against the
+    CPU kernel of the same node, with a per-channel prologue extra; odd sizes."""
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import MaxPoolSpec
+    from onnxfuse.compile import pool_variants
+
+    pool, x_layout, y_layout, tile = CUDA_POOLS[index]
+    prog = epilogue(1, dtype)
+    rng = np.random.default_rng(40 + index)
+    x = rng.standard_normal((3, 70, 23, 29)).astype(NP[dtype])
+    feeds = {"x": np.ascontiguousarray(x.transpose(0, 2, 3, 1)) if x_layout == "NHWC" else x,
+             "e0": rng.standard_normal((1, 70, 1, 1)).astype(NP[dtype])}
+    model = fused_pool_model(pool, prog, [4], x_layout=x_layout, y_layout=y_layout)
+    want = run(model, feeds, lib)
+    spec = MaxPoolSpec(f"onnxfuse_pool_test_cuda_1{index:02d}{dtype}", prog, pool, x_layout=x_layout.lower(),
+                       y_layout=y_layout.lower())
+    assert pool_variants(spec)[0].tile == tile
+    got = run_cuda(with_kernels(model, spec), feeds, lib)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-2 if dtype == "f16" else 1e-6,
+                               atol=1e-6)
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_fused_maxpool_layout_mismatch_is_a_clear_error(lib):
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import MaxPoolSpec
+
+    pool = PoolAttrs((2, 2), (2, 2))
+    model = with_kernels(fused_pool_model(pool, epilogue(0), [], x_layout="NHWC", y_layout="NHWC"),
+                         MaxPoolSpec("onnxfuse_pool_test_cuda_0002", epilogue(0), pool))
+    with pytest.raises(Exception, match=r"FusedMaxPool node 'pool0' \(CUDA\): the node has x_layout NHWC and y_layout "
+                                        r"NHWC, its kernel_meta has x_layout \"nchw\" and y_layout \"nchw\""):
+        run_cuda(model, {"x": np.zeros((1, 8, 8, 4), np.float32)}, lib)
 
 
 @gpu

@@ -287,3 +287,23 @@ def test_mobilenet_v3_small_channels_last_matches_original():
     for batch in (3, 1):
         feeds = random_feeds(m, {"N": batch}, seed=30 + batch)
         check(session(m, library=False).run(None, feeds), sess.run(None, feeds), 1e-2, f"mobilenet b{batch}")
+
+
+@pytest.mark.parametrize("name", ["resnet_stem", "sppf"])
+def test_nhwc_pools_match_original(name):
+    """FusedMaxPool nodes in the NHWC plan (ResNet's stem conv -> pool 3x3 s2 p1 -> conv,
+    YOLO's SPPF 5x5 s1 p2 pools into a Concat): channels-last pools on CUDA, no Transposes."""
+    from onnxfuse.kernels import compile_hook
+    from tests.test_layout import resnet_stem, sppf
+
+    m = {"resnet_stem": resnet_stem, "sppf": sppf}[name]()
+    r = optimize_model(m, layout="nhwc")
+    info = compile_hook("auto", layout="nhwc")(r)
+    assert not info["failed"], info["failed"]
+    pools = [n for n in r.model.graph.node if n.op_type == "FusedMaxPool"]
+    assert pools and all({a.name: a.s for a in n.attribute}.get("x_layout") == b"NHWC" for n in pools)
+    assert "Transpose" not in [n.op_type for n in r.model.graph.node]
+    sess = session(r.model, library=True)
+    for batch in (2, 1):
+        feeds = random_feeds(m, {"N": batch}, seed=30 + batch)
+        check(session(m, library=False).run(None, feeds), sess.run(None, feeds), 1e-2, f"{name} nhwc")

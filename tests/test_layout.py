@@ -417,3 +417,130 @@ def test_wide_groups_are_left_to_cudnn(tmp_path, monkeypatch):
     assert r.report.not_fused[GROUPED_REASON] == 2  # the Conv and its Relu
     assert [n.op_type for n in r.model.graph.node].count("Conv") == 1
     check_same(m, r.model, library=True)
+
+
+# ---------------------------------------------------------------------------------------
+# FusedMaxPool in the NHWC plan
+# ---------------------------------------------------------------------------------------
+
+
+def pool_model(nodes, name: str, c: int, size: int, out: tuple[str, list], weights: dict) -> onnx.ModelProto:
+    """Opset 17, IR 10: input x [N, c, size, size], one output `out` = (name, dims after N);
+    weights: name -> (K, C, R) random conv weights [K, C, R, R]."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array((rng.standard_normal((k, ci, r, r)) / (r * ci ** 0.5)).astype(np.float32), w)
+             for w, (k, ci, r) in weights.items()]
+    g = helper.make_graph(nodes, name,
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
+                          [helper.make_tensor_value_info(out[0], onnx.TensorProto.FLOAT, ["N", *out[1]])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def nhwc_pools_model(m: onnx.ModelProto, tmp_path, monkeypatch):
+    """`m` optimized for the GPU path: the NHWC-only patterns (a lone MaxPool) too."""
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    r = optimize_model(m, layout="nhwc")
+    info = compile_hook("sm_90", layout="nhwc")(r)
+    assert not info["failed"] and not info["declined"]
+    onnx.checker.check_model(r.model, full_check=True)
+    return r
+
+
+def resnet_stem(pool_out: bool = False) -> onnx.ModelProto:
+    """conv1 3->16 3x3 s2 + Relu -> MaxPool 3x3 s2 p1 -> conv2 16->16 3x3 + Relu (ResNet's
+    stem, smaller); with pool_out the pool's output is the graph output instead."""
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], name="conv1"),
+             N("Relu", ["c1"], ["r1"], name="relu1"),
+             N("MaxPool", ["r1"], ["p"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], name="pool")]
+    if pool_out:
+        return pool_model(nodes, "stem_pool_out", 3, 17, ("p", [16, 5, 5]), {"w1": (16, 3, 3)})
+    nodes += [N("Conv", ["p", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv2"),
+              N("Relu", ["c2"], ["y"], name="relu2")]
+    return pool_model(nodes, "stem", 3, 17, ("y", [16, 5, 5]), {"w1": (16, 3, 3), "w2": (16, 16, 3)})
+
+
+def sppf() -> onnx.ModelProto:
+    """YOLOv8's SPPF: conv1 -> three chained MaxPool 5x5 s1 p2 -> Concat(conv1, p1, p2, p3)
+    -> conv2."""
+    pool = dict(kernel_shape=[5, 5], strides=[1, 1], pads=[2, 2, 2, 2])
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[1, 1], name="conv1"),
+             N("Relu", ["c1"], ["r1"], name="relu1"),
+             N("MaxPool", ["r1"], ["p1"], name="pool1", **pool),
+             N("MaxPool", ["p1"], ["p2"], name="pool2", **pool),
+             N("MaxPool", ["p2"], ["p3"], name="pool3", **pool),
+             N("Concat", ["r1", "p1", "p2", "p3"], ["cat"], axis=1, name="concat"),
+             N("Conv", ["cat", "w2"], ["c2"], kernel_shape=[1, 1], name="conv2"),
+             N("Relu", ["c2"], ["y"], name="relu2")]
+    return pool_model(nodes, "sppf", 8, 9, ("y", [16, 9, 9]), {"w1": (16, 8, 1), "w2": (16, 64, 1)})
+
+
+def layouts(node) -> tuple[bytes, bytes]:
+    return attrs(node).get("x_layout", b"NCHW"), attrs(node).get("y_layout", b"NCHW")
+
+
+def test_resnet_stem_pool_runs_channels_last_without_transposes(tmp_path, monkeypatch):
+    m = resnet_stem()
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    nodes = list(r.model.graph.node)
+    assert [n.op_type for n in nodes] == ["FusedConv", "FusedMaxPool", "FusedConv"]
+    assert [layouts(n) for n in nodes] == [(b"NCHW", b"NHWC"), (b"NHWC", b"NHWC"), (b"NHWC", b"NCHW")]
+    pool = nodes[1]
+    assert pool.overload.endswith("_nhwc_nhwc") and r.fused[1].x_layout == "nhwc" == r.fused[1].y_layout
+    meta = json.loads(attrs_all(pool)["kernel_meta"])
+    assert (meta["x_layout"], meta["y_layout"]) == ("nhwc", "nhwc") and "block_p" in meta["variants"][0]
+    body = next(f for f in r.model.functions if f.overload == pool.overload)
+    assert [n.op_type for n in body.node] == ["Transpose", "MaxPool", "Transpose"]
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in r.model.graph.value_info}
+    assert shapes["p"] == ["N", 5, 5, 16]
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
+
+
+def test_sppf_pools_and_concat_run_channels_last_without_transposes(tmp_path, monkeypatch):
+    m = sppf()
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    nodes = list(r.model.graph.node)
+    assert [n.op_type for n in nodes] == ["FusedConv"] + ["FusedMaxPool"] * 3 + ["Concat", "FusedConv"]
+    assert [layouts(n) for n in nodes if n.domain == "onnxfuse"] == [
+        (b"NCHW", b"NHWC"), *[(b"NHWC", b"NHWC")] * 3, (b"NHWC", b"NCHW")]
+    assert attrs(nodes[4])["axis"] == 3
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
+
+
+def test_a_pool_whose_output_is_a_graph_output_stays_nchw(tmp_path, monkeypatch):
+    m = resnet_stem(pool_out=True)
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    nodes = list(r.model.graph.node)
+    assert [n.op_type for n in nodes] == ["FusedConv", "FusedMaxPool"]
+    assert [layouts(n) for n in nodes] == [(b"NCHW", b"NCHW")] * 2
+    check_same(m, r.model, library=True)
+
+
+def test_a_pool_with_a_prologue_joins_the_plan(tmp_path, monkeypatch):
+    """conv1 -> c1, read by Add(per-channel constant) -> Relu -> MaxPool -> conv2 and by
+    conv3 (so neither conv absorbs the pointwise ops: they are the pool's prologue), then
+    conv2 + conv3. The pool's X and Y turn NHWC, its extra (the [1, C, 1, 1] constant) stays
+    as is."""
+    pool = dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], name="conv1"),
+             N("Add", ["c1", "bias"], ["a"], name="add"),
+             N("Relu", ["a"], ["r"], name="relu"),
+             N("MaxPool", ["r"], ["p"], name="pool", **pool),
+             N("Conv", ["p", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv2"),
+             N("Conv", ["c1", "w3"], ["c3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[2, 2], name="conv3"),
+             N("Add", ["c2", "c3"], ["y"], name="sum")]
+    m = pool_model(nodes, "stem_prologue", 3, 17, ("y", [16, 5, 5]),
+                   {"w1": (16, 3, 3), "w2": (16, 16, 3), "w3": (16, 16, 3)})
+    m.graph.initializer.append(
+        numpy_helper.from_array(np.linspace(-1, 1, 16, dtype=np.float32).reshape(1, 16, 1, 1), "bias"))
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    assert "Transpose" not in [n.op_type for n in r.model.graph.node]
+    (pool,) = [n for n in r.model.graph.node if n.op_type == "FusedMaxPool"]
+    assert layouts(pool) == (b"NHWC", b"NHWC") and len(pool.input) == 2 and pool.input[1] == "bias"
+    assert "%1" in attrs(pool)["program"].decode()
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
