@@ -20,6 +20,11 @@ channels-last X a row of contiguous channels at a time):
   Concat with the conv output (YOLO's SPPF) run channels-last with no Transpose. A pool reads
   its X as the one channels-last-capable input; its prologue's extra inputs stay NCHW (a
   component that one of them is in stays NCHW). Such pools get `x_layout` and `y_layout` NHWC.
+- Layout-free nodes join their tensors into one component too (`_layout_free_inputs`):
+  elementwise ops and PointwiseChain nodes (every input that is not a constant scalar),
+  GlobalAveragePool / GlobalMaxPool (rewritten as ReduceMean / ReduceMax over axes 1, 2)
+  and Resize with constant scales or sizes (permuted). So MobileNet's squeeze-excite
+  (pool, two 1x1 convs, Mul) and YOLO's upsampling stay channels-last.
 - A group-1 conv whose X is still NCHW and has at least MIN_NHWC_CHANNELS channels reads it through
   one `Transpose(perm=[0, 2, 3, 1])` put before its first reader (shared by all such
   readers); narrower inputs (an image) stay NCHW for the flat-reduction kernel.
@@ -86,6 +91,40 @@ def _channel_axis_node(n: NodeProto) -> bool:
     return axis in (1, -3)
 
 
+# Ops that compute the same on channels-last tensors when every input that is not a scalar
+# is channels-last too: elementwise ops (numpy broadcasting of equal-rank tensors).
+ELEMENTWISE = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Neg", "Abs", "Relu", "LeakyRelu", "Elu",
+    "Selu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Cos",
+    "Sin", "Clip", "Softplus", "Cast", "Gelu"})
+GLOBAL_POOLS = {"GlobalAveragePool": "ReduceMean", "GlobalMaxPool": "ReduceMax"}  # -> over axes (1, 2)
+
+
+def _layout_free_inputs(n: NodeProto, const_dims, opset: int) -> list[int] | None:
+    """The input positions through which `n` can carry the NHWC layout (its outputs then turn
+    NHWC too), or None when it cannot: elementwise ops and PointwiseChain nodes through every
+    input that is not a constant scalar; GlobalAveragePool / GlobalMaxPool through X (they
+    become ReduceMean / ReduceMax over axes 1 and 2); Resize (opset 11 on) through X when its
+    scales or sizes are a constant of 4 values (they get permuted) and it has no roi.
+    const_dims(t): the dims of a constant tensor, None for others."""
+    def scalar(t: str) -> bool:
+        d = const_dims(t)
+        return d is not None and len(d) <= 4 and int(np.prod(d)) == 1
+
+    if (n.domain == "onnxfuse" and n.op_type == "PointwiseChain"
+            or n.domain in ("", "ai.onnx") and n.op_type in ELEMENTWISE):
+        return [k for k, t in enumerate(n.input) if t and not scalar(t)] or None
+    if n.domain not in ("", "ai.onnx"):
+        return None
+    if n.op_type in GLOBAL_POOLS:
+        return [0]
+    if n.op_type == "Resize" and opset >= 11:
+        roi, scales, sizes = (list(n.input[1:4]) + ["", "", ""])[:3]
+        given = [t for t in (scales, sizes) if t]
+        return [0] if not roi and len(given) == 1 and const_dims(given[0]) == (4,) else None
+    return None
+
+
 def plan(model: ModelProto, fused: list) -> Plan:
     g = model.graph
     convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None}
@@ -107,8 +146,13 @@ def plan(model: ModelProto, fused: list) -> Plan:
     outputs = {o.name for o in g.output}
     fixed = outputs | {i.name for i in g.input} | set(weight_dims)
     joins = {i: n for i, n in enumerate(g.node) if _channel_axis_node(n)}
-    # Tensors joined by channel-axis Concat / Split nodes form one component: all of it turns
-    # NHWC or none of it does.
+    constants = {n.output[0]: next((tuple(a.t.dims) for a in n.attribute if a.name == "value"), None)
+                 for n in g.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output}
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    free = {i: pos for i, n in enumerate(g.node) if i not in joins and (pos := _layout_free_inputs(
+        n, lambda t: weight_dims.get(t, constants.get(t)), opset)) is not None}
+    # Tensors joined by channel-axis Concat / Split nodes, or by layout-free nodes, form one
+    # component: all of it turns NHWC or none of it does.
     parent: dict[str, str] = {}
 
     def find(t: str) -> str:
@@ -119,6 +163,11 @@ def plan(model: ModelProto, fused: list) -> Plan:
 
     for n in joins.values():
         tensors = [t for t in ([n.input[0]] if n.op_type == "Split" else list(n.input)) + list(n.output) if t]
+        for t in tensors[1:]:
+            parent[find(t)] = find(tensors[0])
+    for i, pos in free.items():
+        n = g.node[i]
+        tensors = [n.input[k] for k in pos] + [t for t in n.output if t]
         for t in tensors[1:]:
             parent[find(t)] = find(tensors[0])
     for f in pools.values():  # a pool's X and Y turn NHWC together
@@ -134,11 +183,13 @@ def plan(model: ModelProto, fused: list) -> Plan:
             return k == 0 or k >= 3
         if u in pool_at:
             return k == 0
+        if u in free:
+            return k in free[u]
         return u in joins and (k == 0 or joins[u].op_type == "Concat")
 
     def producer_ok(t: str) -> bool:
         p = producer.get(t)
-        return ((p in conv_at and convs[conv_at[p]].outputs[0] == t) or p in joins
+        return ((p in conv_at and convs[conv_at[p]].outputs[0] == t) or p in joins or p in free
                 or (p in pool_at and pools[pool_at[p]].outputs[0] == t))
 
     layouts = {name: ["nchw", "nchw", [0] * (len(f.inputs) - 3)] for name, f in convs.items()}
@@ -197,12 +248,10 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
     if not p.nodes and not p.transparent:
         return list(fused)
     g = model.graph
-    for i in p.transparent:  # Concat / Split between fused convs: channels are axis 3 now
-        n = g.node[i]
-        for a in [a for a in n.attribute if a.name == "axis"]:
-            n.attribute.remove(a)
-        n.attribute.append(helper.make_attribute("axis", 3))
-    nhwc_copy = _insert_boundary_transposes(g, p.boundaries, _all_names(model))  # rebuilds the node list
+    taken = _all_names(model)
+    for i in sorted(p.transparent):
+        _to_channels_last(model, g.node[i], taken)
+    nhwc_copy = _insert_boundary_transposes(g, p.boundaries, taken)  # rebuilds the node list
     nodes = {n.name: n for n in g.node if n.domain == "onnxfuse"}  # fused nodes' names are unique
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     new_functions: dict[str, FunctionProto] = {}
@@ -250,6 +299,47 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
     del model.functions[:]
     model.functions.extend(kept)
     return out
+
+
+def _to_channels_last(model: ModelProto, n: NodeProto, taken: set[str]) -> None:
+    """A node between channels-last tensors, rewritten in place to work on them: Concat and
+    Split on axis 3; GlobalAveragePool / GlobalMaxPool as ReduceMean / ReduceMax over axes
+    1 and 2 (keepdims); Resize with its scales or sizes permuted to [N, H, W, C] (new
+    initializers: the old ones may be shared). Elementwise ops stay as they are."""
+    g = model.graph
+    if n.op_type in ("Concat", "Split"):
+        for a in [a for a in n.attribute if a.name == "axis"]:
+            n.attribute.remove(a)
+        n.attribute.append(helper.make_attribute("axis", 3))
+    elif n.op_type in GLOBAL_POOLS and n.domain in ("", "ai.onnx"):
+        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+        n.op_type = GLOBAL_POOLS[n.op_type]
+        del n.attribute[:]
+        n.attribute.append(helper.make_attribute("keepdims", 1))
+        if opset >= 18:  # axes became an input
+            axes = _fresh(f"{n.output[0]}_axes", taken)
+            g.initializer.append(numpy_helper.from_array(np.array([1, 2], np.int64), axes))
+            n.input.append(axes)
+        else:
+            n.attribute.append(helper.make_attribute("axes", [1, 2]))
+    elif n.op_type == "Resize":
+        k = 2 if len(n.input) > 2 and n.input[2] else 3
+        inits = {t.name: t for t in g.initializer}
+        consts = {c.output[0]: c for c in g.node if c.op_type == "Constant"}
+        src = n.input[k]
+        value = (numpy_helper.to_array(inits[src]) if src in inits else
+                 numpy_helper.to_array(next(a.t for a in consts[src].attribute if a.name == "value")))
+        name = _fresh(f"{src}_nhwc", taken)
+        g.initializer.append(numpy_helper.from_array(value[TO_NHWC].copy(), name))
+        n.input[k] = name
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    base, k = name, 1
+    while name in taken:
+        name, k = f"{base}_{k}", k + 1
+    taken.add(name)
+    return name
 
 
 def _insert_boundary_transposes(g: onnx.GraphProto, boundaries: dict[str, list[str]],

@@ -544,3 +544,127 @@ def test_a_pool_with_a_prologue_joins_the_plan(tmp_path, monkeypatch):
     assert "%1" in attrs(pool)["program"].decode()
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
+
+
+# ---------------------------------------------------------------------------------------
+# layout-free nodes: elementwise ops, global pools, Resize
+# ---------------------------------------------------------------------------------------
+
+
+def squeeze_excite(opset: int = 17) -> onnx.ModelProto:
+    """MobileNetV3's squeeze-excite between a depthwise conv and the project conv:
+    dw + Relu = r; GlobalAveragePool(r) -> 1x1 + Relu -> 1x1 + HardSigmoid = s; r * s ->
+    project 1x1; then a PointwiseChain (Sigmoid, Mul with a scalar) feeding the last conv."""
+    rng = np.random.default_rng(7)
+    c, e = 8, 16
+    inits = [numpy_helper.from_array((rng.standard_normal(sh) / np.sqrt(np.prod(sh[1:]))).astype(np.float32), n)
+             for n, sh in (("w1", (e, c, 1, 1)), ("w2", (e, 1, 3, 3)), ("w3", (4, e, 1, 1)), ("w4", (e, 4, 1, 1)),
+                           ("w5", (c, e, 1, 1)), ("w6", (c, c, 3, 3)))]
+    inits.append(numpy_helper.from_array(np.array(1.5, np.float32), "half3"))
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[1, 1], name="expand"),
+             N("HardSwish", ["c1"], ["h1"], name="hswish"),
+             N("Conv", ["h1", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=e, name="dw"),
+             N("Relu", ["c2"], ["r"], name="relu"),
+             N("GlobalAveragePool", ["r"], ["g"], name="gap"),
+             N("Conv", ["g", "w3"], ["s1"], kernel_shape=[1, 1], name="se1"),
+             N("Relu", ["s1"], ["s2"], name="se_relu"),
+             N("Conv", ["s2", "w4"], ["s3"], kernel_shape=[1, 1], name="se2"),
+             N("HardSigmoid", ["s3"], ["s"], alpha=1 / 6, name="se_hsig"),
+             N("Mul", ["r", "s"], ["se"], name="se_mul"),
+             N("Conv", ["se", "w5"], ["p"], kernel_shape=[1, 1], name="project"),
+             N("Conv", ["p", "w6"], ["q"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="last_conv_in"),
+             N("Shape", ["q"], ["q_shape"], name="shape_of_q"),  # q stays NCHW: a Shape reads it
+             N("Sigmoid", ["q"], ["t1"], name="sig"),
+             N("Mul", ["t1", "half3"], ["t2"], name="mul_scalar"),
+             N("Add", ["t2", "p"], ["y"], name="add_p")]
+    g = helper.make_graph(nodes, "squeeze_excite",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, 9, 9])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", c, 9, 9]),
+                           helper.make_tensor_value_info("q_shape", onnx.TensorProto.INT64, [4])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10
+    return onnx.shape_inference.infer_shapes(m)
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_squeeze_excite_runs_channels_last(opset, tmp_path, monkeypatch):
+    m = squeeze_excite(opset)
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    ops = [n.op_type for n in r.model.graph.node]
+    assert "Transpose" not in ops and "GlobalAveragePool" not in ops
+    (reduce,) = [n for n in r.model.graph.node if n.op_type == "ReduceMean"]
+    if opset >= 18:
+        axes = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}[reduce.input[1]]
+        assert axes.tolist() == [1, 2]
+    else:
+        assert attrs(reduce)["axes"] == [1, 2]
+    by_name = {n.name: n for n in r.model.graph.node}
+    got = {name: layouts(by_name[name]) for name in ("conv_relu_dw", "conv_relu_se1", "conv_relu_se2")}
+    assert got == {name: (b"NHWC", b"NHWC") for name in got}
+    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
+              for v in r.model.graph.value_info}
+    assert shapes["g"] == ["N", 1, 1, 16] and shapes["se"] == ["N", 9, 9, 16]
+    # p is read by an Add with q's PointwiseChain, whose input q a Shape reads: that
+    # component stays NCHW, and so the project conv writes NCHW
+    assert layouts(next(n for n in r.model.graph.node if n.op_type == "FusedConv" and n.output[0] == "p")) == \
+        (b"NHWC", b"NCHW")
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
+
+
+def test_a_pointwise_chain_between_convs_runs_channels_last(tmp_path, monkeypatch):
+    """conv1 -> Shape-free chain (Sigmoid, Mul by a scalar, Add of conv2's output) -> conv3:
+    the PointwiseChain node carries the layout; its kernel reads any layout alike."""
+    rng = np.random.default_rng(8)
+    inits = [numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) / 12).astype(np.float32), f"w{i}")
+             for i in (1, 2, 3)]
+    inits.append(numpy_helper.from_array(np.full((1, 1, 1, 1), 0.5, np.float32), "half"))
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv1"),
+             N("Conv", ["x", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv2"),
+             N("Concat", ["c1", "c2"], ["both"], axis=1, name="cat"),  # c1, c2 are also read below
+             N("Sigmoid", ["c1"], ["t1"], name="sig"),
+             N("Mul", ["t1", "half"], ["t2"], name="mul"),
+             N("Sub", ["t2", "c2"], ["t3"], name="sub"),
+             N("Conv", ["t3", "w3"], ["c3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv3"),
+             N("ReduceSum", ["both"], ["y2"], keepdims=1, name="sum_both")]
+    m = image_model(nodes, "chain", 16, 7, [("c3", 16)], inits)
+    m.graph.output.append(helper.make_tensor_value_info("y2", onnx.TensorProto.FLOAT, [1, 1, 1, 1]))
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    chains = [n for n in r.model.graph.node if n.op_type == "PointwiseChain"]
+    assert len(chains) == 1
+    # cat is read by a ReduceSum: c1, c2 (joined to it) stay NCHW, and the chain with them
+    assert "Transpose" in [n.op_type for n in r.model.graph.node]
+    check_same(m, r.model, library=True)
+    m.graph.node.remove(next(n for n in m.graph.node if n.name == "sum_both"))
+    m.graph.node.remove(next(n for n in m.graph.node if n.name == "cat"))
+    del m.graph.output[1:]
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    ops = [n.op_type for n in r.model.graph.node]
+    assert ops.count("Transpose") == 1  # x, into conv1 and conv2 (16 channels)
+    assert all(layouts(n)[1] == b"NHWC" for n in r.model.graph.node if n.name in ("conv1", "conv2")
+               or n.op_type == "FusedConv" and n.output[0] in ("c1", "c2"))
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
+
+
+def test_resize_with_constant_scales_runs_channels_last(tmp_path, monkeypatch):
+    """YOLO's neck: conv -> Resize x2 (nearest) -> Concat with another conv's output -> conv."""
+    rng = np.random.default_rng(9)
+    inits = [numpy_helper.from_array((rng.standard_normal(sh) / np.sqrt(np.prod(sh[1:]))).astype(np.float32), n)
+             for n, sh in (("w1", (8, 8, 3, 3)), ("w2", (8, 8, 1, 1)), ("w3", (8, 16, 3, 3)))]
+    inits.append(numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales"))
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], name="down"),
+             N("Resize", ["c1", "", "scales"], ["up"], mode="nearest", name="resize"),
+             N("Conv", ["x", "w2"], ["c2"], kernel_shape=[1, 1], name="side"),
+             N("Concat", ["up", "c2"], ["cat"], axis=1, name="cat"),
+             N("Conv", ["cat", "w3"], ["c3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="fuse"),
+             N("Relu", ["c3"], ["y"], name="relu")]
+    m = image_model(nodes, "neck", 8, 10, [("y", 8)], inits)
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    assert "Transpose" not in [n.op_type for n in r.model.graph.node]
+    (resize,) = [n for n in r.model.graph.node if n.op_type == "Resize"]
+    inits_after = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}
+    assert inits_after[resize.input[2]].tolist() == [1, 2, 2, 1]
+    assert inits_after["scales"].tolist() == [1, 1, 2, 2]  # the original stays for other readers
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
