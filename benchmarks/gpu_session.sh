@@ -88,6 +88,10 @@ case "${1:-tests}" in
       --variants "${3:-ort,ort_graph,onnxfuse,onnxfuse_graph,onnxfuse_cl,onnxfuse_cl_graph}" --iters 30 \
       --json "$OUT/compare_nhwc_models.json" --markdown "$OUT/compare_nhwc_models.md" 2>&1 | grep -v "W:onnxruntime" | tail -14
     ;;
+  all-tests)
+    # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)
+    timeout "${2:-330}" python3 -m pytest -m gpu tests -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_all.log" | tail -15
+    ;;
   sweep)
     [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")
     echo "ONNXFUSE_POINTWISE_CONFIG=${ONNXFUSE_POINTWISE_CONFIG:-default}"
