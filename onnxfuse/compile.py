@@ -80,12 +80,13 @@ NUM_WARPS = 4  # 8 warps for long programs was 6-16% slower on the H200 (BENCHMA
 
 @dataclass(frozen=True)
 class LongProgram:
-    """The launch configuration of long (compute-bound) programs: those of at least
-    `min_instrs` instructions get `block` and `warps` instead of BLOCK / NUM_WARPS."""
+    """The launch configuration of long programs: those of `min_instrs` instructions or more,
+    and fewer than `max_instrs`, get `block` and `warps` instead of BLOCK / NUM_WARPS."""
 
     min_instrs: int
     block: int
     warps: int
+    max_instrs: int = 1 << 30
 
 
 # Long programs turn compute-bound (x*2 repeated 64 times: the knee of the intensity sweep).
@@ -94,9 +95,11 @@ class LongProgram:
 # r = 128: 1024/4 0.2812, 1024/2 0.2719, torch.compile 0.2826; r = 32: 1024/4 0.1307,
 # 1024/2 0.1325. 1024 x 2 warps had the best geometric mean of the long chains (18
 # configurations); 8 warps was worse. Fewer threads per block hold more elements each,
-# whose independent multiply chains hide the FMA latency. $ONNXFUSE_POINTWISE_CONFIG
-# still overrides it; None turns it off.
-LONG_PROGRAM: LongProgram | None = LongProgram(min_instrs=48, block=1024, warps=2)
+# whose independent multiply chains hide the FMA latency. Fully compute-bound programs do
+# not gain: r = 256 took 0.573 ms with 1024/2 against 0.536 with 1024/4 and torch.compile's
+# 0.537 (intensity_sweep.json), so from 192 instructions the default launch returns.
+# $ONNXFUSE_POINTWISE_CONFIG still overrides it; None turns it off.
+LONG_PROGRAM: LongProgram | None = LongProgram(min_instrs=48, block=1024, warps=2, max_instrs=192)
 
 # triton.compile options. enable_reflect_ftz=False keeps subnormals in libdevice math
 # (the numpy reference and ONNX Runtime do not flush them).
@@ -209,15 +212,15 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     requirements hold): 0: aligned, n a multiple of BLOCK, int32 offsets, no mask;
     1: aligned, n % 16 == 0, int32 offsets; 2: anything, int64 offsets.
 
-    Programs of at least ``LONG_PROGRAM.min_instrs`` instructions take LONG_PROGRAM's block
-    and warps (1024 and 2: measured on the long chains, see LONG_PROGRAM).
+    Programs of 48 to 191 instructions take LONG_PROGRAM's block and warps (1024 and 2:
+    measured on the long chains, see LONG_PROGRAM).
     ``$ONNXFUSE_POINTWISE_CONFIG`` (e.g. ``block=2048,warps=8,int32=0,even=0``) overrides
     the launch configuration; it is for tuning experiments (benchmarks/tune_pointwise.py)."""
     prog = spec.program
     narrow = "f32" not in prog.input_dtypes and all(dt != "f32" for _, dt in prog.outputs)
     cfg = {"block": BLOCK_16BIT if narrow else BLOCK, "warps": NUM_WARPS,
            "int32": 1, "even": 0}
-    if LONG_PROGRAM is not None and len(prog.instrs) >= LONG_PROGRAM.min_instrs:
+    if LONG_PROGRAM is not None and LONG_PROGRAM.min_instrs <= len(prog.instrs) < LONG_PROGRAM.max_instrs:
         cfg.update(block=LONG_PROGRAM.block, warps=LONG_PROGRAM.warps)
     for item in filter(None, os.environ.get("ONNXFUSE_POINTWISE_CONFIG", "").split(",")):
         key, _, value = item.partition("=")
@@ -331,10 +334,11 @@ def conv_declined(spec: ConvSpec, layout: str = "nchw") -> bool:
 
 def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
     """The pool kernel and its blocks (one variant):
-    - channels-last X: the "nhwc" kernel, 32 pixels x 64 channels, 4 warps (not yet tuned:
-      benchmarks/conv_kernels.py measures it);
-    - NCHW pools whose windows tile the input (2x2 stride 2): the "rows" kernel, 8 x 64
-      outputs, 4 warps (not yet tuned on a GPU: benchmarks/conv_kernels.py, Relu + MaxPool);
+    - channels-last X: the "nhwc" kernel, 32 pixels x 64 channels, 4 warps (the best of 5:
+      0.0374 ms, 88% of copy bandwidth, on Relu + MaxPool 2x2 at 32x64x112² on the H200,
+      relu_maxpool_tiles.json);
+    - NCHW pools whose windows tile the input (2x2 stride 2): the "rows" kernel, 4 x 64
+      outputs, 4 warps (the best of 9 there: 0.0370 ms, 89%; 8 x 64 0.0374);
     - other NCHW pools: the "flat" kernel, 256 outputs per program, 4 warps: the best of
       256..2048 x 4/8 warps for Relu+MaxPool 2x2 at 32x64x112x112 on the H200 (83-85% of
       copy bandwidth; BENCHMARKS.md).
@@ -344,7 +348,7 @@ def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
     if spec.x_layout == "nhwc":
         cfg: dict = {"tile": "nhwc", "block_p": 32, "block_c": 64, "warps": 4}
     elif spec.pool.tiles:
-        cfg = {"tile": "rows", "block_oh": 8, "block_ow": 64, "warps": 4}
+        cfg = {"tile": "rows", "block_oh": 4, "block_ow": 64, "warps": 4}
     else:
         cfg = {"tile": "flat", "block": 256, "warps": 4}
     known = ("tile", "block", "block_oh", "block_ow", "block_p", "block_c", "warps")

@@ -22,8 +22,8 @@ channels-last X a row of contiguous channels at a time):
   component that one of them is in stays NCHW). Such pools get `x_layout` and `y_layout` NHWC.
 - Layout-free nodes join their tensors into one component too (`_layout_free_inputs`):
   elementwise ops and PointwiseChain nodes (every input that is not a constant scalar),
-  GlobalAveragePool / GlobalMaxPool (rewritten as ReduceMean / ReduceMax over axes 1, 2)
-  and Resize with constant scales or sizes (permuted). So MobileNet's squeeze-excite
+  GlobalAveragePool of known C, H, W (rewritten as a MatMul by a row of 1/(H·W)) and
+  Resize with constant scales or sizes (permuted). So MobileNet's squeeze-excite
   (pool, two 1x1 convs, Mul) and YOLO's upsampling stay channels-last.
 - A group-1 conv whose X is still NCHW and has at least MIN_NHWC_CHANNELS channels reads it through
   one `Transpose(perm=[0, 2, 3, 1])` put before its first reader (shared by all such
@@ -97,16 +97,22 @@ ELEMENTWISE = frozenset({
     "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Neg", "Abs", "Relu", "LeakyRelu", "Elu",
     "Selu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh", "Exp", "Log", "Sqrt", "Reciprocal", "Erf", "Cos",
     "Sin", "Clip", "Softplus", "Cast", "Gelu"})
-GLOBAL_POOLS = {"GlobalAveragePool": "ReduceMean", "GlobalMaxPool": "ReduceMax"}  # -> over axes (1, 2)
+# GlobalAveragePool of a channels-last [N, H, W, C] tensor as Reshape [N, H·W, C], MatMul by
+# a row of 1/(H·W), Reshape [N, 1, 1, C]: ONNX Runtime's CUDA ReduceMean over axes (1, 2)
+# took 24-37 µs on MobileNetV3-small's squeeze-excite inputs at batch 32, the MatMul 2.8-4.4
+# µs, GlobalAveragePool of the NCHW tensor 3.2-11.8 (H200, benchmarks/global_pool.py,
+# global_pool.json). It needs H, W and C known; the row's dtype is X's.
+AVERAGE_ROW_DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
 
 
-def _layout_free_inputs(n: NodeProto, const_dims, opset: int) -> list[int] | None:
+def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw) -> list[int] | None:
     """The input positions through which `n` can carry the NHWC layout (its outputs then turn
     NHWC too), or None when it cannot: elementwise ops and PointwiseChain nodes through every
-    input that is not a constant scalar; GlobalAveragePool / GlobalMaxPool through X (they
-    become ReduceMean / ReduceMax over axes 1 and 2); Resize (opset 11 on) through X when its
-    scales or sizes are a constant of 4 values (they get permuted) and it has no roi.
-    const_dims(t): the dims of a constant tensor, None for others."""
+    input that is not a constant scalar; GlobalAveragePool through X when X's C, H and W and
+    dtype are known (it becomes a MatMul, AVERAGE_ROW_DTYPES); Resize (opset 11 on) through X
+    when its scales or sizes are a constant of 4 values (they get permuted) and it has no
+    roi. const_dims(t): the dims of a constant tensor, None for others; static_chw(t): X's
+    (C, H, W, elem_type) when all are known, else None."""
     def scalar(t: str) -> bool:
         d = const_dims(t)
         return d is not None and len(d) <= 4 and int(np.prod(d)) == 1
@@ -116,13 +122,25 @@ def _layout_free_inputs(n: NodeProto, const_dims, opset: int) -> list[int] | Non
         return [k for k, t in enumerate(n.input) if t and not scalar(t)] or None
     if n.domain not in ("", "ai.onnx"):
         return None
-    if n.op_type in GLOBAL_POOLS:
-        return [0]
+    if n.op_type == "GlobalAveragePool":
+        chw = static_chw(n.input[0])
+        return [0] if chw is not None and chw[3] in AVERAGE_ROW_DTYPES else None
     if n.op_type == "Resize" and opset >= 11:
         roi, scales, sizes = (list(n.input[1:4]) + ["", "", ""])[:3]
         given = [t for t in (scales, sizes) if t]
         return [0] if not roi and len(given) == 1 and const_dims(given[0]) == (4,) else None
     return None
+
+
+def _static_chw(g: onnx.GraphProto):
+    """tensor -> (C, H, W, elem_type) of the rank-4 tensors whose C, H and W are known."""
+    out = {}
+    for vi in [*g.value_info, *g.input, *g.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape") and len(t.shape.dim) == 4 and all(d.HasField("dim_value") for d in t.shape.dim[1:]):
+            c, h, w = (d.dim_value for d in t.shape.dim[1:])
+            out[vi.name] = (c, h, w, t.elem_type)
+    return out
 
 
 def plan(model: ModelProto, fused: list) -> Plan:
@@ -149,8 +167,9 @@ def plan(model: ModelProto, fused: list) -> Plan:
     constants = {n.output[0]: next((tuple(a.t.dims) for a in n.attribute if a.name == "value"), None)
                  for n in g.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    chw = _static_chw(g)
     free = {i: pos for i, n in enumerate(g.node) if i not in joins and (pos := _layout_free_inputs(
-        n, lambda t: weight_dims.get(t, constants.get(t)), opset)) is not None}
+        n, lambda t: weight_dims.get(t, constants.get(t)), opset, chw.get)) is not None}
     # Tensors joined by channel-axis Concat / Split nodes, or by layout-free nodes, form one
     # component: all of it turns NHWC or none of it does.
     parent: dict[str, str] = {}
@@ -249,8 +268,11 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
         return list(fused)
     g = model.graph
     taken = _all_names(model)
-    for i in sorted(p.transparent):
-        _to_channels_last(model, g.node[i], taken)
+    chw = _static_chw(g)
+    replaced = {i: _to_channels_last(model, g.node[i], taken, chw) for i in p.transparent}
+    body = [m for i, n in enumerate(g.node) for m in replaced.get(i, [n])]
+    del g.node[:]
+    g.node.extend(body)
     nhwc_copy = _insert_boundary_transposes(g, p.boundaries, taken)  # rebuilds the node list
     nodes = {n.name: n for n in g.node if n.domain == "onnxfuse"}  # fused nodes' names are unique
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
@@ -301,27 +323,29 @@ def apply_layouts(model: ModelProto, fused: list) -> list:
     return out
 
 
-def _to_channels_last(model: ModelProto, n: NodeProto, taken: set[str]) -> None:
-    """A node between channels-last tensors, rewritten in place to work on them: Concat and
-    Split on axis 3; GlobalAveragePool / GlobalMaxPool as ReduceMean / ReduceMax over axes
-    1 and 2 (keepdims); Resize with its scales or sizes permuted to [N, H, W, C] (new
-    initializers: the old ones may be shared). Elementwise ops stay as they are."""
+def _to_channels_last(model: ModelProto, n: NodeProto, taken: set[str], chw: dict) -> list[NodeProto]:
+    """A node between channels-last tensors, rewritten to work on them; returns the nodes that
+    replace it: Concat and Split on axis 3; GlobalAveragePool as Reshape, MatMul by a row of
+    1/(H·W), Reshape (AVERAGE_ROW_DTYPES); Resize with its scales or sizes permuted to
+    [N, H, W, C] (new initializers: the old ones may be shared). Elementwise ops stay as
+    they are. chw: `_static_chw` of the graph before the pass."""
     g = model.graph
     if n.op_type in ("Concat", "Split"):
         for a in [a for a in n.attribute if a.name == "axis"]:
             n.attribute.remove(a)
         n.attribute.append(helper.make_attribute("axis", 3))
-    elif n.op_type in GLOBAL_POOLS and n.domain in ("", "ai.onnx"):
-        opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-        n.op_type = GLOBAL_POOLS[n.op_type]
-        del n.attribute[:]
-        n.attribute.append(helper.make_attribute("keepdims", 1))
-        if opset >= 18:  # axes became an input
-            axes = _fresh(f"{n.output[0]}_axes", taken)
-            g.initializer.append(numpy_helper.from_array(np.array([1, 2], np.int64), axes))
-            n.input.append(axes)
-        else:
-            n.attribute.append(helper.make_attribute("axes", [1, 2]))
+    elif n.op_type == "GlobalAveragePool":
+        c, h, w, elem = chw[n.input[0]]
+        x, y = n.input[0], n.output[0]
+        row, s3, s4, x3, m = (_fresh(f"{y}_{k}", taken) for k in ("row", "shape3", "shape4", "rows", "mean"))
+        g.initializer.extend([
+            numpy_helper.from_array(np.full((1, h * w), 1.0 / (h * w), AVERAGE_ROW_DTYPES[elem]), row),
+            numpy_helper.from_array(np.array([0, h * w, c], np.int64), s3),
+            numpy_helper.from_array(np.array([0, 1, 1, c], np.int64), s4)])
+        name = n.name or y
+        return [helper.make_node("Reshape", [x, s3], [x3], name=_fresh(f"{name}_rows", taken)),
+                helper.make_node("MatMul", [row, x3], [m], name=_fresh(f"{name}_mean", taken)),
+                helper.make_node("Reshape", [m, s4], [y], name=n.name)]
     elif n.op_type == "Resize":
         k = 2 if len(n.input) > 2 and n.input[2] else 3
         inits = {t.name: t for t in g.initializer}
@@ -332,6 +356,7 @@ def _to_channels_last(model: ModelProto, n: NodeProto, taken: set[str]) -> None:
         name = _fresh(f"{src}_nhwc", taken)
         g.initializer.append(numpy_helper.from_array(value[TO_NHWC].copy(), name))
         n.input[k] = name
+    return [n]
 
 
 def _fresh(name: str, taken: set[str]) -> str:

@@ -457,9 +457,12 @@ def test_long_program_hook(monkeypatch):
         body = "\n".join(f"%{i + 1} = mul %{i} 2.0" for i in range(n)) + f"\noutput %{n} f32"
         return KernelSpec(parse(_prog(("f32",), body)), NAME, 1, ("full",))
 
-    assert aot.LONG_PROGRAM == aot.LongProgram(min_instrs=48, block=1024, warps=2)  # measured (tune_long.json)
+    # measured (tune_long.json, intensity_sweep.json)
+    assert aot.LONG_PROGRAM == aot.LongProgram(min_instrs=48, block=1024, warps=2, max_instrs=192)
     assert {(v.block, v.num_warps) for v in choose_variants(spec(64))} == {(1024, 2)}
+    assert {(v.block, v.num_warps) for v in choose_variants(spec(191))} == {(1024, 2)}
     assert {(v.block, v.num_warps) for v in choose_variants(spec(47))} == {(1024, 4)}
+    assert {(v.block, v.num_warps) for v in choose_variants(spec(192))} == {(1024, 4)}
     monkeypatch.setattr(aot, "LONG_PROGRAM", None)  # off: the default launch
     assert {(v.block, v.num_warps) for v in choose_variants(spec(64))} == {(1024, 4)}
     monkeypatch.setattr(aot, "LONG_PROGRAM", aot.LongProgram(min_instrs=48, block=2048, warps=8))

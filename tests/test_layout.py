@@ -586,18 +586,19 @@ def squeeze_excite(opset: int = 17) -> onnx.ModelProto:
     return onnx.shape_inference.infer_shapes(m)
 
 
-@pytest.mark.parametrize("opset", [17, 18])
-def test_squeeze_excite_runs_channels_last(opset, tmp_path, monkeypatch):
-    m = squeeze_excite(opset)
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_squeeze_excite_runs_channels_last(dtype, tmp_path, monkeypatch):
+    m = squeeze_excite()
+    if dtype == "float16":
+        m = to_fp16(m)
     r = nhwc_pools_model(m, tmp_path, monkeypatch)
     ops = [n.op_type for n in r.model.graph.node]
     assert "Transpose" not in ops and "GlobalAveragePool" not in ops
-    (reduce,) = [n for n in r.model.graph.node if n.op_type == "ReduceMean"]
-    if opset >= 18:
-        axes = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}[reduce.input[1]]
-        assert axes.tolist() == [1, 2]
-    else:
-        assert attrs(reduce)["axes"] == [1, 2]
+    # the average over H, W of the NHWC tensor: Reshape [N, 81, 16], MatMul by a row of 1/81
+    (mean,) = [n for n in r.model.graph.node if n.op_type == "MatMul"]
+    inits = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}
+    row = inits[mean.input[0]]
+    assert row.shape == (1, 81) and row.dtype == np.dtype(dtype) and np.allclose(row, 1 / 81, rtol=1e-3)
     by_name = {n.name: n for n in r.model.graph.node}
     got = {name: layouts(by_name[name]) for name in ("conv_relu_dw", "conv_relu_se1", "conv_relu_se2")}
     assert got == {name: (b"NHWC", b"NHWC") for name in got}
@@ -608,8 +609,42 @@ def test_squeeze_excite_runs_channels_last(opset, tmp_path, monkeypatch):
     # component stays NCHW, and so the project conv writes NCHW
     assert layouts(next(n for n in r.model.graph.node if n.op_type == "FusedConv" and n.output[0] == "p")) == \
         (b"NHWC", b"NCHW")
-    check_same(m, r.model, library=False)
-    check_same(m, r.model, library=True)
+    if dtype == "float32":
+        check_same(m, r.model, library=False)
+        check_same(m, r.model, library=True)
+    else:
+        feeds = random_feeds(m, {"N": 2}, seed=5)
+        for e, a in zip(run(m, feeds, False), run(r.model, feeds, True), strict=True):
+            np.testing.assert_allclose(a.astype(np.float32), e.astype(np.float32), rtol=1e-2,
+                                       atol=1e-2 * float(np.abs(e.astype(np.float32)).max()))
+
+
+def test_a_global_pool_of_unknown_size_keeps_its_input_nchw(tmp_path, monkeypatch):
+    m = squeeze_excite()
+    del m.graph.value_info[:]
+    m.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"  # H unknown: no MatMul row
+    m = onnx.shape_inference.infer_shapes(m)
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    ops = [n.op_type for n in r.model.graph.node]
+    assert "GlobalAveragePool" in ops and "MatMul" not in ops
+    by_name = {n.name: n for n in r.model.graph.node}
+    assert layouts(by_name["conv_relu_dw"]) == (b"NHWC", b"NCHW")
+    feeds = random_feeds(m, {"N": 2, "H": 9}, seed=5)
+    for e, a in zip(run(m, feeds, False), run(r.model, feeds, True), strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
+
+
+def to_fp16(m: onnx.ModelProto) -> onnx.ModelProto:
+    """The float32 model with float16 inputs, outputs, weights and value_infos."""
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    for vi in [*out.graph.input, *out.graph.output, *out.graph.value_info]:
+        if vi.type.tensor_type.elem_type == onnx.TensorProto.FLOAT:
+            vi.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    for t in out.graph.initializer:
+        if t.data_type == onnx.TensorProto.FLOAT:
+            t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float16), t.name))
+    return out
 
 
 def test_a_pointwise_chain_between_convs_runs_channels_last(tmp_path, monkeypatch):
