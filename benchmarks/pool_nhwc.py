@@ -50,8 +50,8 @@ def main() -> None:
             grid = v.grid(n, c, h, h)
             y = torch.empty_like(ref)
             for label, kern in (("aot-like", plain), ("specialized", fn)):
-                def run(kern=kern, grid=grid, nw=nw, consts=consts, y=y, x=x):
-                    kern[grid](x, y, n, c, h, h, h, h, num_warps=nw, **consts)
+                def run(kern=kern, grid=grid, nw=nw, consts=consts, y=y, x=x, dims=(n, c, h, h, h, h)):
+                    kern[grid](x, y, *dims, num_warps=nw, **consts)
 
                 run()
                 torch.cuda.synchronize()
