@@ -68,8 +68,8 @@ def main() -> None:
                 ms = do_bench(run, return_mode="median")
                 rows.append({"shape": [n, c, h, h], "config": [bp, bc, nw], "launch": label, "ms": ms, "err": err,
                              "torch_ms": peer})
-                print(f"N{n} C{c} {h}x{h} k{k}s{st}p{pd} {label:11} {bp:3}x{bc:3} w{nw}: {ms * 1e3:7.2f} us (torch {peer * 1e3:.2f})"
-                      f" err {err:.1e}", flush=True)
+                print(f"N{n} C{c} {h}x{h} k{k}s{st}p{pd} {label:11} {bp:3}x{bc:3} w{nw}: {ms * 1e3:7.2f} us "
+                      f"(torch {peer * 1e3:.2f}) err {err:.1e}", flush=True)
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1) + "\n")
 
