@@ -334,9 +334,13 @@ def conv_declined(spec: ConvSpec, layout: str = "nchw") -> bool:
 
 def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
     """The pool kernel and its blocks (one variant):
-    - channels-last X: the "nhwc" kernel, 32 pixels x 64 channels, 4 warps (the best of 5:
-      0.0374 ms, 88% of copy bandwidth, on Relu + MaxPool 2x2 at 32x64x112² on the H200,
-      relu_maxpool_tiles.json);
+    - channels-last X: the "nhwc" kernel, 4 pixels x 64 channels, 1 warp. Launched as the
+      ahead-of-time kernel runs (C not known to be a multiple of 16, so no vector loads;
+      benchmarks/pool_nhwc.py --aot-only, pool_nhwc_aot.json, H200), the best or near it of
+      12 tiles on YOLO's SPPF pool 5x5 s1 at 16x256x10² (13.5 µs; 32 x 64 x 4 warps: 32.7)
+      and ResNet's stem pool 3x3 s2 at 32x64x112² (52 µs; 32 x 64: 90), not on a 2x2 pool
+      (67 µs; best 43 with 8 x 64). With C specialized the 2x2 pool took 37 µs (88% of copy
+      bandwidth, relu_maxpool_tiles.json): a variant requiring C % 16 == 0 is the next step;
     - NCHW pools whose windows tile the input (2x2 stride 2): the "rows" kernel, 4 x 64
       outputs, 4 warps (the best of 9 there: 0.0370 ms, 89%; 8 x 64 0.0374);
     - other NCHW pools: the "flat" kernel, 256 outputs per program, 4 warps: the best of
@@ -346,7 +350,7 @@ def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
     ``$ONNXFUSE_POOL_CONFIG`` (``tile=flat|rows|nhwc,block=,block_oh=,block_ow=,block_p=,block_c=,warps=``)
     overrides it."""
     if spec.x_layout == "nhwc":
-        cfg: dict = {"tile": "nhwc", "block_p": 32, "block_c": 64, "warps": 4}
+        cfg: dict = {"tile": "nhwc", "block_p": 4, "block_c": 64, "warps": 1}
     elif spec.pool.tiles:
         cfg = {"tile": "rows", "block_oh": 4, "block_ow": 64, "warps": 4}
     else:
