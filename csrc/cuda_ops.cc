@@ -656,6 +656,14 @@ struct PointwiseKernel : CudaKernelBase {
   }
 };
 
+// The error when a node's x_layout / y_layout differ from its kernel_meta's (FusedConv,
+// FusedMaxPool: the kernel addresses X and Y in the layouts it was compiled for).
+std::string xy_layout_mismatch(bool node_x_nhwc, bool node_y_nhwc, bool meta_x_nhwc, bool meta_y_nhwc) {
+  return std::string("the node has x_layout ") + layout_name(node_x_nhwc) + " and y_layout " +
+         layout_name(node_y_nhwc) + ", its kernel_meta has x_layout \"" + (meta_x_nhwc ? "nhwc" : "nchw") +
+         "\" and y_layout \"" + (meta_y_nhwc ? "nhwc" : "nchw") + "\" (absent: \"nchw\")";
+}
+
 // ---------------------------------------------------------------------------------------
 // Kind "conv": FusedConv
 // ---------------------------------------------------------------------------------------
@@ -682,9 +690,7 @@ struct ConvKernel : CudaKernelBase {
   void check_layout_meta() {
     if (!meta_error.empty()) return;
     if (lay.x_nhwc != meta.x_nhwc || lay.y_nhwc != meta.y_nhwc)
-      meta_error = std::string("the node has x_layout ") + layout_name(lay.x_nhwc) + " and y_layout " +
-                   layout_name(lay.y_nhwc) + ", its kernel_meta has x_layout \"" + (meta.x_nhwc ? "nhwc" : "nchw") +
-                   "\" and y_layout \"" + (meta.y_nhwc ? "nhwc" : "nchw") + "\" (absent: \"nchw\")";
+      meta_error = xy_layout_mismatch(lay.x_nhwc, lay.y_nhwc, meta.x_nhwc, meta.y_nhwc);
     else if (lay.extra != meta.extra_layouts)
       meta_error = "the node has extra_layouts " + ints_str(lay.extra.data(), lay.extra.size()) +
                    ", its kernel_meta has extra_layouts " +
@@ -780,9 +786,7 @@ struct MaxPoolKernel : CudaKernelBase {
   void check_layout_meta() {
     if (!meta_error.empty()) return;
     if (lay.x_nhwc != meta.x_nhwc || lay.y_nhwc != meta.y_nhwc)
-      meta_error = std::string("the node has x_layout ") + layout_name(lay.x_nhwc) + " and y_layout " +
-                   layout_name(lay.y_nhwc) + ", its kernel_meta has x_layout \"" + (meta.x_nhwc ? "nhwc" : "nchw") +
-                   "\" and y_layout \"" + (meta.y_nhwc ? "nhwc" : "nchw") + "\" (absent: \"nchw\")";
+      meta_error = xy_layout_mismatch(lay.x_nhwc, lay.y_nhwc, meta.x_nhwc, meta.y_nhwc);
   }
 
   void compute(OrtKernelContext* ctx) {

@@ -463,15 +463,19 @@ POOL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", POOL_CASES, ids=[c.id for c in POOL_CASES])
-def test_fused_maxpool(case, lib):
+def pool_inputs(case: PoolCase):
+    """The case's program, seeded random feeds (x, e0, e1, ...) and the extras' ranks."""
     rng = np.random.default_rng(zlib.crc32(case.id.encode()))
-    prog = epilogue(len(case.extras), case.dtype, case.act)
     dt = NP[case.dtype]
     feeds = {"x": rng.standard_normal(case.x).astype(dt)}
     for i, s in enumerate(case.extras):
         feeds[f"e{i}"] = (rng.uniform(0.5, 1.5, s) if i % 2 else rng.standard_normal(s)).astype(dt)
-    ranks = [len(s) for s in case.extras]
+    return epilogue(len(case.extras), case.dtype, case.act), feeds, [len(s) for s in case.extras]
+
+
+@pytest.mark.parametrize("case", POOL_CASES, ids=[c.id for c in POOL_CASES])
+def test_fused_maxpool(case, lib):
+    prog, feeds, ranks = pool_inputs(case)
     got = run(fused_pool_model(case.pool, prog, ranks), feeds, lib)
     want = run(reference_pool_model(case.pool, prog, ranks, case.x), feeds, None)
     assert got.shape == want.shape == (*case.x[:2], *case.pool.out_size(*case.x[2:]))
@@ -495,13 +499,7 @@ NHWC_POOL_CASES = [c for c in POOL_CASES if c.id in (
 def test_fused_maxpool_channels_last(case, y_layout, lib):
     """x_layout NHWC (and y_layout NHWC or NCHW): the same values as the NCHW node, on X
     stored [N, H, W, C]; the extras still broadcast to the logical [N, C, H, W]."""
-    rng = np.random.default_rng(zlib.crc32(case.id.encode()))
-    prog = epilogue(len(case.extras), case.dtype, case.act)
-    dt = NP[case.dtype]
-    feeds = {"x": rng.standard_normal(case.x).astype(dt)}
-    for i, s in enumerate(case.extras):
-        feeds[f"e{i}"] = (rng.uniform(0.5, 1.5, s) if i % 2 else rng.standard_normal(s)).astype(dt)
-    ranks = [len(s) for s in case.extras]
+    prog, feeds, ranks = pool_inputs(case)
     want = run(fused_pool_model(case.pool, prog, ranks), feeds, lib)
     nhwc_feeds = {**feeds, "x": np.ascontiguousarray(feeds["x"].transpose(0, 2, 3, 1))}
     got = run(fused_pool_model(case.pool, prog, ranks, x_layout="NHWC", y_layout=y_layout), nhwc_feeds, lib)
