@@ -703,3 +703,81 @@ def test_resize_with_constant_scales_runs_channels_last(tmp_path, monkeypatch):
     assert inits_after["scales"].tolist() == [1, 1, 2, 2]  # the original stays for other readers
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
+
+
+def _neck(resize: list[onnx.NodeProto], inits: list, opset: int = 17) -> onnx.ModelProto:
+    """conv down (stride 2) -> `resize` nodes producing "up" -> Concat with a side conv -> conv."""
+    rng = np.random.default_rng(10)
+    inits = inits + [numpy_helper.from_array((rng.standard_normal(sh) / np.sqrt(np.prod(sh[1:]))).astype(np.float32),
+                                             n) for n, sh in (("w1", (8, 8, 3, 3)), ("w2", (8, 8, 1, 1)),
+                                                              ("w3", (8, 16, 3, 3)))]
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], name="down"),
+             *resize,
+             N("Conv", ["x", "w2"], ["c2"], kernel_shape=[1, 1], name="side"),
+             N("Concat", ["up", "c2"], ["cat"], axis=1, name="cat"),
+             N("Conv", ["cat", "w3"], ["c3"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="fuse"),
+             N("Relu", ["c3"], ["y"], name="relu")]
+    m = image_model(nodes, "neck", 8, 10, [("y", 8)], inits)
+    del m.opset_import[:]
+    m.opset_import.append(helper.make_opsetid("", opset))
+    return m
+
+
+@pytest.mark.parametrize("case", ["sizes", "constant_node_scales", "opset10", "roi"])
+def test_resize_forms(case, tmp_path, monkeypatch):
+    """Resize carries the layout with constant scales or sizes (an initializer or a Constant
+    node; permuted into a new initializer), not in opset 10 (X, scales only) or with a roi."""
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+    if case == "sizes":
+        sizes = numpy_helper.from_array(np.array([2, 8, 10, 10], np.int64), "sizes")
+        m = _neck([N("Resize", ["c1", "", "", "sizes"], ["up"], mode="nearest", name="resize")], [sizes])
+    elif case == "constant_node_scales":
+        m = _neck([N("Constant", [], ["k"], value=scales, name="k"),
+                   N("Resize", ["c1", "", "k"], ["up"], mode="nearest", name="resize")], [])
+    elif case == "opset10":
+        m = _neck([N("Resize", ["c1", "scales"], ["up"], mode="nearest", name="resize")], [scales], opset=10)
+    else:
+        roi = numpy_helper.from_array(np.array([0, 0, 0, 0, 1, 1, 1, 1], np.float32), "roi")
+        m = _neck([N("Resize", ["c1", "roi", "scales"], ["up"], mode="nearest", name="resize",
+                     coordinate_transformation_mode="tf_crop_and_resize")], [roi, scales])
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    transposes = [n for n in r.model.graph.node if n.op_type == "Transpose"]
+    carried = case in ("sizes", "constant_node_scales")
+    assert (not transposes) == carried
+    if carried:
+        (resize,) = [n for n in r.model.graph.node if n.op_type == "Resize"]
+        k = 3 if case == "sizes" else 2
+        value = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}[resize.input[k]]
+        assert value.tolist() == ([2, 10, 10, 8] if case == "sizes" else [1, 2, 2, 1])
+    feeds = random_feeds(m, {"N": 2}, seed=5)
+    for library in (False, True):
+        for e, a in zip(run(m, feeds, False), run(r.model, feeds, library), strict=True):
+            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
+
+
+@pytest.mark.parametrize("case", ["channel_constant", "chain_output_is_graph_output"])
+def test_elementwise_nodes_that_keep_their_component_nchw(case, tmp_path, monkeypatch):
+    """A Mul by a [1, C, 1, 1] constant (not a scalar: it would need permuting) and a
+    PointwiseChain one of whose outputs is a graph output keep the tensors they join NCHW."""
+    rng = np.random.default_rng(11)
+    inits = [numpy_helper.from_array((rng.standard_normal((16, 16, 3, 3)) / 12).astype(np.float32), f"w{i}")
+             for i in (1, 2)]
+    inits.append(numpy_helper.from_array(rng.standard_normal((1, 16, 1, 1)).astype(np.float32), "scale"))
+    if case == "channel_constant":
+        mid = [N("Mul", ["c1", "scale"], ["t"], name="mul")]
+        outs = [("y", 16)]
+    else:
+        mid = [N("Sigmoid", ["c1"], ["s"], name="sig"), N("Mul", ["s", "c1"], ["t"], name="mul"),
+               N("Neg", ["s"], ["z"], name="neg")]
+        outs = [("y", 16), ("z", 16)]
+    nodes = [N("Conv", ["x", "w1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv1"),
+             N("Relu", ["c1"], ["r1"], name="relu1"),  # c1 is also read below: not in conv1's epilogue
+             *mid,
+             N("Conv", ["t", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv2"),
+             N("Add", ["c2", "r1"], ["y"], name="add")]
+    m = image_model(nodes, "keep_nchw", 16, 7, outs, inits)
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    (conv1,) = [n for n in r.model.graph.node if n.op_type == "FusedConv" and "c1" in n.output]
+    assert layouts(conv1)[1] == b"NCHW"
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
