@@ -474,15 +474,16 @@ def test_random_graphs_keep_their_results_channels_last(case):
 
 @st.composite
 def conv_nets(draw):
-    """Random small CNN graphs for the NHWC pass: convs (with or without Relu), Split and
-    Concat over the channels, Adds, and Sigmoids as readers the pass cannot make
-    channels-last; graph outputs anywhere."""
+    """Random small CNN graphs for the NHWC pass: convs (with or without Relu), depthwise
+    convs, Split and Concat over the channels, Adds, squeeze-excite blocks, max pools, Resize
+    + pool, Muls by a scalar, and Sigmoids; graph outputs anywhere."""
     c0 = draw(st.integers(1, 4))
     values = [("x", c0)]
     nodes, inits = [], {}
     rng = np.random.default_rng(draw(st.integers(0, 2**16)))
     for i in range(draw(st.integers(1, 9))):
-        kind = draw(st.sampled_from(["conv", "conv", "conv_relu", "split", "concat", "add", "sigmoid", "c2f"]))
+        kind = draw(st.sampled_from(["conv", "conv", "conv_relu", "split", "concat", "add", "sigmoid", "c2f",
+                                     "depthwise", "se", "pool", "resize_pool", "mul_scalar"]))
         name, c = draw(st.sampled_from(values))
         out = f"t{i}"
         if kind in ("conv", "conv_relu"):
@@ -509,6 +510,42 @@ def conv_nets(draw):
             values.append((out, c))
         elif kind == "sigmoid":
             nodes.append(N("Sigmoid", [name], [out]))
+            values.append((out, c))
+        elif kind in ("depthwise", "se", "pool", "resize_pool") and draw(st.booleans()):
+            # a 1x1 conv first, so that the op reads a conv's output (MobileNet's expand conv)
+            co = draw(st.integers(2, 4))
+            inits[f"w{i}x"] = (rng.standard_normal((co, c, 1, 1)) * 0.4).astype(np.float32)
+            nodes += [N("Conv", [name, f"w{i}x"], [f"{out}x"], kernel_shape=[1, 1]),
+                      N("Relu", [f"{out}x"], [f"{out}xr"])]
+            name, c = f"{out}xr", co
+        if kind == "depthwise":  # group = C, channel multiplier 1 or 2, Relu or not
+            mult = draw(st.sampled_from([1, 2]))
+            inits[f"w{i}"] = (rng.standard_normal((c * mult, 1, 3, 3)) * 0.4).astype(np.float32)
+            nodes.append(N("Conv", [name, f"w{i}"], [f"c{i}"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=c))
+            nodes.append(N("Relu" if draw(st.booleans()) else "Identity", [f"c{i}"], [out]))
+            values.append((out, c * mult))
+        elif kind == "se":  # MobileNet's squeeze-excite: pool, 1x1, Relu, 1x1, HardSigmoid, Mul
+            r_ = max(c // 2, 1)
+            inits[f"w{i}a"] = (rng.standard_normal((r_, c, 1, 1)) * 0.4).astype(np.float32)
+            inits[f"w{i}b"] = (rng.standard_normal((c, r_, 1, 1)) * 0.4).astype(np.float32)
+            nodes += [N("GlobalAveragePool", [name], [f"{out}g"]),
+                      N("Conv", [f"{out}g", f"w{i}a"], [f"{out}s1"], kernel_shape=[1, 1]),
+                      N("Relu", [f"{out}s1"], [f"{out}s2"]),
+                      N("Conv", [f"{out}s2", f"w{i}b"], [f"{out}s3"], kernel_shape=[1, 1]),
+                      N("HardSigmoid", [f"{out}s3"], [f"{out}s4"], alpha=1 / 6),
+                      N("Mul", [name, f"{out}s4"], [out])]
+            values.append((out, c))
+        elif kind == "pool":  # SPPF-like: same size
+            nodes.append(N("MaxPool", [name], [out], kernel_shape=[3, 3], pads=[1, 1, 1, 1]))
+            values.append((out, c))
+        elif kind == "resize_pool":  # upsample x2 (permuted scales channels-last), then a tiling pool
+            inits[f"sc{i}"] = np.array([1, 1, 2, 2], np.float32)
+            nodes += [N("Resize", [name, "", f"sc{i}"], [f"{out}u"], mode="nearest"),
+                      N("MaxPool", [f"{out}u"], [out], kernel_shape=[2, 2], strides=[2, 2])]
+            values.append((out, c))
+        elif kind == "mul_scalar":
+            inits[f"k{i}"] = np.array(draw(st.sampled_from([0.5, -2.0])), np.float32)
+            nodes.append(N("Mul", [name, f"k{i}"], [out]))
             values.append((out, c))
         elif kind == "c2f":  # YOLO's block: conv, Split, conv on one half, Concat of all three
             co = 2 * draw(st.integers(1, 2))
@@ -552,6 +589,10 @@ def test_random_cnns_keep_their_results_channels_last(case, min_channels):
     event(f"channels-last convs: {min(sum(_attr(n, 'x_layout') == b'NHWC' for n in nodes), 3)}")
     event(f"channel-axis Concat/Split on axis 3: {min(sum(_attr(n, 'axis') == 3 for n in nodes), 2)}")
     event(f"boundary Transposes: {min(sum(n.op_type == 'Transpose' for n in nodes), 2)}")
+    nhwc = [n for n in nodes if _attr(n, "x_layout") == b"NHWC"]
+    event(f"channels-last depthwise convs: {min(sum((_attr(n, 'group') or 1) > 1 for n in nhwc), 1)}")
+    event(f"channels-last pools: {min(sum(n.op_type == 'FusedMaxPool' for n in nhwc), 1)}")
+    event(f"channels-last means (MatMul): {min(sum(n.op_type == 'MatMul' for n in nodes), 1)}")
 
 
 def _attr(n: onnx.NodeProto, name: str):
