@@ -46,7 +46,7 @@ class TuneRecord:
 def candidates(spec) -> list[tuple[str, tuple]]:
     """(label, variants) per candidate configuration of a kernel spec."""
     from onnxfuse import compile as aot
-    from onnxfuse.codegen_conv import ConvVariant, PoolVariant
+    from onnxfuse.codegen_conv import ConvVariant
 
     if isinstance(spec, aot.ConvSpec):
         base = aot.conv_variants(spec)[0]
@@ -79,8 +79,21 @@ def candidates(spec) -> list[tuple[str, tuple]]:
                          if spec.conv.group == 1 else f"tile {v.block_m}x{v.block_n}, {v.num_warps} warps, direct")
                 out.append((label, (v,)))
         return out
-    if isinstance(spec, aot.MaxPoolSpec):
-        return [(f"block {b}", (PoolVariant(0, b, 4),)) for b in (256, 512, 1024)]
+    if isinstance(spec, aot.MaxPoolSpec):  # the kernel kind the heuristic picks, its sweep's runners-up
+        base = aot.pool_variants(spec)[0]
+        if base.tile == "nhwc":  # pool_nhwc_aot.json
+            tiles = [dataclasses.replace(base, block_p=p, block_c=c, num_warps=w)
+                     for p, c, w in ((4, 64, 1), (2, 64, 1), (8, 64, 1), (2, 128, 1), (4, 128, 2), (32, 64, 4))]
+            label = "tile {0.block_p}x{0.block_c}, {0.num_warps} warps, nhwc"
+        elif base.tile == "rows":  # relu_maxpool_tiles.json
+            tiles = [dataclasses.replace(base, block_oh=h, block_ow=w, num_warps=nw)
+                     for h, w, nw in ((4, 64, 4), (8, 64, 4), (8, 32, 4), (16, 64, 8))]
+            label = "tile {0.block_oh}x{0.block_ow}, {0.num_warps} warps, rows"
+        else:
+            tiles = [dataclasses.replace(base, block=b, num_warps=4) for b in (256, 512, 1024)]
+            label = "block {0.block}"
+        tiles = [base] + [t for t in tiles if t != base]
+        return [(label.format(t), (t,)) for t in tiles]
     return [("default", aot.choose_variants(spec))]
 
 

@@ -60,9 +60,25 @@ def test_grouped_candidates(channels, pool):
     assert (configs[0].block_m, configs[0].block_n) == ((128, 16) if channels <= 16 else (16, 64))
 
 
-def test_pool_and_pointwise_candidates():
-    assert [label for label, _ in candidates(MaxPoolSpec("k", RELU, PoolAttrs((2, 2), (2, 2))))] == \
-        ["block 256", "block 512", "block 1024"]
+@pytest.mark.parametrize("pool,x_layout,first,tile", [
+    (PoolAttrs((2, 2), (2, 2)), "nchw", "tile 4x64, 4 warps, rows", "rows"),
+    (PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1)), "nchw", "block 256", "flat"),
+    (PoolAttrs((5, 5), (1, 1), (2, 2, 2, 2)), "nhwc", "tile 4x64, 1 warps, nhwc", "nhwc"),
+])
+def test_pool_candidates_are_of_the_heuristics_kernel(pool, x_layout, first, tile):
+    """The pool kernel the heuristic picks (channels-last X: nhwc; tiling windows: rows;
+    else flat), its tile first, then its sweep's runners-up; every candidate generates."""
+    from onnxfuse.codegen_conv import generate_maxpool
+
+    spec = MaxPoolSpec("k", RELU, pool, x_layout=x_layout, y_layout=x_layout)
+    cands = candidates(spec)
+    assert cands[0][0] == first and len(cands) >= 3 and len({label for label, _ in cands}) == len(cands)
+    for _, (v,) in cands:
+        assert v.tile == tile
+        generate_maxpool(spec, v)
+
+
+def test_pointwise_candidates():
     (label, variants), = candidates(KernelSpec(RELU, "k", 1, ("full",)))
     assert label == "default" and len(variants) >= 2
 
