@@ -781,3 +781,22 @@ def test_elementwise_nodes_that_keep_their_component_nchw(case, tmp_path, monkey
     assert layouts(conv1)[1] == b"NCHW"
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
+
+
+@pytest.mark.parametrize("which", ["pool", "depthwise"])
+def test_unfusing_channels_last_pools_and_depthwise_convs_keeps_the_results(which, tmp_path, monkeypatch):
+    """A channels-last FusedMaxPool or depthwise FusedConv turned back into its function
+    body (Transposes around the NCHW original) computes the same."""
+    from onnxfuse.rewrite import unfuse
+
+    m = sppf() if which == "pool" else inverted_residual()
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    kind = "maxpool" if which == "pool" else "conv"
+    victims = [f for f in r.fused if f.kind == kind and (which == "pool" or f.conv.group > 1)]
+    assert victims and all(f.x_layout == "nhwc" for f in victims)
+    unfuse(r.model, victims[0])
+    onnx.checker.check_model(r.model, full_check=True)
+    ops = [n.op_type for n in r.model.graph.node]
+    assert ("MaxPool" if which == "pool" else "Conv") in ops and "Transpose" in ops
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
