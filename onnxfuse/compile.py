@@ -51,7 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import onnx
@@ -340,7 +340,9 @@ def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
       12 tiles on YOLO's SPPF pool 5x5 s1 at 16x256x10² (13.5 µs; 32 x 64 x 4 warps: 32.7)
       and ResNet's stem pool 3x3 s2 at 32x64x112² (52 µs; 32 x 64: 90), not on a 2x2 pool
       (67 µs; best 43 with 8 x 64). With C specialized the 2x2 pool took 37 µs (88% of copy
-      bandwidth, relu_maxpool_tiles.json): a variant requiring C % 16 == 0 is the next step;
+      bandwidth, relu_maxpool_tiles.json), so the nhwc kernel has two variants: the first
+      requires C % 16 == 0 and 16-byte aligned pointers and is compiled knowing C divisible
+      by 16 (vector loads along the channels), the second takes any C;
     - NCHW pools whose windows tile the input (2x2 stride 2): the "rows" kernel, 4 x 64
       outputs, 4 warps (the best of 9 there: 0.0370 ms, 89%; 8 x 64 0.0374);
     - other NCHW pools: the "flat" kernel, 256 outputs per program, 4 warps: the best of
@@ -361,8 +363,12 @@ def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
         if key not in known:
             raise OnnxfuseError(f"ONNXFUSE_POOL_CONFIG: unknown key {key!r} (known: {', '.join(known)})")
         cfg[key] = value if key == "tile" else int(value)
-    return (PoolVariant(0, cfg.get("block", 256), cfg["warps"], cfg["tile"], cfg.get("block_oh", 8),
-                        cfg.get("block_ow", 64), cfg.get("block_p", 32), cfg.get("block_c", 64)),)
+    v = PoolVariant(0, cfg.get("block", 256), cfg["warps"], cfg["tile"], cfg.get("block_oh", 8),
+                    cfg.get("block_ow", 64), cfg.get("block_p", 32), cfg.get("block_c", 64))
+    if v.tile != "nhwc":
+        return (v,)
+    # first a binary for C a multiple of 16 (vector loads along the channels), then any C
+    return (replace(v, c_multiple=16), replace(v, index=1))
 
 
 def _variants(spec: AnySpec) -> tuple:

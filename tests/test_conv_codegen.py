@@ -412,12 +412,23 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
 ])
 def test_pool_kernel_choice(pool, x_layout, tile):
     spec = MaxPoolSpec("k", _program(RELU, "f32", 0), pool, x_layout=x_layout, y_layout=x_layout)
-    (v,) = pool_variants(spec)
-    assert v.tile == tile
+    variants = pool_variants(spec)
+    v = variants[0]
+    assert {u.tile for u in variants} == {tile}
     src = generate_maxpool(spec, v).source
     assert f"{tile} kernel" in src
     if tile == "rows":  # the per-element unravel is gone: divisions only of program ids
         assert "offs //" not in src and "offs %" not in src and "cols // KW_P" in src
+    if tile == "nhwc":
+        # first a binary for C % 16 == 0, compiled knowing it (and aligned pointers), then any C
+        assert [u.requires().get("c_multiple") for u in variants] == [16, None]
+        assert [u.index for u in variants] == [0, 1]
+        ks = generate_maxpool(spec, v)
+        names = [p for p, _ in ks.params]
+        assert sorted(names[i] for i in ks.divisible) == ["C", "x_ptr", "y_ptr"]
+        assert generate_maxpool(spec, variants[1]).divisible == ()
+    else:
+        assert len(variants) == 1 and "c_multiple" not in v.requires()
 
 
 def test_rejected_pool_specs():
@@ -430,6 +441,8 @@ def test_rejected_pool_specs():
         generate_maxpool(dataclasses.replace(spec, x_layout="nhwc", y_layout="nhwc"), PoolVariant(0, 256, 4))
     with pytest.raises(ValueError, match="powers of two"):
         generate_maxpool(dataclasses.replace(spec, pool=PoolAttrs((2, 2), (2, 2))), PoolVariant(0, 0, 4, "rows", 3, 32))
+    with pytest.raises(ValueError, match="c_multiple"):
+        generate_maxpool(spec, PoolVariant(0, 256, 4, c_multiple=16))
 
 
 def test_aot_compile_pool_kernels_for_sm90(tmp_path):
@@ -446,6 +459,12 @@ def test_aot_compile_pool_kernels_for_sm90(tmp_path):
         {"requires", "block_p", "block_c"}]
     assert "x_layout" not in metas[0] and (metas[2]["x_layout"], metas[2]["y_layout"]) == ("nhwc", "nhwc")
     assert all(m["binaries"] and all(b["global_scratch_size"] == 0 for b in m["binaries"]) for m in metas)
+    # the channels-last pool: a variant for C % 16 == 0 whose loads along C vectorize, then
+    # one for any C with scalar loads (4x the load instructions: pool_nhwc.json's 2.4x)
+    assert [v["requires"].get("c_multiple") for v in metas[2]["variants"]] == [16, None]
+    ptx = {b["variant"]: out[2].kernels()[i].decode() for i, b in enumerate(metas[2]["binaries"])
+           if b["format"] == "ptx"}
+    assert ptx[0].count("ld.global.v") > 0 and ptx[1].count("ld.global.v") == 0
 
 
 if __name__ == "__main__":

@@ -73,9 +73,13 @@ def test_pool_candidates_are_of_the_heuristics_kernel(pool, x_layout, first, til
     spec = MaxPoolSpec("k", RELU, pool, x_layout=x_layout, y_layout=x_layout)
     cands = candidates(spec)
     assert cands[0][0] == first and len(cands) >= 3 and len({label for label, _ in cands}) == len(cands)
-    for _, (v,) in cands:
-        assert v.tile == tile
-        generate_maxpool(spec, v)
+    for _, variants in cands:
+        assert {v.tile for v in variants} == {tile}
+        assert [v.index for v in variants] == list(range(len(variants)))
+        for v in variants:
+            generate_maxpool(spec, v)
+    if tile == "nhwc":  # as pool_variants ships them: C % 16 == 0 first, then any C
+        assert all([v.c_multiple for v in variants] == [16, 0] for _, variants in cands)
 
 
 def test_pointwise_candidates():
