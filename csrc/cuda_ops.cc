@@ -133,6 +133,7 @@ enum class PoolGrid { FLAT, ROWS, PIXELS };
 struct Variant {
   int64_t n_multiple = 1;
   int64_t c_multiple = 1;    // maxpool: the channel count C a multiple of this
+  int64_t w_multiple = 1;    // maxpool: the input width W a multiple of this
   int64_t ptr_align = 1;
   int64_t max_elements = 0;  // 0: no limit
   int64_t block = 0;         // pointwise, maxpool flat
@@ -309,13 +310,14 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
     if (const Json* req = vj.get("requires")) {
       if (req->kind != Json::OBJECT) throw Error("kernel_meta: " + where + ".requires is not an object");
       for (const auto& kv : req->obj) {
-        if (kv.first != "n_multiple" && kv.first != "c_multiple" && kv.first != "ptr_align" &&
-            kv.first != "max_elements")
+        if (kv.first != "n_multiple" && kv.first != "c_multiple" && kv.first != "w_multiple" &&
+            kv.first != "ptr_align" && kv.first != "max_elements")
           throw Error("kernel_meta: " + where + " requires \"" + kv.first + "\", which this library does not know");
       }
       // 0 (or absent) means no requirement.
       var.n_multiple = std::max<int64_t>(1, meta_int(*req, "n_multiple", where + ".requires", false, 1));
       var.c_multiple = std::max<int64_t>(1, meta_int(*req, "c_multiple", where + ".requires", false, 1));
+      var.w_multiple = std::max<int64_t>(1, meta_int(*req, "w_multiple", where + ".requires", false, 1));
       var.ptr_align = std::max<int64_t>(1, meta_int(*req, "ptr_align", where + ".requires", false, 1));
       var.max_elements = std::max<int64_t>(0, meta_int(*req, "max_elements", where + ".requires", false, 0));
     }
@@ -539,16 +541,18 @@ struct CudaKernelBase {
   }
 
   // The first variant with a binary for this device whose requirements hold: every pointer
-  // a multiple of ptr_align, n a multiple of n_multiple, the channel count c (maxpool; 0
-  // elsewhere) a multiple of c_multiple, each tensor touched at most max_elements elements
-  // (`largest`; kinds with 32-bit parameters: also at most 2^31 - 1).
+  // a multiple of ptr_align, n a multiple of n_multiple, the channel count c and the input
+  // width w (maxpool; 0 elsewhere) multiples of c_multiple and w_multiple, each tensor
+  // touched at most max_elements elements (`largest`; kinds with 32-bit parameters: also at
+  // most 2^31 - 1).
   int choose_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest,
-                     int64_t c = 0) const {
+                     int64_t c = 0, int64_t w = 0) const {
     for (size_t v = 0; v < meta.variants.size(); ++v) {
       if (!t.L->fn[v]) continue;
       const Variant& var = meta.variants[v];
       if (n % var.n_multiple != 0) continue;
       if (var.c_multiple > 1 && (c <= 0 || c % var.c_multiple != 0)) continue;
+      if (var.w_multiple > 1 && (w <= 0 || w % var.w_multiple != 0)) continue;
       if (var.max_elements > 0 && largest > var.max_elements) continue;
       if (meta.kind != Kind::POINTWISE && largest > INT32_MAX) continue;
       bool aligned = true;
@@ -824,7 +828,7 @@ struct MaxPoolKernel : CudaKernelBase {
     push_extra_strides(p, t, 1, xs);
     p.scratch();
 
-    const int v = choose_variant(tg, ptrs, n_out, largest, xs[1]);
+    const int v = choose_variant(tg, ptrs, n_out, largest, xs[1], xs[3]);
     const Variant& var = meta.variants[v];
     const int64_t n = xs[0], c = xs[1], oh = out_shape[2], ow = out_shape[3];
     switch (var.pool_grid) {

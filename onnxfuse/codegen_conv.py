@@ -100,11 +100,17 @@ class PoolVariant:
     # nhwc: C a multiple of this (and the pointers 16-byte aligned): the kernel is compiled
     # with C divisible by 16, so its loads along the channels vectorize; 0: no requirement
     c_multiple: int = 0
+    # rows: the input width W a multiple of this (and the pointers aligned): loads along the
+    # rows vectorize; 0: no requirement
+    w_multiple: int = 0
 
     def requires(self) -> dict[str, int]:
+        req = {"max_elements": MAX_ELEMENTS}
         if self.c_multiple:
-            return {"max_elements": MAX_ELEMENTS, "c_multiple": self.c_multiple, "ptr_align": 16}
-        return {"max_elements": MAX_ELEMENTS}
+            req.update(c_multiple=self.c_multiple, ptr_align=16)
+        if self.w_multiple:
+            req.update(w_multiple=self.w_multiple, ptr_align=16)
+        return req
 
     def meta(self) -> dict[str, int]:
         """The block sizes as kernel_meta's variant lists them (docs/format.md, kind maxpool):
@@ -281,6 +287,8 @@ def generate_maxpool(spec: MaxPoolSpec, variant: PoolVariant) -> KernelSource:
         raise ValueError(f"{spec.name}: the 'rows' pool kernel needs windows that tile the input")
     if variant.c_multiple not in (0, 16) or variant.c_multiple and variant.tile != "nhwc":
         raise ValueError(f"{spec.name}: c_multiple is 16 (nhwc pools) or 0, not {variant.c_multiple}")
+    if variant.w_multiple not in (0, 16) or variant.w_multiple and variant.tile != "rows":
+        raise ValueError(f"{spec.name}: w_multiple is 16 (rows pools) or 0, not {variant.w_multiple}")
     blocks = {"flat": ("BLOCK",), "rows": ("BLOCK_OH", "BLOCK_OW"), "nhwc": ("BLOCK_P", "BLOCK_C")}[variant.tile]
     sizes = {"BLOCK": variant.block, "BLOCK_OH": variant.block_oh, "BLOCK_OW": variant.block_ow,
              "BLOCK_P": variant.block_p, "BLOCK_C": variant.block_c}
@@ -299,8 +307,11 @@ def generate_maxpool(spec: MaxPoolSpec, variant: PoolVariant) -> KernelSource:
     constexprs += [(b, sizes[b]) for b in blocks]
     body = {"flat": _pool_flat_body, "rows": _pool_rows_body, "nhwc": _pool_nhwc_body}[variant.tile](spec)
     source = _maxpool_module(spec, variant, names, [c for c, _ in constexprs], body)
-    # c_multiple: the pointers 16-byte aligned and C a multiple of 16 (the launcher checks both)
-    divisible = (*range(spec.n_extras + 2), names.index("C")) if variant.c_multiple else ()
+    # c_multiple / w_multiple: the pointers 16-byte aligned and C / W a multiple of 16 (the
+    # launcher checks both)
+    divisible: tuple[int, ...] = ()
+    if variant.c_multiple or variant.w_multiple:
+        divisible = (*range(spec.n_extras + 2), names.index("C" if variant.c_multiple else "W"))
     return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
                         constexprs=tuple(constexprs), divisible=divisible, num_warps=variant.num_warps,
                         variant=variant, num_stages=None)

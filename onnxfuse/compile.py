@@ -344,7 +344,9 @@ def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
       requires C % 16 == 0 and 16-byte aligned pointers and is compiled knowing C divisible
       by 16 (vector loads along the channels), the second takes any C;
     - NCHW pools whose windows tile the input (2x2 stride 2): the "rows" kernel, 4 x 64
-      outputs, 4 warps (the best of 9 there: 0.0370 ms, 89%; 8 x 64 0.0374);
+      outputs, 4 warps (the best of 9 there: 0.0370 ms, 89%; 8 x 64 0.0374; launched with
+      W = 112 specialized as a multiple of 16), likewise in two variants: for W a multiple
+      of 16 (vector loads along the rows), then any W;
     - other NCHW pools: the "flat" kernel, 256 outputs per program, 4 warps: the best of
       256..2048 x 4/8 warps for Relu+MaxPool 2x2 at 32x64x112x112 on the H200 (83-85% of
       copy bandwidth; BENCHMARKS.md).
@@ -365,10 +367,14 @@ def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
         cfg[key] = value if key == "tile" else int(value)
     v = PoolVariant(0, cfg.get("block", 256), cfg["warps"], cfg["tile"], cfg.get("block_oh", 8),
                     cfg.get("block_ow", 64), cfg.get("block_p", 32), cfg.get("block_c", 64))
-    if v.tile != "nhwc":
-        return (v,)
-    # first a binary for C a multiple of 16 (vector loads along the channels), then any C
-    return (replace(v, c_multiple=16), replace(v, index=1))
+    # nhwc and rows: first a binary for C (nhwc) or W (rows) a multiple of 16, whose loads
+    # vectorize, then one for any size
+    if v.tile == "nhwc":
+        return (replace(v, c_multiple=16), replace(v, index=1))
+    kw = spec.pool.kernel[1]
+    if v.tile == "rows" and kw & (kw - 1) == 0:  # a window row of KW_P = KW lanes: contiguous spans
+        return (replace(v, w_multiple=16), replace(v, index=1))
+    return (v,)
 
 
 def _variants(spec: AnySpec) -> tuple:

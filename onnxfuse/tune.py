@@ -80,9 +80,10 @@ def candidates(spec) -> list[tuple[str, tuple]]:
                 out.append((label, (v,)))
         return out
     if isinstance(spec, aot.MaxPoolSpec):  # the kernel kind the heuristic picks, its sweep's runners-up
-        base = aot.pool_variants(spec)[0]
+        shipped = aot.pool_variants(spec)
+        base = shipped[0]
         if base.tile == "nhwc":  # pool_nhwc_aot.json
-            tiles = [dataclasses.replace(base, block_p=p, block_c=c, num_warps=w, c_multiple=16)
+            tiles = [dataclasses.replace(base, block_p=p, block_c=c, num_warps=w)
                      for p, c, w in ((4, 64, 1), (2, 64, 1), (8, 64, 1), (2, 128, 1), (4, 128, 2), (32, 64, 4))]
             label = "tile {0.block_p}x{0.block_c}, {0.num_warps} warps, nhwc"
         elif base.tile == "rows":  # relu_maxpool_tiles.json
@@ -93,9 +94,9 @@ def candidates(spec) -> list[tuple[str, tuple]]:
             tiles = [dataclasses.replace(base, block=b, num_warps=4) for b in (256, 512, 1024)]
             label = "block {0.block}"
         tiles = [base] + [t for t in tiles if t != base]
-        if base.tile == "nhwc":  # each tile as the heuristic ships it: for C % 16 == 0, then any C
-            return [(label.format(t), (dataclasses.replace(t, index=0, c_multiple=16),
-                                       dataclasses.replace(t, index=1, c_multiple=0))) for t in tiles]
+        if len(shipped) == 2:  # each tile as the heuristic ships it: for C or W % 16 == 0, then any
+            return [(label.format(t), (t, dataclasses.replace(t, index=1, c_multiple=0, w_multiple=0)))
+                    for t in tiles]
         return [(label.format(t), (t,)) for t in tiles]
     return [("default", aot.choose_variants(spec))]
 

@@ -419,16 +419,18 @@ def test_pool_kernel_choice(pool, x_layout, tile):
     assert f"{tile} kernel" in src
     if tile == "rows":  # the per-element unravel is gone: divisions only of program ids
         assert "offs //" not in src and "offs %" not in src and "cols // KW_P" in src
-    if tile == "nhwc":
-        # first a binary for C % 16 == 0, compiled knowing it (and aligned pointers), then any C
-        assert [u.requires().get("c_multiple") for u in variants] == [16, None]
+    if tile in ("nhwc", "rows"):
+        # first a binary for C (nhwc) or W (rows) % 16 == 0, compiled knowing it (and aligned
+        # pointers), then any size
+        dim = "C" if tile == "nhwc" else "W"
+        assert [u.requires().get(f"{dim.lower()}_multiple") for u in variants] == [16, None]
         assert [u.index for u in variants] == [0, 1]
         ks = generate_maxpool(spec, v)
         names = [p for p, _ in ks.params]
-        assert sorted(names[i] for i in ks.divisible) == ["C", "x_ptr", "y_ptr"]
+        assert sorted(names[i] for i in ks.divisible) == [dim, "x_ptr", "y_ptr"]
         assert generate_maxpool(spec, variants[1]).divisible == ()
     else:
-        assert len(variants) == 1 and "c_multiple" not in v.requires()
+        assert len(variants) == 1 and v.requires() == {"max_elements": 2**31 - 1}
 
 
 def test_rejected_pool_specs():
@@ -443,6 +445,8 @@ def test_rejected_pool_specs():
         generate_maxpool(dataclasses.replace(spec, pool=PoolAttrs((2, 2), (2, 2))), PoolVariant(0, 0, 4, "rows", 3, 32))
     with pytest.raises(ValueError, match="c_multiple"):
         generate_maxpool(spec, PoolVariant(0, 256, 4, c_multiple=16))
+    with pytest.raises(ValueError, match="w_multiple"):
+        generate_maxpool(spec, PoolVariant(0, 256, 4, w_multiple=16))
 
 
 def test_aot_compile_pool_kernels_for_sm90(tmp_path):
@@ -463,6 +467,12 @@ def test_aot_compile_pool_kernels_for_sm90(tmp_path):
     # one for any C with scalar loads (4x the load instructions: pool_nhwc.json's 2.4x)
     assert [v["requires"].get("c_multiple") for v in metas[2]["variants"]] == [16, None]
     ptx = {b["variant"]: out[2].kernels()[i].decode() for i, b in enumerate(metas[2]["binaries"])
+           if b["format"] == "ptx"}
+    assert ptx[0].count("ld.global.v") > 0 and ptx[1].count("ld.global.v") == 0
+    # the rows kernel (fp32 2x2): a variant for W % 16 == 0 whose window rows load 2 floats
+    # at a time, then one for any W
+    assert [v["requires"].get("w_multiple") for v in metas[0]["variants"]] == [16, None]
+    ptx = {b["variant"]: out[0].kernels()[i].decode() for i, b in enumerate(metas[0]["binaries"])
            if b["format"] == "ptx"}
     assert ptx[0].count("ld.global.v") > 0 and ptx[1].count("ld.global.v") == 0
 

@@ -939,14 +939,15 @@ CUDA_POOLS = [  # (pool, x_layout, y_layout, variant tile)
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("channels", [70, 64])
+@pytest.mark.parametrize("channels,height,width", [(70, 23, 29), (64, 24, 32)])
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("index", range(len(CUDA_POOLS)),
                          ids=[f"{p.kernel[0]}x{p.kernel[1]}s{p.strides[0]}_{x}_{y}_{t}" for p, x, y, t in CUDA_POOLS])
-def test_cuda_fused_maxpool_kernels(index, dtype, channels, lib):
+def test_cuda_fused_maxpool_kernels(index, dtype, channels, height, width, lib):
     """Each pool kernel (compile.pool_variants' choice: rows, flat, nhwc) on CUDA against the
     CPU kernel of the same node, with a per-channel prologue extra; odd sizes. 64 channels
-    take the nhwc kernel's variant for C % 16 == 0 (vector loads), 70 the one for any C."""
+    and width 32 take the nhwc and rows kernels' variants for C or W % 16 == 0 (vector
+    loads), 70 x 29 the ones for any size."""
     pytest.importorskip("triton")
     from onnxfuse.codegen_conv import MaxPoolSpec
     from onnxfuse.compile import pool_variants
@@ -954,7 +955,7 @@ def test_cuda_fused_maxpool_kernels(index, dtype, channels, lib):
     pool, x_layout, y_layout, tile = CUDA_POOLS[index]
     prog = epilogue(1, dtype)
     rng = np.random.default_rng(40 + index)
-    x = rng.standard_normal((3, channels, 23, 29)).astype(NP[dtype])
+    x = rng.standard_normal((3, channels, height, width)).astype(NP[dtype])
     feeds = {"x": np.ascontiguousarray(x.transpose(0, 2, 3, 1)) if x_layout == "NHWC" else x,
              "e0": rng.standard_normal((1, channels, 1, 1)).astype(NP[dtype])}
     model = fused_pool_model(pool, prog, [4], x_layout=x_layout, y_layout=y_layout)

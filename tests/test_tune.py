@@ -78,8 +78,9 @@ def test_pool_candidates_are_of_the_heuristics_kernel(pool, x_layout, first, til
         assert [v.index for v in variants] == list(range(len(variants)))
         for v in variants:
             generate_maxpool(spec, v)
-    if tile == "nhwc":  # as pool_variants ships them: C % 16 == 0 first, then any C
-        assert all([v.c_multiple for v in variants] == [16, 0] for _, variants in cands)
+    if tile != "flat":  # as pool_variants ships them: C (nhwc) or W (rows) % 16 == 0 first, then any
+        key = "c_multiple" if tile == "nhwc" else "w_multiple"
+        assert all([getattr(v, key) for v in variants] == [16, 0] for _, variants in cands)
 
 
 def test_pointwise_candidates():
