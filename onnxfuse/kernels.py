@@ -34,6 +34,7 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
 
         targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
         info = compile_fused(result.model, result.fused, targets, jobs=jobs, conv_precision=conv_precision,
+                             tensors=result.tensors,
                              decline_slow_convs=tune is None, layout=layout)
         kernels = {f.node_name: f.kernel_name for f in result.fused}
         for rec in result.report.fused:  # the NHWC pass renames kernels
@@ -94,7 +95,8 @@ def kernel_spec(model, f, conv_precision: str = "tf32", weight_dims: dict | None
 
 
 def compile_fused(model, fused: list, targets: list[int], jobs: int | None = None,
-                  conv_precision: str = "tf32", decline_slow_convs: bool = True, layout: str = "nchw") -> dict:
+                  conv_precision: str = "tf32", decline_slow_convs: bool = True, layout: str = "nchw",
+                  tensors: dict | None = None) -> dict:
     """Compile the kernel of every fused node of `model` for `targets` and attach it to the
     node; returns the compile part of the report.
 
@@ -109,7 +111,8 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     NHWC pass (`onnxfuse.layout`) runs next (its channels-last kernels were as fast as
     cuDNN's channels-last convs or faster on every layer measured, BENCHMARKS.md); the
     FusedNode values in `fused` whose kernel names, inputs and layouts it changes are
-    replaced in place."""
+    replaced in place; `tensors` (`Result.tensors`) gives it the shapes inferred while
+    optimizing."""
     from onnxfuse import compile as aot
     from onnxfuse.rewrite import unfuse
 
@@ -134,7 +137,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     if layout == "nhwc":
         from onnxfuse.layout import apply_layouts
 
-        fused = apply_layouts(model, fused)
+        fused = apply_layouts(model, fused, tensors)
         changed = {f.node_name: f for f in fused}
         caller[:] = [changed.get(f.node_name, f) for f in caller]
         weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}  # repacked weights

@@ -132,18 +132,28 @@ def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw) -> lis
     return None
 
 
-def _static_chw(g: onnx.GraphProto):
-    """tensor -> (C, H, W, elem_type) of the rank-4 tensors whose C, H and W are known."""
+def _shapes(g: onnx.GraphProto, tensors: dict | None) -> dict[str, tuple[tuple, int]]:
+    """tensor -> (dims, elem_type) of the rank-4 tensors whose shape is known, from the
+    shapes inferred while optimizing (`Result.tensors`) and the graph's value_info; a dim is
+    an int, a dim_param or None."""
     out = {}
     for vi in [*g.value_info, *g.input, *g.output]:
         t = vi.type.tensor_type
-        if t.HasField("shape") and len(t.shape.dim) == 4 and all(d.HasField("dim_value") for d in t.shape.dim[1:]):
-            c, h, w = (d.dim_value for d in t.shape.dim[1:])
-            out[vi.name] = (c, h, w, t.elem_type)
+        if t.HasField("shape") and len(t.shape.dim) == 4:
+            out[vi.name] = (tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim),
+                            t.elem_type)
+    for name, (dims, elem) in (tensors or {}).items():
+        if dims is not None and len(dims) == 4 and name not in out:
+            out[name] = (tuple(d if isinstance(d, int) else None for d in dims), elem)
     return out
 
 
-def plan(model: ModelProto, fused: list) -> Plan:
+def _static_chw(shapes: dict[str, tuple[tuple, int]]) -> dict[str, tuple[int, int, int, int]]:
+    """tensor -> (C, H, W, elem_type) of the rank-4 tensors whose C, H and W are known."""
+    return {name: (*dims[1:], elem) for name, (dims, elem) in shapes.items() if all(d for d in dims[1:])}
+
+
+def plan(model: ModelProto, fused: list, tensors: dict | None = None) -> Plan:
     g = model.graph
     convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None}
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
@@ -167,7 +177,7 @@ def plan(model: ModelProto, fused: list) -> Plan:
     constants = {n.output[0]: next((tuple(a.t.dims) for a in n.attribute if a.name == "value"), None)
                  for n in g.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    chw = _static_chw(g)
+    chw = _static_chw(_shapes(g, tensors))
     free = {i: pos for i, n in enumerate(g.node) if i not in joins and (pos := _layout_free_inputs(
         n, lambda t: weight_dims.get(t, constants.get(t)), opset, chw.get)) is not None}
     # Tensors joined by channel-axis Concat / Split nodes, or by layout-free nodes, form one
@@ -260,20 +270,23 @@ def channels(f, weight_dims: dict[str, tuple[int, ...]]) -> int:
     return int(dims[2] if f.w_layout == "rsck" else dims[3]) * f.conv.group
 
 
-def apply_layouts(model: ModelProto, fused: list) -> list:
+def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None) -> list:
     """Rewrite `model` in place for the NHWC plan; returns `fused` with the changed nodes'
-    FusedNode values replaced (new kernel names, inputs and layouts), in the same order."""
-    p = plan(model, fused)
+    FusedNode values replaced (new kernel names, inputs and layouts), in the same order.
+    tensors: the shapes inferred while optimizing (`onnxfuse.pipeline.Result.tensors`)."""
+    p = plan(model, fused, tensors)
     if not p.nodes and not p.transparent:
         return list(fused)
     g = model.graph
     taken = _all_names(model)
-    chw = _static_chw(g)
+    shapes = _shapes(g, tensors)
+    chw = _static_chw(shapes)
     replaced = {i: _to_channels_last(model, g.node[i], taken, chw) for i in p.transparent}
     body = [m for i, n in enumerate(g.node) for m in replaced.get(i, [n])]
     del g.node[:]
     g.node.extend(body)
-    nhwc_copy = _insert_boundary_transposes(g, p.boundaries, taken)  # rebuilds the node list
+    single_pixel = {name for name, (dims, _) in shapes.items() if dims[2:] == (1, 1)}
+    nhwc_copy = _insert_boundary_transposes(g, p.boundaries, taken, single_pixel)  # rebuilds the node list
     nodes = {n.name: n for n in g.node if n.domain == "onnxfuse"}  # fused nodes' names are unique
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     new_functions: dict[str, FunctionProto] = {}
@@ -368,12 +381,19 @@ def _fresh(name: str, taken: set[str]) -> str:
 
 
 def _insert_boundary_transposes(g: onnx.GraphProto, boundaries: dict[str, list[str]],
-                                taken: set[str]) -> dict[str, str]:
+                                taken: set[str], single_pixel: set[str] = frozenset()) -> dict[str, str]:
     """Put `Transpose(perm=[0, 2, 3, 1])` of each boundary tensor right before its first
     reader; returns reader node name -> the NHWC tensor it reads. `taken`: every tensor name
-    of the model, its subgraphs' included (the new names avoid them)."""
+    of the model, its subgraphs' included (the new names avoid them). A tensor of
+    `single_pixel`, known to be [N, C, 1, 1] (a squeeze-excite's pooled vector), has the same
+    bytes in either layout: it gets `Reshape(shape=[0, 1, 1, -1])` instead, which copies
+    nothing."""
     if not boundaries:
         return {}
+    shape_name = ""
+    if single_pixel & set(boundaries):
+        shape_name = _fresh("onnxfuse_nhwc_single_pixel_shape", taken)
+        g.initializer.append(numpy_helper.from_array(np.array([0, 1, 1, -1], np.int64), shape_name))
     copies: dict[str, str] = {}
     for tensor in boundaries:
         name, k = f"{tensor}_nhwc", 1
@@ -386,7 +406,9 @@ def _insert_boundary_transposes(g: onnx.GraphProto, boundaries: dict[str, list[s
     for n in g.node:
         t = reader_of.get(n.name)
         if t is not None and t not in placed:
-            body.append(helper.make_node("Transpose", [t], [copies[t]], perm=TO_NHWC, name=f"onnxfuse_to_nhwc_{t}"))
+            body.append(helper.make_node("Reshape", [t, shape_name], [copies[t]], name=f"onnxfuse_to_nhwc_{t}")
+                        if t in single_pixel else
+                        helper.make_node("Transpose", [t], [copies[t]], perm=TO_NHWC, name=f"onnxfuse_to_nhwc_{t}"))
             placed.add(t)
             _add_permuted_value_info(g, t, copies[t])
         body.append(n)

@@ -82,6 +82,10 @@ class Result:
     model: ModelProto
     report: Report
     fused: list[FusedNode]
+    # Shapes and element types inferred while optimizing (tensor -> (dims or None, elem_type);
+    # a dim is an int, a dim_param or None): the NHWC pass reads them (onnxfuse.layout), as the
+    # written model keeps only the value_info it came with.
+    tensors: dict[str, tuple] = field(default_factory=dict)
 
     def warn(self, message: str) -> None:
         """Record a warning in the report and issue it as an OnnxfuseWarning."""
@@ -151,7 +155,8 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, lay
     for reason, count in _not_visited(canonical, patterns).items():
         report.not_fused[reason] = report.not_fused.get(reason, 0) + count
     report.seconds = time.perf_counter() - t0
-    return Result(fused_model, report, fused)
+    tensors = {name: (shape, view.types.get(name, 0)) for name, shape in view.shapes.items()}
+    return Result(fused_model, report, fused, tensors)
 
 
 SUBGRAPH_REASON = "inside an If/Loop/Scan body (subgraphs are not optimized)"

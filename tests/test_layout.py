@@ -800,3 +800,23 @@ def test_unfusing_channels_last_pools_and_depthwise_convs_keeps_the_results(whic
     assert ("MaxPool" if which == "pool" else "Conv") in ops and "Transpose" in ops
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
+
+
+def test_a_pooled_vector_enters_channels_last_through_a_reshape(tmp_path, monkeypatch):
+    """A GlobalAveragePool of unknown H (it stays NCHW) feeding a channels-last 1x1 conv: its
+    [N, C, 1, 1] output has the same bytes in either layout, so the boundary is a Reshape to
+    [N, 1, 1, C], not a Transpose."""
+    m = squeeze_excite()
+    del m.graph.value_info[:]
+    m.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
+    m = onnx.shape_inference.infer_shapes(m)
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    by_name = {n.name: n for n in r.model.graph.node}
+    (boundary,) = [n for n in r.model.graph.node if n.input and n.input[0] == "g"]
+    assert boundary.op_type == "Reshape" and layouts(by_name["conv_relu_se1"])[0] == b"NHWC"
+    shape = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}[boundary.input[1]]
+    assert shape.tolist() == [0, 1, 1, -1]
+    feeds = random_feeds(m, {"N": 2, "H": 9}, seed=6)
+    for library in (False, True):
+        for e, a in zip(run(m, feeds, False), run(r.model, feeds, library), strict=True):
+            np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
