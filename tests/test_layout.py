@@ -820,3 +820,15 @@ def test_a_pooled_vector_enters_channels_last_through_a_reshape(tmp_path, monkey
     for library in (False, True):
         for e, a in zip(run(m, feeds, False), run(r.model, feeds, library), strict=True):
             np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
+
+
+def test_the_pass_uses_the_shapes_inferred_while_optimizing(tmp_path, monkeypatch):
+    """A model without value_info (PP-OCR's export has none): the optimizer's inferred shapes
+    still let the pass rewrite the squeeze-excite's pool for channels-last."""
+    m = squeeze_excite()
+    del m.graph.value_info[:]
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    assert "g" in r.tensors and r.tensors["g"][0][1:] == (16, 1, 1)
+    ops = [n.op_type for n in r.model.graph.node]
+    assert "MatMul" in ops and "GlobalAveragePool" not in ops and "Transpose" not in ops
+    check_same(m, r.model, library=True)
