@@ -234,6 +234,22 @@ def test_fp16_conv_stack_matches_original():
     check(session(m, library=False).run(None, feeds), session(f, library=True).run(None, feeds), 1e-2, "fp16")
 
 
+def test_fp16_channels_last_mobile_block_matches_original():
+    """fp16 on the GPU path: depthwise and grouped convs (the direct loop), the
+    squeeze-excite's MatMul average and channels-last pools."""
+    from onnxfuse.kernels import compile_hook
+
+    m = _to_fp16(mobile_block())
+    r = optimize_model(m, layout="nhwc")
+    info = compile_hook("auto", layout="nhwc")(r)
+    assert not info["failed"], info["failed"]
+    assert any(n.op_type == "MatMul" for n in r.model.graph.node)
+    sess = session(r.model, library=True)
+    for batch in (2, 1):
+        feeds = random_feeds(m, {"N": batch}, seed=40 + batch)
+        check(session(m, library=False).run(None, feeds), sess.run(None, feeds), 1e-2, f"fp16 mobile b{batch}")
+
+
 @pytest.mark.parametrize("name", ["conv_relu_maxpool", "relu_maxpool", "residual_block"])
 def test_tune_times_candidates_and_keeps_a_correct_model(name):
     from onnxfuse.kernels import compile_hook
