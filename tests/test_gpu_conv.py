@@ -61,6 +61,16 @@ def _conv(name, x, w, b, y, k=3, stride=1, pad=1, dil=1):
              dilations=[dil, dil], name=name)
 
 
+def _image_model(nodes, name: str, c: int, size: int, inits) -> onnx.ModelProto:
+    """Opset 17, IR 10, shapes inferred: input x [N, c, size, size], output y."""
+    g = helper.make_graph(nodes, name,
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return onnx.shape_inference.infer_shapes(m)
+
+
 def residual_block(c: int = 32, size: int = 20, seed: int = 0) -> onnx.ModelProto:
     """ResNet's basic block: Conv-BN-Relu, Conv-BN, Add(x), Relu; plus a strided 1x1 conv
     with SiLU (as YOLO exports it) and an asymmetric-padded dilated conv with LeakyRelu."""
@@ -91,12 +101,7 @@ def residual_block(c: int = 32, size: int = 20, seed: int = 0) -> onnx.ModelProt
           name="conv4"),
         N("LeakyRelu", ["c4"], ["y"], alpha=0.1, name="leaky"),
     ]
-    g = helper.make_graph(nodes, "residual_block",
-                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
-                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return onnx.shape_inference.infer_shapes(m)
+    return _image_model(nodes, "residual_block", c, size, inits)
 
 
 def conv_pool3(c: int = 16, size: int = 19) -> onnx.ModelProto:
@@ -108,12 +113,7 @@ def conv_pool3(c: int = 16, size: int = 19) -> onnx.ModelProto:
     nodes = [N("Conv", ["x", "w", "b"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv"),
              N("Relu", ["c"], ["r"], name="relu"),
              N("MaxPool", ["r"], ["y"], kernel_shape=[3, 3], strides=[3, 3], name="pool")]
-    g = helper.make_graph(nodes, "conv_pool3",
-                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
-                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return onnx.shape_inference.infer_shapes(m)
+    return _image_model(nodes, "conv_pool3", c, size, inits)
 
 
 def mobile_block(c: int = 16, e: int = 72, size: int = 29) -> onnx.ModelProto:
@@ -145,12 +145,7 @@ def mobile_block(c: int = 16, e: int = 72, size: int = 29) -> onnx.ModelProto:
              N("Relu", ["c6"], ["r6"], name="relu6"),
              N("Conv", ["r6", "w7"], ["c7"], kernel_shape=[3, 3], pads=[0, 1, 2, 1], group=2 * c // 4, name="grouped"),
              N("Sigmoid", ["c7"], ["y"], name="sig")]
-    g = helper.make_graph(nodes, "mobile_block",
-                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
-                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return onnx.shape_inference.infer_shapes(m)
+    return _image_model(nodes, "mobile_block", c, size, inits)
 
 
 CASES = {

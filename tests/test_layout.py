@@ -58,8 +58,7 @@ def test_vgg_stack_runs_channels_last_between_its_convs(tmp_path, monkeypatch):
     assert [n.op_type for n in nodes] == ["FusedConv"] * 4
     got = [(attrs(n).get("x_layout", b"NCHW"), attrs(n).get("y_layout", b"NCHW")) for n in nodes]
     assert got == [(b"NCHW", b"NHWC"), (b"NHWC", b"NHWC"), (b"NHWC", b"NHWC"), (b"NHWC", b"NCHW")]
-    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
-              for v in r.model.graph.value_info}
+    shapes = value_shapes(r.model)
     assert shapes["p0"][1:] == [16, 16, 8] and shapes["p2"][1:] == [4, 4, 8]  # [N, H, W, C]
     # each layout combination is its own kernel and function
     overloads = [n.overload for n in nodes]
@@ -75,6 +74,11 @@ def test_vgg_stack_runs_channels_last_between_its_convs(tmp_path, monkeypatch):
     assert (meta["x_layout"], meta["y_layout"], meta["w_layout"]) == ("nhwc", "nhwc", "krsc")
     assert json.loads(attrs_all(nodes[0])["kernel_meta"])["w_layout"] == "krsc"
     check_same(m, r.model, library=False)  # the function bodies: Transposes around the originals
+
+
+def value_shapes(m: onnx.ModelProto) -> dict[str, list]:
+    """The graph's value_info dims (a dim_value, else its dim_param)."""
+    return {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in m.graph.value_info}
 
 
 def attrs_all(node):
@@ -173,8 +177,7 @@ def test_convs_reading_nchw_tensors_get_a_transpose_at_the_boundary(tmp_path, mo
     assert attrs(c2)["x_layout"] == b"NHWC" and attrs(c2).get("extra_layouts", [0]) == [0]
     assert list(c2.input)[3] == "r1"
     assert [f.inputs[0] for f in r.fused] == ["x_nhwc", "r1_nhwc"]
-    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
-              for v in r.model.graph.value_info}
+    shapes = value_shapes(r.model)
     assert shapes["x_nhwc"] == ["N", 9, 9, 16]
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
@@ -492,8 +495,7 @@ def test_resnet_stem_pool_runs_channels_last_without_transposes(tmp_path, monkey
     assert (meta["x_layout"], meta["y_layout"]) == ("nhwc", "nhwc") and "block_p" in meta["variants"][0]
     body = next(f for f in r.model.functions if f.overload == pool.overload)
     assert [n.op_type for n in body.node] == ["Transpose", "MaxPool", "Transpose"]
-    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
-              for v in r.model.graph.value_info}
+    shapes = value_shapes(r.model)
     assert shapes["p"] == ["N", 5, 5, 16]
     check_same(m, r.model, library=False)
     check_same(m, r.model, library=True)
@@ -602,8 +604,7 @@ def test_squeeze_excite_runs_channels_last(dtype, tmp_path, monkeypatch):
     by_name = {n.name: n for n in r.model.graph.node}
     got = {name: layouts(by_name[name]) for name in ("conv_relu_dw", "conv_relu_se1", "conv_relu_se2")}
     assert got == {name: (b"NHWC", b"NHWC") for name in got}
-    shapes = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim]
-              for v in r.model.graph.value_info}
+    shapes = value_shapes(r.model)
     assert shapes["g"] == ["N", 1, 1, 16] and shapes["se"] == ["N", 9, 9, 16]
     # p is read by an Add with q's PointwiseChain, whose input q a Shape reads: that
     # component stays NCHW, and so the project conv writes NCHW
