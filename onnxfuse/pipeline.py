@@ -110,7 +110,10 @@ class Result:
 # between fused convs; a max pool alone runs faster as the Triton kernel than as ONNX
 # Runtime's CUDA MaxPool, but slower in the library's CPU kernel than in ORT's CPU MaxPool
 # (0.56-0.65x on 4x64x112x112, 2-core CPU, BENCHMARKS.md).
-NHWC_ONLY_PATTERNS = frozenset({"conv_alone", "maxpool"})
+# Grouped and depthwise convs likewise (conv_grouped): the Triton direct loop beat cuDNN on
+# every MobileNetV3 depthwise layer, the library's CPU kernel took 3-20x ORT's CPU time
+# (2-core CPU, 8x72x56² depthwise 3x3: 1.70 vs 0.55 ms; README).
+NHWC_ONLY_PATTERNS = frozenset({"conv_alone", "maxpool", "conv_grouped"})
 
 
 def for_layout(patterns: list[Pattern], layout: str) -> list[Pattern]:

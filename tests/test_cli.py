@@ -60,7 +60,7 @@ def test_patterns_command(tmp_path):
     r = cli("patterns")
     assert r.returncode == 0
     names = [line.split()[0] for line in r.stdout.splitlines()]
-    assert names == ["conv_relu_maxpool", "conv_relu", "relu_maxpool", "maxpool", "conv_alone",
+    assert names == ["conv_relu_maxpool", "conv_relu", "conv_grouped", "relu_maxpool", "maxpool", "conv_alone",
                      "pointwise_chain"]  # by priority
 
 

@@ -270,7 +270,7 @@ def test_nhwc_layout_pass_matches_original(name):
     from onnxfuse.kernels import compile_hook
 
     m = CASES[name]()
-    r = optimize_model(m)
+    r = optimize_model(m, layout="nhwc")  # the GPU path's patterns (grouped convs, lone convs and pools)
     compile_hook("auto", layout="nhwc")(r)
     layouts = {a.s for n in r.model.graph.node for a in n.attribute if a.name in ("x_layout", "y_layout")}
     assert b"NHWC" in layouts

@@ -387,7 +387,7 @@ def inverted_residual(c: int = 8, e: int = 24, size: int = 9, group: int | None 
 
 def test_depthwise_convs_run_channels_last_between_fused_convs(tmp_path, monkeypatch):
     m = inverted_residual()
-    r = nhwc_model(m, tmp_path, monkeypatch)
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
     nodes = list(r.model.graph.node)
     assert [n.op_type for n in nodes] == ["FusedConv"] * 3  # no Transposes
     got = [(attrs(n).get("x_layout", b"NCHW"), attrs(n).get("y_layout", b"NCHW")) for n in nodes]
@@ -404,7 +404,7 @@ def test_a_depthwise_conv_reads_an_nchw_input_without_a_transpose(tmp_path, monk
     w = numpy_helper.from_array((rng.standard_normal((32, 1, 3, 3)) / 3).astype(np.float32), "w")
     m = image_model([N("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=32),
                      N("Relu", ["c"], ["y"])], "dw", 32, 7, [("y", 32)], [w])
-    r = nhwc_model(m, tmp_path, monkeypatch)
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
     assert [n.op_type for n in r.model.graph.node] == ["FusedConv"]
     check_same(m, r.model, library=True)
 
@@ -414,7 +414,7 @@ def test_wide_groups_are_left_to_cudnn(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     m = inverted_residual(c=8, e=32, group=2)  # 16 channels per group
-    r = optimize_model(m)
+    r = optimize_model(m, layout="nhwc")
     info = compile_hook("sm_90", layout="nhwc")(r)
     assert [d["reason"] for d in info["declined"]] == [GROUPED_REASON]
     assert r.report.not_fused[GROUPED_REASON] == 2  # the Conv and its Relu
@@ -602,7 +602,7 @@ def test_squeeze_excite_runs_channels_last(dtype, tmp_path, monkeypatch):
     row = inits[mean.input[0]]
     assert row.shape == (1, 81) and row.dtype == np.dtype(dtype) and np.allclose(row, 1 / 81, rtol=1e-3)
     by_name = {n.name: n for n in r.model.graph.node}
-    got = {name: layouts(by_name[name]) for name in ("conv_relu_dw", "conv_relu_se1", "conv_relu_se2")}
+    got = {name: layouts(by_name[name]) for name in ("conv_grouped_dw", "conv_relu_se1", "conv_relu_se2")}
     assert got == {name: (b"NHWC", b"NHWC") for name in got}
     shapes = value_shapes(r.model)
     assert shapes["g"] == ["N", 1, 1, 16] and shapes["se"] == ["N", 9, 9, 16]
@@ -629,7 +629,7 @@ def test_a_global_pool_of_unknown_size_keeps_its_input_nchw(tmp_path, monkeypatc
     ops = [n.op_type for n in r.model.graph.node]
     assert "GlobalAveragePool" in ops and "MatMul" not in ops
     by_name = {n.name: n for n in r.model.graph.node}
-    assert layouts(by_name["conv_relu_dw"]) == (b"NHWC", b"NCHW")
+    assert layouts(by_name["conv_grouped_dw"]) == (b"NHWC", b"NCHW")
     feeds = random_feeds(m, {"N": 2, "H": 9}, seed=5)
     for e, a in zip(run(m, feeds, False), run(r.model, feeds, True), strict=True):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
