@@ -222,11 +222,7 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
            "int32": 1, "even": 0}
     if LONG_PROGRAM is not None and LONG_PROGRAM.min_instrs <= len(prog.instrs) < LONG_PROGRAM.max_instrs:
         cfg.update(block=LONG_PROGRAM.block, warps=LONG_PROGRAM.warps)
-    for item in filter(None, os.environ.get("ONNXFUSE_POINTWISE_CONFIG", "").split(",")):
-        key, _, value = item.partition("=")
-        if key not in cfg:
-            raise OnnxfuseError(f"ONNXFUSE_POINTWISE_CONFIG: unknown key {key!r} (known: {', '.join(cfg)})")
-        cfg[key] = int(value)
+    _env_config("ONNXFUSE_POINTWISE_CONFIG", cfg)
     block, warps, bits = cfg["block"], cfg["warps"], 32 if cfg["int32"] else 64
     variants = []
     if cfg["even"]:
@@ -273,11 +269,7 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
             cfg.update(block_n=128, stages=4)
     if spec.dtype == "f16" and spec.channels >= 64 and spec.conv.group == 1:
         cfg.update(block_k=64)
-    for item in filter(None, os.environ.get("ONNXFUSE_CONV_CONFIG", "").split(",")):
-        key, _, value = item.partition("=")
-        if key not in cfg:
-            raise OnnxfuseError(f"ONNXFUSE_CONV_CONFIG: unknown key {key!r} (known: {', '.join(cfg)})")
-        cfg[key] = int(value)
+    _env_config("ONNXFUSE_CONV_CONFIG", cfg)
     if spec.pool is not None:  # BLOCK_M holds whole (padded) windows
         win = 1 << (spec.pool.kernel[0] * spec.pool.kernel[1] - 1).bit_length()
         cfg["block_m"] = max(cfg["block_m"], win)
@@ -327,13 +319,8 @@ def conv_decline_reason(spec: ConvSpec, layout: str = "nchw") -> str | None:
     return None
 
 
-def conv_declined(spec: ConvSpec, layout: str = "nchw") -> bool:
-    """Whether `conv_decline_reason` gives a reason."""
-    return conv_decline_reason(spec, layout) is not None
-
-
 def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
-    """The pool kernel and its blocks (one variant):
+    """The pool kernel, its blocks and its variants (`with_size_variants`):
     - channels-last X: the "nhwc" kernel, 4 pixels x 64 channels, 1 warp. Launched as the
       ahead-of-time kernel runs (C not known to be a multiple of 16, so no vector loads;
       benchmarks/pool_nhwc.py --aot-only, pool_nhwc_aot.json, H200), the best or near it of
@@ -359,22 +346,35 @@ def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
         cfg = {"tile": "rows", "block_oh": 4, "block_ow": 64, "warps": 4}
     else:
         cfg = {"tile": "flat", "block": 256, "warps": 4}
-    known = ("tile", "block", "block_oh", "block_ow", "block_p", "block_c", "warps")
-    for item in filter(None, os.environ.get("ONNXFUSE_POOL_CONFIG", "").split(",")):
-        key, _, value = item.partition("=")
-        if key not in known:
-            raise OnnxfuseError(f"ONNXFUSE_POOL_CONFIG: unknown key {key!r} (known: {', '.join(known)})")
-        cfg[key] = value if key == "tile" else int(value)
+    _env_config("ONNXFUSE_POOL_CONFIG", cfg, ("tile", "block", "block_oh", "block_ow", "block_p", "block_c", "warps"))
     v = PoolVariant(0, cfg.get("block", 256), cfg["warps"], cfg["tile"], cfg.get("block_oh", 8),
                     cfg.get("block_ow", 64), cfg.get("block_p", 32), cfg.get("block_c", 64))
-    # nhwc and rows: first a binary for C (nhwc) or W (rows) a multiple of 16, whose loads
-    # vectorize, then one for any size
+    return with_size_variants(spec, v)
+
+
+def with_size_variants(spec: MaxPoolSpec, v: PoolVariant) -> tuple[PoolVariant, ...]:
+    """A pool tile as it ships: nhwc and rows (power-of-two window width) kernels first as a
+    variant for C (nhwc) or W (rows) a multiple of 16, whose loads vectorize, then as `v`
+    for any size; other kernels as `v` alone."""
+    v = replace(v, index=0, c_multiple=0, w_multiple=0)
+    kw = spec.pool.kernel[1]
     if v.tile == "nhwc":
         return (replace(v, c_multiple=16), replace(v, index=1))
-    kw = spec.pool.kernel[1]
     if v.tile == "rows" and kw & (kw - 1) == 0:  # a window row of KW_P = KW lanes: contiguous spans
         return (replace(v, w_multiple=16), replace(v, index=1))
     return (v,)
+
+
+def _env_config(var: str, cfg: dict, known: tuple[str, ...] | None = None) -> dict:
+    """`cfg` updated from ``$var`` ("key=value,..."; integers, but `tile` a name). An unknown
+    key is an error naming the known ones (default: cfg's keys)."""
+    known = tuple(cfg) if known is None else known
+    for item in filter(None, os.environ.get(var, "").split(",")):
+        key, _, value = item.partition("=")
+        if key not in known:
+            raise OnnxfuseError(f"{var}: unknown key {key!r} (known: {', '.join(known)})")
+        cfg[key] = value if key == "tile" else int(value)
+    return cfg
 
 
 def _variants(spec: AnySpec) -> tuple:

@@ -80,8 +80,7 @@ def candidates(spec) -> list[tuple[str, tuple]]:
                 out.append((label, (v,)))
         return out
     if isinstance(spec, aot.MaxPoolSpec):  # the kernel kind the heuristic picks, its sweep's runners-up
-        shipped = aot.pool_variants(spec)
-        base = shipped[0]
+        base = aot.pool_variants(spec)[-1]  # the heuristic's tile for any size
         if base.tile == "nhwc":  # pool_nhwc_aot.json
             tiles = [dataclasses.replace(base, block_p=p, block_c=c, num_warps=w)
                      for p, c, w in ((4, 64, 1), (2, 64, 1), (8, 64, 1), (2, 128, 1), (4, 128, 2), (32, 64, 4))]
@@ -94,10 +93,7 @@ def candidates(spec) -> list[tuple[str, tuple]]:
             tiles = [dataclasses.replace(base, block=b, num_warps=4) for b in (256, 512, 1024)]
             label = "block {0.block}"
         tiles = [base] + [t for t in tiles if t != base]
-        if len(shipped) == 2:  # each tile as the heuristic ships it: for C or W % 16 == 0, then any
-            return [(label.format(t), (t, dataclasses.replace(t, index=1, c_multiple=0, w_multiple=0)))
-                    for t in tiles]
-        return [(label.format(t), (t,)) for t in tiles]
+        return [(label.format(t), aot.with_size_variants(spec, t)) for t in tiles]  # each as it ships
     return [("default", aot.choose_variants(spec))]
 
 
