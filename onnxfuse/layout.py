@@ -153,7 +153,8 @@ def _static_chw(shapes: dict[str, tuple[tuple, int]]) -> dict[str, tuple[int, in
     return {name: (*dims[1:], elem) for name, (dims, elem) in shapes.items() if all(d for d in dims[1:])}
 
 
-def plan(model: ModelProto, fused: list, tensors: dict | None = None) -> Plan:
+def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | None = None) -> Plan:
+    """shapes: `_shapes` of the graph (default: from its value_info)."""
     g = model.graph
     convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None}
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
@@ -177,7 +178,7 @@ def plan(model: ModelProto, fused: list, tensors: dict | None = None) -> Plan:
     constants = {n.output[0]: next((tuple(a.t.dims) for a in n.attribute if a.name == "value"), None)
                  for n in g.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
-    chw = _static_chw(_shapes(g, tensors))
+    chw = _static_chw(_shapes(g, None) if shapes is None else shapes)
     free = {i: pos for i, n in enumerate(g.node) if i not in joins and (pos := _layout_free_inputs(
         n, lambda t: weight_dims.get(t, constants.get(t)), opset, chw.get)) is not None}
     # Tensors joined by channel-axis Concat / Split nodes, or by layout-free nodes, form one
@@ -274,12 +275,12 @@ def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None) -
     """Rewrite `model` in place for the NHWC plan; returns `fused` with the changed nodes'
     FusedNode values replaced (new kernel names, inputs and layouts), in the same order.
     tensors: the shapes inferred while optimizing (`onnxfuse.pipeline.Result.tensors`)."""
-    p = plan(model, fused, tensors)
+    g = model.graph
+    shapes = _shapes(g, tensors)
+    p = plan(model, fused, shapes)
     if not p.nodes and not p.transparent:
         return list(fused)
-    g = model.graph
     taken = _all_names(model)
-    shapes = _shapes(g, tensors)
     chw = _static_chw(shapes)
     replaced = {i: _to_channels_last(model, g.node[i], taken, chw) for i in p.transparent}
     body = [m for i, n in enumerate(g.node) for m in replaced.get(i, [n])]
@@ -394,13 +395,7 @@ def _insert_boundary_transposes(g: onnx.GraphProto, boundaries: dict[str, list[s
     if single_pixel & set(boundaries):
         shape_name = _fresh("onnxfuse_nhwc_single_pixel_shape", taken)
         g.initializer.append(numpy_helper.from_array(np.array([0, 1, 1, -1], np.int64), shape_name))
-    copies: dict[str, str] = {}
-    for tensor in boundaries:
-        name, k = f"{tensor}_nhwc", 1
-        while name in taken:
-            name, k = f"{tensor}_nhwc_{k}", k + 1
-        taken.add(name)
-        copies[tensor] = name
+    copies = {tensor: _fresh(f"{tensor}_nhwc", taken) for tensor in boundaries}
     reader_of = {r: t for t, rs in boundaries.items() for r in rs}
     body, placed = [], set()
     for n in g.node:
