@@ -543,9 +543,16 @@ def _maxpool_module(spec: MaxPoolSpec, variant: PoolVariant, names: list[str], c
     return "\n".join(lines) + "\n"
 
 
-def _load_x0(ptrs: str, mask: str, dtype: str) -> str:
+def _pool_tap(spec: MaxPoolSpec, ptrs: str, mask: str, coords: tuple[str, str, str, str]) -> tuple[list[str], str, str]:
+    """One window tap of a pool kernel: X loaded at `ptrs` (fp32), the prologue's extras at
+    `coords` (n, c, h, w) through their strides, the prologue program; returns the lines and
+    the prologue's result (its value name and output dtype)."""
     load = f"tl.load({ptrs}, mask={mask}, other=0)"
-    return f"x0 = {load if dtype == 'f32' else load + '.to(tl.float32)'}"
+    lines = [f"x0 = {load if spec.program.input_dtypes[0] == 'f32' else load + '.to(tl.float32)'}"]
+    lines += _extra_loads(spec.program, coords, mask, "nchw")
+    lines += _program_lines(spec.program)
+    val, dt = _out_value(spec.program)
+    return lines, val, dt
 
 
 def _pool_flat_body(spec: MaxPoolSpec) -> list[str]:
@@ -561,10 +568,7 @@ def _pool_flat_body(spec: MaxPoolSpec) -> list[str]:
             "        ih = oh * SH - PAD_H + kh * DH",
             "        iw = ow * SW - PAD_W + kw * DW",
             "        inside = mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)"]
-    inner = [_load_x0("x_ptr + nc * (H * W) + ih * W + iw", "inside", spec.program.input_dtypes[0])]
-    inner += _extra_loads(spec.program, ("n", "c", "ih", "iw"), "inside", "nchw")
-    inner += _program_lines(spec.program)
-    val, dt = _out_value(spec.program)
+    inner, val, dt = _pool_tap(spec, "x_ptr + nc * (H * W) + ih * W + iw", "inside", ("n", "c", "ih", "iw"))
     inner += ['best = tl.maximum(best, tl.where(inside, ' + val + ', float("-inf")))']
     body += ["        " + ln for ln in inner]
     body.append(f"tl.store(y_ptr + offs, {_store_cast('best', dt)}, mask=mask)")
@@ -599,10 +603,8 @@ def _pool_rows_body(spec: MaxPoolSpec) -> list[str]:
             "# One window row at a time: load the row's spans, then max over each window's columns.",
             "for kh in tl.static_range(KH):",
             "    ih = oh * SH + kh"]
-    inner = [_load_x0("x_plane + ih[:, None] * W + iw[None, :]", "mask", spec.program.input_dtypes[0])]
-    inner += _extra_loads(spec.program, ("n", "c", "ih[:, None]", "iw[None, :]"), "mask", "nchw")
-    inner += _program_lines(spec.program)
-    val, dt = _out_value(spec.program)
+    inner, val, dt = _pool_tap(spec, "x_plane + ih[:, None] * W + iw[None, :]", "mask",
+                               ("n", "c", "ih[:, None]", "iw[None, :]"))
     inner += [f'val = tl.where(mask, {val}, float("-inf"))',
               "best = tl.maximum(best, tl.max(tl.reshape(val, (BLOCK_OH, BLOCK_OW, KW_P)), axis=2))"]
     body += ["    " + ln for ln in inner]
@@ -630,12 +632,8 @@ def _pool_nhwc_body(spec: MaxPoolSpec) -> list[str]:
             "        iw = ow * SW - PAD_W + kw * DW",
             "        in_image = mask_p & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)",
             "        inside = in_image[:, None] & mask_c[None, :]"]
-    inner = [_load_x0("x_ptr + ((n * H + ih) * W + iw)[:, None] * C + offs_c[None, :]", "inside",
-                      spec.program.input_dtypes[0])]
-    inner += _extra_loads(spec.program, ("n[:, None]", "offs_c[None, :]", "ih[:, None]", "iw[:, None]"),
-                          "inside", "nchw")
-    inner += _program_lines(spec.program)
-    val, dt = _out_value(spec.program)
+    inner, val, dt = _pool_tap(spec, "x_ptr + ((n * H + ih) * W + iw)[:, None] * C + offs_c[None, :]", "inside",
+                               ("n[:, None]", "offs_c[None, :]", "ih[:, None]", "iw[:, None]"))
     inner += ['best = tl.maximum(best, tl.where(inside, ' + val + ', float("-inf")))']
     body += ["        " + ln for ln in inner]
     body += [("y_offs = offs_p[:, None] * C + offs_c[None, :]  # NHWC" if spec.y_layout == "nhwc" else
