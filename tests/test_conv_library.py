@@ -827,25 +827,34 @@ def run_cuda(model: onnx.ModelProto, feeds: dict, lib: str) -> np.ndarray:
     return sess.run(None, feeds)[0]
 
 
+def check_cuda_conv(case: ConvCase, seed: int, kernel_name: str, lib: str) -> None:
+    """The node of `case` (an epilogue reading every extra) on CUDA, with a kernel compiled
+    for its layouts in "ieee" precision, against the CPU kernel of the same node."""
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_conv import ConvSpec
+
+    prog = epilogue(len(case.extras))
+    feeds, _, _ = conv_feeds(case, np.random.default_rng(seed))
+    ranks = [len(feeds[f"e{i}"].shape) for i in range(len(case.extras))]
+    model = fused_conv_model(case.conv, case.pool, prog, ranks, **case.layout_attrs)
+    want = run(model, feeds, lib)  # the CPU kernel (no kernel_meta needed)
+    spec = ConvSpec(kernel_name, prog, case.x[1], case.k, case.conv, case.pool, "ieee",
+                    x_layout=case.x_layout.lower(), y_layout=case.y_layout.lower(),
+                    extra_layouts=case.extra_layouts, w_layout=case.w_layout.lower())
+    got = run_cuda(with_kernels(model, spec), feeds, lib)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("pool", [None, PoolAttrs((2, 2), (2, 2))], ids=["no_pool", "pool2x2"])
 def test_cuda_fused_conv_extras_of_every_shape(pool, lib):
     """One extra input of each broadcast shape (full, per channel, scalar, rank-1 row): the
     launcher's strides over [N, K, P, Q], right-aligned."""
-    pytest.importorskip("triton")
-    from onnxfuse.codegen_conv import ConvSpec
-
     case = ConvCase((2, 8, 12, 13), 16, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), pool,
                     extras=("full", "channel", "scalar", "row"), act="relu", id="cuda")
-    prog = epilogue(4)
-    feeds, _, _ = conv_feeds(case, np.random.default_rng(11))
-    ranks = [len(feeds[f"e{i}"].shape) for i in range(4)]
-    model = fused_conv_model(case.conv, pool, prog, ranks)
-    want = run(model, feeds, lib)  # the CPU kernel (no kernel_meta needed)
-    spec = ConvSpec("onnxfuse_conv_test_cuda_0000", prog, 8, 16, case.conv, pool, "ieee")
-    got = run_cuda(with_kernels(model, spec), feeds, lib)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    check_cuda_conv(case, 11, "onnxfuse_conv_test_cuda_0000", lib)
 
 
 CUDA_LAYOUTS = [("NHWC", "NCHW", None), ("NCHW", "NHWC", None), ("NHWC", "NHWC", None),
@@ -859,23 +868,11 @@ CUDA_LAYOUTS = [("NHWC", "NCHW", None), ("NCHW", "NHWC", None), ("NHWC", "NHWC",
 def test_cuda_fused_conv_layouts(x_layout, y_layout, pool, lib):
     """x_layout / y_layout / extra_layouts on CUDA (kernel compiled for the layouts, the
     launcher's shapes and NHWC extra strides) against the CPU kernel of the same node."""
-    pytest.importorskip("triton")
-    from onnxfuse.codegen_conv import ConvSpec
-
     case = ConvCase((2, 8, 12, 14), 16, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), pool,
                     extras=("full_nhwc", "channel", "pixel_nhwc", "full"), x_layout=x_layout, y_layout=y_layout,
                     id="cuda_layouts")
-    prog = epilogue(4)
-    feeds, _, _ = conv_feeds(case, np.random.default_rng(13))
-    ranks = [len(feeds[f"e{i}"].shape) for i in range(4)]
-    model = fused_conv_model(case.conv, pool, prog, ranks, **case.layout_attrs)
-    want = run(model, feeds, lib)  # the CPU kernel
     idx = CUDA_LAYOUTS.index((x_layout, y_layout, pool))
-    spec = ConvSpec(f"onnxfuse_conv_test_cuda_1{idx:03d}", prog, 8, 16, case.conv, pool, "ieee",
-                    x_layout=x_layout.lower(), y_layout=y_layout.lower(), extra_layouts=case.extra_layouts)
-    got = run_cuda(with_kernels(model, spec), feeds, lib)
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    check_cuda_conv(case, 13, f"onnxfuse_conv_test_cuda_1{idx:03d}", lib)
 
 
 CUDA_KRSC = [("NHWC", "NHWC", None), ("NHWC", "NHWC", PoolAttrs((2, 2), (2, 2))), ("NCHW", "NCHW", None)]
@@ -888,24 +885,11 @@ CUDA_KRSC = [("NHWC", "NHWC", None), ("NHWC", "NHWC", PoolAttrs((2, 2), (2, 2)))
 def test_cuda_fused_conv_krsc(x_layout, y_layout, pool, lib):
     """w_layout KRSC on CUDA (a kernel compiled for [K, R, S, C] weights, kernel_meta
     "w_layout": "krsc") against the CPU kernel of the same node."""
-    pytest.importorskip("triton")
-    from onnxfuse.codegen_conv import ConvSpec
-
     case = ConvCase((2, 12, 10, 14), 20, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), pool,
                     extras=("full_nhwc" if y_layout == "NHWC" else "full", "channel"), x_layout=x_layout,
                     y_layout=y_layout, w_layout="KRSC", id="cuda_krsc")
-    prog = epilogue(2)
-    feeds, _, _ = conv_feeds(case, np.random.default_rng(14))
-    ranks = [len(feeds[f"e{i}"].shape) for i in range(2)]
-    model = fused_conv_model(case.conv, pool, prog, ranks, **case.layout_attrs)
-    want = run(model, feeds, lib)  # the CPU kernel
     idx = CUDA_KRSC.index((x_layout, y_layout, pool))
-    spec = ConvSpec(f"onnxfuse_conv_test_cuda_2{idx:03d}", prog, 12, 20, case.conv, pool, "ieee",
-                    x_layout=x_layout.lower(), y_layout=y_layout.lower(), extra_layouts=case.extra_layouts,
-                    w_layout="krsc")
-    got = run_cuda(with_kernels(model, spec), feeds, lib)
-    assert got.shape == want.shape
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    check_cuda_conv(case, 14, f"onnxfuse_conv_test_cuda_2{idx:03d}", lib)
 
 
 @gpu
