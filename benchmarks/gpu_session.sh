@@ -96,7 +96,7 @@ case "${1:-tests}" in
     # what the fourth session left unmeasured (BENCHMARKS.md, "After the last GPU run"): every
     # GPU test (the pool variants for C or W % 16 == 0 included), the pool kernels, then the
     # conv models; the pretrained ones need models/build carried: nhwc-models yolov8n_320_b1,...
-    timeout 400 python3 -m pytest -m gpu tests -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_verify.log" | tail -8
+    bash "$0" all-tests 400
     timeout 120 python3 benchmarks/conv_kernels.py --pool-only --no-compile --json "$OUT/relu_maxpool_tiles.json" \
       2>&1 | tail -4
     python3 benchmarks/compare.py --models relu_maxpool,conv_relu,conv_relu_maxpool,vgg_stack,resnet18,vgg11,mobilenet_v3_small \
