@@ -13,6 +13,8 @@ models/pretrained.py), on the same seeded inputs:
   tensors between fused convs; "CL"), without and with CUDA graphs
 - ``torch_eager`` / ``torch_compile``  the same PyTorch module (where one exists: the
   synthetic models, whose ONNX weights it loads, and the torchvision ones, exported from it)
+- ``torch_compile_graph``  torch.compile with ``mode="reduce-overhead"`` (Inductor's CUDA
+  graphs): the peer of ``onnxfuse_cl_graph``, as plain torch.compile is of ``onnxfuse_cl``
 
 ONNX Runtime runs go through `onnxfuse.bench.run_model`: inputs and outputs bound on the GPU
 (IO binding), each timed call a ``run_with_iobinding`` plus output synchronization on a
@@ -63,11 +65,12 @@ from onnxfuse import bench as ob  # noqa: E402
 from onnxfuse.pipeline import optimize_model, save_model  # noqa: E402
 
 VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "onnxfuse_nhwc", "onnxfuse_cl",
-            "onnxfuse_cl_graph", "torch_eager", "torch_compile")
+            "onnxfuse_cl_graph", "torch_eager", "torch_compile", "torch_compile_graph")
 LABELS = {"ort": "ORT", "ort_nhwc": "ORT nhwc", "ort_graph": "ORT + graph", "onnxfuse": "onnxfuse",
           "onnxfuse_graph": "onnxfuse + graph", "onnxfuse_cl": "onnxfuse CL",
           "onnxfuse_cl_graph": "onnxfuse CL + graph",
-          "onnxfuse_nhwc": "onnxfuse nhwc", "torch_eager": "torch eager", "torch_compile": "torch.compile"}
+          "onnxfuse_nhwc": "onnxfuse nhwc", "torch_eager": "torch eager", "torch_compile": "torch.compile",
+          "torch_compile_graph": "torch.compile + graph"}
 DRY_VARIANTS = ("ort", "onnxfuse", "torch_eager")
 
 
@@ -218,17 +221,20 @@ def _ort_variant(path: str, feeds, provider: str, library: bool, warmup: int, it
     return VariantResult(lat.median, lat.p10, lat.p90, lat.min, r.first_run_ms, r.load_ms, r.peak_gpu_mem_mb), r.outputs
 
 
-def _torch_variant(module, feeds, cuda: bool, compiled: bool, warmup: int,
+def _torch_variant(module, feeds, cuda: bool, compile_mode: str | None, warmup: int,
                    iters: int) -> tuple[VariantResult, dict[str, np.ndarray]]:
+    """Time module (eager when compile_mode is None, else torch.compile in that mode) with the
+    same per-call synchronization as the ORT variants; outputs are copied from the first call
+    (CUDA-graph modes reuse their output buffers on later calls)."""
     import torch
 
     dev = "cuda" if cuda else "cpu"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     module = module.to(dev)
     args = [torch.from_numpy(v).to(dev) for v in feeds.values()]
-    if compiled:
+    if compile_mode is not None:
         torch._dynamo.reset()
-        fn = torch.compile(module)
+        fn = torch.compile(module, mode=compile_mode)
     else:
         fn = module
     with torch.inference_mode():
@@ -236,6 +242,9 @@ def _torch_variant(module, feeds, cuda: bool, compiled: bool, warmup: int,
         y = fn(*args)
         sync()
         first = (time.perf_counter() - t0) * 1e3
+        ys = y if isinstance(y, tuple | list) else [y]
+        outs = {f"out{i}": t.float().cpu().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy()
+                for i, t in enumerate(ys)}
         for _ in range(warmup):
             fn(*args)
             sync()
@@ -245,9 +254,6 @@ def _torch_variant(module, feeds, cuda: bool, compiled: bool, warmup: int,
             fn(*args)
             sync()
             times.append((time.perf_counter() - t0) * 1e3)
-    ys = y if isinstance(y, tuple | list) else [y]
-    outs = {f"out{i}": t.float().cpu().numpy() if t.dtype == torch.bfloat16 else t.cpu().numpy()
-            for i, t in enumerate(ys)}
     lat = ob.Latency.of(times)
     del fn, args, y, ys
     return VariantResult(lat.median, lat.p10, lat.p90, lat.min, first), outs
@@ -305,7 +311,8 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
                     continue
                 if module is None:
                     module = case.torch(model)
-                r, outs = _torch_variant(module, feeds, not dry, v == "torch_compile", warmup, iters)
+                mode = {"torch_compile": "default", "torch_compile_graph": "reduce-overhead"}.get(v)
+                r, outs = _torch_variant(module, feeds, not dry, mode, warmup, iters)
             else:
                 if v.startswith("onnxfuse_cl") and not fused_cl.exists():
                     continue
