@@ -103,6 +103,17 @@ case "${1:-tests}" in
       --variants ort,ort_nhwc,ort_graph,onnxfuse_cl,onnxfuse_cl_graph,torch_compile --iters 30 \
       --json "$OUT/compare_verify.json" --markdown "$OUT/compare_verify.md" 2>&1 | grep -v "W:onnxruntime" | tail -12
     ;;
+  split)
+    # split K: the YOLOv8n b1 layers alone, then the pretrained models with the split-K
+    # variant (as shipped) and without it (ONNXFUSE_CONV_CONFIG=split=0), in one session
+    timeout 200 python3 benchmarks/split_k.py --json "$OUT/split_k.json" 2>&1 | grep -v "W:onnxruntime" | tail -12
+    export ONNXFUSE_MODELS=$PWD/models/build/pretrained
+    M=yolov8n_320_b1,yolov8n_320_b16,ppocr_det_640_b1,ppocr_det_640_b16
+    python3 benchmarks/compare.py --models $M --variants ort,ort_graph,onnxfuse_cl,onnxfuse_cl_graph --iters 50 \
+      --json "$OUT/compare_split.json" --markdown "$OUT/compare_split.md" 2>&1 | grep -v "W:onnxruntime" | tail -7
+    ONNXFUSE_CONV_CONFIG=split=0 python3 benchmarks/compare.py --models $M --variants ort_graph,onnxfuse_cl,onnxfuse_cl_graph \
+      --iters 50 --json "$OUT/compare_nosplit.json" --markdown "$OUT/compare_nosplit.md" 2>&1 | grep -v "W:onnxruntime" | tail -7
+    ;;
   sweep)
     [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")
     echo "ONNXFUSE_POINTWISE_CONFIG=${ONNXFUSE_POINTWISE_CONFIG:-default}"

@@ -50,6 +50,7 @@ struct Driver {
   CUresult (*FuncSetAttribute)(CUfunction, CUfunction_attribute, int) = nullptr;
   CUresult (*LaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
                            CUstream, void**, void**) = nullptr;
+  CUresult (*MemsetD32Async)(CUdeviceptr, unsigned, size_t, CUstream) = nullptr;
   CUresult (*GetErrorString)(CUresult, const char**) = nullptr;
 
   std::string describe(CUresult r) const {
@@ -86,6 +87,7 @@ const Driver& driver() {
     sym("cuModuleUnload", &d.ModuleUnload);
     sym("cuFuncSetAttribute", &d.FuncSetAttribute);
     sym("cuLaunchKernel", &d.LaunchKernel);
+    sym("cuMemsetD32Async", &d.MemsetD32Async);
     if (d.error.empty()) {
       CUresult r = d.Init(0);
       if (r != CUDA_SUCCESS) d.error = "cuInit failed: " + d.describe(r);
@@ -139,6 +141,7 @@ struct Variant {
   int64_t block = 0;         // pointwise, maxpool flat
   int64_t block_m = 0;       // conv
   int64_t block_n = 0;       // conv
+  int64_t split = 0;         // conv: split K into this many slices (> 1), grid z; 0: plain
   PoolGrid pool_grid = PoolGrid::FLAT;  // maxpool
   int64_t block_oh = 0, block_ow = 0;   // maxpool rows
   int64_t block_p = 0, block_c = 0;     // maxpool nhwc
@@ -296,6 +299,7 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
     if (m.kind == Kind::CONV) {
       var.block_m = meta_positive(vj, "block_m", where);
       var.block_n = meta_positive(vj, "block_n", where);
+      if (vj.get("split")) var.split = meta_positive(vj, "split", where);
     } else if (m.kind == Kind::MAXPOOL && vj.get("block_oh")) {
       var.pool_grid = PoolGrid::ROWS;
       var.block_oh = meta_positive(vj, "block_oh", where);
@@ -403,10 +407,43 @@ Params& thread_params() {
 // What every CUDA kernel shares: kernel_meta, modules per context, variant choice, launch
 // ---------------------------------------------------------------------------------------
 
+// Device memory from the CUDA EP's allocator for one launch (split K's partial tiles),
+// freed at the end of Compute: ORT's own CUDA kernels free their scratch buffers the same
+// way, after queueing their work; the memory is reused only by work queued later on the
+// same stream. data stays null where the EP lends no allocator (the caller falls back).
+struct Workspace {
+  OrtAllocator* alloc = nullptr;
+  void* data = nullptr;
+  Workspace(OrtKernelContext* ctx, int device, size_t bytes) {
+    OrtMemoryInfo* info = nullptr;
+    if (OrtStatus* st = g_ort->CreateMemoryInfo("Cuda", OrtArenaAllocator, device, OrtMemTypeDefault, &info)) {
+      g_ort->ReleaseStatus(st);
+      return;
+    }
+    OrtStatus* st = g_ort->KernelContext_GetAllocator(ctx, info, &alloc);
+    g_ort->ReleaseMemoryInfo(info);
+    if (st) {
+      g_ort->ReleaseStatus(st);
+      alloc = nullptr;
+      return;
+    }
+    data = alloc->Alloc(alloc, bytes);
+  }
+  ~Workspace() {
+    if (!alloc) return;
+    if (data) alloc->Free(alloc, data);
+    g_ort->ReleaseAllocator(alloc);
+  }
+  Workspace(const Workspace&) = delete;
+  Workspace& operator=(const Workspace&) = delete;
+};
+
 // The modules of one kernel instance in one CUDA context: per variant, the function to
 // launch and its binary (null where the device has no binary for that variant).
 struct Loaded {
   CUcontext ctx = nullptr;
+  int device = 0;  // the context's device ordinal
+  int sms = 0;     // its multiprocessor count
   std::vector<CUmodule> modules;
   std::vector<CUfunction> fn;
   std::vector<const Binary*> bin;
@@ -466,6 +503,8 @@ struct CudaKernelBase {
 
     auto l = std::make_unique<Loaded>();
     l->ctx = ctx;
+    l->device = static_cast<int>(dev);
+    d.DeviceGetAttribute(&l->sms, CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, dev);
     l->fn.assign(meta.variants.size(), nullptr);
     l->bin.assign(meta.variants.size(), nullptr);
     try {
@@ -547,18 +586,8 @@ struct CudaKernelBase {
   // most 2^31 - 1).
   int choose_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest,
                      int64_t c = 0, int64_t w = 0) const {
-    for (size_t v = 0; v < meta.variants.size(); ++v) {
-      if (!t.L->fn[v]) continue;
-      const Variant& var = meta.variants[v];
-      if (n % var.n_multiple != 0) continue;
-      if (var.c_multiple > 1 && (c <= 0 || c % var.c_multiple != 0)) continue;
-      if (var.w_multiple > 1 && (w <= 0 || w % var.w_multiple != 0)) continue;
-      if (var.max_elements > 0 && largest > var.max_elements) continue;
-      if (meta.kind != Kind::POINTWISE && largest > INT32_MAX) continue;
-      bool aligned = true;
-      for (const void* p : ptrs) aligned &= reinterpret_cast<uintptr_t>(p) % static_cast<uint64_t>(var.ptr_align) == 0;
-      if (aligned) return static_cast<int>(v);
-    }
+    const int v = find_variant(t, ptrs, n, largest, c, w, /*split=*/false);
+    if (v >= 0) return v;
     std::string limits;
     for (const Variant& var : meta.variants)
       limits += (limits.empty() ? "" : ", ") +
@@ -568,13 +597,33 @@ struct CudaKernelBase {
                 " elements; max_elements per variant: " + limits + "); embedded: " + meta.embedded());
   }
 
-  void launch(const Target& t, int v, int64_t grid_x, int64_t grid_y, Params& params) const {
-    if (grid_x > 0x7fffffffLL || grid_y > 65535)
+  // choose_variant's search among the split-K variants (split) or the others; -1 if none.
+  int find_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest, int64_t c,
+                   int64_t w, bool split) const {
+    for (size_t v = 0; v < meta.variants.size(); ++v) {
+      if (!t.L->fn[v]) continue;
+      const Variant& var = meta.variants[v];
+      if ((var.split > 1) != split) continue;
+      if (n % var.n_multiple != 0) continue;
+      if (var.c_multiple > 1 && (c <= 0 || c % var.c_multiple != 0)) continue;
+      if (var.w_multiple > 1 && (w <= 0 || w % var.w_multiple != 0)) continue;
+      if (var.max_elements > 0 && largest > var.max_elements) continue;
+      if (meta.kind != Kind::POINTWISE && largest > INT32_MAX) continue;
+      bool aligned = true;
+      for (const void* p : ptrs) aligned &= reinterpret_cast<uintptr_t>(p) % static_cast<uint64_t>(var.ptr_align) == 0;
+      if (aligned) return static_cast<int>(v);
+    }
+    return -1;
+  }
+
+  void launch(const Target& t, int v, int64_t grid_x, int64_t grid_y, Params& params, int64_t grid_z = 1) const {
+    if (grid_x > 0x7fffffffLL || grid_y > 65535 || grid_z > 65535)
       throw Error("tensor too large for one launch of " + meta.name + ": grid (" + std::to_string(grid_x) + ", " +
-                  std::to_string(grid_y) + ")");
+                  std::to_string(grid_y) + ", " + std::to_string(grid_z) + ")");
     const Driver& d = driver();
     const Binary& b = *t.L->bin[v];
-    CUresult r = d.LaunchKernel(t.L->fn[v], static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y), 1,
+    CUresult r = d.LaunchKernel(t.L->fn[v], static_cast<unsigned>(grid_x), static_cast<unsigned>(grid_y),
+                                static_cast<unsigned>(grid_z),
                                 static_cast<unsigned>(32 * b.num_warps), 1, 1, static_cast<unsigned>(b.shared),
                                 t.stream, params.finish(), nullptr);
     if (r != CUDA_SUCCESS) throw Error("cuLaunchKernel of " + meta.name + " failed: " + d.describe(r));
@@ -767,8 +816,33 @@ struct ConvKernel : CudaKernelBase {
     for (size_t i = 3; i < t.size(); ++i)
       for (int64_t st : conv_extra_strides(t[i].shape, lay.extra_nhwc(i - 3), conv_out))
         p.i32(st, "an extra input's stride");
-    p.scratch();
 
+    // Split K where even the split variant's tiles would leave more than half the SMs idle
+    // (codegen_conv: a small M, typically a deep layer at batch 1), and the EP lends a
+    // workspace; otherwise the plain variant.
+    const int sv = find_variant(tg, ptrs, n_out, largest, 0, 0, /*split=*/true);
+    if (sv >= 0) {
+      const Variant& var = meta.variants[sv];
+      const int64_t gx = (m + var.block_m - 1) / var.block_m, gy = (s.K + var.block_n - 1) / var.block_n;
+      if (2 * gx * gy <= tg.L->sms) {
+        // [tiles] int32 arrival counters (zeroed here), then [split, tiles, BLOCK_M * BLOCK_N] fp32 partials
+        const size_t cnt_bytes = (static_cast<size_t>(gx * gy) * 4 + 255) / 256 * 256;
+        const size_t bytes = cnt_bytes + static_cast<size_t>(var.split * gx * gy * var.block_m * var.block_n) * 4;
+        Workspace ws(ctx, tg.L->device, bytes);
+        if (ws.data) {
+          const Driver& d = driver();
+          CUresult r = d.MemsetD32Async(reinterpret_cast<CUdeviceptr>(ws.data), 0, static_cast<size_t>(gx * gy),
+                                        tg.stream);
+          if (r != CUDA_SUCCESS) throw Error("cuMemsetD32Async for " + meta.name + " failed: " + d.describe(r));
+          p.ptr(static_cast<char*>(ws.data) + cnt_bytes);  // ws_ptr
+          p.ptr(ws.data);                                 // cnt_ptr
+          p.scratch();
+          launch(tg, sv, gx, gy, p, var.split);
+          return;  // ws goes back to the EP's arena: later work on this stream reuses it in order
+        }
+      }
+    }
+    p.scratch();
     const int v = choose_variant(tg, ptrs, n_out, largest);
     const Variant& var = meta.variants[v];
     launch(tg, v, (m + var.block_m - 1) / var.block_m, (s.K + var.block_n - 1) / var.block_n, p);

@@ -35,6 +35,16 @@ conv reduces over one channel per tap): a direct loop adds, per tap and input ch
 the group, a [pixels, channels] tile of X times one weight per output channel, in fp32 on
 CUDA cores. The tile, the masks and the epilogue are the GEMM kernel's.
 
+Split K (ConvVariant.split > 1; group 1, no pool in the epilogue): for outputs too small
+to fill the GPU (a deep layer at batch 1: 100 pixels x 64 filters is one or two tiles, each
+with a 72-step reduction), the grid's third axis splits the reduction steps into SPLIT
+slices of SPLIT_STEPS (SPLIT divides the step count; both are compile-time constants).
+Each program writes its partial tile (fp32) to a workspace and increments the tile's
+arrival counter; the program that arrives last sums the SPLIT partials and runs the
+epilogue, so the bias and the pointwise program see the whole sum. The launcher allocates
+the workspace, zeroes the counters before each launch and picks the split kernel only when
+the plain one would leave most SMs idle (docs/format.md, kind conv).
+
 The program text is evaluated with the expression table of `onnxfuse.codegen`, so the
 numerics of the epilogue are exactly those of PointwiseChain kernels.
 """
@@ -74,6 +84,9 @@ class ConvVariant:
     # One flat reduction over (tap, channel) instead of BLOCK_K channels per tap: for convs
     # with few input channels (an RGB image: 3 channels would fill 3 of every BLOCK_K).
     flat: bool = False
+    # Split K (module docstring): the number of slices the reduction is split into; 0 or 1
+    # for the plain kernel. Must divide the step count (`conv_steps`).
+    split: int = 0
 
     def requires(self) -> dict[str, int]:
         # ptr_align: the weight and bias pointers carry 16-byte divisibility hints (vector
@@ -185,13 +198,23 @@ class MaxPoolSpec:
         return len(self.program.input_dtypes) - 1
 
 
-def conv_param_names(n_extras: int) -> list[str]:
+def conv_param_names(n_extras: int, split: bool = False) -> list[str]:
     """Kernel parameters in launch order (docs/format.md, kind conv), without constexprs."""
     names = ["x_ptr", "w_ptr", "b_ptr"] + [f"e{i}_ptr" for i in range(n_extras)] + ["y_ptr"]
     names += ["N", "H", "W", "P", "Q", "OP", "OQ"]
     for i in range(n_extras):
         names += [f"stride_e{i}_n", f"stride_e{i}_k", f"stride_e{i}_p", f"stride_e{i}_q"]
+    if split:
+        names += ["ws_ptr", "cnt_ptr"]
     return names
+
+
+def conv_steps(spec: ConvSpec, variant: ConvVariant) -> int:
+    """Steps of the reduction loop: BLOCK_K channels per tap, or cdiv(R * S * C, BLOCK_K) flat."""
+    r, s = spec.conv.kernel
+    if variant.flat:
+        return -(-(r * s * spec.channels) // variant.block_k)
+    return r * s * -(-spec.channels // variant.block_k)
 
 
 def maxpool_param_names(n_extras: int) -> list[str]:
@@ -236,16 +259,23 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
             raise ValueError(f"conv tile sizes and num_warps must be powers of two: {variant}")
     if group == 1 and (variant.block_k < 16 or variant.block_n < 16 or variant.block_m < 16):
         raise ValueError("tl.dot needs tiles of at least 16")
+    split = variant.split > 1
+    if split and (group != 1 or spec.pool is not None):
+        raise ValueError(f"{spec.name}: split K is for group-1 convs without a pool in the epilogue")
+    if split and conv_steps(spec, variant) % variant.split:
+        raise ValueError(f"{spec.name}: split {variant.split} does not divide the {conv_steps(spec, variant)} steps")
     win = 1
     if spec.pool is not None:
         win = _next_pow2(spec.pool.kernel[0] * spec.pool.kernel[1])
         if variant.block_m % win or variant.block_m // win < 1:
             raise ValueError(f"BLOCK_M {variant.block_m} is not a multiple of the padded window {win}")
-    names = conv_param_names(spec.n_extras)
+    names = conv_param_names(spec.n_extras, split)
     dt = spec.dtype
     types = [POINTER_TYPES[dt]] * 3 + [POINTER_TYPES[d] for d in spec.program.input_dtypes[1:]]
     types += [POINTER_TYPES[spec.program.outputs[0][1]]]
-    types += [INT_TYPE] * (len(names) - len(types))
+    types += [INT_TYPE] * (len(names) - len(types) - (2 if split else 0))
+    if split:  # the workspace and the arrival counters
+        types += ["*fp32", "*i32"]
     conv = spec.conv
     (r, s), (sh, sw), (pt, pl, _, _), (dh, dw) = conv.kernel, conv.strides, conv.pads, conv.dilations
     constexprs = [
@@ -255,16 +285,17 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
         ("WIN", win),
         ("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n), ("BLOCK_K", variant.block_k),
         ("C_BLOCKS", -(-spec.channels // variant.block_k)),
-        ("STEPS", -(-(r * s * spec.channels) // variant.block_k) if variant.flat
-         else r * s * -(-spec.channels // variant.block_k)),
+        ("STEPS", conv_steps(spec, variant)),
     ]
+    if split:
+        constexprs += [("SPLIT", variant.split), ("SPLIT_STEPS", conv_steps(spec, variant) // variant.split)]
     if group != 1:  # channels per group, in and out
         constexprs += [("CG", spec.channels // group), ("KG", spec.filters // group)]
     source = _conv_module(spec, variant, names, [c for c, _ in constexprs])
     # 16-byte alignment of the pointers is always true for ORT's allocations (the launcher
     # checks it: ptr_align); it lets Triton vectorize the contiguous weight loads and, channels
     # last, the activation loads and stores.
-    divisible = (0, 1, 2, 3 + spec.n_extras)
+    divisible = (0, 1, 2, 3 + spec.n_extras) + ((names.index("ws_ptr"),) if split else ())
     return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
                         constexprs=tuple(constexprs), divisible=divisible, num_warps=variant.num_warps,
                         variant=variant, num_stages=variant.num_stages)
@@ -333,16 +364,18 @@ def _header(name: str, what: str, program: Program, source_nodes) -> list[str]:
 
 
 def _signature(name: str, names: list[str], constexprs: list[str]) -> list[str]:
-    out = [f"def {name}("]
-    ptrs = [n for n in names if n.endswith("_ptr")]
-    ints = [n for n in names if not n.endswith("_ptr") and not n.startswith("stride_")]
-    out.append(f"    {', '.join(ptrs)},")
-    out.append(f"    {', '.join(ints)},")
-    strides: dict[str, list[str]] = {}
+    """The def line: the parameters in launch order, one line per run of pointers, sizes or
+    one extra input's strides, then the constexprs."""
+    def kind(n: str) -> str:
+        return "ptr" if n.endswith("_ptr") else n.rsplit("_", 1)[0] if n.startswith("stride_") else "int"
+
+    out, run = [f"def {name}("], []
     for n in names:
-        if n.startswith("stride_"):
-            strides.setdefault(n.rsplit("_", 1)[0], []).append(n)
-    out += [f"    {', '.join(group)}," for group in strides.values()]
+        if run and kind(run[-1]) != kind(n):
+            out.append(f"    {', '.join(run)},")
+            run = []
+        run.append(n)
+    out.append(f"    {', '.join(run)},")
     out.append(f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},")
     return out + ["):"]
 
@@ -396,6 +429,11 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     lines = _header(spec.name, what, spec.program, spec.source_nodes)
     lines += _signature(spec.name, names, constexprs)
     body = ["pid_m = tl.program_id(axis=0)", "pid_n = tl.program_id(axis=1)"]
+    split = variant.split > 1
+    if split:
+        body += ["# Split K: this program sums the reduction steps k_lo .. k_lo + SPLIT_STEPS - 1.",
+                 "pid_k = tl.program_id(axis=2)",
+                 "k_lo = pid_k * SPLIT_STEPS"]
     body += ["# Rows of the tile: output pixels. Columns: output channels."]
     body += ["offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
              "offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
@@ -413,16 +451,22 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     if spec.conv.group != 1:
         body += _grouped_loop(spec)
     else:
-        body += _flat_loop(spec) if variant.flat else _tap_loop(spec, variant)
+        loop = _flat_loop(spec) if variant.flat else _tap_loop(spec, variant)
+        if split:  # the same loop body over this program's slice of the steps
+            at = next(i for i, ln in enumerate(loop) if ln.startswith("for step in range(0, STEPS):"))
+            loop[at:at + 1] = ["for i in range(0, SPLIT_STEPS):", "    step = k_lo + i"]
+        body += loop
         if spec.dtype == "f32":
             body.append(f'    acc = tl.dot(a, b, acc, input_precision="{spec.precision}")')
         else:
             body.append("    acc = tl.dot(a, b, acc)")
+    if split:
+        body += _split_reduce()
     body += ["# Epilogue: bias, then the pointwise program on the tile.",
              "x0 = acc + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]"]
     if spec.dtype == "f16":
         body.append('x0 = x0.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)  # the conv output is fp16')
-    body.append("mask = mask_m[:, None] & mask_n[None, :]")
+    body.append("mask = mask_m[:, None] & mask_n[None, :]" + (" & last" if split else ""))
     body += _extra_loads(spec.program, ("n[:, None]", "offs_n[None, :]", "p[:, None]", "q[:, None]"), "mask", "nkpq")
     body += _program_lines(spec.program)
     val, dt = _out_value(spec.program)
@@ -444,6 +488,24 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
                  f"tl.store(y_ptr + y_offs, {_store_cast('pooled_val', dt)}, mask=pmask)"]
     lines += ["    " + ln for ln in body]
     return "\n".join(lines) + "\n"
+
+
+def _split_reduce() -> list[str]:
+    """Split K: publish this program's partial tile; the last of the tile's SPLIT programs
+    to arrive sums them all (the others' epilogue is masked off by `last`)."""
+    return ["# Split K: write the partial tile, then count this program in; the last to arrive",
+            "# reads every partial back (from L2: .cg) and runs the epilogue on the sum.",
+            "tiles = tl.num_programs(axis=0) * tl.num_programs(axis=1)",
+            "tile = pid_m * tl.num_programs(axis=1) + pid_n",
+            "offs_t = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
+            "tl.store(ws_ptr + (pid_k * tiles + tile) * (BLOCK_M * BLOCK_N) + offs_t, acc)",
+            "tl.debug_barrier()  # every thread's part of the tile is written before the count",
+            'arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")',
+            "last = arrived == SPLIT - 1",
+            "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+            "for part in range(0, SPLIT):",
+            "    acc += tl.load(ws_ptr + (part * tiles + tile) * (BLOCK_M * BLOCK_N) + offs_t,",
+            '                   mask=(offs_t >= 0) & last, other=0.0, cache_modifier=".cg")']
 
 
 def _tap_loop(spec: ConvSpec, variant: ConvVariant) -> list[str]:

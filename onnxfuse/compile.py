@@ -62,6 +62,7 @@ from onnxfuse.codegen_conv import (
     ConvVariant,
     MaxPoolSpec,
     PoolVariant,
+    conv_steps,
     generate_conv,
     generate_maxpool,
 )
@@ -169,7 +170,8 @@ class CompiledKernel:
                     "extra_layouts": list(spec.extra_layouts) or [0] * spec.n_extras}
                    if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") or any(spec.extra_layouts) else {}),
                 **({"w_layout": spec.w_layout} if spec.w_layout != "rsck" else {}),
-                "variants": [{"requires": v.requires(), "block_m": v.block_m, "block_n": v.block_n}
+                "variants": [{"requires": v.requires(), "block_m": v.block_m, "block_n": v.block_n,
+                              **({"split": v.split} if v.split > 1 else {})}
                              for v in self.variants],
                 "binaries": binaries,
             }
@@ -252,8 +254,12 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     against 0.388 per tap and 0.339 for cuDNN channels-last) and VGG's first layer (0.105
     against 0.362; conv_kernels_flat_*.json).
 
-    ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=,flat=``) overrides it."""
-    cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3, "flat": 0}
+    A second variant splits the reduction (split K, `split_variant`) for launches whose plain
+    tiles would leave most SMs idle; the launcher picks it at run time.
+
+    ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=,flat=,split=``)
+    overrides it (``split=0``: no split-K variant)."""
+    cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3, "flat": 0, "split": 1}
     if spec.conv.group != 1:
         cfg.update(_grouped_tile(spec))
     elif spec.channels < FLAT_MAX_CHANNELS:
@@ -273,8 +279,30 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     if spec.pool is not None:  # BLOCK_M holds whole (padded) windows
         win = 1 << (spec.pool.kernel[0] * spec.pool.kernel[1] - 1).bit_length()
         cfg["block_m"] = max(cfg["block_m"], win)
-    return (ConvVariant(0, cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["warps"], cfg["stages"],
-                        bool(cfg["flat"])),)
+    plain = ConvVariant(0, cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["warps"], cfg["stages"],
+                        bool(cfg["flat"]))
+    split = split_variant(spec, plain) if cfg["split"] else None
+    return (plain,) if split is None else (plain, split)
+
+
+# Split K (codegen_conv's module docstring): at most this many slices, each of at least
+# SPLIT_MIN_STEPS reduction steps (so that the 3-stage pipeline has steps to overlap).
+SPLIT_MAX = 16
+SPLIT_MIN_STEPS = 4
+
+
+def split_variant(spec: ConvSpec, plain: ConvVariant) -> ConvVariant | None:
+    """The split-K variant of `plain` (variant index 1), or None where the reduction is too
+    short to split or the conv cannot be (grouped, pool in the epilogue). Its tiles are
+    plain's with BLOCK_M at most 64: it runs when M is small. Its slice count is the largest
+    divisor of the step count up to SPLIT_MAX leaving at least SPLIT_MIN_STEPS per slice."""
+    if spec.conv.group != 1 or spec.pool is not None:
+        return None
+    v = replace(plain, index=1, block_m=min(plain.block_m, 64))
+    steps = conv_steps(spec, v)
+    best = max((d for d in range(2, SPLIT_MAX + 1) if steps % d == 0 and steps // d >= SPLIT_MIN_STEPS),
+               default=0)
+    return replace(v, split=best) if best else None
 
 
 def _grouped_tile(spec: ConvSpec) -> dict[str, int]:

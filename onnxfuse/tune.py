@@ -77,7 +77,9 @@ def candidates(spec) -> list[tuple[str, tuple]]:
                 seen.add(key)
                 label = ("tile {}x{}x{}, {} warps, {} stages".format(*key) + (", flat" if v.flat else "")
                          if spec.conv.group == 1 else f"tile {v.block_m}x{v.block_n}, {v.num_warps} warps, direct")
-                out.append((label, (v,)))
+                # with the candidate's split-K variant, which the launcher takes for small outputs
+                split = aot.split_variant(spec, v)
+                out.append((label, (v,) if split is None else (v, split)))
         return out
     if isinstance(spec, aot.MaxPoolSpec):  # the kernel kind the heuristic picks, its sweep's runners-up
         base = aot.pool_variants(spec)[-1]  # the heuristic's tile for any size

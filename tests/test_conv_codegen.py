@@ -59,6 +59,7 @@ class ConvCase:
     layouts: tuple[str, str] = ("nchw", "nchw")  # X, Y
     w_layout: str = "rsck"  # packed weights [R, S, C, K] or [K, R, S, C]
     flat: bool = False  # one flat reduction over (tap, channel)
+    split: int = 0  # split K into this many slices (grid z; codegen_conv's module docstring)
 
 
 CONV_CASES = [
@@ -121,6 +122,16 @@ CONV_CASES = [
              extras=("channel",), layouts=("nchw", "nhwc"), w_layout="rsck"),
     ConvCase("depthwise-fp16-nhwc", 2, 16, (7, 6), 16, ConvAttrs((3, 3), (2, 2), (1, 1, 1, 1), group=16),
              dtype="f16", layouts=("nhwc", "nhwc"), w_layout="krsc"),
+    # split K: the reduction in slices, the last program to arrive runs the epilogue
+    ConvCase("split3-nhwc-krsc-residual", 1, 40, (5, 6), 24, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)),
+             body=RESIDUAL_RELU, extras=("full",), layouts=("nhwc", "nhwc"), w_layout="krsc", split=3),
+    ConvCase("split9-nchw-rsck-silu-stride2", 2, 20, (9, 8), 17, ConvAttrs((3, 3), (2, 2), (1, 0, 1, 1)), body=SILU,
+             split=9),
+    ConvCase("split2-1x1-nhwc-to-nchw-channel-extra", 1, 64, (4, 5), 40, ConvAttrs((1, 1)), body=AFFINE,
+             extras=("channel",), layouts=("nhwc", "nchw"), w_layout="krsc", split=2),
+    ConvCase("split3-fp16-nhwc", 1, 48, (3, 3), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), dtype="f16",
+             layouts=("nhwc", "nhwc"), w_layout="krsc", split=3),
+    ConvCase("split2-flat", 1, 3, (6, 7), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), flat=True, split=2),
     ConvCase("depthwise-default-tiles", 2, 72, (9, 9), 72, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1), group=72),
              layouts=("nhwc", "nhwc"), w_layout="krsc", tile=(0, 0, 0)),
 ]
@@ -220,7 +231,7 @@ def _conv_spec(i: int, case: ConvCase) -> tuple[ConvSpec, ConvVariant]:
     bm, bn, bk = case.tile
     if case.pool is not None:
         bm = max(bm, 16)
-    return spec, ConvVariant(0, bm, bn, bk, 2, 2, flat=case.flat)
+    return spec, ConvVariant(0, bm, bn, bk, 2, 2, flat=case.flat, split=case.split)
 
 
 def _conv_reference(case: ConvCase, x, wt, b, extras) -> np.ndarray:
@@ -284,13 +295,19 @@ def _run_all(workdir: Path) -> None:
             win = 1 << (case.pool.kernel[0] * case.pool.kernel[1] - 1).bit_length() if case.pool else 1
             m = n * op * oq * win if case.pool else n * p * q
             grid = (-(-m // v.block_m), -(-case.k // v.block_n))
+            split = []  # split K: the workspace and zeroed counters the launcher provides
+            if v.split > 1:
+                tiles = grid[0] * grid[1]
+                split = [torch.full((v.split * tiles * v.block_m * v.block_n,), float("nan")),
+                         torch.zeros(tiles, dtype=torch.int32)]
+                grid = (*grid, v.split)
             packed = torch.from_numpy(np.ascontiguousarray(
                 wt.transpose(2, 3, 1, 0) if case.w_layout == "rsck" else wt.transpose(0, 2, 3, 1)))
             xt = torch.from_numpy(x)
             if case.layouts[0] == "nhwc":
                 xt = xt.to(memory_format=torch.channels_last)
             fn[grid](xt, packed, torch.from_numpy(b), *map(torch.from_numpy, extras), y,
-                     n, h, w, p, q, op, oq, *strides, **dict(ks.constexprs))
+                     n, h, w, p, q, op, oq, *strides, *split, **dict(ks.constexprs))
             results[f"conv{i}"] = y.float().numpy()
         except Exception as e:  # reported by the case's test
             (workdir / f"conv{i}_error.txt").write_text(f"{type(e).__name__}: {e}")
@@ -402,6 +419,49 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
     again = compile_kernels([conv, pool], [80, 90], cache_dir=tmp_path)
     assert again[0].cache_hits == 2 and again[0].compiled == 0
     assert json.dumps(again[0].kernel_meta()) == json.dumps(meta)
+
+
+def _split_spec(c: int, k: int, kernel: int, pool: PoolAttrs | None = None, group: int = 1) -> ConvSpec:
+    pad = (kernel // 2,) * 4
+    return ConvSpec("onnxfuse_conv_relu_0123456789ab", _program(SILU, "f32", 0), c, k,
+                    ConvAttrs((kernel, kernel), (1, 1), pad, group=group), pool, "tf32",
+                    x_layout="nhwc", y_layout="nhwc", w_layout="krsc")
+
+
+def test_split_k_variant_choice():
+    # YOLOv8n's head at 320²: 256 -> 64 channels 3x3, 72 steps of 32 channels: 12 slices of 6
+    plain, split = conv_variants(_split_spec(256, 64, 3))
+    assert (plain.index, plain.split, split.index, split.split) == (0, 0, 1, 12)
+    assert split.block_m == 64 and (split.block_n, split.block_k) == (plain.block_n, plain.block_k)
+    # 1x1 over 512 channels: 16 steps, 4 slices of 4; over 64 channels: 2 steps, no split
+    assert conv_variants(_split_spec(512, 256, 1))[1].split == 4
+    assert len(conv_variants(_split_spec(64, 64, 1))) == 1
+    # no split with a pool in the epilogue or for grouped convs
+    assert len(conv_variants(_split_spec(256, 64, 3, PoolAttrs((2, 2), (2, 2))))) == 1
+    assert len(conv_variants(_split_spec(256, 256, 3, group=256))) == 1
+    spec = _split_spec(256, 64, 3)
+    with pytest.raises(ValueError, match="does not divide"):
+        generate_conv(spec, dataclasses.replace(split, split=5))
+    with pytest.raises(ValueError, match="split K is for"):
+        generate_conv(dataclasses.replace(spec, pool=PoolAttrs((2, 2), (2, 2))), split)
+    ks = generate_conv(spec, split)
+    names = [p for p, _ in ks.params]
+    assert names[-2:] == ["ws_ptr", "cnt_ptr"] and names.index("ws_ptr") in ks.divisible
+    assert dict(ks.constexprs)["SPLIT"] == 12 and dict(ks.constexprs)["SPLIT_STEPS"] == 6
+    assert "ws_ptr" not in [p for p, _ in generate_conv(spec, plain).params]
+
+
+def test_aot_compile_split_k_for_sm90(tmp_path):
+    """The split-K kernel compiles ahead of time: its counter is one acquire-release atomic
+    after a CTA barrier, and kernel_meta carries the slice count."""
+    pytest.importorskip("triton")
+    (out,) = compile_kernels([_split_spec(256, 64, 3)], [90], cache_dir=tmp_path, jobs=2)
+    meta = out.kernel_meta()
+    assert [v.get("split") for v in meta["variants"]] == [None, 12]
+    assert {(b["variant"], b["format"]) for b in meta["binaries"]} >= {(0, "cubin"), (1, "cubin")}
+    ptx = next(d.decode() for b, d in zip(meta["binaries"], out.kernels(), strict=True)
+               if b["variant"] == 1 and b["format"] == "ptx")
+    assert "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx and "ld.global.cg" in ptx
 
 
 @pytest.mark.parametrize("pool,x_layout,tile", [

@@ -300,6 +300,73 @@ def test_mobilenet_v3_small_channels_last_matches_original():
         check(session(m, library=False).run(None, feeds), sess.run(None, feeds), 1e-2, f"mobilenet b{batch}")
 
 
+def deep_head(c: int = 256, size: int = 10) -> onnx.ModelProto:
+    """YOLOv8's detection head at its smallest scale: 3x3 c -> 64 + SiLU, 3x3 64 -> 64 + SiLU,
+    1x1 64 -> 80, beside a 1x1 c -> 2c + Relu. At batch 1 every conv's output is one or two
+    tiles with a long reduction: the launcher takes the split-K kernels."""
+    rng = np.random.default_rng(5)
+
+    def init(name, *shape):
+        fan = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        return numpy_helper.from_array((rng.standard_normal(shape) / fan ** 0.5).astype(np.float32), name)
+
+    inits = [init("w1", 64, c, 3, 3), init("b1", 64), init("w2", 64, 64, 3, 3), init("b2", 64),
+             init("w3", 80, 64, 1, 1), init("b3", 80), init("w4", 2 * c, c, 1, 1), init("b4", 2 * c)]
+    nodes = [N("Conv", ["x", "w1", "b1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv1"),
+             N("Sigmoid", ["c1"], ["s1"]), N("Mul", ["c1", "s1"], ["a1"]),
+             N("Conv", ["a1", "w2", "b2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv2"),
+             N("Sigmoid", ["c2"], ["s2"]), N("Mul", ["c2", "s2"], ["a2"]),
+             N("Conv", ["a2", "w3", "b3"], ["y"], kernel_shape=[1, 1], name="conv3"),
+             N("Conv", ["x", "w4", "b4"], ["c4"], kernel_shape=[1, 1], name="conv4"),
+             N("Relu", ["c4"], ["z"])]
+    g = helper.make_graph(nodes, "deep_head",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None),
+                           helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return onnx.shape_inference.infer_shapes(m)
+
+
+@pytest.mark.parametrize("layout,fp16", [("nchw", False), ("nhwc", False), ("nhwc", True)])
+def test_split_k_convs_match_original(layout, fp16):
+    """Split K (codegen_conv): small outputs with long reductions, at batch 1 and 3 (fewer
+    tiles than half the SMs: the split kernels), and 64 (more: the plain ones), then under
+    CUDA graphs (the workspace comes from the EP's arena and the counters are zeroed on its
+    stream, inside the capture)."""
+    from onnxfuse.kernels import compile_hook
+
+    m = _to_fp16(deep_head()) if fp16 else deep_head()
+    r = optimize_model(m, layout=layout)
+    info = compile_hook("auto", layout=layout)(r)
+    assert not info["failed"], info["failed"]
+    metas = [json.loads(a.s) for n in r.model.graph.node if n.op_type == "FusedConv"
+             for a in n.attribute if a.name == "kernel_meta"]
+    # slices per fused conv (None: too short to split, 1x1 over 64 channels). NCHW leaves
+    # conv1 (reduction 2304) to cuDNN, and the lone 1x1 conv3 is fused only channels-last.
+    # fp16 reduces 64 channels per step: fewer steps, fewer convs worth splitting.
+    want = {("nchw", False): [3, 2], ("nhwc", False): [12, 3, None, 2], ("nhwc", True): [9, None, None, None]}
+    want = want[layout, fp16]
+    assert [meta["variants"][-1].get("split") for meta in metas] == want
+    rel = 1e-2 if fp16 else 2e-3
+    original, sess = session(m, library=False), session(r.model, library=True)
+    for batch in (1, 3, 64):
+        feeds = random_feeds(m, {"N": batch}, seed=50 + batch)
+        check(original.run(None, feeds), sess.run(None, feeds), rel, f"deep head {layout} b{batch}")
+    feeds = random_feeds(m, {"N": 1}, seed=60)
+    expected = original.run(None, feeds)
+    graph = session(r.model, library=True, cuda_graph=True)
+    binding = graph.io_binding()
+    for k, v in feeds.items():
+        binding.bind_ortvalue_input(k, ort.OrtValue.ortvalue_from_numpy(v, "cuda", 0))
+    outputs = [ort.OrtValue.ortvalue_from_numpy(np.zeros_like(e), "cuda", 0) for e in expected]
+    for o, v in zip(graph.get_outputs(), outputs, strict=True):
+        binding.bind_ortvalue_output(o.name, v)
+    for i in range(4):  # capture, then replays: the counters must start at zero every time
+        graph.run_with_iobinding(binding)
+        check(expected, [v.numpy() for v in outputs], rel, f"deep head {layout} graph run {i}")
+
+
 @pytest.mark.parametrize("name", ["resnet_stem", "sppf"])
 def test_nhwc_pools_match_original(name):
     """FusedMaxPool nodes in the NHWC plan (ResNet's stem conv -> pool 3x3 s2 p1 -> conv,

@@ -39,8 +39,17 @@ def test_channels_last_and_flat_candidates(channels, x_layout, w_layout, first, 
     spec = ConvSpec("k", RELU, channels, 64, ConvAttrs((3, 3), pads=(1, 1, 1, 1)), x_layout=x_layout,
                     w_layout=w_layout)
     cands = candidates(spec)
-    configs = [v for _, (v,) in cands]
+    configs = [vs[0] for _, vs in cands]
     assert cands[0][0] == first and len(cands) >= 4
+    # each candidate ships with its split-K variant where its reduction splits (64 channels
+    # 3x3: 18 steps of 32 channels or 9 of 64); the flat kernel's 1 step does not
+    splits = [vs[1:] for _, vs in cands]
+    assert all(len(s) <= 1 for s in splits) and (any(splits) != flat)
+    for (_, vs), s in zip(cands, splits, strict=True):
+        for sv in s:
+            assert (sv.index, sv.block_n, sv.block_k, sv.num_warps) == (1, vs[0].block_n, vs[0].block_k,
+                                                                          vs[0].num_warps)
+            assert sv.split > 1 and sv.block_m == min(vs[0].block_m, 64)
     assert len({(v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages) for v in configs}) == len(cands)
     assert all(v.flat == flat for v in configs)
     assert flat or all(v.num_warps >= 4 for v in configs)  # wgmma needs a warp group
