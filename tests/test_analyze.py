@@ -168,6 +168,25 @@ def test_profile_cuda_without_cuda_provider_exits_2(capsys):
     assert "no CUDA execution provider" in capsys.readouterr().err
 
 
+def test_profile_failure_names_dimensions_assumed_1(capsys, tmp_path):
+    """A run that fails because a dynamic spatial dimension was assumed 1 (a 3x3 conv without
+    padding needs at least 3 pixels) says so in its one-line error."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((2, 1, 3, 3), np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, "height", 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, "oh", 6])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    path = tmp_path / "conv.onnx"
+    path.write_bytes(m.SerializeToString())
+    assert main(["profile", str(path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("onnxfuse: error: onnxruntime:") and "height were assumed 1" in err
+    assert main(["profile", str(path), "--shape", "height=5"]) == 0
+
+
 # ------------------------------------------------------------------ profile
 
 def _events():
