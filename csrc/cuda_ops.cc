@@ -817,9 +817,9 @@ struct ConvKernel : CudaKernelBase {
       for (int64_t st : conv_extra_strides(t[i].shape, lay.extra_nhwc(i - 3), conv_out))
         p.i32(st, "an extra input's stride");
 
-    // Split K where even the split variant's tiles would leave more than half the SMs idle
-    // (codegen_conv: a small M, typically a deep layer at batch 1), and the EP lends a
-    // workspace; otherwise the plain variant.
+    // Split K where the split variant's tiles number at most half the SMs (codegen_conv: a
+    // small M, typically a deep layer at batch 1) and the EP lends a workspace; otherwise
+    // the plain variant.
     const int sv = find_variant(tg, ptrs, n_out, largest, 0, 0, /*split=*/true);
     if (sv >= 0) {
       const Variant& var = meta.variants[sv];
