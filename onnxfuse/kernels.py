@@ -57,6 +57,7 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
             info["summary"] += "\n" + tuning.summary(records)
         return info
 
+    hook.layout = layout  # `onnxfuse.optimize` picks its patterns for the same layout
     return hook
 
 

@@ -194,9 +194,17 @@ def _not_visited(model: ModelProto, patterns: list[Pattern]) -> Counter:
 
 def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
              pattern_dirs: list[str] | tuple = (), compile_hook=None, exclude: list[str] | tuple = (),
-             layout: str = "nchw") -> Report:
+             layout: str | None = None) -> Report:
     """Read, fuse and atomically write a model file. compile_hook(result) may attach kernels
-    (and run the NHWC pass: pass the same `layout` to both)."""
+    (and run the NHWC pass). `layout` picks the patterns (NHWC_ONLY_PATTERNS with "nhwc");
+    by default it is the layout `onnxfuse.kernels.compile_hook` was made with, else "nchw".
+    A layout other than the hook's is an error: the patterns and the pass must agree."""
+    hook_layout = getattr(compile_hook, "layout", None)
+    if layout is None:
+        layout = hook_layout or "nchw"
+    elif hook_layout is not None and hook_layout != layout:
+        raise OnnxfuseError(f"layout {layout!r} differs from the compile hook's {hook_layout!r}: "
+                            "make the hook with compile_hook(..., layout=...) for the same layout")
     t0 = time.perf_counter()
     patterns = for_layout(select_patterns(load_patterns(pattern_dirs), exclude), layout)
     model = load_model(input_path)

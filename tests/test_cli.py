@@ -196,3 +196,36 @@ def test_exclude_pattern(tmp_path, capsys):
     assert main([*args, "--exclude-pattern", "no_such_pattern"]) == 2
     err = capsys.readouterr().err
     assert "no_such_pattern: no such pattern" in err and "conv_relu" in err and not dst.exists()
+
+
+def test_python_optimize_takes_the_compile_hooks_layout(tmp_path):
+    """`onnxfuse.optimize` picks its patterns for the layout its compile hook was made with
+    (a lone Conv fuses only with the NHWC patterns), and refuses a layout that differs."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from onnxfuse import OnnxfuseError, optimize
+
+    w = numpy_helper.from_array(np.ones((16, 16, 3, 3), np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8, 8])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    src = tmp_path / "conv.onnx"
+    src.write_bytes(m.SerializeToString())
+    seen = []
+
+    def hook(result):  # stands in for onnxfuse.kernels.compile_hook(target, layout="nhwc")
+        seen.append([f.pattern for f in result.fused])
+        return {"summary": "kernels: none (test hook)", "kernels": 0}
+
+    hook.layout = "nhwc"
+    report = optimize(src, tmp_path / "a.onnx", compile_hook=hook)
+    assert seen == [["conv_alone"]] and report.patterns_applied == {"conv_alone": 1}
+    assert optimize(src, tmp_path / "b.onnx").patterns_applied == {}  # nchw: a lone conv stays
+    with pytest.raises(OnnxfuseError, match="differs from the compile hook's 'nhwc'"):
+        optimize(src, tmp_path / "c.onnx", compile_hook=hook, layout="nchw")
+    assert not (tmp_path / "c.onnx").exists()
+    from onnxfuse.kernels import compile_hook
+
+    assert compile_hook("auto", layout="nhwc").layout == "nhwc" and compile_hook("auto").layout == "nchw"
