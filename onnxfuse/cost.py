@@ -270,9 +270,11 @@ def parse_shape_args(items: list[str] | tuple[str, ...] | None) -> dict[str, tup
 
 
 def bind_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None,
-              default: int = DEFAULT_DIM) -> tuple[ModelProto, dict[str, int], dict[str, tuple[int, ...]], list[str]]:
+              default: int = DEFAULT_DIM
+              ) -> tuple[ModelProto, dict[str, int], dict[str, tuple[int, ...]], list[str], list[str]]:
     """Make the graph inputs' shapes concrete. Returns (a copy with the dims set, symbol ->
-    value, input -> shape, warnings). Symbolic dims are replaced everywhere they are named.
+    value, input -> shape, warnings, the dims that took ``default``: their names, or
+    "input[k]" for unnamed ones). Symbolic dims are replaced everywhere they are named.
 
     Order: ``shapes`` (per input, or ``{"N": (8,)}`` for a named dimension), then ``batch``
     (the first dimension of every input whose first dimension is dynamic), then ``default``
@@ -291,6 +293,7 @@ def bind_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = Non
     symbols: dict[str, int] = {}
     sources: dict[str, str] = {}
     warnings: list[str] = []
+    assumed: list[str] = []
     resolved: dict[str, tuple[int, ...]] = {}
 
     def bind(sym: str, value: int, how: str) -> None:
@@ -359,6 +362,7 @@ def bind_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = Non
                 what = f"dimension {sym!r}" if sym else f"dimension {k}"
                 warnings.append(f"input {vi.name}: {what} is dynamic, assumed {default} "
                                 f"(set it with --shape {vi.name}=... or --batch)")
+                assumed.append(sym or f"{vi.name}[{k}]")
                 if sym:
                     bind(sym, v, "default")
             d.Clear()
@@ -373,7 +377,7 @@ def bind_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = Non
                     v = symbols[d.dim_param]
                     d.Clear()
                     d.dim_value = v
-    return m, symbols, resolved, warnings
+    return m, symbols, resolved, warnings, assumed
 
 
 # ---------------------------------------------------------------------------------------
@@ -932,13 +936,14 @@ class Prepared:
     dims: dict[str, int]
     input_shapes: dict[str, tuple[int, ...]]
     warnings: list[str]
+    assumed: list[str]  # dynamic dims set to the default (bind_dims)
 
 
 def prepare(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None,
             default_dim: int = DEFAULT_DIM) -> Prepared:
     m = inline_foreign_functions(canonicalize(model))
-    m, dims, input_shapes, warnings = bind_dims(m, shapes, batch, default_dim)
-    return Prepared(m, GraphView.build(m, infer_shapes(m)), dims, input_shapes, warnings)
+    m, dims, input_shapes, warnings, assumed = bind_dims(m, shapes, batch, default_dim)
+    return Prepared(m, GraphView.build(m, infer_shapes(m)), dims, input_shapes, warnings, assumed)
 
 
 def model_cost(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None,

@@ -463,14 +463,13 @@ def preset_for(name: str) -> str | None:
 
 
 def _ort_error(e: Exception, assumed: list[str] | tuple[str, ...] = ()) -> OnnxfuseError:
-    """One line from ONNX Runtime's error; where dynamic dimensions were assumed 1 (no --shape),
-    the likeliest cause of a failing run (YOLO's Concats need an input size divisible by 32),
-    named after it."""
+    """One line from ONNX Runtime's error; where dynamic dimensions were assumed 1 (no --shape:
+    `Prepared.assumed`), the likeliest cause of a failing run (YOLO's Concats need an input
+    size divisible by 32), named after it."""
     text = str(e).strip().splitlines()
     msg = f"onnxruntime: {text[0] if text else type(e).__name__}"
-    dims = [w.split("'")[1] for w in assumed if "assumed 1" in w and w.count("'") >= 2]
-    if dims:
-        msg += (f" (the dynamic dimension(s) {', '.join(dims)} were assumed 1: "
+    if assumed:
+        msg += (f" (the dynamic dimension(s) {', '.join(assumed)} were assumed 1: "
                 "set real sizes with --shape NAME=N)")
     return OnnxfuseError(msg)
 
@@ -527,7 +526,7 @@ def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tf
         except OnnxfuseError:
             raise
         except Exception as e:  # noqa: BLE001 - onnxruntime's exception types
-            raise _ort_error(e, prep.warnings) from None
+            raise _ort_error(e, prep.assumed) from None
         start_ns = sess.get_profiling_start_time_ns()
         profile_path = sess.end_profiling()
         if keep_trace:
