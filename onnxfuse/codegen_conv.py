@@ -88,10 +88,19 @@ class ConvVariant:
     # for the plain kernel. Must divide the step count (`conv_steps`).
     split: int = 0
 
+    @property
+    def split_k(self) -> bool:
+        return self.split > 1
+
     def requires(self) -> dict[str, int]:
         # ptr_align: the weight and bias pointers carry 16-byte divisibility hints (vector
         # loads); the launcher checks every pointer before it launches.
         return {"max_elements": MAX_ELEMENTS, "ptr_align": 16}
+
+    def meta(self) -> dict[str, int]:
+        """The block sizes (and slices) as kernel_meta's variant lists them (docs/format.md,
+        kind conv): a "split" key makes it a split-K kernel, launched over a 3-D grid."""
+        return {"block_m": self.block_m, "block_n": self.block_n, **({"split": self.split} if self.split_k else {})}
 
 
 POOL_TILES = ("flat", "rows", "nhwc")
@@ -259,7 +268,7 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
             raise ValueError(f"conv tile sizes and num_warps must be powers of two: {variant}")
     if group == 1 and (variant.block_k < 16 or variant.block_n < 16 or variant.block_m < 16):
         raise ValueError("tl.dot needs tiles of at least 16")
-    split = variant.split > 1
+    split = variant.split_k
     if split and (group != 1 or spec.pool is not None):
         raise ValueError(f"{spec.name}: split K is for group-1 convs without a pool in the epilogue")
     if split and conv_steps(spec, variant) % variant.split:
@@ -429,7 +438,7 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     lines = _header(spec.name, what, spec.program, spec.source_nodes)
     lines += _signature(spec.name, names, constexprs)
     body = ["pid_m = tl.program_id(axis=0)", "pid_n = tl.program_id(axis=1)"]
-    split = variant.split > 1
+    split = variant.split_k
     if split:
         body += ["# Split K: this program sums the reduction steps k_lo .. k_lo + SPLIT_STEPS - 1.",
                  "pid_k = tl.program_id(axis=2)",

@@ -170,9 +170,7 @@ class CompiledKernel:
                     "extra_layouts": list(spec.extra_layouts) or [0] * spec.n_extras}
                    if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") or any(spec.extra_layouts) else {}),
                 **({"w_layout": spec.w_layout} if spec.w_layout != "rsck" else {}),
-                "variants": [{"requires": v.requires(), "block_m": v.block_m, "block_n": v.block_n,
-                              **({"split": v.split} if v.split > 1 else {})}
-                             for v in self.variants],
+                "variants": [{"requires": v.requires(), **v.meta()} for v in self.variants],
                 "binaries": binaries,
             }
         if isinstance(spec, MaxPoolSpec):
