@@ -13,6 +13,7 @@ fp16 models: rtol 1e-2, atol 1e-2 x max|y|."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -61,14 +62,19 @@ def _conv(name, x, w, b, y, k=3, stride=1, pad=1, dil=1):
              dilations=[dil, dil], name=name)
 
 
-def _image_model(nodes, name: str, c: int, size: int, inits) -> onnx.ModelProto:
-    """Opset 17, IR 10, shapes inferred: input x [N, c, size, size], output y."""
+def _image_model(nodes, name: str, c: int, size: int, inits, outputs=("y",)) -> onnx.ModelProto:
+    """Opset 17, IR 10, shapes inferred: input x [N, c, size, size], outputs y (by default)."""
     g = helper.make_graph(nodes, name,
                           [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
-                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
+                          [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in outputs], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 10
     return onnx.shape_inference.infer_shapes(m)
+
+
+def _weight(rng, name: str, *shape: int) -> onnx.TensorProto:
+    """A float32 initializer of standard normals over sqrt(fan-in) (the first dim is fan-out)."""
+    return numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32), name)
 
 
 def residual_block(c: int = 32, size: int = 20, seed: int = 0) -> onnx.ModelProto:
@@ -122,10 +128,7 @@ def mobile_block(c: int = 16, e: int = 72, size: int = 29) -> onnx.ModelProto:
     a depthwise conv with channel multiplier 2 and a grouped conv of 4 channels per group."""
     rng = np.random.default_rng(4)
 
-    def init(name, *shape):
-        return numpy_helper.from_array((rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32),
-                                       name)
-
+    init = functools.partial(_weight, rng)
     inits = [init("w1", e, c, 1, 1), init("w2", e, 1, 5, 5), init("b2", e), init("w3", e // 4, e, 1, 1),
              init("w4", e, e // 4, 1, 1), init("w5", c, e, 1, 1), init("w6", 2 * c, 1, 3, 3),
              init("w7", 2 * c, 4, 3, 3)]
@@ -304,11 +307,7 @@ def deep_head(c: int = 256, size: int = 10) -> onnx.ModelProto:
     """YOLOv8's detection head at its smallest scale: 3x3 c -> 64 + SiLU, 3x3 64 -> 64 + SiLU,
     1x1 64 -> 80, beside a 1x1 c -> 2c + Relu. At batch 1 every conv's output is one or two
     tiles with a long reduction: the launcher takes the split-K kernels."""
-    rng = np.random.default_rng(5)
-
-    def init(name, *shape):
-        fan = int(np.prod(shape[1:])) if len(shape) > 1 else 1
-        return numpy_helper.from_array((rng.standard_normal(shape) / fan ** 0.5).astype(np.float32), name)
+    init = functools.partial(_weight, np.random.default_rng(5))
 
     inits = [init("w1", 64, c, 3, 3), init("b1", 64), init("w2", 64, 64, 3, 3), init("b2", 64),
              init("w3", 80, 64, 1, 1), init("b3", 80), init("w4", 2 * c, c, 1, 1), init("b4", 2 * c)]
@@ -319,13 +318,7 @@ def deep_head(c: int = 256, size: int = 10) -> onnx.ModelProto:
              N("Conv", ["a2", "w3", "b3"], ["y"], kernel_shape=[1, 1], name="conv3"),
              N("Conv", ["x", "w4", "b4"], ["c4"], kernel_shape=[1, 1], name="conv4"),
              N("Relu", ["c4"], ["z"])]
-    g = helper.make_graph(nodes, "deep_head",
-                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", c, size, size])],
-                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None),
-                           helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
-    m.ir_version = 10
-    return onnx.shape_inference.infer_shapes(m)
+    return _image_model(nodes, "deep_head", c, size, inits, outputs=("y", "z"))
 
 
 @pytest.mark.parametrize("layout,fp16", [("nchw", False), ("nhwc", False), ("nhwc", True)])
