@@ -53,12 +53,18 @@ def conv_silu(c: int, k: int, ks: int, stride: int, size: int, seed: int = 0) ->
 
 
 def fused(m: onnx.ModelProto, split: bool) -> onnx.ModelProto:
+    """m optimized and compiled channels-last, with or without the split-K variant (through
+    ``$ONNXFUSE_CONV_CONFIG``, restored afterwards)."""
+    saved = os.environ.get("ONNXFUSE_CONV_CONFIG")
     os.environ["ONNXFUSE_CONV_CONFIG"] = "" if split else "split=0"
     try:
         r = optimize_model(m, layout="nhwc")
         info = compile_hook("auto", layout="nhwc")(r)
     finally:
-        os.environ.pop("ONNXFUSE_CONV_CONFIG", None)
+        if saved is None:
+            os.environ.pop("ONNXFUSE_CONV_CONFIG", None)
+        else:
+            os.environ["ONNXFUSE_CONV_CONFIG"] = saved
     if info["failed"] or info["declined"] or not r.fused:
         raise SystemExit(f"not fused: {info['summary']}")
     return r.model
