@@ -21,7 +21,6 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     if src.exists() and dst.exists() and os.path.samefile(src, dst):
         raise OnnxfuseError(f"{dst}: output would overwrite the input model; choose another path")
     hook = None
-    tune = None
     if args.layout == "nhwc" and args.target == "none":
         raise OnnxfuseError("--layout nhwc is for the GPU kernels: it cannot be combined with --target none")
     from onnxfuse.kernels import triton_available
@@ -33,13 +32,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     # compile step does nothing
     layout = args.layout if args.layout != "auto" else (
         "nhwc" if args.target != "none" and triton_available() else "nchw")
-    if args.tune:
-        if args.target == "none":
-            raise OnnxfuseError("--tune times compiled kernels: it cannot be combined with --target none")
-        from onnxfuse.bench import parse_assignments, parse_dims
-
-        shapes = {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
-        tune = {"shapes": shapes, "batch": args.batch}
+    tune = _tune_settings(args)
     if args.target != "none":
         from onnxfuse.kernels import compile_hook
 
@@ -56,6 +49,33 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     if args.json:
         write_text(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
     return 0
+
+
+def _tune_settings(args: argparse.Namespace):
+    """TuneSettings for optimize: tuning by default when this machine has an NVIDIA GPU and
+    onnxruntime-gpu and kernels are compiled; --tune also searches kernel configurations
+    (and is an error where it cannot run); --no-tune skips it."""
+    from onnxfuse import tune as tuning
+    from onnxfuse.bench import parse_assignments, parse_dims
+
+    if args.tune and args.no_tune:
+        raise OnnxfuseError("--tune and --no-tune contradict each other")
+    if args.tune_budget is not None and not args.tune_budget > 0:
+        raise OnnxfuseError("--tune-budget must be a positive number of seconds")
+    if args.batch is not None and args.batch < 1:
+        raise OnnxfuseError("--batch must be at least 1")
+    shapes = {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
+    if args.no_tune:
+        return None
+    if args.tune:
+        if args.target == "none":
+            raise OnnxfuseError("--tune times compiled kernels: it cannot be combined with --target none")
+        if not tuning.available():
+            raise OnnxfuseError("--tune needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
+    elif args.target == "none" or not tuning.available():
+        return None
+    return tuning.TuneSettings(shapes=shapes, batch=args.batch, configs=args.tune, explicit=args.tune,
+                               budget_s=args.tune_budget or tuning.BUDGET_S)
 
 
 def _cmd_patterns(args: argparse.Namespace) -> int:
@@ -98,11 +118,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "run of fused convs meets other ops); nchw: as the model is; auto (default): nhwc "
                         "when kernels are compiled for a GPU, nchw with --target none")
     p.add_argument("--tune", action="store_true",
-                   help="on a GPU: time each fused kernel (several configurations) against its original "
-                        "subgraph at the model's shapes and keep the faster; the report lists the times")
+                   help="on a GPU, also search each fused kernel's configurations (tile sizes) while tuning; "
+                        "an error where tuning cannot run")
+    p.add_argument("--no-tune", action="store_true",
+                   help="do not measure: the heuristics alone decide (tuning is on by default when this machine "
+                        "has an NVIDIA GPU and onnxruntime-gpu)")
+    p.add_argument("--tune-budget", type=float, metavar="SECONDS",
+                   help="per-node timing stops after this long (default 60); the whole-model check always runs")
     p.add_argument("--shape", action="append", metavar="NAME=DIMS",
-                   help="--tune: dims of an input, e.g. x=32,3,224,224")
-    p.add_argument("--batch", type=int, default=None, help="--tune: size of symbolic first dims")
+                   help="tuning: the shape to measure at, of an input (x=32,3,224,224) or a named dim (seq=128)")
+    p.add_argument("--batch", type=int, default=None,
+                   help="tuning: size of symbolic leading dims (default 1)")
     p.set_defaults(func=_cmd_optimize)
 
     p = sub.add_parser("patterns", help="list the loaded fusion patterns")

@@ -13,13 +13,15 @@ def triton_available() -> bool:
 
 
 def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf32",
-                 tune: dict | None = None, layout: str = "nchw") -> Callable:
+                 tune=None, layout: str = "nchw") -> Callable:
     """A pipeline hook that compiles every fused node's kernel for `target` and attaches it.
 
     target: "auto" (the local GPU, else the default set; skipped with a note when Triton is
     not installed) or a list like "sm_90,sm_80" (an error when Triton is missing).
-    tune: {"shapes": {input: dims}, "batch": N or None} to time every fused node against its
-    original subgraph on the local GPU and keep the faster (`onnxfuse.tune`).
+    tune: an `onnxfuse.tune.TuneSettings` to measure on the local GPU which fused nodes to
+    keep and whether the optimized model beats the original (`onnxfuse.tune`), or None.
+    A tuning that cannot run (no GPU, a model that does not run at the shapes) is an error
+    when the settings are `explicit` (--tune), else a warning and the heuristics decide.
     """
     if target != "auto" and not triton_available():
         raise OnnxfuseError("--target needs Triton: pip install 'onnxfuse[compile]' (or use --target none)")
@@ -33,32 +35,47 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
         from onnxfuse import compile as aot
 
         targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
-        info = compile_fused(result.model, result.fused, targets, jobs=jobs, conv_precision=conv_precision,
-                             tensors=result.tensors,
-                             decline_slow_convs=tune is None, layout=layout)
-        kernels = {f.node_name: f.kernel_name for f in result.fused}
-        for rec in result.report.fused:  # the NHWC pass renames kernels
-            rec.kernel = kernels.get(rec.node, rec.kernel)
-        result.report.nodes_after = len(result.model.graph.node)  # and adds boundary Transposes
-        for reason in dict.fromkeys(d["reason"] for d in info["declined"]):
-            result.drop_fused({d["node"] for d in info["declined"] if d["reason"] == reason}, reason)
-        if info["failed"]:
-            result.drop_fused({f["node"] for f in info["failed"]}, FAILED_REASON)
-            for f in info["failed"]:
-                result.warn(failure_warning(f))
-        if tune is not None and result.fused:
-            import dataclasses
 
-            from onnxfuse import tune as tuning
+        # with --tune (configs) the measurements decide which convs cuDNN keeps
+        decline = tune is None or not tune.configs
 
-            dims = tuning.fix_shapes(result.model, tune.get("shapes", {}), tune.get("batch"))
-            records = tuning.tune(result, targets, dims, conv_precision=conv_precision, jobs=jobs)
-            info["tune"] = [dataclasses.asdict(r) for r in records]
-            info["summary"] += "\n" + tuning.summary(records)
-        return info
+        def build(res) -> dict:
+            return _compile(res, targets, jobs, conv_precision, layout, decline_slow_convs=decline)
+
+        if tune is None:
+            return build(result)
+        from onnxfuse import tune as tuning
+
+        before = tuning.snapshot(result)
+        info = build(result)
+        try:
+            return tuning.tune(result, before, info, build, tune, targets, conv_precision=conv_precision, jobs=jobs)
+        except OnnxfuseError as e:
+            if tune.explicit:
+                raise OnnxfuseError(f"--tune: {e}") from None
+            result.warn(f"not tuned: {e}")
+            return info
 
     hook.layout = layout  # `onnxfuse.optimize` picks its patterns for the same layout
     return hook
+
+
+def _compile(result, targets: list[int], jobs: int | None, conv_precision: str, layout: str,
+             decline_slow_convs: bool) -> dict:
+    """Compile (and lay out) the fused nodes of a pipeline Result; its report follows."""
+    info = compile_fused(result.model, result.fused, targets, jobs=jobs, conv_precision=conv_precision,
+                         tensors=result.tensors, decline_slow_convs=decline_slow_convs, layout=layout)
+    kernels = {f.node_name: f.kernel_name for f in result.fused}
+    for rec in result.report.fused:  # the NHWC pass renames kernels
+        rec.kernel = kernels.get(rec.node, rec.kernel)
+    result.report.nodes_after = len(result.model.graph.node)  # and adds boundary Transposes
+    for reason in dict.fromkeys(d["reason"] for d in info["declined"]):
+        result.drop_fused({d["node"] for d in info["declined"] if d["reason"] == reason}, reason)
+    if info["failed"]:
+        result.drop_fused({f["node"] for f in info["failed"]}, FAILED_REASON)
+        for f in info["failed"]:
+            result.warn(failure_warning(f))
+    return info
 
 
 FAILED_REASON = "kernel failed to compile (left unfused)"

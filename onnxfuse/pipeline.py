@@ -86,6 +86,9 @@ class Result:
     # a dim is an int, a dim_param or None): the NHWC pass reads them (onnxfuse.layout), as the
     # written model keeps only the value_info it came with.
     tensors: dict[str, tuple] = field(default_factory=dict)
+    # The input model as given (not a copy: never changed): tuning times it, and writes it
+    # unchanged when the optimized model is slower (onnxfuse.tune).
+    original: ModelProto | None = None
 
     def warn(self, message: str) -> None:
         """Record a warning in the report and issue it as an OnnxfuseWarning."""
@@ -159,7 +162,7 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, lay
         report.not_fused[reason] = report.not_fused.get(reason, 0) + count
     report.seconds = time.perf_counter() - t0
     tensors = {name: (shape, view.types.get(name, 0)) for name, shape in view.shapes.items()}
-    return Result(fused_model, report, fused, tensors)
+    return Result(fused_model, report, fused, tensors, original=model)
 
 
 SUBGRAPH_REASON = "inside an If/Loop/Scan body (subgraphs are not optimized)"

@@ -1,26 +1,55 @@
-"""`onnxfuse optimize --tune`: measured fusion decisions, on a machine with a GPU.
+"""Measured fusion decisions: `onnxfuse optimize` on a machine with an NVIDIA GPU.
 
-For every fused node, at the model's shapes (graph inputs fixed by --shape / --batch):
-1. a one-node model holding the fused node and its function, and the same model with the
-   node turned back into its original subgraph (`onnxfuse.rewrite.unfuse`);
-2. each candidate kernel configuration (`candidates`: tile sizes for conv kernels, block
-   sizes for max-pool kernels, the default launch for pointwise kernels) is compiled for
-   the local GPU, attached, and timed in ONNX Runtime's CUDA execution provider (IO
-   binding, median of `iters` runs, `onnxfuse.bench.run_model`); so is the original;
-3. the fastest candidate's kernel is kept; when the original subgraph is faster than every
-   candidate, the node is unfused.
+When a GPU and onnxruntime-gpu are present, `optimize` tunes by default (`--no-tune`
+skips it; without a GPU the documented heuristics decide alone). At one set of input
+shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
 
-The report lists every time (`Report.compile["tune"]`). With `--layout nhwc` a node's
-original subgraph includes the Transposes of its function body, which favours the fused
-kernel; tune NCHW models for a fair comparison. Without a GPU (or without
-onnxruntime-gpu) --tune is an error; the default configurations then come from the
-heuristics in `onnxfuse.compile.conv_variants` / `pool_variants` / `choose_variants`.
+1. **Per node.** Every fused node is timed as a one-node model (the node, its function
+   and its kernel; library registered) against what ONNX Runtime would run for the same
+   nodes: the node's original subgraph as a model of its own, in NCHW (the channels-last
+   Transposes that the function body holds for the NHWC layout are left out: they are
+   how the body reads onnxfuse's storage, not work the original did). Both run in ORT's
+   CUDA EP with its defaults (TF32 allowed), median of `iters` synchronized runs. A node
+   whose original is faster (by more than `NODE_MARGIN_MS` and `NODE_MARGIN_REL`) is
+   left to ONNX Runtime: the model is rebuilt from the state before the layout pass with
+   those nodes unfused, so the NHWC plan routes around them, and recompiled (cache hits).
+   With `--tune` each fused kernel's candidate configurations (`candidates`) are timed too
+   and the fastest is kept.
+2. **Whole model.** The original (ORT defaults) and the optimized model are timed, with
+   and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
+   than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
+   made, the model before them is tried as well and the faster of the two that pass is
+   kept. When neither passes, the original model is written unchanged, and the report and
+   a warning say so with the times. This is the guarantee: after `optimize` on a GPU, the
+   model is not slower than the original at the measured shapes.
+
+Shapes: every tensor a one-node model needs comes from shape inference at the fixed input
+shapes; tensors it cannot type (data-dependent Reshapes, custom ops) are filled by running
+the model once at those shapes with them as extra outputs. Dynamic dims: only the shapes
+given are measured, and the report lists them (`shapes`). A model with a symbolic dim that
+is not the leading one and is not given is not measured (a warning asks for `--shape`).
+
+Cache: every measured time is kept under ``~/.cache/onnxfuse/tune`` (``$ONNXFUSE_CACHE``
+moves the root), one JSON file per device, ONNX Runtime, onnxfuse and kernel cache format,
+keyed by a hash of the exact one-node (or whole) model and its input shapes, so a second
+`optimize` of the same model at the same shapes measures nothing again.
+
+Budget: per-node timing stops after `budget_s` seconds (default `BUDGET_S`); nodes not
+reached keep the heuristics' decision and are listed as not measured; the whole-model
+check always runs.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import hashlib
+import json
+import os
+import re
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,18 +59,399 @@ from onnx import ModelProto, helper
 
 from onnxfuse.errors import OnnxfuseError
 
-ITERS, WARMUP = 30, 5
-REASON = "the original subgraph was faster on this GPU (--tune)"
+ITERS, WARMUP = 20, 3          # per one-node model
+MODEL_ITERS, MODEL_WARMUP = 30, 5  # per whole model
+BUDGET_S = 60.0
+# A node is left to ONNX Runtime when its original is faster by more than both margins:
+# one-node timings are synchronized wall clock, whose medians move by about a microsecond.
+NODE_MARGIN_MS = 0.002
+NODE_MARGIN_REL = 0.02
+# Whole model: slower than the original by more than this fraction is slower.
+MODEL_NOISE = 0.02
+CACHE_VERSION = 1
+REASON = "left to ONNX Runtime: its original subgraph measured faster (tuning)"
+KEPT_ORIGINAL = "kept the original model: the optimized one measured slower (tuning)"
+
+
+@dataclass(frozen=True)
+class TuneSettings:
+    """How `optimize` measures. shapes: input name or dim name -> dims (as `--shape`);
+    batch: size of symbolic leading dims (default 1); configs: also search kernel
+    configurations (`--tune`); explicit: the user asked for tuning, so what stops it is an
+    error rather than a warning."""
+
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    batch: int | None = None
+    configs: bool = False
+    explicit: bool = False
+    budget_s: float = BUDGET_S
+    provider: str = "cuda"
+    cache: bool = True
+    iters: int = ITERS
+    warmup: int = WARMUP
+    model_iters: int = MODEL_ITERS
+    model_warmup: int = MODEL_WARMUP
 
 
 @dataclass
-class TuneRecord:
+class NodeDecision:
     node: str
     kind: str
-    original_ms: float
-    candidates: list[dict] = field(default_factory=list)  # {"config": str, "ms": float} or {"error"}
-    chosen: str = ""  # the chosen config, or "original"
+    original_ms: float | None = None
+    fused_ms: float | None = None
+    chosen: str = ""  # "fused", a configuration's label, "original" or "not measured (...)"
+    candidates: list[dict] = field(default_factory=list)  # --tune: {"config", "ms"} or {"config", "error"}
 
+
+@dataclass
+class ModelTimes:
+    """Median ms of one model, without and with CUDA graphs (None: could not run)."""
+
+    plain_ms: float | None
+    graph_ms: float | None
+    graph_error: str | None = None
+
+    def not_slower_than(self, other: ModelTimes) -> bool:
+        """Not slower in either mode (within MODEL_NOISE); a mode the other cannot run
+        does not count, one only the other can run does."""
+        for mine, theirs in ((self.plain_ms, other.plain_ms), (self.graph_ms, other.graph_ms)):
+            if theirs is None:
+                continue
+            if mine is None or mine > theirs * (1 + MODEL_NOISE):
+                return False
+        return True
+
+    def best(self) -> float:
+        return min((t for t in (self.plain_ms, self.graph_ms) if t is not None), default=float("inf"))
+
+
+# ---------------------------------------------------------------------------------------
+# Shapes
+# ---------------------------------------------------------------------------------------
+
+def input_shapes(model: ModelProto, settings: TuneSettings) -> dict[str, tuple[int, ...]]:
+    """Concrete dims for every graph input: --shape, else --batch (or 1) for a symbolic
+    leading dim and the model's own dims. A symbolic dim elsewhere that --shape does not
+    give raises OnnxfuseError naming it."""
+    from onnxfuse.bench import BenchSettings, _signature, resolve_inputs
+
+    sig = _signature(model)
+    specs, _ = resolve_inputs(sig, BenchSettings(shapes=settings.shapes, batch=settings.batch), "the model")
+    for inp, spec in zip(sig, specs, strict=True):
+        for k, d in enumerate(inp.dims):
+            if k > 0 and not isinstance(d, int) and inp.name not in settings.shapes and d not in settings.shapes:
+                raise OnnxfuseError(f"input {inp.name!r} has a symbolic dim {k} ({d or 'unnamed'}): give the shapes "
+                                    f"to measure at, e.g. --shape {inp.name}={','.join(map(str, spec.shape))}")
+    return {s.name: s.shape for s in specs}
+
+
+def feeds_for(model: ModelProto, dims: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs of the given dims (onnxfuse.bench.make_feeds)."""
+    from onnxfuse.bench import BenchSettings, _signature, make_feeds, resolve_inputs
+
+    settings = BenchSettings(shapes=dims, seed=seed)
+    specs, _ = resolve_inputs(_signature(model), settings, "the model")
+    return make_feeds(specs, settings)
+
+
+def _with_input_dims(model: ModelProto, dims: dict[str, tuple[int, ...]]) -> ModelProto:
+    m = ModelProto()
+    m.CopyFrom(model)
+    for vi in m.graph.input:
+        if vi.name in dims:
+            shape = vi.type.tensor_type.shape
+            del shape.dim[:]
+            for d in dims[vi.name]:
+                shape.dim.add().dim_value = d
+    return m
+
+
+def tensor_infos(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: dict[str, np.ndarray],
+                 needed: set[str], provider: str) -> dict[str, onnx.ValueInfoProto]:
+    """A typed, static ValueInfo for every tensor in `needed` (not initializers): shape
+    inference at the fixed input dims, and for what it leaves unknown one run of the model
+    at those inputs with the unknown tensors as extra outputs."""
+    m = _with_input_dims(model, dims)
+    del m.graph.value_info[:]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False)
+    except Exception:  # a model onnx cannot infer is filled by running it
+        inferred = m
+    infos = {v.name: v for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]}
+    inits = {t.name for t in model.graph.initializer}
+    missing = sorted(n for n in needed if n not in inits and not (n in infos and _static(infos[n])))
+    if missing:
+        for name, a in run_for_values(m, feeds, missing, provider).items():
+            infos[name] = helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
+    return infos
+
+
+def run_for_values(model: ModelProto, feeds: dict[str, np.ndarray], names: list[str],
+                   provider: str) -> dict[str, np.ndarray]:
+    """The values of tensors `names` when `model` runs on `feeds` (they become extra graph
+    outputs of a copy; the onnxfuse library is registered)."""
+    import onnxruntime as ort
+
+    from onnxfuse import runtime
+
+    m = ModelProto()
+    m.CopyFrom(model)
+    outputs = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in outputs)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    runtime.session_options(so)
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"] if provider == "cuda" else ["CPUExecutionProvider"]
+    try:
+        sess = ort.InferenceSession(m.SerializeToString(), so, providers=providers)
+        values = sess.run(names, feeds)
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise OnnxfuseError(f"cannot run the model to learn its tensors' shapes: {first}") from None
+    return dict(zip(names, values, strict=True))
+
+
+def _static(vi: onnx.ValueInfoProto) -> bool:
+    t = vi.type.tensor_type
+    return t.elem_type != 0 and t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
+
+
+# ---------------------------------------------------------------------------------------
+# One-node models
+# ---------------------------------------------------------------------------------------
+
+def fused_model(model: ModelProto, node: onnx.NodeProto, infos: dict) -> ModelProto:
+    """A model of one fused node: its inputs (initializers stay constants), outputs and
+    function, named canonically (i0.., o0.., node "n") so that equal layers hash equal."""
+    inits = {t.name: t for t in model.graph.initializer}
+    key = (node.domain, node.op_type, node.overload)
+    fn = [f for f in model.functions if (f.domain, f.name, f.overload) == key]
+    rename: dict[str, str] = {}
+    inputs, consts = [], []
+    for name in dict.fromkeys(x for x in node.input if x):
+        new = rename[name] = f"i{len(rename)}"
+        if name in inits:
+            t = onnx.TensorProto()
+            t.CopyFrom(inits[name])
+            t.name = new
+            consts.append(t)
+        else:
+            inputs.append(_renamed(_info(infos, name, node), new))
+    outputs = []
+    for k, name in enumerate(node.output):
+        rename[name] = f"o{k}"
+        outputs.append(_renamed(_info(infos, name, node), f"o{k}"))
+    n = onnx.NodeProto()
+    n.CopyFrom(node)
+    n.name = "n"
+    n.input[:] = [rename.get(x, x) for x in node.input]
+    n.output[:] = [rename[x] for x in node.output]
+    g = helper.make_graph([n], "node", inputs, outputs, consts)
+    m = helper.make_model(g, opset_imports=list(model.opset_import), functions=fn)
+    m.ir_version = model.ir_version
+    return m
+
+
+def original_model(model: ModelProto, node: onnx.NodeProto, infos: dict) -> ModelProto:
+    """What ONNX Runtime runs for a fused node: its function body as a model, NCHW. The
+    body's layout Transposes (onnxfuse.layout.BODY_TRANSPOSE_PREFIX) go, and the tensors
+    they converted take their NCHW shapes."""
+    from onnxfuse.layout import BODY_TRANSPOSE_PREFIX, TO_NCHW
+
+    key = (node.domain, node.op_type, node.overload)
+    fn = next(f for f in model.functions if (f.domain, f.name, f.overload) == key)
+    inits = {t.name: t for t in model.graph.initializer}
+    actual = dict(zip(fn.input, node.input, strict=False))
+    layout = [b for b in fn.node if b.op_type == "Transpose" and b.name.startswith(BODY_TRANSPOSE_PREFIX)]
+    # entry Transposes (to_nchw of a formal input): readers of their output read the input,
+    # which takes its NCHW shape; exit Transposes (to_nhwc of a formal output): the node
+    # producing their input produces the output, NCHW
+    rename: dict[str, str] = {}
+    nchw: set[str] = set()
+    for t in layout:
+        if t.input[0] in fn.input:
+            rename[t.output[0]] = t.input[0]
+            nchw.add(t.input[0])
+        elif t.output[0] in fn.output:
+            rename[t.input[0]] = t.output[0]
+            nchw.add(t.output[0])
+    body = []
+    for b in fn.node:
+        if any(b is t for t in layout):
+            continue
+        n = onnx.NodeProto()
+        n.CopyFrom(b)
+        n.input[:] = [rename.get(x, x) for x in n.input]
+        n.output[:] = [rename.get(x, x) for x in n.output]
+        body.append(n)
+    inputs, consts, used = [], [], {x for b in body for x in b.input}
+    for formal in fn.input:
+        name = actual.get(formal, "")
+        if not name or formal not in used:
+            continue
+        if name in inits:
+            t = onnx.TensorProto()
+            t.CopyFrom(inits[name])
+            t.name = formal
+            consts.append(t)
+        else:
+            vi = _renamed(_info(infos, name, node), formal)
+            if formal in nchw:
+                _permute(vi, TO_NCHW)
+            inputs.append(vi)
+    outputs = []
+    for formal, name in zip(fn.output, node.output, strict=False):
+        vi = _renamed(_info(infos, name, node), formal)
+        if formal in nchw:
+            _permute(vi, TO_NCHW)
+        outputs.append(vi)
+    g = helper.make_graph(body, "original", inputs, outputs, consts)
+    opsets = {o.domain: o.version for o in model.opset_import if o.domain != "onnxfuse"}
+    opsets.update({o.domain: o.version for o in fn.opset_import if o.domain != "onnxfuse"})
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())])
+    m.ir_version = model.ir_version
+    return m
+
+
+def _info(infos: dict, name: str, node: onnx.NodeProto) -> onnx.ValueInfoProto:
+    vi = infos.get(name)
+    if vi is None or not _static(vi):
+        raise OnnxfuseError(f"no static shape for {name!r} (a tensor of {node.name})")
+    return vi
+
+
+def _renamed(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
+    out = onnx.ValueInfoProto()
+    out.CopyFrom(vi)
+    out.name = name
+    out.doc_string = ""
+    return out
+
+
+def _permute(vi: onnx.ValueInfoProto, perm: list[int]) -> None:
+    dims = [d.dim_value for d in vi.type.tensor_type.shape.dim]
+    if len(dims) == len(perm):
+        shape = vi.type.tensor_type.shape
+        del shape.dim[:]
+        for p in perm:
+            shape.dim.add().dim_value = dims[p]
+
+
+def random_feeds(m: ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """N(0, 1) floats, integers in [0, 10), fair booleans, for every graph input of `m`."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for vi in m.graph.input:
+        t = vi.type.tensor_type
+        dt = np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type))
+        shape = [d.dim_value for d in t.shape.dim]
+        if dt == np.bool_:
+            feeds[vi.name] = rng.random(shape) < 0.5
+        elif dt.kind in "iu":
+            feeds[vi.name] = rng.integers(0, 10, size=shape).astype(dt)
+        else:
+            feeds[vi.name] = rng.standard_normal(shape).astype(dt)
+    return feeds
+
+
+# ---------------------------------------------------------------------------------------
+# Timing, cached
+# ---------------------------------------------------------------------------------------
+
+class Timer:
+    """Times models in ONNX Runtime (onnxfuse.bench.run_model: IO binding, synchronized
+    wall clock, ORT's defaults with TF32 allowed) and remembers every time in a JSON file
+    per device and software versions."""
+
+    def __init__(self, settings: TuneSettings, folder: Path):
+        self.settings = settings
+        self.folder = folder
+        self.path = cache_path(settings.provider) if settings.cache else None
+        self.entries: dict[str, dict] = _read_cache(self.path) if self.path else {}
+        self.measured = 0
+        self.hits = 0
+
+    def time(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool = False,
+             whole: bool = False) -> float:
+        """Median ms of `m` on `feeds`; raises OnnxfuseError when it cannot run."""
+        data = m.SerializeToString(deterministic=True)
+        h = hashlib.sha256(data)
+        for name in sorted(feeds):
+            h.update(f"|{name}:{feeds[name].dtype}:{feeds[name].shape}".encode())
+        h.update(f"|lib={library}|graph={graph}".encode())
+        key = h.hexdigest()
+        if key in self.entries:
+            self.hits += 1
+            return float(self.entries[key]["ms"])
+        from onnxfuse.bench import BenchSettings, run_model
+
+        s = self.settings
+        warmup, iters = (s.model_warmup, s.model_iters) if whole else (s.warmup, s.iters)
+        path = self.folder / f"m{len(self.entries)}_{self.measured}.onnx"
+        from onnxfuse.pipeline import save_model
+
+        save_model(m, path)
+        try:
+            run = run_model(str(path), feeds, BenchSettings(provider=s.provider, warmup=warmup, iters=iters,
+                                                            cuda_graph=graph, tf32=True), library=library)
+        finally:
+            for p in (path, path.with_name(path.name + ".data")):
+                p.unlink(missing_ok=True)
+        ms = float(np.median(run.times_ms))
+        self.measured += 1
+        self.entries[key] = {"ms": ms}
+        return ms
+
+    def save(self) -> None:
+        if self.path is not None and self.measured:
+            _write_cache(self.path, self.entries)
+
+
+def cache_path(provider: str) -> Path:
+    """The tuning cache file for this device and software (see the module docstring)."""
+    import onnxruntime as ort
+
+    import onnxfuse
+    from onnxfuse import bench
+    from onnxfuse.compile import CACHE_FORMAT
+
+    if provider == "cuda":
+        gpu = bench.CudaDriver()
+        device = gpu.name() or "cuda"
+        gpu.close()
+    else:
+        device = bench.cpu_name()
+    root = Path(os.environ.get("ONNXFUSE_CACHE") or Path.home() / ".cache" / "onnxfuse")
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{device}-ort{ort.__version__}-onnxfuse{onnxfuse.__version__}"
+                  f"-k{CACHE_FORMAT}-t{CACHE_VERSION}").strip("-")
+    return root / "tune" / f"{slug}.json"
+
+
+def _read_cache(path: Path) -> dict[str, dict]:
+    try:
+        data = json.loads(path.read_text())
+        return data["entries"] if data.get("version") == CACHE_VERSION else {}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+def _write_cache(path: Path, entries: dict[str, dict]) -> None:
+    """Merge with what another process wrote meanwhile, then replace atomically; a cache
+    that cannot be written is skipped (tuning still worked)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        merged = _read_cache(path) | entries
+        fd, tmp = tempfile.mkstemp(prefix=".tune.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": CACHE_VERSION, "entries": merged}, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------
+# Kernel configurations (--tune)
+# ---------------------------------------------------------------------------------------
 
 def candidates(spec) -> list[tuple[str, tuple]]:
     """(label, variants) per candidate configuration of a kernel spec."""
@@ -99,151 +509,255 @@ def candidates(spec) -> list[tuple[str, tuple]]:
     return [("default", aot.choose_variants(spec))]
 
 
-def fix_shapes(model: ModelProto, shapes: dict[str, tuple[int, ...]], batch: int | None) -> dict[str, tuple]:
-    """Concrete dims for every graph input: `shapes` by input name, else `batch` for a
-    symbolic first dim. Raises OnnxfuseError naming what is missing."""
-    out = {}
-    inits = {t.name for t in model.graph.initializer}
-    for vi in model.graph.input:
-        if vi.name in inits:
-            continue
-        if vi.name in shapes:
-            out[vi.name] = tuple(shapes[vi.name])
-            continue
-        dims = []
-        for k, d in enumerate(vi.type.tensor_type.shape.dim):
-            if d.HasField("dim_value"):
-                dims.append(d.dim_value)
-            elif k == 0 and batch is not None:
-                dims.append(batch)
-            else:
-                raise OnnxfuseError(f"--tune needs the shape of input {vi.name!r}: give --shape {vi.name}=D0,D1,... "
-                                    "or --batch N")
-        out[vi.name] = tuple(dims)
+# ---------------------------------------------------------------------------------------
+# The tuning step
+# ---------------------------------------------------------------------------------------
+
+def available(provider: str = "cuda") -> bool:
+    """Whether this machine can tune: a CUDA GPU and onnxruntime-gpu (or provider cpu)."""
+    if provider == "cpu":
+        return True
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return False
+    from onnxfuse.compile import local_gpu_archs
+
+    return "CUDAExecutionProvider" in ort.get_available_providers() and bool(local_gpu_archs())
+
+
+def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings, targets: list[int],
+         conv_precision: str = "tf32", jobs: int | None = None) -> dict:
+    """Measure and decide (module docstring). `result`: an `onnxfuse.pipeline.Result` whose
+    kernels `recompile(result)` compiled, giving `info` (the compile report); `before`: a
+    copy of it from before that step (`snapshot`). `result` is changed in place to the
+    chosen model; returns the compile report of that model with a "tune" entry."""
+    if not available(settings.provider):
+        raise OnnxfuseError("tuning needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
+    t0 = time.perf_counter()
+    original = result.original
+    dims = input_shapes(original, settings)
+    feeds = feeds_for(original, dims)
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-tune-") as tmp:
+        timer = Timer(settings, Path(tmp))
+        decisions = time_nodes(result, feeds, dims, timer, settings, targets, conv_precision, jobs, t0)
+        losers = {d.node for d in decisions if d.chosen == "original"}
+        models: list[tuple[str, object, dict]] = []
+        if losers:
+            tuned = snapshot(before)
+            unfuse_nodes(tuned, losers)
+            tuned_info = recompile(tuned)
+            _copy_kernels(result.model, tuned.model, {d.node for d in decisions if d.candidates})
+            models.append(("tuned", tuned, tuned_info))
+        models.append(("heuristic" if losers else "optimized", result, info))
+        orig_times = _model_times(timer, original, feeds, library=False)
+        times = {}
+        kept = None
+        for label, cand, cand_info in models:
+            try:
+                t = times[label] = _model_times(timer, cand.model, feeds, library=bool(cand.fused))
+            except OnnxfuseError as e:  # an optimized model that does not run is never kept
+                times[label] = ModelTimes(None, None, str(e)[:300])
+                continue
+            if t.not_slower_than(orig_times) and (kept is None or t.best() < times[kept[0]].best()):
+                kept = (label, cand, cand_info)
+        timer.save()
+    record = {
+        "shapes": {k: list(v) for k, v in dims.items()}, "seconds": round(time.perf_counter() - t0, 2),
+        "measured": timer.measured, "cache_hits": timer.hits, "cache": str(timer.path) if timer.path else None,
+        "nodes": [dataclasses.asdict(d) for d in decisions],
+        "original": dataclasses.asdict(orig_times), "models": {k: dataclasses.asdict(v) for k, v in times.items()},
+    }
+    if kept is None:
+        record["kept"] = "original"
+        out = keep_original(result, orig_times, times)
+    else:
+        label, cand, cand_info = kept
+        record["kept"] = label
+        if cand is not result:
+            _adopt(result, cand)
+        out = dict(cand_info)
+        if label == "heuristic":  # the per-node decisions made it slower: none of them stays
+            for d in decisions:
+                if d.chosen == "original":
+                    d.chosen = "fused (leaving it to ONNX Runtime made the model slower)"
+            record["nodes"] = [dataclasses.asdict(d) for d in decisions]
+        else:
+            _note_losers(result, decisions)
+    out["tune"] = record
+    out["summary"] = out.get("summary", "") + "\n" + summary(record)
     return out
 
 
-def _inferred(model: ModelProto, dims: dict[str, tuple]) -> dict[str, onnx.ValueInfoProto]:
-    m = ModelProto()
-    m.CopyFrom(model)
-    for vi in m.graph.input:
-        if vi.name in dims:
-            shape = vi.type.tensor_type.shape
-            del shape.dim[:]
-            for d in dims[vi.name]:
-                shape.dim.add().dim_value = d
-    del m.graph.value_info[:]
-    inf = onnx.shape_inference.infer_shapes(m, strict_mode=False)
-    return {v.name: v for v in list(inf.graph.input) + list(inf.graph.value_info) + list(inf.graph.output)}
+def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, targets, conv_precision, jobs,
+               t0: float) -> list[NodeDecision]:
+    """Per-node timings and decisions (module docstring, step 1)."""
+    decisions = []
+    if not result.fused:
+        return decisions
+    needed = {x for f in result.fused for x in (*f.inputs, *f.outputs) if x}
+    nodes = {n.name: n for n in result.model.graph.node}
+    needed |= {x for f in result.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
+    infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
+    for f in result.fused:
+        d = NodeDecision(f.node_name, f.kind)
+        decisions.append(d)
+        if time.perf_counter() - t0 > settings.budget_s:
+            d.chosen = f"not measured (tuning budget of {settings.budget_s:g} s spent)"
+            continue
+        node = nodes[f.node_name]
+        try:
+            mini = fused_model(result.model, node, infos)
+            orig = original_model(result.model, node, infos)
+            d.original_ms = timer.time(orig, random_feeds(orig), library=False)
+            d.fused_ms = timer.time(mini, random_feeds(mini), library=True)
+        except OnnxfuseError as e:
+            d.chosen = f"not measured ({e})"
+            continue
+        d.chosen = "fused"
+        if settings.configs:
+            best = _search_configs(result, f, node, mini, d, timer, targets, conv_precision, jobs)
+            if best is not None:
+                d.fused_ms, d.chosen = best
+        if d.fused_ms - d.original_ms > max(NODE_MARGIN_MS, NODE_MARGIN_REL * d.original_ms):
+            d.chosen = "original"
+    return decisions
 
 
-def _one_node_model(model: ModelProto, node: onnx.NodeProto, infos: dict) -> ModelProto:
-    inits = {t.name: t for t in model.graph.initializer}
-    key = (node.domain, node.op_type, node.overload)
-    fn = [f for f in model.functions if (f.domain, f.name, f.overload) == key]
-    inputs, consts = [], []
-    for name in dict.fromkeys(x for x in node.input if x):
-        if name in inits:
-            consts.append(inits[name])
-        elif name in infos and _static(infos[name]):
-            inputs.append(infos[name])
-        else:
-            raise OnnxfuseError(f"--tune: no static shape for {name!r} (input of {node.name})")
-    outputs = []
-    for name in node.output:
-        if name not in infos:
-            raise OnnxfuseError(f"--tune: no type for {name!r} (output of {node.name})")
-        outputs.append(infos[name])
-    g = helper.make_graph([node], "tune_" + node.name, inputs, outputs, consts)
-    m = helper.make_model(g, opset_imports=list(model.opset_import), functions=fn)
-    m.ir_version = model.ir_version
-    return m
-
-
-def _static(vi: onnx.ValueInfoProto) -> bool:
-    t = vi.type.tensor_type
-    return t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
-
-
-def _feeds(m: ModelProto, seed: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for vi in m.graph.input:
-        t = vi.type.tensor_type
-        dt = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
-        shape = [d.dim_value for d in t.shape.dim]
-        feeds[vi.name] = (rng.random(shape) < 0.5) if dt == np.bool_ else rng.standard_normal(shape).astype(dt)
-    return feeds
-
-
-def _time(m: ModelProto, feeds, folder: Path, tag: str, library: bool) -> float:
-    from onnxfuse.bench import BenchSettings, run_model
-
-    path = folder / f"{tag}.onnx"
-    onnx.save(m, str(path))
-    run = run_model(str(path), feeds, BenchSettings(provider="cuda", warmup=WARMUP, iters=ITERS, tf32=True),
-                    library=library)
-    return float(np.median(run.times_ms))
-
-
-def tune(result, targets: list[int], dims: dict[str, tuple], conv_precision: str = "tf32",
-         jobs: int | None = None) -> list[TuneRecord]:
-    """Time every fused node of `result` (an `onnxfuse.pipeline.Result` whose kernels are
-    compiled) against its original subgraph and its candidate configurations; keep the
-    fastest. Mutates result.model / result.fused; returns one record per node."""
-    import onnxruntime as ort
-
+def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, targets, conv_precision, jobs):
+    """--tune: time each candidate configuration of the node's kernel; attach the fastest
+    to the node in result.model. Returns (ms, label) of the fastest, or None."""
     from onnxfuse import compile as aot
     from onnxfuse.kernels import kernel_spec
+
+    spec = kernel_spec(result.model, f, conv_precision)
+    best = None
+    feeds = random_feeds(mini)
+    for label, variants in candidates(spec):
+        try:
+            (ck,) = aot.compile_kernels([spec], targets, jobs=jobs, variant_override=variants)
+            trial = ModelProto()
+            trial.CopyFrom(mini)
+            aot.attach(trial.graph.node[0], ck)
+            ms = timer.time(trial, feeds, library=True)
+            d.candidates.append({"config": label, "ms": ms})
+            if best is None or ms < best[0]:
+                best = (ms, label, ck)
+        except Exception as e:  # a configuration that does not compile or run is skipped
+            d.candidates.append({"config": label, "error": str(e).splitlines()[0][:200] if str(e) else repr(e)})
+    if best is None:
+        return None
+    aot.attach(node, best[2])
+    return best[0], best[1]
+
+
+def _model_times(timer: Timer, m: ModelProto, feeds, library: bool) -> ModelTimes:
+    plain = timer.time(m, feeds, library=library, whole=True)
+    if timer.settings.provider != "cuda":
+        return ModelTimes(plain, None, "CUDA graphs need the CUDA execution provider")
+    try:
+        graph, err = timer.time(m, feeds, library=library, graph=True, whole=True), None
+    except OnnxfuseError as e:
+        graph, err = None, str(e)[:300]
+    return ModelTimes(plain, graph, err)
+
+
+# ---------------------------------------------------------------------------------------
+# Changing the result
+# ---------------------------------------------------------------------------------------
+
+def snapshot(result):
+    """A copy of an `onnxfuse.pipeline.Result` that later steps do not change."""
+    m = ModelProto()
+    m.CopyFrom(result.model)
+    return dataclasses.replace(result, model=m, report=copy.deepcopy(result.report), fused=list(result.fused),
+                               tensors=dict(result.tensors))
+
+
+def unfuse_nodes(result, names: set[str]) -> None:
+    """Turn the fused nodes `names` of result back into their original nodes."""
     from onnxfuse.rewrite import unfuse
 
-    if "CUDAExecutionProvider" not in ort.get_available_providers() or not aot.local_gpu_archs():
-        raise OnnxfuseError("--tune needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
-    infos = _inferred(result.model, dims)
-    records: list[TuneRecord] = []
-    slower: set[str] = set()
-    with tempfile.TemporaryDirectory(prefix="onnxfuse-tune-") as tmp:
-        folder = Path(tmp)
-        for f in list(result.fused):
-            nodes = {n.name: n for n in result.model.graph.node}
-            node = nodes[f.node_name]
-            mini = _one_node_model(result.model, node, infos)
-            feeds = _feeds(mini, 0)
-            original = ModelProto()
-            original.CopyFrom(mini)
-            unfuse(original, f)
-            rec = TuneRecord(f.node_name, f.kind, _time(original, feeds, folder, "original", library=False))
-            spec = kernel_spec(result.model, f, conv_precision)
-            best = None
-            for label, variants in candidates(spec):
-                try:
-                    (ck,) = aot.compile_kernels([spec], targets, jobs=jobs, variant_override=variants)
-                    trial = ModelProto()
-                    trial.CopyFrom(mini)
-                    aot.attach(trial.graph.node[0], ck)
-                    ms = _time(trial, feeds, folder, "fused", library=True)
-                    rec.candidates.append({"config": label, "ms": ms})
-                    if best is None or ms < best[0]:
-                        best = (ms, label, ck)
-                except Exception as e:  # a configuration that does not compile or run is skipped
-                    rec.candidates.append({"config": label, "error": str(e).splitlines()[0][:200]})
-            if best is None or best[0] >= rec.original_ms:
-                rec.chosen = "original"
-                unfuse(result.model, f)
-                slower.add(f.node_name)
-            else:
-                rec.chosen = best[1]
-                aot.attach({n.name: n for n in result.model.graph.node}[f.node_name], best[2])
-            records.append(rec)
-    if slower:
-        result.drop_fused(slower, REASON)
-    return records
+    for f in result.fused:
+        if f.node_name in names:
+            unfuse(result.model, f)
+    result.drop_fused(names, REASON)
 
 
-def summary(records: list[TuneRecord]) -> str:
-    lines = ["tune (median ms, original subgraph vs the fused kernel's configurations):"]
-    for r in records:
-        times = ", ".join(f"{c['config']}: {c['ms']:.4f}" if "ms" in c else f"{c['config']}: failed"
-                          for c in r.candidates)
-        lines.append(f"  {r.node}: original {r.original_ms:.4f}; {times} -> {r.chosen}")
+def _adopt(result, other) -> None:
+    result.model = other.model
+    result.fused[:] = other.fused
+    result.tensors = other.tensors
+    for k in dataclasses.fields(result.report):
+        setattr(result.report, k.name, getattr(other.report, k.name))
+
+
+def _copy_kernels(src: ModelProto, dst: ModelProto, names: set[str]) -> None:
+    """The kernels --tune chose for nodes `names` of src, onto the same nodes of dst where
+    they still run the same kernel (same overload)."""
+    from onnxfuse.compile import _KERNEL_ATTR
+
+    have = {n.name: n for n in src.graph.node if n.name in names}
+    for n in dst.graph.node:
+        s = have.get(n.name)
+        if s is None or (s.domain, s.op_type, s.overload) != (n.domain, n.op_type, n.overload):
+            continue
+        for a in [a for a in n.attribute if _KERNEL_ATTR.fullmatch(a.name)]:
+            n.attribute.remove(a)
+        n.attribute.extend(a for a in s.attribute if _KERNEL_ATTR.fullmatch(a.name))
+
+
+def _note_losers(result, decisions: list[NodeDecision]) -> None:
+    """The report's reason for the nodes left to ONNX Runtime names both times."""
+    losers = [d for d in decisions if d.chosen == "original"]
+    n = result.report.not_fused.pop(REASON, None)
+    if n is None or not losers:
+        return
+    result.report.not_fused[REASON + ": " + "; ".join(
+        f"{d.node} {d.original_ms:.4f} ms vs fused {d.fused_ms:.4f} ms" for d in losers[:8])
+        + (f"; and {len(losers) - 8} more" if len(losers) > 8 else "")] = n
+
+
+def keep_original(result, orig: ModelTimes, times: dict[str, ModelTimes]) -> dict:
+    """Make `result` the original model, unchanged; returns its compile report."""
+    m = ModelProto()
+    m.CopyFrom(result.original)
+    n = len(m.graph.node)
+    fused_nodes = sum(len(f.source_nodes) for f in result.fused)
+    result.model = m
+    result.fused[:] = []
+    r = result.report
+    r.nodes_after, r.patterns_applied, r.fused, r.folded_batchnorm = n, {}, [], 0
+    shown = ", ".join(f"{k} {_fmt(t)}" for k, t in times.items())
+    reason = f"{KEPT_ORIGINAL}: original {_fmt(orig)}; {shown}"
+    r.not_fused = {reason: fused_nodes}
+    result.warn(f"the optimized model measured slower than the original (original {_fmt(orig)}; {shown}); "
+                "the original model is written unchanged")
+    return {"summary": "kernels: none kept (the original model is written unchanged)", "kernels": 0}
+
+
+def _fmt(t: ModelTimes) -> str:
+    plain = f"{t.plain_ms:.3f} ms" if t.plain_ms is not None else "failed"
+    graph = f"{t.graph_ms:.3f} ms" if t.graph_ms is not None else "n/a"
+    return f"{plain} (CUDA graph {graph})"
+
+
+def summary(record: dict) -> str:
+    shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in record["shapes"].items())
+    lines = [f"tune at {shapes}: {record['measured']} timings, {record['cache_hits']} from the cache, "
+             f"{record['seconds']:.1f} s"]
+    for d in record["nodes"]:
+        if d["chosen"] == "original":
+            lines.append(f"  {d['node']}: left to ONNX Runtime (original {d['original_ms']:.4f} ms, "
+                         f"fused {d['fused_ms']:.4f} ms)")
+        elif d["chosen"].startswith("not measured"):
+            lines.append(f"  {d['node']}: {d['chosen']}")
+        elif d["candidates"]:
+            lines.append(f"  {d['node']}: {d['chosen']} ({d['fused_ms']:.4f} ms; original {d['original_ms']:.4f})")
+    o = ModelTimes(**record["original"])
+    lines.append(f"  original: {_fmt(o)}")
+    for k, t in record["models"].items():
+        lines.append(f"  {k}: {_fmt(ModelTimes(**t))}" + (" <- kept" if k == record["kept"] else ""))
+    if record["kept"] == "original":
+        lines.append("  kept: the original model (the optimized one was slower)")
     return "\n".join(lines)

@@ -1,20 +1,34 @@
-"""`optimize --tune`: the candidate configurations, fixing the input shapes, and the clear
-errors where it cannot run. The timing itself needs a GPU: tests/test_gpu_conv.py."""
+"""Tuning (onnxfuse/tune.py): the candidate configurations, the shapes it measures at, the
+one-node models it times, its decisions (per node and for the whole model, with times
+injected so that they are exact), the cache, and the clear errors where it cannot run. The
+same code times real models on the CPU execution provider here (provider "cpu"); the GPU
+run is tests/test_gpu_conv.py."""
 
 from __future__ import annotations
 
-import onnx
-import pytest
+from collections.abc import Callable
 
-from models.build import conv_relu_maxpool
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper
+
+from models.build import conv_relu_maxpool, vgg_stack
+from onnxfuse import optimize_model
+from onnxfuse import tune as tuning
 from onnxfuse.cli import main
 from onnxfuse.codegen_conv import ConvSpec, MaxPoolSpec
 from onnxfuse.compile import KernelSpec, local_gpu_archs
-from onnxfuse.errors import OnnxfuseError
+from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.expr import HEADER, parse
+from onnxfuse.kernels import compile_hook
 from onnxfuse.layers import ConvAttrs, PoolAttrs
-from onnxfuse.tune import candidates, fix_shapes
+from onnxfuse.runtime import library_path
+from onnxfuse.tune import TuneSettings, candidates, input_shapes
+from tests.util import model
 
+N = helper.make_node
 RELU = parse(HEADER + "\ninput %0 f32\n%1 = max %0 0.0\noutput %1 f32\n")
 
 
@@ -97,12 +111,17 @@ def test_pointwise_candidates():
     assert label == "default" and len(variants) >= 2
 
 
-def test_fix_shapes():
+def test_input_shapes():
     m = conv_relu_maxpool(channels=8, size=16)
-    assert fix_shapes(m, {}, 4) == {"x": (4, 8, 16, 16)}
-    assert fix_shapes(m, {"x": (2, 8, 10, 10)}, None) == {"x": (2, 8, 10, 10)}
-    with pytest.raises(OnnxfuseError, match="--shape x="):
-        fix_shapes(m, {}, None)
+    assert input_shapes(m, TuneSettings(batch=4)) == {"x": (4, 8, 16, 16)}
+    assert input_shapes(m, TuneSettings()) == {"x": (1, 8, 16, 16)}  # batch 1 by default
+    assert input_shapes(m, TuneSettings(shapes={"x": (2, 8, 16, 16)})) == {"x": (2, 8, 16, 16)}
+    sym = onnx.ModelProto()
+    sym.CopyFrom(m)
+    sym.graph.input[0].type.tensor_type.shape.dim[2].dim_param = "H"
+    with pytest.raises(OnnxfuseError, match=r"symbolic dim 2 \(H\).*--shape x="):
+        input_shapes(sym, TuneSettings())
+    assert input_shapes(sym, TuneSettings(shapes={"H": (12,)}))["x"] == (1, 8, 12, 16)
 
 
 @pytest.mark.skipif(bool(local_gpu_archs()), reason="checks the error on a machine without a GPU")
@@ -121,3 +140,173 @@ def test_tune_with_target_none_is_a_clear_error(tmp_path, capsys):
     assert main(["optimize", str(src), str(dst), "--tune", "--target", "none"]) == 2
     assert "--target none" in capsys.readouterr().err
     assert not dst.exists()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tune", "--no-tune"], "contradict"),
+    (["--tune-budget", "0"], "--tune-budget must be a positive"),
+    (["--batch", "0"], "--batch must be at least 1"),
+    (["--shape", "x"], "expected NAME=VALUE"),
+])
+def test_tune_flags_are_checked(tmp_path, capsys, args, message):
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(conv_relu_maxpool(channels=8, size=16), str(src))
+    assert main(["optimize", str(src), str(dst), "--target", "none", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not dst.exists()
+
+
+# ---- the tuning step, on the CPU execution provider --------------------------------------
+
+def _optimized(m: onnx.ModelProto):
+    r = optimize_model(m)
+    assert r.fused
+    return r, tuning.snapshot(r)
+
+
+def _fused_nodes(m: onnx.ModelProto) -> int:
+    return sum(n.domain == "onnxfuse" for n in m.graph.node)
+
+
+def _fake_timer(monkeypatch, node_times: dict[str, float], model_times: Callable[[onnx.ModelProto], float]):
+    """Timer.time answering from tables: a one-node model by whether it is fused
+    ("fused" / "original"), a whole model through model_times(model)."""
+    def fake(self, m, feeds, library, graph=False, whole=False):
+        self.measured += 1
+        if whole:
+            return model_times(m)
+        return node_times["fused" if _fused_nodes(m) else "original"]
+
+    monkeypatch.setattr(tuning.Timer, "time", fake)
+
+
+def _run(m: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(library_path())
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+CPU = TuneSettings(provider="cpu", batch=2, cache=False)
+NOT_COMPILED = {"summary": "kernels: not compiled"}
+
+
+def _tune(r, before, settings=CPU) -> dict:
+    return tuning.tune(r, before, dict(NOT_COMPILED), lambda res: dict(NOT_COMPILED), settings, [90])
+
+
+def test_nodes_whose_original_is_faster_are_left_to_ort(monkeypatch):
+    m = vgg_stack(2, 8, 3, 16)
+    r, before = _optimized(m)
+    names = {f.node_name for f in r.fused}
+    _fake_timer(monkeypatch, {"fused": 0.5, "original": 0.2}, lambda mm: 1.0 + _fused_nodes(mm))
+    out = _tune(r, before)
+    rec = out["tune"]
+    assert rec["kept"] == "tuned" and rec["shapes"] == {"x": [2, 3, 16, 16]}
+    assert {d["node"] for d in rec["nodes"] if d["chosen"] == "original"} == names
+    assert not r.fused and _fused_nodes(r.model) == 0 and not r.report.patterns_applied
+    (reason,) = [k for k in r.report.not_fused if k.startswith(tuning.REASON)]
+    assert all(f"{n} 0.2000 ms vs fused 0.5000 ms" in reason for n in names)
+    assert "left to ONNX Runtime (original 0.2000 ms, fused 0.5000 ms)" in out["summary"]
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)}
+    for e, a in zip(_run(m, feeds), _run(r.model, feeds), strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
+
+
+def test_a_slower_optimized_model_gives_back_the_original(monkeypatch):
+    m = vgg_stack(2, 8, 3, 16)
+    r, before = _optimized(m)
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 + _fused_nodes(mm))
+    with pytest.warns(OnnxfuseWarning, match="measured slower than the original"):
+        out = _tune(r, before)
+    assert out["tune"]["kept"] == "original" and all(d["chosen"] == "fused" for d in out["tune"]["nodes"])
+    assert r.model.SerializeToString() == m.SerializeToString() and not r.fused
+    assert r.report.nodes_after == r.report.nodes_before and not r.report.fused
+    assert any(k.startswith(tuning.KEPT_ORIGINAL) for k in r.report.not_fused)
+
+
+def test_per_node_decisions_that_slow_the_model_are_dropped(monkeypatch):
+    """The model from before the per-node decisions is kept when it is the faster one."""
+    m = vgg_stack(2, 8, 3, 16)
+    r, before = _optimized(m)
+    fused = _fused_nodes(r.model)
+    # the original 1.0 ms; with every node unfused 1.2 ms (as for the Transposes that
+    # unfusing adds around a channels-last node); as optimized 0.8 ms
+    _fake_timer(monkeypatch, {"fused": 0.5, "original": 0.2},
+                lambda mm: 1.0 if mm is m else {0: 1.2, fused: 0.8}[_fused_nodes(mm)])
+    rec = _tune(r, before)["tune"]
+    assert rec["kept"] == "heuristic" and set(rec["models"]) == {"tuned", "heuristic"}
+    assert all(d["chosen"].startswith("fused (leaving it to ONNX Runtime made the model slower") for d in rec["nodes"])
+    assert _fused_nodes(r.model) == fused and len(r.fused) == fused
+
+
+def test_the_budget_leaves_nodes_unmeasured(monkeypatch):
+    m = vgg_stack(2, 8, 3, 16)
+    r, before = _optimized(m)
+    _fake_timer(monkeypatch, {"fused": 0.5, "original": 0.2}, lambda mm: 1.0)
+    rec = _tune(r, before, TuneSettings(provider="cpu", batch=2, cache=False, budget_s=1e-9))["tune"]
+    assert all(d["chosen"].startswith("not measured (tuning budget") for d in rec["nodes"])
+    assert rec["kept"] == "optimized" and _fused_nodes(r.model) == len(rec["nodes"])
+
+
+def test_real_timings_are_cached(tmp_path, monkeypatch):
+    """Timed for real on the CPU provider; the second run at the same shapes times nothing."""
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    m = vgg_stack(2, 8, 3, 16)
+    settings = TuneSettings(provider="cpu", batch=2, iters=3, warmup=1, model_iters=3, model_warmup=1)
+    records = []
+    for _ in range(2):
+        r, before = _optimized(m)
+        records.append(_tune(r, before, settings)["tune"])
+    first, second = records
+    assert first["measured"] > 0 and first["cache_hits"] == 0
+    assert second["measured"] == 0 and second["cache_hits"] == first["measured"]
+    assert second["nodes"] == first["nodes"] and second["kept"] == first["kept"]
+    assert all(d["original_ms"] > 0 and d["fused_ms"] > 0 for d in first["nodes"])
+    assert len(list((tmp_path / "tune").glob("*.json"))) == 1
+
+
+def test_shapes_inference_cannot_give_are_learned_by_running():
+    """A Reshape to a shape that arrives as an input: the chain after it has no inferred
+    shape; one run of the model gives it."""
+    m = model([N("Reshape", ["x", "s"], ["r"]), N("Sigmoid", ["r"], ["a"]), N("Tanh", ["a"], ["y"])],
+              {"x": ("float32", [4, 6]), "s": ("int64", [2])}, {"y": ("float32", ["a", "b"])})
+    r = optimize_model(m)
+    (f,) = r.fused
+    dims = {"x": (4, 6), "s": (2,)}
+    feeds = {"x": np.ones((4, 6), np.float32), "s": np.array([3, 8], np.int64)}
+    infos = tuning.tensor_infos(r.model, dims, feeds, {*f.inputs, *f.outputs}, "cpu")
+    assert [d.dim_value for d in infos["r"].type.tensor_type.shape.dim] == [3, 8]
+    node = next(n for n in r.model.graph.node if n.domain == "onnxfuse")
+    mini = tuning.fused_model(r.model, node, infos)
+    assert [i.name for i in mini.graph.input] == ["i0"] and mini.graph.node[0].name == "n"
+    onnx.checker.check_model(mini, full_check=True)
+    orig = tuning.original_model(r.model, node, infos)
+    x = tuning.random_feeds(mini)
+    (a,), (e,) = _run(mini, x), _run(orig, {orig.graph.input[0].name: x["i0"]})
+    np.testing.assert_allclose(a, e, rtol=1e-6)
+
+
+def test_original_model_of_a_channels_last_node_is_nchw(tmp_path, monkeypatch):
+    """The NHWC body's layout Transposes are not timed: the original runs NCHW, and it
+    computes what the fused node computes (transposed)."""
+    pytest.importorskip("triton")
+    from onnxfuse.layout import BODY_TRANSPOSE_PREFIX, TO_NCHW
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    r = optimize_model(vgg_stack(3, 8, 8, 16), layout="nhwc")
+    compile_hook("sm_90", layout="nhwc")(r)
+    dims = {"x": (2, 8, 16, 16)}
+    feeds = {"x": np.random.default_rng(1).standard_normal(dims["x"]).astype(np.float32)}
+    node = next(n for n in r.model.graph.node if n.name == r.fused[1].node_name)  # NHWC in and out
+    infos = tuning.tensor_infos(r.model, dims, feeds, {*node.input, *node.output}, "cpu")
+    fused, orig = tuning.fused_model(r.model, node, infos), tuning.original_model(r.model, node, infos)
+    assert not any(n.name.startswith(BODY_TRANSPOSE_PREFIX) for n in orig.graph.node)
+    assert any(n.name.startswith(BODY_TRANSPOSE_PREFIX) for f in r.model.functions for n in f.node)
+    dims_of = [[d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim] for m in (fused, orig)]
+    assert dims_of == [[2, 8, 8, 8], [2, 8, 8, 8]]  # [N, H, W, C] and [N, C, H, W] of a 2x8x8x8 tensor
+    x = np.random.default_rng(2).standard_normal((2, 8, 8, 8)).astype(np.float32)  # NHWC
+    (a,) = _run(fused, {"i0": x})
+    (e,) = _run(orig, {orig.graph.input[0].name: np.ascontiguousarray(x.transpose(TO_NCHW))})
+    np.testing.assert_allclose(np.ascontiguousarray(a.transpose(TO_NCHW)), e, rtol=1e-5,
+                               atol=1e-5 * float(np.abs(e).max()))
