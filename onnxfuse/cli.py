@@ -109,9 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patterns", action="append", metavar="DIR", help="also load pattern files from DIR")
     p.set_defaults(func=_cmd_patterns)
 
+    from onnxfuse.bench import GATE_HELP
     from onnxfuse.bench import add_arguments as bench_arguments
 
-    p = sub.add_parser("bench", help="time models on the same inputs and check that their outputs agree")
+    p = sub.add_parser("bench", help="time models on the same inputs and gate their outputs against fp32",
+                       description="Time models in ONNX Runtime on the same seeded inputs and gate every later "
+                                   "model's outputs against the first's.", epilog=GATE_HELP)
     bench_arguments(p)
     p.set_defaults(func=_cmd_bench)
 
