@@ -74,6 +74,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _cmd_bisect(args: argparse.Namespace) -> int:
+    from onnxfuse.bisect import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onnxfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -117,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model's outputs against the first's.", epilog=GATE_HELP)
     bench_arguments(p)
     p.set_defaults(func=_cmd_bench)
+
+    from onnxfuse.bisect import add_arguments as bisect_arguments
+
+    p = sub.add_parser("bisect", help="name the fused nodes that make an optimized model fail bench's gate",
+                       description="Put fused nodes of OPTIMIZED back to their function bodies until it passes "
+                                   "bench's gate against ORIGINAL; print the nodes responsible. Exit 0 when it "
+                                   "already passes, 1 when it fails (culprits printed), 2 on bad input.",
+                       epilog=GATE_HELP)
+    bisect_arguments(p)
+    p.set_defaults(func=_cmd_bisect)
 
     from onnxfuse.analyze import add_commands as analysis_commands
 
