@@ -4,7 +4,7 @@ For each model (models/build.py's benchmark set, the intensity workloads, torchv
 resnet18 / vgg11 / mobilenet_v3_small with seeded random weights, and the pretrained models of
 models/pretrained.py), on the same seeded inputs:
 
-- ``ort``            the original in ONNX Runtime's CUDA EP (ORT_ENABLE_ALL)
+- ``ort``            the original in ONNX Runtime's CUDA EP (ORT_ENABLE_ALL, TF32 allowed: ORT's defaults)
 - ``ort_nhwc``       the same with the CUDA EP's ``prefer_nhwc``
 - ``onnxfuse``       the onnxfuse model (kernels compiled for the local GPU, library registered)
 - ``onnxfuse_graph`` the same under ONNX Runtime's CUDA graphs
@@ -20,8 +20,15 @@ ONNX Runtime runs go through `onnxfuse.bench.run_model`: inputs and outputs boun
 (IO binding), each timed call a ``run_with_iobinding`` plus output synchronization on a
 monotonic clock. PyTorch calls are timed the same way (call, then ``torch.cuda.synchronize``),
 under ``torch.inference_mode``, with TF32 allowed and cuDNN autotuning on (ORT's CUDA EP
-defaults: ``use_tf32`` 1, exhaustive cuDNN algorithm search). Every output is compared with
-``ort``'s (max abs / max rel error; TF32 makes 1e-3 differences normal, so nothing is gated).
+defaults: ``use_tf32`` 1, exhaustive cuDNN algorithm search).
+
+The gate, as in ``onnxfuse bench``: a speedup counts only at equal accuracy. Every case also
+runs ``ort_fp32``, the original in ONNX Runtime with TF32 off, once and untimed (not a speed
+variant): the fp32 reference. Every variant's max abs error is taken against it (torch's
+outputs by position when their names differ); each onnxfuse variant is gated by
+`onnxfuse.bench.gate_output`: every element within 2 x the ``ort`` variant's own error plus
+the per-dtype floor (``ort`` always runs when an onnxfuse variant does). A case fails when
+one of its onnxfuse variants does; the table then shows "fails gate" instead of speedups.
 
     python benchmarks/compare.py --json compare.json --markdown compare.md        # on the GPU
     python benchmarks/compare.py --models resnet18,conv_relu --iters 20
@@ -37,7 +44,12 @@ network: fetch them here into a folder that travels with the working tree and po
 
 ``--dry-run`` runs the same code on the CPU at tiny shapes, ONNX Runtime CPU and torch eager
 only (no kernels compiled, no CUDA graphs, no torch.compile, pretrained models only if already
-cached): it checks the model list, the plumbing and the tables, not speed.
+cached): it checks the model list, the plumbing and the tables, not speed (the reference is
+then ORT CPU, and both errors are about 0).
+
+``--table ort,ort_graph,onnxfuse,onnxfuse_graph`` picks the table's timing columns (the head
+table of BENCHMARKS.md); ``--from-json FILE`` prints the table of an earlier run's JSON
+without running anything.
 """
 
 from __future__ import annotations
@@ -62,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from models import build as mb  # noqa: E402
 from models import pretrained  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
-from onnxfuse.pipeline import optimize_model, save_model  # noqa: E402
+from onnxfuse.pipeline import optimize_model, save_model, write_text  # noqa: E402
 
 VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "onnxfuse_nhwc", "onnxfuse_cl",
             "onnxfuse_cl_graph", "torch_eager", "torch_compile", "torch_compile_graph")
@@ -172,9 +184,11 @@ class VariantResult:
     first_ms: float | None = None
     load_ms: float | None = None
     peak_gpu_mem_mb: float | None = None
-    max_abs_err: float | None = None      # vs the "ort" variant's outputs
+    max_abs_err: float | None = None      # vs the reference (ort_fp32), max over outputs
     max_rel_err: float | None = None
     error: str | None = None
+    gate_passed: bool | None = None       # onnxfuse variants: the gate against ort_fp32 and ort's error
+    gate_failure: str | None = None       # the first failing output, why
 
 
 @dataclass
@@ -186,6 +200,9 @@ class CaseResult:
     compile: str = ""
     variants: dict[str, VariantResult] = field(default_factory=dict)
     skipped: str | None = None
+    reference_error: str | None = None    # the ort_fp32 run failed: nothing gated
+    ort_max_abs_err: float | None = None  # the "ort" variant's error vs ort_fp32
+    gate_passed: bool | None = None       # every onnxfuse variant that ran passed (None: none gated)
 
 
 def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProto) -> dict[str, np.ndarray]:
@@ -196,19 +213,32 @@ def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProt
     return ob.make_feeds(specs, ob.BenchSettings())
 
 
+def _by_reference_names(ref: dict[str, np.ndarray], outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """outs keyed by the reference's output names: by name, or by position when no name is
+    shared and the counts agree (torch's out0, out1, ...)."""
+    if set(ref) & set(outs) or len(ref) != len(outs):
+        return outs
+    return dict(zip(ref, outs.values(), strict=True))
+
+
 def _errors(ref: dict[str, np.ndarray] | None, outs: dict[str, np.ndarray], res: VariantResult) -> None:
+    """Max abs / max rel error over the outputs, against the reference."""
     if ref is None:
         return
-    abs_e, rel_e = [], []
-    for name, e in ref.items():
-        a = outs.get(name)
-        if a is None and len(ref) == 1 and len(outs) == 1:
-            a = next(iter(outs.values()))
-        c = ob.compare_output(name, e, a)
-        abs_e.append(np.inf if c.max_abs_err is None else c.max_abs_err)
-        rel_e.append(np.inf if c.max_rel_err is None else c.max_rel_err)
-    res.max_abs_err = float(max(abs_e)) if abs_e else 0.0
-    res.max_rel_err = float(max(rel_e)) if rel_e else 0.0
+    outs = _by_reference_names(ref, outs)
+    checks = [ob.compare_output(name, e, outs.get(name)) for name, e in ref.items()]
+    res.max_abs_err = max((np.inf if c.max_abs_err is None else c.max_abs_err for c in checks), default=0.0)
+    res.max_rel_err = max((np.inf if c.max_rel_err is None else c.max_rel_err for c in checks), default=0.0)
+
+
+def _gate(ref: dict[str, np.ndarray], ort: dict[str, np.ndarray], outs: dict[str, np.ndarray],
+          res: VariantResult) -> None:
+    """bench's gate (`onnxfuse.bench.gate_output`) on every output of the reference."""
+    outs = _by_reference_names(ref, outs)
+    checks = [ob.gate_output(name, e, ort.get(name), outs.get(name)) for name, e in ref.items()]
+    failed = [c for c in checks if not c.passed]
+    res.gate_passed = not failed
+    res.gate_failure = f"output {failed[0].name!r}: {failed[0].failure()}" if failed else None
 
 
 def _ort_variant(path: str, feeds, provider: str, library: bool, warmup: int, iters: int, *, graph=False,
@@ -301,8 +331,15 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         save_model(cl.model, fused_cl)
     feeds = _feeds(case, shapes, model)
     provider = "cpu" if dry else "cuda"
-    gpu = None if dry else ob.CudaDriver()
+    # ort_fp32, the reference: the original with TF32 off, run once, untimed
     ref: dict[str, np.ndarray] | None = None
+    try:
+        ref = ob.evaluate_model(str(orig), feeds, ob.BenchSettings(provider=provider, tf32=False), False)
+    except Exception as e:
+        res.reference_error = _error_text(e)
+        log(f"  {case.name:<20} {'ORT fp32':<17} {res.reference_error}")
+    ort_outs: dict[str, np.ndarray] | None = None
+    gpu = None if dry else ob.CudaDriver()
     module = None
     for v in variants:
         try:
@@ -320,16 +357,23 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
                 lib = v.startswith("onnxfuse") and res.fused_nodes > 0
                 r, outs = _ort_variant(path, feeds, provider, lib, warmup, iters, graph=v.endswith("graph"),
                                        nhwc=v.endswith("nhwc"), gpu=gpu)
+            _errors(ref, outs, r)
             if v == "ort":
-                ref = outs
-            else:
-                _errors(ref, outs, r)
+                ort_outs = outs
+                res.ort_max_abs_err = r.max_abs_err
+            elif v.startswith("onnxfuse") and ref is not None and ort_outs is not None:
+                _gate(ref, ort_outs, outs, r)
+            del outs
         except Exception as e:  # one failing variant must not lose the others' numbers
-            text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            r = VariantResult(error=f"{type(e).__name__}: {text}"[:300])
+            r = VariantResult(error=_error_text(e))
         res.variants[v] = r
-        log(f"  {case.name:<20} {LABELS[v]:<17} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error))
+        gate = {True: ", gate pass", False: ", gate FAIL", None: ""}[r.gate_passed]
+        log(f"  {case.name:<20} {LABELS[v]:<17} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error)
+            + (f", err vs fp32 {r.max_abs_err:.2g}" if r.max_abs_err is not None else "") + gate)
         gc.collect()
+    gated = [r.gate_passed for v, r in res.variants.items() if v.startswith("onnxfuse") and r.gate_passed is not None]
+    res.gate_passed = all(gated) if gated else None
+    del ort_outs, ref
     if gpu is not None:
         gpu.close()
     if module is not None:
@@ -349,6 +393,11 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
 # ---------------------------------------------------------------------------------------
 # Output
 # ---------------------------------------------------------------------------------------
+
+def _error_text(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {text}"[:300]
+
 
 def versions() -> dict[str, str]:
     import onnxruntime as ort
@@ -374,45 +423,79 @@ def device_name(dry: bool) -> str:
     return name
 
 
-def markdown(result: dict) -> str:
-    """The results table: median ms per variant, onnxfuse's speedup over ORT and over its best."""
-    variants = [v for v in VARIANTS if any(v in c["variants"] for c in result["cases"])]
+GATE_COLUMNS = ("ORT err vs fp32", "onnxfuse err vs fp32", "gate")
+SPEEDUP_COLUMNS = ("onnxfuse vs ORT", "best onnxfuse vs best ORT")
+FAILS = "fails gate"
+
+
+def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
+    """The results table: median ms per variant (`columns`, default every variant that ran),
+    both errors against the fp32 reference, the gate, and onnxfuse's speedups over ORT, which
+    a case that fails the gate does not get ("fails gate")."""
+    ran = [v for v in VARIANTS if any(v in c["variants"] for c in result["cases"])]
+    variants = [v for v in VARIANTS if v in columns] if columns else ran
     ver = result["versions"]
+    head = list(LABELS[v] for v in variants) + list(GATE_COLUMNS) + list(SPEEDUP_COLUMNS)
     lines = [f"{result['device']}, {result['date']}: onnxruntime {ver['onnxruntime']}, torch {ver['torch']}, "
              f"triton {ver['triton']}, onnxfuse {ver['onnxfuse']}, Python {ver['python']}. Median ms over "
              f"{result['settings']['iters']} runs after {result['settings']['warmup']} warmup runs "
-             f"(synchronized wall clock, IO binding).", "",
-             "| model | inputs | fused nodes | " + " | ".join(LABELS[v] for v in variants)
-             + " | onnxfuse vs ORT | best onnxfuse vs best ORT | onnxfuse max abs err |",
-             "|" + "---|" * (len(variants) + 6)]
+             f"(synchronized wall clock, IO binding). Errors: max abs vs the original in ORT with TF32 off; "
+             f"gate: every onnxfuse output within 2 x ORT's own error plus the per-dtype floor "
+             f"(onnxfuse.bench.gate_output); speedups only where it passes.", "",
+             "| model | inputs | fused nodes | " + " | ".join(head) + " |",
+             "|" + "---|" * (len(head) + 3)]
     for c in result["cases"]:
         ins = ", ".join("x".join(map(str, s)) or "scalar" for s in c["inputs"].values())
         if c.get("skipped"):
             lines.append(f"| {c['model']} | {ins} | | " + " | ".join("" for _ in variants)
-                         + f" | skipped: {c['skipped']} | | |")
+                         + f" | skipped: {c['skipped']} |" + " |" * (len(GATE_COLUMNS) + len(SPEEDUP_COLUMNS) - 1))
             continue
-        cells = []
-        for v in variants:
-            r = c["variants"].get(v)
-            if r is None:
-                cells.append("")
-            elif r.get("error"):
-                cells.append("error")
-            else:
-                cells.append(f"{r['median_ms']:.3f}")
-        med = {v: r["median_ms"] for v, r in c["variants"].items() if not r.get("error") and r.get("median_ms")}
-        vs = f"{med['ort'] / med['onnxfuse']:.2f}x" if "ort" in med and "onnxfuse" in med else ""
-        ort_best = min((m for v, m in med.items() if v.startswith("ort")), default=None)
-        fz_best = min((m for v, m in med.items() if v.startswith("onnxfuse")), default=None)
-        best = f"{ort_best / fz_best:.2f}x" if ort_best and fz_best else ""
-        err = c["variants"].get("onnxfuse", {}).get("max_abs_err")
-        err_s = "" if err is None else f"{err:.2g}"
-        lines.append(f"| {c['model']} | {ins} | {c['fused_nodes']} | " + " | ".join(cells)
-                     + f" | {vs} | {best} | {err_s} |")
+        cells = [_time_cell(c["variants"].get(v)) for v in variants]
+        lines.append(f"| {c['model']} | {ins} | {c['fused_nodes']} | " + " | ".join(cells + _gate_cells(c)) + " |")
     errors = [(c["model"], v, r["error"]) for c in result["cases"] for v, r in c["variants"].items() if r.get("error")]
+    errors += [(c["model"], "ort_fp32", c["reference_error"]) for c in result["cases"] if c.get("reference_error")]
     if errors:
-        lines += ["", "Errors:"] + [f"- {m} / {LABELS[v]}: {e}" for m, v, e in errors]
+        lines += ["", "Errors:"] + [f"- {m} / {LABELS.get(v, v)}: {e}" for m, v, e in errors]
+    failures = [(c["model"], v, r["gate_failure"]) for c in result["cases"] for v, r in c["variants"].items()
+                if r.get("gate_passed") is False]
+    if failures:
+        lines += ["", "Gate failures:"] + [f"- {m} / {LABELS[v]}: {why}" for m, v, why in failures]
     return "\n".join(lines) + "\n"
+
+
+def _time_cell(r: dict | None) -> str:
+    if r is None:
+        return ""
+    return "error" if r.get("error") else f"{r['median_ms']:.3f}"
+
+
+def _err_cell(v: float | None, ran: bool) -> str:
+    if not ran:
+        return ""
+    return "nan/inf" if v is None else f"{v:.2g}"
+
+
+def _gate_cells(c: dict) -> list[str]:
+    """ORT err, onnxfuse err (the largest of its variants), gate, and the two speedups."""
+    ok = {v: r for v, r in c["variants"].items() if not r.get("error") and r.get("median_ms")}
+    fz = {v: r for v, r in ok.items() if v.startswith("onnxfuse")}
+    # errors vs fp32 exist only with a reference run (not in results from before the gate)
+    has_ref = "ort_max_abs_err" in c and not c.get("reference_error")
+    ort_err = _err_cell(c.get("ort_max_abs_err"), has_ref and "ort" in ok)
+    errs = [r.get("max_abs_err") for r in fz.values()]
+    fz_err = _err_cell(max(errs, key=lambda e: np.inf if e is None else e), has_ref and bool(errs))
+    failed = [LABELS[v] for v, r in fz.items() if r.get("gate_passed") is False]
+    gate = c.get("gate_passed")
+    gate_s = "pass" if gate else ("**FAIL**: " + ", ".join(failed) if gate is False else "not gated" if fz else "")
+    med = {v: r["median_ms"] for v, r in ok.items()}
+    ort_best = min((m for v, m in med.items() if v.startswith("ort")), default=None)
+    fz_best = min((m for v, m in med.items() if v.startswith("onnxfuse")), default=None)
+    vs = f"{med['ort'] / med['onnxfuse']:.2f}x" if "ort" in med and "onnxfuse" in med else ""
+    best = f"{ort_best / fz_best:.2f}x" if ort_best and fz_best else ""
+    if gate is not True:
+        what = FAILS if gate is False else "not gated"
+        vs, best = (what if vs else ""), (what if best else "")
+    return [ort_err, fz_err, gate_s, vs, best]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -425,7 +508,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, help="where the models are written (default: a temporary folder)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
+    ap.add_argument("--table", help="timing columns of the table (default: every variant that ran), e.g. "
+                                    "ort,ort_graph,onnxfuse,onnxfuse_graph")
+    ap.add_argument("--from-json", type=Path, metavar="FILE",
+                    help="print (and --markdown: write) the table of an earlier run's JSON; runs nothing")
     args = ap.parse_args(argv)
+    table = tuple(args.table.split(",")) if args.table else None
+    if table and any(v not in VARIANTS for v in table):
+        ap.error(f"unknown variant {next(v for v in table if v not in VARIANTS)!r} in --table")
+    if args.from_json:
+        try:
+            text = markdown(json.loads(args.from_json.read_text()), table)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--from-json {args.from_json}: cannot read it ({e})")
+        print(text, end="")
+        if args.markdown:
+            write_text(args.markdown, text)
+        return 0
     all_cases = cases()
     picked = all_cases
     if args.models:
@@ -438,6 +537,9 @@ def main(argv: list[str] | None = None) -> int:
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant {bad[0]!r}")
+    if any(v.startswith("onnxfuse") for v in variants) and "ort" not in variants:
+        variants = ("ort", *variants)  # the gate needs ORT's own error
+    variants = tuple(v for v in VARIANTS if v in variants)  # ort first: the onnxfuse variants are gated against it
     if args.dry_run:
         variants = tuple(v for v in variants if v in DRY_VARIANTS)
         warmup, iters = min(args.warmup, 1), min(args.iters, 3)
@@ -462,7 +564,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "compare", "date": datetime.date.today().isoformat(), "device": device_name(args.dry_run),
         "dry_run": args.dry_run, "versions": versions(),
-        "settings": {"warmup": warmup, "iters": iters, "variants": list(variants)}, "cases": [],
+        "settings": {"warmup": warmup, "iters": iters, "variants": list(variants)},
+        "reference": "ort_fp32: the original in ONNX Runtime with TF32 off, run once untimed"
+                     + (" (dry run: ONNX Runtime CPU)" if args.dry_run else ""),
+        "gate": "an onnxfuse variant passes when every output element has |y - ref| <= 2 * ort_err + "
+                "atol * max|ref| + rtol * |ref| (ort_err: the ort variant's max abs error vs ref; (rtol, atol) "
+                "per dtype, float32 1e-5, 1e-5): onnxfuse.bench.gate_output",
+        "cases": [],
     }
     with tempfile.TemporaryDirectory(prefix="onnxfuse-compare-") as tmp:
         workdir = args.workdir or Path(tmp)
@@ -473,13 +581,13 @@ def main(argv: list[str] | None = None) -> int:
             if res.skipped:
                 print(f"  skipped: {res.skipped}")
             result["cases"].append(ob._finite(dataclasses.asdict(res)))
-    text = markdown(result)
+    text = markdown(result, table)
     print()
     print(text, end="")
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2, allow_nan=False) + "\n")
+        write_text(args.json, json.dumps(result, indent=2, allow_nan=False) + "\n")
     if args.markdown:
-        args.markdown.write_text(text)
+        write_text(args.markdown, text)
     return 0
 
 

@@ -13,30 +13,42 @@ timed. Every timed call is ``run_with_iobinding`` followed by ``synchronize_outp
 monotonic clock: on the GPU that is a synchronized wall-clock time, what a caller waits for,
 ONNX Runtime's host work included.
 
-The outputs of every later model are compared with the first model's, by name: an element
-passes when ``|actual - expected| <= atol + rtol * |expected|`` (NaN matches NaN, an
-infinity matches the same infinity); dtypes and shapes must be equal. Default tolerances
-per dtype: float32 rtol 1e-5 / atol 1e-6, float16 1e-2 / 1e-3, bfloat16 2e-2 / 1e-2,
-float64 1e-7 / 1e-9; other dtypes must be equal. ``--rtol`` / ``--atol`` replace them for
-every dtype. Exit status: 0 when every output passes, 1 when one does not, 2 on bad input
-(unreadable model, unknown input name, a model ONNX Runtime cannot load or run).
+The gate: a speedup counts only at equal accuracy. On CUDA (by default) the first model,
+the original, runs twice: once untimed with TF32 off (``use_tf32`` 0), the fp32 *reference*,
+and timed under ONNX Runtime's defaults (TF32 allowed), the baseline; every later model runs
+under ORT's defaults too. Per output, ``ort_err = max|baseline - reference|`` (ORT's own
+error) and an element of a later model passes when::
 
-On CUDA, TF32 is off unless ``--tf32`` (ONNX Runtime's CUDA EP turns it on by default): with
-it, MatMul and Conv results differ between two sessions by about 1e-3, far outside the fp32
-tolerance, so a gate on fp32 outputs needs it off (or looser ``--rtol``/``--atol``).
+    |actual - reference| <= 2 * ort_err + atol * max|reference| + rtol * |reference|
+
+(`gate_output`; NaN matches NaN, an infinity the same infinity, a NaN or infinity on one side
+fails; dtypes and shapes must be equal; ort_err counts only where it is finite). A model
+passes when every output does: it may be no further from fp32 than twice the original as
+ORT runs it. On the CPU (no TF32) and with ``--no-tf32`` (every model runs with TF32 off)
+the reference is the first model's own timed run and ort_err is 0: a plain isclose. The
+(rtol, atol) floor per dtype: float32 1e-5 / 1e-5, float16 1e-2 / 1e-3, bfloat16 2e-2 /
+1e-2, float64 1e-7 / 1e-9; other dtypes must be equal. ``--rtol`` / ``--atol`` replace the
+floor for every dtype, ``--atol`` as an absolute tolerance (not times max|reference|).
+``--tf32`` is the default (kept as a no-op). Exit status: 0 when every output passes, 1 when
+one does not, 2 on bad input (unreadable model, unknown input name, a model ONNX Runtime
+cannot load or run). ``onnxfuse bisect`` names the fused nodes of a model that fails.
 
 A model with ``onnxfuse`` nodes gets the onnxfuse custom-op library registered
 (`onnxfuse.runtime`); ``--no-library`` runs their function bodies instead.
 
-JSON (``--json FILE``), schema ``onnxfuse.bench/1``; keys are only ever added under a new
-minor revision, never renamed::
+JSON (``--json FILE``), schema ``onnxfuse.bench/1.1``; keys are only ever added under a new
+minor revision, never renamed (1.1 added ``reference``, ``ort_max_abs_err`` and ``gate_atol``)::
 
-    {"schema": "onnxfuse.bench/1", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
+    {"schema": "onnxfuse.bench/1.1", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
      "device": str, "versions": {"onnxfuse", "onnxruntime", "onnx", "numpy", "python": str},
      "settings": {"warmup", "iters", "batch", "seed", "cuda_graph", "tf32", "threads", "atol",
                   "rtol", "library", "opt_level", "shapes", "inputs", "provider_options"},
      "inputs": [{"name", "dtype", "shape"}],            # what every model was fed
      "batch": int,                                       # samples per run (leading dim of the first input)
+     "reference": {"path": str, "tf32": false,           # what later models are gated against
+                   "separate_run": bool,                 # true: an untimed run of the first model
+                   "description": str,
+                   "ort_max_abs_err": {output: float | null}},  # the first model's timed run vs it
      "models": [{
         "name", "path", "onnxfuse_nodes": int, "library": bool,
         "load_ms", "first_run_ms": float,
@@ -46,12 +58,18 @@ minor revision, never renamed::
                                                          # the level before the session was made
         "speedup": float,                                # first model's median / this median
         "outputs": [{"name", "dtype", "shape", "max_abs_err", "max_rel_err", "atol", "rtol",
-                     "mismatches": int, "passed": bool, "note": str | null}],   # [] for the first
+                     "mismatches": int, "passed": bool, "note": str | null,
+                     "ort_max_abs_err": float | null,    # ort_err of this output
+                     "gate_atol": float}],               # 2 * ort_err + atol (scaled): the
+                                                         # limit is gate_atol + rtol * |reference|
+                                                         # [] for the first model
         "passed": bool}],
      "passed": bool}
 
-``max_rel_err`` is taken over elements whose expected value is not 0; an error that is not
-finite (a NaN or infinity where the other side has none) is written as null.
+``max_abs_err`` / ``max_rel_err`` are against the reference; ``max_rel_err`` is taken over
+elements whose reference value is not 0; an error that is not finite (a NaN or infinity where
+the other side has none) is written as null. ``settings.tf32`` is whether the timed runs
+allowed TF32 (false on the CPU).
 """
 
 from __future__ import annotations
@@ -66,7 +84,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -74,7 +92,16 @@ import numpy as np
 
 from onnxfuse.errors import OnnxfuseError
 
-SCHEMA = "onnxfuse.bench/1"
+SCHEMA = "onnxfuse.bench/1.1"
+
+GATE_HELP = (
+    "A speedup counts only at equal accuracy. On CUDA the first model (the original) runs once with TF32 off, "
+    "the fp32 reference, and timed under ONNX Runtime's defaults (TF32 allowed); later models run under ORT's "
+    "defaults and pass when every output element satisfies |y - ref| <= 2 * ort_err + atol * max|ref| + "
+    "rtol * |ref|, where ort_err is the original's own max abs error vs the reference, so an optimized model "
+    "may be no further from fp32 than twice the original as ORT runs it. (rtol, atol) per dtype is the floor "
+    "(float32 1e-5, 1e-5); --rtol/--atol replace it (--atol absolute). On the CPU, or with --no-tf32, the "
+    "reference is the first model's own run and ort_err is 0.")
 EXIT_MISMATCH = 1
 
 # (rtol, atol) per output dtype; dtypes not listed must match exactly.
@@ -114,13 +141,15 @@ class BenchSettings:
     library: bool = True                                  # register it for models with onnxfuse nodes
     opt_level: str = "all"
     device_id: int = 0
-    tf32: bool = False                                    # CUDA: let MatMul/Conv use TF32
+    tf32: bool = True                                     # CUDA: let MatMul/Conv use TF32 (ORT's default);
+                                                          # bench() then gates against a TF32-off run
     provider_options: dict[str, str] = field(default_factory=dict)  # extra CUDA EP options
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["library"] = "auto" if self.library else "off"
         d["shapes"] = {k: list(v) for k, v in self.shapes.items()}
+        d["tf32"] = self.tf32 and self.provider == "cuda"
         del d["provider"], d["device_id"]
         return d
 
@@ -161,6 +190,16 @@ class OutputCheck:
     mismatches: int
     passed: bool
     note: str | None = None
+    ort_max_abs_err: float | None = 0.0   # the original under ORT's defaults vs the reference
+    gate_atol: float = 0.0                # 2 * ort_err + atol
+
+    def failure(self) -> str:
+        """Why this output fails the gate, in one line."""
+        if self.note:
+            return self.note
+        ort = "" if self.ort_max_abs_err == 0.0 else f" (ORT's own: {_num(self.ort_max_abs_err)})"
+        return (f"max abs err vs the reference {_num(self.max_abs_err)}{ort}, max rel err {_num(self.max_rel_err)}; "
+                f"{self.mismatches} elements outside {self.gate_atol:.3g} + rtol {self.rtol:g} * |reference|")
 
 
 @dataclass
@@ -191,12 +230,14 @@ class BenchReport:
     batch: int
     models: list[ModelResult]
     passed: bool
+    reference: dict = field(default_factory=dict)   # see the module docstring
     schema: str = SCHEMA
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["inputs"] = [{"name": i.name, "dtype": i.dtype, "shape": list(i.shape)} for i in self.inputs]
-        order = ["schema", "date", "provider", "device", "versions", "settings", "inputs", "batch", "models", "passed"]
+        order = ["schema", "date", "provider", "device", "versions", "settings", "inputs", "batch", "reference",
+                 "models", "passed"]
         return _finite({k: d[k] for k in order})
 
     def to_json(self) -> str:
@@ -208,40 +249,44 @@ class BenchReport:
         for m in self.models:
             for o in m.outputs:
                 if not o.passed:
-                    what = o.note or (f"max abs err {_num(o.max_abs_err)}, max rel err {_num(o.max_rel_err)}; "
-                                      f"{o.mismatches} elements outside atol {o.atol:g} + rtol {o.rtol:g} * |expected|")
-                    lines.append(f"{m.path}: output {o.name!r}: {what}")
+                    lines.append(f"{m.path}: output {o.name!r}: {o.failure()}")
         return lines
 
     # ---- tables ----
     COLUMNS = ("model", "fused", "load ms", "first ms", "median ms", "p10 ms", "p90 ms", "min ms", "samples/s",
-               "peak MB", "speedup", "max abs err", "max rel err", "check")
+               "peak MB", "speedup", "err vs fp32", "ORT err vs fp32", "gate")
 
     def rows(self) -> list[list[str]]:
         rows = []
+        ort_errs = list(self.reference.get("ort_max_abs_err", {}).values())
+        ort_max = _num(max(ort_errs, default=0.0, key=_nan_high))
         for i, m in enumerate(self.models):
-            if i == 0:
-                abs_e = rel_e = "-"
+            ort_e = ort_max
+            if i == 0 and self.reference.get("separate_run"):
+                abs_e, check = ort_max, "baseline"
+            elif i == 0:
+                abs_e = ort_e = "-"
                 check = "reference"
             else:
                 abs_e = _num(max((o.max_abs_err for o in m.outputs), default=0.0, key=_nan_high))
-                rel_e = _num(max((o.max_rel_err for o in m.outputs), default=0.0, key=_nan_high))
                 check = "ok" if m.passed else "FAIL"
             lat = m.latency_ms
             rows.append([m.name, str(m.onnxfuse_nodes) + (" (lib)" if m.library else ""), f"{m.load_ms:.1f}",
                          f"{m.first_run_ms:.3f}", f"{lat.median:.3f}", f"{lat.p10:.3f}", f"{lat.p90:.3f}",
                          f"{lat.min:.3f}", f"{m.samples_per_s:.1f}",
                          "-" if m.peak_gpu_mem_mb is None else f"{m.peak_gpu_mem_mb:.0f}",
-                         f"{m.speedup:.2f}x", abs_e, rel_e, check])
+                         f"{m.speedup:.2f}x", abs_e, ort_e, check])
         return rows
 
     def caption(self) -> str:
         s = self.settings
         ins = ", ".join(f"{i.name} {i.dtype}[{'x'.join(map(str, i.shape))}]" for i in self.inputs)
         graph = ", CUDA graph" if s.get("cuda_graph") else ""
-        return (f"{self.device} ({self.provider}{graph}), onnxruntime {self.versions['onnxruntime']}, "
+        tf32 = ", TF32 allowed (ORT's default)" if s.get("tf32") else (", TF32 off" if self.provider == "cuda" else "")
+        ref = self.reference.get("description")
+        return (f"{self.device} ({self.provider}{graph}{tf32}), onnxruntime {self.versions['onnxruntime']}, "
                 f"onnxfuse {self.versions['onnxfuse']}, {self.date}; inputs {ins}; "
-                f"{s['warmup']} warmup + {s['iters']} timed runs")
+                f"{s['warmup']} warmup + {s['iters']} timed runs" + (f"; reference: {ref}" if ref else ""))
 
     def plain(self) -> str:
         rows = [list(self.COLUMNS)] + self.rows()
@@ -291,36 +336,55 @@ def tolerance(dtype: np.dtype, rtol: float | None = None, atol: float | None = N
 
 def compare_output(name: str, expected: np.ndarray | None, actual: np.ndarray | None,
                    rtol: float | None = None, atol: float | None = None) -> OutputCheck:
-    """Check one output against the reference: isclose with per-dtype tolerances."""
-    ref = expected if expected is not None else actual
-    assert ref is not None
-    r, a = tolerance(ref.dtype, rtol, atol)
-    if atol is None and expected is not None and expected.size and np.issubdtype(expected.dtype, np.floating):
-        finite = np.abs(expected[np.isfinite(expected)].astype(np.float64))
+    """Check one output against a reference that is also the baseline: the gate with ort_err 0
+    (an isclose with per-dtype tolerances)."""
+    return gate_output(name, expected, None, actual, rtol, atol)
+
+
+def gate_output(name: str, ref: np.ndarray | None, ort: np.ndarray | None, actual: np.ndarray | None,
+                rtol: float | None = None, atol: float | None = None) -> OutputCheck:
+    """The gate on one output: `actual` passes when every element has
+    |actual - ref| <= 2 * ort_err + atol + rtol * |ref|, ort_err = max|ort - ref| (finite
+    differences only; 0 when `ort` is None: the reference is the baseline itself), (rtol, atol)
+    the dtype's floor (`tolerance`) with atol times max|ref| unless `atol` is given. NaN
+    matches NaN and an infinity the same infinity; dtypes and shapes must be equal."""
+    base_arr = ref if ref is not None else actual
+    assert base_arr is not None
+    r, a = tolerance(base_arr.dtype, rtol, atol)
+    if atol is None and ref is not None and ref.size and np.issubdtype(ref.dtype, np.floating):
+        finite = np.abs(ref[np.isfinite(ref)].astype(np.float64))
         a = a * float(finite.max()) if finite.size else a  # scaled to the output (DEFAULT_TOLERANCES)
-    base = dict(name=name, dtype=np.dtype(ref.dtype).name, shape=list(ref.shape), atol=a, rtol=r)
-    if expected is None:
+    base = dict(name=name, dtype=np.dtype(base_arr.dtype).name, shape=list(base_arr.shape), atol=a, rtol=r,
+                gate_atol=a)
+    if ref is None:
         return OutputCheck(**base, max_abs_err=None, max_rel_err=None, mismatches=0, passed=False,
                            note="not an output of the first model")
+    fail = dict(max_abs_err=None, max_rel_err=None, mismatches=int(ref.size), passed=False)
     if actual is None:
-        return OutputCheck(**base, max_abs_err=None, max_rel_err=None, mismatches=int(expected.size), passed=False,
-                           note="missing from this model's outputs")
-    if actual.dtype != expected.dtype:
-        return OutputCheck(**base, max_abs_err=None, max_rel_err=None, mismatches=int(expected.size), passed=False,
-                           note=f"dtype {actual.dtype} differs from the first model's {expected.dtype}")
-    if actual.shape != expected.shape:
-        return OutputCheck(**base, max_abs_err=None, max_rel_err=None, mismatches=int(expected.size), passed=False,
-                           note=f"shape {list(actual.shape)} differs from the first model's {list(expected.shape)}")
-    if expected.size == 0:
+        return OutputCheck(**base, **fail, note="missing from this model's outputs")
+    if actual.dtype != ref.dtype:
+        return OutputCheck(**base, **fail, note=f"dtype {actual.dtype} differs from the first model's {ref.dtype}")
+    if actual.shape != ref.shape:
+        return OutputCheck(**base, **fail,
+                           note=f"shape {list(actual.shape)} differs from the first model's {list(ref.shape)}")
+    ort_err: float | None = 0.0
+    slack = 0.0
+    if ort is not None:
+        if ort.dtype != ref.dtype or ort.shape != ref.shape:
+            return OutputCheck(**base, **fail, note="the first model's timed run differs from the reference in "
+                                                    f"dtype or shape ({ort.dtype}{list(ort.shape)})")
+        ort_diff = _abs_diff(ref, ort)
+        finite = ort_diff[np.isfinite(ort_diff)]
+        slack = float(finite.max()) if finite.size else 0.0
+        ort_err = float(ort_diff.max()) if ort_diff.size else 0.0
+        ort_err = ort_err if np.isfinite(ort_err) else None
+    base.update(gate_atol=2 * slack + a, ort_max_abs_err=ort_err)
+    if ref.size == 0:
         return OutputCheck(**base, max_abs_err=0.0, max_rel_err=0.0, mismatches=0, passed=True)
-    e = expected.astype(np.float64)
-    x = actual.astype(np.float64)
+    e = ref.astype(np.float64)
+    diff = _abs_diff(ref, actual)
     with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(x - e)
-        same = (x == e) | (np.isnan(x) & np.isnan(e))      # equal infinities and NaN pairs
-        diff[same] = 0.0
-        diff[np.isnan(diff)] = np.inf                       # NaN on one side only
-        bad = (diff > a + r * np.abs(e)) | np.isinf(diff)
+        bad = (diff > base["gate_atol"] + r * np.abs(e)) | np.isinf(diff)
         nz = (e != 0) & np.isfinite(e)
         rel = diff[nz] / np.abs(e[nz])
     max_abs = float(diff.max())
@@ -328,6 +392,37 @@ def compare_output(name: str, expected: np.ndarray | None, actual: np.ndarray | 
     n_bad = int(bad.sum())
     return OutputCheck(**base, max_abs_err=max_abs if np.isfinite(max_abs) else None,
                        max_rel_err=max_rel if np.isfinite(max_rel) else None, mismatches=n_bad, passed=n_bad == 0)
+
+
+def _abs_diff(ref: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """|x - ref| in float64: 0 where both are NaN or the same infinity, inf where only one
+    side is NaN or the infinities differ."""
+    e = ref.astype(np.float64)
+    v = x.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(v - e)
+        diff[(v == e) | (np.isnan(v) & np.isnan(e))] = 0.0
+        diff[np.isnan(diff)] = np.inf
+    return diff
+
+
+def gate_outputs(ref: dict[str, np.ndarray], ort: dict[str, np.ndarray] | None, outputs: dict[str, np.ndarray],
+                 rtol: float | None = None, atol: float | None = None) -> list[OutputCheck]:
+    """`gate_output` on every output of the reference, by name; an output the reference does
+    not have is listed and passes (optimizers may expose more)."""
+    checks = [gate_output(n, ref[n], None if ort is None else ort.get(n), outputs.get(n), rtol, atol)
+              for n in ref]
+    for n, a in outputs.items():
+        if n not in ref:
+            extra = gate_output(n, None, None, a)
+            extra.passed = True
+            checks.append(extra)
+    return checks
+
+
+def max_abs_errors(ref: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> dict[str, float | None]:
+    """max|y - ref| per output of the reference (None: not finite, or missing or mismatched)."""
+    return {n: gate_output(n, e, None, outputs.get(n)).max_abs_err for n, e in ref.items()}
 
 
 # ---------------------------------------------------------------------------------------
@@ -742,6 +837,59 @@ def run_model(path: str, feeds: dict[str, np.ndarray], settings: BenchSettings, 
     return _Run(load_ms, first_ms, times, outputs, peak)
 
 
+def evaluate_model(model: str | bytes, feeds: dict[str, np.ndarray], settings: BenchSettings,
+                   library: bool) -> dict[str, np.ndarray]:
+    """Run a model (a path or serialized bytes) once, untimed, never under CUDA graphs: its
+    outputs by name. TF32 as settings.tf32 says."""
+    ort = _ort()
+    where = model if isinstance(model, str) else "model"
+    try:
+        sess = ort.InferenceSession(model, _session_options(settings, library), providers=_providers(settings, False))
+    except OnnxfuseError:
+        raise
+    except Exception as e:  # onnxruntime raises several exception types
+        raise OnnxfuseError(f"{where}: onnxruntime cannot load it: {_first_line(e)}") from None
+    names = [i.name for i in sess.get_inputs()]
+    missing = [n for n in names if n not in feeds]
+    if missing:
+        raise OnnxfuseError(f"{where}: input {missing[0]!r} is not an input of the first model")
+    try:
+        arrays = sess.run(None, {n: feeds[n] for n in names})
+    except Exception as e:
+        raise OnnxfuseError(f"{where}: onnxruntime failed to run it: {_first_line(e)}") from None
+    outputs = {o.name: a for o, a in zip(sess.get_outputs(), arrays, strict=True)}
+    for n, a in outputs.items():
+        if not isinstance(a, np.ndarray) or a.dtype.kind not in "biuf":
+            raise OnnxfuseError(f"output {n!r} is not a numeric tensor; bench supports numeric tensors only")
+    del sess
+    gc.collect()
+    return outputs
+
+
+def gated(settings: BenchSettings) -> bool:
+    """Whether later models are gated against a separate TF32-off run of the first (CUDA with
+    TF32 allowed, ORT's default), rather than against the first model's own run."""
+    return settings.provider == "cuda" and settings.tf32
+
+
+def reference_settings(settings: BenchSettings) -> BenchSettings:
+    """The reference run's settings: TF32 off, no CUDA graphs, the rest as given."""
+    return replace(settings, tf32=False, cuda_graph=False, warmup=0, iters=1)
+
+
+def reference_info(path: str, settings: BenchSettings, ort_errors: dict[str, float | None]) -> dict:
+    """The report's `reference` entry."""
+    if gated(settings):
+        what = (f"{Path(path).name} run once with TF32 off (use_tf32 0); later models may differ from it by "
+                "twice the first model's own error under ORT's defaults (TF32 allowed)")
+    elif settings.provider == "cuda":
+        what = f"{Path(path).name}'s own run, TF32 off (--no-tf32)"
+    else:
+        what = f"{Path(path).name}'s own run (the CPU has no TF32)"
+    return {"path": str(path), "tf32": False, "separate_run": gated(settings), "description": what,
+            "ort_max_abs_err": ort_errors}
+
+
 def _bind_outputs(ort, binding, names, shapes, device, dev_id, keep: dict) -> None:
     for n in names:
         shape, dtype = shapes[n]
@@ -757,16 +905,16 @@ def _bind_outputs(ort, binding, names, shapes, device, dev_id, keep: dict) -> No
 
 def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = None,
           notes: TextIO | None = None) -> BenchReport:
-    """Run every model on the same inputs; time them and compare outputs with the first."""
+    """Run every model on the same inputs; time them and gate every later model's outputs
+    against the reference (the module docstring says which run that is)."""
     import onnx
 
     import onnxfuse
 
     _validate(settings)
     ort = _ort()
-    if settings.provider == "cuda" and "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise OnnxfuseError("--provider cuda: this onnxruntime has no CUDA execution provider "
-                            "(pip install 'onnxfuse[gpu]')")
+    if settings.provider == "cuda":
+        require_cuda()
     notes = notes if notes is not None else sys.stderr
     models = [_read_model(p) for p in paths]
     sig = _signature(models[0])
@@ -785,23 +933,22 @@ def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = Non
     names = _display_names(paths)
     results: list[ModelResult] = []
     reference: dict[str, np.ndarray] = {}
+    baseline: dict[str, np.ndarray] | None = None   # the first model's timed run when it is not the reference
     try:
         for i, (path, name) in enumerate(zip(paths, names, strict=True)):
             library = settings.library and fused_counts[i] > 0
+            if i == 0 and gated(settings):
+                reference = evaluate_model(path, feeds, reference_settings(settings), library)
             progress = Progress(f"{name}", settings.warmup + settings.iters, stream=stream)
             r = run_model(path, feeds, settings, library, progress, gpu)
             lat = Latency.of(r.times_ms)
-            if i == 0:
+            checks: list[OutputCheck] = []
+            if i == 0 and gated(settings):
+                baseline = r.outputs
+            elif i == 0:
                 reference = r.outputs
-                checks: list[OutputCheck] = []
             else:
-                checks = [compare_output(n, reference[n], r.outputs.get(n), settings.rtol, settings.atol)
-                          for n in reference]
-                checks += [compare_output(n, None, a) for n, a in r.outputs.items() if n not in reference]
-                # An extra output is reported, not failed: optimizers may expose more.
-                for c in checks:
-                    if c.note == "not an output of the first model":
-                        c.passed = True
+                checks = gate_outputs(reference, baseline, r.outputs, settings.rtol, settings.atol)
             first_median = results[0].latency_ms.median if results else lat.median
             results.append(ModelResult(
                 name=name, path=str(path), onnxfuse_nodes=fused_counts[i], library=library,
@@ -814,13 +961,21 @@ def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = Non
     finally:
         if gpu is not None:
             gpu.close()
+    ort_errors = max_abs_errors(reference, baseline) if baseline is not None else {n: 0.0 for n in reference}
     return BenchReport(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         provider=settings.provider, device=device,
         versions={"onnxfuse": onnxfuse.__version__, "onnxruntime": ort.__version__, "onnx": onnx.__version__,
                   "numpy": np.__version__, "python": platform.python_version()},
         settings=settings.to_dict(), inputs=specs, batch=int(batch), models=results,
-        passed=all(m.passed for m in results))
+        passed=all(m.passed for m in results), reference=reference_info(paths[0], settings, ort_errors))
+
+
+def require_cuda() -> None:
+    """OnnxfuseError unless this onnxruntime has the CUDA execution provider."""
+    if "CUDAExecutionProvider" not in _ort().get_available_providers():
+        raise OnnxfuseError("--provider cuda: this onnxruntime has no CUDA execution provider "
+                            "(pip install 'onnxfuse[gpu]')")
 
 
 def _validate(s: BenchSettings) -> None:
@@ -841,6 +996,8 @@ def _validate(s: BenchSettings) -> None:
     for v, what in ((s.atol, "--atol"), (s.rtol, "--rtol")):
         if v is not None and not (v >= 0):
             raise OnnxfuseError(f"{what} must be 0 or more")
+    if "use_tf32" in s.provider_options:
+        raise OnnxfuseError("provider option use_tf32: use the tf32 setting (--tf32 / --no-tf32)")
 
 
 def _check_same_inputs(path: str, sig: list[_Input], specs: list[InputSpec], first: str) -> None:
@@ -874,7 +1031,18 @@ def _display_names(paths: list[str]) -> list[str]:
 # ---------------------------------------------------------------------------------------
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("models", nargs="+", metavar="MODEL", help="ONNX models; the first is the reference")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="ONNX models; the first is the original (baseline)")
+    add_run_arguments(p)
+    p.add_argument("--warmup", type=int, default=10, help="untimed runs after the first (default 10)")
+    p.add_argument("--iters", type=int, default=100, help="timed runs (default 100)")
+    p.add_argument("--cuda-graph", action="store_true", help="run with ONNX Runtime's CUDA graphs")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1.1)")
+    p.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
+                   help="print the table as Markdown (or write it to FILE)")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options bench and bisect share: provider, inputs, the gate, the session."""
     p.add_argument("--provider", choices=["cuda", "cpu"], default=None,
                    help="execution provider (default: cuda when this onnxruntime has it, else cpu)")
     p.add_argument("--shape", action="append", metavar="NAME=DIMS",
@@ -882,21 +1050,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", action="append", metavar="NAME=VALUE",
                    help="an input's value: a .npy file or a number filling its shape (sr=16000); repeatable")
     p.add_argument("--batch", type=int, help="size of dynamic leading dimensions (default 1)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed runs after the first (default 10)")
-    p.add_argument("--iters", type=int, default=100, help="timed runs (default 100)")
-    p.add_argument("--cuda-graph", action="store_true", help="run with ONNX Runtime's CUDA graphs")
-    p.add_argument("--tf32", action="store_true",
-                   help="let CUDA MatMul/Conv use TF32 (ORT's own default; off here so fp32 outputs compare at 1e-5)")
-    p.add_argument("--atol", type=float, help="absolute tolerance for every output (default per dtype)")
-    p.add_argument("--rtol", type=float, help="relative tolerance for every output (default per dtype)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--tf32", action="store_true", default=True,
+                   help="CUDA: run the models under ORT's defaults, TF32 allowed, and gate them against a TF32-off "
+                        "run of the first (the default; kept for compatibility)")
+    p.add_argument("--no-tf32", dest="tf32", action="store_false",
+                   help="CUDA: run every model with TF32 off; the reference is the first model's run (ort_err 0)")
+    p.add_argument("--atol", type=float, help="absolute tolerance floor for every output (default per dtype, "
+                                              "times max|reference|)")
+    p.add_argument("--rtol", type=float, help="relative tolerance floor for every output (default per dtype)")
     p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ORT's)")
     p.add_argument("--opt-level", choices=OPT_LEVELS, default="all", help="ONNX Runtime graph optimizations")
     p.add_argument("--no-library", action="store_true",
                    help="do not register the onnxfuse library (fused nodes run their function bodies)")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1)")
-    p.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
-                   help="print the table as Markdown (or write it to FILE)")
 
 
 def settings_from_args(args: argparse.Namespace) -> BenchSettings:
@@ -904,10 +1070,11 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
     if provider is None:
         provider = "cuda" if "CUDAExecutionProvider" in _ort().get_available_providers() else "cpu"
     shapes = {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
+    defaults = BenchSettings()
     return BenchSettings(
         provider=provider, shapes=shapes, inputs=parse_assignments(args.input, "--input"), batch=args.batch,
-        warmup=args.warmup, iters=args.iters, cuda_graph=args.cuda_graph, tf32=args.tf32, atol=args.atol,
-        rtol=args.rtol,
+        warmup=getattr(args, "warmup", defaults.warmup), iters=getattr(args, "iters", defaults.iters),
+        cuda_graph=getattr(args, "cuda_graph", False), tf32=args.tf32, atol=args.atol, rtol=args.rtol,
         seed=args.seed, threads=args.threads, library=not args.no_library, opt_level=args.opt_level)
 
 
@@ -951,7 +1118,6 @@ def _table(report: BenchReport) -> str:
 
 
 def _write(path: str, text: str) -> None:
-    try:
-        Path(path).write_text(text)
-    except OSError as e:
-        raise OnnxfuseError(f"{path}: cannot write ({e.strerror or e})") from None
+    from onnxfuse.pipeline import write_text
+
+    write_text(path, text)

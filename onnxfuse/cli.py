@@ -94,6 +94,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+def _cmd_bisect(args: argparse.Namespace) -> int:
+    from onnxfuse.bisect import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="onnxfuse", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -135,11 +141,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patterns", action="append", metavar="DIR", help="also load pattern files from DIR")
     p.set_defaults(func=_cmd_patterns)
 
+    from onnxfuse.bench import GATE_HELP
     from onnxfuse.bench import add_arguments as bench_arguments
 
-    p = sub.add_parser("bench", help="time models on the same inputs and check that their outputs agree")
+    p = sub.add_parser("bench", help="time models on the same inputs and gate their outputs against fp32",
+                       description="Time models in ONNX Runtime on the same seeded inputs and gate every later "
+                                   "model's outputs against the first's.", epilog=GATE_HELP)
     bench_arguments(p)
     p.set_defaults(func=_cmd_bench)
+
+    from onnxfuse.bisect import add_arguments as bisect_arguments
+
+    p = sub.add_parser("bisect", help="name the fused nodes that make an optimized model fail bench's gate",
+                       description="Put fused nodes of OPTIMIZED back to their function bodies until it passes "
+                                   "bench's gate against ORIGINAL; print the nodes responsible. Exit 0 when it "
+                                   "already passes, 1 when it fails (culprits printed), 2 on bad input.",
+                       epilog=GATE_HELP)
+    bisect_arguments(p)
+    p.set_defaults(func=_cmd_bisect)
 
     from onnxfuse.analyze import add_commands as analysis_commands
 

@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 
+from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Builder, Operand, Program, Ref
 from onnxfuse.graph import GraphView, _outer_refs, same_shape
 from onnxfuse.layers import ConvAttrs, PoolAttrs
@@ -353,45 +354,21 @@ def toposort(nodes: list[NodeProto], g: onnx.GraphProto) -> list[NodeProto]:
 
 
 def unfuse(model: ModelProto, fused: FusedNode) -> None:
-    """Turn a fused node of `model` back into its original nodes, in place: its function
-    body, inlined with the node's tensor names (internal tensors get fresh names, folded
-    constants become Constant nodes, node names are the originals'). The function goes
-    when no node uses it any more, the onnxfuse opset import when nothing uses the domain."""
+    """Turn a fused node of `model` back into its original nodes, in place (`unfuse_node`),
+    with the original node names of `fused.source_nodes`."""
+    unfuse_node(model, fused.node_name, fused.source_nodes)
+
+
+def unfuse_node(model: ModelProto, node_name: str, source_nodes: tuple[str, ...] = ()) -> None:
+    """Turn the onnxfuse node `node_name` of `model` back into its original nodes, in place,
+    from the model alone: its function body inlined (`inline_function_node`), a Transpose of
+    packed FusedConv weights folded into ONNX weights again. The function goes when no node
+    uses it any more, the onnxfuse opset import when nothing uses the domain."""
     g = model.graph
-    idx = next(i for i, n in enumerate(g.node) if n.name == fused.node_name)
-    node = g.node[idx]
+    node = g.node[_node_index(g, node_name)]
     key = (node.domain, node.op_type, node.overload)
-    f = next(f for f in model.functions if (f.domain, f.name, f.overload) == key)
-    rename = dict(zip(f.input, node.input, strict=True)) | dict(zip(f.output, node.output, strict=True))
-    taken = _all_names(model)
-    # original node names, in order; a body node of another op type (FusedConv's weight
-    # Transpose) gets a new name
-    originals = [tuple(s.split(" ", 1)) if " " in s else (s, "") for s in fused.source_nodes]
-    node_names = {n.name for n in g.node if n.name}
-    body = []
-    for b in f.node:
-        n = NodeProto()
-        n.CopyFrom(b)
-        for k, name in enumerate(n.output):
-            if name and name not in rename:
-                rename[name] = _unique(f"{fused.node_name}/{name}", taken)
-            if name:
-                n.output[k] = rename[name]
-        for k, name in enumerate(n.input):
-            if name:
-                n.input[k] = rename[name]
-        if n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
-            n.name = ""
-        elif originals and originals[0][0] == n.op_type:
-            n.name = originals.pop(0)[1]
-        else:
-            n.name = _unique(f"{fused.node_name}/{n.op_type.lower()}", node_names)
-        body.append(n)
-    nodes = list(g.node[:idx]) + body + list(g.node[idx + 1:])
-    del g.node[:]
-    g.node.extend(nodes)
-    if fused.kind == "conv":
-        _fold_weight_transposes(g, [n for n in body if n.op_type == "Transpose"])
+    body = inline_function_node(model, node_name, source_nodes)
+    _fold_weight_transposes(g, [n for n in body if n.op_type == "Transpose"])
     if not any((n.domain, n.op_type, n.overload) == key for n in g.node):
         kept = [fn for fn in model.functions if (fn.domain, fn.name, fn.overload) != key]
         del model.functions[:]
@@ -400,6 +377,88 @@ def unfuse(model: ModelProto, fused: FusedNode) -> None:
         kept_imports = [i for i in model.opset_import if i.domain != DOMAIN]
         del model.opset_import[:]
         model.opset_import.extend(kept_imports)
+
+
+def inline_function_node(model: ModelProto, node_name: str, source_nodes: tuple[str, ...] = ()) -> list[NodeProto]:
+    """Replace the main-graph node `node_name`, a call of a model-local function, by the
+    function's body, in place; returns the inlined nodes. The body's inputs and outputs
+    become the node's tensors (an input the node omits becomes ""), its other tensors get
+    fresh names `<node>/<name>`; an attribute reference takes the node's value or the
+    function's default. Node names: none for Constants, else the names of `source_nodes`
+    ("OpType name") in order as op types match, else `<node>/<optype>`. Functions and
+    opset imports are left as they are."""
+    g = model.graph
+    idx = _node_index(g, node_name)
+    node = g.node[idx]
+    key = (node.domain, node.op_type, node.overload)
+    f = next((f for f in model.functions if (f.domain, f.name, f.overload) == key), None)
+    if f is None:
+        raise OnnxfuseError(f"node {node_name!r} ({node.domain}::{node.op_type}) has no model-local function")
+    fv, mv = _default_version(f.opset_import), _default_version(model.opset_import)
+    if fv is not None and mv is not None and fv != mv:
+        raise OnnxfuseError(f"node {node_name!r}: its function uses opset {fv}, the model {mv}; cannot inline it")
+    if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in f.node for a in n.attribute):
+        raise OnnxfuseError(f"node {node_name!r}: its function body has subgraphs; cannot inline it")
+    rename = {x: (node.input[k] if k < len(node.input) else "") for k, x in enumerate(f.input)}
+    rename |= {y: node.output[k] for k, y in enumerate(f.output) if k < len(node.output) and node.output[k]}
+    attrs = {a.name: a for a in f.attribute_proto} | {a.name: a for a in node.attribute}
+    taken = _all_names(model)
+    originals = [tuple(s.split(" ", 1)) if " " in s else (s, "") for s in source_nodes]
+    node_names = {n.name for n in g.node if n.name}
+    body = []
+    for b in f.node:
+        n = NodeProto()
+        n.CopyFrom(b)
+        for k, name in enumerate(n.output):
+            if name and name not in rename:
+                rename[name] = _unique(f"{node_name}/{name}", taken)
+            if name:
+                n.output[k] = rename[name]
+        for k, name in enumerate(n.input):
+            if name:
+                n.input[k] = rename[name]
+        _bind_attribute_refs(n, attrs)
+        if n.op_type == "Constant" and n.domain in ("", "ai.onnx"):
+            n.name = ""
+        elif originals and originals[0][0] == n.op_type:
+            n.name = originals.pop(0)[1]
+        else:
+            n.name = _unique(f"{node_name}/{n.op_type.lower()}", node_names)
+        body.append(n)
+    nodes = list(g.node[:idx]) + body + list(g.node[idx + 1:])
+    del g.node[:]
+    g.node.extend(nodes)
+    return list(g.node[idx:idx + len(body)])
+
+
+def _node_index(g: onnx.GraphProto, name: str) -> int:
+    found = [i for i, n in enumerate(g.node) if n.name == name]
+    if len(found) != 1:
+        raise OnnxfuseError(f"the graph has {len(found) or 'no'} nodes named {name!r}")
+    return found[0]
+
+
+def _default_version(imports) -> int | None:
+    return next((i.version for i in imports if i.domain in ("", "ai.onnx")), None)
+
+
+def _bind_attribute_refs(n: NodeProto, attrs: dict[str, onnx.AttributeProto]) -> None:
+    """Attributes of n that refer to the function's (ref_attr_name) take the caller's value
+    (or the default); one with neither is dropped."""
+    if not any(a.ref_attr_name for a in n.attribute):
+        return
+    kept = []
+    for a in n.attribute:
+        if a.ref_attr_name:
+            if a.ref_attr_name not in attrs:
+                continue
+            bound = onnx.AttributeProto()
+            bound.CopyFrom(attrs[a.ref_attr_name])
+            bound.name = a.name
+            a = bound
+        kept.append(a)
+    del n.attribute[:]
+    n.attribute.extend(kept)
 
 
 def _fold_weight_transposes(g: onnx.GraphProto, transposes: list[NodeProto]) -> None:

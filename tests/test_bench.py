@@ -1,5 +1,6 @@
 """`onnxfuse bench` on the CPU: runs on small models, a stable JSON schema, the accuracy gate
-(exit 1 on a wrong model, 0 on identical ones), exit 2 on bad input; and compare.py's dry run."""
+(exit 1 on a wrong model, 0 on identical ones), exit 2 on bad input; the CUDA gate (TF32-off
+reference, ORT's own error as slack) with a fake runner; and compare.py's dry run and table."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse import bench as ob
 from onnxfuse.cli import main
+from onnxfuse.errors import OnnxfuseError
 from onnxfuse.pipeline import optimize_model, save_model
 from tests.util import model as make_model
 
@@ -58,7 +61,8 @@ def one_constant_changed(src: Path, dst: Path) -> str:
 
 MODEL_KEYS = {"name", "path", "onnxfuse_nodes", "library", "load_ms", "first_run_ms", "latency_ms", "runs_per_s",
               "samples_per_s", "peak_gpu_mem_mb", "speedup", "outputs", "passed"}
-OUTPUT_KEYS = {"name", "dtype", "shape", "max_abs_err", "max_rel_err", "atol", "rtol", "mismatches", "passed", "note"}
+OUTPUT_KEYS = {"name", "dtype", "shape", "max_abs_err", "max_rel_err", "atol", "rtol", "mismatches", "passed", "note",
+               "ort_max_abs_err", "gate_atol"}
 
 
 def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimized):
@@ -67,9 +71,14 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
     assert r.returncode == 0, r.stderr
     assert "example.opt.onnx" in r.stdout and "reference" in r.stdout
     d = json.loads(js.read_text())
-    assert list(d) == ["schema", "date", "provider", "device", "versions", "settings", "inputs", "batch", "models",
-                       "passed"]
-    assert d["schema"] == "onnxfuse.bench/1" and d["provider"] == "cpu" and d["passed"] is True
+    assert list(d) == ["schema", "date", "provider", "device", "versions", "settings", "inputs", "batch",
+                       "reference", "models", "passed"]
+    assert d["schema"] == "onnxfuse.bench/1.1" and d["provider"] == "cpu" and d["passed"] is True
+    # on the CPU the reference is the first model's own run: ORT's own error is 0
+    assert d["reference"] == {"path": str(EXAMPLE), "tf32": False, "separate_run": False,
+                              "description": "example.onnx's own run (the CPU has no TF32)",
+                              "ort_max_abs_err": {"y": 0.0}}
+    assert d["settings"]["tf32"] is False
     assert set(d["versions"]) == {"onnxfuse", "onnxruntime", "onnx", "numpy", "python"}
     assert set(d["settings"]) == {"shapes", "inputs", "batch", "warmup", "iters", "cuda_graph", "tf32", "atol",
                                   "rtol", "seed", "threads", "library", "opt_level", "provider_options"}
@@ -90,6 +99,7 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
     # atol is 1e-5 x the output's largest magnitude (bench.DEFAULT_TOLERANCES)
     assert out["name"] == "y" and out["passed"] and out["rtol"] == 1e-5 and 0 < out["atol"] < 1e-3
     assert out["max_abs_err"] < 1e-5
+    assert out["ort_max_abs_err"] == 0.0 and out["gate_atol"] == out["atol"]
 
 
 def test_identical_models_pass(tmp_path):
@@ -103,7 +113,7 @@ def test_wrong_model_fails_the_gate_with_exit_1(tmp_path, optimized):
     js = tmp_path / "b.json"
     r = cli(str(EXAMPLE), str(optimized), str(wrong), *FAST, "--json", str(js))
     assert r.returncode == 1, (changed, r.stdout, r.stderr)
-    assert "FAIL" in r.stdout
+    assert "FAIL" in r.stdout and "err vs fp32" in r.stdout and "ORT err vs fp32" in r.stdout
     assert "mismatch" in r.stderr and "wrong.onnx" in r.stderr and "'y'" in r.stderr
     assert "example.opt.onnx" not in r.stderr
     d = json.loads(js.read_text())
@@ -251,6 +261,184 @@ def test_compare_output_rules():
     assert ob.compare_output("y", np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32)).passed
 
 
+def test_gate_allows_twice_orts_own_error():
+    ref = np.array([1.0, -2.0, 0.5, 0.0], np.float32)
+    ort = ref + np.array([1e-3, -1e-3, 0, 0], np.float32)           # ORT's own error: about 1e-3
+    close = ref + np.float32(1.5e-3)
+    c = ob.gate_output("y", ref, ort, close)
+    assert c.passed and c.ort_max_abs_err == pytest.approx(1e-3, rel=1e-3)
+    assert c.atol == pytest.approx(2e-5)                             # the floor: 1e-5 x max|ref|
+    assert c.gate_atol == pytest.approx(2 * c.ort_max_abs_err + 2e-5)
+    assert not ob.compare_output("y", ref, close).passed             # ort_err 0: the plain isclose
+    assert ob.gate_output("y", ref, None, close).gate_atol == pytest.approx(2e-5)
+    far = ref.copy()
+    far[3] = 2.1e-3 + 2e-5                                           # rtol x |ref| is 0 there
+    c = ob.gate_output("y", ref, ort, far)
+    assert not c.passed and c.mismatches == 1 and "1 elements outside" in c.failure()
+    assert ob.gate_output("y", ref, ort, far, atol=1e-3).passed      # --atol is absolute
+    c = ob.gate_output("y", ref, ort, close, rtol=0.0, atol=0.0)     # the slack alone
+    assert c.passed and c.gate_atol == pytest.approx(2 * c.ort_max_abs_err)
+    # a NaN or infinity in ORT's own run loosens nothing, and is reported as not finite
+    ort_nan = ort.copy()
+    ort_nan[3] = np.nan
+    c = ob.gate_output("y", ref, ort_nan, close)
+    assert c.passed and c.ort_max_abs_err is None and c.gate_atol == pytest.approx(2.02e-3, rel=1e-2)
+    # NaN on one side fails, whatever the slack; NaN pairs and equal infinities match
+    one_nan = close.copy()
+    one_nan[0] = np.nan
+    assert not ob.gate_output("y", ref, ort, one_nan).passed
+    special = np.array([np.nan, np.inf, 1.0], np.float32)
+    assert ob.gate_output("y", special, special + np.float32(1e-3), special.copy()).passed
+    assert not ob.gate_output("y", special, special, np.array([np.nan, -np.inf, 1.0], np.float32)).passed
+    # dtype and shape must agree, with the reference and in ORT's run
+    assert "dtype" in ob.gate_output("y", ref, ort, close.astype(np.float64)).note
+    assert "shape" in ob.gate_output("y", ref, ort, close[:3]).note
+    assert not ob.gate_output("y", ref, ort[:3], close).passed
+    # integers: equal, unless ORT's own run differs too
+    i = np.array([1, 2, 3])
+    assert not ob.gate_output("y", i, i, i + 1).passed
+    assert ob.gate_output("y", i, i + np.array([0, 0, 1]), i + np.array([0, 2, 0])).passed
+
+
+def test_gate_outputs_by_name():
+    ref = {"a": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}
+    ort = {"a": ref["a"] + np.float32(1e-3), "b": ref["b"]}
+    checks = ob.gate_outputs(ref, ort, {"b": ref["b"], "a": ref["a"] + np.float32(1.5e-3), "extra": np.ones(1)})
+    assert [(c.name, c.passed) for c in checks] == [("a", True), ("b", True), ("extra", True)]
+    checks = ob.gate_outputs(ref, ort, {"a": ref["a"]})
+    assert [(c.name, c.passed) for c in checks] == [("a", True), ("b", False)]
+    assert checks[1].note.startswith("missing")
+    assert ob.max_abs_errors(ref, ort) == {"a": pytest.approx(1e-3, rel=1e-3), "b": 0.0}
+
+
+# ---------------------------------------------------------------------------------------
+# The CUDA path, with a fake runner (there is no GPU here)
+# ---------------------------------------------------------------------------------------
+
+REAL_RUN_MODEL = ob.run_model
+REAL_EVALUATE = ob.evaluate_model
+
+
+class FakeCuda:
+    """Stands in for ORT's CUDA EP: the CPU's outputs plus, when settings.tf32 is on, an error
+    like TF32's, `scale(model) x max|y| x sin(i)`; records every run (kind, model, tf32,
+    cuda_graph)."""
+
+    def __init__(self, scale):
+        self.scale = scale
+        self.calls: list[tuple] = []
+
+    def perturb(self, name: str, outs: dict, tf32: bool) -> dict:
+        if not tf32:
+            return outs
+        k = self.scale(name)
+        return {n: (a + k * np.abs(a).max() * np.sin(np.arange(a.size)).reshape(a.shape)).astype(a.dtype)
+                for n, a in outs.items()}
+
+    def run_model(self, path, feeds, settings, library, progress=None, gpu=None):
+        assert settings.provider == "cuda"
+        name = Path(path).stem
+        self.calls.append(("timed", name, settings.tf32, settings.cuda_graph))
+        cpu = replace(settings, provider="cpu", cuda_graph=False)
+        r = REAL_RUN_MODEL(path, feeds, cpu, library, progress, None)
+        r.outputs = self.perturb(name, r.outputs, settings.tf32)
+        return r
+
+    def evaluate_model(self, model, feeds, settings, library):
+        assert settings.provider == "cuda"
+        name = Path(model).stem if isinstance(model, str) else "candidate"
+        self.calls.append(("once", name, settings.tf32, settings.cuda_graph))
+        outs = REAL_EVALUATE(model, feeds, replace(settings, provider="cpu"), library)
+        return self.perturb(name, outs, settings.tf32)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    def install(scale):
+        fake = FakeCuda(scale)
+        monkeypatch.setattr(ob, "run_model", fake.run_model)
+        monkeypatch.setattr(ob, "evaluate_model", fake.evaluate_model)
+        monkeypatch.setattr(ob, "require_cuda", lambda: None)
+        return fake
+
+    return install
+
+
+CUDA = ["--provider", "cuda", "--warmup", "1", "--iters", "2"]
+
+
+def test_cuda_gates_against_a_tf32_off_run_with_orts_own_error(tmp_path, fake_cuda, capsys):
+    # The original's TF32 error is 1e-3 (relative to max|y|); "close" is 1.5x that (passes),
+    # "far" 5x (fails). All three are the example model: only the fake's error differs.
+    fake = fake_cuda({"orig": 1e-3, "close": 1.5e-3, "far": 5e-3}.get)
+    paths = [tmp_path / f"{n}.onnx" for n in ("orig", "close", "far")]
+    for p in paths:
+        p.write_bytes(EXAMPLE.read_bytes())
+    js = tmp_path / "b.json"
+    assert main(["bench", *map(str, paths), *CUDA, "--json", str(js)]) == 1
+    out, err = capsys.readouterr()
+    assert fake.calls == [("once", "orig", False, False), ("timed", "orig", True, False),
+                          ("timed", "close", True, False), ("timed", "far", True, False)]
+    d = json.loads(js.read_text())
+    assert d["settings"]["tf32"] is True and d["provider"] == "cuda"
+    ref = d["reference"]
+    assert ref["separate_run"] is True and ref["tf32"] is False and "TF32 off" in ref["description"]
+    ort_err = ref["ort_max_abs_err"]["y"]
+    assert ort_err > 1e-4
+    assert [m["passed"] for m in d["models"]] == [True, True, False]
+    close, far = d["models"][1]["outputs"][0], d["models"][2]["outputs"][0]
+    assert close["ort_max_abs_err"] == ort_err and close["gate_atol"] == pytest.approx(2 * ort_err + close["atol"])
+    assert close["max_abs_err"] > close["atol"]           # the plain isclose would have failed it
+    assert far["max_abs_err"] > 2 * ort_err and far["mismatches"] > 0
+    assert "baseline" in out and "ok" in out and "FAIL" in out and "TF32 allowed" in out
+    assert "far.onnx" in err and "ORT's own" in err and "close.onnx" not in err
+
+
+def test_cuda_graphs_only_in_the_timed_runs(tmp_path, fake_cuda, capsys):
+    fake = fake_cuda(lambda name: 1e-3)
+    a, b = tmp_path / "orig.onnx", tmp_path / "same.onnx"
+    a.write_bytes(EXAMPLE.read_bytes())
+    b.write_bytes(EXAMPLE.read_bytes())
+    assert main(["bench", str(a), str(b), *CUDA, "--cuda-graph"]) == 0
+    assert fake.calls == [("once", "orig", False, False), ("timed", "orig", True, True),
+                          ("timed", "same", True, True)]
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("flags", [["--no-tf32"], ["--tf32", "--no-tf32"]])
+def test_no_tf32_runs_everything_with_tf32_off_against_the_first_run(tmp_path, fake_cuda, capsys, flags):
+    fake = fake_cuda({"orig": 1e-3, "far": 5e-3}.get)
+    a, b = tmp_path / "orig.onnx", tmp_path / "far.onnx"
+    a.write_bytes(EXAMPLE.read_bytes())
+    b.write_bytes(EXAMPLE.read_bytes())
+    js = tmp_path / "b.json"
+    assert main(["bench", str(a), str(b), *CUDA, *flags, "--json", str(js)]) == 0
+    assert fake.calls == [("timed", "orig", False, False), ("timed", "far", False, False)]
+    d = json.loads(js.read_text())
+    assert d["settings"]["tf32"] is False and d["reference"]["separate_run"] is False
+    assert d["reference"]["ort_max_abs_err"] == {"y": 0.0}
+    assert d["models"][1]["outputs"][0]["ort_max_abs_err"] == 0.0
+    assert "reference" in capsys.readouterr().out
+
+
+def test_tf32_flag_is_the_default(tmp_path, fake_cuda, capsys):
+    fake = fake_cuda(lambda name: 1e-3)
+    a = tmp_path / "orig.onnx"
+    a.write_bytes(EXAMPLE.read_bytes())
+    assert main(["bench", str(a), str(a), *CUDA, "--tf32"]) == 0
+    assert [c[2] for c in fake.calls] == [False, True, True]
+    capsys.readouterr()
+
+
+def test_help_explains_the_gate():
+    r = cli("--help")
+    assert r.returncode == 0
+    text = " ".join(r.stdout.split())
+    assert "2 * ort_err + atol * max|ref| + rtol * |ref|" in text and "--no-tf32" in text
+    with pytest.raises(OnnxfuseError, match="use_tf32"):
+        ob._validate(ob.BenchSettings(provider="cuda", provider_options={"use_tf32": "0"}))
+
+
 def test_parse_dims():
     assert ob.parse_dims("1x3x224x224") == (1, 3, 224, 224)
     assert ob.parse_dims("[1, 3, 5]") == (1, 3, 5)
@@ -310,15 +498,97 @@ def test_compare_dry_run(tmp_path):
         "relu_maxpool", "conv_relu", "mlp_block", "cos_cos", "resnet18"]
     by = {c["model"]: c for c in d["cases"]}
     assert by["mlp_block"]["fused_nodes"] == 2 and by["cos_cos"]["fused_nodes"] == 1
+    assert "ort_fp32" in d["reference"] and "gate_output" in d["gate"]
     for name in ("relu_maxpool", "conv_relu", "mlp_block", "cos_cos"):
-        v = by[name]["variants"]
+        c = by[name]
+        v = c["variants"]
+        assert "ort_fp32" not in v and c["reference_error"] is None
         assert v["ort"]["error"] is None and v["onnxfuse"]["error"] is None, v
+        # the reference is ORT CPU here: both errors about 0, the gate passes
+        assert c["ort_max_abs_err"] == v["ort"]["max_abs_err"] < 1e-6 and v["ort"]["gate_passed"] is None
         assert v["onnxfuse"]["max_abs_err"] < 1e-5
+        assert v["onnxfuse"]["gate_passed"] is True and c["gate_passed"] is True
         if "torch_eager" in v:
             assert v["torch_eager"]["max_abs_err"] < 1e-4, (name, v["torch_eager"])
+            assert v["torch_eager"]["gate_passed"] is None
     text = md.read_text()
     assert "| model | inputs | fused nodes | ORT | onnxfuse |" in text
-    assert "| mlp_block | 2x8x32 | 2 |" in text
+    assert "| ORT err vs fp32 | onnxfuse err vs fp32 | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |" in text
+    row = next(line for line in text.splitlines() if line.startswith("| mlp_block | 2x8x32 | 2 |"))
+    assert "| pass |" in row and row.endswith("x |")
+    # the table again from the JSON, with chosen columns
+    r = subprocess.run([sys.executable, "benchmarks/compare.py", "--from-json", str(js), "--table", "ort,onnxfuse"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "| model | inputs | fused nodes | ORT | onnxfuse | ORT err vs fp32 |" in r.stdout
+
+
+def _compare_result(cases: list[dict]) -> dict:
+    return {"device": "GPU", "date": "2026-12-01", "versions": {"onnxruntime": "1", "torch": "2", "triton": "3",
+                                                                "onnxfuse": "0", "python": "3"},
+            "settings": {"iters": 3, "warmup": 1}, "cases": cases}
+
+
+def _case(name: str, gate: bool | None, ort_ms=2.0, graph_ms=1.5, fz_ms=1.0, fz_graph_ms=0.8,
+          fz_graph_gate: bool | None = None) -> dict:
+    fz_graph_gate = gate if fz_graph_gate is None else fz_graph_gate
+    return {"model": name, "kind": "synthetic", "inputs": {"x": [1, 4]}, "fused_nodes": 1, "skipped": None,
+            "reference_error": None, "ort_max_abs_err": 1e-4, "gate_passed": gate,
+            "variants": {
+                "ort": {"median_ms": ort_ms, "max_abs_err": 1e-4, "error": None, "gate_passed": None},
+                "ort_graph": {"median_ms": graph_ms, "max_abs_err": 1e-4, "error": None, "gate_passed": None},
+                "onnxfuse": {"median_ms": fz_ms, "max_abs_err": 5e-3 if gate is False else 1e-4, "error": None,
+                             "gate_passed": gate, "gate_failure": None if gate else "output 'y': too far"},
+                "onnxfuse_graph": {"median_ms": fz_graph_ms, "max_abs_err": 1e-4, "error": None,
+                                   "gate_passed": fz_graph_gate,
+                                   "gate_failure": None if fz_graph_gate else "output 'y': far"}}}
+
+
+def test_compare_table_shows_no_speedup_past_the_gate():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    result = _compare_result([_case("good", True), _case("bad", False),
+                              _case("graph_bad", False, fz_graph_gate=False)])
+    result["cases"][2]["variants"]["onnxfuse"].update(gate_passed=True, gate_failure=None, max_abs_err=1e-4)
+    text = compare.markdown(result, ("ort", "ort_graph", "onnxfuse", "onnxfuse_graph"))
+    lines = text.splitlines()
+    assert lines[2] == ("| model | inputs | fused nodes | ORT | ORT + graph | onnxfuse | onnxfuse + graph | "
+                        "ORT err vs fp32 | onnxfuse err vs fp32 | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |")
+    assert lines[4] == "| good | 1x4 | 1 | 2.000 | 1.500 | 1.000 | 0.800 | 0.0001 | 0.0001 | pass | 2.00x | 1.88x |"
+    assert lines[5] == ("| bad | 1x4 | 1 | 2.000 | 1.500 | 1.000 | 0.800 | 0.0001 | 0.005 | **FAIL**: onnxfuse, "
+                        "onnxfuse + graph | fails gate | fails gate |")
+    assert lines[6].endswith("| **FAIL**: onnxfuse + graph | fails gate | fails gate |")
+    assert "Gate failures:" in text and "- bad / onnxfuse: output 'y': too far" in text
+    # not gated (no reference run): no speedup either
+    old = _case("old", None)
+    for key in ("ort_max_abs_err", "gate_passed"):
+        del old[key]
+    row = compare.markdown(_compare_result([old])).splitlines()[4]
+    assert row.endswith("|  |  | not gated | not gated | not gated |")
+
+
+def test_compare_gates_a_wrong_onnxfuse_model(tmp_path, monkeypatch):
+    """run_case with an optimizer that miscompiles one node: that case fails the gate."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    real = compare.optimize_model
+
+    def wrong(model, **kw):
+        r = real(model, **kw)
+        for n in r.model.graph.node:
+            if n.name == "pointwise_chain_fc1/bias":
+                n.attribute[0].s = n.attribute[0].s.replace(b"mul %6 0.5", b"mul %6 0.6")
+        return r
+
+    monkeypatch.setattr(compare, "optimize_model", wrong)
+    case = next(c for c in compare.cases() if c.name == "mlp_block")
+    res = compare.run_case(case, tmp_path, True, ("ort", "onnxfuse"), 0, 2, log=lambda *a: None)
+    v = res.variants
+    assert v["ort"].max_abs_err < 1e-6 and v["onnxfuse"].max_abs_err > 1e-2
+    assert v["onnxfuse"].gate_passed is False and res.gate_passed is False
+    assert "output" in v["onnxfuse"].gate_failure and "elements outside" in v["onnxfuse"].gate_failure
 
 
 def test_compare_lists_every_benchmark_model():
