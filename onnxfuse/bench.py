@@ -740,101 +740,130 @@ def _first_line(e: BaseException) -> str:
     return line[:400]
 
 
+class BoundModel:
+    """One model in an ONNX Runtime session, inputs and outputs bound on the provider's
+    device once (IO binding: no copies are timed), run once (`first_ms`): ready for timed
+    runs. Several can be open at once, so that their timed runs interleave (onnxfuse.tune)."""
+
+    def __init__(self, path: str, feeds: dict[str, np.ndarray], settings: BenchSettings, library: bool,
+                 gpu: CudaDriver | None = None):
+        ort = _ort()
+        cuda = settings.provider == "cuda"
+        device = "cuda" if cuda else "cpu"
+        dev_id = settings.device_id if cuda else 0
+        self.path, self.gpu = path, gpu
+        self.mem = [gpu.used_bytes()] if gpu is not None else []
+        try:
+            shapes: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
+            if settings.cuda_graph:
+                # CUDA graphs need outputs bound to fixed buffers before the first (capturing) run:
+                # learn their shapes from a session without graphs.
+                probe = ort.InferenceSession(path, _session_options(settings, library),
+                                             providers=_providers(settings, False))
+                arrays = probe.run(None, feeds)
+                shapes = {o.name: (a.shape, a.dtype) for o, a in zip(probe.get_outputs(), arrays, strict=True)}
+                del probe, arrays
+                gc.collect()
+            t0 = time.perf_counter()
+            self.sess = sess = ort.InferenceSession(path, _session_options(settings, library),
+                                                    providers=_providers(settings, settings.cuda_graph))
+            self.load_ms = (time.perf_counter() - t0) * 1e3
+        except OnnxfuseError:
+            raise
+        except Exception as e:  # onnxruntime raises several exception types
+            raise OnnxfuseError(f"{path}: onnxruntime cannot load it: {_first_line(e)}") from None
+        self._note_memory()
+        names_in = [i.name for i in sess.get_inputs()]
+        missing = [n for n in names_in if n not in feeds]
+        if missing:
+            raise OnnxfuseError(f"{path}: input {missing[0]!r} is not an input of the first model")
+        self.out_names = out_names = [o.name for o in sess.get_outputs()]
+        try:
+            self.values = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n], device, dev_id) for n in names_in}
+            self.binding = binding = sess.io_binding()
+            for n in names_in:
+                binding.bind_ortvalue_input(n, self.values[n])
+            self.outs: dict[str, Any] = {}
+            if shapes is None:
+                # First run with outputs allocated by ORT on the device; then fixed buffers.
+                for n in out_names:
+                    binding.bind_output(n, device, dev_id)
+                t0 = time.perf_counter()
+                sess.run_with_iobinding(binding)
+                binding.synchronize_outputs()
+                self.first_ms = (time.perf_counter() - t0) * 1e3
+                first = binding.copy_outputs_to_cpu()
+                shapes = {n: (a.shape, a.dtype) for n, a in zip(out_names, first, strict=True)}
+                del first
+                binding.clear_binding_outputs()
+                _bind_outputs(ort, binding, out_names, shapes, device, dev_id, self.outs)
+            else:
+                _bind_outputs(ort, binding, out_names, shapes, device, dev_id, self.outs)
+                t0 = time.perf_counter()
+                sess.run_with_iobinding(binding)
+                binding.synchronize_outputs()
+                self.first_ms = (time.perf_counter() - t0) * 1e3
+        except OnnxfuseError:
+            raise
+        except Exception as e:
+            raise OnnxfuseError(f"{path}: onnxruntime failed to run it: {_first_line(e)}") from None
+        self._note_memory()
+
+    def _note_memory(self) -> None:
+        if self.gpu is not None:
+            self.mem.append(self.gpu.used_bytes())
+
+    def time(self, n: int, progress: Progress | None = None, stage: str = "timed", done: int = 0) -> list[float]:
+        """Milliseconds of each of n runs, each waited for (synchronized wall clock)."""
+        run, sync, binding = self.sess.run_with_iobinding, self.binding.synchronize_outputs, self.binding
+        clock = time.perf_counter
+        times = [0.0] * n
+        try:
+            for i in range(n):
+                t0 = clock()
+                run(binding)
+                sync()
+                times[i] = (clock() - t0) * 1e3
+                if progress is not None:
+                    progress.update(done + i + 1, stage)
+        except Exception as e:
+            raise OnnxfuseError(f"{self.path}: onnxruntime failed to run it: {_first_line(e)}") from None
+        return times
+
+    def outputs(self) -> dict[str, np.ndarray]:
+        return dict(zip(self.out_names, self.binding.copy_outputs_to_cpu(), strict=True))
+
+    def peak_mb(self) -> float | None:
+        """Device memory in use above the level before the session was made (CUDA only)."""
+        self._note_memory()
+        if not self.mem or None in self.mem:
+            return None
+        return max(0, max(self.mem[1:]) - self.mem[0]) / 2**20
+
+    def close(self) -> None:
+        for name in ("binding", "sess", "values", "outs"):
+            self.__dict__.pop(name, None)
+        gc.collect()
+
+
 def run_model(path: str, feeds: dict[str, np.ndarray], settings: BenchSettings, library: bool,
               progress: Progress | None = None, gpu: CudaDriver | None = None) -> _Run:
     """Load, run once, warm up and time one model; returns times and its outputs."""
-    ort = _ort()
-    cuda = settings.provider == "cuda"
-    device = "cuda" if cuda else "cpu"
-    dev_id = settings.device_id if cuda else 0
-    mem = [gpu.used_bytes()] if gpu is not None else []
     progress = progress or Progress("", 1, enabled=False)
-    total = settings.warmup + settings.iters
     try:
-        shapes: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
-        if settings.cuda_graph:
-            # CUDA graphs need outputs bound to fixed buffers before the first (capturing) run:
-            # learn their shapes from a session without graphs.
-            probe = ort.InferenceSession(path, _session_options(settings, library),
-                                         providers=_providers(settings, False))
-            arrays = probe.run(None, feeds)
-            shapes = {o.name: (a.shape, a.dtype) for o, a in zip(probe.get_outputs(), arrays, strict=True)}
-            del probe, arrays
-            gc.collect()
-        t0 = time.perf_counter()
-        sess = ort.InferenceSession(path, _session_options(settings, library),
-                                    providers=_providers(settings, settings.cuda_graph))
-        load_ms = (time.perf_counter() - t0) * 1e3
-    except OnnxfuseError:
-        raise
-    except Exception as e:  # onnxruntime raises several exception types
-        raise OnnxfuseError(f"{path}: onnxruntime cannot load it: {_first_line(e)}") from None
-    if gpu is not None:
-        mem.append(gpu.used_bytes())
-    progress.update(0, "loaded")
-    names_in = [i.name for i in sess.get_inputs()]
-    missing = [n for n in names_in if n not in feeds]
-    if missing:
-        raise OnnxfuseError(f"{path}: input {missing[0]!r} is not an input of the first model")
-    out_names = [o.name for o in sess.get_outputs()]
-    try:
-        values = {n: ort.OrtValue.ortvalue_from_numpy(feeds[n], device, dev_id) for n in names_in}
-        binding = sess.io_binding()
-        for n in names_in:
-            binding.bind_ortvalue_input(n, values[n])
-        outs: dict[str, Any] = {}
-        if shapes is None:
-            # First run with outputs allocated by ORT on the device; then fixed buffers.
-            for n in out_names:
-                binding.bind_output(n, device, dev_id)
-            t0 = time.perf_counter()
-            sess.run_with_iobinding(binding)
-            binding.synchronize_outputs()
-            first_ms = (time.perf_counter() - t0) * 1e3
-            first = binding.copy_outputs_to_cpu()
-            shapes = {n: (a.shape, a.dtype) for n, a in zip(out_names, first, strict=True)}
-            del first
-            binding.clear_binding_outputs()
-            _bind_outputs(ort, binding, out_names, shapes, device, dev_id, outs)
-        else:
-            _bind_outputs(ort, binding, out_names, shapes, device, dev_id, outs)
-            t0 = time.perf_counter()
-            sess.run_with_iobinding(binding)
-            binding.synchronize_outputs()
-            first_ms = (time.perf_counter() - t0) * 1e3
-        if gpu is not None:
-            mem.append(gpu.used_bytes())
-        run = sess.run_with_iobinding
-        sync = binding.synchronize_outputs
-        for i in range(settings.warmup):
-            run(binding)
-            sync()
-            progress.update(i + 1, "warmup")
-        times = [0.0] * settings.iters
-        clock = time.perf_counter
-        for i in range(settings.iters):
-            t0 = clock()
-            run(binding)
-            sync()
-            times[i] = (clock() - t0) * 1e3
-            progress.update(settings.warmup + i + 1, "timed")
-        if gpu is not None:
-            mem.append(gpu.used_bytes())
-        arrays = binding.copy_outputs_to_cpu()
-    except OnnxfuseError:
-        raise
-    except Exception as e:
-        raise OnnxfuseError(f"{path}: onnxruntime failed to run it: {_first_line(e)}") from None
+        model = BoundModel(path, feeds, settings, library, gpu)
+        try:
+            progress.update(0, "loaded")
+            model.time(settings.warmup, progress, "warmup")
+            times = model.time(settings.iters, progress, "timed", settings.warmup)
+            outputs = model.outputs()
+            peak = model.peak_mb()
+        finally:
+            model.close()
     finally:
-        progress.update(total, "done")
+        progress.update(settings.warmup + settings.iters, "done")
         progress.close()
-    outputs = dict(zip(out_names, arrays, strict=True))
-    del binding, sess, values, outs
-    gc.collect()
-    peak = None
-    if mem and None not in mem:
-        peak = max(0, max(mem[1:]) - mem[0]) / 2**20
-    return _Run(load_ms, first_ms, times, outputs, peak)
+    return _Run(model.load_ms, model.first_ms, times, outputs, peak)
 
 
 def evaluate_model(model: str | bytes, feeds: dict[str, np.ndarray], settings: BenchSettings,

@@ -359,9 +359,11 @@ def random_feeds(m: ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
 # ---------------------------------------------------------------------------------------
 
 class Timer:
-    """Times models in ONNX Runtime (onnxfuse.bench.run_model: IO binding, synchronized
+    """Times models in ONNX Runtime (onnxfuse.bench.BoundModel: IO binding, synchronized
     wall clock, ORT's defaults with TF32 allowed) and remembers every time in a JSON file
     per device and software versions."""
+
+    ROUNDS = 5  # whole models: timed runs interleave in this many rounds
 
     def __init__(self, settings: TuneSettings, folder: Path):
         self.settings = settings
@@ -371,36 +373,90 @@ class Timer:
         self.measured = 0
         self.hits = 0
 
-    def time(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool = False,
-             whole: bool = False) -> float:
-        """Median ms of `m` on `feeds`; raises OnnxfuseError when it cannot run."""
-        data = m.SerializeToString(deterministic=True)
+    def _key(self, data: bytes, feeds: dict[str, np.ndarray], library: bool, graph: bool) -> str:
         h = hashlib.sha256(data)
         for name in sorted(feeds):
             h.update(f"|{name}:{feeds[name].dtype}:{feeds[name].shape}".encode())
         h.update(f"|lib={library}|graph={graph}".encode())
-        key = h.hexdigest()
+        return h.hexdigest()
+
+    def _settings(self, warmup: int, iters: int, graph: bool):
+        from onnxfuse.bench import BenchSettings
+
+        return BenchSettings(provider=self.settings.provider, warmup=warmup, iters=iters, cuda_graph=graph, tf32=True)
+
+    def _path(self, m: ModelProto) -> Path:
+        from onnxfuse.pipeline import save_model
+
+        path = self.folder / f"m{self.measured}_{len(list(self.folder.iterdir()))}.onnx"
+        save_model(m, path)
+        return path
+
+    def time(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool) -> float:
+        """Median ms of one (small) model on `feeds`; raises OnnxfuseError when it cannot run."""
+        key = self._key(m.SerializeToString(deterministic=True), feeds, library, False)
         if key in self.entries:
             self.hits += 1
             return float(self.entries[key]["ms"])
-        from onnxfuse.bench import BenchSettings, run_model
+        from onnxfuse.bench import run_model
 
         s = self.settings
-        warmup, iters = (s.model_warmup, s.model_iters) if whole else (s.warmup, s.iters)
-        path = self.folder / f"m{len(self.entries)}_{self.measured}.onnx"
-        from onnxfuse.pipeline import save_model
-
-        save_model(m, path)
-        try:
-            run = run_model(str(path), feeds, BenchSettings(provider=s.provider, warmup=warmup, iters=iters,
-                                                            cuda_graph=graph, tf32=True), library=library)
-        finally:
-            for p in (path, path.with_name(path.name + ".data")):
-                p.unlink(missing_ok=True)
+        path = self._path(m)
+        run = run_model(str(path), feeds, self._settings(s.warmup, s.iters, False), library=library)
         ms = float(np.median(run.times_ms))
         self.measured += 1
         self.entries[key] = {"ms": ms}
         return ms
+
+    def time_models(self, models: dict[str, tuple[ModelProto, bool]], feeds: dict[str, np.ndarray],
+                    graph_modes: tuple[bool, ...]) -> dict[tuple[str, bool], float | str]:
+        """Median ms of whole models, label -> (model, library), in each CUDA-graph mode: all
+        sessions open at once and their timed runs interleaved in ROUNDS rounds, so that a
+        drift of the machine's speed reaches every model alike. A model that cannot load or
+        run in a mode gets the error's text instead of a time."""
+        from onnxfuse.bench import BoundModel
+
+        s = self.settings
+        out: dict[tuple[str, bool], float | str] = {}
+        todo = []
+        for label, (m, library) in models.items():
+            data = m.SerializeToString(deterministic=True)
+            path = None
+            for graph in graph_modes:
+                key = self._key(data, feeds, library, graph)
+                if key in self.entries:
+                    self.hits += 1
+                    out[label, graph] = float(self.entries[key]["ms"])
+                    continue
+                path = path or self._path(m)
+                todo.append((label, graph, key, path, library))
+        bound = {}
+        try:
+            for label, graph, key, path, library in todo:
+                try:
+                    b = BoundModel(str(path), feeds, self._settings(s.model_warmup, s.model_iters, graph), library)
+                    b.time(s.model_warmup)
+                    bound[label, graph] = (b, key, [])
+                except OnnxfuseError as e:
+                    out[label, graph] = str(e)
+            per_round = max(1, s.model_iters // self.ROUNDS)
+            for _ in range(self.ROUNDS):
+                for k, (b, _key, times) in bound.items():
+                    if k in out:  # failed in an earlier round
+                        continue
+                    try:
+                        times += b.time(per_round)
+                    except OnnxfuseError as e:
+                        out[k] = str(e)
+            for k, (_b, key, times) in bound.items():
+                if k not in out:
+                    out[k] = ms = float(np.median(times))
+                    self.entries[key] = {"ms": ms}
+                    self.measured += 1
+        finally:
+            for b, _, _ in bound.values():
+                b.close()
+        return out
 
     def save(self) -> None:
         if self.path is not None and self.measured:
@@ -550,15 +606,17 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
             _copy_kernels(result.model, tuned.model, {d.node for d in decisions if d.candidates})
             models.append(("tuned", tuned, tuned_info))
         models.append(("heuristic" if losers else "optimized", result, info))
-        orig_times = _model_times(timer, original, feeds, library=False)
+        graphs = (False, True) if settings.provider == "cuda" else (False,)
+        measured = timer.time_models({"original": (original, False),
+                                      **{label: (cand.model, bool(cand.fused)) for label, cand, _ in models}},
+                                     feeds, graphs)
+        orig_times = _times(measured, "original", graphs)
+        if orig_times.plain_ms is None:
+            raise OnnxfuseError(f"the original model does not run at these shapes ({orig_times.graph_error})")
         times = {}
         kept = None
         for label, cand, cand_info in models:
-            try:
-                t = times[label] = _model_times(timer, cand.model, feeds, library=bool(cand.fused))
-            except OnnxfuseError as e:  # an optimized model that does not run is never kept
-                times[label] = ModelTimes(None, None, str(e)[:300])
-                continue
+            t = times[label] = _times(measured, label, graphs)
             if t.not_slower_than(orig_times) and (kept is None or t.best() < times[kept[0]].best()):
                 kept = (label, cand, cand_info)
         timer.save()
@@ -651,15 +709,15 @@ def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, target
     return best[0], best[1]
 
 
-def _model_times(timer: Timer, m: ModelProto, feeds, library: bool) -> ModelTimes:
-    plain = timer.time(m, feeds, library=library, whole=True)
-    if timer.settings.provider != "cuda":
-        return ModelTimes(plain, None, "CUDA graphs need the CUDA execution provider")
-    try:
-        graph, err = timer.time(m, feeds, library=library, graph=True, whole=True), None
-    except OnnxfuseError as e:
-        graph, err = None, str(e)[:300]
-    return ModelTimes(plain, graph, err)
+def _times(measured: dict, label: str, graphs: tuple[bool, ...]) -> ModelTimes:
+    """ModelTimes of one label from Timer.time_models' answer (an error's text for a mode
+    that failed; a plain run that failed leaves no time at all)."""
+    plain = measured[label, False]
+    graph = measured.get((label, True), "CUDA graphs need the CUDA execution provider")
+    if isinstance(plain, str):
+        return ModelTimes(None, None, plain[:300])
+    return ModelTimes(plain, graph if not isinstance(graph, str) else None,
+                      graph[:300] if isinstance(graph, str) else None)
 
 
 # ---------------------------------------------------------------------------------------

@@ -170,15 +170,18 @@ def _fused_nodes(m: onnx.ModelProto) -> int:
 
 
 def _fake_timer(monkeypatch, node_times: dict[str, float], model_times: Callable[[onnx.ModelProto], float]):
-    """Timer.time answering from tables: a one-node model by whether it is fused
-    ("fused" / "original"), a whole model through model_times(model)."""
-    def fake(self, m, feeds, library, graph=False, whole=False):
+    """Timer answering from tables: a one-node model by whether it is fused ("fused" /
+    "original"), a whole model through model_times(model)."""
+    def time(self, m, feeds, library):
         self.measured += 1
-        if whole:
-            return model_times(m)
         return node_times["fused" if _fused_nodes(m) else "original"]
 
-    monkeypatch.setattr(tuning.Timer, "time", fake)
+    def time_models(self, models, feeds, graph_modes):
+        self.measured += len(models) * len(graph_modes)
+        return {(label, g): model_times(m) for label, (m, _) in models.items() for g in graph_modes}
+
+    monkeypatch.setattr(tuning.Timer, "time", time)
+    monkeypatch.setattr(tuning.Timer, "time_models", time_models)
 
 
 def _run(m: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
