@@ -114,6 +114,13 @@ case "${1:-tests}" in
     ONNXFUSE_CONV_CONFIG=split=0 python3 benchmarks/compare.py --models $M --variants ort_graph,onnxfuse_cl,onnxfuse_cl_graph \
       --iters 50 --json "$OUT/compare_nosplit.json" --markdown "$OUT/compare_nosplit.md" 2>&1 | grep -v "W:onnxruntime" | tail -7
     ;;
+  precision)
+    # conv precision: every shipped conv kernel at tf32 (rounded), tf32 truncated, tf32x3 and
+    # ieee beside cuDNN TF32 on/off, error against float64 and time ([layer indices]); needs
+    # torch and triton only. Expected: 3-5 min.
+    timeout 580 python3 benchmarks/conv_precision.py --json "$OUT/conv_precision.json" ${2:+--layers "$2"} \
+      > "$OUT/conv_precision.log" 2>&1; tail -140 "$OUT/conv_precision.log"
+    ;;
   sweep)
     [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")
     echo "ONNXFUSE_POINTWISE_CONFIG=${ONNXFUSE_POINTWISE_CONFIG:-default}"

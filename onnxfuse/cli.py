@@ -114,9 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "GPU, else the default set) or 'none' to embed no kernels")
     p.add_argument("--jobs", type=int, default=None, help="parallel kernel compilations")
     p.add_argument("--conv-precision", choices=["tf32", "tf32x3", "ieee"], default="tf32",
-                   help="tensor-core precision of float32 convolutions (default tf32: about 1e-3 relative "
-                        "error, like cuDNN's default; tf32x3 about 1e-6 at 3x the math; ieee exact fp32 "
-                        "FMA, slowest)")
+                   help="how fused float32 convolutions multiply: tf32 (default) on tensor cores with the "
+                        "operands rounded to TF32 as cuDNN/cuBLAS round them (the accuracy of ONNX Runtime's "
+                        "CUDA EP defaults); tf32x3 about fp32 accuracy at about 3x the tensor-core math; ieee "
+                        "fp32 FMA on CUDA cores, slowest. tf32x3 and ieee also keep GlobalAveragePools off "
+                        "TF32 MatMuls. Measured on the H200: BENCHMARKS.md, Conv precision")
     p.add_argument("--exclude-pattern", action="append", metavar="NAME",
                    help="do not apply this pattern (repeatable; names from `onnxfuse patterns`)")
     p.add_argument("--layout", choices=["auto", "nchw", "nhwc"], default="auto",

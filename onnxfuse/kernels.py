@@ -127,7 +127,9 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     expects to be slower than cuDNN are unfused too, listed under "declined" with the reason:
     grouped convs with wide groups, and on layout "nchw" deep convs. With layout "nhwc" the
     NHWC pass (`onnxfuse.layout`) runs next (its channels-last kernels were as fast as
-    cuDNN's channels-last convs or faster on every layer measured, BENCHMARKS.md); the
+    cuDNN's channels-last convs or faster on every layer measured, BENCHMARKS.md), at
+    conv_precision (with ieee or tf32x3 it keeps GlobalAveragePools, whose channels-last
+    MatMul ONNX Runtime would run in TF32); the
     FusedNode values in `fused` whose kernel names, inputs and layouts it changes are
     replaced in place; `tensors` (`Result.tensors`) gives it the shapes inferred while
     optimizing."""
@@ -155,7 +157,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     if layout == "nhwc":
         from onnxfuse.layout import apply_layouts
 
-        fused = apply_layouts(model, fused, tensors)
+        fused = apply_layouts(model, fused, tensors, conv_precision)
         changed = {f.node_name: f for f in fused}
         caller[:] = [changed.get(f.node_name, f) for f in caller]
         weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}  # repacked weights

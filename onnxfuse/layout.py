@@ -25,6 +25,15 @@ channels-last X a row of contiguous channels at a time):
   GlobalAveragePool of known C, H, W (rewritten as a MatMul by a row of 1/(H·W)) and
   Resize with constant scales or sizes (permuted). So MobileNet's squeeze-excite
   (pool, two 1x1 convs, Mul) and YOLO's upsampling stay channels-last.
+- The GlobalAveragePool rewrite only at conv precision "tf32" (`MATMUL_POOL_PRECISIONS`):
+  ONNX Runtime's CUDA EP runs that MatMul in TF32 by default, an error like that of the
+  tf32 convs (whose operands are rounded as cuBLAS rounds them) and of ORT's own convs, but
+  far above what `--conv-precision ieee` or `tf32x3` promise (on the H200 a PP-OCR det
+  model optimized with ieee came out 0.0105 off fp32, about 100x what its convs explain,
+  through these MatMuls). With those the pool stays an NCHW
+  GlobalAveragePool, not layout-free: its input's component stays NCHW (the conv that
+  writes it writes NCHW), and its [N, C, 1, 1] result enters the channels-last convs after
+  it through a Reshape to [N, 1, 1, C], which copies nothing.
 - A group-1 conv whose X is still NCHW and has at least MIN_NHWC_CHANNELS channels reads it through
   one `Transpose(perm=[0, 2, 3, 1])` put before its first reader (shared by all such
   readers); narrower inputs (an image) stay NCHW for the flat-reduction kernel.
@@ -103,16 +112,20 @@ ELEMENTWISE = frozenset({
 # µs, GlobalAveragePool of the NCHW tensor 3.2-11.8 (H200, benchmarks/global_pool.py,
 # global_pool.json). It needs H, W and C known; the row's dtype is X's.
 AVERAGE_ROW_DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
+# The conv precisions under which the pool becomes that MatMul (the module docstring): ORT
+# runs it in TF32, as accurate as tf32 convs and no more. ieee and tf32x3 keep the pool.
+MATMUL_POOL_PRECISIONS = ("tf32",)
 
 
-def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw) -> list[int] | None:
+def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw, matmul_pool: bool = True
+                        ) -> list[int] | None:
     """The input positions through which `n` can carry the NHWC layout (its outputs then turn
     NHWC too), or None when it cannot: elementwise ops and PointwiseChain nodes through every
-    input that is not a constant scalar; GlobalAveragePool through X when X's C, H and W and
-    dtype are known (it becomes a MatMul, AVERAGE_ROW_DTYPES); Resize (opset 11 on) through X
-    when its scales or sizes are a constant of 4 values (they get permuted) and it has no
-    roi. const_dims(t): the dims of a constant tensor, None for others; static_chw(t): X's
-    (C, H, W, elem_type) when all are known, else None."""
+    input that is not a constant scalar; GlobalAveragePool, with matmul_pool, through X when
+    X's C, H and W and dtype are known (it becomes a MatMul, AVERAGE_ROW_DTYPES); Resize
+    (opset 11 on) through X when its scales or sizes are a constant of 4 values (they get
+    permuted) and it has no roi. const_dims(t): the dims of a constant tensor, None for
+    others; static_chw(t): X's (C, H, W, elem_type) when all are known, else None."""
     def scalar(t: str) -> bool:
         d = const_dims(t)
         return d is not None and len(d) <= 4 and int(np.prod(d)) == 1
@@ -123,6 +136,8 @@ def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw) -> lis
     if n.domain not in ("", "ai.onnx"):
         return None
     if n.op_type == "GlobalAveragePool":
+        if not matmul_pool:
+            return None
         chw = static_chw(n.input[0])
         return [0] if chw is not None and chw[3] in AVERAGE_ROW_DTYPES else None
     if n.op_type == "Resize" and opset >= 11:
@@ -153,8 +168,11 @@ def _static_chw(shapes: dict[str, tuple[tuple, int]]) -> dict[str, tuple[int, in
     return {name: (*dims[1:], elem) for name, (dims, elem) in shapes.items() if all(d for d in dims[1:])}
 
 
-def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | None = None) -> Plan:
-    """shapes: `_shapes` of the graph (default: from its value_info)."""
+def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | None = None,
+         conv_precision: str = "tf32") -> Plan:
+    """shapes: `_shapes` of the graph (default: from its value_info); conv_precision: the
+    fused convs' (`--conv-precision`): GlobalAveragePools become MatMuls only under
+    MATMUL_POOL_PRECISIONS."""
     g = model.graph
     convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None}
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
@@ -179,8 +197,9 @@ def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | 
                  for n in g.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output}
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     chw = _static_chw(_shapes(g, None) if shapes is None else shapes)
+    matmul_pool = conv_precision in MATMUL_POOL_PRECISIONS
     free = {i: pos for i, n in enumerate(g.node) if i not in joins and (pos := _layout_free_inputs(
-        n, lambda t: weight_dims.get(t, constants.get(t)), opset, chw.get)) is not None}
+        n, lambda t: weight_dims.get(t, constants.get(t)), opset, chw.get, matmul_pool)) is not None}
     # Tensors joined by channel-axis Concat / Split nodes, or by layout-free nodes, form one
     # component: all of it turns NHWC or none of it does.
     parent: dict[str, str] = {}
@@ -271,13 +290,14 @@ def channels(f, weight_dims: dict[str, tuple[int, ...]]) -> int:
     return int(dims[2] if f.w_layout == "rsck" else dims[3]) * f.conv.group
 
 
-def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None) -> list:
+def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, conv_precision: str = "tf32") -> list:
     """Rewrite `model` in place for the NHWC plan; returns `fused` with the changed nodes'
     FusedNode values replaced (new kernel names, inputs and layouts), in the same order.
-    tensors: the shapes inferred while optimizing (`onnxfuse.pipeline.Result.tensors`)."""
+    tensors: the shapes inferred while optimizing (`onnxfuse.pipeline.Result.tensors`);
+    conv_precision: the precision the convs are compiled at (`plan`)."""
     g = model.graph
     shapes = _shapes(g, tensors)
-    p = plan(model, fused, shapes)
+    p = plan(model, fused, shapes, conv_precision)
     if not p.nodes and not p.transparent:
         return list(fused)
     taken = _all_names(model)

@@ -30,6 +30,27 @@ def conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray, conv: ConvAttrs) -> np.n
     return out + b.astype(np.float64)[None, :, None, None]
 
 
+# TF32: fp32's sign and 8 exponent bits, the top 10 of its 23 mantissa bits (13 dropped).
+TF32_DROPPED = np.uint32(0x1FFF)
+TF32_HALF = np.uint32(0x1000)  # half of the lowest kept mantissa bit
+EXPONENT = np.uint32(0x7F800000)
+
+
+def round_to_tf32(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to the nearest TF32 value, ties away from zero (PTX
+    cvt.rna.tf32.f32, what cuBLAS and cuDNN do to fp32 operands); Inf and NaN unchanged. The
+    bit-exact reference of codegen_conv's round_to_tf32."""
+    bits = np.asarray(x, np.float32).view(np.uint32)
+    rounded = (bits + TF32_HALF) & ~TF32_DROPPED  # uint32 arrays wrap; only Inf/NaN could
+    return np.where((bits & EXPONENT) == EXPONENT, bits, rounded).view(np.float32)
+
+
+def truncate_to_tf32(x: np.ndarray) -> np.ndarray:
+    """float32 values with the 13 low mantissa bits cleared: what tl.dot(...,
+    input_precision="tf32") does to its fp32 operands."""
+    return (np.asarray(x, np.float32).view(np.uint32) & ~TF32_DROPPED).view(np.float32)
+
+
 def maxpool2d(x: np.ndarray, pool: PoolAttrs) -> np.ndarray:
     """ONNX MaxPool: padding never wins; with ceil_mode the last window may be partial."""
     n, c, h, w = x.shape

@@ -1,10 +1,16 @@
 """The GPU benchmark scripts' CPU-testable parts: time_cuda's per-call synchronization (with a
-fake torch.cuda), tune_pointwise's arguments and Inductor log parsing, and the intensity
-sweep's reading of an ONNX Runtime profile."""
+fake torch.cuda), tune_pointwise's arguments and Inductor log parsing, the intensity
+sweep's reading of an ONNX Runtime profile, and conv_precision's dry run (its whole path on
+the CPU, in Triton's interpreter)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +18,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 pytest.importorskip("onnxruntime")
 
-from benchmarks import gpu_timing, intensity_sweep, tune_pointwise  # noqa: E402
+from benchmarks import conv_precision, gpu_timing, intensity_sweep, tune_pointwise  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class _FakeCuda:
@@ -118,3 +126,49 @@ def test_profile_medians():
                    {"cat": "Session", "name": "model_run", "dur": 40 + k}]
     assert intensity_sweep.profile_medians(events, runs=3) == {"model_run_ms": 0.041, "node_ms": 0.011}
     assert intensity_sweep.profile_medians([], runs=3) == {"model_run_ms": None, "node_ms": None}
+
+
+def test_conv_precision_runs_every_kernel_kind_on_the_gpu_shapes():
+    """What the GPU run will launch (H200: 132 multiprocessors): the plain, flat, split-K
+    (batch-1 head only: the launcher's rule) and direct kernels, in both layouts."""
+    kinds = {layer.name: {lay: [k for k, _ in conv_precision.shipped_kernels(layer, spec, 132)]
+                          for lay, spec in conv_precision.layouts(layer).items()}
+             for layer in conv_precision.LAYERS}
+    assert kinds["resnet50 3x3 64->64 56²"] == {"nchw": ["plain"], "nhwc": ["plain"]}
+    assert kinds["resnet50 stem 7x7 s2 3->64 224²"] == {"nchw": ["flat"], "nhwc": ["flat"]}
+    assert kinds["yolov8n head 3x3 256->64 10² b1"] == {"nchw": ["plain", "split"], "nhwc": ["plain", "split"]}
+    assert kinds["depthwise 3x3 96 28²"] == {"nchw": ["direct"], "nhwc": ["direct"]}
+    assert conv_precision.layouts(conv_precision.LAYERS[4])["nhwc"] == ("nchw", "nhwc", "krsc")  # narrow X
+
+
+def test_conv_precision_dry_run(tmp_path):
+    """The benchmark's whole path on the CPU for the plain, flat, split-K and depthwise
+    layers. The interpreter's tl.dot is exact fp32: only the rounded tf32 kernels show
+    TF32's error (and no bias); truncated tf32, tf32x3, ieee, the direct loop and torch's
+    CPU conv agree with float64 to fp32 accuracy."""
+    out = tmp_path / "conv_precision.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conv_precision.py"), "--dry-run",
+                           "--layers", "0,5,6,8", "--json", str(out)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "layer" in proc.stdout and "Rounded tf32 over truncated tf32" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["dry_run"] and data["inputs"] == ["relu", "signed", "positive"]
+    rows = data["rows"]
+    assert not [r for r in rows if "error" in r]
+    assert {(r["kernel"], r["layout"]) for r in rows} == {
+        (k, lay) for k in ("plain", "flat", "split", "direct", "cudnn") for lay in ("nchw", "nhwc")}
+    for r in rows:
+        assert r["ms"] > 0 and set(r["errors"]) == {"relu", "signed", "positive"}
+        worst = max(e["max"] for e in r["errors"].values())
+        if r["precision"] == "tf32":
+            # TF32's rounding error (2^-11 per operand), not truncation's bias
+            assert 1e-5 < worst < 2e-3, r
+            assert abs(r["errors"]["positive"]["bias"]) < 1e-4, r
+        else:
+            assert worst < 2e-6, r
+    by_kernel = {(r["layer"], r["layout"], r["kernel"]) for r in rows if r["kernel"] != "cudnn"}
+    for key in by_kernel:  # every precision per tensor-core kernel, one row per direct one
+        want = {"fp32"} if key[2] == "direct" else {"tf32", "tf32-trunc", "tf32x3", "ieee"}
+        assert {r["precision"] for r in rows if (r["layer"], r["layout"], r["kernel"]) == key} == want

@@ -4,8 +4,9 @@ script, so the interpreter setting never reaches the process where other tests c
 kernels), and their ahead-of-time compilation for sm_80 / sm_90 with no GPU.
 
 The interpreter evaluates ``tl.dot`` in fp32, so the kernels' indexing, masking, epilogue
-and pooling are checked to fp32 accuracy here; TF32 numerics are checked on the GPU
-(tests/test_gpu_conv.py)."""
+and pooling are checked to fp32 accuracy here (the cases use precision ieee); the TF32
+rounding of tf32 kernels is checked in tests/test_conv_precision.py, TF32 numerics on the
+GPU in tests/test_gpu_conv.py."""
 
 from __future__ import annotations
 
@@ -265,57 +266,67 @@ def _broadcast_strides(shape: tuple[int, ...], full: tuple[int, ...]) -> list[in
     return list(reversed(strides))
 
 
-def _run_all(workdir: Path) -> None:
+def _load_kernel(workdir: Path, source: str, name: str):
+    """The jit function `name` of a generated module, written under workdir and imported."""
     import importlib.util
 
+    path = workdir / f"{name}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return getattr(mod, name)
+
+
+def _launch_conv(fn, ks, v: ConvVariant, case: ConvCase, x, wt, b, extras) -> np.ndarray:
+    """Run a generated conv kernel on numpy inputs (wt [K, C/group, R, S], packed here) with
+    the grid, strides and split-K buffers the C++ launcher would pass; returns Y as NCHW fp32."""
     import torch
 
-    def load(source: str, name: str):
-        path = workdir / f"{name}.py"
-        path.write_text(source)
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return getattr(mod, name)
+    n, _, h, w = x.shape
+    p, q = case.conv.out_size(h, w)
+    op, oq = case.pool.out_size(p, q) if case.pool else (p, q)
+    y = torch.empty((n, case.k, op, oq), dtype=torch.float16 if case.dtype == "f16" else torch.float32)
+    if case.layouts[1] == "nhwc":  # the same logical tensor, stored channels last
+        y = y.to(memory_format=torch.channels_last)
+    strides = [s for e in extras for s in _broadcast_strides(e.shape, (n, case.k, p, q))]
+    win = 1 << (case.pool.kernel[0] * case.pool.kernel[1] - 1).bit_length() if case.pool else 1
+    m = n * op * oq * win if case.pool else n * p * q
+    grid = (-(-m // v.block_m), -(-case.k // v.block_n))
+    split = []  # split K: the workspace and zeroed counters the launcher provides
+    if v.split > 1:
+        tiles = grid[0] * grid[1]
+        split = [torch.full((v.split * tiles * v.block_m * v.block_n,), float("nan")),
+                 torch.zeros(tiles, dtype=torch.int32)]
+        grid = (*grid, v.split)
+    packed = torch.from_numpy(np.ascontiguousarray(
+        wt.transpose(2, 3, 1, 0) if case.w_layout == "rsck" else wt.transpose(0, 2, 3, 1)))
+    xt = torch.from_numpy(x)
+    if case.layouts[0] == "nhwc":
+        xt = xt.to(memory_format=torch.channels_last)
+    fn[grid](xt, packed, torch.from_numpy(b), *map(torch.from_numpy, extras), y,
+             n, h, w, p, q, op, oq, *strides, *split, **dict(ks.constexprs))
+    return y.float().numpy()
+
+
+def _run_all(workdir: Path) -> None:
+    import torch
 
     results = {}
     for i, case in enumerate(CONV_CASES):
         try:
             spec, v = _conv_spec(i, case)
             ks = generate_conv(spec, v)
-            fn = load(ks.source, spec.name)
+            fn = _load_kernel(workdir, ks.source, spec.name)
             x, wt, b, extras = _conv_inputs(i, case)
-            n, _, h, w = x.shape
-            p, q = case.conv.out_size(h, w)
-            op, oq = case.pool.out_size(p, q) if case.pool else (p, q)
-            y = torch.empty((n, case.k, op, oq), dtype=torch.float16 if case.dtype == "f16" else torch.float32)
-            if case.layouts[1] == "nhwc":  # the same logical tensor, stored channels last
-                y = y.to(memory_format=torch.channels_last)
-            strides = [s for e in extras for s in _broadcast_strides(e.shape, (n, case.k, p, q))]
-            win = 1 << (case.pool.kernel[0] * case.pool.kernel[1] - 1).bit_length() if case.pool else 1
-            m = n * op * oq * win if case.pool else n * p * q
-            grid = (-(-m // v.block_m), -(-case.k // v.block_n))
-            split = []  # split K: the workspace and zeroed counters the launcher provides
-            if v.split > 1:
-                tiles = grid[0] * grid[1]
-                split = [torch.full((v.split * tiles * v.block_m * v.block_n,), float("nan")),
-                         torch.zeros(tiles, dtype=torch.int32)]
-                grid = (*grid, v.split)
-            packed = torch.from_numpy(np.ascontiguousarray(
-                wt.transpose(2, 3, 1, 0) if case.w_layout == "rsck" else wt.transpose(0, 2, 3, 1)))
-            xt = torch.from_numpy(x)
-            if case.layouts[0] == "nhwc":
-                xt = xt.to(memory_format=torch.channels_last)
-            fn[grid](xt, packed, torch.from_numpy(b), *map(torch.from_numpy, extras), y,
-                     n, h, w, p, q, op, oq, *strides, *split, **dict(ks.constexprs))
-            results[f"conv{i}"] = y.float().numpy()
+            results[f"conv{i}"] = _launch_conv(fn, ks, v, case, x, wt, b, extras)
         except Exception as e:  # reported by the case's test
             (workdir / f"conv{i}_error.txt").write_text(f"{type(e).__name__}: {e}")
     for i, case in enumerate(POOL_CASES):
         try:
             spec, v = _pool_spec(i, case)
             ks = generate_maxpool(spec, v)
-            fn = load(ks.source, spec.name)
+            fn = _load_kernel(workdir, ks.source, spec.name)
             x, extras = _pool_inputs(i, case)
             n, c, h, w = x.shape
             oh, ow = case.pool.out_size(h, w)

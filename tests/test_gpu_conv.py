@@ -5,10 +5,11 @@ sizes, and the fused nodes really run there.
 Tolerances. The original runs with TF32 off (exact fp32 convolutions). The fused convs
 multiply on tensor cores in the precision `onnxfuse optimize --conv-precision` chose:
 - ``ieee``: fp32 FMA; only the summation order differs: rtol 1e-5, atol 1e-5 x max|y|;
-- ``tf32`` (the default): inputs rounded to 10-bit mantissas, about 5e-4 relative per
-  product; relative to the output's magnitude the error stays below ~1e-3 per layer (seen on
-  the H200: 5e-4 to 7e-4 on 64-channel 3x3 layers), so one layer is checked at 2e-3 x max|y|
-  and the stacks at 1e-2 x max|y| (errors add up through 4 layers).
+- ``tf32`` (the default): both operands rounded to the nearest TF32 value (10-bit
+  mantissas: at most 2^-11, about 4.9e-4, relative per operand, no bias). The kernels before
+  the rounding truncated instead and were seen at 5e-4 to 7e-4 of max|y| on 64-channel 3x3
+  layers (H200); rounding halves the worst case per operand. One layer is checked at
+  2e-3 x max|y| and the stacks at 1e-2 x max|y| (errors add up through 4 layers).
 fp16 models: rtol 1e-2, atol 1e-2 x max|y|."""
 
 from __future__ import annotations

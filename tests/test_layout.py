@@ -620,6 +620,36 @@ def test_squeeze_excite_runs_channels_last(dtype, tmp_path, monkeypatch):
                                        atol=1e-2 * float(np.abs(e.astype(np.float32)).max()))
 
 
+def test_exact_conv_precisions_keep_the_global_pool(tmp_path, monkeypatch):
+    """ONNX Runtime's CUDA EP would run the channels-last pool's MatMul in TF32: with
+    --conv-precision ieee (through the compile hook) or tf32x3 the pool stays a
+    GlobalAveragePool of the NCHW tensor, whose result enters the channels-last SE conv
+    through a Reshape; with tf32 it is the MatMul."""
+    from onnxfuse.layout import apply_layouts
+
+    m = squeeze_excite()
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    r = optimize_model(m, layout="nhwc")
+    info = compile_hook("sm_90", layout="nhwc", conv_precision="ieee")(r)
+    assert not info["failed"] and not info["declined"]
+    onnx.checker.check_model(r.model, full_check=True)
+    ops = [n.op_type for n in r.model.graph.node]
+    assert "GlobalAveragePool" in ops and "MatMul" not in ops
+    by_name = {n.name: n for n in r.model.graph.node}
+    assert layouts(by_name["conv_grouped_dw"]) == (b"NHWC", b"NCHW")  # the pool reads NCHW
+    (boundary,) = [n for n in r.model.graph.node if n.input and n.input[0] == "g"]
+    assert boundary.op_type == "Reshape" and layouts(by_name["conv_relu_se1"])[0] == b"NHWC"
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
+    # the pass alone (no kernels): tf32x3 keeps the pool too, tf32 makes it the MatMul
+    for precision, pooled, gone in (("tf32x3", "GlobalAveragePool", "MatMul"), ("tf32", "MatMul", "GlobalAveragePool")):
+        r = optimize_model(m, layout="nhwc")
+        r.fused[:] = apply_layouts(r.model, r.fused, r.tensors, conv_precision=precision)
+        ops = [n.op_type for n in r.model.graph.node]
+        assert pooled in ops and gone not in ops
+        check_same(m, r.model, library=False)
+
+
 def test_a_global_pool_of_unknown_size_keeps_its_input_nchw(tmp_path, monkeypatch):
     m = squeeze_excite()
     del m.graph.value_info[:]
