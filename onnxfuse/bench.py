@@ -846,6 +846,23 @@ class BoundModel:
         gc.collect()
 
 
+def interleave(models: dict[Any, BoundModel], iters: int, rounds: int = 5) -> dict[Any, list[float] | str]:
+    """Timed runs of several open models, interleaved: `rounds` rounds, each running every
+    model iters // rounds times in turn, so that a drift of the machine's speed (clocks,
+    other processes) reaches them alike. A model that fails gets the error's text."""
+    out: dict[Any, list[float] | str] = {k: [] for k in models}
+    per_round = max(1, iters // rounds)
+    for _ in range(rounds):
+        for k, m in models.items():
+            if isinstance(out[k], str):  # failed in an earlier round
+                continue
+            try:
+                out[k] += m.time(per_round)
+            except OnnxfuseError as e:
+                out[k] = str(e)
+    return out
+
+
 def run_model(path: str, feeds: dict[str, np.ndarray], settings: BenchSettings, library: bool,
               progress: Progress | None = None, gpu: CudaDriver | None = None) -> _Run:
     """Load, run once, warm up and time one model; returns times and its outputs."""

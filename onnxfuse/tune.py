@@ -414,7 +414,7 @@ class Timer:
         sessions open at once and their timed runs interleaved in ROUNDS rounds, so that a
         drift of the machine's speed reaches every model alike. A model that cannot load or
         run in a mode gets the error's text instead of a time."""
-        from onnxfuse.bench import BoundModel
+        from onnxfuse.bench import BoundModel, interleave
 
         s = self.settings
         out: dict[tuple[str, bool], float | str] = {}
@@ -432,29 +432,24 @@ class Timer:
                 todo.append((label, graph, key, path, library))
         bound = {}
         try:
-            for label, graph, key, path, library in todo:
+            for label, graph, _key, path, library in todo:
                 try:
                     b = BoundModel(str(path), feeds, self._settings(s.model_warmup, s.model_iters, graph), library)
+                    bound[label, graph] = b
                     b.time(s.model_warmup)
-                    bound[label, graph] = (b, key, [])
                 except OnnxfuseError as e:
                     out[label, graph] = str(e)
-            per_round = max(1, s.model_iters // self.ROUNDS)
-            for _ in range(self.ROUNDS):
-                for k, (b, _key, times) in bound.items():
-                    if k in out:  # failed in an earlier round
-                        continue
-                    try:
-                        times += b.time(per_round)
-                    except OnnxfuseError as e:
-                        out[k] = str(e)
-            for k, (_b, key, times) in bound.items():
-                if k not in out:
+            timed = interleave({k: b for k, b in bound.items() if k not in out}, s.model_iters, self.ROUNDS)
+            keys = {(label, graph): key for label, graph, key, _, _ in todo}
+            for k, times in timed.items():
+                if isinstance(times, str):
+                    out[k] = times
+                else:
                     out[k] = ms = float(np.median(times))
-                    self.entries[key] = {"ms": ms}
+                    self.entries[keys[k]] = {"ms": ms}
                     self.measured += 1
         finally:
-            for b, _, _ in bound.values():
+            for b in bound.values():
                 b.close()
         return out
 
