@@ -71,19 +71,20 @@ import numpy as np
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from models import build as mb  # noqa: E402
-from models import pretrained  # noqa: E402
-from onnxfuse import bench as ob  # noqa: E402
-from onnxfuse.pipeline import optimize_model, save_model, write_text  # noqa: E402
+from models.fp16 import DTYPES, to_fp16  # noqa: E402
 
-VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "onnxfuse_nhwc", "onnxfuse_cl",
-            "onnxfuse_cl_graph", "torch_eager", "torch_compile", "torch_compile_graph")
+from models import build as mb  # noqa: E402
+from models import pretrained, suite  # noqa: E402
+from onnxfuse import bench as ob  # noqa: E402
+from onnxfuse.pipeline import optimize, optimize_model, save_model, write_text  # noqa: E402
+
+VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "torch_eager", "torch_compile",
+            "torch_compile_graph")
 LABELS = {"ort": "ORT", "ort_nhwc": "ORT nhwc", "ort_graph": "ORT + graph", "onnxfuse": "onnxfuse",
-          "onnxfuse_graph": "onnxfuse + graph", "onnxfuse_cl": "onnxfuse CL",
-          "onnxfuse_cl_graph": "onnxfuse CL + graph",
-          "onnxfuse_nhwc": "onnxfuse nhwc", "torch_eager": "torch eager", "torch_compile": "torch.compile",
+          "onnxfuse_graph": "onnxfuse + graph", "torch_eager": "torch eager", "torch_compile": "torch.compile",
           "torch_compile_graph": "torch.compile + graph"}
 DRY_VARIANTS = ("ort", "onnxfuse", "torch_eager")
+SUITE_VARIANTS = ("ort", "ort_graph", "onnxfuse", "onnxfuse_graph")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,10 @@ class Case:
     torch: Callable[[onnx.ModelProto], object] | None = None  # model -> nn.Module
     note: str = ""
     pretrained: str = ""                                  # models/pretrained.py name, if not `name`
+    # the suite (models/suite.py): its seeded inputs, and for fp16 cases the fp32 twin that the
+    # reference runs (the fp16 original with TF32 off would be its own reference)
+    feeds: Callable[[dict[str, tuple[int, ...]]], dict[str, np.ndarray]] | None = None
+    reference: Callable[[bool], onnx.ModelProto] | None = None
 
 
 class _Chain:
@@ -171,6 +176,28 @@ def cases() -> list[Case]:
     return syn + intensity + tv + pre
 
 
+def suite_cases(batches: tuple[int, ...] = suite.BATCHES, dtypes: tuple[str, ...] = DTYPES,
+                names: list[str] | None = None) -> list[Case]:
+    """The CNN suite (models/suite.py) as cases, each model built once per dtype for all batches."""
+    built: dict[tuple[str, str, bool], onnx.ModelProto] = {}
+
+    def model(entry, dtype: str, dry: bool) -> onnx.ModelProto:
+        key = (entry.name, dtype, dry)
+        if key not in built:
+            built[key] = (to_fp16(model(entry, "fp32", dry)) if dtype == "fp16" else entry.model("fp32", dry))
+        return built[key]
+
+    out = []
+    for c in suite.cases(batches, dtypes, names):
+        e = c.entry
+        torch_twin = None if e.module is None or c.dtype != "fp32" else (lambda _m, e=e: e.torch_module())
+        out.append(Case(
+            c.name, e.kind, c.shapes(), c.shapes(dry=True), lambda dry, e=e, d=c.dtype: model(e, d, dry), torch_twin,
+            e.note, feeds=lambda shapes, e=e, d=c.dtype: e.feeds(shapes, d),
+            reference=None if c.dtype == "fp32" else (lambda dry, e=e: model(e, "fp32", dry))))
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------
@@ -203,9 +230,12 @@ class CaseResult:
     reference_error: str | None = None    # the ort_fp32 run failed: nothing gated
     ort_max_abs_err: float | None = None  # the "ort" variant's error vs ort_fp32
     gate_passed: bool | None = None       # every onnxfuse variant that ran passed (None: none gated)
+    tune: dict | None = None              # what optimize's tuning measured and kept (onnxfuse.tune)
 
 
 def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProto) -> dict[str, np.ndarray]:
+    if case.feeds is not None:
+        return case.feeds(shapes)
     if case.kind == "pretrained":
         return pretrained.feeds(case.pretrained or case.name, shapes)
     sig = ob._signature(model)
@@ -225,30 +255,58 @@ def _errors(ref: dict[str, np.ndarray] | None, outs: dict[str, np.ndarray], res:
     """Max abs / max rel error over the outputs, against the reference."""
     if ref is None:
         return
-    outs = _by_reference_names(ref, outs)
+    outs = _as_reference(ref, outs)
     checks = [ob.compare_output(name, e, outs.get(name)) for name, e in ref.items()]
     res.max_abs_err = max((np.inf if c.max_abs_err is None else c.max_abs_err for c in checks), default=0.0)
     res.max_rel_err = max((np.inf if c.max_rel_err is None else c.max_rel_err for c in checks), default=0.0)
 
 
+def _as_reference(ref: dict[str, np.ndarray], outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """outs by the reference's names, in its dtypes (an fp16 model's outputs against its fp32
+    twin's: exact upcasts)."""
+    outs = _by_reference_names(ref, outs)
+    return {k: v.astype(ref[k].dtype) if k in ref and v.dtype != ref[k].dtype and v.dtype.kind == "f" else v
+            for k, v in outs.items()}
+
+
 def _gate(ref: dict[str, np.ndarray], ort: dict[str, np.ndarray], outs: dict[str, np.ndarray],
           res: VariantResult) -> None:
     """bench's gate (`onnxfuse.bench.gate_output`) on every output of the reference."""
-    outs = _by_reference_names(ref, outs)
+    outs, ort = _as_reference(ref, outs), _as_reference(ref, ort)
     checks = [ob.gate_output(name, e, ort.get(name), outs.get(name)) for name, e in ref.items()]
     failed = [c for c in checks if not c.passed]
     res.gate_passed = not failed
     res.gate_failure = f"output {failed[0].name!r}: {failed[0].failure()}" if failed else None
 
 
-def _ort_variant(path: str, feeds, provider: str, library: bool, warmup: int, iters: int, *, graph=False,
-                 nhwc=False, gpu=None) -> tuple[VariantResult, dict[str, np.ndarray]]:
-    opts = {"prefer_nhwc": "1"} if nhwc else {}
-    settings = ob.BenchSettings(provider=provider, warmup=warmup, iters=iters, cuda_graph=graph, tf32=True,
-                                provider_options=opts)
-    r = ob.run_model(path, feeds, settings, library, ob.Progress(Path(path).name, warmup + iters), gpu)
-    lat = ob.Latency.of(r.times_ms)
-    return VariantResult(lat.median, lat.p10, lat.p90, lat.min, r.first_run_ms, r.load_ms, r.peak_gpu_mem_mb), r.outputs
+def _ort_variants(paths: dict[str, str], feeds, provider: str, libraries: dict[str, bool], warmup: int, iters: int,
+                  gpu=None, log=print) -> dict[str, tuple[VariantResult, dict[str, np.ndarray] | None]]:
+    """The ONNX Runtime variants (name -> model path), all sessions open at once and their
+    timed runs interleaved (`onnxfuse.bench.interleave`): a drift of the GPU's speed during the
+    case reaches every variant alike. Each gives its result and its outputs."""
+    bound, out = {}, {}
+    try:
+        for v, path in paths.items():
+            settings = ob.BenchSettings(provider=provider, warmup=warmup, iters=iters, cuda_graph=v.endswith("graph"),
+                                        tf32=True, provider_options={"prefer_nhwc": "1"} if v.endswith("nhwc") else {})
+            try:
+                b = bound[v] = ob.BoundModel(path, feeds, settings, libraries[v], gpu)
+                b.time(warmup)
+            except Exception as e:  # one failing variant must not lose the others' numbers
+                bound.pop(v, None)
+                out[v] = (VariantResult(error=_error_text(e)), None)
+        for v, times in ob.interleave(bound, iters).items():
+            b = bound[v]
+            if isinstance(times, str):
+                out[v] = (VariantResult(error=times[:300]), None)
+                continue
+            lat = ob.Latency.of(times)
+            out[v] = (VariantResult(lat.median, lat.p10, lat.p90, lat.min, b.first_ms, b.load_ms, b.peak_mb()),
+                      b.outputs())
+    finally:
+        for b in bound.values():
+            b.close()
+    return {v: out[v] for v in paths}
 
 
 def _torch_variant(module, feeds, cuda: bool, compile_mode: str | None, warmup: int,
@@ -290,11 +348,14 @@ def _torch_variant(module, feeds, cuda: bool, compile_mode: str | None, warmup: 
 
 
 def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], warmup: int, iters: int,
-             log=print) -> CaseResult:
+             log=print, tune: bool = True) -> CaseResult:
+    """One case: the original, `onnxfuse optimize` of it as the command line runs it on a GPU
+    (channels-last, tuned at the case's shapes unless `tune` is off), every variant timed on
+    the same inputs, errors against the fp32 reference and the gate."""
     shapes = case.dry_shapes if dry else case.shapes
     res = CaseResult(case.name, case.kind, {k: list(v) for k, v in shapes.items()})
     try:
-        if case.kind == "pretrained":
+        if case.onnx is None:  # a pretrained model of the legacy list
             name = case.pretrained or case.name
             cached = pretrained.cache_dir() / f"{name}.onnx"
             if dry and not cached.is_file():
@@ -303,44 +364,50 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
             model = onnx.load(str(pretrained.fetch(name)))
         else:
             model = case.onnx(dry)
-    except (mb.TorchUnavailable, pretrained.RegistryUnavailable) as e:
+        reference_model = case.reference(dry) if case.reference is not None else None
+    except (mb.TorchUnavailable, pretrained.RegistryUnavailable, ImportError) as e:
         res.skipped = str(e)
         return res
     orig = workdir / f"{case.name}.onnx"
     fused = workdir / f"{case.name}.onnxfuse.onnx"
     save_model(model, orig)
-    result = optimize_model(model)
-    res.fused_nodes = len(result.fused)
-    if not dry and result.fused:
-        from onnxfuse.compile import default_targets
-        from onnxfuse.kernels import compile_fused
+    if dry:  # CPU: no kernels, no layout pass, no tuning
+        result = optimize_model(model)
+        save_model(result.model, fused)
+    else:
+        from onnxfuse.kernels import compile_hook
+        from onnxfuse.tune import TuneSettings
 
-        info = compile_fused(result.model, result.fused, default_targets())
-        res.compile = info["summary"]
-        res.fused_nodes -= len(info["declined"]) + len(info["failed"])
-    save_model(result.model, fused)
-    fused_cl = workdir / f"{case.name}.onnxfuse_cl.onnx"
-    if not dry and any(v.startswith("onnxfuse_cl") for v in variants):
-        # the same optimization with the NHWC layout pass (optimize --layout nhwc)
-        from onnxfuse.compile import default_targets
-        from onnxfuse.kernels import compile_fused
-
-        cl = optimize_model(model, layout="nhwc")
-        if cl.fused:
-            compile_fused(cl.model, cl.fused, default_targets(), layout="nhwc")
-        save_model(cl.model, fused_cl)
+        settings = TuneSettings(shapes=dict(shapes)) if tune else None
+        report = optimize(orig, fused, compile_hook=compile_hook("auto", tune=settings, layout="nhwc"))
+        res.compile = (report.compile or {}).get("summary", "")
+        res.tune = (report.compile or {}).get("tune")
+        for w in report.warnings:
+            log(f"  {case.name:<20} warning: {w[:300]}")
+    res.fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused), load_external_data=False))
     feeds = _feeds(case, shapes, model)
     provider = "cpu" if dry else "cuda"
-    # ort_fp32, the reference: the original with TF32 off, run once, untimed
+    # ort_fp32, the reference: the original (or an fp16 case's fp32 twin) with TF32 off, run once, untimed
     ref: dict[str, np.ndarray] | None = None
     try:
-        ref = ob.evaluate_model(str(orig), feeds, ob.BenchSettings(provider=provider, tf32=False), False)
+        if reference_model is None:
+            ref = ob.evaluate_model(str(orig), feeds, ob.BenchSettings(provider=provider, tf32=False), False)
+        else:
+            ref_feeds = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
+            ref = ob.evaluate_model(reference_model.SerializeToString(), ref_feeds,
+                                    ob.BenchSettings(provider=provider, tf32=False), False)
     except Exception as e:
         res.reference_error = _error_text(e)
         log(f"  {case.name:<20} {'ORT fp32':<17} {res.reference_error}")
-    ort_outs: dict[str, np.ndarray] | None = None
     gpu = None if dry else ob.CudaDriver()
+    ort_based = [v for v in variants if not v.startswith("torch")]
+    paths = {v: str(fused if v.startswith("onnxfuse") else orig) for v in ort_based}
+    libraries = {v: v.startswith("onnxfuse") and res.fused_nodes > 0 for v in ort_based}
+    ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu)
     module = None
+    ort_outs = ran["ort"][1] if "ort" in ran else None
+    if ort_outs is not None:
+        res.ort_max_abs_err = None
     for v in variants:
         try:
             if v.startswith("torch"):
@@ -351,18 +418,13 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
                 mode = {"torch_compile": "default", "torch_compile_graph": "reduce-overhead"}.get(v)
                 r, outs = _torch_variant(module, feeds, not dry, mode, warmup, iters)
             else:
-                if v.startswith("onnxfuse_cl") and not fused_cl.exists():
-                    continue
-                path = str(fused_cl if v.startswith("onnxfuse_cl") else fused if v.startswith("onnxfuse") else orig)
-                lib = v.startswith("onnxfuse") and res.fused_nodes > 0
-                r, outs = _ort_variant(path, feeds, provider, lib, warmup, iters, graph=v.endswith("graph"),
-                                       nhwc=v.endswith("nhwc"), gpu=gpu)
-            _errors(ref, outs, r)
-            if v == "ort":
-                ort_outs = outs
-                res.ort_max_abs_err = r.max_abs_err
-            elif v.startswith("onnxfuse") and ref is not None and ort_outs is not None:
-                _gate(ref, ort_outs, outs, r)
+                r, outs = ran[v]
+            if outs is not None:
+                _errors(ref, outs, r)
+                if v == "ort":
+                    res.ort_max_abs_err = r.max_abs_err
+                elif v.startswith("onnxfuse") and ref is not None and ort_outs is not None:
+                    _gate(ref, ort_outs, outs, r)
             del outs
         except Exception as e:  # one failing variant must not lose the others' numbers
             r = VariantResult(error=_error_text(e))
@@ -373,7 +435,7 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         gc.collect()
     gated = [r.gate_passed for v, r in res.variants.items() if v.startswith("onnxfuse") and r.gate_passed is not None]
     res.gate_passed = all(gated) if gated else None
-    del ort_outs, ref
+    del ort_outs, ref, ran
     if gpu is not None:
         gpu.close()
     if module is not None:
@@ -512,6 +574,11 @@ def main(argv: list[str] | None = None) -> int:
                                     "ort,ort_graph,onnxfuse,onnxfuse_graph")
     ap.add_argument("--from-json", type=Path, metavar="FILE",
                     help="print (and --markdown: write) the table of an earlier run's JSON; runs nothing")
+    ap.add_argument("--suite", action="store_true",
+                    help="the CNN suite of models/suite.py (--models then names its entries) instead of the list above")
+    ap.add_argument("--batches", default=",".join(map(str, suite.BATCHES)), help="--suite: batch sizes (default 1,16)")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="--suite: fp32,fp16 (default both)")
+    ap.add_argument("--no-tune", action="store_true", help="optimize without tuning (the heuristics alone)")
     args = ap.parse_args(argv)
     table = tuple(args.table.split(",")) if args.table else None
     if table and any(v not in VARIANTS for v in table):
@@ -525,15 +592,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.markdown:
             write_text(args.markdown, text)
         return 0
-    all_cases = cases()
-    picked = all_cases
-    if args.models:
-        names = args.models.split(",")
-        unknown = [n for n in names if n not in {c.name for c in all_cases}]
-        if unknown:
-            ap.error(f"unknown model {unknown[0]!r}")
-        picked = [c for c in all_cases if c.name in names]
-    variants = tuple(args.variants.split(",")) if args.variants else (DRY_VARIANTS if args.dry_run else VARIANTS)
+    if args.suite:
+        try:
+            batches = tuple(int(b) for b in args.batches.split(","))
+            picked = suite_cases(batches, tuple(args.dtypes.split(",")),
+                                 args.models.split(",") if args.models else None)
+        except (ValueError, KeyError) as e:
+            ap.error(f"--suite: {e}")
+    else:
+        all_cases = cases()
+        picked = all_cases
+        if args.models:
+            names = args.models.split(",")
+            unknown = [n for n in names if n not in {c.name for c in all_cases}]
+            if unknown:
+                ap.error(f"unknown model {unknown[0]!r}")
+            picked = [c for c in all_cases if c.name in names]
+    variants = tuple(args.variants.split(",")) if args.variants else (
+        DRY_VARIANTS if args.dry_run else SUITE_VARIANTS if args.suite else VARIANTS)
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant {bad[0]!r}")
@@ -564,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "benchmark": "compare", "date": datetime.date.today().isoformat(), "device": device_name(args.dry_run),
         "dry_run": args.dry_run, "versions": versions(),
-        "settings": {"warmup": warmup, "iters": iters, "variants": list(variants)},
+        "settings": {"warmup": warmup, "iters": iters, "variants": list(variants), "tune": not args.no_tune,
+                     "suite": args.suite},
         "reference": "ort_fp32: the original in ONNX Runtime with TF32 off, run once untimed"
                      + (" (dry run: ONNX Runtime CPU)" if args.dry_run else ""),
         "gate": "an onnxfuse variant passes when every output element has |y - ref| <= 2 * ort_err + "
@@ -577,10 +654,14 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         for case in picked:
             print(f"{case.name} ({case.kind})", flush=True)
-            res = run_case(case, workdir, args.dry_run, variants, warmup, iters)
+            res = run_case(case, workdir, args.dry_run, variants, warmup, iters, tune=not args.no_tune)
             if res.skipped:
                 print(f"  skipped: {res.skipped}")
             result["cases"].append(ob._finite(dataclasses.asdict(res)))
+            if args.json:  # after every case: a run cut short keeps what it measured
+                write_text(args.json, json.dumps(result, indent=2, allow_nan=False) + "\n")
+            for name in (f"{case.name}.onnx", f"{case.name}.onnxfuse.onnx"):  # big models: free the disk
+                (workdir / name).unlink(missing_ok=True)
     text = markdown(result, table)
     print()
     print(text, end="")
