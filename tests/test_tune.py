@@ -313,3 +313,20 @@ def test_original_model_of_a_channels_last_node_is_nchw(tmp_path, monkeypatch):
     (e,) = _run(orig, {orig.graph.input[0].name: np.ascontiguousarray(x.transpose(TO_NCHW))})
     np.testing.assert_allclose(np.ascontiguousarray(a.transpose(TO_NCHW)), e, rtol=1e-5,
                                atol=1e-5 * float(np.abs(e).max()))
+
+
+def test_layers_of_equal_shapes_are_timed_once(tmp_path, monkeypatch):
+    """Two convs with the same shapes and other weights: one measurement serves both."""
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    rng = np.random.default_rng(0)
+    w1, w2 = (rng.standard_normal((8, 4, 3, 3)).astype(np.float32) for _ in range(2))
+    m = model([N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["y1"]),
+               N("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1]), N("Relu", ["c2"], ["y2"])],
+              {"x": ("float32", [2, 4, 8, 8])}, {"y1": ("float32", [2, 8, 8, 8]), "y2": ("float32", [2, 8, 8, 8])},
+              {"w1": w1, "w2": w2})
+    r, before = _optimized(m)
+    assert len(r.fused) == 2
+    rec = _tune(r, before, TuneSettings(provider="cpu", iters=2, warmup=1, model_iters=2, model_warmup=1))["tune"]
+    a, b = rec["nodes"]
+    assert (a["original_ms"], a["fused_ms"]) == (b["original_ms"], b["fused_ms"])
+    assert rec["cache_hits"] == 2  # the second node's two one-node models
