@@ -50,10 +50,13 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
         info = build(result)
         try:
             return tuning.tune(result, before, info, build, tune, targets, conv_precision=conv_precision, jobs=jobs)
-        except OnnxfuseError as e:
+        except Exception as e:  # measuring must not lose the optimized model: the heuristics decide
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if not isinstance(e, OnnxfuseError):
+                why = f"{type(e).__name__}: {why}"
             if tune.explicit:
-                raise OnnxfuseError(f"--tune: {e}") from None
-            result.warn(f"not tuned: {e}")
+                raise OnnxfuseError(f"--tune: {why}") from None
+            result.warn(f"not tuned: {why}")
             return info
 
     hook.layout = layout  # `onnxfuse.optimize` picks its patterns for the same layout

@@ -681,8 +681,8 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
             orig = original_model(result.model, node, infos)
             d.original_ms = timer.time(orig, random_feeds(orig), library=False)
             d.fused_ms = timer.time(mini, random_feeds(mini), library=True)
-        except OnnxfuseError as e:
-            d.chosen = f"not measured ({e})"
+        except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
+            d.chosen = f"not measured ({_why(e)})"
             continue
         d.chosen = "fused"
         if settings.configs:
@@ -692,6 +692,12 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
         if d.fused_ms - d.original_ms > max(NODE_MARGIN_MS, NODE_MARGIN_REL * d.original_ms):
             d.chosen = "original"
     return decisions
+
+
+def _why(e: BaseException) -> str:
+    text = str(e).strip()
+    first = text.splitlines()[0][:200] if text else ""
+    return first if isinstance(e, OnnxfuseError) else f"{type(e).__name__}: {first}"
 
 
 def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, targets, conv_precision, jobs):
