@@ -6,7 +6,9 @@ narrow inputs, split K where the launcher would take it, the direct loop of grou
 in the NCHW path's layouts (X, Y NCHW, weights [R, S, C, K]) and the NHWC pass's
 (channels-last X and Y, weights [K, R, S, C]; narrow X stays NCHW), at each precision:
 
-- ``tf32``        both dot operands rounded to the nearest TF32 value, then tl.dot (the default)
+- ``tf32``        the activations rounded to the nearest TF32 value in the kernel, the weights
+                  rounded beforehand (as the compile step packs them), then tl.dot (the default)
+- ``tf32-ab``     both operands rounded in the kernel (the first rounding kernels)
 - ``tf32-trunc``  Triton's own tf32 dot, which truncates them: the kernels before rounding
                   (generated with the private switch `codegen_conv._ROUND_TF32` off)
 - ``tf32x3``, ``ieee``
@@ -55,7 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import onnxfuse.codegen_conv as codegen_conv  # noqa: E402
 from benchmarks.conv_kernels import _load  # noqa: E402
 from onnxfuse.codegen import KernelSource  # noqa: E402
-from onnxfuse.codegen_conv import ConvSpec, ConvVariant, generate_conv  # noqa: E402
+from onnxfuse.codegen_conv import (  # noqa: E402
+    ConvSpec,
+    ConvVariant,
+    generate_conv,
+    round_array_to_tf32,
+    rounds_to_tf32,
+)
 from onnxfuse.compile import conv_decline_reason, conv_variants  # noqa: E402
 from onnxfuse.expr import HEADER, parse  # noqa: E402
 from onnxfuse.layers import ConvAttrs  # noqa: E402
@@ -105,10 +113,11 @@ LAYERS = [
     Layer("depthwise 3x3 96 28²", 32, 96, 28, 96, group=96),
 ]
 INPUTS = ("relu", "signed", "positive")
-# (label, ConvSpec precision, round the tf32 operands)
-PRECISIONS = [("tf32", "tf32", True), ("tf32-trunc", "tf32", False), ("tf32x3", "tf32x3", True),
-              ("ieee", "ieee", True)]
-DIRECT = [("fp32", "tf32", True)]  # grouped convs: the precision changes nothing
+# (label, ConvSpec precision, codegen_conv._ROUND_TF32: which operands the kernel rounds; with
+# "a" the weights are rounded beforehand, as the compile step does)
+PRECISIONS = [("tf32", "tf32", "a"), ("tf32-ab", "tf32", "ab"), ("tf32-trunc", "tf32", ""),
+              ("tf32x3", "tf32x3", "a"), ("ieee", "ieee", "a")]
+DIRECT = [("fp32", "tf32", "a")]  # grouped convs: the precision changes nothing
 SMS_DRY_RUN = 132  # the H200's multiprocessors, for the split-K rule in a dry run
 
 
@@ -141,8 +150,8 @@ def shipped_kernels(layer: Layer, layout: tuple[str, str, str], sms: int) -> lis
     return out
 
 
-def generate(spec: ConvSpec, variant: ConvVariant, round_tf32: bool) -> KernelSource:
-    """The kernel source, with or without the TF32 rounding (the private switch, restored)."""
+def generate(spec: ConvSpec, variant: ConvVariant, round_tf32: str) -> KernelSource:
+    """The kernel source with the TF32 rounding mode `round_tf32` (the private switch, restored)."""
     saved = codegen_conv._ROUND_TF32
     codegen_conv._ROUND_TF32 = round_tf32
     try:
@@ -222,6 +231,14 @@ def cudnn_tf32(allow: bool) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32 = saved
 
 
+def round_weights(w):
+    """Float32 weights (a torch tensor) rounded to TF32 as the compile step rounds them
+    (`onnxfuse.codegen_conv.round_array_to_tf32`)."""
+    import torch
+
+    return torch.from_numpy(round_array_to_tf32(w.cpu().numpy())).to(w.device)
+
+
 def pack(w, w_layout: str):
     """ONNX weights [K, C/group, R, S] as the kernels read them."""
     return (w.permute(2, 3, 1, 0) if w_layout == "rsck" else w.permute(0, 2, 3, 1)).contiguous()
@@ -256,15 +273,19 @@ def measure_layer(index: int, layer: Layer, device, timer: Callable[[Callable[[]
                        "declined_by_heuristic": declined}
                 name = f"k_prec_{index}_{lname}_{kind}_{label.replace('-', '_')}"
                 try:
-                    ks = generate(spec_for(layer, lay, precision, name), v, round_tf32)
+                    spec = spec_for(layer, lay, precision, name)
+                    ks = generate(spec, v, round_tf32)
                     fn = _load(ks.source, name, tmp)
                     row["errors"] = {}
+                    pre = round_tf32 == "a" and rounds_to_tf32(spec)  # weights rounded when packed
                     for inp in INPUTS:
-                        run = launcher(fn, ks, v, layer, xs[inp], ws[inp], y)
+                        w = round_weights(ws[inp]) if pre else ws[inp]
+                        run = launcher(fn, ks, v, layer, xs[inp], w, y)
                         y.fill_(float("nan"))
                         run()
                         row["errors"][inp] = errors(y, refs[inp])
-                    row["ms"] = timer(launcher(fn, ks, v, layer, xs["relu"], ws["relu"], y))
+                    w = round_weights(ws["relu"]) if pre else ws["relu"]
+                    row["ms"] = timer(launcher(fn, ks, v, layer, xs["relu"], w, y))
                 except Exception as e:  # a kernel that does not compile or run: recorded
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 rows.append(row)
@@ -303,13 +324,16 @@ def table(rows: list[dict]) -> str:
 
 
 def rounding_cost(rows: list[dict]) -> list[str]:
-    """Per onnxfuse kernel: the rounded tf32 kernel's time over the truncating one's."""
+    """Per onnxfuse kernel: the rounding tf32 kernels' times over the truncating one's (tf32,
+    then tf32-ab)."""
     ms = {(r["layer"], r["layout"], r["kernel"], r["precision"]): r.get("ms") for r in rows}
     out = []
     for (layer, layout, kernel, precision), t in ms.items():
         trunc = ms.get((layer, layout, kernel, "tf32-trunc"))
+        both = ms.get((layer, layout, kernel, "tf32-ab"))
         if precision == "tf32" and t and trunc:
-            out.append(f"{layer[:34]:34} {layout:6} {kernel:7} {t / trunc:.3f}")
+            ab = f"  {both / trunc:.3f}" if both else ""
+            out.append(f"{layer[:34]:34} {layout:6} {kernel:7} {t / trunc:.3f}{ab}")
     return out
 
 
@@ -360,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
             args.json.write_text(json.dumps(out, indent=1) + "\n")
     print()
     print(table(out["rows"]))
-    print("\nRounded tf32 over truncated tf32, kernel time"
+    print("\nRounded tf32 over truncated tf32, kernel time (tf32, then tf32-ab)"
           + (" (dry run: the interpreter's wall clock, not a GPU time):" if args.dry_run else ":"))
     print("\n".join(rounding_cost(out["rows"])))
     return out

@@ -48,9 +48,10 @@ the plain one would leave most SMs idle (docs/format.md, kind conv).
 Precision of float32 convs (ConvSpec.precision, `--conv-precision`): the tensor-core
 kernels pass it to `tl.dot` as `input_precision`. Triton's "tf32" truncates the fp32
 operands to TF32 (a bias of about -7e-4 of the result on positive data), where cuBLAS and
-cuDNN round them to nearest; so a "tf32" kernel rounds both operands first, with the
-`round_to_tf32` helper defined in its module (ROUND_TO_TF32), and its error is cuDNN's
-TF32 error. "tf32x3" and "ieee" are used as they are. Grouped convs (the direct loop)
+cuDNN round them to nearest; so a "tf32" kernel rounds its activation operand first, with
+the `round_to_tf32` helper defined in its module (ROUND_TO_TF32), and reads weights that
+the compile step rounded the same way when it packed them (`prerounds_weights`): its error
+is cuDNN's TF32 error. "tf32x3" and "ieee" are used as they are. Grouped convs (the direct loop)
 multiply in fp32 whatever the precision, fp16 convs in fp16.
 
 The program text is evaluated with the expression table of `onnxfuse.codegen`, so the
@@ -61,6 +62,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from onnxfuse.codegen import (
     POINTER_TYPES,
@@ -76,11 +79,15 @@ from onnxfuse.expr import Program
 from onnxfuse.layers import ConvAttrs, PoolAttrs
 
 PRECISIONS = ("tf32", "tf32x3", "ieee")  # tl.dot input_precision for float32 convolutions
-# "tf32" kernels round both dot operands to the nearest TF32 value (`ROUND_TO_TF32`) before
-# each tl.dot, whose tf32 mode would truncate them. Private switch, for
-# benchmarks/conv_precision.py only (it measures the old truncating kernels beside the new
-# ones): False generates the truncating kernels. Nothing in the package changes it.
-_ROUND_TF32 = True
+# "tf32" kernels round their activation operand to the nearest TF32 value (`ROUND_TO_TF32`)
+# before each tl.dot, whose tf32 mode would truncate it; their weights are rounded once, when
+# the compile step packs them (`onnxfuse.kernels.compile_fused`, `prerounds_weights`), so
+# they reach the tensor cores straight from memory. Rounding both operands in the kernel
+# ("ab") gave the same error and ran 1.1-3.9x slower than the truncating kernel on the H200
+# (BENCHMARKS.md, "Conv precision"): the weight tile then goes through registers instead of
+# the asynchronous copy into shared memory. Private switch, for benchmarks/conv_precision.py
+# only: "a" (shipped), "ab", or "" (Triton's truncation). Nothing in the package changes it.
+_ROUND_TF32 = "a"
 # The helper a rounding kernel's module defines once, above the kernel. TF32 keeps fp32's
 # sign and 8 exponent bits and the top 10 of its 23 mantissa bits.
 ROUND_TO_TF32 = [
@@ -461,10 +468,25 @@ def _store_cast(val: str, dt: str) -> str:
 
 
 def rounds_to_tf32(spec: ConvSpec) -> bool:
-    """Whether the kernel of `spec` rounds its dot operands to TF32 (`ROUND_TO_TF32`): float32
+    """Whether the kernel of `spec` rounds dot operands to TF32 (`ROUND_TO_TF32`): float32
     tensor-core convs (group 1) at precision "tf32". Grouped convs multiply in fp32 on CUDA
     cores; tf32x3 and ieee are as precise as fp32; fp16 operands are exact already."""
-    return _ROUND_TF32 and spec.dtype == "f32" and spec.precision == "tf32" and spec.conv.group == 1
+    return bool(_ROUND_TF32) and spec.dtype == "f32" and spec.precision == "tf32" and spec.conv.group == 1
+
+
+def prerounds_weights(spec: ConvSpec) -> bool:
+    """Whether the kernel of `spec` expects its packed weights rounded to TF32 already (it
+    rounds only the activations): the compile step rounds them when it attaches the kernel."""
+    return rounds_to_tf32(spec) and _ROUND_TF32 == "a"
+
+
+def round_array_to_tf32(a: np.ndarray) -> np.ndarray:
+    """Float32 values rounded to the nearest TF32 value as `ROUND_TO_TF32` rounds them (ties
+    away from zero, Inf and NaN kept): how the compile step rounds the weights of a kernel
+    that `prerounds_weights`."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)
+    return np.where((bits & np.uint32(0x7F800000)) != np.uint32(0x7F800000), rounded, bits).view(np.float32)
 
 
 def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constexprs: list[str]) -> str:
@@ -472,7 +494,8 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     rounds = rounds_to_tf32(spec)
     precision = "fp16" if spec.dtype == "f16" else spec.precision
     if spec.dtype == "f32" and spec.precision == "tf32":
-        precision += " (operands rounded to nearest)" if rounds else " (operands truncated)"
+        precision += (" (operands truncated)" if not rounds else " (operands rounded to nearest)"
+                      if _ROUND_TF32 == "ab" else " (activations rounded to nearest here, weights when packed)")
     what = (f"Conv {c}->{k} {spec.conv.kernel[0]}x{spec.conv.kernel[1]} stride {spec.conv.strides} "
             f"pads {spec.conv.pads} dilations {spec.conv.dilations}, {spec.dtype}, dot precision "
             f"{precision}"
@@ -514,9 +537,11 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
             loop[at:at + 1] = ["for i in range(0, SPLIT_STEPS):", "    step = k_lo + i"]
         body += loop
         if rounds:
-            body += ["    # To the nearest TF32 value, as cuDNN does (tl.dot's tf32 would truncate).",
-                     "    a = round_to_tf32(a)",
-                     "    b = round_to_tf32(b)"]
+            body += ["    # To the nearest TF32 value, as cuDNN does (tl.dot's tf32 would truncate)"
+                     + ("." if _ROUND_TF32 == "ab" else "; the weights were rounded when packed."),
+                     "    a = round_to_tf32(a)"]
+            if _ROUND_TF32 == "ab":
+                body.append("    b = round_to_tf32(b)")
         if spec.dtype == "f32":
             body.append(f'    acc = tl.dot(a, b, acc, input_precision="{spec.precision}")')
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 
+from onnxfuse.codegen_conv import prerounds_weights
 from onnxfuse.errors import OnnxfuseError
 
 
@@ -79,6 +80,21 @@ def _compile(result, targets: list[int], jobs: int | None, conv_precision: str, 
         for f in info["failed"]:
             result.warn(failure_warning(f))
     return info
+
+
+def _round_weights(model, names: set[str]) -> None:
+    """Round the packed conv weights `names` to TF32 in place: the "tf32" kernels read them
+    rounded (`onnxfuse.codegen_conv.prerounds_weights`). The node's function body reads them
+    too: under ONNX Runtime's CUDA defaults (TF32) its Conv rounds them anyway, so nothing
+    changes there; elsewhere it computes with weights 2**-11 (relative) from the original's
+    at most (README, "What is exact")."""
+    from onnx import numpy_helper
+
+    from onnxfuse.codegen_conv import round_array_to_tf32
+
+    for t in model.graph.initializer:
+        if t.name in names:
+            t.CopyFrom(numpy_helper.from_array(round_array_to_tf32(numpy_helper.to_array(t)), t.name))
 
 
 FAILED_REASON = "kernel failed to compile (left unfused)"
@@ -174,9 +190,13 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
                            "error": ck.message, "nodes": len(f.source_nodes)})
     nodes = {n.name: n for n in model.graph.node}  # after unfuse, which rebuilds the node list
     compiled = [ck for ck in results if not isinstance(ck, aot.CompileFailure)]
-    for f, ck in zip(fused, results, strict=True):
+    rounded: set[str] = set()
+    for f, spec, ck in zip(fused, specs, results, strict=True):
         if not isinstance(ck, aot.CompileFailure):
             aot.attach(nodes[f.node_name], ck)
+            if isinstance(spec, aot.ConvSpec) and prerounds_weights(spec) and f.inputs[1] not in rounded:
+                rounded.add(f.inputs[1])
+    _round_weights(model, rounded)
     seconds = sum(c.compile_seconds for c in compiled)
     hits = sum(c.cache_hits for c in compiled)
     built = sum(c.compiled for c in compiled)

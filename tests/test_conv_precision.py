@@ -18,7 +18,6 @@ tests/test_conv_codegen.py, whose helpers it reuses."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -165,8 +164,12 @@ def _run_all(workdir: Path) -> None:
     for i, (key, case, kind) in enumerate(CASES):
         spec, v = _case_spec(i, case)
         ks = generate_conv(spec, v)
-        results[key] = _launch_conv(_load_kernel(workdir, ks.source, spec.name), ks, v, case,
-                                    *_case_inputs(i, case, kind), [])
+        x, wt, b = _case_inputs(i, case, kind)
+        # the weights as the compile step packs them for a "tf32" kernel: rounded
+        # (onnxfuse.kernels.compile_fused); the kernel rounds the activations
+        assert codegen_conv.prerounds_weights(spec)
+        results[key] = _launch_conv(_load_kernel(workdir, ks.source, spec.name), ks, v, case, x,
+                                    codegen_conv.round_array_to_tf32(wt), b, [])
     np.savez(workdir / "out.npz", **results)
 
 
@@ -184,6 +187,13 @@ def interpreted() -> dict[str, np.ndarray]:
 def test_generated_helper_is_bit_exact(interpreted):
     x = _helper_inputs()
     np.testing.assert_array_equal(interpreted["helper"].view(np.uint32), round_to_tf32(x).view(np.uint32))
+
+
+def test_weight_rounding_is_the_helpers():
+    """The compile step's numpy rounding of weights equals the reference bit for bit."""
+    x = _helper_inputs()
+    np.testing.assert_array_equal(codegen_conv.round_array_to_tf32(x).view(np.uint32),
+                                  round_to_tf32(x).view(np.uint32))
 
 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c[0] for c in CASES])
@@ -227,17 +237,19 @@ def _spec(precision: str = "tf32", dtype: str = "f32", group: int = 1, **kw) -> 
 @pytest.mark.parametrize("variant", [ConvVariant(0, 32, 16, 16), ConvVariant(0, 32, 16, 16, flat=True),
                                      ConvVariant(0, 32, 16, 16, split=3)], ids=["tap", "flat", "split"])
 @pytest.mark.parametrize("layouts", [("nchw", "nchw", "rsck"), ("nhwc", "nhwc", "krsc")], ids=["nchw", "nhwc"])
-def test_tf32_sources_round_both_operands_before_every_dot(variant, layouts):
+def test_tf32_sources_round_the_activations_before_every_dot(variant, layouts):
     x, y, w = layouts
-    src = generate_conv(_spec(x_layout=x, y_layout=y, w_layout=w), variant).source
+    spec = _spec(x_layout=x, y_layout=y, w_layout=w)
+    src = generate_conv(spec, variant).source
     lines = src.splitlines()
     assert src.count("def round_to_tf32(x):") == 1
     dots = [i for i, ln in enumerate(lines) if "= tl.dot(" in ln]
     assert len(dots) == 1
     for at in dots:
         assert lines[at].strip() == 'acc = tl.dot(a, b, acc, input_precision="tf32")'
-        assert [ln.strip() for ln in lines[at - 2:at]] == ["a = round_to_tf32(a)", "b = round_to_tf32(b)"]
-    assert "dot precision tf32 (operands rounded to nearest)" in src
+        assert lines[at - 1].strip() == "a = round_to_tf32(a)" and "b = round_to_tf32" not in src
+    assert "dot precision tf32 (activations rounded to nearest here, weights when packed)" in src
+    assert codegen_conv.prerounds_weights(spec)
 
 
 @pytest.mark.parametrize("spec", [_spec("tf32x3"), _spec("ieee"), _spec("tf32", "f16"), _spec(group=4),
@@ -250,21 +262,48 @@ def test_other_convs_do_not_round(spec):
         assert "tl.dot" not in src and "acc += a * b[None, :]" in src
 
 
-def test_the_private_switch_gives_the_truncating_kernel(monkeypatch):
-    """benchmarks/conv_precision.py measures the old kernels through _ROUND_TF32."""
+@pytest.mark.parametrize("mode", ["", "ab"])
+def test_the_private_switch_gives_the_benchmarks_kernels(monkeypatch, mode):
+    """benchmarks/conv_precision.py measures, through _ROUND_TF32, the truncating kernel ("")
+    and the one rounding both operands ("ab") beside the shipped one ("a")."""
     spec, v = _spec(), ConvVariant(0, 32, 16, 16)
-    rounding = generate_conv(spec, v).source
-    monkeypatch.setattr(codegen_conv, "_ROUND_TF32", False)
-    truncating = generate_conv(spec, v).source
-    assert "round_to_tf32" not in truncating and "(operands truncated)" in truncating
-    assert 'input_precision="tf32"' in truncating
-    drop = {"# To the nearest TF32 value, as cuDNN does (tl.dot's tf32 would truncate).", "a = round_to_tf32(a)",
-            "b = round_to_tf32(b)"}
-    body = [ln for ln in rounding.split("@triton.jit")[-1].splitlines() if ln.strip() not in drop]
-    assert body == truncating.split("@triton.jit")[-1].splitlines()
-    ieee = dataclasses.replace(spec, precision="ieee")
-    monkeypatch.setattr(codegen_conv, "_ROUND_TF32", True)
-    assert generate_conv(ieee, v).source.replace("ieee", "tf32") == truncating.replace(" (operands truncated)", "")
+    shipped = generate_conv(spec, v).source
+    monkeypatch.setattr(codegen_conv, "_ROUND_TF32", mode)
+    other = generate_conv(spec, v).source
+    assert codegen_conv.prerounds_weights(spec) is False
+    assert 'input_precision="tf32"' in other
+    kernel = [ln.strip() for ln in other.split("@triton.jit")[-1].splitlines()]
+    if mode == "":
+        assert "round_to_tf32" not in other and "(operands truncated)" in other
+    else:
+        assert kernel[kernel.index("a = round_to_tf32(a)") + 1] == "b = round_to_tf32(b)"
+        assert "(operands rounded to nearest)" in other
+    drop = {ln for ln in kernel if "round_to_tf32" in ln or ln.startswith("# To the nearest TF32")}
+    strip = [ln for ln in kernel if ln not in drop]
+    assert strip == [ln.strip() for ln in shipped.split("@triton.jit")[-1].splitlines()
+                     if "round_to_tf32" not in ln and not ln.strip().startswith("# To the nearest TF32")]
+
+
+def test_compile_rounds_the_weights_of_tf32_kernels_only(tmp_path, monkeypatch):
+    """compile_fused rounds the packed weights of "tf32" fp32 convs (their kernels read them
+    rounded), and with no other precision."""
+    from onnx import numpy_helper
+
+    from models.build import conv_relu_maxpool
+    from onnxfuse import optimize_model
+    from onnxfuse.kernels import compile_fused
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    m = conv_relu_maxpool(channels=8, size=16)
+    for precision, rounded in (("tf32", True), ("ieee", False)):
+        r = optimize_model(m)
+        (f,) = r.fused
+        before = numpy_helper.to_array(next(t for t in r.model.graph.initializer if t.name == f.inputs[1]))
+        compile_fused(r.model, r.fused, [90], conv_precision=precision)
+        after = numpy_helper.to_array(next(t for t in r.model.graph.initializer if t.name == f.inputs[1]))
+        want = codegen_conv.round_array_to_tf32(before) if rounded else before
+        np.testing.assert_array_equal(after.view(np.uint32), want.view(np.uint32))
+        assert rounded == (not np.array_equal(after, before))
 
 
 if __name__ == "__main__":
