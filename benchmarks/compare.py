@@ -356,7 +356,7 @@ def _torch_variant(module, feeds, cuda: bool, compile_mode: str | None, warmup: 
 
 
 def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], warmup: int, iters: int,
-             log=print, tune: bool = True) -> CaseResult:
+             log=print, tune: bool = True, tune_budget: float | None = None) -> CaseResult:
     """One case: the original, `onnxfuse optimize` of it as the command line runs it on a GPU
     (channels-last, tuned at the case's shapes unless `tune` is off), every variant timed on
     the same inputs, errors against the fp32 reference and the gate."""
@@ -386,7 +386,9 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         from onnxfuse.kernels import compile_hook
         from onnxfuse.tune import TuneSettings
 
-        settings = TuneSettings(shapes=dict(shapes)) if tune else None
+        settings = None
+        if tune:
+            settings = TuneSettings(shapes=dict(shapes), **({"budget_s": tune_budget} if tune_budget else {}))
         report = optimize(orig, fused, compile_hook=compile_hook("auto", tune=settings, layout="nhwc"))
         res.compile = (report.compile or {}).get("summary", "")
         res.tune = (report.compile or {}).get("tune")
@@ -578,7 +580,7 @@ def _gate_cells(c: dict) -> list[str]:
     has_ref = "ort_max_abs_err" in c and not c.get("reference_error")
     ort_err = _err_cell(c.get("ort_max_abs_err"), has_ref and "ort" in ok)
     errs = [r.get("max_abs_err") for r in fz.values()]
-    fz_err = _err_cell(max(errs, key=lambda e: np.inf if e is None else e), has_ref and bool(errs))
+    fz_err = _err_cell(max(errs, key=lambda e: np.inf if e is None else e) if errs else None, has_ref and bool(errs))
     failed = [LABELS[v] for v, r in fz.items() if r.get("gate_passed") is False]
     gate = c.get("gate_passed")
     gate_s = "pass" if gate else ("**FAIL**: " + ", ".join(failed) if gate is False else "not gated" if fz else "")
@@ -612,6 +614,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default=",".join(map(str, suite.BATCHES)), help="--suite: batch sizes (default 1,16)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="--suite: fp32,fp16 (default both)")
     ap.add_argument("--no-tune", action="store_true", help="optimize without tuning (the heuristics alone)")
+    ap.add_argument("--tune-budget", type=float, default=None, metavar="SECONDS",
+                    help="per-node timing budget of optimize's tuning (default: optimize's own, 60 s)")
     ap.add_argument("--model-cache", type=Path, metavar="DIR",
                     help="--suite: keep built models in DIR (fp32 exports, fp16 conversions) and load them from there")
     ap.add_argument("--prepare", action="store_true",
@@ -681,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "compare", "date": datetime.date.today().isoformat(), "device": device_name(args.dry_run),
         "dry_run": args.dry_run, "versions": versions(),
         "settings": {"warmup": warmup, "iters": iters, "variants": list(variants), "tune": not args.no_tune,
+                     "tune_budget_s": args.tune_budget,
                      "suite": args.suite},
         "reference": "ort_fp32: the original in ONNX Runtime with TF32 off, run once untimed"
                      + (" (dry run: ONNX Runtime CPU)" if args.dry_run else ""),
@@ -694,7 +699,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         for case in picked:
             print(f"{case.name} ({case.kind})", flush=True)
-            res = run_case(case, workdir, args.dry_run, variants, warmup, iters, tune=not args.no_tune)
+            res = run_case(case, workdir, args.dry_run, variants, warmup, iters, tune=not args.no_tune,
+                           tune_budget=args.tune_budget)
             if res.skipped:
                 print(f"  skipped: {res.skipped}")
             result["cases"].append(ob._finite(dataclasses.asdict(res)))

@@ -91,18 +91,22 @@ case "${1:-tests}" in
   suite-prep)
     # the accuracy-and-speed issue, parts of one session. Before onnxruntime-gpu is installed
     # (torch, triton and onnx only): export the CNN suite and convert it to fp16 (model cache
-    # /tmp/suite-models), compile every model's kernels (kernel cache). [suite entries]
+    # /tmp/suite-models), compile every model's kernels (kernel cache).
+    #   suite-prep LIMIT [compare.py arguments: --models ..., --dtypes ...]
+    limit=${2:-400}; shift 2
     mkdir -p /tmp/pre && cp models/build/pretrained/*.onnx /tmp/pre/ 2>/dev/null
-    ONNXFUSE_MODELS=/tmp/pre timeout "${3:-400}" python3 benchmarks/compare.py --suite --prepare \
-      --model-cache /tmp/suite-models ${2:+--models "$2"} 2>&1 | grep -v "W:onnxruntime" | tee -a "$OUT/suite_prep.log"
+    ONNXFUSE_MODELS=/tmp/pre timeout "$limit" python3 benchmarks/compare.py --suite --prepare \
+      --model-cache /tmp/suite-models "$@" 2>&1 | grep -v "W:onnxruntime" | tee -a "$OUT/suite_prep.log"
     ;;
   suite)
-    # the suite timed: every model at batch 1 and 16, fp32 and fp16, ORT / ORT + graph / onnxfuse
-    # (tuned at the case's shapes) / onnxfuse + graph, both errors and the gate. [entries] [tag] [limit]
+    # the suite timed: ORT / ORT + graph / onnxfuse (tuned at the case's shapes) / onnxfuse +
+    # graph, both errors and the gate; JSON after every case.
+    #   suite TAG LIMIT [compare.py arguments: --models ..., --batches ..., --dtypes ..., --tune-budget S]
+    tag=${2:-a}; limit=${3:-580}; shift 3
     mkdir -p /tmp/pre && cp models/build/pretrained/*.onnx /tmp/pre/ 2>/dev/null
-    ONNXFUSE_MODELS=/tmp/pre timeout "${4:-580}" python3 benchmarks/compare.py --suite --model-cache /tmp/suite-models \
-      ${2:+--models "$2"} --iters 30 --warmup 5 --json "$OUT/suite_${3:-a}.json" 2>&1 \
-      | grep -v "W:onnxruntime" | tee "$OUT/suite_${3:-a}.log" | grep -E "^\S|gate|error|Error|warning" | tail -60
+    ONNXFUSE_MODELS=/tmp/pre timeout "$limit" python3 benchmarks/compare.py --suite --model-cache /tmp/suite-models \
+      --iters 30 --warmup 5 --json "$OUT/suite_$tag.json" "$@" 2>&1 \
+      | grep -v "W:onnxruntime" | tee "$OUT/suite_$tag.log" | grep -E "^\S|gate|error|Error|warning" | tail -60
     ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)
