@@ -181,15 +181,20 @@ def tensor_infos(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: dic
     inits = {t.name for t in model.graph.initializer}
     missing = sorted(n for n in needed if n not in inits and not (n in infos and _static(infos[n])))
     if missing:
-        for name, a in run_for_values(m, feeds, missing, provider).items():
+        # element types where anything knows them: ONNX Runtime cannot infer the type of a
+        # custom op's output that is made a graph output without one
+        types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.output]}
+        types.update({k: v.type.tensor_type.elem_type for k, v in infos.items()})
+        for name, a in run_for_values(m, feeds, missing, provider, types).items():
             infos[name] = helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
     return infos
 
 
-def run_for_values(model: ModelProto, feeds: dict[str, np.ndarray], names: list[str],
-                   provider: str) -> dict[str, np.ndarray]:
+def run_for_values(model: ModelProto, feeds: dict[str, np.ndarray], names: list[str], provider: str,
+                   types: dict[str, int] | None = None) -> dict[str, np.ndarray]:
     """The values of tensors `names` when `model` runs on `feeds` (they become extra graph
-    outputs of a copy; the onnxfuse library is registered)."""
+    outputs of a copy, typed by `types` where it knows them; the onnxfuse library is
+    registered)."""
     import onnxruntime as ort
 
     from onnxfuse import runtime
@@ -197,7 +202,9 @@ def run_for_values(model: ModelProto, feeds: dict[str, np.ndarray], names: list[
     m = ModelProto()
     m.CopyFrom(model)
     outputs = {o.name for o in m.graph.output}
-    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in outputs)
+    types = types or {}
+    m.graph.output.extend(helper.make_tensor_value_info(n, types[n], None) if types.get(n) else
+                          onnx.ValueInfoProto(name=n) for n in names if n not in outputs)
     so = ort.SessionOptions()
     so.log_severity_level = 3
     runtime.session_options(so)

@@ -270,16 +270,20 @@ def test_real_timings_are_cached(tmp_path, monkeypatch):
 
 
 def test_shapes_inference_cannot_give_are_learned_by_running():
-    """A Reshape to a shape that arrives as an input: the chain after it has no inferred
-    shape; one run of the model gives it."""
-    m = model([N("Reshape", ["x", "s"], ["r"]), N("Sigmoid", ["r"], ["a"]), N("Tanh", ["a"], ["y"])],
+    """A Reshape to a shape that arrives as an input: the chain after it, and its output that
+    a Softmax reads, have no inferred shape; one run of the model gives them (the fused
+    node's output typed, as ONNX Runtime cannot infer a custom op's output type)."""
+    m = model([N("Reshape", ["x", "s"], ["r"]), N("Sigmoid", ["r"], ["a"]), N("Tanh", ["a"], ["t"]),
+               N("Softmax", ["t"], ["y"])],
               {"x": ("float32", [4, 6]), "s": ("int64", [2])}, {"y": ("float32", ["a", "b"])})
     r = optimize_model(m)
     (f,) = r.fused
+    assert f.outputs == ("t",)
     dims = {"x": (4, 6), "s": (2,)}
     feeds = {"x": np.ones((4, 6), np.float32), "s": np.array([3, 8], np.int64)}
     infos = tuning.tensor_infos(r.model, dims, feeds, {*f.inputs, *f.outputs}, "cpu")
-    assert [d.dim_value for d in infos["r"].type.tensor_type.shape.dim] == [3, 8]
+    for name in ("r", "t"):
+        assert [d.dim_value for d in infos[name].type.tensor_type.shape.dim] == [3, 8]
     node = next(n for n in r.model.graph.node if n.domain == "onnxfuse")
     mini = tuning.fused_model(r.model, node, infos)
     assert [i.name for i in mini.graph.input] == ["i0"] and mini.graph.node[0].name == "n"
