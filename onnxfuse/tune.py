@@ -238,10 +238,7 @@ def fused_model(model: ModelProto, node: onnx.NodeProto, infos: dict) -> ModelPr
     for name in dict.fromkeys(x for x in node.input if x):
         new = rename[name] = f"i{len(rename)}"
         if name in inits:
-            t = onnx.TensorProto()
-            t.CopyFrom(inits[name])
-            t.name = new
-            consts.append(t)
+            consts.append(_renamed_tensor(inits[name], new))
         else:
             inputs.append(_renamed(_info(infos, name, node), new))
     outputs = []
@@ -297,10 +294,7 @@ def original_model(model: ModelProto, node: onnx.NodeProto, infos: dict) -> Mode
         if not name or formal not in used:
             continue
         if name in inits:
-            t = onnx.TensorProto()
-            t.CopyFrom(inits[name])
-            t.name = formal
-            consts.append(t)
+            consts.append(_renamed_tensor(inits[name], formal))
         else:
             vi = _renamed(_info(infos, name, node), formal)
             if formal in nchw:
@@ -332,6 +326,13 @@ def _renamed(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
     out.CopyFrom(vi)
     out.name = name
     out.doc_string = ""
+    return out
+
+
+def _renamed_tensor(t: onnx.TensorProto, name: str) -> onnx.TensorProto:
+    out = onnx.TensorProto()
+    out.CopyFrom(t)
+    out.name = name
     return out
 
 

@@ -143,9 +143,10 @@ def test_conv_precision_runs_every_kernel_kind_on_the_gpu_shapes():
 
 def test_conv_precision_dry_run(tmp_path):
     """The benchmark's whole path on the CPU for the plain, flat, split-K and depthwise
-    layers. The interpreter's tl.dot is exact fp32: only the rounded tf32 kernels show
-    TF32's error (and no bias); truncated tf32, tf32x3, ieee, the direct loop and torch's
-    CPU conv agree with float64 to fp32 accuracy."""
+    layers. The interpreter's tl.dot is exact fp32: only the rounding tf32 kernels (tf32,
+    weights rounded beforehand; tf32-ab, both in the kernel) show TF32's error (and no bias);
+    truncated tf32, tf32x3, ieee, the direct loop and torch's CPU conv agree with float64 to
+    fp32 accuracy."""
     out = tmp_path / "conv_precision.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "conv_precision.py"), "--dry-run",
@@ -162,7 +163,7 @@ def test_conv_precision_dry_run(tmp_path):
     for r in rows:
         assert r["ms"] > 0 and set(r["errors"]) == {"relu", "signed", "positive"}
         worst = max(e["max"] for e in r["errors"].values())
-        if r["precision"] == "tf32":
+        if r["precision"] in ("tf32", "tf32-ab"):
             # TF32's rounding error (2^-11 per operand), not truncation's bias
             assert 1e-5 < worst < 2e-3, r
             assert abs(r["errors"]["positive"]["bias"]) < 1e-4, r
@@ -170,5 +171,5 @@ def test_conv_precision_dry_run(tmp_path):
             assert worst < 2e-6, r
     by_kernel = {(r["layer"], r["layout"], r["kernel"]) for r in rows if r["kernel"] != "cudnn"}
     for key in by_kernel:  # every precision per tensor-core kernel, one row per direct one
-        want = {"fp32"} if key[2] == "direct" else {"tf32", "tf32-trunc", "tf32x3", "ieee"}
+        want = {"fp32"} if key[2] == "direct" else {"tf32", "tf32-ab", "tf32-trunc", "tf32x3", "ieee"}
         assert {r["precision"] for r in rows if (r["layer"], r["layout"], r["kernel"]) == key} == want

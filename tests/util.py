@@ -135,3 +135,13 @@ def check_fusion(m: onnx.ModelProto, expect_fused: int | None = None, feeds: dic
 
 def op_types(m: onnx.ModelProto) -> list[str]:
     return [n.op_type for n in m.graph.node]
+
+
+def one_line_error(r) -> str:
+    """A finished CLI subprocess that failed on bad input: exit 2, one line on stderr, no
+    traceback; returns that stderr."""
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("onnxfuse: error: ")
+    return r.stderr
