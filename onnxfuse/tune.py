@@ -673,9 +673,8 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
     decisions = []
     if not result.fused:
         return decisions
-    needed = {x for f in result.fused for x in (*f.inputs, *f.outputs) if x}
     nodes = {n.name: n for n in result.model.graph.node}
-    needed |= {x for f in result.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
+    needed = {x for f in result.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
     infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
     for f in result.fused:
         d = NodeDecision(f.node_name, f.kind)
