@@ -87,7 +87,7 @@ def _round_weights(model, names: set[str]) -> None:
     rounded (`onnxfuse.codegen_conv.prerounds_weights`). The node's function body reads them
     too: under ONNX Runtime's CUDA defaults (TF32) its Conv rounds them anyway, so nothing
     changes there; elsewhere it computes with weights 2**-11 (relative) from the original's
-    at most (README, "What is exact")."""
+    at most (README, "Reliability")."""
     from onnx import numpy_helper
 
     from onnxfuse.codegen_conv import round_array_to_tf32
