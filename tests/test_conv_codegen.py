@@ -267,15 +267,11 @@ def _broadcast_strides(shape: tuple[int, ...], full: tuple[int, ...]) -> list[in
 
 
 def _load_kernel(workdir: Path, source: str, name: str):
-    """The jit function `name` of a generated module, written under workdir and imported."""
-    import importlib.util
+    """The jit function `name` of a generated module, written under workdir and imported
+    (as benchmarks/conv_kernels.py loads its kernels)."""
+    from benchmarks.conv_kernels import _load
 
-    path = workdir / f"{name}.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return getattr(mod, name)
+    return _load(source, name, workdir)
 
 
 def _launch_conv(fn, ks, v: ConvVariant, case: ConvCase, x, wt, b, extras) -> np.ndarray:
