@@ -215,6 +215,12 @@ class ConvSpec:
     # Packed weight layout: "rsck" ([R, S, C, K], filters contiguous) or "krsc" ([K, R, S, C],
     # channels contiguous: the B tile is K-major, which sm_90's TF32 wgmma needs).
     w_layout: str = "rsck"
+    # TF32 rounding at the producer (`onnxfuse.rounding`), float32 "tf32" convs only:
+    # x_rounded: X holds TF32 values already (every tensor it is made of was stored rounded),
+    # so the kernel feeds it to tl.dot as loaded, on the asynchronous-copy path; round_y: the
+    # kernel stores Y rounded to TF32, because every reader of Y would round it anyway.
+    x_rounded: bool = False
+    round_y: bool = False
 
     @property
     def dtype(self) -> str:
@@ -468,10 +474,25 @@ def _store_cast(val: str, dt: str) -> str:
 
 
 def rounds_to_tf32(spec: ConvSpec) -> bool:
-    """Whether the kernel of `spec` rounds dot operands to TF32 (`ROUND_TO_TF32`): float32
-    tensor-core convs (group 1) at precision "tf32". Grouped convs multiply in fp32 on CUDA
-    cores; tf32x3 and ieee are as precise as fp32; fp16 operands are exact already."""
+    """Whether the dot operands of `spec` are rounded to TF32 (`ROUND_TO_TF32`) before the
+    tensor cores see them: float32 tensor-core convs (group 1) at precision "tf32". Grouped
+    convs multiply in fp32 on CUDA cores; tf32x3 and ieee are as precise as fp32; fp16
+    operands are exact already. Where the activations are rounded (in this kernel, or by
+    their producers: `x_rounded`) is `rounds_activations`."""
     return bool(_ROUND_TF32) and spec.dtype == "f32" and spec.precision == "tf32" and spec.conv.group == 1
+
+
+def rounds_activations(spec: ConvSpec) -> bool:
+    """Whether the kernel itself rounds its A (activation) tiles before the dot: it rounds
+    to TF32 and its X was not stored rounded by its producers (`ConvSpec.x_rounded`)."""
+    return rounds_to_tf32(spec) and not (spec.x_rounded and _ROUND_TF32 == "a")
+
+
+def stores_rounded(spec: ConvSpec) -> bool:
+    """Whether the kernel rounds Y to TF32 when it stores it (`ConvSpec.round_y`): float32
+    convs at precision "tf32" whose readers all round their activations."""
+    return (spec.round_y and bool(_ROUND_TF32) and spec.dtype == "f32" and spec.precision == "tf32"
+            and spec.program.outputs[0][1] == "f32")
 
 
 def prerounds_weights(spec: ConvSpec) -> bool:
@@ -491,11 +512,13 @@ def round_array_to_tf32(a: np.ndarray) -> np.ndarray:
 
 def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constexprs: list[str]) -> str:
     c, k, pool = spec.channels, spec.filters, spec.pool
-    rounds = rounds_to_tf32(spec)
+    rounds = rounds_activations(spec)
     precision = "fp16" if spec.dtype == "f16" else spec.precision
-    if spec.dtype == "f32" and spec.precision == "tf32":
-        precision += (" (operands truncated)" if not rounds else " (operands rounded to nearest)"
-                      if _ROUND_TF32 == "ab" else " (activations rounded to nearest here, weights when packed)")
+    if spec.dtype == "f32" and spec.precision == "tf32" and spec.conv.group == 1:
+        precision += (" (operands truncated)" if not rounds_to_tf32(spec) else " (operands rounded to nearest)"
+                      if _ROUND_TF32 == "ab" else " (activations rounded to nearest here, weights when packed)"
+                      if rounds else " (activations stored rounded to nearest by their producers, weights "
+                      "when packed)")
     what = (f"Conv {c}->{k} {spec.conv.kernel[0]}x{spec.conv.kernel[1]} stride {spec.conv.strides} "
             f"pads {spec.conv.pads} dilations {spec.conv.dilations}, {spec.dtype}, dot precision "
             f"{precision}"
@@ -505,8 +528,10 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
             + ("; weights [K, R, S, C]" if spec.w_layout == "krsc" else "")
             + ("; one flat reduction over (tap, channel)" if variant.flat else "")
             + (f"; group {spec.conv.group}" + (" (depthwise)" if spec.channels == spec.conv.group else "")
-               + ", direct loop on CUDA cores" if spec.conv.group != 1 else ""))
-    lines = _header(spec.name, what, spec.program, spec.source_nodes, ROUND_TO_TF32 if rounds else [])
+               + ", direct loop on CUDA cores" if spec.conv.group != 1 else "")
+            + ("; Y stored rounded to TF32 (its readers would round it)" if stores_rounded(spec) else ""))
+    helper = rounds or stores_rounded(spec)
+    lines = _header(spec.name, what, spec.program, spec.source_nodes, ROUND_TO_TF32 if helper else [])
     lines += _signature(spec.name, names, constexprs)
     body = ["pid_m = tl.program_id(axis=0)", "pid_n = tl.program_id(axis=1)"]
     split = variant.split_k
@@ -556,6 +581,10 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     body += _extra_loads(spec.program, ("n[:, None]", "offs_n[None, :]", "p[:, None]", "q[:, None]"), "mask", "nkpq")
     body += _program_lines(spec.program)
     val, dt = _out_value(spec.program)
+    if stores_rounded(spec):
+        body += ["# Y rounded to TF32 as the convs that read it would round it: they skip that step.",
+                 f"y_rounded = round_to_tf32({val})"]
+        val = "y_rounded"
     if pool is None:
         body += [("y_offs = n[:, None] * (K * P * Q) + offs_n[None, :] * (P * Q) + (p * Q + q)[:, None]"
                   if spec.y_layout == "nchw" else

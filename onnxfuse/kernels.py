@@ -82,6 +82,31 @@ def _compile(result, targets: list[int], jobs: int | None, conv_precision: str, 
     return info
 
 
+def _plan_rounding(model, fused: list, specs: list, caller: list, conv_precision: str, weight_dims: dict):
+    """TF32 rounding at the producer (`onnxfuse.rounding`): the fused convs whose readers all
+    round their activations store Y rounded, and those that read only such tensors skip their
+    own rounding. Renames their kernels; the FusedNode values in `caller` follow."""
+    from onnxfuse import rounding
+    from onnxfuse.codegen_conv import ConvSpec
+
+    convs = [(f, s) for f, s in zip(fused, specs, strict=True) if isinstance(s, ConvSpec)]
+    # the shipped kernels (weights rounded when packed, activations in the kernel); the
+    # benchmarks' other modes of codegen_conv._ROUND_TF32 keep their kernels as they are
+    rounds = {f.node_name for f, s in convs if prerounds_weights(s)}
+    may_store = {f.node_name for f, s in convs if s.dtype == "f32" and s.precision == "tf32"
+                 and s.program.outputs[0][1] == "f32"}
+    if not rounds:
+        return fused, specs
+    new = rounding.apply(model, fused, rounding.plan(model, rounds, may_store))
+    changed = {f.node_name: f for f, g in zip(new, fused, strict=True) if f is not g}
+    if not changed:
+        return fused, specs
+    caller[:] = [changed.get(f.node_name, f) for f in caller]
+    specs = [kernel_spec(model, f, conv_precision, weight_dims) if f.node_name in changed else s
+             for f, s in zip(new, specs, strict=True)]
+    return new, specs
+
+
 def _round_weights(model, names: set[str]) -> None:
     """Round the packed conv weights `names` to TF32 in place: the "tf32" kernels read them
     rounded (`onnxfuse.codegen_conv.prerounds_weights`). The node's function body reads them
@@ -124,7 +149,8 @@ def kernel_spec(model, f, conv_precision: str = "tf32", weight_dims: dict | None
         return aot.ConvSpec(f.kernel_name, f.program, channels=int(c) * f.conv.group,
                             filters=int(k), conv=f.conv, pool=f.pool, precision=conv_precision,
                             source_nodes=f.source_nodes, x_layout=f.x_layout, y_layout=f.y_layout,
-                            extra_layouts=f.extra_layouts, w_layout=f.w_layout)
+                            extra_layouts=f.extra_layouts, w_layout=f.w_layout,
+                            x_rounded=f.x_rounded, round_y=f.round_y)
     if f.kind == "maxpool":
         return aot.MaxPoolSpec(f.kernel_name, f.program, pool=f.pool, source_nodes=f.source_nodes,
                                x_layout=f.x_layout, y_layout=f.y_layout)
@@ -181,6 +207,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
         caller[:] = [changed.get(f.node_name, f) for f in caller]
         weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}  # repacked weights
     specs = [kernel_spec(model, f, conv_precision, weight_dims) for f in fused]
+    fused, specs = _plan_rounding(model, fused, specs, caller, conv_precision, weight_dims)
     results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
     failed = []
     for f, ck in zip(fused, results, strict=True):

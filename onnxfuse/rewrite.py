@@ -49,6 +49,10 @@ class FusedNode:
     y_layout: str = "nchw"
     extra_layouts: tuple[int, ...] = ()
     w_layout: str = "rsck"  # packed weights [R, S, C/group, K], or [K, R, S, C/group] ("krsc")
+    # kind conv, float32 "tf32": X stored rounded to TF32 by its producers / Y stored rounded
+    # for its readers; set by onnxfuse.rounding
+    x_rounded: bool = False
+    round_y: bool = False
 
 
 def _ir_dtype(view: GraphView, name: str) -> str:

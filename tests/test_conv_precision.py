@@ -29,8 +29,8 @@ import pytest
 
 import onnxfuse.codegen_conv as codegen_conv
 from onnxfuse.codegen_conv import ROUND_TO_TF32, ConvSpec, ConvVariant, generate_conv
-from onnxfuse.layers import ConvAttrs
-from tests.test_conv_codegen import RELU, ConvCase, _launch_conv, _load_kernel, _program
+from onnxfuse.layers import ConvAttrs, PoolAttrs
+from tests.test_conv_codegen import RELU, SILU, ConvCase, _launch_conv, _load_kernel, _program
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
@@ -170,7 +170,63 @@ def _run_all(workdir: Path) -> None:
         assert codegen_conv.prerounds_weights(spec)
         results[key] = _launch_conv(_load_kernel(workdir, ks.source, spec.name), ks, v, case, x,
                                     codegen_conv.round_array_to_tf32(wt), b, [])
+    results.update(_run_chains(workdir))
     np.savez(workdir / "out.npz", **results)
+
+
+# TF32 rounding at the producer (onnxfuse.rounding): conv A feeds conv B. A with round_y
+# stores its output rounded; B with x_rounded skips rounding its activations. Per case: A's
+# layer (SiLU epilogue: signed outputs, NHWC; then the same with a 2x2 pool in the epilogue,
+# then split K) and B's (3x3 NHWC).
+CHAIN_A = [
+    ("plain", ConvCase("chain-a", 2, 16, (8, 9), 32, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), body=SILU,
+                       layouts=("nhwc", "nhwc"), w_layout="krsc")),
+    ("pool", ConvCase("chain-a-pool", 2, 16, (8, 10), 32, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)),
+                      PoolAttrs((2, 2), (2, 2)), body=SILU, layouts=("nhwc", "nhwc"), w_layout="krsc")),
+    ("split", ConvCase("chain-a-split", 1, 48, (5, 6), 32, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), body=SILU,
+                       layouts=("nhwc", "nhwc"), w_layout="krsc", split=3)),
+]
+
+
+def _chain_b(a: ConvCase) -> ConvCase:
+    return ConvCase("chain-b", a.n, a.k, (0, 0), 24, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), body=IDENTITY,
+                    layouts=("nhwc", "nhwc"), w_layout="krsc")
+
+
+def _chain_inputs(i: int, a: ConvCase):
+    rng = np.random.default_rng(4000 + i)
+    x = rng.standard_normal((a.n, a.c) + a.hw).astype(np.float32)
+    wa = rng.standard_normal((a.k, a.c, 3, 3)).astype(np.float32)
+    wb = rng.standard_normal((24, a.k, 3, 3)).astype(np.float32)
+    return x, wa, np.zeros(a.k, np.float32), wb, np.zeros(24, np.float32)
+
+
+def _run_chains(workdir: Path) -> dict[str, np.ndarray]:
+    """Per A case: A's output plain and stored rounded; B's output on each with and without
+    its own rounding."""
+    import dataclasses
+
+    out = {}
+    for i, (key, a) in enumerate(CHAIN_A):
+        x, wa, ba, wb, bb = _chain_inputs(i, a)
+        b = _chain_b(a)
+        for ry in (False, True):
+            spec, v = _case_spec(100 + i, a)
+            spec = dataclasses.replace(spec, name=f"k_chain_a{i}_{int(ry)}", program=_program(SILU, "f32", 0),
+                                       pool=a.pool, round_y=ry)
+            ks = generate_conv(spec, v)
+            ya = _launch_conv(_load_kernel(workdir, ks.source, spec.name), ks, v, a, x,
+                              codegen_conv.round_array_to_tf32(wa), ba, [])
+            out[f"{key}-a-{int(ry)}"] = ya
+            b = dataclasses.replace(b, hw=ya.shape[2:])
+            for rx in (False, True):
+                spec_b, vb = _case_spec(200 + i, b)
+                spec_b = dataclasses.replace(spec_b, name=f"k_chain_b{i}_{int(ry)}{int(rx)}", x_rounded=rx)
+                ks = generate_conv(spec_b, vb)
+                out[f"{key}-b-{int(ry)}{int(rx)}"] = _launch_conv(
+                    _load_kernel(workdir, ks.source, spec_b.name), ks, vb, b, ya,
+                    codegen_conv.round_array_to_tf32(wb), bb, [])
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -224,6 +280,21 @@ def test_tf32_kernel_is_the_conv_of_rounded_operands(interpreted, index):
         assert abs(bias_rounded) < abs(bias_truncated) / 10, (bias_rounded, bias_truncated)
 
 
+@pytest.mark.parametrize("key", [k for k, _ in CHAIN_A])
+def test_rounding_at_the_producer_gives_the_same_bits(interpreted, key):
+    """A conv that stores its output rounded (round_y) stores exactly the rounded values, and
+    the conv that reads them without rounding (x_rounded) gives bit for bit what it gives
+    rounding them itself. Reading unrounded values without rounding differs (the interpreter's
+    dot is fp32): the flags matter, and the test would see a wrong pairing."""
+    plain, stored = interpreted[f"{key}-a-0"], interpreted[f"{key}-a-1"]
+    np.testing.assert_array_equal(stored.view(np.uint32), round_to_tf32(plain).view(np.uint32))
+    assert not np.array_equal(stored, plain)
+    reference = interpreted[f"{key}-b-00"]  # A as computed, B rounds: the kernels without the plan
+    np.testing.assert_array_equal(interpreted[f"{key}-b-11"].view(np.uint32), reference.view(np.uint32))
+    np.testing.assert_array_equal(interpreted[f"{key}-b-10"].view(np.uint32), reference.view(np.uint32))
+    assert not np.array_equal(interpreted[f"{key}-b-01"], reference)
+
+
 # ---------------------------------------------------------------------------------------
 # which sources round
 # ---------------------------------------------------------------------------------------
@@ -250,6 +321,24 @@ def test_tf32_sources_round_the_activations_before_every_dot(variant, layouts):
         assert lines[at - 1].strip() == "a = round_to_tf32(a)" and "b = round_to_tf32" not in src
     assert "dot precision tf32 (activations rounded to nearest here, weights when packed)" in src
     assert codegen_conv.prerounds_weights(spec)
+
+
+@pytest.mark.parametrize("variant", [ConvVariant(0, 32, 16, 16), ConvVariant(0, 32, 16, 16, split=3)],
+                         ids=["tap", "split"])
+def test_producer_rounding_flags_in_the_source(variant):
+    """x_rounded: no rounding before the dot (the operands go to tl.dot as loaded); round_y:
+    the value stored is round_to_tf32 of the program's output, in either case."""
+    both = generate_conv(_spec(x_rounded=True, round_y=True), variant).source
+    assert "a = round_to_tf32(a)" not in both and "y_rounded = round_to_tf32(tmp1)" in both
+    assert "tl.store(y_ptr + y_offs, y_rounded, mask=mask)" in both
+    assert "(activations stored rounded to nearest by their producers, weights when packed)" in both
+    only_x = generate_conv(_spec(x_rounded=True), variant).source
+    assert "round_to_tf32" not in only_x
+    only_y = generate_conv(_spec(round_y=True), variant).source
+    assert "a = round_to_tf32(a)" in only_y and "y_rounded = round_to_tf32(tmp1)" in only_y
+    # exact precisions and fp16 convs have nothing to round for their readers
+    for spec in (_spec("ieee", round_y=True, x_rounded=True), _spec("tf32", "f16", round_y=True)):
+        assert "round_to_tf32" not in generate_conv(spec, variant).source
 
 
 @pytest.mark.parametrize("spec", [_spec("tf32x3"), _spec("ieee"), _spec("tf32", "f16"), _spec(group=4),
@@ -309,4 +398,7 @@ def test_compile_rounds_the_weights_of_tf32_kernels_only(tmp_path, monkeypatch):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--interpret"]:
         assert os.environ.get("TRITON_INTERPRET") == "1"
+        from tests.test_codegen import _install_libdevice_shims
+
+        _install_libdevice_shims()  # the interpreter has no libdevice (SiLU's sigmoid uses exp)
         _run_all(Path(sys.argv[2]))

@@ -1,0 +1,175 @@
+"""TF32 rounding at the producer (onnxfuse/rounding.py): which fused convs store their output
+rounded (round_y, kernel suffix _ry) and which skip rounding their activations (x_rounded,
+_rx). The kernels' numerics under both flags (bit-identical to rounding in every reader) are
+tests/test_conv_precision.py's; here: the plan on YOLO-like graphs, the function copies, and
+that the optimized model still computes the original. Kernels are compiled for sm_90 (no GPU
+needed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import helper, numpy_helper
+
+from onnxfuse import optimize_model
+from onnxfuse.kernels import compile_hook
+from onnxfuse.rounding import plan
+from tests.test_layout import c2f, image_model, residual, run, sppf
+from tests.util import random_feeds
+
+pytest.importorskip("triton")
+N = helper.make_node
+
+
+def optimized(m: onnx.ModelProto, tmp_path, monkeypatch, precision: str = "tf32", layout: str = "nhwc"):
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    r = optimize_model(m)
+    info = compile_hook("sm_90", layout=layout, conv_precision=precision)(r)
+    assert not info["failed"] and not info["declined"]
+    onnx.checker.check_model(r.model, full_check=True)
+    return r
+
+
+def check_same(m: onnx.ModelProto, fused: onnx.ModelProto, library: bool) -> None:
+    """The optimized model computes the original through its function bodies or the
+    library's CPU kernels (which compute in fp32 and ignore the flags), with the weights
+    the compile step rounded to TF32: 2**-11 relative per weight at most."""
+    feeds = random_feeds(m, {"N": 2}, seed=5)
+    for e, a in zip(run(m, feeds, False), run(fused, feeds, library), strict=True):
+        assert e.shape == a.shape
+        np.testing.assert_allclose(a, e, rtol=0, atol=2e-3 * float(np.abs(e).max()))
+
+
+def flags(r) -> dict[str, tuple[bool, bool]]:
+    """Per FusedConv node (by its first source node's name): (x_rounded, round_y), as the
+    FusedNode values and the kernel names say; the two must agree."""
+    out = {}
+    nodes = {n.name: n for n in r.model.graph.node}
+    for f in r.fused:
+        if f.kind != "conv":
+            continue
+        name = f.source_nodes[0].split()[-1]
+        out[name] = (f.x_rounded, f.round_y)
+        overload = nodes[f.node_name].overload
+        assert overload == f.kernel_name
+        assert overload.endswith("_rx_ry" if f.x_rounded and f.round_y else "_rx" if f.x_rounded
+                                 else "_ry" if f.round_y else "_krsc") or not f.x_rounded and not f.round_y
+    return out
+
+
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+def test_c2f_rounds_where_only_convs_read(tmp_path, monkeypatch, layout):
+    """conv1's output reaches conv2 (through Split) and conv3 (through Split and Concat) only:
+    stored rounded. conv2's is read by the Concat into conv3 only: rounded too. conv3's is the
+    graph output: as computed. conv2 and conv3 read only rounded tensors; conv1 reads x."""
+    m = c2f()
+    r = optimized(m, tmp_path, monkeypatch, layout=layout)
+    assert flags(r) == {"conv1": (False, True), "conv2": (True, True), "conv3": (True, False)}
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
+
+
+def test_another_reader_keeps_the_values_as_computed(tmp_path, monkeypatch):
+    """A Sigmoid reads the Concat: conv1 and conv2 (both inside it) store as computed, so
+    conv3 rounds its own activations. conv2 still reads conv1's output through Split only,
+    but conv1 stores it unrounded for the Sigmoid: conv2 rounds too."""
+    r = optimized(c2f(extra_reader=True), tmp_path, monkeypatch)
+    assert flags(r) == {"conv1": (False, False), "conv2": (False, False), "conv3": (False, False)}
+
+
+def test_a_residual_extra_input_is_not_a_rounding_reader(tmp_path, monkeypatch):
+    """r1 is conv2's X and the extra input of its epilogue (the Add): stored as computed."""
+    r = optimized(residual(), tmp_path, monkeypatch)
+    assert flags(r) == {"conv1": (False, False), "conv2": (False, False)}
+
+
+def test_sppf_pools_move_rounded_values(tmp_path, monkeypatch):
+    """conv1 -> three FusedMaxPools -> Concat(conv1, pools) -> conv2: max pools move values, so
+    conv1 stores rounded and conv2 reads rounded values only."""
+    m = sppf()
+    r = optimized(m, tmp_path, monkeypatch)
+    assert flags(r) == {"conv1": (False, True), "conv2": (True, False)}
+    check_same(m, r.model, library=True)
+
+
+def upsample(mode: str) -> onnx.ModelProto:
+    """conv1 -> Resize x2 (mode) -> Concat(with conv0 on a pooled x) -> conv2, as YOLO's neck."""
+    rng = np.random.default_rng(3)
+
+    def w(k, c, s):
+        return numpy_helper.from_array((rng.standard_normal((k, c, s, s)) / (3 * c)).astype(np.float32))
+
+    inits = [w(8, 8, 1), w(8, 8, 3), w(8, 16, 3),
+             numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")]
+    for t, name in zip(inits, ("w0", "w1", "w2"), strict=False):
+        t.name = name
+    nodes = [N("Conv", ["x", "w0"], ["c0"], kernel_shape=[1, 1], name="conv0"),
+             N("Relu", ["c0"], ["r0"], name="relu0"),
+             N("Conv", ["x", "w1"], ["c1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], name="conv1"),
+             N("Relu", ["c1"], ["r1"], name="relu1"),
+             N("Resize", ["r1", "", "scales"], ["up"], mode=mode, name="resize"),
+             N("Concat", ["up", "r0"], ["cat"], axis=1, name="concat"),
+             N("Conv", ["cat", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv2"),
+             N("Relu", ["c2"], ["y"], name="relu2")]
+    return image_model(nodes, f"upsample_{mode}", 8, 8, [("y", 8)], inits)
+
+
+@pytest.mark.parametrize("mode", ["nearest", "linear"])
+def test_resize_moves_values_in_nearest_mode_only(tmp_path, monkeypatch, mode):
+    m = upsample(mode)
+    r = optimized(m, tmp_path, monkeypatch, layout="nchw")
+    nearest = mode == "nearest"
+    assert flags(r) == {"conv0": (False, True), "conv1": (False, nearest), "conv2": (nearest, False)}
+    check_same(m, r.model, library=True)
+
+
+@pytest.mark.parametrize("precision", ["ieee", "tf32x3"])
+def test_exact_precisions_round_nothing(tmp_path, monkeypatch, precision):
+    r = optimized(c2f(), tmp_path, monkeypatch, precision=precision)
+    assert set(flags(r).values()) == {(False, False)}
+    assert not any(n.overload.endswith(("_rx", "_ry")) for n in r.model.graph.node)
+
+
+def test_float16_convs_round_nothing(tmp_path, monkeypatch):
+    pytest.importorskip("onnxconverter_common")  # the suite's converter (the bench extra)
+    from models.fp16 import to_fp16
+
+    r = optimized(to_fp16(c2f()), tmp_path, monkeypatch)
+    assert set(flags(r).values()) == {(False, False)}
+
+
+def test_function_copies_keep_the_body_and_drop_the_unused(tmp_path, monkeypatch):
+    """Each renamed kernel has a function of its overload with the original's body; a
+    function no node calls any more is gone."""
+    r = optimized(c2f(), tmp_path, monkeypatch)
+    overloads = {(n.op_type, n.overload) for n in r.model.graph.node if n.domain == "onnxfuse"}
+    functions = {(f.name, f.overload): f for f in r.model.functions if f.domain == "onnxfuse"}
+    assert set(functions) == overloads
+    base = {}
+    for (_, overload), f in functions.items():
+        stem = overload.removesuffix("_ry").removesuffix("_rx")
+        base.setdefault(stem, []).append([(n.op_type, list(n.input), list(n.output)) for n in f.node])
+    for bodies in base.values():
+        assert all(b == bodies[0] for b in bodies)
+
+
+def test_plan_follows_graph_outputs_and_subgraphs():
+    """A fused conv whose output is a graph output, or is read inside an If branch, stores
+    it as computed."""
+    conv = N("FusedConv", ["x", "w", "b"], ["y"], domain="onnxfuse", name="a")
+    reader = N("FusedConv", ["y", "w", "b"], ["z"], domain="onnxfuse", name="b")
+    branch = helper.make_graph([N("Identity", ["y"], ["o"])], "then", [],
+                               [helper.make_tensor_value_info("o", onnx.TensorProto.FLOAT, None)])
+    cond = N("If", ["c"], ["u"], then_branch=branch, else_branch=branch)
+    for extra, out in (([], "y"), ([cond], "z")):
+        g = helper.make_graph([conv, reader, *extra], "g", [], [helper.make_tensor_value_info(out, 1, None)])
+        p = plan(helper.make_model(g), {"a", "b"}, {"a", "b"})
+        assert "a" not in p.round_y and "b" not in p.x_rounded
+    g = helper.make_graph([conv, reader], "g", [], [helper.make_tensor_value_info("z", 1, None)])
+    p = plan(helper.make_model(g), {"a", "b"}, {"a", "b"})
+    assert p.round_y == {"a"} and p.x_rounded == {"b"}
+    # a reader that cannot round (a grouped conv: fp32 FMA) is not a rounding reader
+    p = plan(helper.make_model(g), {"a"}, {"a", "b"})
+    assert p.round_y == frozenset() and p.x_rounded == frozenset()
+
