@@ -184,10 +184,32 @@ def tensor_infos(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: dic
         # element types where anything knows them: ONNX Runtime cannot infer the type of a
         # custom op's output that is made a graph output without one
         types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.value_info, *model.graph.output]}
-        types.update({k: v.type.tensor_type.elem_type for k, v in infos.items()})
-        for name, a in run_for_values(m, feeds, missing, provider, types).items():
+        types.update(_fused_output_types(model))
+        types.update({k: v.type.tensor_type.elem_type for k, v in infos.items() if v.type.tensor_type.elem_type})
+        # run with the model's own value_info (dropped above for inference): ONNX Runtime
+        # types a custom op's outputs from it
+        for name, a in run_for_values(_with_input_dims(model, dims), feeds, missing, provider, types).items():
             infos[name] = helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
     return infos
+
+
+PROGRAM_TYPES = {"f32": onnx.TensorProto.FLOAT, "f16": onnx.TensorProto.FLOAT16, "bf16": onnx.TensorProto.BFLOAT16}
+
+
+def _fused_output_types(model: ModelProto) -> dict[str, int]:
+    """The element type of every fused node's outputs, from its program's output lines:
+    shape inference does not see through custom ops, and the model may have no value_info."""
+    from onnxfuse.expr import Program
+    from onnxfuse.rewrite import DOMAIN
+
+    out = {}
+    for n in model.graph.node:
+        text = next((a.s.decode() for a in n.attribute if a.name == "program"), None) if n.domain == DOMAIN else None
+        if text is not None:
+            prog = Program.from_text(text)
+            out.update({name: PROGRAM_TYPES[dt] for name, (_, dt) in zip(n.output, prog.outputs, strict=False)
+                        if name})
+    return out
 
 
 def run_for_values(model: ModelProto, feeds: dict[str, np.ndarray], names: list[str], provider: str,

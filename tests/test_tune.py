@@ -334,3 +334,29 @@ def test_layers_of_equal_shapes_are_timed_once(tmp_path, monkeypatch):
     a, b = rec["nodes"]
     assert (a["original_ms"], a["fused_ms"]) == (b["original_ms"], b["fused_ms"])
     assert rec["cache_hits"] == 2  # the second node's two one-node models
+
+
+def test_shapes_learned_by_running_a_model_with_fused_convs(tmp_path, monkeypatch):
+    """Fused convs, then a Reshape to a shape that arrives as an input and a fused chain after
+    it (YOLOv8n's head slices by computed indices): inference cannot size the chain, so the
+    model runs once. ONNX Runtime types a custom op's output from the model's value_info,
+    which inference drops to start from the given shapes: the run must keep it. It did not,
+    and every model with fused convs and such a gap failed here ("type inference failed")."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    inits = {f"w{i}": (rng.standard_normal((8, c, 3, 3)) / 9).astype(np.float32) for i, c in ((1, 4), (2, 8))}
+    m = model([N("Conv", ["x", "w1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["a1"]),
+               N("Conv", ["a1", "w2"], ["c2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]), N("Relu", ["c2"], ["a2"]),
+               N("Reshape", ["a2", "s"], ["r"]), N("Sigmoid", ["r"], ["g"]), N("Tanh", ["g"], ["y"])],
+              {"x": ("float32", [1, 4, 8, 8]), "s": ("int64", [2])}, {"y": ("float32", ["a", "b"])}, inits)
+    r = optimize_model(m, layout="nhwc")
+    compile_hook("sm_90", layout="nhwc")(r)
+    assert [f.kind for f in r.fused] == ["conv", "conv", "pointwise"]
+    dims = {"x": (1, 4, 8, 8), "s": (2,)}
+    feeds = {"x": np.ones((1, 4, 8, 8), np.float32), "s": np.array([8, 64], np.int64)}
+    needed = {x for n in r.model.graph.node if n.domain == "onnxfuse" for x in (*n.input, *n.output)}
+    infos = tuning.tensor_infos(r.model, dims, feeds, needed, "cpu")
+    for name in ("r", "y"):
+        assert [d.dim_value for d in infos[name].type.tensor_type.shape.dim] == [8, 64]
+        assert infos[name].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
