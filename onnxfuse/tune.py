@@ -9,7 +9,10 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    nodes: the node's original subgraph as a model of its own, in NCHW (the channels-last
    Transposes that the function body holds for the NHWC layout are left out: they are
    how the body reads onnxfuse's storage, not work the original did). Both run in ORT's
-   CUDA EP with its defaults (TF32 allowed), median of `iters` synchronized runs. A node
+   CUDA EP with its defaults (TF32 allowed) under CUDA graphs (GPU time: timed plainly, a
+   fused node wins at batch 1 by its saved launches alone, which graphs take away; the
+   whole-model check counts launches), plainly when a graph cannot be captured; median of
+   `iters` synchronized runs. Convs are measured first (the budget may run out). A node
    whose original is faster (by more than `NODE_MARGIN_MS` and `NODE_MARGIN_REL`) is
    left to ONNX Runtime: the model is rebuilt from the state before the layout pass with
    those nodes unfused, so the NHWC plan routes around them, and recompiled (cache hits).
@@ -99,6 +102,9 @@ class NodeDecision:
     kind: str
     original_ms: float | None = None
     fused_ms: float | None = None
+    # how both were timed: "CUDA graph" (GPU time: launches replayed, as in a model that
+    # runs with graphs) or "plain" (a mode graphs cannot capture, and the CPU provider)
+    mode: str = ""
     chosen: str = ""  # "fused", a configuration's label, "original" or "not measured (...)"
     candidates: list[dict] = field(default_factory=list)  # --tune: {"config", "ms"} or {"config", "error"}
 
@@ -425,17 +431,25 @@ class Timer:
         save_model(m, path)
         return path
 
-    def time(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool) -> float:
-        """Median ms of one (small) model on `feeds`; raises OnnxfuseError when it cannot run."""
-        key = self._key(m, feeds, library, False)
+    def time(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool = False) -> float:
+        """Median ms of one (small) model on `feeds`, with ORT's CUDA graphs or without;
+        raises OnnxfuseError when it cannot run (or be captured)."""
+        key = self._key(m, feeds, library, graph)
         if key in self.entries:
             self.hits += 1
+            if "error" in self.entries[key]:
+                raise OnnxfuseError(self.entries[key]["error"])
             return float(self.entries[key]["ms"])
         from onnxfuse.bench import run_model
 
         s = self.settings
         path = self._path(m)
-        run = run_model(str(path), feeds, self._settings(s.warmup, s.iters, False), library=library)
+        try:
+            run = run_model(str(path), feeds, self._settings(s.warmup, s.iters, graph), library=library)
+        except OnnxfuseError as e:
+            if graph:  # remembered: a graph that cannot be captured is not tried again
+                self.entries[key] = {"error": str(e).splitlines()[0][:300] if str(e) else "cannot capture"}
+            raise
         ms = float(np.median(run.times_ms))
         self.measured += 1
         self.entries[key] = {"ms": ms}
@@ -698,9 +712,12 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
     nodes = {n.name: n for n in result.model.graph.node}
     needed = {x for f in result.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
     infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
-    for f in result.fused:
-        d = NodeDecision(f.node_name, f.kind)
-        decisions.append(d)
+    decisions = [NodeDecision(f.node_name, f.kind) for f in result.fused]
+    # convs first: they are where ORT's own kernels (cuDNN) may be faster; pointwise chains
+    # and pools replace memory-bound nodes and seldom lose, so they come after, within the budget
+    order = sorted(range(len(result.fused)), key=lambda i: result.fused[i].kind != "conv")
+    for i in order:
+        f, d = result.fused[i], decisions[i]
         if time.perf_counter() - t0 > settings.budget_s:
             d.chosen = f"not measured (tuning budget of {settings.budget_s:g} s spent)"
             continue
@@ -708,8 +725,7 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
         try:
             mini = fused_model(result.model, node, infos)
             orig = original_model(result.model, node, infos)
-            d.original_ms = timer.time(orig, random_feeds(orig), library=False)
-            d.fused_ms = timer.time(mini, random_feeds(mini), library=True)
+            d.mode, d.original_ms, d.fused_ms = _time_pair(timer, orig, mini, settings.provider == "cuda")
         except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
             d.chosen = f"not measured ({_why(e)})"
             continue
@@ -721,6 +737,23 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
         if d.fused_ms - d.original_ms > max(NODE_MARGIN_MS, NODE_MARGIN_REL * d.original_ms):
             d.chosen = "original"
     return decisions
+
+
+def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool) -> tuple[str, float, float]:
+    """(mode, original ms, fused ms) of one node. On CUDA both run under CUDA graphs, so the
+    times are the GPU's work without the launches (a fused node's fewer launches are the
+    whole-model check's to count, in both modes): timed plainly, a fused node that is slower
+    on the GPU than the cuDNN conv it replaces still won at batch 1 by its launches alone,
+    and the model lost once graphs took the launches away. A pair that graphs cannot
+    capture is timed plainly."""
+    feeds_o, feeds_f = random_feeds(orig), random_feeds(mini)
+    if graphs:
+        try:
+            original = timer.time(orig, feeds_o, False, graph=True)
+            return "CUDA graph", original, timer.time(mini, feeds_f, True, graph=True)
+        except OnnxfuseError:
+            pass
+    return "plain", timer.time(orig, feeds_o, False), timer.time(mini, feeds_f, True)
 
 
 def _why(e: BaseException) -> str:
@@ -744,7 +777,7 @@ def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, target
             trial = ModelProto()
             trial.CopyFrom(mini)
             aot.attach(trial.graph.node[0], ck)
-            ms = timer.time(trial, feeds, library=True)
+            ms = timer.time(trial, feeds, library=True, graph=d.mode == "CUDA graph")
             d.candidates.append({"config": label, "ms": ms})
             if best is None or ms < best[0]:
                 best = (ms, label, ck)
@@ -854,7 +887,7 @@ def summary(record: dict) -> str:
     for d in record["nodes"]:
         if d["chosen"] == "original":
             lines.append(f"  {d['node']}: left to ONNX Runtime (original {d['original_ms']:.4f} ms, "
-                         f"fused {d['fused_ms']:.4f} ms)")
+                         f"fused {d['fused_ms']:.4f} ms, {d.get('mode') or 'plain'})")
         elif d["chosen"].startswith("not measured"):
             lines.append(f"  {d['node']}: {d['chosen']}")
         elif d["candidates"]:

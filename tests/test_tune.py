@@ -172,7 +172,7 @@ def _fused_nodes(m: onnx.ModelProto) -> int:
 def _fake_timer(monkeypatch, node_times: dict[str, float], model_times: Callable[[onnx.ModelProto], float]):
     """Timer answering from tables: a one-node model by whether it is fused ("fused" /
     "original"), a whole model through model_times(model)."""
-    def time(self, m, feeds, library):
+    def time(self, m, feeds, library, graph=False):
         self.measured += 1
         return node_times["fused" if _fused_nodes(m) else "original"]
 
@@ -210,10 +210,54 @@ def test_nodes_whose_original_is_faster_are_left_to_ort(monkeypatch):
     assert not r.fused and _fused_nodes(r.model) == 0 and not r.report.patterns_applied
     (reason,) = [k for k in r.report.not_fused if k.startswith(tuning.REASON)]
     assert all(f"{n} 0.2000 ms vs fused 0.5000 ms" in reason for n in names)
-    assert "left to ONNX Runtime (original 0.2000 ms, fused 0.5000 ms)" in out["summary"]
+    assert "left to ONNX Runtime (original 0.2000 ms, fused 0.5000 ms, plain)" in out["summary"]
     feeds = {"x": np.random.default_rng(0).standard_normal((2, 3, 16, 16)).astype(np.float32)}
     for e, a in zip(_run(m, feeds), _run(r.model, feeds), strict=True):
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5 * float(np.abs(e).max()))
+
+
+def test_nodes_are_timed_under_cuda_graphs_where_they_can_be(monkeypatch):
+    """On CUDA a node and its original run under CUDA graphs (GPU time, launches replayed);
+    when either cannot be captured, both are timed plainly. Convs are timed first."""
+    calls = []
+
+    class FakeTimer:
+        def __init__(self, capture: bool):
+            self.capture = capture
+
+        def time(self, m, feeds, library, graph=False):
+            calls.append((library, graph))
+            if graph and not self.capture:
+                raise OnnxfuseError("cannot capture")
+            return 0.3 if library else 0.2
+
+    orig, mini = onnx.ModelProto(), onnx.ModelProto()
+    assert tuning._time_pair(FakeTimer(True), orig, mini, graphs=True) == ("CUDA graph", 0.2, 0.3)
+    assert calls == [(False, True), (True, True)]
+    calls.clear()
+    assert tuning._time_pair(FakeTimer(False), orig, mini, graphs=True) == ("plain", 0.2, 0.3)
+    assert calls == [(False, True), (False, False), (True, False)]
+    calls.clear()
+    assert tuning._time_pair(FakeTimer(True), orig, mini, graphs=False) == ("plain", 0.2, 0.3)
+    assert calls == [(False, False), (True, False)]
+
+
+def test_convs_are_timed_before_the_budget_runs_out(monkeypatch):
+    """With a budget for one node, the conv is measured and the pointwise chain is not."""
+    w = np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    m = model([N("Sigmoid", ["x"], ["s"]), N("Tanh", ["s"], ["t"]),  # a pointwise chain first
+               N("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3]), N("Relu", ["c"], ["y"])],
+              {"x": ("float32", ["N", 3, 8, 8])}, {"t": ("float32", ["N", 3, 8, 8]), "y": ("float32", ["N", 4, 6, 6])},
+              {"w": w})
+    r, before = _optimized(m)
+    kinds = {f.node_name: f.kind for f in r.fused}
+    assert list(kinds.values()) == ["pointwise", "conv"]
+    clock = iter(range(1000))
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: float(next(clock)))
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0)
+    rec = _tune(r, before, TuneSettings(provider="cpu", batch=2, cache=False, budget_s=1.5))["tune"]
+    measured = {d["node"]: not d["chosen"].startswith("not measured") for d in rec["nodes"]}
+    assert [kinds[n] for n, ok in measured.items() if ok] == ["conv"]
 
 
 def test_a_slower_optimized_model_gives_back_the_original(monkeypatch):
