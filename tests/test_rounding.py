@@ -173,3 +173,42 @@ def test_plan_follows_graph_outputs_and_subgraphs():
     p = plan(helper.make_model(g), {"a"}, {"a", "b"})
     assert p.round_y == frozenset() and p.x_rounded == frozenset()
 
+
+
+def _cuda_available() -> bool:
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    from onnxfuse.compile import local_gpu_archs
+
+    return bool(local_gpu_archs())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", [c2f, sppf, lambda: upsample("nearest")], ids=["c2f", "sppf", "upsample"])
+def test_on_cuda_the_plan_gives_the_same_bits(tmp_path, monkeypatch, build):
+    """On the GPU: the model with the plan (producers store rounded, readers skip rounding)
+    gives bit for bit the outputs of the same model compiled without it (every conv rounds
+    its own activations). Also checks the plan took effect."""
+    if not _cuda_available():
+        pytest.skip("needs onnxruntime-gpu and an NVIDIA GPU")
+    from onnxfuse import rounding
+    from onnxfuse.compile import local_gpu_archs
+    from tests.test_gpu import session
+
+    m = build()
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    arch = ",".join(f"sm_{a}" for a in local_gpu_archs())
+    planned = optimize_model(m)
+    compile_hook(arch, layout="nhwc")(planned)
+    assert any(f.x_rounded for f in planned.fused)
+    monkeypatch.setattr(rounding, "plan", lambda model, rounds, may_store: rounding.Plan(frozenset(), frozenset()))
+    plain = optimize_model(m)
+    compile_hook(arch, layout="nhwc")(plain)
+    assert not any(f.x_rounded or f.round_y for f in plain.fused)
+    feeds = random_feeds(m, {"N": 3}, seed=11)
+    want = session(plain.model, True).run(None, feeds)
+    got = session(planned.model, True).run(None, feeds)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
