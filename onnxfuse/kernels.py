@@ -47,10 +47,14 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
             return build(result)
         from onnxfuse import tune as tuning
 
+        def build_precise(res) -> dict:  # tried when the tf32 convs fail the accuracy gate
+            return _compile(res, targets, jobs, tuning.PRECISE, layout, decline_slow_convs=decline)
+
         before = tuning.snapshot(result)
         info = build(result)
         try:
-            return tuning.tune(result, before, info, build, tune, targets, conv_precision=conv_precision, jobs=jobs)
+            return tuning.tune(result, before, info, build, tune, targets, conv_precision=conv_precision, jobs=jobs,
+                               recompile_precise=build_precise if conv_precision == "tf32" else None)
         except Exception as e:  # measuring must not lose the optimized model: the heuristics decide
             why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             if not isinstance(e, OnnxfuseError):

@@ -23,8 +23,17 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
    made, the model before them is tried as well and the faster of the two that pass is
    kept. When neither passes, the original model is written unchanged, and the report and
-   a warning say so with the times. This is the guarantee: after `optimize` on a GPU, the
-   model is not slower than the original at the measured shapes.
+   a warning say so with the times.
+3. **Accuracy.** Every candidate also meets `onnxfuse bench`'s gate at the same inputs: its
+   outputs against the original run with TF32 off, within 2x the original's own error under
+   ORT's defaults plus the dtype's floor (`accuracy`). ORT's "default" is not always TF32:
+   cuDNN picks fp32 algorithms for some layers (PP-OCR's direction classifier at batch 1 on
+   the H200: 2.2e-5, where onnxfuse's tf32 convs gave 1.2e-3). When the only candidates
+   fast enough fail the gate, the same fusions are compiled at PRECISE (tf32x3) and kept if
+   they pass and are not slower; otherwise the original is written, with a warning.
+
+This is the guarantee: after `optimize` on a GPU, the model is not slower than the original
+and no less accurate than ONNX Runtime's own default, at the measured shapes and inputs.
 
 Shapes: every tensor a one-node model needs comes from shape inference at the fixed input
 shapes; tensors it cannot type (data-dependent Reshapes, custom ops) are filled by running
@@ -74,6 +83,10 @@ MODEL_NOISE = 0.02
 CACHE_VERSION = 1
 REASON = "left to ONNX Runtime: its original subgraph measured faster (tuning)"
 KEPT_ORIGINAL = "kept the original model: the optimized one measured slower (tuning)"
+KEPT_INACCURATE = "kept the original model: the optimized one was less accurate than ONNX Runtime's default (tuning)"
+# The conv precision tried when the tf32 candidates fail the accuracy gate: as accurate as
+# fp32 to about 1e-7 relative, 1.1-2.5x a tf32 kernel's time (BENCHMARKS.md, "Conv precision")
+PRECISE = "tf32x3"
 
 
 @dataclass(frozen=True)
@@ -499,6 +512,21 @@ class Timer:
                 b.close()
         return out
 
+    def outputs(self, models: dict[str, tuple[ModelProto, bool, bool]],
+                feeds: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray] | str]:
+        """One untimed run of each model, label -> (model, library, tf32): its outputs, or the
+        error's text when it cannot run."""
+        from onnxfuse.bench import BenchSettings, evaluate_model
+
+        out: dict[str, dict[str, np.ndarray] | str] = {}
+        for label, (m, library, tf32) in models.items():
+            settings = BenchSettings(provider=self.settings.provider, tf32=tf32)
+            try:
+                out[label] = evaluate_model(str(self._path(m)), feeds, settings, library)
+            except OnnxfuseError as e:
+                out[label] = str(e).splitlines()[0][:300] if str(e) else "cannot run"
+        return out
+
     def save(self) -> None:
         if self.path is not None and self.measured:
             _write_cache(self.path, self.entries)
@@ -639,11 +667,13 @@ def available(provider: str = "cuda") -> bool:
 
 
 def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings, targets: list[int],
-         conv_precision: str = "tf32", jobs: int | None = None) -> dict:
+         conv_precision: str = "tf32", jobs: int | None = None, recompile_precise: Callable | None = None) -> dict:
     """Measure and decide (module docstring). `result`: an `onnxfuse.pipeline.Result` whose
     kernels `recompile(result)` compiled, giving `info` (the compile report); `before`: a
-    copy of it from before that step (`snapshot`). `result` is changed in place to the
-    chosen model; returns the compile report of that model with a "tune" entry."""
+    copy of it from before that step (`snapshot`). `recompile_precise(result)`, when given,
+    compiles a copy at the precise conv precision (PRECISE), tried when no candidate passes
+    the accuracy gate. `result` is changed in place to the chosen model; returns the compile
+    report of that model with a "tune" entry."""
     if not available(settings.provider):
         raise OnnxfuseError("tuning needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
     t0 = time.perf_counter()
@@ -669,28 +699,44 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         orig_times = _times(measured, "original", graphs)
         if orig_times.plain_ms is None:
             raise OnnxfuseError(f"the original model does not run at these shapes ({orig_times.graph_error})")
-        times = {}
-        kept = None
-        for label, cand, cand_info in models:
-            t = times[label] = _times(measured, label, graphs)
-            if t.not_slower_than(orig_times) and (kept is None or t.best() < times[kept[0]].best()):
-                kept = (label, cand, cand_info)
+        times = {label: _times(measured, label, graphs) for label, _, _ in models}
+        gates = accuracy(timer, original, {label: cand.model for label, cand, _ in models}, feeds)
+        kept = _fastest(models, times, gates, orig_times)
+        if kept is None and recompile_precise is not None and any(
+                times[label].not_slower_than(orig_times) and not gates[label]["passed"] for label, _, _ in models):
+            # fast enough but less accurate than ORT: the same fusions with exact-ish convs
+            precise = snapshot(before)
+            if losers:
+                unfuse_nodes(precise, losers)
+            precise_info = recompile_precise(precise)
+            label = f"precise ({PRECISE})"
+            extra = timer.time_models({"original": (original, False), label: (precise.model, bool(precise.fused))},
+                                      feeds, graphs)
+            times[label] = _times(extra, label, graphs)
+            gates.update(accuracy(timer, original, {label: precise.model}, feeds))
+            models.append((label, precise, precise_info))
+            kept = _fastest(models[-1:], times, gates, orig_times)
         timer.save()
     record = {
         "shapes": {k: list(v) for k, v in dims.items()}, "seconds": round(time.perf_counter() - t0, 2),
         "measured": timer.measured, "cache_hits": timer.hits, "cache": str(timer.path) if timer.path else None,
         "nodes": [dataclasses.asdict(d) for d in decisions],
         "original": dataclasses.asdict(orig_times), "models": {k: dataclasses.asdict(v) for k, v in times.items()},
+        "accuracy": gates,
     }
     if kept is None:
         record["kept"] = "original"
-        out = keep_original(result, orig_times, times)
+        out = keep_original(result, orig_times, times, gates)
     else:
         label, cand, cand_info = kept
         record["kept"] = label
         if cand is not result:
             _adopt(result, cand)
         out = dict(cand_info)
+        if label.startswith("precise"):
+            why = next(g["failure"] for g in gates.values() if not g["passed"])
+            result.warn(f"the optimized model's tf32 convs were less accurate than ONNX Runtime's own default "
+                        f"({why}); its convs were compiled at {PRECISE} instead")
         if label == "heuristic":  # the per-node decisions made it slower: none of them stays
             for d in decisions:
                 if d.chosen == "original":
@@ -701,6 +747,47 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
     out["tune"] = record
     out["summary"] = out.get("summary", "") + "\n" + summary(record)
     return out
+
+
+def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProto],
+             feeds: dict[str, np.ndarray]) -> dict[str, dict]:
+    """The accuracy gate of `onnxfuse bench` (onnxfuse.bench.gate_outputs) on every
+    candidate, at the tuning's inputs: the original with TF32 off is the reference, and a
+    candidate passes when each output is within 2x the original's own error under ORT's
+    defaults (TF32 allowed) plus the dtype's floor. Per label: passed, max_abs_err,
+    ort_max_abs_err and the first failure's text (or the error that stopped the run)."""
+    from onnxfuse.bench import gate_outputs
+
+    runs = timer.outputs({"reference": (original, False, False), "ort": (original, False, True),
+                          **{label: (m, True, True) for label, m in candidates.items()}}, feeds)
+    if isinstance(runs["reference"], str) or isinstance(runs["ort"], str):
+        raise OnnxfuseError(f"the original model does not run at these shapes "
+                            f"({runs['reference'] if isinstance(runs['reference'], str) else runs['ort']})")
+    out = {}
+    for label in candidates:
+        got = runs[label]
+        if isinstance(got, str):
+            out[label] = {"passed": False, "max_abs_err": None, "ort_max_abs_err": None, "failure": got}
+            continue
+        checks = gate_outputs(runs["reference"], runs["ort"], got)
+        failed = [c for c in checks if not c.passed]
+        errs = [c.max_abs_err for c in checks if c.max_abs_err is not None]
+        ort_errs = [c.ort_max_abs_err for c in checks if c.ort_max_abs_err is not None]
+        out[label] = {"passed": not failed, "max_abs_err": max(errs, default=None),
+                      "ort_max_abs_err": max(ort_errs, default=None),
+                      "failure": f"output {failed[0].name!r}: {failed[0].failure()}" if failed else None}
+    return out
+
+
+def _fastest(models: list, times: dict[str, ModelTimes], gates: dict[str, dict], orig: ModelTimes):
+    """The fastest candidate (label, result, info) that is not slower than the original and
+    passes the accuracy gate, or None."""
+    kept = None
+    for label, cand, cand_info in models:
+        t = times[label]
+        if t.not_slower_than(orig) and gates[label]["passed"] and (kept is None or t.best() < times[kept[0]].best()):
+            kept = (label, cand, cand_info)
+    return kept
 
 
 def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, targets, conv_precision, jobs,
@@ -856,8 +943,10 @@ def _note_losers(result, decisions: list[NodeDecision]) -> None:
         + (f"; and {len(losers) - 8} more" if len(losers) > 8 else "")] = n
 
 
-def keep_original(result, orig: ModelTimes, times: dict[str, ModelTimes]) -> dict:
-    """Make `result` the original model, unchanged; returns its compile report."""
+def keep_original(result, orig: ModelTimes, times: dict[str, ModelTimes], gates: dict[str, dict] | None = None) -> dict:
+    """Make `result` the original model, unchanged; returns its compile report. `gates`:
+    the candidates' accuracy (`accuracy`); the warning says which were faster but less
+    accurate than ORT's own default."""
     m = ModelProto()
     m.CopyFrom(result.original)
     n = len(m.graph.node)
@@ -866,11 +955,20 @@ def keep_original(result, orig: ModelTimes, times: dict[str, ModelTimes]) -> dic
     result.fused[:] = []
     r = result.report
     r.nodes_after, r.patterns_applied, r.fused, r.folded_batchnorm = n, {}, [], 0
-    shown = ", ".join(f"{k} {_fmt(t)}" for k, t in times.items())
-    reason = f"{KEPT_ORIGINAL}: original {_fmt(orig)}; {shown}"
+    gates = gates or {}
+    inaccurate = [k for k, t in times.items() if t.not_slower_than(orig) and not gates.get(k, {}).get("passed", True)]
+    shown = ", ".join(f"{k} {_fmt(t)}" + (" (less accurate than ORT)" if k in inaccurate else "")
+                      for k, t in times.items())
+    if inaccurate:
+        why = gates[inaccurate[0]]["failure"]
+        reason = f"{KEPT_INACCURATE}: {inaccurate[0]}: {why}"
+        result.warn(f"the optimized model was less accurate than ONNX Runtime's own default ({why}) or slower than "
+                    f"the original (original {_fmt(orig)}; {shown}); the original model is written unchanged")
+    else:
+        reason = f"{KEPT_ORIGINAL}: original {_fmt(orig)}; {shown}"
+        result.warn(f"the optimized model measured slower than the original (original {_fmt(orig)}; {shown}); "
+                    "the original model is written unchanged")
     r.not_fused = {reason: fused_nodes}
-    result.warn(f"the optimized model measured slower than the original (original {_fmt(orig)}; {shown}); "
-                "the original model is written unchanged")
     return {"summary": "kernels: none kept (the original model is written unchanged)", "kernels": 0}
 
 
@@ -878,6 +976,10 @@ def _fmt(t: ModelTimes) -> str:
     plain = f"{t.plain_ms:.3f} ms" if t.plain_ms is not None else "failed"
     graph = f"{t.graph_ms:.3f} ms" if t.graph_ms is not None else "n/a"
     return f"{plain} (CUDA graph {graph})"
+
+
+def _err(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.2g}"
 
 
 def summary(record: dict) -> str:
@@ -894,8 +996,13 @@ def summary(record: dict) -> str:
             lines.append(f"  {d['node']}: {d['chosen']} ({d['fused_ms']:.4f} ms; original {d['original_ms']:.4f})")
     o = ModelTimes(**record["original"])
     lines.append(f"  original: {_fmt(o)}")
+    gates = record.get("accuracy", {})
     for k, t in record["models"].items():
-        lines.append(f"  {k}: {_fmt(ModelTimes(**t))}" + (" <- kept" if k == record["kept"] else ""))
+        g = gates.get(k)
+        acc = "" if g is None else (
+            f"; max abs err {_err(g['max_abs_err'])} vs ORT's own {_err(g['ort_max_abs_err'])}, "
+            + ("accurate" if g["passed"] else "LESS ACCURATE than ORT"))
+        lines.append(f"  {k}: {_fmt(ModelTimes(**t))}{acc}" + (" <- kept" if k == record["kept"] else ""))
     if record["kept"] == "original":
         lines.append("  kept: the original model (the optimized one was slower)")
     return "\n".join(lines)

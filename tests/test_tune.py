@@ -404,3 +404,89 @@ def test_shapes_learned_by_running_a_model_with_fused_convs(tmp_path, monkeypatc
     for name in ("r", "y"):
         assert [d.dim_value for d in infos[name].type.tensor_type.shape.dim] == [8, 64]
         assert infos[name].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+
+
+# ---- the accuracy gate at optimize time ---------------------------------------------------
+
+def _fake_outputs(monkeypatch, errors: dict[str, float]):
+    """Timer.outputs answering from a table: the reference is ones, ORT's default run is off
+    by errors["ort"], a candidate by errors[its label] (default: ORT's error)."""
+    def outputs(self, models, feeds):
+        out = {}
+        for label, (m, library, tf32) in models.items():
+            err = 0.0 if label == "reference" else errors.get(label, errors["ort"])
+            out[label] = {"y": np.full((2, 3), 1.0 + err, np.float32)}
+        return out
+
+    monkeypatch.setattr(tuning.Timer, "outputs", outputs)
+
+
+def _tune_precise(r, before, recompiled: list):
+    def precise(res):
+        recompiled.append(res)
+        return dict(NOT_COMPILED, summary="kernels: precise")
+
+    return tuning.tune(r, before, dict(NOT_COMPILED), lambda res: dict(NOT_COMPILED), CPU, [90],
+                       recompile_precise=precise)
+
+
+def test_a_candidate_as_accurate_as_ort_is_kept(monkeypatch):
+    r, before = _optimized(vgg_stack(2, 8, 3, 16))
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+    _fake_outputs(monkeypatch, {"ort": 1e-3, "optimized": 1.5e-3})
+    recompiled = []
+    rec = _tune_precise(r, before, recompiled)["tune"]
+    assert rec["kept"] == "optimized" and not recompiled
+    assert rec["accuracy"]["optimized"]["passed"] and rec["accuracy"]["optimized"]["ort_max_abs_err"] == \
+        pytest.approx(1e-3, rel=1e-3)
+    assert "accurate <- kept" in tuning.summary(rec)
+
+
+def test_a_fast_but_less_accurate_model_is_recompiled_precise(monkeypatch):
+    """Faster than the original but 10x ORT's own error (ppocr_cls at batch 1 on the H200: ORT's
+    cuDNN picked fp32 algorithms, 2.2e-5, the tf32 kernels 1.2e-3): the same fusions are
+    compiled at tf32x3 and kept when those pass the gate and are still not slower."""
+    r, before = _optimized(vgg_stack(2, 8, 3, 16))
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+    _fake_outputs(monkeypatch, {"ort": 1e-4, "optimized": 1e-3, "precise (tf32x3)": 1e-5})
+    recompiled = []
+    with pytest.warns(OnnxfuseWarning, match="less accurate than ONNX Runtime's own default.*tf32x3 instead"):
+        out = _tune_precise(r, before, recompiled)
+    rec = out["tune"]
+    assert len(recompiled) == 1 and recompiled[0] is not before and rec["kept"] == "precise (tf32x3)"
+    assert not rec["accuracy"]["optimized"]["passed"] and "output 'y'" in rec["accuracy"]["optimized"]["failure"]
+    assert out["summary"].startswith("kernels: precise") and "LESS ACCURATE than ORT" in out["summary"]
+    assert r.model is recompiled[0].model and r.fused
+
+
+@pytest.mark.parametrize("precise_error", [1e-3, None], ids=["precise-fails-too", "no-precise-build"])
+def test_a_model_less_accurate_than_ort_is_not_written(monkeypatch, precise_error):
+    m = vgg_stack(2, 8, 3, 16)
+    r, before = _optimized(m)
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+    _fake_outputs(monkeypatch, {"ort": 1e-4, "optimized": 1e-3, "precise (tf32x3)": precise_error or 0.0})
+    recompiled = []
+    with pytest.warns(OnnxfuseWarning, match="less accurate than ONNX Runtime's own default"):
+        if precise_error is None:
+            rec = _tune(r, before)["tune"]
+        else:
+            rec = _tune_precise(r, before, recompiled)["tune"]
+    assert rec["kept"] == "original" and len(recompiled) == (precise_error is not None)
+    assert r.model.SerializeToString() == m.SerializeToString() and not r.fused
+    assert any(k.startswith(tuning.KEPT_INACCURATE) for k in r.report.not_fused)
+
+
+def test_accuracy_runs_the_reference_with_tf32_off(monkeypatch):
+    """The reference is the original with TF32 off, ORT's default run has it on, and every
+    candidate runs with the library and TF32 allowed (as users run it)."""
+    seen = {}
+
+    def outputs(self, models, feeds):
+        seen.update({k: (lib, tf32) for k, (_, lib, tf32) in models.items()})
+        return {k: {"y": np.ones(3, np.float32)} for k in models}
+
+    monkeypatch.setattr(tuning.Timer, "outputs", outputs)
+    m = vgg_stack(2, 8, 3, 16)
+    gates = tuning.accuracy(tuning.Timer(CPU, None), m, {"optimized": m}, {})
+    assert seen == {"reference": (False, False), "ort": (False, True), "optimized": (True, True)}
+    assert gates["optimized"] == {"passed": True, "max_abs_err": 0.0, "ort_max_abs_err": 0.0, "failure": None}
