@@ -115,9 +115,10 @@ class NodeDecision:
     kind: str
     original_ms: float | None = None
     fused_ms: float | None = None
-    # how both were timed: "CUDA graph" (GPU time: launches replayed, as in a model that
-    # runs with graphs) or "plain" (a mode graphs cannot capture, and the CPU provider)
+    # how both were timed: "CUDA graph" (GPU time: `replicas` copies per replayed graph, the
+    # time per copy) or "plain" (a mode graphs cannot capture, and the CPU provider)
     mode: str = ""
+    replicas: int = 1
     chosen: str = ""  # "fused", a configuration's label, "original" or "not measured (...)"
     candidates: list[dict] = field(default_factory=list)  # --tune: {"config", "ms"} or {"config", "error"}
 
@@ -384,6 +385,58 @@ def _permute(vi: onnx.ValueInfoProto, perm: list[int]) -> None:
         del shape.dim[:]
         for p in perm:
             shape.dim.add().dim_value = dims[p]
+
+
+REPLICA_BYTES = 256 * 2**20  # the inputs and outputs of all copies of a one-node model at most
+MAX_REPLICAS = 16
+
+
+def _io_bytes(m: ModelProto) -> int:
+    """Bytes of a one-node model's graph inputs and outputs (static shapes)."""
+    total = 0
+    for vi in [*m.graph.input, *m.graph.output]:
+        t = vi.type.tensor_type
+        size = np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)).itemsize
+        total += size * int(np.prod([d.dim_value for d in t.shape.dim]))
+    return total
+
+
+def replicas(*models: ModelProto) -> int:
+    """How many copies of each model one timed run holds (`replicated`): up to MAX_REPLICAS,
+    as many as fit in REPLICA_BYTES of inputs and outputs for the largest of `models`."""
+    largest = max(_io_bytes(m) for m in models)
+    return max(1, min(MAX_REPLICAS, REPLICA_BYTES // max(1, largest)))
+
+
+def replicated(m: ModelProto, k: int) -> ModelProto:
+    """A model of k copies of `m`'s graph, one after another, each with its own graph inputs
+    and outputs (suffix `__r<i>`; initializers shared). Under CUDA graphs one run replays the
+    k copies' kernels back to back, so the launch and synchronization that dominate a single
+    small node's time (10-20 µs at batch 1) are paid once per k nodes. The copies read
+    distinct inputs, so ONNX Runtime's common-subexpression elimination cannot merge them."""
+    if k <= 1:
+        return m
+    out = ModelProto()
+    out.CopyFrom(m)
+    g = out.graph
+    shared = {t.name for t in g.initializer}
+    nodes, inputs, outputs, infos = list(g.node), list(g.input), list(g.output), list(g.value_info)
+    for field_ in (g.node, g.input, g.output, g.value_info):
+        del field_[:]
+    for r in range(k):
+        def ren(name: str, r: int = r) -> str:
+            return name if not name or name in shared else f"{name}__r{r}"
+
+        for i, n in enumerate(nodes):
+            c = onnx.NodeProto()
+            c.CopyFrom(n)
+            c.name = f"{n.name or f'node{i}'}__r{r}"
+            c.input[:] = [ren(x) for x in n.input]
+            c.output[:] = [ren(x) for x in n.output]
+            g.node.append(c)
+        for src, dst in ((inputs, g.input), (outputs, g.output), (infos, g.value_info)):
+            dst.extend(_renamed(v, ren(v.name)) for v in src if v.name not in shared)
+    return out
 
 
 def random_feeds(m: ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
@@ -812,7 +865,7 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
         try:
             mini = fused_model(result.model, node, infos)
             orig = original_model(result.model, node, infos)
-            d.mode, d.original_ms, d.fused_ms = _time_pair(timer, orig, mini, settings.provider == "cuda")
+            d.mode, d.replicas, d.original_ms, d.fused_ms = _time_pair(timer, orig, mini, settings.provider == "cuda")
         except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
             d.chosen = f"not measured ({_why(e)})"
             continue
@@ -826,21 +879,25 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
     return decisions
 
 
-def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool) -> tuple[str, float, float]:
-    """(mode, original ms, fused ms) of one node. On CUDA both run under CUDA graphs, so the
-    times are the GPU's work without the launches (a fused node's fewer launches are the
-    whole-model check's to count, in both modes): timed plainly, a fused node that is slower
-    on the GPU than the cuDNN conv it replaces still won at batch 1 by its launches alone,
-    and the model lost once graphs took the launches away. A pair that graphs cannot
-    capture is timed plainly."""
-    feeds_o, feeds_f = random_feeds(orig), random_feeds(mini)
+def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool) -> tuple[str, int, float, float]:
+    """(mode, copies, original ms, fused ms) of one node. On CUDA both run under CUDA graphs, k
+    copies per run (`replicated`; the time is per copy), so the times are the GPU's work
+    without the launches (a fused node's fewer launches are the whole-model check's to
+    count, in both modes): timed plainly, a fused node that is slower on the GPU than the
+    cuDNN conv it replaces still won at batch 1 by its launches alone, and the model lost
+    once graphs took the launches away; timed one copy per graph (H200, seventh session),
+    every node of MobileNetV3-S measured 12-21 µs, mostly the graph's own launch and
+    synchronization, and the model with graphs was slower. A pair that graphs cannot
+    capture is timed plainly, one copy."""
     if graphs:
+        k = replicas(orig, mini)
+        rep_o, rep_f = replicated(orig, k), replicated(mini, k)
         try:
-            original = timer.time(orig, feeds_o, False, graph=True)
-            return "CUDA graph", original, timer.time(mini, feeds_f, True, graph=True)
+            original = timer.time(rep_o, random_feeds(rep_o), False, graph=True) / k
+            return "CUDA graph", k, original, timer.time(rep_f, random_feeds(rep_f), True, graph=True) / k
         except OnnxfuseError:
             pass
-    return "plain", timer.time(orig, feeds_o, False), timer.time(mini, feeds_f, True)
+    return "plain", 1, timer.time(orig, random_feeds(orig), False), timer.time(mini, random_feeds(mini), True)
 
 
 def _why(e: BaseException) -> str:
@@ -857,14 +914,14 @@ def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, target
 
     spec = kernel_spec(result.model, f, conv_precision)
     best = None
-    feeds = random_feeds(mini)
     for label, variants in candidates(spec):
         try:
             (ck,) = aot.compile_kernels([spec], targets, jobs=jobs, variant_override=variants)
             trial = ModelProto()
             trial.CopyFrom(mini)
             aot.attach(trial.graph.node[0], ck)
-            ms = timer.time(trial, feeds, library=True, graph=d.mode == "CUDA graph")
+            trial = replicated(trial, d.replicas)  # timed as the node was (_time_pair)
+            ms = timer.time(trial, random_feeds(trial), library=True, graph=d.mode == "CUDA graph") / d.replicas
             d.candidates.append({"config": label, "ms": ms})
             if best is None or ms < best[0]:
                 best = (ms, label, ck)

@@ -217,8 +217,8 @@ def test_nodes_whose_original_is_faster_are_left_to_ort(monkeypatch):
 
 
 def test_nodes_are_timed_under_cuda_graphs_where_they_can_be(monkeypatch):
-    """On CUDA a node and its original run under CUDA graphs (GPU time, launches replayed);
-    when either cannot be captured, both are timed plainly. Convs are timed first."""
+    """On CUDA a node and its original run under CUDA graphs, k copies per run (the time is
+    per copy); when either cannot be captured, both are timed plainly, one copy."""
     calls = []
 
     class FakeTimer:
@@ -226,20 +226,50 @@ def test_nodes_are_timed_under_cuda_graphs_where_they_can_be(monkeypatch):
             self.capture = capture
 
         def time(self, m, feeds, library, graph=False):
-            calls.append((library, graph))
+            copies = len(m.graph.node) // (1 if library else 2)
+            calls.append((library, graph, copies))
             if graph and not self.capture:
                 raise OnnxfuseError("cannot capture")
-            return 0.3 if library else 0.2
+            return (0.3 if library else 0.2) * copies
 
-    orig, mini = onnx.ModelProto(), onnx.ModelProto()
-    assert tuning._time_pair(FakeTimer(True), orig, mini, graphs=True) == ("CUDA graph", 0.2, 0.3)
-    assert calls == [(False, True), (True, True)]
+    orig = model([N("Sigmoid", ["x"], ["s"]), N("Tanh", ["s"], ["y"])], {"x": ("float32", [4, 8])},
+                 {"y": ("float32", [4, 8])})
+    mini = model([N("Tanh", ["x"], ["y"])], {"x": ("float32", [4, 8])}, {"y": ("float32", [4, 8])})
+    k = tuning.replicas(orig, mini)
+    assert k == tuning.MAX_REPLICAS
+    assert tuning._time_pair(FakeTimer(True), orig, mini, graphs=True) == ("CUDA graph", k, pytest.approx(0.2),
+                                                                          pytest.approx(0.3))
+    assert calls == [(False, True, k), (True, True, k)]
     calls.clear()
-    assert tuning._time_pair(FakeTimer(False), orig, mini, graphs=True) == ("plain", 0.2, 0.3)
-    assert calls == [(False, True), (False, False), (True, False)]
+    assert tuning._time_pair(FakeTimer(False), orig, mini, graphs=True) == ("plain", 1, 0.2, 0.3)
+    assert calls == [(False, True, k), (False, False, 1), (True, False, 1)]
     calls.clear()
-    assert tuning._time_pair(FakeTimer(True), orig, mini, graphs=False) == ("plain", 0.2, 0.3)
-    assert calls == [(False, False), (True, False)]
+    assert tuning._time_pair(FakeTimer(True), orig, mini, graphs=False) == ("plain", 1, 0.2, 0.3)
+    assert calls == [(False, False, 1), (True, False, 1)]
+
+
+def test_replicated_models_compute_every_copy_on_its_own_inputs():
+    """k copies, each on its own inputs (so ORT cannot merge them as common subexpressions),
+    sharing initializers; each copy's outputs are the single model's on that copy's inputs.
+    The number of copies fits the byte budget."""
+    w = np.arange(8, dtype=np.float32).reshape(1, 8)
+    m = model([N("Add", ["x", "w"], ["a"]), N("Tanh", ["a"], ["y"])], {"x": ("float32", [4, 8])},
+              {"y": ("float32", [4, 8])}, {"w": w})
+    rep = tuning.replicated(m, 3)
+    onnx.checker.check_model(rep, full_check=True)
+    assert [i.name for i in rep.graph.input] == ["x__r0", "x__r1", "x__r2"]
+    assert [o.name for o in rep.graph.output] == ["y__r0", "y__r1", "y__r2"] and len(rep.graph.initializer) == 1
+    feeds = tuning.random_feeds(rep)
+    so = ort.SessionOptions()
+    got = ort.InferenceSession(rep.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
+    for r in range(3):
+        (want,) = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(
+            None, {"x": feeds[f"x__r{r}"]})
+        np.testing.assert_array_equal(got[r], want)
+    assert len({a.tobytes() for a in got}) == 3
+    assert tuning.replicated(m, 1) is m
+    big = model([N("Tanh", ["x"], ["y"])], {"x": ("float32", [64, 2**20])}, {"y": ("float32", [64, 2**20])})
+    assert tuning.replicas(big, m) == 1  # 512 MiB of inputs and outputs: one copy
 
 
 def test_convs_are_timed_before_the_budget_runs_out(monkeypatch):
@@ -413,7 +443,7 @@ def _fake_outputs(monkeypatch, errors: dict[str, float]):
     by errors["ort"], a candidate by errors[its label] (default: ORT's error)."""
     def outputs(self, models, feeds):
         out = {}
-        for label, (m, library, tf32) in models.items():
+        for label in models:
             err = 0.0 if label == "reference" else errors.get(label, errors["ort"])
             out[label] = {"y": np.full((2, 3), 1.0 + err, np.float32)}
         return out
