@@ -520,3 +520,18 @@ def test_accuracy_runs_the_reference_with_tf32_off(monkeypatch):
     gates = tuning.accuracy(tuning.Timer(CPU, None), m, {"optimized": m}, {})
     assert seen == {"reference": (False, False), "ort": (False, True), "optimized": (True, True)}
     assert gates["optimized"] == {"passed": True, "max_abs_err": 0.0, "ort_max_abs_err": 0.0, "failure": None}
+
+
+def test_accuracy_is_gated_only_where_tf32_was_chosen(monkeypatch):
+    """The gate guards the TF32 choice: with exact conv precisions (and for float16 convs)
+    no candidate is run for it, and the record says it was not checked."""
+    r, before = _optimized(vgg_stack(2, 8, 3, 16))
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+
+    def outputs(self, models, feeds):
+        raise AssertionError("no accuracy run expected")
+
+    monkeypatch.setattr(tuning.Timer, "outputs", outputs)
+    rec = tuning.tune(r, before, dict(NOT_COMPILED), lambda res: dict(NOT_COMPILED), CPU, [90],
+                      conv_precision="ieee")["tune"]
+    assert rec["kept"] == "optimized" and rec["accuracy"] is None
