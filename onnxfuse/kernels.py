@@ -99,7 +99,7 @@ def _plan_rounding(model, fused: list, specs: list, caller: list, conv_precision
     rounds = {f.node_name for f, s in convs if prerounds_weights(s)}
     may_store = {f.node_name for f, s in convs if s.dtype == "f32" and s.precision == "tf32"
                  and s.program.outputs[0][1] == "f32"}
-    if not rounds:
+    if not rounds and not any(f.x_rounded or f.round_y for f in fused):
         return fused, specs
     new = rounding.apply(model, fused, rounding.plan(model, rounds, may_store))
     changed = {f.node_name: f for f, g in zip(new, fused, strict=True) if f is not g}
@@ -214,19 +214,29 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     fused, specs = _plan_rounding(model, fused, specs, caller, conv_precision, weight_dims)
     results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
     failed = []
-    for f, ck in zip(fused, results, strict=True):
-        if isinstance(ck, aot.CompileFailure):
+    while bad := {i for i, ck in enumerate(results) if isinstance(ck, aot.CompileFailure)}:
+        for i in sorted(bad):
+            f, ck = fused[i], results[i]
             unfuse(model, f)
             failed.append({"node": f.node_name, "kernel": f.kernel_name, "targets": list(ck.targets),
                            "error": ck.message, "nodes": len(f.source_nodes)})
+        keep = [i for i in range(len(fused)) if i not in bad]
+        fused, specs, results = [fused[i] for i in keep], [specs[i] for i in keep], [results[i] for i in keep]
+        # a conv that went back to ONNX Runtime no longer stores rounded values (nor rounds what
+        # it reads): plan again and compile the kernels whose flags change
+        new, specs = _plan_rounding(model, fused, specs, caller, conv_precision, weight_dims)
+        redo = [i for i, (a, b) in enumerate(zip(new, fused, strict=True)) if a is not b]
+        fused = new
+        for i, ck in zip(redo, aot.compile_kernels([specs[i] for i in redo], targets, jobs=jobs, errors="collect")
+                         if redo else [], strict=True):
+            results[i] = ck
     nodes = {n.name: n for n in model.graph.node}  # after unfuse, which rebuilds the node list
-    compiled = [ck for ck in results if not isinstance(ck, aot.CompileFailure)]
+    compiled = list(results)
     rounded: set[str] = set()
     for f, spec, ck in zip(fused, specs, results, strict=True):
-        if not isinstance(ck, aot.CompileFailure):
-            aot.attach(nodes[f.node_name], ck)
-            if isinstance(spec, aot.ConvSpec) and prerounds_weights(spec) and f.inputs[1] not in rounded:
-                rounded.add(f.inputs[1])
+        aot.attach(nodes[f.node_name], ck)
+        if isinstance(spec, aot.ConvSpec) and prerounds_weights(spec):
+            rounded.add(f.inputs[1])
     _round_weights(model, rounded)
     seconds = sum(c.compile_seconds for c in compiled)
     hits = sum(c.cache_hits for c in compiled)

@@ -18,7 +18,10 @@ output, an Add, a Sigmoid, an extra input of an epilogue, a subgraph) is stored 
 
 `plan` decides both flags for the nodes of a model after the layout pass; `apply` gives the
 nodes whose kernels change new kernel names (suffix `_rx` for x_rounded, `_ry` for round_y),
-each with a copy of its function (the same body: the flags change no ONNX semantics).
+each with a copy of its function (the same body: the flags change no ONNX semantics). When a
+kernel fails to compile and its node goes back to its original nodes, the plan is made
+again for the rest (`onnxfuse.kernels.compile_fused`): a reader must not skip rounding
+values that an ONNX Runtime conv now writes unrounded.
 """
 
 from __future__ import annotations
@@ -104,11 +107,18 @@ def plan(model: ModelProto, rounding: set[str], may_store: set[str]) -> Plan:
     return Plan(round_y, x_rounded)
 
 
+def base_name(kernel_name: str) -> str:
+    """A kernel name without the suffixes `apply` adds."""
+    for suffix in ("_ry", "_rx"):
+        kernel_name = kernel_name.removesuffix(suffix)
+    return kernel_name
+
+
 def apply(model: ModelProto, fused: list, p: Plan) -> list:
-    """The FusedNode values with the plan's flags; nodes whose flags are set get a kernel name
-    with suffix `_rx` / `_ry` and a function of that overload (a copy: the same body)."""
-    if not p.round_y and not p.x_rounded:
-        return list(fused)
+    """The FusedNode values with the plan's flags. A node whose flags change gets the kernel
+    name of its flags (its name without `_rx` / `_ry`, then `_rx` for x_rounded and `_ry`
+    for round_y) and a function of that overload (a copy: the same body); unchanged nodes
+    are returned as they are (the same objects)."""
     nodes = {n.name: n for n in model.graph.node if n.domain == DOMAIN}
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     added: dict[str, FunctionProto] = {}
@@ -116,20 +126,22 @@ def apply(model: ModelProto, fused: list, p: Plan) -> list:
     out = []
     for f in fused:
         rx, ry = f.node_name in p.x_rounded, f.node_name in p.round_y
-        if not (rx or ry):
+        if f.kind != "conv" or (rx, ry) == (f.x_rounded, f.round_y):
             out.append(f)
             continue
         node = nodes[f.node_name]
-        name = f.kernel_name + ("_rx" if rx else "") + ("_ry" if ry else "")
+        name = base_name(f.kernel_name) + ("_rx" if rx else "") + ("_ry" if ry else "")
         key = (node.domain, node.op_type, node.overload)
         renamed.add(key)
-        if name not in added:
+        if name not in added and (node.domain, node.op_type, name) not in functions:
             fn = FunctionProto()
             fn.CopyFrom(functions[key])
             fn.overload = name
             added[name] = fn
         node.overload = name
         out.append(dataclasses.replace(f, kernel_name=name, x_rounded=rx, round_y=ry))
+    if not renamed:
+        return out
     used = {(n.domain, n.op_type, n.overload) for n in model.graph.node}
     kept = [fn for fn in model.functions if (k := (fn.domain, fn.name, fn.overload)) in used or k not in renamed]
     present = {(fn.domain, fn.name, fn.overload) for fn in kept}

@@ -212,3 +212,29 @@ def test_on_cuda_the_plan_gives_the_same_bits(tmp_path, monkeypatch, build):
     got = session(planned.model, True).run(None, feeds)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_a_producer_that_fails_to_compile_leaves_its_readers_rounding(tmp_path, monkeypatch):
+    """conv1's kernel fails to compile: its node goes back to the original Conv + Relu, which
+    writes unrounded values, so conv2 and conv3 (reading them through Split and Concat) must
+    round their activations again; conv2 still stores its output rounded for conv3."""
+    from onnxfuse import compile as aot
+
+    real = aot.compile_kernels
+
+    def failing(specs, targets, *args, **kw):
+        out = real([s for s in specs if "conv1" not in str(s.source_nodes)], targets, *args, **kw)
+        it = iter(out)
+        return [aot.CompileFailure(s, tuple(targets), "injected") if "conv1" in str(s.source_nodes) else next(it)
+                for s in specs]
+
+    monkeypatch.setattr(aot, "compile_kernels", failing)
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    m = c2f()
+    r = optimize_model(m)
+    info = compile_hook("sm_90", layout="nhwc")(r)
+    assert len(info["failed"]) == 1 and "conv1" in info["failed"][0]["node"]
+    assert flags(r) == {"conv2": (False, True), "conv3": (False, False)}
+    assert any(n.op_type == "Conv" for n in r.model.graph.node)
+    onnx.checker.check_model(r.model, full_check=True)
+    check_same(m, r.model, library=True)
