@@ -7,11 +7,21 @@ Conv(X, W', B') with, per output channel k,
     W'[k] = W[k] * s[k]
     B'[k] = (B[k] - mean[k]) * s[k] + beta[k]      (B = 0 without a bias)
 
-computed in float64 and stored in the weights' dtype. The folded Conv writes the
-BatchNormalization's output tensor. Only when it is safe: every parameter is a constant
-initializer, the BatchNormalization is in inference mode with one output used, and it alone
-reads the conv output, which is not a graph output. Weights and biases that other nodes
-also read are left as they are (the folded values get new initializers).
+computed as ONNX Runtime's own ConvBNFusion computes them (the graph optimization it applies
+at its default level, ORT_ENABLE_BASIC and above): one operation at a time in the weights'
+dtype, each result rounded to it, in ORT's order (var + eps, sqrt, scale / that, W * s;
+with a conv bias ((B - mean) * s) + beta, without one beta - mean * s). So where ORT folds
+the same pair in the original model, the folded Conv has its weights bit for bit, and a
+fused node's function body gives the original's results bit for bit (checked on the CPU
+provider, float32 and float16, tests/test_conv_patterns.py). With ORT's optimizations off
+(ORT_DISABLE_ALL) the original normalizes after the sum instead, and results differ by the
+fold's rounding: a few ulps of the conv's scale.
+
+The folded Conv writes the BatchNormalization's output tensor. Only when it is safe and ORT
+would fold it too: every parameter is a constant initializer, the BatchNormalization is in
+inference mode with one output used, which is not a graph output, and it alone reads the
+conv output, which is not a graph output either. Weights and biases that other nodes also
+read are left as they are (the folded values get new initializers).
 """
 
 from __future__ import annotations
@@ -88,7 +98,7 @@ def _foldable(conv: NodeProto, bn: NodeProto, inits: dict, readers: dict, graph_
     if conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx") or len(conv.input) < 2:
         return None
     y = conv.output[0]
-    if y in graph_outputs or len(readers.get(y, ())) != 1:
+    if y in graph_outputs or len(readers.get(y, ())) != 1 or bn.output[0] in graph_outputs:
         return None
     attrs = node_attrs(bn)
     if attrs.get("training_mode", 0) or attrs.get("spatial", 1) != 1 or len(bn.input) != 5:
@@ -104,7 +114,7 @@ def _foldable(conv: NodeProto, bn: NodeProto, inits: dict, readers: dict, graph_
         if b is None or b.data_type != w.data_type:
             return None
     params = [inits.get(name) for name in bn.input[1:]]
-    if any(p is None or p.data_type not in FLOAT_WEIGHTS for p in params):
+    if any(p is None or p.data_type != w.data_type or len(p.dims) != 1 for p in params):
         return None
     k = w.dims[0]
     arrays = [numpy_helper.to_array(t) for t in [w, *params]]
@@ -115,13 +125,25 @@ def _foldable(conv: NodeProto, bn: NodeProto, inits: dict, readers: dict, graph_
 
 def _folded(w: np.ndarray, b: np.ndarray | None, scale: np.ndarray, beta: np.ndarray, mean: np.ndarray,
             var: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray]:
-    """W' and B' in float64 arithmetic, stored in W's dtype."""
-    f = np.float64
-    s = scale.astype(f) / np.sqrt(var.astype(f) + eps)
-    bias = np.zeros(w.shape[0], f) if b is None else b.astype(f)
-    w2 = w.astype(f) * s.reshape((-1,) + (1,) * (w.ndim - 1))
-    b2 = (bias - mean.astype(f)) * s + beta.astype(f)
-    return w2.astype(w.dtype), b2.astype(w.dtype)
+    """W' and B' as ONNX Runtime's ConvBNFusion computes them (module docstring): each
+    operation in float32 (float64 for double weights) and its result rounded to W's dtype."""
+    dt = w.dtype
+    wide = np.float64 if dt == np.float64 else np.float32
+
+    def f(a: np.ndarray) -> np.ndarray:  # an operand, widened
+        return np.asarray(a).astype(wide)
+
+    def r(a: np.ndarray) -> np.ndarray:  # a result, rounded to the weights' dtype
+        return np.asarray(a).astype(dt)
+
+    eps32 = wide(np.float32(eps))  # the attribute is a float, added as one
+    s = r(f(scale) / f(r(np.sqrt(f(r(f(var) + eps32))))))
+    w2 = r(f(w) * f(s).reshape((-1,) + (1,) * (w.ndim - 1)))
+    if b is not None:
+        b2 = r(f(r(f(r(f(b) - f(mean))) * f(s))) + f(beta))
+    else:
+        b2 = r(f(beta) - f(r(f(mean) * f(s))))
+    return w2, b2
 
 
 def _store(g: onnx.GraphProto, inits: dict, readers: dict, graph_outputs: set[str], name: str,
