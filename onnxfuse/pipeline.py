@@ -45,6 +45,9 @@ class Report:
     fused: list[FusionRecord] = field(default_factory=list)
     not_fused: dict[str, int] = field(default_factory=dict)  # reason -> nodes
     folded_batchnorm: int = 0  # BatchNormalization nodes folded into the Conv before them
+    # static input shapes given (--shape): the inputs' dims and the shape arithmetic folded
+    # into constants (onnxfuse.static), in one line
+    static_shapes: str | None = None
     compile: dict | None = None
     seconds: float = 0.0
     warnings: list[str] = field(default_factory=list)
@@ -54,6 +57,8 @@ class Report:
 
     def summary(self) -> str:
         lines = [f"nodes: {self.nodes_before} -> {self.nodes_after}"]
+        if self.static_shapes:
+            lines.append(self.static_shapes)
         if self.folded_batchnorm:
             lines.append(f"folded_batchnorm: {self.folded_batchnorm} BatchNormalization into Conv weights")
         if self.patterns_applied:
@@ -124,10 +129,14 @@ def for_layout(patterns: list[Pattern], layout: str) -> list[Pattern]:
     return patterns if layout == "nhwc" else [p for p in patterns if p.name not in NHWC_ONLY_PATTERNS]
 
 
-def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, layout: str = "nchw") -> Result:
+def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, layout: str = "nchw",
+                   static_shapes: dict[str, tuple[int, ...]] | None = None) -> Result:
     """Fuse a model in memory. The input model is not modified. `patterns` defaults to the
     built-in ones, for `layout` (see NHWC_ONLY_PATTERNS; the NHWC pass itself runs with
-    the kernels, `onnxfuse.kernels.compile_hook`).
+    the kernels, `onnxfuse.kernels.compile_hook`). `static_shapes` (input name -> dims, every
+    input): the written model takes those shapes only, and the shape arithmetic they decide
+    is folded into constants first (`onnxfuse.static`), so that ONNX Runtime can run every
+    node on the GPU and capture CUDA graphs.
 
     A model whose default-domain opset is newer than this onnxfuse knows (or older than
     `onnxfuse.load.MIN_OPSET`) comes back unchanged (a copy), with a warning: an op may
@@ -143,7 +152,14 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, lay
         result.warn(f"{too_new}: the model is left unchanged")
         result.report.seconds = time.perf_counter() - t0
         return result
-    canonical = canonicalize(model)                       # exporters' habits undone
+    static = None
+    if static_shapes:
+        from onnxfuse.static import fold_shape_arithmetic
+
+        model_in, static = fold_shape_arithmetic(model, static_shapes)  # Shape -> ... -> Reshape: constants
+    else:
+        model_in = model
+    canonical = canonicalize(model_in)                    # exporters' habits undone
     canonical, folded = fold_batchnorm(canonical)         # Conv -> BatchNormalization: one Conv
     inferred = infer_shapes(canonical)                    # types and shapes for matching
     view = GraphView.build(canonical, inferred)           # producers, consumers, constants
@@ -157,6 +173,7 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, lay
                             len(f.inputs), len(f.outputs)) for f in fused],
         not_fused=dict(found.rejected),
         folded_batchnorm=folded,
+        static_shapes=static.summary() if static is not None else None,
     )
     for reason, count in _not_visited(canonical, patterns).items():
         report.not_fused[reason] = report.not_fused.get(reason, 0) + count

@@ -1,0 +1,202 @@
+"""Static shapes: fix a model's input dims and fold the shape arithmetic they decide.
+
+Exporters write shape computations into the graph: Shape -> Gather -> Unsqueeze -> Concat ->
+Reshape, a Slice whose ends come from a Shape, Range / ConstantOfShape sized by one. ONNX
+Runtime runs these small integer nodes on the CPU (their outputs are read by the host), so a
+model with them cannot be captured in a CUDA graph ("not all nodes partitioned to the CUDA
+EP"), and every run pays for the copies. When the user names the input shapes (`optimize
+--shape`), they are constants: `fold_shape_arithmetic` fixes the graph inputs to those dims,
+infers every tensor's shape, and replaces each node whose value then follows from constants
+alone (Shape and Size of a tensor of static shape, then anything whose inputs are all known
+and small) by an initializer, evaluated with ONNX's reference implementation.
+
+Only small values are folded (at most MAX_ELEMENTS per output: shapes, indices, scalars);
+nodes that would make large constants (a ConstantOfShape filling an activation-sized
+tensor) stay nodes. Subgraphs (If / Loop bodies) are not entered. The model is then valid for
+those input shapes only, which its inputs now say: another shape fails in ONNX Runtime's
+input check instead of computing with stale shapes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import ModelProto, helper, numpy_helper
+
+from onnxfuse.errors import OnnxfuseError
+
+MAX_ELEMENTS = 4096
+# Ops evaluated when all their inputs are known: integer and shape arithmetic, data movement
+# of small tensors. Anything random, stateful or with subgraphs is left alone.
+FOLDABLE = frozenset({
+    "Shape", "Size", "Gather", "GatherElements", "Concat", "Unsqueeze", "Squeeze", "Slice", "Cast", "Reshape",
+    "Flatten", "Identity", "Transpose", "Expand", "Tile", "Range", "ConstantOfShape", "Constant", "Add", "Sub",
+    "Mul", "Div", "Mod", "Neg", "Abs", "Floor", "Ceil", "Min", "Max", "Equal", "Less", "Greater", "LessOrEqual",
+    "GreaterOrEqual", "Not", "And", "Or", "Where", "ReduceProd", "ReduceSum", "ReduceMin", "ReduceMax",
+    "Sqrt", "Split", "Pow",
+})
+
+
+@dataclass
+class Folded:
+    """What `fold_shape_arithmetic` did: the inputs' dims and the nodes it replaced."""
+
+    inputs: dict[str, tuple[int, ...]]
+    nodes: Counter = field(default_factory=Counter)  # op type -> nodes folded
+
+    def summary(self) -> str:
+        shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in self.inputs.items())
+        if not self.nodes:
+            return f"static shapes {shapes}: no shape arithmetic to fold"
+        ops = ", ".join(f"{op} {n}" for op, n in self.nodes.most_common())
+        return f"static shapes {shapes}: folded {sum(self.nodes.values())} nodes of shape arithmetic ({ops})"
+
+
+def with_input_dims(model: ModelProto, dims: dict[str, tuple[int, ...]]) -> ModelProto:
+    """A copy of `model` whose graph inputs named in `dims` have those static dims (same rank)."""
+    out = ModelProto()
+    out.CopyFrom(model)
+    inits = {t.name for t in out.graph.initializer}
+    for vi in out.graph.input:
+        if vi.name in inits or vi.name not in dims:
+            continue
+        shape = vi.type.tensor_type.shape
+        want = dims[vi.name]
+        if len(shape.dim) != len(want):
+            raise OnnxfuseError(f"--shape {vi.name}: {len(want)} dims given, the input has {len(shape.dim)}")
+        for d, v in zip(shape.dim, want, strict=True):
+            if d.HasField("dim_value") and d.dim_value != v:
+                raise OnnxfuseError(f"--shape {vi.name}={','.join(map(str, want))}: the model fixes that dim to "
+                                    f"{d.dim_value}")
+            d.Clear()
+            d.dim_value = int(v)
+    return out
+
+
+def fold_shape_arithmetic(model: ModelProto, dims: dict[str, tuple[int, ...]]) -> tuple[ModelProto, Folded]:
+    """`model` with its inputs fixed to `dims` (input name -> dims, every non-initializer
+    input) and its shape arithmetic folded into initializers (module docstring)."""
+    inits = {t.name for t in model.graph.initializer}
+    missing = [vi.name for vi in model.graph.input if vi.name not in inits and vi.name not in dims]
+    if missing:
+        raise OnnxfuseError(f"static shapes need every input's dims; missing: {', '.join(missing)}")
+    m = with_input_dims(model, dims)
+    report = Folded({vi.name: tuple(dims[vi.name]) for vi in m.graph.input if vi.name not in inits})
+    for _ in range(MAX_ROUNDS):  # a folded Reshape target lets inference size what follows
+        before = sum(report.nodes.values())
+        m = _fold_once(m, report)
+        if sum(report.nodes.values()) == before:
+            break
+    return _fresh_value_info(m), report
+
+
+def _fresh_value_info(m: ModelProto) -> ModelProto:
+    """The exporter's value_info holds symbolic dims that the static inputs now decide: it
+    is replaced by what inference gives at those inputs (kept as it is when inference fails)."""
+    bare = ModelProto()
+    bare.CopyFrom(m)
+    del bare.graph.value_info[:]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001
+        return m
+    del m.graph.value_info[:]
+    m.graph.value_info.extend(inferred.graph.value_info)
+    return m
+
+
+MAX_ROUNDS = 8
+
+
+def _fold_once(m: ModelProto, report: Folded) -> ModelProto:
+    """One round: infer shapes, fold what follows from constants, count it in `report`."""
+    bare = ModelProto()
+    bare.CopyFrom(m)
+    del bare.graph.value_info[:]  # the exporter's symbolic dims would stay as they are
+    try:
+        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True)
+    except Exception:  # noqa: BLE001  (onnx raises several types) a model onnx cannot infer folds nothing
+        return m
+    shapes = {}
+    for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
+        t = vi.type.tensor_type
+        if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+            shapes[vi.name] = tuple(d.dim_value for d in t.shape.dim)
+    g = m.graph
+    known: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer
+                                    if int(np.prod(t.dims)) <= MAX_ELEMENTS}
+    opsets = list(m.opset_import)
+    folded: set[int] = set()
+    for i, n in enumerate(g.node):
+        if n.domain not in ("", "ai.onnx") or n.op_type not in FOLDABLE or _has_subgraph(n):
+            continue
+        values = _evaluate(n, known, shapes, opsets)
+        if values is None:
+            continue
+        known.update(values)
+        folded.add(i)
+        report.nodes[n.op_type] += 1
+    if not folded:
+        return m
+    kept = [n for i, n in enumerate(g.node) if i not in folded]
+    read = {x for n in kept for x in n.input} | {o.name for o in g.output} | _captured(kept)
+    produced = {o for i in folded for o in g.node[i].output if o}
+    graph_inputs = {vi.name for vi in g.input}
+    old = [t for t in g.initializer if t.name in read or t.name in graph_inputs]
+    new = [numpy_helper.from_array(known[name], name) for name in sorted(produced & read)]
+    del g.initializer[:]
+    g.initializer.extend(old + new)
+    del g.node[:]
+    g.node.extend(kept)
+    alive = read | {o for n in kept for o in n.output} | graph_inputs
+    infos = [v for v in g.value_info if v.name in alive]
+    del g.value_info[:]
+    g.value_info.extend(infos)
+    return m
+
+
+def _evaluate(n: onnx.NodeProto, known: dict[str, np.ndarray], shapes: dict, opsets) -> dict | None:
+    """The node's outputs by name when they follow from known values (None otherwise)."""
+    if n.op_type in ("Shape", "Size"):
+        x = n.input[0]
+        if x not in shapes and x not in known:
+            return None
+        dims = np.array(known[x].shape if x in known else shapes[x], np.int64)
+        if n.op_type == "Size":
+            return {n.output[0]: np.array(int(np.prod(dims)), np.int64)}
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        start, end = attrs.get("start", 0), attrs.get("end", None)
+        return {n.output[0]: dims[start:end]}
+    inputs = [x for x in n.input if x]
+    if any(x not in known for x in inputs):
+        return None
+    from onnx.reference import ReferenceEvaluator
+
+    graph = helper.make_graph([n], "fold", [], [helper.make_tensor_value_info(o, 0, None) for o in n.output if o],
+                              [numpy_helper.from_array(known[x], x) for x in dict.fromkeys(inputs)])
+    try:
+        outs = ReferenceEvaluator(helper.make_model(graph, opset_imports=opsets)).run(None, {})
+    except Exception:  # noqa: BLE001  a node the reference cannot run is not folded
+        return None
+    values = {o: np.asarray(v) for o, v in zip([o for o in n.output if o], outs, strict=True)}
+    if any(v.size > MAX_ELEMENTS or v.dtype == object for v in values.values()):
+        return None
+    return values
+
+
+def _has_subgraph(n: onnx.NodeProto) -> bool:
+    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)
+
+
+def _captured(nodes) -> set[str]:
+    """Names the subgraphs of `nodes` read (they may read folded values)."""
+    names: set[str] = set()
+    for n in nodes:
+        for a in n.attribute:
+            for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                names.update(x for m in sg.node for x in m.input)
+                names |= _captured(sg.node)
+    return names

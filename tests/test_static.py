@@ -1,0 +1,88 @@
+"""Static shapes (onnxfuse/static.py): inputs fixed to the given dims, shape arithmetic folded
+into constants, the model computing what it computed at those shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import helper, numpy_helper
+
+from onnxfuse import optimize_model
+from onnxfuse.errors import OnnxfuseError
+from onnxfuse.static import MAX_ELEMENTS, fold_shape_arithmetic
+from tests.util import model
+
+N = helper.make_node
+
+
+def flatten_head(big_fill: bool = False) -> onnx.ModelProto:
+    """What exporters write for `x.view(x.shape[0], -1, x.shape[3])` and a sigmoid: Shape,
+    Gather, Unsqueeze, Concat, Reshape; with big_fill also a ConstantOfShape of x's shape
+    (an activation-sized tensor) added to x."""
+    nodes = [N("Shape", ["x"], ["s"]),
+             N("Gather", ["s", "i0"], ["n"], axis=0), N("Gather", ["s", "i3"], ["w"], axis=0),
+             N("Unsqueeze", ["n", "ax"], ["n1"]), N("Unsqueeze", ["w", "ax"], ["w1"]),
+             N("Concat", ["n1", "minus1", "w1"], ["shape"], axis=0),
+             N("Reshape", ["x", "shape"], ["r"]), N("Sigmoid", ["r"], ["y"])]
+    inits = {"i0": np.array(0, np.int64), "i3": np.array(3, np.int64), "ax": np.array([0], np.int64),
+             "minus1": np.array([-1], np.int64)}
+    outputs = {"y": ("float32", ["N", None, "W"])}
+    if big_fill:
+        nodes += [N("ConstantOfShape", ["s"], ["ones"], value=numpy_helper.from_array(np.ones(1, np.float32))),
+                  N("Add", ["x", "ones"], ["z"])]
+        outputs["z"] = ("float32", ["N", 4, "H", "W"])
+    return model(nodes, {"x": ("float32", ["N", 4, "H", "W"])}, outputs, inits, opset=17)
+
+
+def run(m: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def test_shape_arithmetic_becomes_constants():
+    m = flatten_head()
+    folded, report = fold_shape_arithmetic(m, {"x": (2, 4, 8, 16)})
+    onnx.checker.check_model(folded, full_check=True)
+    assert [n.op_type for n in folded.graph.node] == ["Reshape", "Sigmoid"]
+    shape = {t.name: numpy_helper.to_array(t) for t in folded.graph.initializer}[folded.graph.node[0].input[1]]
+    np.testing.assert_array_equal(shape, [2, -1, 16])
+    assert [d.dim_value for d in folded.graph.input[0].type.tensor_type.shape.dim] == [2, 4, 8, 16]
+    assert sum(report.nodes.values()) == 6 and report.nodes["Gather"] == 2
+    assert report.summary().startswith("static shapes x=2x4x8x16: folded 6 nodes of shape arithmetic (")
+    assert {t.name for t in folded.graph.initializer} == {folded.graph.node[0].input[1]}  # the rest unread
+    x = np.random.default_rng(0).standard_normal((2, 4, 8, 16)).astype(np.float32)
+    np.testing.assert_array_equal(run(folded, {"x": x})[0], run(m, {"x": x})[0])
+    with pytest.raises(Exception, match="(?i)dimension|shape"):  # the inputs say which shapes it takes
+        run(folded, {"x": np.zeros((3, 4, 8, 16), np.float32)})
+    assert m.graph.node[0].op_type == "Shape"  # the input model is not changed
+
+
+def test_large_values_stay_nodes():
+    """A ConstantOfShape as large as an activation is not made a constant."""
+    folded, report = fold_shape_arithmetic(flatten_head(big_fill=True), {"x": (2, 4, 32, 64)})
+    assert 2 * 4 * 32 * 64 > MAX_ELEMENTS
+    assert "ConstantOfShape" in [n.op_type for n in folded.graph.node] and "ConstantOfShape" not in report.nodes
+    assert "Shape" not in report.nodes or [n.op_type for n in folded.graph.node].count("Shape") == 0
+
+
+def test_every_input_needs_its_dims_and_fixed_dims_must_agree():
+    m = model([N("Add", ["a", "b"], ["y"])], {"a": ("float32", ["N", 3]), "b": ("float32", [1, 3])},
+              {"y": ("float32", ["N", 3])})
+    with pytest.raises(OnnxfuseError, match="missing: b"):
+        fold_shape_arithmetic(m, {"a": (2, 3)})
+    with pytest.raises(OnnxfuseError, match="fixes that dim to 3"):
+        fold_shape_arithmetic(m, {"a": (2, 4), "b": (1, 3)})
+    with pytest.raises(OnnxfuseError, match="2 dims given, the input has 4"):
+        fold_shape_arithmetic(flatten_head(), {"x": (2, 4)})
+
+
+def test_optimize_with_static_shapes_reports_the_fold_and_keeps_the_results():
+    m = flatten_head()
+    r = optimize_model(m, static_shapes={"x": (2, 4, 8, 16)})
+    assert r.report.static_shapes.startswith("static shapes x=2x4x8x16: folded 6 nodes")
+    assert r.report.summary().splitlines()[1] == r.report.static_shapes
+    assert not any(n.op_type in ("Shape", "Gather", "Concat") for n in r.model.graph.node)
+    x = np.random.default_rng(1).standard_normal((2, 4, 8, 16)).astype(np.float32)
+    np.testing.assert_allclose(run(r.model, {"x": x})[0], run(m, {"x": x})[0], rtol=1e-6)
+    assert optimize_model(m).report.static_shapes is None
