@@ -41,7 +41,7 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():  # the report carries them; printed below
         warnings.simplefilter("ignore", OnnxfuseWarning)
         report = optimize(src, dst, args.patterns or (), compile_hook=hook, exclude=args.exclude_pattern or (),
-                          layout=layout)
+                          layout=layout, shapes=_shapes(args), batch=args.batch)
     print(report.summary())
     print(f"wrote {dst}")
     for w in report.warnings:
@@ -49,6 +49,12 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     if args.json:
         write_text(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
     return 0
+
+
+def _shapes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
+    from onnxfuse.bench import parse_assignments, parse_dims
+
+    return {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
 
 
 def _tune_settings(args: argparse.Namespace):
@@ -134,9 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tune-budget", type=float, metavar="SECONDS",
                    help="per-node timing stops after this long (default 60); the whole-model check always runs")
     p.add_argument("--shape", action="append", metavar="NAME=DIMS",
-                   help="tuning: the shape to measure at, of an input (x=32,3,224,224) or a named dim (seq=128)")
+                   help="the input shape the model will run at, of an input (x=32,3,224,224) or a named dim "
+                        "(seq=128): tuning measures there, and when --shape/--batch give every symbolic dim the "
+                        "written model takes that shape only, its shape arithmetic folded into constants (every "
+                        "node on the GPU, CUDA graphs possible)")
     p.add_argument("--batch", type=int, default=None,
-                   help="tuning: size of symbolic leading dims (default 1)")
+                   help="size of symbolic leading dims (tuning: default 1); with the other dims fixed or given, "
+                        "makes the written model static as --shape does")
     p.set_defaults(func=_cmd_optimize)
 
     p = sub.add_parser("patterns", help="list the loaded fusion patterns")

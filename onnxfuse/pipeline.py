@@ -214,11 +214,15 @@ def _not_visited(model: ModelProto, patterns: list[Pattern]) -> Counter:
 
 def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
              pattern_dirs: list[str] | tuple = (), compile_hook=None, exclude: list[str] | tuple = (),
-             layout: str | None = None) -> Report:
+             layout: str | None = None, shapes: dict[str, tuple[int, ...]] | None = None,
+             batch: int | None = None) -> Report:
     """Read, fuse and atomically write a model file. compile_hook(result) may attach kernels
     (and run the NHWC pass). `layout` picks the patterns (NHWC_ONLY_PATTERNS with "nhwc");
     by default it is the layout `onnxfuse.kernels.compile_hook` was made with, else "nchw".
-    A layout other than the hook's is an error: the patterns and the pass must agree."""
+    A layout other than the hook's is an error: the patterns and the pass must agree.
+    `shapes` / `batch` (as `--shape` / `--batch`): when they give every symbolic dim, the
+    written model takes those input shapes only and its shape arithmetic is folded
+    (`optimize_model`'s static_shapes); otherwise the report says which dim was left open."""
     hook_layout = getattr(compile_hook, "layout", None)
     if layout is None:
         layout = hook_layout or "nchw"
@@ -228,7 +232,14 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
     t0 = time.perf_counter()
     patterns = for_layout(select_patterns(load_patterns(pattern_dirs), exclude), layout)
     model = load_model(input_path)
-    result = optimize_model(model, patterns)
+    static, why = (None, None)
+    if shapes or batch is not None:
+        from onnxfuse.static import resolve_dims
+
+        static, why = resolve_dims(model, dict(shapes or {}), batch)
+    result = optimize_model(model, patterns, static_shapes=static)
+    if why:
+        result.report.static_shapes = why
     if compile_hook is not None:
         result.report.compile = compile_hook(result)
     save_model(result.model, output_path)

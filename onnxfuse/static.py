@@ -55,6 +55,19 @@ class Folded:
         return f"static shapes {shapes}: folded {sum(self.nodes.values())} nodes of shape arithmetic ({ops})"
 
 
+def resolve_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]], batch: int | None
+                 ) -> tuple[dict[str, tuple[int, ...]] | None, str | None]:
+    """Every input's dims from `--shape` (input names or dim names) and `--batch` (symbolic
+    leading dims), as bench and tuning read them; (None, why) when a symbolic dim is left
+    open (the model then stays dynamic)."""
+    from onnxfuse.bench import BenchSettings, _signature, resolve_inputs
+
+    specs, notes = resolve_inputs(_signature(model), BenchSettings(shapes=shapes, batch=batch), "the model")
+    if notes:
+        return None, f"not made static, a symbolic dim is not given: {notes[0]}"
+    return {s.name: s.shape for s in specs}, None
+
+
 def with_input_dims(model: ModelProto, dims: dict[str, tuple[int, ...]]) -> ModelProto:
     """A copy of `model` whose graph inputs named in `dims` have those static dims (same rank)."""
     out = ModelProto()

@@ -86,3 +86,20 @@ def test_optimize_with_static_shapes_reports_the_fold_and_keeps_the_results():
     x = np.random.default_rng(1).standard_normal((2, 4, 8, 16)).astype(np.float32)
     np.testing.assert_allclose(run(r.model, {"x": x})[0], run(m, {"x": x})[0], rtol=1e-6)
     assert optimize_model(m).report.static_shapes is None
+
+
+def test_cli_shape_makes_the_written_model_static(tmp_path, capsys):
+    from onnxfuse.cli import main
+
+    src, dst = tmp_path / "m.onnx", tmp_path / "o.onnx"
+    onnx.save(flatten_head(), src)
+    assert main(["optimize", str(src), str(dst), "--target", "none", "--shape", "x=2,4,8,16"]) == 0
+    out = capsys.readouterr().out
+    assert "static shapes x=2x4x8x16: folded 6 nodes of shape arithmetic" in out
+    written = onnx.load(str(dst))
+    assert [d.dim_value for d in written.graph.input[0].type.tensor_type.shape.dim] == [2, 4, 8, 16]
+    # a dim left open: the model stays dynamic and the report says why
+    assert main(["optimize", str(src), str(dst), "--target", "none", "--batch", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "not made static, a symbolic dim is not given: input 'x': dim 2 (H) set to 1" in out
+    assert onnx.load(str(dst)).graph.input[0].type.tensor_type.shape.dim[2].dim_param == "H"
