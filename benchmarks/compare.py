@@ -379,8 +379,10 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     orig = workdir / f"{case.name}.onnx"
     fused = workdir / f"{case.name}.onnxfuse.onnx"
     save_model(model, orig)
+    # onnxfuse as `onnxfuse optimize --shape ...` writes it at the case's shapes: static, its
+    # shape arithmetic folded (the original stays as exported)
     if dry:  # CPU: no kernels, no layout pass, no tuning
-        result = optimize_model(model)
+        result = optimize_model(model, static_shapes=dict(shapes))
         save_model(result.model, fused)
     else:
         from onnxfuse.kernels import compile_hook
@@ -389,7 +391,8 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         settings = None
         if tune:
             settings = TuneSettings(shapes=dict(shapes), **({"budget_s": tune_budget} if tune_budget else {}))
-        report = optimize(orig, fused, compile_hook=compile_hook("auto", tune=settings, layout="nhwc"))
+        report = optimize(orig, fused, compile_hook=compile_hook("auto", tune=settings, layout="nhwc"),
+                          shapes=dict(shapes))
         res.compile = (report.compile or {}).get("summary", "")
         res.tune = (report.compile or {}).get("tune")
         for w in report.warnings:

@@ -81,7 +81,7 @@ def with_input_dims(model: ModelProto, dims: dict[str, tuple[int, ...]]) -> Mode
         if len(shape.dim) != len(want):
             raise OnnxfuseError(f"--shape {vi.name}: {len(want)} dims given, the input has {len(shape.dim)}")
         for d, v in zip(shape.dim, want, strict=True):
-            if d.HasField("dim_value") and d.dim_value != v:
+            if d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != v:  # -1: dynamic (Paddle)
                 raise OnnxfuseError(f"--shape {vi.name}={','.join(map(str, want))}: the model fixes that dim to "
                                     f"{d.dim_value}")
             d.Clear()
