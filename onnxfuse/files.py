@@ -58,11 +58,10 @@ def check_output(path: str | os.PathLike) -> os.stat_result | None:
     folder exists and it is a regular file or does not exist (after following links).
     Returns the existing file's stat, or None."""
     p = Path(path)
-    real = target(p)
-    via = f" (the link's target {real})" if real != p else ""
     try:
-        st = os.stat(real)
+        st = os.stat(p)  # follows links, also /dev/stdout's to an open pipe
     except FileNotFoundError:
+        real = target(p)
         folder = real.parent if str(real.parent) else Path(".")
         if not folder.is_dir():
             raise OnnxfuseError(f"{p}: folder {folder} does not exist") from None
@@ -70,11 +69,23 @@ def check_output(path: str | os.PathLike) -> os.stat_result | None:
     except OSError as e:
         raise OnnxfuseError(f"{p}: cannot write ({e.strerror or e})") from None
     if stat.S_ISDIR(st.st_mode):
-        raise OnnxfuseError(f"{p}: is a directory{via}")
+        raise OnnxfuseError(f"{p}: is a directory")
     if not stat.S_ISREG(st.st_mode):
         kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
-        raise OnnxfuseError(f"{p}: is {kind}{via}, not a regular file; onnxfuse writes regular files only")
+        raise OnnxfuseError(f"{p}: is {kind}, not a regular file; onnxfuse writes regular files only")
+    for fd, name in _STREAMS:
+        try:
+            s = os.fstat(fd)
+        except OSError:
+            continue
+        if (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino):
+            raise OnnxfuseError(f"{p}: is this command's {name}; choose another path")
     return st
+
+
+# A regular file the command reads as stdin or writes as stdout or stderr (a shell's
+# `> log.txt`, also named as /dev/stdout) is not replaced.
+_STREAMS = ((0, "standard input"), (1, "standard output"), (2, "standard error"))
 
 
 def _identity(path: Path) -> tuple | None:

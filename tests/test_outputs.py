@@ -80,6 +80,21 @@ def test_link_to_a_character_device_is_refused(tmp_path, src, capsys):
     assert stat.S_ISCHR(os.stat(os.devnull).st_mode)
 
 
+@pytest.mark.parametrize("stdout", ["pipe", "file"])
+def test_dev_stdout_is_refused(tmp_path, src, stdout):
+    """/dev/stdout is a link to what stdout is: a pipe (refused as a FIFO) or a regular file
+    the shell opened (`> log.txt`): renamed over, the command's own output would go to an
+    unlinked file."""
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "analyze", str(src), "--json", "/dev/stdout"],
+                           stdout=subprocess.PIPE if stdout == "pipe" else f, stderr=subprocess.PIPE, text=True,
+                           cwd=ROOT, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert ("is a FIFO" if stdout == "pipe" else "is this command's standard output") in r.stderr
+    assert names(tmp_path) == ["log.txt", "m.onnx"]
+
+
 @pytest.mark.parametrize("writer", ["save_model", "write_text", "cli"])
 def test_symlink_is_written_through(tmp_path, src, writer):
     real = tmp_path / "real" / "model.onnx"
@@ -290,6 +305,18 @@ def test_external_data_file_gets_the_mode_too(tmp_path, src, umask, monkeypatch)
     pipeline.save_model(onnx.load(str(src)), out)
     assert mode(out) == 0o644 and mode(tmp_path / "big.onnx.data") == 0o640
     onnx.checker.check_model(onnx.load(str(out)))
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="only root may give files away")
+def test_replaced_file_keeps_its_owner_when_root_writes_it(tmp_path, src):
+    """A model served by another user, optimized again by root (a deployment job)."""
+    out = tmp_path / "o.onnx"
+    out.write_bytes(b"previous")
+    os.chown(out, 65534, 65534)
+    os.chmod(out, 0o640)
+    assert cli.main(["optimize", str(src), str(out), *NONE]) == 0
+    st = os.stat(out)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65534, 65534, 0o640)
 
 
 def test_symlink_target_keeps_its_mode(tmp_path, src, umask):
