@@ -415,8 +415,9 @@ def _create(path: str) -> int:
 
 
 def _keep_permissions(tmp: str, final: Path) -> None:
-    """Give the temporary file the permission bits of the file it replaces (and its owner
-    and group where allowed: as root), so a replaced file keeps them."""
+    """Give the temporary file the permission bits of the file it replaces, and its owner
+    and group where allowed (root; other users the group when they belong to it), so a
+    replaced file keeps them (a model served by a group goes on being readable by it)."""
     try:
         st = os.stat(final)
     except FileNotFoundError:
@@ -426,8 +427,12 @@ def _keep_permissions(tmp: str, final: Path) -> None:
         if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
             try:
                 os.chown(tmp, st.st_uid, st.st_gid)
-            except PermissionError:
-                pass
+            except PermissionError:  # not root: the group at least, where the user belongs to it
+                if mine.st_gid != st.st_gid:
+                    try:
+                        os.chown(tmp, -1, st.st_gid)
+                    except PermissionError:
+                        pass
     os.chmod(tmp, stat.S_IMODE(st.st_mode) & 0o777)
 
 

@@ -319,6 +319,24 @@ def test_replaced_file_keeps_its_owner_when_root_writes_it(tmp_path, src):
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65534, 65534, 0o640)
 
 
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to set up the group")
+def test_replaced_file_keeps_its_group_when_the_owner_cannot_be_kept(tmp_path, src, monkeypatch):
+    """A user of the file's group replaces it (simulated: chown of the owner refused)."""
+    out = tmp_path / "o.onnx"
+    out.write_bytes(b"previous")
+    os.chown(out, 65534, 4)
+    real = os.chown
+
+    def chown(path, uid, gid):
+        if uid != -1:
+            raise PermissionError(errno.EPERM, os.strerror(errno.EPERM))
+        real(path, uid, gid)
+
+    monkeypatch.setattr(os, "chown", chown)
+    pipeline.save_model(onnx.load(str(src)), out)
+    assert (os.stat(out).st_uid, os.stat(out).st_gid) == (os.geteuid(), 4)
+
+
 def test_symlink_target_keeps_its_mode(tmp_path, src, umask):
     real = tmp_path / "real.onnx"
     real.write_bytes(b"previous")
