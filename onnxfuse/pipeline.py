@@ -252,8 +252,8 @@ class Outputs:
     temporary files: no output is written and files already there are untouched.
 
     Permissions: a new file gets what `open()` gives it (0666 less the umask, or the
-    folder's default ACL); a file replaced keeps its permission bits, and its owner and
-    group where the writing user may set them (root)."""
+    folder's default ACL); a file replaced keeps its permission bits, its owner where the
+    writing user may set it (root) and its group where the user belongs to it."""
 
     def __init__(self, outputs=(), inputs=()):
         self.outputs = [Path(p) for p in outputs if p is not None]
