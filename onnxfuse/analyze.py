@@ -22,6 +22,8 @@ from pathlib import Path
 
 from onnxfuse.cost import ModelCost, NodeCost, model_cost, parse_shape_args
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.files import record_read
+from onnxfuse.text import abbreviate
 
 DTYPE_PEAKS = ("fp32", "tf32", "fp16")
 DEFAULT_THRESHOLD = 10.0
@@ -77,6 +79,7 @@ def load_device(spec: str) -> Device:
     p = Path(spec)
     if not p.is_file():
         raise OnnxfuseError(f"--device {spec}: not a preset ({', '.join(DEVICES)}) nor a device profile file")
+    record_read(p)
     try:
         d = json.loads(p.read_text())
         peaks = {k: float(v) for k, v in d["peak_tflops"].items()}
@@ -422,7 +425,8 @@ def format_group(g: FusionGroup) -> str:
     ib = g.flops_before / g.bytes_before if g.bytes_before else 0.0
     ia = g.flops_after / g.bytes_after if g.bytes_after else 0.0
     verb = "saved" if g.existing else "saves"
-    return (f"  {g.chain}: {g.round_trips_before} round trips → 1, {verb} {fmt_si(g.saved_bytes, 'B')} per inference "
+    chain = abbreviate(g.chain.split("→"), "→")
+    return (f"  {chain}: {g.round_trips_before} round trips → 1, {verb} {fmt_si(g.saved_bytes, 'B')} per inference "
             f"({fmt_intensity(ib)} → {fmt_intensity(ia)} FLOP/B, est. {fmt_time(g.time_before)} → "
             f"{fmt_time(g.time_after)})")
 
@@ -505,31 +509,34 @@ def _device_arg(args: argparse.Namespace) -> str | None:
 
 
 def _cmd_analyze(args: argparse.Namespace) -> int:
+    from onnxfuse.pipeline import Outputs
+
     if args.plot:
         from onnxfuse.plot import check_path
 
         check_path(args.plot)  # before the work
-    a = analyze(args.model, _device_arg(args), args.peak_tflops, args.bandwidth_tbps, args.dtype_peak,
-                args.threshold, parse_shape_args(args.shape), args.batch, args.patterns or (),
-                fuse=not args.no_fuse)
-    print(format_analysis(a, top=args.top or None))
-    if args.json:
-        _write(args.json, lambda p: Path(p).write_text(json.dumps(a.to_dict(), indent=2, default=_json_default)
-                                                       + "\n"))
-        print(f"wrote {args.json}")
-    if args.plot:
-        from onnxfuse.plot import plot_analysis
+    with Outputs([args.json, args.plot], [args.model, _device_file(args)]) as out:
+        a = analyze(args.model, _device_arg(args), args.peak_tflops, args.bandwidth_tbps, args.dtype_peak,
+                    args.threshold, parse_shape_args(args.shape), args.batch, args.patterns or (),
+                    fuse=not args.no_fuse)
+        if args.json:
+            out.text(args.json, json.dumps(a.to_dict(), indent=2, default=_json_default) + "\n")
+        if args.plot:
+            from onnxfuse.plot import plot_analysis
 
-        _write(args.plot, lambda p: plot_analysis(a, p))
-        print(f"wrote {args.plot}")
+            plot_analysis(a, args.plot, outputs=out)
+        out.commit()  # before printing: a reader that stops early (| head) loses no file
+    print(format_analysis(a, top=args.top or None))
+    for path in (args.json, args.plot):
+        if path:
+            print(f"wrote {path}")
     return 0
 
 
-def _write(path: str, write) -> None:
-    try:
-        write(path)
-    except OSError as e:
-        raise OnnxfuseError(f"{path}: cannot write ({e.strerror or e})") from None
+def _device_file(args: argparse.Namespace) -> str | None:
+    """--device or --profile-file when it names a file (an input of the command)."""
+    spec = _device_arg(args)
+    return spec if spec and spec.lower() not in DEVICES else None
 
 
 def _json_default(x):

@@ -571,6 +571,9 @@ def make_feeds(specs: list[InputSpec], settings: BenchSettings) -> dict[str, np.
 def _given_input(spec: InputSpec, value: str) -> np.ndarray:
     dtype = np.dtype(spec.dtype)
     if value.endswith(".npy"):
+        from onnxfuse.files import record_read
+
+        record_read(value)
         try:
             a = np.load(value, allow_pickle=False)
         except (OSError, ValueError) as e:
@@ -1125,21 +1128,31 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    """The `onnxfuse bench` command: print the table, write files, return the exit status."""
-    settings = settings_from_args(args)
-    report = bench(args.models, settings)
+    """The `onnxfuse bench` command: write files, print the table, return the exit status."""
+    from onnxfuse.pipeline import Outputs
+
+    markdown_file = args.markdown if args.markdown not in (None, "-") else None
+    with Outputs([args.json, markdown_file], [*args.models, *input_files(args.input)]) as out:
+        settings = settings_from_args(args)
+        report = bench(args.models, settings)
+        if markdown_file:
+            out.text(markdown_file, report.markdown())
+        if args.json:
+            out.text(args.json, report.to_json())
+        out.commit()  # before printing: a reader that stops early (| head) loses no file
     if args.markdown == "-":
         print(report.markdown(), end="")
     else:
         print(_table(report))
-        if args.markdown:
-            _write(args.markdown, report.markdown())
-    if args.json:
-        _write(args.json, report.to_json())
     failures = report.failures()
     for line in failures:
         print(f"onnxfuse: mismatch: {line}", file=sys.stderr)
     return EXIT_MISMATCH if failures else 0
+
+
+def input_files(assignments: list[str] | None) -> list[str]:
+    """The .npy files of --input NAME=VALUE options (inputs of the command)."""
+    return [v for a in assignments or () for v in [a.partition("=")[2]] if v.endswith(".npy")]
 
 
 def _table(report: BenchReport) -> str:
@@ -1161,9 +1174,3 @@ def _table(report: BenchReport) -> str:
     with console.capture() as cap:
         console.print(table)
     return cap.get().rstrip("\n")
-
-
-def _write(path: str, text: str) -> None:
-    from onnxfuse.pipeline import write_text
-
-    write_text(path, text)

@@ -24,7 +24,6 @@ them unfused (atomically; never over either input).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from onnx import ModelProto
 from onnxfuse import bench as ob
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.rewrite import DOMAIN, _unique, unfuse_node
+from onnxfuse.text import abbreviate
 
 EXIT_FAILS = 1
 _OVERLOAD = re.compile(r"^onnxfuse_(.+?)_[0-9a-f]{12}(_.*)?$")
@@ -241,12 +241,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_cli(args: argparse.Namespace) -> int:
     """The `onnxfuse bisect` command: print the culprits, write --write, return the exit status."""
-    if args.write:
-        for src in (args.original, args.optimized):
-            if _same_file(args.write, src):
-                raise OnnxfuseError(f"{args.write}: --write would overwrite the input {src}; choose another path")
-    settings = ob.settings_from_args(args)
-    r = bisect(args.original, args.optimized, settings)
+    from onnxfuse.pipeline import Outputs
+
+    with Outputs([args.write], [args.original, args.optimized, *ob.input_files(args.input)]) as out:
+        settings = ob.settings_from_args(args)
+        r = bisect(args.original, args.optimized, settings)
+        if args.write and r.model is not None:
+            out.model(args.write, r.model)
+        out.commit()  # before printing: a reader that stops early (| head) loses no file
     print(f"reference: {r.reference}")
     n = len(r.nodes)
     if r.status == "passes":
@@ -268,20 +270,10 @@ def run_cli(args: argparse.Namespace) -> int:
         width = max(len(c.node.name) for c in r.culprits)
         for c in r.culprits:
             what = c.node.op_type + (f", pattern {c.node.pattern}" if c.node.pattern else "")
-            ops = " ".join(c.node.ops)
+            ops = abbreviate(c.node.ops, " ")
             print(f"  {c.node.name:<{width}}  {what} ({ops}): alone err vs fp32 {_err(c.alone)} "
                   f"(ORT's own {_err(c.alone, 'ort_max_abs_err')}): {'passes' if c.passed else 'FAIL'}")
         print(f"with those unfused it passes (err vs fp32 {_err(r.after)})")
     if args.write and r.model is not None:
-        from onnxfuse.pipeline import save_model
-
-        save_model(r.model, args.write)
         print(f"wrote {args.write}")
     return 0 if r.status == "passes" else EXIT_FAILS
-
-
-def _same_file(a: str, b: str) -> bool:
-    pa, pb = Path(a), Path(b)
-    if pa.exists() and pb.exists():
-        return os.path.samefile(pa, pb)
-    return pa.resolve() == pb.resolve()

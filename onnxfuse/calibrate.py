@@ -196,12 +196,13 @@ def calibrate(size_mb: int = 1024, iters: int = 20) -> dict:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    profile = calibrate(args.size_mb, args.iters)
+    from onnxfuse.files import check_output
+    from onnxfuse.pipeline import write_text
+
     out = Path(args.out)
-    try:
-        out.write_text(json.dumps(profile, indent=2) + "\n")
-    except OSError as e:
-        raise OnnxfuseError(f"{out}: cannot write ({e.strerror or e})") from None
+    check_output(out)  # before measuring
+    profile = calibrate(args.size_mb, args.iters)
+    write_text(out, json.dumps(profile, indent=2) + "\n")
     p = profile["peak_tflops"]
     print(f"{profile['name']}: copy {profile['bandwidth_tbps']:.3g} TB/s; matmul "
           + ", ".join(f"{k} {v:.3g}" for k, v in p.items()) + " TFLOP/s"

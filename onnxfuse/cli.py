@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -12,14 +11,15 @@ from pathlib import Path
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 
 EXIT_BAD_INPUT = 2
+EXIT_BROKEN_PIPE = 128 + 13  # 141: what shells report for a process killed by SIGPIPE
 
 
 def _cmd_optimize(args: argparse.Namespace) -> int:
-    from onnxfuse.pipeline import optimize, write_text
+    from onnxfuse.files import check_paths
+    from onnxfuse.pipeline import optimize
 
     src, dst = Path(args.input), Path(args.output)
-    if src.exists() and dst.exists() and os.path.samefile(src, dst):
-        raise OnnxfuseError(f"{dst}: output would overwrite the input model; choose another path")
+    check_paths([src], [dst, args.json])  # before the work (optimize checks them again)
     hook = None
     if args.layout == "nhwc" and args.target == "none":
         raise OnnxfuseError("--layout nhwc is for the GPU kernels: it cannot be combined with --target none")
@@ -41,13 +41,11 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():  # the report carries them; printed below
         warnings.simplefilter("ignore", OnnxfuseWarning)
         report = optimize(src, dst, args.patterns or (), compile_hook=hook, exclude=args.exclude_pattern or (),
-                          layout=layout, shapes=_shapes(args), batch=args.batch)
-    print(report.summary())
-    print(f"wrote {dst}")
+                          layout=layout, json_path=args.json, shapes=_shapes(args), batch=args.batch)
     for w in report.warnings:
         print(f"onnxfuse: warning: {w}", file=sys.stderr)
-    if args.json:
-        write_text(args.json, json.dumps(report.to_dict(), indent=2) + "\n")
+    print(report.summary())
+    print(f"wrote {dst}" + (f" and {args.json}" if args.json else ""))
     return 0
 
 
@@ -179,15 +177,42 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
-    except OnnxfuseError as e:
-        print(f"onnxfuse: error: {e}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("onnxfuse: interrupted", file=sys.stderr)
-        return 130
+        args = build_parser().parse_args(argv)
+        try:
+            code = args.func(args)
+        except OnnxfuseError as e:
+            print(f"onnxfuse: error: {e}", file=sys.stderr)
+            code = EXIT_BAD_INPUT
+        except KeyboardInterrupt:
+            print("onnxfuse: interrupted", file=sys.stderr)
+            code = 130
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (`onnxfuse analyze m.onnx | head -1`): stop without a
+        # traceback, with the status of a Unix tool killed by SIGPIPE. Files a command writes
+        # are committed before it prints.
+        _silence_broken_streams()
+        return EXIT_BROKEN_PIPE
+
+
+def _silence_broken_streams() -> None:
+    """Point stdout (and stderr, if its reader went away too) at /dev/null, so that Python's
+    flush at exit does not fail again."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BrokenPipeError:
+            pass
+        else:
+            continue
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):
+            pass
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from google.protobuf.message import DecodeError
 from onnx import ModelProto, numpy_helper
 
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.files import record_read
 
 # Oldest and newest default-domain opsets the optimizer accepts.
 MIN_OPSET = 7
@@ -39,6 +40,12 @@ def read_model(path: str | os.PathLike) -> ModelProto:
         raise OnnxfuseError(f"{p}: not a valid ONNX model ({_first_line(e) or 'cannot parse protobuf'})") from None
     if not model.graph.node and not model.graph.output:
         raise OnnxfuseError(f"{p}: not a valid ONNX model (empty or truncated file)")
+    record_read(p)
+    for t in _all_tensors(model):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            loc = next((kv.value for kv in t.external_data if kv.key == "location"), None)
+            if loc is not None:
+                record_read(p.parent / loc)
     return model
 
 
@@ -49,7 +56,7 @@ def load_model(path: str | os.PathLike) -> ModelProto:
     _check_external_data(model, p.parent)
     try:
         onnx.load_external_data_for_model(model, str(p.parent))
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, onnx.checker.ValidationError) as e:  # the last: a file outside p's folder
         raise OnnxfuseError(f"{p}: cannot read external data ({_first_line(e)})") from None
     check_opsets(model, str(p))
     if opset_problem(model) is not None:

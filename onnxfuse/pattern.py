@@ -44,6 +44,7 @@ from typing import Any
 import yaml
 
 from onnxfuse.errors import PatternError
+from onnxfuse.files import record_read
 from onnxfuse.ops import ELEMENTWISE_OPS
 
 
@@ -144,6 +145,8 @@ def load_patterns(extra_dirs: list[str | Path] | tuple = ()) -> list[Pattern]:
     dirs = [BUILTIN_DIR, *map(Path, extra_dirs)]
     patterns: dict[str, Pattern] = {}
     for d in dirs:
+        if d.exists() and not d.is_dir():
+            raise PatternError(f"{d}: not a folder: --patterns takes a folder of pattern files (*.yaml)")
         if not d.is_dir():
             raise PatternError(f"{d}: pattern folder does not exist")
         for f in sorted(d.glob("*.yaml")) + sorted(d.glob("*.yml")):
@@ -192,6 +195,7 @@ class _Fields:
 
 def load_pattern_file(path: str | Path) -> Pattern:
     path = Path(path)
+    record_read(path)
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as e:

@@ -10,6 +10,7 @@ noted on the figure. The format follows the file name: .png, .svg (or .pdf).
 
 from __future__ import annotations
 
+import io
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,8 +61,10 @@ def check_path(path: str | Path) -> Path:
 
 
 def roofline_plot(path: str | Path, roof, series: list[Series], arrows: list[Arrow] = (), title: str = "",
-                  threshold: float | None = None, notes: list[str] = (), ylabel: str = "attainable") -> Path:
-    """Draw and save one roofline figure. roof: an onnxfuse.analyze.Roof."""
+                  threshold: float | None = None, notes: list[str] = (), ylabel: str = "attainable",
+                  outputs=None) -> Path:
+    """Draw and save one roofline figure. roof: an onnxfuse.analyze.Roof. Written atomically
+    (`onnxfuse.pipeline.write_bytes`), or staged in `outputs` (an `onnxfuse.pipeline.Outputs`)."""
     p = check_path(path)
     fig = _figure()
     ax = fig.add_subplot()
@@ -123,10 +126,14 @@ def roofline_plot(path: str | Path, roof, series: list[Series], arrows: list[Arr
         ax.text(0.01, 0.99, "\n".join(notes), transform=ax.transAxes, va="top", ha="left", fontsize=8,
                 color="dimgray")
     ax.legend(loc="lower right", fontsize=8, markerscale=0.6)
-    try:
-        fig.savefig(p)
-    except OSError as e:
-        raise OnnxfuseError(f"{p}: cannot write ({e.strerror or e})") from None
+    buf = io.BytesIO()
+    fig.savefig(buf, format=p.suffix.lower().lstrip("."))
+    if outputs is not None:
+        outputs.data(p, buf.getvalue())
+    else:
+        from onnxfuse.pipeline import write_bytes
+
+        write_bytes(p, buf.getvalue())
     return p
 
 
@@ -153,8 +160,9 @@ def _points(nodes, roof, total_time: float, label: str, hollow: bool = False) ->
     return s, skipped
 
 
-def plot_analysis(a, path: str | Path) -> Path:
-    """The roofline of an onnxfuse.analyze.Analysis: before (unfused) and after optimization."""
+def plot_analysis(a, path: str | Path, outputs=None) -> Path:
+    """The roofline of an onnxfuse.analyze.Analysis: before (unfused) and after optimization
+    (`outputs`: as for `roofline_plot`)."""
     roof = a.roof
     before_nodes = a.unfused
     if a.optimized is not None:
@@ -197,4 +205,4 @@ def plot_analysis(a, path: str | Path) -> Path:
         notes.append(f"{unknown} node(s) of unknown cost not shown")
     notes.append("marker area: share of the estimated time")
     title = f"{Path(a.model).name} on {roof.device}"
-    return roofline_plot(path, roof, series, arrows, title, a.threshold, notes)
+    return roofline_plot(path, roof, series, arrows, title, a.threshold, notes, outputs=outputs)

@@ -26,7 +26,6 @@ import argparse
 import bisect
 import json
 import math
-import shutil
 import statistics
 import tempfile
 from collections import defaultdict
@@ -477,7 +476,10 @@ def _ort_error(e: Exception, assumed: list[str] | tuple[str, ...] = ()) -> Onnxf
 def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tflops: float | None = None,
             bandwidth_tbps: float | None = None, dtype_peak: str = "auto",
             shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None, iters: int = 10,
-            warmup: int = 3, ort_level: str = "all", keep_trace: str | None = None) -> ProfileResult:
+            warmup: int = 3, ort_level: str = "all", keep_trace: str | None = None, outputs=None) -> ProfileResult:
+    """Run `path` in ONNX Runtime's profiler and join the measured times with the costs.
+    `keep_trace`: also keep ONNX Runtime's profile JSON there (written atomically, or staged
+    in `outputs`, an `onnxfuse.pipeline.Outputs`)."""
     from onnxfuse.analyze import auto_dtype_peak
     from onnxfuse.cost import model_cost
     from onnxfuse.load import load_model
@@ -530,10 +532,13 @@ def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tf
         start_ns = sess.get_profiling_start_time_ns()
         profile_path = sess.end_profiling()
         if keep_trace:
-            try:
-                shutil.copyfile(profile_path, keep_trace)
-            except OSError as e:
-                raise OnnxfuseError(f"{keep_trace}: cannot write ({e.strerror or e})") from None
+            from onnxfuse.pipeline import write_bytes
+
+            trace_bytes = Path(profile_path).read_bytes()
+            if outputs is not None:
+                outputs.data(keep_trace, trace_bytes)
+            else:
+                write_bytes(keep_trace, trace_bytes)
         events = json.loads(Path(profile_path).read_text())
         optimized = onnx.load(str(dumped), load_external_data=False) if dumped and dumped.is_file() else None
     parsed = parse_ort_profile(events, warmup)
@@ -720,7 +725,7 @@ def format_profile(r: ProfileResult, top: int | None = 30) -> str:
     return "\n".join(lines)
 
 
-def plot_profile(r: ProfileResult, path: str) -> Path:
+def plot_profile(r: ProfileResult, path: str, outputs=None) -> Path:
     from onnxfuse.plot import Series, roofline_plot
 
     total = sum(n.median_s for n in r.nodes) or 1.0
@@ -748,25 +753,29 @@ def plot_profile(r: ProfileResult, path: str) -> Path:
     if skipped:
         notes.append(f"{skipped} node(s) without FLOPs or cost not shown")
     return roofline_plot(path, r.roof, series, [], f"{Path(r.model).name}: measured on {r.provider}", None, notes,
-                         ylabel="achieved")
+                         ylabel="achieved", outputs=outputs)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from onnxfuse.analyze import DEVICES
+    from onnxfuse.pipeline import Outputs
     from onnxfuse.plot import check_path
 
     if args.plot:
         check_path(args.plot)
-    r = profile(args.model, args.provider, args.profile_file or args.device, args.peak_tflops, args.bandwidth_tbps,
-                args.dtype_peak, parse_shape_args(args.shape), args.batch, args.iters, args.warmup, args.ort_level,
-                args.keep_trace)
+    spec = args.profile_file or args.device
+    with Outputs([args.json, args.plot, args.keep_trace],
+                 [args.model, spec if spec and spec.lower() not in DEVICES else None]) as out:
+        r = profile(args.model, args.provider, spec, args.peak_tflops, args.bandwidth_tbps, args.dtype_peak,
+                    parse_shape_args(args.shape), args.batch, args.iters, args.warmup, args.ort_level,
+                    args.keep_trace, outputs=out)
+        if args.json:
+            out.text(args.json, json.dumps(r.to_dict(), indent=2, default=str) + "\n")
+        if args.plot:
+            plot_profile(r, args.plot, outputs=out)
+        out.commit()  # before printing: a reader that stops early (| head) loses no file
     print(format_profile(r, top=args.top or None))
-    if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(r.to_dict(), indent=2, default=str) + "\n")
-        except OSError as e:
-            raise OnnxfuseError(f"{args.json}: cannot write ({e.strerror or e})") from None
-        print(f"wrote {args.json}")
-    if args.plot:
-        plot_profile(r, args.plot)
-        print(f"wrote {args.plot}")
+    for path in (args.keep_trace, args.json, args.plot):
+        if path:
+            print(f"wrote {path}")
     return 0
