@@ -308,18 +308,19 @@ def test_issue_example_relu_maxpool():
     original = run(m, {"x": x})[0]
     bodies = run(r.model, {"x": x})[0]
     np.testing.assert_array_equal(bodies, original)
-    assert np.isnan(original).sum() < np.isnan(want).sum()
+    assert (np.isnan(original).sum(), np.isnan(want).sum()) == (36, 125)  # README's numbers
 
 
 def test_ort_cpu_maxpool_drops_nan():
     """What README says about ONNX Runtime's own CPU kernels (measured with onnxruntime 1.32 on
     x86): Relu, Clip, Max and Min give NaN for a NaN at any position; MaxPool gives NaN for a
     2x2 window of ones with a NaN only when the NaN is the window's last element (no
-    dilation), only when it is the first (dilated), and the result also depends on the
-    other values; GlobalMaxPool drops it. If this fails, ONNX Runtime changed: update README."""
-    def pool_nan_positions(shape, **attrs) -> list[int]:
-        m = model([N("MaxPool", ["x"], ["y"], **attrs)], {"x": ("float32", list(shape))},
-                  {"y": ("float32", [None] * 4)})
+    dilation), only when it is the first (dilated, or with the Indices output), and the
+    result also depends on the other values; a 1-D MaxPool and GlobalMaxPool drop it. If this
+    fails, ONNX Runtime changed: update README."""
+    def pool_nan_positions(shape, indices: bool = False, **attrs) -> list[int]:
+        outs = {"y": ("float32", [None] * 4), **({"i": ("int64", [None] * 4)} if indices else {})}
+        m = model([N("MaxPool", ["x"], list(outs), **attrs)], {"x": ("float32", list(shape))}, outs)
         s, (kh, kw), d = attrs["strides"][0], attrs["kernel_shape"], attrs.get("dilations", [1, 1])[0]
         out = []
         for pos in range(kh * kw):
@@ -330,6 +331,13 @@ def test_ort_cpu_maxpool_drops_nan():
 
     assert pool_nan_positions((1, 1, 8, 8), kernel_shape=[2, 2], strides=[2, 2]) == [0, 0, 0, 1]
     assert pool_nan_positions((1, 1, 12, 12), kernel_shape=[2, 2], strides=[2, 2], dilations=[2, 2]) == [1, 0, 0, 0]
+    assert pool_nan_positions((1, 1, 8, 8), True, kernel_shape=[2, 2], strides=[2, 2]) == [1, 0, 0, 0]
+    m1 = model([N("MaxPool", ["x"], ["y"], kernel_shape=[3], strides=[3])], {"x": ("float32", [1, 1, 9])},
+               {"y": ("float32", [1, 1, 3])})
+    for pos in range(3):
+        x = np.ones((1, 1, 9), np.float32)
+        x[0, 0, 3 + pos] = np.nan
+        assert run(m1, {"x": x})[0][0, 0, 1] == 1.0, pos
 
     def pool_of(vals):
         m = model([N("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2])], {"x": ("float32", [1, 1, 2, 2])},
