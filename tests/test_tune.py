@@ -413,7 +413,7 @@ def _fake_outputs(monkeypatch, errors: dict[str, float]):
     by errors["ort"], a candidate by errors[its label] (default: ORT's error)."""
     def outputs(self, models, feeds):
         out = {}
-        for label, (m, library, tf32) in models.items():
+        for label in models:
             err = 0.0 if label == "reference" else errors.get(label, errors["ort"])
             out[label] = {"y": np.full((2, 3), 1.0 + err, np.float32)}
         return out
