@@ -459,8 +459,9 @@ void window(int64_t start, int64_t k, int64_t d, int64_t n, int64_t* lo, int64_t
   *hi = n - 1 - start < 0 ? 0 : std::min(k, (n - 1 - start) / d + 1);
 }
 
-// max(m, v) ignoring a NaN v (m, starting from -inf, is never NaN).
-inline float max_num(float m, float v) { return v > m ? v : m; }
+// max(m, v) propagating NaN, as numpy's maximum and torch's max pool: v when it is larger
+// or NaN; once m is NaN it stays NaN (no v compares larger).
+inline float max_nan(float m, float v) { return (v > m || v != v) ? v : m; }
 
 // The valid part of each window along one axis: output o reads input start[o] + i * d for
 // i in [lo[o], hi[o]) (lo >= hi: the window is all padding).
@@ -475,10 +476,10 @@ struct Windows {
 };
 
 // One plane: out_row gets the max over the window's rows (a vectorizable column max over
-// the whole input row, `cols`), then over its columns. The result is the max of the
-// window's elements that are not NaN, -inf when there is none (all padding or all NaN): as
-// the Triton kernels (tl.maximum from -inf). ONNX Runtime's own CPU MaxPool treats NaN
-// differently from one code path to another.
+// the whole input row, `cols`), then over its columns. A window that holds a NaN gives NaN
+// wherever the NaN lies, as numpy and torch (and the Triton kernels) compute it; one that
+// is all padding gives -inf. ONNX Runtime's own CPU MaxPool mostly drops NaN, differently
+// from one code path to another (README, Reliability).
 __attribute__((target_clones("avx512f", "avx2", "default")))
 void pool_plane(const float* __restrict z, int64_t W, int64_t dh, int64_t dw, const Windows& rows,
                 const Windows& colw, float* __restrict cols, float* __restrict out_row, DType declared, DType actual,
@@ -489,11 +490,11 @@ void pool_plane(const float* __restrict z, int64_t W, int64_t dh, int64_t dw, co
     std::fill(cols, cols + W, kNone);
     for (int64_t i = rows.lo[oh]; i < rows.hi[oh]; ++i) {
       const float* __restrict zr = z + (rows.start[oh] + i * dh) * W;
-      for (int64_t w = 0; w < W; ++w) cols[w] = max_num(cols[w], zr[w]);
+      for (int64_t w = 0; w < W; ++w) cols[w] = max_nan(cols[w], zr[w]);
     }
     for (int64_t ow = 0; ow < OW; ++ow) {
       float m = kNone;
-      for (int64_t j = colw.lo[ow]; j < colw.hi[ow]; ++j) m = max_num(m, cols[colw.start[ow] + j * dw]);
+      for (int64_t j = colw.lo[ow]; j < colw.hi[ow]; ++j) m = max_nan(m, cols[colw.start[ow] + j * dw]);
       out_row[ow] = m;
     }
     store(declared, actual, out_row, out, out_start + oh * OW, static_cast<size_t>(OW));
@@ -501,7 +502,7 @@ void pool_plane(const float* __restrict z, int64_t W, int64_t dh, int64_t dw, co
 }
 
 // out [N, C, OH, OW] = MaxPool(z [N, C, H, W]), stored as (declared, actual) dtype.
-// Padding never wins; NaN: pool_plane.
+// Padding never wins; a NaN always does: pool_plane.
 void max_pool(OrtKernelContext* ctx, const PoolParams& pp, const float* z, const Shape& in, const Shape& out_shape,
               DType declared, DType actual, void* out) {
   const int64_t planes = in[0] * in[1], H = in[2], W = in[3];

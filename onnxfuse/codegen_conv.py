@@ -14,6 +14,9 @@ dtype (fp16), loads the extra inputs through broadcast strides and evaluates the
 program on the tile; then either stores the tile or, when a tiling MaxPool is fused, takes
 the max over each window before the store, so the full-size activation never reaches DRAM.
 
+Every max of a pool propagates NaN (`MAX_NAN`, PTX max.NaN.f32), as numpy and torch do: a
+window that holds a NaN gives NaN, wherever it lies; padding, masked to -inf, never wins.
+
 With a pool in the epilogue, the M index enumerates (n, op, oq, window position) with the
 window position fastest; windows whose size is not a power of two are padded to the next
 power of two with masked rows (tensors in Triton have power-of-two shapes).
@@ -106,6 +109,19 @@ ROUND_TO_TF32 = [
     "    rounded = (bits + 0x1000) & 0xFFFFE000",
     "    finite = (bits & 0x7F800000) != 0x7F800000",
     "    return tl.where(finite, rounded, bits).to(tl.float32, bitcast=True)",
+]
+# The max of every pool (FusedMaxPool's kernels, a pool in FusedConv's epilogue), defined
+# once in the module above the kernel: the running max over a window's taps and, as the
+# combine function of tl.reduce, the max over a window's elements. tl.max, and tl.maximum
+# at its default, compile to PTX max.f32, which returns the operand that is not NaN: a window
+# holding a NaN gave the max of its other elements (-inf when all were NaN).
+MAX_NAN = [
+    "@triton.jit",
+    "def max_nan(a, b):",
+    '    """max(a, b), NaN when either is NaN (PTX max.NaN.f32), as numpy\'s maximum and torch\'s',
+    "    max pool: a window that holds a NaN gives NaN wherever the NaN lies. tl.max and",
+    '    tl.maximum at its default would drop the NaN (max.f32)."""',
+    "    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)",
 ]
 INT_TYPE = "i32"  # every integer parameter of conv and maxpool kernels (docs/format.md)
 MAX_ELEMENTS = 2**31 - 1
@@ -530,8 +546,10 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
             + (f"; group {spec.conv.group}" + (" (depthwise)" if spec.channels == spec.conv.group else "")
                + ", direct loop on CUDA cores" if spec.conv.group != 1 else "")
             + ("; Y stored rounded to TF32 (its readers would round it)" if stores_rounded(spec) else ""))
-    helper = rounds or stores_rounded(spec)
-    lines = _header(spec.name, what, spec.program, spec.source_nodes, ROUND_TO_TF32 if helper else [])
+    helpers = ROUND_TO_TF32 if rounds or stores_rounded(spec) else []
+    if pool is not None:
+        helpers = [*helpers, "", "", *MAX_NAN] if helpers else MAX_NAN
+    lines = _header(spec.name, what, spec.program, spec.source_nodes, helpers)
     lines += _signature(spec.name, names, constexprs)
     body = ["pid_m = tl.program_id(axis=0)", "pid_n = tl.program_id(axis=1)"]
     split = variant.split_k
@@ -591,9 +609,10 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
                   "y_offs = ((n * P + p) * Q + q)[:, None] * K + offs_n[None, :]  # NHWC"),
                  f"tl.store(y_ptr + y_offs, {_store_cast(val, dt)}, mask=mask)"]
     else:
-        body += ["# Max over each window (rows outside the window or the image hold -inf), then store.",
+        body += ["# Max over each window (rows outside the window or the image hold -inf; a NaN wins),",
+                 "# then store.",
                  f'pooled_val = tl.where(mask, {val}, float("-inf"))',
-                 "pooled_val = tl.max(tl.reshape(pooled_val, (BLOCK_M // WIN, WIN, BLOCK_N)), axis=1)",
+                 "pooled_val = tl.reduce(tl.reshape(pooled_val, (BLOCK_M // WIN, WIN, BLOCK_N)), 1, max_nan)",
                  "offs_pm = pid_m * (BLOCK_M // WIN) + tl.arange(0, BLOCK_M // WIN)",
                  "pq_ = offs_pm % (OP * OQ)", "pn = offs_pm // (OP * OQ)",
                  ("y_offs = pn[:, None] * (K * OP * OQ) + offs_n[None, :] * (OP * OQ) + pq_[:, None]"
@@ -714,7 +733,7 @@ def _maxpool_module(spec: MaxPoolSpec, variant: PoolVariant, names: list[str], c
             f"ceil_mode {int(p.ceil_mode)} after the pointwise prologue; {variant.tile} kernel"
             + (f"; X {spec.x_layout.upper()}, Y {spec.y_layout.upper()}"
                if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else ""))
-    lines = _header(spec.name, what, spec.program, spec.source_nodes)
+    lines = _header(spec.name, what, spec.program, spec.source_nodes, MAX_NAN)
     lines += _signature(spec.name, names, constexprs)
     lines += ["    " + ln for ln in body]
     return "\n".join(lines) + "\n"
@@ -746,7 +765,7 @@ def _pool_flat_body(spec: MaxPoolSpec) -> list[str]:
             "        iw = ow * SW - PAD_W + kw * DW",
             "        inside = mask & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)"]
     inner, val, dt = _pool_tap(spec, "x_ptr + nc * (H * W) + ih * W + iw", "inside", ("n", "c", "ih", "iw"))
-    inner += ['best = tl.maximum(best, tl.where(inside, ' + val + ', float("-inf")))']
+    inner += ['best = max_nan(best, tl.where(inside, ' + val + ', float("-inf")))  # a NaN wins']
     body += ["        " + ln for ln in inner]
     body.append(f"tl.store(y_ptr + offs, {_store_cast('best', dt)}, mask=mask)")
     return body
@@ -783,7 +802,8 @@ def _pool_rows_body(spec: MaxPoolSpec) -> list[str]:
     inner, val, dt = _pool_tap(spec, "x_plane + ih[:, None] * W + iw[None, :]", "mask",
                                ("n", "c", "ih[:, None]", "iw[None, :]"))
     inner += [f'val = tl.where(mask, {val}, float("-inf"))',
-              "best = tl.maximum(best, tl.max(tl.reshape(val, (BLOCK_OH, BLOCK_OW, KW_P)), axis=2))"]
+              "# the max over each window's KW columns, then over its rows; a NaN wins",
+              "best = max_nan(best, tl.reduce(tl.reshape(val, (BLOCK_OH, BLOCK_OW, KW_P)), 2, max_nan))"]
     body += ["    " + ln for ln in inner]
     body += ["out_ow = pid_ow * BLOCK_OW + tl.arange(0, BLOCK_OW)",
              "y_offs = nc * (OH * OW) + oh[:, None] * OW + out_ow[None, :]",
@@ -811,7 +831,7 @@ def _pool_nhwc_body(spec: MaxPoolSpec) -> list[str]:
             "        inside = in_image[:, None] & mask_c[None, :]"]
     inner, val, dt = _pool_tap(spec, "x_ptr + ((n * H + ih) * W + iw)[:, None] * C + offs_c[None, :]", "inside",
                                ("n[:, None]", "offs_c[None, :]", "ih[:, None]", "iw[:, None]"))
-    inner += ['best = tl.maximum(best, tl.where(inside, ' + val + ', float("-inf")))']
+    inner += ['best = max_nan(best, tl.where(inside, ' + val + ', float("-inf")))  # a NaN wins']
     body += ["        " + ln for ln in inner]
     body += [("y_offs = offs_p[:, None] * C + offs_c[None, :]  # NHWC" if spec.y_layout == "nhwc" else
               "y_offs = (n[:, None] * C + offs_c[None, :]) * (OH * OW) + (oh * OW + ow)[:, None]  # NCHW"),

@@ -316,6 +316,20 @@ def _install_bf16_rounding_fix() -> None:
     builder.cast_impl, builder.create_fp_to_fp = new_cast_impl, new_fp_to_fp
 
 
+def _install_gpu_max_semantics() -> None:
+    """Float max/min without NaN propagation (tl.maximum / tl.minimum at their default, and
+    the combine of tl.max / tl.min) compile to PTX max.f32 / min.f32, which return the
+    operand that is not NaN; the interpreter computes them with numpy's maximum / minimum,
+    which propagate it. Give the interpreter the GPU's rule (np.fmax / np.fmin), so that a
+    kernel that would drop a NaN on the GPU drops it here too. (tl.max / tl.min reductions
+    already run as np.nanmax / np.nanmin; max/min with propagate_nan=ALL stay numpy's.)"""
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    builder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
+    builder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)
+
+
 def _run_cases(workdir: Path, device: str) -> None:
     """Launch every case's kernel on `device`; writes case{i}_out.npz or case{i}_error.txt."""
     import importlib.util
@@ -763,4 +777,5 @@ if __name__ == "__main__":
         assert os.environ.get("TRITON_INTERPRET") == "1"
         _install_libdevice_shims()
         _install_bf16_rounding_fix()
+        _install_gpu_max_semantics()
         _run_cases(Path(sys.argv[2]), "cpu")

@@ -305,9 +305,27 @@ def _launch_conv(fn, ks, v: ConvVariant, case: ConvCase, x, wt, b, extras) -> np
     return y.float().numpy()
 
 
-def _run_all(workdir: Path) -> None:
+def _launch_pool(fn, ks, v: PoolVariant, case: PoolCase, x, extras) -> np.ndarray:
+    """Run a generated pool kernel on numpy inputs (x NCHW) with the grid and strides the C++
+    launcher would pass; returns Y as NCHW fp32."""
     import torch
 
+    n, c, h, w = x.shape
+    oh, ow = case.pool.out_size(h, w)
+    y = torch.empty((n, c, oh, ow), dtype=torch.float16 if case.dtype == "f16" else torch.float32)
+    xt = torch.from_numpy(x)
+    if case.layouts[0] == "nhwc":  # the same logical tensors, stored channels last
+        xt = xt.to(memory_format=torch.channels_last)
+    if case.layouts[1] == "nhwc":
+        y = y.to(memory_format=torch.channels_last)
+    strides = [s for e in extras for s in _broadcast_strides(e.shape, x.shape)]
+    # the grid the C++ launcher computes for the variant (PoolVariant.grid)
+    fn[v.grid(n, c, oh, ow)](xt, *map(torch.from_numpy, extras), y, n, c, h, w, oh, ow, *strides,
+                             **dict(ks.constexprs))
+    return y.float().numpy()
+
+
+def _run_all(workdir: Path) -> None:
     results = {}
     for i, case in enumerate(CONV_CASES):
         try:
@@ -324,19 +342,7 @@ def _run_all(workdir: Path) -> None:
             ks = generate_maxpool(spec, v)
             fn = _load_kernel(workdir, ks.source, spec.name)
             x, extras = _pool_inputs(i, case)
-            n, c, h, w = x.shape
-            oh, ow = case.pool.out_size(h, w)
-            y = torch.empty((n, c, oh, ow), dtype=torch.float16 if case.dtype == "f16" else torch.float32)
-            xt = torch.from_numpy(x)
-            if case.layouts[0] == "nhwc":  # the same logical tensors, stored channels last
-                xt = xt.to(memory_format=torch.channels_last)
-            if case.layouts[1] == "nhwc":
-                y = y.to(memory_format=torch.channels_last)
-            strides = [s for e in extras for s in _broadcast_strides(e.shape, x.shape)]
-            # the grid the C++ launcher computes for the variant (PoolVariant.grid)
-            fn[v.grid(n, c, oh, ow)](xt, *map(torch.from_numpy, extras), y,
-                                     n, c, h, w, oh, ow, *strides, **dict(ks.constexprs))
-            results[f"pool{i}"] = y.float().numpy()
+            results[f"pool{i}"] = _launch_pool(fn, ks, v, case, x, extras)
         except Exception as e:
             (workdir / f"pool{i}_error.txt").write_text(f"{type(e).__name__}: {e}")
     np.savez(workdir / "out.npz", **results)
@@ -547,9 +553,10 @@ def test_aot_compile_pool_kernels_for_sm90(tmp_path):
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--interpret"]:
         assert os.environ.get("TRITON_INTERPRET") == "1"
-        from tests.test_codegen import _install_libdevice_shims
+        from tests.test_codegen import _install_gpu_max_semantics, _install_libdevice_shims
 
         _install_libdevice_shims()  # the interpreter has no libdevice (sigmoid uses exp)
+        _install_gpu_max_semantics()  # max/min that drop NaN on the GPU drop it here too
         _run_all(Path(sys.argv[2]))
 
 
