@@ -20,28 +20,18 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
 
     src, dst = Path(args.input), Path(args.output)
     check_paths([src], [dst, args.json])  # before the work (optimize checks them again)
-    hook = None
-    if args.layout == "nhwc" and args.target == "none":
-        raise OnnxfuseError("--layout nhwc is for the GPU kernels: it cannot be combined with --target none")
-    from onnxfuse.kernels import triton_available
+    if args.tune and args.no_tune:
+        raise OnnxfuseError("--tune and --no-tune contradict each other")
+    from onnxfuse.kernels import configure
 
-    if args.layout == "nhwc" and not triton_available():
-        raise OnnxfuseError("--layout nhwc runs with the compiled GPU kernels and needs Triton: "
-                            "pip install 'onnxfuse[compile]'")
-    # auto: nhwc when kernels are compiled (the NHWC pass runs with them); without Triton the
-    # compile step does nothing
-    layout = args.layout if args.layout != "auto" else (
-        "nhwc" if args.target != "none" and triton_available() else "nchw")
-    tune = _tune_settings(args)
-    if args.target != "none":
-        from onnxfuse.kernels import compile_hook
-
-        hook = compile_hook(args.target, jobs=args.jobs, conv_precision=args.conv_precision, tune=tune,
-                            layout=layout)
+    shapes = _shapes(args)
+    hook, layout = configure(args.target, args.layout, args.conv_precision,
+                             "off" if args.no_tune else "configs" if args.tune else "auto",
+                             shapes, args.batch, args.tune_budget, args.jobs)
     with warnings.catch_warnings():  # the report carries them; printed below
         warnings.simplefilter("ignore", OnnxfuseWarning)
         report = optimize(src, dst, args.patterns or (), compile_hook=hook, exclude=args.exclude_pattern or (),
-                          layout=layout, json_path=args.json, shapes=_shapes(args), batch=args.batch)
+                          layout=layout, json_path=args.json, shapes=shapes, batch=args.batch)
     for w in report.warnings:
         print(f"onnxfuse: warning: {w}", file=sys.stderr)
     print(report.summary())
@@ -53,33 +43,6 @@ def _shapes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
     from onnxfuse.bench import parse_assignments, parse_dims
 
     return {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
-
-
-def _tune_settings(args: argparse.Namespace):
-    """TuneSettings for optimize: tuning by default when this machine has an NVIDIA GPU and
-    onnxruntime-gpu and kernels are compiled; --tune also searches kernel configurations
-    (and is an error where it cannot run); --no-tune skips it."""
-    from onnxfuse import tune as tuning
-    from onnxfuse.bench import parse_assignments, parse_dims
-
-    if args.tune and args.no_tune:
-        raise OnnxfuseError("--tune and --no-tune contradict each other")
-    if args.tune_budget is not None and not args.tune_budget > 0:
-        raise OnnxfuseError("--tune-budget must be a positive number of seconds")
-    if args.batch is not None and args.batch < 1:
-        raise OnnxfuseError("--batch must be at least 1")
-    shapes = {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
-    if args.no_tune:
-        return None
-    if args.tune:
-        if args.target == "none":
-            raise OnnxfuseError("--tune times compiled kernels: it cannot be combined with --target none")
-        if not tuning.available():
-            raise OnnxfuseError("--tune needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
-    elif args.target == "none" or not tuning.available():
-        return None
-    return tuning.TuneSettings(shapes=shapes, batch=args.batch, configs=args.tune, explicit=args.tune,
-                               budget_s=args.tune_budget or tuning.BUDGET_S)
 
 
 def _cmd_patterns(args: argparse.Namespace) -> int:

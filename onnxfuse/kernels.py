@@ -13,6 +13,55 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+TUNE_MODES = ("auto", "off", "configs")
+
+
+def configure(target: str = "auto", layout: str = "auto", conv_precision: str = "tf32", tune: str = "auto",
+              shapes: dict | None = None, batch: int | None = None, tune_budget: float | None = None,
+              jobs: int | None = None) -> tuple[Callable | None, str]:
+    """The compile hook and layout `onnxfuse optimize` uses, from its options; the command
+    line and `onnxfuse.optimize` both call this, so they have the same defaults.
+
+    target: "auto" (the local GPU, else the default set), "none" (no kernels: the function
+    bodies and the CPU library run the fused nodes) or a list like "sm_90,sm_80". layout:
+    "auto" is "nhwc" when kernels are compiled and Triton is installed, else "nchw". tune:
+    "auto" (measure when this machine has an NVIDIA GPU and onnxruntime-gpu and kernels are
+    compiled), "off", or "configs" (also search kernel configurations; an error where it
+    cannot run). shapes / batch: where tuning measures (as --shape / --batch).
+    Returns (hook or None, layout)."""
+    from onnxfuse import tune as tuning
+
+    if layout not in ("auto", "nchw", "nhwc"):
+        raise OnnxfuseError(f"--layout {layout}: choose auto, nchw or nhwc")
+    if tune not in TUNE_MODES:
+        raise OnnxfuseError(f"tune={tune!r}: choose one of {', '.join(TUNE_MODES)}")
+    if tune_budget is not None and not tune_budget > 0:
+        raise OnnxfuseError("--tune-budget must be a positive number of seconds")
+    if batch is not None and batch < 1:
+        raise OnnxfuseError("--batch must be at least 1")
+    if layout == "nhwc" and target == "none":
+        raise OnnxfuseError("--layout nhwc is for the GPU kernels: it cannot be combined with --target none")
+    if layout == "nhwc" and not triton_available():
+        raise OnnxfuseError("--layout nhwc runs with the compiled GPU kernels and needs Triton: "
+                            "pip install 'onnxfuse[compile]'")
+    # auto: nhwc when kernels are compiled (the NHWC pass runs with them); without Triton the
+    # compile step does nothing
+    if layout == "auto":
+        layout = "nhwc" if target != "none" and triton_available() else "nchw"
+    settings = None
+    if tune == "configs":
+        if target == "none":
+            raise OnnxfuseError("--tune times compiled kernels: it cannot be combined with --target none")
+        if not tuning.available():
+            raise OnnxfuseError("--tune needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
+    if tune == "configs" or (tune == "auto" and target != "none" and tuning.available()):
+        settings = tuning.TuneSettings(shapes=dict(shapes or {}), batch=batch, configs=tune == "configs",
+                                       explicit=tune == "configs", budget_s=tune_budget or tuning.BUDGET_S)
+    if target == "none":
+        return None, layout
+    return compile_hook(target, jobs=jobs, conv_precision=conv_precision, tune=settings, layout=layout), layout
+
+
 def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf32",
                  tune=None, layout: str = "nchw") -> Callable:
     """A pipeline hook that compiles every fused node's kernel for `target` and attaches it.

@@ -221,15 +221,27 @@ def _not_visited(model: ModelProto, patterns: list[Pattern]) -> Counter:
 def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
              pattern_dirs: list[str] | tuple = (), compile_hook=None, exclude: list[str] | tuple = (),
              layout: str | None = None, json_path: str | os.PathLike | None = None,
-             shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None) -> Report:
+             shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None, *,
+             target: str = "auto", conv_precision: str = "tf32", tune: str = "auto",
+             tune_budget: float | None = None, jobs: int | None = None) -> Report:
     """Read, fuse and atomically write a model file, and with `json_path` the report as JSON:
-    both or neither (`Outputs`; no output may be the input). compile_hook(result) may attach
-    kernels (and run the NHWC pass). `layout` picks the patterns (NHWC_ONLY_PATTERNS with
-    "nhwc"); by default it is the layout `onnxfuse.kernels.compile_hook` was made with, else
-    "nchw". A layout other than the hook's is an error: the patterns and the pass must agree.
+    both or neither (`Outputs`; no output may be the input).
+
+    With the defaults it does what `onnxfuse optimize IN OUT` does: kernels compiled for the
+    local GPU (else the default targets; `target="none"` for none), channels-last when they
+    are, tuned when this machine has an NVIDIA GPU (`onnxfuse.kernels.configure`: target,
+    layout "auto", conv_precision, tune "auto" / "off" / "configs", tune_budget, jobs).
+    compile_hook(result), when given, replaces that step (it may attach kernels and run the
+    NHWC pass); `layout` then defaults to the layout the hook was made with, and another is
+    an error: the patterns and the pass must agree.
     `shapes` / `batch` (as `--shape` / `--batch`): when they give every symbolic dim, the
     written model takes those input shapes only and its shape arithmetic is folded
     (`optimize_model`'s static_shapes); otherwise the report says which dim was left open."""
+    if compile_hook is None:
+        from onnxfuse.kernels import configure
+
+        compile_hook, layout = configure(target, layout or "auto", conv_precision, tune, shapes, batch,
+                                         tune_budget, jobs)
     hook_layout = getattr(compile_hook, "layout", None)
     if layout is None:
         layout = hook_layout or "nchw"

@@ -170,7 +170,7 @@ def test_big_models_are_written_with_external_data(tmp_path, monkeypatch):
 
     monkeypatch.setattr(pipeline, "EXTERNAL_DATA_THRESHOLD", 1000)
     out = tmp_path / "big.onnx"
-    pipeline.optimize(EXAMPLE, out)
+    pipeline.optimize(EXAMPLE, out, target="none")
     assert (tmp_path / "big.onnx.data").stat().st_size > 100_000
     assert out.stat().st_size < 50_000
     assert sorted(p.name for p in tmp_path.iterdir()) == ["big.onnx", "big.onnx.data"]
@@ -222,10 +222,34 @@ def test_python_optimize_takes_the_compile_hooks_layout(tmp_path):
     hook.layout = "nhwc"
     report = optimize(src, tmp_path / "a.onnx", compile_hook=hook)
     assert seen == [["conv_alone"]] and report.patterns_applied == {"conv_alone": 1}
-    assert optimize(src, tmp_path / "b.onnx").patterns_applied == {}  # nchw: a lone conv stays
+    assert optimize(src, tmp_path / "b.onnx", target="none").patterns_applied == {}  # nchw: a lone conv stays
     with pytest.raises(OnnxfuseError, match="differs from the compile hook's 'nhwc'"):
         optimize(src, tmp_path / "c.onnx", compile_hook=hook, layout="nchw")
     assert not (tmp_path / "c.onnx").exists()
     from onnxfuse.kernels import compile_hook
 
     assert compile_hook("auto", layout="nhwc").layout == "nhwc" and compile_hook("auto").layout == "nchw"
+
+
+def test_python_optimize_has_the_command_lines_defaults(tmp_path, monkeypatch):
+    """`onnxfuse.optimize(IN, OUT)` writes what `onnxfuse optimize IN OUT` writes: the same
+    targets, layout, precision and tuning decisions (issue 15, item 12), byte for byte."""
+    pytest.importorskip("triton")
+    from onnx import TensorProto, helper
+
+    from onnxfuse import optimize
+    from onnxfuse.cli import main
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    g = helper.make_graph([helper.make_node("Sigmoid", ["x"], ["s"]), helper.make_node("Mul", ["x", "s"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 64])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    src = tmp_path / "m.onnx"
+    src.write_bytes(m.SerializeToString())
+    report = optimize(src, tmp_path / "api.onnx")
+    assert main(["optimize", str(src), str(tmp_path / "cli.onnx")]) == 0
+    assert report.compile is not None and report.compile["kernels"] == 1  # compiled, as the CLI does
+    assert (tmp_path / "api.onnx").read_bytes() == (tmp_path / "cli.onnx").read_bytes()
+    assert optimize(src, tmp_path / "none.onnx", target="none").compile is None
