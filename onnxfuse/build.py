@@ -1,26 +1,43 @@
 """Build the onnxfuse custom-op library (``libonnxfuse_ops.so``) from ``csrc/``.
 
 The library is compiled with the system ``g++`` against the ONNX Runtime C API headers
-(ORT 1.21, API 21: a library built against it loads in any ORT >= 1.21). The headers are
-not in the onnxruntime wheels, so they are taken from Debian's ``libonnxruntime-dev``
-package (trixie), downloaded with ``apt-get download`` under a throw-away apt
-configuration and unpacked with ``dpkg -x`` into the cache; nothing is installed
-system-wide. The CUDA driver API header comes from the installed ``triton`` wheel and is
-used for types only: the library opens ``libcuda.so.1`` with dlopen when a CUDA kernel
-first runs, so it builds and loads on machines without CUDA (without triton installed the
-CUDA kernel is left out).
+(API >= 21; ORT 1.21's headers, API 21, build a library that loads in any ORT >= 1.21). The
+headers are not in the onnxruntime wheels; `ort_include_dir` looks for them, in order:
+
+1. ``ONNXFUSE_ORT_INCLUDE`` (a folder holding ``onnxruntime_c_api.h``);
+2. the system's include dirs (``/usr/include/onnxruntime``, ``/usr/local/include/onnxruntime``,
+   ``/opt/homebrew/include/onnxruntime``) and conda's (``$CONDA_PREFIX/include/onnxruntime``),
+   each also as ``.../onnxruntime/core/session``;
+3. the headers downloaded by 4 or 5 earlier, in the cache;
+4. Debian's ``libonnxruntime-dev`` package (trixie: 1.21.0), downloaded with ``apt-get
+   download`` under a throw-away apt configuration and unpacked with ``dpkg -x`` into the
+   cache; nothing is installed system-wide. The Debian archive is the one this machine's apt
+   already uses (the first ``.../debian`` entry of /etc/apt/sources.list{,.d}, with its
+   Signed-By keyring), asked for the trixie suite;
+5. the ONNX Runtime release of the same version, 1.21.0 (``onnxruntime-<platform>-1.21.0.tgz``
+   from GitHub, its ``include/*.h``), into the cache.
+
+Headers older than API 21, or newer than the installed onnxruntime's API, are passed over.
+When all fail, one OnnxfuseError names every place tried.
+
+The CUDA driver API header comes from ``ONNXFUSE_CUDA_INCLUDE``, the installed ``triton``
+wheel or the ``nvidia-cuda-runtime-cu12`` wheel, and is used for types only: the library
+opens ``libcuda.so.1`` with dlopen when a CUDA kernel first runs, so it builds and loads on
+machines without CUDA (without a cuda.h the CUDA kernel is left out).
 
 Everything lands under the cache directory (``$ONNXFUSE_CACHE``, default
-``~/.cache/onnxfuse``): ``ort-headers/<version>/`` and ``lib/<hash>/libonnxfuse_ops.so``,
-the hash covering the sources, the flags, the compiler and the headers, so a changed
-source rebuilds and an unchanged one is reused.
+``~/.cache/onnxfuse``): ``ort-headers/<version>/`` (Debian's), ``ort-headers/release-<version>/``
+and ``lib/<hash>/libonnxfuse_ops.so``, the hash covering the sources, the flags, the compiler
+and the headers, so a changed source rebuilds and an unchanged one is reused.
 
-The Debian archive is the one this machine's apt already uses (the first ``.../debian``
-entry of /etc/apt/sources.list{,.d}, with its Signed-By keyring), asked for the trixie suite.
+A wheel (``pip wheel .``, see setup.py) ships the library prebuilt in ``onnxfuse/lib/`` with a
+stamp of the sources it was built from (`write_prebuilt`); `onnxfuse.runtime` uses it only
+while the package's sources still match (`prebuilt_path`).
 
-Environment: ``ONNXFUSE_ORT_INCLUDE`` (a folder holding ``onnxruntime_c_api.h``, skips the
-download), ``ONNXFUSE_DEBIAN_MIRROR`` (archive URI to use instead of the system's),
-``ONNXFUSE_CXX`` (compiler, default ``g++``).
+Environment: ``ONNXFUSE_ORT_INCLUDE``, ``ONNXFUSE_DEBIAN_MIRROR`` (archive URI to use instead
+of the system's), ``ONNXFUSE_ORT_RELEASE_URL`` (the release tarball's URL, e.g. a mirror or a
+file:// URL), ``ONNXFUSE_CUDA_INCLUDE`` (a folder holding cuda.h), ``ONNXFUSE_CXX`` (compiler,
+default ``g++``).
 
 ``python -m onnxfuse.build`` builds (if needed) and prints the library's path.
 """
