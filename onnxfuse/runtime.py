@@ -6,8 +6,8 @@
 
 The library (``libonnxfuse_ops.so``, see `onnxfuse.build`) implements the fused nodes
 (``onnxfuse::PointwiseChain``, ``FusedConv``, ``FusedMaxPool``) for the CPU and CUDA execution
-providers. It is built on
-first use and cached; ``ONNXFUSE_LIBRARY`` points at a prebuilt one instead.
+providers. A wheel ships it prebuilt (``onnxfuse/lib/``); a source install builds it on
+first use and caches it; ``ONNXFUSE_LIBRARY`` points at another one instead.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ _cached: str | None = None
 def library_path(build: bool = True) -> str:
     """Path of the custom-op library for the current sources, building it if needed.
 
-    With ``build=False`` an existing library is returned or OnnxfuseError is raised.
+    In order: ``ONNXFUSE_LIBRARY``; the library a wheel ships (``onnxfuse/lib/``) when it was
+    built from the package's sources as they are now; the one built on first use into the
+    cache. With ``build=False`` an existing library is returned or OnnxfuseError is raised.
     """
     global _cached
     env = os.environ.get("ONNXFUSE_LIBRARY")
@@ -39,9 +41,10 @@ def library_path(build: bool = True) -> str:
             return _cached
         from onnxfuse import build as _build
 
-        if build:
+        path = _build.prebuilt_path()  # a wheel's, built from these sources
+        if path is None and build:
             path = _build.build()
-        else:
+        elif path is None:
             path = _build.expected_path()
             if path is None or not path.is_file():
                 raise OnnxfuseError("the onnxfuse custom-op library is not built: run `python -m onnxfuse.build`")
