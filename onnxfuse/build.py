@@ -474,6 +474,10 @@ def build(force: bool = False, verbose: bool = False, max_api: int | None = None
     if out.is_file() and not force:
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
+    # A first run spends its time here (about 20 s on 2 cores): say so, on stderr, so the
+    # wait is not silent and no command's output changes.
+    print(f"onnxfuse: building the custom-op library (once, cached in {out_dir.parent}; about 20 s on a "
+          "2-core machine)...", file=sys.stderr, flush=True)
     # Build into a private name, then rename: concurrent builds never see a partial file.
     fd, tmp_name = tempfile.mkstemp(prefix=LIB_NAME + ".", suffix=".tmp", dir=out_dir)
     os.close(fd)

@@ -335,3 +335,25 @@ def test_write_prebuilt_stamps_what_it_built(tmp_path, monkeypatch):
     assert meta["cuda"] is cuda and meta["ort_api"] == 21
     monkeypatch.setattr(build, "prebuilt_dir", lambda: dest)
     assert build.prebuilt_path() == lib
+
+
+def test_a_build_says_so_on_stderr_once(env, tmp_path, monkeypatch, capsys):
+    """The first run builds the library (about 20 s on 2 cores): a line on stderr says so, so
+    the wait is not silent; a cached library is returned without a word."""
+    import subprocess
+
+    monkeypatch.setenv("ONNXFUSE_ORT_INCLUDE", str(headers(tmp_path / "inc")))
+    monkeypatch.setattr(build, "_compiler", lambda: "c++")
+    calls = []
+
+    def fake_run(cmd, **kw):  # the compile writes its -o file; other calls (--version) answer
+        if "-o" in cmd:
+            calls.append(cmd)
+            Path(cmd[cmd.index("-o") + 1]).write_bytes(b"\x7fELF")
+        return subprocess.CompletedProcess(cmd, 0, "c++ (fake) 1.0\n", "")
+
+    monkeypatch.setattr(build.subprocess, "run", fake_run)
+    path = build.build()
+    err = capsys.readouterr().err
+    assert "onnxfuse: building the custom-op library (once, cached in" in err and len(calls) == 1
+    assert build.build() == path and capsys.readouterr().err == "" and len(calls) == 1
