@@ -319,14 +319,20 @@ def _fetch_ort_headers(root: Path) -> None:
         try:
             _run(["dpkg", "-x", str(debs[0]), str(staging)], f"dpkg -x {debs[0].name}")
             (staging / "SOURCE").write_text(debs[0].name + "\n")
-            try:
-                staging.rename(root)
-            except OSError:
-                if not root.is_dir():  # another process won the race otherwise
-                    raise
+            _publish(staging, root)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)
+
+
+def _publish(staging: Path, root: Path) -> None:
+    """Move a filled staging folder to `root` in one rename; when another process got there
+    first (the rename fails and root exists), theirs stays."""
+    try:
+        staging.rename(root)
+    except OSError:
+        if not root.is_dir():
+            raise
 
 
 def release_url() -> str:
@@ -374,11 +380,7 @@ def _fetch_ort_release(root: Path) -> None:
             if not (inc / "onnxruntime_c_api.h").is_file():
                 raise OnnxfuseError(f"{url} has no <top>/include/onnxruntime_c_api.h")
             (staging / "SOURCE").write_text(url + "\n")
-            try:
-                staging.rename(root)
-            except OSError:
-                if not root.is_dir():  # another process won the race otherwise
-                    raise
+            _publish(staging, root)
         finally:
             if staging.exists():
                 shutil.rmtree(staging, ignore_errors=True)

@@ -58,7 +58,7 @@ import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.graph import _outer_refs
-from onnxfuse.rewrite import _all_names
+from onnxfuse.rewrite import _all_names, swap_functions
 
 TO_NCHW = [0, 3, 1, 2]
 TO_NHWC = [0, 2, 3, 1]
@@ -346,14 +346,7 @@ def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, c
                                        extra_layouts=extras, w_layout=w))
     for t in sorted(p.nhwc):  # the conv outputs that turn NHWC and the Concat / Split results
         _permute_value_info(g, t)
-    # the renamed nodes' old functions go when no node uses them; the model's own functions
-    # stay (they may be called from other functions or subgraphs only)
-    used = {(n.domain, n.op_type, n.overload) for n in g.node}
-    kept = [fn for fn in model.functions if (key := (fn.domain, fn.name, fn.overload)) in used or key not in renamed]
-    present = {(fn.domain, fn.name, fn.overload) for fn in kept}
-    kept += [fn for k, fn in sorted(new_functions.items()) if (fn.domain, fn.name, fn.overload) not in present]
-    del model.functions[:]
-    model.functions.extend(kept)
+    swap_functions(model, renamed, new_functions)
     return out
 
 

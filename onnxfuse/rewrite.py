@@ -506,3 +506,16 @@ def _all_names(model: ModelProto) -> set[str]:
 
     walk(model.graph)
     return names
+
+
+def swap_functions(model: ModelProto, renamed: set[tuple[str, str, str]], added: dict) -> None:
+    """After fused nodes moved to new overloads (the layout and rounding passes): the
+    functions keyed (domain, name, overload) in `renamed` go when no node calls them any more
+    (the model's own functions stay: subgraphs or other functions may call them), and the
+    new functions in `added` (overload -> FunctionProto) join, in overload order."""
+    used = {(n.domain, n.op_type, n.overload) for n in model.graph.node}
+    kept = [fn for fn in model.functions if (k := (fn.domain, fn.name, fn.overload)) in used or k not in renamed]
+    present = {(fn.domain, fn.name, fn.overload) for fn in kept}
+    kept += [fn for _, fn in sorted(added.items()) if (fn.domain, fn.name, fn.overload) not in present]
+    del model.functions[:]
+    model.functions.extend(kept)

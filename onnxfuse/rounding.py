@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from onnx import AttributeProto, FunctionProto, ModelProto, NodeProto, numpy_helper
 
 from onnxfuse.expr import Program, Ref
-from onnxfuse.rewrite import DOMAIN
+from onnxfuse.rewrite import DOMAIN, swap_functions
 
 # ONNX ops whose outputs hold only values of their data inputs (or zeros, NaN, +-inf, all
 # TF32 values): index of the data inputs, None for all of them. Pad and Resize are checked
@@ -140,14 +140,8 @@ def apply(model: ModelProto, fused: list, p: Plan) -> list:
             added[name] = fn
         node.overload = name
         out.append(dataclasses.replace(f, kernel_name=name, x_rounded=rx, round_y=ry))
-    if not renamed:
-        return out
-    used = {(n.domain, n.op_type, n.overload) for n in model.graph.node}
-    kept = [fn for fn in model.functions if (k := (fn.domain, fn.name, fn.overload)) in used or k not in renamed]
-    present = {(fn.domain, fn.name, fn.overload) for fn in kept}
-    kept += [fn for _, fn in sorted(added.items()) if (fn.domain, fn.name, fn.overload) not in present]
-    del model.functions[:]
-    model.functions.extend(kept)
+    if renamed:
+        swap_functions(model, renamed, added)
     return out
 
 
