@@ -119,8 +119,32 @@ def example(dim: int = 64, hidden: int = 256, seed: int = 0) -> onnx.ModelProto:
                   [helper.make_tensor_value_info("y", F, ["N", 16, dim])], inits)
 
 
+def activation_block(channels: int = 128, size: int = 64, seed: int = 0) -> onnx.ModelProto:
+    """The activation tail of a CNN block as exporters write it (YOLO, diffusion UNets): SiLU
+    written as x * Sigmoid(x), a per-channel scale and shift, a residual Add and a Clip.
+    Six elementwise nodes, each a full read and write of the activation: where fusion wins
+    on any machine, CPU included. The README's first example."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array((1 + 0.1 * rng.standard_normal((1, channels, 1, 1))).astype(np.float32), "scale"),
+             numpy_helper.from_array((0.1 * rng.standard_normal((1, channels, 1, 1))).astype(np.float32), "shift"),
+             _const("lo", -6.0), _const("hi", 6.0)]
+    nodes = [
+        N("Sigmoid", ["x"], ["gate"], name="silu/sigmoid"),
+        N("Mul", ["x", "gate"], ["silu"], name="silu/mul"),
+        N("Mul", ["silu", "scale"], ["scaled"], name="affine/scale"),
+        N("Add", ["scaled", "shift"], ["shifted"], name="affine/shift"),
+        N("Add", ["shifted", "skip"], ["summed"], name="residual"),
+        N("Clip", ["summed", "lo", "hi"], ["y"], name="clip"),
+    ]
+    image = ["N", channels, size, size]
+    return _model("activation_block", nodes, [helper.make_tensor_value_info("x", F, image),
+                                              helper.make_tensor_value_info("skip", F, image)],
+                  [helper.make_tensor_value_info("y", F, image)], inits)
+
+
 SMALL = {
     "example.onnx": example,
+    "activation_block.onnx": activation_block,
     "mul_chain_8.onnx": lambda: mul_chain(8),
     "cos_cos.onnx": cos_cos,
     "gelu_erf.onnx": gelu_erf,

@@ -26,7 +26,12 @@ def test_ci_runs_the_readme_test_command():
 
 def test_setup_command_installs_then_optimizes_the_bundled_example():
     (setup,) = [c for c in COMMANDS if c.startswith("pip install -e") and "onnxfuse optimize" in c]
-    assert "models/example.onnx" in setup
+    assert "onnxfuse analyze models/activation_block.onnx" in setup
+    assert "onnxfuse optimize models/activation_block.onnx" in setup and "onnxfuse bench" in setup
+
+
+# what `optimize` fuses in each bundled model the README's commands use
+FUSED = {"models/example.onnx": "pointwise_chain: 4 fused", "models/activation_block.onnx": "pointwise_chain: 1 fused"}
 
 
 # Each line's onnxfuse commands, in order (a set-up line chains pip install && onnxfuse ...).
@@ -37,14 +42,15 @@ CLI_COMMANDS = [[part.strip() for part in c.split("&&") if part.strip().startswi
 @pytest.mark.parametrize("commands", CLI_COMMANDS, ids=lambda cs: " && ".join(cs)[:60])
 def test_readme_cli_command_runs(tmp_path, commands):
     (tmp_path / "models").mkdir()
-    shutil.copy(ROOT / "models" / "example.onnx", tmp_path / "models" / "example.onnx")
+    for name in FUSED:
+        shutil.copy(ROOT / name, tmp_path / name)
     for command in commands:
         argv = command.split()
         r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", *argv[1:]], cwd=tmp_path, capture_output=True,
                            text=True, timeout=600)
         assert r.returncode == 0, (command, r.stdout, r.stderr)
         if argv[1] == "optimize":
-            assert "pointwise_chain: 4 fused" in r.stdout
+            assert FUSED[argv[2]] in r.stdout
             assert (tmp_path / argv[3]).exists()
 
 
