@@ -108,6 +108,13 @@ case "${1:-tests}" in
       --iters 30 --warmup 5 --json "$OUT/suite_$tag.json" "$@" 2>&1 \
       | grep -v "W:onnxruntime" | tee "$OUT/suite_$tag.log" | grep -E "^\S|gate|error|Error|warning" | tail -60
     ;;
+  new-gpu-tests)
+    # what the seventh session built after its device time ran out, first on the GPU: producer
+    # rounding (bit-identical), NaN through every fused kernel, tuning's accuracy step and
+    # replicated one-node timings (test_tune's gpu cases), then the conv tests
+    timeout "${2:-300}" python3 -m pytest -m gpu tests/test_rounding.py tests/test_nan.py tests/test_tune.py \
+      tests/test_gpu_conv.py -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_new.log" | tail -15
+    ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)
     timeout "${2:-330}" python3 -m pytest -m gpu tests -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_all.log" | tail -15
