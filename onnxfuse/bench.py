@@ -370,9 +370,12 @@ def gate_output(name: str, ref: np.ndarray | None, ort: np.ndarray | None, actua
     the dtype's floor (`tolerance`) with atol times max|ref| unless `atol` is given. NaN
     matches NaN and an infinity the same infinity; shapes must be equal. `ref` may be a
     float64 reference of a float output (`onnxfuse.reference`): the output's dtype, the one
-    `actual` must have and whose floor applies, is then `ort`'s."""
-    base_arr = ort if ort is not None and ref is not None and _widened(ref.dtype, ort.dtype) else ref
-    base_arr = base_arr if base_arr is not None else actual
+    `actual` must have and whose floor applies, is then `ort`'s (`actual`'s without `ort`)."""
+    base_arr = ref if ref is not None else actual
+    for run in (ort, actual):
+        if ref is not None and run is not None and _widened(ref.dtype, run.dtype):
+            base_arr = run
+            break
     assert base_arr is not None
     r, a = tolerance(base_arr.dtype, rtol, atol)
     if atol is None and ref is not None and ref.size and np.issubdtype(ref.dtype, np.floating):

@@ -24,12 +24,16 @@ combinations run the reference's own code):
 - ConvTranspose: a matrix product and a scatter-add per kernel offset (col2im).
 - MaxPool, AveragePool: a max / sum over a window view of the padded input; the reference
   loops in Python per output element.
-- Erf: float64 erf (scipy's when installed, else math.erf per element); the reference
-  rounds erf to float32.
+- Erf, Gelu: float64 erf (scipy's when installed, else math.erf per element); the
+  reference rounds erf to float32, and runs Gelu as its function body with that Erf.
 
-Cost (measured on 2 cores, onnxruntime 1.32, numpy 2.4 with OpenBLAS): YOLOv8n at 640x640
-about 1.5 s (ORT float32: 0.1 s), PP-OCRv4 detection at 640x640 about 2 s; a large model at
-a large batch takes tens of seconds. `onnxfuse bench` reports it (``reference.seconds``).
+Model-local functions are inlined first (the evaluator runs a function with its own kernels,
+not these).
+
+Cost (benchmarks/reference_cost.py on 2 cores, numpy 2.4 with OpenBLAS): 20-50x one ONNX
+Runtime float32 run on the same CPU. YOLOv8n at 640x640 0.7 s (ORT: 0.04 s), at batch 8 9.7 s;
+PP-OCRv4 detection at 640x640 0.9 s, recognition at batch 16 12 s. `onnxfuse bench` reports
+it (``reference.seconds``); ``--reference fp32`` skips it.
 
 A model the evaluator cannot run (an op of another domain such as com.microsoft, an op it
 does not implement) raises `Unavailable`, with the reason; the callers then fall back to
@@ -71,6 +75,11 @@ def float64_model(model: ModelProto) -> ModelProto:
     for f in m.functions:
         for n in f.node:
             _node(n)
+    if m.functions:
+        # inlined: the evaluator runs a model-local function with its own kernels, not FAST_OPS
+        from onnx.inliner import inline_local_functions
+
+        m = inline_local_functions(m)
     return m
 
 
@@ -210,6 +219,7 @@ def _windows(xp: np.ndarray, kernel, strides, dilations) -> np.ndarray:
 
 
 def _make_fast_ops() -> list[type]:
+    from onnx.reference.op_run import OpRun
     from onnx.reference.ops.op_average_pool import AveragePool_19 as _AveragePool
     from onnx.reference.ops.op_batch_normalization import BatchNormalization_14 as _BatchNormalization
     from onnx.reference.ops.op_conv import Conv as _Conv
@@ -308,7 +318,22 @@ def _make_fast_ops() -> list[type]:
         def _run(self, x):
             return (erf(x).astype(x.dtype),)
 
-    return [Conv, ConvTranspose, MaxPool, AveragePool, BatchNormalization, Erf]
+    class Gelu(OpRun):
+        # the evaluator expands Gelu into its function body, whose Erf is its own (float32)
+        op_domain = ""
+
+        def _run(self, x, approximate=None):
+            x64 = np.asarray(x, np.float64)
+            if approximate == "tanh":
+                # 0.5 x (1 + tanh(z)) = x sigmoid(2z), without the cancellation
+                z2 = 2.0 * math.sqrt(2.0 / math.pi) * (x64 + 0.044715 * x64**3)
+                t = np.exp(-np.abs(z2))
+                y = x64 * np.where(z2 >= 0, 1.0, t) / (1.0 + t)
+            else:
+                y = 0.5 * x64 * erfc(-x64 / math.sqrt(2.0))
+            return (y.astype(x.dtype),)
+
+    return [Conv, ConvTranspose, MaxPool, AveragePool, BatchNormalization, Erf, Gelu]
 
 
 def erf(x: np.ndarray) -> np.ndarray:
@@ -318,6 +343,15 @@ def erf(x: np.ndarray) -> np.ndarray:
     except ImportError:
         return np.vectorize(math.erf, otypes=[np.float64])(x)
     return sp_erf(np.asarray(x, np.float64))
+
+
+def erfc(x: np.ndarray) -> np.ndarray:
+    """erfc in float64 (scipy's when installed)."""
+    try:
+        from scipy.special import erfc as sp_erfc
+    except ImportError:
+        return np.vectorize(math.erfc, otypes=[np.float64])(x)
+    return sp_erfc(np.asarray(x, np.float64))
 
 
 def conv(X: np.ndarray, W: np.ndarray, B: np.ndarray | None, group: int, pads: list[int], strides: list[int],

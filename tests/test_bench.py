@@ -588,14 +588,14 @@ def test_compare_dry_run(tmp_path):
         "relu_maxpool", "conv_relu", "mlp_block", "cos_cos", "resnet18"]
     by = {c["model"]: c for c in d["cases"]}
     assert by["mlp_block"]["fused_nodes"] == 2 and by["cos_cos"]["fused_nodes"] == 1
-    assert "ort_fp32" in d["reference"] and "gate_output" in d["gate"]
+    assert d["reference"].startswith("float64") and "gate_output" in d["gate"]
     for name in ("relu_maxpool", "conv_relu", "mlp_block", "cos_cos"):
         c = by[name]
         v = c["variants"]
-        assert "ort_fp32" not in v and c["reference_error"] is None
+        assert "ort_fp32" not in v and c["reference_error"] is None and c["reference"] == "float64"
         assert v["ort"]["error"] is None and v["onnxfuse"]["error"] is None, v
-        # the reference is ORT CPU here: both errors about 0, the gate passes
-        assert c["ort_max_abs_err"] == v["ort"]["max_abs_err"] < 1e-6 and v["ort"]["gate_passed"] is None
+        # the reference is the original in float64: both errors are float32's, the gate passes
+        assert c["ort_max_abs_err"] == v["ort"]["max_abs_err"] < 1e-5 and v["ort"]["gate_passed"] is None
         assert v["onnxfuse"]["max_abs_err"] < 1e-5
         assert v["onnxfuse"]["gate_passed"] is True and c["gate_passed"] is True
         if "torch_eager" in v:
@@ -603,14 +603,15 @@ def test_compare_dry_run(tmp_path):
             assert v["torch_eager"]["gate_passed"] is None
     text = md.read_text()
     assert "| model | inputs | fused nodes | ORT | onnxfuse |" in text
-    assert "| ORT err vs fp32 | onnxfuse err vs fp32 | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |" in text
+    assert "| ORT err vs ref | onnxfuse err vs ref | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |" in text
     row = next(line for line in text.splitlines() if line.startswith("| mlp_block | 2x8x32 | 2 |"))
     assert "| pass |" in row and row.endswith("x |")
     # the table again from the JSON, with chosen columns
     r = subprocess.run([sys.executable, "benchmarks/compare.py", "--from-json", str(js), "--table", "ort,onnxfuse"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "| model | inputs | fused nodes | ORT | onnxfuse | ORT err vs fp32 |" in r.stdout
+    assert "| model | inputs | fused nodes | ORT | onnxfuse | ORT err vs ref |" in r.stdout
+    assert "Errors: max abs vs the original evaluated in float64;" in r.stdout
 
 
 def _compare_result(cases: list[dict]) -> dict:
@@ -644,7 +645,7 @@ def test_compare_table_shows_no_speedup_past_the_gate():
     text = compare.markdown(result, ("ort", "ort_graph", "onnxfuse", "onnxfuse_graph"))
     lines = text.splitlines()
     assert lines[2] == ("| model | inputs | fused nodes | ORT | ORT + graph | onnxfuse | onnxfuse + graph | "
-                        "ORT err vs fp32 | onnxfuse err vs fp32 | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |")
+                        "ORT err vs ref | onnxfuse err vs ref | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |")
     assert lines[4] == "| good | 1x4 | 1 | 2.000 | 1.500 | 1.000 | 0.800 | 0.0001 | 0.0001 | pass | 2.00x | 1.88x |"
     assert lines[5] == ("| bad | 1x4 | 1 | 2.000 | 1.500 | 1.000 | 0.800 | 0.0001 | 0.005 | **FAIL**: onnxfuse, "
                         "onnxfuse + graph | fails gate | fails gate |")
@@ -679,6 +680,24 @@ def test_compare_gates_a_wrong_onnxfuse_model(tmp_path, monkeypatch):
     assert v["ort"].max_abs_err < 1e-6 and v["onnxfuse"].max_abs_err > 1e-2
     assert v["onnxfuse"].gate_passed is False and res.gate_passed is False
     assert "output" in v["onnxfuse"].gate_failure and "elements outside" in v["onnxfuse"].gate_failure
+
+
+def test_compare_fp32_reference_and_fallback(tmp_path, monkeypatch):
+    """--reference fp32: ort_fp32 as before; float64 asked for but unavailable: ort_fp32, and why."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    case = next(c for c in compare.cases() if c.name == "cos_cos")
+    res = compare.run_case(case, tmp_path, True, ("ort", "onnxfuse"), 0, 2, log=lambda *a: None, reference="fp32")
+    assert res.reference == "ort_fp32" and res.variants["onnxfuse"].gate_passed is True
+    assert res.ort_max_abs_err == 0.0  # ORT CPU in the dry run: the reference is the ort variant's own run
+
+    def unavailable(model, feeds):
+        raise compare.float64_reference.Unavailable("no kernel for it")
+
+    monkeypatch.setattr(compare.float64_reference, "timed_evaluate", unavailable)
+    res = compare.run_case(case, tmp_path, True, ("ort", "onnxfuse"), 0, 2, log=lambda *a: None)
+    assert res.reference == "ort_fp32 (float64 not used: no kernel for it)" and res.gate_passed is True
 
 
 def test_compare_lists_every_benchmark_model():
