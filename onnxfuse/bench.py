@@ -1227,10 +1227,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="what outputs are judged against: float64 (the default), the first model evaluated in float64 "
                         "on the CPU; fp32, its float32 run (TF32 off on CUDA, its own run on the CPU)")
     p.add_argument("--tf32", action="store_true", default=True,
-                   help="CUDA: run the models under ORT's defaults, TF32 allowed, and gate them against a TF32-off "
-                        "run of the first (the default; kept for compatibility)")
+                   help="CUDA: run the models under ORT's defaults, TF32 allowed (the default; kept for "
+                        "compatibility); with --reference fp32 they are gated against a TF32-off run of the first")
     p.add_argument("--no-tf32", dest="tf32", action="store_false",
-                   help="CUDA: run every model with TF32 off; the reference is the first model's run (ort_err 0)")
+                   help="CUDA: run every model with TF32 off; with --reference fp32 the reference is then the first "
+                        "model's run (ort_err 0)")
     p.add_argument("--atol", type=float, help="absolute tolerance floor for every output (default per dtype, "
                                               "times max|reference|)")
     p.add_argument("--rtol", type=float, help="relative tolerance floor for every output (default per dtype)")
