@@ -122,6 +122,7 @@ GATE_HELP = (
     "reference is the first model run with TF32 off on CUDA, or its own run on the CPU and with --no-tf32 "
     "(ort_err 0).")
 REFERENCES = ("float64", "fp32")
+SLOW_REFERENCE_S = 10.0  # a float64 reference slower than this is mentioned on stderr
 EXIT_MISMATCH = 1
 
 # (rtol, atol) per output dtype; dtypes not listed must match exactly.
@@ -1094,6 +1095,9 @@ def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = Non
     reference: dict[str, np.ndarray] = {}
     baseline: dict[str, np.ndarray] | None = None   # the first model's timed run when it is not the reference
     ref64, why_not, ref_seconds = float64_reference(paths[0], feeds, settings)
+    if ref_seconds is not None and ref_seconds > SLOW_REFERENCE_S:
+        print(f"note: the float64 reference took {ref_seconds:.0f} s on the CPU (--reference fp32 skips it)",
+              file=notes)
     try:
         for i, (path, name) in enumerate(zip(paths, names, strict=True)):
             library = settings.library and fused_counts[i] > 0
