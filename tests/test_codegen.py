@@ -692,15 +692,23 @@ def _cuda_available() -> bool:
 
 @pytest.mark.gpu
 def test_gpu_kernels_match_reference(tmp_path):
-    """Every case, JIT-compiled by Triton on the device: the real libdevice numerics."""
+    """Every case, JIT-compiled by Triton on the device: the real libdevice numerics; the
+    tail cases also against the exact values, as `test_interpreted_tails` (written without a
+    GPU, not yet run on one)."""
+    from tests.test_tails import TAILS, assert_near_exact
+
     if not _cuda_available():
         pytest.skip("needs torch with a CUDA GPU")
     _write_workdir(tmp_path, CASES)
     _run_cases(tmp_path, "cuda")
     failures = []
+    tails = {f"tail-{t.id}": t for t in TAILS}
     for i, case in enumerate(CASES):
         try:
             _check_case(tmp_path, i, case, "cuda")
+            if case.id in tails:
+                got = np.load(tmp_path / f"case{i}_out.npz")["out0"]
+                assert_near_exact(got, tails[case.id], "Triton kernel (libdevice)")
         except (AssertionError, pytest.fail.Exception) as e:
             failures.append(str(e)[:1500])
     assert not failures, "\n\n".join(failures)
