@@ -22,13 +22,18 @@ monotonic clock. PyTorch calls are timed the same way (call, then ``torch.cuda.s
 under ``torch.inference_mode``, with TF32 allowed and cuDNN autotuning on (ORT's CUDA EP
 defaults: ``use_tf32`` 1, exhaustive cuDNN algorithm search).
 
-The gate, as in ``onnxfuse bench``: a speedup counts only at equal accuracy. Every case also
-runs ``ort_fp32``, the original in ONNX Runtime with TF32 off, once and untimed (not a speed
-variant): the fp32 reference. Every variant's max abs error is taken against it (torch's
-outputs by position when their names differ); each onnxfuse variant is gated by
-`onnxfuse.bench.gate_output`: every element within 2 x the ``ort`` variant's own error plus
-the per-dtype floor (``ort`` always runs when an onnxfuse variant does). A case fails when
-one of its onnxfuse variants does; the table then shows "fails gate" instead of speedups.
+The gate, as in ``onnxfuse bench``: a speedup counts only at equal accuracy. The reference
+is the original (an fp16 case's fp32 twin) evaluated in float64 on the CPU
+(`onnxfuse.reference`; a few seconds for a CNN at batch 16 on the GPU host's cores). Where it
+cannot be computed or looks wrong (`onnxfuse.reference.disagreement` against the ``ort``
+variant), and with ``--reference fp32``, it is ``ort_fp32``: the original in ONNX Runtime with
+TF32 off, run once and untimed (not a speed variant). The case's ``reference`` says which.
+Every variant's max abs error is taken against it (torch's outputs by position when their
+names differ; float16 outputs upcast to float32, as against the fp32 twin); each onnxfuse
+variant is gated by `onnxfuse.bench.gate_output`: every element within 2 x the ``ort``
+variant's own error plus the float32 floor (``ort`` always runs when an onnxfuse variant
+does). A case fails when one of its onnxfuse variants does; the table then shows "fails gate"
+instead of speedups.
 
     python benchmarks/compare.py --json compare.json --markdown compare.md        # on the GPU
     python benchmarks/compare.py --models resnet18,conv_relu --iters 20
@@ -44,8 +49,8 @@ network: fetch them here into a folder that travels with the working tree and po
 
 ``--dry-run`` runs the same code on the CPU at tiny shapes, ONNX Runtime CPU and torch eager
 only (no kernels compiled, no CUDA graphs, no torch.compile, pretrained models only if already
-cached): it checks the model list, the plumbing and the tables, not speed (the reference is
-then ORT CPU, and both errors are about 0).
+cached): it checks the model list, the plumbing and the tables, not speed (the fp32 reference
+is then ORT CPU).
 
 ``--table ort,ort_graph,onnxfuse,onnxfuse_graph`` picks the table's timing columns (the head
 table of BENCHMARKS.md); ``--from-json FILE`` prints the table of an earlier run's JSON
@@ -75,6 +80,7 @@ from models import build as mb  # noqa: E402
 from models import pretrained, suite  # noqa: E402
 from models.fp16 import DTYPES, to_fp16  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
+from onnxfuse import reference as float64_reference  # noqa: E402
 from onnxfuse.pipeline import optimize, optimize_model, save_model, write_text  # noqa: E402
 
 VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "torch_eager", "torch_compile",
@@ -219,10 +225,10 @@ class VariantResult:
     first_ms: float | None = None
     load_ms: float | None = None
     peak_gpu_mem_mb: float | None = None
-    max_abs_err: float | None = None      # vs the reference (ort_fp32), max over outputs
+    max_abs_err: float | None = None      # vs the reference (CaseResult.reference), max over outputs
     max_rel_err: float | None = None
     error: str | None = None
-    gate_passed: bool | None = None       # onnxfuse variants: the gate against ort_fp32 and ort's error
+    gate_passed: bool | None = None       # onnxfuse variants: the gate against the reference and ort's error
     gate_failure: str | None = None       # the first failing output, why
 
 
@@ -236,7 +242,8 @@ class CaseResult:
     variants: dict[str, VariantResult] = field(default_factory=dict)
     skipped: str | None = None
     reference_error: str | None = None    # the ort_fp32 run failed: nothing gated
-    ort_max_abs_err: float | None = None  # the "ort" variant's error vs ort_fp32
+    reference: str = ""                   # "float64", or "ort_fp32" and why (the module docstring)
+    ort_max_abs_err: float | None = None  # the "ort" variant's error vs the reference
     gate_passed: bool | None = None       # every onnxfuse variant that ran passed (None: none gated)
     tune: dict | None = None              # what optimize's tuning measured and kept (onnxfuse.tune)
 
@@ -271,9 +278,16 @@ def _errors(ref: dict[str, np.ndarray] | None, outs: dict[str, np.ndarray], res:
 
 def _as_reference(ref: dict[str, np.ndarray], outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """outs by the reference's names, in its dtypes (an fp16 model's outputs against its fp32
-    twin's: exact upcasts)."""
+    twin's: exact upcasts); against a float64 reference, float16 outputs in float32 (the twin's
+    dtype, whose floor applies) and float32 ones as they are."""
     outs = _by_reference_names(ref, outs)
-    return {k: v.astype(ref[k].dtype) if k in ref and v.dtype != ref[k].dtype and v.dtype.kind == "f" else v
+
+    def target(k: str, v: np.ndarray) -> np.dtype:
+        if ref[k].dtype == np.float64 and v.dtype != np.float64:
+            return np.dtype(np.float32)
+        return ref[k].dtype
+
+    return {k: v.astype(target(k, v)) if k in ref and v.dtype != target(k, v) and v.dtype.kind == "f" else v
             for k, v in outs.items()}
 
 
@@ -356,7 +370,7 @@ def _torch_variant(module, feeds, cuda: bool, compile_mode: str | None, warmup: 
 
 
 def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], warmup: int, iters: int,
-             log=print, tune: bool = True, tune_budget: float | None = None) -> CaseResult:
+             log=print, tune: bool = True, tune_budget: float | None = None, reference: str = "float64") -> CaseResult:
     """One case: the original, `onnxfuse optimize` of it as the command line runs it on a GPU
     (channels-last, tuned at the case's shapes unless `tune` is off), every variant timed on
     the same inputs, errors against the fp32 reference and the gate."""
@@ -400,18 +414,17 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     res.fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused), load_external_data=False))
     feeds = _feeds(case, shapes, model)
     provider = "cpu" if dry else "cuda"
-    # ort_fp32, the reference: the original (or an fp16 case's fp32 twin) with TF32 off, run once, untimed
+    # the reference: the original (or an fp16 case's fp32 twin) in float64, else ort_fp32
     ref: dict[str, np.ndarray] | None = None
-    try:
-        if reference_model is None:
-            ref = ob.evaluate_model(str(orig), feeds, ob.BenchSettings(provider=provider, tf32=False), False)
-        else:
-            ref_feeds = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
-            ref = ob.evaluate_model(reference_model.SerializeToString(), ref_feeds,
-                                    ob.BenchSettings(provider=provider, tf32=False), False)
-    except Exception as e:
-        res.reference_error = _error_text(e)
-        log(f"  {case.name:<20} {'ORT fp32':<17} {res.reference_error}")
+    why_not = "--reference fp32"
+    if reference == "float64":
+        try:
+            ref, seconds = float64_reference.timed_evaluate(reference_model or model, feeds)
+            log(f"  {case.name:<20} {'float64 reference':<17} {seconds:.1f} s")
+        except float64_reference.Unavailable as e:
+            why_not = str(e)
+    if ref is None:
+        ref = _fp32_reference(res, case, orig, reference_model, feeds, provider, log)
     gpu = None if dry else ob.CudaDriver()
     ort_based = [v for v in variants if not v.startswith("torch")]
     paths = {v: str(fused if v.startswith("onnxfuse") else orig) for v in ort_based}
@@ -419,6 +432,16 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu)
     module = None
     ort_outs = ran["ort"][1] if "ort" in ran else None
+    if res.reference == "" and ort_outs is not None and ref is not None:
+        problem = float64_reference.disagreement(ref, _by_reference_names(ref, ort_outs))
+        if problem:
+            why_not = f"the float64 reference looks wrong: {problem}"
+            ref = _fp32_reference(res, case, orig, reference_model, feeds, provider, log)
+    if res.reference == "" and ref is not None:
+        res.reference = "float64"
+    elif reference == "float64":
+        res.reference += f" (float64 not used: {why_not})"
+        log(f"  {case.name:<20} reference: {res.reference}")
     if ort_outs is not None:
         res.ort_max_abs_err = None
     for v in variants:
@@ -444,7 +467,7 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         res.variants[v] = r
         gate = {True: ", gate pass", False: ", gate FAIL", None: ""}[r.gate_passed]
         log(f"  {case.name:<20} {LABELS[v]:<17} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error)
-            + (f", err vs fp32 {r.max_abs_err:.2g}" if r.max_abs_err is not None else "") + gate)
+            + (f", err vs ref {r.max_abs_err:.2g}" if r.max_abs_err is not None else "") + gate)
         gc.collect()
     gated = [r.gate_passed for v, r in res.variants.items() if v.startswith("onnxfuse") and r.gate_passed is not None]
     res.gate_passed = all(gated) if gated else None
@@ -494,6 +517,22 @@ def prepare(picked: list[Case]) -> int:
 # Output
 # ---------------------------------------------------------------------------------------
 
+def _fp32_reference(res: CaseResult, case: Case, orig: Path, reference_model, feeds, provider: str,
+                    log) -> dict[str, np.ndarray] | None:
+    """ort_fp32: the original (or an fp16 case's fp32 twin) with TF32 off, run once, untimed."""
+    res.reference = "ort_fp32"
+    try:
+        if reference_model is None:
+            return ob.evaluate_model(str(orig), feeds, ob.BenchSettings(provider=provider, tf32=False), False)
+        ref_feeds = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
+        return ob.evaluate_model(reference_model.SerializeToString(), ref_feeds,
+                                 ob.BenchSettings(provider=provider, tf32=False), False)
+    except Exception as e:
+        res.reference_error = _error_text(e)
+        log(f"  {case.name:<20} {'ORT fp32':<17} {res.reference_error}")
+        return None
+
+
 def _error_text(e: BaseException) -> str:
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {text}"[:300]
@@ -523,14 +562,14 @@ def device_name(dry: bool) -> str:
     return name
 
 
-GATE_COLUMNS = ("ORT err vs fp32", "onnxfuse err vs fp32", "gate")
+GATE_COLUMNS = ("ORT err vs ref", "onnxfuse err vs ref", "gate")
 SPEEDUP_COLUMNS = ("onnxfuse vs ORT", "best onnxfuse vs best ORT")
 FAILS = "fails gate"
 
 
 def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
     """The results table: median ms per variant (`columns`, default every variant that ran),
-    both errors against the fp32 reference, the gate, and onnxfuse's speedups over ORT, which
+    both errors against the reference, the gate, and onnxfuse's speedups over ORT, which
     a case that fails the gate does not get ("fails gate")."""
     ran = [v for v in VARIANTS if any(v in c["variants"] for c in result["cases"])]
     variants = [v for v in VARIANTS if v in columns] if columns else ran
@@ -539,7 +578,7 @@ def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
     lines = [f"{result['device']}, {result['date']}: onnxruntime {ver['onnxruntime']}, torch {ver['torch']}, "
              f"triton {ver['triton']}, onnxfuse {ver['onnxfuse']}, Python {ver['python']}. Median ms over "
              f"{result['settings']['iters']} runs after {result['settings']['warmup']} warmup runs "
-             f"(synchronized wall clock, IO binding). Errors: max abs vs the original in ORT with TF32 off; "
+             f"(synchronized wall clock, IO binding). Errors: max abs vs {_reference_text(result)}; "
              f"gate: every onnxfuse output within 2 x ORT's own error plus the per-dtype floor "
              f"(onnxfuse.bench.gate_output); speedups only where it passes.", "",
              "| model | inputs | fused nodes | " + " | ".join(head) + " |",
@@ -563,6 +602,17 @@ def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _reference_text(result: dict) -> str:
+    """What the errors of a result are against: float64 (this module's default) or ort_fp32
+    (results from before the float64 reference, --reference fp32, and cases that fell back)."""
+    kinds = {c.get("reference", "ort_fp32").split(" ")[0] for c in result["cases"] if not c.get("skipped")}
+    if kinds == {"float64"}:
+        return "the original evaluated in float64"
+    if "float64" in kinds:
+        return "the original evaluated in float64 (where a case's reference says ort_fp32: in ORT with TF32 off)"
+    return "the original in ORT with TF32 off"
+
+
 def _time_cell(r: dict | None) -> str:
     if r is None:
         return ""
@@ -579,7 +629,7 @@ def _gate_cells(c: dict) -> list[str]:
     """ORT err, onnxfuse err (the largest of its variants), gate, and the two speedups."""
     ok = {v: r for v, r in c["variants"].items() if not r.get("error") and r.get("median_ms")}
     fz = {v: r for v, r in ok.items() if v.startswith("onnxfuse")}
-    # errors vs fp32 exist only with a reference run (not in results from before the gate)
+    # errors vs the reference exist only with a reference run (not in results from before the gate)
     has_ref = "ort_max_abs_err" in c and not c.get("reference_error")
     ort_err = _err_cell(c.get("ort_max_abs_err"), has_ref and "ort" in ok)
     errs = [r.get("max_abs_err") for r in fz.values()]
@@ -617,6 +667,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default=",".join(map(str, suite.BATCHES)), help="--suite: batch sizes (default 1,16)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="--suite: fp32,fp16 (default both)")
     ap.add_argument("--no-tune", action="store_true", help="optimize without tuning (the heuristics alone)")
+    ap.add_argument("--reference", choices=("float64", "fp32"), default="float64",
+                    help="the gate's reference: the original evaluated in float64 on the CPU (default), or "
+                         "ort_fp32, the original in ORT with TF32 off")
     ap.add_argument("--tune-budget", type=float, default=None, metavar="SECONDS",
                     help="per-node timing budget of optimize's tuning (default: optimize's own, 60 s)")
     ap.add_argument("--model-cache", type=Path, metavar="DIR",
@@ -690,7 +743,10 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {"warmup": warmup, "iters": iters, "variants": list(variants), "tune": not args.no_tune,
                      "tune_budget_s": args.tune_budget,
                      "suite": args.suite},
-        "reference": "ort_fp32: the original in ONNX Runtime with TF32 off, run once untimed"
+        "reference": ("float64: the original (an fp16 case's fp32 twin) evaluated in float64 on the CPU "
+                      "(onnxfuse.reference); per case, `reference` says where it was ort_fp32 instead"
+                      if args.reference == "float64" else
+                      "ort_fp32: the original in ONNX Runtime with TF32 off, run once untimed")
                      + (" (dry run: ONNX Runtime CPU)" if args.dry_run else ""),
         "gate": "an onnxfuse variant passes when every output element has |y - ref| <= 2 * ort_err + "
                 "atol * max|ref| + rtol * |ref| (ort_err: the ort variant's max abs error vs ref; (rtol, atol) "
@@ -703,7 +759,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in picked:
             print(f"{case.name} ({case.kind})", flush=True)
             res = run_case(case, workdir, args.dry_run, variants, warmup, iters, tune=not args.no_tune,
-                           tune_budget=args.tune_budget)
+                           tune_budget=args.tune_budget, reference=args.reference)
             if res.skipped:
                 print(f"  skipped: {res.skipped}")
             result["cases"].append(ob._finite(dataclasses.asdict(res)))

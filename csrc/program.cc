@@ -20,6 +20,8 @@ ONNXFUSE_SIMD float logf(float) noexcept;
 ONNXFUSE_SIMD float log1pf(float) noexcept;
 ONNXFUSE_SIMD float tanhf(float) noexcept;
 ONNXFUSE_SIMD float erff(float) noexcept;
+ONNXFUSE_SIMD float erfcf(float) noexcept;
+ONNXFUSE_SIMD float expm1f(float) noexcept;
 ONNXFUSE_SIMD float cosf(float) noexcept;
 ONNXFUSE_SIMD float sinf(float) noexcept;
 ONNXFUSE_SIMD float powf(float, float) noexcept;
@@ -43,7 +45,8 @@ constexpr OpInfo kOps[] = {
     {"erf", Op::ERF, 1},           {"cos", Op::COS, 1},
     {"sin", Op::SIN, 1},           {"sigmoid", Op::SIGMOID, 1},
     {"softplus", Op::SOFTPLUS, 1}, {"round_f16", Op::ROUND_F16, 1},
-    {"round_bf16", Op::ROUND_BF16, 1},
+    {"round_bf16", Op::ROUND_BF16, 1}, {"erfc", Op::ERFC, 1},
+    {"expm1", Op::EXPM1, 1},
     {"add", Op::ADD, 2},           {"sub", Op::SUB, 2},
     {"mul", Op::MUL, 2},           {"div", Op::DIV, 2},
     {"pow", Op::POW, 2},           {"max", Op::MAX, 2},
@@ -358,6 +361,14 @@ inline float softplus(float x) {
   return x > 0.0f ? x + ::log1pf(::expf(-x)) : ::log1pf(::expf(x));
 }
 
+// t / (1 + t) with t = exp(-|x|) (1 for x >= 0): one exp that never overflows, so a tiny
+// result (a denormal below x = -87.3) is not flushed to 0 as 1 / (1 + exp(-x)) does once
+// exp(-x) overflows; NaN stays NaN.
+inline float sigmoid(float x) {
+  const float t = ::expf(-std::fabs(x));
+  return (x >= 0.0f ? 1.0f : t) / (1.0f + t);
+}
+
 }  // namespace
 
 // Compiled for several instruction sets; the loader picks the best one for the CPU.
@@ -377,9 +388,9 @@ void eval_block(const ExecPlan& plan, float* const* t, size_t n) {
       case Op::ERF: loop1(d, a, n, [](float x) { return ::erff(x); }); break;
       case Op::COS: loop1(d, a, n, [](float x) { return ::cosf(x); }); break;
       case Op::SIN: loop1(d, a, n, [](float x) { return ::sinf(x); }); break;
-      case Op::SIGMOID:
-        loop1(d, a, n, [](float x) { return 1.0f / (1.0f + ::expf(-x)); });
-        break;
+      case Op::SIGMOID: loop1(d, a, n, sigmoid); break;
+      case Op::ERFC: loop1(d, a, n, [](float x) { return ::erfcf(x); }); break;
+      case Op::EXPM1: loop1(d, a, n, [](float x) { return ::expm1f(x); }); break;
       case Op::SOFTPLUS: loop1(d, a, n, softplus); break;
       case Op::ROUND_F16: loop1(d, a, n, [](float x) { return f16_to_f32(f32_to_f16(x)); }); break;
       case Op::ROUND_BF16: loop1(d, a, n, [](float x) { return bf16_to_f32(f32_to_bf16(x)); }); break;

@@ -27,7 +27,7 @@ enum class DType : uint8_t { F32, F16, BF16, BOOL };
 
 enum class Op : uint8_t {
   // unary
-  NEG, ABS, EXP, LOG, SQRT, TANH, ERF, COS, SIN, SIGMOID, SOFTPLUS, ROUND_F16, ROUND_BF16,
+  NEG, ABS, EXP, LOG, SQRT, TANH, ERF, COS, SIN, SIGMOID, SOFTPLUS, ROUND_F16, ROUND_BF16, ERFC, EXPM1,
   // binary
   ADD, SUB, MUL, DIV, POW, MAX, MIN, GT, GE, LT, LE, EQ,
   // ternary

@@ -13,40 +13,56 @@ timed. Every timed call is ``run_with_iobinding`` followed by ``synchronize_outp
 monotonic clock: on the GPU that is a synchronized wall-clock time, what a caller waits for,
 ONNX Runtime's host work included.
 
-The gate: a speedup counts only at equal accuracy. On CUDA (by default) the first model,
-the original, runs twice: once untimed with TF32 off (``use_tf32`` 0), the fp32 *reference*,
-and timed under ONNX Runtime's defaults (TF32 allowed), the baseline; every later model runs
-under ORT's defaults too. Per output, ``ort_err = max|baseline - reference|`` (ORT's own
-error) and an element of a later model passes when::
+The gate: a speedup counts only at equal accuracy, judged against the truth. The
+*reference* is the first model, the original, evaluated in float64 on the CPU
+(`onnxfuse.reference`: every float tensor widened, onnx's reference evaluator with fast
+float64 kernels), before any timing. The first model's timed run, under ONNX Runtime's
+defaults (TF32 allowed on CUDA), is the baseline; every later model runs under ORT's
+defaults too. Per output, ``ort_err = max|baseline - reference|`` (the original's own error
+as ORT runs it) and an element of a later model passes when::
 
     |actual - reference| <= 2 * ort_err + atol * max|reference| + rtol * |reference|
 
 (`gate_output`; NaN matches NaN, an infinity the same infinity, a NaN or infinity on one side
-fails; dtypes and shapes must be equal; ort_err counts only where it is finite). A model
-passes when every output does: it may be no further from fp32 than twice the original as
-ORT runs it. On the CPU (no TF32) and with ``--no-tf32`` (every model runs with TF32 off)
-the reference is the first model's own timed run and ort_err is 0: a plain isclose. The
-(rtol, atol) floor per dtype: float32 1e-5 / 1e-5, float16 1e-2 / 1e-3, bfloat16 2e-2 /
-1e-2, float64 1e-7 / 1e-9; other dtypes must be equal. ``--rtol`` / ``--atol`` replace the
-floor for every dtype, ``--atol`` as an absolute tolerance (not times max|reference|).
-``--tf32`` is the default (kept as a no-op). Exit status: 0 when every output passes, 1 when
-one does not, 2 on bad input (unreadable model, unknown input name, a model ONNX Runtime
-cannot load or run). ``onnxfuse bisect`` names the fused nodes of a model that fails.
+fails; shapes must be equal and dtypes the first model's; ort_err counts only where it is
+finite). A model passes when every output does: it may be no further from the exact result
+than twice the original as ORT runs it. Neither run is the truth: ONNX Runtime's CPU
+Sigmoid is off by up to 5x below x = -15, where onnxfuse's kernel is within 3e-7, and a gate
+that took ORT's output as the reference failed the more accurate model.
+
+When the float64 reference cannot be had (the evaluator lacks an op, e.g. of the
+com.microsoft domain; or it differs from the baseline by more than
+`onnxfuse.reference.SANITY` of an output's largest value, which points at an op the
+evaluator gets wrong), a note says why and the float32 reference is used, as with
+``--reference fp32``: on CUDA the first model run once untimed with TF32 off
+(``use_tf32`` 0); on the CPU, and with ``--no-tf32`` (every model runs with TF32 off), the
+first model's own timed run, with ort_err 0 (a plain isclose). The (rtol, atol) floor per
+dtype: float32 1e-5 / 1e-5, float16 1e-2 / 1e-3, bfloat16 2e-2 / 1e-2, float64 1e-7 /
+1e-9; other dtypes must be equal. ``--rtol`` / ``--atol`` replace the floor for every dtype,
+``--atol`` as an absolute tolerance (not times max|reference|). ``--tf32`` is the default
+(kept as a no-op). Exit status: 0 when every output passes, 1 when one does not, 2 on bad
+input (unreadable model, unknown input name, a model ONNX Runtime cannot load or run).
+``onnxfuse bisect`` names the fused nodes of a model that fails.
 
 A model with ``onnxfuse`` nodes gets the onnxfuse custom-op library registered
 (`onnxfuse.runtime`); ``--no-library`` runs their function bodies instead.
 
-JSON (``--json FILE``), schema ``onnxfuse.bench/1.1``; keys are only ever added under a new
-minor revision, never renamed (1.1 added ``reference``, ``ort_max_abs_err`` and ``gate_atol``)::
+JSON (``--json FILE``), schema ``onnxfuse.bench/1.2``; keys are only ever added under a new
+minor revision, never renamed (1.1 added ``reference``, ``ort_max_abs_err`` and ``gate_atol``;
+1.2 ``settings.reference`` and ``reference.float64``, ``fallback_reason``, ``seconds``)::
 
-    {"schema": "onnxfuse.bench/1.1", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
+    {"schema": "onnxfuse.bench/1.2", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
      "device": str, "versions": {"onnxfuse", "onnxruntime", "onnx", "numpy", "python": str},
      "settings": {"warmup", "iters", "batch", "seed", "cuda_graph", "tf32", "threads", "atol",
-                  "rtol", "library", "opt_level", "shapes", "inputs", "provider_options"},
+                  "rtol", "library", "opt_level", "shapes", "inputs", "provider_options",
+                  "reference": "float64" | "fp32"},  # what was asked for (--reference)
      "inputs": [{"name", "dtype", "shape"}],            # what every model was fed
      "batch": int,                                       # samples per run (leading dim of the first input)
      "reference": {"path": str, "tf32": false,           # what later models are gated against
-                   "separate_run": bool,                 # true: an untimed run of the first model
+                   "separate_run": bool,                 # true: not the first model's timed run
+                   "float64": bool,                      # true: the first model evaluated in float64
+                   "fallback_reason": str | null,        # why not, when float64 was asked for
+                   "seconds": float | null,              # time to compute the float64 reference
                    "description": str,
                    "ort_max_abs_err": {output: float | null}},  # the first model's timed run vs it
      "models": [{
@@ -69,7 +85,8 @@ minor revision, never renamed (1.1 added ``reference``, ``ort_max_abs_err`` and 
 ``max_abs_err`` / ``max_rel_err`` are against the reference; ``max_rel_err`` is taken over
 elements whose reference value is not 0; an error that is not finite (a NaN or infinity where
 the other side has none) is written as null. ``settings.tf32`` is whether the timed runs
-allowed TF32 (false on the CPU).
+allowed TF32 (false on the CPU). ``dtype`` of an output is the first model's (a float64
+reference is compared in float64).
 """
 
 from __future__ import annotations
@@ -92,16 +109,20 @@ import numpy as np
 
 from onnxfuse.errors import OnnxfuseError
 
-SCHEMA = "onnxfuse.bench/1.1"
+SCHEMA = "onnxfuse.bench/1.2"
 
 GATE_HELP = (
-    "A speedup counts only at equal accuracy. On CUDA the first model (the original) runs once with TF32 off, "
-    "the fp32 reference, and timed under ONNX Runtime's defaults (TF32 allowed); later models run under ORT's "
-    "defaults and pass when every output element satisfies |y - ref| <= 2 * ort_err + atol * max|ref| + "
-    "rtol * |ref|, where ort_err is the original's own max abs error vs the reference, so an optimized model "
-    "may be no further from fp32 than twice the original as ORT runs it. (rtol, atol) per dtype is the floor "
-    "(float32 1e-5, 1e-5); --rtol/--atol replace it (--atol absolute). On the CPU, or with --no-tf32, the "
-    "reference is the first model's own run and ort_err is 0.")
+    "A speedup counts only at equal accuracy. The reference is the first model (the original) evaluated in "
+    "float64 on the CPU (onnx's reference evaluator); every model runs under ONNX Runtime's defaults (TF32 "
+    "allowed on CUDA), and a later model passes when every output element satisfies |y - ref| <= 2 * ort_err "
+    "+ atol * max|ref| + rtol * |ref|, where ort_err is the first model's own max abs error vs the reference, "
+    "so an optimized model may be no further from the exact result than twice the original as ORT runs it. "
+    "(rtol, atol) per dtype is the floor (float32 1e-5, 1e-5); --rtol/--atol replace it (--atol absolute). "
+    "Where the float64 reference cannot be computed (a note says why), or with --reference fp32, the "
+    "reference is the first model run with TF32 off on CUDA, or its own run on the CPU and with --no-tf32 "
+    "(ort_err 0).")
+REFERENCES = ("float64", "fp32")
+SLOW_REFERENCE_S = 10.0  # a float64 reference slower than this is mentioned on stderr
 EXIT_MISMATCH = 1
 
 # (rtol, atol) per output dtype; dtypes not listed must match exactly.
@@ -144,6 +165,7 @@ class BenchSettings:
     tf32: bool = True                                     # CUDA: let MatMul/Conv use TF32 (ORT's default);
                                                           # bench() then gates against a TF32-off run
     provider_options: dict[str, str] = field(default_factory=dict)  # extra CUDA EP options
+    reference: str = "float64"                            # "float64" or "fp32" (module docstring)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -254,7 +276,7 @@ class BenchReport:
 
     # ---- tables ----
     COLUMNS = ("model", "fused", "load ms", "first ms", "median ms", "p10 ms", "p90 ms", "min ms", "samples/s",
-               "peak MB", "speedup", "err vs fp32", "ORT err vs fp32", "gate")
+               "peak MB", "speedup", "err vs ref", "ORT err vs ref", "gate")
 
     def rows(self) -> list[list[str]]:
         rows = []
@@ -347,8 +369,14 @@ def gate_output(name: str, ref: np.ndarray | None, ort: np.ndarray | None, actua
     |actual - ref| <= 2 * ort_err + atol + rtol * |ref|, ort_err = max|ort - ref| (finite
     differences only; 0 when `ort` is None: the reference is the baseline itself), (rtol, atol)
     the dtype's floor (`tolerance`) with atol times max|ref| unless `atol` is given. NaN
-    matches NaN and an infinity the same infinity; dtypes and shapes must be equal."""
+    matches NaN and an infinity the same infinity; shapes must be equal. `ref` may be a
+    float64 reference of a float output (`onnxfuse.reference`): the output's dtype, the one
+    `actual` must have and whose floor applies, is then `ort`'s (`actual`'s without `ort`)."""
     base_arr = ref if ref is not None else actual
+    for run in (ort, actual):
+        if ref is not None and run is not None and _widened(ref.dtype, run.dtype):
+            base_arr = run
+            break
     assert base_arr is not None
     r, a = tolerance(base_arr.dtype, rtol, atol)
     if atol is None and ref is not None and ref.size and np.issubdtype(ref.dtype, np.floating):
@@ -362,15 +390,16 @@ def gate_output(name: str, ref: np.ndarray | None, ort: np.ndarray | None, actua
     fail = dict(max_abs_err=None, max_rel_err=None, mismatches=int(ref.size), passed=False)
     if actual is None:
         return OutputCheck(**base, **fail, note="missing from this model's outputs")
-    if actual.dtype != ref.dtype:
-        return OutputCheck(**base, **fail, note=f"dtype {actual.dtype} differs from the first model's {ref.dtype}")
+    if actual.dtype != base_arr.dtype:
+        return OutputCheck(**base, **fail,
+                           note=f"dtype {actual.dtype} differs from the first model's {base_arr.dtype}")
     if actual.shape != ref.shape:
         return OutputCheck(**base, **fail,
                            note=f"shape {list(actual.shape)} differs from the first model's {list(ref.shape)}")
     ort_err: float | None = 0.0
     slack = 0.0
     if ort is not None:
-        if ort.dtype != ref.dtype or ort.shape != ref.shape:
+        if not (ort.dtype == ref.dtype or _widened(ref.dtype, ort.dtype)) or ort.shape != ref.shape:
             return OutputCheck(**base, **fail, note="the first model's timed run differs from the reference in "
                                                     f"dtype or shape ({ort.dtype}{list(ort.shape)})")
         ort_diff = _abs_diff(ref, ort)
@@ -392,6 +421,11 @@ def gate_output(name: str, ref: np.ndarray | None, ort: np.ndarray | None, actua
     n_bad = int(bad.sum())
     return OutputCheck(**base, max_abs_err=max_abs if np.isfinite(max_abs) else None,
                        max_rel_err=max_rel if np.isfinite(max_rel) else None, mismatches=n_bad, passed=n_bad == 0)
+
+
+def _widened(ref: np.dtype, dtype: np.dtype) -> bool:
+    """Whether `ref` is the float64 reference of an output of float dtype `dtype`."""
+    return ref == np.float64 and dtype != np.float64 and np.dtype(dtype).kind == "f"
 
 
 def _abs_diff(ref: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -422,7 +456,15 @@ def gate_outputs(ref: dict[str, np.ndarray], ort: dict[str, np.ndarray] | None, 
 
 def max_abs_errors(ref: dict[str, np.ndarray], outputs: dict[str, np.ndarray]) -> dict[str, float | None]:
     """max|y - ref| per output of the reference (None: not finite, or missing or mismatched)."""
-    return {n: gate_output(n, e, None, outputs.get(n)).max_abs_err for n, e in ref.items()}
+    out: dict[str, float | None] = {}
+    for n, e in ref.items():
+        y = outputs.get(n)
+        if y is None or y.shape != e.shape or not (y.dtype == e.dtype or _widened(e.dtype, y.dtype)):
+            out[n] = None
+            continue
+        m = float(_abs_diff(e, y).max()) if e.size else 0.0
+        out[n] = m if np.isfinite(m) else None
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -926,16 +968,85 @@ def reference_settings(settings: BenchSettings) -> BenchSettings:
     return replace(settings, tf32=False, cuda_graph=False, warmup=0, iters=1)
 
 
-def reference_info(path: str, settings: BenchSettings, ort_errors: dict[str, float | None]) -> dict:
-    """The report's `reference` entry."""
+def float64_reference(path: str, feeds: dict[str, np.ndarray], settings: BenchSettings
+                      ) -> tuple[dict[str, np.ndarray] | None, str | None, float | None]:
+    """The first model evaluated in float64 (`onnxfuse.reference`) when settings ask for it:
+    (outputs, None, seconds), or (None, why not, None)."""
+    from onnxfuse import reference
+
+    if settings.reference != "float64":
+        return None, None, None
+    try:
+        outputs, seconds = reference.timed_evaluate(path, feeds)
+    except reference.Unavailable as e:
+        return None, str(e), None
+    return outputs, None, seconds
+
+
+def plausible_float64(ref64: dict[str, np.ndarray] | None, run: dict[str, np.ndarray],
+                      why_not: str | None) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    """(ref64, why_not), or (None, the reason) when ref64 disagrees with the first model's own
+    run as no float32 computation does (`onnxfuse.reference.disagreement`)."""
+    from onnxfuse import reference
+
+    if ref64 is None:
+        return None, why_not
+    problem = reference.disagreement(ref64, run)
+    return (None, f"the float64 reference looks wrong: {problem}") if problem else (ref64, None)
+
+
+def untimed_references(path: str, feeds: dict[str, np.ndarray], settings: BenchSettings, library: bool,
+                       notes: TextIO | None = None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray] | None, dict]:
+    """The gate's reference and baseline for the first model `path` run once, untimed (bisect;
+    bench's baseline is its timed run): (reference, baseline or None where the reference is the
+    baseline itself, the report's reference entry without ORT's errors). The module docstring
+    says which reference; a note on `notes` says why when float64 was asked for and not used."""
+    ref64, why_not, seconds = float64_reference(path, feeds, settings)
+    ref = None
+    if ref64 is None and gated(settings):
+        ref = evaluate_model(path, feeds, reference_settings(settings), library)
+    ort = evaluate_model(path, feeds, settings, library)
+    ref64, why_not = plausible_float64(ref64, ort, why_not)
+    if why_not:
+        print(f"note: {fallback_note(path, settings, why_not)}", file=notes if notes is not None else sys.stderr)
+    if ref64 is not None:
+        return ref64, ort, reference_info(path, settings, {}, float64=True, seconds=seconds)
+    info = reference_info(path, settings, {}, fallback_reason=why_not)
     if gated(settings):
-        what = (f"{Path(path).name} run once with TF32 off (use_tf32 0); later models may differ from it by "
+        if ref is None:
+            ref = evaluate_model(path, feeds, reference_settings(settings), library)
+        return ref, ort, info
+    return ort, None, info
+
+
+def fallback_note(path: str, settings: BenchSettings, why_not: str) -> str:
+    """The note printed when the float64 reference was asked for and is not used."""
+    return f"float64 reference not used ({why_not}); gating against {_fp32_reference(path, settings)}"
+
+
+def _fp32_reference(path: str, settings: BenchSettings) -> str:
+    if gated(settings):
+        return (f"{Path(path).name} run once with TF32 off (use_tf32 0); later models may differ from it by "
                 "twice the first model's own error under ORT's defaults (TF32 allowed)")
-    elif settings.provider == "cuda":
-        what = f"{Path(path).name}'s own run, TF32 off (--no-tf32)"
+    if settings.provider == "cuda":
+        return f"{Path(path).name}'s own run, TF32 off (--no-tf32)"
+    return f"{Path(path).name}'s own run (the CPU has no TF32)"
+
+
+def reference_info(path: str, settings: BenchSettings, ort_errors: dict[str, float | None], float64: bool = False,
+                   fallback_reason: str | None = None, seconds: float | None = None) -> dict:
+    """The report's `reference` entry."""
+    if float64:
+        tf32 = " (TF32 allowed)" if gated(settings) else ""
+        what = (f"{Path(path).name} evaluated in float64 on the CPU (onnx's reference evaluator, "
+                f"{seconds or 0:.1f} s); every model may differ from it by twice the first model's own error under "
+                f"ORT's defaults{tf32}")
     else:
-        what = f"{Path(path).name}'s own run (the CPU has no TF32)"
-    return {"path": str(path), "tf32": False, "separate_run": gated(settings), "description": what,
+        what = _fp32_reference(path, settings)
+        if fallback_reason:
+            what += f" (float64 reference not used: {fallback_reason})"
+    return {"path": str(path), "tf32": False, "separate_run": float64 or gated(settings), "float64": float64,
+            "fallback_reason": fallback_reason, "seconds": seconds, "description": what,
             "ort_max_abs_err": ort_errors}
 
 
@@ -983,19 +1094,31 @@ def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = Non
     results: list[ModelResult] = []
     reference: dict[str, np.ndarray] = {}
     baseline: dict[str, np.ndarray] | None = None   # the first model's timed run when it is not the reference
+    ref64, why_not, ref_seconds = float64_reference(paths[0], feeds, settings)
+    if ref_seconds is not None and ref_seconds > SLOW_REFERENCE_S:
+        print(f"note: the float64 reference took {ref_seconds:.0f} s on the CPU (--reference fp32 skips it)",
+              file=notes)
     try:
         for i, (path, name) in enumerate(zip(paths, names, strict=True)):
             library = settings.library and fused_counts[i] > 0
-            if i == 0 and gated(settings):
+            if i == 0 and ref64 is None and gated(settings):
                 reference = evaluate_model(path, feeds, reference_settings(settings), library)
             progress = Progress(f"{name}", settings.warmup + settings.iters, stream=stream)
             r = run_model(path, feeds, settings, library, progress, gpu)
             lat = Latency.of(r.times_ms)
             checks: list[OutputCheck] = []
-            if i == 0 and gated(settings):
-                baseline = r.outputs
-            elif i == 0:
-                reference = r.outputs
+            if i == 0:
+                ref64, why_not = plausible_float64(ref64, r.outputs, why_not)
+                if why_not:
+                    print(f"note: {fallback_note(path, settings, why_not)}", file=notes)
+                if ref64 is not None:
+                    reference, baseline = ref64, r.outputs
+                elif gated(settings):
+                    if not reference:  # the float64 reference was computed, and looked wrong
+                        reference = evaluate_model(path, feeds, reference_settings(settings), library)
+                    baseline = r.outputs
+                else:
+                    reference = r.outputs
             else:
                 checks = gate_outputs(reference, baseline, r.outputs, settings.rtol, settings.atol)
             first_median = results[0].latency_ms.median if results else lat.median
@@ -1017,7 +1140,9 @@ def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = Non
         versions={"onnxfuse": onnxfuse.__version__, "onnxruntime": ort.__version__, "onnx": onnx.__version__,
                   "numpy": np.__version__, "python": platform.python_version()},
         settings=settings.to_dict(), inputs=specs, batch=int(batch), models=results,
-        passed=all(m.passed for m in results), reference=reference_info(paths[0], settings, ort_errors))
+        passed=all(m.passed for m in results),
+        reference=reference_info(paths[0], settings, ort_errors, float64=ref64 is not None, fallback_reason=why_not,
+                                 seconds=ref_seconds if ref64 is not None else None))
 
 
 def require_cuda() -> None:
@@ -1045,6 +1170,8 @@ def _validate(s: BenchSettings) -> None:
     for v, what in ((s.atol, "--atol"), (s.rtol, "--rtol")):
         if v is not None and not (v >= 0):
             raise OnnxfuseError(f"{what} must be 0 or more")
+    if s.reference not in REFERENCES:
+        raise OnnxfuseError(f"--reference {s.reference}: choose float64 or fp32")
     if "use_tf32" in s.provider_options:
         raise OnnxfuseError("provider option use_tf32: use the tf32 setting (--tf32 / --no-tf32)")
 
@@ -1085,7 +1212,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup", type=int, default=10, help="untimed runs after the first (default 10)")
     p.add_argument("--iters", type=int, default=100, help="timed runs (default 100)")
     p.add_argument("--cuda-graph", action="store_true", help="run with ONNX Runtime's CUDA graphs")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1.1)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1.2)")
     p.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
                    help="print the table as Markdown (or write it to FILE)")
 
@@ -1100,11 +1227,15 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
                    help="an input's value: a .npy file or a number filling its shape (sr=16000); repeatable")
     p.add_argument("--batch", type=int, help="size of dynamic leading dimensions (default 1)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--reference", choices=REFERENCES, default="float64",
+                   help="what outputs are judged against: float64 (the default), the first model evaluated in float64 "
+                        "on the CPU; fp32, its float32 run (TF32 off on CUDA, its own run on the CPU)")
     p.add_argument("--tf32", action="store_true", default=True,
-                   help="CUDA: run the models under ORT's defaults, TF32 allowed, and gate them against a TF32-off "
-                        "run of the first (the default; kept for compatibility)")
+                   help="CUDA: run the models under ORT's defaults, TF32 allowed (the default; kept for "
+                        "compatibility); with --reference fp32 they are gated against a TF32-off run of the first")
     p.add_argument("--no-tf32", dest="tf32", action="store_false",
-                   help="CUDA: run every model with TF32 off; the reference is the first model's run (ort_err 0)")
+                   help="CUDA: run every model with TF32 off; with --reference fp32 the reference is then the first "
+                        "model's run (ort_err 0)")
     p.add_argument("--atol", type=float, help="absolute tolerance floor for every output (default per dtype, "
                                               "times max|reference|)")
     p.add_argument("--rtol", type=float, help="relative tolerance floor for every output (default per dtype)")
@@ -1124,7 +1255,8 @@ def settings_from_args(args: argparse.Namespace) -> BenchSettings:
         provider=provider, shapes=shapes, inputs=parse_assignments(args.input, "--input"), batch=args.batch,
         warmup=getattr(args, "warmup", defaults.warmup), iters=getattr(args, "iters", defaults.iters),
         cuda_graph=getattr(args, "cuda_graph", False), tf32=args.tf32, atol=args.atol, rtol=args.rtol,
-        seed=args.seed, threads=args.threads, library=not args.no_library, opt_level=args.opt_level)
+        seed=args.seed, threads=args.threads, library=not args.no_library, opt_level=args.opt_level,
+        reference=getattr(args, "reference", "float64"))
 
 
 def run_cli(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ fail `onnxfuse bench`'s accuracy gate.
 Every onnxfuse node carries its original subgraph as a model-local function; unfusing a node
 inlines that body with the node's tensor names (`onnxfuse.rewrite.unfuse_node`), from the
 saved model alone. Inputs, reference and gate are bench's, with the same options
-(`onnxfuse.bench.gate_outputs`). The steps:
+(`onnxfuse.bench.gate_outputs`; the reference is ORIGINAL evaluated in float64 unless it cannot
+be, `onnxfuse.bench.untimed_references`). The steps:
 
 1. the optimized model as it is: when it passes, say so (exit 0);
 2. every fused node unfused: when that still fails, the failure is outside the fused nodes
@@ -138,7 +139,7 @@ class _Evaluator:
         self.cache[unfused] = checks
         verdict = "passes" if _passed(checks) else "FAIL"
         print(f"bisect: run {self.runs}: {len(unfused)} of {len(self.names)} fused nodes unfused: {verdict} "
-              f"(err vs fp32 {_err(checks)})", file=self.log, flush=True)
+              f"(err vs ref {_err(checks)})", file=self.log, flush=True)
         return checks
 
     def passes(self, unfused: frozenset[str]) -> bool:
@@ -199,12 +200,8 @@ def bisect(original: str, optimized: str, settings: ob.BenchSettings, log: TextI
     feeds = ob.make_feeds(specs, settings)
     library = settings.library and ob.count_onnxfuse_nodes(first) > 0
     del first
-    if ob.gated(settings):
-        ref = ob.evaluate_model(original, feeds, ob.reference_settings(settings), library)
-        ort = ob.evaluate_model(original, feeds, settings, library)
-    else:
-        ref, ort = ob.evaluate_model(original, feeds, settings, library), None
-    reference = ob.reference_info(original, settings, {})["description"]
+    ref, ort, info = ob.untimed_references(original, feeds, settings, library, notes)
+    reference = info["description"]
     names = [n.name for n in nodes]
     with tempfile.TemporaryDirectory(prefix="onnxfuse-bisect-") as tmp:
         ev = _Evaluator(work, names, feeds, settings, ref, ort, log, Path(tmp))
@@ -252,7 +249,7 @@ def run_cli(args: argparse.Namespace) -> int:
     print(f"reference: {r.reference}")
     n = len(r.nodes)
     if r.status == "passes":
-        print(f"{args.optimized} passes the gate (err vs fp32 {_err(r.before)}, ORT's own "
+        print(f"{args.optimized} passes the gate (err vs ref {_err(r.before)}, ORT's own "
               f"{_err(r.before, 'ort_max_abs_err')}); nothing to bisect")
     else:
         print(f"{args.optimized} fails the gate:")
@@ -261,7 +258,7 @@ def run_cli(args: argparse.Namespace) -> int:
                 print(f"  output {c.name!r}: {c.failure()}")
     if r.status == "outside":
         what = "it has no fused nodes" if n == 0 else f"with all {n} fused nodes unfused it still fails"
-        print(f"the failure is outside the fused nodes: {what} (err vs fp32 {_err(r.after)}); look at the "
+        print(f"the failure is outside the fused nodes: {what} (err vs ref {_err(r.after)}); look at the "
               f"rewrites around them")
         return EXIT_FAILS
     if r.status == "culprits":
@@ -271,9 +268,9 @@ def run_cli(args: argparse.Namespace) -> int:
         for c in r.culprits:
             what = c.node.op_type + (f", pattern {c.node.pattern}" if c.node.pattern else "")
             ops = abbreviate(c.node.ops, " ")
-            print(f"  {c.node.name:<{width}}  {what} ({ops}): alone err vs fp32 {_err(c.alone)} "
+            print(f"  {c.node.name:<{width}}  {what} ({ops}): alone err vs ref {_err(c.alone)} "
                   f"(ORT's own {_err(c.alone, 'ort_max_abs_err')}): {'passes' if c.passed else 'FAIL'}")
-        print(f"with those unfused it passes (err vs fp32 {_err(r.after)})")
+        print(f"with those unfused it passes (err vs ref {_err(r.after)})")
     if args.write and r.model is not None:
         print(f"wrote {args.write}")
     return 0 if r.status == "passes" else EXIT_FAILS

@@ -117,9 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     from onnxfuse.bench import GATE_HELP
     from onnxfuse.bench import add_arguments as bench_arguments
 
-    p = sub.add_parser("bench", help="time models on the same inputs and gate their outputs against fp32",
+    p = sub.add_parser("bench", help="time models on the same inputs and gate their outputs against the first "
+                                     "model in float64",
                        description="Time models in ONNX Runtime on the same seeded inputs and gate every later "
-                                   "model's outputs against the first's.", epilog=GATE_HELP)
+                                   "model's outputs against the first's, evaluated in float64.", epilog=GATE_HELP)
     bench_arguments(p)
     p.set_defaults(func=_cmd_bench)
 

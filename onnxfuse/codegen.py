@@ -316,7 +316,11 @@ OP_TABLE: dict[str, str] = {
     "erf": "libdevice.erf({0})",
     "cos": "libdevice.cos({0})",
     "sin": "libdevice.sin({0})",
-    "sigmoid": "tl.div_rn(1.0, 1.0 + libdevice.exp(-{0}))",
+    # t / (1 + t), t = exp(-|x|) (1 for x >= 0): never exp of a large positive number, so a
+    # tiny result is not flushed to 0 by an overflowing exp(-x) (the compiler shares the exp)
+    "sigmoid": "tl.div_rn(tl.where({0} >= 0, 1.0, libdevice.exp(-tl.abs({0}))), 1.0 + libdevice.exp(-tl.abs({0})))",
+    "erfc": "libdevice.erfc({0})",
+    "expm1": "libdevice.expm1({0})",
     # Both branches are finite where selected: exp(-x) <= 1 for x > 0, exp(x) <= 1 else.
     "softplus": "tl.where({0} > 0, {0} + libdevice.log1p(libdevice.exp(-{0})), libdevice.log1p(libdevice.exp({0})))",
     "round_f16": '{0}.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)',

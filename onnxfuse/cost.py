@@ -78,7 +78,7 @@ T = TRANSCENDENTAL_FLOPS
 EXPR_FLOPS: dict[str, int] = {
     **dict.fromkeys(("add", "sub", "mul", "div", "max", "min", "neg", "abs", "gt", "ge", "lt", "le", "eq",
                      "select"), 1),
-    **dict.fromkeys(("exp", "log", "sqrt", "tanh", "erf", "cos", "sin", "pow"), T),
+    **dict.fromkeys(("exp", "expm1", "log", "sqrt", "tanh", "erf", "erfc", "cos", "sin", "pow"), T),
     "sigmoid": T + 2,
     "softplus": 2 * T + 2,
     "round_f16": 0,

@@ -26,13 +26,23 @@ Rules:
   is the broadcast of all input shapes. All outputs have that shape.
 
 Ops (see `UNARY`, `BINARY`, `TERNARY`):
-- unary: neg abs exp log sqrt tanh erf cos sin sigmoid softplus round_f16 round_bf16
-  (``round_f16 x`` rounds x to the nearest float16 and widens back: an ONNX Cast)
+- unary: neg abs exp expm1 log sqrt tanh erf erfc cos sin sigmoid softplus round_f16
+  round_bf16 (``round_f16 x`` rounds x to the nearest float16 and widens back: an ONNX Cast)
 - binary: add sub mul div pow max min gt ge lt le eq
   (max/min propagate NaN like numpy's maximum/minimum; comparisons give 1.0 or 0.0)
 - ternary: ``select c a b`` is ``a`` where ``c != 0`` else ``b``
 - ``softplus x`` is log(1 + exp(x)) computed without overflow: x + log1p(exp(-x)) for
   x > 0, log1p(exp(x)) otherwise.
+- ``erfc x`` is 1 - erf(x) and ``expm1 x`` is exp(x) - 1, each computed without the
+  cancellation of the subtraction (erfc(5) = 1.5e-12, where 1 - erf(5) is 0 in fp32);
+  ``sigmoid x`` is 1 / (1 + exp(-x)), computed as t / (1 + t) with t = exp(x) for x < 0, so
+  that it neither overflows nor flushes a representable result to 0. Every transcendental op
+  is the exact value within a few ulp over the whole fp32 range, tails included (the README
+  lists the measured bounds; ``benchmarks/tails.py`` measures them).
+
+The lowering writes the accurate op where a model spells out a cancelling form
+(`rewrite_tails`): 1 + erf(y) is erfc(-y) (Gelu), 1 + tanh(z) is 2 sigmoid(2z) (tanh
+Gelu), exp(x) - 1 is expm1(x) (Elu).
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ HEADER = "onnxfuse.pointwise v1"
 
 UNARY = (
     "neg", "abs", "exp", "log", "sqrt", "tanh", "erf", "cos", "sin", "sigmoid", "softplus",
-    "round_f16", "round_bf16",
+    "round_f16", "round_bf16", "erfc", "expm1",
 )
 BINARY = ("add", "sub", "mul", "div", "pow", "max", "min", "gt", "ge", "lt", "le", "eq")
 TERNARY = ("select",)
@@ -208,11 +218,23 @@ def _erf(x: np.ndarray) -> np.ndarray:
     return np.vectorize(math.erf, otypes=[np.float64])(x).astype(np.float32)
 
 
+def _erfc(x: np.ndarray) -> np.ndarray:
+    return np.vectorize(math.erfc, otypes=[np.float64])(x).astype(np.float32)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    """In float64, rounded once: t / (1 + t) with t = exp(-|x|) (never overflows)."""
+    x64 = np.asarray(x, np.float64)
+    t = np.exp(-np.abs(x64))
+    return (np.where(x64 >= 0, 1.0, t) / (1.0 + t)).astype(np.float32)
+
+
 _NP_UNARY = {
     "neg": np.negative, "abs": np.abs, "exp": np.exp, "log": np.log, "sqrt": np.sqrt,
     "tanh": np.tanh, "erf": _erf, "cos": np.cos, "sin": np.sin,
-    "sigmoid": lambda x: (1.0 / (1.0 + np.exp(-x))).astype(np.float32),
+    "sigmoid": _sigmoid,
     "softplus": _softplus,
+    "erfc": _erfc, "expm1": np.expm1,
     "round_f16": lambda x: x.astype(np.float16).astype(np.float32),
     "round_bf16": _round_bf16,
 }
@@ -246,3 +268,120 @@ def evaluate(prog: Program, inputs: list[np.ndarray]) -> list[np.ndarray]:
                 r = np.where(args[0] != 0, args[1], args[2])
             vals.append(np.asarray(r, dtype=np.float32))
         return [np.broadcast_to(vals[v], shape).astype(_np_out_dtype(dt)) for v, dt in prog.outputs]
+
+
+# ---------------------------------------------------------------------------------------
+# accurate tails
+# ---------------------------------------------------------------------------------------
+
+def rewrite_tails(prog: Program) -> Program:
+    """`prog` with the forms that cancel in fp32 written as the accurate ops, then the
+    instructions no output needs dropped:
+
+        1 + erf(y) -> erfc(-y)      1 - erf(y) -> erfc(y)        erf(y) - 1 -> -erfc(y)
+        1 + tanh(z) -> 2 sigmoid(2z)   1 - tanh(z) -> 2 sigmoid(-2z)   tanh(z) - 1 -> -2 sigmoid(-2z)
+        exp(x) - 1 -> expm1(x)      1 - exp(x) -> -expm1(x)
+
+    (``a - 1`` also as ``a + -1``, either operand order for add). Each pair is equal in
+    exact arithmetic, so the program means the same; only its rounding shrinks where the
+    left side cancels: 1 + erf(-3.9) is 0 or 6e-8 in fp32 (erf rounds to -1 or the fp32
+    next to it), erfc(3.9) is 3.5e-8 to an ulp, so Gelu(-5.5) is -1.04e-7, not 0."""
+    base = len(prog.input_dtypes)
+    b = Builder(list(prog.input_dtypes))
+    new: list[Operand] = [Ref(i) for i in range(base)]
+
+    def defined(a: Operand) -> Instr | None:
+        """The instruction of the original program that defines operand a."""
+        return prog.instrs[a.index - base] if isinstance(a, Ref) and a.index >= base else None
+
+    def mapped(a: Operand) -> Operand:
+        return new[a.index] if isinstance(a, Ref) else a
+
+    for ins in prog.instrs:
+        form = _cancelling_form(ins, defined)
+        if form is None:
+            new.append(b.emit(ins.op, *(mapped(a) for a in ins.args)))
+            continue
+        f, kind, arg = form
+        new.append(_ACCURATE[f, kind](b, mapped(arg)))
+    outs = [(new[v], dt) for v, dt in prog.outputs]
+    return _drop_dead(b.build(outs))
+
+
+def _cancelling_form(ins: Instr, defined) -> tuple[str, str, Operand] | None:
+    """(f, form, y) when ins is ``1 + f(y)`` (form "1+"), ``1 - f(y)`` ("1-") or ``f(y) - 1``
+    ("-1") for f in erf, tanh, exp; else None."""
+    if ins.op not in ("add", "sub") or len(ins.args) != 2:
+        return None
+    a, c = ins.args
+
+    def one(v: Operand) -> bool:
+        return not isinstance(v, Ref) and float(v) == 1.0
+
+    def minus_one(v: Operand) -> bool:
+        return not isinstance(v, Ref) and float(v) == -1.0
+
+    candidates: list[tuple[Operand, str]] = []
+    if ins.op == "add":
+        for x, k in ((a, c), (c, a)):
+            if one(k):
+                candidates.append((x, "1+"))
+            elif minus_one(k):
+                candidates.append((x, "-1"))
+    else:
+        if one(a):
+            candidates.append((c, "1-"))
+        if one(c):
+            candidates.append((a, "-1"))
+    for x, form in candidates:
+        d = defined(x)
+        if d is not None and d.op in ("erf", "tanh", "exp") and (d.op, form) in _ACCURATE:
+            return d.op, form, d.args[0]
+    return None
+
+
+def _negated(b: Builder, y: Operand) -> Operand:
+    """-y: a literal negated, mul/div by a literal with the literal negated (exact), else neg."""
+    if not isinstance(y, Ref):
+        return -float(y)
+    base = len(b.input_dtypes)
+    if y.index >= base:
+        d = b.instrs[y.index - base]
+        if d.op in ("mul", "div") and isinstance(d.args[0], Ref) and not isinstance(d.args[1], Ref):
+            return b.emit(d.op, d.args[0], -float(d.args[1]))
+        if d.op == "mul" and not isinstance(d.args[0], Ref) and isinstance(d.args[1], Ref):
+            return b.emit("mul", d.args[1], -float(d.args[0]))
+    return b.emit("neg", y)
+
+
+_ACCURATE = {
+    ("erf", "1+"): lambda b, y: b.emit("erfc", _negated(b, y)),
+    ("erf", "1-"): lambda b, y: b.emit("erfc", y),
+    ("erf", "-1"): lambda b, y: b.emit("neg", b.emit("erfc", y)),
+    ("tanh", "1+"): lambda b, z: b.emit("mul", b.emit("sigmoid", b.emit("mul", z, 2.0)), 2.0),
+    ("tanh", "1-"): lambda b, z: b.emit("mul", b.emit("sigmoid", b.emit("mul", z, -2.0)), 2.0),
+    ("tanh", "-1"): lambda b, z: b.emit("mul", b.emit("sigmoid", b.emit("mul", z, -2.0)), -2.0),
+    ("exp", "-1"): lambda b, x: b.emit("expm1", x),
+    ("exp", "1-"): lambda b, x: b.emit("neg", b.emit("expm1", x)),
+}
+
+
+def _drop_dead(prog: Program) -> Program:
+    """prog without the instructions no output depends on (values renumbered)."""
+    base = len(prog.input_dtypes)
+    live = [False] * prog.n_values
+    for v, _ in prog.outputs:
+        live[v] = True
+    for k in range(len(prog.instrs) - 1, -1, -1):
+        if live[base + k]:
+            for a in prog.instrs[k].args:
+                if isinstance(a, Ref):
+                    live[a.index] = True
+    if all(live[base:]):
+        return prog
+    b = Builder(list(prog.input_dtypes))
+    new: dict[int, Ref] = {i: Ref(i) for i in range(base)}
+    for k, ins in enumerate(prog.instrs):
+        if live[base + k]:
+            new[base + k] = b.emit(ins.op, *(new[a.index] if isinstance(a, Ref) else a for a in ins.args))
+    return b.build([(new[v], dt) for v, dt in prog.outputs])

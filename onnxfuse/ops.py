@@ -94,7 +94,7 @@ def _leaky_relu(b: Builder, a: list[Operand], attrs: dict, c: list) -> Operand:
 
 def _elu(b: Builder, a: list[Operand], attrs: dict, c: list) -> Operand:
     alpha = attrs.get("alpha", 1.0)
-    neg = b.emit("mul", b.emit("sub", b.emit("exp", a[0]), 1.0), alpha)
+    neg = b.emit("mul", b.emit("expm1", a[0]), alpha)  # exp(x) - 1 without its cancellation near 0
     # x >= 0, not x > 0: Elu(-0.0) is -0.0 (the ONNX definition; ONNX Runtime agrees)
     return b.emit("select", b.emit("ge", a[0], 0.0), a[0], neg)
 
@@ -143,14 +143,17 @@ def _check_cast(node: NodeProto, attrs: dict) -> str | None:
 
 
 def _gelu(b: Builder, a: list[Operand], attrs: dict, c: list) -> Operand:
+    """0.5 x (1 + erf(x / sqrt 2)) as 0.5 x erfc(-x / sqrt 2), and the tanh form
+    0.5 x (1 + tanh(z)) as x sigmoid(2z): equal, without the cancellation of 1 + erf or
+    1 + tanh for negative x (`onnxfuse.expr.rewrite_tails`)."""
     x = a[0]
-    half_x = b.emit("mul", x, 0.5)
     if attrs.get("approximate", "none") == "tanh":
         inner = b.emit("add", x, b.emit("mul", b.emit("mul", b.emit("mul", x, x), x), 0.044715))
-        t = b.emit("tanh", b.emit("mul", inner, float(np.float32(math.sqrt(2.0 / math.pi)))))
-        return b.emit("mul", half_x, b.emit("add", t, 1.0))
-    e = b.emit("erf", b.emit("mul", x, float(np.float32(1.0 / math.sqrt(2.0)))))
-    return b.emit("mul", half_x, b.emit("add", e, 1.0))
+        # 2 * fp32(sqrt(2/pi)), exactly: the product is twice the tanh form's argument
+        s = b.emit("sigmoid", b.emit("mul", inner, 2.0 * float(np.float32(math.sqrt(2.0 / math.pi)))))
+        return b.emit("mul", x, s)
+    e = b.emit("erfc", b.emit("mul", x, -float(np.float32(1.0 / math.sqrt(2.0)))))
+    return b.emit("mul", b.emit("mul", x, 0.5), e)
 
 
 def _check_gelu(node: NodeProto, attrs: dict) -> str | None:

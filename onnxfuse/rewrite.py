@@ -15,7 +15,7 @@ import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.errors import OnnxfuseError
-from onnxfuse.expr import Builder, Operand, Program, Ref
+from onnxfuse.expr import Builder, Operand, Program, Ref, rewrite_tails
 from onnxfuse.graph import GraphView, _outer_refs, same_shape
 from onnxfuse.layers import ConvAttrs, PoolAttrs
 from onnxfuse.load import UNKNOWN_DIM, default_opset
@@ -140,7 +140,7 @@ def lower_group(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...
         elif v.index < len(inputs) and o not in inputs:
             v = b.emit("add", v, 0.0)  # a pure pass-through still gets its own store
         outs.append((v, FLOAT_TYPES[view.types[o]]))
-    return b.build(outs), inputs, folded
+    return rewrite_tails(b.build(outs)), inputs, folded
 
 
 def _function_body(view: GraphView, nodes: list[NodeProto], inputs: list[str], outputs: tuple[str, ...],

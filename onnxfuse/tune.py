@@ -25,9 +25,11 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    kept. When neither passes, the original model is written unchanged, and the report and
    a warning say so with the times.
 3. **Accuracy.** When float32 convs run at "tf32" (the default), every candidate also
-   meets `onnxfuse bench`'s gate at the same inputs: its
-   outputs against the original run with TF32 off, within 2x the original's own error under
-   ORT's defaults plus the dtype's floor (`accuracy`). ORT's "default" is not always TF32:
+   meets `onnxfuse bench`'s gate at the same inputs: its outputs against the reference,
+   within 2x the original's own error under ORT's defaults plus the dtype's floor
+   (`accuracy`). The reference is bench's, the original evaluated in float64 on the CPU,
+   where that is cheap at the tuning's shapes (`FLOAT64_MAX_FLOPS`); otherwise, and where
+   it cannot be computed, the original run with TF32 off on the GPU. ORT's "default" is not always TF32:
    cuDNN picks fp32 algorithms for some layers (PP-OCR's direction classifier at batch 1 on
    the H200: 2.2e-5, where onnxfuse's tf32 convs gave 1.2e-3). When the only candidates
    fast enough fail the gate, the same fusions are compiled at PRECISE (tf32x3) and kept if
@@ -86,6 +88,15 @@ REASON = "left to ONNX Runtime: its original subgraph measured faster (tuning)"
 KEPT_ORIGINAL = "kept the original model: the optimized one measured slower (tuning)"
 KEPT_INACCURATE = "kept the original model: the optimized one was less accurate than ONNX Runtime's default (tuning)"
 UNCHECKED = {"passed": True, "max_abs_err": None, "ort_max_abs_err": None, "failure": None}
+# The accuracy gate's reference is the original evaluated in float64 on the CPU
+# (onnxfuse.reference, as in `onnxfuse bench`) up to this many FLOPs at the tuning's shapes
+# (onnxfuse.cost's count). Measured on 2 cores (benchmarks/reference_cost.py): YOLOv8n at
+# 640x640, 8.2 GFLOP, 0.7 s; at batch 8, 66 GFLOP, 9.7 s; PP-OCRv4 rec at batch 16, 22 GFLOP,
+# 12 s (its elementwise ops on large float64 tensors weigh more than FLOPs say); 20-50x an
+# ORT float32 run. A GPU host's cores do it several times faster. Above it the reference is
+# the original run with TF32 off on the GPU: a fraction of a second, but it takes ONNX
+# Runtime's own kernels as the truth, tails included (README, Reliability).
+FLOAT64_MAX_FLOPS = 20e9
 # The conv precision tried when the tf32 candidates fail the accuracy gate: as accurate as
 # fp32 to about 1e-7 relative, 1.1-2.5x a tf32 kernel's time (BENCHMARKS.md, "Conv precision")
 PRECISE = "tf32x3"
@@ -476,6 +487,7 @@ class Timer:
         self.entries: dict[str, dict] = _read_cache(self.path) if self.path else {}
         self.measured = 0
         self.hits = 0
+        self._float64: dict[int, tuple[dict[str, np.ndarray] | None, str | None]] = {}
 
     def _key(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool) -> str:
         """A model's cache key: its bytes without the values of its large initializers (layers
@@ -581,6 +593,14 @@ class Timer:
             except OnnxfuseError as e:
                 out[label] = str(e).splitlines()[0][:300] if str(e) else "cannot run"
         return out
+
+    def float64_reference(self, model: ModelProto, feeds: dict[str, np.ndarray]
+                          ) -> tuple[dict[str, np.ndarray] | None, str | None]:
+        """The original evaluated in float64 (once per tuning), or (None, why not): over
+        FLOAT64_MAX_FLOPS at these shapes, or the evaluator cannot run it."""
+        if id(model) not in self._float64:
+            self._float64[id(model)] = _float64_reference(model, feeds)
+        return self._float64[id(model)]
 
     def save(self) -> None:
         if self.path is not None and self.measured:
@@ -809,33 +829,62 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
     return out
 
 
+def _float64_reference(model: ModelProto, feeds: dict[str, np.ndarray]
+                       ) -> tuple[dict[str, np.ndarray] | None, str | None]:
+    from onnxfuse import reference
+    from onnxfuse.cost import model_cost
+
+    try:
+        flops = model_cost(model, {k: tuple(v.shape) for k, v in feeds.items()}).flops
+    except Exception:  # noqa: BLE001  no estimate: not risked
+        flops = None
+    if flops is None or flops > FLOAT64_MAX_FLOPS:
+        size = "an unknown number of" if flops is None else f"{flops / 1e9:.0f} G"
+        return None, f"{size}FLOPs at these shapes, more than {FLOAT64_MAX_FLOPS / 1e9:.0f} G in float64 on the CPU"
+    try:
+        return reference.evaluate(model, feeds), None
+    except reference.Unavailable as e:
+        return None, str(e)
+
+
 def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProto],
              feeds: dict[str, np.ndarray]) -> dict[str, dict]:
     """The accuracy gate of `onnxfuse bench` (onnxfuse.bench.gate_outputs) on every
-    candidate, at the tuning's inputs: the original with TF32 off is the reference, and a
-    candidate passes when each output is within 2x the original's own error under ORT's
-    defaults (TF32 allowed) plus the dtype's floor. Per label: passed, max_abs_err,
-    ort_max_abs_err and the first failure's text (or the error that stopped the run)."""
-    from onnxfuse.bench import gate_outputs
+    candidate, at the tuning's inputs: the reference is the original in float64
+    (`Timer.float64_reference`), else the original with TF32 off, and a candidate passes when
+    each output is within 2x the original's own error under ORT's defaults (TF32 allowed)
+    plus the dtype's floor. Per label: passed, max_abs_err, ort_max_abs_err, the first
+    failure's text (or the error that stopped the run) and which reference it was."""
+    from onnxfuse.bench import gate_outputs, plausible_float64
 
-    runs = timer.outputs({"reference": (original, False, False), "ort": (original, False, True),
+    ref64, why_not = timer.float64_reference(original, feeds)
+    tf32_off = {"reference": (original, False, False)}
+    runs = timer.outputs({**({} if ref64 is not None else tf32_off), "ort": (original, False, True),
                           **{label: (m, True, True) for label, m in candidates.items()}}, feeds)
-    if isinstance(runs["reference"], str) or isinstance(runs["ort"], str):
+    if ref64 is not None and not isinstance(runs["ort"], str):
+        ref64, why_not = plausible_float64(ref64, runs["ort"], why_not)
+        if ref64 is None:
+            runs.update(timer.outputs(tf32_off, feeds))
+    reference = ref64 if ref64 is not None else runs.get("reference", "")
+    if isinstance(reference, str) or isinstance(runs["ort"], str):
         raise OnnxfuseError(f"the original model does not run at these shapes "
-                            f"({runs['reference'] if isinstance(runs['reference'], str) else runs['ort']})")
+                            f"({reference if isinstance(reference, str) else runs['ort']})")
+    what = "float64" if ref64 is not None else f"TF32 off ({why_not})"
     out = {}
     for label in candidates:
         got = runs[label]
         if isinstance(got, str):
-            out[label] = {"passed": False, "max_abs_err": None, "ort_max_abs_err": None, "failure": got}
+            out[label] = {"passed": False, "max_abs_err": None, "ort_max_abs_err": None, "failure": got,
+                          "reference": what}
             continue
-        checks = gate_outputs(runs["reference"], runs["ort"], got)
+        checks = gate_outputs(reference, runs["ort"], got)
         failed = [c for c in checks if not c.passed]
         errs = [c.max_abs_err for c in checks if c.max_abs_err is not None]
         ort_errs = [c.ort_max_abs_err for c in checks if c.ort_max_abs_err is not None]
         out[label] = {"passed": not failed, "max_abs_err": max(errs, default=None),
                       "ort_max_abs_err": max(ort_errs, default=None),
-                      "failure": f"output {failed[0].name!r}: {failed[0].failure()}" if failed else None}
+                      "failure": f"output {failed[0].name!r}: {failed[0].failure()}" if failed else None,
+                      "reference": what}
     return out
 
 

@@ -1,6 +1,7 @@
 """`onnxfuse bench` on the CPU: runs on small models, a stable JSON schema, the accuracy gate
-(exit 1 on a wrong model, 0 on identical ones), exit 2 on bad input; the CUDA gate (TF32-off
-reference, ORT's own error as slack) with a fake runner; and compare.py's dry run and table."""
+(exit 1 on a wrong model, 0 on identical ones) against the float64 reference (and the float32
+fallback), exit 2 on bad input; the CUDA gate (ORT's own error as slack; the TF32-off
+reference of --reference fp32) with a fake runner; and compare.py's dry run and table."""
 
 from __future__ import annotations
 
@@ -74,15 +75,19 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
     d = json.loads(js.read_text())
     assert list(d) == ["schema", "date", "provider", "device", "versions", "settings", "inputs", "batch",
                        "reference", "models", "passed"]
-    assert d["schema"] == "onnxfuse.bench/1.1" and d["provider"] == "cpu" and d["passed"] is True
-    # on the CPU the reference is the first model's own run: ORT's own error is 0
-    assert d["reference"] == {"path": str(EXAMPLE), "tf32": False, "separate_run": False,
-                              "description": "example.onnx's own run (the CPU has no TF32)",
-                              "ort_max_abs_err": {"y": 0.0}}
-    assert d["settings"]["tf32"] is False
+    assert d["schema"] == "onnxfuse.bench/1.2" and d["provider"] == "cpu" and d["passed"] is True
+    # the reference is the first model in float64: ORT's own error is its float32 rounding
+    ref = d["reference"]
+    assert list(ref) == ["path", "tf32", "separate_run", "float64", "fallback_reason", "seconds", "description",
+                         "ort_max_abs_err"]
+    assert ref["path"] == str(EXAMPLE) and ref["tf32"] is False and ref["separate_run"] is True
+    assert ref["float64"] is True and ref["fallback_reason"] is None and 0 < ref["seconds"] < 60
+    assert ref["description"].startswith("example.onnx evaluated in float64 on the CPU")
+    assert 0 < ref["ort_max_abs_err"]["y"] < 1e-5
+    assert d["settings"]["tf32"] is False and d["settings"]["reference"] == "float64"
     assert set(d["versions"]) == {"onnxfuse", "onnxruntime", "onnx", "numpy", "python"}
     assert set(d["settings"]) == {"shapes", "inputs", "batch", "warmup", "iters", "cuda_graph", "tf32", "atol",
-                                  "rtol", "seed", "threads", "library", "opt_level", "provider_options"}
+                                  "rtol", "seed", "threads", "library", "opt_level", "provider_options", "reference"}
     assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": [4, 16, 64]}]
     assert d["batch"] == 4
     first, second = d["models"]
@@ -99,8 +104,9 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
     assert set(out) == OUTPUT_KEYS
     # atol is 1e-5 x the output's largest magnitude (bench.DEFAULT_TOLERANCES)
     assert out["name"] == "y" and out["passed"] and out["rtol"] == 1e-5 and 0 < out["atol"] < 1e-3
-    assert out["max_abs_err"] < 1e-5
-    assert out["ort_max_abs_err"] == 0.0 and out["gate_atol"] == out["atol"]
+    assert out["max_abs_err"] < 1e-5 and out["dtype"] == "float32"
+    assert out["ort_max_abs_err"] == ref["ort_max_abs_err"]["y"]
+    assert out["gate_atol"] == pytest.approx(2 * out["ort_max_abs_err"] + out["atol"])
 
 
 def test_identical_models_pass(tmp_path):
@@ -114,7 +120,7 @@ def test_wrong_model_fails_the_gate_with_exit_1(tmp_path, optimized):
     js = tmp_path / "b.json"
     r = cli(str(EXAMPLE), str(optimized), str(wrong), *FAST, "--json", str(js))
     assert r.returncode == 1, (changed, r.stdout, r.stderr)
-    assert "FAIL" in r.stdout and "err vs fp32" in r.stdout and "ORT err vs fp32" in r.stdout
+    assert "FAIL" in r.stdout and "err vs ref" in r.stdout and "ORT err vs ref" in r.stdout
     assert "mismatch" in r.stderr and "wrong.onnx" in r.stderr and "'y'" in r.stderr
     assert "example.opt.onnx" not in r.stderr
     d = json.loads(js.read_text())
@@ -132,8 +138,90 @@ def test_function_bodies_without_the_library(tmp_path, optimized):
     assert r.returncode == 0, r.stderr
     d = json.loads(js.read_text())
     assert d["models"][1]["library"] is False and d["models"][1]["onnxfuse_nodes"] == 4
-    assert d["models"][1]["outputs"][0]["max_abs_err"] == 0.0
+    # the function bodies are the original nodes: the original's own error exactly
+    assert d["models"][1]["outputs"][0]["max_abs_err"] == d["reference"]["ort_max_abs_err"]["y"]
     assert d["settings"]["library"] == "off"
+
+
+def sigmoid_head(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A detection head's last ops, Add -> Sigmoid, on logits between -18 and -8 (PP-OCR's and
+    YOLO's heads at background pixels), its onnxfuse model (one fused node) and the logits."""
+    rng = np.random.default_rng(3)
+    bias = rng.uniform(-0.5, 0.5, 8400).astype(np.float32)
+    m = make_model([helper.make_node("Add", ["x", "bias"], ["t"]), helper.make_node("Sigmoid", ["t"], ["y"])],
+                   {"x": ("float32", [1, 8400])}, {"y": ("float32", [1, 8400])}, {"bias": bias})
+    orig, opt, x = tmp_path / "head.onnx", tmp_path / "head.opt.onnx", tmp_path / "x.npy"
+    onnx.save(m, str(orig))
+    r = optimize_model(m)
+    assert [n.op_type for n in r.model.graph.node] == ["PointwiseChain"]
+    save_model(r.model, opt)
+    np.save(x, (rng.uniform(-18.0, -8.0, (1, 8400)) - bias).astype(np.float32))
+    return orig, opt, x
+
+
+def test_sigmoid_head_passes_against_float64_where_orts_own_run_failed_it(tmp_path):
+    """Issue 15: ONNX Runtime's CPU Sigmoid is off by up to 5x below x = -15 (absolute 1e-7);
+    the fused kernel is within 3e-7 of the exact value. Judged against ORT's own run (the
+    float32 reference, the only one before) the more accurate model failed; against the
+    float64 reference it passes, and ORT's error is what the report shows."""
+    orig, opt, x = sigmoid_head(tmp_path)
+    run = [str(orig), str(opt), *FAST, "--input", f"x={x}"]
+    js = tmp_path / "b.json"
+    old = cli(*run, "--reference", "fp32", "--json", str(js))
+    assert old.returncode == 1 and "FAIL" in old.stdout, old.stdout + old.stderr
+    assert json.loads(js.read_text())["reference"]["float64"] is False
+    r = cli(*run, "--json", str(js))
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(js.read_text())
+    assert d["reference"]["float64"] is True and "evaluated in float64" in r.stdout
+    ort_err = d["reference"]["ort_max_abs_err"]["y"]
+    fused = d["models"][1]["outputs"][0]
+    # relative: the fp32 rounding of the Add (|t| 2^-24 = 1.1e-6 at t = -18) before an exact sigmoid
+    assert fused["passed"] and fused["max_rel_err"] < 2e-6 and fused["max_abs_err"] < ort_err / 100
+    assert ort_err > 5e-8
+
+
+def contrib_gelu_model(tmp_path: Path) -> Path:
+    """x -> com.microsoft Gelu -> Mul: ONNX Runtime runs it, onnx's reference evaluator cannot."""
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([helper.make_node("Gelu", ["x"], ["g"], domain="com.microsoft"),
+                           helper.make_node("Mul", ["g", "x"], ["y"])], "contrib",
+                          [vi("x", TensorProto.FLOAT, [4, 8])], [vi("y", TensorProto.FLOAT, [4, 8])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)],
+                          ir_version=9)
+    path = tmp_path / "contrib.onnx"
+    onnx.save(m, str(path))
+    return path
+
+
+def test_without_a_float64_reference_the_fp32_one_is_used_and_said(tmp_path):
+    path = contrib_gelu_model(tmp_path)
+    js = tmp_path / "b.json"
+    r = cli(str(path), str(path), *FAST, "--json", str(js))
+    assert r.returncode == 0, r.stderr
+    assert "note: float64 reference not used (onnx's reference evaluator cannot run it" in r.stderr
+    assert "gating against contrib.onnx's own run" in r.stderr
+    ref = json.loads(js.read_text())["reference"]
+    assert ref["float64"] is False and ref["separate_run"] is False and ref["seconds"] is None
+    assert "reference evaluator cannot run it" in ref["fallback_reason"]
+    assert "float64 reference not used" in ref["description"] and ref["ort_max_abs_err"] == {"y": 0.0}
+
+
+def test_a_float64_reference_that_looks_wrong_is_not_used(tmp_path, monkeypatch, capsys):
+    """An op the evaluator got wrong (its BatchNormalization-9 took batch statistics): the
+    reference differs from ORT's own run by more than onnxfuse.reference.SANITY of the
+    output's scale, so the gate falls back rather than take ORT's error as huge slack."""
+    from onnxfuse import reference
+
+    real = reference.evaluate
+    monkeypatch.setattr(reference, "evaluate", lambda m, f: {k: v * 1.5 for k, v in real(m, f).items()})
+    js = tmp_path / "b.json"
+    assert main(["bench", str(EXAMPLE), str(EXAMPLE), *FAST, "--json", str(js)]) == 0
+    err = capsys.readouterr().err
+    assert "float64 reference not used (the float64 reference looks wrong: output 'y'" in err
+    ref = json.loads(js.read_text())["reference"]
+    assert ref["float64"] is False and "looks wrong" in ref["fallback_reason"]
+    assert ref["ort_max_abs_err"] == {"y": 0.0}
 
 
 def test_markdown(tmp_path, optimized):
@@ -363,22 +451,27 @@ def fake_cuda(monkeypatch):
 CUDA = ["--provider", "cuda", "--warmup", "1", "--iters", "2"]
 
 
-def test_cuda_gates_against_a_tf32_off_run_with_orts_own_error(tmp_path, fake_cuda, capsys):
+@pytest.mark.parametrize("reference", ["float64", "fp32"])
+def test_cuda_gates_with_orts_own_error(tmp_path, fake_cuda, capsys, reference):
     # The original's TF32 error is 1e-3 (relative to max|y|); "close" is 1.5x that (passes),
     # "far" 5x (fails). All three are the example model: only the fake's error differs.
+    # float64: the reference is the first model evaluated in float64 (no extra GPU run);
+    # fp32: the first model run once with TF32 off.
     fake = fake_cuda({"orig": 1e-3, "close": 1.5e-3, "far": 5e-3}.get)
     paths = [tmp_path / f"{n}.onnx" for n in ("orig", "close", "far")]
     for p in paths:
         p.write_bytes(EXAMPLE.read_bytes())
     js = tmp_path / "b.json"
-    assert main(["bench", *map(str, paths), *CUDA, "--json", str(js)]) == 1
+    assert main(["bench", *map(str, paths), *CUDA, "--reference", reference, "--json", str(js)]) == 1
     out, err = capsys.readouterr()
-    assert fake.calls == [("once", "orig", False, False), ("timed", "orig", True, False),
-                          ("timed", "close", True, False), ("timed", "far", True, False)]
+    timed = [("timed", "orig", True, False), ("timed", "close", True, False), ("timed", "far", True, False)]
+    assert fake.calls == ([("once", "orig", False, False)] if reference == "fp32" else []) + timed
     d = json.loads(js.read_text())
     assert d["settings"]["tf32"] is True and d["provider"] == "cuda"
     ref = d["reference"]
-    assert ref["separate_run"] is True and ref["tf32"] is False and "TF32 off" in ref["description"]
+    assert ref["separate_run"] is True and ref["tf32"] is False and ref["fallback_reason"] is None
+    assert ref["float64"] is (reference == "float64")
+    assert ("TF32 off" in ref["description"]) is (reference == "fp32")
     ort_err = ref["ort_max_abs_err"]["y"]
     assert ort_err > 1e-4
     assert [m["passed"] for m in d["models"]] == [True, True, False]
@@ -395,7 +488,7 @@ def test_cuda_graphs_only_in_the_timed_runs(tmp_path, fake_cuda, capsys):
     a, b = tmp_path / "orig.onnx", tmp_path / "same.onnx"
     a.write_bytes(EXAMPLE.read_bytes())
     b.write_bytes(EXAMPLE.read_bytes())
-    assert main(["bench", str(a), str(b), *CUDA, "--cuda-graph"]) == 0
+    assert main(["bench", str(a), str(b), *CUDA, "--cuda-graph", "--reference", "fp32"]) == 0
     assert fake.calls == [("once", "orig", False, False), ("timed", "orig", True, True),
                           ("timed", "same", True, True)]
     capsys.readouterr()
@@ -408,7 +501,7 @@ def test_no_tf32_runs_everything_with_tf32_off_against_the_first_run(tmp_path, f
     a.write_bytes(EXAMPLE.read_bytes())
     b.write_bytes(EXAMPLE.read_bytes())
     js = tmp_path / "b.json"
-    assert main(["bench", str(a), str(b), *CUDA, *flags, "--json", str(js)]) == 0
+    assert main(["bench", str(a), str(b), *CUDA, *flags, "--reference", "fp32", "--json", str(js)]) == 0
     assert fake.calls == [("timed", "orig", False, False), ("timed", "far", False, False)]
     d = json.loads(js.read_text())
     assert d["settings"]["tf32"] is False and d["reference"]["separate_run"] is False
@@ -421,7 +514,7 @@ def test_tf32_flag_is_the_default(tmp_path, fake_cuda, capsys):
     fake = fake_cuda(lambda name: 1e-3)
     a = tmp_path / "orig.onnx"
     a.write_bytes(EXAMPLE.read_bytes())
-    assert main(["bench", str(a), str(a), *CUDA, "--tf32"]) == 0
+    assert main(["bench", str(a), str(a), *CUDA, "--tf32", "--reference", "fp32"]) == 0
     assert [c[2] for c in fake.calls] == [False, True, True]
     capsys.readouterr()
 
@@ -431,6 +524,7 @@ def test_help_explains_the_gate():
     assert r.returncode == 0
     text = " ".join(r.stdout.split())
     assert "2 * ort_err + atol * max|ref| + rtol * |ref|" in text and "--no-tf32" in text
+    assert "evaluated in float64" in text and "--reference {float64,fp32}" in text
     with pytest.raises(OnnxfuseError, match="use_tf32"):
         ob._validate(ob.BenchSettings(provider="cuda", provider_options={"use_tf32": "0"}))
 
@@ -494,14 +588,14 @@ def test_compare_dry_run(tmp_path):
         "relu_maxpool", "conv_relu", "mlp_block", "cos_cos", "resnet18"]
     by = {c["model"]: c for c in d["cases"]}
     assert by["mlp_block"]["fused_nodes"] == 2 and by["cos_cos"]["fused_nodes"] == 1
-    assert "ort_fp32" in d["reference"] and "gate_output" in d["gate"]
+    assert d["reference"].startswith("float64") and "gate_output" in d["gate"]
     for name in ("relu_maxpool", "conv_relu", "mlp_block", "cos_cos"):
         c = by[name]
         v = c["variants"]
-        assert "ort_fp32" not in v and c["reference_error"] is None
+        assert "ort_fp32" not in v and c["reference_error"] is None and c["reference"] == "float64"
         assert v["ort"]["error"] is None and v["onnxfuse"]["error"] is None, v
-        # the reference is ORT CPU here: both errors about 0, the gate passes
-        assert c["ort_max_abs_err"] == v["ort"]["max_abs_err"] < 1e-6 and v["ort"]["gate_passed"] is None
+        # the reference is the original in float64: both errors are float32's, the gate passes
+        assert c["ort_max_abs_err"] == v["ort"]["max_abs_err"] < 1e-5 and v["ort"]["gate_passed"] is None
         assert v["onnxfuse"]["max_abs_err"] < 1e-5
         assert v["onnxfuse"]["gate_passed"] is True and c["gate_passed"] is True
         if "torch_eager" in v:
@@ -509,14 +603,15 @@ def test_compare_dry_run(tmp_path):
             assert v["torch_eager"]["gate_passed"] is None
     text = md.read_text()
     assert "| model | inputs | fused nodes | ORT | onnxfuse |" in text
-    assert "| ORT err vs fp32 | onnxfuse err vs fp32 | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |" in text
+    assert "| ORT err vs ref | onnxfuse err vs ref | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |" in text
     row = next(line for line in text.splitlines() if line.startswith("| mlp_block | 2x8x32 | 2 |"))
     assert "| pass |" in row and row.endswith("x |")
     # the table again from the JSON, with chosen columns
     r = subprocess.run([sys.executable, "benchmarks/compare.py", "--from-json", str(js), "--table", "ort,onnxfuse"],
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
-    assert "| model | inputs | fused nodes | ORT | onnxfuse | ORT err vs fp32 |" in r.stdout
+    assert "| model | inputs | fused nodes | ORT | onnxfuse | ORT err vs ref |" in r.stdout
+    assert "Errors: max abs vs the original evaluated in float64;" in r.stdout
 
 
 def _compare_result(cases: list[dict]) -> dict:
@@ -550,7 +645,7 @@ def test_compare_table_shows_no_speedup_past_the_gate():
     text = compare.markdown(result, ("ort", "ort_graph", "onnxfuse", "onnxfuse_graph"))
     lines = text.splitlines()
     assert lines[2] == ("| model | inputs | fused nodes | ORT | ORT + graph | onnxfuse | onnxfuse + graph | "
-                        "ORT err vs fp32 | onnxfuse err vs fp32 | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |")
+                        "ORT err vs ref | onnxfuse err vs ref | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |")
     assert lines[4] == "| good | 1x4 | 1 | 2.000 | 1.500 | 1.000 | 0.800 | 0.0001 | 0.0001 | pass | 2.00x | 1.88x |"
     assert lines[5] == ("| bad | 1x4 | 1 | 2.000 | 1.500 | 1.000 | 0.800 | 0.0001 | 0.005 | **FAIL**: onnxfuse, "
                         "onnxfuse + graph | fails gate | fails gate |")
@@ -575,7 +670,7 @@ def test_compare_gates_a_wrong_onnxfuse_model(tmp_path, monkeypatch):
         r = real(model, **kw)
         for n in r.model.graph.node:
             if n.name == "pointwise_chain_fc1/bias":
-                n.attribute[0].s = n.attribute[0].s.replace(b"mul %6 0.5", b"mul %6 0.6")
+                n.attribute[0].s = n.attribute[0].s.replace(b"mul %5 0.5", b"mul %5 0.6")
         return r
 
     monkeypatch.setattr(compare, "optimize_model", wrong)
@@ -585,6 +680,24 @@ def test_compare_gates_a_wrong_onnxfuse_model(tmp_path, monkeypatch):
     assert v["ort"].max_abs_err < 1e-6 and v["onnxfuse"].max_abs_err > 1e-2
     assert v["onnxfuse"].gate_passed is False and res.gate_passed is False
     assert "output" in v["onnxfuse"].gate_failure and "elements outside" in v["onnxfuse"].gate_failure
+
+
+def test_compare_fp32_reference_and_fallback(tmp_path, monkeypatch):
+    """--reference fp32: ort_fp32 as before; float64 asked for but unavailable: ort_fp32, and why."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    case = next(c for c in compare.cases() if c.name == "cos_cos")
+    res = compare.run_case(case, tmp_path, True, ("ort", "onnxfuse"), 0, 2, log=lambda *a: None, reference="fp32")
+    assert res.reference == "ort_fp32" and res.variants["onnxfuse"].gate_passed is True
+    assert res.ort_max_abs_err == 0.0  # ORT CPU in the dry run: the reference is the ort variant's own run
+
+    def unavailable(model, feeds):
+        raise compare.float64_reference.Unavailable("no kernel for it")
+
+    monkeypatch.setattr(compare.float64_reference, "timed_evaluate", unavailable)
+    res = compare.run_case(case, tmp_path, True, ("ort", "onnxfuse"), 0, 2, log=lambda *a: None)
+    assert res.reference == "ort_fp32 (float64 not used: no kernel for it)" and res.gate_passed is True
 
 
 def test_compare_lists_every_benchmark_model():

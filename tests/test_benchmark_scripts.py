@@ -173,3 +173,25 @@ def test_conv_precision_dry_run(tmp_path):
     for key in by_kernel:  # every precision per tensor-core kernel, one row per direct one
         want = {"fp32"} if key[2] == "direct" else {"tf32", "tf32-ab", "tf32-trunc", "tf32x3", "ieee"}
         assert {r["precision"] for r in rows if (r["layer"], r["layout"], r["kernel"]) == key} == want
+
+
+def test_tails_table(tmp_path):
+    """benchmarks/tails.py at a few thousand points: every fused op through the CPU library,
+    the numpy evaluator and the Triton formulas (interpreter) within README's measured bounds
+    of the exact value, and no result flushed to 0 where the exact one is a normal number;
+    ONNX Runtime's own Sigmoid and Gelu are the ones that lose their tails."""
+    out, md = tmp_path / "tails.json", tmp_path / "tails.md"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.tails", "--points", "6000", "--json", str(out),
+                           "--markdown", str(md)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert md.read_text().startswith("| op | x | points | ONNX Runtime CPU |")
+    for r in rows:
+        bound = 2e-5 if r["op"].startswith("Gelu") else 5e-7  # Gelu: the rounding of x / sqrt 2 (README)
+        for way in ("onnxfuse_cpu", "numpy", "triton_interp"):
+            assert isinstance(r[way], dict), (r["op"], r["range"], r[way])
+            assert r[way]["max_rel"] < bound and r[way]["zeros"] == 0, (r["op"], r["range"], way, r[way])
+    ort = {(r["op"], r["range"]): r["ort"] for r in rows}
+    assert ort["Sigmoid", "x < -16"]["max_rel"] > 1 and ort["Gelu", "x < -5"]["zeros"] > 0

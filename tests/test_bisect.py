@@ -73,7 +73,7 @@ def culprits(stdout: str) -> list[str]:
 # ---------------------------------------------------------------------------------------
 
 def test_names_the_miscompiled_node_and_writes_a_model_that_passes(tmp_path, optimized, capsys):
-    bad = tampered(optimized, tmp_path / "bad.onnx", {GELU: (b"mul %6 0.5", b"mul %6 0.6")})
+    bad = tampered(optimized, tmp_path / "bad.onnx", {GELU: (b"mul %5 0.5", b"mul %5 0.6")})
     fixed = tmp_path / "fixed.onnx"
     before = sha(bad), sha(EXAMPLE)
     assert main(["bisect", str(EXAMPLE), str(bad), *CPU, "--write", str(fixed)]) == 1
@@ -95,7 +95,7 @@ def test_names_the_miscompiled_node_and_writes_a_model_that_passes(tmp_path, opt
 
 
 def test_two_miscompiled_nodes(tmp_path, optimized):
-    bad = tampered(optimized, tmp_path / "bad2.onnx", {GELU: (b"mul %6 0.5", b"mul %6 0.6"),
+    bad = tampered(optimized, tmp_path / "bad2.onnx", {GELU: (b"mul %5 0.5", b"mul %5 0.6"),
                                                        NODES[0]: (b"sub %0 %1", b"add %0 %1")})
     r = obs.bisect(str(EXAMPLE), str(bad), ob.BenchSettings(provider="cpu", batch=2), log=sys.stderr)
     assert r.status == "culprits" and [c.node.name for c in r.culprits] == [NODES[0], GELU]
@@ -237,26 +237,33 @@ def fake_cuda(monkeypatch):
     return calls
 
 
-def test_cuda_gates_candidates_against_a_tf32_off_reference(tmp_path, optimized, fake_cuda, capsys):
-    # Under TF32 the optimized model is as far from fp32 as the original: it passes (a plain
-    # isclose against the TF32-off run would fail it).
-    assert main(["bisect", str(EXAMPLE), str(optimized), "--provider", "cuda", "--batch", "2"]) == 0
+@pytest.mark.parametrize("reference", ["float64", "fp32"])
+def test_cuda_gates_candidates_against_the_reference(tmp_path, optimized, fake_cuda, capsys, reference):
+    # Under TF32 the optimized model is as far from the reference as the original: it passes
+    # (a plain isclose would fail it). float64: the original evaluated in float64 (no GPU
+    # run); fp32: the original run with TF32 off.
+    flags = ["--provider", "cuda", "--batch", "2", "--reference", reference]
+    assert main(["bisect", str(EXAMPLE), str(optimized), *flags]) == 0
     out = capsys.readouterr().out
-    assert "passes the gate" in out and "TF32 off" in out
+    assert "passes the gate" in out and ("TF32 off" if reference == "fp32" else "evaluated in float64") in out
     assert float(re.search(r"ORT's own ([0-9.e+-]+)\)", out).group(1)) > 1e-4
-    assert fake_cuda == [("example", False), ("example", True), ("candidate", True)]
-    bad = tampered(optimized, tmp_path / "bad.onnx", {GELU: (b"mul %6 0.5", b"mul %6 0.6")})
+    first = [("example", False)] if reference == "fp32" else []
+    assert fake_cuda == [*first, ("example", True), ("candidate", True)]
+    bad = tampered(optimized, tmp_path / "bad.onnx", {GELU: (b"mul %5 0.5", b"mul %5 0.6")})
     fake_cuda.clear()
-    assert main(["bisect", str(EXAMPLE), str(bad), "--provider", "cuda", "--batch", "2"]) == 1
+    assert main(["bisect", str(EXAMPLE), str(bad), *flags]) == 1
     assert culprits(capsys.readouterr().out) == [GELU]
-    assert fake_cuda[:2] == [("example", False), ("example", True)]
-    assert all(tf32 for _, tf32 in fake_cuda[2:]) and len(fake_cuda) > 4
+    assert fake_cuda[:len(first) + 1] == [*first, ("example", True)]
+    assert all(tf32 for _, tf32 in fake_cuda[len(first):]) and len(fake_cuda) > 3 + len(first)
 
 
-def test_cuda_no_tf32(optimized, fake_cuda, capsys):
-    assert main(["bisect", str(EXAMPLE), str(optimized), "--provider", "cuda", "--no-tf32"]) == 0
+@pytest.mark.parametrize("reference", ["float64", "fp32"])
+def test_cuda_no_tf32(optimized, fake_cuda, capsys, reference):
+    assert main(["bisect", str(EXAMPLE), str(optimized), "--provider", "cuda", "--no-tf32",
+                 "--reference", reference]) == 0
     assert fake_cuda == [("example", False), ("candidate", False)]
-    assert "TF32 off (--no-tf32)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ("TF32 off (--no-tf32)" if reference == "fp32" else "evaluated in float64") in out
 
 
 # ---------------------------------------------------------------------------------------

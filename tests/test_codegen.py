@@ -62,6 +62,7 @@ class Case:
     dtypes: tuple[str, ...]
     modes: tuple[str, ...] | None = None  # default: derived from the shapes
     block: int = 256
+    values: tuple[tuple[float, ...], ...] | None = None  # fixed input values (default: random)
 
 
 def _prog(dtypes: tuple[str, ...], body: str) -> str:
@@ -160,7 +161,21 @@ def _literal_cases() -> list[Case]:
     ]
 
 
-CASES = _op_cases() + _size_cases() + _broadcast_cases() + _dtype_cases() + _literal_cases()
+def _tail_cases() -> list[Case]:
+    """tests/test_tails.py's models as onnxfuse lowers them (the programs of their fused
+    nodes), at their tail inputs: `test_interpreted_tails` checks them against the exact values."""
+    from tests.test_tails import TAILS
+
+    cases = []
+    for t in TAILS:
+        _, prog = t.fused()
+        body = prog.to_text().splitlines()[1 + len(prog.input_dtypes):]
+        cases.append(Case(f"tail-{t.id}", "\n".join(body), ((len(t.values),), ()), prog.input_dtypes,
+                          values=(t.values, (1.0,))))
+    return cases
+
+
+CASES = _op_cases() + _size_cases() + _broadcast_cases() + _dtype_cases() + _literal_cases() + _tail_cases()
 
 
 def _out_shape(case: Case) -> tuple[int, ...]:
@@ -197,6 +212,8 @@ def _random_input(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) 
 
 
 def _case_inputs(index: int, case: Case) -> list[np.ndarray]:
+    if case.values is not None:
+        return [np.array(v, np.float32).reshape(s) for v, s in zip(case.values, case.shapes, strict=True)]
     rng = np.random.default_rng(1000 + index)
     return [_random_input(rng, s, dt) for s, dt in zip(case.shapes, case.dtypes, strict=True)]
 
@@ -282,8 +299,10 @@ def _install_libdevice_shims() -> None:
         return fn
 
     erf = np.vectorize(math.erf, otypes=[np.float64])
+    erfc = np.vectorize(math.erfc, otypes=[np.float64])
     table = {"exp": np.exp, "log": np.log, "tanh": np.tanh, "cos": np.cos, "sin": np.sin, "pow": np.power,
-             "log1p": np.log1p, "sqrt": np.sqrt, "erf": lambda x: erf(x).astype(np.float32)}
+             "log1p": np.log1p, "sqrt": np.sqrt, "erf": lambda x: erf(x).astype(np.float32),
+             "erfc": lambda x: erfc(x).astype(np.float32), "expm1": np.expm1}
     for name, np_fn in table.items():
         setattr(libdevice, name, shim(np_fn))
 
@@ -389,6 +408,20 @@ def interpreted():
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[c.id for c in CASES])
 def test_interpreted_kernel_matches_reference(interpreted, index):
     _check_case(interpreted, index, CASES[index], "interpreter")
+
+
+@pytest.mark.parametrize("tail", [c.id for c in CASES if c.id.startswith("tail-")])
+def test_interpreted_tails(interpreted, tail):
+    """The generated kernels of tests/test_tails.py's models in their tails: within the
+    measured bound of the exact value (numpy in place of libdevice: the formulas, not
+    libdevice's accuracy), no flush to zero (Gelu(-5.5) is -1.04e-7, sigmoid(-100) 3.7e-44)."""
+    from tests.test_tails import TAILS, assert_near_exact
+
+    index = next(i for i, c in enumerate(CASES) if c.id == tail)
+    err = interpreted / f"case{index}_error.txt"
+    assert not err.exists(), err.read_text() if err.exists() else ""
+    got = np.load(interpreted / f"case{index}_out.npz")["out0"]
+    assert_near_exact(got, next(t for t in TAILS if f"tail-{t.id}" == tail), "Triton kernel (interpreter)")
 
 
 def test_cases_cover_every_op_dtype_and_mode():
@@ -659,15 +692,23 @@ def _cuda_available() -> bool:
 
 @pytest.mark.gpu
 def test_gpu_kernels_match_reference(tmp_path):
-    """Every case, JIT-compiled by Triton on the device: the real libdevice numerics."""
+    """Every case, JIT-compiled by Triton on the device: the real libdevice numerics; the
+    tail cases also against the exact values, as `test_interpreted_tails` (written without a
+    GPU, not yet run on one)."""
+    from tests.test_tails import TAILS, assert_near_exact
+
     if not _cuda_available():
         pytest.skip("needs torch with a CUDA GPU")
     _write_workdir(tmp_path, CASES)
     _run_cases(tmp_path, "cuda")
     failures = []
+    tails = {f"tail-{t.id}": t for t in TAILS}
     for i, case in enumerate(CASES):
         try:
             _check_case(tmp_path, i, case, "cuda")
+            if case.id in tails:
+                got = np.load(tmp_path / f"case{i}_out.npz")["out0"]
+                assert_near_exact(got, tails[case.id], "Triton kernel (libdevice)")
         except (AssertionError, pytest.fail.Exception) as e:
             failures.append(str(e)[:1500])
     assert not failures, "\n\n".join(failures)

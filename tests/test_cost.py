@@ -60,7 +60,7 @@ def test_relu_is_one_flop_and_eight_bytes_per_element():
 
 @pytest.mark.parametrize("op, attrs, per", [
     ("Sigmoid", {}, T + 2), ("Exp", {}, T), ("Erf", {}, T), ("Tanh", {}, T), ("Sqrt", {}, T), ("Neg", {}, 1),
-    ("Gelu", {}, 4 + T),  # 0.5*x, x/sqrt(2), erf, +1, *
+    ("Gelu", {}, 3 + T),  # -x/sqrt(2), erfc, 0.5*x, *
     ("LeakyRelu", {"alpha": 0.1}, 3),  # compare, multiply, select
     ("HardSwish", {}, 5), ("Softplus", {}, 2 * T + 2), ("Floor", {}, 1), ("Atan", {}, T),
 ])

@@ -79,6 +79,12 @@ def _body(prog: Program, in_names: list[str], out_names: list[str], out_shape: t
         args = [operand(a) for a in ins.args]
         if ins.op in unary:
             nodes.append(helper.make_node(unary[ins.op], args, [out]))
+        elif ins.op == "erfc":  # 1 - Erf(x)
+            nodes.append(helper.make_node("Erf", args, [out + "_f"]))
+            nodes.append(helper.make_node("Sub", [operand(1.0), out + "_f"], [out]))
+        elif ins.op == "expm1":  # Exp(x) - 1
+            nodes.append(helper.make_node("Exp", args, [out + "_f"]))
+            nodes.append(helper.make_node("Sub", [out + "_f", operand(1.0)], [out]))
         elif ins.op in ("round_f16", "round_bf16"):
             to = TensorProto.FLOAT16 if ins.op == "round_f16" else TensorProto.BFLOAT16
             nodes.append(helper.make_node("Cast", args, [out + "_r"], to=to))

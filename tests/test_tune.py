@@ -439,8 +439,8 @@ def test_shapes_learned_by_running_a_model_with_fused_convs(tmp_path, monkeypatc
 # ---- the accuracy gate at optimize time ---------------------------------------------------
 
 def _fake_outputs(monkeypatch, errors: dict[str, float]):
-    """Timer.outputs answering from a table: the reference is ones, ORT's default run is off
-    by errors["ort"], a candidate by errors[its label] (default: ORT's error)."""
+    """Timer.outputs answering from a table: the reference (float64) is ones, ORT's default run
+    is off by errors["ort"], a candidate by errors[its label] (default: ORT's error)."""
     def outputs(self, models, feeds):
         out = {}
         for label in models:
@@ -449,6 +449,7 @@ def _fake_outputs(monkeypatch, errors: dict[str, float]):
         return out
 
     monkeypatch.setattr(tuning.Timer, "outputs", outputs)
+    monkeypatch.setattr(tuning.Timer, "float64_reference", lambda self, m, f: ({"y": np.ones((2, 3))}, None))
 
 
 def _tune_precise(r, before, recompiled: list):
@@ -507,8 +508,9 @@ def test_a_model_less_accurate_than_ort_is_not_written(monkeypatch, precise_erro
 
 
 def test_accuracy_runs_the_reference_with_tf32_off(monkeypatch):
-    """The reference is the original with TF32 off, ORT's default run has it on, and every
-    candidate runs with the library and TF32 allowed (as users run it)."""
+    """Without a float64 reference (here: no inputs to evaluate it on) the reference is the
+    original with TF32 off, ORT's default run has it on, and every candidate runs with the
+    library and TF32 allowed (as users run it)."""
     seen = {}
 
     def outputs(self, models, feeds):
@@ -519,7 +521,29 @@ def test_accuracy_runs_the_reference_with_tf32_off(monkeypatch):
     m = vgg_stack(2, 8, 3, 16)
     gates = tuning.accuracy(tuning.Timer(CPU, None), m, {"optimized": m}, {})
     assert seen == {"reference": (False, False), "ort": (False, True), "optimized": (True, True)}
-    assert gates["optimized"] == {"passed": True, "max_abs_err": 0.0, "ort_max_abs_err": 0.0, "failure": None}
+    assert gates["optimized"] == {"passed": True, "max_abs_err": 0.0, "ort_max_abs_err": 0.0, "failure": None,
+                                  "reference": "TF32 off (input 'x' has no value)"}
+
+
+def test_accuracy_against_the_float64_reference_where_it_is_cheap(monkeypatch, tmp_path):
+    """The reference is the original in float64 (no TF32-off run): the candidate, here the
+    original itself, is off by ORT's own error exactly. Above FLOAT64_MAX_FLOPS the TF32-off
+    run again, with the reason."""
+    m = vgg_stack(2, 8, 3, 16)
+    feeds = tuning.feeds_for(m, {"x": (2, 3, 16, 16)})
+    real = tuning.Timer.outputs
+    seen = []
+    monkeypatch.setattr(tuning.Timer, "outputs", lambda self, models, f: seen.extend(models) or real(self, models, f))
+    timer = tuning.Timer(CPU, tmp_path)
+    gate = tuning.accuracy(timer, m, {"optimized": m}, feeds)["optimized"]
+    assert seen == ["ort", "optimized"] and gate["reference"] == "float64" and gate["passed"]
+    assert 0 < gate["ort_max_abs_err"] == gate["max_abs_err"] < 1e-4
+    tuning.accuracy(timer, m, {"again": m}, feeds)
+    assert timer._float64 and len(timer._float64) == 1  # evaluated once per tuning
+    monkeypatch.setattr(tuning, "FLOAT64_MAX_FLOPS", 1e3)
+    seen.clear()
+    gate = tuning.accuracy(tuning.Timer(CPU, tmp_path), m, {"optimized": m}, feeds)["optimized"]
+    assert "reference" in seen and gate["reference"].startswith("TF32 off (0 GFLOPs at these shapes, more than 0 G")
 
 
 def test_accuracy_is_gated_only_where_tf32_was_chosen(monkeypatch):
