@@ -683,7 +683,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown variant {next(v for v in table if v not in VARIANTS)!r} in --table")
     if args.from_json:
         try:
-            text = markdown(json.loads(args.from_json.read_text()), table)
+            raw = args.from_json.read_bytes()
+            if args.from_json.suffix == ".gz":  # results kept in the repository are gzipped
+                import gzip
+
+                raw = gzip.decompress(raw)
+            text = markdown(json.loads(raw), table)
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"--from-json {args.from_json}: cannot read it ({e})")
         print(text, end="")
