@@ -488,6 +488,7 @@ class Timer:
         self.measured = 0
         self.hits = 0
         self._float64: dict[int, tuple[dict[str, np.ndarray] | None, str | None]] = {}
+        self._original_runs: dict[tuple[int, bool], dict[str, np.ndarray] | str] = {}
 
     def _key(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool) -> str:
         """A model's cache key: its bytes without the values of its large initializers (layers
@@ -601,6 +602,15 @@ class Timer:
         if id(model) not in self._float64:
             self._float64[id(model)] = _float64_reference(model, feeds)
         return self._float64[id(model)]
+
+    def original_outputs(self, model: ModelProto, feeds: dict[str, np.ndarray], label: str,
+                         tf32: bool) -> dict[str, np.ndarray] | str:
+        """`outputs` of the original (no library) with TF32 allowed or not, run once per
+        tuning: the accuracy gate of a later candidate (tf32x3) reuses it."""
+        key = (id(model), tf32)
+        if key not in self._original_runs:
+            self._original_runs[key] = self.outputs({label: (model, False, tf32)}, feeds)[label]
+        return self._original_runs[key]
 
     def save(self) -> None:
         if self.path is not None and self.measured:
@@ -858,17 +868,14 @@ def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProt
     from onnxfuse.bench import gate_outputs, plausible_float64
 
     ref64, why_not = timer.float64_reference(original, feeds)
-    tf32_off = {"reference": (original, False, False)}
-    runs = timer.outputs({**({} if ref64 is not None else tf32_off), "ort": (original, False, True),
-                          **{label: (m, True, True) for label, m in candidates.items()}}, feeds)
-    if ref64 is not None and not isinstance(runs["ort"], str):
-        ref64, why_not = plausible_float64(ref64, runs["ort"], why_not)
-        if ref64 is None:
-            runs.update(timer.outputs(tf32_off, feeds))
-    reference = ref64 if ref64 is not None else runs.get("reference", "")
-    if isinstance(reference, str) or isinstance(runs["ort"], str):
+    ort = timer.original_outputs(original, feeds, "ort", True)
+    runs = timer.outputs({label: (m, True, True) for label, m in candidates.items()}, feeds)
+    if ref64 is not None and not isinstance(ort, str):
+        ref64, why_not = plausible_float64(ref64, ort, why_not)
+    reference = ref64 if ref64 is not None else timer.original_outputs(original, feeds, "reference", False)
+    if isinstance(reference, str) or isinstance(ort, str):
         raise OnnxfuseError(f"the original model does not run at these shapes "
-                            f"({reference if isinstance(reference, str) else runs['ort']})")
+                            f"({reference if isinstance(reference, str) else ort})")
     what = "float64" if ref64 is not None else f"TF32 off ({why_not})"
     out = {}
     for label in candidates:
@@ -877,7 +884,7 @@ def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProt
             out[label] = {"passed": False, "max_abs_err": None, "ort_max_abs_err": None, "failure": got,
                           "reference": what}
             continue
-        checks = gate_outputs(reference, runs["ort"], got)
+        checks = gate_outputs(reference, ort, got)
         failed = [c for c in checks if not c.passed]
         errs = [c.max_abs_err for c in checks if c.max_abs_err is not None]
         ort_errs = [c.ort_max_abs_err for c in checks if c.ort_max_abs_err is not None]
@@ -902,9 +909,8 @@ def _fastest(models: list, times: dict[str, ModelTimes], gates: dict[str, dict],
 def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, targets, conv_precision, jobs,
                t0: float) -> list[NodeDecision]:
     """Per-node timings and decisions (module docstring, step 1)."""
-    decisions = []
     if not result.fused:
-        return decisions
+        return []
     nodes = {n.name: n for n in result.model.graph.node}
     needed = {x for f in result.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
     infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
