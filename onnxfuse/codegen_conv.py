@@ -42,9 +42,12 @@ Grouped and depthwise convs (group > 1) have two loops:
   contiguous span of CI_SPAN channels; per tap, the [pixels, span] tile of X times the
   [span, BLOCK_N] matrix that holds each group's weights on its diagonal block and zeros
   elsewhere runs on the tensor cores. The zeros cost tensor-core FLOPs (BLOCK_N / KG times
-  the conv's), which a grouped conv has to spare: it is bound by moving X. Float32 runs at
-  tf32x3 when the spec asks for tf32, so a grouped conv stays as accurate as fp32 whichever
-  loop it takes (`group_dot_precision`). `group_gemm_fits` says which tiles can.
+  the conv's), which a grouped conv has to spare: it is bound by moving X. A tile of
+  several groups takes one dot per group, its X tile masked to the group's channels and the
+  product kept in the group's columns only: a NaN or Inf in one group's input times another
+  group's zero weights would otherwise make NaN in that group's outputs. Float32 follows the
+  spec's precision as the group-1 kernels do ("tf32": both operands rounded to TF32 here);
+  `group_gemm_fits` says which tiles can.
 The tile, the masks and the epilogue are the GEMM kernel's.
 
 Split K (ConvVariant.split > 1; group 1, no pool in the epilogue): for outputs too small
@@ -330,10 +333,6 @@ def group_gemm_fits(spec: ConvSpec, block_n: int) -> bool:
     return spec.conv.group != 1 and block_n >= 16 and (block_n % kg == 0 or kg % block_n == 0)
 
 
-def group_dot_precision(spec: ConvSpec) -> str:
-    """tl.dot's input_precision in the block-diagonal GEMM of a float32 grouped conv: tf32x3
-    for "tf32" (grouped convs compute as fp32 does, whichever loop), else the spec's."""
-    return "tf32x3" if spec.precision == "tf32" else spec.precision
 
 
 def _check_program(program: Program, name: str) -> None:
@@ -401,9 +400,10 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
         constexprs += [("SPLIT", variant.split), ("SPLIT_STEPS", conv_steps(spec, variant) // variant.split)]
     if group != 1:  # channels per group, in and out
         constexprs += [("CG", spec.channels // group), ("KG", spec.filters // group)]
-    if variant.group_gemm:  # the input channels a tile reads, in blocks of BLOCK_K
+    if variant.group_gemm:  # the input channels a tile reads, in blocks of BLOCK_K; its groups
         span = group_span(spec, variant.block_n)
-        constexprs += [("CI_SPAN", span), ("CI_BLOCKS", -(-span // variant.block_k))]
+        constexprs += [("CI_SPAN", span), ("CI_BLOCKS", -(-span // variant.block_k)),
+                       ("GROUPS_PER_TILE", max(variant.block_n * group // spec.filters, 1))]
     source = _conv_module(spec, variant, names, [c for c, _ in constexprs])
     # 16-byte alignment of the pointers is always true for ORT's allocations (the launcher
     # checks it: ptr_align); it lets Triton vectorize the contiguous weight loads and, channels
@@ -572,7 +572,9 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     c, k, pool = spec.channels, spec.filters, spec.pool
     rounds = rounds_activations(spec)
     precision = "fp16" if spec.dtype == "f16" else spec.precision
-    if spec.dtype == "f32" and spec.precision == "tf32" and spec.conv.group == 1:
+    if spec.dtype == "f32" and spec.precision == "tf32" and variant.group_gemm:
+        precision += " (operands rounded to nearest here)"
+    elif spec.dtype == "f32" and spec.precision == "tf32" and spec.conv.group == 1:
         precision += (" (operands truncated)" if not rounds_to_tf32(spec) else " (operands rounded to nearest)"
                       if _ROUND_TF32 == "ab" else " (activations rounded to nearest here, weights when packed)"
                       if rounds else " (activations stored rounded to nearest by their producers, weights "
@@ -586,11 +588,11 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
             + ("; weights [K, R, S, C]" if spec.w_layout == "krsc" else "")
             + ("; one flat reduction over (tap, channel)" if variant.flat else "")
             + (f"; group {spec.conv.group}" + (" (depthwise)" if spec.channels == spec.conv.group else "")
-               + (", block-diagonal GEMM on the tensor cores" + (
-                   f" at {group_dot_precision(spec)}" if spec.dtype == "f32" else "")
-                  if variant.group_gemm else ", direct loop on CUDA cores") if spec.conv.group != 1 else "")
+               + (", block-diagonal GEMM on the tensor cores" if variant.group_gemm else
+                  ", direct loop on CUDA cores (fp32)") if spec.conv.group != 1 else "")
             + ("; Y stored rounded to TF32 (its readers would round it)" if stores_rounded(spec) else ""))
-    helpers = ROUND_TO_TF32 if rounds or stores_rounded(spec) else []
+    gemm_rounds = variant.group_gemm and spec.dtype == "f32" and spec.precision == "tf32" and bool(_ROUND_TF32)
+    helpers = ROUND_TO_TF32 if rounds or stores_rounded(spec) or gemm_rounds else []
     if pool is not None:
         helpers = [*helpers, "", "", *MAX_NAN] if helpers else MAX_NAN
     lines = _header(spec.name, what, spec.program, spec.source_nodes, helpers)
@@ -616,11 +618,7 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
                  "p = op * PH + win // PW", "q = oq * PW + win % PW"]
     body += ["ih0 = p * STRIDE_H - PAD_H", "iw0 = q * STRIDE_W - PAD_W"]
     if variant.group_gemm:
-        body += _group_gemm_loop(spec)
-        if spec.dtype == "f32":
-            body.append(f'    acc = tl.dot(a, b, acc, input_precision="{group_dot_precision(spec)}")')
-        else:
-            body.append("    acc = tl.dot(a, b, acc)")
+        body += _group_gemm_loop(spec, variant, gemm_rounds)
     elif spec.conv.group != 1:
         body += _grouped_loop(spec)
     else:
@@ -776,32 +774,47 @@ def _grouped_loop(spec: ConvSpec) -> list[str]:
             "        acc += a * b[None, :]"]
 
 
-def _group_gemm_loop(spec: ConvSpec) -> list[str]:
+def _group_gemm_loop(spec: ConvSpec, variant: ConvVariant, rounds: bool) -> list[str]:
     """Grouped convs on the tensor cores: per tap, the tile's span of input channels times the
     block-diagonal [span, BLOCK_N] weight matrix, built from the packed grouped weights with
-    a mask (a weight of another group loads as 0). The caller appends the dot."""
+    a mask (a weight of another group loads as 0); one dot per group of the tile."""
     x_off = ("(n * (C * H * W) + ih * W + iw)[:, None] + c_in[None, :] * (H * W)" if spec.x_layout == "nchw" else
              "((n * H + ih) * W + iw)[:, None] * C + c_in[None, :]")
     w_off = ("(tap * CG + ci) * K + offs_n[None, :]" if spec.w_layout == "rsck" else
              "offs_n[None, :] * (R * S * CG) + (tap * CG + ci)")
-    return ["# The groups of this tile's columns read input channels c_lo .. c_lo + CI_SPAN - 1.",
-            "c_lo = ((pid_n * BLOCK_N) // KG) * CG",
-            "g_n = offs_n // KG  # each column's group",
-            "offs_c = tl.arange(0, BLOCK_K)",
-            "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
-            "for step in range(0, STEPS):  # STEPS = R * S * CI_BLOCKS",
-            "    tap = step // CI_BLOCKS",
-            "    c0 = (step % CI_BLOCKS) * BLOCK_K",
-            "    ih = ih0 + (tap // S) * DIL_H",
-            "    iw = iw0 + (tap % S) * DIL_W",
-            "    in_image = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)",
-            "    c_in = c_lo + c0 + offs_c",
-            "    mask_c = (c0 + offs_c < CI_SPAN) & (c_in < C)",
-            f"    a = tl.load(x_ptr + ({x_off}), mask=in_image[:, None] & mask_c[None, :], other=0.0)",
-            "    # B: column n's weight for input channel c_in where both are in one group, else 0.",
-            "    same = ((c_in // CG)[:, None] == g_n[None, :]) & mask_c[:, None] & mask_n[None, :]",
-            "    ci = c_in[:, None] - g_n[None, :] * CG  # the channel within the column's group",
-            f"    b = tl.load(w_ptr + ({w_off}), mask=same, other=0.0)"]
+    dot = (f'tl.dot({{a}}, b, {{acc}}input_precision="{spec.precision}")' if spec.dtype == "f32" else
+           "tl.dot({a}, b{acc})")
+    lines = ["# The groups of this tile's columns read input channels c_lo .. c_lo + CI_SPAN - 1.",
+             "g_lo = (pid_n * BLOCK_N) // KG  # the tile's first group",
+             "c_lo = g_lo * CG",
+             "g_n = offs_n // KG  # each column's group",
+             "offs_c = tl.arange(0, BLOCK_K)",
+             "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+             "for step in range(0, STEPS):  # STEPS = R * S * CI_BLOCKS",
+             "    tap = step // CI_BLOCKS",
+             "    c0 = (step % CI_BLOCKS) * BLOCK_K",
+             "    ih = ih0 + (tap // S) * DIL_H",
+             "    iw = iw0 + (tap % S) * DIL_W",
+             "    in_image = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)",
+             "    c_in = c_lo + c0 + offs_c",
+             "    mask_c = (c0 + offs_c < CI_SPAN) & (c_in < C)",
+             f"    a = tl.load(x_ptr + ({x_off}), mask=in_image[:, None] & mask_c[None, :], other=0.0)",
+             "    # B: column n's weight for input channel c_in where both are in one group, else 0.",
+             "    same = ((c_in // CG)[:, None] == g_n[None, :]) & mask_c[:, None] & mask_n[None, :]",
+             "    ci = c_in[:, None] - g_n[None, :] * CG  # the channel within the column's group",
+             f"    b = tl.load(w_ptr + ({w_off}), mask=same, other=0.0)"]
+    if rounds:
+        lines += ["    # To the nearest TF32 value, as cuDNN does (tl.dot's tf32 would truncate).",
+                  "    a = round_to_tf32(a)",
+                  "    b = round_to_tf32(b)"]
+    if max(variant.block_n * spec.conv.group // spec.filters, 1) == 1:
+        return lines + [f"    acc = {dot.format(a='a', acc='acc, ' if spec.dtype == 'f32' else ', acc')}"]
+    return lines + [
+        "    # One dot per group: X masked to the group's channels, the product kept in its columns",
+        "    # (a NaN or Inf times another group's zero weights must not reach that group).",
+        "    for j in tl.static_range(GROUPS_PER_TILE):",
+        "        a_j = tl.where(((c_in // CG) == g_lo + j)[None, :], a, 0.0)",
+        f"        acc += tl.where((g_n == g_lo + j)[None, :], {dot.format(a='a_j', acc='')}, 0.0)"]
 
 
 def _maxpool_module(spec: MaxPoolSpec, variant: PoolVariant, names: list[str], constexprs: list[str],

@@ -22,8 +22,9 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
    made, the model before them is tried as well, and when the budget left nodes unmeasured,
-   the model fusing only the measured winners too; the fastest that passes is kept. When neither passes, the original model is written unchanged, and the report and
-   a warning say so with the times.
+   the model fusing only the measured winners too; the fastest that passes is kept. When
+   none passes, the original model is written unchanged, and the report and a warning say
+   so with the times.
 3. **Accuracy.** When float32 convs run at "tf32" (the default), every candidate also
    meets `onnxfuse bench`'s gate at the same inputs: its outputs against the reference,
    within 2x the original's own error under ORT's defaults plus the dtype's floor

@@ -500,7 +500,8 @@ def test_grouped_loop_choice():
     assert not plain(48, 48, 6, precision="ieee").group_gemm
     spec = _split_spec(48, 48, 3, group=6)
     src = generate_conv(spec, v := plain(48, 48, 6)).source
-    assert 'input_precision="tf32x3"' in src and "block-diagonal GEMM" in src
+    assert 'input_precision="tf32"' in src and "b = round_to_tf32(b)" in src and "block-diagonal GEMM" in src
+    assert "tl.static_range(GROUPS_PER_TILE)" in src  # two groups per tile: a dot each
     assert dict(generate_conv(spec, v).constexprs)["CI_SPAN"] == 16
     assert dict(generate_conv(spec, dataclasses.replace(v, block_n=64)).constexprs)["CI_SPAN"] == 64
     with pytest.raises(ValueError, match="block-diagonal GEMM needs"):
