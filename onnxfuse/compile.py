@@ -324,8 +324,12 @@ def _grouped_tile(spec: ConvSpec) -> dict[str, int]:
 
 
 # Grouped convs with at least this many input channels per group run the block-diagonal
-# GEMM (codegen_conv's module docstring) when a tile fits; narrower ones the direct loop.
-GROUP_GEMM_MIN_CHANNELS = 4
+# GEMM (codegen_conv's module docstring) when a tile fits. Measured on the H200
+# (benchmarks/conv_kernels.py, conv_kernels_grouped.json): RegNetY-400MF's groups of 8, the
+# GEMM 0.0432-0.0103 ms against cuDNN channels-last's 0.0435-0.0242 (1.0-2.4x, its
+# error cuDNN's TF32 error) and the direct loop's 0.399-0.0157; ResNeXt-50's groups of 4,
+# the GEMM 0.148 ms (four dots per tile), the direct loop 0.499, cuDNN 0.076.
+GROUP_GEMM_MIN_CHANNELS = 8
 
 
 def grouped_gemm_variant(spec: ConvSpec) -> ConvVariant | None:
@@ -343,7 +347,8 @@ def _grouped_gemm_tile(spec: ConvSpec, any_width: bool = False) -> dict[str, int
     (depthwise and narrow groups, precision "ieee", or no tile fits): BLOCK_N the widest of
     64, 32, 16 that KG is a multiple of, else 16 when KG divides it (KG 2, 4, 8: whole
     groups per tile); BLOCK_K the tile's input span to the next power of two, 16 to 64;
-    128 pixels, 4 warps, 3 stages."""
+    64 pixels, 4 warps, 3 stages (the best of 8 tiles on all five RegNet layers measured,
+    128 pixels within 3-15%)."""
     cg, kg = spec.channels // spec.conv.group, spec.filters // spec.conv.group
     if spec.dtype == "f32" and spec.precision == "ieee":
         return None
@@ -353,7 +358,7 @@ def _grouped_gemm_tile(spec: ConvSpec, any_width: bool = False) -> dict[str, int
     if not group_gemm_fits(spec, bn):
         return None
     bk = min(max(next_pow2(group_span(spec, bn)), 16), 64)
-    return {"block_m": 128, "block_n": bn, "block_k": bk, "warps": 4, "stages": 3, "flat": 0, "group_gemm": 1}
+    return {"block_m": 64, "block_n": bn, "block_k": bk, "warps": 4, "stages": 3, "flat": 0, "group_gemm": 1}
 
 
 # Reduction length C·R·S above which the NCHW implicit-GEMM kernel loses to cuDNN, measured
@@ -363,22 +368,29 @@ def _grouped_gemm_tile(spec: ConvSpec, any_width: bool = False) -> dict[str, int
 CONV_MAX_REDUCTION = 1152
 DECLINED_REASON = ("conv reduction C*R*S above 1152: cuDNN is faster on the H200 (heuristic; "
                    "--tune measures instead)")
-# Grouped convs run a direct loop on CUDA cores (no tensor cores): fine for depthwise convs
-# and narrow groups, which are memory-bound, but a group of many channels is a GEMM that
-# cuDNN runs on the tensor cores.
+# Grouped convs: depthwise ones run the direct loop (faster than cuDNN on MobileNetV3's
+# layers), groups of GROUP_GEMM_MIN_CHANNELS the block-diagonal GEMM; groups of 2 to 7
+# channels lost to cuDNN in both loops (ResNeXt's 4: `GROUP_GEMM_MIN_CHANNELS`), and wider
+# groups than this were not measured: both stay with cuDNN.
 GROUPED_MAX_CHANNELS = 8
-GROUPED_REASON = (f"grouped conv with more than {GROUPED_MAX_CHANNELS} input channels per group: the direct "
-                  "kernel has no tensor cores, cuDNN's grouped GEMM does (heuristic; --tune measures instead)")
+GROUPED_REASON = (f"grouped conv with more than {GROUPED_MAX_CHANNELS} input channels per group: not measured "
+                  "against cuDNN's grouped GEMM, left to it (heuristic)")
+NARROW_GROUP_REASON = (f"grouped conv with 2 to {GROUP_GEMM_MIN_CHANNELS - 1} input channels per group, or "
+                       "whose groups fit no block-diagonal GEMM tile: cuDNN is faster (heuristic; --tune "
+                       "measures instead)")
 
 
 def conv_decline_reason(spec: ConvSpec, layout: str = "nchw") -> str | None:
     """Why the heuristic keeps this conv for ONNX Runtime (cuDNN) rather than fusing it, or
-    None: grouped convs with wide groups always; deep convs on the NCHW path (the
+    None: grouped convs with groups of 2 to 7 or more than 8 channels; deep convs on the NCHW path (the
     channels-last kernels matched cuDNN there). ``$ONNXFUSE_CONV_ALL=1`` fuses every conv."""
     if os.environ.get("ONNXFUSE_CONV_ALL") == "1":
         return None
-    if spec.conv.group != 1 and spec.channels // spec.conv.group > GROUPED_MAX_CHANNELS:
+    cg = spec.channels // spec.conv.group
+    if spec.conv.group != 1 and cg > GROUPED_MAX_CHANNELS:
         return GROUPED_REASON
+    if spec.conv.group != 1 and cg > 1 and _grouped_gemm_tile(spec) is None:
+        return NARROW_GROUP_REASON
     r, s = spec.conv.kernel
     if layout == "nchw" and spec.channels // spec.conv.group * r * s > CONV_MAX_REDUCTION:
         return DECLINED_REASON

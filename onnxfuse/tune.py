@@ -531,13 +531,26 @@ class Timer:
         try:
             run = run_model(str(path), feeds, self._settings(s.warmup, s.iters, graph), library=library)
         except OnnxfuseError as e:
-            if graph:  # remembered: a graph that cannot be captured is not tried again
+            if graph and self._runs_plainly(path, feeds, library):
+                # remembered: a graph that cannot be captured is not tried again. A model that
+                # does not run at all (no library, a kernel that fails to load) is not a
+                # capture failure, and a later tuning with that fixed must measure it.
                 self.entries[key] = {"error": str(e).splitlines()[0][:300] if str(e) else "cannot capture"}
             raise
         ms = float(np.median(run.times_ms))
         self.measured += 1
         self.entries[key] = {"ms": ms}
         return ms
+
+    def _runs_plainly(self, path: Path, feeds: dict[str, np.ndarray], library: bool) -> bool:
+        """Whether the model at `path` runs once without CUDA graphs."""
+        from onnxfuse.bench import run_model
+
+        try:
+            run_model(str(path), feeds, self._settings(0, 1, False), library=library)
+        except OnnxfuseError:
+            return False
+        return True
 
     def time_models(self, models: dict[str, tuple[ModelProto, bool]], feeds: dict[str, np.ndarray],
                     graph_modes: tuple[bool, ...]) -> dict[tuple[str, bool], float | str]:

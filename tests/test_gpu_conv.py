@@ -260,7 +260,10 @@ def test_tune_times_candidates_and_keeps_a_correct_model(name):
     r = optimize_model(m)
     info = compile_hook("auto", tune=TuneSettings(batch=4, configs=True, explicit=True, cache=False))(r)
     rec = info["tune"]
-    assert rec["shapes"] and rec["kept"] in ("optimized", "tuned", "heuristic", "original")
+    # "precise (tf32x3)": the tf32 candidates failed the accuracy gate (cuDNN ran these small
+    # layers in fp32 on the H200); "measured only": the budget left nodes unmeasured
+    assert rec["shapes"] and (rec["kept"] in ("optimized", "tuned", "heuristic", "original", "measured only")
+                              or rec["kept"].startswith("precise"))
     assert rec["original"]["plain_ms"] > 0
     for d in rec["nodes"]:
         assert d["original_ms"] > 0 and d["fused_ms"] > 0, d

@@ -6,6 +6,7 @@ run is tests/test_gpu_conv.py."""
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -353,6 +354,30 @@ def test_when_the_budget_runs_out_only_measured_winners_may_be_kept(monkeypatch)
                 lambda mm: 1.0 if mm is m else {1: 0.7, 2: 0.6}[_fused_nodes(mm)])
     rec = _tune(r, before, TuneSettings(provider="cpu", batch=2, cache=False, budget_s=1.5))["tune"]
     assert rec["kept"] == "optimized" and len(r.fused) == 2
+
+
+def test_only_real_capture_failures_are_cached(tmp_path, monkeypatch):
+    """A model that graphs cannot capture but that runs plainly is remembered as such; one
+    that does not run at all (on the H200 a missing custom-op library) is not: the next
+    tuning, with the library back, must time it under graphs."""
+    import onnxfuse.bench as bench
+
+    m = model([N("Tanh", ["x"], ["y"])], {"x": ("float32", [4, 8])}, {"y": ("float32", [4, 8])})
+    feeds = tuning.random_feeds(m)
+    works = {"plain": True}
+
+    def fake_run(path, feeds, settings, library=False):
+        if settings.cuda_graph or not works["plain"]:
+            raise OnnxfuseError("it failed")
+        return types.SimpleNamespace(times_ms=[1.0])
+
+    monkeypatch.setattr(bench, "run_model", fake_run)
+    for plain, cached in ((False, False), (True, True)):
+        works["plain"] = plain
+        timer = tuning.Timer(TuneSettings(provider="cpu", cache=False), tmp_path)
+        with pytest.raises(OnnxfuseError):
+            timer.time(m, feeds, library=True, graph=True)
+        assert any("error" in e for e in timer.entries.values()) == cached
 
 
 def test_real_timings_are_cached(tmp_path, monkeypatch):
