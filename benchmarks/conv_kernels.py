@@ -32,6 +32,9 @@ from onnxfuse.codegen_conv import (  # noqa: E402
     PoolVariant,
     generate_conv,
     generate_maxpool,
+    group_gemm_fits,
+    group_span,
+    next_pow2,
 )
 from onnxfuse.compile import conv_variants  # noqa: E402
 from onnxfuse.expr import HEADER, parse  # noqa: E402
@@ -58,6 +61,18 @@ LAYERS = [
     ("mbv3 dw 96 5x5 s2 28", 32, 96, 28, 96, False, 5, 2, 2, 96),
     ("mbv3 dw 240 5x5 14", 32, 240, 14, 240, False, 5, 1, 2, 240),
     ("mbv3 dw 576 5x5 7", 32, 576, 7, 576, False, 5, 1, 2, 576),
+    # grouped convs (indices 16-25): RegNetY-400MF's groups of 8 at batch 16 and 1, ResNeXt-50
+    # 32x4d's groups of 4, and wider groups of 16, 32 and 64 channels
+    ("regnety400 g8 48 s2 112 b16", 16, 48, 112, 48, False, 3, 2, 1, 6),
+    ("regnety400 g8 104 s2 56 b16", 16, 104, 56, 104, False, 3, 2, 1, 13),
+    ("regnety400 g8 208 14 b16", 16, 208, 14, 208, False, 3, 1, 1, 26),
+    ("regnety400 g8 48 s2 112 b1", 1, 48, 112, 48, False, 3, 2, 1, 6),
+    ("regnety400 g8 440 7 b1", 1, 440, 7, 440, False, 3, 1, 1, 55),
+    ("resnext50 g32x4 128 56 b16", 16, 128, 56, 128, False, 3, 1, 1, 32),
+    ("g16x16 256 28 b16", 16, 256, 28, 256, False, 3, 1, 1, 16),
+    ("g16x32 512 14 b16", 16, 512, 14, 512, False, 3, 1, 1, 16),
+    ("g16x64 1024 7 b16", 16, 1024, 7, 1024, False, 3, 1, 1, 16),
+    ("g16x32 512 14 b1", 1, 512, 14, 512, False, 3, 1, 1, 16),
 ]
 
 CONFIGS = [  # block_m, block_n, block_k, warps, stages
@@ -73,6 +88,10 @@ GROUPED_CONFIGS = [
     None, (32, 64, 32, 4, 1), (64, 64, 32, 4, 1), (16, 64, 32, 2, 1), (64, 32, 32, 4, 1), (128, 16, 32, 4, 1),
     (256, 8, 32, 4, 1), (128, 8, 32, 2, 1), (32, 128, 32, 4, 1), (64, 128, 32, 8, 1), (128, 32, 32, 8, 1),
 ]
+# Grouped convs, the block-diagonal GEMM (block_k follows the tile's input span): block_m,
+# block_n, warps, stages
+GROUP_GEMM_CONFIGS = [(128, 16, 4, 3), (64, 16, 4, 3), (128, 32, 4, 3), (64, 32, 4, 3), (128, 64, 4, 3),
+                      (64, 64, 4, 3), (128, 16, 4, 4), (256, 16, 8, 3)]
 FLAT_CONFIGS = [  # for few input channels: the reduction R*S*C in one flat loop
     (64, 64, 32, 2, 3), (128, 64, 32, 4, 3), (64, 64, 16, 2, 4), (128, 64, 16, 4, 3), (128, 64, 32, 4, 2),
     (64, 64, 32, 4, 2), (256, 64, 32, 8, 2), (64, 64, 64, 2, 2),
@@ -153,7 +172,9 @@ def main() -> None:
             torch.backends.cudnn.allow_tf32 = False
             exact = ref_fn()
             torch.backends.cudnn.allow_tf32 = True
-        layer = {"layer": lname, "shape": [n, c, h, h, k], "group": group, "pool": pool, "configs": []}
+            cudnn_err = float(((ref_fn() - exact).abs().max() / exact.abs().max()).item())
+        layer = {"layer": lname, "shape": [n, c, h, h, k], "group": group, "pool": pool, "configs": [],
+                 "cudnn_tf32_max_rel_err": cudnn_err}
         layer["cudnn_nchw_ms"] = bench(ref_fn)
         xl, wl = x.to(memory_format=torch.channels_last), w.to(memory_format=torch.channels_last)
         layer["cudnn_nhwc_ms"] = bench(lambda: ref_fn(xl, wl))
@@ -187,15 +208,20 @@ def main() -> None:
             configs = CONFIGS[:6] if wlay == "rsck" and xlay == "nchw" else NHWC_CONFIGS
             if flat:
                 configs = FLAT_CONFIGS
-            if group != 1:
-                heur = conv_variants(ConvSpec("k", RELU, c, k, conv, pa, x_layout=xlay, y_layout=ylay,
-                                              w_layout=wlay))[0]
-                configs = [(heur.block_m, heur.block_n, heur.block_k, heur.num_warps, heur.num_stages)]
-                configs += [cfg for cfg in GROUPED_CONFIGS[1:] if cfg != configs[0]]
+            if group != 1:  # (block_m, block_n, block_k, warps, stages, block-diagonal GEMM)
+                gspec = ConvSpec("k", RELU, c, k, conv, pa, args.precision, x_layout=xlay, y_layout=ylay,
+                                 w_layout=wlay)
+                heur = conv_variants(gspec)[0]
+                configs = [(heur.block_m, heur.block_n, heur.block_k, heur.num_warps, heur.num_stages,
+                            int(heur.group_gemm))]
+                configs += [(*cfg, 0) for cfg in GROUPED_CONFIGS[1:] if (*cfg, 0) != configs[0]]
+                configs += [cfg for bm, bn, nw, ns in GROUP_GEMM_CONFIGS if group_gemm_fits(gspec, bn)
+                            for cfg in [(bm, bn, min(max(next_pow2(group_span(gspec, bn)), 16), 64), nw, ns, 1)]
+                            if cfg != configs[0]]
             if args.configs:
                 configs = configs[:args.configs]
-            for i, (bm, bn, bk, nw, ns) in enumerate(configs[:4] if args.quick else configs):
-                v = ConvVariant(0, bm, bn, bk, nw, ns, flat=flat)
+            for i, (bm, bn, bk, nw, ns, *gemm) in enumerate(configs[:4] if args.quick else configs):
+                v = ConvVariant(0, bm, bn, bk, nw, ns, flat=flat, group_gemm=bool(gemm and gemm[0]))
                 name = f"k_conv_{len(out['layers'])}_{layout.replace('-', '_').replace('+', '_')}_{i}"
                 try:
                     spec = ConvSpec(name, RELU, c, k, conv, pa, args.precision, x_layout=xlay, y_layout=ylay,
@@ -218,6 +244,8 @@ def main() -> None:
                 except Exception as e:  # a config that does not compile or fit: recorded, skipped
                     rec = {"layout": layout, "config": [bm, bn, bk, nw, ns],
                            "error": f"{type(e).__name__}: {str(e)[:200]}"}
+                if v.group_gemm:
+                    rec["group_gemm"] = True
                 layer["configs"].append(rec)
                 if "ms" in rec and (lbest is None or rec["ms"] < lbest["ms"]):
                     lbest = rec
@@ -225,6 +253,18 @@ def main() -> None:
             if lbest and (best is None or lbest["ms"] < best["ms"]):
                 best = lbest
         layer["best"] = best
+        if group != 1:  # the two loops apart, beside cuDNN and the copy floor
+            for loop, is_gemm in (("direct", False), ("group_gemm", True)):
+                layer[f"best_{loop}"] = min((r for r in layer["configs"] if "ms" in r
+                                             and bool(r.get("group_gemm")) == is_gemm),
+                                            key=lambda r: r["ms"], default=None)
+            def cell(r):
+                return f"{r['ms']:.4f} {r['config']} err {r['max_rel_err']:.1e}" if r else "-"
+
+            print(f"{lname}: cuDNN {layer['cudnn_nchw_ms']:.4f} / channels-last {layer['cudnn_nhwc_ms']:.4f} ms "
+                  f"(err {cudnn_err:.1e}), "
+                  f"floor {layer['floor_ms']:.4f}; direct {cell(layer['best_direct'])}; block-diagonal GEMM "
+                  f"{cell(layer['best_group_gemm'])}", flush=True)
         flops = 2 * n * k * c // group * kw * kw * p * q
         if best:
             layer["best_tflops"] = flops / best["ms"] / 1e9

@@ -109,11 +109,18 @@ case "${1:-tests}" in
       | grep -v "W:onnxruntime" | tee "$OUT/suite_$tag.log" | grep -E "^\S|gate|error|Error|warning" | tail -60
     ;;
   new-gpu-tests)
-    # what the seventh session built after its device time ran out, first on the GPU: producer
-    # rounding (bit-identical), NaN through every fused kernel, tuning's accuracy step and
-    # replicated one-node timings (test_tune's gpu cases), then the conv tests
-    timeout "${2:-300}" python3 -m pytest -m gpu tests/test_rounding.py tests/test_nan.py tests/test_tune.py \
-      tests/test_gpu_conv.py -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_new.log" | tail -15
+    # what the seventh and eighth sessions built without a GPU, first on it: producer rounding
+    # (bit-identical), NaN through every fused kernel (the grouped GEMM too), transcendental
+    # tails through the CUDA kernels, tuning's accuracy step and replicated one-node timings
+    # (test_tune's gpu cases), then the conv tests
+    timeout "${2:-300}" python3 -m pytest -m gpu tests/test_rounding.py tests/test_nan.py tests/test_tails.py \
+      tests/test_tune.py tests/test_gpu_conv.py -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_new.log" | tail -15
+    ;;
+  grouped)
+    # grouped convs: the direct loop and the block-diagonal GEMM against cuDNN (LAYERS 16-25)
+    timeout "${2:-200}" python3 benchmarks/conv_kernels.py --no-compile --layers 16,17,18,19,20,21,22,23,24,25 \
+      --layouts nhwc-krsc --json "$OUT/conv_kernels_grouped.json" > "$OUT/conv_kernels_grouped.log" 2>&1
+    grep -E "cuDNN .* direct" "$OUT/conv_kernels_grouped.log"
     ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)

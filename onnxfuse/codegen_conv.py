@@ -33,10 +33,22 @@ FusedMaxPool has three kernels, picked by the variant's `tile` (PoolVariant):
   a tap's load reads BLOCK_C contiguous channels per pixel, and the pixel's (n, oh, ow)
   is computed once per row of the tile, not per element. Any pool attributes.
 
-Grouped and depthwise convs (group > 1) have no GEMM worth the tensor cores (a depthwise
-conv reduces over one channel per tap): a direct loop adds, per tap and input channel of
-the group, a [pixels, channels] tile of X times one weight per output channel, in fp32 on
-CUDA cores. The tile, the masks and the epilogue are the GEMM kernel's.
+Grouped and depthwise convs (group > 1) have two loops:
+- the direct loop (depthwise convs, narrow groups): per tap and input channel of the group,
+  a [pixels, channels] tile of X times one weight per output channel, in fp32 on CUDA cores.
+  A depthwise conv reduces over one channel per tap: there is no GEMM to feed tensor cores.
+- the block-diagonal GEMM (ConvVariant.group_gemm; groups of CG >= 2 channels): a tile's
+  BLOCK_N output channels cover whole groups (or lie in one), whose input channels are one
+  contiguous span of CI_SPAN channels; per tap, the [pixels, span] tile of X times the
+  [span, BLOCK_N] matrix that holds each group's weights on its diagonal block and zeros
+  elsewhere runs on the tensor cores. The zeros cost tensor-core FLOPs (BLOCK_N / KG times
+  the conv's), which a grouped conv has to spare: it is bound by moving X. A tile of
+  several groups takes one dot per group, its X tile masked to the group's channels and the
+  product kept in the group's columns only: a NaN or Inf in one group's input times another
+  group's zero weights would otherwise make NaN in that group's outputs. Float32 follows the
+  spec's precision as the group-1 kernels do ("tf32": both operands rounded to TF32 here);
+  `group_gemm_fits` says which tiles can.
+The tile, the masks and the epilogue are the GEMM kernel's.
 
 Split K (ConvVariant.split > 1; group 1, no pool in the epilogue): for outputs too small
 to fill the GPU (a deep layer at batch 1: 100 pixels x 64 filters is one or two tiles, each
@@ -143,6 +155,9 @@ class ConvVariant:
     # Split K (module docstring): the number of slices the reduction is split into; 0 or 1
     # for the plain kernel. Must divide the step count (`conv_steps`).
     split: int = 0
+    # Grouped convs only: the block-diagonal GEMM on the tensor cores (module docstring)
+    # instead of the direct loop on CUDA cores. Needs `group_gemm_fits`.
+    group_gemm: bool = False
 
     @property
     def split_k(self) -> bool:
@@ -285,6 +300,8 @@ def conv_steps(spec: ConvSpec, variant: ConvVariant) -> int:
     r, s = spec.conv.kernel
     if variant.flat:
         return -(-(r * s * spec.channels) // variant.block_k)
+    if variant.group_gemm:
+        return r * s * -(-group_span(spec, variant.block_n) // variant.block_k)
     return r * s * -(-spec.channels // variant.block_k)
 
 
@@ -296,8 +313,26 @@ def maxpool_param_names(n_extras: int) -> list[str]:
     return names
 
 
-def _next_pow2(n: int) -> int:
+def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def group_span(spec: ConvSpec, block_n: int) -> int:
+    """Input channels one BLOCK_N tile of a grouped conv's block-diagonal GEMM reads: whole
+    groups' CG channels for the BLOCK_N // KG groups the tile covers, or one group's CG when
+    the tile lies inside a group."""
+    cg, kg = spec.channels // spec.conv.group, spec.filters // spec.conv.group
+    return max(block_n // kg, 1) * cg
+
+
+def group_gemm_fits(spec: ConvSpec, block_n: int) -> bool:
+    """Whether a grouped conv can run the block-diagonal GEMM with BLOCK_N columns: every
+    tile holds whole groups (KG divides BLOCK_N) or lies inside one (BLOCK_N divides KG), so
+    its input channels are one span, and the dot's N is at least 16."""
+    kg = spec.filters // spec.conv.group
+    return spec.conv.group != 1 and block_n >= 16 and (block_n % kg == 0 or kg % block_n == 0)
+
+
 
 
 def _check_program(program: Program, name: str) -> None:
@@ -328,7 +363,10 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
     for v in (variant.block_m, variant.block_n, variant.block_k, variant.num_warps):
         if v <= 0 or v & (v - 1):
             raise ValueError(f"conv tile sizes and num_warps must be powers of two: {variant}")
-    if group == 1 and (variant.block_k < 16 or variant.block_n < 16 or variant.block_m < 16):
+    if variant.group_gemm and not group_gemm_fits(spec, variant.block_n):
+        raise ValueError(f"{spec.name}: the block-diagonal GEMM needs a grouped conv whose KG = "
+                         f"{spec.filters // group} divides BLOCK_N = {variant.block_n} or is a multiple of it")
+    if (group == 1 or variant.group_gemm) and (variant.block_k < 16 or variant.block_n < 16 or variant.block_m < 16):
         raise ValueError("tl.dot needs tiles of at least 16")
     split = variant.split_k
     if split and (group != 1 or spec.pool is not None):
@@ -337,7 +375,7 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
         raise ValueError(f"{spec.name}: split {variant.split} does not divide the {conv_steps(spec, variant)} steps")
     win = 1
     if spec.pool is not None:
-        win = _next_pow2(spec.pool.kernel[0] * spec.pool.kernel[1])
+        win = next_pow2(spec.pool.kernel[0] * spec.pool.kernel[1])
         if variant.block_m % win or variant.block_m // win < 1:
             raise ValueError(f"BLOCK_M {variant.block_m} is not a multiple of the padded window {win}")
     names = conv_param_names(spec.n_extras, split)
@@ -362,6 +400,10 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
         constexprs += [("SPLIT", variant.split), ("SPLIT_STEPS", conv_steps(spec, variant) // variant.split)]
     if group != 1:  # channels per group, in and out
         constexprs += [("CG", spec.channels // group), ("KG", spec.filters // group)]
+    if variant.group_gemm:  # the input channels a tile reads, in blocks of BLOCK_K; its groups
+        span = group_span(spec, variant.block_n)
+        constexprs += [("CI_SPAN", span), ("CI_BLOCKS", -(-span // variant.block_k)),
+                       ("GROUPS_PER_TILE", max(variant.block_n * group // spec.filters, 1))]
     source = _conv_module(spec, variant, names, [c for c, _ in constexprs])
     # 16-byte alignment of the pointers is always true for ORT's allocations (the launcher
     # checks it: ptr_align); it lets Triton vectorize the contiguous weight loads and, channels
@@ -405,7 +447,7 @@ def generate_maxpool(spec: MaxPoolSpec, variant: PoolVariant) -> KernelSource:
         ("PAD_H", p.pads[0]), ("PAD_W", p.pads[1]), ("DH", p.dilations[0]), ("DW", p.dilations[1]),
     ]
     if variant.tile == "rows":
-        constexprs.append(("KW_P", _next_pow2(p.kernel[1])))
+        constexprs.append(("KW_P", next_pow2(p.kernel[1])))
     constexprs += [(b, sizes[b]) for b in blocks]
     body = {"flat": _pool_flat_body, "rows": _pool_rows_body, "nhwc": _pool_nhwc_body}[variant.tile](spec)
     source = _maxpool_module(spec, variant, names, [c for c, _ in constexprs], body)
@@ -530,7 +572,9 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     c, k, pool = spec.channels, spec.filters, spec.pool
     rounds = rounds_activations(spec)
     precision = "fp16" if spec.dtype == "f16" else spec.precision
-    if spec.dtype == "f32" and spec.precision == "tf32" and spec.conv.group == 1:
+    if spec.dtype == "f32" and spec.precision == "tf32" and variant.group_gemm:
+        precision += " (operands rounded to nearest here)"
+    elif spec.dtype == "f32" and spec.precision == "tf32" and spec.conv.group == 1:
         precision += (" (operands truncated)" if not rounds_to_tf32(spec) else " (operands rounded to nearest)"
                       if _ROUND_TF32 == "ab" else " (activations rounded to nearest here, weights when packed)"
                       if rounds else " (activations stored rounded to nearest by their producers, weights "
@@ -544,9 +588,11 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
             + ("; weights [K, R, S, C]" if spec.w_layout == "krsc" else "")
             + ("; one flat reduction over (tap, channel)" if variant.flat else "")
             + (f"; group {spec.conv.group}" + (" (depthwise)" if spec.channels == spec.conv.group else "")
-               + ", direct loop on CUDA cores" if spec.conv.group != 1 else "")
+               + (", block-diagonal GEMM on the tensor cores" if variant.group_gemm else
+                  ", direct loop on CUDA cores (fp32)") if spec.conv.group != 1 else "")
             + ("; Y stored rounded to TF32 (its readers would round it)" if stores_rounded(spec) else ""))
-    helpers = ROUND_TO_TF32 if rounds or stores_rounded(spec) else []
+    gemm_rounds = variant.group_gemm and spec.dtype == "f32" and spec.precision == "tf32" and bool(_ROUND_TF32)
+    helpers = ROUND_TO_TF32 if rounds or stores_rounded(spec) or gemm_rounds else []
     if pool is not None:
         helpers = [*helpers, "", "", *MAX_NAN] if helpers else MAX_NAN
     lines = _header(spec.name, what, spec.program, spec.source_nodes, helpers)
@@ -571,7 +617,9 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
                  "oq = pooled % OQ", "op = (pooled // OQ) % OP", "n = pooled // (OP * OQ)",
                  "p = op * PH + win // PW", "q = oq * PW + win % PW"]
     body += ["ih0 = p * STRIDE_H - PAD_H", "iw0 = q * STRIDE_W - PAD_W"]
-    if spec.conv.group != 1:
+    if variant.group_gemm:
+        body += _group_gemm_loop(spec, variant, gemm_rounds)
+    elif spec.conv.group != 1:
         body += _grouped_loop(spec)
     else:
         loop = _flat_loop(spec) if variant.flat else _tap_loop(spec, variant)
@@ -724,6 +772,49 @@ def _grouped_loop(spec: ConvSpec) -> list[str]:
             f"        a = tl.load(x_ptr + ({x_off}), mask=a_mask, other=0.0).to(tl.float32)",
             f"        b = tl.load(w_ptr + ({w_off}), mask=mask_n, other=0.0).to(tl.float32)",
             "        acc += a * b[None, :]"]
+
+
+def _group_gemm_loop(spec: ConvSpec, variant: ConvVariant, rounds: bool) -> list[str]:
+    """Grouped convs on the tensor cores: per tap, the tile's span of input channels times the
+    block-diagonal [span, BLOCK_N] weight matrix, built from the packed grouped weights with
+    a mask (a weight of another group loads as 0); one dot per group of the tile."""
+    x_off = ("(n * (C * H * W) + ih * W + iw)[:, None] + c_in[None, :] * (H * W)" if spec.x_layout == "nchw" else
+             "((n * H + ih) * W + iw)[:, None] * C + c_in[None, :]")
+    w_off = ("(tap * CG + ci) * K + offs_n[None, :]" if spec.w_layout == "rsck" else
+             "offs_n[None, :] * (R * S * CG) + (tap * CG + ci)")
+    dot = (f'tl.dot({{a}}, b, {{acc}}input_precision="{spec.precision}")' if spec.dtype == "f32" else
+           "tl.dot({a}, b{acc})")
+    lines = ["# The groups of this tile's columns read input channels c_lo .. c_lo + CI_SPAN - 1.",
+             "g_lo = (pid_n * BLOCK_N) // KG  # the tile's first group",
+             "c_lo = g_lo * CG",
+             "g_n = offs_n // KG  # each column's group",
+             "offs_c = tl.arange(0, BLOCK_K)",
+             "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+             "for step in range(0, STEPS):  # STEPS = R * S * CI_BLOCKS",
+             "    tap = step // CI_BLOCKS",
+             "    c0 = (step % CI_BLOCKS) * BLOCK_K",
+             "    ih = ih0 + (tap // S) * DIL_H",
+             "    iw = iw0 + (tap % S) * DIL_W",
+             "    in_image = mask_m & (ih >= 0) & (ih < H) & (iw >= 0) & (iw < W)",
+             "    c_in = c_lo + c0 + offs_c",
+             "    mask_c = (c0 + offs_c < CI_SPAN) & (c_in < C)",
+             f"    a = tl.load(x_ptr + ({x_off}), mask=in_image[:, None] & mask_c[None, :], other=0.0)",
+             "    # B: column n's weight for input channel c_in where both are in one group, else 0.",
+             "    same = ((c_in // CG)[:, None] == g_n[None, :]) & mask_c[:, None] & mask_n[None, :]",
+             "    ci = c_in[:, None] - g_n[None, :] * CG  # the channel within the column's group",
+             f"    b = tl.load(w_ptr + ({w_off}), mask=same, other=0.0)"]
+    if rounds:
+        lines += ["    # To the nearest TF32 value, as cuDNN does (tl.dot's tf32 would truncate).",
+                  "    a = round_to_tf32(a)",
+                  "    b = round_to_tf32(b)"]
+    if max(variant.block_n * spec.conv.group // spec.filters, 1) == 1:
+        return lines + [f"    acc = {dot.format(a='a', acc='acc, ' if spec.dtype == 'f32' else ', acc')}"]
+    return lines + [
+        "    # One dot per group: X masked to the group's channels, the product kept in its columns",
+        "    # (a NaN or Inf times another group's zero weights must not reach that group).",
+        "    for j in tl.static_range(GROUPS_PER_TILE):",
+        "        a_j = tl.where(((c_in // CG) == g_lo + j)[None, :], a, 0.0)",
+        f"        acc += tl.where((g_n == g_lo + j)[None, :], {dot.format(a='a_j', acc='')}, 0.0)"]
 
 
 def _maxpool_module(spec: MaxPoolSpec, variant: PoolVariant, names: list[str], constexprs: list[str],

@@ -64,6 +64,9 @@ from onnxfuse.codegen_conv import (
     conv_steps,
     generate_conv,
     generate_maxpool,
+    group_gemm_fits,
+    group_span,
+    next_pow2,
 )
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
@@ -255,11 +258,15 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     A second variant splits the reduction (split K, `split_variant`) for launches whose plain
     tiles would leave most SMs idle; the launcher picks it at run time.
 
-    ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=,flat=,split=``)
-    overrides it (``split=0``: no split-K variant)."""
-    cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3, "flat": 0, "split": 1}
+    Grouped convs: the block-diagonal GEMM where it fits (`_grouped_gemm_tile`), else the
+    direct loop (`_grouped_tile`).
+
+    ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=,flat=,split=,
+    group_gemm=``) overrides it (``split=0``: no split-K variant)."""
+    cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3, "flat": 0, "split": 1,
+           "group_gemm": 0}
     if spec.conv.group != 1:
-        cfg.update(_grouped_tile(spec))
+        cfg.update(_grouped_gemm_tile(spec) or _grouped_tile(spec))
     elif spec.channels < FLAT_MAX_CHANNELS:
         cfg.update(block_m=128, warps=4, stages=2, flat=1)
     elif spec.x_layout == "nhwc" and spec.w_layout == "krsc":
@@ -278,7 +285,7 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
         win = 1 << (spec.pool.kernel[0] * spec.pool.kernel[1] - 1).bit_length()
         cfg["block_m"] = max(cfg["block_m"], win)
     plain = ConvVariant(0, cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["warps"], cfg["stages"],
-                        bool(cfg["flat"]))
+                        bool(cfg["flat"]), group_gemm=bool(cfg["group_gemm"]))
     split = split_variant(spec, plain) if cfg["split"] else None
     return (plain,) if split is None else (plain, split)
 
@@ -313,7 +320,40 @@ def _grouped_tile(spec: ConvSpec) -> dict[str, int]:
     channels-last depthwise convs on all six (0.0190-0.0297 ms). Both hold 16 outputs per
     thread. `--tune` measures the runners-up."""
     bm, bn, warps = (128, 16, 4) if spec.filters <= 16 else (16, 64, 2)
-    return {"block_m": bm, "block_n": bn, "block_k": 32, "warps": warps, "stages": 1, "flat": 0}
+    return {"block_m": bm, "block_n": bn, "block_k": 32, "warps": warps, "stages": 1, "flat": 0, "group_gemm": 0}
+
+
+# Grouped convs with at least this many input channels per group run the block-diagonal
+# GEMM (codegen_conv's module docstring) when a tile fits; narrower ones the direct loop.
+GROUP_GEMM_MIN_CHANNELS = 4
+
+
+def grouped_gemm_variant(spec: ConvSpec) -> ConvVariant | None:
+    """The heuristic's block-diagonal GEMM variant of a grouped conv (also where the
+    heuristic picks the direct loop, for tuning to measure), or None where no tile fits."""
+    cfg = _grouped_gemm_tile(spec, any_width=True)
+    if cfg is None:
+        return None
+    return ConvVariant(0, cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["warps"], cfg["stages"],
+                       group_gemm=True)
+
+
+def _grouped_gemm_tile(spec: ConvSpec, any_width: bool = False) -> dict[str, int] | None:
+    """The block-diagonal GEMM's tile for a grouped conv, or None for the direct loop
+    (depthwise and narrow groups, precision "ieee", or no tile fits): BLOCK_N the widest of
+    64, 32, 16 that KG is a multiple of, else 16 when KG divides it (KG 2, 4, 8: whole
+    groups per tile); BLOCK_K the tile's input span to the next power of two, 16 to 64;
+    128 pixels, 4 warps, 3 stages."""
+    cg, kg = spec.channels // spec.conv.group, spec.filters // spec.conv.group
+    if spec.dtype == "f32" and spec.precision == "ieee":
+        return None
+    if cg < (2 if any_width else GROUP_GEMM_MIN_CHANNELS):
+        return None
+    bn = next((b for b in (64, 32, 16) if kg % b == 0), 16)
+    if not group_gemm_fits(spec, bn):
+        return None
+    bk = min(max(next_pow2(group_span(spec, bn)), 16), 64)
+    return {"block_m": 128, "block_n": bn, "block_k": bk, "warps": 4, "stages": 3, "flat": 0, "group_gemm": 1}
 
 
 # Reduction length C·R·S above which the NCHW implicit-GEMM kernel loses to cuDNN, measured

@@ -21,9 +21,10 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
 2. **Whole model.** The original (ORT defaults) and the optimized model are timed, with
    and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
-   made, the model before them is tried as well and the faster of the two that pass is
-   kept. When neither passes, the original model is written unchanged, and the report and
-   a warning say so with the times.
+   made, the model before them is tried as well, and when the budget left nodes unmeasured,
+   the model fusing only the measured winners too; the fastest that passes is kept. When
+   none passes, the original model is written unchanged, and the report and a warning say
+   so with the times.
 3. **Accuracy.** When float32 convs run at "tf32" (the default), every candidate also
    meets `onnxfuse bench`'s gate at the same inputs: its outputs against the reference,
    within 2x the original's own error under ORT's defaults plus the dtype's floor
@@ -74,7 +75,7 @@ from onnx import ModelProto, helper
 
 from onnxfuse import compile as aot
 from onnxfuse import reference, runtime
-from onnxfuse.codegen_conv import ConvVariant
+from onnxfuse.codegen_conv import ConvVariant, group_gemm_fits, group_span, next_pow2
 from onnxfuse.cost import model_cost
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
@@ -100,6 +101,8 @@ NODE_MARGIN_REL = 0.02
 MODEL_NOISE = 0.02
 CACHE_VERSION = 1
 REASON = "left to ONNX Runtime: its original subgraph measured faster (tuning)"
+UNMEASURED_REASON = ("left to ONNX Runtime: not measured within the tuning budget, and the model fusing only "
+                     "the measured winners was faster (tuning)")
 KEPT_ORIGINAL = "kept the original model: the optimized one measured slower (tuning)"
 KEPT_INACCURATE = "kept the original model: the optimized one was less accurate than ONNX Runtime's default (tuning)"
 UNCHECKED = {"passed": True, "max_abs_err": None, "ort_max_abs_err": None, "failure": None}
@@ -642,9 +645,17 @@ def candidates(spec) -> list[tuple[str, tuple]]:
     """(label, variants) per candidate configuration of a kernel spec."""
     if isinstance(spec, aot.ConvSpec):
         base = aot.conv_variants(spec)[0]
-        if spec.conv.group != 1:  # the direct loop: the runners-up of conv_kernels_depthwise.json
-            tiles = [base] + [dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w)
+        if spec.conv.group != 1:
+            # the direct loop: the runners-up of conv_kernels_depthwise.json; the block-diagonal
+            # GEMM (where a tile fits): the heuristic's tile at 64 and 128 pixels, BLOCK_N 16/32
+            direct = dataclasses.replace(base, group_gemm=False, block_k=32, num_stages=1)
+            tiles = [base] + [dataclasses.replace(direct, block_m=bm, block_n=bn, num_warps=w)
                               for bm, bn, w in ((128, 16, 4), (16, 64, 2), (64, 32, 4), (32, 128, 4), (128, 32, 8))]
+            gemm = aot.grouped_gemm_variant(spec)
+            if gemm is not None:
+                tiles += [dataclasses.replace(gemm, block_m=bm, block_n=bn, block_k=max(
+                              16, min(64, next_pow2(group_span(spec, bn)))))
+                          for bm in (64, 128) for bn in (16, 32) if group_gemm_fits(spec, bn)]
         elif base.flat:  # the runners-up of the flat-reduction sweep (conv_kernels_flat_*.json)
             tiles = [base, dataclasses.replace(base, block_m=256, num_warps=8),
                      dataclasses.replace(base, block_k=16, num_stages=3),
@@ -663,12 +674,15 @@ def candidates(spec) -> list[tuple[str, tuple]]:
         out, seen = [], set()
         win = 1 << (spec.pool.kernel[0] * spec.pool.kernel[1] - 1).bit_length() if spec.pool else 1
         for v in tiles:
-            v = ConvVariant(0, max(v.block_m, win), v.block_n, v.block_k, v.num_warps, v.num_stages, v.flat)
-            key = (v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages)
+            v = ConvVariant(0, max(v.block_m, win), v.block_n, v.block_k, v.num_warps, v.num_stages, v.flat,
+                            group_gemm=v.group_gemm)
+            key = (v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages, v.group_gemm)
             if key not in seen:
                 seen.add(key)
-                label = ("tile {}x{}x{}, {} warps, {} stages".format(*key) + (", flat" if v.flat else "")
-                         if spec.conv.group == 1 else f"tile {v.block_m}x{v.block_n}, {v.num_warps} warps, direct")
+                label = ("tile {}x{}x{}, {} warps, {} stages".format(*key[:5]) + (", flat" if v.flat else "")
+                         if spec.conv.group == 1 or v.group_gemm else
+                         f"tile {v.block_m}x{v.block_n}, {v.num_warps} warps, direct")
+                label += ", block-diagonal GEMM" if v.group_gemm else ""
                 # with the candidate's split-K variant, which the launcher takes for small outputs
                 split = aot.split_variant(spec, v)
                 out.append((label, (v,) if split is None else (v, split)))
@@ -732,6 +746,15 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
             _copy_kernels(result.model, tuned.model, {d.node for d in decisions if d.candidates})
             models.append(("tuned", tuned, tuned_info))
         models.append(("heuristic" if losers else "optimized", result, info))
+        unmeasured = {d.node for d in decisions if d.chosen.startswith("not measured")}
+        if unmeasured and len(unmeasured) < len(decisions):
+            # the budget ran out: also try fusing only what was measured to win (last: a tie
+            # keeps the fuller model)
+            winners = snapshot(before)
+            unfuse_nodes(winners, losers | unmeasured, UNMEASURED_REASON)
+            winners_info = recompile(winners)
+            _copy_kernels(result.model, winners.model, {d.node for d in decisions if d.candidates})
+            models.append(("measured only", winners, winners_info))
         graphs = (False, True) if settings.provider == "cuda" else (False,)
         measured = timer.time_models({"original": (original, False),
                                       **{label: (cand.model, bool(cand.fused)) for label, cand, _ in models}},
@@ -782,6 +805,11 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
             why = next(g["failure"] for g in gates.values() if not g["passed"])
             result.warn(f"the optimized model's tf32 convs were less accurate than ONNX Runtime's own default "
                         f"({why}); its convs were compiled at {PRECISE} instead")
+        if label == "measured only":
+            for d in decisions:
+                if d.node in unmeasured:
+                    d.chosen = "left to ONNX Runtime (not measured; fusing only the measured winners was faster)"
+            record["nodes"] = [dataclasses.asdict(d) for d in decisions]
         if label == "heuristic":  # the per-node decisions made it slower: none of them stays
             for d in decisions:
                 if d.chosen == "original":
@@ -965,12 +993,12 @@ def snapshot(result):
                                tensors=dict(result.tensors))
 
 
-def unfuse_nodes(result, names: set[str]) -> None:
+def unfuse_nodes(result, names: set[str], reason: str = REASON) -> None:
     """Turn the fused nodes `names` of result back into their original nodes."""
     for f in result.fused:
         if f.node_name in names:
             unfuse(result.model, f)
-    result.drop_fused(names, REASON)
+    result.drop_fused(names, reason)
 
 
 def _adopt(result, other) -> None:

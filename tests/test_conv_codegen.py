@@ -61,6 +61,7 @@ class ConvCase:
     w_layout: str = "rsck"  # packed weights [R, S, C, K] or [K, R, S, C]
     flat: bool = False  # one flat reduction over (tap, channel)
     split: int = 0  # split K into this many slices (grid z; codegen_conv's module docstring)
+    gemm: bool = False  # grouped convs: the block-diagonal GEMM instead of the direct loop
 
 
 CONV_CASES = [
@@ -135,6 +136,21 @@ CONV_CASES = [
     ConvCase("split2-flat", 1, 3, (6, 7), 16, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1)), flat=True, split=2),
     ConvCase("depthwise-default-tiles", 2, 72, (9, 9), 72, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1), group=72),
              layouts=("nhwc", "nhwc"), w_layout="krsc", tile=(0, 0, 0)),
+    # grouped convs on the tensor cores: the block-diagonal GEMM
+    ConvCase("group-gemm-two-groups-per-tile", 2, 32, (9, 7), 32, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1), group=4),
+             layouts=("nhwc", "nhwc"), w_layout="krsc", tile=(32, 16, 16), gemm=True),
+    ConvCase("group-gemm-tile-inside-group-nchw-residual", 1, 64, (8, 9), 64,
+             ConvAttrs((3, 3), (2, 2), (1, 0, 1, 1), group=2), body=RESIDUAL_RELU, extras=("full",),
+             tile=(32, 16, 16), gemm=True),
+    ConvCase("group-gemm-cg4-kg8-silu-pool", 2, 24, (8, 10), 48, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1), group=6),
+             PoolAttrs((2, 2), (2, 2)), body=SILU, layouts=("nhwc", "nhwc"), w_layout="krsc", tile=(32, 16, 16),
+             gemm=True),
+    ConvCase("group-gemm-partial-last-tile-dilated", 1, 12, (10, 9), 12,
+             ConvAttrs((3, 3), (1, 2), (2, 2, 2, 2), (2, 2), group=3), layouts=("nhwc", "nchw"), w_layout="rsck",
+             tile=(16, 16, 16), gemm=True),
+    ConvCase("group-gemm-fp16-channel-extra", 2, 32, (7, 6), 32, ConvAttrs((3, 3), (1, 1), (1, 1, 1, 1), group=2),
+             body=AFFINE, extras=("channel",), dtype="f16", layouts=("nhwc", "nhwc"), w_layout="krsc",
+             tile=(32, 16, 16), gemm=True),
 ]
 
 
@@ -232,7 +248,7 @@ def _conv_spec(i: int, case: ConvCase) -> tuple[ConvSpec, ConvVariant]:
     bm, bn, bk = case.tile
     if case.pool is not None:
         bm = max(bm, 16)
-    return spec, ConvVariant(0, bm, bn, bk, 2, 2, flat=case.flat, split=case.split)
+    return spec, ConvVariant(0, bm, bn, bk, 2, 2, flat=case.flat, split=case.split, group_gemm=case.gemm)
 
 
 def _conv_reference(case: ConvCase, x, wt, b, extras) -> np.ndarray:
@@ -462,6 +478,34 @@ def test_split_k_variant_choice():
     assert names[-2:] == ["ws_ptr", "cnt_ptr"] and names.index("ws_ptr") in ks.divisible
     assert dict(ks.constexprs)["SPLIT"] == 12 and dict(ks.constexprs)["SPLIT_STEPS"] == 6
     assert "ws_ptr" not in [p for p, _ in generate_conv(spec, plain).params]
+
+
+def test_grouped_loop_choice():
+    """Grouped convs take the block-diagonal GEMM where a tile fits and the group is at least
+    4 channels wide; depthwise convs, narrow or odd groups and "ieee" keep the direct loop."""
+    def plain(c, k, group, precision="tf32", dtype="f32"):
+        spec = dataclasses.replace(_split_spec(c, k, 3, group=group), precision=precision)
+        if dtype == "f16":
+            spec = dataclasses.replace(spec, program=_program(SILU, "f16", 0))
+        return conv_variants(spec)[0]
+
+    v = plain(48, 48, 6)  # RegNetY-400MF: groups of 8: two groups per 16-column tile
+    assert v.group_gemm and (v.block_n, v.block_k, v.num_warps) == (16, 16, 4)
+    v = plain(256, 256, 4)  # groups of 64: 64-column tiles inside a group
+    assert v.group_gemm and (v.block_n, v.block_k) == (64, 64)
+    assert plain(96, 96, 2, dtype="f16").group_gemm  # 48 filters per group: 16-column tiles
+    assert not plain(96, 96, 96).group_gemm  # depthwise
+    assert not plain(48, 48, 24).group_gemm  # 2 channels per group
+    assert not plain(72, 72, 3).group_gemm  # 24 filters per group: no tile of 16, 32 or 64 fits
+    assert not plain(48, 48, 6, precision="ieee").group_gemm
+    spec = _split_spec(48, 48, 3, group=6)
+    src = generate_conv(spec, v := plain(48, 48, 6)).source
+    assert 'input_precision="tf32"' in src and "b = round_to_tf32(b)" in src and "block-diagonal GEMM" in src
+    assert "tl.static_range(GROUPS_PER_TILE)" in src  # two groups per tile: a dot each
+    assert dict(generate_conv(spec, v).constexprs)["CI_SPAN"] == 16
+    assert dict(generate_conv(spec, dataclasses.replace(v, block_n=64)).constexprs)["CI_SPAN"] == 64
+    with pytest.raises(ValueError, match="block-diagonal GEMM needs"):
+        generate_conv(_split_spec(72, 72, 3, group=3), dataclasses.replace(v, block_n=16))  # KG 24
 
 
 def test_aot_compile_split_k_for_sm90(tmp_path):

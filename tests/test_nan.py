@@ -197,17 +197,19 @@ def pointwise_model(op: str, seed: int = 3):
     return model(nodes, *_io(shape, shape, **extra), inits), feeds, want
 
 
-def nhwc_stack(seed: int = 4):
-    """Conv 3x3 -> Relu -> MaxPool 3x3 s2 p1 -> depthwise Conv 3x3 -> Clip(0, 6): laid out
-    channels-last, a FusedConv, a lone FusedMaxPool (pattern `maxpool`) and a grouped FusedConv."""
+def nhwc_stack(seed: int = 4, group: int = 16):
+    """Conv 3x3 -> Relu -> MaxPool 3x3 s2 p1 -> grouped Conv 3x3 -> Clip(0, 6): laid out
+    channels-last, a FusedConv, a lone FusedMaxPool (pattern `maxpool`) and a grouped FusedConv
+    (16 channels: depthwise by default; group 2, 8 channels per group, runs the block-diagonal
+    GEMM at "tf32", two groups to a tile)."""
     n, c, h = 2, 16, 12
     rng = np.random.default_rng(seed)
     w1 = (rng.standard_normal((c, c, 3, 3)) / 12).astype(np.float32)
     b1 = rng.standard_normal(c).astype(np.float32)
-    w2 = (rng.standard_normal((c, 1, 3, 3)) / 3).astype(np.float32)
+    w2 = (rng.standard_normal((c, c // group, 3, 3)) / 3).astype(np.float32)
     b2 = rng.standard_normal(c).astype(np.float32)
     x = conv_input((n, c, h, h), seed)
-    a1, a2 = ConvAttrs((3, 3), pads=(1, 1, 1, 1)), ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=c)
+    a1, a2 = ConvAttrs((3, 3), pads=(1, 1, 1, 1)), ConvAttrs((3, 3), pads=(1, 1, 1, 1), group=group)
     p = PoolAttrs((3, 3), (2, 2), (1, 1, 1, 1))
     nodes = [N("Conv", ["x", "w1", "b1"], ["c1"], **a1.node_attrs()), N("Relu", ["c1"], ["r1"]),
              N("MaxPool", ["r1"], ["p1"], **p.node_attrs(prefix="")),
@@ -407,6 +409,11 @@ def _interp_cases():
                  body=RESIDUAL_RELU, extras=("full",), layouts=("nhwc", "nhwc"), w_layout="krsc"),
         ConvCase("split3-residual", 1, 40, (5, 6), 24, c3, body=RESIDUAL_RELU, extras=("full",),
                  layouts=("nhwc", "nhwc"), w_layout="krsc", split=3),
+        # two groups of 8 channels to a 16-column tile: a NaN or Inf in one group's input must
+        # not reach the other group's outputs through its zero weights
+        ConvCase("group-gemm-residual", 1, 32, (8, 7), 32, ConvAttrs((3, 3), (1, 1), pad1, group=4),
+                 body=RESIDUAL_RELU, extras=("full",), layouts=("nhwc", "nhwc"), w_layout="krsc",
+                 tile=(32, 16, 16), gemm=True),
     ]
     return pools, convs
 
@@ -666,19 +673,21 @@ def test_cuda_kernels_propagate_nan(case, precision, tmp_path, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cuda_kernels_propagate_nan_channels_last(tmp_path, monkeypatch):
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("group", [16, 2], ids=["depthwise", "groups-of-8"])
+def test_cuda_kernels_propagate_nan_channels_last(group, precision, tmp_path, monkeypatch):
     """The channels-last model: conv tap loop NCHW -> NHWC, the nhwc pool kernel, the grouped
-    conv's direct loop, on CUDA."""
+    conv's direct loop (ieee, depthwise) or block-diagonal GEMM (tf32, groups of 8), on CUDA."""
     from onnxfuse.kernels import compile_hook
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
-    m, feeds, want = nhwc_stack()
+    m, feeds, want = nhwc_stack(group=group)
     r = optimize_model(m, layout="nhwc")
-    info = compile_hook(_targets(), conv_precision="ieee", layout="nhwc")(r)
+    info = compile_hook(_targets(), conv_precision=precision, layout="nhwc")(r)
     assert not info["failed"] and not info["declined"], info
     assert sorted(fused_types(r.model)) == ["FusedConv", "FusedConv", "FusedMaxPool"], r.report.summary()
     (got,) = library_session(r.model, "CUDAExecutionProvider").run(None, feeds)
-    check(want, got, "nhwc_stack (CUDA kernels)")
+    check(want, got, f"nhwc_stack group {group} (CUDA kernels, {precision})", 2e-3 if precision == "tf32" else 1e-5)
 
 
 @pytest.mark.gpu

@@ -327,6 +327,35 @@ def test_the_budget_leaves_nodes_unmeasured(monkeypatch):
     assert rec["kept"] == "optimized" and _fused_nodes(r.model) == len(rec["nodes"])
 
 
+def test_when_the_budget_runs_out_only_measured_winners_may_be_kept(monkeypatch):
+    """Nodes left unmeasured by the budget go back to ONNX Runtime when the model fusing only
+    the measured winners is the fastest; the report says why for each."""
+    w = np.random.default_rng(0).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    m = model([N("Sigmoid", ["x"], ["s"]), N("Tanh", ["s"], ["t"]),
+               N("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3]), N("Relu", ["c"], ["y"])],
+              {"x": ("float32", ["N", 3, 8, 8])}, {"t": ("float32", ["N", 3, 8, 8]), "y": ("float32", ["N", 4, 6, 6])},
+              {"w": w})
+    r, before = _optimized(m)
+    clock = iter(range(1000))
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: float(next(clock)))
+    # the original 1.0 ms; the conv alone fused 0.7; both fused 0.9 (the unmeasured chain loses)
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2},
+                lambda mm: 1.0 if mm is m else {1: 0.7, 2: 0.9}[_fused_nodes(mm)])
+    rec = _tune(r, before, TuneSettings(provider="cpu", batch=2, cache=False, budget_s=1.5))["tune"]
+    assert rec["kept"] == "measured only" and set(rec["models"]) == {"measured only", "optimized"}
+    chosen = {d["kind"]: d["chosen"] for d in rec["nodes"]}
+    assert chosen["conv"] == "fused" and chosen["pointwise"].startswith("left to ONNX Runtime (not measured")
+    assert [f.kind for f in r.fused] == ["conv"]
+    assert any(k == tuning.UNMEASURED_REASON for k in r.report.not_fused)
+    # when fusing everything is faster, the unmeasured chain stays fused
+    r, before = _optimized(m)
+    clock = iter(range(1000))
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2},
+                lambda mm: 1.0 if mm is m else {1: 0.7, 2: 0.6}[_fused_nodes(mm)])
+    rec = _tune(r, before, TuneSettings(provider="cpu", batch=2, cache=False, budget_s=1.5))["tune"]
+    assert rec["kept"] == "optimized" and len(r.fused) == 2
+
+
 def test_real_timings_are_cached(tmp_path, monkeypatch):
     """Timed for real on the CPU provider; the second run at the same shapes times nothing."""
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
