@@ -16,7 +16,7 @@ models/pretrained.py), on the same seeded inputs:
 - ``torch_compile_graph``  torch.compile with ``mode="reduce-overhead"`` (Inductor's CUDA
   graphs): the peer of ``onnxfuse_cl_graph``, as plain torch.compile is of ``onnxfuse_cl``
 
-ONNX Runtime runs go through `onnxfuse.bench.run_model`: inputs and outputs bound on the GPU
+ONNX Runtime runs go through `onnxfuse.tools.session.BoundModel`: inputs and outputs bound on the GPU
 (IO binding), each timed call a ``run_with_iobinding`` plus output synchronization on a
 monotonic clock. PyTorch calls are timed the same way (call, then ``torch.cuda.synchronize``),
 under ``torch.inference_mode``, with TF32 allowed and cuDNN autotuning on (ORT's CUDA EP
@@ -30,7 +30,7 @@ variant), and with ``--reference fp32``, it is ``ort_fp32``: the original in ONN
 TF32 off, run once and untimed (not a speed variant). The case's ``reference`` says which.
 Every variant's max abs error is taken against it (torch's outputs by position when their
 names differ; float16 outputs upcast to float32, as against the fp32 twin); each onnxfuse
-variant is gated by `onnxfuse.bench.gate_output`: every element within 2 x the ``ort``
+variant is gated by `onnxfuse.tools.gate.gate_output`: every element within 2 x the ``ort``
 variant's own error plus the float32 floor (``ort`` always runs when an onnxfuse variant
 does). A case fails when one of its onnxfuse variants does; the table then shows "fails gate"
 instead of speedups.
@@ -81,7 +81,13 @@ from models import pretrained, suite  # noqa: E402
 from models.fp16 import DTYPES, to_fp16  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
 from onnxfuse import reference as float64_reference  # noqa: E402
-from onnxfuse.pipeline import optimize, optimize_model, save_model, write_text  # noqa: E402
+from onnxfuse.outputs import save_model, write_text  # noqa: E402
+from onnxfuse.pipeline import optimize, optimize_model  # noqa: E402
+from onnxfuse.tools.cuda import CudaDriver  # noqa: E402
+from onnxfuse.tools.feeds import make_feeds  # noqa: E402
+from onnxfuse.tools.gate import compare_output, gate_output  # noqa: E402
+from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate_model, interleave  # noqa: E402
+from onnxfuse.tools.shapes import resolve_inputs, signature  # noqa: E402
 
 VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "torch_eager", "torch_compile",
             "torch_compile_graph")
@@ -253,9 +259,8 @@ def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProt
         return case.feeds(shapes)
     if case.kind == "pretrained":
         return pretrained.feeds(case.pretrained or case.name, shapes)
-    sig = ob._signature(model)
-    specs, _ = ob.resolve_inputs(sig, ob.BenchSettings(shapes=shapes), case.name)
-    return ob.make_feeds(specs, ob.BenchSettings())
+    specs, _ = resolve_inputs(signature(model), shapes, None, case.name)
+    return make_feeds(specs)
 
 
 def _by_reference_names(ref: dict[str, np.ndarray], outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -271,7 +276,7 @@ def _errors(ref: dict[str, np.ndarray] | None, outs: dict[str, np.ndarray], res:
     if ref is None:
         return
     outs = _as_reference(ref, outs)
-    checks = [ob.compare_output(name, e, outs.get(name)) for name, e in ref.items()]
+    checks = [compare_output(name, e, outs.get(name)) for name, e in ref.items()]
     res.max_abs_err = max((np.inf if c.max_abs_err is None else c.max_abs_err for c in checks), default=0.0)
     res.max_rel_err = max((np.inf if c.max_rel_err is None else c.max_rel_err for c in checks), default=0.0)
 
@@ -293,9 +298,9 @@ def _as_reference(ref: dict[str, np.ndarray], outs: dict[str, np.ndarray]) -> di
 
 def _gate(ref: dict[str, np.ndarray], ort: dict[str, np.ndarray], outs: dict[str, np.ndarray],
           res: VariantResult) -> None:
-    """bench's gate (`onnxfuse.bench.gate_output`) on every output of the reference."""
+    """bench's gate (`onnxfuse.tools.gate.gate_output`) on every output of the reference."""
     outs, ort = _as_reference(ref, outs), _as_reference(ref, ort)
-    checks = [ob.gate_output(name, e, ort.get(name), outs.get(name)) for name, e in ref.items()]
+    checks = [gate_output(name, e, ort.get(name), outs.get(name)) for name, e in ref.items()]
     failed = [c for c in checks if not c.passed]
     res.gate_passed = not failed
     res.gate_failure = f"output {failed[0].name!r}: {failed[0].failure()}" if failed else None
@@ -304,20 +309,20 @@ def _gate(ref: dict[str, np.ndarray], ort: dict[str, np.ndarray], outs: dict[str
 def _ort_variants(paths: dict[str, str], feeds, provider: str, libraries: dict[str, bool], warmup: int, iters: int,
                   gpu=None, log=print) -> dict[str, tuple[VariantResult, dict[str, np.ndarray] | None]]:
     """The ONNX Runtime variants (name -> model path), all sessions open at once and their
-    timed runs interleaved (`onnxfuse.bench.interleave`): a drift of the GPU's speed during the
+    timed runs interleaved (`onnxfuse.tools.session.interleave`): a drift of the GPU's speed during the
     case reaches every variant alike. Each gives its result and its outputs."""
     bound, out = {}, {}
     try:
         for v, path in paths.items():
-            settings = ob.BenchSettings(provider=provider, warmup=warmup, iters=iters, cuda_graph=v.endswith("graph"),
+            settings = BenchSettings(provider=provider, warmup=warmup, iters=iters, cuda_graph=v.endswith("graph"),
                                         tf32=True, provider_options={"prefer_nhwc": "1"} if v.endswith("nhwc") else {})
             try:
-                b = bound[v] = ob.BoundModel(path, feeds, settings, libraries[v], gpu)
+                b = bound[v] = BoundModel(path, feeds, settings, libraries[v], gpu)
                 b.time(warmup)
             except Exception as e:  # one failing variant must not lose the others' numbers
                 bound.pop(v, None)
                 out[v] = (VariantResult(error=_error_text(e)), None)
-        for v, times in ob.interleave(bound, iters).items():
+        for v, times in interleave(bound, iters).items():
             b = bound[v]
             if isinstance(times, str):
                 out[v] = (VariantResult(error=times[:300]), None)
@@ -425,7 +430,7 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
             why_not = str(e)
     if ref is None:
         ref = _fp32_reference(res, case, orig, reference_model, feeds, provider, log)
-    gpu = None if dry else ob.CudaDriver()
+    gpu = None if dry else CudaDriver()
     ort_based = [v for v in variants if not v.startswith("torch")]
     paths = {v: str(fused if v.startswith("onnxfuse") else orig) for v in ort_based}
     libraries = {v: v.startswith("onnxfuse") and res.fused_nodes > 0 for v in ort_based}
@@ -523,10 +528,10 @@ def _fp32_reference(res: CaseResult, case: Case, orig: Path, reference_model, fe
     res.reference = "ort_fp32"
     try:
         if reference_model is None:
-            return ob.evaluate_model(str(orig), feeds, ob.BenchSettings(provider=provider, tf32=False), False)
+            return evaluate_model(str(orig), feeds, BenchSettings(provider=provider, tf32=False), False)
         ref_feeds = {k: v.astype(np.float32) if v.dtype == np.float16 else v for k, v in feeds.items()}
-        return ob.evaluate_model(reference_model.SerializeToString(), ref_feeds,
-                                 ob.BenchSettings(provider=provider, tf32=False), False)
+        return evaluate_model(reference_model.SerializeToString(), ref_feeds,
+                                 BenchSettings(provider=provider, tf32=False), False)
     except Exception as e:
         res.reference_error = _error_text(e)
         log(f"  {case.name:<20} {'ORT fp32':<17} {res.reference_error}")
@@ -555,8 +560,8 @@ def versions() -> dict[str, str]:
 
 def device_name(dry: bool) -> str:
     if dry:
-        return ob.cpu_name() + " (dry run: CPU, tiny shapes)"
-    d = ob.CudaDriver()
+        return cpu_name() + " (dry run: CPU, tiny shapes)"
+    d = CudaDriver()
     name = d.name() or "CUDA device 0"
     d.close()
     return name

@@ -3,8 +3,7 @@
 from onnxfuse.errors import OnnxfuseError, PatternError
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.pipeline import Report, Result, optimize, optimize_model
-
-__version__ = "0.1.0"
+from onnxfuse.version import __version__
 
 __all__ = [
     "OnnxfuseError", "PatternError", "Pattern", "Report", "Result", "load_patterns", "optimize",

@@ -20,10 +20,16 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from onnxfuse.cost import ModelCost, NodeCost, model_cost, parse_shape_args
+from onnxfuse.cost import ModelCost, NodeCost, model_cost
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.files import record_read
+from onnxfuse.load import load_model
+from onnxfuse.outputs import Outputs
+from onnxfuse.pattern import load_patterns
+from onnxfuse.pipeline import optimize_model
+from onnxfuse.plot import check_path, plot_analysis
 from onnxfuse.text import abbreviate
+from onnxfuse.tools.shapes import parse_shapes
 
 DTYPE_PEAKS = ("fp32", "tf32", "fp16")
 DEFAULT_THRESHOLD = 10.0
@@ -307,8 +313,6 @@ def analyze(path: str, device: str | Device | None = "h200", peak_tflops: float 
             bandwidth_tbps: float | None = None, dtype_peak: str = "auto", threshold: float = DEFAULT_THRESHOLD,
             shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None,
             pattern_dirs: list[str] | tuple = (), fuse: bool = True) -> Analysis:
-    from onnxfuse.load import load_model
-
     if not (threshold >= 0 and math.isfinite(threshold)):
         raise OnnxfuseError(f"--threshold {threshold}: must be a non-negative number")
     model = load_model(path)
@@ -321,9 +325,6 @@ def analyze(path: str, device: str | Device | None = "h200", peak_tflops: float 
     optimized, opt_rows, opt_totals = None, [], None
     groups_src = cost.nodes
     if fuse:
-        from onnxfuse.pattern import load_patterns
-        from onnxfuse.pipeline import optimize_model
-
         patterns = load_patterns(pattern_dirs)  # a bad pattern file is the user's error
         try:
             result = optimize_model(model, patterns)
@@ -482,48 +483,20 @@ def format_analysis(a: Analysis, top: int | None = 50) -> str:
 
 
 # ---------------------------------------------------------------------------------------
-# Command line (registered by onnxfuse.cli)
+# The command (its arguments: onnxfuse.cli)
 # ---------------------------------------------------------------------------------------
 
-def _add_shape_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--shape", action="append", metavar="NAME=DIMS",
-                   help="concrete shape of a graph input, e.g. x=8,3,224,224 (repeatable)")
-    p.add_argument("--batch", type=int, help="the first dimension of every input whose first dimension is dynamic")
-
-
-def _add_device_args(p: argparse.ArgumentParser, default: str | None = "h200") -> None:
-    p.add_argument("--device", default=default,
-                   help=f"device preset ({', '.join(DEVICES)}) or a device profile JSON from `onnxfuse calibrate`"
-                        + (f" (default {default})" if default else ""))
-    p.add_argument("--profile-file", metavar="FILE", help="device profile JSON from `onnxfuse calibrate` "
-                   "(same as --device FILE)")
-    p.add_argument("--peak-tflops", type=float, help="compute roof in TFLOP/s (overrides the device)")
-    p.add_argument("--bandwidth-tbps", type=float, help="DRAM bandwidth in TB/s (overrides the device)")
-    p.add_argument("--dtype-peak", choices=(*DTYPE_PEAKS, "auto"), default="auto",
-                   help="which peak matmul-class nodes use: fp32, tf32 or fp16 tensor cores; auto: fp16 for "
-                        "fp16/bf16 models, else fp32 (profile --provider cuda: tf32, as ONNX Runtime runs them)")
-
-
-def _device_arg(args: argparse.Namespace) -> str | None:
-    return args.profile_file or args.device
-
-
-def _cmd_analyze(args: argparse.Namespace) -> int:
-    from onnxfuse.pipeline import Outputs
-
+def cmd_analyze(args: argparse.Namespace) -> int:
+    """The `onnxfuse analyze` command: write --json / --plot, print the tables."""
     if args.plot:
-        from onnxfuse.plot import check_path
-
         check_path(args.plot)  # before the work
-    with Outputs([args.json, args.plot], [args.model, _device_file(args)]) as out:
-        a = analyze(args.model, _device_arg(args), args.peak_tflops, args.bandwidth_tbps, args.dtype_peak,
-                    args.threshold, parse_shape_args(args.shape), args.batch, args.patterns or (),
+    with Outputs([args.json, args.plot], [args.model, device_file(args)]) as out:
+        a = analyze(args.model, device_arg(args), args.peak_tflops, args.bandwidth_tbps, args.dtype_peak,
+                    args.threshold, parse_shapes(args.shape), args.batch, args.patterns or (),
                     fuse=not args.no_fuse)
         if args.json:
             out.text(args.json, json.dumps(a.to_dict(), indent=2, default=_json_default) + "\n")
         if args.plot:
-            from onnxfuse.plot import plot_analysis
-
             plot_analysis(a, args.plot, outputs=out)
         out.commit()  # before printing: a reader that stops early (| head) loses no file
     print(format_analysis(a, top=args.top or None))
@@ -533,9 +506,14 @@ def _cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def _device_file(args: argparse.Namespace) -> str | None:
+def device_arg(args: argparse.Namespace) -> str | None:
+    """--profile-file, else --device (analyze and profile)."""
+    return args.profile_file or args.device
+
+
+def device_file(args: argparse.Namespace) -> str | None:
     """--device or --profile-file when it names a file (an input of the command)."""
-    spec = _device_arg(args)
+    spec = device_arg(args)
     return spec if spec and spec.lower() not in DEVICES else None
 
 
@@ -545,52 +523,3 @@ def _json_default(x):
     if isinstance(x, tuple):
         return list(x)
     raise TypeError(f"not JSON serializable: {type(x).__name__}")
-
-
-def _cmd_profile(args: argparse.Namespace) -> int:
-    from onnxfuse.profile import cmd_profile
-
-    return cmd_profile(args)
-
-
-def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from onnxfuse.calibrate import cmd_calibrate
-
-    return cmd_calibrate(args)
-
-
-def add_commands(sub) -> None:
-    """Add `analyze`, `profile` and `calibrate` to the CLI's subparsers."""
-    p = sub.add_parser("analyze", help="per-node FLOPs, bytes, arithmetic intensity and the roofline")
-    p.add_argument("model")
-    _add_device_args(p)
-    _add_shape_args(p)
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
-                   help=f"fusion candidates: nodes below this intensity in FLOP/B (default {DEFAULT_THRESHOLD:g})")
-    p.add_argument("--json", metavar="FILE", help="write the analysis as JSON")
-    p.add_argument("--plot", metavar="FILE", help="write the roofline plot (.png or .svg; needs matplotlib)")
-    p.add_argument("--top", type=int, default=50, help="rows of the table to print (0: all; default 50)")
-    p.add_argument("--patterns", action="append", metavar="DIR", help="also load pattern files from DIR")
-    p.add_argument("--no-fuse", action="store_true", help="do not run the optimizer to show what it would fuse")
-    p.set_defaults(func=_cmd_analyze)
-
-    p = sub.add_parser("profile", help="run in ONNX Runtime's profiler: measured time per node against the roofline")
-    p.add_argument("model")
-    p.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="execution provider (default cpu)")
-    _add_device_args(p, default=None)
-    _add_shape_args(p)
-    p.add_argument("--iters", type=int, default=10, help="measured runs (default 10)")
-    p.add_argument("--warmup", type=int, default=3, help="runs before measuring (default 3)")
-    p.add_argument("--ort-level", choices=("disable", "basic", "extended", "all"), default="all",
-                   help="ONNX Runtime graph optimization level (default all, what sessions use)")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    p.add_argument("--plot", metavar="FILE", help="write measured points on the roofline (.png or .svg)")
-    p.add_argument("--top", type=int, default=30, help="rows of the table to print (0: all; default 30)")
-    p.add_argument("--keep-trace", metavar="FILE", help="also keep ONNX Runtime's profile JSON here")
-    p.set_defaults(func=_cmd_profile)
-
-    p = sub.add_parser("calibrate", help="measure this machine's GPU (copy bandwidth, matmul/conv throughput)")
-    p.add_argument("--out", default="device.json", help="device profile to write (default device.json)")
-    p.add_argument("--size-mb", type=int, default=1024, help="bytes per copy buffer, in MB (default 1024)")
-    p.add_argument("--iters", type=int, default=20, help="timed repetitions per measurement (default 20)")
-    p.set_defaults(func=_cmd_calibrate)

@@ -6,8 +6,8 @@ fail `onnxfuse bench`'s accuracy gate.
 Every onnxfuse node carries its original subgraph as a model-local function; unfusing a node
 inlines that body with the node's tensor names (`onnxfuse.rewrite.unfuse_node`), from the
 saved model alone. Inputs, reference and gate are bench's, with the same options
-(`onnxfuse.bench.gate_outputs`; the reference is ORIGINAL evaluated in float64 unless it cannot
-be, `onnxfuse.bench.untimed_references`). The steps:
+(`onnxfuse.tools.gate.gate_outputs`; the reference is ORIGINAL evaluated in float64 unless it
+cannot be, `onnxfuse.tools.gate.untimed_references`). The steps:
 
 1. the optimized model as it is: when it passes, say so (exit 0);
 2. every fused node unfused: when that still fails, the failure is outside the fused nodes
@@ -17,7 +17,7 @@ be, `onnxfuse.bench.untimed_references`). The steps:
    far, passes; its last node is a culprit; repeat until unfusing the culprits alone passes;
 4. each culprit's own error: the model with only that node fused, every other one unfused.
 
-Each candidate model runs once, untimed (`onnxfuse.bench.evaluate_model`); progress goes to
+Each candidate model runs once, untimed (`onnxfuse.tools.session.evaluate_model`); progress goes to
 stderr. Exit 1 with the culprits printed; ``--write FILE`` writes the optimized model with
 them unfused (atomically; never over either input).
 """
@@ -36,10 +36,16 @@ from typing import TextIO
 import numpy as np
 from onnx import ModelProto
 
-from onnxfuse import bench as ob
+from onnxfuse.bench import check_same_inputs, count_onnxfuse_nodes, settings_from_args, validate
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.load import load_model, read_model
+from onnxfuse.outputs import EXTERNAL_DATA_THRESHOLD, Outputs, save_model
 from onnxfuse.rewrite import DOMAIN, _unique, unfuse_node
 from onnxfuse.text import abbreviate
+from onnxfuse.tools.feeds import input_files, make_feeds
+from onnxfuse.tools.gate import OutputCheck, fmt_err, gate_outputs, nan_high, untimed_references
+from onnxfuse.tools.session import BenchSettings, evaluate_model, require_cuda
+from onnxfuse.tools.shapes import resolve_inputs, signature
 
 EXIT_FAILS = 1
 _OVERLOAD = re.compile(r"^onnxfuse_(.+?)_[0-9a-f]{12}(_.*)?$")
@@ -58,7 +64,7 @@ class FusedInfo:
 @dataclass
 class Culprit:
     node: FusedInfo
-    alone: list[ob.OutputCheck]  # only this node fused, every other one unfused, against the reference
+    alone: list[OutputCheck]  # only this node fused, every other one unfused, against the reference
 
     @property
     def passed(self) -> bool:
@@ -70,8 +76,8 @@ class BisectResult:
     status: str                          # "passes", "culprits" or "outside" (the fused nodes are not to blame)
     reference: str                       # what the models were gated against
     nodes: list[FusedInfo]               # the candidates, in graph order
-    before: list[ob.OutputCheck]         # the optimized model as it is
-    after: list[ob.OutputCheck]          # with the culprits unfused ("outside": all of them)
+    before: list[OutputCheck]         # the optimized model as it is
+    after: list[OutputCheck]          # with the culprits unfused ("outside": all of them)
     culprits: list[Culprit] = field(default_factory=list)
     search_runs: int = 0                 # candidate models run to find the culprits (steps 1-3)
     runs: int = 0                        # all candidate models run (step 4 too)
@@ -105,11 +111,11 @@ class _Evaluator:
     """Builds the optimized model with a set of fused nodes unfused, runs it once, gates it;
     results cached by the set."""
 
-    def __init__(self, model: ModelProto, names: list[str], feeds: dict[str, np.ndarray], settings: ob.BenchSettings,
+    def __init__(self, model: ModelProto, names: list[str], feeds: dict[str, np.ndarray], settings: BenchSettings,
                  ref: dict[str, np.ndarray], ort: dict[str, np.ndarray] | None, log: TextIO, tmp: Path):
         self.base, self.names, self.feeds, self.settings = model, names, feeds, settings
         self.ref, self.ort, self.log, self.tmp = ref, ort, log, tmp
-        self.cache: dict[frozenset[str], list[ob.OutputCheck]] = {}
+        self.cache: dict[frozenset[str], list[OutputCheck]] = {}
         self.runs = 0
 
     def model(self, unfused: frozenset[str]) -> ModelProto:
@@ -120,21 +126,19 @@ class _Evaluator:
                 unfuse_node(m, name)
         return m
 
-    def checks(self, unfused: frozenset[str]) -> list[ob.OutputCheck]:
+    def checks(self, unfused: frozenset[str]) -> list[OutputCheck]:
         if unfused in self.cache:
             return self.cache[unfused]
         m = self.model(unfused)
-        library = self.settings.library and ob.count_onnxfuse_nodes(m) > 0
-        from onnxfuse.pipeline import EXTERNAL_DATA_THRESHOLD, save_model
-
+        library = self.settings.library and count_onnxfuse_nodes(m) > 0
         if m.ByteSize() < EXTERNAL_DATA_THRESHOLD:
             source: str | bytes = m.SerializeToString()
         else:
             source = str(self.tmp / "candidate.onnx")
             save_model(m, source)
         del m
-        outs = ob.evaluate_model(source, self.feeds, self.settings, library)
-        checks = ob.gate_outputs(self.ref, self.ort, outs, self.settings.rtol, self.settings.atol)
+        outs = evaluate_model(source, self.feeds, self.settings, library)
+        checks = gate_outputs(self.ref, self.ort, outs, self.settings.rtol, self.settings.atol)
         self.runs += 1
         self.cache[unfused] = checks
         verdict = "passes" if _passed(checks) else "FAIL"
@@ -146,12 +150,12 @@ class _Evaluator:
         return _passed(self.checks(unfused))
 
 
-def _passed(checks: list[ob.OutputCheck]) -> bool:
+def _passed(checks: list[OutputCheck]) -> bool:
     return all(c.passed for c in checks)
 
 
-def _err(checks: list[ob.OutputCheck], key: str = "max_abs_err") -> str:
-    return ob._num(max((getattr(c, key) for c in checks), default=0.0, key=ob._nan_high))
+def _err(checks: list[OutputCheck], key: str = "max_abs_err") -> str:
+    return fmt_err(max((getattr(c, key) for c in checks), default=0.0, key=nan_high))
 
 
 def fused_nodes(model: ModelProto) -> list[FusedInfo]:
@@ -176,31 +180,29 @@ def fused_nodes(model: ModelProto) -> list[FusedInfo]:
     return out
 
 
-def bisect(original: str, optimized: str, settings: ob.BenchSettings, log: TextIO | None = None,
+def bisect(original: str, optimized: str, settings: BenchSettings, log: TextIO | None = None,
            notes: TextIO | None = None) -> BisectResult:
     """Find fused nodes of `optimized` whose unfusing makes it pass the gate against
     `original` (the module docstring says how)."""
-    from onnxfuse.load import load_model
-
     log = log if log is not None else sys.stderr
     notes = notes if notes is not None else sys.stderr
-    ob._validate(settings)
+    validate(settings)
     if settings.provider == "cuda":
-        ob.require_cuda()
-    first = ob._read_model(original)
+        require_cuda()
+    first = read_model(original)
     work = load_model(optimized)
-    specs, defaulted = ob.resolve_inputs(ob._signature(first), settings, original)
-    ob._check_same_inputs(optimized, ob._signature(work), specs, original)
+    specs, defaulted = resolve_inputs(signature(first), settings.shapes, settings.batch, original, settings.inputs)
+    check_same_inputs(optimized, signature(work), specs, original)
     nodes = fused_nodes(work)
     for text in defaulted:
         print(f"note: {text}", file=notes)
-    nested = ob.count_onnxfuse_nodes(work) - len(nodes)
+    nested = count_onnxfuse_nodes(work) - len(nodes)
     if nested:
         print(f"note: {nested} onnxfuse nodes inside subgraphs are not bisected", file=notes)
-    feeds = ob.make_feeds(specs, settings)
-    library = settings.library and ob.count_onnxfuse_nodes(first) > 0
+    feeds = make_feeds(specs, settings.seed, settings.inputs)
+    library = settings.library and count_onnxfuse_nodes(first) > 0
     del first
-    ref, ort, info = ob.untimed_references(original, feeds, settings, library, notes)
+    ref, ort, info = untimed_references(original, feeds, settings, library, notes)
     reference = info["description"]
     names = [n.name for n in nodes]
     with tempfile.TemporaryDirectory(prefix="onnxfuse-bisect-") as tmp:
@@ -226,22 +228,13 @@ def bisect(original: str, optimized: str, settings: ob.BenchSettings, log: TextI
 
 
 # ---------------------------------------------------------------------------------------
-# Command line (wired into onnxfuse.cli)
+# Command line (the arguments: onnxfuse.cli)
 # ---------------------------------------------------------------------------------------
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("original", metavar="ORIGINAL", help="the model before optimizing: the reference")
-    p.add_argument("optimized", metavar="OPTIMIZED", help="the optimized model (onnxfuse nodes)")
-    ob.add_run_arguments(p)
-    p.add_argument("--write", metavar="FILE", help="write OPTIMIZED with the culprits unfused")
-
 
 def run_cli(args: argparse.Namespace) -> int:
     """The `onnxfuse bisect` command: print the culprits, write --write, return the exit status."""
-    from onnxfuse.pipeline import Outputs
-
-    with Outputs([args.write], [args.original, args.optimized, *ob.input_files(args.input)]) as out:
-        settings = ob.settings_from_args(args)
+    with Outputs([args.write], [args.original, args.optimized, *input_files(args.input)]) as out:
+        settings = settings_from_args(args)
         r = bisect(args.original, args.optimized, settings)
         if args.write and r.model is not None:
             out.model(args.write, r.model)

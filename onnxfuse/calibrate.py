@@ -20,10 +20,15 @@ import argparse
 import datetime
 import json
 import statistics
-import time
 from pathlib import Path
 
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.files import check_output
+from onnxfuse.outputs import write_text
+from onnxfuse.tools.session import BenchSettings, BoundModel
 
 MATMUL_N = 8192
 CONV = (32, 256, 256, 56, 56)  # N, C, K, H, W; 3x3 kernel, padding 1
@@ -110,32 +115,21 @@ def measure_torch(torch, size_mb: int, iters: int) -> dict:
     }
 
 
-def _ort_time(ort, model, feeds: dict, options: dict, iters: int) -> float:
-    """Median seconds per synchronous run of an ORT CUDA session with IO binding on the device."""
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=[("CUDAExecutionProvider", options)])
-    if sess.get_providers()[0] != "CUDAExecutionProvider":
-        raise OnnxfuseError("calibrate: ONNX Runtime could not use the CUDA execution provider (no GPU?)")
-    binding = sess.io_binding()
-    for name, arr in feeds.items():
-        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr, "cuda", 0))
-    for o in sess.get_outputs():
-        binding.bind_output(o.name, "cuda", 0)
-    for _ in range(3):
-        sess.run_with_iobinding(binding)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        sess.run_with_iobinding(binding)  # returns after the device finished
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _ort_time(model, feeds: dict, tf32: bool, iters: int, provider: str = "cuda") -> float:
+    """Median seconds per synchronized run of `model` in ONNX Runtime, IO binding on the
+    device (`onnxfuse.tools.session.BoundModel`), after 3 untimed runs."""
+    settings = BenchSettings(provider=provider, tf32=tf32)
+    run = BoundModel(model.SerializeToString(), feeds, settings, library=False, name="calibrate")
+    try:
+        if provider == "cuda" and run.sess.get_providers()[0] != "CUDAExecutionProvider":
+            raise OnnxfuseError("calibrate: ONNX Runtime could not use the CUDA execution provider (no GPU?)")
+        run.time(3)
+        return statistics.median(run.time(iters)) * 1e-3
+    finally:
+        run.close()
 
 
 def measure_ort(ort, size_mb: int, iters: int) -> dict:
-    import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
-
     def model(nodes, inputs, output, inits=()):
         g = helper.make_graph(nodes, "calibrate", inputs, [output], list(inits))
         m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
@@ -148,19 +142,19 @@ def measure_ort(ort, size_mb: int, iters: int) -> dict:
                  helper.make_tensor_value_info("y", TensorProto.FLOAT, [n_elems]),
                  [numpy_helper.from_array(np.array(1.0, np.float32), "one")])
     x = np.zeros(n_elems, np.float32)
-    t_copy = _ort_time(ort, copy, {"x": x}, {"device_id": "0"}, iters)
+    t_copy = _ort_time(copy, {"x": x}, True, iters)
     del x
     measured = {"copy": {"bytes": 8 * n_elems, "seconds": t_copy, "how": "Mul(x, 1) in onnxruntime"}}
     peaks = {}
     n = MATMUL_N
-    for key, dt, npdt, tf32 in (("fp32", TensorProto.FLOAT, np.float32, "0"),
-                                ("tf32", TensorProto.FLOAT, np.float32, "1"),
-                                ("fp16", TensorProto.FLOAT16, np.float16, "0")):
+    for key, dt, npdt, tf32 in (("fp32", TensorProto.FLOAT, np.float32, False),
+                                ("tf32", TensorProto.FLOAT, np.float32, True),
+                                ("fp16", TensorProto.FLOAT16, np.float16, False)):
         mm = model([helper.make_node("MatMul", ["a", "b"], ["c"])],
                    [helper.make_tensor_value_info("a", dt, [n, n]), helper.make_tensor_value_info("b", dt, [n, n])],
                    helper.make_tensor_value_info("c", dt, [n, n]))
         a = np.random.default_rng(0).standard_normal((n, n)).astype(npdt)
-        t = _ort_time(ort, mm, {"a": a, "b": a}, {"device_id": "0", "use_tf32": tf32}, max(5, iters // 2))
+        t = _ort_time(mm, {"a": a, "b": a}, tf32, max(5, iters // 2))
         peaks[key] = 2 * n**3 / t / 1e12
         measured[f"matmul_{key}"] = {"n": n, "seconds": t}
     return {
@@ -196,9 +190,6 @@ def calibrate(size_mb: int = 1024, iters: int = 20) -> dict:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from onnxfuse.files import check_output
-    from onnxfuse.pipeline import write_text
-
     out = Path(args.out)
     check_output(out)  # before measuring
     profile = calibrate(args.size_mb, args.iters)

@@ -1,5 +1,8 @@
 """The `onnxfuse` command line."""
 
+# Every subcommand and its arguments are registered here; the commands' bodies live with
+# their tools: onnxfuse.pipeline.optimize, bench, bisect, analyze, profile, calibrate.
+
 from __future__ import annotations
 
 import argparse
@@ -8,23 +11,26 @@ import sys
 import warnings
 from pathlib import Path
 
+from onnxfuse import analyze, bench, bisect, calibrate, profile
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
+from onnxfuse.files import check_paths
+from onnxfuse.kernels import configure
+from onnxfuse.pattern import load_patterns
+from onnxfuse.pipeline import optimize
+from onnxfuse.tools.gate import REFERENCES
+from onnxfuse.tools.session import OPT_LEVELS
+from onnxfuse.tools.shapes import parse_shapes
 
 EXIT_BAD_INPUT = 2
 EXIT_BROKEN_PIPE = 128 + 13  # 141: what shells report for a process killed by SIGPIPE
 
 
 def _cmd_optimize(args: argparse.Namespace) -> int:
-    from onnxfuse.files import check_paths
-    from onnxfuse.pipeline import optimize
-
     src, dst = Path(args.input), Path(args.output)
     check_paths([src], [dst, args.json])  # before the work (optimize checks them again)
     if args.tune and args.no_tune:
         raise OnnxfuseError("--tune and --no-tune contradict each other")
-    from onnxfuse.kernels import configure
-
-    shapes = _shapes(args)
+    shapes = parse_shapes(args.shape)
     hook, layout = configure(args.target, args.layout, args.conv_precision,
                              "off" if args.no_tune else "configs" if args.tune else "auto",
                              shapes, args.batch, args.tune_budget, args.jobs)
@@ -39,32 +45,12 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     return 0
 
 
-def _shapes(args: argparse.Namespace) -> dict[str, tuple[int, ...]]:
-    from onnxfuse.bench import parse_assignments, parse_dims
-
-    return {k: parse_dims(v) for k, v in parse_assignments(args.shape, "--shape").items()}
-
-
 def _cmd_patterns(args: argparse.Namespace) -> int:
-    from onnxfuse.pattern import load_patterns
-
     patterns = load_patterns(args.patterns or ())
     width = max(len(p.name) for p in patterns)
     for p in patterns:
         print(f"{p.name:<{width}}  {p.description}")
     return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from onnxfuse.bench import run_cli
-
-    return run_cli(args)
-
-
-def _cmd_bisect(args: argparse.Namespace) -> int:
-    from onnxfuse.bisect import run_cli
-
-    return run_cli(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -114,30 +100,130 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--patterns", action="append", metavar="DIR", help="also load pattern files from DIR")
     p.set_defaults(func=_cmd_patterns)
 
-    from onnxfuse.bench import GATE_HELP
-    from onnxfuse.bench import add_arguments as bench_arguments
-
     p = sub.add_parser("bench", help="time models on the same inputs and gate their outputs against the first "
                                      "model in float64",
                        description="Time models in ONNX Runtime on the same seeded inputs and gate every later "
-                                   "model's outputs against the first's, evaluated in float64.", epilog=GATE_HELP)
-    bench_arguments(p)
-    p.set_defaults(func=_cmd_bench)
-
-    from onnxfuse.bisect import add_arguments as bisect_arguments
+                                   "model's outputs against the first's, evaluated in float64.",
+                       epilog=bench.GATE_HELP)
+    _bench_arguments(p)
+    p.set_defaults(func=bench.run_cli)
 
     p = sub.add_parser("bisect", help="name the fused nodes that make an optimized model fail bench's gate",
                        description="Put fused nodes of OPTIMIZED back to their function bodies until it passes "
                                    "bench's gate against ORIGINAL; print the nodes responsible. Exit 0 when it "
                                    "already passes, 1 when it fails (culprits printed), 2 on bad input.",
-                       epilog=GATE_HELP)
-    bisect_arguments(p)
-    p.set_defaults(func=_cmd_bisect)
+                       epilog=bench.GATE_HELP)
+    _bisect_arguments(p)
+    p.set_defaults(func=bisect.run_cli)
 
-    from onnxfuse.analyze import add_commands as analysis_commands
+    p = sub.add_parser("analyze", help="per-node FLOPs, bytes, arithmetic intensity and the roofline")
+    p.add_argument("model")
+    _add_device_args(p)
+    _add_shape_args(p)
+    p.add_argument("--threshold", type=float, default=analyze.DEFAULT_THRESHOLD,
+                   help="fusion candidates: nodes below this intensity in FLOP/B "
+                        f"(default {analyze.DEFAULT_THRESHOLD:g})")
+    p.add_argument("--json", metavar="FILE", help="write the analysis as JSON")
+    p.add_argument("--plot", metavar="FILE", help="write the roofline plot (.png or .svg; needs matplotlib)")
+    p.add_argument("--top", type=int, default=50, help="rows of the table to print (0: all; default 50)")
+    p.add_argument("--patterns", action="append", metavar="DIR", help="also load pattern files from DIR")
+    p.add_argument("--no-fuse", action="store_true", help="do not run the optimizer to show what it would fuse")
+    p.set_defaults(func=analyze.cmd_analyze)
 
-    analysis_commands(sub)  # analyze, profile, calibrate
+    p = sub.add_parser("profile", help="run in ONNX Runtime's profiler: measured time per node against the roofline")
+    p.add_argument("model")
+    p.add_argument("--provider", choices=("cpu", "cuda"), default="cpu", help="execution provider (default cpu)")
+    _add_device_args(p, default=None)
+    _add_shape_args(p)
+    p.add_argument("--iters", type=int, default=10, help="measured runs (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="runs before measuring (default 3)")
+    p.add_argument("--ort-level", choices=("disable", "basic", "extended", "all"), default="all",
+                   help="ONNX Runtime graph optimization level (default all, what sessions use)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--plot", metavar="FILE", help="write measured points on the roofline (.png or .svg)")
+    p.add_argument("--top", type=int, default=30, help="rows of the table to print (0: all; default 30)")
+    p.add_argument("--keep-trace", metavar="FILE", help="also keep ONNX Runtime's profile JSON here")
+    p.set_defaults(func=profile.cmd_profile)
+
+    p = sub.add_parser("calibrate", help="measure this machine's GPU (copy bandwidth, matmul/conv throughput)")
+    p.add_argument("--out", default="device.json", help="device profile to write (default device.json)")
+    p.add_argument("--size-mb", type=int, default=1024, help="bytes per copy buffer, in MB (default 1024)")
+    p.add_argument("--iters", type=int, default=20, help="timed repetitions per measurement (default 20)")
+    p.set_defaults(func=calibrate.cmd_calibrate)
     return parser
+
+
+
+
+# ---------------------------------------------------------------------------------------
+# Arguments shared by several commands
+# ---------------------------------------------------------------------------------------
+
+def _bench_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("models", nargs="+", metavar="MODEL", help="ONNX models; the first is the original (baseline)")
+    _run_arguments(p)
+    p.add_argument("--warmup", type=int, default=10, help="untimed runs after the first (default 10)")
+    p.add_argument("--iters", type=int, default=100, help="timed runs (default 100)")
+    p.add_argument("--cuda-graph", action="store_true", help="run with ONNX Runtime's CUDA graphs")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1.2)")
+    p.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
+                   help="print the table as Markdown (or write it to FILE)")
+
+
+def _run_arguments(p: argparse.ArgumentParser) -> None:
+    """The options bench and bisect share: provider, inputs, the gate, the session."""
+    p.add_argument("--provider", choices=["cuda", "cpu"], default=None,
+                   help="execution provider (default: cuda when this onnxruntime has it, else cpu)")
+    p.add_argument("--shape", action="append", metavar="NAME=DIMS",
+                   help="an input's shape (x=1x3x224x224) or a named dimension's size (seq=128); repeatable")
+    p.add_argument("--input", action="append", metavar="NAME=VALUE",
+                   help="an input's value: a .npy file or a number filling its shape (sr=16000); repeatable")
+    p.add_argument("--batch", type=int, help="size of dynamic leading dimensions (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default 0)")
+    p.add_argument("--reference", choices=REFERENCES, default="float64",
+                   help="what outputs are judged against: float64 (the default), the first model evaluated in float64 "
+                        "on the CPU; fp32, its float32 run (TF32 off on CUDA, its own run on the CPU)")
+    p.add_argument("--tf32", action="store_true", default=True,
+                   help="CUDA: run the models under ORT's defaults, TF32 allowed (the default; kept for "
+                        "compatibility); with --reference fp32 they are gated against a TF32-off run of the first")
+    p.add_argument("--no-tf32", dest="tf32", action="store_false",
+                   help="CUDA: run every model with TF32 off; with --reference fp32 the reference is then the first "
+                        "model's run (ort_err 0)")
+    p.add_argument("--atol", type=float, help="absolute tolerance floor for every output (default per dtype, "
+                                              "times max|reference|)")
+    p.add_argument("--rtol", type=float, help="relative tolerance floor for every output (default per dtype)")
+    p.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads (default: ORT's)")
+    p.add_argument("--opt-level", choices=OPT_LEVELS, default="all", help="ONNX Runtime graph optimizations")
+    p.add_argument("--no-library", action="store_true",
+                   help="do not register the onnxfuse library (fused nodes run their function bodies)")
+
+
+
+def _bisect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("original", metavar="ORIGINAL", help="the model before optimizing: the reference")
+    p.add_argument("optimized", metavar="OPTIMIZED", help="the optimized model (onnxfuse nodes)")
+    _run_arguments(p)
+    p.add_argument("--write", metavar="FILE", help="write OPTIMIZED with the culprits unfused")
+
+
+
+def _add_shape_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", action="append", metavar="NAME=DIMS",
+                   help="concrete shape of a graph input, e.g. x=8,3,224,224 (repeatable)")
+    p.add_argument("--batch", type=int, help="the first dimension of every input whose first dimension is dynamic")
+
+
+def _add_device_args(p: argparse.ArgumentParser, default: str | None = "h200") -> None:
+    p.add_argument("--device", default=default,
+                   help=f"device preset ({', '.join(analyze.DEVICES)}) or a device profile JSON from "
+                        "`onnxfuse calibrate`" + (f" (default {default})" if default else ""))
+    p.add_argument("--profile-file", metavar="FILE", help="device profile JSON from `onnxfuse calibrate` "
+                   "(same as --device FILE)")
+    p.add_argument("--peak-tflops", type=float, help="compute roof in TFLOP/s (overrides the device)")
+    p.add_argument("--bandwidth-tbps", type=float, help="DRAM bandwidth in TB/s (overrides the device)")
+    p.add_argument("--dtype-peak", choices=(*analyze.DTYPE_PEAKS, "auto"), default="auto",
+                   help="which peak matmul-class nodes use: fp32, tf32 or fp16 tensor cores; auto: fp16 for "
+                        "fp16/bf16 models, else fp32 (profile --provider cuda: tf32, as ONNX Runtime runs them)")
 
 
 def main(argv: list[str] | None = None) -> int:

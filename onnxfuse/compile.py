@@ -40,7 +40,6 @@ root (``src/``), because ``@triton.jit`` reads its function's source file.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import importlib.util
 import json
@@ -71,6 +70,7 @@ from onnxfuse.codegen_conv import (
 )
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
+from onnxfuse.tools.cuda import local_gpu_archs
 
 META_VERSION = 1
 CACHE_FORMAT = 1  # bump when the cache entry layout or the compile options change
@@ -505,24 +505,6 @@ def default_targets() -> list[int]:
         if usable and usable[-1] not in archs:
             archs.append(usable[-1] if cc not in SUPPORTED_ARCHS else cc)
     return sorted(archs) or list(DEFAULT_TARGETS)
-
-
-def local_gpu_archs() -> list[int]:
-    """Compute capabilities (major*10+minor) of the visible CUDA devices; [] without any."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return []
-    count, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-        return []
-    archs = set()
-    for dev in range(count.value):
-        # 75, 76: CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
-        if (cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) == 0
-                and cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev) == 0):
-            archs.add(major.value * 10 + minor.value)
-    return sorted(archs)
 
 
 # ---------------------------------------------------------------------------------------

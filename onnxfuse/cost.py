@@ -55,7 +55,6 @@ with status ``unknown-shape`` or ``unknown-op`` and ``None`` counts: never silen
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -251,23 +250,6 @@ class ModelCost:
 # ---------------------------------------------------------------------------------------
 # Dynamic dimensions
 # ---------------------------------------------------------------------------------------
-
-def parse_shape_args(items: list[str] | tuple[str, ...] | None) -> dict[str, tuple[int, ...]]:
-    """``["x=1,3,224,224", "mask=1x128"]`` -> {name: dims}; a bad item is an OnnxfuseError."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    for item in items or ():
-        name, sep, dims = item.rpartition("=")
-        if not sep or not name or not dims:
-            raise OnnxfuseError(f"--shape {item!r}: expected NAME=DIMS, e.g. x=1,3,224,224")
-        try:
-            values = tuple(int(d) for d in re.split(r"[,x×]", dims.strip()) if d != "")
-        except ValueError:
-            raise OnnxfuseError(f"--shape {item!r}: dimensions must be integers, e.g. x=1,3,224,224") from None
-        if any(v < 0 for v in values):
-            raise OnnxfuseError(f"--shape {item!r}: dimensions must not be negative")
-        shapes[name] = values
-    return shapes
-
 
 def bind_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None,
               default: int = DEFAULT_DIM

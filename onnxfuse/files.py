@@ -12,7 +12,7 @@ Rules (README, Reliability):
 The files a command reads while it works (models, their external data, pattern files,
 device profiles, `--input` arrays) are recorded by `record_read` while `recording` is
 active, so that the check before the outputs are renamed into place covers them too
-(`onnxfuse.pipeline.Outputs`)."""
+(`onnxfuse.outputs.Outputs`)."""
 
 from __future__ import annotations
 

@@ -5,8 +5,16 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 
-from onnxfuse.codegen_conv import prerounds_weights
+from onnx import numpy_helper
+
+from onnxfuse import compile as aot
+from onnxfuse import rounding
+from onnxfuse import tune as tuning
+from onnxfuse.codegen_conv import ConvSpec, prerounds_weights, round_array_to_tf32
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.layout import apply_layouts
+from onnxfuse.rewrite import unfuse
+from onnxfuse.specs import kernel_spec
 
 
 def triton_available() -> bool:
@@ -29,8 +37,6 @@ def configure(target: str = "auto", layout: str = "auto", conv_precision: str = 
     compiled), "off", or "configs" (also search kernel configurations; an error where it
     cannot run). shapes / batch: where tuning measures (as --shape / --batch).
     Returns (hook or None, layout)."""
-    from onnxfuse import tune as tuning
-
     if layout not in ("auto", "nchw", "nhwc"):
         raise OnnxfuseError(f"--layout {layout}: choose auto, nchw or nhwc")
     if tune not in TUNE_MODES:
@@ -82,8 +88,6 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
         if not triton_available():
             return {"summary": "kernels: not compiled (Triton is not installed); fused nodes run through "
                                "their function bodies or the CPU library", "kernels": 0}
-        from onnxfuse import compile as aot
-
         targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
 
         # with --tune (configs) the measurements decide which convs cuDNN keeps
@@ -94,7 +98,6 @@ def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf
 
         if tune is None:
             return build(result)
-        from onnxfuse import tune as tuning
 
         def build_precise(res) -> dict:  # tried when the tf32 convs fail the accuracy gate
             return _compile(res, targets, jobs, tuning.PRECISE, layout, decline_slow_convs=decline)
@@ -139,9 +142,6 @@ def _plan_rounding(model, fused: list, specs: list, caller: list, conv_precision
     """TF32 rounding at the producer (`onnxfuse.rounding`): the fused convs whose readers all
     round their activations store Y rounded, and those that read only such tensors skip their
     own rounding. Renames their kernels; the FusedNode values in `caller` follow."""
-    from onnxfuse import rounding
-    from onnxfuse.codegen_conv import ConvSpec
-
     convs = [(f, s) for f, s in zip(fused, specs, strict=True) if isinstance(s, ConvSpec)]
     # the shipped kernels (weights rounded when packed, activations in the kernel); the
     # benchmarks' other modes of codegen_conv._ROUND_TF32 keep their kernels as they are
@@ -166,10 +166,6 @@ def _round_weights(model, names: set[str]) -> None:
     too: under ONNX Runtime's CUDA defaults (TF32) its Conv rounds them anyway, so nothing
     changes there; elsewhere it computes with weights 2**-11 (relative) from the original's
     at most (README, "Reliability")."""
-    from onnx import numpy_helper
-
-    from onnxfuse.codegen_conv import round_array_to_tf32
-
     for t in model.graph.initializer:
         if t.name in names:
             t.CopyFrom(numpy_helper.from_array(round_array_to_tf32(numpy_helper.to_array(t)), t.name))
@@ -183,31 +179,6 @@ def failure_warning(f: dict) -> str:
     archs = ",".join(f"sm_{a}" for a in f["targets"])
     return (f"the kernel of fused node {f['node']} failed to compile for {archs} ({first}); its "
             f"{f['nodes']} original nodes are kept instead")
-
-
-def kernel_spec(model, f, conv_precision: str = "tf32", weight_dims: dict | None = None):
-    """What to compile for one FusedNode of `model`: a KernelSpec (pointwise), ConvSpec or
-    MaxPoolSpec. C and K of a conv come from its packed weights ([R, S, C/group, K], or
-    [K, R, S, C/group] with w_layout krsc);
-    `weight_dims` (initializer name -> dims, built once by the caller) saves a search of the
-    initializers per node."""
-    from onnxfuse import compile as aot
-
-    if f.kind == "pointwise":
-        return aot.KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes)
-    if f.kind == "conv":
-        dims = (weight_dims[f.inputs[1]] if weight_dims is not None else
-                tuple(next(t.dims for t in model.graph.initializer if t.name == f.inputs[1])))
-        c, k = (dims[2], dims[3]) if f.w_layout == "rsck" else (dims[3], dims[0])
-        return aot.ConvSpec(f.kernel_name, f.program, channels=int(c) * f.conv.group,
-                            filters=int(k), conv=f.conv, pool=f.pool, precision=conv_precision,
-                            source_nodes=f.source_nodes, x_layout=f.x_layout, y_layout=f.y_layout,
-                            extra_layouts=f.extra_layouts, w_layout=f.w_layout,
-                            x_rounded=f.x_rounded, round_y=f.round_y)
-    if f.kind == "maxpool":
-        return aot.MaxPoolSpec(f.kernel_name, f.program, pool=f.pool, source_nodes=f.source_nodes,
-                               x_layout=f.x_layout, y_layout=f.y_layout)
-    raise ValueError(f"unknown fused node kind {f.kind!r}")
 
 
 def compile_fused(model, fused: list, targets: list[int], jobs: int | None = None,
@@ -231,9 +202,6 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     FusedNode values in `fused` whose kernel names, inputs and layouts it changes are
     replaced in place; `tensors` (`Result.tensors`) gives it the shapes inferred while
     optimizing."""
-    from onnxfuse import compile as aot
-    from onnxfuse.rewrite import unfuse
-
     if layout not in ("nchw", "nhwc"):
         raise OnnxfuseError(f"--layout {layout}: choose nchw or nhwc")
     caller = fused
@@ -253,8 +221,6 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
                 keep.append(f)
         fused = keep
     if layout == "nhwc":
-        from onnxfuse.layout import apply_layouts
-
         fused = apply_layouts(model, fused, tensors, conv_precision)
         changed = {f.node_name: f for f in fused}
         caller[:] = [changed.get(f.node_name, f) for f in caller]

@@ -2,33 +2,27 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import secrets
-import stat
 import time
 import warnings
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import onnx
 from onnx import ModelProto
 
-from onnxfuse import files
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
-from onnxfuse.files import check_output, check_paths
 from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
+from onnxfuse.kernels import configure
 from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem
 from onnxfuse.match import find_matches
+from onnxfuse.outputs import Outputs
 from onnxfuse.pattern import Pattern, load_patterns
-from onnxfuse.rewrite import FusedNode, rewrite
+from onnxfuse.rewrite import DOMAIN, FusedNode, rewrite
+from onnxfuse.static import fold_shape_arithmetic, resolve_dims
 from onnxfuse.text import abbreviate
-
-# Protobuf cannot serialize a message of 2 GiB or more: larger models go to external data.
-EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24
 
 
 @dataclass
@@ -160,8 +154,6 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, lay
         return result
     static = None
     if static_shapes:
-        from onnxfuse.static import fold_shape_arithmetic
-
         model_in, static = fold_shape_arithmetic(model, static_shapes)  # Shape -> ... -> Reshape: constants
     else:
         model_in = model
@@ -210,8 +202,6 @@ def _not_visited(model: ModelProto, patterns: list[Pattern]) -> Counter:
                     walk(sg.node, reason, True)
 
     walk(model.graph.node, SUBGRAPH_REASON, False)
-    from onnxfuse.rewrite import DOMAIN
-
     for f in model.functions:
         if f.domain != DOMAIN:
             walk(f.node, FUNCTION_REASON, True)
@@ -238,8 +228,6 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
     written model takes those input shapes only and its shape arithmetic is folded
     (`optimize_model`'s static_shapes); otherwise the report says which dim was left open."""
     if compile_hook is None:
-        from onnxfuse.kernels import configure
-
         compile_hook, layout = configure(target, layout or "auto", conv_precision, tune, shapes, batch,
                                          tune_budget, jobs)
     hook_layout = getattr(compile_hook, "layout", None)
@@ -254,8 +242,6 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
         model = load_model(input_path)
         static, why = (None, None)
         if shapes or batch is not None:
-            from onnxfuse.static import resolve_dims
-
             static, why = resolve_dims(model, dict(shapes or {}), batch)
         result = optimize_model(model, patterns, static_shapes=static)
         if why:
@@ -277,232 +263,3 @@ def select_patterns(patterns: list[Pattern], exclude: list[str] | tuple) -> list
         if name not in known:
             raise OnnxfuseError(f"--exclude-pattern {name}: no such pattern (known: {', '.join(sorted(known))})")
     return [p for p in patterns if p.name not in set(exclude)]
-
-
-class Outputs:
-    """The files one command writes, all of them or none.
-
-    Made with the command's output and input paths before any work, it checks them
-    (`onnxfuse.files.check_paths`: writable as regular files, none the same file as an input
-    or another output). Used as a context manager it records the files read meanwhile
-    (models, external data, pattern files...). `model`, `text` and `data` write each output
-    to a temporary file beside the file it replaces (a symbolic link's target); `commit`
-    checks the paths again against everything read, then renames the temporary files into
-    place. Leaving the `with` block without committing (an error, Ctrl-C) removes the
-    temporary files: no output is written and files already there are untouched.
-
-    Permissions: a new file gets what `open()` gives it (0666 less the umask, or the
-    folder's default ACL); a file replaced keeps its permission bits, its owner where the
-    writing user may set it (root) and its group where the user belongs to it."""
-
-    def __init__(self, outputs=(), inputs=()):
-        self.outputs = [Path(p) for p in outputs if p is not None]
-        self.inputs = [Path(p) for p in inputs if p is not None]
-        check_paths(self.inputs, self.outputs)
-        self._staged: list[tuple[str, Path, Path]] = []  # (temporary file, file it replaces, path as given)
-        self._temps: list[str] = []
-        self._token = None
-
-    def __enter__(self) -> Outputs:
-        self._token = files.start_recording(self.inputs)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._token is not None:
-            files.stop_recording(self._token)
-            self._token = None
-        self.discard()
-
-    def discard(self) -> None:
-        """Remove the temporary files not yet committed."""
-        for p in self._temps:
-            _unlink(p)
-        self._temps.clear()
-        self._staged.clear()
-
-    def model(self, path: str | os.PathLike, model: ModelProto) -> None:
-        """Stage an ONNX model. Models too big for one protobuf go to external data beside
-        it (<name>.data, a second output)."""
-        path = Path(path)
-        final = self._check(path)
-        big = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
-        data_name = final.name + ".data"
-        try:
-            tmp = self._temp_for(final)
-            if big:
-                data_final = final.parent / data_name
-                check_output(data_final)
-                tmp_data = self._temp_for(data_final)
-                m = ModelProto()
-                m.CopyFrom(model)
-                onnx.save_model(m, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                                location=Path(tmp_data).name, size_threshold=1024)
-                # Point the tensors at the final data file name; both are renamed into place.
-                m2 = onnx.load(tmp, load_external_data=False)
-                for t in _external_tensors(m2):
-                    for kv in t.external_data:
-                        if kv.key == "location":
-                            kv.value = data_name
-                _write_file(tmp, m2.SerializeToString())
-                _keep_permissions(tmp_data, data_final)
-                self._staged.append((tmp_data, data_final, path.parent / (path.name + ".data")))
-            else:
-                _write_file(tmp, model.SerializeToString(deterministic=True))
-            _keep_permissions(tmp, final)
-        except OSError as e:
-            raise OnnxfuseError(f"{path}: cannot write ({e.strerror or e})") from None
-        self._staged.append((tmp, final, path))  # after its data file: renamed last
-
-    def text(self, path: str | os.PathLike, text: str) -> None:
-        """Stage a text file (UTF-8)."""
-        self.data(path, text.encode())
-
-    def data(self, path: str | os.PathLike, data: bytes) -> None:
-        """Stage a file with these bytes."""
-        path = Path(path)
-        final = self._check(path)
-        try:
-            tmp = self._temp_for(final)
-            _write_file(tmp, data)
-            _keep_permissions(tmp, final)
-        except OSError as e:
-            raise OnnxfuseError(f"{path}: cannot write ({e.strerror or e})") from None
-        self._staged.append((tmp, final, path))
-
-    def commit(self) -> None:
-        """Rename every staged file into place, after checking the paths again against the
-        files read since. When a rename fails, those already renamed are put back (the
-        previous files from hard-linked copies, where the file system has hard links)."""
-        check_paths(self.inputs, [final for _, final, _ in self._staged])
-        done: list[tuple[Path, str | None, bool]] = []  # (file, backup of the previous one, it existed)
-        try:
-            for tmp, final, shown in self._staged:
-                existed = final.exists()
-                backup = _backup(final, tmp) if existed else None
-                try:
-                    os.replace(tmp, final)
-                except OSError as e:
-                    if backup is not None:
-                        _unlink(backup)
-                    raise OnnxfuseError(f"{shown}: cannot write ({e.strerror or e})") from None
-                self._temps.remove(tmp)
-                done.append((final, backup, existed))
-        except BaseException:
-            for final, backup, existed in reversed(done):
-                try:
-                    if backup is not None:
-                        os.replace(backup, final)
-                    elif not existed:
-                        _unlink(final)
-                except OSError:
-                    pass
-            raise
-        finally:
-            for _, backup, _ in done:
-                if backup is not None:
-                    _unlink(backup)
-        self._staged.clear()
-
-    def _check(self, path: Path) -> Path:
-        check_output(path)
-        return files.target(path)
-
-    def _temp_for(self, final: Path) -> str:
-        return _temp_file(final.parent if str(final.parent) else Path("."), final.name, self._temps)
-
-
-def save_model(model: ModelProto, path: str | os.PathLike) -> None:
-    """Write atomically: to a temporary file in the same folder, then rename. Models too big
-    for one protobuf go to external data beside it (<name>.data). After any failure (full
-    disk, no permission, Ctrl-C) no partial or temporary file is left and a file already at
-    `path` is untouched; OSError becomes a one-line OnnxfuseError. The rules of `Outputs`
-    apply: a symbolic link is written through, other files than regular ones are refused,
-    permissions are those `open()` would give."""
-    with Outputs([path]) as out:
-        out.model(path, model)
-        out.commit()
-
-
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Write a small text file (the JSON report) atomically, like `save_model`."""
-    write_bytes(path, text.encode())
-
-
-def write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write a file atomically, like `save_model`."""
-    with Outputs([path]) as out:
-        out.data(path, data)
-        out.commit()
-
-
-def _temp_file(folder: Path, name: str, temps: list[str]) -> str:
-    """Create an empty temporary file in `folder` as `open()` creates files (mode 0666 less
-    the umask, or the folder's default ACL), and note it in `temps`."""
-    for _ in range(100):
-        tmp = str(folder / f".{name}.{secrets.token_hex(4)}.tmp")
-        try:
-            fd = _create(tmp)
-        except FileExistsError:
-            continue
-        temps.append(tmp)
-        os.close(fd)
-        return tmp
-    raise FileExistsError(errno.EEXIST, f"no free temporary file name in {folder}")
-
-
-def _create(path: str) -> int:
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
-
-
-def _keep_permissions(tmp: str, final: Path) -> None:
-    """Give the temporary file the permission bits of the file it replaces, and its owner
-    and group where allowed (root; other users the group when they belong to it), so a
-    replaced file keeps them (a model served by a group goes on being readable by it)."""
-    try:
-        st = os.stat(final)
-    except FileNotFoundError:
-        return
-    if hasattr(os, "chown"):
-        mine = os.stat(tmp)
-        if (mine.st_uid, mine.st_gid) != (st.st_uid, st.st_gid):
-            try:
-                os.chown(tmp, st.st_uid, st.st_gid)
-            except PermissionError:  # not root: the group at least, where the user belongs to it
-                if mine.st_gid != st.st_gid:
-                    try:
-                        os.chown(tmp, -1, st.st_gid)
-                    except PermissionError:
-                        pass
-    os.chmod(tmp, stat.S_IMODE(st.st_mode) & 0o777)
-
-
-def _backup(final: Path, tmp: str) -> str | None:
-    """A hard link to the file about to be replaced (to put it back), or None where the file
-    system has none."""
-    name = tmp + ".old"
-    try:
-        os.link(final, name)
-    except OSError:
-        return None
-    return name
-
-
-def _write_file(path: str, data: bytes) -> None:
-    """Write and flush to disk (a full disk shows up here, not after the rename)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _unlink(path: str | os.PathLike) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _external_tensors(model: ModelProto):
-    from onnx.external_data_helper import _get_all_tensors
-
-    return [t for t in _get_all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]

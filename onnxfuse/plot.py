@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.outputs import write_bytes
 
 FORMATS = (".png", ".svg", ".pdf")
 
@@ -64,7 +65,7 @@ def roofline_plot(path: str | Path, roof, series: list[Series], arrows: list[Arr
                   threshold: float | None = None, notes: list[str] = (), ylabel: str = "attainable",
                   outputs=None) -> Path:
     """Draw and save one roofline figure. roof: an onnxfuse.analyze.Roof. Written atomically
-    (`onnxfuse.pipeline.write_bytes`), or staged in `outputs` (an `onnxfuse.pipeline.Outputs`)."""
+    (`onnxfuse.outputs.write_bytes`), or staged in `outputs` (an `onnxfuse.outputs.Outputs`)."""
     p = check_path(path)
     fig = _figure()
     ax = fig.add_subplot()
@@ -131,8 +132,6 @@ def roofline_plot(path: str | Path, roof, series: list[Series], arrows: list[Arr
     if outputs is not None:
         outputs.data(p, buf.getvalue())
     else:
-        from onnxfuse.pipeline import write_bytes
-
         write_bytes(p, buf.getvalue())
     return p
 

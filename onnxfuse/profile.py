@@ -27,6 +27,7 @@ import bisect
 import json
 import math
 import statistics
+import subprocess
 import tempfile
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -36,9 +37,25 @@ import numpy as np
 import onnx
 from onnx import NodeProto, TensorProto
 
-from onnxfuse.analyze import Roof, fmt_intensity, fmt_si, fmt_time, load_device, make_roof
-from onnxfuse.cost import NodeCost, Tensor, cost_node, functions_of, parse_shape_args, prepare, tensors_of
+from onnxfuse.analyze import (
+    Roof,
+    auto_dtype_peak,
+    device_arg,
+    device_file,
+    fmt_intensity,
+    fmt_si,
+    fmt_time,
+    load_device,
+    make_roof,
+)
+from onnxfuse.cost import NodeCost, Tensor, cost_node, functions_of, model_cost, prepare, tensors_of
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.load import load_model
+from onnxfuse.outputs import Outputs, write_bytes
+from onnxfuse.plot import Series, check_path, roofline_plot
+from onnxfuse.runtime import session_options
+from onnxfuse.tools.feeds import make_feeds
+from onnxfuse.tools.shapes import InputSpec, parse_shapes
 
 ORT_DTYPES = {
     "float": TensorProto.FLOAT, "float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16,
@@ -405,8 +422,9 @@ def join(parsed_nodes: dict[str, NodeTiming], times: dict[str, list[float]], roo
 # ---------------------------------------------------------------------------------------
 
 def random_feeds(sess, input_shapes: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    feeds = {}
+    """Seeded inputs for a session (`onnxfuse.tools.feeds`): at `input_shapes`, else the
+    session's dims with 1 for a dynamic one; integers 0 (indices and ids: 0 is always valid)."""
+    specs = []
     for i in sess.get_inputs():
         shape = input_shapes.get(i.name)
         if shape is None:
@@ -414,13 +432,8 @@ def random_feeds(sess, input_shapes: dict[str, tuple[int, ...]], seed: int = 0) 
         dt = NP_DTYPES.get(i.type)
         if dt is None:
             raise OnnxfuseError(f"input {i.name}: cannot make random data of type {i.type}")
-        if dt == np.bool_:
-            feeds[i.name] = rng.random(shape) > 0.5
-        elif np.issubdtype(dt, np.integer):
-            feeds[i.name] = np.zeros(shape, dtype=dt)  # indices and ids: 0 is always valid
-        else:
-            feeds[i.name] = rng.standard_normal(shape).astype(dt)
-    return feeds
+        specs.append(InputSpec(i.name, np.dtype(dt).name, tuple(shape)))
+    return make_feeds(specs, seed, zero_integers=True)
 
 
 def detect_device(provider: str) -> tuple[str, str | None]:
@@ -443,8 +456,6 @@ def gpu_name() -> str:
             return torch.cuda.get_device_name(0)
     except Exception:  # noqa: BLE001 - torch is optional
         pass
-    import subprocess
-
     try:
         r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                            text=True, timeout=20)
@@ -479,11 +490,7 @@ def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tf
             warmup: int = 3, ort_level: str = "all", keep_trace: str | None = None, outputs=None) -> ProfileResult:
     """Run `path` in ONNX Runtime's profiler and join the measured times with the costs.
     `keep_trace`: also keep ONNX Runtime's profile JSON there (written atomically, or staged
-    in `outputs`, an `onnxfuse.pipeline.Outputs`)."""
-    from onnxfuse.analyze import auto_dtype_peak
-    from onnxfuse.cost import model_cost
-    from onnxfuse.load import load_model
-
+    in `outputs`, an `onnxfuse.outputs.Outputs`)."""
     if iters < 1 or warmup < 0:
         raise OnnxfuseError("--iters must be at least 1 and --warmup at least 0")
     model = load_model(path)
@@ -532,8 +539,6 @@ def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tf
         start_ns = sess.get_profiling_start_time_ns()
         profile_path = sess.end_profiling()
         if keep_trace:
-            from onnxfuse.pipeline import write_bytes
-
             trace_bytes = Path(profile_path).read_bytes()
             if outputs is not None:
                 outputs.data(keep_trace, trace_bytes)
@@ -613,8 +618,6 @@ def _session(ort, path: str, model: onnx.ModelProto, provider: str, level: str, 
             so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
                                         dump.name + ".data")
         if any(n.domain == "onnxfuse" for n in model.graph.node):
-            from onnxfuse.runtime import session_options
-
             session_options(so)  # the custom-op library runs the fused nodes
         return so
 
@@ -726,8 +729,6 @@ def format_profile(r: ProfileResult, top: int | None = 30) -> str:
 
 
 def plot_profile(r: ProfileResult, path: str, outputs=None) -> Path:
-    from onnxfuse.plot import Series, roofline_plot
-
     total = sum(n.median_s for n in r.nodes) or 1.0
     series = []
     kinds = (("fused nodes", lambda n: n.cost.domain == "onnxfuse"),
@@ -757,17 +758,13 @@ def plot_profile(r: ProfileResult, path: str, outputs=None) -> Path:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from onnxfuse.analyze import DEVICES
-    from onnxfuse.pipeline import Outputs
-    from onnxfuse.plot import check_path
-
+    """The `onnxfuse profile` command: write --json / --plot / --keep-trace, print the table."""
     if args.plot:
         check_path(args.plot)
-    spec = args.profile_file or args.device
-    with Outputs([args.json, args.plot, args.keep_trace],
-                 [args.model, spec if spec and spec.lower() not in DEVICES else None]) as out:
+    spec = device_arg(args)
+    with Outputs([args.json, args.plot, args.keep_trace], [args.model, device_file(args)]) as out:
         r = profile(args.model, args.provider, spec, args.peak_tflops, args.bandwidth_tbps, args.dtype_peak,
-                    parse_shape_args(args.shape), args.batch, args.iters, args.warmup, args.ort_level,
+                    parse_shapes(args.shape), args.batch, args.iters, args.warmup, args.ort_level,
                     args.keep_trace, outputs=out)
         if args.json:
             out.text(args.json, json.dumps(r.to_dict(), indent=2, default=str) + "\n")

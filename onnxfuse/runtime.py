@@ -17,6 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from onnxfuse import build as _build
 from onnxfuse.errors import OnnxfuseError
 
 _lock = threading.Lock()
@@ -39,8 +40,6 @@ def library_path(build: bool = True) -> str:
     with _lock:
         if _cached is not None and Path(_cached).is_file():
             return _cached
-        from onnxfuse import build as _build
-
         path = _build.prebuilt_path()  # a wheel's, built from these sources
         if path is None and build:
             path = _build.build()

@@ -27,6 +27,7 @@ import onnx
 from onnx import ModelProto, helper, numpy_helper
 
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.tools.shapes import input_dims, with_input_dims
 
 MAX_ELEMENTS = 4096
 # Ops evaluated when all their inputs are known: integer and shape arithmetic, data movement
@@ -60,33 +61,10 @@ def resolve_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]], batch: i
     """Every input's dims from `--shape` (input names or dim names) and `--batch` (symbolic
     leading dims), as bench and tuning read them; (None, why) when a symbolic dim is left
     open (the model then stays dynamic)."""
-    from onnxfuse.bench import BenchSettings, _signature, resolve_inputs
-
-    specs, notes = resolve_inputs(_signature(model), BenchSettings(shapes=shapes, batch=batch), "the model")
+    dims, notes = input_dims(model, shapes, batch)
     if notes:
         return None, f"not made static, a symbolic dim is not given: {notes[0]}"
-    return {s.name: s.shape for s in specs}, None
-
-
-def with_input_dims(model: ModelProto, dims: dict[str, tuple[int, ...]]) -> ModelProto:
-    """A copy of `model` whose graph inputs named in `dims` have those static dims (same rank)."""
-    out = ModelProto()
-    out.CopyFrom(model)
-    inits = {t.name for t in out.graph.initializer}
-    for vi in out.graph.input:
-        if vi.name in inits or vi.name not in dims:
-            continue
-        shape = vi.type.tensor_type.shape
-        want = dims[vi.name]
-        if len(shape.dim) != len(want):
-            raise OnnxfuseError(f"--shape {vi.name}: {len(want)} dims given, the input has {len(shape.dim)}")
-        for d, v in zip(shape.dim, want, strict=True):
-            if d.HasField("dim_value") and d.dim_value > 0 and d.dim_value != v:  # -1: dynamic (Paddle)
-                raise OnnxfuseError(f"--shape {vi.name}={','.join(map(str, want))}: the model fixes that dim to "
-                                    f"{d.dim_value}")
-            d.Clear()
-            d.dim_value = int(v)
-    return out
+    return dims, None
 
 
 def fold_shape_arithmetic(model: ModelProto, dims: dict[str, tuple[int, ...]]) -> tuple[ModelProto, Folded]:

@@ -73,7 +73,22 @@ import numpy as np
 import onnx
 from onnx import ModelProto, helper
 
+from onnxfuse import compile as aot
+from onnxfuse import reference, runtime
+from onnxfuse.codegen_conv import ConvVariant, group_gemm_fits, group_span, next_pow2
+from onnxfuse.cost import model_cost
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.expr import Program
+from onnxfuse.layout import BODY_TRANSPOSE_PREFIX, TO_NCHW
+from onnxfuse.outputs import save_model
+from onnxfuse.rewrite import DOMAIN, unfuse
+from onnxfuse.specs import kernel_spec
+from onnxfuse.tools.cuda import CudaDriver, local_gpu_archs
+from onnxfuse.tools.feeds import make_feeds, static_feeds
+from onnxfuse.tools.gate import gate_outputs, plausible_float64
+from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate_model, interleave, run_model
+from onnxfuse.tools.shapes import resolve_inputs, signature, with_input_dims
+from onnxfuse.version import __version__
 
 ITERS, WARMUP = 15, 2          # per one-node model
 MODEL_ITERS, MODEL_WARMUP = 30, 5  # per whole model
@@ -169,10 +184,8 @@ def input_shapes(model: ModelProto, settings: TuneSettings) -> dict[str, tuple[i
     """Concrete dims for every graph input: --shape, else --batch (or 1) for a symbolic
     leading dim and the model's own dims. A symbolic dim elsewhere that --shape does not
     give raises OnnxfuseError naming it."""
-    from onnxfuse.bench import BenchSettings, _signature, resolve_inputs
-
-    sig = _signature(model)
-    specs, _ = resolve_inputs(sig, BenchSettings(shapes=settings.shapes, batch=settings.batch), "the model")
+    sig = signature(model)
+    specs, _ = resolve_inputs(sig, settings.shapes, settings.batch, "the model")
     for inp, spec in zip(sig, specs, strict=True):
         for k, d in enumerate(inp.dims):
             if k > 0 and not isinstance(d, int) and inp.name not in settings.shapes and d not in settings.shapes:
@@ -182,24 +195,9 @@ def input_shapes(model: ModelProto, settings: TuneSettings) -> dict[str, tuple[i
 
 
 def feeds_for(model: ModelProto, dims: dict[str, tuple[int, ...]], seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded inputs of the given dims (onnxfuse.bench.make_feeds)."""
-    from onnxfuse.bench import BenchSettings, _signature, make_feeds, resolve_inputs
-
-    settings = BenchSettings(shapes=dims, seed=seed)
-    specs, _ = resolve_inputs(_signature(model), settings, "the model")
-    return make_feeds(specs, settings)
-
-
-def _with_input_dims(model: ModelProto, dims: dict[str, tuple[int, ...]]) -> ModelProto:
-    m = ModelProto()
-    m.CopyFrom(model)
-    for vi in m.graph.input:
-        if vi.name in dims:
-            shape = vi.type.tensor_type.shape
-            del shape.dim[:]
-            for d in dims[vi.name]:
-                shape.dim.add().dim_value = d
-    return m
+    """Seeded inputs of the given dims (onnxfuse.tools.feeds.make_feeds)."""
+    specs, _ = resolve_inputs(signature(model), dims, None, "the model")
+    return make_feeds(specs, seed)
 
 
 def tensor_infos(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: dict[str, np.ndarray],
@@ -207,7 +205,7 @@ def tensor_infos(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: dic
     """A typed, static ValueInfo for every tensor in `needed` (not initializers): shape
     inference at the fixed input dims, and for what it leaves unknown one run of the model
     at those inputs with the unknown tensors as extra outputs."""
-    m = _with_input_dims(model, dims)
+    m = with_input_dims(model, dims)
     del m.graph.value_info[:]
     try:
         inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False)
@@ -224,7 +222,7 @@ def tensor_infos(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: dic
         types.update({k: v.type.tensor_type.elem_type for k, v in infos.items() if v.type.tensor_type.elem_type})
         # run with the model's own value_info (dropped above for inference): ONNX Runtime
         # types a custom op's outputs from it
-        for name, a in run_for_values(_with_input_dims(model, dims), feeds, missing, provider, types).items():
+        for name, a in run_for_values(with_input_dims(model, dims), feeds, missing, provider, types).items():
             infos[name] = helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(a.dtype), a.shape)
     return infos
 
@@ -235,9 +233,6 @@ PROGRAM_TYPES = {"f32": onnx.TensorProto.FLOAT, "f16": onnx.TensorProto.FLOAT16,
 def _fused_output_types(model: ModelProto) -> dict[str, int]:
     """The element type of every fused node's outputs, from its program's output lines:
     shape inference does not see through custom ops, and the model may have no value_info."""
-    from onnxfuse.expr import Program
-    from onnxfuse.rewrite import DOMAIN
-
     out = {}
     for n in model.graph.node:
         text = next((a.s.decode() for a in n.attribute if a.name == "program"), None) if n.domain == DOMAIN else None
@@ -254,8 +249,6 @@ def run_for_values(model: ModelProto, feeds: dict[str, np.ndarray], names: list[
     outputs of a copy, typed by `types` where it knows them; the onnxfuse library is
     registered)."""
     import onnxruntime as ort
-
-    from onnxfuse import runtime
 
     m = ModelProto()
     m.CopyFrom(model)
@@ -318,8 +311,6 @@ def original_model(model: ModelProto, node: onnx.NodeProto, infos: dict) -> Mode
     """What ONNX Runtime runs for a fused node: its function body as a model, NCHW. The
     body's layout Transposes (onnxfuse.layout.BODY_TRANSPOSE_PREFIX) go, and the tensors
     they converted take their NCHW shapes."""
-    from onnxfuse.layout import BODY_TRANSPOSE_PREFIX, TO_NCHW
-
     key = (node.domain, node.op_type, node.overload)
     fn = next(f for f in model.functions if (f.domain, f.name, f.overload) == key)
     inits = {t.name: t for t in model.graph.initializer}
@@ -455,29 +446,12 @@ def replicated(m: ModelProto, k: int) -> ModelProto:
     return out
 
 
-def random_feeds(m: ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
-    """N(0, 1) floats, integers in [0, 10), fair booleans, for every graph input of `m`."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for vi in m.graph.input:
-        t = vi.type.tensor_type
-        dt = np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type))
-        shape = [d.dim_value for d in t.shape.dim]
-        if dt == np.bool_:
-            feeds[vi.name] = rng.random(shape) < 0.5
-        elif dt.kind in "iu":
-            feeds[vi.name] = rng.integers(0, 10, size=shape).astype(dt)
-        else:
-            feeds[vi.name] = rng.standard_normal(shape).astype(dt)
-    return feeds
-
-
 # ---------------------------------------------------------------------------------------
 # Timing, cached
 # ---------------------------------------------------------------------------------------
 
 class Timer:
-    """Times models in ONNX Runtime (onnxfuse.bench.BoundModel: IO binding, synchronized
+    """Times models in ONNX Runtime (onnxfuse.tools.session.BoundModel: IO binding, synchronized
     wall clock, ORT's defaults with TF32 allowed) and remembers every time in a JSON file
     per device and software versions."""
 
@@ -504,13 +478,9 @@ class Timer:
         return h.hexdigest()
 
     def _settings(self, warmup: int, iters: int, graph: bool):
-        from onnxfuse.bench import BenchSettings
-
         return BenchSettings(provider=self.settings.provider, warmup=warmup, iters=iters, cuda_graph=graph, tf32=True)
 
     def _path(self, m: ModelProto) -> Path:
-        from onnxfuse.pipeline import save_model
-
         path = self.folder / f"m{self.measured}_{len(list(self.folder.iterdir()))}.onnx"
         save_model(m, path)
         return path
@@ -524,8 +494,6 @@ class Timer:
             if "error" in self.entries[key]:
                 raise OnnxfuseError(self.entries[key]["error"])
             return float(self.entries[key]["ms"])
-        from onnxfuse.bench import run_model
-
         s = self.settings
         path = self._path(m)
         try:
@@ -558,8 +526,6 @@ class Timer:
         sessions open at once and their timed runs interleaved in ROUNDS rounds, so that a
         drift of the machine's speed reaches every model alike. A model that cannot load or
         run in a mode gets the error's text instead of a time."""
-        from onnxfuse.bench import BoundModel, interleave
-
         s = self.settings
         out: dict[tuple[str, bool], float | str] = {}
         todo = []
@@ -600,8 +566,6 @@ class Timer:
                 feeds: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray] | str]:
         """One untimed run of each model, label -> (model, library, tf32): its outputs, or the
         error's text when it cannot run."""
-        from onnxfuse.bench import BenchSettings, evaluate_model
-
         out: dict[str, dict[str, np.ndarray] | str] = {}
         for label, (m, library, tf32) in models.items():
             settings = BenchSettings(provider=self.settings.provider, tf32=tf32)
@@ -652,19 +616,15 @@ def cache_path(provider: str) -> Path:
     """The tuning cache file for this device and software (see the module docstring)."""
     import onnxruntime as ort
 
-    import onnxfuse
-    from onnxfuse import bench
-    from onnxfuse.compile import CACHE_FORMAT
-
     if provider == "cuda":
-        gpu = bench.CudaDriver()
+        gpu = CudaDriver()
         device = gpu.name() or "cuda"
         gpu.close()
     else:
-        device = bench.cpu_name()
+        device = cpu_name()
     root = Path(os.environ.get("ONNXFUSE_CACHE") or Path.home() / ".cache" / "onnxfuse")
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{device}-ort{ort.__version__}-onnxfuse{onnxfuse.__version__}"
-                  f"-k{CACHE_FORMAT}-t{CACHE_VERSION}").strip("-")
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", f"{device}-ort{ort.__version__}-onnxfuse{__version__}"
+                  f"-k{aot.CACHE_FORMAT}-t{CACHE_VERSION}").strip("-")
     return root / "tune" / f"{slug}.json"
 
 
@@ -696,9 +656,6 @@ def _write_cache(path: Path, entries: dict[str, dict]) -> None:
 
 def candidates(spec) -> list[tuple[str, tuple]]:
     """(label, variants) per candidate configuration of a kernel spec."""
-    from onnxfuse import compile as aot
-    from onnxfuse.codegen_conv import ConvVariant, group_gemm_fits, group_span, next_pow2
-
     if isinstance(spec, aot.ConvSpec):
         base = aot.conv_variants(spec)[0]
         if spec.conv.group != 1:
@@ -773,8 +730,6 @@ def available(provider: str = "cuda") -> bool:
         import onnxruntime as ort
     except ImportError:
         return False
-    from onnxfuse.compile import local_gpu_archs
-
     return "CUDAExecutionProvider" in ort.get_available_providers() and bool(local_gpu_archs())
 
 
@@ -882,9 +837,6 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
 
 def _float64_reference(model: ModelProto, feeds: dict[str, np.ndarray]
                        ) -> tuple[dict[str, np.ndarray] | None, str | None]:
-    from onnxfuse import reference
-    from onnxfuse.cost import model_cost
-
     try:
         flops = model_cost(model, {k: tuple(v.shape) for k, v in feeds.items()}).flops
     except Exception:  # noqa: BLE001  no estimate: not risked
@@ -900,14 +852,12 @@ def _float64_reference(model: ModelProto, feeds: dict[str, np.ndarray]
 
 def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProto],
              feeds: dict[str, np.ndarray]) -> dict[str, dict]:
-    """The accuracy gate of `onnxfuse bench` (onnxfuse.bench.gate_outputs) on every
+    """The accuracy gate of `onnxfuse bench` (onnxfuse.tools.gate.gate_outputs) on every
     candidate, at the tuning's inputs: the reference is the original in float64
     (`Timer.float64_reference`), else the original with TF32 off, and a candidate passes when
     each output is within 2x the original's own error under ORT's defaults (TF32 allowed)
     plus the dtype's floor. Per label: passed, max_abs_err, ort_max_abs_err, the first
     failure's text (or the error that stopped the run) and which reference it was."""
-    from onnxfuse.bench import gate_outputs, plausible_float64
-
     ref64, why_not = timer.float64_reference(original, feeds)
     ort = timer.original_outputs(original, feeds, "ort", True)
     runs = timer.outputs({label: (m, True, True) for label, m in candidates.items()}, feeds)
@@ -996,11 +946,11 @@ def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool) -
         k = replicas(orig, mini)
         rep_o, rep_f = replicated(orig, k), replicated(mini, k)
         try:
-            original = timer.time(rep_o, random_feeds(rep_o), False, graph=True) / k
-            return "CUDA graph", k, original, timer.time(rep_f, random_feeds(rep_f), True, graph=True) / k
+            original = timer.time(rep_o, static_feeds(rep_o), False, graph=True) / k
+            return "CUDA graph", k, original, timer.time(rep_f, static_feeds(rep_f), True, graph=True) / k
         except OnnxfuseError:
             pass
-    return "plain", 1, timer.time(orig, random_feeds(orig), False), timer.time(mini, random_feeds(mini), True)
+    return "plain", 1, timer.time(orig, static_feeds(orig), False), timer.time(mini, static_feeds(mini), True)
 
 
 def _why(e: BaseException) -> str:
@@ -1012,9 +962,6 @@ def _why(e: BaseException) -> str:
 def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, targets, conv_precision, jobs):
     """--tune: time each candidate configuration of the node's kernel; attach the fastest
     to the node in result.model. Returns (ms, label) of the fastest, or None."""
-    from onnxfuse import compile as aot
-    from onnxfuse.kernels import kernel_spec
-
     spec = kernel_spec(result.model, f, conv_precision)
     best = None
     for label, variants in candidates(spec):
@@ -1024,7 +971,7 @@ def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, target
             trial.CopyFrom(mini)
             aot.attach(trial.graph.node[0], ck)
             trial = replicated(trial, d.replicas)  # timed as the node was (_time_pair)
-            ms = timer.time(trial, random_feeds(trial), library=True, graph=d.mode == "CUDA graph") / d.replicas
+            ms = timer.time(trial, static_feeds(trial), library=True, graph=d.mode == "CUDA graph") / d.replicas
             d.candidates.append({"config": label, "ms": ms})
             if best is None or ms < best[0]:
                 best = (ms, label, ck)
@@ -1061,8 +1008,6 @@ def snapshot(result):
 
 def unfuse_nodes(result, names: set[str], reason: str = REASON) -> None:
     """Turn the fused nodes `names` of result back into their original nodes."""
-    from onnxfuse.rewrite import unfuse
-
     for f in result.fused:
         if f.node_name in names:
             unfuse(result.model, f)
@@ -1080,16 +1025,14 @@ def _adopt(result, other) -> None:
 def _copy_kernels(src: ModelProto, dst: ModelProto, names: set[str]) -> None:
     """The kernels --tune chose for nodes `names` of src, onto the same nodes of dst where
     they still run the same kernel (same overload)."""
-    from onnxfuse.compile import _KERNEL_ATTR
-
     have = {n.name: n for n in src.graph.node if n.name in names}
     for n in dst.graph.node:
         s = have.get(n.name)
         if s is None or (s.domain, s.op_type, s.overload) != (n.domain, n.op_type, n.overload):
             continue
-        for a in [a for a in n.attribute if _KERNEL_ATTR.fullmatch(a.name)]:
+        for a in [a for a in n.attribute if aot._KERNEL_ATTR.fullmatch(a.name)]:
             n.attribute.remove(a)
-        n.attribute.extend(a for a in s.attribute if _KERNEL_ATTR.fullmatch(a.name))
+        n.attribute.extend(a for a in s.attribute if aot._KERNEL_ATTR.fullmatch(a.name))
 
 
 def _note_losers(result, decisions: list[NodeDecision]) -> None:

@@ -308,3 +308,18 @@ def test_profile_optimized_model_with_the_library(optimized, tmp_path):
     pytest.importorskip("matplotlib")
     png = plot_profile(r, str(tmp_path / "measured.png"))
     assert png.stat().st_size > 0
+
+
+def test_calibrate_times_onnxruntime_with_the_shared_runner():
+    """calibrate's ONNX Runtime path times through onnxfuse.tools.session (here on the CPU)."""
+    from onnx import TensorProto, helper
+
+    from onnxfuse.calibrate import _ort_time
+
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "t",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 8])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    t = _ort_time(m, {"x": np.ones((4, 8), np.float32)}, tf32=False, iters=3, provider="cpu")
+    assert 0 < t < 1

@@ -20,7 +20,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxfuse import bench as ob
 from onnxfuse.cli import main
 from onnxfuse.errors import OnnxfuseError
-from onnxfuse.pipeline import optimize_model, save_model
+from onnxfuse.outputs import save_model
+from onnxfuse.pipeline import optimize_model
+from onnxfuse.tools import gate, session, shapes
 from tests.util import model as make_model
 from tests.util import one_line_error
 
@@ -314,85 +316,85 @@ def test_in_process_main_returns_the_status(capsys, tmp_path, optimized):
 
 def test_compare_output_rules():
     f32 = np.array([1.0, 0.0, np.nan, np.inf, -2.0], dtype=np.float32)
-    assert ob.compare_output("y", f32, f32.copy()).passed
+    assert gate.compare_output("y", f32, f32.copy()).passed
     near = f32.copy()
     near[0] += 5e-6                          # within rtol 1e-5
     near[1] = 1.5e-5                         # within atol 1e-5 x max|e| = 2e-5 (not counted in max_rel)
-    c = ob.compare_output("y", f32, near)
+    c = gate.compare_output("y", f32, near)
     assert c.passed and c.max_rel_err == pytest.approx(5e-6, rel=1e-2) and c.max_abs_err == pytest.approx(1.5e-5)
     assert c.atol == pytest.approx(2e-5)     # scaled by the largest finite magnitude, 2.0
-    assert not ob.compare_output("y", f32, near, atol=1e-6).passed  # --atol is absolute
+    assert not gate.compare_output("y", f32, near, atol=1e-6).passed  # --atol is absolute
     far = f32.copy()
     far[4] = -2.001
-    c = ob.compare_output("y", f32, far)
+    c = gate.compare_output("y", f32, far)
     assert not c.passed and c.mismatches == 1
     nan = f32.copy()
     nan[0] = np.nan
-    c = ob.compare_output("y", f32, nan)
+    c = gate.compare_output("y", f32, nan)
     assert not c.passed and c.max_abs_err is None
     inf = f32.copy()
     inf[3] = -np.inf
-    assert not ob.compare_output("y", f32, inf).passed
-    assert not ob.compare_output("y", f32, f32.astype(np.float16)).passed
-    assert "shape" in ob.compare_output("y", f32, f32[:4]).note
-    assert ob.compare_output("y", f32, None).note.startswith("missing")
+    assert not gate.compare_output("y", f32, inf).passed
+    assert not gate.compare_output("y", f32, f32.astype(np.float16)).passed
+    assert "shape" in gate.compare_output("y", f32, f32[:4]).note
+    assert gate.compare_output("y", f32, None).note.startswith("missing")
     h = np.array([1.0, 100.0], dtype=np.float16)
-    assert ob.compare_output("y", h, np.array([1.005, 100.5], dtype=np.float16)).passed
+    assert gate.compare_output("y", h, np.array([1.005, 100.5], dtype=np.float16)).passed
     i = np.array([1, 2, 3])
-    assert ob.compare_output("y", i, i.copy()).passed
-    assert not ob.compare_output("y", i, i + np.array([0, 0, 1])).passed
-    assert ob.compare_output("y", i, i + np.array([0, 0, 1]), atol=1).passed
-    assert ob.compare_output("y", np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32)).passed
+    assert gate.compare_output("y", i, i.copy()).passed
+    assert not gate.compare_output("y", i, i + np.array([0, 0, 1])).passed
+    assert gate.compare_output("y", i, i + np.array([0, 0, 1]), atol=1).passed
+    assert gate.compare_output("y", np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32)).passed
 
 
 def test_gate_allows_twice_orts_own_error():
     ref = np.array([1.0, -2.0, 0.5, 0.0], np.float32)
     ort = ref + np.array([1e-3, -1e-3, 0, 0], np.float32)           # ORT's own error: about 1e-3
     close = ref + np.float32(1.5e-3)
-    c = ob.gate_output("y", ref, ort, close)
+    c = gate.gate_output("y", ref, ort, close)
     assert c.passed and c.ort_max_abs_err == pytest.approx(1e-3, rel=1e-3)
     assert c.atol == pytest.approx(2e-5)                             # the floor: 1e-5 x max|ref|
     assert c.gate_atol == pytest.approx(2 * c.ort_max_abs_err + 2e-5)
-    assert not ob.compare_output("y", ref, close).passed             # ort_err 0: the plain isclose
-    assert ob.gate_output("y", ref, None, close).gate_atol == pytest.approx(2e-5)
+    assert not gate.compare_output("y", ref, close).passed             # ort_err 0: the plain isclose
+    assert gate.gate_output("y", ref, None, close).gate_atol == pytest.approx(2e-5)
     far = ref.copy()
     far[3] = 2.1e-3 + 2e-5                                           # rtol x |ref| is 0 there
-    c = ob.gate_output("y", ref, ort, far)
+    c = gate.gate_output("y", ref, ort, far)
     assert not c.passed and c.mismatches == 1 and "1 elements outside" in c.failure()
-    assert ob.gate_output("y", ref, ort, far, atol=1e-3).passed      # --atol is absolute
-    c = ob.gate_output("y", ref, ort, close, rtol=0.0, atol=0.0)     # the slack alone
+    assert gate.gate_output("y", ref, ort, far, atol=1e-3).passed      # --atol is absolute
+    c = gate.gate_output("y", ref, ort, close, rtol=0.0, atol=0.0)     # the slack alone
     assert c.passed and c.gate_atol == pytest.approx(2 * c.ort_max_abs_err)
     # a NaN or infinity in ORT's own run loosens nothing, and is reported as not finite
     ort_nan = ort.copy()
     ort_nan[3] = np.nan
-    c = ob.gate_output("y", ref, ort_nan, close)
+    c = gate.gate_output("y", ref, ort_nan, close)
     assert c.passed and c.ort_max_abs_err is None and c.gate_atol == pytest.approx(2.02e-3, rel=1e-2)
     # NaN on one side fails, whatever the slack; NaN pairs and equal infinities match
     one_nan = close.copy()
     one_nan[0] = np.nan
-    assert not ob.gate_output("y", ref, ort, one_nan).passed
+    assert not gate.gate_output("y", ref, ort, one_nan).passed
     special = np.array([np.nan, np.inf, 1.0], np.float32)
-    assert ob.gate_output("y", special, special + np.float32(1e-3), special.copy()).passed
-    assert not ob.gate_output("y", special, special, np.array([np.nan, -np.inf, 1.0], np.float32)).passed
+    assert gate.gate_output("y", special, special + np.float32(1e-3), special.copy()).passed
+    assert not gate.gate_output("y", special, special, np.array([np.nan, -np.inf, 1.0], np.float32)).passed
     # dtype and shape must agree, with the reference and in ORT's run
-    assert "dtype" in ob.gate_output("y", ref, ort, close.astype(np.float64)).note
-    assert "shape" in ob.gate_output("y", ref, ort, close[:3]).note
-    assert not ob.gate_output("y", ref, ort[:3], close).passed
+    assert "dtype" in gate.gate_output("y", ref, ort, close.astype(np.float64)).note
+    assert "shape" in gate.gate_output("y", ref, ort, close[:3]).note
+    assert not gate.gate_output("y", ref, ort[:3], close).passed
     # integers: equal, unless ORT's own run differs too
     i = np.array([1, 2, 3])
-    assert not ob.gate_output("y", i, i, i + 1).passed
-    assert ob.gate_output("y", i, i + np.array([0, 0, 1]), i + np.array([0, 2, 0])).passed
+    assert not gate.gate_output("y", i, i, i + 1).passed
+    assert gate.gate_output("y", i, i + np.array([0, 0, 1]), i + np.array([0, 2, 0])).passed
 
 
 def test_gate_outputs_by_name():
     ref = {"a": np.ones(3, np.float32), "b": np.zeros(2, np.float32)}
     ort = {"a": ref["a"] + np.float32(1e-3), "b": ref["b"]}
-    checks = ob.gate_outputs(ref, ort, {"b": ref["b"], "a": ref["a"] + np.float32(1.5e-3), "extra": np.ones(1)})
+    checks = gate.gate_outputs(ref, ort, {"b": ref["b"], "a": ref["a"] + np.float32(1.5e-3), "extra": np.ones(1)})
     assert [(c.name, c.passed) for c in checks] == [("a", True), ("b", True), ("extra", True)]
-    checks = ob.gate_outputs(ref, ort, {"a": ref["a"]})
+    checks = gate.gate_outputs(ref, ort, {"a": ref["a"]})
     assert [(c.name, c.passed) for c in checks] == [("a", True), ("b", False)]
     assert checks[1].note.startswith("missing")
-    assert ob.max_abs_errors(ref, ort) == {"a": pytest.approx(1e-3, rel=1e-3), "b": 0.0}
+    assert gate.max_abs_errors(ref, ort) == {"a": pytest.approx(1e-3, rel=1e-3), "b": 0.0}
 
 
 # ---------------------------------------------------------------------------------------
@@ -526,14 +528,14 @@ def test_help_explains_the_gate():
     assert "2 * ort_err + atol * max|ref| + rtol * |ref|" in text and "--no-tf32" in text
     assert "evaluated in float64" in text and "--reference {float64,fp32}" in text
     with pytest.raises(OnnxfuseError, match="use_tf32"):
-        ob._validate(ob.BenchSettings(provider="cuda", provider_options={"use_tf32": "0"}))
+        ob.validate(ob.BenchSettings(provider="cuda", provider_options={"use_tf32": "0"}))
 
 
 def test_parse_dims():
-    assert ob.parse_dims("1x3x224x224") == (1, 3, 224, 224)
-    assert ob.parse_dims("[1, 3, 5]") == (1, 3, 5)
-    assert ob.parse_dims("7") == (7,)
-    assert ob.parse_dims("") == ()
+    assert shapes.parse_dims("1x3x224x224") == (1, 3, 224, 224)
+    assert shapes.parse_dims("[1, 3, 5]") == (1, 3, 5)
+    assert shapes.parse_dims("7") == (7,)
+    assert shapes.parse_dims("") == ()
 
 
 class FakeTTY(io.StringIO):
@@ -544,7 +546,7 @@ class FakeTTY(io.StringIO):
 def test_progress_shows_only_after_the_delay():
     now = [0.0]
     s = FakeTTY()
-    p = ob.Progress("m.onnx", 100, stream=s, delay=2.0, clock=lambda: now[0])
+    p = session.Progress("m.onnx", 100, stream=s, delay=2.0, clock=lambda: now[0])
     now[0] = 1.0
     p.update(10)
     assert s.getvalue() == ""
@@ -554,7 +556,7 @@ def test_progress_shows_only_after_the_delay():
     p.close()
     assert s.getvalue().endswith("\r")
     quiet = io.StringIO()              # not a terminal: nothing
-    p = ob.Progress("m", 10, stream=quiet, delay=0.0)
+    p = session.Progress("m", 10, stream=quiet, delay=0.0)
     p.update(5)
     assert quiet.getvalue() == ""
 
@@ -718,10 +720,6 @@ def test_compare_lists_every_benchmark_model():
 @pytest.mark.gpu
 @pytest.mark.parametrize("graph", [False, True], ids=["plain", "cuda_graph"])
 def test_bench_on_the_gpu(tmp_path, graph):
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        pytest.skip("onnxruntime without the CUDA execution provider")
     opt = tmp_path / "example.opt.onnx"
     r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "optimize", str(EXAMPLE), str(opt)], capture_output=True,
                        text=True, cwd=ROOT, timeout=600)                 # kernels for the local GPU

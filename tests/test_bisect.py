@@ -22,8 +22,10 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxfuse import bench as ob
 from onnxfuse import bisect as obs
 from onnxfuse.cli import main
-from onnxfuse.pipeline import optimize_model, save_model
+from onnxfuse.outputs import save_model
+from onnxfuse.pipeline import optimize_model
 from onnxfuse.rewrite import inline_function_node, unfuse, unfuse_node
+from onnxfuse.tools import gate
 from tests.util import model as make_model
 from tests.util import one_line_error
 
@@ -232,8 +234,9 @@ def fake_cuda(monkeypatch):
                     for n, a in outs.items()}
         return outs
 
-    monkeypatch.setattr(ob, "evaluate_model", evaluate)
-    monkeypatch.setattr(ob, "require_cuda", lambda: None)
+    monkeypatch.setattr(gate, "evaluate_model", evaluate)    # the reference and baseline runs
+    monkeypatch.setattr(obs, "evaluate_model", evaluate)     # the candidates' runs
+    monkeypatch.setattr(obs, "require_cuda", lambda: None)
     return calls
 
 

@@ -166,9 +166,9 @@ def test_model_scripts_run(tmp_path, module):
 
 def test_big_models_are_written_with_external_data(tmp_path, monkeypatch):
     # Stand-in for a model over 2 GB: lower the threshold instead of allocating gigabytes.
-    from onnxfuse import pipeline
+    from onnxfuse import outputs, pipeline
 
-    monkeypatch.setattr(pipeline, "EXTERNAL_DATA_THRESHOLD", 1000)
+    monkeypatch.setattr(outputs, "EXTERNAL_DATA_THRESHOLD", 1000)
     out = tmp_path / "big.onnx"
     pipeline.optimize(EXAMPLE, out, target="none")
     assert (tmp_path / "big.onnx.data").stat().st_size > 100_000

@@ -682,23 +682,13 @@ def test_default_targets_are_supported():
 # ---------------------------------------------------------------------------------------
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-@pytest.mark.gpu
+@pytest.mark.gpu(ort=False, torch=True)
 def test_gpu_kernels_match_reference(tmp_path):
     """Every case, JIT-compiled by Triton on the device: the real libdevice numerics; the
     tail cases also against the exact values, as `test_interpreted_tails` (written without a
     GPU, not yet run on one)."""
     from tests.test_tails import TAILS, assert_near_exact
 
-    if not _cuda_available():
-        pytest.skip("needs torch with a CUDA GPU")
     _write_workdir(tmp_path, CASES)
     _run_cases(tmp_path, "cuda")
     failures = []
@@ -742,10 +732,8 @@ class _Driver:
         return mod
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(ort=False, torch=True)
 def test_gpu_aot_binaries_launch_with_the_documented_abi(tmp_path):
-    if not _cuda_available():
-        pytest.skip("needs torch with a CUDA GPU")
     import torch
 
     cases = [c for c in CASES if c.id in ("rank-mismatch", "multi-output", "scalar", "gelu-tanh", "bool-strided",
@@ -787,10 +775,8 @@ def test_gpu_aot_binaries_launch_with_the_documented_abi(tmp_path):
                                            err_msg=f"{case.id} {b['format']} variant {b['variant']} output {j}")
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu(ort=False, torch=True)
 def test_gpu_more_than_2_31_elements(tmp_path):
-    if not _cuda_available():
-        pytest.skip("needs torch with a CUDA GPU")
     import torch
 
     if torch.cuda.get_device_properties(0).total_memory < 24 * 2**30:

@@ -792,10 +792,6 @@ def test_fused_maxpool_errors(lib):
 # docs/format.md says, compared with the CPU kernel of the same node
 # ---------------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
-                         reason="onnxruntime without the CUDA execution provider")
-
-
 def with_kernels(model: onnx.ModelProto, spec) -> onnx.ModelProto:
     import json
 
@@ -848,7 +844,6 @@ def check_cuda_conv(case: ConvCase, seed: int, kernel_name: str, lib: str) -> No
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("pool", [None, PoolAttrs((2, 2), (2, 2))], ids=["no_pool", "pool2x2"])
 def test_cuda_fused_conv_extras_of_every_shape(pool, lib):
@@ -863,7 +858,6 @@ CUDA_LAYOUTS = [("NHWC", "NCHW", None), ("NCHW", "NHWC", None), ("NHWC", "NHWC",
                 ("NHWC", "NHWC", PoolAttrs((2, 2), (2, 2))), ("NCHW", "NHWC", PoolAttrs((2, 2), (2, 2)))]
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_layout,y_layout,pool", CUDA_LAYOUTS,
                          ids=[f"{x}_{y}" + ("_pool" if p else "") for x, y, p in CUDA_LAYOUTS])
@@ -880,7 +874,6 @@ def test_cuda_fused_conv_layouts(x_layout, y_layout, pool, lib):
 CUDA_KRSC = [("NHWC", "NHWC", None), ("NHWC", "NHWC", PoolAttrs((2, 2), (2, 2))), ("NCHW", "NCHW", None)]
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_layout,y_layout,pool", CUDA_KRSC,
                          ids=[f"{x}_{y}" + ("_pool" if p else "") for x, y, p in CUDA_KRSC])
@@ -894,7 +887,6 @@ def test_cuda_fused_conv_krsc(x_layout, y_layout, pool, lib):
     check_cuda_conv(case, 14, f"onnxfuse_conv_test_cuda_2{idx:03d}", lib)
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_fused_maxpool_extra_of_rank_3(lib):
     pytest.importorskip("triton")
@@ -923,7 +915,6 @@ CUDA_POOLS = [  # (pool, x_layout, y_layout, variant tile)
 ]
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("channels,height,width", [(70, 23, 29), (64, 24, 32)])
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
@@ -955,7 +946,6 @@ def test_cuda_fused_maxpool_kernels(index, dtype, channels, height, width, lib):
                                atol=1e-6)
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_fused_maxpool_layout_mismatch_is_a_clear_error(lib):
     pytest.importorskip("triton")
@@ -969,7 +959,6 @@ def test_cuda_fused_maxpool_layout_mismatch_is_a_clear_error(lib):
         run_cuda(model, {"x": np.zeros((1, 8, 8, 4), np.float32)}, lib)
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_kernel_meta_mismatches_are_clear_errors(lib):
     pytest.importorskip("triton")

@@ -16,10 +16,10 @@ from onnxfuse.cost import (
     bind_dims,
     lowered_flops,
     model_cost,
-    parse_shape_args,
     program_flops,
 )
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.tools.shapes import parse_shapes
 from tests.util import model
 
 N = helper.make_node
@@ -341,10 +341,10 @@ def test_bad_shapes(shapes, message):
 
 
 def test_parse_shape_args():
-    assert parse_shape_args(["x=1,3,224,224", "m=2x5"]) == {"x": (1, 3, 224, 224), "m": (2, 5)}
+    assert parse_shapes(["x=1,3,224,224", "m=2x5"]) == {"x": (1, 3, 224, 224), "m": (2, 5)}
     for bad in ("x", "x=", "x=a,b", "=3"):
         with pytest.raises(OnnxfuseError, match="--shape"):
-            parse_shape_args([bad])
+            parse_shapes([bad])
 
 
 def test_fused_conv_body_costs_leave_out_the_weight_layout():

@@ -24,7 +24,7 @@ import pytest
 from onnx import helper
 
 import onnxfuse
-from onnxfuse import cli, optimize_model, pipeline
+from onnxfuse import cli, optimize_model, outputs, pipeline
 from onnxfuse import compile as aot
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.kernels import FAILED_REASON, compile_hook
@@ -233,7 +233,7 @@ def _full_disk(after: int = 100):
 def test_full_disk_leaves_no_partial_file_and_keeps_the_old_output(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out.onnx"
     out.write_bytes(b"previous output")
-    monkeypatch.setattr(pipeline, "_write_file", _full_disk())
+    monkeypatch.setattr(outputs, "_write_file", _full_disk())
     code = cli.main(["optimize", str(EXAMPLE), str(out), "--target", "none"])
     err = capsys.readouterr().err
     assert code == 2
@@ -244,7 +244,7 @@ def test_full_disk_leaves_no_partial_file_and_keeps_the_old_output(tmp_path, mon
 
 def test_full_disk_with_external_data(tmp_path, monkeypatch):
     """The >2 GB path (external data): a failure while writing the data leaves nothing."""
-    monkeypatch.setattr(pipeline, "EXTERNAL_DATA_THRESHOLD", 1000)
+    monkeypatch.setattr(outputs, "EXTERNAL_DATA_THRESHOLD", 1000)
     real_save = onnx.save_model
 
     def save(m, path, *a, **kw):
@@ -258,7 +258,7 @@ def test_full_disk_with_external_data(tmp_path, monkeypatch):
 
 
 def test_failing_rename_after_the_data_file_removes_it(tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "EXTERNAL_DATA_THRESHOLD", 1000)
+    monkeypatch.setattr(outputs, "EXTERNAL_DATA_THRESHOLD", 1000)
     real_replace = os.replace
 
     def replace(src, dst):
@@ -277,7 +277,7 @@ def test_unwritable_output_folder(tmp_path, monkeypatch, capsys):
     def create(path):
         raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), path)
 
-    monkeypatch.setattr(pipeline, "_create", create)
+    monkeypatch.setattr(outputs, "_create", create)
     code = cli.main(["optimize", str(EXAMPLE), str(tmp_path / "out.onnx"), "--target", "none"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("onnxfuse: error: ") and "Permission denied" in err
@@ -310,7 +310,10 @@ def test_interrupt_in_a_stage_exits_130_and_leaves_nothing(tmp_path, monkeypatch
                 f.write(b"partial")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(pipeline, "_write_file" if stage == "write" else stage, interrupt)
+    if stage == "write":
+        monkeypatch.setattr(outputs, "_write_file", interrupt)
+    else:
+        monkeypatch.setattr(pipeline, stage, interrupt)
     code = cli.main(["optimize", str(EXAMPLE), str(tmp_path / "out.onnx"), "--target", "none"])
     assert code == 130
     assert capsys.readouterr().err.strip() == "onnxfuse: interrupted"
@@ -328,14 +331,14 @@ def test_real_sigint_while_writing(tmp_path, parent):
     script = textwrap.dedent(f"""
         import signal, sys, time
         signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the parent ignores
-        from onnxfuse import cli, pipeline
+        from onnxfuse import cli, outputs
         def slow(path, data):
             with open(path, "wb") as f:
                 f.write(data[:10])
                 f.flush()
             print("writing", flush=True)
             time.sleep(60)
-        pipeline._write_file = slow
+        outputs._write_file = slow
         sys.exit(cli.main(["optimize", {str(EXAMPLE)!r}, {str(tmp_path / "out.onnx")!r}, "--target", "none"]))
     """)
     disposition = signal.SIG_IGN if parent == "ignored" else signal.SIG_DFL

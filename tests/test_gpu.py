@@ -13,11 +13,7 @@ import pytest
 from onnx import helper
 
 ort = pytest.importorskip("onnxruntime")
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime without the CUDA execution provider", allow_module_level=True)
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
 
 from models.build import cos_cos, example, gelu_erf, mul_chain  # noqa: E402
 from onnxfuse import library_path, optimize_model  # noqa: E402
@@ -25,7 +21,7 @@ from onnxfuse.compile import local_gpu_archs  # noqa: E402
 from onnxfuse.kernels import compile_fused  # noqa: E402
 from tests.util import model, random_feeds  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu(torch=True)  # skipped without them: tests/conftest.py
 N = helper.make_node
 RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}
 

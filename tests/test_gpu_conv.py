@@ -24,11 +24,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 ort = pytest.importorskip("onnxruntime")
-if "CUDAExecutionProvider" not in ort.get_available_providers():
-    pytest.skip("onnxruntime without the CUDA execution provider", allow_module_level=True)
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device", allow_module_level=True)
 
 from models.build import conv_relu, conv_relu_maxpool, relu_maxpool, vgg_stack  # noqa: E402
 from onnxfuse import optimize_model  # noqa: E402
@@ -37,7 +33,7 @@ from onnxfuse.kernels import compile_fused  # noqa: E402
 from tests.test_gpu import session  # noqa: E402
 from tests.util import random_feeds  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu(torch=True)  # skipped without them: tests/conftest.py
 N = helper.make_node
 
 

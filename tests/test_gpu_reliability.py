@@ -23,13 +23,13 @@ import onnx
 import pytest
 from onnx import helper
 
-# The GPU helpers (and the skip when there is no CUDA) come from tests/test_gpu.py.
+# The GPU helpers come from tests/test_gpu.py; the skip without a GPU from tests/conftest.py.
 from models.build import example  # noqa: E402
 from tests.test_edges import EDGE, F16_EDGE, UNARY, assert_same  # noqa: E402
 from tests.test_gpu import compare, fused_model, ort, session, torch  # noqa: E402
 from tests.util import model, random_feeds  # noqa: E402
 
-pytestmark = pytest.mark.gpu
+pytestmark = pytest.mark.gpu(torch=True)
 N = helper.make_node
 MIB = 1 << 20
 

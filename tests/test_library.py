@@ -476,13 +476,6 @@ def test_erf_reference_is_exact_enough():
 # CUDA kernel (the launcher): run where onnxruntime has the CUDA execution provider
 # ---------------------------------------------------------------------------------------
 
-def _has_cuda() -> bool:
-    return "CUDAExecutionProvider" in ort.get_available_providers()
-
-
-gpu = pytest.mark.skipif(not _has_cuda(), reason="onnxruntime without the CUDA execution provider")
-
-
 def _modes(in_shapes: list[tuple[int, ...]], force: str | None = None) -> tuple[str, ...]:
     out = tuple(np.broadcast_shapes(*in_shapes))
     if force:
@@ -566,7 +559,6 @@ def _all_ops_program() -> Program:
     return b.build(outs)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [4096, 1001])  # variant 0 (n % 16 == 0) and variant 1
 def test_cuda_every_op(n, lib):
@@ -577,7 +569,6 @@ def test_cuda_every_op(n, lib):
     check_cuda(_all_ops_program(), [a, b, c], lib)
 
 
-@gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("shapes", BROADCAST_CASES, ids=[str(s) for s in BROADCAST_CASES])
 def test_cuda_broadcasting(shapes, lib):
@@ -587,7 +578,6 @@ def test_cuda_broadcasting(shapes, lib):
     check_cuda(prog, [RNG.normal(size=s) for s in shapes], lib)
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_all_strided_and_higher_rank(lib):
     b = Builder(["f32", "f16"])
@@ -597,7 +587,6 @@ def test_cuda_all_strided_and_higher_rank(lib):
     check_cuda(prog, xs, lib, rank=6)  # kernel compiled for a higher rank: padded dims
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_dtypes_and_outputs(lib):
     b = Builder(["f16", "bool", "bf16"])
@@ -607,13 +596,11 @@ def test_cuda_dtypes_and_outputs(lib):
     check_cuda(prog, [RNG.normal(size=(64, 33)), RNG.random((64, 1)) > 0.5, RNG.normal(size=(33,))], lib)
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_ptx_only(lib):
     check_cuda(prog1("sigmoid", 1), [RNG.normal(size=5000)], lib, ptx_only=True)
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_empty_and_single(lib):
     prog = prog1("add", 2)
@@ -621,7 +608,6 @@ def test_cuda_empty_and_single(lib):
     check_cuda(prog, [np.float32(3.0), np.float32(4.0)], lib)
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_graph_capture(lib):
     b = Builder(["f32", "f32"])
@@ -629,7 +615,6 @@ def test_cuda_graph_capture(lib):
     check_cuda(prog, [RNG.normal(size=(8, 1000)), RNG.normal(size=(1000,))], lib, cuda_graph=True)
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_without_kernels_is_a_clear_error(lib):
     prog = prog1("neg", 1)
@@ -638,7 +623,6 @@ def test_cuda_without_kernels_is_a_clear_error(lib):
         run_cuda(model, prog, [np.zeros(4, np.float32)], lib)
 
 
-@gpu
 @pytest.mark.gpu
 def test_cuda_no_binary_for_this_gpu(lib):
     import json

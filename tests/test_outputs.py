@@ -25,9 +25,10 @@ import onnx
 import pytest
 from onnx import helper, numpy_helper
 
-from onnxfuse import cli, pipeline
+from onnxfuse import cli, outputs
 from onnxfuse.errors import OnnxfuseError
-from onnxfuse.pipeline import Outputs, optimize_model
+from onnxfuse.outputs import Outputs
+from onnxfuse.pipeline import optimize_model
 from tests.util import model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,9 +104,9 @@ def test_symlink_is_written_through(tmp_path, src, writer):
     link = tmp_path / "link.onnx"
     link.symlink_to(Path("real") / "model.onnx")
     if writer == "save_model":
-        pipeline.save_model(onnx.load(str(src)), link)
+        outputs.save_model(onnx.load(str(src)), link)
     elif writer == "write_text":
-        pipeline.write_text(link, "new\n")
+        outputs.write_text(link, "new\n")
     else:
         assert cli.main(["optimize", str(src), str(tmp_path / "o.onnx"), *NONE, "--json", str(link)]) == 0
     assert link.is_symlink() and os.readlink(link) == str(Path("real") / "model.onnx")
@@ -297,12 +298,12 @@ def test_replaced_files_keep_their_mode(tmp_path, src, umask, old_mode):
 
 
 def test_external_data_file_gets_the_mode_too(tmp_path, src, umask, monkeypatch):
-    monkeypatch.setattr(pipeline, "EXTERNAL_DATA_THRESHOLD", 1000)
+    monkeypatch.setattr(outputs, "EXTERNAL_DATA_THRESHOLD", 1000)
     umask(0o022)
     out = tmp_path / "big.onnx"
     (tmp_path / "big.onnx.data").write_bytes(b"previous")
     os.chmod(tmp_path / "big.onnx.data", 0o640)
-    pipeline.save_model(onnx.load(str(src)), out)
+    outputs.save_model(onnx.load(str(src)), out)
     assert mode(out) == 0o644 and mode(tmp_path / "big.onnx.data") == 0o640
     onnx.checker.check_model(onnx.load(str(out)))
 
@@ -333,7 +334,7 @@ def test_replaced_file_keeps_its_group_when_the_owner_cannot_be_kept(tmp_path, s
         real(path, uid, gid)
 
     monkeypatch.setattr(os, "chown", chown)
-    pipeline.save_model(onnx.load(str(src)), out)
+    outputs.save_model(onnx.load(str(src)), out)
     assert (os.stat(out).st_uid, os.stat(out).st_gid) == (os.geteuid(), 4)
 
 
@@ -358,14 +359,14 @@ def test_missing_report_folder_fails_before_the_model_is_written(tmp_path, src, 
 
 
 def _fail_writing(monkeypatch, suffix: str) -> None:
-    real = pipeline._write_file
+    real = outputs._write_file
 
     def write(path, data):
         if Path(path).name.rsplit(".", 2)[0].endswith(suffix):  # the temporary file .<name>.<random>.tmp
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         real(path, data)
 
-    monkeypatch.setattr(pipeline, "_write_file", write)
+    monkeypatch.setattr(outputs, "_write_file", write)
 
 
 def test_report_that_cannot_be_written_leaves_no_model(tmp_path, src, capsys, monkeypatch):

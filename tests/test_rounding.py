@@ -175,24 +175,12 @@ def test_plan_follows_graph_outputs_and_subgraphs():
 
 
 
-def _cuda_available() -> bool:
-    import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return False
-    from onnxfuse.compile import local_gpu_archs
-
-    return bool(local_gpu_archs())
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("build", [c2f, sppf, lambda: upsample("nearest")], ids=["c2f", "sppf", "upsample"])
 def test_on_cuda_the_plan_gives_the_same_bits(tmp_path, monkeypatch, build):
     """On the GPU: the model with the plan (producers store rounded, readers skip rounding)
     gives bit for bit the outputs of the same model compiled without it (every conv rounds
     its own activations). Also checks the plan took effect."""
-    if not _cuda_available():
-        pytest.skip("needs onnxruntime-gpu and an NVIDIA GPU")
     from onnxfuse import rounding
     from onnxfuse.compile import local_gpu_archs
     from tests.test_gpu import session

@@ -125,16 +125,7 @@ def test_numpy_evaluator_tails(tail):
     assert_near_exact(got, tail, "numpy evaluator")
 
 
-def _cuda() -> bool:
-    import onnxruntime as ort
-
-    from onnxfuse.compile import local_gpu_archs
-
-    return "CUDAExecutionProvider" in ort.get_available_providers() and bool(local_gpu_archs())
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _cuda(), reason="needs an NVIDIA GPU and onnxruntime-gpu")
 @pytest.mark.parametrize("tail", TAILS, ids=lambda t: t.id)
 def test_cuda_tails(tail, tmp_path, monkeypatch):
     """The Triton kernel of the fused node compiled for the local GPU (libdevice's erfc,

@@ -26,6 +26,7 @@ from onnxfuse.expr import HEADER, parse
 from onnxfuse.kernels import compile_hook
 from onnxfuse.layers import ConvAttrs, PoolAttrs
 from onnxfuse.runtime import library_path
+from onnxfuse.tools.feeds import static_feeds
 from onnxfuse.tune import TuneSettings, candidates, input_shapes
 from tests.util import model
 
@@ -260,7 +261,7 @@ def test_replicated_models_compute_every_copy_on_its_own_inputs():
     onnx.checker.check_model(rep, full_check=True)
     assert [i.name for i in rep.graph.input] == ["x__r0", "x__r1", "x__r2"]
     assert [o.name for o in rep.graph.output] == ["y__r0", "y__r1", "y__r2"] and len(rep.graph.initializer) == 1
-    feeds = tuning.random_feeds(rep)
+    feeds = static_feeds(rep)
     so = ort.SessionOptions()
     got = ort.InferenceSession(rep.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)
     for r in range(3):
@@ -417,7 +418,7 @@ def test_shapes_inference_cannot_give_are_learned_by_running():
     assert [i.name for i in mini.graph.input] == ["i0"] and mini.graph.node[0].name == "n"
     onnx.checker.check_model(mini, full_check=True)
     orig = tuning.original_model(r.model, node, infos)
-    x = tuning.random_feeds(mini)
+    x = static_feeds(mini)
     (a,), (e,) = _run(mini, x), _run(orig, {orig.graph.input[0].name: x["i0"]})
     np.testing.assert_allclose(a, e, rtol=1e-6)
 

@@ -1,0 +1,83 @@
+"""The one input maker: seeded random inputs, or values given on the command line.
+
+Floats are N(0, 1), integers in [0, 10) (or 0: indices and ids that must stay in range),
+booleans fair coins, drawn in input order from one generator, so the same seed gives the
+same inputs in bench, bisect, tune and the benchmarks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+from onnx import ModelProto, helper
+
+from onnxfuse import files
+from onnxfuse.errors import OnnxfuseError
+from onnxfuse.tools.shapes import InputSpec
+
+
+def random_array(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ...] | list[int],
+                 zero_integers: bool = False) -> np.ndarray:
+    """One random input of `dtype` (see the module docstring), C-contiguous."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        a = rng.random(shape) < 0.5
+    elif dtype.kind in "iu":
+        a = np.zeros(shape, dtype=dtype) if zero_integers else rng.integers(0, 10, size=shape).astype(dtype)
+    else:
+        a = rng.standard_normal(shape).astype(dtype)
+    return np.ascontiguousarray(a)
+
+
+def make_feeds(specs: Iterable[InputSpec], seed: int = 0, given: Mapping[str, str] | None = None,
+               zero_integers: bool = False) -> dict[str, np.ndarray]:
+    """Seeded random inputs for `specs`; ``--input NAME=FILE.npy`` or ``NAME=NUMBER`` where
+    `given` names them."""
+    rng = np.random.default_rng(seed)
+    given = given or {}
+    feeds: dict[str, np.ndarray] = {}
+    for s in specs:
+        value = given.get(s.name)
+        if value is not None:
+            feeds[s.name] = given_input(s, value)
+        else:
+            feeds[s.name] = random_array(rng, np.dtype(s.dtype), s.shape, zero_integers)
+    return feeds
+
+
+def static_feeds(m: ModelProto, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random inputs for every graph input of `m`, at its static dims (any element
+    type numpy knows, bfloat16 included)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for vi in m.graph.input:
+        t = vi.type.tensor_type
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type))
+        feeds[vi.name] = random_array(rng, dtype, [d.dim_value for d in t.shape.dim])
+    return feeds
+
+
+def given_input(spec: InputSpec, value: str) -> np.ndarray:
+    """The value of ``--input NAME=VALUE``: a .npy file of the input's dtype, or a number
+    filling its shape."""
+    dtype = np.dtype(spec.dtype)
+    if value.endswith(".npy"):
+        files.record_read(value)
+        try:
+            a = np.load(value, allow_pickle=False)
+        except (OSError, ValueError) as e:
+            raise OnnxfuseError(f"--input {spec.name}: cannot read {value} ({e})") from None
+        if a.dtype != dtype:
+            raise OnnxfuseError(f"--input {spec.name}: {value} holds {a.dtype}, the input is {dtype}")
+        return np.ascontiguousarray(a)
+    try:
+        number = float(value) if dtype.kind == "f" else int(value)
+    except ValueError:
+        raise OnnxfuseError(f"--input {spec.name}={value}: expected a number or a .npy file") from None
+    return np.full(spec.shape, number, dtype=dtype)
+
+
+def input_files(assignments: list[str] | None) -> list[str]:
+    """The .npy files of --input NAME=VALUE options (inputs of the command)."""
+    return [v for a in assignments or () for v in [a.partition("=")[2]] if v.endswith(".npy")]
