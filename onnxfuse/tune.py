@@ -512,8 +512,6 @@ class Timer:
 
     def _runs_plainly(self, path: Path, feeds: dict[str, np.ndarray], library: bool) -> bool:
         """Whether the model at `path` runs once without CUDA graphs."""
-        from onnxfuse.bench import run_model
-
         try:
             run_model(str(path), feeds, self._settings(0, 1, False), library=library)
         except OnnxfuseError:

@@ -361,10 +361,8 @@ def test_only_real_capture_failures_are_cached(tmp_path, monkeypatch):
     """A model that graphs cannot capture but that runs plainly is remembered as such; one
     that does not run at all (on the H200 a missing custom-op library) is not: the next
     tuning, with the library back, must time it under graphs."""
-    import onnxfuse.bench as bench
-
     m = model([N("Tanh", ["x"], ["y"])], {"x": ("float32", [4, 8])}, {"y": ("float32", [4, 8])})
-    feeds = tuning.random_feeds(m)
+    feeds = static_feeds(m)
     works = {"plain": True}
 
     def fake_run(path, feeds, settings, library=False):
@@ -372,7 +370,7 @@ def test_only_real_capture_failures_are_cached(tmp_path, monkeypatch):
             raise OnnxfuseError("it failed")
         return types.SimpleNamespace(times_ms=[1.0])
 
-    monkeypatch.setattr(bench, "run_model", fake_run)
+    monkeypatch.setattr(tuning, "run_model", fake_run)
     for plain, cached in ((False, False), (True, True)):
         works["plain"] = plain
         timer = tuning.Timer(TuneSettings(provider="cpu", cache=False), tmp_path)
