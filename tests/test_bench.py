@@ -755,3 +755,45 @@ def test_compare_torchvision_case_with_a_stand_in_module(tmp_path, monkeypatch):
     assert res.skipped is None
     assert all(v.error is None for v in res.variants.values()), res.variants
     assert res.variants["torch_eager"].max_abs_err < 1e-4 and res.variants["onnxfuse"].max_abs_err < 1e-5
+
+
+def test_static_output_shapes_come_from_the_model():
+    """Under CUDA graphs the outputs are bound before the first run: at the shapes the model
+    declares when all are static (no second session to learn them), else None."""
+    import onnxruntime as ort
+
+    static = make_model([helper.make_node("Relu", ["x"], ["y"])], {"x": ("float32", [2, 3])},
+                        {"y": ("float32", [2, 3])})
+    sess = ort.InferenceSession(static.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.static_output_shapes(sess) == {"y": ((2, 3), np.dtype(np.float32))}
+    dynamic = make_model([helper.make_node("Relu", ["x"], ["y"])], {"x": ("float32", ["N", 3])},
+                         {"y": ("float32", ["N", 3])})
+    sess = ort.InferenceSession(dynamic.SerializeToString(), providers=["CPUExecutionProvider"])
+    assert session.static_output_shapes(sess) is None
+
+
+def test_wrong_declared_output_shapes_fall_back_to_a_probe_run(monkeypatch):
+    """A model whose declared static output shape is not what it computes: the first
+    (capturing) run fails, and the session is opened again with shapes learned from a run."""
+    import onnxruntime as ort
+
+    m = make_model([helper.make_node("Relu", ["x"], ["y"])], {"x": ("float32", [2, 3])},
+                   {"y": ("float32", [2, 3])})
+    opened = []
+
+    class Session(ort.InferenceSession):
+        def __init__(self, path, so, providers):
+            opened.append(providers)
+            super().__init__(path, so, providers=["CPUExecutionProvider"])
+
+        def get_outputs(self):  # declares y as [2, 4]
+            y = super().get_outputs()[0]
+            return [type("Out", (), {"name": y.name, "type": y.type, "shape": [2, 4]})()]
+
+    monkeypatch.setattr(ort, "InferenceSession", Session)
+    monkeypatch.setattr(session, "providers", lambda settings, graph: "graph" if graph else "plain")
+    x = np.arange(6, dtype=np.float32).reshape(2, 3) - 2
+    bound = session.BoundModel(m.SerializeToString(), {"x": x}, session.BenchSettings(cuda_graph=True), False)
+    assert opened == ["graph", "graph", "plain"]  # declared shapes, then again with a probe
+    np.testing.assert_array_equal(bound.outputs()["y"], np.maximum(x, 0))
+    bound.close()

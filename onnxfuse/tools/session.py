@@ -151,27 +151,41 @@ class BoundModel:
 
     def __init__(self, path: str | bytes, feeds: dict[str, np.ndarray], settings: BenchSettings, library: bool,
                  gpu: CudaDriver | None = None, name: str | None = None):
+        self.path, self.gpu = name or str(path), gpu
+        self.mem = [gpu.used_bytes()] if gpu is not None else []
+        try:
+            self._open(path, feeds, settings, library, declared_shapes=settings.cuda_graph)
+        except _DeclaredShapesFailed:  # the model's declared output shapes were not its outputs'
+            self.close()
+            self._open(path, feeds, settings, library, declared_shapes=False)
+        self._note_memory()
+
+    def _open(self, path: str | bytes, feeds: dict[str, np.ndarray], settings: BenchSettings, library: bool,
+              declared_shapes: bool) -> None:
         ort = ort_module()
         cuda = settings.provider == "cuda"
         device = "cuda" if cuda else "cpu"
         dev_id = settings.device_id if cuda else 0
-        self.path, self.gpu = name or str(path), gpu
-        self.mem = [gpu.used_bytes()] if gpu is not None else []
         try:
             shapes: dict[str, tuple[tuple[int, ...], np.dtype]] | None = None
-            if settings.cuda_graph:
-                # CUDA graphs need outputs bound to fixed buffers before the first (capturing) run:
-                # learn their shapes from a session without graphs.
-                probe = ort.InferenceSession(path, session_options(settings, library),
-                                             providers=providers(settings, False))
-                arrays = probe.run(None, feeds)
-                shapes = {o.name: (a.shape, a.dtype) for o, a in zip(probe.get_outputs(), arrays, strict=True)}
-                del probe, arrays
-                gc.collect()
             t0 = time.perf_counter()
             self.sess = sess = ort.InferenceSession(path, session_options(settings, library),
                                                     providers=providers(settings, settings.cuda_graph))
             self.load_ms = (time.perf_counter() - t0) * 1e3
+            if settings.cuda_graph:
+                # CUDA graphs need outputs bound to fixed buffers before the first (capturing) run:
+                # their shapes as the model declares them when all are static (tuning's one-node
+                # models), else learned from a run in a session without graphs (a second session,
+                # and a second cuDNN algorithm search).
+                shapes = static_output_shapes(sess) if declared_shapes else None
+                declared_shapes = shapes is not None
+                if shapes is None:
+                    probe = ort.InferenceSession(path, session_options(settings, library),
+                                                 providers=providers(settings, False))
+                    arrays = probe.run(None, feeds)
+                    shapes = {o.name: (a.shape, a.dtype) for o, a in zip(probe.get_outputs(), arrays, strict=True)}
+                    del probe, arrays
+                    gc.collect()
         except OnnxfuseError:
             raise
         except Exception as e:  # onnxruntime raises several exception types
@@ -210,8 +224,9 @@ class BoundModel:
         except OnnxfuseError:
             raise
         except Exception as e:
+            if declared_shapes:
+                raise _DeclaredShapesFailed from None
             raise OnnxfuseError(f"{self.path}: onnxruntime failed to run it: {first_line(e)}") from None
-        self._note_memory()
 
     def _note_memory(self) -> None:
         if self.gpu is not None:
@@ -325,6 +340,28 @@ def cpu_name() -> str:
         pass
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
 
+
+
+class _DeclaredShapesFailed(Exception):
+    """The first run with outputs bound at the shapes the model declares failed: the session
+    is opened again, the shapes learned from a run."""
+
+
+# ONNX Runtime's output type strings -> numpy dtypes, for `static_output_shapes`
+ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+             "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8,
+             "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
+
+
+def static_output_shapes(sess) -> dict[str, tuple[tuple[int, ...], np.dtype]] | None:
+    """Each output's (shape, dtype) as the session's model declares it, or None when one is
+    not a static numeric tensor."""
+    out = {}
+    for o in sess.get_outputs():
+        if o.type not in ORT_TYPES or not all(isinstance(d, int) and d >= 0 for d in o.shape):
+            return None
+        out[o.name] = (tuple(o.shape), np.dtype(ORT_TYPES[o.type]))
+    return out
 
 
 def bind_outputs(ort, binding, names, shapes, device, dev_id, keep: dict) -> None:
