@@ -99,7 +99,9 @@ NODE_MARGIN_MS = 0.002
 NODE_MARGIN_REL = 0.02
 # Whole model: slower than the original by more than this fraction is slower.
 MODEL_NOISE = 0.02
-CACHE_VERSION = 1
+# 2: a model that did not run at all is no longer remembered as "graphs cannot capture it"
+# (version 1 caches may hold such entries from a run without the library)
+CACHE_VERSION = 2
 REASON = "left to ONNX Runtime: its original subgraph measured faster (tuning)"
 UNMEASURED_REASON = ("left to ONNX Runtime: not measured within the tuning budget, and the model fusing only "
                      "the measured winners was faster (tuning)")
