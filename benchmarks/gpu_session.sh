@@ -8,6 +8,14 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 [ -f .devlib/libonnxfuse_ops.so ] && export ONNXFUSE_LIBRARY=$PWD/.devlib/libonnxfuse_ops.so
 [ -d .devlib/ort-include ] && export ONNXFUSE_ORT_INCLUDE=$PWD/.devlib/ort-include
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+# A folder carried to the device in one call is gone in the next: every call that runs models
+# with the library must carry .devlib again (the eighth session lost a whole suite run to it).
+case "${1:-tests}" in
+  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models)
+    if [ -z "${ONNXFUSE_LIBRARY:-}" ] && [ -z "${ONNXFUSE_ORT_INCLUDE:-}" ]; then
+      echo "gpu_session.sh ${1}: no .devlib here (carry [\".devlib\"] in this call): stopping" >&2; exit 2
+    fi ;;
+esac
 case "${1:-tests}" in
   tests)
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
