@@ -15,6 +15,14 @@ models/pretrained.py), on the same seeded inputs:
   synthetic models, whose ONNX weights it loads, and the torchvision ones, exported from it)
 - ``torch_compile_graph``  torch.compile with ``mode="reduce-overhead"`` (Inductor's CUDA
   graphs): the peer of ``onnxfuse_cl_graph``, as plain torch.compile is of ``onnxfuse_cl``
+- ``ort_tfopt``      transformers only (a case with ``ort_optimizer``): the original after ONNX
+  Runtime's own transformers optimizer, the tool a user would pick instead:
+  ``onnxruntime.transformers.optimizer.optimize_model(model, model_type, num_heads, hidden_size,
+  use_gpu=True)`` at its default opt_level (ORT's basic optimizations, then its Attention,
+  SkipLayerNormalization, BiasGelu/FastGelu... fusions); an fp16 case optimizes the fp32 twin and
+  converts the result with ``convert_float_to_float16(keep_io_types=False)``, as ORT's docs do
+- ``onnxfuse_tfopt`` onnxfuse on top of ``ort_tfopt``'s model (onnxfuse must compose with it),
+  gated against ``ort_tfopt``'s own error instead of ``ort``'s
 
 ONNX Runtime runs go through `onnxfuse.tools.session.BoundModel`: inputs and outputs bound on the GPU
 (IO binding), each timed call a ``run_with_iobinding`` plus output synchronization on a
@@ -89,13 +97,18 @@ from onnxfuse.tools.gate import compare_output, gate_output  # noqa: E402
 from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate_model, interleave  # noqa: E402
 from onnxfuse.tools.shapes import resolve_inputs, signature  # noqa: E402
 
-VARIANTS = ("ort", "ort_nhwc", "ort_graph", "onnxfuse", "onnxfuse_graph", "torch_eager", "torch_compile",
-            "torch_compile_graph")
-LABELS = {"ort": "ORT", "ort_nhwc": "ORT nhwc", "ort_graph": "ORT + graph", "onnxfuse": "onnxfuse",
-          "onnxfuse_graph": "onnxfuse + graph", "torch_eager": "torch eager", "torch_compile": "torch.compile",
+VARIANTS = ("ort", "ort_nhwc", "ort_graph", "ort_tfopt", "onnxfuse", "onnxfuse_graph", "onnxfuse_tfopt",
+            "torch_eager", "torch_compile", "torch_compile_graph")
+LABELS = {"ort": "ORT", "ort_nhwc": "ORT nhwc", "ort_graph": "ORT + graph", "ort_tfopt": "ORT tf-optimizer",
+          "onnxfuse": "onnxfuse", "onnxfuse_graph": "onnxfuse + graph", "onnxfuse_tfopt": "onnxfuse on tf-optimizer",
+          "torch_eager": "torch eager", "torch_compile": "torch.compile",
           "torch_compile_graph": "torch.compile + graph"}
-DRY_VARIANTS = ("ort", "onnxfuse", "torch_eager")
-SUITE_VARIANTS = ("ort", "ort_graph", "onnxfuse", "onnxfuse_graph")
+DRY_VARIANTS = ("ort", "ort_tfopt", "onnxfuse", "onnxfuse_tfopt", "torch_eager")
+SUITE_VARIANTS = ("ort", "ort_graph", "ort_tfopt", "onnxfuse", "onnxfuse_graph", "onnxfuse_tfopt")
+# the variants on ONNX Runtime's transformers optimizer's model (cases with an ort_optimizer only),
+# and the ORT variant each onnxfuse variant is gated against
+TFOPT_VARIANTS = ("ort_tfopt", "onnxfuse_tfopt")
+GATE_BASE = {"onnxfuse_tfopt": "ort_tfopt"}
 
 
 @dataclass(frozen=True)
@@ -107,13 +120,15 @@ class Case:
     shapes: dict[str, tuple[int, ...]]                    # GPU benchmark input shapes
     dry_shapes: dict[str, tuple[int, ...]]                # tiny CPU shapes
     onnx: Callable[[bool], onnx.ModelProto] | None = None  # dry -> model (None: pretrained)
-    torch: Callable[[onnx.ModelProto], object] | None = None  # model -> nn.Module
+    torch: Callable[[onnx.ModelProto, bool], object] | None = None  # (model, dry) -> nn.Module
     note: str = ""
     pretrained: str = ""                                  # models/pretrained.py name, if not `name`
     # the suite (models/suite.py): its seeded inputs, and for fp16 cases the fp32 twin that the
     # reference runs (the fp16 original with TF32 off would be its own reference)
-    feeds: Callable[[dict[str, tuple[int, ...]]], dict[str, np.ndarray]] | None = None
+    feeds: Callable[[dict[str, tuple[int, ...]], bool], dict[str, np.ndarray]] | None = None  # (shapes, dry)
     reference: Callable[[bool], onnx.ModelProto] | None = None
+    # transformers: dry -> onnxruntime.transformers.optimizer.optimize_model's model_type, num_heads, hidden_size
+    ort_optimizer: Callable[[bool], dict] | None = None
 
 
 class _Chain:
@@ -151,13 +166,13 @@ def _torchvision(arch: str) -> Case:
         return mb.export_torch(holder["module"], (torch.randn(2, 3, size, size),), ["x"], ["y"])
 
     return Case(arch, "torchvision", {"x": (32, 3, 224, 224)}, {"x": (2, 3, 64, 64)}, make,
-                lambda _m: holder["module"], "torchvision, random weights (seed 0), exported with torch.onnx")
+                lambda _m, _dry: holder["module"], "torchvision, random weights (seed 0), exported with torch.onnx")
 
 
 def _synthetic(name: str, shape: tuple[int, ...], dry_shape: tuple[int, ...], full: Callable[[], onnx.ModelProto],
                dry: Callable[[], onnx.ModelProto]) -> Case:
     return Case(name, "synthetic", {"x": shape}, {"x": dry_shape}, lambda d: dry() if d else full(),
-                lambda m: mb.torch_module(name, m), "models/build.py; the PyTorch module loads its weights")
+                lambda m, _dry: mb.torch_module(name, m), "models/build.py; the PyTorch module loads its weights")
 
 
 def cases() -> list[Case]:
@@ -171,9 +186,9 @@ def cases() -> list[Case]:
     ]
     intensity = [
         Case("mul_chain_8", "intensity", {"x": (65536, 1024)}, {"x": (4, 1024)}, lambda dry: mb.mul_chain(8),
-             lambda _m: _Chain.module(_mul_chain_fn), "x*2 repeated 8 times, 64M floats"),
+             lambda _m, _dry: _Chain.module(_mul_chain_fn), "x*2 repeated 8 times, 64M floats"),
         Case("cos_cos", "intensity", {"x": (65536, 1024)}, {"x": (4, 1024)}, lambda dry: mb.cos_cos(),
-             lambda _m: _Chain.module(_cos_cos_fn), "cos(cos(x)), 64M floats"),
+             lambda _m, _dry: _Chain.module(_cos_cos_fn), "cos(cos(x)), 64M floats"),
     ]
     tv = [_torchvision(a) for a in mb.TORCHVISION_ARCHS]
     pre = [Case(p.name, "pretrained", dict(p.bench_shapes), dict(p.shapes), note=p.description)
@@ -187,10 +202,11 @@ def cases() -> list[Case]:
     return syn + intensity + tv + pre
 
 
-def suite_cases(batches: tuple[int, ...] = suite.BATCHES, dtypes: tuple[str, ...] = DTYPES,
-                names: list[str] | None = None, cache: Path | None = None) -> list[Case]:
-    """The CNN suite (models/suite.py) as cases, each model built once per dtype for all batches
-    (and kept in the folder `cache` when given, so that a later run loads instead of exporting)."""
+def suite_cases(batches: tuple[int, ...] | None = suite.BATCHES, dtypes: tuple[str, ...] = DTYPES,
+                names: list[str] | None = None, cache: Path | None = None, group: str = "cnn") -> list[Case]:
+    """The suite (models/suite.py; `group`, or the entries `names` of any group) as cases, each
+    model built once per dtype for all batches (batches None: each entry's own), and kept in the
+    folder `cache` when given, so that a later run loads instead of exporting."""
     built: dict[tuple[str, str, bool], onnx.ModelProto] = {}
 
     def model(entry, dtype: str, dry: bool) -> onnx.ModelProto:
@@ -208,13 +224,14 @@ def suite_cases(batches: tuple[int, ...] = suite.BATCHES, dtypes: tuple[str, ...
         return built[key]
 
     out = []
-    for c in suite.cases(batches, dtypes, names):
+    for c in suite.cases(batches, dtypes, names, group):
         e = c.entry
-        torch_twin = None if e.module is None or c.dtype != "fp32" else (lambda _m, e=e: e.torch_module())
+        torch_twin = None if e.module is None or c.dtype != "fp32" else (lambda _m, dry, e=e: e.torch_module(dry))
         out.append(Case(
             c.name, e.kind, c.shapes(), c.shapes(dry=True), lambda dry, e=e, d=c.dtype: model(e, d, dry), torch_twin,
-            e.note, feeds=lambda shapes, e=e, d=c.dtype: e.feeds(shapes, d),
-            reference=None if c.dtype == "fp32" else (lambda dry, e=e: model(e, "fp32", dry))))
+            e.note, feeds=lambda shapes, dry, e=e, d=c.dtype: e.feeds(shapes, d, dry=dry),
+            reference=None if c.dtype == "fp32" else (lambda dry, e=e: model(e, "fp32", dry)),
+            ort_optimizer=e.ort_optimizer))
     return out
 
 
@@ -244,6 +261,8 @@ class CaseResult:
     kind: str
     inputs: dict[str, list[int]]
     fused_nodes: int = 0
+    tfopt_fused_nodes: int = 0            # onnxfuse_tfopt: onnxfuse nodes in its model
+    tfopt_ops: dict[str, int] | None = None  # ort_tfopt: the fused op types ORT's transformers optimizer wrote
     compile: str = ""
     variants: dict[str, VariantResult] = field(default_factory=dict)
     skipped: str | None = None
@@ -254,9 +273,10 @@ class CaseResult:
     tune: dict | None = None              # what optimize's tuning measured and kept (onnxfuse.tune)
 
 
-def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProto) -> dict[str, np.ndarray]:
+def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProto,
+           dry: bool = False) -> dict[str, np.ndarray]:
     if case.feeds is not None:
-        return case.feeds(shapes)
+        return case.feeds(shapes, dry)
     if case.kind == "pretrained":
         return pretrained.feeds(case.pretrained or case.name, shapes)
     specs, _ = resolve_inputs(signature(model), shapes, None, case.name)
@@ -398,26 +418,28 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     orig = workdir / f"{case.name}.onnx"
     fused = workdir / f"{case.name}.onnxfuse.onnx"
     save_model(model, orig)
-    # onnxfuse as `onnxfuse optimize --shape ...` writes it at the case's shapes: static, its
-    # shape arithmetic folded (the original stays as exported)
-    if dry:  # CPU: no kernels, no layout pass, no tuning
-        result = optimize_model(model, static_shapes=dict(shapes))
-        save_model(result.model, fused)
-    else:
-        from onnxfuse.kernels import compile_hook
-        from onnxfuse.tune import TuneSettings
-
-        settings = None
-        if tune:
-            settings = TuneSettings(shapes=dict(shapes), **({"budget_s": tune_budget} if tune_budget else {}))
-        report = optimize(orig, fused, compile_hook=compile_hook("auto", tune=settings, layout="nhwc"),
-                          shapes=dict(shapes))
-        res.compile = (report.compile or {}).get("summary", "")
-        res.tune = (report.compile or {}).get("tune")
-        for w in report.warnings:
-            log(f"  {case.name:<20} warning: {w[:300]}")
+    compiled = _fuse(model, orig, fused, shapes, dry, tune, tune_budget, lambda w: log(f"  {case.name:<20} {w}"))
+    res.compile, res.tune = compiled.get("summary", ""), compiled.get("tune")
     res.fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused), load_external_data=False))
-    feeds = _feeds(case, shapes, model)
+    # ONNX Runtime's transformers optimizer, and onnxfuse on its model
+    tf_paths: dict[str, Path] = {}
+    tf_error = None
+    if case.ort_optimizer is not None and any(v in TFOPT_VARIANTS for v in variants):
+        try:
+            tf_model, res.tfopt_ops = ort_transformers_optimize(model, reference_model, case.ort_optimizer(dry), dry)
+            tf_paths["ort_tfopt"] = workdir / f"{case.name}.tfopt.onnx"
+            save_model(tf_model, tf_paths["ort_tfopt"])
+            log(f"  {case.name:<20} ORT tf-optimizer fused: {res.tfopt_ops}")
+            if "onnxfuse_tfopt" in variants:
+                tf_fused = workdir / f"{case.name}.tfopt.onnxfuse.onnx"
+                _fuse(tf_model, tf_paths["ort_tfopt"], tf_fused, shapes, dry, tune, tune_budget,
+                      lambda w: log(f"  {case.name:<20} (on tf-optimizer) {w}"))
+                res.tfopt_fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(tf_fused), load_external_data=False))
+                tf_paths["onnxfuse_tfopt"] = tf_fused
+        except Exception as e:  # the other variants still run
+            tf_error = _error_text(e)
+            log(f"  {case.name:<20} ORT tf-optimizer: {tf_error}")
+    feeds = _feeds(case, shapes, model, dry)
     provider = "cpu" if dry else "cuda"
     # the reference: the original (or an fp16 case's fp32 twin) in float64, else ort_fp32
     ref: dict[str, np.ndarray] | None = None
@@ -431,9 +453,10 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     if ref is None:
         ref = _fp32_reference(res, case, orig, reference_model, feeds, provider, log)
     gpu = None if dry else CudaDriver()
-    ort_based = [v for v in variants if not v.startswith("torch")]
-    paths = {v: str(fused if v.startswith("onnxfuse") else orig) for v in ort_based}
-    libraries = {v: v.startswith("onnxfuse") and res.fused_nodes > 0 for v in ort_based}
+    ort_based = [v for v in variants if not v.startswith("torch") and (v not in TFOPT_VARIANTS or v in tf_paths)]
+    paths = {v: str(tf_paths[v] if v in tf_paths else fused if v.startswith("onnxfuse") else orig) for v in ort_based}
+    libraries = {v: v.startswith("onnxfuse") and (res.tfopt_fused_nodes if v in tf_paths else res.fused_nodes) > 0
+                 for v in ort_based}
     ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu)
     module = None
     ort_outs = ran["ort"][1] if "ort" in ran else None
@@ -451,11 +474,15 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         res.ort_max_abs_err = None
     for v in variants:
         try:
+            if v in TFOPT_VARIANTS and v not in ran:
+                if tf_error is None:   # not a transformer (or its ORT variant did not run)
+                    continue
+                raise RuntimeError(f"ORT transformers optimizer: {tf_error}")
             if v.startswith("torch"):
                 if case.torch is None:
                     continue
                 if module is None:
-                    module = case.torch(model)
+                    module = case.torch(model, dry)
                 mode = {"torch_compile": "default", "torch_compile_graph": "reduce-overhead"}.get(v)
                 r, outs = _torch_variant(module, feeds, not dry, mode, warmup, iters)
             else:
@@ -464,8 +491,10 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
                 _errors(ref, outs, r)
                 if v == "ort":
                     res.ort_max_abs_err = r.max_abs_err
-                elif v.startswith("onnxfuse") and ref is not None and ort_outs is not None:
-                    _gate(ref, ort_outs, outs, r)
+                elif v.startswith("onnxfuse") and ref is not None:
+                    base = ran.get(GATE_BASE.get(v, "ort"), (None, None))[1]
+                    if base is not None:
+                        _gate(ref, base, outs, r)
             del outs
         except Exception as e:  # one failing variant must not lose the others' numbers
             r = VariantResult(error=_error_text(e))
@@ -491,6 +520,45 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         except ImportError:
             pass
     return res
+
+
+def _fuse(model: onnx.ModelProto, src: Path, dst: Path, shapes: dict[str, tuple[int, ...]], dry: bool, tune: bool,
+          tune_budget: float | None, warn: Callable[[str], None]) -> dict:
+    """onnxfuse of `model` (saved at `src`) into `dst`, as `onnxfuse optimize --shape ...` writes
+    it at the case's shapes: static, its shape arithmetic folded (the original stays as
+    exported); on a GPU channels-last and tuned unless `tune` is off. The report's compile
+    section ({} on a dry run: CPU, no kernels, no layout pass, no tuning)."""
+    if dry:
+        save_model(optimize_model(model, static_shapes=dict(shapes)).model, dst)
+        return {}
+    from onnxfuse.kernels import compile_hook
+    from onnxfuse.tune import TuneSettings
+
+    settings = None
+    if tune:
+        settings = TuneSettings(shapes=dict(shapes), **({"budget_s": tune_budget} if tune_budget else {}))
+    report = optimize(src, dst, compile_hook=compile_hook("auto", tune=settings, layout="nhwc"), shapes=dict(shapes))
+    for w in report.warnings:
+        warn(f"warning: {w[:300]}")
+    return report.compile or {}
+
+
+def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto | None, options: dict,
+                              dry: bool) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """`model` after ONNX Runtime's transformers optimizer as its docs use it: optimize_model
+    with `options` (model_type, num_heads, hidden_size), use_gpu except on a dry run, default
+    opt_level; an fp16 model (`fp32_twin` given) is its fp32 twin optimized, then converted by
+    the optimizer's convert_float_to_float16(keep_io_types=False). Also the counts of the fused
+    op types it wrote (the nonzero ones of get_fused_operator_statistics)."""
+    from onnxruntime.transformers.optimizer import optimize_model as ort_optimize
+
+    src = onnx.ModelProto()
+    src.CopyFrom(fp32_twin if fp32_twin is not None else model)   # the optimizer edits its input
+    opt = ort_optimize(src, use_gpu=not dry, **options)
+    if fp32_twin is not None:
+        opt.convert_float_to_float16(keep_io_types=False)
+    stats = {k: int(v) for k, v in opt.get_fused_operator_statistics().items() if v}
+    return opt.model, stats
 
 
 def prepare(picked: list[Case]) -> int:
@@ -667,9 +735,10 @@ def main(argv: list[str] | None = None) -> int:
                                     "ort,ort_graph,onnxfuse,onnxfuse_graph")
     ap.add_argument("--from-json", type=Path, metavar="FILE",
                     help="print (and --markdown: write) the table of an earlier run's JSON; runs nothing")
-    ap.add_argument("--suite", action="store_true",
-                    help="the CNN suite of models/suite.py (--models then names its entries) instead of the list above")
-    ap.add_argument("--batches", default=",".join(map(str, suite.BATCHES)), help="--suite: batch sizes (default 1,16)")
+    ap.add_argument("--suite", nargs="?", const="cnn", choices=suite.GROUPS, metavar="GROUP",
+                    help="the suite of models/suite.py instead of the list above: its group cnn (the default), "
+                         "transformer or all; --models then names entries of any group")
+    ap.add_argument("--batches", help="--suite: batch sizes (default each entry's own: CNNs 1,16, transformers 1,8)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="--suite: fp32,fp16 (default both)")
     ap.add_argument("--no-tune", action="store_true", help="optimize without tuning (the heuristics alone)")
     ap.add_argument("--reference", choices=("float64", "fp32"), default="float64",
@@ -702,9 +771,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.suite:
         try:
-            batches = tuple(int(b) for b in args.batches.split(","))
+            batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
             picked = suite_cases(batches, tuple(args.dtypes.split(",")),
-                                 args.models.split(",") if args.models else None, args.model_cache)
+                                 args.models.split(",") if args.models else None, args.model_cache, args.suite)
         except (ValueError, KeyError) as e:
             ap.error(f"--suite: {e}")
         if args.prepare:
@@ -725,6 +794,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown variant {bad[0]!r}")
     if any(v.startswith("onnxfuse") for v in variants) and "ort" not in variants:
         variants = ("ort", *variants)  # the gate needs ORT's own error
+    if "onnxfuse_tfopt" in variants and "ort_tfopt" not in variants:
+        variants = ("ort_tfopt", *variants)  # ... and onnxfuse_tfopt the ORT-optimized model's
     variants = tuple(v for v in VARIANTS if v in variants)  # ort first: the onnxfuse variants are gated against it
     if args.dry_run:
         variants = tuple(v for v in variants if v in DRY_VARIANTS)
@@ -775,7 +846,8 @@ def main(argv: list[str] | None = None) -> int:
             result["cases"].append(ob._finite(dataclasses.asdict(res)))
             if args.json:  # after every case: a run cut short keeps what it measured
                 write_text(args.json, json.dumps(result, indent=2, allow_nan=False) + "\n")
-            for name in (f"{case.name}.onnx", f"{case.name}.onnxfuse.onnx"):  # big models: free the disk
+            for name in (f"{case.name}.onnx", f"{case.name}.onnxfuse.onnx", f"{case.name}.tfopt.onnx",
+                         f"{case.name}.tfopt.onnxfuse.onnx"):  # big models: free the disk
                 (workdir / name).unlink(missing_ok=True)
     text = markdown(result, table)
     print()

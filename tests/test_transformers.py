@@ -1,0 +1,222 @@
+"""models/transformers.py and the suite's transformer group, on the small (2-layer, d=64) twins:
+each model exports with the TorchScript exporter with dynamic batch and sequence, runs in ONNX
+Runtime CPU as torch computes it, its fp16 twin runs, onnxfuse's fused model computes the
+same, ONNX Runtime's transformers optimizer fuses it and onnxfuse on top of its output still
+computes the same; the dynamo exporter exports where onnxscript is installed and says what to
+install where it is not.
+
+Tolerances: fp32 exports and fusions |y - y_ref| <= 1e-5 max|y_ref| + 1e-5 (seen: 2e-6 on
+outputs of scale 1-4); fp16 twins as tests/test_suite.py: 0.1 max|y| + 1e-3 (seen: 1e-3).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from models import suite
+from models import transformers as mt
+
+torch = pytest.importorskip("torch")
+ort = pytest.importorskip("onnxruntime")
+
+ARCHS = list(mt.CONFIGS)
+RTOL, ATOL = 1e-5, 1e-5
+RTOL16, ATOL16 = 0.1, 1e-3
+# the fused operators ONNX Runtime's transformers optimizer (1.32) writes into each small model
+ORT_FUSED = {
+    "bert_base": {"EmbedLayerNormalization": 1, "Attention": 2, "BiasGelu": 2, "SkipLayerNormalization": 4},
+    "vit_s16": {"Attention": 1, "BiasGelu": 2, "LayerNormalization": 1, "SkipLayerNormalization": 4},
+    "gpt2_small": {"EmbedLayerNormalization": 1, "Attention": 2, "FastGelu": 2, "SkipLayerNormalization": 4},
+}
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def _feeds(arch: str, batch: int = 3, seq: int = 12, dtype=np.float32, seed: int = 1) -> dict[str, np.ndarray]:
+    dims = mt.input_dims(arch, small=True, seq=seq)
+    return mt.feeds(arch, {k: (batch, *d) for k, d in dims.items()}, dtype, small=True, seed=seed)
+
+
+def _assert_close(got: np.ndarray, want: np.ndarray, rtol: float = RTOL, atol: float = ATOL, what: str = ""):
+    assert got.shape == want.shape, what
+    scale = float(np.abs(want).max())
+    err = float(np.abs(got.astype(np.float64) - want).max())
+    assert err <= rtol * scale + atol, f"{what}: max|err| {err:.3g}, max|y| {scale:.3g}"
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def exported(request):
+    """(arch, the small TorchScript export)."""
+    return request.param, mt.export(request.param, "torchscript", small=True)
+
+
+def test_signature_and_dynamic_dims(exported):
+    arch, m = exported
+    assert next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx")) == 17
+    sig = mt.signature(arch, small=True)
+    inits = {t.name for t in m.graph.initializer}
+    inputs = {i.name: [d.dim_param or d.dim_value for d in i.type.tensor_type.shape.dim]
+              for i in m.graph.input if i.name not in inits}
+    assert list(inputs) == list(sig.inputs)
+    for name, dims in inputs.items():
+        assert dims[0] == "N", (name, dims)
+        if sig.inputs[name] == ("S",):
+            assert dims == ["N", "S"] and m.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.INT64
+    assert [o.name for o in m.graph.output] == list(sig.outputs)
+
+
+@pytest.mark.parametrize("seq", [12, 5])
+def test_ort_matches_torch(exported, seq):
+    arch, m = exported
+    feeds = _feeds(arch, seq=seq)
+    with torch.no_grad():
+        want = mt.module(arch, small=True)(*(torch.from_numpy(v) for v in feeds.values())).numpy()
+    got = _run(m, feeds)
+    _assert_close(got, want, what=arch)
+    c = mt.config(arch, small=True)
+    shape = {"bert_base": (3, seq, c.dim), "vit_s16": (3, c.classes), "gpt2_small": (3, seq, c.vocab)}[arch]
+    assert got.shape == shape and np.abs(want).max() > 0.1
+
+
+def test_the_mask_masks():
+    """BERT: a padded position's token changes nothing that attends only to unpadded ones;
+    GPT-2: a later token changes no earlier position's logits."""
+    bert = mt.module("bert_base", small=True)
+    feeds = _feeds("bert_base", batch=2, seq=8)
+    feeds["attention_mask"][:, 6:] = 0
+    other = {k: v.copy() for k, v in feeds.items()}
+    other["input_ids"][:, 7] = (other["input_ids"][:, 7] + 1) % mt.config("bert_base", True).vocab
+    with torch.no_grad():
+        a, b = (bert(*(torch.from_numpy(v) for v in f.values())).numpy() for f in (feeds, other))
+    np.testing.assert_allclose(a[:, :6], b[:, :6], rtol=1e-5, atol=1e-6)
+    gpt = mt.module("gpt2_small", small=True)
+    ids = _feeds("gpt2_small", batch=2, seq=8)["input_ids"]
+    later = ids.copy()
+    later[:, 5:] = (later[:, 5:] + 1) % mt.config("gpt2_small", True).vocab
+    with torch.no_grad():
+        a, b = (gpt(torch.from_numpy(x)).numpy() for x in (ids, later))
+    np.testing.assert_allclose(a[:, :5], b[:, :5], rtol=1e-5, atol=1e-6)
+    assert np.abs(a[:, 5:] - b[:, 5:]).max() > 1e-3
+
+
+def test_fp16_twin_runs(exported):
+    pytest.importorskip("onnxconverter_common")
+    from models.fp16 import to_fp16
+
+    arch, m = exported
+    m16 = to_fp16(m)
+    want = _run(m, _feeds(arch))
+    got = _run(m16, _feeds(arch, dtype=np.float16))
+    assert got.dtype == np.float16 and np.isfinite(got).all()
+    _assert_close(got, want, RTOL16, ATOL16, f"{arch} fp16")
+
+
+def test_onnxfuse_computes_the_same(exported):
+    from onnxfuse import optimize_model
+
+    arch, m = exported
+    result = optimize_model(m)
+    assert result.report.patterns_applied.get("pointwise_chain", 0) >= 2, result.report.patterns_applied
+    feeds = _feeds(arch)
+    _assert_close(_run(result.model, feeds), _run(m, feeds), what=f"{arch} onnxfuse")
+
+
+def test_ort_transformers_optimizer_and_onnxfuse_on_top(exported):
+    pytest.importorskip("onnxruntime.transformers.optimizer")
+    from benchmarks.compare import ort_transformers_optimize
+    from onnxfuse import optimize_model
+
+    arch, m = exported
+    before = m.SerializeToString()
+    opt, fused = ort_transformers_optimize(m, None, suite.entry(arch).ort_optimizer(True), dry=True)
+    assert m.SerializeToString() == before   # the input is not edited
+    assert fused == ORT_FUSED[arch]
+    assert {n.domain for n in opt.graph.node} >= {"com.microsoft"}
+    feeds = _feeds(arch)
+    want = _run(m, feeds)
+    ort_opt = _run(opt, feeds)
+    _assert_close(ort_opt, want, what=f"{arch} ORT optimizer")
+    on_top = optimize_model(opt, static_shapes={k: v.shape for k, v in feeds.items()})
+    _assert_close(_run(on_top.model, feeds), ort_opt, what=f"{arch} onnxfuse on the ORT-optimized model")
+
+
+def test_ort_transformers_optimizer_fp16():
+    """An fp16 case: the fp32 twin optimized, then converted by the optimizer."""
+    pytest.importorskip("onnxruntime.transformers.optimizer")
+    pytest.importorskip("onnxconverter_common")
+    from benchmarks.compare import ort_transformers_optimize
+    from models.fp16 import to_fp16
+
+    m = mt.export("bert_base", small=True)
+    opt, fused = ort_transformers_optimize(to_fp16(m), m, suite.entry("bert_base").ort_optimizer(True), dry=True)
+    assert fused["Attention"] == 2
+    feeds = _feeds("bert_base")
+    got = _run(opt, feeds)
+    assert got.dtype == np.float16
+    _assert_close(got, _run(m, feeds), RTOL16, ATOL16, "bert_base ORT optimizer fp16")
+
+
+def test_dynamo_exporter():
+    why = mt.dynamo_available()
+    if why is not None:
+        with pytest.raises(mt.ExporterUnavailable, match="pip install onnxscript"):
+            mt.export("bert_base", "dynamo", small=True)
+        assert "\n" not in why
+        pytest.skip(why)
+    for arch in ARCHS:
+        m = mt.export(arch, "dynamo", small=True)
+        feeds = _feeds(arch)
+        with torch.no_grad():
+            want = mt.module(arch, small=True)(*(torch.from_numpy(v) for v in feeds.values())).numpy()
+        _assert_close(_run(m, feeds), want, what=f"{arch} dynamo")
+
+
+def test_unknown_exporter():
+    with pytest.raises(ValueError, match="exporter"):
+        mt.export("vit_s16", "tracing", small=True)
+
+
+def test_suite_group():
+    entries = suite.entries("transformer")
+    assert [e.name for e in entries] == [*ARCHS, *(f"{a}_dynamo" for a in ARCHS)]
+    assert {e.kind for e in entries} == {"transformer"}
+    assert not {e.name for e in entries} & {e.name for e in suite.entries()}   # not in the CNN list
+    assert len(suite.entries("all")) == len(suite.entries()) + len(entries)
+    with pytest.raises(ValueError, match="group"):
+        suite.entries("rnn")
+    cases = suite.cases(None, names=["bert_base", "resnet18"])
+    assert [c.name for c in cases[:4]] == ["bert_base_b1_fp32", "bert_base_b1_fp16", "bert_base_b8_fp32",
+                                           "bert_base_b8_fp16"]
+    assert {c.batch for c in cases[4:]} == set(suite.BATCHES)
+    bert = suite.entry("bert_base")
+    assert bert.shapes(8) == {"input_ids": (8, 128), "attention_mask": (8, 128)}
+    assert bert.shapes(8, dry=True) == {"input_ids": (2, 16), "attention_mask": (2, 16)}
+    f = bert.feeds(bert.shapes(2, dry=True), "fp16", dry=True)
+    assert f["input_ids"].dtype == np.int64 and f["input_ids"].max() < mt.config("bert_base", True).vocab
+    assert f["attention_mask"].tolist()[1] == [1] * 14 + [0] * 2
+    vit = suite.entry("vit_s16")
+    assert vit.shapes(1) == {"pixel_values": (1, 3, 224, 224)}
+    assert vit.feeds(vit.shapes(1, dry=True), "fp16", dry=True)["pixel_values"].dtype == np.float16
+    assert vit.ort_optimizer(False) == {"model_type": "vit", "num_heads": 6, "hidden_size": 384}
+    assert suite.entry("gpt2_small").torch_module(dry=True).ln_f.normalized_shape == (64,)
+
+
+def test_compare_dry_run_on_a_transformer(tmp_path):
+    import json
+
+    from benchmarks import compare
+
+    out = tmp_path / "c.json"
+    assert compare.main(["--suite", "--models", "bert_base", "--dry-run", "--batches", "2", "--dtypes", "fp32",
+                         "--json", str(out)]) == 0
+    (case,) = json.loads(out.read_text())["cases"]
+    assert set(case["variants"]) == {"ort", "ort_tfopt", "onnxfuse", "onnxfuse_tfopt", "torch_eager"}
+    assert all(r["error"] is None for r in case["variants"].values()), case["variants"]
+    assert case["gate_passed"] is True and case["tfopt_ops"]["Attention"] == 2
+    assert case["variants"]["torch_eager"]["max_abs_err"] < 1e-4
