@@ -234,7 +234,7 @@ def test_markdown(tmp_path, optimized):
     lines = text.splitlines()
     assert lines[2].startswith("| model | fused | load ms |")
     assert lines[3].startswith("|---|")
-    assert lines[4].startswith("| example.onnx |") and lines[5].startswith("| example.opt.onnx | 4 (lib) |")
+    assert lines[4].startswith("| example.onnx |") and lines[5].startswith("| example.opt.onnx | 3 (lib) |")
     r = cli(str(EXAMPLE), *FAST, "--markdown")
     assert r.returncode == 0 and r.stdout.splitlines()[2].startswith("| model |")
 
