@@ -37,7 +37,8 @@ def _cmd_optimize(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():  # the report carries them; printed below
         warnings.simplefilter("ignore", OnnxfuseWarning)
         report = optimize(src, dst, args.patterns or (), compile_hook=hook, exclude=args.exclude_pattern or (),
-                          layout=layout, json_path=args.json, shapes=shapes, batch=args.batch)
+                          layout=layout, json_path=args.json, shapes=shapes, batch=args.batch,
+                          leave_to_ort=args.leave_to_ort)
     for w in report.warnings:
         print(f"onnxfuse: warning: {w}", file=sys.stderr)
     print(report.summary())
@@ -74,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "TF32 MatMuls. Measured on the H200: BENCHMARKS.md, Conv precision")
     p.add_argument("--exclude-pattern", action="append", metavar="NAME",
                    help="do not apply this pattern (repeatable; names from `onnxfuse patterns`)")
+    p.add_argument("--leave-to-ort", action=argparse.BooleanOptionalAction, default=True,
+                   help="pointwise chains take no node that ONNX Runtime's own fusions (BiasGelu, Gelu, FastGelu, "
+                        "(Skip)LayerNormalization, Attention, FusedMatMul, MatMul + Add into Gemm) would take; the "
+                        "report names the fusion (default on; --no-leave-to-ort fuses them anyway)")
     p.add_argument("--layout", choices=["auto", "nchw", "nhwc"], default="auto",
                    help="nhwc: convolutions run channels-last ([K,R,S,C] weights, Transposes only where a "
                         "run of fused convs meets other ops); nchw: as the model is; auto (default): nhwc "

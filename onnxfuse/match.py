@@ -299,14 +299,19 @@ def _has_tensor_input(view: GraphView, group: list[int]) -> bool:
 
 
 def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
-                             accepted: _Accepted | None = None) -> MatchResult:
+                             accepted: _Accepted | None = None, reserved: dict[int, str] | None = None) -> MatchResult:
     """Groups of this pattern among the nodes not in `taken`; `accepted` holds the groups
-    already matched (by patterns before this one) and gets this pattern's groups added."""
+    already matched (by patterns before this one) and gets this pattern's groups added.
+    Nodes in `reserved` (node -> reason) join no group: they are counted under that reason."""
     result = MatchResult()
     accepted = _Accepted(len(view.nodes)) if accepted is None else accepted
+    reserved = reserved or {}
     candidates: set[int] = set()
     for i, n in enumerate(view.nodes):
         if i in taken or n.op_type not in pattern.match.ops or n.domain not in ("", "ai.onnx"):
+            continue
+        if i in reserved:
+            result.rejected[reserved[i]] += 1
             continue
         reason = check_node(view, i, pattern)
         if reason is None:
@@ -356,8 +361,10 @@ def live_nodes(view: GraphView) -> set[int]:
     return live
 
 
-def find_matches(view: GraphView, patterns: list[Pattern]) -> MatchResult:
-    """Apply patterns in priority order; a node joins at most one match.
+def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, str] | None = None) -> MatchResult:
+    """Apply patterns in priority order; a node joins at most one match. Nodes in
+    `reserved` (node -> reason: those ONNX Runtime's own fusions take, `onnxfuse.ort_fusions`)
+    join no elementwise group; conv epilogues and pool prologues may still take them.
 
     Dead nodes (no graph output depends on them) never join: a group computes over the
     broadcast shape of all its inputs, and a dead node could read a larger input than the
@@ -380,7 +387,7 @@ def find_matches(view: GraphView, patterns: list[Pattern]) -> MatchResult:
             layer_reasons.update(reasons)
             total.matches += matches
             continue
-        r = match_elementwise_groups(view, p, taken, accepted)
+        r = match_elementwise_groups(view, p, taken, accepted, reserved)
         for m in r.matches:
             taken.update(m.nodes)
         total.matches += r.matches

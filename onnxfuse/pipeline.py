@@ -18,6 +18,7 @@ from onnxfuse.graph import GraphView
 from onnxfuse.kernels import configure
 from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem
 from onnxfuse.match import find_matches
+from onnxfuse.ort_fusions import ort_fusions
 from onnxfuse.outputs import Outputs
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.rewrite import DOMAIN, FusedNode, rewrite
@@ -130,13 +131,15 @@ def for_layout(patterns: list[Pattern], layout: str) -> list[Pattern]:
 
 
 def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, layout: str = "nchw",
-                   static_shapes: dict[str, tuple[int, ...]] | None = None) -> Result:
+                   static_shapes: dict[str, tuple[int, ...]] | None = None, leave_to_ort: bool = True) -> Result:
     """Fuse a model in memory. The input model is not modified. `patterns` defaults to the
     built-in ones, for `layout` (see NHWC_ONLY_PATTERNS; the NHWC pass itself runs with
     the kernels, `onnxfuse.kernels.compile_hook`). `static_shapes` (input name -> dims, every
     input): the written model takes those shapes only, and the shape arithmetic they decide
     is folded into constants first (`onnxfuse.static`), so that ONNX Runtime can run every
-    node on the GPU and capture CUDA graphs.
+    node on the GPU and capture CUDA graphs. `leave_to_ort`: pointwise chains take no node
+    that ONNX Runtime's own fusions (BiasGelu, LayerNormalization, ...) would take
+    (`onnxfuse.ort_fusions`); False fuses them anyway.
 
     A model whose default-domain opset is newer than this onnxfuse knows (or older than
     `onnxfuse.load.MIN_OPSET`) comes back unchanged (a copy), with a warning: an op may
@@ -161,7 +164,8 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, lay
     canonical, folded = fold_batchnorm(canonical)         # Conv -> BatchNormalization: one Conv
     inferred = infer_shapes(canonical)                    # types and shapes for matching
     view = GraphView.build(canonical, inferred)           # producers, consumers, constants
-    found = find_matches(view, patterns)                  # groups each pattern fuses
+    by_ort = ort_fusions(canonical) if leave_to_ort else None  # nodes ORT's own fusions take
+    found = find_matches(view, patterns, by_ort.absorbed if by_ort else None)  # groups each pattern fuses
     fused_model, fused = rewrite(canonical, view, found.matches)  # custom nodes + functions
     report = Report(
         nodes_before=len(model.graph.node),
@@ -177,7 +181,10 @@ def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, lay
         report.not_fused[reason] = report.not_fused.get(reason, 0) + count
     report.seconds = time.perf_counter() - t0
     tensors = {name: (shape, view.types.get(name, 0)) for name, shape in view.shapes.items()}
-    return Result(fused_model, report, fused, tensors, original=model)
+    result = Result(fused_model, report, fused, tensors, original=model)
+    if by_ort is not None and by_ort.missing_ort:
+        result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused")
+    return result
 
 
 SUBGRAPH_REASON = "inside an If/Loop/Scan body (subgraphs are not optimized)"
@@ -213,7 +220,7 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
              layout: str | None = None, json_path: str | os.PathLike | None = None,
              shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None, *,
              target: str = "auto", conv_precision: str = "tf32", tune: str = "auto",
-             tune_budget: float | None = None, jobs: int | None = None) -> Report:
+             tune_budget: float | None = None, jobs: int | None = None, leave_to_ort: bool = True) -> Report:
     """Read, fuse and atomically write a model file, and with `json_path` the report as JSON:
     both or neither (`Outputs`; no output may be the input).
 
@@ -226,7 +233,8 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
     an error: the patterns and the pass must agree.
     `shapes` / `batch` (as `--shape` / `--batch`): when they give every symbolic dim, the
     written model takes those input shapes only and its shape arithmetic is folded
-    (`optimize_model`'s static_shapes); otherwise the report says which dim was left open."""
+    (`optimize_model`'s static_shapes); otherwise the report says which dim was left open.
+    `leave_to_ort` as `optimize_model`'s (`--no-leave-to-ort` turns it off)."""
     if compile_hook is None:
         compile_hook, layout = configure(target, layout or "auto", conv_precision, tune, shapes, batch,
                                          tune_budget, jobs)
@@ -243,7 +251,7 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
         static, why = (None, None)
         if shapes or batch is not None:
             static, why = resolve_dims(model, dict(shapes or {}), batch)
-        result = optimize_model(model, patterns, static_shapes=static)
+        result = optimize_model(model, patterns, static_shapes=static, leave_to_ort=leave_to_ort)
         if why:
             result.report.static_shapes = why
         if compile_hook is not None:

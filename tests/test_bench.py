@@ -41,7 +41,7 @@ def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def optimized(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench") / "example.opt.onnx"
-    save_model(optimize_model(onnx.load(str(EXAMPLE))).model, out)
+    save_model(optimize_model(onnx.load(str(EXAMPLE)), leave_to_ort=False).model, out)  # 4 fused nodes, GELU too
     return out
 
 
@@ -589,7 +589,8 @@ def test_compare_dry_run(tmp_path):
     assert d["dry_run"] is True and [c["model"] for c in d["cases"]] == [
         "relu_maxpool", "conv_relu", "mlp_block", "cos_cos", "resnet18"]
     by = {c["model"]: c for c in d["cases"]}
-    assert by["mlp_block"]["fused_nodes"] == 2 and by["cos_cos"]["fused_nodes"] == 1
+    # static shapes: ORT makes Gemm of both MatMul + bias and Gelu of the erf chain: nothing left to fuse
+    assert by["mlp_block"]["fused_nodes"] == 0 and by["cos_cos"]["fused_nodes"] == 1
     assert d["reference"].startswith("float64") and "gate_output" in d["gate"]
     for name in ("relu_maxpool", "conv_relu", "mlp_block", "cos_cos"):
         c = by[name]
@@ -606,7 +607,7 @@ def test_compare_dry_run(tmp_path):
     text = md.read_text()
     assert "| model | inputs | fused nodes | ORT | onnxfuse |" in text
     assert "| ORT err vs ref | onnxfuse err vs ref | gate | onnxfuse vs ORT | best onnxfuse vs best ORT |" in text
-    row = next(line for line in text.splitlines() if line.startswith("| mlp_block | 2x8x32 | 2 |"))
+    row = next(line for line in text.splitlines() if line.startswith("| mlp_block | 2x8x32 | 0 |"))
     assert "| pass |" in row and row.endswith("x |")
     # the table again from the JSON, with chosen columns
     r = subprocess.run([sys.executable, "benchmarks/compare.py", "--from-json", str(js), "--table", "ort,onnxfuse"],
@@ -669,7 +670,7 @@ def test_compare_gates_a_wrong_onnxfuse_model(tmp_path, monkeypatch):
     real = compare.optimize_model
 
     def wrong(model, **kw):
-        r = real(model, **kw)
+        r = real(model, **{**kw, "leave_to_ort": False})  # fuse fc1's bias + GELU, left to ORT by default
         for n in r.model.graph.node:
             if n.name == "pointwise_chain_fc1/bias":
                 n.attribute[0].s = n.attribute[0].s.replace(b"mul %5 0.5", b"mul %5 0.6")

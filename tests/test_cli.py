@@ -37,12 +37,14 @@ def test_optimize_example(tmp_path):
     before = sha(EXAMPLE)
     r = cli("optimize", str(EXAMPLE), str(out), "--target", "none", "--json", str(js))
     assert r.returncode == 0, r.stderr
-    assert "pointwise_chain: 4 fused" in r.stdout
-    assert "nodes: 19 -> 8" in r.stdout
+    assert "pointwise_chain: 3 fused" in r.stdout
+    assert "nodes: 19 -> 13" in r.stdout
+    assert "6 nodes: left to ONNX Runtime's BiasGelu fusion" in r.stdout
     assert sha(EXAMPLE) == before
     report = json.loads(js.read_text())
-    assert report["patterns_applied"] == {"pointwise_chain": 4}
-    assert report["nodes_before"] == 19 and report["nodes_after"] == 8
+    assert report["patterns_applied"] == {"pointwise_chain": 3}
+    assert report["nodes_before"] == 19 and report["nodes_after"] == 13
+    assert report["not_fused"]["left to ONNX Runtime's BiasGelu fusion"] == 6
     assert {"node", "pattern", "kernel", "replaces"} <= set(report["fused"][0])
     m, o = onnx.load(str(EXAMPLE)), onnx.load(str(out))
     onnx.checker.check_model(o, full_check=True)

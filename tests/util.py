@@ -109,15 +109,17 @@ def check_programs(m: onnx.ModelProto, result: Result, feeds: dict, rtol: float 
 
 
 def check_fusion(m: onnx.ModelProto, expect_fused: int | None = None, feeds: dict | None = None,
-                 rtol: float | None = None, layout: str = "nchw", patterns: list | None = None) -> Result:
+                 rtol: float | None = None, layout: str = "nchw", patterns: list | None = None,
+                 leave_to_ort: bool = True) -> Result:
     """Optimize, validate, and compare original vs optimized on seeded random inputs (stock
     ONNX Runtime CPU, so fused nodes run their function bodies) and check each program.
 
     rtol: for the programs, which compute in fp32 where the original rounds intermediates to
     fp16 (default: by output dtype; pass 1e-2 when the group has fp16 intermediates).
-    layout: the patterns' layout (onnxfuse.pipeline.NHWC_ONLY_PATTERNS)."""
+    layout: the patterns' layout (onnxfuse.pipeline.NHWC_ONLY_PATTERNS).
+    leave_to_ort: False fuses the nodes ONNX Runtime's own fusions would take too."""
     before = m.SerializeToString()
-    result = optimize_model(m, patterns, layout=layout)
+    result = optimize_model(m, patterns, layout=layout, leave_to_ort=leave_to_ort)
     assert m.SerializeToString() == before, "optimize_model modified its input"
     onnx.checker.check_model(result.model, full_check=True)
     fused_nodes = [n for n in result.model.graph.node if n.domain == "onnxfuse"]

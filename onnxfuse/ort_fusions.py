@@ -1,0 +1,243 @@
+"""Which nodes ONNX Runtime's own graph fusions will absorb, so that onnxfuse leaves them alone.
+
+ONNX Runtime fuses transformer subgraphs itself (erf-GELU after a bias Add into BiasGelu,
+decomposed or residual LayerNorms into (Skip)LayerNormalization, MatMul + scale into
+FusedMatMul, ...). A pointwise chain that takes some of those nodes first breaks the
+fusion and can lose to it (a torch TransformerEncoderLayer on the H200: 0.95x at batch 8).
+
+Rather than re-implement ORT's matchers, `ort_fusions` asks ORT: it optimizes the model on
+the CPU EP at ORT_ENABLE_EXTENDED (which includes BASIC) without running it, reads the
+model ORT writes (`SessionOptions.optimized_model_filepath`) and maps every fused node of
+`FUSED_OPS` back to the original nodes it replaced (`absorbed_nodes`).
+
+- One ORT run, not a BASIC/EXTENDED pair: BASIC (ORT's level 1) fuses too (MatMul + Add into
+  Gemm, erf-GELU into the ONNX Gelu from opset 20, LayerNorm into LayerNormalization from
+  opset 17), so "gone only at EXTENDED" would miss those. Nodes that only constant folding,
+  common-subexpression elimination or no-op removal drop are not attributed to any fused
+  node, so they are never reserved.
+- The CPU EP stands for CUDA: every fusion in `FUSED_OPS` is registered for both EPs
+  (onnxruntime/core/optimizer/graph_transformer_utils.cc). The CUDA-only ones cannot be
+  seen here: GroupQueryAttentionFusion starts from com.microsoft attention nodes (no
+  pointwise node of an exported graph), BiasDropoutFusion from Dropout nodes (removed by
+  `onnxfuse.load.canonicalize`). Fusions registered for the CPU EP but not CUDA
+  (Conv + activation into FusedConv, Gemm + activation into FusedGemm, the quantization
+  ones) are not in `FUSED_OPS`, so they reserve nothing.
+- Float16 models are probed as float32 (`as_float32`): ORT's CPU EP runs float16 through
+  inserted Casts, and fuses nothing there, while its CUDA EP fuses them. ORT compares a
+  float16 constant with the float16 rounding of the value it expects (sqrt 2, 0.5, ...;
+  optimizer/utils.cc, IsInitializerWithExpectedValue), a float32 one within 1e-5: so a
+  one-element float16 constant that rounds like one of `_EXPECTED` becomes that value.
+  Bfloat16 models are probed as they are: ORT's fusions check for float16, float and double
+  (and its constant check has no bfloat16), so they fuse little of them on any EP.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, numpy_helper
+
+MS = "com.microsoft"
+
+# The fused nodes whose source nodes are left to ONNX Runtime: (domain, op_type) -> the
+# name the report gives the fusion. All are registered for the CUDA EP (and the CPU EP).
+# Not QuickGelu: ORT makes it of every x * Sigmoid(x) (SiLU), two nodes that a pointwise
+# chain fuses as well, and with their neighbours (CNNs' SiLU chains, measured faster fused).
+FUSED_OPS: dict[tuple[str, str], str] = {
+    (MS, "BiasGelu"): "BiasGelu",
+    (MS, "Gelu"): "Gelu",
+    ("", "Gelu"): "Gelu",
+    (MS, "FastGelu"): "FastGelu",
+    ("", "LayerNormalization"): "LayerNormalization",
+    (MS, "SkipLayerNormalization"): "SkipLayerNormalization",
+    ("", "SimplifiedLayerNormalization"): "SimplifiedLayerNormalization",
+    (MS, "SkipSimplifiedLayerNormalization"): "SkipSimplifiedLayerNormalization",
+    (MS, "EmbedLayerNormalization"): "EmbedLayerNormalization",
+    (MS, "Attention"): "Attention",
+    (MS, "MultiHeadAttention"): "Attention",
+    (MS, "BiasSoftmax"): "BiasSoftmax",
+    (MS, "FusedMatMul"): "FusedMatMul",  # MatMul with a scalar scale or a transposed operand
+    ("", "Gemm"): "MatMul + Add into Gemm",
+}
+# Ops ORT puts around a fused node without a name of the original graph (MatMul + Add of
+# 3-D tensors becomes Reshape -> Gemm -> Reshape): followed to the fused node.
+_WRAPPERS = frozenset({"Reshape", "Squeeze", "Unsqueeze"})
+
+_LOW_FLOATS = (TensorProto.FLOAT16,)
+# Constants ORT's GELU, LayerNorm and attention fusions look for, in float32.
+_EXPECTED = np.array([0.5, 1.0, 2.0, 3.0, np.sqrt(2.0), 1 / np.sqrt(2.0), np.sqrt(2 / np.pi), 0.044715,
+                      0.044715 * np.sqrt(2 / np.pi)], np.float32)
+
+
+def reason(fusion: str) -> str:
+    """The report's reason for nodes left to one of ORT's fusions."""
+    return f"left to ONNX Runtime's {fusion} fusion"
+
+
+@dataclass(frozen=True)
+class OrtFusions:
+    """What `ort_fusions` found: node index (in the model given) -> the report's reason."""
+
+    absorbed: dict[int, str] = field(default_factory=dict)
+    # why ORT could not be asked (nothing absorbed): a model ORT cannot load gets none of its
+    # fusions anyway, but without onnxruntime the model may still run in ORT elsewhere
+    problem: str | None = None
+    missing_ort: bool = False
+    seconds: float = 0.0
+
+
+def ort_fusions(model: ModelProto) -> OrtFusions:
+    """The nodes of `model` that ONNX Runtime's own fusions replace (see the module notes).
+    ORT optimizes but never runs the model; a model ORT cannot load gives `problem`."""
+    t0 = time.perf_counter()
+    try:
+        import onnxruntime as ort  # optional dependency: only the probe needs it
+    except ImportError:
+        return OrtFusions(problem="onnxruntime is not installed", missing_ort=True)
+    try:
+        optimized = _optimize(ort, as_float32(model))
+    except Exception as e:  # noqa: BLE001 -- ORT raises its own types (Fail, InvalidGraph, ...)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return OrtFusions(problem=f"ONNX Runtime could not optimize the model ({first[:200]})",
+                          seconds=time.perf_counter() - t0)
+    found = {i: reason(f) for i, f in absorbed_nodes(model.graph, optimized.graph).items()}
+    return OrtFusions(found, seconds=time.perf_counter() - t0)
+
+
+def _optimize(ort, model: ModelProto) -> ModelProto:
+    """`model` as ORT's CPU EP optimizes it at ORT_ENABLE_EXTENDED (initializers left in a
+    file that is not read back)."""
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-ort-") as tmp:
+        so = ort.SessionOptions()
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        so.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        so.log_severity_level = 3
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
+        so.add_session_config_entry("session.disable_prepacking", "1")
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
+        so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "256")
+        if model.ByteSize() < 2**31 - 1:
+            source: str | bytes = model.SerializeToString()
+        else:
+            source = str(Path(tmp) / "model.onnx")
+            onnx.save(model, source, save_as_external_data=True, location="model.data", size_threshold=1024)
+        ort.InferenceSession(source, so, providers=["CPUExecutionProvider"])
+        return onnx.load(so.optimized_model_filepath, load_external_data=False)
+
+
+def absorbed_nodes(original: GraphProto, optimized: GraphProto) -> dict[int, str]:
+    """Original node index -> fusion name (`FUSED_OPS`) for the nodes a fused node of
+    `optimized` replaces. Tensor names tie the graphs: a fused node produces the last
+    replaced node's output under its name; the other replaced nodes' outputs are gone
+    (nothing in `optimized` produces them, no initializer or input carries them)."""
+    made_by = {o: n for n in optimized.node for o in n.output if o}
+    present = set(made_by) | {t.name for t in optimized.initializer} | {i.name for i in optimized.input}
+    known = {o for n in original.node for o in n.output} | {t.name for t in original.initializer} \
+        | {i.name for i in original.input}
+
+    def fused_maker(tensor: str) -> onnx.NodeProto | None:
+        n = made_by.get(tensor)
+        while n is not None and n.op_type in _WRAPPERS and n.domain in ("", "ai.onnx") \
+                and n.input and n.input[0] not in known:
+            n = made_by.get(n.input[0])
+        return n
+
+    found: dict[int, str] = {}
+    nodes = list(original.node)
+    for i, n in enumerate(nodes):  # the last node of each fused group: its output lives on
+        outs = [o for o in n.output if o]
+        f = fused_maker(outs[0]) if outs else None
+        if f is None:
+            continue
+        key = (_domain(f.domain), f.op_type)
+        if key in FUSED_OPS and key != (_domain(n.domain), n.op_type):
+            found[i] = FUSED_OPS[key]
+    consumers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for name in n.input:
+            consumers.setdefault(name, []).append(i)
+    for i in range(len(nodes) - 1, -1, -1):  # the others: gone, read by a node of the group
+        if i in found:
+            continue
+        outs = [o for o in nodes[i].output if o]
+        if not outs or any(o in present for o in outs):
+            continue
+        readers = sorted({c for o in outs for c in consumers.get(o, ()) if c in found})
+        if readers:
+            found[i] = found[readers[0]]
+    return found
+
+
+def _domain(d: str) -> str:
+    return "" if d == "ai.onnx" else d
+
+
+def as_float32(model: ModelProto) -> ModelProto:
+    """`model` with every float16 tensor, type and cast made float32 (the model itself when
+    it has none), so that ORT's CPU EP fuses as its CUDA EP would (see the module notes)."""
+    if not _has_low_floats(model.graph):
+        return model
+    m = ModelProto()
+    m.CopyFrom(model)
+    _graph_to_float32(m.graph)
+    for f in m.functions:
+        for n in f.node:
+            _node_to_float32(n)
+    return m
+
+
+def _has_low_floats(g: GraphProto) -> bool:
+    if any(t.data_type in _LOW_FLOATS for t in g.initializer):
+        return True
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in _LOW_FLOATS:
+            return True
+    for n in g.node:
+        for a in n.attribute:
+            if a.type == AttributeProto.INT and a.name in ("to", "dtype") and a.i in _LOW_FLOATS:
+                return True
+            if a.type == AttributeProto.TENSOR and a.t.data_type in _LOW_FLOATS:
+                return True
+            if any(_has_low_floats(sg) for sg in ([a.g] if a.type == AttributeProto.GRAPH else a.graphs)):
+                return True
+    return False
+
+
+def _tensor_to_float32(t: TensorProto) -> None:
+    if t.data_type not in _LOW_FLOATS:
+        return
+    a = numpy_helper.to_array(t).astype(np.float32)
+    if a.size == 1:
+        same = _EXPECTED[np.abs(_EXPECTED).astype(np.float16) == np.float16(np.abs(a.flat[0]))]
+        if same.size:
+            a = np.full_like(a, np.copysign(same[0], a.flat[0]))
+    t.CopyFrom(numpy_helper.from_array(a, t.name))
+
+
+def _graph_to_float32(g: GraphProto) -> None:
+    for t in g.initializer:
+        _tensor_to_float32(t)
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in _LOW_FLOATS:
+            vi.type.tensor_type.elem_type = TensorProto.FLOAT
+    for n in g.node:
+        _node_to_float32(n)
+
+
+def _node_to_float32(n: onnx.NodeProto) -> None:
+    for a in n.attribute:
+        if a.type == AttributeProto.INT and a.name in ("to", "dtype") and a.i in _LOW_FLOATS:
+            a.i = TensorProto.FLOAT
+        elif a.type == AttributeProto.TENSOR:
+            _tensor_to_float32(a.t)
+        elif a.type == AttributeProto.GRAPH:
+            _graph_to_float32(a.g)
+        elif a.type == AttributeProto.GRAPHS:
+            for sg in a.graphs:
+                _graph_to_float32(sg)
