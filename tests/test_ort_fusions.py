@@ -224,3 +224,14 @@ def test_torch_encoder_static_shapes(torch_encoder):
     # residual Adds, FusedMatMul the attention scale: nothing is left for a pointwise chain
     r = _check_encoder(torch_encoder["static"], {"SkipLayerNormalization": 4, "Gelu": 10})
     assert r.report.patterns_applied == {}
+
+
+def test_a_model_no_fusion_starts_from_is_not_probed(monkeypatch):
+    """A CNN's ops (Conv, Relu, Sigmoid, Mul, Add, MaxPool) start none of ORT's transformer
+    fusions: ORT is not asked (no session), nothing is reserved."""
+    import onnxfuse.ort_fusions as of
+
+    monkeypatch.setattr(of, "_optimize", lambda ort, m: pytest.fail("ORT was asked"))
+    m = model([N("Sigmoid", ["x"], ["s"]), N("Mul", ["x", "s"], ["y"])], {"x": ("float32", [2, 8])},
+              {"y": ("float32", [2, 8])})
+    assert of.ort_fusions(m).absorbed == {}
