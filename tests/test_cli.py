@@ -299,3 +299,16 @@ def test_python_optimize_has_the_command_lines_defaults(tmp_path, monkeypatch):
     assert report.compile is not None and report.compile["kernels"] == 1  # compiled, as the CLI does
     assert (tmp_path / "api.onnx").read_bytes() == (tmp_path / "cli.onnx").read_bytes()
     assert optimize(src, tmp_path / "none.onnx", target="none").compile is None
+
+
+def test_target_none_compiles_no_kernels(tmp_path, monkeypatch):
+    """`--target none` embeds no kernels (before the Options, the command line passed no hook
+    for it and `onnxfuse.optimize` then compiled for the default targets)."""
+    from onnxfuse.cli import main
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    dst, js = tmp_path / "o.onnx", tmp_path / "r.json"
+    assert main(["optimize", str(EXAMPLE), str(dst), "--target", "none", "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["compile"] is None
+    fused = [n for n in onnx.load(str(dst)).graph.node if n.domain == "onnxfuse"]
+    assert fused and not any(a.name.startswith("kernel") for n in fused for a in n.attribute)
