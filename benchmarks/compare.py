@@ -90,12 +90,13 @@ from models.fp16 import DTYPES, to_fp16  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
 from onnxfuse import reference as float64_reference  # noqa: E402
 from onnxfuse.outputs import save_model, write_text  # noqa: E402
-from onnxfuse.pipeline import optimize, optimize_model  # noqa: E402
+from onnxfuse.pipeline import build_options, optimize, optimize_model  # noqa: E402
 from onnxfuse.tools.cuda import CudaDriver  # noqa: E402
 from onnxfuse.tools.feeds import make_feeds  # noqa: E402
 from onnxfuse.tools.gate import compare_output, gate_output  # noqa: E402
 from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate_model, interleave  # noqa: E402
 from onnxfuse.tools.shapes import resolve_inputs, signature  # noqa: E402
+from onnxfuse.tune import TuneSettings  # noqa: E402
 
 VARIANTS = ("ort", "ort_nhwc", "ort_graph", "ort_tfopt", "onnxfuse", "onnxfuse_graph", "onnxfuse_tfopt",
             "torch_eager", "torch_compile", "torch_compile_graph")
@@ -531,13 +532,11 @@ def _fuse(model: onnx.ModelProto, src: Path, dst: Path, shapes: dict[str, tuple[
     if dry:
         save_model(optimize_model(model, static_shapes=dict(shapes)).model, dst)
         return {}
-    from onnxfuse.kernels import compile_hook
-    from onnxfuse.tune import TuneSettings
-
     settings = None
     if tune:
         settings = TuneSettings(shapes=dict(shapes), **({"budget_s": tune_budget} if tune_budget else {}))
-    report = optimize(src, dst, compile_hook=compile_hook("auto", tune=settings, layout="nhwc"), shapes=dict(shapes))
+    options = dataclasses.replace(build_options("auto", "nhwc", tune="off", shapes=dict(shapes)), tune=settings)
+    report = optimize(src, dst, options=options)
     for w in report.warnings:
         warn(f"warning: {w[:300]}")
     return report.compile or {}
@@ -564,8 +563,6 @@ def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto
 def prepare(picked: list[Case]) -> int:
     """Build each case's model once per dtype and compile its kernels (`optimize` without
     tuning), so that the timed run that follows hits the model and kernel caches."""
-    from onnxfuse.kernels import compile_hook
-
     done = set()
     with tempfile.TemporaryDirectory(prefix="onnxfuse-prepare-") as tmp:
         for case in picked:
@@ -578,7 +575,7 @@ def prepare(picked: list[Case]) -> int:
                 src, dst = Path(tmp) / "m.onnx", Path(tmp) / "o.onnx"
                 save_model(case.onnx(False), src)
                 t1 = time.perf_counter()
-                report = optimize(src, dst, compile_hook=compile_hook("auto", layout="nhwc"))
+                report = optimize(src, dst, layout="nhwc", tune="off")
                 print(f"{key}: built in {t1 - t0:.1f} s; {report.compile.get('summary', '') if report.compile else ''} "
                       f"({time.perf_counter() - t1:.1f} s)", flush=True)
             except Exception as e:  # the timed run reports it again

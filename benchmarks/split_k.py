@@ -30,7 +30,7 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.gpu_timing import BoundSession, gpu_time_per_call, time_cuda  # noqa: E402
 from onnxfuse import library_path, optimize_model  # noqa: E402
-from onnxfuse.kernels import compile_hook  # noqa: E402
+from onnxfuse.pipeline import build_options, compile_pass  # noqa: E402
 
 # (C, K, kernel, stride, input H = W) of YOLOv8n at 320², batch 1
 LAYERS = [(256, 64, 3, 1, 10), (64, 64, 3, 1, 10), (256, 80, 3, 1, 10), (128, 128, 3, 1, 10),
@@ -59,7 +59,7 @@ def fused(m: onnx.ModelProto, split: bool) -> onnx.ModelProto:
     os.environ["ONNXFUSE_CONV_CONFIG"] = "" if split else "split=0"
     try:
         r = optimize_model(m, layout="nhwc")
-        info = compile_hook("auto", layout="nhwc")(r)
+        info = compile_pass(r, build_options("auto", "nhwc", tune="off")).report.compile
     finally:
         if saved is None:
             os.environ.pop("ONNXFUSE_CONV_CONFIG", None)

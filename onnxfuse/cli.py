@@ -14,9 +14,8 @@ from pathlib import Path
 from onnxfuse import analyze, bench, bisect, calibrate, profile
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.files import check_paths
-from onnxfuse.kernels import configure
 from onnxfuse.pattern import load_patterns
-from onnxfuse.pipeline import optimize
+from onnxfuse.pipeline import Options, build_options, optimize
 from onnxfuse.tools.gate import REFERENCES
 from onnxfuse.tools.session import OPT_LEVELS
 from onnxfuse.tools.shapes import parse_shapes
@@ -28,22 +27,26 @@ EXIT_BROKEN_PIPE = 128 + 13  # 141: what shells report for a process killed by S
 def _cmd_optimize(args: argparse.Namespace) -> int:
     src, dst = Path(args.input), Path(args.output)
     check_paths([src], [dst, args.json])  # before the work (optimize checks them again)
-    if args.tune and args.no_tune:
-        raise OnnxfuseError("--tune and --no-tune contradict each other")
-    shapes = parse_shapes(args.shape)
-    hook, layout = configure(args.target, args.layout, args.conv_precision,
-                             "off" if args.no_tune else "configs" if args.tune else "auto",
-                             shapes, args.batch, args.tune_budget, args.jobs)
+    options = options_from_args(args)
     with warnings.catch_warnings():  # the report carries them; printed below
         warnings.simplefilter("ignore", OnnxfuseWarning)
-        report = optimize(src, dst, args.patterns or (), compile_hook=hook, exclude=args.exclude_pattern or (),
-                          layout=layout, json_path=args.json, shapes=shapes, batch=args.batch,
-                          leave_to_ort=args.leave_to_ort)
+        report = optimize(src, dst, json_path=args.json, options=options)
     for w in report.warnings:
         print(f"onnxfuse: warning: {w}", file=sys.stderr)
     print(report.summary())
     print(f"wrote {dst}" + (f" and {args.json}" if args.json else ""))
     return 0
+
+
+def options_from_args(args: argparse.Namespace) -> Options:
+    """The Options of `onnxfuse optimize`'s flags (`onnxfuse.pipeline.build_options`, which
+    `onnxfuse.optimize` calls with the same defaults)."""
+    if args.tune and args.no_tune:
+        raise OnnxfuseError("--tune and --no-tune contradict each other")
+    return build_options(args.target, args.layout, args.conv_precision,
+                         "off" if args.no_tune else "configs" if args.tune else "auto",
+                         parse_shapes(args.shape), args.batch, args.tune_budget, args.jobs,
+                         args.patterns or (), args.exclude_pattern or (), args.leave_to_ort)
 
 
 def _cmd_patterns(args: argparse.Namespace) -> int:

@@ -1,15 +1,14 @@
-"""Optimize-time kernel step: generate, compile and embed a Triton kernel per fused node."""
+"""The compile pass's work (`onnxfuse.pipeline.compile_pass`): generate, compile and embed a
+Triton kernel per fused node."""
 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
 
 from onnx import numpy_helper
 
 from onnxfuse import compile as aot
 from onnxfuse import rounding
-from onnxfuse import tune as tuning
 from onnxfuse.codegen_conv import ConvSpec, prerounds_weights, round_array_to_tf32
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.layout import apply_layouts
@@ -21,127 +20,11 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-TUNE_MODES = ("auto", "off", "configs")
-
-
-def configure(target: str = "auto", layout: str = "auto", conv_precision: str = "tf32", tune: str = "auto",
-              shapes: dict | None = None, batch: int | None = None, tune_budget: float | None = None,
-              jobs: int | None = None) -> tuple[Callable | None, str]:
-    """The compile hook and layout `onnxfuse optimize` uses, from its options; the command
-    line and `onnxfuse.optimize` both call this, so they have the same defaults.
-
-    target: "auto" (the local GPU, else the default set), "none" (no kernels: the function
-    bodies and the CPU library run the fused nodes) or a list like "sm_90,sm_80". layout:
-    "auto" is "nhwc" when kernels are compiled and Triton is installed, else "nchw". tune:
-    "auto" (measure when this machine has an NVIDIA GPU and onnxruntime-gpu and kernels are
-    compiled), "off", or "configs" (also search kernel configurations; an error where it
-    cannot run). shapes / batch: where tuning measures (as --shape / --batch).
-    Returns (hook or None, layout)."""
-    if layout not in ("auto", "nchw", "nhwc"):
-        raise OnnxfuseError(f"--layout {layout}: choose auto, nchw or nhwc")
-    if tune not in TUNE_MODES:
-        raise OnnxfuseError(f"tune={tune!r}: choose one of {', '.join(TUNE_MODES)}")
-    if tune_budget is not None and not tune_budget > 0:
-        raise OnnxfuseError("--tune-budget must be a positive number of seconds")
-    if batch is not None and batch < 1:
-        raise OnnxfuseError("--batch must be at least 1")
-    if layout == "nhwc" and target == "none":
-        raise OnnxfuseError("--layout nhwc is for the GPU kernels: it cannot be combined with --target none")
-    if layout == "nhwc" and not triton_available():
-        raise OnnxfuseError("--layout nhwc runs with the compiled GPU kernels and needs Triton: "
-                            "pip install 'onnxfuse[compile]'")
-    # auto: nhwc when kernels are compiled (the NHWC pass runs with them); without Triton the
-    # compile step does nothing
-    if layout == "auto":
-        layout = "nhwc" if target != "none" and triton_available() else "nchw"
-    settings = None
-    if tune == "configs":
-        if target == "none":
-            raise OnnxfuseError("--tune times compiled kernels: it cannot be combined with --target none")
-        if not tuning.available():
-            raise OnnxfuseError("--tune needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
-    if tune == "configs" or (tune == "auto" and target != "none" and tuning.available()):
-        settings = tuning.TuneSettings(shapes=dict(shapes or {}), batch=batch, configs=tune == "configs",
-                                       explicit=tune == "configs", budget_s=tune_budget or tuning.BUDGET_S)
-    if target == "none":
-        return None, layout
-    return compile_hook(target, jobs=jobs, conv_precision=conv_precision, tune=settings, layout=layout), layout
-
-
-def compile_hook(target: str, jobs: int | None = None, conv_precision: str = "tf32",
-                 tune=None, layout: str = "nchw") -> Callable:
-    """A pipeline hook that compiles every fused node's kernel for `target` and attaches it.
-
-    target: "auto" (the local GPU, else the default set; skipped with a note when Triton is
-    not installed) or a list like "sm_90,sm_80" (an error when Triton is missing).
-    tune: an `onnxfuse.tune.TuneSettings` to measure on the local GPU which fused nodes to
-    keep and whether the optimized model beats the original (`onnxfuse.tune`), or None.
-    A tuning that cannot run (no GPU, a model that does not run at the shapes) is an error
-    when the settings are `explicit` (--tune), else a warning and the heuristics decide.
-    """
-    if target != "auto" and not triton_available():
-        raise OnnxfuseError("--target needs Triton: pip install 'onnxfuse[compile]' (or use --target none)")
-
-    def hook(result) -> dict:
-        if not result.fused:
-            return {"summary": "kernels: nothing to compile", "kernels": 0}
-        if not triton_available():
-            return {"summary": "kernels: not compiled (Triton is not installed); fused nodes run through "
-                               "their function bodies or the CPU library", "kernels": 0}
-        targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
-
-        # with --tune (configs) the measurements decide which convs cuDNN keeps
-        decline = tune is None or not tune.configs
-
-        def build(res) -> dict:
-            return _compile(res, targets, jobs, conv_precision, layout, decline_slow_convs=decline)
-
-        if tune is None:
-            return build(result)
-
-        def build_precise(res) -> dict:  # tried when the tf32 convs fail the accuracy gate
-            return _compile(res, targets, jobs, tuning.PRECISE, layout, decline_slow_convs=decline)
-
-        before = tuning.snapshot(result)
-        info = build(result)
-        try:
-            return tuning.tune(result, before, info, build, tune, targets, conv_precision=conv_precision, jobs=jobs,
-                               recompile_precise=build_precise if conv_precision == "tf32" else None)
-        except Exception as e:  # measuring must not lose the optimized model: the heuristics decide
-            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if not isinstance(e, OnnxfuseError):
-                why = f"{type(e).__name__}: {why}"
-            if tune.explicit:
-                raise OnnxfuseError(f"--tune: {why}") from None
-            result.warn(f"not tuned: {why}")
-            return info
-
-    hook.layout = layout  # `onnxfuse.optimize` picks its patterns for the same layout
-    return hook
-
-
-def _compile(result, targets: list[int], jobs: int | None, conv_precision: str, layout: str,
-             decline_slow_convs: bool) -> dict:
-    """Compile (and lay out) the fused nodes of a pipeline Result; its report follows."""
-    info = compile_fused(result.model, result.fused, targets, jobs=jobs, conv_precision=conv_precision,
-                         tensors=result.tensors, decline_slow_convs=decline_slow_convs, layout=layout)
-    kernels = {f.node_name: f.kernel_name for f in result.fused}
-    for rec in result.report.fused:  # the NHWC pass renames kernels
-        rec.kernel = kernels.get(rec.node, rec.kernel)
-    result.report.nodes_after = len(result.model.graph.node)  # and adds boundary Transposes
-    for reason in dict.fromkeys(d["reason"] for d in info["declined"]):
-        result.drop_fused({d["node"] for d in info["declined"] if d["reason"] == reason}, reason)
-    if info["failed"]:
-        result.drop_fused({f["node"] for f in info["failed"]}, FAILED_REASON)
-        for f in info["failed"]:
-            result.warn(failure_warning(f))
-    return info
-
-
-def _plan_rounding(model, fused: list, specs: list, caller: list, conv_precision: str, weight_dims: dict):
+def _plan_rounding(model, fused: list, specs: list, conv_precision: str, weight_dims: dict):
     """TF32 rounding at the producer (`onnxfuse.rounding`): the fused convs whose readers all
     round their activations store Y rounded, and those that read only such tensors skip their
-    own rounding. Renames their kernels; the FusedNode values in `caller` follow."""
+    own rounding. Renames their kernels: returns the FusedNode values and specs, changed
+    where they were."""
     convs = [(f, s) for f, s in zip(fused, specs, strict=True) if isinstance(s, ConvSpec)]
     # the shipped kernels (weights rounded when packed, activations in the kernel); the
     # benchmarks' other modes of codegen_conv._ROUND_TF32 keep their kernels as they are
@@ -154,7 +37,6 @@ def _plan_rounding(model, fused: list, specs: list, caller: list, conv_precision
     changed = {f.node_name: f for f, g in zip(new, fused, strict=True) if f is not g}
     if not changed:
         return fused, specs
-    caller[:] = [changed.get(f.node_name, f) for f in caller]
     specs = [kernel_spec(model, f, conv_precision, weight_dims) if f.node_name in changed else s
              for f, s in zip(new, specs, strict=True)]
     return new, specs
@@ -183,14 +65,17 @@ def failure_warning(f: dict) -> str:
 
 def compile_fused(model, fused: list, targets: list[int], jobs: int | None = None,
                   conv_precision: str = "tf32", decline_slow_convs: bool = True, layout: str = "nchw",
-                  tensors: dict | None = None) -> dict:
+                  tensors: dict | None = None) -> tuple[dict, list]:
     """Compile the kernel of every fused node of `model` for `targets` and attach it to the
-    node; returns the compile part of the report.
+    node; returns the compile part of the report, and `fused` with the FusedNode values that
+    the NHWC pass and TF32 rounding changed (new kernel names, inputs, layouts) replaced, in
+    the same order (declined and failed nodes included: the caller drops them from its list,
+    `onnxfuse.pipeline.compile_result`).
 
     A fused node whose kernel fails to compile for any target is turned back into its
     original nodes (`onnxfuse.rewrite.unfuse`): a node without kernels would fail on CUDA at
     run time. It is listed under "failed" (node, kernel, targets, error, nodes); the
-    caller updates its report (see `compile_hook`).
+    caller updates its report.
 
     With decline_slow_convs, conv nodes the heuristic of `onnxfuse.compile.conv_decline_reason`
     expects to be slower than cuDNN are unfused too, listed under "declined" with the reason:
@@ -198,13 +83,11 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     NHWC pass (`onnxfuse.layout`) runs next (its channels-last kernels were as fast as
     cuDNN's channels-last convs or faster on every layer measured, BENCHMARKS.md), at
     conv_precision (with ieee or tf32x3 it keeps GlobalAveragePools, whose channels-last
-    MatMul ONNX Runtime would run in TF32); the
-    FusedNode values in `fused` whose kernel names, inputs and layouts it changes are
-    replaced in place; `tensors` (`Result.tensors`) gives it the shapes inferred while
-    optimizing."""
+    MatMul ONNX Runtime would run in TF32); `tensors` (`onnxfuse.pipeline.Result.shapes`)
+    gives it the shapes inferred while optimizing."""
     if layout not in ("nchw", "nhwc"):
         raise OnnxfuseError(f"--layout {layout}: choose nchw or nhwc")
-    caller = fused
+    everything = list(fused)  # what the caller gets back, changed nodes replaced
     weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
     declined = []
     if decline_slow_convs:
@@ -222,11 +105,11 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
         fused = keep
     if layout == "nhwc":
         fused = apply_layouts(model, fused, tensors, conv_precision)
-        changed = {f.node_name: f for f in fused}
-        caller[:] = [changed.get(f.node_name, f) for f in caller]
+        everything = _replaced(everything, fused)
         weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}  # repacked weights
     specs = [kernel_spec(model, f, conv_precision, weight_dims) for f in fused]
-    fused, specs = _plan_rounding(model, fused, specs, caller, conv_precision, weight_dims)
+    fused, specs = _plan_rounding(model, fused, specs, conv_precision, weight_dims)
+    everything = _replaced(everything, fused)
     results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
     failed = []
     while bad := {i for i, ck in enumerate(results) if isinstance(ck, aot.CompileFailure)}:
@@ -239,9 +122,10 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
         fused, specs, results = [fused[i] for i in keep], [specs[i] for i in keep], [results[i] for i in keep]
         # a conv that went back to ONNX Runtime no longer stores rounded values (nor rounds what
         # it reads): plan again and compile the kernels whose flags change
-        new, specs = _plan_rounding(model, fused, specs, caller, conv_precision, weight_dims)
+        new, specs = _plan_rounding(model, fused, specs, conv_precision, weight_dims)
         redo = [i for i, (a, b) in enumerate(zip(new, fused, strict=True)) if a is not b]
         fused = new
+        everything = _replaced(everything, fused)
         for i, ck in zip(redo, aot.compile_kernels([specs[i] for i in redo], targets, jobs=jobs, errors="collect")
                          if redo else [], strict=True):
             results[i] = ck
@@ -267,4 +151,10 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     return {
         "summary": summary, "kernels": len(compiled), "targets": list(targets), "compile_seconds": seconds,
         "cache_hits": hits, "compiled": built, "failed": failed, "declined": declined,
-    }
+    }, everything
+
+
+def _replaced(everything: list, changed: list) -> list:
+    """`everything` with the FusedNode values of the same node names in `changed`."""
+    by_name = {f.node_name: f for f in changed}
+    return [by_name.get(f.node_name, f) for f in everything]

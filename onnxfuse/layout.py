@@ -43,10 +43,12 @@ channels-last X a row of contiguous channels at a time):
   subgraph, so the model stays valid ONNX that runs anywhere; value_infos of NHWC tensors
   are permuted to [N, H, W, C].
 
-It runs in the compile step (`onnxfuse.kernels.compile_fused`); with it no conv is left to
-cuDNN (the channels-last kernel matched or beat cuDNN's channels-last convs on every layer
-measured), and the `conv_alone` pattern fuses convs with nothing after them so that they
-stay channels-last too (`onnxfuse.pipeline.NHWC_ONLY_PATTERNS`).
+It runs in the compile pass (`onnxfuse.pipeline.compile_pass`, `onnxfuse.kernels.compile_fused`),
+after the convs the heuristics leave to cuDNN are declined: its plan depends on which convs
+stay fused. With it no conv is left to cuDNN (the channels-last kernel matched or beat
+cuDNN's channels-last convs on every layer measured), and the `conv_alone` pattern fuses
+convs with nothing after them so that they stay channels-last too (the choose-layout pass
+picks the patterns, `onnxfuse.pipeline.NHWC_ONLY_PATTERNS`).
 """
 
 from __future__ import annotations
@@ -149,8 +151,8 @@ def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw, matmul
 
 def _shapes(g: onnx.GraphProto, tensors: dict | None) -> dict[str, tuple[tuple, int]]:
     """tensor -> (dims, elem_type) of the rank-4 tensors whose shape is known, from the
-    shapes inferred while optimizing (`Result.tensors`) and the graph's value_info; a dim is
-    an int, a dim_param or None."""
+    shapes inferred while optimizing (`onnxfuse.pipeline.Result.shapes`) and the graph's
+    value_info; a dim is an int, a dim_param or None."""
     out = {}
     for vi in [*g.value_info, *g.input, *g.output]:
         t = vi.type.tensor_type
@@ -293,7 +295,7 @@ def channels(f, weight_dims: dict[str, tuple[int, ...]]) -> int:
 def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, conv_precision: str = "tf32") -> list:
     """Rewrite `model` in place for the NHWC plan; returns `fused` with the changed nodes'
     FusedNode values replaced (new kernel names, inputs and layouts), in the same order.
-    tensors: the shapes inferred while optimizing (`onnxfuse.pipeline.Result.tensors`);
+    tensors: the shapes inferred while optimizing (`onnxfuse.pipeline.Result.shapes`);
     conv_precision: the precision the convs are compiled at (`plan`)."""
     g = model.graph
     shapes = _shapes(g, tensors)

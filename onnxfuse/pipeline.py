@@ -1,23 +1,30 @@
-"""optimize(): the flat list of stages from an input model to a fused one, plus a report."""
+"""optimize(): PASSES, the flat list of passes from an input model to a fused one, and a
+report built from the final graph. Each pass is a function (Result, Options) -> Result; the
+Options come from `build_options`, for the command line and the Python API alike."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import onnx
 from onnx import ModelProto
 
+from onnxfuse import compile as aot
+from onnxfuse import kernels
+from onnxfuse import tune as tuning
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
-from onnxfuse.kernels import configure
+from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
 from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem
-from onnxfuse.match import find_matches
+from onnxfuse.match import MatchResult, find_matches
 from onnxfuse.ort_fusions import ort_fusions
 from onnxfuse.outputs import Outputs
 from onnxfuse.pattern import Pattern, load_patterns
@@ -83,18 +90,117 @@ class Report:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class Options:
+    """Everything the passes are told, built by `build_options` for the command line and
+    the Python API alike (one function, one set of defaults).
+
+    target: "auto" (the local GPU, else the default set), "none" (no kernels) or a list like
+    "sm_90,sm_80"; layout: "nchw" or "nhwc" ("auto" is resolved when the options are built);
+    conv_precision: how fused float32 convs multiply; tune: how the tune pass measures, or
+    None for no tuning; jobs: parallel kernel compilations; shapes / batch: the input shapes
+    the model will run at (`--shape` / `--batch`): the canonicalize pass makes the model
+    static when they give every symbolic dim; pattern_dirs / exclude: the pattern set
+    (`--patterns` / `--exclude-pattern`); patterns: an explicit pattern set, matched as
+    given (Python API: `optimize_model(model, patterns)`), instead of that set for the layout;
+    leave_to_ort: pointwise chains take no node that ONNX Runtime's own fusions would take
+    (BiasGelu, LayerNormalization, ...; `onnxfuse.ort_fusions`); False fuses them anyway
+    (`--no-leave-to-ort`)."""
+
+    target: str
+    layout: str
+    conv_precision: str
+    tune: tuning.TuneSettings | None
+    jobs: int | None
+    shapes: dict[str, tuple[int, ...]]
+    batch: int | None
+    pattern_dirs: tuple[str, ...]
+    exclude: tuple[str, ...]
+    patterns: tuple[Pattern, ...] | None = None
+    leave_to_ort: bool = True
+
+
+TUNE_MODES = ("auto", "off", "configs")
+
+
+def build_options(target: str = "auto", layout: str = "auto", conv_precision: str = "tf32", tune: str = "auto",
+                  shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None,
+                  tune_budget: float | None = None, jobs: int | None = None,
+                  pattern_dirs: list[str | os.PathLike] | tuple = (), exclude: list[str] | tuple = (),
+                  leave_to_ort: bool = True) -> Options:
+    """The Options of `onnxfuse optimize` from its flags; `onnxfuse.optimize` builds them
+    here too, from the same defaults. Every inconsistent choice is a one-line OnnxfuseError.
+
+    layout: "auto" is "nhwc" when kernels are compiled and Triton is installed, else "nchw".
+    tune: "auto" (measure when this machine has an NVIDIA GPU and onnxruntime-gpu and kernels
+    are compiled), "off", or "configs" (also search kernel configurations; an error where it
+    cannot run). pattern_dirs / exclude: the pattern set is loaded once to check them (the
+    choose-layout pass loads it again, for the layout)."""
+    if layout not in ("auto", "nchw", "nhwc"):
+        raise OnnxfuseError(f"--layout {layout}: choose auto, nchw or nhwc")
+    if tune not in TUNE_MODES:
+        raise OnnxfuseError(f"tune={tune!r}: choose one of {', '.join(TUNE_MODES)}")
+    if tune_budget is not None and not tune_budget > 0:
+        raise OnnxfuseError("--tune-budget must be a positive number of seconds")
+    if batch is not None and batch < 1:
+        raise OnnxfuseError("--batch must be at least 1")
+    if layout == "nhwc" and target == "none":
+        raise OnnxfuseError("--layout nhwc is for the GPU kernels: it cannot be combined with --target none")
+    if layout == "nhwc" and not kernels.triton_available():
+        raise OnnxfuseError("--layout nhwc runs with the compiled GPU kernels and needs Triton: "
+                            "pip install 'onnxfuse[compile]'")
+    # auto: nhwc when kernels are compiled (the NHWC pass runs with them); without Triton the
+    # compile pass does nothing
+    if layout == "auto":
+        layout = "nhwc" if target != "none" and kernels.triton_available() else "nchw"
+    shapes = {name: tuple(dims) for name, dims in (shapes or {}).items()}
+    settings = None
+    if tune == "configs":
+        if target == "none":
+            raise OnnxfuseError("--tune times compiled kernels: it cannot be combined with --target none")
+        if not tuning.available():
+            raise OnnxfuseError("--tune needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
+    if tune == "configs" or (tune == "auto" and target != "none" and tuning.available()):
+        settings = tuning.TuneSettings(shapes=dict(shapes), batch=batch, configs=tune == "configs",
+                                       explicit=tune == "configs", budget_s=tune_budget or tuning.BUDGET_S)
+    if target not in ("none", "auto") and not kernels.triton_available():
+        raise OnnxfuseError("--target needs Triton: pip install 'onnxfuse[compile]' (or use --target none)")
+    pattern_dirs = tuple(os.fspath(d) for d in pattern_dirs)
+    if pattern_dirs or exclude:  # a bad folder or an unknown name fails here, before any work
+        select_patterns(load_patterns(pattern_dirs), exclude)
+    return Options(target, layout, conv_precision, settings, jobs, shapes, batch, pattern_dirs, tuple(exclude),
+                   leave_to_ort=leave_to_ort)
+
+
 @dataclass
 class Result:
+    """The state the passes transform (the IR: an onnx ModelProto and the fused nodes in it),
+    and the report so far."""
+
     model: ModelProto
     report: Report
-    fused: list[FusedNode]
-    # Shapes and element types inferred while optimizing (tensor -> (dims or None, elem_type);
-    # a dim is an int, a dim_param or None): the NHWC pass reads them (onnxfuse.layout), as the
-    # written model keeps only the value_info it came with.
-    tensors: dict[str, tuple] = field(default_factory=dict)
+    fused: list[FusedNode] = field(default_factory=list)
     # The input model as given (not a copy: never changed): tuning times it, and writes it
     # unchanged when the optimized model is slower (onnxfuse.tune).
     original: ModelProto | None = None
+    # What a pass leaves for later ones (never written out):
+    # - canonicalize: why the model is left as it is (an opset this onnxfuse does not know);
+    #   the passes up to rewrite then change nothing
+    unchanged: str | None = None
+    # - infer shapes: producers, consumers, constants, types and shapes of the model before
+    #   the rewrite (match and rewrite read it; rewrite drops it)
+    view: GraphView | None = None
+    # - infer shapes: tensor -> (dims or None, elem_type) (a dim is an int, a dim_param or
+    #   None), inferred while optimizing: the NHWC step of the compile pass reads them
+    #   (onnxfuse.layout), as the written model keeps only the value_info it came with
+    shapes: dict[str, tuple] = field(default_factory=dict)
+    # - choose layout: the patterns the match pass applies
+    patterns: list[Pattern] = field(default_factory=list)
+    # - match: what each pattern fuses, and why other nodes do not
+    found: MatchResult | None = None
+    # - compile, when the tune pass follows: the result as the rewrite left it, from which
+    #   tuning rebuilds its candidates
+    before_compile: Result | None = None
 
     def warn(self, message: str) -> None:
         """Record a warning in the report and issue it as an OnnxfuseWarning."""
@@ -105,13 +211,23 @@ class Result:
         """Forget fused nodes that were turned back into their original nodes
         (`onnxfuse.rewrite.unfuse`): they count as not fused, for `reason`."""
         dropped = [f for f in self.fused if f.node_name in names]
-        self.fused[:] = [f for f in self.fused if f.node_name not in names]
+        self.fused = [f for f in self.fused if f.node_name not in names]
+        describe_graph(self)
         r = self.report
-        r.fused = [rec for rec in r.fused if rec.node not in names]
-        r.patterns_applied = dict(Counter(f.pattern for f in self.fused))
-        r.nodes_after = len(self.model.graph.node)
         if dropped:
             r.not_fused[reason] = r.not_fused.get(reason, 0) + sum(len(f.source_nodes) for f in dropped)
+
+
+def describe_graph(result: Result) -> Report:
+    """The parts of the report that describe the graph as it stands: nodes, patterns applied,
+    fused nodes (their kernels as last renamed). Every pass that changes the graph ends here,
+    so the report is always the final graph's."""
+    r = result.report
+    r.nodes_after = len(result.model.graph.node)
+    r.patterns_applied = dict(Counter(f.pattern for f in result.fused))
+    r.fused = [FusionRecord(f.node_name, f.pattern, f.kernel_name, list(f.source_nodes), len(f.inputs),
+                            len(f.outputs)) for f in result.fused]
+    return r
 
 
 # Patterns for the GPU kernels' path only (`layout="nhwc"`, what `optimize` uses when it
@@ -130,60 +246,221 @@ def for_layout(patterns: list[Pattern], layout: str) -> list[Pattern]:
     return patterns if layout == "nhwc" else [p for p in patterns if p.name not in NHWC_ONLY_PATTERNS]
 
 
-def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, layout: str = "nchw",
-                   static_shapes: dict[str, tuple[int, ...]] | None = None, leave_to_ort: bool = True) -> Result:
-    """Fuse a model in memory. The input model is not modified. `patterns` defaults to the
-    built-in ones, for `layout` (see NHWC_ONLY_PATTERNS; the NHWC pass itself runs with
-    the kernels, `onnxfuse.kernels.compile_hook`). `static_shapes` (input name -> dims, every
-    input): the written model takes those shapes only, and the shape arithmetic they decide
-    is folded into constants first (`onnxfuse.static`), so that ONNX Runtime can run every
-    node on the GPU and capture CUDA graphs. `leave_to_ort`: pointwise chains take no node
-    that ONNX Runtime's own fusions (BiasGelu, LayerNormalization, ...) would take
-    (`onnxfuse.ort_fusions`); False fuses them anyway.
+# ---------------------------------------------------------------------------------------
+# The passes: each takes the Result so far and the Options, and returns the Result
+# ---------------------------------------------------------------------------------------
+
+def canonicalize_pass(result: Result, options: Options) -> Result:
+    """Static input shapes (options.shapes / batch, when they give every symbolic dim): the
+    shape arithmetic they decide folded into constants (`onnxfuse.static`), so that ONNX
+    Runtime can run every node on the GPU and capture CUDA graphs; otherwise the report says
+    which dim was left open. Then exporters' habits undone (`onnxfuse.load.canonicalize`).
 
     A model whose default-domain opset is newer than this onnxfuse knows (or older than
-    `onnxfuse.load.MIN_OPSET`) comes back unchanged (a copy), with a warning: an op may
-    mean something else in that opset (`onnxfuse.load.opset_problem`)."""
-    t0 = time.perf_counter()
-    patterns = for_layout(load_patterns(), layout) if patterns is None else patterns
-    too_new = opset_problem(model)
-    if too_new is not None:
+    `onnxfuse.load.MIN_OPSET`) is left unchanged (a copy), with a warning: an op may mean
+    something else in that opset (`onnxfuse.load.opset_problem`)."""
+    static, why = (None, None)
+    if options.shapes or options.batch is not None:
+        static, why = resolve_dims(result.model, dict(options.shapes), options.batch)
+    problem = opset_problem(result.model)
+    if problem is not None:
         same = ModelProto()
-        same.CopyFrom(model)
-        n = len(model.graph.node)
-        result = Result(same, Report(nodes_before=n, nodes_after=n, not_fused={too_new: n}), [])
-        result.warn(f"{too_new}: the model is left unchanged")
-        result.report.seconds = time.perf_counter() - t0
+        same.CopyFrom(result.model)
+        result.model, result.original, result.unchanged = same, None, problem
+        result.report.not_fused = {problem: len(same.graph.node)}
+        describe_graph(result)
+        result.warn(f"{problem}: the model is left unchanged")
+        result.report.static_shapes = why
         return result
-    static = None
-    if static_shapes:
-        model_in, static = fold_shape_arithmetic(model, static_shapes)  # Shape -> ... -> Reshape: constants
+    model = result.model
+    if static is not None:
+        model, folded = fold_shape_arithmetic(model, static)  # Shape -> ... -> Reshape: constants
+        result.report.static_shapes = folded.summary()
     else:
-        model_in = model
-    canonical = canonicalize(model_in)                    # exporters' habits undone
-    canonical, folded = fold_batchnorm(canonical)         # Conv -> BatchNormalization: one Conv
-    inferred = infer_shapes(canonical)                    # types and shapes for matching
-    view = GraphView.build(canonical, inferred)           # producers, consumers, constants
-    by_ort = ort_fusions(canonical) if leave_to_ort else None  # nodes ORT's own fusions take
-    found = find_matches(view, patterns, by_ort.absorbed if by_ort else None)  # groups each pattern fuses
-    fused_model, fused = rewrite(canonical, view, found.matches)  # custom nodes + functions
-    report = Report(
-        nodes_before=len(model.graph.node),
-        nodes_after=len(fused_model.graph.node),
-        patterns_applied=dict(Counter(f.pattern for f in fused)),
-        fused=[FusionRecord(f.node_name, f.pattern, f.kernel_name, list(f.source_nodes),
-                            len(f.inputs), len(f.outputs)) for f in fused],
-        not_fused=dict(found.rejected),
-        folded_batchnorm=folded,
-        static_shapes=static.summary() if static is not None else None,
-    )
-    for reason, count in _not_visited(canonical, patterns).items():
-        report.not_fused[reason] = report.not_fused.get(reason, 0) + count
-    report.seconds = time.perf_counter() - t0
-    tensors = {name: (shape, view.types.get(name, 0)) for name, shape in view.shapes.items()}
-    result = Result(fused_model, report, fused, tensors, original=model)
-    if by_ort is not None and by_ort.missing_ort:
-        result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused")
+        result.report.static_shapes = why
+    result.model = canonicalize(model)
+    return result
+
+
+def fold_pass(result: Result, options: Options) -> Result:
+    """Conv -> BatchNormalization pairs folded into one Conv (`onnxfuse.fold`)."""
+    if result.unchanged is None:
+        result.model, result.report.folded_batchnorm = fold_batchnorm(result.model)
+    return result
+
+
+def infer_shapes_pass(result: Result, options: Options) -> Result:
+    """Types and shapes of every tensor (`onnxfuse.load.infer_shapes`), indexed with the
+    graph's producers, consumers and constants (`onnxfuse.graph.GraphView`)."""
+    if result.unchanged is None:
+        view = GraphView.build(result.model, infer_shapes(result.model))
+        result.view = view
+        result.shapes = {name: (shape, view.types.get(name, 0)) for name, shape in view.shapes.items()}
+    return result
+
+
+def choose_layout_pass(result: Result, options: Options) -> Result:
+    """The patterns for the layout (`options.layout`, decided by `build_options`: "nhwc" when
+    kernels are compiled): NHWC_ONLY_PATTERNS only for "nhwc". The layout itself is applied
+    to the fused nodes in the compile pass (`onnxfuse.layout`), whose plan depends on which
+    convs stay fused (declined, failed, or left to ONNX Runtime by tuning)."""
+    if options.patterns is not None:
+        result.patterns = list(options.patterns)
+    else:
+        result.patterns = for_layout(select_patterns(load_patterns(options.pattern_dirs), options.exclude),
+                                     options.layout)
+    return result
+
+
+def match_pass(result: Result, options: Options) -> Result:
+    """The groups each pattern fuses (`onnxfuse.match`), and in the report why other nodes do
+    not (including those the matcher does not visit: in subgraphs and the model's functions).
+    With `leave_to_ort`, the nodes ONNX Runtime's own fusions would take are kept out of
+    pointwise chains (`onnxfuse.ort_fusions`, asked about the canonical model)."""
+    if result.unchanged is None:
+        by_ort = ort_fusions(result.model) if options.leave_to_ort else None
+        if by_ort is not None and by_ort.missing_ort:
+            result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused")
+        result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None)
+        not_fused = dict(result.found.rejected)
+        for reason, count in _not_visited(result.model, result.patterns).items():
+            not_fused[reason] = not_fused.get(reason, 0) + count
+        result.report.not_fused = not_fused
+    return result
+
+
+def rewrite_pass(result: Result, options: Options) -> Result:
+    """Each match replaced by one custom node in domain `onnxfuse` with its original
+    subgraph as a model-local function (`onnxfuse.rewrite`)."""
+    if result.unchanged is not None:
+        return result
+    result.model, result.fused = rewrite(result.model, result.view, result.found.matches)
+    result.view, result.found = None, None
+    describe_graph(result)
+    return result
+
+
+def compile_pass(result: Result, options: Options) -> Result:
+    """Every fused node's kernel compiled for options.target and attached (no kernels with
+    target "none"; a note without Triton): convs the heuristics expect cuDNN to run faster
+    left to it, the NHWC layout applied (layout "nhwc", `onnxfuse.layout`), nodes whose
+    kernel fails to compile turned back into their original nodes (`onnxfuse.kernels`). The
+    report's `compile` entry says what was compiled.
+
+    Tests and scripts compile a Result of `optimize_model` with it:
+    `compile_pass(optimize_model(m), build_options(target="sm_90", layout="nhwc", tune="off"))`."""
+    if options.target == "none":
+        return result
+    if not result.fused:
+        result.report.compile = {"summary": "kernels: nothing to compile", "kernels": 0}
+        return result
+    if not kernels.triton_available():
+        result.report.compile = {"summary": "kernels: not compiled (Triton is not installed); fused nodes run "
+                                            "through their function bodies or the CPU library", "kernels": 0}
+        return result
+    if options.tune is not None:
+        result.before_compile = tuning.snapshot(result)
+    result.report.compile = compile_result(result, _targets(options), options, options.conv_precision)
+    return result
+
+
+def tune_pass(result: Result, options: Options) -> Result:
+    """With options.tune, on this machine's GPU: fused nodes whose original runs faster left
+    to ONNX Runtime, and the original model kept when the optimized one is slower or less
+    accurate than ONNX Runtime's default (`onnxfuse.tune`). A tuning that cannot run is an
+    error when the user asked for it (`--tune`), else a warning and the heuristics decide."""
+    before = result.before_compile
+    if options.tune is None or before is None:
+        return result
+    result.before_compile = None
+    targets = _targets(options)
+    info = result.report.compile
+
+    def build(res: Result) -> dict:
+        return compile_result(res, targets, options, options.conv_precision)
+
+    def build_precise(res: Result) -> dict:  # tried when the tf32 convs fail the accuracy gate
+        return compile_result(res, targets, options, tuning.PRECISE)
+
+    try:
+        result.report.compile = tuning.tune(
+            result, before, info, build, options.tune, targets, conv_precision=options.conv_precision,
+            jobs=options.jobs, recompile_precise=build_precise if options.conv_precision == "tf32" else None)
+    except Exception as e:  # measuring must not lose the optimized model: the heuristics decide
+        why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not isinstance(e, OnnxfuseError):
+            why = f"{type(e).__name__}: {why}"
+        if options.tune.explicit:
+            raise OnnxfuseError(f"--tune: {why}") from None
+        result.warn(f"not tuned: {why}")
+    describe_graph(result)
+    return result
+
+
+# The pipeline, in order. Each pass is a function (Result, Options) -> Result.
+PASSES: tuple[Callable[[Result, Options], Result], ...] = (
+    canonicalize_pass,    # static input shapes folded into the graph; exporters' habits undone
+    fold_pass,            # Conv -> BatchNormalization: one Conv
+    infer_shapes_pass,    # types and shapes, for matching and for the NHWC layout
+    choose_layout_pass,   # the patterns for the layout (nchw, or nhwc when kernels are compiled)
+    match_pass,           # the groups each pattern fuses, and why other nodes do not
+    rewrite_pass,         # custom nodes in domain onnxfuse + their original subgraphs as functions
+    compile_pass,         # decline slow convs, lay out NHWC, compile and attach kernels, unfuse failures
+    tune_pass,            # on a GPU: measure, keep what is faster and as accurate as ONNX Runtime
+)
+
+
+def _targets(options: Options) -> list[int]:
+    return aot.default_targets() if options.target == "auto" else aot.parse_targets(options.target)
+
+
+def compile_result(result: Result, targets: list[int], options: Options, conv_precision: str) -> dict:
+    """Compile (and lay out) the fused nodes of `result` at `conv_precision`; returns the
+    compile part of the report, and the report follows the graph. Convs are declined by the
+    heuristics unless `--tune` (configs) measures them instead."""
+    decline = options.tune is None or not options.tune.configs
+    info, result.fused = compile_fused(result.model, result.fused, targets, jobs=options.jobs,
+                                       conv_precision=conv_precision, tensors=result.shapes,
+                                       decline_slow_convs=decline, layout=options.layout)
+    describe_graph(result)
+    for reason in dict.fromkeys(d["reason"] for d in info["declined"]):
+        result.drop_fused({d["node"] for d in info["declined"] if d["reason"] == reason}, reason)
+    if info["failed"]:
+        result.drop_fused({f["node"] for f in info["failed"]}, FAILED_REASON)
+        for f in info["failed"]:
+            result.warn(failure_warning(f))
+    return info
+
+
+def run_passes(result: Result, options: Options, passes=PASSES) -> Result:
+    """`result` through `passes` in order."""
+    for step in passes:
+        result = step(result, options)
+    return result
+
+
+def optimize_model(model: ModelProto, patterns: list[Pattern] | None = None, layout: str | None = None,
+                   static_shapes: dict[str, tuple[int, ...]] | None = None, *,
+                   leave_to_ort: bool | None = None, options: Options | None = None) -> Result:
+    """Fuse a model in memory: PASSES with `options`. The input model is not modified.
+
+    Without options, those of `build_options(target="none")`: no kernels, layout "nchw".
+    The keywords adjust them for in-memory use: `patterns`, matched as given (default: the
+    built-in ones, for the layout); `layout`, the patterns' layout only (NHWC_ONLY_PATTERNS;
+    the NHWC layout itself is applied when kernels are compiled, `compile_pass`);
+    `static_shapes` (input name -> dims): as `--shape`; `leave_to_ort`: as Options'."""
+    t0 = time.perf_counter()
+    options = build_options(target="none") if options is None else options
+    if patterns is not None:
+        options = dataclasses.replace(options, patterns=tuple(patterns))
+    if layout is not None:
+        options = dataclasses.replace(options, layout=layout)
+    if static_shapes is not None:
+        options = dataclasses.replace(options, shapes={k: tuple(v) for k, v in static_shapes.items()})
+    if leave_to_ort is not None:
+        options = dataclasses.replace(options, leave_to_ort=leave_to_ort)
+    result = run_passes(Result(model, Report(nodes_before=len(model.graph.node)), original=model), options)
+    result.report.seconds = time.perf_counter() - t0
     return result
 
 
@@ -216,46 +493,27 @@ def _not_visited(model: ModelProto, patterns: list[Pattern]) -> Counter:
 
 
 def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
-             pattern_dirs: list[str] | tuple = (), compile_hook=None, exclude: list[str] | tuple = (),
-             layout: str | None = None, json_path: str | os.PathLike | None = None,
+             pattern_dirs: list[str] | tuple = (), exclude: list[str] | tuple = (),
+             layout: str = "auto", json_path: str | os.PathLike | None = None,
              shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None, *,
              target: str = "auto", conv_precision: str = "tf32", tune: str = "auto",
-             tune_budget: float | None = None, jobs: int | None = None, leave_to_ort: bool = True) -> Report:
-    """Read, fuse and atomically write a model file, and with `json_path` the report as JSON:
-    both or neither (`Outputs`; no output may be the input).
+             tune_budget: float | None = None, jobs: int | None = None, leave_to_ort: bool = True,
+             options: Options | None = None) -> Report:
+    """Read, fuse (PASSES) and atomically write a model file, and with `json_path` the report
+    as JSON: both or neither (`Outputs`; no output may be the input).
 
-    With the defaults it does what `onnxfuse optimize IN OUT` does: kernels compiled for the
-    local GPU (else the default targets; `target="none"` for none), channels-last when they
-    are, tuned when this machine has an NVIDIA GPU (`onnxfuse.kernels.configure`: target,
-    layout "auto", conv_precision, tune "auto" / "off" / "configs", tune_budget, jobs).
-    compile_hook(result), when given, replaces that step (it may attach kernels and run the
-    NHWC pass); `layout` then defaults to the layout the hook was made with, and another is
-    an error: the patterns and the pass must agree.
-    `shapes` / `batch` (as `--shape` / `--batch`): when they give every symbolic dim, the
-    written model takes those input shapes only and its shape arithmetic is folded
-    (`optimize_model`'s static_shapes); otherwise the report says which dim was left open.
-    `leave_to_ort` as `optimize_model`'s (`--no-leave-to-ort` turns it off)."""
-    if compile_hook is None:
-        compile_hook, layout = configure(target, layout or "auto", conv_precision, tune, shapes, batch,
-                                         tune_budget, jobs)
-    hook_layout = getattr(compile_hook, "layout", None)
-    if layout is None:
-        layout = hook_layout or "nchw"
-    elif hook_layout is not None and hook_layout != layout:
-        raise OnnxfuseError(f"layout {layout!r} differs from the compile hook's {hook_layout!r}: "
-                            "make the hook with compile_hook(..., layout=...) for the same layout")
+    With the defaults it does what `onnxfuse optimize IN OUT` does: the keywords are the
+    command line's options, made into Options by `build_options` as the command line makes
+    them (kernels compiled for the local GPU, else the default targets, `target="none"` for
+    none; channels-last when they are; tuned when this machine has an NVIDIA GPU). `options`,
+    when given, replaces them all."""
+    if options is None:
+        options = build_options(target, layout, conv_precision, tune, shapes, batch, tune_budget, jobs,
+                                pattern_dirs, exclude, leave_to_ort)
     t0 = time.perf_counter()
     with Outputs([output_path, json_path], [input_path]) as out:
-        patterns = for_layout(select_patterns(load_patterns(pattern_dirs), exclude), layout)
         model = load_model(input_path)
-        static, why = (None, None)
-        if shapes or batch is not None:
-            static, why = resolve_dims(model, dict(shapes or {}), batch)
-        result = optimize_model(model, patterns, static_shapes=static, leave_to_ort=leave_to_ort)
-        if why:
-            result.report.static_shapes = why
-        if compile_hook is not None:
-            result.report.compile = compile_hook(result)
+        result = optimize_model(model, options=options)
         out.model(output_path, result.model)
         result.report.seconds = time.perf_counter() - t0
         if json_path is not None:

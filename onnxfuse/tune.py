@@ -1002,8 +1002,7 @@ def snapshot(result):
     """A copy of an `onnxfuse.pipeline.Result` that later steps do not change."""
     m = ModelProto()
     m.CopyFrom(result.model)
-    return dataclasses.replace(result, model=m, report=copy.deepcopy(result.report), fused=list(result.fused),
-                               tensors=dict(result.tensors))
+    return dataclasses.replace(result, model=m, report=copy.deepcopy(result.report), fused=list(result.fused))
 
 
 def unfuse_nodes(result, names: set[str], reason: str = REASON) -> None:
@@ -1015,9 +1014,10 @@ def unfuse_nodes(result, names: set[str], reason: str = REASON) -> None:
 
 
 def _adopt(result, other) -> None:
+    """Make `result` the candidate `other` (a `snapshot` recompiled): its model, fused nodes
+    and report."""
     result.model = other.model
-    result.fused[:] = other.fused
-    result.tensors = other.tensors
+    result.fused = list(other.fused)
     for k in dataclasses.fields(result.report):
         setattr(result.report, k.name, getattr(other.report, k.name))
 
@@ -1055,7 +1055,7 @@ def keep_original(result, orig: ModelTimes, times: dict[str, ModelTimes], gates:
     n = len(m.graph.node)
     fused_nodes = sum(len(f.source_nodes) for f in result.fused)
     result.model = m
-    result.fused[:] = []
+    result.fused = []
     r = result.report
     r.nodes_after, r.patterns_applied, r.fused, r.folded_batchnorm = n, {}, [], 0
     gates = gates or {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -200,37 +201,82 @@ def test_exclude_pattern(tmp_path, capsys):
     assert "no_such_pattern: no such pattern" in err and "conv_relu" in err and not dst.exists()
 
 
-def test_python_optimize_takes_the_compile_hooks_layout(tmp_path):
-    """`onnxfuse.optimize` picks its patterns for the layout its compile hook was made with
-    (a lone Conv fuses only with the NHWC patterns), and refuses a layout that differs."""
+def _conv_model(tmp_path) -> Path:
     from onnx import TensorProto, helper, numpy_helper
-
-    from onnxfuse import OnnxfuseError, optimize
 
     w = numpy_helper.from_array(np.ones((16, 16, 3, 3), np.float32), "w")
     g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], kernel_shape=[3, 3], pads=[1] * 4)], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 8, 8])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 8, 8])], [w])
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16, 8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16, 8, 8])], [w])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 9
     src = tmp_path / "conv.onnx"
     src.write_bytes(m.SerializeToString())
+    return src
+
+
+@pytest.mark.parametrize("flags, kwargs", [
+    ([], {}),
+    (["--target", "none"], {"target": "none"}),
+    (["--target", "none", "--layout", "nchw", "--conv-precision", "ieee", "--no-tune", "--shape", "x=2,16,8,8",
+      "--batch", "2", "--tune-budget", "5", "--jobs", "3", "--exclude-pattern", "conv_relu",
+      "--patterns", "{patterns}"],
+     {"target": "none", "layout": "nchw", "conv_precision": "ieee", "tune": "off", "shapes": {"x": (2, 16, 8, 8)},
+      "batch": 2, "tune_budget": 5.0, "jobs": 3, "exclude": ["conv_relu"],
+      "pattern_dirs": ["{patterns}"]}),
+])
+def test_the_cli_and_the_python_api_build_equal_options(tmp_path, monkeypatch, flags, kwargs):
+    """`onnxfuse optimize` and `onnxfuse.optimize` hand the passes equal Options for equal
+    inputs, and the same defaults (`onnxfuse.pipeline.build_options`, issue 16)."""
+    from onnxfuse import optimize, pipeline
+    from onnxfuse.cli import main
+
     seen = []
+    real = pipeline.optimize_model
 
-    def hook(result):  # stands in for onnxfuse.kernels.compile_hook(target, layout="nhwc")
-        seen.append([f.pattern for f in result.fused])
-        return {"summary": "kernels: none (test hook)", "kernels": 0}
+    def spy(model, *args, options=None, **kw):
+        seen.append(options)
+        return real(model, *args, options=dataclasses.replace(options, target="none", tune=None), **kw)
 
-    hook.layout = "nhwc"
-    report = optimize(src, tmp_path / "a.onnx", compile_hook=hook)
-    assert seen == [["conv_alone"]] and report.patterns_applied == {"conv_alone": 1}
+    monkeypatch.setattr(pipeline, "optimize_model", spy)
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    src = _conv_model(tmp_path)
+    (tmp_path / "patterns").mkdir()  # a pattern folder of no patterns: a str for the CLI, a Path from Python
+    flags = [str(tmp_path / "patterns") if f == "{patterns}" else f for f in flags]
+    if "pattern_dirs" in kwargs:
+        kwargs = {**kwargs, "pattern_dirs": [tmp_path / "patterns"]}
+    assert main(["optimize", str(src), str(tmp_path / "cli.onnx"), *flags]) == 0
+    optimize(src, tmp_path / "api.onnx", **kwargs)
+    cli, api = seen
+    assert isinstance(cli, pipeline.Options) and cli == api
+    assert cli == pipeline.build_options(**kwargs)
+    assert cli.layout in ("nchw", "nhwc")  # "auto" is decided when the options are built
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cli.layout = "nchw"
+
+
+def test_the_layout_picks_the_patterns(tmp_path, monkeypatch):
+    """The choose-layout pass: a lone Conv fuses only with the NHWC patterns, that is when
+    kernels are compiled (`--layout auto`), not with `--target none`."""
+    pytest.importorskip("triton")
+    from onnxfuse import optimize
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    src = _conv_model(tmp_path)
+    assert optimize(src, tmp_path / "a.onnx", target="sm_90", tune="off").patterns_applied == {"conv_alone": 1}
     assert optimize(src, tmp_path / "b.onnx", target="none").patterns_applied == {}  # nchw: a lone conv stays
-    with pytest.raises(OnnxfuseError, match="differs from the compile hook's 'nhwc'"):
-        optimize(src, tmp_path / "c.onnx", compile_hook=hook, layout="nchw")
-    assert not (tmp_path / "c.onnx").exists()
-    from onnxfuse.kernels import compile_hook
 
-    assert compile_hook("auto", layout="nhwc").layout == "nhwc" and compile_hook("auto").layout == "nchw"
+
+def test_the_pass_list_is_the_documented_one():
+    """PASSES, in order, is the list README.md gives (Development)."""
+    from onnxfuse.pipeline import PASSES
+
+    names = [p.__name__.removesuffix("_pass").replace("_", " ") for p in PASSES]
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    head = "Passes (`onnxfuse.pipeline.PASSES`):"
+    (line,) = [ln.strip() for ln in readme.splitlines() if ln.strip().startswith(head)]
+    assert line.split(":", 1)[1].strip().rstrip(".").split(" → ") == names
+    assert names == ["canonicalize", "fold", "infer shapes", "choose layout", "match", "rewrite", "compile", "tune"]
 
 
 def test_python_optimize_has_the_command_lines_defaults(tmp_path, monkeypatch):
@@ -255,3 +301,16 @@ def test_python_optimize_has_the_command_lines_defaults(tmp_path, monkeypatch):
     assert report.compile is not None and report.compile["kernels"] == 1  # compiled, as the CLI does
     assert (tmp_path / "api.onnx").read_bytes() == (tmp_path / "cli.onnx").read_bytes()
     assert optimize(src, tmp_path / "none.onnx", target="none").compile is None
+
+
+def test_target_none_compiles_no_kernels(tmp_path, monkeypatch):
+    """`--target none` embeds no kernels (before the Options, the command line passed no hook
+    for it and `onnxfuse.optimize` then compiled for the default targets)."""
+    from onnxfuse.cli import main
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    dst, js = tmp_path / "o.onnx", tmp_path / "r.json"
+    assert main(["optimize", str(EXAMPLE), str(dst), "--target", "none", "--json", str(js)]) == 0
+    assert json.loads(js.read_text())["compile"] is None
+    fused = [n for n in onnx.load(str(dst)).graph.node if n.domain == "onnxfuse"]
+    assert fused and not any(a.name.startswith("kernel") for n in fused for a in n.attribute)

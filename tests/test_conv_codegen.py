@@ -623,15 +623,15 @@ def _deep_conv_model(channels: int):
 def test_heuristic_leaves_deep_convs_to_cudnn(channels, fuse_all, kept, tmp_path, monkeypatch):
     pytest.importorskip("triton")
     from onnxfuse.compile import DECLINED_REASON
-    from onnxfuse.kernels import compile_hook
-    from onnxfuse.pipeline import optimize_model
+    from onnxfuse.pipeline import compile_pass, optimize_model
+    from tests.util import kernel_options
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
     if fuse_all:
         monkeypatch.setenv("ONNXFUSE_CONV_ALL", "1")
     r = optimize_model(_deep_conv_model(channels))
     assert len(r.fused) == 1
-    info = compile_hook("sm_90")(r)
+    info = compile_pass(r, kernel_options("sm_90")).report.compile
     ops = [n.op_type for n in r.model.graph.node]
     if kept:
         assert ops == ["FusedConv"] and not info["declined"]
@@ -645,12 +645,12 @@ def test_heuristic_deep_convs_stay_fused_under_nhwc(tmp_path, monkeypatch):
     """The channels-last kernels matched cuDNN's channels-last convs on deep layers: the NHWC
     path declines nothing."""
     pytest.importorskip("triton")
-    from onnxfuse.kernels import compile_hook
-    from onnxfuse.pipeline import optimize_model
+    from onnxfuse.pipeline import compile_pass, optimize_model
+    from tests.util import kernel_options
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
     r = optimize_model(_deep_conv_model(256))
-    info = compile_hook("sm_90", layout="nhwc")(r)
+    info = compile_pass(r, kernel_options("sm_90", layout="nhwc")).report.compile
     assert [n.op_type for n in r.model.graph.node] == ["Transpose", "FusedConv"] and not info["declined"]
 
 

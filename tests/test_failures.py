@@ -27,9 +27,10 @@ import onnxfuse
 from onnxfuse import cli, optimize_model, outputs, pipeline
 from onnxfuse import compile as aot
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
-from onnxfuse.kernels import FAILED_REASON, compile_hook
+from onnxfuse.kernels import FAILED_REASON
+from onnxfuse.pipeline import compile_pass
 from onnxfuse.rewrite import DOMAIN, unfuse
-from tests.util import model, op_types, random_feeds, run
+from tests.util import kernel_options, model, op_types, random_feeds, run
 
 N = helper.make_node
 REPO = Path(__file__).resolve().parent.parent
@@ -92,7 +93,7 @@ def test_kernel_failing_for_one_target_leaves_that_group_unfused(tmp_path, monke
     src, out = tmp_path / "m.onnx", tmp_path / "out.onnx"
     src.write_bytes(m.SerializeToString())
     with pytest.warns(OnnxfuseWarning, match="failed to compile for sm_90"):
-        report = pipeline.optimize(src, out, compile_hook=compile_hook("sm_80,sm_90", jobs=1))
+        report = pipeline.optimize(src, out, target="sm_80,sm_90", layout="nchw", tune="off", jobs=1)
     o = onnx.load(str(out))
     onnx.checker.check_model(o, full_check=True)
     # the failed group is back as its original nodes (names kept); the other one has its kernels
@@ -116,7 +117,7 @@ def test_every_kernel_failing_leaves_the_model_unfused_and_valid(tmp_path, monke
     m = two_groups()
     r = optimize_model(m)
     with pytest.warns(OnnxfuseWarning):
-        info = compile_hook("sm_80", jobs=1)(r)
+        info = compile_pass(r, kernel_options("sm_80", jobs=1)).report.compile
     assert len(info["failed"]) == 2 and info["kernels"] == 0
     assert op_types(r.model) == op_types(m) and not r.model.functions and not r.fused
     assert DOMAIN not in {i.domain for i in r.model.opset_import}
@@ -160,7 +161,7 @@ def test_kernel_failing_in_a_worker_process(tmp_path, monkeypatch, how):
     body = "\n)(\n" if how == "syntax error" else "\nimport os\nos._exit(3)\n"
     monkeypatch.setattr(aot, "generate", _broken_generate(bad, body))
     with pytest.warns(OnnxfuseWarning, match=f"{r.fused[1].node_name} failed to compile for sm_80"):
-        info = compile_hook("sm_80", jobs=2)(r)
+        info = compile_pass(r, kernel_options("sm_80", jobs=2)).report.compile
     assert [f["kernel"] for f in info["failed"]] == [bad]
     expected = "SyntaxError" if how == "syntax error" else "exited with code 3"
     assert expected in info["failed"][0]["error"]

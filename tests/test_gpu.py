@@ -29,7 +29,7 @@ RTOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}
 def fused_model(m: onnx.ModelProto) -> onnx.ModelProto:
     r = optimize_model(m)
     assert r.fused, r.report.summary()
-    info = compile_fused(r.model, r.fused, local_gpu_archs())
+    info, _ = compile_fused(r.model, r.fused, local_gpu_archs())
     assert not info["failed"], info["failed"]
     return r.model
 

@@ -14,6 +14,7 @@ fp16 models: rtol 1e-2, atol 1e-2 x max|y|."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -40,7 +41,7 @@ N = helper.make_node
 def fused(m: onnx.ModelProto, precision: str) -> tuple[onnx.ModelProto, set[str]]:
     r = optimize_model(m)
     assert r.fused, r.report.summary()
-    info = compile_fused(r.model, r.fused, local_gpu_archs(), conv_precision=precision)
+    info, _ = compile_fused(r.model, r.fused, local_gpu_archs(), conv_precision=precision)
     assert not info["failed"], info["failed"]
     return r.model, {n.op_type for n in r.model.graph.node if n.domain == "onnxfuse"}
 
@@ -232,11 +233,12 @@ def test_fp16_conv_stack_matches_original():
 def test_fp16_channels_last_mobile_block_matches_original():
     """fp16 on the GPU path: depthwise and grouped convs (the direct loop), the
     squeeze-excite's MatMul average and channels-last pools."""
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass
+    from tests.util import kernel_options
 
     m = _to_fp16(mobile_block())
     r = optimize_model(m, layout="nhwc")
-    info = compile_hook("auto", layout="nhwc")(r)
+    info = compile_pass(r, kernel_options("auto", layout="nhwc")).report.compile
     assert not info["failed"], info["failed"]
     assert any(n.op_type == "MatMul" for n in r.model.graph.node)
     sess = session(r.model, library=True)
@@ -249,12 +251,15 @@ def test_fp16_channels_last_mobile_block_matches_original():
 def test_tune_times_candidates_and_keeps_a_correct_model(name):
     """--tune on the GPU: every fused node timed against its original and its candidate
     configurations, the whole model against the original, a model that runs right."""
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass, tune_pass
     from onnxfuse.tune import TuneSettings
+    from tests.util import kernel_options
 
     m = CASES[name]()
     r = optimize_model(m)
-    info = compile_hook("auto", tune=TuneSettings(batch=4, configs=True, explicit=True, cache=False))(r)
+    options = dataclasses.replace(kernel_options("auto"),
+                                  tune=TuneSettings(batch=4, configs=True, explicit=True, cache=False))
+    info = tune_pass(compile_pass(r, options), options).report.compile
     rec = info["tune"]
     # "precise (tf32x3)": the tf32 candidates failed the accuracy gate (cuDNN ran these small
     # layers in fp32 on the H200); "measured only": the budget left nodes unmeasured
@@ -275,11 +280,12 @@ def test_tune_times_candidates_and_keeps_a_correct_model(name):
 @pytest.mark.parametrize("name", ["vgg_stack", "residual_block", "mobile_block"])
 def test_nhwc_layout_pass_matches_original(name):
     """`optimize --layout nhwc`: channels-last tensors between fused convs (docs/format.md)."""
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass
+    from tests.util import kernel_options
 
     m = CASES[name]()
     r = optimize_model(m, layout="nhwc")  # the GPU path's patterns (grouped convs, lone convs and pools)
-    compile_hook("auto", layout="nhwc")(r)
+    compile_pass(r, kernel_options("auto", layout="nhwc"))
     layouts = {a.s for n in r.model.graph.node for a in n.attribute if a.name in ("x_layout", "y_layout")}
     assert b"NHWC" in layouts
     sess = session(r.model, library=True)
@@ -293,11 +299,12 @@ def test_mobilenet_v3_small_channels_last_matches_original():
     in the direct kernel, channels-last between fused convs, against the original."""
     pytest.importorskip("torchvision")
     from models.build import torchvision_model
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass
+    from tests.util import kernel_options
 
     m = torchvision_model("mobilenet_v3_small", size=96)
     r = optimize_model(m, layout="nhwc")
-    info = compile_hook("auto", layout="nhwc")(r)
+    info = compile_pass(r, kernel_options("auto", layout="nhwc")).report.compile
     assert not info["failed"] and not info["declined"]
     groups = [a.i for n in r.model.graph.node if n.op_type == "FusedConv" for a in n.attribute if a.name == "group"]
     assert sum(g > 1 for g in groups) == 11  # every depthwise conv
@@ -332,11 +339,12 @@ def test_split_k_convs_match_original(layout, fp16):
     tiles than half the SMs: the split kernels), and 64 (more: the plain ones), then under
     CUDA graphs (the workspace comes from the EP's arena and the counters are zeroed on its
     stream, inside the capture)."""
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass
+    from tests.util import kernel_options
 
     m = _to_fp16(deep_head()) if fp16 else deep_head()
     r = optimize_model(m, layout=layout)
-    info = compile_hook("auto", layout=layout)(r)
+    info = compile_pass(r, kernel_options("auto", layout=layout)).report.compile
     assert not info["failed"], info["failed"]
     metas = [json.loads(a.s) for n in r.model.graph.node if n.op_type == "FusedConv"
              for a in n.attribute if a.name == "kernel_meta"]
@@ -369,12 +377,13 @@ def test_split_k_convs_match_original(layout, fp16):
 def test_nhwc_pools_match_original(name):
     """FusedMaxPool nodes in the NHWC plan (ResNet's stem conv -> pool 3x3 s2 p1 -> conv,
     YOLO's SPPF 5x5 s1 p2 pools into a Concat): channels-last pools on CUDA, no Transposes."""
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass
     from tests.test_layout import resnet_stem, sppf
+    from tests.util import kernel_options
 
     m = {"resnet_stem": resnet_stem, "sppf": sppf}[name]()
     r = optimize_model(m, layout="nhwc")
-    info = compile_hook("auto", layout="nhwc")(r)
+    info = compile_pass(r, kernel_options("auto", layout="nhwc")).report.compile
     assert not info["failed"], info["failed"]
     pools = [n for n in r.model.graph.node if n.op_type == "FusedMaxPool"]
     assert pools and all({a.name: a.s for a in n.attribute}.get("x_layout") == b"NHWC" for n in pools)

@@ -16,9 +16,9 @@ from onnx import helper, numpy_helper
 from models.build import vgg_stack
 from onnxfuse import optimize_model
 from onnxfuse.cli import main
-from onnxfuse.kernels import compile_hook
+from onnxfuse.pipeline import compile_pass
 from onnxfuse.runtime import library_path
-from tests.util import random_feeds
+from tests.util import kernel_options, random_feeds
 
 pytest.importorskip("triton")
 N = helper.make_node
@@ -43,7 +43,7 @@ def attrs(node: onnx.NodeProto) -> dict:
 def nhwc_model(m: onnx.ModelProto, tmp_path, monkeypatch):
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     r = optimize_model(m)
-    info = compile_hook("sm_90", layout="nhwc")(r)
+    info = compile_pass(r, kernel_options("sm_90", layout="nhwc")).report.compile
     assert not info["failed"] and not info["declined"]
     onnx.checker.check_model(r.model, full_check=True)
     return r
@@ -160,7 +160,7 @@ def test_a_conv_read_by_other_ops_stays_nchw(tmp_path, monkeypatch):
     m.graph.output.append(helper.make_tensor_value_info("s", onnx.TensorProto.FLOAT, None))
     r = optimize_model(m)
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
-    compile_hook("sm_90", layout="nhwc")(r)
+    compile_pass(r, kernel_options("sm_90", layout="nhwc"))
     convs = [n for n in r.model.graph.node if n.op_type == "FusedConv"]
     assert len(convs) == 2
     assert all(attrs(n).get(k, b"NCHW") == b"NCHW" for n in convs for k in ("x_layout", "y_layout"))
@@ -280,7 +280,7 @@ def test_analyze_sees_the_same_work_in_either_layout(tmp_path, monkeypatch):
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     for layout in ("nchw", "nhwc"):
         r = optimize_model(m, layout=layout)
-        compile_hook("sm_90", layout=layout)(r)
+        compile_pass(r, kernel_options("sm_90", layout=layout))
         onnx.save(r.model, str(tmp_path / f"{layout}.onnx"))
         a = analyze(str(tmp_path / f"{layout}.onnx"), "h200", batch=8)
         costs[layout] = ([(row.cost.flops, row.cost.bytes) for row in a.rows], a.unfused_totals.bytes,
@@ -427,7 +427,7 @@ def test_wide_groups_are_left_to_cudnn(tmp_path, monkeypatch):
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     m = inverted_residual(c=8, e=32, group=2)  # 16 channels per group
     r = optimize_model(m, layout="nhwc")
-    info = compile_hook("sm_90", layout="nhwc")(r)
+    info = compile_pass(r, kernel_options("sm_90", layout="nhwc")).report.compile
     assert [d["reason"] for d in info["declined"]] == [GROUPED_REASON]
     assert r.report.not_fused[GROUPED_REASON] == 2  # the Conv and its Relu
     assert [n.op_type for n in r.model.graph.node].count("Conv") == 1
@@ -457,7 +457,7 @@ def nhwc_pools_model(m: onnx.ModelProto, tmp_path, monkeypatch):
     """`m` optimized for the GPU path: the NHWC-only patterns (a lone MaxPool) too."""
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     r = optimize_model(m, layout="nhwc")
-    info = compile_hook("sm_90", layout="nhwc")(r)
+    info = compile_pass(r, kernel_options("sm_90", layout="nhwc")).report.compile
     assert not info["failed"] and not info["declined"]
     onnx.checker.check_model(r.model, full_check=True)
     return r
@@ -642,7 +642,7 @@ def test_exact_conv_precisions_keep_the_global_pool(tmp_path, monkeypatch):
     m = squeeze_excite()
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     r = optimize_model(m, layout="nhwc")
-    info = compile_hook("sm_90", layout="nhwc", conv_precision="ieee")(r)
+    info = compile_pass(r, kernel_options("sm_90", layout="nhwc", conv_precision="ieee")).report.compile
     assert not info["failed"] and not info["declined"]
     onnx.checker.check_model(r.model, full_check=True)
     ops = [n.op_type for n in r.model.graph.node]
@@ -656,7 +656,7 @@ def test_exact_conv_precisions_keep_the_global_pool(tmp_path, monkeypatch):
     # the pass alone (no kernels): tf32x3 keeps the pool too, tf32 makes it the MatMul
     for precision, pooled, gone in (("tf32x3", "GlobalAveragePool", "MatMul"), ("tf32", "MatMul", "GlobalAveragePool")):
         r = optimize_model(m, layout="nhwc")
-        r.fused[:] = apply_layouts(r.model, r.fused, r.tensors, conv_precision=precision)
+        r.fused = apply_layouts(r.model, r.fused, r.shapes, conv_precision=precision)
         ops = [n.op_type for n in r.model.graph.node]
         assert pooled in ops and gone not in ops
         check_same(m, r.model, library=False)
@@ -871,7 +871,7 @@ def test_the_pass_uses_the_shapes_inferred_while_optimizing(tmp_path, monkeypatc
     m = squeeze_excite()
     del m.graph.value_info[:]
     r = nhwc_pools_model(m, tmp_path, monkeypatch)
-    assert "g" in r.tensors and r.tensors["g"][0][1:] == (16, 1, 1)
+    assert "g" in r.shapes and r.shapes["g"][0][1:] == (16, 1, 1)
     ops = [n.op_type for n in r.model.graph.node]
     assert "MatMul" in ops and "GlobalAveragePool" not in ops and "Transpose" not in ops
     check_same(m, r.model, library=True)

@@ -281,13 +281,14 @@ def test_cpu_kernels_propagate_nan_channels_last(tmp_path, monkeypatch):
     stay as they are): FusedConv NCHW -> NHWC, a lone FusedMaxPool NHWC, a grouped FusedConv
     NHWC -> NCHW, through the library's CPU kernels."""
     pytest.importorskip("triton")
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass
+    from tests.util import kernel_options
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     m, feeds, want = nhwc_stack()
     check_reference_is_meaningful(want, "nhwc_stack clip")
     r = optimize_model(m, layout="nhwc")
-    info = compile_hook("sm_90", conv_precision="ieee", layout="nhwc")(r)
+    info = compile_pass(r, kernel_options("sm_90", conv_precision="ieee", layout="nhwc")).report.compile
     assert not info["failed"] and not info["declined"], info
     assert sorted(fused_types(r.model)) == ["FusedConv", "FusedConv", "FusedMaxPool"], r.report.summary()
     (got,) = library_session(r.model).run(None, feeds)
@@ -660,12 +661,13 @@ def test_cuda_kernels_propagate_nan(case, precision, tmp_path, monkeypatch):
     finite values are compared at 2e-3 there."""
     if precision == "tf32" and not case.id.startswith("conv"):
         pytest.skip("the conv precision matters for convs only")
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass
+    from tests.util import kernel_options
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     m, feeds, want = case.build()
     r = optimize_model(m)
-    info = compile_hook(_targets(), conv_precision=precision)(r)
+    info = compile_pass(r, kernel_options(_targets(), conv_precision=precision)).report.compile
     assert not info["failed"] and not info["declined"], info
     assert fused_types(r.model) == case.fused, r.report.summary()
     (got,) = library_session(r.model, "CUDAExecutionProvider").run(None, feeds)
@@ -679,12 +681,13 @@ def test_cuda_kernels_propagate_nan_channels_last(group, precision, tmp_path, mo
     """The channels-last model: conv tap loop NCHW -> NHWC, the nhwc pool kernel, the grouped
     conv's direct loop (depthwise) or block-diagonal GEMM (groups of 8 at tf32; at ieee the
     heuristic leaves them to cuDNN), on CUDA."""
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass
+    from tests.util import kernel_options
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     m, feeds, want = nhwc_stack(group=group)
     r = optimize_model(m, layout="nhwc")
-    info = compile_hook(_targets(), conv_precision=precision, layout="nhwc")(r)
+    info = compile_pass(r, kernel_options(_targets(), conv_precision=precision, layout="nhwc")).report.compile
     assert not info["failed"] and not info["declined"], info
     assert sorted(fused_types(r.model)) == ["FusedConv", "FusedConv", "FusedMaxPool"], r.report.summary()
     (got,) = library_session(r.model, "CUDAExecutionProvider").run(None, feeds)

@@ -88,7 +88,7 @@ def test_kernels_compile(case):
         pytest.skip(f"{name}: nothing fused")
     model = onnx.ModelProto()
     model.CopyFrom(result.model)
-    report = compile_fused(model, result.fused, [90])
+    report, _ = compile_fused(model, result.fused, [90])
     # every fused node gets its kernels, except convs the heuristic leaves to cuDNN (unfused)
     assert not report["failed"]
     assert report["kernels"] + len(report["declined"]) == len(result.fused)

@@ -13,10 +13,10 @@ import pytest
 from onnx import helper, numpy_helper
 
 from onnxfuse import optimize_model
-from onnxfuse.kernels import compile_hook
+from onnxfuse.pipeline import compile_pass
 from onnxfuse.rounding import plan
 from tests.test_layout import c2f, image_model, residual, run, sppf
-from tests.util import random_feeds
+from tests.util import kernel_options, random_feeds
 
 pytest.importorskip("triton")
 N = helper.make_node
@@ -25,7 +25,7 @@ N = helper.make_node
 def optimized(m: onnx.ModelProto, tmp_path, monkeypatch, precision: str = "tf32", layout: str = "nhwc"):
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     r = optimize_model(m)
-    info = compile_hook("sm_90", layout=layout, conv_precision=precision)(r)
+    info = compile_pass(r, kernel_options("sm_90", layout=layout, conv_precision=precision)).report.compile
     assert not info["failed"] and not info["declined"]
     onnx.checker.check_model(r.model, full_check=True)
     return r
@@ -189,11 +189,11 @@ def test_on_cuda_the_plan_gives_the_same_bits(tmp_path, monkeypatch, build):
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     arch = ",".join(f"sm_{a}" for a in local_gpu_archs())
     planned = optimize_model(m)
-    compile_hook(arch, layout="nhwc")(planned)
+    compile_pass(planned, kernel_options(arch, layout="nhwc"))
     assert any(f.x_rounded for f in planned.fused)
     monkeypatch.setattr(rounding, "plan", lambda model, rounds, may_store: rounding.Plan(frozenset(), frozenset()))
     plain = optimize_model(m)
-    compile_hook(arch, layout="nhwc")(plain)
+    compile_pass(plain, kernel_options(arch, layout="nhwc"))
     assert not any(f.x_rounded or f.round_y for f in plain.fused)
     feeds = random_feeds(m, {"N": 3}, seed=11)
     want = session(plain.model, True).run(None, feeds)
@@ -220,7 +220,7 @@ def test_a_producer_that_fails_to_compile_leaves_its_readers_rounding(tmp_path, 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     m = c2f()
     r = optimize_model(m)
-    info = compile_hook("sm_90", layout="nhwc")(r)
+    info = compile_pass(r, kernel_options("sm_90", layout="nhwc")).report.compile
     assert len(info["failed"]) == 1 and "conv1" in info["failed"][0]["node"]
     assert flags(r) == {"conv2": (False, True), "conv3": (False, False)}
     assert any(n.op_type == "Conv" for n in r.model.graph.node)

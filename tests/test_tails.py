@@ -135,11 +135,12 @@ def test_cuda_tails(tail, tmp_path, monkeypatch):
 
     import onnxfuse
     from onnxfuse.compile import default_targets
-    from onnxfuse.kernels import compile_hook
+    from onnxfuse.pipeline import compile_pass
+    from tests.util import kernel_options
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     r = optimize_model(tail.model())
-    info = compile_hook(",".join(f"sm_{a}" for a in default_targets()))(r)
+    info = compile_pass(r, kernel_options(",".join(f"sm_{a}" for a in default_targets()))).report.compile
     assert not info["failed"], info
     so = ort.SessionOptions()
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")  # the fused node runs on the GPU

@@ -23,12 +23,12 @@ from onnxfuse.codegen_conv import ConvSpec, MaxPoolSpec
 from onnxfuse.compile import KernelSpec, local_gpu_archs
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.expr import HEADER, parse
-from onnxfuse.kernels import compile_hook
 from onnxfuse.layers import ConvAttrs, PoolAttrs
+from onnxfuse.pipeline import compile_pass
 from onnxfuse.runtime import library_path
 from onnxfuse.tools.feeds import static_feeds
 from onnxfuse.tune import TuneSettings, candidates, input_shapes
-from tests.util import model
+from tests.util import kernel_options, model
 
 N = helper.make_node
 RELU = parse(HEADER + "\ninput %0 f32\n%1 = max %0 0.0\noutput %1 f32\n")
@@ -429,7 +429,7 @@ def test_original_model_of_a_channels_last_node_is_nchw(tmp_path, monkeypatch):
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     r = optimize_model(vgg_stack(3, 8, 8, 16), layout="nhwc")
-    compile_hook("sm_90", layout="nhwc")(r)
+    compile_pass(r, kernel_options("sm_90", layout="nhwc"))
     dims = {"x": (2, 8, 16, 16)}
     feeds = {"x": np.random.default_rng(1).standard_normal(dims["x"]).astype(np.float32)}
     node = next(n for n in r.model.graph.node if n.name == r.fused[1].node_name)  # NHWC in and out
@@ -478,7 +478,7 @@ def test_shapes_learned_by_running_a_model_with_fused_convs(tmp_path, monkeypatc
                N("Reshape", ["a2", "s"], ["r"]), N("Sigmoid", ["r"], ["g"]), N("Tanh", ["g"], ["y"])],
               {"x": ("float32", [1, 4, 8, 8]), "s": ("int64", [2])}, {"y": ("float32", ["a", "b"])}, inits)
     r = optimize_model(m, layout="nhwc")
-    compile_hook("sm_90", layout="nhwc")(r)
+    compile_pass(r, kernel_options("sm_90", layout="nhwc"))
     assert [f.kind for f in r.fused] == ["conv", "conv", "pointwise"]
     dims = {"x": (1, 4, 8, 8), "s": (2,)}
     feeds = {"x": np.ones((1, 4, 8, 8), np.float32), "s": np.array([8, 64], np.int64)}

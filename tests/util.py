@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxfuse import optimize_model
 from onnxfuse.expr import evaluate
 from onnxfuse.load import canonicalize, infer_shapes
-from onnxfuse.pipeline import Result
+from onnxfuse.pipeline import Options, Result, build_options
 from tests.layer_ref import evaluate_fused
 
 NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
@@ -147,3 +147,9 @@ def one_line_error(r) -> str:
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert r.stderr.startswith("onnxfuse: error: ")
     return r.stderr
+
+
+def kernel_options(target: str, layout: str = "nchw", conv_precision: str = "tf32", jobs: int | None = None) -> Options:
+    """Options for compiling a Result of `optimize_model` with `onnxfuse.pipeline.compile_pass`:
+    kernels for `target`, the NHWC pass with layout "nhwc", no tuning."""
+    return build_options(target, layout, conv_precision, "off", jobs=jobs)
