@@ -319,8 +319,9 @@ def match_pass(result: Result, options: Options) -> Result:
     pointwise chains (`onnxfuse.ort_fusions`, asked about the canonical model)."""
     if result.unchanged is None:
         by_ort = ort_fusions(result.model) if options.leave_to_ort else None
-        if by_ort is not None and by_ort.missing_ort:
-            result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused")
+        if by_ort is not None and (by_ort.missing_ort or by_ort.too_large):
+            result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused "
+                        "(--no-leave-to-ort says not to look)")
         result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None)
         not_fused = dict(result.found.rejected)
         for reason, count in _not_visited(result.model, result.patterns).items():

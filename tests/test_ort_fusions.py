@@ -235,3 +235,20 @@ def test_a_model_no_fusion_starts_from_is_not_probed(monkeypatch):
     m = model([N("Sigmoid", ["x"], ["s"]), N("Mul", ["x", "s"], ["y"])], {"x": ("float32", [2, 8])},
               {"y": ("float32", [2, 8])})
     assert of.ort_fusions(m).absorbed == {}
+
+
+def test_a_model_over_the_probe_limit_is_not_probed_and_says_so(monkeypatch):
+    """ORT's optimizer is superlinear in the graph (17 s at 50,000 nodes): above
+    PROBE_MAX_NODES onnxfuse does not ask it, and warns that ORT's fusions may be taken."""
+    import onnxfuse.ort_fusions as of
+    from onnxfuse.errors import OnnxfuseWarning
+
+    monkeypatch.setattr(of, "PROBE_MAX_NODES", 3)
+    monkeypatch.setattr(of, "_optimize", lambda ort, m: pytest.fail("ORT was asked"))
+    m = model([N("Tanh", ["x"], ["a"]), N("Mul", ["a", "x"], ["b"]), N("Add", ["b", "x"], ["c"]),
+               N("Sigmoid", ["c"], ["y"])], {"x": ("float32", [2, 8])}, {"y": ("float32", [2, 8])})
+    found = of.ort_fusions(m)
+    assert found.too_large and found.absorbed == {}
+    with pytest.warns(OnnxfuseWarning, match="not looked for: 4 nodes"):
+        r = optimize_model(m)
+    assert r.report.patterns_applied.get("pointwise_chain") == 1
