@@ -231,8 +231,9 @@ def test_fp16_conv_stack_matches_original():
 
 
 def test_fp16_channels_last_mobile_block_matches_original():
-    """fp16 on the GPU path: depthwise and grouped convs (the direct loop), the
-    squeeze-excite's MatMul average and channels-last pools."""
+    """fp16 on the GPU path: depthwise convs (the direct loop; the grouped conv of 4 channels
+    per group is left to cuDNN by the heuristic), the squeeze-excite's MatMul average and
+    channels-last pools."""
     from onnxfuse.pipeline import compile_pass
     from tests.util import kernel_options
 
