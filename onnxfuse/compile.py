@@ -376,8 +376,8 @@ GROUPED_MAX_CHANNELS = 8
 GROUPED_REASON = (f"grouped conv with more than {GROUPED_MAX_CHANNELS} input channels per group: not measured "
                   "against cuDNN's grouped GEMM, left to it (heuristic)")
 NARROW_GROUP_REASON = (f"grouped conv with 2 to {GROUP_GEMM_MIN_CHANNELS - 1} input channels per group, or "
-                       "whose groups fit no block-diagonal GEMM tile: cuDNN is faster (heuristic; --tune "
-                       "measures instead)")
+                       "whose groups fit no block-diagonal GEMM tile, or at conv precision ieee (no GEMM): cuDNN "
+                       "is faster than the direct loop (heuristic; --tune measures instead)")
 
 
 def conv_decline_reason(spec: ConvSpec, layout: str = "nchw") -> str | None:
