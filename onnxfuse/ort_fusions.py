@@ -40,7 +40,9 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, numpy_helper
+from onnx import GraphProto, ModelProto, TensorProto
+
+from onnxfuse.retype import Retype, holds
 
 MS = "com.microsoft"
 
@@ -68,7 +70,7 @@ FUSED_OPS: dict[tuple[str, str], str] = {
 # 3-D tensors becomes Reshape -> Gemm -> Reshape): followed to the fused node.
 _WRAPPERS = frozenset({"Reshape", "Squeeze", "Unsqueeze"})
 
-_LOW_FLOATS = (TensorProto.FLOAT16,)
+_LOW_FLOATS = frozenset({TensorProto.FLOAT16})
 # Constants ORT's GELU, LayerNorm and attention fusions look for, in float32.
 _EXPECTED = np.array([0.5, 1.0, 2.0, 3.0, np.sqrt(2.0), 1 / np.sqrt(2.0), np.sqrt(2 / np.pi), 0.044715,
                       0.044715 * np.sqrt(2 / np.pi)], np.float32)
@@ -206,64 +208,19 @@ def _domain(d: str) -> str:
 
 def as_float32(model: ModelProto) -> ModelProto:
     """`model` with every float16 tensor, type and cast made float32 (the model itself when
-    it has none), so that ORT's CPU EP fuses as its CUDA EP would (see the module notes)."""
-    if not _has_low_floats(model.graph):
+    it has none; `onnxfuse.retype` walks it), so that ORT's CPU EP fuses as its CUDA EP would
+    (see the module notes): a one-element constant that rounds like one of `_EXPECTED` in
+    float16 becomes that value in float32."""
+    if not holds(model, _LOW_FLOATS):
         return model
-    m = ModelProto()
-    m.CopyFrom(model)
-    _graph_to_float32(m.graph)
-    for f in m.functions:
-        for n in f.node:
-            _node_to_float32(n)
-    return m
+    return Retype(_LOW_FLOATS, TensorProto.FLOAT, convert=_snap).model(model)
 
 
-def _has_low_floats(g: GraphProto) -> bool:
-    if any(t.data_type in _LOW_FLOATS for t in g.initializer):
-        return True
-    for vi in list(g.input) + list(g.output) + list(g.value_info):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in _LOW_FLOATS:
-            return True
-    for n in g.node:
-        for a in n.attribute:
-            if a.type == AttributeProto.INT and a.name in ("to", "dtype") and a.i in _LOW_FLOATS:
-                return True
-            if a.type == AttributeProto.TENSOR and a.t.data_type in _LOW_FLOATS:
-                return True
-            if any(_has_low_floats(sg) for sg in ([a.g] if a.type == AttributeProto.GRAPH else a.graphs)):
-                return True
-    return False
-
-
-def _tensor_to_float32(t: TensorProto) -> None:
-    if t.data_type not in _LOW_FLOATS:
-        return
-    a = numpy_helper.to_array(t).astype(np.float32)
+def _snap(a: np.ndarray) -> np.ndarray:
+    """A one-element float16 constant, now float32, as the value ORT's fusions look for when
+    it rounds to that value in float16 (ORT compares float16 constants so)."""
     if a.size == 1:
         same = _EXPECTED[np.abs(_EXPECTED).astype(np.float16) == np.float16(np.abs(a.flat[0]))]
         if same.size:
-            a = np.full_like(a, np.copysign(same[0], a.flat[0]))
-    t.CopyFrom(numpy_helper.from_array(a, t.name))
-
-
-def _graph_to_float32(g: GraphProto) -> None:
-    for t in g.initializer:
-        _tensor_to_float32(t)
-    for vi in list(g.input) + list(g.output) + list(g.value_info):
-        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type in _LOW_FLOATS:
-            vi.type.tensor_type.elem_type = TensorProto.FLOAT
-    for n in g.node:
-        _node_to_float32(n)
-
-
-def _node_to_float32(n: onnx.NodeProto) -> None:
-    for a in n.attribute:
-        if a.type == AttributeProto.INT and a.name in ("to", "dtype") and a.i in _LOW_FLOATS:
-            a.i = TensorProto.FLOAT
-        elif a.type == AttributeProto.TENSOR:
-            _tensor_to_float32(a.t)
-        elif a.type == AttributeProto.GRAPH:
-            _graph_to_float32(a.g)
-        elif a.type == AttributeProto.GRAPHS:
-            for sg in a.graphs:
-                _graph_to_float32(sg)
+            return np.full_like(a, np.copysign(same[0], a.flat[0]))
+    return a

@@ -48,9 +48,10 @@ from typing import Any
 
 import numpy as np
 import onnx
-from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
+from onnx import ModelProto, TensorProto
 
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.retype import Retype
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
 # im2col buffers are cut into chunks of at most this many float64 elements (256 MB)
@@ -67,75 +68,15 @@ class Unavailable(OnnxfuseError):
 
 def float64_model(model: ModelProto) -> ModelProto:
     """A copy of `model` with every float32 / float16 / bfloat16 tensor in float64 (the
-    module docstring lists what changes). value_info entries are dropped (the evaluator
-    does not need them and they would name the old types)."""
-    m = ModelProto()
-    m.CopyFrom(model)
-    _graph(m.graph)
-    for f in m.functions:
-        for n in f.node:
-            _node(n)
+    module docstring lists what changes; `onnxfuse.retype` walks the model). value_info
+    entries are dropped (the evaluator does not need them and they would name the old types)."""
+    m = Retype(FLOAT_TYPES, TensorProto.DOUBLE, keep_value_info=False).model(model)
     if m.functions:
         # inlined: the evaluator runs a model-local function with its own kernels, not FAST_OPS
         from onnx.inliner import inline_local_functions
 
         m = inline_local_functions(m)
     return m
-
-
-def _graph(g: GraphProto) -> None:
-    for vi in [*g.input, *g.output]:
-        _value_type(vi.type)
-    del g.value_info[:]
-    for k, t in enumerate(g.initializer):
-        if t.data_type in FLOAT_TYPES:
-            g.initializer[k].CopyFrom(_tensor64(t))
-    for st in g.sparse_initializer:
-        if st.values.data_type in FLOAT_TYPES:
-            st.values.CopyFrom(_tensor64(st.values))
-    for n in g.node:
-        _node(n)
-
-
-def _value_type(tp: onnx.TypeProto) -> None:
-    which = tp.WhichOneof("value")
-    if which == "tensor_type" and tp.tensor_type.elem_type in FLOAT_TYPES:
-        tp.tensor_type.elem_type = TensorProto.DOUBLE
-    elif which == "sequence_type":
-        _value_type(tp.sequence_type.elem_type)
-    elif which == "optional_type":
-        _value_type(tp.optional_type.elem_type)
-    elif which == "map_type":
-        _value_type(tp.map_type.value_type)
-
-
-def _tensor64(t: TensorProto) -> TensorProto:
-    return numpy_helper.from_array(numpy_helper.to_array(t).astype(np.float64), t.name)
-
-
-def _node(n: NodeProto) -> None:
-    for a in n.attribute:
-        if a.type == AttributeProto.TENSOR and a.t.data_type in FLOAT_TYPES:
-            a.t.CopyFrom(_tensor64(a.t))
-        elif a.type == AttributeProto.SPARSE_TENSOR and a.sparse_tensor.values.data_type in FLOAT_TYPES:
-            a.sparse_tensor.values.CopyFrom(_tensor64(a.sparse_tensor.values))
-        elif a.type == AttributeProto.INT and a.name in ("to", "dtype", "output_dtype") and a.i in FLOAT_TYPES:
-            a.i = TensorProto.DOUBLE
-        elif a.type == AttributeProto.GRAPH:
-            _graph(a.g)
-        elif a.type == AttributeProto.GRAPHS:
-            for g in a.graphs:
-                _graph(g)
-    if n.domain in ("", "ai.onnx") and n.op_type == "Constant":
-        for a in list(n.attribute):
-            if a.name in ("value_float", "value_floats"):
-                v = np.array(a.f if a.name == "value_float" else list(a.floats), np.float64)
-                n.attribute.remove(a)
-                n.attribute.append(helper.make_attribute("value", numpy_helper.from_array(v)))
-    default_domain = n.domain in ("", "ai.onnx")
-    if default_domain and n.op_type == "ConstantOfShape" and not any(a.name == "value" for a in n.attribute):
-        # the default value is a float32 0
-        n.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.zeros(1, np.float64))))
 
 
 # ---------------------------------------------------------------------------------------
