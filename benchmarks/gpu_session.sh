@@ -131,14 +131,17 @@ case "${1:-tests}" in
     grep -E "cuDNN .* direct" "$OUT/conv_kernels_grouped.log"
     ;;
   kernels)
-    # where the GPU time goes (benchmarks/gpu_kernels.py): a suite model as suite-prep cached it,
-    # optimized with the defaults (and --no-tune: the heuristics' model), each profiled kernel by
-    # kernel.   kernels NAME SHAPE   e.g. kernels efficientnet_b0_fp32 x=1,3,224,224
+    # where the GPU time goes: a suite model as suite-prep cached it, optimized with the defaults
+    # (tuned) and with --no-tune (the heuristics' model), each through `onnxfuse profile
+    # --provider cuda` (CUPTI through torch's profiler: every kernel's GPU time, attributed to
+    # the ONNX Runtime node that launched it).   kernels NAME SHAPE   e.g. kernels efficientnet_b0_fp32 x=1,3,224,224
     src=/tmp/suite-models/$2.onnx; [ -f "$src" ] || src=/tmp/pre/${2%_fp32}.onnx
     python3 -m onnxfuse.cli optimize "$src" "/tmp/$2.opt.onnx" --shape "$3" --tune-budget 20 2>&1 | tail -4
     python3 -m onnxfuse.cli optimize "$src" "/tmp/$2.heur.onnx" --shape "$3" --no-tune 2>&1 | tail -1
-    python3 benchmarks/gpu_kernels.py "$src" "/tmp/$2.opt.onnx" "/tmp/$2.heur.onnx" --shape "$3" \
-      --json "$OUT/kernels_$2.json" 2>&1 | tee "$OUT/kernels_$2.log" | head -90
+    for v in "$src" "/tmp/$2.opt.onnx" "/tmp/$2.heur.onnx"; do
+      python3 -m onnxfuse.cli profile "$v" --provider cuda --device h200 --shape "$3" --top 25 \
+        --json "$OUT/profile_$(basename "$v" .onnx).json" 2>&1 | tee "$OUT/profile_$(basename "$v" .onnx).log" | head -45
+    done
     ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)

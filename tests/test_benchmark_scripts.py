@@ -196,15 +196,3 @@ def test_tails_table(tmp_path):
     ort = {(r["op"], r["range"]): r["ort"] for r in rows}
     assert ort["Sigmoid", "x < -16"]["max_rel"] > 1 and ort["Gelu", "x < -5"]["zeros"] > 0
 
-
-def test_gpu_kernels_families():
-    """benchmarks/gpu_kernels.py sorts kernel names into families, onnxfuse's own first."""
-    from benchmarks.gpu_kernels import family
-
-    assert family("onnxfuse_conv_relu_3f2a_kernel") == "onnxfuse"
-    assert family("sm90_xmma_fprop_implicit_gemm_tf32f32_tf32f32_f32_nhwckrsc_nhwc") == "conv"
-    assert family("void onnxruntime::cuda::_TransposeKernelGeneric<float>") == "transpose"
-    assert family("ampere_sgemm_128x64_nn") == "gemm"
-    assert family("void onnxruntime::cuda::_BinaryElementWise<float, float, float, OP_Add<float>>") == "elementwise"
-    assert family("reduce_kernel<512, 1>") == "reduce"
-    assert family("something_else") == "other"
