@@ -694,22 +694,6 @@ def test_cuda_kernels_propagate_nan_channels_last(group, precision, tmp_path, mo
     check(want, got, f"nhwc_stack group {group} (CUDA kernels, {precision})", 2e-3 if precision == "tf32" else 1e-5)
 
 
-@pytest.mark.gpu
-def test_cuda_ort_own_kernels_report():
-    """Not a check: prints, per model, how ONNX Runtime's own CUDA kernels (the original
-    model) place NaN against numpy, for README's Reliability section (not yet measured)."""
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    lines = []
-    for case in MODEL_CASES:
-        m, feeds, want = case.build()
-        sess = ort.InferenceSession(m.SerializeToString(), so, providers=[("CUDAExecutionProvider", {"use_tf32": "0"})])
-        (got,) = sess.run(None, feeds)
-        lines.append(f"{case.id}: NaN numpy {int(np.isnan(want).sum())}, ORT CUDA {int(np.isnan(got).sum())}, "
-                     f"NaN in one only {int((np.isnan(want) != np.isnan(got)).sum())} of {want.size}")
-    print("\n" + "\n".join(lines))
-
-
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--interpret"]:
         assert os.environ.get("TRITON_INTERPRET") == "1"
