@@ -55,6 +55,7 @@ from onnxfuse.outputs import Outputs, write_bytes
 from onnxfuse.plot import Series, check_path, roofline_plot
 from onnxfuse.runtime import session_options
 from onnxfuse.tools.feeds import make_feeds
+from onnxfuse.tools.session import NP_DTYPES
 from onnxfuse.tools.shapes import InputSpec, parse_shapes
 
 ORT_DTYPES = {
@@ -65,11 +66,6 @@ ORT_DTYPES = {
     "uint32": TensorProto.UINT32, "int64": TensorProto.INT64, "uint64": TensorProto.UINT64,
     "bool": TensorProto.BOOL, "string": TensorProto.STRING,
     "Float8E4M3FN": TensorProto.FLOAT8E4M3FN, "Float8E5M2": TensorProto.FLOAT8E5M2,
-}
-NP_DTYPES = {
-    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
-    "tensor(int16)": np.int16, "tensor(uint16)": np.uint16, "tensor(bool)": np.bool_,
 }
 LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC", "extended": "ORT_ENABLE_EXTENDED",
           "all": "ORT_ENABLE_ALL"}

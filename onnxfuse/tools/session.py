@@ -347,10 +347,12 @@ class _DeclaredShapesFailed(Exception):
     is opened again, the shapes learned from a run."""
 
 
-# ONNX Runtime's output type strings -> numpy dtypes, for `static_output_shapes`
-ORT_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
-             "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8,
-             "tensor(uint8)": np.uint8, "tensor(bool)": np.bool_}
+# ONNX Runtime's type strings (NodeArg.type) -> numpy dtypes
+NP_DTYPES = {
+    "tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int8)": np.int8, "tensor(uint8)": np.uint8,
+    "tensor(int16)": np.int16, "tensor(uint16)": np.uint16, "tensor(bool)": np.bool_,
+}
 
 
 def static_output_shapes(sess) -> dict[str, tuple[tuple[int, ...], np.dtype]] | None:
@@ -358,9 +360,9 @@ def static_output_shapes(sess) -> dict[str, tuple[tuple[int, ...], np.dtype]] | 
     not a static numeric tensor."""
     out = {}
     for o in sess.get_outputs():
-        if o.type not in ORT_TYPES or not all(isinstance(d, int) and d >= 0 for d in o.shape):
+        if o.type not in NP_DTYPES or not all(isinstance(d, int) and d >= 0 for d in o.shape):
             return None
-        out[o.name] = (tuple(o.shape), np.dtype(ORT_TYPES[o.type]))
+        out[o.name] = (tuple(o.shape), np.dtype(NP_DTYPES[o.type]))
     return out
 
 
