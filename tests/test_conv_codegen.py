@@ -13,9 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -37,6 +35,8 @@ from onnxfuse.layers import ConvAttrs, PoolAttrs
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 from layer_ref import conv2d, maxpool2d  # noqa: E402
+
+from tests.util import interpreted_run  # noqa: E402
 
 RELU = "%1 = max %0 0.0\noutput %1 {dt}"
 RESIDUAL_RELU = "%2 = add %0 %1\n%3 = max %2 0.0\noutput %3 {dt}"
@@ -366,12 +366,8 @@ def _run_all(workdir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def interpreted():
-    with tempfile.TemporaryDirectory(prefix="onnxfuse-conv-interp-") as tmp:
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-        proc = subprocess.run([sys.executable, __file__, "--interpret", tmp], env=env, capture_output=True,
-                              text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        yield Path(tmp)
+    with interpreted_run(__file__, "onnxfuse-conv-interp-") as workdir:
+        yield workdir
 
 
 def _check(workdir: Path, key: str, want: np.ndarray, dtype: str) -> None:

@@ -32,9 +32,7 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +48,7 @@ from onnxfuse import optimize_model
 from onnxfuse.layers import ConvAttrs, PoolAttrs
 from tests.layer_ref import conv2d, maxpool2d
 from tests.test_edges import assert_same
-from tests.util import model, run
+from tests.util import interpreted_run, model, run
 
 REPO = Path(__file__).resolve().parents[1]
 N = helper.make_node
@@ -513,12 +511,8 @@ def _run_interpreted(workdir: Path) -> None:
 def interpreted():
     pytest.importorskip("triton")
     pytest.importorskip("torch")
-    with tempfile.TemporaryDirectory(prefix="onnxfuse-nan-interp-") as tmp:
-        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
-        proc = subprocess.run([sys.executable, __file__, "--interpret", tmp], env=env, capture_output=True,
-                              text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        yield Path(tmp)
+    with interpreted_run(__file__, "onnxfuse-nan-interp-") as workdir:
+        yield workdir
 
 
 def _interpreted(workdir: Path, key: str) -> np.ndarray:

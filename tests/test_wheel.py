@@ -60,6 +60,15 @@ def backend(src: Path, call: str, **env: str) -> subprocess.CompletedProcess:
                           env=clean_env(**env), timeout=600)
 
 
+def build(tmp_path: Path, hook: str, **env: str) -> tuple[subprocess.CompletedProcess, Path]:
+    """The backend's `hook` (build_wheel, build_editable) on a copy of the repository, writing
+    into tmp_path/out: the process and that folder."""
+    src = copy_repo(tmp_path / "src")
+    out = tmp_path / "out"
+    out.mkdir()
+    return backend(src, f"b.{hook}({str(out)!r})", **env), out
+
+
 def wheel_files(path: Path) -> tuple[list[str], str]:
     with zipfile.ZipFile(path) as z:
         names = z.namelist()
@@ -91,26 +100,21 @@ def test_backend_asks_for_cuda_headers_for_wheels_only(tmp_path):
 
 
 def test_editable_install_compiles_nothing(tmp_path):
-    src = copy_repo(tmp_path / "src")
-    out = tmp_path / "out"
-    out.mkdir()
-    r = backend(src, f"b.build_editable({str(out)!r})", ONNXFUSE_CXX=str(tmp_path / "no" / "g++"),
-                ONNXFUSE_CACHE=str(tmp_path / "cache"))
+    r, out = build(tmp_path, "build_editable", ONNXFUSE_CXX=str(tmp_path / "no" / "g++"),
+                   ONNXFUSE_CACHE=str(tmp_path / "cache"))
     assert r.returncode == 0, r.stderr[-2000:]
     name = json.loads(r.stdout.splitlines()[-1])
     assert name.endswith("-py3-none-any.whl"), name
     names, wheel = wheel_files(out / name)
     assert not any(LIB in n for n in names) and "Root-Is-Purelib: true" in wheel
-    assert not (src / "build" / "lib" / "onnxfuse" / "lib").exists() and not (tmp_path / "cache").exists()
+    assert not (tmp_path / "src" / "build" / "lib" / "onnxfuse" / "lib").exists()
+    assert not (tmp_path / "cache").exists()
 
 
 def test_wheel_carries_the_library_at_its_root(tmp_path):
     if shutil.which("g++") is None:
         pytest.skip("no g++")
-    src = copy_repo(tmp_path / "src")
-    out = tmp_path / "out"
-    out.mkdir()
-    r = backend(src, f"b.build_wheel({str(out)!r})")
+    r, out = build(tmp_path, "build_wheel")
     assert r.returncode == 0, r.stderr[-2000:]
     name = json.loads(r.stdout.splitlines()[-1])
     plat = sysconfig.get_platform().replace("-", "_").replace(".", "_")
@@ -125,11 +129,8 @@ def test_wheel_carries_the_library_at_its_root(tmp_path):
 
 
 def test_wheel_without_the_library_when_asked(tmp_path):
-    src = copy_repo(tmp_path / "src")
-    out = tmp_path / "out"
-    out.mkdir()
-    r = backend(src, f"b.build_wheel({str(out)!r})", ONNXFUSE_WHEEL_LIBRARY="none",
-                ONNXFUSE_CXX=str(tmp_path / "no" / "g++"))
+    r, out = build(tmp_path, "build_wheel", ONNXFUSE_WHEEL_LIBRARY="none",
+                   ONNXFUSE_CXX=str(tmp_path / "no" / "g++"))
     assert r.returncode == 0, r.stderr[-2000:]
     name = json.loads(r.stdout.splitlines()[-1])
     assert name.endswith("-py3-none-any.whl")
@@ -137,11 +138,8 @@ def test_wheel_without_the_library_when_asked(tmp_path):
 
 
 def test_wheel_build_without_a_compiler_fails_and_says_why(tmp_path):
-    src = copy_repo(tmp_path / "src")
-    out = tmp_path / "out"
-    out.mkdir()
-    r = backend(src, f"b.build_wheel({str(out)!r})", ONNXFUSE_WHEEL_LIBRARY="cpu",
-                ONNXFUSE_CXX=str(tmp_path / "no" / "g++"))
+    r, out = build(tmp_path, "build_wheel", ONNXFUSE_WHEEL_LIBRARY="cpu",
+                   ONNXFUSE_CXX=str(tmp_path / "no" / "g++"))
     assert r.returncode != 0
     assert "building the custom-op library for the wheel failed: C++ compiler" in r.stderr
     assert "ONNXFUSE_WHEEL_LIBRARY=none" in r.stderr

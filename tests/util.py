@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
 import ml_dtypes
 import numpy as np
 import onnx
@@ -153,3 +161,16 @@ def kernel_options(target: str, layout: str = "nchw", conv_precision: str = "tf3
     """Options for compiling a Result of `optimize_model` with `onnxfuse.pipeline.compile_pass`:
     kernels for `target`, the NHWC pass with layout "nhwc", no tuning."""
     return build_options(target, layout, conv_precision, "off", jobs=jobs)
+
+
+@contextlib.contextmanager
+def interpreted_run(script: str, prefix: str) -> Iterator[Path]:
+    """Run `python script --interpret DIR` in a child process under Triton's interpreter
+    (TRITON_INTERPRET=1 must not reach this process, where other tests compile kernels);
+    yields DIR, where the script left its results."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+        proc = subprocess.run([sys.executable, script, "--interpret", tmp], env=env, capture_output=True,
+                              text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        yield Path(tmp)
