@@ -68,6 +68,7 @@ from onnxfuse.codegen_conv import (
     group_span,
     next_pow2,
 )
+from onnxfuse.codegen_rows import RowsSpec, RowsVariant, generate_rows, rows_variants  # kind rows (issue 17)
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
 from onnxfuse.tools.cuda import local_gpu_archs
@@ -148,7 +149,7 @@ class Binary:
         }
 
 
-AnySpec = KernelSpec | ConvSpec | MaxPoolSpec
+AnySpec = KernelSpec | ConvSpec | MaxPoolSpec | RowsSpec
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class CompiledKernel:
     """All binaries of one kernel, plus how they were obtained."""
 
     spec: AnySpec
-    variants: tuple[Variant | ConvVariant | PoolVariant, ...]
+    variants: tuple[Variant | ConvVariant | PoolVariant | RowsVariant, ...]
     binaries: tuple[Binary, ...]
     compile_seconds: float  # time spent compiling this kernel's misses (0.0 if all hit)
     cache_hits: int  # (variant, target) pairs found in the cache
@@ -173,6 +174,14 @@ class CompiledKernel:
                     "extra_layouts": list(spec.extra_layouts) or [0] * spec.n_extras}
                    if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") or any(spec.extra_layouts) else {}),
                 **({"w_layout": spec.w_layout} if spec.w_layout != "rsck" else {}),
+                "variants": [{"requires": v.requires(), **v.meta()} for v in self.variants],
+                "binaries": binaries,
+            }
+        if isinstance(spec, RowsSpec):  # kind rows (issue 17): docs/format.md, FusedRows
+            return {
+                "version": META_VERSION, "kind": "rows", "name": spec.name, "reduction": spec.reduction,
+                "axis": spec.lead_rank, "n_prologue": spec.n_prologue, "n_extras": spec.n_extras,
+                "input_modes": list(spec.input_modes), "x_output": int(spec.x_output),
                 "variants": [{"requires": v.requires(), **v.meta()} for v in self.variants],
                 "binaries": binaries,
             }
@@ -460,6 +469,8 @@ def _variants(spec: AnySpec) -> tuple:
         return conv_variants(spec)
     if isinstance(spec, MaxPoolSpec):
         return pool_variants(spec)
+    if isinstance(spec, RowsSpec):
+        return rows_variants(spec)
     return choose_variants(spec)
 
 
@@ -468,6 +479,8 @@ def _generate(spec: AnySpec, variant) -> KernelSource:
         return generate_conv(spec, variant)
     if isinstance(spec, MaxPoolSpec):
         return generate_maxpool(spec, variant)
+    if isinstance(spec, RowsSpec):
+        return generate_rows(spec, variant)
     return generate(spec.program, spec.name, spec.rank, spec.input_modes, list(spec.source_nodes), variant)
 
 

@@ -1,0 +1,534 @@
+"""Code generation for FusedRows (docs/format.md): row reductions with a pointwise prologue
+and epilogue, as Triton source text.
+
+A FusedRows node views its row value x as [rows, N]: the dims before the node's `axis` are
+the rows, the dims from `axis` on (flattened) one row of N contiguous elements. For each
+row the kernel
+
+1. evaluates the **prologue** program on the node's first inputs: x (a residual add, a bias
+   add, a scale and a mask before a softmax, a Cast...), rounded to the prologue's output
+   dtype as the original stores it (and stored, when the node exposes x: `x_output`);
+2. reduces the row in fp32 (`REDUCTIONS`):
+   - ``layer_norm``: mean(x), then the mean of (x - mean)^2: the mean is subtracted before
+     squaring, so there is no E[x^2] - E[x]^2 cancellation, and fp16 rows of magnitude 1e4
+     (squares 1e8, beyond fp16) are summed in fp32 without overflow;
+   - ``rms_norm``: mean(x^2);
+   - ``softmax`` / ``log_softmax``: the row's max (NaN-propagating), then the sum of
+     exp(x - max): x - max is never positive, so exp never overflows;
+3. evaluates the **epilogue** program, whose first inputs are the row values the reduction
+   provides (`ROW_VALUES`; the statistics are one value per row, [BLOCK_M, 1] in the kernel,
+   so what the program computes from them alone, eps added, a square root, a reciprocal,
+   is computed once per row, not per element), then the node's other inputs (gamma, beta, a
+   residual...), and stores each output rounded to its dtype.
+
+Two kernels, by the variant (`RowsVariant`):
+- single pass (the row fits: BLOCK_N >= N): a [BLOCK_M rows, BLOCK_N columns] tile per
+  program, each row read once and kept in registers; mean and variance are two passes over
+  the registers. Small rows take several rows per program (BLOCK_M > 1).
+- looped (any N): one pass over the row in BLOCK_N chunks for the statistics, a second one
+  that recomputes the prologue, normalizes and stores. LayerNorm merges each chunk's mean
+  and sum of squared deviations into the running ones (Chan, Golub and LeVeque's pairwise
+  update), so the variance is still of deviations from a mean; softmax keeps a running max
+  and a running sum rescaled to it per lane (the "online softmax").
+
+Inputs are read by mode (`INPUT_MODES`), decided when fusing from the tensor's shape
+against x's: ``full`` (x's shape: element (row, col) at row * N + col), ``last`` (varies
+along the normalized dims only, as gamma and beta: at col), ``scalar`` (one element) and
+``strided`` (anything else that broadcasts to x, such as an attention mask [B, 1, 1, S]
+over scores [B, H, S, S]: its element strides over the leading dims, and 0 or 1 along the
+row, are kernel parameters). Row offsets are 64-bit; sizes and strides 32-bit parameters.
+
+The expressions are those of PointwiseChain kernels (`onnxfuse.codegen.OP_TABLE`), so the
+numerics of the prologue and epilogue are exactly theirs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from onnxfuse.codegen import (
+    _MIRROR,
+    OP_TABLE,
+    POINTER_TYPES,
+    TL_DTYPES,
+    KernelSource,
+    _comment_text,
+    _literal,
+    _operand_text,
+    check_kernel_name,
+)
+from onnxfuse.expr import Instr, Program, Ref
+
+# The row values each reduction gives the epilogue, in program input order (%0, %1, ...).
+ROW_VALUES: dict[str, tuple[str, ...]] = {
+    "layer_norm": ("x", "mean", "var"),  # var: mean((x - mean)^2), the biased variance
+    "rms_norm": ("x", "mean_square"),
+    "softmax": ("softmax",),
+    "log_softmax": ("log_softmax",),
+}
+REDUCTIONS = tuple(ROW_VALUES)
+INPUT_MODES = ("full", "last", "scalar", "strided")
+INT_TYPE = "i32"
+
+# Rows up to this many columns are read once, into registers (single pass); longer rows loop.
+MAX_SINGLE_PASS = 8192
+
+
+@dataclass(frozen=True)
+class RowsSpec:
+    """What a FusedRows kernel computes (docs/format.md, FusedRows)."""
+
+    name: str
+    reduction: str
+    prologue: Program  # the node's first inputs -> x (one output)
+    program: Program  # the epilogue: ROW_VALUES[reduction], then the extras -> the node's outputs
+    input_modes: tuple[str, ...]  # per node input: the prologue's, then the epilogue's extras
+    lead_rank: int  # dims before the normalized ones (the node's axis)
+    n_cols: int | None = None  # N, when the optimizer knows it: compiled in
+    x_output: bool = False  # the node's last output is x
+    source_nodes: tuple[str, ...] = ()
+
+    @property
+    def n_prologue(self) -> int:
+        return len(self.prologue.input_dtypes)
+
+    @property
+    def n_row_values(self) -> int:
+        return len(ROW_VALUES[self.reduction])
+
+    @property
+    def n_extras(self) -> int:
+        return len(self.program.input_dtypes) - self.n_row_values
+
+    @property
+    def x_dtype(self) -> str:
+        return self.prologue.outputs[0][1]
+
+    @property
+    def narrow(self) -> bool:
+        """Every tensor 16-bit (or bool): twice the elements per 16-byte access."""
+        dts = [*self.prologue.input_dtypes, *self.program.input_dtypes[self.n_row_values:],
+               *(dt for _, dt in self.program.outputs), self.x_dtype]
+        return "f32" not in dts
+
+
+@dataclass(frozen=True)
+class RowsVariant:
+    """One binary of a FusedRows kernel: its tile, and what the launcher must check.
+
+    cols: the kernel was compiled for rows of exactly this many columns (0: any, given at
+    run time); looped: the row is walked in chunks of BLOCK_N (else BLOCK_N >= N, and
+    without `cols` the variant requires N <= BLOCK_N: max_cols); aligned: the pointers are
+    16-byte aligned (hinted to the compiler, checked by the launcher)."""
+
+    index: int = 0
+    block_m: int = 1
+    block_n: int = 1024
+    num_warps: int = 4
+    looped: bool = False
+    cols: int = 0
+    aligned: bool = False
+
+    def requires(self) -> dict[str, int]:
+        req: dict[str, int] = {}
+        if self.cols:
+            req["cols"] = self.cols
+        elif not self.looped:
+            req["max_cols"] = self.block_n
+        if self.aligned:
+            req["ptr_align"] = 16
+        return req
+
+    def meta(self) -> dict[str, int]:
+        return {"block_m": self.block_m, "block_n": self.block_n, "looped": int(self.looped)}
+
+    def grid(self, n_rows: int) -> tuple[int, int]:
+        """The launch grid for `n_rows` rows, as the C++ launcher computes it."""
+        return (-(-n_rows // self.block_m), 1)
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def rows_variants(spec: RowsSpec) -> tuple[RowsVariant, ...]:
+    """The variants of a FusedRows kernel, most specialized first (the launcher takes the
+    first whose requirements hold).
+
+    N known (the normalized dims are static, as a hidden size is): one kernel compiled for
+    exactly N, single pass when next_pow2(N) <= MAX_SINGLE_PASS (BLOCK_N = next_pow2(N); rows
+    shorter than 1024 columns take several rows per program, so that a tile holds 1024
+    elements), else looped; 16-byte aligned pointers hinted. N unknown (a softmax over a
+    dynamic sequence): single-pass kernels for N up to 128, 512, 2048 and 8192. Every
+    kernel ends with the looped kernel for any N, unaligned. num_warps: a tile's elements
+    / 256, 1 to 8, as the Triton tutorials' LayerNorm and softmax (4 warps for a 1024-element
+    tile, 8 from 2048). Untuned: `--tune` measures nothing of these yet."""
+    chunk = 2048 if spec.narrow else 1024
+    out: list[RowsVariant] = []
+
+    def add(**kw) -> None:
+        out.append(RowsVariant(index=len(out), **kw))
+
+    def warps(elements: int) -> int:
+        return min(max(elements // 256, 1), 8)
+
+    n = spec.n_cols
+    if n is not None and n > 0:
+        block_n = next_pow2(n)
+        if block_n <= MAX_SINGLE_PASS:
+            block_m = max(1, 1024 // block_n)
+            add(block_m=block_m, block_n=block_n, num_warps=warps(block_m * block_n), cols=n, aligned=True)
+        else:
+            add(block_n=chunk, num_warps=4, looped=True, cols=n, aligned=True)
+    else:
+        for block_n in (128, 512, 2048, 8192):
+            block_m = max(1, 1024 // block_n)
+            add(block_m=block_m, block_n=block_n, num_warps=warps(block_m * block_n))
+    add(block_n=chunk, num_warps=4, looped=True)
+    return tuple(out)
+
+
+def rows_param_names(spec: RowsSpec) -> list[str]:
+    """Kernel parameters in launch order (docs/format.md, kind rows), without constexprs."""
+    names = [f"x{i}_ptr" for i in range(spec.n_prologue)] + [f"e{j}_ptr" for j in range(spec.n_extras)]
+    names += [f"y{k}_ptr" for k in range(len(spec.program.outputs))]
+    if spec.x_output:
+        names.append("x_out_ptr")
+    names += ["n_rows", "n_cols"]
+    strided = _strided(spec)
+    if strided:
+        names += [f"size{d}" for d in range(spec.lead_rank)]
+        for p in strided:
+            names += [f"stride_{p}_{d}" for d in range(spec.lead_rank)] + [f"stride_{p}_col"]
+    return names
+
+
+def _input_names(spec: RowsSpec) -> list[str]:
+    """The pointer prefix of each node input: x<i> (prologue), e<j> (epilogue extras)."""
+    return [f"x{i}" for i in range(spec.n_prologue)] + [f"e{j}" for j in range(spec.n_extras)]
+
+
+def _strided(spec: RowsSpec) -> list[str]:
+    return [p for p, m in zip(_input_names(spec), spec.input_modes, strict=True) if m == "strided"]
+
+
+def _check(spec: RowsSpec, variant: RowsVariant) -> None:
+    check_kernel_name(spec.name)
+    spec.prologue.validate()
+    spec.program.validate()
+    if spec.reduction not in REDUCTIONS:
+        raise ValueError(f"{spec.name}: unknown reduction {spec.reduction!r} (known: {', '.join(REDUCTIONS)})")
+    if len(spec.prologue.outputs) != 1:
+        raise ValueError(f"{spec.name}: the prologue must have one output (x), it has {len(spec.prologue.outputs)}")
+    if spec.n_extras < 0:
+        raise ValueError(f"{spec.name}: the epilogue has fewer inputs than the {spec.n_row_values} row values of "
+                         f"{spec.reduction}")
+    if len(spec.input_modes) != spec.n_prologue + spec.n_extras:
+        raise ValueError(f"{spec.name}: {len(spec.input_modes)} input modes for "
+                         f"{spec.n_prologue + spec.n_extras} inputs")
+    for m in spec.input_modes:
+        if m not in INPUT_MODES:
+            raise ValueError(f"{spec.name}: input mode {m!r} is not one of {INPUT_MODES}")
+    if spec.prologue.input_dtypes and "full" not in spec.input_modes[:spec.n_prologue] \
+            and "strided" not in spec.input_modes[:spec.n_prologue]:
+        raise ValueError(f"{spec.name}: no prologue input has x's shape")
+    if spec.lead_rank < 0:
+        raise ValueError(f"{spec.name}: lead_rank must be >= 0")
+    for v in (variant.block_m, variant.block_n, variant.num_warps):
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"row tile sizes and num_warps must be powers of two: {variant}")
+    if variant.cols and not variant.looped and variant.cols > variant.block_n:
+        raise ValueError(f"{spec.name}: a single-pass kernel for {variant.cols} columns needs BLOCK_N >= it")
+    if variant.cols and spec.n_cols not in (None, variant.cols):
+        raise ValueError(f"{spec.name}: variant compiled for {variant.cols} columns, the spec has {spec.n_cols}")
+    if variant.looped and variant.block_m != 1:
+        raise ValueError(f"{spec.name}: the looped kernel takes one row per program (BLOCK_M 1)")
+
+
+def generate_rows(spec: RowsSpec, variant: RowsVariant) -> KernelSource:
+    """The Triton kernel of a FusedRows node, single pass or looped (`RowsVariant`)."""
+    _check(spec, variant)
+    names = rows_param_names(spec)
+    out_dtypes = [dt for _, dt in spec.program.outputs] + ([spec.x_dtype] if spec.x_output else [])
+    in_dtypes = list(spec.prologue.input_dtypes) + list(spec.program.input_dtypes[spec.n_row_values:])
+    types = [POINTER_TYPES[d] for d in in_dtypes + out_dtypes]
+    types += [INT_TYPE] * (len(names) - len(types))
+    constexprs = [("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n)]
+    if variant.cols:
+        constexprs.append(("N_COLS", variant.cols))
+    source = _module(spec, variant, names, [c for c, _ in constexprs])
+    divisible: tuple[int, ...] = tuple(range(len(in_dtypes) + len(out_dtypes))) if variant.aligned else ()
+    return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
+                        constexprs=tuple(constexprs), divisible=divisible, num_warps=variant.num_warps,
+                        variant=variant, num_stages=None)
+
+
+# ---------------------------------------------------------------------------------------
+# module text
+# ---------------------------------------------------------------------------------------
+
+MAX_NAN = [
+    "@triton.jit",
+    "def max_nan(a, b):",
+    '    """max(a, b), NaN when either is NaN: a row that holds a NaN has a NaN max, as numpy\'s',
+    '    and ONNX Runtime\'s softmax (tl.max would drop it: PTX max.f32)."""',
+    "    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)",
+]
+
+
+def _module(spec: RowsSpec, variant: RowsVariant, names: list[str], constexprs: list[str]) -> str:
+    kind = "looped over BLOCK_N chunks" if variant.looped else "single pass, the row in registers"
+    n = f"{variant.cols} columns" if variant.cols else "N columns given at run time"
+    lines = [f"# {spec.name}: generated by onnxfuse.codegen_rows; do not edit.", "#",
+             f"# {spec.reduction} over rows of {n} ({kind}); row values for the epilogue: "
+             f"{', '.join(ROW_VALUES[spec.reduction])}.", "#", "# Replaces the ONNX nodes:"]
+    lines += [f"#   {_comment_text(s)}" for s in spec.source_nodes] or ["#   (none listed)"]
+    lines += ["#", "# Prologue (inputs: the node's first inputs; output: x):"]
+    lines += [f"#   {ln}" for ln in spec.prologue.to_text().splitlines()]
+    lines += ["#", f"# Epilogue (inputs: {', '.join(ROW_VALUES[spec.reduction])}, then the node's other inputs):"]
+    lines += [f"#   {ln}" for ln in spec.program.to_text().splitlines()]
+    lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
+    if spec.reduction in ("softmax", "log_softmax"):
+        lines += ["", "", *MAX_NAN]
+    lines += ["", "", "@triton.jit", f"def {spec.name}("]
+    lines += [f"    {', '.join(group)}," for group in _param_groups(names)]
+    lines += [f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},", "):"]
+    body = _looped_body(spec, variant) if variant.looped else _single_body(spec, variant)
+    lines += ["    " + ln if ln else "" for ln in body]
+    return "\n".join(lines) + "\n"
+
+
+def _param_groups(names: list[str]) -> list[list[str]]:
+    """One line per role: pointers, the two sizes, the leading sizes, each input's strides."""
+    groups: dict[str, list[str]] = {}
+    for p in names:
+        if p.endswith("_ptr"):
+            key = "ptr"
+        elif p.startswith("stride_"):
+            key = p.rsplit("_", 1)[0]
+        elif p.startswith("size"):
+            key = "size"
+        else:
+            key = "n"
+        groups.setdefault(key, []).append(p)
+    return list(groups.values())
+
+
+def _n(variant: RowsVariant) -> str:
+    """The row length as the kernel knows it: the constexpr or the run-time parameter."""
+    return "N_COLS" if variant.cols else "n_cols"
+
+
+def _n_float(variant: RowsVariant) -> str:
+    """The row length as an fp32 value (a literal when compiled in)."""
+    return f"tl.full([], {float(variant.cols)!r}, tl.float32)" if variant.cols else "n_cols.to(tl.float32)"
+
+
+def _row_setup(spec: RowsSpec, variant: RowsVariant) -> list[str]:
+    """Program id -> the tile's rows, their 64-bit start offsets, and (strided inputs) each
+    row's offset in every strided input: the row index unravelled once per row."""
+    out = ["pid = tl.program_id(axis=0)",
+           "rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)",
+           "row_mask = rows < n_rows",
+           f"row_start = rows.to(tl.int64) * {_n(variant)}  # 64-bit: rows * N may pass 2**31"]
+    strided = _strided(spec)
+    if strided:
+        out.append("# Each row's coordinates over the leading dims, for the strided inputs.")
+        if spec.lead_rank == 0:
+            out += [f"{p}_row = rows.to(tl.int64) * 0" for p in strided]
+        else:
+            out.append("rem = rows")
+            for d in range(spec.lead_rank - 1, 0, -1):
+                out += [f"idx{d} = rem % size{d}", f"rem = rem // size{d}"]
+            out.append("idx0 = rem")
+            for p in strided:
+                terms = " + ".join(f"idx{d}.to(tl.int64) * stride_{p}_{d}" for d in range(spec.lead_rank))
+                out.append(f"{p}_row = {terms}")
+    return out
+
+
+def _col_setup(variant: RowsVariant, start: str | None) -> list[str]:
+    cols = "tl.arange(0, BLOCK_N)" if start is None else f"{start} + tl.arange(0, BLOCK_N)"
+    return [f"cols = {cols}",
+            f"col_mask = cols < {_n(variant)}",
+            "mask = row_mask[:, None] & col_mask[None, :]",
+            "offsets = row_start[:, None] + cols[None, :]"]
+
+
+def _load(ptr: str, mode: str, dtype: str) -> str:
+    if mode == "full":
+        load = f"tl.load({ptr}_ptr + offsets, mask=mask, other=0)"
+    elif mode == "last":
+        load = f"tl.load({ptr}_ptr + cols[None, :], mask=col_mask[None, :], other=0)"
+    elif mode == "scalar":
+        load = f"tl.load({ptr}_ptr)"
+    else:
+        load = (f"tl.load({ptr}_ptr + ({ptr}_row[:, None] + cols[None, :] * stride_{ptr}_col), "
+                "mask=mask, other=0)")
+    if dtype == "bool":
+        return f"({load} != 0).to(tl.float32)"
+    return load if dtype == "f32" else f"{load}.to(tl.float32)"
+
+
+def _program_lines(prog: Program, value_of: Callable[[int], str], prefix: str) -> list[str]:
+    """One line per instruction, `prefix<n>` for value %n; `value_of(i)` names input i."""
+    base = len(prog.input_dtypes)
+
+    def name(v: int) -> str:
+        return value_of(v) if v < base else f"{prefix}{v}"
+
+    out = []
+    for k, ins in enumerate(prog.instrs):
+        out.append(f"# %{base + k} = {ins.op} {' '.join(_operand_text(a) for a in ins.args)}")
+        out.append(f"{prefix}{base + k} = {_expr(ins, name)}")
+    return out
+
+
+def _expr(ins: Instr, name: Callable[[int], str]) -> str:
+    """codegen._expr with this kernel's value names."""
+    op, args = ins.op, list(ins.args)
+    if op in _MIRROR and not isinstance(args[0], Ref) and isinstance(args[1], Ref):
+        op, args = _MIRROR[op], [args[1], args[0]]
+    texts = [name(a.index) if isinstance(a, Ref) else _literal(a) for a in args]
+    if not any(isinstance(a, Ref) for a in args):
+        texts[0] = f"tl.full([], {_literal(args[0])}, tl.float32)"
+    return OP_TABLE[op].format(*texts)
+
+
+def _prologue(spec: RowsSpec) -> list[str]:
+    """Load the prologue's inputs, evaluate it, and round x to its dtype: `x`."""
+    prog = spec.prologue
+    out = ["# Prologue: x from the node's first inputs (fp32), rounded as the original stores it."]
+    for i, (dt, mode) in enumerate(zip(prog.input_dtypes, spec.input_modes, strict=False)):
+        out.append(f"x{i} = {_load(f'x{i}', mode, dt)}")
+    out += _program_lines(prog, lambda i: f"x{i}", "p")
+    v, dt = prog.outputs[0]
+    val = f"x{v}" if v < len(prog.input_dtypes) else f"p{v}"
+    if dt != "f32":
+        val = f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne").to(tl.float32)'
+    return out + [f"x = {val}"]
+
+
+def _store_x(spec: RowsSpec) -> list[str]:
+    if not spec.x_output:
+        return []
+    return [f"tl.store(x_out_ptr + offsets, {_cast('x', spec.x_dtype)}, mask=mask)  # x, read outside the node"]
+
+
+def _cast(val: str, dt: str) -> str:
+    return val if dt == "f32" else f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
+
+
+def _epilogue(spec: RowsSpec, row_values: list[str]) -> list[str]:
+    """Load the extras, evaluate the epilogue on the row values, store every output."""
+    prog = spec.program
+    k = spec.n_row_values
+    out = [f"# Epilogue: {', '.join(f'%{i} = {v}' for i, v in enumerate(ROW_VALUES[spec.reduction]))}, "
+           "then the node's other inputs."]
+    for j, (dt, mode) in enumerate(zip(prog.input_dtypes[k:], spec.input_modes[spec.n_prologue:], strict=True)):
+        out.append(f"e{j} = {_load(f'e{j}', mode, dt)}")
+
+    def value_of(i: int) -> str:
+        return row_values[i] if i < k else f"e{i - k}"
+
+    out += _program_lines(prog, value_of, "t")
+    out.append("# Store, cast to the output dtypes.")
+    for j, (v, dt) in enumerate(prog.outputs):
+        val = value_of(v) if v < len(prog.input_dtypes) else f"t{v}"
+        out.append(f"tl.store(y{j}_ptr + offsets, {_cast(val, dt)}, mask=mask)")
+    return out
+
+
+def _single_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
+    nf = _n_float(variant)
+    out = _row_setup(spec, variant) + _col_setup(variant, None) + _prologue(spec) + _store_x(spec)
+    red = spec.reduction
+    if red == "layer_norm":
+        out += ["# Row statistics in fp32, two passes over the registers: the mean, then the mean of",
+                "# the squared deviations from it (no E[x^2] - E[x]^2: no cancellation, no fp16 overflow).",
+                "x = tl.where(mask, x, 0.0)",
+                f"mean = tl.div_rn(tl.sum(x, axis=1), {nf})",
+                "diff = tl.where(mask, x - mean[:, None], 0.0)",
+                f"var = tl.div_rn(tl.sum(diff * diff, axis=1), {nf})"]
+        values = ["x", "mean[:, None]", "var[:, None]"]
+    elif red == "rms_norm":
+        out += ["# The mean of the squares, in fp32.",
+                "x = tl.where(mask, x, 0.0)",
+                f"mean_square = tl.div_rn(tl.sum(x * x, axis=1), {nf})"]
+        values = ["x", "mean_square[:, None]"]
+    else:
+        out += ["# The row's max (a NaN wins), then the sum of exp(x - max) <= 1 per element: no overflow.",
+                'x = tl.where(mask, x, float("-inf"))',
+                "row_max = tl.reduce(x, 1, max_nan)",
+                "shifted = x - row_max[:, None]",
+                "e = tl.where(mask, libdevice.exp(shifted), 0.0)",
+                "denom = tl.sum(e, axis=1)"]
+        if red == "softmax":
+            out.append("y = tl.div_rn(e, denom[:, None])")
+        else:
+            out.append("y = shifted - libdevice.log(denom)[:, None]")
+        values = ["y"]
+    return out + _epilogue(spec, values)
+
+
+def _looped_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
+    n, nf = _n(variant), _n_float(variant)
+    red = spec.reduction
+    out = _row_setup(spec, variant)
+    loop = f"for start in range(0, {n}, BLOCK_N):"
+    first = _col_setup(variant, "start") + _prologue(spec) + _store_x(spec)
+    if red == "layer_norm":
+        out += ["# Pass 1: mean and variance, chunk by chunk: each chunk's mean and sum of squared",
+                "# deviations (in registers), merged into the running ones (Chan et al.'s pairwise update):",
+                "# deviations from a mean throughout, no E[x^2] - E[x]^2.",
+                "count = tl.zeros([BLOCK_M], tl.float32)",
+                "mean = tl.zeros([BLOCK_M], tl.float32)",
+                "m2 = tl.zeros([BLOCK_M], tl.float32)", loop]
+        step = first + [
+            "x = tl.where(mask, x, 0.0)",
+            f"n_chunk = tl.minimum({n} - start, BLOCK_N).to(tl.float32)",
+            "chunk_mean = tl.div_rn(tl.sum(x, axis=1), n_chunk)",
+            "chunk_diff = tl.where(mask, x - chunk_mean[:, None], 0.0)",
+            "chunk_m2 = tl.sum(chunk_diff * chunk_diff, axis=1)",
+            "total = count + n_chunk",
+            "delta = chunk_mean - mean",
+            "mean = mean + delta * tl.div_rn(n_chunk, total)",
+            "m2 = m2 + chunk_m2 + delta * delta * tl.div_rn(count * n_chunk, total)",
+            "count = total"]
+        out += ["    " + s for s in step]
+        out.append(f"var = tl.div_rn(m2, {nf})")
+        values = ["x", "mean[:, None]", "var[:, None]"]
+        second: list[str] = []
+    elif red == "rms_norm":
+        out += ["# Pass 1: the sum of the squares, per lane, then over the lanes.",
+                "acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)", loop]
+        out += ["    " + s for s in first + ["x = tl.where(mask, x, 0.0)", "acc += x * x"]]
+        out.append(f"mean_square = tl.div_rn(tl.sum(acc, axis=1), {nf})")
+        values = ["x", "mean_square[:, None]"]
+        second = []
+    else:
+        out += ["# Pass 1, per lane: a running max m and a running sum s of exp(x - m), rescaled when m",
+                "# grows (a lane still at -inf adds 0, never exp(-inf - -inf)). Then over the lanes.",
+                'm_run = tl.full([BLOCK_M, BLOCK_N], float("-inf"), tl.float32)',
+                "s_run = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)", loop]
+        step = first + [
+            'x = tl.where(mask, x, float("-inf"))',
+            "m_new = max_nan(m_run, x)",
+            'empty = m_new == float("-inf")',
+            "s_run = s_run * tl.where(empty, 0.0, libdevice.exp(m_run - m_new)) + "
+            "tl.where(empty, 0.0, libdevice.exp(x - m_new))",
+            "m_run = m_new"]
+        out += ["    " + s for s in step]
+        out += ["row_max = tl.reduce(m_run, 1, max_nan)",
+                'scale = tl.where(m_run == float("-inf"), 0.0, libdevice.exp(m_run - row_max[:, None]))',
+                "denom = tl.sum(s_run * scale, axis=1)"]
+        if red == "softmax":
+            second = ["shifted = x - row_max[:, None]", "y = tl.div_rn(libdevice.exp(shifted), denom[:, None])"]
+        else:
+            second = ["y = (x - row_max[:, None]) - libdevice.log(denom)[:, None]"]
+        values = ["y"]
+    out += ["# Pass 2: the prologue again, then the epilogue, chunk by chunk.", loop]
+    step = _col_setup(variant, "start") + _prologue(spec) + second + _epilogue(spec, values)
+    out += ["    " + s for s in step]
+    return out
