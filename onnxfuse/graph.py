@@ -22,6 +22,7 @@ class GraphView:
     constants: dict[str, TensorProto]
     types: dict[str, int]  # elem type per tensor name
     shapes: dict[str, Shape | None]  # None: rank unknown
+    opset: int | None = None  # the default domain's opset (what an op means, e.g. Softmax's axis)
 
     @staticmethod
     def build(model: ModelProto, inferred: ModelProto | None = None) -> GraphView:
@@ -58,10 +59,11 @@ class GraphView:
         for t in g.initializer:
             types[t.name] = t.data_type
             shapes[t.name] = tuple(t.dims)
+        opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), None)
         return GraphView(
             nodes=list(g.node), producer=producer, consumers=consumers,
             graph_inputs=graph_inputs, graph_outputs={o.name for o in g.output},
-            constants=constants, types=types, shapes=shapes,
+            constants=constants, types=types, shapes=shapes, opset=opset,
         )
 
     def scalar_constant(self, name: str) -> float | None:

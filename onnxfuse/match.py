@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,7 +26,7 @@ import numpy as np
 from onnxfuse.graph import GraphView, Shape, _outer_refs, same_shape
 from onnxfuse.layers import ConvAttrs, PoolAttrs, conv_from_node, pool_from_node
 from onnxfuse.ops import DTYPE_NAMES, RULES, node_attrs
-from onnxfuse.pattern import ConvEpilogueMatch, Pattern, PoolPrologueMatch
+from onnxfuse.pattern import ConvEpilogueMatch, Pattern, PoolPrologueMatch, RowReductionMatch
 
 DTYPE_IDS = {"float32": 1, "float16": 10, "bfloat16": 16}
 
@@ -57,6 +58,9 @@ class MatchResult:
     matches: list[Match] = field(default_factory=list)
     # reason -> number of nodes it kept out of a fusion
     rejected: Counter = field(default_factory=Counter)
+    # what a fusion decided that the report says besides (the rule of ONNX Runtime's fusions that
+    # applied to a row reduction): note -> number of fused nodes
+    notes: Counter = field(default_factory=Counter)
 
 
 def literal_inputs(view: GraphView, node_idx: int) -> dict[int, float]:
@@ -361,10 +365,14 @@ def live_nodes(view: GraphView) -> set[int]:
     return live
 
 
-def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, str] | None = None) -> MatchResult:
+def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, str] | None = None,
+                 row_matcher: Callable | None = None) -> MatchResult:
     """Apply patterns in priority order; a node joins at most one match. Nodes in
     `reserved` (node -> reason: those ONNX Runtime's own fusions take, `onnxfuse.ort_fusions`)
     join no elementwise group; conv epilogues and pool prologues may still take them.
+    `row_matcher` matches row_reduction patterns (`onnxfuse.rows.match_rows`, which imports
+    this module; without it they match nothing); it applies ONNX Runtime's fusions' rule
+    itself (`reserved` is None without leave_to_ort).
 
     Dead nodes (no graph output depends on them) never join: a group computes over the
     broadcast shape of all its inputs, and a dead node could read a larger input than the
@@ -382,6 +390,15 @@ def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, s
     accepted = _Accepted(len(view.nodes))
     layer_reasons: dict[int, str] = {}  # Conv / MaxPool node -> why it did not fuse
     for p in patterns:
+        if isinstance(p.match, RowReductionMatch):  # kind rows (issue 17)
+            if row_matcher is not None:
+                matches, reasons = row_matcher(view, p, taken, accepted, reserved)
+                layer_reasons.update(reasons)
+                total.matches += matches
+                for m in matches:
+                    if m.note:
+                        total.notes[m.note] += len(m.nodes)
+            continue
         if isinstance(p.match, (ConvEpilogueMatch, PoolPrologueMatch)):
             matches, reasons = match_layers(view, p, taken, accepted)
             layer_reasons.update(reasons)

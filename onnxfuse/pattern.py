@@ -29,9 +29,14 @@ Match kinds and their fields (besides `kind`):
   2-D Conv and the pointwise ops after it (kernel conv, docs/format.md "FusedConv").
 - pool_prologue: ops, dtypes, min_nodes (default 1; 0: a MaxPool alone matches too).
   Pointwise ops and the 2-D MaxPool they feed (kernel maxpool, "FusedMaxPool").
+- row_reduction: reductions (layer_norm, rms_norm, softmax, log_softmax), ops, dtypes,
+  min_nodes (default 1: pointwise nodes that join besides the reduction's own). A LayerNorm,
+  RMSNorm or softmax over the last dims with the pointwise ops before and after it (kernel
+  rows, "FusedRows"; onnxfuse/rows.py).
 
 An example may declare constant weights: `initializers: {w: [float32, [4, 3, 3, 3]]}` is
-seeded random (scaled by 1/sqrt of its fan-in), `{b: [float32, [4], 0.5]}` all 0.5. Input
+seeded random (scaled by 1/sqrt of its fan-in), `{b: [float32, [4], 0.5]}` all 0.5,
+`{axes: [int64, [1], -1]}` an int64 constant (a value is required: ReduceMean's axes). Input
 dims may be names (symbolic, e.g. N).
 """
 
@@ -43,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from onnxfuse.codegen_rows import REDUCTIONS
 from onnxfuse.errors import PatternError
 from onnxfuse.files import record_read
 from onnxfuse.ops import ELEMENTWISE_OPS
@@ -60,9 +66,10 @@ def _builtin_dir() -> Path:
 
 
 BUILTIN_DIR = _builtin_dir()
-MATCH_KINDS = ("elementwise_group", "conv_epilogue", "pool_prologue")
-KERNELS = ("pointwise", "conv", "maxpool")
-KERNEL_OF_KIND = {"elementwise_group": "pointwise", "conv_epilogue": "conv", "pool_prologue": "maxpool"}
+MATCH_KINDS = ("elementwise_group", "conv_epilogue", "pool_prologue", "row_reduction")
+KERNELS = ("pointwise", "conv", "maxpool", "rows")
+KERNEL_OF_KIND = {"elementwise_group": "pointwise", "conv_epilogue": "conv", "pool_prologue": "maxpool",
+                  "row_reduction": "rows"}
 DTYPES = ("float32", "float16", "bfloat16")
 POOL_MODES = ("none", "tiling")
 
@@ -110,7 +117,36 @@ class PoolPrologueMatch:
         return self.ops | {"MaxPool"}
 
 
-MatchSpec = ElementwiseGroupMatch | ConvEpilogueMatch | PoolPrologueMatch
+# --- kind rows (issue 17): the match part of row_reduction patterns; onnxfuse/rows.py matches them
+# The ONNX ops each reduction is recognized from (the decomposed forms start at ReduceMean).
+REDUCTION_ANCHORS = {
+    "layer_norm": frozenset({"ReduceMean", "LayerNormalization"}),
+    "rms_norm": frozenset({"ReduceMean", "SimplifiedLayerNormalization", "RMSNormalization"}),
+    "softmax": frozenset({"Softmax"}),
+    "log_softmax": frozenset({"LogSoftmax"}),
+}
+
+
+@dataclass(frozen=True)
+class RowReductionMatch:
+    """Match a normalization or softmax over the last dims (`reductions`), the pointwise
+    group before it (the prologue: what computes its input) and after it (the epilogue)."""
+
+    reductions: frozenset[str]
+    ops: frozenset[str]  # op types allowed in the prologue and the epilogue
+    dtypes: frozenset[str]
+    min_nodes: int = 1  # prologue and epilogue nodes besides the reduction's own, at least
+
+    @property
+    def anchors(self) -> frozenset[str]:
+        return frozenset().union(*(REDUCTION_ANCHORS[r] for r in self.reductions))
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        return self.ops | self.anchors
+
+
+MatchSpec = ElementwiseGroupMatch | ConvEpilogueMatch | PoolPrologueMatch | RowReductionMatch
 
 
 @dataclass(frozen=True)
@@ -243,6 +279,7 @@ _KIND_FIELDS = {
     "elementwise_group": {"kind", "ops", "dtypes", "min_nodes"},
     "conv_epilogue": {"kind", "ops", "dtypes", "group", "pool", "alone"},
     "pool_prologue": {"kind", "ops", "dtypes", "min_nodes"},
+    "row_reduction": {"kind", "reductions", "ops", "dtypes", "min_nodes"},
 }
 
 
@@ -269,6 +306,17 @@ def _load_match(m: _Fields, kind: str) -> MatchSpec:
                 m.fail("match.dtypes", f"{dt!r}: convolutions are fused for float32 and float16 only")
         alone = m.get("alone", bool, False)
         return ConvEpilogueMatch(frozenset(ops), frozenset(dtypes), None if group == "any" else group, pool, alone)
+    if kind == "row_reduction":  # kind rows (issue 17)
+        reductions = m.get("reductions", list)
+        if not reductions:
+            m.fail("match.reductions", "must name at least one reduction")
+        for r in reductions:
+            if r not in REDUCTIONS:
+                m.fail("match.reductions", f"{r!r} is not one of {', '.join(REDUCTIONS)}")
+        min_nodes = m.get("min_nodes", int, 1)
+        if min_nodes < 0:
+            m.fail("match.min_nodes", "must be at least 0")
+        return RowReductionMatch(frozenset(reductions), frozenset(ops), frozenset(dtypes), min_nodes)
     default_min = 2 if kind == "elementwise_group" else 1
     min_nodes = m.get("min_nodes", int, default_min)
     if min_nodes < (0 if kind == "pool_prologue" else 1):
@@ -293,11 +341,12 @@ def _load_example(e: _Fields | None, path: Path) -> Example | None:
         inputs[k] = (v[0], tuple(v[1]))
     inits = {}
     for k, v in e.get("initializers", dict, {}).items():
-        if not (isinstance(v, list) and len(v) in (2, 3) and v[0] in ("float32", "float16")
+        if not (isinstance(v, list) and len(v) in (2, 3) and v[0] in ("float32", "float16", "int64")
                 and isinstance(v[1], list) and all(isinstance(d, int) and not isinstance(d, bool) for d in v[1])
-                and (len(v) == 2 or (isinstance(v[2], (int, float)) and not isinstance(v[2], bool)))):
+                and (len(v) == 2 or (isinstance(v[2], (int, float)) and not isinstance(v[2], bool)))
+                and (len(v) == 3 or v[0] != "int64")):
             e.fail(f"example.initializers.{k}", "must be [dtype, [dims...]] or [dtype, [dims...], value] "
-                                                "(dtype float32 or float16)")
+                                                "(dtype float32 or float16; int64 with a value)")
         inits[k] = (v[0], tuple(v[1]), float(v[2]) if len(v) == 3 else None)
     nodes = []
     for i, n in enumerate(e.get("nodes", list)):
@@ -332,7 +381,8 @@ def example_model(pattern: Pattern, opset: int = 20):
             arr = rng.standard_normal(dims) / np.sqrt(fan_in)
         else:
             arr = np.full(dims, value)
-        inits.append(numpy_helper.from_array(arr.astype(np.float16 if dt == "float16" else np.float32), name))
+        np_dt = {"float16": np.float16, "int64": np.int64}.get(dt, np.float32)
+        inits.append(numpy_helper.from_array(arr.astype(np_dt), name))
     for k, (op, ins, outs, attrs) in enumerate(ex.nodes):
         names = []
         for j, x in enumerate(ins):

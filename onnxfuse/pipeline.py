@@ -29,6 +29,7 @@ from onnxfuse.ort_fusions import ort_fusions
 from onnxfuse.outputs import Outputs
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.rewrite import DOMAIN, FusedNode, rewrite
+from onnxfuse.rows import match_rows
 from onnxfuse.static import fold_shape_arithmetic, resolve_dims
 from onnxfuse.text import abbreviate
 
@@ -52,6 +53,7 @@ class Report:
     patterns_applied: dict[str, int] = field(default_factory=dict)
     fused: list[FusionRecord] = field(default_factory=list)
     not_fused: dict[str, int] = field(default_factory=dict)  # reason -> nodes
+    notes: dict[str, int] = field(default_factory=dict)  # what else a fusion decided -> nodes (onnxfuse.rows)
     folded_batchnorm: int = 0  # BatchNormalization nodes folded into the Conv before them
     # static input shapes given (--shape): the inputs' dims and the shape arithmetic folded
     # into constants (onnxfuse.static), in one line
@@ -82,6 +84,9 @@ class Report:
             lines.append("not fused:")
             for reason, n in sorted(self.not_fused.items(), key=lambda kv: (-kv[1], kv[0])):
                 lines.append(f"  {n} node{'s' if n != 1 else ''}: {reason}")
+        if self.notes:
+            lines.append("notes:")
+            lines += [f"  {n} node{'s' if n != 1 else ''}: {note}" for note, n in sorted(self.notes.items())]
         if self.compile is not None:
             c = self.compile
             lines.append(c["summary"] if "summary" in c else f"compile: {c}")
@@ -322,7 +327,9 @@ def match_pass(result: Result, options: Options) -> Result:
         if by_ort is not None and (by_ort.missing_ort or by_ort.too_large):
             result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused "
                         "(--no-leave-to-ort says not to look)")
-        result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None)
+        result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None,
+                                    row_matcher=match_rows)
+        result.report.notes = dict(result.found.notes)
         not_fused = dict(result.found.rejected)
         for reason, count in _not_visited(result.model, result.patterns).items():
             not_fused[reason] = not_fused.get(reason, 0) + count

@@ -21,6 +21,7 @@ from onnxfuse.layers import ConvAttrs, PoolAttrs
 from onnxfuse.load import UNKNOWN_DIM, default_opset
 from onnxfuse.match import Match, literal_inputs, numel
 from onnxfuse.ops import ELEM_TYPE, FLOAT_TYPES, RULES, node_attrs
+from onnxfuse.rows import RowsInfo, lower_rows  # kind rows (issue 17)
 
 DOMAIN = "onnxfuse"
 DOMAIN_VERSION = 1
@@ -53,6 +54,7 @@ class FusedNode:
     # for its readers; set by onnxfuse.rounding
     x_rounded: bool = False
     round_y: bool = False
+    rows: RowsInfo | None = None  # kind rows: the prologue, reduction, axis (`program` is the epilogue)
 
 
 def _ir_dtype(view: GraphView, name: str) -> str:
@@ -197,9 +199,15 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
     fused: list[FusedNode] = []
     replaced: dict[int, NodeProto | None] = {}
     for m in matches:
-        program, prog_inputs, folded = build_program(view, m)
+        rows = lower_rows(view, m) if m.kind == "rows" else None  # kind rows (issue 17): onnxfuse/rows.py
+        if rows is not None:
+            program, prog_inputs, folded = rows.epilogue, list(rows.inputs), rows.folded
+        else:
+            program, prog_inputs, folded = build_program(view, m)
         node_name = _unique(f"{m.pattern.name}_{view.nodes[m.nodes[0]].name or m.nodes[0]}", used_names)
-        if m.kind == "pointwise":
+        if rows is not None:
+            layout = _Layout(prog_inputs, [view.nodes[i] for i in m.nodes], rows.attrs, rows.key)
+        elif m.kind == "pointwise":
             layout = _Layout(prog_inputs, [view.nodes[i] for i in m.nodes], {}, "")
         else:
             layout = _layer_layout(view, m, prog_inputs, node_name, tensor_names, g)
@@ -218,14 +226,18 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
         node = helper.make_node(m.pattern.replace.op_type, layout.inputs, list(m.outputs), name=node_name,
                                 domain=DOMAIN, program=program.to_text(), **layout.attrs)
         node.overload = kernel_name
-        shape = view.shapes[m.outputs[0] if m.kind == "pointwise" else m.result]
+        if rows is not None:
+            rank, modes = rows.info.axis, rows.modes
+        else:
+            shape = view.shapes[m.outputs[0] if m.kind == "pointwise" else m.result]
+            rank = len(shape)
+            modes = tuple("full" if k == 0 and m.kind != "pointwise" else _input_mode(view, x, shape)
+                          for k, x in enumerate(prog_inputs))
         fused.append(FusedNode(
             node_name=node_name, pattern=m.pattern.name, kernel_name=kernel_name, program=program,
-            inputs=tuple(layout.inputs), outputs=m.outputs, rank=len(shape),
-            input_modes=tuple("full" if k == 0 and m.kind != "pointwise" else _input_mode(view, x, shape)
-                              for k, x in enumerate(prog_inputs)),
+            inputs=tuple(layout.inputs), outputs=m.outputs, rank=rank, input_modes=modes,
             source_nodes=tuple(f"{view.nodes[i].op_type} {view.nodes[i].name}".rstrip() for i in m.nodes),
-            kind=m.kind, conv=m.conv_attrs, pool=m.pool_attrs,
+            kind=m.kind, conv=m.conv_attrs, pool=m.pool_attrs, rows=rows.info if rows is not None else None,
         ))
         for i in m.nodes:
             replaced[i] = None

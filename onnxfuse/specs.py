@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from onnxfuse import compile as aot
+from onnxfuse.codegen_rows import RowsSpec
 
 
 def kernel_spec(model, f, conv_precision: str = "tf32", weight_dims: dict | None = None):
@@ -25,4 +26,8 @@ def kernel_spec(model, f, conv_precision: str = "tf32", weight_dims: dict | None
     if f.kind == "maxpool":
         return aot.MaxPoolSpec(f.kernel_name, f.program, pool=f.pool, source_nodes=f.source_nodes,
                                x_layout=f.x_layout, y_layout=f.y_layout)
+    if f.kind == "rows":  # kind rows (issue 17): docs/format.md, FusedRows
+        r = f.rows
+        return RowsSpec(f.kernel_name, r.reduction, r.prologue, f.program, f.input_modes, r.axis, r.n_cols,
+                        r.x_output, f.source_nodes)
     raise ValueError(f"unknown fused node kind {f.kind!r}")

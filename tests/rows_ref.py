@@ -41,3 +41,14 @@ def evaluate_rows(reduction: str, prologue: Program, epilogue: Program, inputs: 
     shape = x.shape
     outs = [np.broadcast_to(o, shape).copy() for o in outs]
     return outs + ([x] if x_output else [])
+
+
+def evaluate_rows_node(node, inputs: list[np.ndarray]) -> list[np.ndarray]:
+    """The outputs of a FusedRows node (its attributes read as the C++ kernel reads them)."""
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    prologue = Program.from_text(attrs["prologue"].decode())
+    epilogue = Program.from_text(attrs["program"].decode())
+    return evaluate_rows(attrs["reduction"].decode(), prologue, epilogue, inputs, int(attrs["axis"]),
+                         bool(attrs.get("x_output", 0)))

@@ -21,6 +21,7 @@ from onnxfuse.expr import evaluate
 from onnxfuse.load import canonicalize, infer_shapes
 from onnxfuse.pipeline import Options, Result, build_options
 from tests.layer_ref import evaluate_fused
+from tests.rows_ref import evaluate_rows_node
 
 NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
       TensorProto.BOOL: np.bool_, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
@@ -102,6 +103,16 @@ def check_programs(m: onnx.ModelProto, result: Result, feeds: dict, rtol: float 
     values.update({t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer})  # packed weights
     nodes = {n.name: n for n in result.model.graph.node}
     for f in result.fused:
+        if f.kind == "rows":  # the FusedRows contract (docs/format.md) in numpy: statistics in float64
+            got_all = evaluate_rows_node(nodes[f.node_name], [values[x] for x in f.inputs])
+            for name, got in zip(f.outputs, got_all, strict=True):
+                want = values[name]
+                tol = RTOL.get(want.dtype, 1e-5) if rtol is None else rtol
+                # a normalized value's error scales with the row's, not its own magnitude
+                np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
+                                           atol=tol * float(np.max(np.abs(want), initial=1.0)), equal_nan=True,
+                                           err_msg=f"{f.node_name} against the numpy reference of rows, {name}")
+            continue
         if f.kind != "pointwise":  # conv and maxpool: the node's contract (docs/format.md) in numpy
             got = evaluate_fused(nodes[f.node_name], [values[x] for x in f.inputs])
             want = values[f.outputs[0]]

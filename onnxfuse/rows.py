@@ -1,0 +1,709 @@
+"""Row reductions (kind rows, FusedRows): recognize normalizations and softmaxes with the
+pointwise ops before and after them, and lower a match to the node's two programs.
+
+A match has three parts (docs/format.md, FusedRows):
+
+- the **core**: the reduction as the graph writes it, over the trailing dims of its input
+  x (`Core`):
+  - ``layer_norm``: the LayerNormalization op, or the decomposed form exporters write,
+    ReduceMean(x) -> Sub(x, mean) -> [Cast] -> Pow(d, 2) or Mul(d, d) -> ReduceMean: its
+    nodes are the two ReduceMeans and the square; what follows (eps, Sqrt, Div or
+    Reciprocal-Mul, Pow(-0.5), the scale and shift, Keras' x * inv + (beta - mean * inv))
+    is epilogue arithmetic on x and the two statistics, whatever its form;
+  - ``rms_norm``: SimplifiedLayerNormalization (ONNX Runtime's, either domain), the ONNX
+    RMSNormalization op, or ReduceMean(Pow(x, 2)) / ReduceMean(Mul(x, x));
+  - ``softmax`` / ``log_softmax``: the op, over the last axis (opset >= 13), or over the
+    trailing dims from `axis` on (opset < 13 flattens them: its coerced 2-D semantics);
+- the **prologue**: the pointwise nodes that compute x (a residual add, a bias add, a scale
+  and an attention mask before a softmax, a Cast to float32), each of x's shape, read only
+  inside the match (x itself may be read outside: the node then stores it too);
+- the **epilogue**: the pointwise nodes that depend on the core's values (x, the statistics,
+  the op's output) and compute over x's shape or once per row, up to the tensors read
+  outside the match (the node's outputs, each of x's shape).
+
+Every part lowers to the expression IR of the pointwise kind (`onnxfuse.expr`), and the
+kernel (`onnxfuse.codegen_rows`) computes the statistics in fp32. A normalization or
+softmax that does not fuse is reported with the reason.
+
+ONNX Runtime's own fusions (`leave_to_ort`, `onnxfuse.ort_fusions`): a match whose every
+node ONNX Runtime would fuse into one of its normalizations (LayerNormalization,
+SkipLayerNormalization, ...) or softmaxes (BiasSoftmax) is left to it; a match that also
+fuses work ONNX Runtime does not (an activation, a Cast, a prologue it leaves alone) takes
+its nodes, and the report's notes say so. Nodes ONNX Runtime takes into other fusions
+(FusedMatMul's scale, BiasGelu...) join no prologue or epilogue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from onnxfuse.codegen_rows import ROW_VALUES
+from onnxfuse.expr import Builder, Operand, Program, Ref, rewrite_tails
+from onnxfuse.graph import GraphView, Shape, same_shape
+from onnxfuse.match import (
+    DTYPE_IDS,
+    Match,
+    _Accepted,
+    _dtype_reason,
+    _operands,
+    _reentering,
+    broadcasts_to,
+    check_node,
+    literal_inputs,
+)
+from onnxfuse.ops import ELEM_TYPE, FLOAT_TYPES, RULES, node_attrs
+from onnxfuse.pattern import Pattern, RowReductionMatch
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+MS_DOMAIN = "com.microsoft"
+
+# Reasons in the report (node -> why its normalization or softmax did not fuse).
+NOT_LAST = "reduction axis is not the last"
+NO_KEEPDIMS = "ReduceMean without keepdims"
+EPS_NOT_CONSTANT = "eps is not a constant"
+STAT_OUTSIDE = "a row statistic (mean, variance, max) is read outside the normalization"
+EXTRA_OUTPUTS = "its Mean / InvStdDev output is used"
+LONE = "nothing to fuse with it (ONNX Runtime's own kernel runs it)"
+CYCLE = "fusing would create a cycle"
+UNKNOWN_SHAPE = "unknown shape"
+NOT_BROADCAST = "an input does not broadcast to the rows (it varies within the normalized dims, or enlarges them)"
+
+
+def left_to_ort(reason: str) -> str:
+    """The report's reason for a match ONNX Runtime fuses whole (`reason`: `ort_fusions.reason`)."""
+    return f"{reason} (it fuses every node of this normalization or softmax)"
+
+
+def taken_from_ort(reason: str) -> str:
+    """The report's note for a match that takes nodes from one of ONNX Runtime's fusions."""
+    return (reason.replace("left to", "taken from", 1) + ": the fused kernel also fuses work ONNX Runtime does not"
+            " (prologue or epilogue)")
+
+
+@dataclass(frozen=True)
+class Core:
+    """A recognized reduction: its nodes, its input x, where the rows start, and the names
+    the epilogue reads its values by."""
+
+    reduction: str
+    nodes: tuple[int, ...]
+    x: str
+    axis: int  # the first normalized dim of x (positive)
+    # tensors the core defines that epilogue nodes may read: the statistics (decomposed
+    # forms) or the op's output
+    seeds: tuple[str, ...]
+    # the epilogue program's first inputs, ROW_VALUES[reduction] (x, then statistics; the
+    # op forms' statistics have names no graph tensor has)
+    row_values: tuple[str, ...]
+    # the op forms: its extra inputs (scale, bias) and the instructions computing its output
+    # from the row values and those (env: name -> operand)
+    op_inputs: tuple[str, ...] = ()
+    prelude: Callable[[Builder, dict[str, Operand]], None] | None = None
+    exposable: frozenset[str] = frozenset()  # core tensors that may be read outside (the op's output)
+    constants: tuple[str, ...] = ()  # constants the core's nodes read (axes, the exponent 2)
+
+
+@dataclass(frozen=True)
+class RowsMatch(Match):
+    """A row_reduction match: Match's nodes (prologue, core, epilogue, topological order)
+    and outputs (the epilogue's, then x when `x_output`), and the parts."""
+
+    core: Core | None = None
+    prologue: tuple[int, ...] = ()
+    epilogue: tuple[int, ...] = ()
+    x_output: bool = False
+    note: str = ""  # the ORT rule that applied, if any
+
+    @property
+    def kind(self) -> str:
+        return "rows"
+
+
+# ---------------------------------------------------------------------------------------
+# Recognizing the core
+# ---------------------------------------------------------------------------------------
+
+def _single_reader(view: GraphView, name: str) -> int | None:
+    readers = view.consumers.get(name, [])
+    return readers[0] if len(readers) == 1 and name not in view.graph_outputs else None
+
+
+def _square_base(view: GraphView, i: int) -> str | None:
+    """z when node i is Pow(z, 2) or Mul(z, z)."""
+    n = view.nodes[i]
+    if n.domain not in DEFAULT_DOMAINS or len(n.input) != 2:
+        return None
+    if n.op_type == "Mul" and n.input[0] == n.input[1]:
+        return n.input[0]
+    if n.op_type == "Pow" and view.scalar_constant(n.input[1]) == 2.0:
+        return n.input[0]
+    return None
+
+
+def _through_cast(view: GraphView, name: str) -> str:
+    """The tensor a Cast between float types reads, else `name`."""
+    p = view.producer.get(name)
+    if p is not None and view.nodes[p].op_type == "Cast" and view.nodes[p].domain in DEFAULT_DOMAINS:
+        src = view.nodes[p].input[0]
+        if view.types.get(src) in FLOAT_TYPES and view.types.get(name) in FLOAT_TYPES:
+            return src
+    return name
+
+
+def _is_reduce_mean(view: GraphView, i: int | None) -> bool:
+    return i is not None and view.nodes[i].op_type == "ReduceMean" and view.nodes[i].domain in DEFAULT_DOMAINS
+
+
+def _layer_norm_parts(view: GraphView, r1: int) -> tuple[int, int, int] | None:
+    """(sub, square, r2) when ReduceMean r1 is the mean of a decomposed LayerNorm: a
+    Sub(x, mean) whose square (possibly through a Cast) only ReduceMean r2 reads."""
+    x, mean = view.nodes[r1].input[0], view.nodes[r1].output[0]
+    for s in view.consumers.get(mean, []):
+        sub = view.nodes[s]
+        if sub.op_type != "Sub" or sub.domain not in DEFAULT_DOMAINS or sorted(sub.input) != sorted([x, mean]):
+            continue
+        d = sub.output[0]
+        bases = [d] + [view.nodes[c].output[0] for c in view.consumers.get(d, [])
+                       if view.nodes[c].op_type == "Cast" and _through_cast(view, view.nodes[c].output[0]) == d]
+        for base in bases:
+            for q in view.consumers.get(base, []):
+                if _square_base(view, q) != base:
+                    continue
+                r2 = _single_reader(view, view.nodes[q].output[0])
+                if _is_reduce_mean(view, r2):
+                    return s, q, r2
+    return None
+
+
+def _variance_of(view: GraphView, r: int) -> bool:
+    """ReduceMean r reduces the square of x - mean(x): the variance of a decomposed
+    LayerNorm (recognized from its mean, not here)."""
+    q = view.producer.get(view.nodes[r].input[0])
+    base = _square_base(view, q) if q is not None else None
+    if base is None:
+        return False
+    s = view.producer.get(_through_cast(view, base))
+    if s is None or view.nodes[s].op_type != "Sub":
+        return False
+    sub = view.nodes[s]
+    return any(_is_reduce_mean(view, view.producer.get(t)) and view.nodes[view.producer[t]].input[0] in sub.input
+               for t in sub.input)
+
+
+def _reduce_axes(view: GraphView, i: int) -> tuple[int, ...] | str | None:
+    """The axes of ReduceMean node i (attribute before opset 18, input from 18), None for all
+    dims, or why they cannot be read."""
+    n = view.nodes[i]
+    attrs = node_attrs(n)
+    if len(n.input) > 1 and n.input[1]:
+        t = view.constants.get(n.input[1])
+        if t is None:
+            return "ReduceMean axes are not a constant"
+        return tuple(int(a) for a in numpy_helper.to_array(t).reshape(-1))
+    if "axes" in attrs:
+        return tuple(attrs["axes"])
+    if attrs.get("noop_with_empty_axes", 0):
+        return "ReduceMean with no axes and noop_with_empty_axes"
+    return None
+
+
+def _trailing_axis(view: GraphView, i: int, rank: int) -> int | str:
+    """The first of ReduceMean i's axes when they are the trailing dims of its input (rank
+    `rank`), with keepdims; else why not."""
+    axes = _reduce_axes(view, i)
+    if isinstance(axes, str):
+        return axes
+    if not node_attrs(view.nodes[i]).get("keepdims", 1):
+        return NO_KEEPDIMS
+    axes = tuple(range(rank)) if axes is None or not axes else tuple(sorted(a % rank for a in axes))
+    if axes != tuple(range(rank - len(axes), rank)):
+        return NOT_LAST
+    return axes[0]
+
+
+def _check_x(view: GraphView, x: str, pattern: Pattern) -> Shape | str:
+    shape = view.shapes.get(x)
+    if shape is None:
+        return UNKNOWN_SHAPE
+    if not shape:
+        return "a scalar input"
+    m: RowReductionMatch = pattern.match
+    if view.types.get(x) not in {DTYPE_IDS[d] for d in m.dtypes}:
+        return _dtype_reason(view.types.get(x))
+    return shape
+
+
+def _constants_of(view: GraphView, nodes) -> tuple[str, ...]:
+    return tuple(sorted({x for i in nodes for x in view.nodes[i].input if x in view.constants}))
+
+
+def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
+    """The reduction anchored at node i, why it cannot fuse, or None when node i anchors no
+    reduction of this pattern (a ReduceMean that is a LayerNorm's variance, or no
+    normalization at all)."""
+    m: RowReductionMatch = pattern.match
+    n = view.nodes[i]
+    if n.op_type == "ReduceMean" and n.domain in DEFAULT_DOMAINS:
+        parts = _layer_norm_parts(view, i)
+        if parts is not None:
+            return _decomposed_layer_norm(view, i, parts, pattern) if "layer_norm" in m.reductions else None
+        if _variance_of(view, i):
+            return None
+        q = view.producer.get(n.input[0])
+        z = _square_base(view, q) if q is not None else None
+        if z is None or _single_reader(view, n.input[0]) != i or "rms_norm" not in m.reductions:
+            return None
+        return _decomposed_rms_norm(view, i, q, z, pattern)
+    if n.op_type == "LayerNormalization" and n.domain in DEFAULT_DOMAINS and "layer_norm" in m.reductions:
+        return _layer_norm_op(view, i, pattern)
+    if n.op_type in ("SimplifiedLayerNormalization", "RMSNormalization") and "rms_norm" in m.reductions \
+            and n.domain in (*DEFAULT_DOMAINS, MS_DOMAIN):
+        return _layer_norm_op(view, i, pattern, rms=True)
+    if n.op_type in ("Softmax", "LogSoftmax") and n.domain in DEFAULT_DOMAINS:
+        reduction = "softmax" if n.op_type == "Softmax" else "log_softmax"
+        return _softmax_op(view, i, pattern, reduction) if reduction in m.reductions else None
+    return None
+
+
+def _decomposed_layer_norm(view: GraphView, r1: int, parts: tuple[int, int, int], pattern: Pattern) -> Core | str:
+    _, square, r2 = parts
+    x = view.nodes[r1].input[0]
+    shape = _check_x(view, x, pattern)
+    if isinstance(shape, str):
+        return shape
+    axis = _trailing_axis(view, r1, len(shape))
+    axis2 = _trailing_axis(view, r2, len(shape))
+    if isinstance(axis, str) or isinstance(axis2, str):
+        return axis if isinstance(axis, str) else axis2
+    if axis != axis2:
+        return "the mean and the variance reduce different axes"
+    eps = _eps_reason(view, view.nodes[r2].output[0])
+    if eps:
+        return eps
+    nodes = (r1, square, r2)
+    mean, var = view.nodes[r1].output[0], view.nodes[r2].output[0]
+    return Core("layer_norm", nodes, x, axis, (mean, var), (x, mean, var), constants=_constants_of(view, nodes))
+
+
+def _decomposed_rms_norm(view: GraphView, r: int, square: int, z: str, pattern: Pattern) -> Core | str:
+    shape = _check_x(view, z, pattern)
+    if isinstance(shape, str):
+        return shape
+    axis = _trailing_axis(view, r, len(shape))
+    if isinstance(axis, str):
+        return axis
+    ms = view.nodes[r].output[0]
+    eps = _eps_reason(view, ms)
+    if eps:
+        return eps
+    nodes = (square, r)
+    return Core("rms_norm", nodes, z, axis, (ms,), (z, ms), constants=_constants_of(view, nodes))
+
+
+def _eps_reason(view: GraphView, stat: str) -> str | None:
+    """A statistic's epsilon: where an Add reads the variance (mean square), its other
+    operand must be a constant."""
+    for c in view.consumers.get(stat, []):
+        n = view.nodes[c]
+        if n.op_type == "Add" and n.domain in DEFAULT_DOMAINS:
+            other = next((t for t in n.input if t != stat), stat)
+            if other not in view.constants:
+                return EPS_NOT_CONSTANT
+    return None
+
+
+def _used(view: GraphView, name: str) -> bool:
+    return bool(name) and (name in view.graph_outputs or bool(view.consumers.get(name)))
+
+
+def _layer_norm_op(view: GraphView, i: int, pattern: Pattern, rms: bool = False) -> Core | str:
+    """LayerNormalization, SimplifiedLayerNormalization (ONNX Runtime's) or RMSNormalization:
+    Y = (x - mean) / sqrt(var + eps) * scale (+ bias), or x / sqrt(mean(x^2) + eps) * scale."""
+    n = view.nodes[i]
+    x = n.input[0]
+    shape = _check_x(view, x, pattern)
+    if isinstance(shape, str):
+        return shape
+    if any(_used(view, o) for o in n.output[1:]):
+        return EXTRA_OUTPUTS
+    attrs = node_attrs(n)
+    axis = attrs.get("axis", -1)
+    if not -len(shape) <= axis < len(shape):
+        return f"axis {axis} is out of range"
+    axis %= len(shape)
+    eps = float(attrs.get("epsilon", 1e-5))
+    y = n.output[0]
+    scale = n.input[1] if len(n.input) > 1 else ""
+    bias = n.input[2] if len(n.input) > 2 and not rms else ""
+    stats = (f"{y}\0mean", f"{y}\0var") if not rms else (f"{y}\0mean_square",)
+    op_inputs = tuple(t for t in (scale, bias) if t)
+
+    def prelude(b: Builder, env: dict[str, Operand]) -> None:
+        inv = b.emit("div", 1.0, b.emit("sqrt", b.emit("add", env[stats[-1]], eps)))
+        centred = env[x] if rms else b.emit("sub", env[x], env[stats[0]])
+        v = b.emit("mul", centred, inv)
+        if scale:
+            v = b.emit("mul", v, env[scale])
+        if bias:
+            v = b.emit("add", v, env[bias])
+        env[y] = v
+
+    return Core("rms_norm" if rms else "layer_norm", (i,), x, axis, (y,), (x, *stats), op_inputs, prelude,
+                frozenset({y}))
+
+
+def _softmax_op(view: GraphView, i: int, pattern: Pattern, reduction: str) -> Core | str:
+    """Softmax / LogSoftmax: from opset 13 over one axis, which must be the last; before 13
+    over the dims from `axis` on, flattened (the coerced 2-D semantics): rows of the same
+    kind either way."""
+    n = view.nodes[i]
+    x, y = n.input[0], n.output[0]
+    shape = _check_x(view, x, pattern)
+    if isinstance(shape, str):
+        return shape
+    opset = view.opset or 13
+    axis = node_attrs(n).get("axis", -1 if opset >= 13 else 1)
+    if not -len(shape) <= axis < len(shape):
+        return f"axis {axis} is out of range"
+    axis %= len(shape)
+    if opset >= 13 and axis != len(shape) - 1:
+        return NOT_LAST
+    return Core(reduction, (i,), x, axis, (y,), (y,), exposable=frozenset({y}))
+
+
+# ---------------------------------------------------------------------------------------
+# Growing the prologue and the epilogue
+# ---------------------------------------------------------------------------------------
+
+def input_mode(view: GraphView, name: str, x_shape: Shape, axis: int) -> str | None:
+    """How the kernel reads tensor `name` against x's shape (codegen_rows.INPUT_MODES), or
+    None when it cannot: it enlarges x, or varies within the normalized dims without
+    spanning them."""
+    shape = view.shapes.get(name)
+    if shape is None:
+        return None
+    if same_shape(shape, x_shape):
+        return "full"
+    if all(d == 1 for d in shape):
+        return "scalar"
+    if not broadcasts_to(shape, x_shape):
+        return None
+    aligned = (1,) * (len(x_shape) - len(shape)) + tuple(shape)
+    lead, trail = aligned[:axis], aligned[axis:]
+    spans = all(d is not None and d == t for d, t in zip(trail, x_shape[axis:], strict=True))
+    if not spans and not all(d == 1 for d in trail):
+        return None
+    return "last" if spans and all(d == 1 for d in lead) else "strided"
+
+
+@dataclass
+class _Growth:
+    view: GraphView
+    pattern: Pattern
+    core: Core
+    x_shape: Shape
+    row_shape: Shape
+    taken: set[int]
+    allowed_reserved: str | None  # the ORT fusion whose nodes may join (the core's own)
+    reserved: dict[int, str]
+    prologue: set[int] = field(default_factory=set)
+    epilogue: set[int] = field(default_factory=set)
+
+    def candidate(self, i: int) -> bool:
+        v, m = self.view, self.pattern.match
+        n = v.nodes[i]
+        if i in self.taken or i in self.core.nodes or n.domain not in DEFAULT_DOMAINS or n.op_type not in m.ops:
+            return False
+        if i in self.reserved and self.reserved[i] != self.allowed_reserved:
+            return False
+        return check_node(v, i, self.pattern) is None
+
+    def mode(self, name: str) -> str | None:
+        return input_mode(self.view, name, self.x_shape, self.core.axis)
+
+    def grow_epilogue(self) -> None:
+        """Every pointwise node reachable from the core's seeds whose operands are the
+        core's values, epilogue values or tensors the kernel can read, and whose output
+        has x's shape or one value per row."""
+        v, core = self.view, self.core
+        inside = set(core.seeds)
+        readable = inside | set(core.row_values)
+        work = list(core.seeds)
+        while work:
+            t = work.pop()
+            for c in v.consumers.get(t, ()):
+                if c in self.epilogue or not self.candidate(c):
+                    continue
+                out = v.nodes[c].output[0]
+                if not (same_shape(v.shapes.get(out), self.x_shape) or same_shape(v.shapes.get(out), self.row_shape)):
+                    continue
+                if all(name in readable or self.mode(name) is not None for _, name in _operands(v, c)):
+                    self.epilogue.add(c)
+                    readable.add(out)
+                    work.append(out)
+
+    def grow_prologue(self) -> None:
+        """The pointwise nodes of x's shape that compute x (through their producers), minus
+        those whose results are read elsewhere than in the prologue (x itself may be)."""
+        v, x = self.view, self.core.x
+        p = v.producer.get(x)
+        if p is None or not self.candidate(p):
+            return
+        group = {p}
+        work = [p]
+        while work:
+            i = work.pop()
+            for _, name in _operands(v, i):
+                q = v.producer.get(name)
+                if q is None or q in group or not self.candidate(q) or q in self.epilogue:
+                    continue
+                if same_shape(v.shapes.get(v.nodes[q].output[0]), self.x_shape):
+                    group.add(q)
+                    work.append(q)
+        while True:  # only x may leave the prologue: drop the others read outside, with their producers
+            leaving = {i for i in group if v.nodes[i].output[0] != x
+                       and (v.nodes[i].output[0] in v.graph_outputs
+                            or any(c not in group for c in v.consumers.get(v.nodes[i].output[0], ())))}
+            if not leaving:
+                break
+            stack = list(leaving)
+            while stack:
+                i = stack.pop()
+                if i in group:
+                    group.discard(i)
+                    stack += [v.producer[name] for _, name in _operands(v, i) if v.producer.get(name) in group]
+        # every operand read where the kernel can read it
+        if all(self.mode(name) is not None for i in group for _, name in _operands(v, i)
+               if v.producer.get(name) not in group):
+            self.prologue = group
+
+
+def _members(g: _Growth) -> list[int]:
+    return sorted(set(g.core.nodes) | g.prologue | g.epilogue)
+
+
+def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: _Accepted,
+               reserved: dict[int, str] | None = None) -> tuple[list[Match], dict[int, str]]:
+    """Matches of a row_reduction pattern in topological order of their anchors; adds their
+    nodes to `taken` and `accepted`. Also returns why each other anchor (normalization or
+    softmax node not already taken) did not match. `reserved` (node -> reason, from
+    `onnxfuse.ort_fusions`; None without leave_to_ort) says what ONNX Runtime fuses itself."""
+    m: RowReductionMatch = pattern.match
+    matches: list[Match] = []
+    reasons: dict[int, str] = {}
+    for i, n in enumerate(view.nodes):
+        if i in taken or n.op_type not in m.anchors:
+            continue
+        core = find_core(view, i, pattern)
+        if core is None:
+            continue
+        if isinstance(core, Core) and any(c in taken for c in core.nodes):
+            continue
+        found = core if isinstance(core, str) else _match(view, pattern, core, taken, accepted, reserved)
+        if isinstance(found, str):
+            for c in ([i] if isinstance(core, str) else core.nodes):
+                if view.nodes[c].op_type in m.anchors:
+                    reasons[c] = found
+            continue
+        matches.append(found)
+        taken.update(found.nodes)
+        accepted.add(list(found.nodes))
+    return matches, reasons
+
+
+def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accepted: _Accepted,
+           reserved: dict[int, str] | None) -> RowsMatch | str:
+    x_shape = view.shapes[core.x]
+    row_shape = tuple(x_shape[:core.axis]) + (1,) * (len(x_shape) - core.axis)
+    for name in core.op_inputs:
+        if input_mode(view, name, x_shape, core.axis) is None:
+            return NOT_BROADCAST
+    ort = reserved or {}
+    own = next((ort[c] for c in core.nodes if c in ort), None)
+    g = _Growth(view, pattern, core, x_shape, row_shape, taken, own, ort)
+    g.grow_epilogue()
+    g.grow_prologue()
+    while True:
+        group = _members(g)
+        tainted = _reentering(view, group, accepted)
+        if not tainted:
+            break
+        if tainted & set(core.nodes):
+            return CYCLE
+        g.epilogue -= tainted
+        if tainted & g.prologue:  # a prologue without its producer of x is none
+            g.prologue = set()
+    members = set(group)
+    # what leaves: the epilogue's tensors of x's shape, x itself; never a statistic
+    outputs: list[str] = []
+    x_output = False
+    for i in group:
+        for o in view.nodes[i].output:
+            if not o or not (o in view.graph_outputs or any(c not in members for c in view.consumers.get(o, ()))):
+                continue
+            if i in g.prologue:
+                x_output = True  # (grow_prologue leaves only x readable outside)
+            elif i in core.nodes and o not in core.exposable:
+                return STAT_OUTSIDE
+            elif not same_shape(view.shapes.get(o), x_shape):
+                return STAT_OUTSIDE
+            else:
+                outputs.append(o)
+    if not outputs:
+        return "its result is never used"
+    for o in outputs:
+        if view.types.get(o) not in FLOAT_TYPES:
+            return _dtype_reason(view.types.get(o))
+    if len(g.prologue) + len(g.epilogue) < pattern.match.min_nodes:
+        return LONE
+    note = ""
+    if reserved is not None and own is not None:
+        if all(i in ort for i in group):
+            return left_to_ort(own)
+        note = taken_from_ort(own)
+    return RowsMatch(pattern, tuple(group), tuple(outputs) + ((core.x,) if x_output else ()), core=core,
+                     prologue=tuple(sorted(g.prologue)), epilogue=tuple(sorted(g.epilogue)), x_output=x_output,
+                     note=note)
+
+
+# ---------------------------------------------------------------------------------------
+# Lowering: the node's parts
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RowsInfo:
+    """What a FusedRows node's kernel needs besides the epilogue program (FusedNode.rows)."""
+
+    reduction: str
+    prologue: Program
+    axis: int
+    n_cols: int | None
+    x_output: bool
+
+
+@dataclass(frozen=True)
+class RowsParts:
+    """A match lowered: the node's inputs (the prologue's, then the epilogue's extras), their
+    modes, the two programs, the constants the function body needs, its attributes."""
+
+    inputs: tuple[str, ...]
+    modes: tuple[str, ...]
+    prologue: Program
+    epilogue: Program
+    folded: dict[str, float | None]
+    info: RowsInfo
+
+    @property
+    def attrs(self) -> dict:
+        return {"prologue": self.prologue.to_text(), "reduction": self.info.reduction, "axis": self.info.axis,
+                "x_output": int(self.info.x_output)}
+
+    @property
+    def key(self) -> str:
+        """What names the kernel besides the programs and the body: N and the modes."""
+        return f"rows {self.prologue.to_text()} N={self.info.n_cols} modes={','.join(self.modes)}"
+
+
+def lower_rows(view: GraphView, m: RowsMatch) -> RowsParts:
+    """The FusedRows node of a match (docs/format.md)."""
+    core = m.core
+    x_shape = view.shapes[core.x]
+    if m.prologue:
+        prologue, p_inputs, folded = _lower(view, m.prologue, (core.x,), [])
+    else:
+        prologue, p_inputs, folded = _lower(view, (), (core.x,), [(core.x, _ir_dtype(view, core.x))])
+    fixed = [(name, "f32") for name in core.row_values]
+    fixed += [(name, _ir_dtype(view, name)) for name in core.op_inputs]
+    epi_outputs = m.outputs[:-1] if m.x_output else m.outputs
+    epilogue, e_inputs, folded2 = _lower(view, m.epilogue, epi_outputs, fixed, core.prelude)
+    extras = e_inputs[len(core.row_values):]
+    folded = {**folded, **folded2, **dict.fromkeys(core.constants)}
+    modes = tuple(input_mode(view, name, x_shape, core.axis) for name in (*p_inputs, *extras))
+    trail = x_shape[core.axis:]
+    n_cols = int(np.prod(trail, dtype=np.int64)) if all(isinstance(d, int) for d in trail) else None
+    info = RowsInfo(core.reduction, prologue, core.axis, n_cols, m.x_output)
+    return RowsParts((*p_inputs, *extras), modes, prologue, epilogue, folded, info)
+
+
+def _ir_dtype(view: GraphView, name: str) -> str:
+    t = view.types[name]
+    return "bool" if t == onnx.TensorProto.BOOL else FLOAT_TYPES[t]
+
+
+def _lower(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...], fixed: list[tuple[str, str]],
+           prelude: Callable[[Builder, dict[str, Operand]], None] | None = None
+           ) -> tuple[Program, list[str], dict[str, float]]:
+    """Pointwise nodes (topological order) as a Program computing `outputs`: its inputs are
+    `fixed` ((name, dtype): the row values, the op's inputs), then the other boundary
+    tensors in order of first use; `prelude` defines what the op forms compute. As
+    `onnxfuse.rewrite.lower_group`, with several fixed inputs of given dtypes."""
+    members = set(nodes)
+    lits = {i: literal_inputs(view, i) for i in nodes}
+    inputs = [name for name, _ in fixed]
+    dtypes = [dt for _, dt in fixed]
+    seen = set(inputs)
+    for i in nodes:
+        for _, name in _operands(view, i):
+            if view.producer.get(name) not in members and name not in seen:
+                inputs.append(name)
+                dtypes.append(_ir_dtype(view, name))
+                seen.add(name)
+    b = Builder(dtypes)
+    env: dict[str, Operand] = {}
+    for k, name in enumerate(inputs):
+        env.setdefault(name, Ref(k))
+    if prelude is not None:
+        prelude(b, env)
+    folded: dict[str, float] = {}
+    for i in nodes:
+        n = view.nodes[i]
+        rule = RULES[n.op_type]
+        consts = []
+        for k in rule.const_inputs:
+            name = n.input[k] if k < len(n.input) else ""
+            consts.append(view.scalar_constant(name) if name else None)
+            if name:
+                folded[name] = consts[-1]
+        args: list[Operand] = []
+        for k, name in enumerate(n.input):
+            if k in rule.const_inputs or (rule.tensor_inputs is not None and k not in rule.tensor_inputs):
+                continue
+            if k in lits[i]:
+                args.append(lits[i][k])
+                folded[name] = lits[i][k]
+            else:
+                args.append(env[name])
+        source = _round_trip_source(view, members, n)
+        if source is not None:
+            env[n.output[0]] = env[source]
+            continue
+        attrs = dict(node_attrs(n), **{ELEM_TYPE: view.types[n.output[0]]})
+        env[n.output[0]] = rule.lower(b, args, attrs, consts)
+    outs: list[tuple[Ref, str]] = []
+    for o in outputs:
+        v = env[o]
+        if not isinstance(v, Ref):
+            v = b.emit("add", v, 0.0)
+        outs.append((v, FLOAT_TYPES[view.types[o]]))
+    return rewrite_tails(b.build(outs)), inputs, folded
+
+
+def _round_trip_source(view: GraphView, members: set[int], n: onnx.NodeProto) -> str | None:
+    """s when n is Cast(Cast(s: T -> float32) -> T) inside the group: the value is s exactly
+    (`onnxfuse.rewrite._round_trip_source`)."""
+    if n.op_type != "Cast" or view.types.get(n.input[0]) != onnx.TensorProto.FLOAT:
+        return None
+    to = node_attrs(n).get("to")
+    p = view.producer.get(n.input[0])
+    if to not in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) or p not in members:
+        return None
+    widen = view.nodes[p]
+    return widen.input[0] if widen.op_type == "Cast" and view.types.get(widen.input[0]) == to else None
+
+
+assert set(ROW_VALUES) == {"layer_norm", "rms_norm", "softmax", "log_softmax"}
