@@ -10,8 +10,9 @@ A match has three parts (docs/format.md, FusedRows):
     nodes are the two ReduceMeans and the square; what follows (eps, Sqrt, Div or
     Reciprocal-Mul, Pow(-0.5), the scale and shift, Keras' x * inv + (beta - mean * inv))
     is epilogue arithmetic on x and the two statistics, whatever its form;
-  - ``rms_norm``: SimplifiedLayerNormalization (ONNX Runtime's, either domain), the ONNX
-    RMSNormalization op, or ReduceMean(Pow(x, 2)) / ReduceMean(Mul(x, x));
+  - ``rms_norm``: the ONNX RMSNormalization op (opset 23), or ReduceMean(Pow(x, 2)) /
+    ReduceMean(Mul(x, x)); ONNX Runtime's SimplifiedLayerNormalization is recognized and
+    declined (`NOT_IN_FUNCTIONS`);
   - ``softmax`` / ``log_softmax``: the op, over the last axis (opset >= 13), or over the
     trailing dims from `axis` on (opset < 13 flattens them: its coerced 2-D semantics);
 - the **prologue**: the pointwise nodes that compute x (a residual add, a bias add, a scale
@@ -71,6 +72,11 @@ EXTRA_OUTPUTS = "its Mean / InvStdDev output is used"
 LONE = "nothing to fuse with it (ONNX Runtime's own kernel runs it)"
 CYCLE = "fusing would create a cycle"
 UNKNOWN_SHAPE = "unknown shape"
+# ONNX Runtime 1.32 segfaults creating a session for a model whose model-local function holds its
+# SimplifiedLayerNormalization (registered in the ONNX domain by ORT, not by ONNX); the original
+# model runs. A fused node's function body must run anywhere, so it is not fused.
+NOT_IN_FUNCTIONS = ("SimplifiedLayerNormalization is ONNX Runtime's own op: ONNX Runtime 1.32 crashes running it "
+                    "in a function body, the fused node's fallback")
 NOT_BROADCAST = "an input does not broadcast to the rows (it varies within the normalized dims, or enlarges them)"
 
 
@@ -145,12 +151,17 @@ def _square_base(view: GraphView, i: int) -> str | None:
     return None
 
 
+# Float types a Cast inside a decomposed norm may go through (float64: torch's fp16 LayerNorm at
+# opsets below 17 squares in float64; recognized, then declined with that reason).
+_CAST_TYPES = (*FLOAT_TYPES, onnx.TensorProto.DOUBLE)
+
+
 def _through_cast(view: GraphView, name: str) -> str:
     """The tensor a Cast between float types reads, else `name`."""
     p = view.producer.get(name)
     if p is not None and view.nodes[p].op_type == "Cast" and view.nodes[p].domain in DEFAULT_DOMAINS:
         src = view.nodes[p].input[0]
-        if view.types.get(src) in FLOAT_TYPES and view.types.get(name) in FLOAT_TYPES:
+        if view.types.get(src) in _CAST_TYPES and view.types.get(name) in _CAST_TYPES:
             return src
     return name
 
@@ -163,9 +174,9 @@ def _layer_norm_parts(view: GraphView, r1: int) -> tuple[int, int, int] | None:
     """(sub, square, r2) when ReduceMean r1 is the mean of a decomposed LayerNorm: a
     Sub(x, mean) whose square (possibly through a Cast) only ReduceMean r2 reads."""
     x, mean = view.nodes[r1].input[0], view.nodes[r1].output[0]
-    for s in view.consumers.get(mean, []):
+    for s, kept in [(s, k) for k in _kept_dims(view, mean) for s in view.consumers.get(k, [])]:
         sub = view.nodes[s]
-        if sub.op_type != "Sub" or sub.domain not in DEFAULT_DOMAINS or sorted(sub.input) != sorted([x, mean]):
+        if sub.op_type != "Sub" or sub.domain not in DEFAULT_DOMAINS or sorted(sub.input) != sorted([x, kept]):
             continue
         d = sub.output[0]
         bases = [d] + [view.nodes[c].output[0] for c in view.consumers.get(d, [])
@@ -180,6 +191,21 @@ def _layer_norm_parts(view: GraphView, r1: int) -> tuple[int, int, int] | None:
     return None
 
 
+def _kept_dims(view: GraphView, stat: str) -> list[str]:
+    """A statistic and, after a ReduceMean with keepdims=0, the Unsqueeze that puts the dims
+    back (recognized as a LayerNorm; declined for its keepdims)."""
+    return [stat] + [view.nodes[c].output[0] for c in view.consumers.get(stat, [])
+                     if view.nodes[c].op_type == "Unsqueeze" and view.nodes[c].domain in DEFAULT_DOMAINS]
+
+
+def _reduce_mean_of(view: GraphView, name: str) -> int | None:
+    """The ReduceMean that computes `name`, directly or through an Unsqueeze."""
+    p = view.producer.get(name)
+    if p is not None and view.nodes[p].op_type == "Unsqueeze":
+        p = view.producer.get(view.nodes[p].input[0])
+    return p if _is_reduce_mean(view, p) else None
+
+
 def _variance_of(view: GraphView, r: int) -> bool:
     """ReduceMean r reduces the square of x - mean(x): the variance of a decomposed
     LayerNorm (recognized from its mean, not here)."""
@@ -191,8 +217,7 @@ def _variance_of(view: GraphView, r: int) -> bool:
     if s is None or view.nodes[s].op_type != "Sub":
         return False
     sub = view.nodes[s]
-    return any(_is_reduce_mean(view, view.producer.get(t)) and view.nodes[view.producer[t]].input[0] in sub.input
-               for t in sub.input)
+    return any((p := _reduce_mean_of(view, t)) is not None and view.nodes[p].input[0] in sub.input for t in sub.input)
 
 
 def _reduce_axes(view: GraphView, i: int) -> tuple[int, ...] | str | None:
@@ -261,8 +286,10 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
         return _decomposed_rms_norm(view, i, q, z, pattern)
     if n.op_type == "LayerNormalization" and n.domain in DEFAULT_DOMAINS and "layer_norm" in m.reductions:
         return _layer_norm_op(view, i, pattern)
-    if n.op_type in ("SimplifiedLayerNormalization", "RMSNormalization") and "rms_norm" in m.reductions \
+    if n.op_type == "SimplifiedLayerNormalization" and "rms_norm" in m.reductions \
             and n.domain in (*DEFAULT_DOMAINS, MS_DOMAIN):
+        return NOT_IN_FUNCTIONS
+    if n.op_type == "RMSNormalization" and n.domain in DEFAULT_DOMAINS and "rms_norm" in m.reductions:
         return _layer_norm_op(view, i, pattern, rms=True)
     if n.op_type in ("Softmax", "LogSoftmax") and n.domain in DEFAULT_DOMAINS:
         reduction = "softmax" if n.op_type == "Softmax" else "log_softmax"
@@ -282,6 +309,8 @@ def _decomposed_layer_norm(view: GraphView, r1: int, parts: tuple[int, int, int]
         return axis if isinstance(axis, str) else axis2
     if axis != axis2:
         return "the mean and the variance reduce different axes"
+    if view.types.get(view.nodes[r2].output[0]) not in FLOAT_TYPES:
+        return f"its variance is {_dtype_reason(view.types.get(view.nodes[r2].output[0]))} (a Cast before the square)"
     eps = _eps_reason(view, view.nodes[r2].output[0])
     if eps:
         return eps
@@ -322,7 +351,7 @@ def _used(view: GraphView, name: str) -> bool:
 
 
 def _layer_norm_op(view: GraphView, i: int, pattern: Pattern, rms: bool = False) -> Core | str:
-    """LayerNormalization, SimplifiedLayerNormalization (ONNX Runtime's) or RMSNormalization:
+    """LayerNormalization or RMSNormalization:
     Y = (x - mean) / sqrt(var + eps) * scale (+ bias), or x / sqrt(mean(x^2) + eps) * scale."""
     n = view.nodes[i]
     x = n.input[0]
@@ -506,7 +535,8 @@ def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: _Ac
             continue
         found = core if isinstance(core, str) else _match(view, pattern, core, taken, accepted, reserved)
         if isinstance(found, str):
-            for c in ([i] if isinstance(core, str) else core.nodes):
+            anchors = _anchor_nodes(view, i) if isinstance(core, str) else core.nodes
+            for c in anchors:
                 if view.nodes[c].op_type in m.anchors:
                     reasons[c] = found
             continue
@@ -514,6 +544,12 @@ def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: _Ac
         taken.update(found.nodes)
         accepted.add(list(found.nodes))
     return matches, reasons
+
+
+def _anchor_nodes(view: GraphView, i: int) -> tuple[int, ...]:
+    """Node i, and the variance's ReduceMean when node i is a decomposed LayerNorm's mean."""
+    parts = _layer_norm_parts(view, i) if _is_reduce_mean(view, i) else None
+    return (i,) if parts is None else (i, parts[2])
 
 
 def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accepted: _Accepted,
@@ -620,7 +656,7 @@ def lower_rows(view: GraphView, m: RowsMatch) -> RowsParts:
     fixed = [(name, "f32") for name in core.row_values]
     fixed += [(name, _ir_dtype(view, name)) for name in core.op_inputs]
     epi_outputs = m.outputs[:-1] if m.x_output else m.outputs
-    epilogue, e_inputs, folded2 = _lower(view, m.epilogue, epi_outputs, fixed, core.prelude)
+    epilogue, e_inputs, folded2 = _lower(view, m.epilogue, epi_outputs, fixed, core.prelude, set(core.seeds))
     extras = e_inputs[len(core.row_values):]
     folded = {**folded, **folded2, **dict.fromkeys(core.constants)}
     modes = tuple(input_mode(view, name, x_shape, core.axis) for name in (*p_inputs, *extras))
@@ -636,17 +672,18 @@ def _ir_dtype(view: GraphView, name: str) -> str:
 
 
 def _lower(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...], fixed: list[tuple[str, str]],
-           prelude: Callable[[Builder, dict[str, Operand]], None] | None = None
+           prelude: Callable[[Builder, dict[str, Operand]], None] | None = None, defined: set[str] | None = None
            ) -> tuple[Program, list[str], dict[str, float]]:
     """Pointwise nodes (topological order) as a Program computing `outputs`: its inputs are
     `fixed` ((name, dtype): the row values, the op's inputs), then the other boundary
-    tensors in order of first use; `prelude` defines what the op forms compute. As
-    `onnxfuse.rewrite.lower_group`, with several fixed inputs of given dtypes."""
+    tensors in order of first use; `prelude` defines the tensors in `defined` (what the op
+    forms compute). As `onnxfuse.rewrite.lower_group`, with several fixed inputs of given
+    dtypes."""
     members = set(nodes)
     lits = {i: literal_inputs(view, i) for i in nodes}
     inputs = [name for name, _ in fixed]
     dtypes = [dt for _, dt in fixed]
-    seen = set(inputs)
+    seen = set(inputs) | (defined or set())
     for i in nodes:
         for _, name in _operands(view, i):
             if view.producer.get(name) not in members and name not in seen:

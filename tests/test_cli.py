@@ -38,13 +38,13 @@ def test_optimize_example(tmp_path):
     before = sha(EXAMPLE)
     r = cli("optimize", str(EXAMPLE), str(out), "--target", "none", "--json", str(js))
     assert r.returncode == 0, r.stderr
-    assert "pointwise_chain: 3 fused" in r.stdout
-    assert "nodes: 19 -> 13" in r.stdout
+    assert "layer_norm: 1 fused" in r.stdout and "pointwise_chain: 1 fused" in r.stdout
+    assert "nodes: 19 -> 10" in r.stdout
     assert "6 nodes: left to ONNX Runtime's BiasGelu fusion" in r.stdout
     assert sha(EXAMPLE) == before
     report = json.loads(js.read_text())
-    assert report["patterns_applied"] == {"pointwise_chain": 3}
-    assert report["nodes_before"] == 19 and report["nodes_after"] == 13
+    assert report["patterns_applied"] == {"layer_norm": 1, "pointwise_chain": 1}
+    assert report["nodes_before"] == 19 and report["nodes_after"] == 10
     assert report["not_fused"]["left to ONNX Runtime's BiasGelu fusion"] == 6
     assert {"node", "pattern", "kernel", "replaces"} <= set(report["fused"][0])
     m, o = onnx.load(str(EXAMPLE)), onnx.load(str(out))
@@ -64,7 +64,7 @@ def test_patterns_command(tmp_path):
     assert r.returncode == 0
     names = [line.split()[0] for line in r.stdout.splitlines()]
     assert names == ["conv_relu_maxpool", "conv_relu", "conv_grouped", "relu_maxpool", "maxpool", "conv_alone",
-                     "pointwise_chain"]  # by priority
+                     "layer_norm", "rms_norm", "softmax", "pointwise_chain"]  # by priority
 
 
 def bad(tmp_path: Path, *args: str) -> str:
