@@ -1,11 +1,13 @@
-// Entry point of libonnxfuse_ops.so: registers onnxfuse::PointwiseChain, FusedConv and
-// FusedMaxPool for the CPU and CUDA execution providers. This is the only exported symbol.
+// Entry point of libonnxfuse_ops.so: registers onnxfuse::PointwiseChain, FusedConv,
+// FusedMaxPool and FusedRows for the CPU and CUDA execution providers. This is the only
+// exported symbol.
 #include <exception>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "common.h"
+#include "rows.h"  // kind rows (issue 17)
 
 namespace onnxfuse {
 const OrtApi* g_ort = nullptr;
@@ -31,6 +33,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     std::call_once(ops_once, [] {
       append_cpu_ops(&ops);
       append_cpu_conv_ops(&ops);
+      append_cpu_rows_ops(&ops);  // kind rows (issue 17): rows_cpu.cc
       append_cuda_ops(&ops);
     });
     // The domain must outlive every session that uses these options; it is small and

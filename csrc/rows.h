@@ -1,0 +1,146 @@
+// What the CPU and CUDA kernels of onnxfuse::FusedRows share (docs/format.md, FusedRows):
+// the node's attributes and the shapes of its inputs and outputs.
+//
+// A FusedRows node computes, for its row value x (the prologue program of its first inputs),
+// a row reduction over the dims from `axis` on (`reduction`: layer_norm, rms_norm, softmax,
+// log_softmax), then the epilogue program (attribute `program`) whose first inputs are the
+// reduction's row values and whose other inputs are the node's remaining inputs.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace onnxfuse {
+
+constexpr const char* kFusedRows = "FusedRows";
+
+enum class Reduction { LAYER_NORM, RMS_NORM, SOFTMAX, LOG_SOFTMAX };
+
+// The number of row values each reduction gives the epilogue (its %0, %1, ...): layer_norm
+// x, mean, variance; rms_norm x, mean square; softmax / log_softmax the result.
+inline size_t row_values(Reduction r) {
+  switch (r) {
+    case Reduction::LAYER_NORM: return 3;
+    case Reduction::RMS_NORM: return 2;
+    default: return 1;
+  }
+}
+
+struct RowsAttrs {
+  Program prologue;
+  Program epilogue;  // attribute "program"
+  Reduction reduction = Reduction::LAYER_NORM;
+  int64_t axis = 0;
+  bool x_output = false;
+
+  size_t n_prologue() const { return prologue.inputs.size(); }
+  size_t n_extras() const { return epilogue.inputs.size() - row_values(reduction); }
+  size_t n_inputs() const { return n_prologue() + n_extras(); }
+  size_t n_outputs() const { return epilogue.outputs.size() + (x_output ? 1 : 0); }
+  // The dtype of input i (the prologue's, then the epilogue's extras) and of output j.
+  DType input_dtype(size_t i) const {
+    return i < n_prologue() ? prologue.inputs[i] : epilogue.inputs[row_values(reduction) + i - n_prologue()];
+  }
+  DType output_dtype(size_t j) const {
+    return j < epilogue.outputs.size() ? epilogue.outputs[j].second : prologue.outputs[0].second;
+  }
+};
+
+// The node's attributes, checked against each other; throws Error.
+inline RowsAttrs read_rows_attrs(const OrtKernelInfo* info) {
+  RowsAttrs a;
+  std::string text;
+  if (!get_string_attr(info, "prologue", &text)) throw Error("the node has no string attribute 'prologue'");
+  a.prologue = parse_program(text);
+  a.epilogue = read_program(info);
+  std::string red;
+  if (!get_string_attr(info, "reduction", &red)) throw Error("the node has no string attribute 'reduction'");
+  if (red == "layer_norm") a.reduction = Reduction::LAYER_NORM;
+  else if (red == "rms_norm") a.reduction = Reduction::RMS_NORM;
+  else if (red == "softmax") a.reduction = Reduction::SOFTMAX;
+  else if (red == "log_softmax") a.reduction = Reduction::LOG_SOFTMAX;
+  else throw Error("reduction '" + red + "' is not one of layer_norm, rms_norm, softmax, log_softmax");
+  if (!get_int_attr(info, "axis", &a.axis)) throw Error("the node has no int attribute 'axis'");
+  if (a.axis < 0) throw Error("axis " + std::to_string(a.axis) + " must be at least 0");
+  int64_t xo = 0;
+  get_int_attr(info, "x_output", &xo);
+  if (xo != 0 && xo != 1) throw Error("x_output must be 0 or 1");
+  a.x_output = xo == 1;
+  if (a.prologue.outputs.size() != 1)
+    throw Error("the prologue has " + std::to_string(a.prologue.outputs.size()) + " outputs, expected 1 (x)");
+  if (a.epilogue.inputs.size() < row_values(a.reduction))
+    throw Error("the epilogue has " + std::to_string(a.epilogue.inputs.size()) + " inputs, fewer than the " +
+                std::to_string(row_values(a.reduction)) + " row values of " + red);
+  for (size_t k = 0; k < row_values(a.reduction); ++k)
+    if (a.epilogue.inputs[k] != DType::F32) throw Error("the epilogue's row value %" + std::to_string(k) + " is not f32");
+  return a;
+}
+
+// The inputs' shapes checked: x's shape (the prologue inputs' broadcast), of rank at least
+// `axis`; every extra broadcasts to it. Returns x's shape.
+inline Shape rows_x_shape(const RowsAttrs& a, const std::vector<TensorRef>& t) {
+  std::vector<Shape> shapes;
+  for (size_t i = 0; i < a.n_prologue(); ++i) shapes.push_back(t[i].shape);
+  const Shape xs = broadcast_shapes(shapes);
+  if (static_cast<int64_t>(xs.size()) < a.axis)
+    throw Error("x has shape " + shape_str(xs) + ", of rank below the node's axis " + std::to_string(a.axis));
+  for (size_t i = a.n_prologue(); i < t.size(); ++i) {
+    const Shape& e = t[i].shape;
+    bool ok = e.size() <= xs.size();
+    for (size_t d = 0; ok && d < e.size(); ++d) {
+      const int64_t want = xs[xs.size() - e.size() + d];
+      ok = e[d] == 1 || e[d] == want;
+    }
+    if (!ok)
+      throw Error("input " + std::to_string(i) + " has shape " + shape_str(e) + ", which does not broadcast to x's " +
+                  shape_str(xs));
+  }
+  return xs;
+}
+
+// Reads the node's inputs and checks their count and types (f32_for_half as in type_fits).
+inline std::vector<TensorRef> read_rows_inputs(const RowsAttrs& a, OrtKernelContext* ctx, bool f32_for_half) {
+  size_t n_in = 0, n_out = 0;
+  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
+  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
+  if (n_in != a.n_inputs())
+    throw Error("the node has " + std::to_string(n_in) + " inputs, its programs read " + std::to_string(a.n_inputs()) +
+                " (" + std::to_string(a.n_prologue()) + " for the prologue, " + std::to_string(a.n_extras()) +
+                " for the epilogue)");
+  if (n_out != a.n_outputs())
+    throw Error("the node has " + std::to_string(n_out) + " outputs, expected " + std::to_string(a.n_outputs()));
+  std::vector<TensorRef> t(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const OrtValue* v = nullptr;
+    check(g_ort->KernelContext_GetInput(ctx, i, &v));
+    if (!v) throw Error("input " + std::to_string(i) + " is missing");
+    read_tensor(v, &t[i]);
+    if (!type_fits(t[i].type, a.input_dtype(i), f32_for_half))
+      throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the program declares " +
+                  dtype_name(a.input_dtype(i)));
+  }
+  return t;
+}
+
+// Allocates every output with x's shape and checks its type.
+inline std::vector<TensorRef> rows_outputs(const RowsAttrs& a, OrtKernelContext* ctx, const Shape& xs,
+                                           bool f32_for_half) {
+  std::vector<TensorRef> out(a.n_outputs());
+  const int64_t dummy = 0;
+  for (size_t j = 0; j < out.size(); ++j) {
+    OrtValue* v = nullptr;
+    check(g_ort->KernelContext_GetOutput(ctx, j, xs.empty() ? &dummy : xs.data(), xs.size(), &v));
+    if (!v) throw Error("could not allocate output " + std::to_string(j));
+    read_tensor(v, &out[j]);
+    if (!type_fits(out[j].type, a.output_dtype(j), f32_for_half))
+      throw Error("output " + std::to_string(j) + " is " + elem_type_name(out[j].type) + " in the graph, the node " +
+                  "stores " + dtype_name(a.output_dtype(j)));
+  }
+  return out;
+}
+
+void append_cpu_rows_ops(std::vector<OrtCustomOp*>* ops);
+
+}  // namespace onnxfuse
