@@ -1,4 +1,4 @@
-// CUDA kernels of the onnxfuse ops (PointwiseChain, FusedConv, FusedMaxPool): launch the
+// CUDA kernels of the onnxfuse ops (PointwiseChain, FusedConv, FusedMaxPool, FusedRows): launch the
 // Triton kernels embedded in each node (docs/format.md) with the CUDA driver API on ORT's
 // compute stream.
 //
@@ -7,7 +7,7 @@
 // triton wheel only provides the types), kernel_meta parsing, the choice of a variant and
 // of a binary for the device, and module loading (once per CUDA context, on the first
 // Compute in it). Per op: the checks of the inputs, the kernel parameters and the grid of
-// its kernel_meta "kind" (pointwise, conv, maxpool).
+// its kernel_meta "kind" (pointwise, conv, maxpool; rows in rows_cuda.h).
 //
 // Compute allocates no device memory and never synchronizes, so it can be captured into a
 // CUDA graph.
@@ -28,6 +28,7 @@
 
 #include "conv.h"
 #include "json.h"
+#include "rows.h"  // kind rows (issue 17)
 
 namespace onnxfuse {
 namespace {
@@ -102,13 +103,14 @@ const Driver& driver() {
 // ---------------------------------------------------------------------------------------
 
 // What a kernel computes, and so its parameter list and grid (docs/format.md).
-enum class Kind { POINTWISE, CONV, MAXPOOL };
+enum class Kind { POINTWISE, CONV, MAXPOOL, ROWS };
 
 const char* kind_name(Kind k) {
   switch (k) {
     case Kind::POINTWISE: return "pointwise";
     case Kind::CONV: return "conv";
     case Kind::MAXPOOL: return "maxpool";
+    case Kind::ROWS: return "rows";
   }
   return "?";
 }
@@ -145,6 +147,8 @@ struct Variant {
   PoolGrid pool_grid = PoolGrid::FLAT;  // maxpool
   int64_t block_oh = 0, block_ow = 0;   // maxpool rows
   int64_t block_p = 0, block_c = 0;     // maxpool nhwc
+  int64_t cols = 0, max_cols = 0;       // rows: N exactly / at most (0: any); rows_cuda.h chooses
+  bool looped = false;                  // rows: BLOCK_N chunks (block_m, block_n: the tile)
 };
 
 struct Meta {
@@ -222,6 +226,7 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
   if (kind == "pointwise") m.kind = Kind::POINTWISE;
   else if (kind == "conv") m.kind = Kind::CONV;
   else if (kind == "maxpool") m.kind = Kind::MAXPOOL;
+  else if (kind == "rows") m.kind = Kind::ROWS;
   else throw Error("kernel_meta: unknown kind \"" + kind + "\"");
   if (m.kind != expected)
     throw Error("kernel_meta describes a kernel of kind \"" + kind + "\", this op launches kind \"" +
@@ -242,7 +247,7 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
       else if (md.str == "strided") m.modes.push_back(Mode::STRIDED), m.any_strided = true;
       else throw Error("kernel_meta: unknown input mode \"" + md.str + "\"");
     }
-  } else {
+  } else if (m.kind != Kind::ROWS) {  // rows: RowsCudaKernel::init checks its own fields
     const int64_t n_extras = meta_int(j, "n_extras", "kernel_meta");
     if (n_extras != static_cast<int64_t>(n_inputs) - 1)
       throw Error("kernel_meta has n_extras " + std::to_string(n_extras) + ", the program has " +
@@ -300,6 +305,10 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
       var.block_m = meta_positive(vj, "block_m", where);
       var.block_n = meta_positive(vj, "block_n", where);
       if (vj.get("split")) var.split = meta_positive(vj, "split", where);
+    } else if (m.kind == Kind::ROWS) {
+      var.block_m = meta_positive(vj, "block_m", where);
+      var.block_n = meta_positive(vj, "block_n", where);
+      var.looped = meta_int(vj, "looped", where, false, 0) != 0;
     } else if (m.kind == Kind::MAXPOOL && vj.get("block_oh")) {
       var.pool_grid = PoolGrid::ROWS;
       var.block_oh = meta_positive(vj, "block_oh", where);
@@ -315,7 +324,7 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
       if (req->kind != Json::OBJECT) throw Error("kernel_meta: " + where + ".requires is not an object");
       for (const auto& kv : req->obj) {
         if (kv.first != "n_multiple" && kv.first != "c_multiple" && kv.first != "w_multiple" &&
-            kv.first != "ptr_align" && kv.first != "max_elements")
+            kv.first != "ptr_align" && kv.first != "max_elements" && kv.first != "cols" && kv.first != "max_cols")
           throw Error("kernel_meta: " + where + " requires \"" + kv.first + "\", which this library does not know");
       }
       // 0 (or absent) means no requirement.
@@ -324,6 +333,8 @@ Meta parse_meta(const std::string& text, Kind expected, size_t n_inputs, const O
       var.w_multiple = std::max<int64_t>(1, meta_int(*req, "w_multiple", where + ".requires", false, 1));
       var.ptr_align = std::max<int64_t>(1, meta_int(*req, "ptr_align", where + ".requires", false, 1));
       var.max_elements = std::max<int64_t>(0, meta_int(*req, "max_elements", where + ".requires", false, 0));
+      var.cols = std::max<int64_t>(0, meta_int(*req, "cols", where + ".requires", false, 0));
+      var.max_cols = std::max<int64_t>(0, meta_int(*req, "max_cols", where + ".requires", false, 0));
     }
     m.variants.push_back(var);
   }
@@ -916,6 +927,12 @@ struct MaxPoolKernel : CudaKernelBase {
 };
 
 // ---------------------------------------------------------------------------------------
+// Kind "rows": FusedRows (issue 17)
+// ---------------------------------------------------------------------------------------
+
+#include "rows_cuda.h"
+
+// ---------------------------------------------------------------------------------------
 // Registration
 // ---------------------------------------------------------------------------------------
 
@@ -964,9 +981,11 @@ void append_cuda_ops(std::vector<OrtCustomOp*>* ops) {
   static OpDef pointwise = make_op<PointwiseKernel>(1, create_kernel<PointwiseKernel>);
   static OpDef conv = make_op<ConvKernel>(3, create_kernel<ConvKernel>);
   static OpDef pool = make_op<MaxPoolKernel>(1, create_kernel<MaxPoolKernel>);
+  static OpDef rows = make_op<RowsCudaKernel>(1, create_kernel<RowsCudaKernel>);  // kind rows (issue 17)
   ops->push_back(&pointwise);
   ops->push_back(&conv);
   ops->push_back(&pool);
+  ops->push_back(&rows);
 }
 
 }  // namespace onnxfuse
