@@ -41,7 +41,7 @@ def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def optimized(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench") / "example.opt.onnx"
-    save_model(optimize_model(onnx.load(str(EXAMPLE)), leave_to_ort=False).model, out)  # 4 fused nodes, GELU too
+    save_model(optimize_model(onnx.load(str(EXAMPLE)), leave_to_ort=False).model, out)  # 3 fused nodes: the LayerNorm, the GELU, the residual
     return out
 
 
@@ -101,7 +101,7 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
         assert m["peak_gpu_mem_mb"] is None
         assert m["samples_per_s"] == pytest.approx(4 * m["runs_per_s"])
     assert first["outputs"] == [] and first["speedup"] == 1.0 and first["library"] is False
-    assert second["onnxfuse_nodes"] == 4 and second["library"] is True
+    assert second["onnxfuse_nodes"] == 3 and second["library"] is True
     (out,) = second["outputs"]
     assert set(out) == OUTPUT_KEYS
     # atol is 1e-5 x the output's largest magnitude (bench.DEFAULT_TOLERANCES)
@@ -139,7 +139,7 @@ def test_function_bodies_without_the_library(tmp_path, optimized):
     r = cli(str(EXAMPLE), str(optimized), *FAST, "--no-library", "--json", str(js))
     assert r.returncode == 0, r.stderr
     d = json.loads(js.read_text())
-    assert d["models"][1]["library"] is False and d["models"][1]["onnxfuse_nodes"] == 4
+    assert d["models"][1]["library"] is False and d["models"][1]["onnxfuse_nodes"] == 3
     # the function bodies are the original nodes: the original's own error exactly
     assert d["models"][1]["outputs"][0]["max_abs_err"] == d["reference"]["ort_max_abs_err"]["y"]
     assert d["settings"]["library"] == "off"
@@ -234,7 +234,7 @@ def test_markdown(tmp_path, optimized):
     lines = text.splitlines()
     assert lines[2].startswith("| model | fused | load ms |")
     assert lines[3].startswith("|---|")
-    assert lines[4].startswith("| example.onnx |") and lines[5].startswith("| example.opt.onnx | 4 (lib) |")
+    assert lines[4].startswith("| example.onnx |") and lines[5].startswith("| example.opt.onnx | 3 (lib) |")
     r = cli(str(EXAMPLE), *FAST, "--markdown")
     assert r.returncode == 0 and r.stdout.splitlines()[2].startswith("| model |")
 
@@ -562,7 +562,7 @@ def test_progress_shows_only_after_the_delay():
 
 
 def test_report_of_one_model_and_onnxfuse_node_count(optimized):
-    assert ob.count_onnxfuse_nodes(onnx.load(str(optimized))) == 4
+    assert ob.count_onnxfuse_nodes(onnx.load(str(optimized))) == 3
     # In a subgraph too.
     inner = helper.make_graph([helper.make_node("PointwiseChain", ["x"], ["y"], domain="onnxfuse")], "g", [],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
@@ -735,7 +735,7 @@ def test_bench_on_the_gpu(tmp_path, graph):
     for m in d["models"]:
         assert m["peak_gpu_mem_mb"] is not None and m["peak_gpu_mem_mb"] > 0
         assert 0 < m["latency_ms"]["median"] < 50
-    assert d["models"][1]["library"] is True and d["models"][1]["onnxfuse_nodes"] == 4
+    assert d["models"][1]["library"] is True and d["models"][1]["onnxfuse_nodes"] == 3
 
 
 def test_compare_torchvision_case_with_a_stand_in_module(tmp_path, monkeypatch):
