@@ -9,6 +9,7 @@ from onnx import helper
 
 from onnxfuse import optimize_model
 from onnxfuse.expr import parse
+from onnxfuse.pattern import load_patterns
 from tests.util import check_fusion, model, op_types, random_feeds, run
 
 N = helper.make_node
@@ -150,14 +151,15 @@ def test_intermediate_read_outside_the_group():
 
 def test_path_leaving_and_reentering_is_split():
     # LayerNorm written out: Sub and Div are connected through elementwise ops but also
-    # through ReduceMean; one node for both would make a cycle.
+    # through ReduceMean; one node for both would make a cycle. (Pointwise chains alone: the
+    # layer_norm pattern makes the whole norm one FusedRows, tests/test_rows_patterns.py.)
     m = model([N("ReduceMean", ["x"], ["mu"], axes=[-1]), N("Sub", ["x", "mu"], ["d"]),
                N("Mul", ["d", "d"], ["sq"]), N("ReduceMean", ["sq"], ["var"], axes=[-1]),
                N("Add", ["var", "eps"], ["ve"]), N("Sqrt", ["ve"], ["sd"]), N("Div", ["d", "sd"], ["nrm"]),
                N("Mul", ["nrm", "gamma"], ["g"]), N("Add", ["g", "beta"], ["y"])], X4, Y4,
               {"eps": np.array(1e-5, np.float32), "gamma": np.linspace(0.5, 1.5, 7, dtype=np.float32),
                "beta": np.linspace(-1, 1, 7, dtype=np.float32)}, opset=17)
-    r = check_fusion(m)
+    r = check_fusion(m, patterns=[p for p in load_patterns() if p.name == "pointwise_chain"])
     assert r.report.nodes_after < r.report.nodes_before
     assert op_types(r.model).count("ReduceMean") == 2
 

@@ -201,3 +201,29 @@ def test_analyze_costs_the_fused_node():
     x_bytes = 8 * 16 * 256 * 4
     assert fused.bytes_read == x_bytes + 2 * 256 * 4 and fused.bytes_written == x_bytes
     assert after.bytes < before.bytes / 4
+
+
+def test_compiled_model_keeps_its_contract(tmp_path, monkeypatch, lib):
+    """Compiled for sm_90 (no GPU needed): the FusedRows node carries kernel_meta of kind rows
+    for its own attributes and binaries, and still runs on the CPU with the library."""
+    pytest.importorskip("triton")
+    import json
+
+    from onnxfuse.pipeline import compile_pass
+    from tests.util import kernel_options
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    m = _ln_graph(x_shape=(2, 3, 96), extra=[helper.make_node("Relu", ["y"], ["z"])])
+    r = compile_pass(optimize_model(m, leave_to_ort=False), kernel_options("sm_90", layout="nhwc"))
+    (node,) = [n for n in r.model.graph.node if n.op_type == "FusedRows"]
+    attrs = {a.name: a for a in node.attribute}
+    meta = json.loads(attrs["kernel_meta"].s)
+    assert (meta["kind"], meta["reduction"], meta["axis"], meta["input_modes"]) == (
+        "rows", "layer_norm", 2, ["full", "last", "last"])
+    assert meta["variants"][0]["requires"] == {"cols": 96, "ptr_align": 16}
+    assert all(f"kernel_{i}" in attrs for i in range(len(meta["binaries"])))
+    assert meta["name"] == node.overload and node.overload.startswith("onnxfuse_layer_norm_")
+    x = np.random.default_rng(8).standard_normal((2, 3, 96)).astype(np.float32)
+    (want,) = run(m, {"x": x})
+    (got,) = run_lib(lib, r.model, {"x": x})
+    _close(got, want, "compiled model on the CPU")
