@@ -36,8 +36,8 @@ from onnxfuse.codegen_conv import (  # noqa: E402
     group_span,
     next_pow2,
 )
-from onnxfuse.compile import conv_variants  # noqa: E402
 from onnxfuse.expr import HEADER, parse  # noqa: E402
+from onnxfuse.kinds.conv import conv_variants  # noqa: E402
 from onnxfuse.layers import ConvAttrs, PoolAttrs  # noqa: E402
 
 RELU = parse(HEADER + "\ninput %0 {dt}\n%1 = max %0 0.0\noutput %1 {dt}\n".replace("{dt}", "f32"))
@@ -83,7 +83,7 @@ CONFIGS = [  # block_m, block_n, block_k, warps, stages
 ]
 QUICK = CONFIGS[:4]
 # Grouped / depthwise convs, the direct loop (block_k, stages unused); the first entry is
-# replaced by onnxfuse.compile.conv_variants' heuristic for the layer.
+# replaced by onnxfuse.kinds.conv.conv_variants' heuristic for the layer.
 GROUPED_CONFIGS = [
     None, (32, 64, 32, 4, 1), (64, 64, 32, 4, 1), (16, 64, 32, 2, 1), (64, 32, 32, 4, 1), (128, 16, 32, 4, 1),
     (256, 8, 32, 4, 1), (128, 8, 32, 2, 1), (32, 128, 32, 4, 1), (64, 128, 32, 8, 1), (128, 32, 32, 8, 1),
