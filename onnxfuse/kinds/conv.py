@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
-from onnx import ModelProto, NodeProto, helper
+from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_conv import (
@@ -24,10 +24,26 @@ from onnxfuse.codegen_conv import (
     prerounds_weights,
 )
 from onnxfuse.expr import Program, evaluate
-from onnxfuse.kinds.base import META_VERSION, Kind, env_config, layout_attr
-from onnxfuse.layers import conv_from_fused, pool_from_fused
+from onnxfuse.graph import GraphView, Shape
+from onnxfuse.groups import Accepted, reentering
+from onnxfuse.kinds.base import (
+    META_VERSION,
+    Fields,
+    FusedNode,
+    Kind,
+    Lowering,
+    Match,
+    MatchResult,
+    Pattern,
+    env_config,
+    layout_attr,
+)
+from onnxfuse.layers import ConvAttrs, conv_from_fused, conv_from_node, pool_from_fused, pool_from_node
+from onnxfuse.match import DTYPE_IDS, dtype_reason, grow_epilogue, match_anchored, single_result
 from onnxfuse.reference import conv2d, maxpool2d
-from onnxfuse.rewrite import FusedNode
+from onnxfuse.rewrite import input_mode, lower_group, unique_name
+
+POOL_MODES = ("none", "tiling")
 
 FLAT_MAX_CHANNELS = 16  # convs with fewer input channels use the flat reduction
 
@@ -240,9 +256,183 @@ def conv_candidates(spec: ConvSpec) -> list[tuple[str, tuple]]:
     return out
 
 
+@dataclass(frozen=True)
+class ConvParams:
+    """Match a 2-D Conv, the largest pointwise group after it with one result, and (pool
+    "tiling") the MaxPool that reads that result when its windows tile the conv output."""
+
+    ops: frozenset[str]  # op types allowed in the epilogue
+    dtypes: frozenset[str]
+    group: int | None  # the only Conv group fused; None: any
+    pool: str  # one of POOL_MODES
+    alone: bool = False  # a Conv without an epilogue matches too (identity program)
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        return self.ops | {"Conv"} | ({"MaxPool"} if self.pool != "none" else set())
+
+
+# ---------------------------------------------------------------------------------------
+# matching: a Conv, its epilogue, a tiling MaxPool
+# ---------------------------------------------------------------------------------------
+
+def _conv_output_shape(view: GraphView, x_shape: Shape, k: int, attrs: ConvAttrs, out: str) -> Shape:
+    """[N, K, P, Q]: P, Q by ONNX's rule where H, W are known, else as inferred."""
+    h, w = x_shape[2], x_shape[3]
+    inferred = view.shapes.get(out)
+    if isinstance(h, int) and isinstance(w, int):
+        p, q = attrs.out_size(h, w)
+    else:
+        p, q = (inferred[2], inferred[3]) if inferred is not None and len(inferred) == 4 else (None, None)
+    return (x_shape[0], k, p, q)
+
+
+def _conv_layer(view: GraphView, ci: int, pattern: Pattern) -> tuple[ConvAttrs, Shape] | str:
+    """The conv's parameters and output shape, or why this pattern cannot fuse it."""
+    m: ConvParams = pattern.match
+    n = view.nodes[ci]
+    if len(n.input) < 2 or len(n.output) != 1:
+        return "Conv without weights"
+    x, w = n.input[0], n.input[1]
+    b = n.input[2] if len(n.input) > 2 and n.input[2] else None
+    x_shape = view.shapes.get(x)
+    if x_shape is None:
+        return "unknown shape"
+    if len(x_shape) != 4:
+        return f"{len(x_shape) - 2}-D convolution"
+    dtype = view.types.get(x)
+    if dtype not in {DTYPE_IDS[d] for d in m.dtypes}:
+        return dtype_reason(dtype)
+    wt = view.constants.get(w)
+    if wt is None:
+        return "conv weights are not a constant"
+    if wt.data_type != dtype or (b is not None and view.types.get(b) != dtype):
+        return "conv weights' dtype differs from the input's"
+    if b is not None and (b not in view.constants or tuple(view.constants[b].dims) != (wt.dims[0],)):
+        return "conv bias is not a constant of K numbers"
+    if not isinstance(x_shape[1], int):
+        return "unknown number of input channels"
+    spatial = x_shape[2:] if all(isinstance(d, int) for d in x_shape[2:]) else None
+    attrs = conv_from_node(n, tuple(wt.dims), spatial)
+    if isinstance(attrs, str):
+        return attrs
+    if m.group is not None and attrs.group != m.group:
+        return "grouped convolution"
+    if wt.dims[1] * attrs.group != x_shape[1] or wt.dims[0] % attrs.group:
+        return "conv weights do not match the input channels"
+    return attrs, _conv_output_shape(view, x_shape, wt.dims[0], attrs, n.output[0])
+
+
+def _conv_match(view: GraphView, ci: int, pattern: Pattern, taken: set[int], accepted: Accepted) -> Match | str:
+    """The conv_epilogue match anchored at Conv node ci, or why there is none."""
+    m: ConvParams = pattern.match
+    layer = _conv_layer(view, ci, pattern)
+    if isinstance(layer, str):
+        return layer
+    attrs, target = layer
+    out = view.nodes[ci].output[0]
+    epilogue = grow_epilogue(view, ci, target, pattern, taken)
+    if not epilogue and m.pool == "none" and not m.alone:
+        return "conv without a fusible epilogue"
+    direct = [c for c in view.consumers.get(out, ()) if c not in epilogue]
+    if (out in view.graph_outputs or direct) and not (m.alone and not epilogue):
+        pool_only = (m.pool != "none" and not epilogue and len(direct) == 1
+                     and view.nodes[direct[0]].op_type == "MaxPool" and out not in view.graph_outputs)
+        if not pool_only:
+            if not m.alone:
+                return "conv output is also read elsewhere"
+            epilogue = set()  # the conv alone: its output goes to every reader
+    grown = bool(epilogue)
+    epilogue, result = single_result(view, ci, out, epilogue, accepted)
+    if grown and not epilogue and not m.alone:  # every smaller group leaves the conv output to others
+        return "conv output is also read elsewhere"
+    result = result or out
+    pool = pool_attrs = None
+    if m.pool != "none":
+        readers = view.consumers.get(result, ())
+        pi = readers[0] if len(readers) == 1 else None
+        if pi is None or result in view.graph_outputs or pi in taken or view.nodes[pi].op_type != "MaxPool" \
+                or view.nodes[pi].domain not in ("", "ai.onnx"):
+            return "no max pool reads the conv's result alone"
+        pool_attrs = pool_from_node(view.nodes[pi], target[2:] if all(isinstance(d, int) for d in target[2:])
+                                    else None)
+        if isinstance(pool_attrs, str):
+            return pool_attrs
+        if m.pool == "tiling" and not pool_attrs.tiles:
+            return "max pool windows do not tile the conv output"
+        pool = pi
+    nodes = sorted(epilogue | {ci} | ({pool} if pool is not None else set()))
+    if reentering(view, nodes, accepted):
+        return "fusing would create a cycle"
+    final = view.nodes[pool].output[0] if pool is not None else result
+    if view.types.get(final) is None:
+        return "unknown dtype"
+    return Match(pattern, tuple(nodes), (final,), conv=ci, pool=pool, pointwise=tuple(sorted(epilogue)),
+                 conv_attrs=attrs, pool_attrs=pool_attrs, first_input=out, result=result)
+
+
 class Conv(Kind):
+    """A match is a 2-D Conv with constant weights, the largest group of pointwise nodes
+    after it with exactly one result (the conv output itself read only inside the group),
+    and for pool "tiling" the MaxPool that alone reads that result when its windows tile it.
+    Each Conv that does not fuse is reported with the reason."""
+
     name = "conv"
     op_type = "FusedConv"
+    match_kind = "conv_epilogue"
+    params = frozenset({"group", "pool", "alone"})
+
+    def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> ConvParams:
+        """group: 1 or "any"; pool: "none" (no MaxPool after the epilogue) or "tiling" (a
+        MaxPool whose windows tile its input must follow); alone (default false): a Conv with
+        no fusible epilogue matches too, its program the identity."""
+        group = m.get("group", (int, str), 1)
+        if group != "any" and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
+            m.fail("match.group", f"{group!r} must be a positive number or 'any'")
+        pool = m.get("pool", str, "none")
+        if pool not in POOL_MODES:
+            m.fail("match.pool", f"{pool!r} is not one of {', '.join(POOL_MODES)}")
+        for dt in sorted(dtypes):
+            if dt not in ("float32", "float16"):
+                m.fail("match.dtypes", f"{dt!r}: convolutions are fused for float32 and float16 only")
+        alone = m.get("alone", bool, False)
+        return ConvParams(ops, dtypes, None if group == "any" else group, pool, alone)
+
+    def match(self, view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+              reserved: dict[int, str]) -> MatchResult:
+        return match_anchored(view, pattern, taken, accepted, "Conv", _conv_match)
+
+    def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
+        """Inputs [X, packed W, B, extras...] (new initializers for the packed weights and,
+        without a bias, zeros); the body is a Transpose that unpacks the weights, the Conv,
+        the epilogue and the MaxPool (docs/format.md, "FusedConv")."""
+        program, prog_inputs, folded = lower_group(view, match.pointwise, (match.result,), first=match.first_input)
+        shape = view.shapes[match.result]
+        modes = ("full", *(input_mode(view, x, shape) for x in prog_inputs[1:]))
+        pool = [view.nodes[match.pool]] if match.pool is not None else []
+        pointwise = [view.nodes[i] for i in match.pointwise]
+        conv = view.nodes[match.conv]
+        x, w = conv.input[0], conv.input[1]
+        weights = numpy_helper.to_array(view.constants[w])
+        k, c = weights.shape[0], view.shapes[x][1]
+        packed = unique_name(f"{node_name}.weight_packed", names)
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weights.transpose(2, 3, 1, 0)),
+                                                         packed))
+        bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else ""
+        if not bias:
+            bias = unique_name(f"{node_name}.bias", names)
+            graph.initializer.append(numpy_helper.from_array(np.zeros(k, weights.dtype), bias))
+        unpacked = f"{packed}\0onnx_weights"  # any name the graph cannot have: renamed in the body
+        unpack = helper.make_node("Transpose", [packed], [unpacked], perm=[3, 2, 0, 1])
+        body_conv = NodeProto()
+        body_conv.CopyFrom(conv)
+        del body_conv.input[:]
+        body_conv.input.extend([x, unpacked, bias])
+        attrs = {**match.conv_attrs.node_attrs(),
+                 **(match.pool_attrs.node_attrs() if match.pool_attrs is not None else {})}
+        key = f"conv C={c} K={k} {match.conv_attrs} pool {match.pool_attrs}"
+        return Lowering(program, folded, [x, packed, bias, *prog_inputs[1:]], [unpack, body_conv, *pointwise, *pool],
+                        attrs, key, len(shape), modes, {"conv": match.conv_attrs, "pool": match.pool_attrs})
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> ConvSpec:
         """C and K come from the packed weights ([R, S, C/group, K], or [K, R, S, C/group]

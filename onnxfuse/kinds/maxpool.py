@@ -5,18 +5,42 @@ codegen_conv's flat, rows and nhwc pool kernels."""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
-from onnx import ModelProto, NodeProto, helper
+from onnx import GraphProto, ModelProto, NodeProto, helper
 
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_conv import MaxPoolSpec, PoolVariant, generate_maxpool
 from onnxfuse.expr import Program, evaluate
-from onnxfuse.kinds.base import META_VERSION, Kind, env_config, layout_attr
-from onnxfuse.layers import pool_from_fused
+from onnxfuse.graph import GraphView
+from onnxfuse.groups import Accepted, reentering
+from onnxfuse.kinds.base import (
+    META_VERSION,
+    Fields,
+    FusedNode,
+    Kind,
+    Lowering,
+    Match,
+    MatchResult,
+    Pattern,
+    env_config,
+    layout_attr,
+)
+from onnxfuse.layers import pool_from_fused, pool_from_node
+from onnxfuse.match import (
+    DTYPE_IDS,
+    broadcasts_to,
+    dtype_reason,
+    grow_prologue,
+    match_anchored,
+    operands,
+    pointwise_candidate,
+    prologue_inputs,
+    readers_outside,
+)
 from onnxfuse.reference import maxpool2d
-from onnxfuse.rewrite import FusedNode
+from onnxfuse.rewrite import input_mode, lower_group
 
 
 def pool_variants(spec: MaxPoolSpec) -> tuple[PoolVariant, ...]:
@@ -84,9 +108,122 @@ def pool_candidates(spec: MaxPoolSpec) -> list[tuple[str, tuple]]:
     return [(label.format(t), with_size_variants(spec, t)) for t in tiles]  # each as it ships
 
 
+@dataclass(frozen=True)
+class MaxPoolParams:
+    """Match a 2-D MaxPool and the pointwise group whose one result it reads."""
+
+    ops: frozenset[str]  # op types allowed in the prologue
+    dtypes: frozenset[str]
+    min_nodes: int
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        return self.ops | {"MaxPool"}
+
+
+# ---------------------------------------------------------------------------------------
+# matching: a MaxPool and its prologue
+# ---------------------------------------------------------------------------------------
+
+def _pool_match(view: GraphView, pi: int, pattern: Pattern, taken: set[int], accepted: Accepted) -> Match | str:
+    """The pool_prologue match anchored at MaxPool node pi, or why there is none."""
+    m: MaxPoolParams = pattern.match
+    n = view.nodes[pi]
+    x = n.input[0]
+    x_shape = view.shapes.get(x)
+    if x_shape is None:
+        return "unknown shape"
+    if len(x_shape) != 4:
+        return f"{len(x_shape) - 2}-D max pool"
+    if view.types.get(x) not in {DTYPE_IDS[d] for d in m.dtypes}:
+        return dtype_reason(view.types.get(x))
+    if not isinstance(x_shape[1], int):
+        return "unknown number of channels"
+    attrs = pool_from_node(n, x_shape[2:] if all(isinstance(d, int) for d in x_shape[2:]) else None)
+    if isinstance(attrs, str):
+        return attrs
+    p = view.producer.get(x)
+    prologue = p is not None and p not in accepted.owner and pointwise_candidate(view, p, pattern, taken) \
+        and not readers_outside(view, x, {pi})
+    if not prologue and m.min_nodes == 0:  # the max pool alone: the identity program on X
+        return _lone_pool_match(view, pi, pattern, attrs, x)
+    if p is not None and p in accepted.owner:
+        return "its input is computed by another fused node"
+    if p is None or not pointwise_candidate(view, p, pattern, taken):
+        return "no pointwise op before the max pool"
+    if readers_outside(view, x, {pi}):
+        return "max pool input is also read elsewhere"
+    group = grow_prologue(view, p, pattern, taken)
+    while True:  # only x may leave: drop members read outside, with their in-group producers
+        members = group | {pi}
+        leaving = {i for i in group if i != p and readers_outside(view, view.nodes[i].output[0], members)}
+        if not leaving:
+            break
+        stack = list(leaving)
+        while stack:
+            i = stack.pop()
+            if i in group:
+                group.discard(i)
+                stack += [view.producer[name] for _, name in operands(view, i) if view.producer.get(name) in group]
+    if len(group) < m.min_nodes:
+        return "too few pointwise ops before the max pool"
+    ordered = sorted(group)
+    inputs = prologue_inputs(view, ordered)
+    first = next((a for a in inputs if view.rank(a) == 4 and view.types.get(a) != 9
+                  and all(b == a or broadcasts_to(view.shapes.get(b), view.shapes[a]) for b in inputs)), None)
+    if first is None or view.shapes[first][1] != x_shape[1]:
+        return "no prologue input has the max pool input's shape"
+    nodes = sorted(group | {pi})
+    if reentering(view, nodes, accepted):
+        return "fusing would create a cycle"
+    if view.types.get(n.output[0]) is None:
+        return "unknown dtype"
+    return Match(pattern, tuple(nodes), (n.output[0],), pool=pi, pointwise=tuple(ordered),
+                 pool_attrs=attrs, first_input=first, result=x)
+
+
+def _lone_pool_match(view: GraphView, pi: int, pattern: Pattern, attrs, x: str) -> Match | str:
+    """A MaxPool with no fusible prologue (pattern min_nodes 0): program %0 -> %0."""
+    n = view.nodes[pi]
+    if view.types.get(n.output[0]) is None:
+        return "unknown dtype"
+    return Match(pattern, (pi,), (n.output[0],), pool=pi, pointwise=(), pool_attrs=attrs, first_input=x, result=x)
+
+
 class MaxPool(Kind):
+    """A match is a 2-D MaxPool and the pointwise group whose one result only it reads (with
+    min_nodes 0, a MaxPool alone too). Each MaxPool that does not fuse is reported with the
+    reason."""
+
     name = "maxpool"
     op_type = "FusedMaxPool"
+    match_kind = "pool_prologue"
+    params = frozenset({"min_nodes"})
+
+    def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> MaxPoolParams:
+        """min_nodes (default 1; 0: a MaxPool alone matches too)."""
+        min_nodes = m.get("min_nodes", int, 1)
+        if min_nodes < 0:
+            m.fail("match.min_nodes", "must be at least 0")
+        for dt in sorted(dtypes):
+            if dt not in ("float32", "float16"):
+                m.fail("match.dtypes", f"{dt!r}: max pools are fused for float32 and float16 only")
+        return MaxPoolParams(ops, dtypes, min_nodes)
+
+    def match(self, view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+              reserved: dict[int, str]) -> MatchResult:
+        return match_anchored(view, pattern, taken, accepted, "MaxPool", _pool_match)
+
+    def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
+        """Inputs [X, extras...]; the body is the prologue and the MaxPool (docs/format.md,
+        "FusedMaxPool")."""
+        program, inputs, folded = lower_group(view, match.pointwise, (match.result,), first=match.first_input)
+        shape = view.shapes[match.result]
+        modes = ("full", *(input_mode(view, x, shape) for x in inputs[1:]))
+        body = [view.nodes[i] for i in match.pointwise] + [view.nodes[match.pool]]
+        channels = view.shapes[match.first_input][1]
+        return Lowering(program, folded, inputs, body, match.pool_attrs.node_attrs(),
+                        f"maxpool C={channels} {match.pool_attrs}", len(shape), modes, {"pool": match.pool_attrs})
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> MaxPoolSpec:
         return MaxPoolSpec(f.kernel_name, f.program, pool=f.pool, source_nodes=f.source_nodes,

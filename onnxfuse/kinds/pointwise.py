@@ -19,12 +19,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import ModelProto, NodeProto, helper
+from onnx import GraphProto, ModelProto, NodeProto, helper
 
 from onnxfuse.codegen import KernelSource, KernelSpec, Variant, generate
 from onnxfuse.expr import Program, evaluate
-from onnxfuse.kinds.base import META_VERSION, Kind, env_config
-from onnxfuse.rewrite import FusedNode
+from onnxfuse.graph import GraphView, same_shape
+from onnxfuse.groups import Accepted, components, exit_levels, exposed_outputs, reentering
+from onnxfuse.kinds.base import (
+    META_VERSION,
+    Fields,
+    FusedNode,
+    Kind,
+    Lowering,
+    Match,
+    MatchResult,
+    Pattern,
+    env_config,
+)
+from onnxfuse.match import check_node, literal_inputs
+from onnxfuse.ops import RULES
+from onnxfuse.rewrite import input_mode, lower_group
 
 BLOCK = 1024  # with any fp32 tensor
 BLOCK_16BIT = 2048  # when every tensor is f16, bf16 or bool
@@ -80,9 +94,123 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     return tuple(Variant(k, block=block, num_warps=warps, **v) for k, v in enumerate(variants))
 
 
+@dataclass(frozen=True)
+class PointwiseParams:
+    """Match connected groups of elementwise nodes (pattern fields ops, dtypes, min_nodes)."""
+
+    ops: frozenset[str]
+    dtypes: frozenset[str]
+    min_nodes: int
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        """Every op type a match may contain."""
+        return self.ops
+
+
+# ---------------------------------------------------------------------------------------
+# matching: maximal connected, convex, shape-uniform groups of elementwise nodes
+# ---------------------------------------------------------------------------------------
+
+def _shape_misfits(view: GraphView, group: list[int], outputs: list[str]) -> set[int]:
+    """Members whose exposed output's shape differs from the group's shape (that of the
+    highest-rank output, the latest among equals), or is not known to be equal to it."""
+    ranked = [(len(view.shapes.get(o) or ()), k) for k, o in enumerate(outputs)]
+    target_name = outputs[max(ranked)[1]]
+    target = view.shapes.get(target_name)
+    return {view.producer[o] for o in outputs if o != target_name and not same_shape(view.shapes.get(o), target)}
+
+
+def _has_tensor_input(view: GraphView, group: list[int]) -> bool:
+    members = set(group)
+    for i in group:
+        lits = literal_inputs(view, i)
+        rule = RULES[view.nodes[i].op_type]
+        for k, name in enumerate(view.nodes[i].input):
+            if name and k not in lits and k not in rule.const_inputs and view.producer.get(name) not in members:
+                if name not in view.constants:
+                    return True
+    return False
+
+
+def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
+                             accepted: Accepted | None = None, reserved: dict[int, str] | None = None) -> MatchResult:
+    """Groups of this pattern among the nodes not in `taken`; `accepted` holds the groups
+    already matched (by patterns before this one) and gets this pattern's groups added.
+    Nodes in `reserved` (node -> reason) join no group: they are counted under that reason."""
+    result = MatchResult()
+    accepted = Accepted(len(view.nodes)) if accepted is None else accepted
+    reserved = reserved or {}
+    candidates: set[int] = set()
+    for i, n in enumerate(view.nodes):
+        if i in taken or n.op_type not in pattern.match.ops or n.domain not in ("", "ai.onnx"):
+            continue
+        if i in reserved:
+            result.rejected[reserved[i]] += 1
+            continue
+        reason = check_node(view, i, pattern)
+        if reason is None:
+            candidates.add(i)
+        else:
+            result.rejected[reason] += 1
+    work = [part for comp in components(view, candidates) for level_set in exit_levels(view, comp)
+            for part in components(view, level_set)]
+    while work:
+        group = work.pop()
+        after = reentering(view, group, accepted)
+        if after:
+            work += components(view, set(group) - after) + components(view, after)
+            continue
+        outputs = exposed_outputs(view, group)
+        if not outputs:
+            result.rejected["result is never used"] += len(group)
+            continue
+        misfits = _shape_misfits(view, group, outputs)
+        if misfits:
+            result.rejected["output shape differs from the group's"] += len(misfits)
+            work += components(view, set(group) - misfits)
+            continue
+        if len(group) < pattern.match.min_nodes:
+            result.rejected["no elementwise neighbour to fuse with"] += len(group)
+            continue
+        if not _has_tensor_input(view, group):
+            result.rejected["computes only on constants"] += len(group)
+            continue
+        accepted.add(group)
+        result.matches.append(Match(pattern, tuple(group), tuple(outputs)))
+    result.matches.sort(key=lambda m: m.nodes)
+    return result
+
+
 class Pointwise(Kind):
+    """A match is a maximal connected set of elementwise nodes (producer-consumer edges)
+    that is convex (no path leaves the group and comes back, so one node can replace it)
+    and shape-uniform (every tensor the group exposes, read outside it or a graph output,
+    has the same shape: the shape the kernel iterates over). Nodes that could have joined
+    but did not are reported with the reason."""
+
     name = "pointwise"
     op_type = "PointwiseChain"
+    match_kind = "elementwise_group"
+    params = frozenset({"min_nodes"})
+
+    def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> PointwiseParams:
+        min_nodes = m.get("min_nodes", int, 2)
+        if min_nodes < 1:
+            m.fail("match.min_nodes", "must be at least 1")
+        return PointwiseParams(ops, dtypes, min_nodes)
+
+    def match(self, view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+              reserved: dict[int, str]) -> MatchResult:
+        return match_elementwise_groups(view, pattern, taken, accepted, reserved)
+
+    def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
+        """Inputs: the group's boundary tensors in order of first use; outputs: the tensors
+        it exposes. The function body is the group's nodes."""
+        program, inputs, folded = lower_group(view, match.nodes, match.outputs)
+        shape = view.shapes[match.outputs[0]]
+        return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], {}, "", len(shape),
+                        tuple(input_mode(view, x, shape) for x in inputs))
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> KernelSpec:
         return KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes)
