@@ -65,9 +65,8 @@ from onnxfuse.codegen_conv import (  # noqa: E402
     rounds_to_tf32,
 )
 from onnxfuse.expr import HEADER, parse  # noqa: E402
-from onnxfuse.kinds.conv import conv_decline_reason, conv_variants  # noqa: E402
+from onnxfuse.kinds.conv import MIN_NHWC_CHANNELS, conv_decline_reason, conv_variants  # noqa: E402
 from onnxfuse.layers import ConvAttrs  # noqa: E402
-from onnxfuse.layout import MIN_NHWC_CHANNELS  # noqa: E402
 
 IDENTITY = parse(HEADER + "\ninput %0 f32\noutput %0 f32\n")  # the conv's output as it is
 

@@ -182,6 +182,20 @@ class FusedNode:
     params: Any = None  # what else a kind keeps about its node (none of the built-in ones)
 
 
+@dataclass(frozen=True)
+class NodeLayouts:
+    """How a kind's nodes take part in the NHWC pass (onnxfuse.layout), for kinds whose
+    node reads a 4-D X as input 0 and writes a 4-D Y as output 0 in either layout
+    (attributes x_layout, y_layout; FusedNode.x_layout, y_layout)."""
+
+    # the first input that is an extra of the program (inputs from here on may each be
+    # channels-last on their own: attribute extra_layouts); None: extras stay NCHW
+    extras: int | None = None
+    y_follows_x: bool = False  # X and Y turn NHWC together (a pool), never one alone
+    wants_nhwc: bool = False  # reading a tensor channels-last makes its component worth turning NHWC
+    weights: int | None = None  # the input that holds packed weights, repacked to "krsc" (w_layout)
+
+
 class Spec(Protocol):
     """What to compile for one fused node: every kind's spec has these (and its own fields)."""
 
@@ -202,6 +216,11 @@ class Kind(ABC):
     # the name older pattern files give the kind (`match.kind`, with a `replace` part)
     match_kind: ClassVar[str]
     params: ClassVar[frozenset[str]]  # the fields of `match` besides ops and dtypes
+    # the NHWC pass: how its nodes take layouts (None: they do not), or layout_free: the
+    # node computes the same on channels-last tensors when every input that is not a
+    # scalar is channels-last too (elementwise), and carries the layout through
+    layouts: ClassVar[NodeLayouts | None] = None
+    layout_free: ClassVar[bool] = False
 
     # ---- patterns ----------------------------------------------------------------------
 
@@ -276,6 +295,18 @@ class Kind(ABC):
     def tf32_initializers(self, f: FusedNode, spec: Spec) -> tuple[str, ...]:
         """Initializers the kernel reads rounded to TF32: the compile step rounds them."""
         return ()
+
+    def moves_values(self, node: NodeProto, i: int) -> bool:
+        """The node only moves the values of its input i into its outputs (so TF32 values
+        stay TF32 values through it)."""
+        return False
+
+    # ---- the NHWC pass (onnxfuse.layout) -----------------------------------------------
+
+    def transposes_x(self, f: FusedNode, weight_dims: dict) -> bool:
+        """With `layouts`: the node reads an NCHW X through a Transpose to channels-last
+        (which the pass puts before its first reader) rather than as it is."""
+        return False
 
     # ---- reference ---------------------------------------------------------------------
 

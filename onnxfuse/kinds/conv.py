@@ -34,6 +34,7 @@ from onnxfuse.kinds.base import (
     Lowering,
     Match,
     MatchResult,
+    NodeLayouts,
     Pattern,
     env_config,
     layout_attr,
@@ -44,6 +45,14 @@ from onnxfuse.reference import conv2d, maxpool2d
 from onnxfuse.rewrite import input_mode, lower_group, unique_name
 
 POOL_MODES = ("none", "tiling")
+
+# A conv whose X arrives NCHW (a graph input, or any other node's output) reads it through a
+# Transpose to channels-last when X has at least this many channels: the NHWC kernel with
+# [K, R, S, C] weights (sm_90 TF32 wgmma) is 1.8x faster than the NCHW one on 64 channels
+# at 112² (0.166 vs 0.303 ms) while the Transpose is one read and one write of X; with 3
+# channels (an image) the NCHW kernel is 2.8x faster (0.364 vs 1.017 ms). H200,
+# benchmarks/conv_kernels.py, BENCHMARKS.md.
+MIN_NHWC_CHANNELS = 16
 
 FLAT_MAX_CHANNELS = 16  # convs with fewer input channels use the flat reduction
 
@@ -272,6 +281,12 @@ class ConvParams:
         return self.ops | {"Conv"} | ({"MaxPool"} if self.pool != "none" else set())
 
 
+def channels(f: FusedNode, weight_dims: dict[str, tuple[int, ...]]) -> int:
+    """C of a FusedConv, from its packed weights ([R, S, C/group, K] or [K, R, S, C/group])."""
+    dims = weight_dims[f.inputs[1]]
+    return int(dims[2] if f.w_layout == "rsck" else dims[3]) * f.conv.group
+
+
 # ---------------------------------------------------------------------------------------
 # matching: a Conv, its epilogue, a tiling MaxPool
 # ---------------------------------------------------------------------------------------
@@ -381,6 +396,9 @@ class Conv(Kind):
     op_type = "FusedConv"
     match_kind = "conv_epilogue"
     params = frozenset({"group", "pool", "alone"})
+    # X (input 0) and Y channels-last on their own, each extra (inputs 3, ...) too; the
+    # channels-last kernels want [K, R, S, C] weights (input 1) for sm_90's TF32 wgmma
+    layouts = NodeLayouts(extras=3, wants_nhwc=True, weights=1)
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> ConvParams:
         """group: 1 or "any"; pool: "none" (no MaxPool after the epilogue) or "tiling" (a
@@ -485,6 +503,12 @@ class Conv(Kind):
 
     def tf32_initializers(self, f: FusedNode, spec: ConvSpec) -> tuple[str, ...]:
         return (f.inputs[1],) if prerounds_weights(spec) else ()
+
+    def transposes_x(self, f: FusedNode, weight_dims: dict) -> bool:
+        """Group-1 convs of at least MIN_NHWC_CHANNELS channels. Grouped convs read NCHW X
+        as it is: they are memory-bound, a Transpose would double their traffic, and their
+        direct kernel has no wgmma operand layout to satisfy."""
+        return f.conv.group == 1 and channels(f, weight_dims) >= MIN_NHWC_CHANNELS
 
     def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """Honours the layout attributes: NHWC tensors are transposed to NCHW before, an NHWC

@@ -12,7 +12,7 @@ from onnx import GraphProto, ModelProto, NodeProto, helper
 
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_conv import MaxPoolSpec, PoolVariant, generate_maxpool
-from onnxfuse.expr import Program, evaluate
+from onnxfuse.expr import Program, Ref, evaluate
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import (
@@ -23,6 +23,7 @@ from onnxfuse.kinds.base import (
     Lowering,
     Match,
     MatchResult,
+    NodeLayouts,
     Pattern,
     env_config,
     layout_attr,
@@ -190,6 +191,18 @@ def _lone_pool_match(view: GraphView, pi: int, pattern: Pattern, attrs, x: str) 
     return Match(pattern, (pi,), (n.output[0],), pool=pi, pointwise=(), pool_attrs=attrs, first_input=x, result=x)
 
 
+def _relu_at_most(n: NodeProto) -> bool:
+    """The FusedMaxPool's prologue program has one float32 input and at most max(x, 0.0) /
+    min(x, 0.0) steps, which keep TF32 values TF32 (and NaN NaN), with a float32 output."""
+    text = next((a.s.decode() for a in n.attribute if a.name == "program"), None)
+    if text is None:
+        return False
+    prog = Program.from_text(text)
+    return (prog.input_dtypes == ("f32",) and all(d == "f32" for _, d in prog.outputs)
+            and all(ins.op in ("max", "min") and 0.0 in ins.args and all(
+                isinstance(a, Ref) or a == 0.0 for a in ins.args) for ins in prog.instrs))
+
+
 class MaxPool(Kind):
     """A match is a 2-D MaxPool and the pointwise group whose one result only it reads (with
     min_nodes 0, a MaxPool alone too). Each MaxPool that does not fuse is reported with the
@@ -199,6 +212,8 @@ class MaxPool(Kind):
     op_type = "FusedMaxPool"
     match_kind = "pool_prologue"
     params = frozenset({"min_nodes"})
+    # a pool runs NHWC in and out or not at all; its prologue's extras stay NCHW
+    layouts = NodeLayouts(y_follows_x=True)
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> MaxPoolParams:
         """min_nodes (default 1; 0: a MaxPool alone matches too)."""
@@ -246,6 +261,10 @@ class MaxPool(Kind):
 
     def candidates(self, spec: MaxPoolSpec) -> list[tuple[str, tuple]]:
         return pool_candidates(spec)
+
+    def moves_values(self, node: NodeProto, i: int) -> bool:
+        """X's values (input 0) when its prologue is at most a Relu (`_relu_at_most`)."""
+        return i == 0 and _relu_at_most(node)
 
     def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """Honours x_layout and y_layout: the program sees NCHW values, extras broadcast to

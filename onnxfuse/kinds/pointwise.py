@@ -193,6 +193,7 @@ class Pointwise(Kind):
     op_type = "PointwiseChain"
     match_kind = "elementwise_group"
     params = frozenset({"min_nodes"})
+    layout_free = True  # an elementwise program computes the same on channels-last tensors
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> PointwiseParams:
         min_nodes = m.get("min_nodes", int, 2)
