@@ -717,10 +717,9 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         if orig_times.plain_ms is None:
             raise OnnxfuseError(f"the original model does not run at these shapes ({orig_times.graph_error})")
         times = {label: _times(measured, label, graphs) for label, _, _ in models}
-        # the gate guards the choice of TF32: float32 convs at "tf32". Float16 convs multiply
-        # as cuDNN's do (fp16 products, fp32 sums) and other fusions in fp32.
-        checked = conv_precision == "tf32" and any(
-            f.kind == "conv" and f.program.input_dtypes[0] == "f32" for f in result.fused)
+        # the gate guards the choice of TF32 (float32 convs at "tf32": their kind says so);
+        # other fusions compute in fp32, float16 convs as cuDNN's do
+        checked = any(KINDS[f.kind].multiplies_in_tf32(f, conv_precision) for f in result.fused)
         gates = (accuracy(timer, original, {label: cand.model for label, cand, _ in models}, feeds) if checked
                  else {label: UNCHECKED for label, _, _ in models})
         kept = _fastest(models, times, gates, orig_times)
@@ -849,7 +848,7 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
     decisions = [NodeDecision(f.node_name, f.kind) for f in result.fused]
     # convs first: they are where ORT's own kernels (cuDNN) may be faster; pointwise chains
     # and pools replace memory-bound nodes and seldom lose, so they come after, within the budget
-    order = sorted(range(len(result.fused)), key=lambda i: result.fused[i].kind != "conv")
+    order = sorted(range(len(result.fused)), key=lambda i: not KINDS[result.fused[i].kind].measure_first)
     for i in order:
         f, d = result.fused[i], decisions[i]
         if time.perf_counter() - t0 > settings.budget_s:

@@ -221,6 +221,9 @@ class Kind(ABC):
     # scalar is channels-last too (elementwise), and carries the layout through
     layouts: ClassVar[NodeLayouts | None] = None
     layout_free: ClassVar[bool] = False
+    # tuning (onnxfuse.tune) times these nodes first: ONNX Runtime's own kernels for the
+    # nodes they replace may be faster (cuDNN's convs), where fused memory-bound work seldom loses
+    measure_first: ClassVar[bool] = False
 
     # ---- patterns ----------------------------------------------------------------------
 
@@ -280,6 +283,11 @@ class Kind(ABC):
     def candidates(self, spec: Spec) -> list[tuple[str, tuple]]:
         """(label, variants) of each configuration `--tune` times, the heuristics' first."""
         return [("default", self.variants(spec))]
+
+    def multiplies_in_tf32(self, f: FusedNode, precision: str) -> bool:
+        """The node's kernel multiplies in TF32 at this conv precision (`--conv-precision`),
+        so tuning checks the model's accuracy against ONNX Runtime's before keeping it."""
+        return False
 
     # ---- TF32 rounding at the producer (onnxfuse.rounding) ------------------------------
 

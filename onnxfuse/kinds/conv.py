@@ -399,6 +399,7 @@ class Conv(Kind):
     # X (input 0) and Y channels-last on their own, each extra (inputs 3, ...) too; the
     # channels-last kernels want [K, R, S, C] weights (input 1) for sm_90's TF32 wgmma
     layouts = NodeLayouts(extras=3, wants_nhwc=True, weights=1)
+    measure_first = True  # cuDNN may be faster
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> ConvParams:
         """group: 1 or "any"; pool: "none" (no MaxPool after the epilogue) or "tiling" (a
@@ -494,6 +495,11 @@ class Conv(Kind):
 
     def candidates(self, spec: ConvSpec) -> list[tuple[str, tuple]]:
         return conv_candidates(spec)
+
+    def multiplies_in_tf32(self, f: FusedNode, precision: str) -> bool:
+        """Float32 convs at "tf32". Float16 convs multiply as cuDNN's do (fp16 products,
+        fp32 sums)."""
+        return precision == "tf32" and f.program.input_dtypes[0] == "f32"
 
     def reads_tf32(self, spec: ConvSpec) -> bool:
         return prerounds_weights(spec)
