@@ -7,10 +7,11 @@ kernel, one promising 16-byte aligned pointers and ``n_elements % 16 == 0``, whi
 Triton as ``tt.divisibility`` hints so that loads and stores vectorize, then one promising
 nothing).
 
-Each variant is compiled to a cubin per requested target, and the PTX of the highest
-target is kept too (its ``.target`` relaxed from ``sm_XXa`` to ``sm_XX``) so that GPUs
-newer than every cubin can JIT it. `attach` writes the result onto a fused node as the
-``kernel_meta`` attribute and one string attribute ``kernel_<i>`` per binary.
+Each variant is compiled to a cubin per requested target, and a PTX is kept too so that
+GPUs newer than every cubin can JIT it: the highest target's, its ``.target`` relaxed from
+``sm_XXa`` to ``sm_XX``, unless the kind picks another (`onnxfuse.kinds.base.Kind.ptx_arch`). `attach` writes the
+result onto a fused node as the ``kernel_meta`` attribute and one string attribute
+``kernel_<i>`` per binary.
 
 Each kind (`onnxfuse.kinds`) says which variants a kernel ships with, generates their
 sources and writes its ``kernel_meta``; this module compiles and caches them.
