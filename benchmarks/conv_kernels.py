@@ -36,8 +36,8 @@ from onnxfuse.codegen_conv import (  # noqa: E402
     group_span,
     next_pow2,
 )
-from onnxfuse.compile import conv_variants  # noqa: E402
 from onnxfuse.expr import HEADER, parse  # noqa: E402
+from onnxfuse.kinds.conv import conv_variants  # noqa: E402
 from onnxfuse.layers import ConvAttrs, PoolAttrs  # noqa: E402
 
 RELU = parse(HEADER + "\ninput %0 {dt}\n%1 = max %0 0.0\noutput %1 {dt}\n".replace("{dt}", "f32"))
@@ -73,6 +73,14 @@ LAYERS = [
     ("g16x32 512 14 b16", 16, 512, 14, 512, False, 3, 1, 1, 16),
     ("g16x64 1024 7 b16", 16, 1024, 7, 1024, False, 3, 1, 1, 16),
     ("g16x32 512 14 b1", 1, 512, 14, 512, False, 3, 1, 1, 16),
+    # EfficientNet-B0's 1x1 convs at batch 1 (indices 26-31): expansion and projection at
+    # 14x14 and 7x7, and the squeeze-excitation FCs on one pixel
+    ("effnet b1 1x1 80->480 14", 1, 80, 14, 480, False, 1, 1, 0),
+    ("effnet b1 1x1 192->1152 7", 1, 192, 7, 1152, False, 1, 1, 0),
+    ("effnet b1 1x1 1152->192 7", 1, 1152, 7, 192, False, 1, 1, 0),
+    ("effnet b1 se 1152->48 1x1", 1, 1152, 1, 48, False, 1, 1, 0),
+    ("effnet b1 se 48->1152 1x1", 1, 48, 1, 1152, False, 1, 1, 0),
+    ("effnet b1 se 144->6 1x1", 1, 144, 1, 6, False, 1, 1, 0),
 ]
 
 CONFIGS = [  # block_m, block_n, block_k, warps, stages
@@ -83,7 +91,7 @@ CONFIGS = [  # block_m, block_n, block_k, warps, stages
 ]
 QUICK = CONFIGS[:4]
 # Grouped / depthwise convs, the direct loop (block_k, stages unused); the first entry is
-# replaced by onnxfuse.compile.conv_variants' heuristic for the layer.
+# replaced by onnxfuse.kinds.conv.conv_variants' heuristic for the layer.
 GROUPED_CONFIGS = [
     None, (32, 64, 32, 4, 1), (64, 64, 32, 4, 1), (16, 64, 32, 2, 1), (64, 32, 32, 4, 1), (128, 16, 32, 4, 1),
     (256, 8, 32, 4, 1), (128, 8, 32, 2, 1), (32, 128, 32, 4, 1), (64, 128, 32, 8, 1), (128, 32, 32, 8, 1),
@@ -103,6 +111,8 @@ NHWC_CONFIGS = [  # the first five: the best of the first channels-last sweep
     (64, 128, 32, 4, 4), (64, 64, 32, 2, 4), (128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (128, 64, 64, 4, 3),
     (128, 128, 64, 8, 3), (256, 64, 32, 8, 3), (256, 128, 32, 8, 3), (64, 64, 64, 4, 3), (64, 256, 32, 8, 3),
     (64, 64, 32, 4, 3), (64, 32, 32, 4, 3),
+    # small outputs (batch 1, 7x7 and one pixel): narrow M tiles, long K steps
+    (32, 64, 32, 2, 3), (16, 64, 64, 2, 3), (32, 32, 64, 2, 3), (16, 32, 128, 1, 3), (16, 128, 32, 4, 3),
 ]
 
 # Relu + MaxPool 2x2: (tile, blocks, warps). flat: (BLOCK,); rows: (BLOCK_OH, BLOCK_OW) of

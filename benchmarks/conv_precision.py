@@ -1,7 +1,7 @@
 """Conv precision: the error and time of onnxfuse's conv kernels at each precision, beside cuDNN.
 
 For real layer shapes (ResNet-50, YOLOv8n and MobileNet-like), every conv kernel onnxfuse
-ships for the layer (`onnxfuse.compile.conv_variants`: the tap loop, the flat loop of
+ships for the layer (`onnxfuse.kinds.conv.conv_variants`: the tap loop, the flat loop of
 narrow inputs, split K where the launcher would take it, the direct loop of grouped convs),
 in the NCHW path's layouts (X, Y NCHW, weights [R, S, C, K]) and the NHWC pass's
 (channels-last X and Y, weights [K, R, S, C]; narrow X stays NCHW), at each precision:
@@ -64,10 +64,9 @@ from onnxfuse.codegen_conv import (  # noqa: E402
     round_array_to_tf32,
     rounds_to_tf32,
 )
-from onnxfuse.compile import conv_decline_reason, conv_variants  # noqa: E402
 from onnxfuse.expr import HEADER, parse  # noqa: E402
+from onnxfuse.kinds.conv import MIN_NHWC_CHANNELS, conv_decline_reason, conv_variants  # noqa: E402
 from onnxfuse.layers import ConvAttrs  # noqa: E402
-from onnxfuse.layout import MIN_NHWC_CHANNELS  # noqa: E402
 
 IDENTITY = parse(HEADER + "\ninput %0 f32\noutput %0 f32\n")  # the conv's output as it is
 

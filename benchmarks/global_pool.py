@@ -8,10 +8,14 @@ For each shape (MobileNetV3-small's squeeze-excite inputs at batch 32), one-node
 - nhwc_matmul:    Reshape to [N, H*W, C], MatMul by a [1, H*W] row of 1/(H*W), Reshape to
                   [N, 1, 1, C]
 - nhwc_transpose_gap: Transpose to NCHW, then GlobalAveragePool
+- nhwc_matmul_split: the MatMul split in two where H*W has a divisor S near its square root:
+                  [N, S, H*W/S, C] times a row of 1/(H*W) over H*W/S, then a row of ones
+                  over S (cuBLAS runs the one long MatMul as a GEMV parallel over C only)
 Times: device time of the kernels per run (CUPTI), and the latency of a run (synchronized,
 IO binding), with the memory floor of reading X once.
 
     python benchmarks/global_pool.py --json global_pool.json
+    python benchmarks/global_pool.py --shapes b1 --json global_pool_b1.json   # EfficientNet-B0's at batch 1
 """
 
 from __future__ import annotations
@@ -29,7 +33,17 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.gpu_timing import BoundSession, copy_bandwidth, gpu_time_per_call, time_cuda  # noqa: E402
 
-SHAPES = [(32, 56, 56, 16), (32, 14, 14, 96), (32, 14, 14, 240), (32, 7, 7, 576)]  # N, H, W, C
+SHAPES = {  # N, H, W, C
+    "mbv3": [(32, 56, 56, 16), (32, 14, 14, 96), (32, 14, 14, 240), (32, 7, 7, 576)],
+    # EfficientNet-B0's squeeze-excite inputs at batch 1, its first at batch 16
+    "b1": [(1, 112, 112, 32), (1, 56, 56, 96), (1, 56, 56, 144), (1, 28, 28, 240), (1, 14, 14, 480),
+           (1, 7, 7, 1152), (16, 112, 112, 32)],
+}
+
+
+def _split(hw: int) -> int:
+    """The divisor of hw nearest its square root from below (1 for a prime)."""
+    return max(d for d in range(1, int(hw ** 0.5) + 1) if hw % d == 0)
 
 
 def _model(nodes, x_shape, y_shape, inits=()) -> onnx.ModelProto:
@@ -44,6 +58,7 @@ def formulations(n: int, h: int, w: int, c: int) -> dict[str, tuple[onnx.ModelPr
     """name -> (model, input shape); every model's y is the per-channel mean."""
     N = helper.make_node
     nhwc, nchw = [n, h, w, c], [n, c, h, w]
+    s = _split(h * w)
     row = numpy_helper.from_array(np.full((1, h * w), 1.0 / (h * w), np.float32), "row")
     s3 = numpy_helper.from_array(np.array([0, h * w, c], np.int64), "s3")
     s4 = numpy_helper.from_array(np.array([0, 1, 1, c], np.int64), "s4")
@@ -55,6 +70,14 @@ def formulations(n: int, h: int, w: int, c: int) -> dict[str, tuple[onnx.ModelPr
                                 N("Reshape", ["m", "s4"], ["y"])], nhwc, [n, 1, 1, c], [row, s3, s4]), tuple(nhwc)),
         "nhwc_transpose_gap": (_model([N("Transpose", ["x"], ["t"], perm=[0, 3, 1, 2]),
                                        N("GlobalAveragePool", ["t"], ["y"])], nhwc, [n, c, 1, 1]), tuple(nhwc)),
+        "nhwc_matmul_split": (_model(
+            [N("Reshape", ["x", "s4s"], ["x4"]), N("MatMul", ["rows", "x4"], ["part"]),
+             N("Reshape", ["part", "s3s"], ["p3"]), N("MatMul", ["ones", "p3"], ["m"]),
+             N("Reshape", ["m", "s4"], ["y"])], nhwc, [n, 1, 1, c],
+            [numpy_helper.from_array(np.array([0, s, h * w // s, c], np.int64), "s4s"),
+             numpy_helper.from_array(np.full((1, h * w // s), 1.0 / (h * w), np.float32), "rows"),
+             numpy_helper.from_array(np.array([0, s, c], np.int64), "s3s"),
+             numpy_helper.from_array(np.ones((1, s), np.float32), "ones"), s4]), tuple(nhwc)),
     }
 
 
@@ -62,10 +85,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="mbv3")
     args = ap.parse_args()
     bw = copy_bandwidth()
     rows = []
-    for n, h, w, c in SHAPES:
+    for n, h, w, c in SHAPES[args.shapes]:
         x = torch.randn(n, h, w, c, device="cuda")
         want = x.mean(dim=(1, 2))
         row = {"shape_nhwc": [n, h, w, c], "floor_ms": x.numel() * 4 / bw * 1e3}

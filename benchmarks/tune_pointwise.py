@@ -91,7 +91,7 @@ WORKLOADS = {
 }
 # Without --workloads: the five of the earlier runs (BENCHMARKS.md), so that the geometric
 # mean and --best keep their meaning; the long chains get their own configuration
-# (onnxfuse.compile.LONG_PROGRAM) and are tuned on their own.
+# (onnxfuse.kinds.pointwise.LONG_PROGRAM) and are tuned on their own.
 DEFAULT_WORKLOADS = ("x*2 r=8", "cos(cos(x))", "gelu_erf", "bias+gelu (broadcast)", "x*2 r=8 fp16")
 DEFAULT_GRID = {"blocks": [512, 1024, 2048, 4096], "warps": [4, 8], "int32": [1, 0], "even": [1, 0]}
 

@@ -16,11 +16,7 @@ namespace onnxfuse {
 // Set by RegisterCustomOps before any op is used.
 extern const OrtApi* g_ort;
 
-constexpr const char* kDomain = "onnxfuse";
-// The ops of the domain (docs/format.md).
-constexpr const char* kPointwiseChain = "PointwiseChain";
-constexpr const char* kFusedConv = "FusedConv";
-constexpr const char* kFusedMaxPool = "FusedMaxPool";
+constexpr const char* kDomain = "onnxfuse";  // its ops: one per kind (csrc/kinds/, docs/format.md)
 
 // Throws Error with the status' message (releasing the status).
 inline void check(OrtStatus* st) {
@@ -268,11 +264,5 @@ OpDef make_op(int min_inputs, decltype(OrtCustomOp::CreateKernelV2) create) {
   op.KernelDestroy = destroy_kernel<K>;
   return op;
 }
-
-// Registration entry points of the kernels: PointwiseChain on the CPU (cpu_ops.cc),
-// FusedConv and FusedMaxPool on the CPU (conv_cpu.cc), all three on CUDA (cuda_ops.cc).
-void append_cpu_ops(std::vector<OrtCustomOp*>* ops);
-void append_cpu_conv_ops(std::vector<OrtCustomOp*>* ops);
-void append_cuda_ops(std::vector<OrtCustomOp*>* ops);
 
 }  // namespace onnxfuse

@@ -1,13 +1,19 @@
-// What the PointwiseChain CPU kernel (cpu_ops.cc) offers the other CPU kernels
-// (conv_cpu.cc): the program evaluator over broadcast tensors, stores with rounding, and a
-// parallel loop on ORT's intra-op thread pool.
+// What the CPU kernels of every kind (csrc/kinds/<kind>_cpu.cc) share: the program
+// evaluator over broadcast tensors, stores with rounding and a parallel loop on ORT's
+// intra-op thread pool (cpu_program.cc); and for the layer kinds (FusedConv, FusedMaxPool)
+// fp32 scratch buffers, ONNX's max pool, the program-then-pool pass and the kernel base
+// they build on (cpu_layers.cc).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "common.h"
+#include "conv.h"
 
 namespace onnxfuse {
 
@@ -59,6 +65,116 @@ void parallel_for(OrtKernelContext* ctx, int64_t n, const F& f) {
   if (st) {  // no thread pool available: run serially
     g_ort->ReleaseStatus(st);
     for (int64_t i = 0; i < n; ++i) f(i);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// The layer kinds (cpu_layers.cc)
+// ---------------------------------------------------------------------------------------
+
+// Elements (or multiply-adds) per parallel task: enough that scheduling costs nothing.
+constexpr int64_t kTaskWork = 1 << 18;
+
+// An uninitialized fp32 buffer from the execution provider's allocator (ORT's CPU arena
+// by default, so a large buffer is not page-faulted in again on every run), or from new[]
+// when the kernel has no allocator.
+class Floats {
+ public:
+  Floats() = default;
+  Floats(OrtAllocator* alloc, int64_t n) : alloc_(alloc) {
+    const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float);
+    if (alloc_) {
+      void* p = nullptr;
+      check(g_ort->AllocatorAlloc(alloc_, bytes, &p));
+      if (!p) throw Error("out of memory (" + std::to_string(bytes) + " bytes of scratch)");
+      p_ = static_cast<float*>(p);
+    } else {
+      p_ = new float[bytes / sizeof(float)];
+    }
+  }
+  Floats(Floats&& o) noexcept : alloc_(o.alloc_), p_(o.p_) { o.p_ = nullptr; }
+  Floats& operator=(Floats&& o) noexcept {
+    std::swap(alloc_, o.alloc_);
+    std::swap(p_, o.p_);
+    return *this;
+  }
+  Floats(const Floats&) = delete;
+  Floats& operator=(const Floats&) = delete;
+  ~Floats() {
+    if (!p_) return;
+    if (alloc_) {
+      if (OrtStatus* st = g_ort->AllocatorFree(alloc_, p_)) g_ort->ReleaseStatus(st);
+    } else {
+      delete[] p_;
+    }
+  }
+  float* get() const { return p_; }
+  float& operator[](int64_t i) const { return p_[i]; }
+
+ private:
+  OrtAllocator* alloc_ = nullptr;
+  float* p_ = nullptr;
+};
+
+// out [N, C, OH, OW] = MaxPool(z [N, C, H, W]), stored as (declared, actual) dtype.
+// Padding never wins; a NaN always does (numpy's and torch's rule).
+void max_pool(OrtKernelContext* ctx, const PoolParams& pp, const float* z, const Shape& in, const Shape& out_shape,
+              DType declared, DType actual, void* out);
+
+// Program inputs: `first` (the conv result or X), then the extra tensors from `extras`.
+std::vector<HostTensor> program_inputs(const Program& prog, HostTensor first, const std::vector<TensorRef>& t,
+                                       size_t extras);
+
+// out [N, H, W, C] = src [N, C, H, W] (fp32, `nchw`), stored as (declared, actual) dtype.
+void store_nhwc(OrtKernelContext* ctx, const float* src, const Shape& nchw, DType declared, DType actual,
+                void* out);
+
+// Runs the program over `shape` into `out` (no pool) or into an fp32 buffer that the pool
+// reads (values rounded as the program says), then pools into `out`; with out_nhwc the
+// pooled result [N, C, OH, OW] is stored transposed, as [N, OH, OW, C] (pool only).
+void program_then_pool(OrtKernelContext* ctx, OrtAllocator* alloc, const Program& prog,
+                       const std::vector<HostTensor>& in, const Shape& shape, const PoolParams* pool,
+                       const TensorRef& out, bool out_nhwc = false);
+
+// What a layer kernel holds: the program (one output), the node's name (for messages) and
+// the EP's allocator (for scratch buffers; null if ORT has none for the kernel). A kind's
+// kernel K adds kOp, init(const OrtKernelInfo*) (its attributes) and compute.
+struct LayerKernel {
+  static constexpr const char* kProvider = "CPUExecutionProvider";
+  static constexpr const char* kWhere = "";
+  Program prog;
+  std::string name;
+  OrtAllocator* alloc = nullptr;
+  LayerKernel() = default;
+  LayerKernel(const LayerKernel&) = delete;
+  LayerKernel& operator=(const LayerKernel&) = delete;
+  ~LayerKernel() {
+    if (alloc) g_ort->ReleaseAllocator(alloc);
+  }
+};
+
+// Builds layer kernel K for a node: its program (which must have one output), K::init's
+// attributes, the EP's allocator.
+template <class K>
+OrtStatus* ORT_API_CALL create_layer_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info,
+                                            void** kernel) {
+  std::string name;
+  try {
+    name = node_name(info);
+    auto k = std::make_unique<K>();
+    k->prog = read_program(info);
+    k->name = name;
+    if (k->prog.outputs.size() != 1)
+      throw Error("the program has " + std::to_string(k->prog.outputs.size()) + " outputs, expected 1");
+    k->init(info);
+    if (OrtStatus* st = g_ort->KernelInfoGetAllocator(info, OrtMemTypeDefault, &k->alloc)) {
+      g_ort->ReleaseStatus(st);  // scratch from new[] instead
+      k->alloc = nullptr;
+    }
+    *kernel = k.release();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(describe_node(K::kOp, name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
   }
 }
 

@@ -1,16 +1,30 @@
-// Entry point of libonnxfuse_ops.so: registers onnxfuse::PointwiseChain, FusedConv,
-// FusedMaxPool and FusedRows for the CPU and CUDA execution providers. This is the only
-// exported symbol.
+// Entry point of libonnxfuse_ops.so: registers the op of every fusion kind (csrc/kinds/:
+// PointwiseChain, FusedConv, FusedMaxPool, FusedRows) for the CPU and CUDA execution
+// providers. This is the only exported symbol.
 #include <exception>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "common.h"
-#include "rows.h"  // kind rows (issue 17)
 
 namespace onnxfuse {
 const OrtApi* g_ort = nullptr;
+
+// The kinds' registrations, one per kind and execution provider (csrc/kinds/<kind>_<ep>.cc;
+// the CUDA ones add nothing in a build without cuda.h).
+void append_pointwise_cpu_ops(std::vector<OrtCustomOp*>* ops);
+void append_conv_cpu_ops(std::vector<OrtCustomOp*>* ops);
+void append_maxpool_cpu_ops(std::vector<OrtCustomOp*>* ops);
+void append_rows_cpu_ops(std::vector<OrtCustomOp*>* ops);
+void append_pointwise_cuda_ops(std::vector<OrtCustomOp*>* ops);
+void append_conv_cuda_ops(std::vector<OrtCustomOp*>* ops);
+void append_maxpool_cuda_ops(std::vector<OrtCustomOp*>* ops);
+void append_rows_cuda_ops(std::vector<OrtCustomOp*>* ops);
+constexpr void (*kRegistrations[])(std::vector<OrtCustomOp*>*) = {
+    append_pointwise_cpu_ops,  append_conv_cpu_ops,  append_maxpool_cpu_ops,  append_rows_cpu_ops,
+    append_pointwise_cuda_ops, append_conv_cuda_ops, append_maxpool_cuda_ops, append_rows_cuda_ops,
+};
 }  // namespace onnxfuse
 
 using namespace onnxfuse;
@@ -31,10 +45,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     static std::vector<OrtCustomOp*> ops;
     static std::once_flag ops_once;
     std::call_once(ops_once, [] {
-      append_cpu_ops(&ops);
-      append_cpu_conv_ops(&ops);
-      append_cpu_rows_ops(&ops);  // kind rows (issue 17): rows_cpu.cc
-      append_cuda_ops(&ops);
+      for (auto append : kRegistrations) append(&ops);
     });
     // The domain must outlive every session that uses these options; it is small and
     // created once per registration, so it is kept for the life of the process.

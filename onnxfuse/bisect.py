@@ -40,7 +40,7 @@ from onnxfuse.bench import check_same_inputs, count_onnxfuse_nodes, settings_fro
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.load import load_model, read_model
 from onnxfuse.outputs import EXTERNAL_DATA_THRESHOLD, Outputs, save_model
-from onnxfuse.rewrite import DOMAIN, _unique, unfuse_node
+from onnxfuse.rewrite import DOMAIN, unfuse_node, unique_name
 from onnxfuse.text import abbreviate
 from onnxfuse.tools.feeds import input_files, make_feeds
 from onnxfuse.tools.gate import OutputCheck, fmt_err, gate_outputs, nan_high, untimed_references
@@ -169,7 +169,7 @@ def fused_nodes(model: ModelProto) -> list[FusedInfo]:
         if n.domain != DOMAIN:
             continue
         if not n.name or n.name in seen:
-            n.name = _unique(n.name or f"{n.op_type}_{len(out)}", used)
+            n.name = unique_name(n.name or f"{n.op_type}_{len(out)}", used)
         seen.add(n.name)
         f = functions.get((n.domain, n.op_type, n.overload))
         if f is None:

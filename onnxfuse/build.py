@@ -93,7 +93,9 @@ def source_dir() -> Path:
 
 
 def _sources(src: Path) -> list[Path]:
-    return sorted(p for p in src.iterdir() if p.suffix in (".cc", ".h") and p.is_file())
+    """Every .cc and .h under `src`: the shared files and csrc/kinds/ (one per kind and
+    execution provider)."""
+    return sorted(p for p in src.rglob("*") if p.suffix in (".cc", ".h") and p.is_file())
 
 
 # ---------------------------------------------------------------------------------------
@@ -430,8 +432,9 @@ def _compiler_id(cxx: str) -> str:
 
 
 def _hash_sources(h) -> None:
-    for p in _sources(source_dir()):
-        h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    src = source_dir()
+    for p in _sources(src):
+        h.update(p.relative_to(src).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
     h.update(" ".join(CXXFLAGS + LDFLAGS + VECTOR_MATH).encode() + VERSION_SCRIPT.encode())
 
 

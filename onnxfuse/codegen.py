@@ -28,6 +28,7 @@ from __future__ import annotations
 import keyword
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -104,6 +105,19 @@ class KernelSource:
     def attrs(self) -> dict[tuple[int, ...], list[list]]:
         """Triton's per-parameter attributes (divisibility hints)."""
         return {(i,): [["tt.divisibility", 16]] for i in self.divisible}
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What to compile for a PointwiseChain node: a program, its kernel name and the shape
+    facts codegen needs."""
+
+    kind: ClassVar[str] = "pointwise"
+    program: Program
+    name: str
+    rank: int
+    input_modes: tuple[str, ...]
+    source_nodes: tuple[str, ...] = ()
 
 
 def param_names(n_inputs: int, n_outputs: int, rank: int, input_modes: tuple[str, ...]) -> list[str]:

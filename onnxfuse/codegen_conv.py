@@ -77,6 +77,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
@@ -228,6 +229,7 @@ class PoolVariant:
 class ConvSpec:
     """What a FusedConv kernel computes: channels, layer parameters, dtype, epilogue."""
 
+    kind: ClassVar[str] = "conv"
     name: str
     program: Program  # %0: conv output incl. bias; %1...: the extras; one output
     channels: int  # C
@@ -270,6 +272,7 @@ class ConvSpec:
 class MaxPoolSpec:
     """What a FusedMaxPool kernel computes: the prologue program, the pool, the layouts."""
 
+    kind: ClassVar[str] = "maxpool"
     name: str
     program: Program  # %0: X; %1...: the extras; one output
     pool: PoolAttrs

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 from onnxfuse.codegen import (
     _MIRROR,
@@ -79,6 +80,7 @@ MAX_SINGLE_PASS = 8192
 class RowsSpec:
     """What a FusedRows kernel computes (docs/format.md, FusedRows)."""
 
+    kind: ClassVar[str] = "rows"  # the Kind whose kernel it is (onnxfuse.kinds.rows)
     name: str
     reduction: str
     prologue: Program  # the node's first inputs -> x (one output)
@@ -119,8 +121,10 @@ class RowsVariant:
 
     cols: the kernel was compiled for rows of exactly this many columns (0: any, given at
     run time); looped: the row is walked in chunks of BLOCK_N (else BLOCK_N >= N, and
-    without `cols` the variant requires N <= BLOCK_N: max_cols); aligned: the pointers are
-    16-byte aligned (hinted to the compiler, checked by the launcher)."""
+    without `cols` the variant takes N <= BLOCK_N: max_cols); aligned: the pointers are
+    16-byte aligned (hinted to the compiler; `requires` ptr_align). `cols` and `max_cols` are
+    the rows launcher's own keys beside the block sizes (docs/format.md, kind rows), not
+    `requires` entries, which the shared driver checks."""
 
     index: int = 0
     block_m: int = 1
@@ -131,17 +135,17 @@ class RowsVariant:
     aligned: bool = False
 
     def requires(self) -> dict[str, int]:
-        req: dict[str, int] = {}
-        if self.cols:
-            req["cols"] = self.cols
-        elif not self.looped:
-            req["max_cols"] = self.block_n
-        if self.aligned:
-            req["ptr_align"] = 16
-        return req
+        return {"ptr_align": 16} if self.aligned else {}
+
+    @property
+    def max_cols(self) -> int:
+        """The longest row the variant takes (0: any): a single-pass kernel's BLOCK_N."""
+        return self.cols or (0 if self.looped else self.block_n)
 
     def meta(self) -> dict[str, int]:
-        return {"block_m": self.block_m, "block_n": self.block_n, "looped": int(self.looped)}
+        """Its kernel_meta entry besides `requires`: the tile and the row lengths it takes."""
+        return {"block_m": self.block_m, "block_n": self.block_n, "looped": int(self.looped), "cols": self.cols,
+                "max_cols": self.max_cols}
 
     def grid(self, n_rows: int) -> tuple[int, int]:
         """The launch grid for `n_rows` rows, as the C++ launcher computes it."""

@@ -9,8 +9,9 @@ from onnx import numpy_helper
 
 from onnxfuse import compile as aot
 from onnxfuse import rounding
-from onnxfuse.codegen_conv import ConvSpec, prerounds_weights, round_array_to_tf32
+from onnxfuse.codegen_conv import round_array_to_tf32
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.kinds import KINDS
 from onnxfuse.layout import apply_layouts
 from onnxfuse.rewrite import unfuse
 from onnxfuse.specs import kernel_spec
@@ -25,12 +26,11 @@ def _plan_rounding(model, fused: list, specs: list, conv_precision: str, weight_
     round their activations store Y rounded, and those that read only such tensors skip their
     own rounding. Renames their kernels: returns the FusedNode values and specs, changed
     where they were."""
-    convs = [(f, s) for f, s in zip(fused, specs, strict=True) if isinstance(s, ConvSpec)]
+    pairs = list(zip(fused, specs, strict=True))
     # the shipped kernels (weights rounded when packed, activations in the kernel); the
     # benchmarks' other modes of codegen_conv._ROUND_TF32 keep their kernels as they are
-    rounds = {f.node_name for f, s in convs if prerounds_weights(s)}
-    may_store = {f.node_name for f, s in convs if s.dtype == "f32" and s.precision == "tf32"
-                 and s.program.outputs[0][1] == "f32"}
+    rounds = {f.node_name for f, s in pairs if KINDS[f.kind].reads_tf32(s)}
+    may_store = {f.node_name for f, s in pairs if KINDS[f.kind].may_store_tf32(s)}
     if not rounds and not any(f.x_rounded or f.round_y for f in fused):
         return fused, specs
     new = rounding.apply(model, fused, rounding.plan(model, rounds, may_store))
@@ -77,9 +77,10 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     run time. It is listed under "failed" (node, kernel, targets, error, nodes); the
     caller updates its report.
 
-    With decline_slow_convs, conv nodes the heuristic of `onnxfuse.compile.conv_decline_reason`
-    expects to be slower than cuDNN are unfused too, listed under "declined" with the reason:
-    grouped convs with wide groups, and on layout "nchw" deep convs. With layout "nhwc" the
+    With decline_slow_convs, nodes that their kind's heuristic expects to be slower than
+    ONNX Runtime (`onnxfuse.kinds.base.Kind.decline_reason`; for convs, cuDNN:
+    `onnxfuse.kinds.conv.conv_decline_reason`) are unfused too, listed under "declined"
+    with the reason: grouped convs with wide groups, and on layout "nchw" deep convs. With layout "nhwc" the
     NHWC pass (`onnxfuse.layout`) runs next (its channels-last kernels were as fast as
     cuDNN's channels-last convs or faster on every layer measured, BENCHMARKS.md), at
     conv_precision (with ieee or tf32x3 it keeps GlobalAveragePools, whose channels-last
@@ -93,9 +94,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     if decline_slow_convs:
         keep = []
         for f in fused:
-            reason = None
-            if f.kind == "conv":
-                reason = aot.conv_decline_reason(kernel_spec(model, f, conv_precision, weight_dims), layout)
+            reason = KINDS[f.kind].decline_reason(kernel_spec(model, f, conv_precision, weight_dims), layout)
             if reason:
                 unfuse(model, f)
                 declined.append({"node": f.node_name, "kernel": f.kernel_name, "nodes": len(f.source_nodes),
@@ -134,8 +133,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     rounded: set[str] = set()
     for f, spec, ck in zip(fused, specs, results, strict=True):
         aot.attach(nodes[f.node_name], ck)
-        if isinstance(spec, aot.ConvSpec) and prerounds_weights(spec):
-            rounded.add(f.inputs[1])
+        rounded.update(KINDS[f.kind].tf32_initializers(f, spec))
     _round_weights(model, rounded)
     seconds = sum(c.compile_seconds for c in compiled)
     hits = sum(c.cache_hits for c in compiled)

@@ -34,7 +34,8 @@ channels-last X a row of contiguous channels at a time):
   GlobalAveragePool, not layout-free: its input's component stays NCHW (the conv that
   writes it writes NCHW), and its [N, C, 1, 1] result enters the channels-last convs after
   it through a Reshape to [N, 1, 1, C], which copies nothing.
-- A group-1 conv whose X is still NCHW and has at least MIN_NHWC_CHANNELS channels reads it through
+- A group-1 conv whose X is still NCHW and has at least MIN_NHWC_CHANNELS channels
+  (`onnxfuse.kinds.conv`, `Kind.transposes_x`) reads it through
   one `Transpose(perm=[0, 2, 3, 1])` put before its first reader (shared by all such
   readers); narrower inputs (an image) stay NCHW for the flat-reduction kernel.
 - Every conv of the pass gets `w_layout` KRSC: its packed weights are repacked.
@@ -60,6 +61,8 @@ import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.graph import _outer_refs
+from onnxfuse.kinds import KINDS, kind_of
+from onnxfuse.kinds.base import NodeLayouts
 from onnxfuse.rewrite import _all_names, swap_functions
 
 TO_NCHW = [0, 3, 1, 2]
@@ -70,13 +73,6 @@ UNPACK = {"rsck": [3, 2, 0, 1], "krsc": [0, 3, 1, 2]}  # packed weights -> ONNX'
 BODY_TRANSPOSE_PREFIX = "onnxfuse_layout_"
 
 
-# A conv whose X arrives NCHW (a graph input, or any other node's output) reads it through a
-# Transpose to channels-last when X has at least this many channels: the NHWC kernel with
-# [K, R, S, C] weights (sm_90 TF32 wgmma) is 1.8x faster than the NCHW one on 64 channels
-# at 112² (0.166 vs 0.303 ms) while the Transpose is one read and one write of X; with 3
-# channels (an image) the NCHW kernel is 2.8x faster (0.364 vs 1.017 ms). H200,
-# benchmarks/conv_kernels.py, BENCHMARKS.md.
-MIN_NHWC_CHANNELS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +128,8 @@ def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw, matmul
         d = const_dims(t)
         return d is not None and len(d) <= 4 and int(np.prod(d)) == 1
 
-    if (n.domain == "onnxfuse" and n.op_type == "PointwiseChain"
+    kind = kind_of(n)
+    if (kind is not None and kind.layout_free
             or n.domain in ("", "ai.onnx") and n.op_type in ELEMENTWISE):
         return [k for k, t in enumerate(n.input) if t and not scalar(t)] or None
     if n.domain not in ("", "ai.onnx"):
@@ -176,11 +173,15 @@ def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | 
     fused convs' (`--conv-precision`): GlobalAveragePools become MatMuls only under
     MATMUL_POOL_PRECISIONS."""
     g = model.graph
-    convs = {f.node_name: f for f in fused if f.kind == "conv" and f.conv is not None}
+    # the fused nodes that take layouts (their kinds' NodeLayouts): "convs" turn X, Y and
+    # each extra channels-last on their own, "pools" X and Y together (y_follows_x)
+    laid = {f.node_name: (f, KINDS[f.kind].layouts) for f in fused if KINDS[f.kind].layouts is not None}
+    convs = {name: f for name, (f, how) in laid.items() if not how.y_follows_x}
+    pools = {name: f for name, (f, how) in laid.items() if how.y_follows_x}
+    how_of = {name: how for name, (_, how) in laid.items()}
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
     # Nodes by index: only the fused nodes' names are known to be unique.
     conv_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in convs}
-    pools = {f.node_name: f for f in fused if f.kind == "maxpool"}
     pool_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in pools}
     readers: dict[str, list[tuple[int, int]]] = {}
     producer: dict[str, int] = {}
@@ -231,7 +232,8 @@ def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | 
 
     def reader_ok(u: int, k: int) -> bool:
         if u in conv_at:
-            return k == 0 or k >= 3
+            extras = how_of[conv_at[u]].extras
+            return k == 0 or (extras is not None and k >= extras)
         if u in pool_at:
             return k == 0
         if u in free:
@@ -243,7 +245,7 @@ def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | 
         return ((p in conv_at and convs[conv_at[p]].outputs[0] == t) or p in joins or p in free
                 or (p in pool_at and pools[pool_at[p]].outputs[0] == t))
 
-    layouts = {name: ["nchw", "nchw", [0] * (len(f.inputs) - 3)] for name, f in convs.items()}
+    layouts = {name: ["nchw", "nchw", [0] * _n_extras(f, how_of[name])] for name, f in convs.items()}
     nhwc: set[str] = set()
     transparent: set[int] = set()
     nhwc_pools: set[str] = set()
@@ -252,7 +254,7 @@ def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | 
             continue
         if not all(reader_ok(u, k) for t in comp for u, k in readers.get(t, [])):
             continue
-        if not any(u in conv_at for t in comp for u, _ in readers.get(t, [])):
+        if not any(u in conv_at and how_of[conv_at[u]].wants_nhwc for t in comp for u, _ in readers.get(t, [])):
             continue  # nothing channels-last reads it
         nhwc.update(comp)
         for t in comp:
@@ -269,27 +271,27 @@ def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | 
                 if k == 0:
                     layouts[conv_at[u]][0] = "nhwc"
                 else:
-                    layouts[conv_at[u]][2][k - 3] = 1
+                    layouts[conv_at[u]][2][k - how_of[conv_at[u]].extras] = 1
     boundaries: dict[str, list[str]] = {}
     for name, f in convs.items():
-        # grouped convs read NCHW X as it is: they are memory-bound, a Transpose would double
-        # their traffic, and their direct kernel has no wgmma operand layout to satisfy
-        if layouts[name][0] == "nchw" and f.conv.group == 1 and channels(f, weight_dims) >= MIN_NHWC_CHANNELS:
+        # a conv reads an NCHW X through a Transpose where its kind says so (group-1 convs
+        # of at least MIN_NHWC_CHANNELS channels, onnxfuse.kinds.conv)
+        if layouts[name][0] == "nchw" and KINDS[f.kind].transposes_x(f, weight_dims):
             layouts[name][0] = "nhwc"
             boundaries.setdefault(f.inputs[0], []).append(name)
     # every conv of the pass takes [K, R, S, C] weights: the channels-last kernels need them
     # for wgmma, and the flat kernel of narrow NCHW inputs was fastest with them too
-    nodes = {name: (x, y, tuple(e), "krsc") for name, (x, y, e) in layouts.items()}
+    nodes = {name: (x, y, tuple(e), "krsc" if how_of[name].weights is not None else convs[name].w_layout)
+             for name, (x, y, e) in layouts.items()}
     changed = {name: v for name, v in nodes.items()
                if (v[0], v[1]) != ("nchw", "nchw") or any(v[2]) or v[3] != convs[name].w_layout}
     changed.update({name: ("nhwc", "nhwc", (), pools[name].w_layout) for name in sorted(nhwc_pools)})
     return Plan(changed, boundaries, frozenset(nhwc), frozenset(transparent))
 
 
-def channels(f, weight_dims: dict[str, tuple[int, ...]]) -> int:
-    """C of a FusedConv, from its packed weights ([R, S, C/group, K] or [K, R, S, C/group])."""
-    dims = weight_dims[f.inputs[1]]
-    return int(dims[2] if f.w_layout == "rsck" else dims[3]) * f.conv.group
+def _n_extras(f, how: NodeLayouts) -> int:
+    """The number of a laid-out node's extra inputs (each with its own layout)."""
+    return len(f.inputs) - how.extras if how.extras is not None else 0
 
 
 def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, conv_precision: str = "tf32") -> list:
@@ -327,8 +329,9 @@ def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, c
         name = f.kernel_name + suffix
         old = functions[(node.domain, node.op_type, node.overload)]
         renamed.add((node.domain, node.op_type, node.overload))
+        how = KINDS[f.kind].layouts
         if name not in new_functions:
-            new_functions[name] = _layout_function(old, name, x, y, extras, w if f.kind == "conv" else None)
+            new_functions[name] = _layout_function(old, name, x, y, extras, how, w)
         for attr in [a for a in node.attribute if a.name in ("x_layout", "y_layout", "extra_layouts", "w_layout")]:
             node.attribute.remove(attr)
         node.attribute.append(helper.make_attribute("x_layout", x.upper()))
@@ -338,7 +341,7 @@ def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, c
         if w != "rsck":
             node.attribute.append(helper.make_attribute("w_layout", w.upper()))
         if w != f.w_layout:
-            _repack(initializers[f.inputs[1]], f.w_layout, w)
+            _repack(initializers[f.inputs[how.weights]], f.w_layout, w)
         node.overload = name
         inputs = f.inputs
         if f.node_name in nhwc_copy:
@@ -435,14 +438,14 @@ def _repack(t: onnx.TensorProto, src: str, dst: str) -> None:
 
 
 def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: tuple[int, ...],
-                     w: str | None = "rsck") -> FunctionProto:
-    """The function of a FusedConv (or, with w None, a FusedMaxPool: no weights, no NHWC
-    extras) with layouts: the NCHW body between Transposes; with [K, R, S, C] weights its
-    unpacking Transpose has perm [0, 3, 1, 2]."""
+                     how: NodeLayouts, w: str = "rsck") -> FunctionProto:
+    """The function of a laid-out node (`how`: its kind's NodeLayouts) with layouts: the
+    NCHW body between Transposes; with [K, R, S, C] weights (a FusedConv's) its unpacking
+    Transpose has perm [0, 3, 1, 2]."""
     f = FunctionProto()
     f.CopyFrom(old)
     f.overload = overload
-    nhwc_inputs = ([f.input[0]] if x == "nhwc" else []) + [f.input[3 + i] for i, e in enumerate(extras) if e]
+    nhwc_inputs = ([f.input[0]] if x == "nhwc" else []) + [f.input[how.extras + i] for i, e in enumerate(extras) if e]
     rename = {name: f"{name}_nchw" for name in nhwc_inputs}
     body: list[NodeProto] = [helper.make_node("Transpose", [name], [rename[name]], perm=TO_NCHW,
                                               name=f"{BODY_TRANSPOSE_PREFIX}to_nchw_{name}") for name in nhwc_inputs]
@@ -457,7 +460,7 @@ def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: 
             for k, name in enumerate(m.output):
                 if name == y0:
                     m.output[k] = f"{y0}_nchw"
-        if w is not None and m.op_type == "Transpose" and m.input[0] == f.input[1]:  # the weights' unpacking
+        if how.weights is not None and m.op_type == "Transpose" and m.input[0] == f.input[how.weights]:  # unpacking
             del m.attribute[:]
             m.attribute.append(helper.make_attribute("perm", UNPACK[w]))
         body.append(m)
@@ -468,7 +471,7 @@ def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: 
     f.node.extend(body)
     f.doc_string = (old.doc_string + f"; X {x.upper()}, Y {y.upper()}"
                     + (f", extras {list(extras)}" if any(extras) else "")
-                    + (f", W {w.upper()}" if w not in ("rsck", None) else ""))
+                    + (f", W {w.upper()}" if how.weights is not None and w != "rsck" else ""))
     return f
 
 

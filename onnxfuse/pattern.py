@@ -1,18 +1,15 @@
 """Declarative fusion patterns: one YAML file each, validated when loaded.
 
-A pattern file has three parts:
+A pattern file names a fusion kind (onnxfuse/kinds/) and that kind's parameters:
 
     name: pointwise_chain              # unique; becomes part of kernel names
     description: one line for `onnxfuse patterns`
     priority: 100                      # lower runs first; a node joins at most one match
-    match:                             # read by the matcher (onnxfuse.match) only
-      kind: elementwise_group          # the matching strategy
+    kind: pointwise                    # the fusion kind: its matcher, node and kernel
+    match:                             # the kind's parameters
       ops: [Add, Mul, Sigmoid, ...]    # op types that may join a group
       dtypes: [float32, float16, bfloat16]
       min_nodes: 2
-    replace:                           # read by the rewriter and code generator only
-      op_type: PointwiseChain          # custom op in domain onnxfuse
-      kernel: pointwise                # code generator, looked up by name
     example:                           # a tiny graph the tests build and optimize
       inputs: {x: [float32, [2, 3]]}
       nodes:
@@ -21,18 +18,22 @@ A pattern file has three parts:
       outputs: [y]
       expect: {PointwiseChain: 1}
 
-Match kinds and their fields (besides `kind`):
-- elementwise_group: ops, dtypes, min_nodes (default 2)
-- conv_epilogue: ops, dtypes, group (1 or "any"), pool ("none": no MaxPool after the
-  epilogue; "tiling": a MaxPool whose windows tile its input must follow), alone (default
-  false; true: a Conv with no fusible epilogue matches too, its program the identity). A
-  2-D Conv and the pointwise ops after it (kernel conv, docs/format.md "FusedConv").
-- pool_prologue: ops, dtypes, min_nodes (default 1; 0: a MaxPool alone matches too).
-  Pointwise ops and the 2-D MaxPool they feed (kernel maxpool, "FusedMaxPool").
-- row_reduction: reductions (layer_norm, rms_norm, softmax, log_softmax), ops, dtypes,
-  min_nodes (default 1: pointwise nodes that join besides the reduction's own). A LayerNorm,
-  RMSNorm or softmax over the last dims with the pointwise ops before and after it (kernel
-  rows, "FusedRows"; onnxfuse/rows.py).
+The kind owns its op type and its kernel (PointwiseChain, FusedConv, FusedMaxPool). Kinds
+and their parameters besides ops and dtypes:
+- pointwise: min_nodes (default 2). Connected, convex groups of elementwise nodes.
+- conv: group (1 or "any"), pool ("none": no MaxPool after the epilogue; "tiling": a
+  MaxPool whose windows tile its input must follow), alone (default false; true: a Conv
+  with no fusible epilogue matches too, its program the identity). A 2-D Conv and the
+  pointwise ops after it (docs/format.md "FusedConv").
+- maxpool: min_nodes (default 1; 0: a MaxPool alone matches too). Pointwise ops and the
+  2-D MaxPool they feed ("FusedMaxPool").
+- rows: reductions (layer_norm, rms_norm, softmax, log_softmax), min_nodes (default 1). A
+  normalization or softmax over the trailing dims with the pointwise ops before and after
+  it ("FusedRows").
+
+Older files name the kind inside `match` by its matching strategy (`kind:
+elementwise_group`, `conv_epilogue` or `pool_prologue`) and carry a `replace` part
+(`op_type`, `kernel`); they load as before, and `replace` must say what the kind writes.
 
 An example may declare constant weights: `initializers: {w: [float32, [4, 3, 3, 3]]}` is
 seeded random (scaled by 1/sqrt of its fan-in), `{b: [float32, [4], 0.5]}` all 0.5,
@@ -42,15 +43,14 @@ dims may be names (symbolic, e.g. N).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
-from onnxfuse.codegen_rows import REDUCTIONS
 from onnxfuse.errors import PatternError
 from onnxfuse.files import record_read
+from onnxfuse.kinds import KINDS
+from onnxfuse.kinds.base import Example, Fields, Kind, Params, Pattern
 from onnxfuse.ops import ELEMENTWISE_OPS
 
 
@@ -66,114 +66,7 @@ def _builtin_dir() -> Path:
 
 
 BUILTIN_DIR = _builtin_dir()
-MATCH_KINDS = ("elementwise_group", "conv_epilogue", "pool_prologue", "row_reduction")
-KERNELS = ("pointwise", "conv", "maxpool", "rows")
-KERNEL_OF_KIND = {"elementwise_group": "pointwise", "conv_epilogue": "conv", "pool_prologue": "maxpool",
-                  "row_reduction": "rows"}
 DTYPES = ("float32", "float16", "bfloat16")
-POOL_MODES = ("none", "tiling")
-
-
-@dataclass(frozen=True)
-class ElementwiseGroupMatch:
-    """Match connected groups of elementwise nodes."""
-
-    ops: frozenset[str]
-    dtypes: frozenset[str]
-    min_nodes: int
-
-    @property
-    def fused_ops(self) -> frozenset[str]:
-        """Every op type a match may contain."""
-        return self.ops
-
-
-@dataclass(frozen=True)
-class ConvEpilogueMatch:
-    """Match a 2-D Conv, the largest pointwise group after it with one result, and (pool
-    "tiling") the MaxPool that reads that result when its windows tile the conv output."""
-
-    ops: frozenset[str]  # op types allowed in the epilogue
-    dtypes: frozenset[str]
-    group: int | None  # the only Conv group fused; None: any
-    pool: str  # one of POOL_MODES
-    alone: bool = False  # a Conv without an epilogue matches too (identity program)
-
-    @property
-    def fused_ops(self) -> frozenset[str]:
-        return self.ops | {"Conv"} | ({"MaxPool"} if self.pool != "none" else set())
-
-
-@dataclass(frozen=True)
-class PoolPrologueMatch:
-    """Match a 2-D MaxPool and the pointwise group whose one result it reads."""
-
-    ops: frozenset[str]  # op types allowed in the prologue
-    dtypes: frozenset[str]
-    min_nodes: int
-
-    @property
-    def fused_ops(self) -> frozenset[str]:
-        return self.ops | {"MaxPool"}
-
-
-# --- kind rows (issue 17): the match part of row_reduction patterns; onnxfuse/rows.py matches them
-# The ONNX ops each reduction is recognized from (the decomposed forms start at ReduceMean).
-REDUCTION_ANCHORS = {
-    "layer_norm": frozenset({"ReduceMean", "LayerNormalization"}),
-    "rms_norm": frozenset({"ReduceMean", "SimplifiedLayerNormalization", "RMSNormalization"}),
-    "softmax": frozenset({"Softmax"}),
-    "log_softmax": frozenset({"LogSoftmax"}),
-}
-
-
-@dataclass(frozen=True)
-class RowReductionMatch:
-    """Match a normalization or softmax over the last dims (`reductions`), the pointwise
-    group before it (the prologue: what computes its input) and after it (the epilogue)."""
-
-    reductions: frozenset[str]
-    ops: frozenset[str]  # op types allowed in the prologue and the epilogue
-    dtypes: frozenset[str]
-    min_nodes: int = 1  # prologue and epilogue nodes besides the reduction's own, at least
-
-    @property
-    def anchors(self) -> frozenset[str]:
-        return frozenset().union(*(REDUCTION_ANCHORS[r] for r in self.reductions))
-
-    @property
-    def fused_ops(self) -> frozenset[str]:
-        return self.ops | self.anchors
-
-
-MatchSpec = ElementwiseGroupMatch | ConvEpilogueMatch | PoolPrologueMatch | RowReductionMatch
-
-
-@dataclass(frozen=True)
-class Replacement:
-    op_type: str
-    kernel: str
-
-
-@dataclass(frozen=True)
-class Example:
-    inputs: dict[str, tuple[str, tuple[int | str, ...]]]
-    nodes: tuple[tuple[str, tuple[Any, ...], tuple[str, ...], dict], ...]
-    outputs: tuple[str, ...]
-    expect: dict[str, int]
-    # name -> (dtype, dims, fill value or None for seeded random numbers)
-    initializers: dict[str, tuple[str, tuple[int, ...], float | None]] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class Pattern:
-    name: str
-    description: str
-    priority: int
-    match: MatchSpec
-    replace: Replacement
-    example: Example | None
-    source: str  # the file it came from
 
 
 def load_patterns(extra_dirs: list[str | Path] | tuple = ()) -> list[Pattern]:
@@ -195,40 +88,6 @@ def load_patterns(extra_dirs: list[str | Path] | tuple = ()) -> list[Pattern]:
     return sorted(patterns.values(), key=lambda p: (p.priority, p.name))
 
 
-class _Fields:
-    """Typed access to a mapping that reports errors as `file: field: problem`."""
-
-    def __init__(self, data: Any, path: Path, prefix: str = ""):
-        self.path, self.prefix = path, prefix
-        if not isinstance(data, dict):
-            self.fail(prefix.rstrip(".") or "(top level)", "must be a mapping")
-        self.data = data
-
-    def fail(self, field: str, problem: str):
-        raise PatternError(f"{self.path}: {field}: {problem}")
-
-    def get(self, key: str, typ: type | tuple, default: Any = ..., ) -> Any:
-        field = self.prefix + key
-        if key not in self.data:
-            if default is ...:
-                self.fail(field, "is required")
-            return default
-        value = self.data[key]
-        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-            names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
-            self.fail(field, f"must be {names}, got {type(value).__name__}")
-        return value
-
-    def sub(self, key: str, default: Any = ...) -> _Fields | None:
-        value = self.get(key, dict, default)
-        return None if value is None else _Fields(value, self.path, self.prefix + key + ".")
-
-    def no_extra(self, allowed: set[str]) -> None:
-        for k in self.data:
-            if k not in allowed:
-                self.fail(self.prefix + str(k), f"unknown field (allowed: {', '.join(sorted(allowed))})")
-
-
 def load_pattern_file(path: str | Path) -> Pattern:
     path = Path(path)
     record_read(path)
@@ -242,8 +101,8 @@ def load_pattern_file(path: str | Path) -> Pattern:
         raise PatternError(f"{path}: cannot read ({e.strerror})") from None
     except UnicodeDecodeError as e:
         raise PatternError(f"{path}: (file): not UTF-8 text (byte {e.start})") from None
-    top = _Fields(data, path)
-    top.no_extra({"name", "description", "priority", "match", "replace", "example"})
+    top = Fields(data, path)
+    top.no_extra({"name", "description", "priority", "kind", "match", "replace", "example"})
     name = top.get("name", str)
     if not name.isidentifier():
         top.fail("name", f"{name!r} must be an identifier (letters, digits, _)")
@@ -251,41 +110,42 @@ def load_pattern_file(path: str | Path) -> Pattern:
     priority = top.get("priority", int, 100)
 
     m = top.sub("match")
-    kind = m.get("kind", str)
-    if kind not in MATCH_KINDS:
-        m.fail("match.kind", f"unknown kind {kind!r} (known: {', '.join(MATCH_KINDS)})")
+    kind = _load_kind(top, m)
     match = _load_match(m, kind)
-
-    r = top.sub("replace")
-    r.no_extra({"op_type", "kernel"})
-    op_type = r.get("op_type", str)
-    kernel = r.get("kernel", str)
-    if kernel not in KERNELS:
-        r.fail("replace.kernel", f"unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
-    if kernel != KERNEL_OF_KIND[kind]:
-        r.fail("replace.kernel", f"kernel {kernel!r} does not run matches of kind {kind} "
-                                 f"(use {KERNEL_OF_KIND[kind]})")
+    _check_replace(top.sub("replace", None), kind)
 
     example = _load_example(top.sub("example", None), path)
     return Pattern(
         name=name, description=description, priority=priority,
-        match=match,
-        replace=Replacement(op_type=op_type, kernel=kernel),
+        kind=kind, match=match,
         example=example, source=str(path),
     )
 
 
-_KIND_FIELDS = {
-    "elementwise_group": {"kind", "ops", "dtypes", "min_nodes"},
-    "conv_epilogue": {"kind", "ops", "dtypes", "group", "pool", "alone"},
-    "pool_prologue": {"kind", "ops", "dtypes", "min_nodes"},
-    "row_reduction": {"kind", "reductions", "ops", "dtypes", "min_nodes"},
-}
+def _load_kind(top: Fields, m: Fields) -> Kind:
+    """The pattern's kind: top-level `kind`, or in older files `match.kind` (a kind's
+    `match_kind`, or its name)."""
+    known = ", ".join(KINDS)
+    if "kind" in top.data:
+        name = top.get("kind", str)
+        if name not in KINDS:
+            top.fail("kind", f"unknown kind {name!r} (known: {known})")
+        if "kind" in m.data:
+            m.fail("match.kind", "the pattern's kind is given once, at the top level")
+        return KINDS[name]
+    if "kind" not in m.data:
+        top.fail("kind", f"is required (one of {known})")
+    name = m.get("kind", str)
+    kind = next((k for k in KINDS.values() if name in (k.match_kind, k.name)), None)
+    if kind is None:
+        m.fail("match.kind", f"unknown kind {name!r} (known: {known}; in older files: "
+                             f"{', '.join(k.match_kind for k in KINDS.values())})")
+    return kind
 
 
-def _load_match(m: _Fields, kind: str) -> MatchSpec:
-    """The `match` part of a pattern file, validated for its kind."""
-    m.no_extra(_KIND_FIELDS[kind])
+def _load_match(m: Fields, kind: Kind) -> Params:
+    """The `match` part of a pattern file: ops and dtypes, then the kind's parameters."""
+    m.no_extra({"ops", "dtypes", *kind.params} | ({"kind"} if "kind" in m.data else set()))
     ops = m.get("ops", list)
     for op in ops:
         if op not in ELEMENTWISE_OPS:
@@ -294,42 +154,27 @@ def _load_match(m: _Fields, kind: str) -> MatchSpec:
     for dt in dtypes:
         if dt not in DTYPES:
             m.fail("match.dtypes", f"{dt!r} is not one of {', '.join(DTYPES)}")
-    if kind == "conv_epilogue":
-        group = m.get("group", (int, str), 1)
-        if group != "any" and (not isinstance(group, int) or isinstance(group, bool) or group < 1):
-            m.fail("match.group", f"{group!r} must be a positive number or 'any'")
-        pool = m.get("pool", str, "none")
-        if pool not in POOL_MODES:
-            m.fail("match.pool", f"{pool!r} is not one of {', '.join(POOL_MODES)}")
-        for dt in dtypes:
-            if dt not in ("float32", "float16"):
-                m.fail("match.dtypes", f"{dt!r}: convolutions are fused for float32 and float16 only")
-        alone = m.get("alone", bool, False)
-        return ConvEpilogueMatch(frozenset(ops), frozenset(dtypes), None if group == "any" else group, pool, alone)
-    if kind == "row_reduction":  # kind rows (issue 17)
-        reductions = m.get("reductions", list)
-        if not reductions:
-            m.fail("match.reductions", "must name at least one reduction")
-        for r in reductions:
-            if r not in REDUCTIONS:
-                m.fail("match.reductions", f"{r!r} is not one of {', '.join(REDUCTIONS)}")
-        min_nodes = m.get("min_nodes", int, 1)
-        if min_nodes < 0:
-            m.fail("match.min_nodes", "must be at least 0")
-        return RowReductionMatch(frozenset(reductions), frozenset(ops), frozenset(dtypes), min_nodes)
-    default_min = 2 if kind == "elementwise_group" else 1
-    min_nodes = m.get("min_nodes", int, default_min)
-    if min_nodes < (0 if kind == "pool_prologue" else 1):
-        m.fail("match.min_nodes", "must be at least 1" if kind != "pool_prologue" else "must be at least 0")
-    if kind == "pool_prologue":
-        for dt in dtypes:
-            if dt not in ("float32", "float16"):
-                m.fail("match.dtypes", f"{dt!r}: max pools are fused for float32 and float16 only")
-        return PoolPrologueMatch(frozenset(ops), frozenset(dtypes), min_nodes)
-    return ElementwiseGroupMatch(frozenset(ops), frozenset(dtypes), min_nodes)
+    return kind.parse(m, frozenset(ops), frozenset(dtypes))
 
 
-def _load_example(e: _Fields | None, path: Path) -> Example | None:
+def _check_replace(r: Fields | None, kind: Kind) -> None:
+    """An older file's `replace` part: it must name what the kind writes (the kind owns its
+    op type and its kernel)."""
+    if r is None:
+        return
+    r.no_extra({"op_type", "kernel"})
+    op_type = r.get("op_type", str)
+    kernel = r.get("kernel", str)
+    if kernel not in KINDS:
+        r.fail("replace.kernel", f"unknown kernel {kernel!r} (known: {', '.join(KINDS)})")
+    if kernel != kind.name:
+        r.fail("replace.kernel", f"kernel {kernel!r} does not run matches of kind {kind.match_kind} "
+                                 f"(use {kind.name})")
+    if op_type != kind.op_type:
+        r.fail("replace.op_type", f"{op_type!r}: kind {kind.name} writes {kind.op_type} nodes")
+
+
+def _load_example(e: Fields | None, path: Path) -> Example | None:
     if e is None:
         return None
     e.no_extra({"inputs", "initializers", "nodes", "outputs", "expect"})

@@ -29,7 +29,6 @@ from onnxfuse.ort_fusions import ort_fusions
 from onnxfuse.outputs import Outputs
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.rewrite import DOMAIN, FusedNode, rewrite
-from onnxfuse.rows import match_rows
 from onnxfuse.static import fold_shape_arithmetic, resolve_dims
 from onnxfuse.text import abbreviate
 
@@ -53,7 +52,7 @@ class Report:
     patterns_applied: dict[str, int] = field(default_factory=dict)
     fused: list[FusionRecord] = field(default_factory=list)
     not_fused: dict[str, int] = field(default_factory=dict)  # reason -> nodes
-    notes: dict[str, int] = field(default_factory=dict)  # what else a fusion decided -> nodes (onnxfuse.rows)
+    notes: dict[str, int] = field(default_factory=dict)  # what else a fusion decided -> nodes (kinds/rows.py)
     folded_batchnorm: int = 0  # BatchNormalization nodes folded into the Conv before them
     # static input shapes given (--shape): the inputs' dims and the shape arithmetic folded
     # into constants (onnxfuse.static), in one line
@@ -327,8 +326,7 @@ def match_pass(result: Result, options: Options) -> Result:
         if by_ort is not None and (by_ort.missing_ort or by_ort.too_large):
             result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused "
                         "(--no-leave-to-ort says not to look)")
-        result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None,
-                                    row_matcher=match_rows)
+        result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None)
         result.report.notes = dict(result.found.notes)
         not_fused = dict(result.found.rejected)
         for reason, count in _not_visited(result.model, result.patterns).items():

@@ -51,6 +51,7 @@ import onnx
 from onnx import ModelProto, TensorProto
 
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.layers import ConvAttrs, PoolAttrs
 from onnxfuse.retype import Retype
 
 FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16})
@@ -377,6 +378,46 @@ FAST_OPS: list[Any] = _make_fast_ops()
 # BatchNormalization-9 took batch statistics whenever `momentum` was set: 0.22 on PP-OCR's
 # recognizer, where float32 is within 4e-6).
 SANITY = 0.1
+
+
+# ---------------------------------------------------------------------------------------
+# the layers of the fused nodes' contract (docs/format.md), in float64: the kinds' references
+# (`onnxfuse.kinds.base.Kind.evaluate`)
+# ---------------------------------------------------------------------------------------
+
+def conv2d(x: np.ndarray, w: np.ndarray, b: np.ndarray, conv: ConvAttrs) -> np.ndarray:
+    """ONNX Conv in float64: x [N, C, H, W], w [K, C/group, R, S], b [K]."""
+    n, c, h, wd = x.shape
+    k, cg, r, s = w.shape
+    (sh, sw), (pt, pl, pb, pr), (dh, dw), g = conv.strides, conv.pads, conv.dilations, conv.group
+    p, q = conv.out_size(h, wd)
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, pb), (pl, pr)))
+    w64 = w.astype(np.float64)
+    kg = k // g
+    out = np.zeros((n, k, p, q))
+    for i in range(r):
+        for j in range(s):
+            patch = xp[:, :, i * dh:i * dh + sh * (p - 1) + 1:sh, j * dw:j * dw + sw * (q - 1) + 1:sw]
+            for gi in range(g):
+                out[:, gi * kg:(gi + 1) * kg] += np.einsum(
+                    "ncpq,kc->nkpq", patch[:, gi * cg:(gi + 1) * cg], w64[gi * kg:(gi + 1) * kg, :, i, j])
+    return out + b.astype(np.float64)[None, :, None, None]
+
+
+def maxpool2d(x: np.ndarray, pool: PoolAttrs) -> np.ndarray:
+    """ONNX MaxPool: padding never wins; with ceil_mode the last window may be partial."""
+    n, c, h, w = x.shape
+    (kh, kw), (sh, sw), (pt, pl, pb, pr), (dh, dw) = pool.kernel, pool.strides, pool.pads, pool.dilations
+    oh, ow = pool.out_size(h, w)
+    need_h = (oh - 1) * sh + dh * (kh - 1) + 1
+    need_w = (ow - 1) * sw + dw * (kw - 1) + 1
+    xp = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (pt, max(pb, need_h - h - pt)), (pl, max(pr, need_w - w - pl))),
+                constant_values=-np.inf)
+    out = np.full((n, c, oh, ow), -np.inf)
+    for i in range(kh):
+        for j in range(kw):
+            out = np.maximum(out, xp[:, :, i * dh:i * dh + sh * (oh - 1) + 1:sh, j * dw:j * dw + sw * (ow - 1) + 1:sw])
+    return out.astype(x.dtype)
 
 
 def disagreement(ref64: dict[str, np.ndarray], run: dict[str, np.ndarray]) -> str | None:

@@ -1,14 +1,14 @@
 """Replace each match with one `onnxfuse` node whose function body is the original subgraph.
 
-Pointwise groups become PointwiseChain-like nodes; conv_epilogue matches FusedConv and
-pool_prologue matches FusedMaxPool nodes, laid out as docs/format.md says (packed weights,
-explicit pads, the epilogue / prologue as a one-output program, pool_* attributes)."""
+Each match's kind lowers it (`onnxfuse.kinds.base.Kind.lower`: its inputs, program and
+attributes as docs/format.md lays out the kind's node); this module writes the node, its
+function and its kernel name, and holds what the lowerings share (`lower_group`: pointwise
+nodes to a Program) and what undoes a fusion (`unfuse`)."""
 
 from __future__ import annotations
 
 import hashlib
 import heapq
-from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -17,44 +17,14 @@ from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Builder, Operand, Program, Ref, rewrite_tails
 from onnxfuse.graph import GraphView, _outer_refs, same_shape
-from onnxfuse.layers import ConvAttrs, PoolAttrs
+from onnxfuse.kinds.base import FusedNode, Match
 from onnxfuse.load import UNKNOWN_DIM, default_opset
-from onnxfuse.match import Match, literal_inputs, numel
+from onnxfuse.match import literal_inputs, numel
 from onnxfuse.ops import ELEM_TYPE, FLOAT_TYPES, RULES, node_attrs
-from onnxfuse.rows import RowsInfo, lower_rows  # kind rows (issue 17)
 
 DOMAIN = "onnxfuse"
 DOMAIN_VERSION = 1
 MIN_IR_VERSION = 10  # function overloads
-
-
-@dataclass(frozen=True)
-class FusedNode:
-    """One fused node, with what code generation needs to know about it."""
-
-    node_name: str
-    pattern: str
-    kernel_name: str  # also the function overload
-    program: Program
-    inputs: tuple[str, ...]  # the node's inputs (FusedConv: X, packed W, B, extras...)
-    outputs: tuple[str, ...]
-    rank: int  # 4 for conv and maxpool nodes
-    input_modes: tuple[str, ...]  # per program input (conv/maxpool: %0 is "full")
-    source_nodes: tuple[str, ...]  # "OpType name" of each replaced node
-    kind: str = "pointwise"  # "pointwise", "conv" or "maxpool": the kernel_meta kind
-    conv: ConvAttrs | None = None  # kind conv
-    pool: PoolAttrs | None = None  # kind maxpool, or conv with a fused MaxPool
-    # kind conv and maxpool: memory layouts of X and Y ("nchw" or "nhwc"); kind conv: per
-    # extra input 0 (as is) or 1 (NHWC); set by onnxfuse.layout (docs/format.md, Layouts)
-    x_layout: str = "nchw"
-    y_layout: str = "nchw"
-    extra_layouts: tuple[int, ...] = ()
-    w_layout: str = "rsck"  # packed weights [R, S, C/group, K], or [K, R, S, C/group] ("krsc")
-    # kind conv, float32 "tf32": X stored rounded to TF32 by its producers / Y stored rounded
-    # for its readers; set by onnxfuse.rounding
-    x_rounded: bool = False
-    round_y: bool = False
-    rows: RowsInfo | None = None  # kind rows: the prologue, reduction, axis (`program` is the epilogue)
 
 
 def _ir_dtype(view: GraphView, name: str) -> str:
@@ -75,15 +45,6 @@ def _round_trip_source(view: GraphView, members: set[int], n: NodeProto) -> str 
         return None
     widen = view.nodes[p]
     return widen.input[0] if widen.op_type == "Cast" and view.types.get(widen.input[0]) == to else None
-
-
-def build_program(view: GraphView, match: Match) -> tuple[Program, list[str], dict[str, float]]:
-    """Lower a match to a Program; returns it, the program's input tensors in order, and
-    the constant inputs that became literals (name -> value). For conv and maxpool
-    matches the program is the epilogue / prologue: %0 is `match.first_input`."""
-    if match.kind == "pointwise":
-        return lower_group(view, match.nodes, match.outputs)
-    return lower_group(view, match.pointwise, (match.result,), first=match.first_input)
 
 
 def lower_group(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...],
@@ -178,7 +139,7 @@ def _function_body(view: GraphView, nodes: list[NodeProto], inputs: list[str], o
     return body, [f"x{k}" for k in range(len(inputs))], [f"y{k}" for k in range(len(outputs))]
 
 
-def _input_mode(view: GraphView, name: str, out_shape) -> str:
+def input_mode(view: GraphView, name: str, out_shape) -> str:
     shape = view.shapes.get(name)
     if same_shape(shape, out_shape):
         return "full"
@@ -199,45 +160,29 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
     fused: list[FusedNode] = []
     replaced: dict[int, NodeProto | None] = {}
     for m in matches:
-        rows = lower_rows(view, m) if m.kind == "rows" else None  # kind rows (issue 17): onnxfuse/rows.py
-        if rows is not None:
-            program, prog_inputs, folded = rows.epilogue, list(rows.inputs), rows.folded
-        else:
-            program, prog_inputs, folded = build_program(view, m)
-        node_name = _unique(f"{m.pattern.name}_{view.nodes[m.nodes[0]].name or m.nodes[0]}", used_names)
-        if rows is not None:
-            layout = _Layout(prog_inputs, [view.nodes[i] for i in m.nodes], rows.attrs, rows.key)
-        elif m.kind == "pointwise":
-            layout = _Layout(prog_inputs, [view.nodes[i] for i in m.nodes], {}, "")
-        else:
-            layout = _layer_layout(view, m, prog_inputs, node_name, tensor_names, g)
-        body, fin, fout = _function_body(view, layout.body, layout.inputs, m.outputs, folded)
+        kind = m.pattern.kind
+        node_name = unique_name(f"{m.pattern.name}_{view.nodes[m.nodes[0]].name or m.nodes[0]}", used_names)
+        low = kind.lower(view, m, node_name, tensor_names, g)
+        program = low.program
+        body, fin, fout = _function_body(view, low.body, low.inputs, m.outputs, low.folded)
         digest = hashlib.sha256(program.to_text().encode())
         for n in body:
             digest.update(n.SerializeToString(deterministic=True))
-        digest.update(layout.key.encode())
+        digest.update(low.key.encode())
         kernel_name = f"onnxfuse_{m.pattern.name}_{digest.hexdigest()[:12]}"
         if kernel_name not in functions:
-            f = helper.make_function(DOMAIN, m.pattern.replace.op_type, fin, fout, body,
-                                     [helper.make_opsetid("", opset)])
+            f = helper.make_function(DOMAIN, kind.op_type, fin, fout, body, [helper.make_opsetid("", opset)])
             f.overload = kernel_name
             f.doc_string = f"onnxfuse pattern {m.pattern.name}: the original subgraph"
             functions[kernel_name] = f
-        node = helper.make_node(m.pattern.replace.op_type, layout.inputs, list(m.outputs), name=node_name,
-                                domain=DOMAIN, program=program.to_text(), **layout.attrs)
+        node = helper.make_node(kind.op_type, low.inputs, list(m.outputs), name=node_name,
+                                domain=DOMAIN, program=program.to_text(), **low.attrs)
         node.overload = kernel_name
-        if rows is not None:
-            rank, modes = rows.info.axis, rows.modes
-        else:
-            shape = view.shapes[m.outputs[0] if m.kind == "pointwise" else m.result]
-            rank = len(shape)
-            modes = tuple("full" if k == 0 and m.kind != "pointwise" else _input_mode(view, x, shape)
-                          for k, x in enumerate(prog_inputs))
         fused.append(FusedNode(
             node_name=node_name, pattern=m.pattern.name, kernel_name=kernel_name, program=program,
-            inputs=tuple(layout.inputs), outputs=m.outputs, rank=rank, input_modes=modes,
+            inputs=tuple(low.inputs), outputs=m.outputs, rank=low.rank, input_modes=low.input_modes,
             source_nodes=tuple(f"{view.nodes[i].op_type} {view.nodes[i].name}".rstrip() for i in m.nodes),
-            kind=m.kind, conv=m.conv_attrs, pool=m.pool_attrs, rows=rows.info if rows is not None else None,
+            kind=kind.name, **low.fields,
         ))
         for i in m.nodes:
             replaced[i] = None
@@ -260,49 +205,6 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
     return out, fused
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """How a match becomes a node: its inputs, the function body's nodes (original tensor
-    names), its attributes besides `program`, and what else names its kernel."""
-
-    inputs: list[str]
-    body: list[NodeProto]
-    attrs: dict
-    key: str
-
-
-def _layer_layout(view: GraphView, m: Match, prog_inputs: list[str], node_name: str, tensor_names: set[str],
-                  g: onnx.GraphProto) -> _Layout:
-    """FusedConv: [X, packed W, B, extras...] (new initializers for the packed weights and,
-    without a bias, zeros), body Transpose + Conv + epilogue + MaxPool. FusedMaxPool:
-    [X, extras...], body prologue + MaxPool. See docs/format.md."""
-    pool = [view.nodes[m.pool]] if m.pool is not None else []
-    pointwise = [view.nodes[i] for i in m.pointwise]
-    attrs = m.pool_attrs.node_attrs() if m.pool_attrs is not None else {}
-    if m.kind == "maxpool":
-        channels = view.shapes[m.first_input][1]
-        return _Layout(prog_inputs, pointwise + pool, attrs, f"maxpool C={channels} {m.pool_attrs}")
-    conv = view.nodes[m.conv]
-    x, w = conv.input[0], conv.input[1]
-    weights = numpy_helper.to_array(view.constants[w])
-    k, c = weights.shape[0], view.shapes[x][1]
-    packed = _unique(f"{node_name}.weight_packed", tensor_names)
-    g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weights.transpose(2, 3, 1, 0)), packed))
-    bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else ""
-    if not bias:
-        bias = _unique(f"{node_name}.bias", tensor_names)
-        g.initializer.append(numpy_helper.from_array(np.zeros(k, weights.dtype), bias))
-    unpacked = f"{packed}\0onnx_weights"  # any name the graph cannot have: renamed in the body
-    unpack = helper.make_node("Transpose", [packed], [unpacked], perm=[3, 2, 0, 1])
-    body_conv = NodeProto()
-    body_conv.CopyFrom(conv)
-    del body_conv.input[:]
-    body_conv.input.extend([x, unpacked, bias])
-    attrs = {**m.conv_attrs.node_attrs(), **attrs}
-    key = f"conv C={c} K={k} {m.conv_attrs} pool {m.pool_attrs}"
-    return _Layout([x, packed, bias, *prog_inputs[1:]], [unpack, body_conv, *pointwise, *pool], attrs, key)
-
-
 def _type_fused_outputs(g: onnx.GraphProto, view: GraphView, fused: list[FusedNode]) -> None:
     """Give every fused output that is not a graph output a value_info: ONNX Runtime cannot
     infer the element types of a custom op's variadic outputs (docs/format.md)."""
@@ -317,7 +219,7 @@ def _type_fused_outputs(g: onnx.GraphProto, view: GraphView, fused: list[FusedNo
                 typed.add(name)
 
 
-def _unique(name: str, used: set[str]) -> str:
+def unique_name(name: str, used: set[str]) -> str:
     cand, k = name, 1
     while cand in used:
         cand = f"{name}_{k}"
@@ -427,7 +329,7 @@ def inline_function_node(model: ModelProto, node_name: str, source_nodes: tuple[
         n.CopyFrom(b)
         for k, name in enumerate(n.output):
             if name and name not in rename:
-                rename[name] = _unique(f"{node_name}/{name}", taken)
+                rename[name] = unique_name(f"{node_name}/{name}", taken)
             if name:
                 n.output[k] = rename[name]
         for k, name in enumerate(n.input):
@@ -439,7 +341,7 @@ def inline_function_node(model: ModelProto, node_name: str, source_nodes: tuple[
         elif originals and originals[0][0] == n.op_type:
             n.name = originals.pop(0)[1]
         else:
-            n.name = _unique(f"{node_name}/{n.op_type.lower()}", node_names)
+            n.name = unique_name(f"{node_name}/{n.op_type.lower()}", node_names)
         body.append(n)
     nodes = list(g.node[:idx]) + body + list(g.node[idx + 1:])
     del g.node[:]

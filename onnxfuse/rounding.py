@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from onnx import AttributeProto, FunctionProto, ModelProto, NodeProto, numpy_helper
 
-from onnxfuse.expr import Program, Ref
+from onnxfuse.kinds import kind_of
 from onnxfuse.rewrite import DOMAIN, swap_functions
 
 # ONNX ops whose outputs hold only values of their data inputs (or zeros, NaN, +-inf, all
@@ -81,7 +81,7 @@ def plan(model: ModelProto, rounding: set[str], may_store: set[str]) -> Plan:
                 for n, i in readers[t])
         return memo[t]
 
-    round_y = frozenset(n.name for n in g.node if n.domain == DOMAIN and n.op_type == "FusedConv"
+    round_y = frozenset(n.name for n in g.node if n.domain == DOMAIN
                         and n.name in may_store and readers.get(n.output[0]) and read_rounded(n.output[0]))
     held: dict[str, bool] = {}
 
@@ -92,7 +92,7 @@ def plan(model: ModelProto, rounding: set[str], may_store: set[str]) -> Plan:
             n = producer.get(t)
             if n is None:
                 ok = False
-            elif n.domain == DOMAIN and n.op_type == "FusedConv":
+            elif n.domain == DOMAIN:  # a fused node: a conv that stores Y rounded
                 ok = n.name in round_y
             else:
                 data = MOVES_VALUES.get(n.op_type, ()) if n.domain in ("", "ai.onnx") else ()
@@ -102,7 +102,7 @@ def plan(model: ModelProto, rounding: set[str], may_store: set[str]) -> Plan:
             held[t] = ok
         return held[t]
 
-    x_rounded = frozenset(n.name for n in g.node if n.domain == DOMAIN and n.op_type == "FusedConv"
+    x_rounded = frozenset(n.name for n in g.node if n.domain == DOMAIN
                           and n.name in rounding and holds_tf32(n.input[0]))
     return Plan(round_y, x_rounded)
 
@@ -126,7 +126,7 @@ def apply(model: ModelProto, fused: list, p: Plan) -> list:
     out = []
     for f in fused:
         rx, ry = f.node_name in p.x_rounded, f.node_name in p.round_y
-        if f.kind != "conv" or (rx, ry) == (f.x_rounded, f.round_y):
+        if (rx, ry) == (f.x_rounded, f.round_y):
             out.append(f)
             continue
         node = nodes[f.node_name]
@@ -146,15 +146,17 @@ def apply(model: ModelProto, fused: list, p: Plan) -> list:
 
 
 def _rounds_input(n: NodeProto, i: int, rounding: set[str]) -> bool:
-    return n.domain == DOMAIN and n.op_type == "FusedConv" and i == 0 and n.name in rounding
+    return n.domain == DOMAIN and i == 0 and n.name in rounding
 
 
 def _moves_values(n: NodeProto, i: int, g) -> bool:
     """n only moves the values of its input i into its outputs (MOVES_VALUES), with the
     attributes it has: Resize in nearest mode, Pad in constant mode with a zero (or no)
-    pad value, or edge/reflect mode; a FusedMaxPool whose prologue is at most a Relu."""
-    if n.domain == DOMAIN and n.op_type == "FusedMaxPool":
-        return i == 0 and _relu_at_most(n)
+    pad value, or edge/reflect mode; a fused node whose kind says so
+    (`onnxfuse.kinds.base.Kind.moves_values`: a FusedMaxPool whose prologue is at most a Relu)."""
+    kind = kind_of(n)
+    if kind is not None:
+        return kind.moves_values(n, i)
     if n.domain not in ("", "ai.onnx") or n.op_type not in MOVES_VALUES:
         return False
     data = MOVES_VALUES[n.op_type]
@@ -175,18 +177,6 @@ def _moves_values(n: NodeProto, i: int, g) -> bool:
             return init is not None and not numpy_helper.to_array(init).any()
         return True
     return True
-
-
-def _relu_at_most(n: NodeProto) -> bool:
-    """The FusedMaxPool's prologue program has one float32 input and at most max(x, 0.0) /
-    min(x, 0.0) steps, which keep TF32 values TF32 (and NaN NaN), with a float32 output."""
-    text = next((a.s.decode() for a in n.attribute if a.name == "program"), None)
-    if text is None:
-        return False
-    prog = Program.from_text(text)
-    return (prog.input_dtypes == ("f32",) and all(d == "f32" for _, d in prog.outputs)
-            and all(ins.op in ("max", "min") and 0.0 in ins.args and all(
-                isinstance(a, Ref) or a == 0.0 for a in ins.args) for ins in prog.instrs))
 
 
 def _captured(g) -> set[str]:

@@ -75,10 +75,10 @@ from onnx import ModelProto, helper
 
 from onnxfuse import compile as aot
 from onnxfuse import reference, runtime
-from onnxfuse.codegen_conv import ConvVariant, group_gemm_fits, group_span, next_pow2
 from onnxfuse.cost import model_cost
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
+from onnxfuse.kinds import KINDS
 from onnxfuse.layout import BODY_TRANSPOSE_PREFIX, TO_NCHW
 from onnxfuse.outputs import save_model
 from onnxfuse.rewrite import DOMAIN, unfuse
@@ -655,67 +655,8 @@ def _write_cache(path: Path, entries: dict[str, dict]) -> None:
 # ---------------------------------------------------------------------------------------
 
 def candidates(spec) -> list[tuple[str, tuple]]:
-    """(label, variants) per candidate configuration of a kernel spec."""
-    if isinstance(spec, aot.ConvSpec):
-        base = aot.conv_variants(spec)[0]
-        if spec.conv.group != 1:
-            # the direct loop: the runners-up of conv_kernels_depthwise.json; the block-diagonal
-            # GEMM (where a tile fits): the heuristic's tile at 64 and 128 pixels, BLOCK_N 16/32
-            direct = dataclasses.replace(base, group_gemm=False, block_k=32, num_stages=1)
-            tiles = [base] + [dataclasses.replace(direct, block_m=bm, block_n=bn, num_warps=w)
-                              for bm, bn, w in ((128, 16, 4), (16, 64, 2), (64, 32, 4), (32, 128, 4), (128, 32, 8))]
-            gemm = aot.grouped_gemm_variant(spec)
-            if gemm is not None:
-                tiles += [dataclasses.replace(gemm, block_m=bm, block_n=bn, block_k=max(
-                              16, min(64, next_pow2(group_span(spec, bn)))))
-                          for bm in (64, 128) for bn in (16, 32) if group_gemm_fits(spec, bn)]
-        elif base.flat:  # the runners-up of the flat-reduction sweep (conv_kernels_flat_*.json)
-            tiles = [base, dataclasses.replace(base, block_m=256, num_warps=8),
-                     dataclasses.replace(base, block_k=16, num_stages=3),
-                     dataclasses.replace(base, block_m=64, num_warps=2, num_stages=3)]
-        elif base.num_warps >= 4:  # channels-last wgmma tiles: that sweep's runners-up
-            tiles = [base, dataclasses.replace(base, num_stages=4),
-                     dataclasses.replace(base, block_m=64 if base.block_m == 128 else 128,
-                                         block_n=128 if base.block_n == 64 else 64),
-                     dataclasses.replace(base, block_m=128, block_n=128),
-                     dataclasses.replace(base, block_m=64, block_n=64, block_k=64)]
-        else:
-            tiles = [base, dataclasses.replace(base, block_m=128, num_warps=4),
-                     dataclasses.replace(base, block_m=32, num_stages=4),
-                     dataclasses.replace(base, block_k=16, num_stages=4),
-                     dataclasses.replace(base, block_n=128 if base.block_n == 64 else 64, num_warps=4)]
-        out, seen = [], set()
-        win = 1 << (spec.pool.kernel[0] * spec.pool.kernel[1] - 1).bit_length() if spec.pool else 1
-        for v in tiles:
-            v = ConvVariant(0, max(v.block_m, win), v.block_n, v.block_k, v.num_warps, v.num_stages, v.flat,
-                            group_gemm=v.group_gemm)
-            key = (v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages, v.group_gemm)
-            if key not in seen:
-                seen.add(key)
-                label = ("tile {}x{}x{}, {} warps, {} stages".format(*key[:5]) + (", flat" if v.flat else "")
-                         if spec.conv.group == 1 or v.group_gemm else
-                         f"tile {v.block_m}x{v.block_n}, {v.num_warps} warps, direct")
-                label += ", block-diagonal GEMM" if v.group_gemm else ""
-                # with the candidate's split-K variant, which the launcher takes for small outputs
-                split = aot.split_variant(spec, v)
-                out.append((label, (v,) if split is None else (v, split)))
-        return out
-    if isinstance(spec, aot.MaxPoolSpec):  # the kernel kind the heuristic picks, its sweep's runners-up
-        base = aot.pool_variants(spec)[-1]  # the heuristic's tile for any size
-        if base.tile == "nhwc":  # pool_nhwc_aot.json
-            tiles = [dataclasses.replace(base, block_p=p, block_c=c, num_warps=w)
-                     for p, c, w in ((4, 64, 1), (2, 64, 1), (8, 64, 1), (2, 128, 1), (4, 128, 2), (32, 64, 4))]
-            label = "tile {0.block_p}x{0.block_c}, {0.num_warps} warps, nhwc"
-        elif base.tile == "rows":  # relu_maxpool_tiles.json
-            tiles = [dataclasses.replace(base, block_oh=h, block_ow=w, num_warps=nw)
-                     for h, w, nw in ((4, 64, 4), (8, 64, 4), (8, 32, 4), (16, 64, 8))]
-            label = "tile {0.block_oh}x{0.block_ow}, {0.num_warps} warps, rows"
-        else:
-            tiles = [dataclasses.replace(base, block=b, num_warps=4) for b in (256, 512, 1024)]
-            label = "block {0.block}"
-        tiles = [base] + [t for t in tiles if t != base]
-        return [(label.format(t), aot.with_size_variants(spec, t)) for t in tiles]  # each as it ships
-    return [("default", aot.choose_variants(spec))]
+    """(label, variants) per candidate configuration of a kernel spec, as its kind lists them."""
+    return KINDS[spec.kind].candidates(spec)
 
 
 # ---------------------------------------------------------------------------------------
@@ -776,10 +717,9 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         if orig_times.plain_ms is None:
             raise OnnxfuseError(f"the original model does not run at these shapes ({orig_times.graph_error})")
         times = {label: _times(measured, label, graphs) for label, _, _ in models}
-        # the gate guards the choice of TF32: float32 convs at "tf32". Float16 convs multiply
-        # as cuDNN's do (fp16 products, fp32 sums) and other fusions in fp32.
-        checked = conv_precision == "tf32" and any(
-            f.kind == "conv" and f.program.input_dtypes[0] == "f32" for f in result.fused)
+        # the gate guards the choice of TF32 (float32 convs at "tf32": their kind says so);
+        # other fusions compute in fp32, float16 convs as cuDNN's do
+        checked = any(KINDS[f.kind].multiplies_in_tf32(f, conv_precision) for f in result.fused)
         gates = (accuracy(timer, original, {label: cand.model for label, cand, _ in models}, feeds) if checked
                  else {label: UNCHECKED for label, _, _ in models})
         kept = _fastest(models, times, gates, orig_times)
@@ -908,7 +848,7 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
     decisions = [NodeDecision(f.node_name, f.kind) for f in result.fused]
     # convs first: they are where ORT's own kernels (cuDNN) may be faster; pointwise chains
     # and pools replace memory-bound nodes and seldom lose, so they come after, within the budget
-    order = sorted(range(len(result.fused)), key=lambda i: result.fused[i].kind != "conv")
+    order = sorted(range(len(result.fused)), key=lambda i: not KINDS[result.fused[i].kind].measure_first)
     for i in order:
         f, d = result.fused[i], decisions[i]
         if time.perf_counter() - t0 > settings.budget_s:

@@ -83,7 +83,7 @@ def test_analyze_example():
     assert sum(r.share for r in a.rows) == pytest.approx(1.0)
     chains = [g.chain for g in a.groups]
     # fc1's bias + erf-GELU is left to ONNX Runtime's BiasGelu (onnxfuse.ort_fusions); the LayerNorm
-    # (Mul(d, d): not ONNX Runtime's form) is one FusedRows (onnxfuse.rows)
+    # (Mul(d, d): not ONNX Runtime's form) is one FusedRows (onnxfuse/kinds/rows.py)
     assert chains == ["ReduceMean→Sub→Mul→ReduceMean→Add→Sqrt→Div→Mul→Add", "Add→Add"]
     # fc2 bias + residual: h4 no longer written and read back: 2 x 64*16*64 floats
     add_add = a.groups[-1]

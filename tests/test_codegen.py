@@ -28,19 +28,18 @@ import numpy as np
 import onnx
 import pytest
 
-from onnxfuse.codegen import Variant, generate, param_names
+from onnxfuse.codegen import KernelSpec, Variant, generate, param_names
 from onnxfuse.compile import (
     DEFAULT_TARGETS,
     SUPPORTED_ARCHS,
-    KernelSpec,
     attach,
-    choose_variants,
     compile_kernels,
     default_targets,
     parse_targets,
 )
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import BINARY, HEADER, UNARY, evaluate, parse
+from onnxfuse.kinds.pointwise import choose_variants
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -498,21 +497,21 @@ def test_launch_configuration_heuristic():
 
 
 def test_long_program_hook(monkeypatch):
-    from onnxfuse import compile as aot
+    from onnxfuse.kinds import pointwise
 
     def spec(n):
         body = "\n".join(f"%{i + 1} = mul %{i} 2.0" for i in range(n)) + f"\noutput %{n} f32"
         return KernelSpec(parse(_prog(("f32",), body)), NAME, 1, ("full",))
 
     # measured (tune_long.json, intensity_sweep.json)
-    assert aot.LONG_PROGRAM == aot.LongProgram(min_instrs=48, block=1024, warps=2, max_instrs=192)
+    assert pointwise.LONG_PROGRAM == pointwise.LongProgram(min_instrs=48, block=1024, warps=2, max_instrs=192)
     assert {(v.block, v.num_warps) for v in choose_variants(spec(64))} == {(1024, 2)}
     assert {(v.block, v.num_warps) for v in choose_variants(spec(191))} == {(1024, 2)}
     assert {(v.block, v.num_warps) for v in choose_variants(spec(47))} == {(1024, 4)}
     assert {(v.block, v.num_warps) for v in choose_variants(spec(192))} == {(1024, 4)}
-    monkeypatch.setattr(aot, "LONG_PROGRAM", None)  # off: the default launch
+    monkeypatch.setattr(pointwise, "LONG_PROGRAM", None)  # off: the default launch
     assert {(v.block, v.num_warps) for v in choose_variants(spec(64))} == {(1024, 4)}
-    monkeypatch.setattr(aot, "LONG_PROGRAM", aot.LongProgram(min_instrs=48, block=2048, warps=8))
+    monkeypatch.setattr(pointwise, "LONG_PROGRAM", pointwise.LongProgram(min_instrs=48, block=2048, warps=8))
     long_variants = choose_variants(spec(48))
     assert {(v.block, v.num_warps) for v in long_variants} == {(2048, 8)}
     assert [v.index_bits for v in long_variants] == [32, 64]  # only block and warps change

@@ -28,8 +28,10 @@ from onnxfuse.codegen_conv import (
     generate_conv,
     generate_maxpool,
 )
-from onnxfuse.compile import compile_kernels, conv_variants, pool_variants
+from onnxfuse.compile import compile_kernels
 from onnxfuse.expr import HEADER, evaluate, parse
+from onnxfuse.kinds.conv import conv_variants
+from onnxfuse.kinds.maxpool import pool_variants
 from onnxfuse.layers import ConvAttrs, PoolAttrs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -163,7 +165,7 @@ class PoolCase:
     extras: tuple[str, ...] = ()
     dtype: str = "f32"
     # the kernel: "flat", "rows" (tiling pools), "nhwc" (channels-last X) with small blocks
-    # (many programs, ragged edges), or "default" (compile.pool_variants' choice)
+    # (many programs, ragged edges), or "default" (kinds.maxpool.pool_variants' choice)
     tile: str = "flat"
     layouts: tuple[str, str] = ("nchw", "nchw")  # X, Y
 
@@ -618,7 +620,7 @@ def _deep_conv_model(channels: int):
 @pytest.mark.parametrize("channels,fuse_all,kept", [(256, False, False), (128, False, True), (256, True, True)])
 def test_heuristic_leaves_deep_convs_to_cudnn(channels, fuse_all, kept, tmp_path, monkeypatch):
     pytest.importorskip("triton")
-    from onnxfuse.compile import DECLINED_REASON
+    from onnxfuse.kinds.conv import DECLINED_REASON
     from onnxfuse.pipeline import compile_pass, optimize_model
     from tests.util import kernel_options
 

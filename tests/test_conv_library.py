@@ -921,13 +921,13 @@ CUDA_POOLS = [  # (pool, x_layout, y_layout, variant tile)
 @pytest.mark.parametrize("index", range(len(CUDA_POOLS)),
                          ids=[f"{p.kernel[0]}x{p.kernel[1]}s{p.strides[0]}_{x}_{y}_{t}" for p, x, y, t in CUDA_POOLS])
 def test_cuda_fused_maxpool_kernels(index, dtype, channels, height, width, lib):
-    """Each pool kernel (compile.pool_variants' choice: rows, flat, nhwc) on CUDA against the
+    """Each pool kernel (kinds.maxpool.pool_variants' choice: rows, flat, nhwc) on CUDA against the
     CPU kernel of the same node, with a per-channel prologue extra; odd sizes. 64 channels
     and width 32 take the nhwc and rows kernels' variants for C or W % 16 == 0 (vector
     loads), 70 x 29 the ones for any size."""
     pytest.importorskip("triton")
     from onnxfuse.codegen_conv import MaxPoolSpec
-    from onnxfuse.compile import pool_variants
+    from onnxfuse.kinds.maxpool import pool_variants
 
     pool, x_layout, y_layout, tile = CUDA_POOLS[index]
     prog = epilogue(1, dtype)

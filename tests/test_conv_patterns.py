@@ -24,8 +24,9 @@ from models import build as mb
 from onnxfuse import PatternError, load_patterns, optimize_model
 from onnxfuse.expr import Program
 from onnxfuse.fold import fold_batchnorm
+from onnxfuse.kinds.conv import ConvParams
 from onnxfuse.layers import ConvAttrs, PoolAttrs
-from onnxfuse.pattern import ConvEpilogueMatch, example_model, load_pattern_file
+from onnxfuse.pattern import example_model, load_pattern_file
 from onnxfuse.pipeline import Result
 from onnxfuse.rewrite import unfuse
 from tests.util import check_fusion, check_programs, op_types, random_feeds, run
@@ -679,7 +680,7 @@ def test_user_conv_pattern_runs_alone(tmp_path):
     path = tmp_path / "my_conv.yaml"
     path.write_text(CONV_PATTERN)
     p = load_pattern_file(path)
-    assert p.match == ConvEpilogueMatch(frozenset({"Relu"}), frozenset({"float32"}), 1, "none")
+    assert p.match == ConvParams(frozenset({"Relu"}), frozenset({"float32"}), 1, "none")
     m = example_model(p)
     init = {t.name: numpy_helper.to_array(t) for t in m.graph.initializer}
     assert (init["b"] == 0.5).all() and init["w"].shape == (3, 2, 3, 3) and init["w"].std() > 0

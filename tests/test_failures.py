@@ -26,8 +26,10 @@ from onnx import helper
 import onnxfuse
 from onnxfuse import cli, optimize_model, outputs, pipeline
 from onnxfuse import compile as aot
+from onnxfuse.codegen import KernelSpec
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.kernels import FAILED_REASON
+from onnxfuse.kinds import pointwise
 from onnxfuse.pipeline import compile_pass
 from onnxfuse.rewrite import DOMAIN, unfuse
 from tests.util import kernel_options, model, op_types, random_feeds, run
@@ -139,8 +141,9 @@ def test_unfuse_restores_the_original_subgraph():
 
 
 def _broken_generate(bad_name: str, body: str):
-    """codegen.generate, except that kernel `bad_name`'s module source gets `body` appended."""
-    real = aot.generate
+    """codegen.generate as the pointwise kind calls it, except that kernel `bad_name`'s module
+    source gets `body` appended."""
+    real = pointwise.generate
 
     def generate(program, name, *args, **kw):
         k = real(program, name, *args, **kw)
@@ -159,7 +162,7 @@ def test_kernel_failing_in_a_worker_process(tmp_path, monkeypatch, how):
     r = optimize_model(m)
     bad = r.fused[1].kernel_name
     body = "\n)(\n" if how == "syntax error" else "\nimport os\nos._exit(3)\n"
-    monkeypatch.setattr(aot, "generate", _broken_generate(bad, body))
+    monkeypatch.setattr(pointwise, "generate", _broken_generate(bad, body))
     with pytest.warns(OnnxfuseWarning, match=f"{r.fused[1].node_name} failed to compile for sm_80"):
         info = compile_pass(r, kernel_options("sm_80", jobs=2)).report.compile
     assert [f["kernel"] for f in info["failed"]] == [bad]
@@ -173,7 +176,7 @@ def test_kernel_failing_in_a_worker_process(tmp_path, monkeypatch, how):
 
 def test_compile_errors_still_raise_by_default(tmp_path, monkeypatch):
     monkeypatch.setattr(aot, "_compile_job", _fake_compile({("onnxfuse_", 80)}))
-    spec = aot.KernelSpec(optimize_model(two_groups()).fused[0].program, "onnxfuse_k_0123", 2, ("full",))
+    spec = KernelSpec(optimize_model(two_groups()).fused[0].program, "onnxfuse_k_0123", 2, ("full",))
     with pytest.raises(OnnxfuseError, match="kernel compilation failed .*sm_80"):
         aot.compile_kernels([spec], [80], cache_dir=tmp_path, jobs=1)
 
@@ -205,7 +208,7 @@ def test_interrupted_compile_kills_its_workers(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "Popen", Popen)
     monkeypatch.setattr(aot.tempfile, "TemporaryDirectory", temporary_directory)
     r = optimize_model(two_groups())
-    specs = [aot.KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes) for f in r.fused]
+    specs = [KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes) for f in r.fused]
     with pytest.raises(KeyboardInterrupt):
         aot.compile_kernels(specs, [80], cache_dir=tmp_path / "cache", jobs=2)
     assert len(started) == 2

@@ -19,8 +19,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxfuse
 from onnxfuse import optimize_model, pipeline
-from onnxfuse.codegen import generate
-from onnxfuse.compile import KernelSpec, choose_variants
+from onnxfuse.codegen import KernelSpec, generate
+from onnxfuse.kinds.pointwise import choose_variants
 from onnxfuse.pipeline import FUNCTION_REASON, SUBGRAPH_REASON
 from onnxfuse.rewrite import DOMAIN
 from tests.util import model, op_types, random_feeds

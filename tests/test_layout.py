@@ -422,7 +422,7 @@ def test_a_depthwise_conv_reads_an_nchw_input_without_a_transpose(tmp_path, monk
 
 
 def test_wide_groups_are_left_to_cudnn(tmp_path, monkeypatch):
-    from onnxfuse.compile import GROUPED_REASON
+    from onnxfuse.kinds.conv import GROUPED_REASON
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     m = inverted_residual(c=8, e=32, group=2)  # 16 channels per group

@@ -489,7 +489,8 @@ def with_kernels(model: onnx.ModelProto, prog: Program, in_shapes: list[tuple[in
     """Compile the node's kernels (onnxfuse.compile) and attach them as docs/format.md says."""
     import json
 
-    from onnxfuse.compile import KernelSpec, compile_kernels, local_gpu_archs
+    from onnxfuse.codegen import KernelSpec
+    from onnxfuse.compile import compile_kernels, local_gpu_archs
 
     node = model.graph.node[0]
     out_rank = len(np.broadcast_shapes(*in_shapes)) if rank is None else rank

@@ -566,8 +566,8 @@ DROPS_NAN = re.compile(r"\b(?:max|min)(?:\.ftz)?\.(?:f32|f16|bf16|f16x2|bf16x2)\
 
 def _kernel_specs():
     """One spec of every pool kernel, conv epilogue and pointwise kind, for sm_90."""
+    from onnxfuse.codegen import KernelSpec
     from onnxfuse.codegen_conv import ConvSpec, MaxPoolSpec
-    from onnxfuse.compile import KernelSpec
     from onnxfuse.expr import HEADER, parse
 
     def prog(body: str, dt: str = "f32", extras: int = 0):
@@ -597,7 +597,8 @@ def test_generated_source_uses_only_nan_propagating_max():
     """Every float max in the pool and conv kernels is the module's `max_nan` (tl.maximum with
     propagate_nan=ALL), also the window reductions (tl.reduce with max_nan, not tl.max)."""
     from onnxfuse.codegen_conv import MaxPoolSpec, PoolVariant, generate_conv, generate_maxpool
-    from onnxfuse.compile import conv_variants, pool_variants
+    from onnxfuse.kinds.conv import conv_variants
+    from onnxfuse.kinds.maxpool import pool_variants
 
     checked = set()
     for spec in _kernel_specs()[:-1]:

@@ -216,7 +216,7 @@ def _check_encoder(path, expect: dict[str, int]):
 
 def test_torch_encoder_dynamic_shapes(torch_encoder):
     # ORT fuses each layer's Linear bias + erf-GELU into BiasGelu; the bias + residual Adds
-    # before each LayerNormalization (ORT has no fusion for them here) are its prologue (onnxfuse.rows)
+    # before each LayerNormalization (ORT has no fusion for them here) are its prologue (kinds/rows.py)
     r = _check_encoder(torch_encoder["dynamic"], {"BiasGelu": 12})
     assert ["Add", "Add", "LayerNormalization"] in replaced_ops(r)
 

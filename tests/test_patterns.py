@@ -89,6 +89,43 @@ def test_bad_pattern_names_file_and_field(tmp_path, edit, field):
     assert str(e.value).startswith(f"{path}: {field}:"), str(e.value)
 
 
+NEW_FORM = textwrap.dedent("""\
+    name: activations_only
+    description: Only activation functions.
+    priority: 10
+    kind: pointwise
+    match:
+      ops: [Relu, Sigmoid, Tanh]
+    """)
+
+
+def test_a_pattern_names_its_kind_and_the_kind_owns_op_type_and_kernel(tmp_path):
+    """The top-level `kind` form and the older `match.kind` + `replace` form load the same
+    pattern; the built-in files use the first."""
+    new = load_pattern_file(write(tmp_path, NEW_FORM, "new.yaml"))
+    old = load_pattern_file(write(tmp_path, VALID, "old.yaml"))
+    assert (new.kind, new.match) == (old.kind, old.match)
+    assert (new.kind.name, new.kind.op_type) == ("pointwise", "PointwiseChain")
+    for p in BUILTIN:
+        text = Path(p.source).read_text()
+        assert f"\nkind: {p.kind.name}\n" in text and "replace:" not in text, p.source
+
+
+@pytest.mark.parametrize("text,field", [
+    (NEW_FORM.replace("kind: pointwise", "kind: tree"), "kind"),
+    (NEW_FORM.replace("kind: pointwise\n", ""), "kind"),
+    (NEW_FORM.replace("match:\n", "match:\n  kind: elementwise_group\n"), "match.kind"),
+    (NEW_FORM.replace("kind: pointwise", "kind: conv"), "match.dtypes"),  # bfloat16 by default
+    (VALID.replace("op_type: PointwiseChain", "op_type: FusedConv"), "replace.op_type"),
+    (VALID.replace("kernel: pointwise", "kernel: conv"), "replace.kernel"),
+])
+def test_kind_errors_name_file_and_field(tmp_path, text, field):
+    path = write(tmp_path, text)
+    with pytest.raises(PatternError) as e:
+        load_pattern_file(path)
+    assert str(e.value).startswith(f"{path}: {field}:"), str(e.value)
+
+
 def test_invalid_yaml_names_file_and_line(tmp_path):
     path = write(tmp_path, "name: [unclosed\n")
     with pytest.raises(PatternError, match=rf"^{path}: line \d+: not valid YAML"):

@@ -459,11 +459,11 @@ def test_random_graphs_keep_their_results_channels_last(case):
     wide enough for a boundary Transpose (the random graphs' tensors have few channels)."""
     from unittest import mock
 
-    from onnxfuse import layout
+    from onnxfuse.kinds import conv
 
     m, feeds = case
     note(onnx.printer.to_text(m))
-    with mock.patch.object(layout, "MIN_NHWC_CHANNELS", 1):
+    with mock.patch.object(conv, "MIN_NHWC_CHANNELS", 1):
         result = check_equivalent(m, feeds, layout="nhwc")
     nhwc = [n for n in result.model.graph.node if n.op_type == "FusedConv"
             and any(a.name == "x_layout" and a.s == b"NHWC" for a in n.attribute)]
@@ -579,11 +579,11 @@ def conv_nets(draw):
 def test_random_cnns_keep_their_results_channels_last(case, min_channels):
     from unittest import mock
 
-    from onnxfuse import layout
+    from onnxfuse.kinds import conv
 
     m, feeds = case
     note(onnx.printer.to_text(m))
-    with mock.patch.object(layout, "MIN_NHWC_CHANNELS", min_channels):
+    with mock.patch.object(conv, "MIN_NHWC_CHANNELS", min_channels):
         result = check_equivalent(m, feeds, layout="nhwc")
     nodes = result.model.graph.node
     event(f"channels-last convs: {min(sum(_attr(n, 'x_layout') == b'NHWC' for n in nodes), 3)}")

@@ -1,5 +1,5 @@
 """Generated FusedRows Triton kernels (onnxfuse.codegen_rows) against the numpy reference of
-the node contract (tests/rows_ref.py): under ``TRITON_INTERPRET=1`` in one child process
+the node contract (onnxfuse.kinds.rows.evaluate_rows): under ``TRITON_INTERPRET=1`` in one child process
 (this file run as a script, so the interpreter setting never reaches the process where
 other tests compile kernels), on the GPU with Triton's JIT (`gpu`), and compiled ahead of
 time for sm_80 / sm_90 with no GPU.
@@ -31,10 +31,10 @@ from onnxfuse.codegen_rows import (
     rows_variants,
 )
 from onnxfuse.expr import HEADER, parse
+from onnxfuse.kinds.rows import evaluate_rows
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.rows_ref import evaluate_rows  # noqa: E402
 from tests.util import interpreted_run  # noqa: E402
 
 NP = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16, "bool": np.bool_}
@@ -279,16 +279,18 @@ def test_variant_choice():
     v = rows_variants(_spec(768))
     assert [(x.block_m, x.block_n, x.num_warps, x.looped, x.cols) for x in v] == [
         (1, 1024, 4, False, 768), (1, 1024, 4, True, 0)]
-    assert v[0].requires() == {"cols": 768, "ptr_align": 16} and v[1].requires() == {}
+    assert v[0].requires() == {"ptr_align": 16} and v[1].requires() == {}
+    assert (v[0].meta()["cols"], v[0].meta()["max_cols"], v[1].meta()["cols"], v[1].meta()["max_cols"]) == (
+        768, 768, 0, 0)
     assert [x.index for x in v] == [0, 1]
     # small rows: several per program; 16-bit tensors loop in longer chunks
     assert (rows_variants(_spec(64))[0].block_m, rows_variants(_spec(64, "f16"))[1].block_n) == (16, 2048)
     # longer than MAX_SINGLE_PASS: looped, compiled for N
     big = rows_variants(_spec(MAX_SINGLE_PASS + 1))
-    assert big[0].looped and big[0].cols == MAX_SINGLE_PASS + 1 and big[0].requires()["cols"] == MAX_SINGLE_PASS + 1
+    assert big[0].looped and big[0].cols == MAX_SINGLE_PASS + 1 and big[0].meta()["cols"] == MAX_SINGLE_PASS + 1
     # unknown: single-pass kernels up to 128, 512, 2048, 8192 columns, then looped
     dyn = rows_variants(_spec(None))
-    assert [x.requires().get("max_cols") for x in dyn] == [128, 512, 2048, 8192, None]
+    assert [x.meta()["max_cols"] for x in dyn] == [128, 512, 2048, 8192, 0]
     assert dyn[-1].looped
 
 
@@ -343,7 +345,8 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
     assert (meta["kind"], meta["reduction"], meta["axis"], meta["n_prologue"], meta["n_extras"]) == (
         "rows", "layer_norm", 2, 2, 2)
     assert meta["input_modes"] == ["full", "full", "last", "last"] and meta["x_output"] == 1
-    assert [v["requires"] for v in meta["variants"]] == [{"cols": 768, "ptr_align": 16}, {}]
+    assert [v["requires"] for v in meta["variants"]] == [{"ptr_align": 16}, {}]
+    assert [(v["cols"], v["max_cols"], v["looped"]) for v in meta["variants"]] == [(768, 768, 0), (0, 0, 1)]
     assert [(b["variant"], b["arch"], b["format"]) for b in meta["binaries"]] == [
         (0, 80, "cubin"), (0, 90, "cubin"), (0, 90, "ptx"), (1, 80, "cubin"), (1, 90, "cubin"), (1, 90, "ptx")]
     assert all(b["global_scratch_size"] == 0 for b in meta["binaries"])
@@ -351,7 +354,7 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
     ptx = out[0].kernels()[2].decode()
     assert ".target sm_90" in ptx and "ld.global.v" in ptx
     smeta = out[1].kernel_meta()
-    assert [v["requires"].get("max_cols") for v in smeta["variants"]] == [128, 512, 2048, 8192, None]
+    assert [v["max_cols"] for v in smeta["variants"]] == [128, 512, 2048, 8192, 0]
     again = compile_kernels([ln], [80, 90], cache_dir=tmp_path)
     assert again[0].cache_hits == 4 and again[0].compiled == 0
     assert json.dumps(again[0].kernel_meta()) == json.dumps(meta)

@@ -1,6 +1,6 @@
 """FusedRows in the custom-op library's CPU kernel (csrc/rows_cpu.cc): optimized models run
 with the library against the original in ONNX Runtime and against the numpy reference of
-the node contract (tests/rows_ref.py), at row lengths that are not multiples of any block
+the node contract (onnxfuse.kinds.rows: evaluate), at row lengths that are not multiples of any block
 (77, 768, 1000, 4100), in fp32, fp16 (rows of magnitude 1e4 included) and bf16; the kernel,
 not the function body, is what runs; and `analyze` costs the fused node.
 
@@ -18,7 +18,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse import optimize_model
-from tests.rows_ref import evaluate_rows_node
+from onnxfuse.kinds.rows import Rows
 from tests.test_rows_patterns import _ln_graph, _softmax_graph, _w
 from tests.util import model, run
 
@@ -59,7 +59,7 @@ def _check(lib: str, m: onnx.ModelProto, feeds: dict, against_ort: bool = True, 
     node = next(n for n in r.model.graph.node if n.op_type == "FusedRows")
     values = {**feeds, **{t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}}
     if all(x in values for x in node.input):
-        want = dict(zip(node.output, evaluate_rows_node(node, [values[x] for x in node.input]), strict=True))
+        want = dict(zip(node.output, Rows().evaluate(node, [values[x] for x in node.input]), strict=True))
         outs = {o.name: g for o, g in zip(r.model.graph.output, got, strict=True)}
         for name, w in want.items():
             if name in outs:
@@ -220,7 +220,7 @@ def test_compiled_model_keeps_its_contract(tmp_path, monkeypatch, lib):
     meta = json.loads(attrs["kernel_meta"].s)
     assert (meta["kind"], meta["reduction"], meta["axis"], meta["input_modes"]) == (
         "rows", "layer_norm", 2, ["full", "last", "last"])
-    assert meta["variants"][0]["requires"] == {"cols": 96, "ptr_align": 16}
+    assert meta["variants"][0]["requires"] == {"ptr_align": 16} and meta["variants"][0]["cols"] == 96
     assert all(f"kernel_{i}" in attrs for i in range(len(meta["binaries"])))
     assert meta["name"] == node.overload and node.overload.startswith("onnxfuse_layer_norm_")
     x = np.random.default_rng(8).standard_normal((2, 3, 96)).astype(np.float32)

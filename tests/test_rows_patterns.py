@@ -1,6 +1,6 @@
-"""Recognition of row reductions (onnxfuse/rows.py): each exporter form of LayerNorm, RMSNorm
+"""Recognition of row reductions (onnxfuse/kinds/rows.py): each exporter form of LayerNorm, RMSNorm
 and softmax fuses into exactly one FusedRows node whose function body computes what the
-original did and whose programs (tests/rows_ref.py) match the original's tensors; the forms
+original did and whose programs (the kind's numpy reference) match the original's tensors; the forms
 that must not fuse say why; ONNX Runtime's own normalization fusions keep what they would
 fuse whole (leave_to_ort), and the report says which rule applied.
 
@@ -21,7 +21,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse import optimize_model
-from onnxfuse.rows import (
+from onnxfuse.kinds.rows import (
     EPS_NOT_CONSTANT,
     EXTRA_OUTPUTS,
     LONE,
@@ -195,11 +195,11 @@ def test_layernorm_fp16_large_magnitude():
     r = optimize_model(m, leave_to_ort=False)
     assert op_types(r.model) == ["FusedRows"]
     x = (RNG.standard_normal((2, 3, 64)) * 1e4).astype(np.float16)
-    from tests.rows_ref import evaluate_rows_node
+    from onnxfuse.kinds.rows import Rows
 
     node = _fused(r)[0]
     inits = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}
-    (y,) = evaluate_rows_node(node, [x if n == "x" else inits[n] for n in node.input])
+    (y,) = Rows().evaluate(node, [x if n == "x" else inits[n] for n in node.input])
     x64 = x.astype(np.float64)
     want = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
     want = want * inits["gamma"].astype(np.float64) + inits["beta"].astype(np.float64)

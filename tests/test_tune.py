@@ -19,8 +19,9 @@ from models.build import conv_relu_maxpool, vgg_stack
 from onnxfuse import optimize_model
 from onnxfuse import tune as tuning
 from onnxfuse.cli import main
+from onnxfuse.codegen import KernelSpec
 from onnxfuse.codegen_conv import ConvSpec, MaxPoolSpec
-from onnxfuse.compile import KernelSpec, local_gpu_archs
+from onnxfuse.compile import local_gpu_archs
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.expr import HEADER, parse
 from onnxfuse.layers import ConvAttrs, PoolAttrs

@@ -122,6 +122,9 @@ def test_wheel_carries_the_library_at_its_root(tmp_path):
     names, wheel = wheel_files(out / name)
     assert f"onnxfuse/lib/{LIB}" in names and "onnxfuse/lib/libonnxfuse_ops.json" in names
     assert "onnxfuse/csrc/register.cc" in names and "onnxfuse/build.py" in names
+    # the kinds, Python and C++ (docs/kinds.md)
+    assert {"onnxfuse/kinds/conv.py", "onnxfuse/csrc/kinds/conv_cpu.cc",
+            "onnxfuse/csrc/kinds/conv_cuda.cc"} <= set(names)
     assert "Root-Is-Purelib: false" in wheel and not any(".data/" in n for n in names)
     with zipfile.ZipFile(out / name) as z:
         stamp = json.loads(z.read("onnxfuse/lib/libonnxfuse_ops.json"))

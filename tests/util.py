@@ -18,10 +18,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse import optimize_model
 from onnxfuse.expr import evaluate
+from onnxfuse.kinds import KINDS
 from onnxfuse.load import canonicalize, infer_shapes
 from onnxfuse.pipeline import Options, Result, build_options
-from tests.layer_ref import evaluate_fused
-from tests.rows_ref import evaluate_rows_node
 
 NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
       TensorProto.BOOL: np.bool_, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
@@ -103,24 +102,16 @@ def check_programs(m: onnx.ModelProto, result: Result, feeds: dict, rtol: float 
     values.update({t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer})  # packed weights
     nodes = {n.name: n for n in result.model.graph.node}
     for f in result.fused:
-        if f.kind == "rows":  # the FusedRows contract (docs/format.md) in numpy: statistics in float64
-            got_all = evaluate_rows_node(nodes[f.node_name], [values[x] for x in f.inputs])
+        if f.kind != "pointwise":  # the other kinds: the node's contract (docs/format.md) in numpy
+            got_all = KINDS[f.kind].evaluate(nodes[f.node_name], [values[x] for x in f.inputs])
             for name, got in zip(f.outputs, got_all, strict=True):
                 want = values[name]
                 tol = RTOL.get(want.dtype, 1e-5) if rtol is None else rtol
-                # a normalized value's error scales with the row's, not its own magnitude
+                # a convolution sums many products, a norm's error is its row's: the error scales
+                # with the output's magnitude
                 np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
                                            atol=tol * float(np.max(np.abs(want), initial=1.0)), equal_nan=True,
-                                           err_msg=f"{f.node_name} against the numpy reference of rows, {name}")
-            continue
-        if f.kind != "pointwise":  # conv and maxpool: the node's contract (docs/format.md) in numpy
-            got = evaluate_fused(nodes[f.node_name], [values[x] for x in f.inputs])
-            want = values[f.outputs[0]]
-            tol = RTOL.get(want.dtype, 1e-5) if rtol is None else rtol
-            # a convolution sums many products: its error scales with the output's magnitude
-            np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol,
-                                       atol=tol * float(np.max(np.abs(want), initial=1.0)),
-                                       err_msg=f"{f.node_name} against the numpy reference of {f.kind}")
+                                           err_msg=f"{f.node_name} against the numpy reference of {f.kind}, {name}")
             continue
         outs = evaluate(f.program, [values[x] for x in f.inputs])
         for name, got in zip(f.outputs, outs, strict=True):

@@ -1,15 +1,12 @@
-// CPU kernels of onnxfuse::FusedConv and onnxfuse::FusedMaxPool (docs/format.md).
+// CPU kernel of onnxfuse::FusedConv (docs/format.md).
 //
-// Reference implementations, in three passes over fp32 buffers, each parallel on ORT's
+// A reference implementation, in three passes over fp32 buffers, each parallel on ORT's
 // intra-op thread pool:
-//   1. FusedConv only: the direct convolution plus bias, into [N, K, P, Q] (rounded to the
-//      program's %0 dtype: fp16 for a float16 node);
-//   2. the program (epilogue / prologue), with the PointwiseChain evaluator (cpu_ops.h);
+//   1. the direct convolution plus bias, into [N, K, P, Q] (rounded to the program's %0
+//      dtype: fp16 for a float16 node);
+//   2. the program (the epilogue), with the PointwiseChain evaluator (cpu_ops.h);
 //   3. when pooled: ONNX's max pool, any kernel, strides, pads, dilations and ceil_mode.
 // float16 tensors are widened to fp32 first; all arithmetic is fp32.
-//
-// FusedMaxPool's x_layout / y_layout: the program reads an NHWC X through its strides over
-// [N, C, H, W]; an NHWC output is the pooled NCHW result stored transposed.
 //
 // Layouts (FusedConv's x_layout, y_layout, extra_layouts): an NHWC X is transposed into the
 // padded NCHW fp32 copy of X. Without a pool, an NHWC output makes pass 1 store the conv
@@ -30,51 +27,6 @@
 
 namespace onnxfuse {
 namespace {
-
-// An uninitialized fp32 buffer from the execution provider's allocator (ORT's CPU arena
-// by default, so a large buffer is not page-faulted in again on every run), or from new[]
-// when the kernel has no allocator.
-class Floats {
- public:
-  Floats() = default;
-  Floats(OrtAllocator* alloc, int64_t n) : alloc_(alloc) {
-    const size_t bytes = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float);
-    if (alloc_) {
-      void* p = nullptr;
-      check(g_ort->AllocatorAlloc(alloc_, bytes, &p));
-      if (!p) throw Error("out of memory (" + std::to_string(bytes) + " bytes of scratch)");
-      p_ = static_cast<float*>(p);
-    } else {
-      p_ = new float[bytes / sizeof(float)];
-    }
-  }
-  Floats(Floats&& o) noexcept : alloc_(o.alloc_), p_(o.p_) { o.p_ = nullptr; }
-  Floats& operator=(Floats&& o) noexcept {
-    std::swap(alloc_, o.alloc_);
-    std::swap(p_, o.p_);
-    return *this;
-  }
-  Floats(const Floats&) = delete;
-  Floats& operator=(const Floats&) = delete;
-  ~Floats() {
-    if (!p_) return;
-    if (alloc_) {
-      if (OrtStatus* st = g_ort->AllocatorFree(alloc_, p_)) g_ort->ReleaseStatus(st);
-    } else {
-      delete[] p_;
-    }
-  }
-  float* get() const { return p_; }
-  float& operator[](int64_t i) const { return p_[i]; }
-
- private:
-  OrtAllocator* alloc_ = nullptr;
-  float* p_ = nullptr;
-};
-
-// Elements (or multiply-adds) per parallel task: enough that scheduling costs nothing.
-constexpr int64_t kTaskWork = 1 << 18;
-
 
 float widen(const void* src, bool half, int64_t i) {
   return half ? f16_to_f32(static_cast<const uint16_t*>(src)[i]) : static_cast<const float*>(src)[i];
@@ -449,161 +401,22 @@ void run_conv(OrtKernelContext* ctx, ConvJob& j, const TensorRef& x, const Tenso
   });
 }
 
-// ---------------------------------------------------------------------------------------
-// Max pool
-// ---------------------------------------------------------------------------------------
-
-// The window positions i (0 <= i < k) with 0 <= start + i * d < n: [*lo, *hi).
-void window(int64_t start, int64_t k, int64_t d, int64_t n, int64_t* lo, int64_t* hi) {
-  *lo = start >= 0 ? 0 : ceil_div(-start, d);
-  *hi = n - 1 - start < 0 ? 0 : std::min(k, (n - 1 - start) / d + 1);
-}
-
-// max(m, v) propagating NaN, as numpy's maximum and torch's max pool: v when it is larger
-// or NaN; once m is NaN it stays NaN (no v compares larger).
-inline float max_nan(float m, float v) { return (v > m || v != v) ? v : m; }
-
-// The valid part of each window along one axis: output o reads input start[o] + i * d for
-// i in [lo[o], hi[o]) (lo >= hi: the window is all padding).
-struct Windows {
-  std::vector<int64_t> start, lo, hi;
-  Windows(int64_t out, int64_t n, int64_t k, int64_t s, int64_t pad, int64_t d) : start(out), lo(out), hi(out) {
-    for (int64_t o = 0; o < out; ++o) {
-      start[o] = o * s - pad;
-      window(start[o], k, d, n, &lo[o], &hi[o]);
-    }
-  }
-};
-
-// One plane: out_row gets the max over the window's rows (a vectorizable column max over
-// the whole input row, `cols`), then over its columns. A window that holds a NaN gives NaN
-// wherever the NaN lies, as numpy and torch (and the Triton kernels) compute it; one that
-// is all padding gives -inf. ONNX Runtime's own CPU MaxPool mostly drops NaN, differently
-// from one code path to another (README, Reliability).
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void pool_plane(const float* __restrict z, int64_t W, int64_t dh, int64_t dw, const Windows& rows,
-                const Windows& colw, float* __restrict cols, float* __restrict out_row, DType declared, DType actual,
-                void* out, int64_t out_start) {
-  const float kNone = -std::numeric_limits<float>::infinity();
-  const int64_t OH = static_cast<int64_t>(rows.start.size()), OW = static_cast<int64_t>(colw.start.size());
-  for (int64_t oh = 0; oh < OH; ++oh) {
-    std::fill(cols, cols + W, kNone);
-    for (int64_t i = rows.lo[oh]; i < rows.hi[oh]; ++i) {
-      const float* __restrict zr = z + (rows.start[oh] + i * dh) * W;
-      for (int64_t w = 0; w < W; ++w) cols[w] = max_nan(cols[w], zr[w]);
-    }
-    for (int64_t ow = 0; ow < OW; ++ow) {
-      float m = kNone;
-      for (int64_t j = colw.lo[ow]; j < colw.hi[ow]; ++j) m = max_nan(m, cols[colw.start[ow] + j * dw]);
-      out_row[ow] = m;
-    }
-    store(declared, actual, out_row, out, out_start + oh * OW, static_cast<size_t>(OW));
-  }
-}
-
-// out [N, C, OH, OW] = MaxPool(z [N, C, H, W]), stored as (declared, actual) dtype.
-// Padding never wins; a NaN always does: pool_plane.
-void max_pool(OrtKernelContext* ctx, const PoolParams& pp, const float* z, const Shape& in, const Shape& out_shape,
-              DType declared, DType actual, void* out) {
-  const int64_t planes = in[0] * in[1], H = in[2], W = in[3];
-  const int64_t OH = out_shape[2], OW = out_shape[3];
-  if (planes * OH * OW == 0) return;
-  const Windows rows(OH, H, pp.kernel[0], pp.strides[0], pp.pads[0], pp.dilations[0]);
-  const Windows colw(OW, W, pp.kernel[1], pp.strides[1], pp.pads[1], pp.dilations[1]);
-  const int64_t per_plane = std::max<int64_t>(1, H * W + OH * OW * pp.kernel[1]);
-  const int64_t planes_per_task = std::max<int64_t>(1, kTaskWork / per_plane);
-  parallel_for(ctx, ceil_div(planes, planes_per_task), [&](int64_t task) {
-    thread_local std::vector<float> buf;
-    buf.resize(static_cast<size_t>(W + OW));
-    for (int64_t pl = task * planes_per_task; pl < std::min(planes, (task + 1) * planes_per_task); ++pl)
-      pool_plane(z + pl * H * W, W, pp.dilations[0], pp.dilations[1], rows, colw, buf.data(), buf.data() + W,
-                 declared, actual, out, pl * OH * OW);
-  });
-}
-
-// ---------------------------------------------------------------------------------------
-// The kernels
-// ---------------------------------------------------------------------------------------
-
-// Program inputs: `first` (the conv result or X), then the extra tensors from `extras`.
-std::vector<HostTensor> program_inputs(const Program& prog, HostTensor first, const std::vector<TensorRef>& t,
-                                       size_t extras) {
-  std::vector<HostTensor> in{std::move(first)};
-  for (size_t i = extras; i < t.size(); ++i)
-    in.push_back({actual_dtype(t[i].type, prog.inputs[in.size()]), t[i].data, t[i].shape});
-  return in;
-}
-
-// out [N, H, W, C] = src [N, C, H, W] (fp32, `nchw`), stored as (declared, actual) dtype.
-void store_nhwc(OrtKernelContext* ctx, const float* src, const Shape& nchw, DType declared, DType actual,
-                void* out) {
-  const int64_t C = nchw[1], HW = nchw[2] * nchw[3];
-  const int64_t rows = nchw[0] * HW;  // output rows (n, h, w) of C values
-  const int64_t per_task = std::max<int64_t>(1, kTaskWork / std::max<int64_t>(1, C));
-  parallel_for(ctx, ceil_div(rows, per_task), [=](int64_t t) {
-    thread_local std::vector<float> buf;
-    buf.resize(static_cast<size_t>(C));
-    for (int64_t r = t * per_task; r < std::min(rows, (t + 1) * per_task); ++r) {
-      const float* sp = src + (r / HW) * C * HW + r % HW;
-      for (int64_t c = 0; c < C; ++c) buf[c] = sp[c * HW];
-      store(declared, actual, buf.data(), out, r * C, static_cast<size_t>(C));
-    }
-  });
-}
-
-// Runs the program over `shape` into `out` (no pool) or into an fp32 buffer that the pool
-// reads (values rounded as the program says), then pools into `out`; with out_nhwc the
-// pooled result [N, C, OH, OW] is stored transposed, as [N, OH, OW, C] (pool only).
-void program_then_pool(OrtKernelContext* ctx, OrtAllocator* alloc, const Program& prog,
-                       const std::vector<HostTensor>& in, const Shape& shape, const PoolParams* pool,
-                       const TensorRef& out, bool out_nhwc = false) {
-  const DType declared = prog.outputs[0].second;
-  const DType actual = actual_dtype(out.type, declared);
-  if (!pool) {
-    run_program(prog, in, {{actual, out.data, shape}}, shape, ctx);
-    return;
-  }
-  Floats z(alloc, numel(shape));
-  run_program(prog, in, {{DType::F32, z.get(), shape}}, shape, ctx);
-  if (!out_nhwc) {
-    max_pool(ctx, *pool, z.get(), shape, out.shape, declared, actual, out.data);
-    return;
-  }
-  // z holds values already rounded to the declared dtype: pool them in fp32, then round
-  // (exactly) while transposing.
-  const Shape pooled = pool_shape(*pool, shape);
-  Floats zp(alloc, numel(pooled));
-  max_pool(ctx, *pool, z.get(), shape, pooled, DType::F32, DType::F32, zp.get());
-  store_nhwc(ctx, zp.get(), pooled, declared, actual, out.data);
-}
-
-void check_program(const Program& prog) {
-  if (prog.outputs.size() != 1)
-    throw Error("the program has " + std::to_string(prog.outputs.size()) + " outputs, expected 1");
-}
-
-// What both kernels hold: the program, the node's name (for messages) and the EP's
-// allocator (for scratch buffers; null if ORT has none for the kernel).
-struct KernelBase {
-  static constexpr const char* kProvider = "CPUExecutionProvider";
-  static constexpr const char* kWhere = "";
-  Program prog;
-  std::string name;
-  OrtAllocator* alloc = nullptr;
-  KernelBase() = default;
-  KernelBase(const KernelBase&) = delete;
-  KernelBase& operator=(const KernelBase&) = delete;
-  ~KernelBase() {
-    if (alloc) g_ort->ReleaseAllocator(alloc);
-  }
-};
-
-struct ConvKernel : KernelBase {
-  static constexpr const char* kOp = kFusedConv;
+struct ConvKernel : LayerKernel {
+  static constexpr const char* kOp = "FusedConv";
   ConvParams conv;
   bool has_pool = false;
   PoolParams pool;
   ConvLayouts lay;
+
+  void init(const OrtKernelInfo* info) {
+    if (prog.inputs.empty()) throw Error("the program has no inputs (its %0 is the conv output)");
+    if (prog.inputs[0] != DType::F32 && prog.inputs[0] != DType::F16)
+      throw Error(std::string("the program's %0 (the conv output) is ") + dtype_name(prog.inputs[0]) +
+                  ", FusedConv computes f32 or f16");
+    conv = read_conv_params(info);
+    has_pool = read_pool_params(info, /*required=*/false, &pool);
+    lay = read_conv_layouts(info, prog.inputs.size() - 1);
+  }
 
   void compute(OrtKernelContext* ctx) const {
     const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 3, /*f32_for_half=*/true);
@@ -644,72 +457,12 @@ struct ConvKernel : KernelBase {
   }
 };
 
-struct MaxPoolKernel : KernelBase {
-  static constexpr const char* kOp = kFusedMaxPool;
-  PoolParams pool;
-  PoolLayouts lay;
-
-  // The program runs over X's logical [N, C, H, W]; an NHWC X is read through its strides
-  // (no copy), an NHWC output is stored transposed after the pool.
-  void compute(OrtKernelContext* ctx) const {
-    const std::vector<TensorRef> t = read_layer_inputs(prog, ctx, 1, /*f32_for_half=*/true);
-    const Shape xs = pool_input_shape(t[0].shape, lay.x_nhwc);
-    for (size_t i = 1; i < t.size(); ++i)
-      check_extra(i, static_cast<int>(i), t[i].shape, xs,
-                  lay.x_nhwc ? "X's logical shape (x_layout NHWC) [N, C, H, W] =" : "X's shape");
-    const Shape pooled = pool_shape(pool, xs);
-    const TensorRef out = layer_output(prog, ctx, /*f32_for_half=*/true, pool_y_shape(pooled, lay.y_nhwc));
-    if (numel(pooled) == 0) return;
-    const int64_t C = xs[1], H = xs[2], W = xs[3];
-    const Shape x_strides = lay.x_nhwc ? Shape{H * W * C, 1, W * C, C} : Shape{};
-    const HostTensor x{actual_dtype(t[0].type, prog.inputs[0]), t[0].data, xs, x_strides};
-    program_then_pool(ctx, alloc, prog, program_inputs(prog, x, t, 1), xs, &pool, out, lay.y_nhwc);
-  }
-};
-
-void init(ConvKernel* k, const OrtKernelInfo* info) {
-  if (k->prog.inputs.empty()) throw Error("the program has no inputs (its %0 is the conv output)");
-  if (k->prog.inputs[0] != DType::F32 && k->prog.inputs[0] != DType::F16)
-    throw Error(std::string("the program's %0 (the conv output) is ") + dtype_name(k->prog.inputs[0]) +
-                ", FusedConv computes f32 or f16");
-  k->conv = read_conv_params(info);
-  k->has_pool = read_pool_params(info, /*required=*/false, &k->pool);
-  k->lay = read_conv_layouts(info, k->prog.inputs.size() - 1);
-}
-
-void init(MaxPoolKernel* k, const OrtKernelInfo* info) {
-  read_pool_params(info, /*required=*/true, &k->pool);
-  k->lay = read_pool_layouts(info);
-}
-
-template <class K>
-OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-  std::string name;
-  try {
-    name = node_name(info);
-    auto k = std::make_unique<K>();
-    k->prog = read_program(info);
-    k->name = name;
-    check_program(k->prog);
-    init(k.get(), info);
-    if (OrtStatus* st = g_ort->KernelInfoGetAllocator(info, OrtMemTypeDefault, &k->alloc)) {
-      g_ort->ReleaseStatus(st);  // scratch from new[] instead
-      k->alloc = nullptr;
-    }
-    *kernel = k.release();
-    return nullptr;
-  } catch (const std::exception& e) {
-    return make_status(describe_node(K::kOp, name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
-  }
-}
 
 }  // namespace
 
-void append_cpu_conv_ops(std::vector<OrtCustomOp*>* ops) {
-  static OpDef conv_op = make_op<ConvKernel>(3, create_kernel<ConvKernel>);
-  static OpDef pool_op = make_op<MaxPoolKernel>(1, create_kernel<MaxPoolKernel>);
-  ops->push_back(&conv_op);
-  ops->push_back(&pool_op);
+void append_conv_cpu_ops(std::vector<OrtCustomOp*>* ops) {
+  static OpDef op = make_op<ConvKernel>(3, create_layer_kernel<ConvKernel>);
+  ops->push_back(&op);
 }
 
 }  // namespace onnxfuse

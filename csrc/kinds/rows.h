@@ -141,6 +141,4 @@ inline std::vector<TensorRef> rows_outputs(const RowsAttrs& a, OrtKernelContext*
   return out;
 }
 
-void append_cpu_rows_ops(std::vector<OrtCustomOp*>* ops);
-
 }  // namespace onnxfuse

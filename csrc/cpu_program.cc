@@ -1,4 +1,4 @@
-// CPU kernel of onnxfuse::PointwiseChain: evaluates the node's program over the
+// The program evaluator of the CPU kernels (cpu_ops.h): evaluates a program over the
 // broadcast output in cache-sized blocks, in parallel on ORT's intra-op thread pool.
 #include <algorithm>
 #include <cstdlib>
@@ -264,47 +264,6 @@ void run_program(const Program& prog, const std::vector<HostTensor>& in, const s
   job.blocks_per_task = std::max<int64_t>(1, kTaskElems / static_cast<int64_t>(job.block));
   job.n_tasks = (job.n_blocks + job.blocks_per_task - 1) / job.blocks_per_task;
   parallel_for(ctx, job.n_tasks, [&job](int64_t task) { run_task(job, task); });
-}
-
-namespace {
-
-struct CpuKernel {
-  static constexpr const char* kOp = kPointwiseChain;
-  static constexpr const char* kProvider = "CPUExecutionProvider";
-  static constexpr const char* kWhere = "";
-  Program prog;
-  std::string name;
-
-  void compute(OrtKernelContext* ctx) const {
-    Io io = bind_io(prog, ctx, /*f32_for_half=*/true);
-    std::vector<HostTensor> in, out;
-    for (size_t i = 0; i < io.in.size(); ++i)
-      in.push_back({actual_dtype(io.in[i].type, prog.inputs[i]), io.in[i].data, io.in[i].shape});
-    for (size_t j = 0; j < io.out.size(); ++j)
-      out.push_back({actual_dtype(io.out[j].type, prog.outputs[j].second), io.out[j].data, io.out_shape});
-    run_program(prog, in, out, io.out_shape, ctx);
-  }
-};
-
-OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
-  std::string name;
-  try {
-    name = node_name(info);
-    auto k = std::make_unique<CpuKernel>();
-    k->prog = read_program(info);
-    k->name = name;
-    *kernel = k.release();
-    return nullptr;
-  } catch (const std::exception& e) {
-    return make_status(describe_node(kPointwiseChain, name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
-  }
-}
-
-}  // namespace
-
-void append_cpu_ops(std::vector<OrtCustomOp*>* ops) {
-  static OpDef op = make_op<CpuKernel>(1, create_kernel);
-  ops->push_back(&op);
 }
 
 }  // namespace onnxfuse

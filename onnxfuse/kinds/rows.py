@@ -1,5 +1,6 @@
-"""Row reductions (kind rows, FusedRows): recognize normalizations and softmaxes with the
-pointwise ops before and after them, and lower a match to the node's two programs.
+"""The rows kind (FusedRows): normalizations and softmaxes with the pointwise ops before and
+after them, recognized, lowered to the node's two programs (docs/format.md, "FusedRows") and
+compiled by onnxfuse/codegen_rows.py.
 
 A match has three parts (docs/format.md, FusedRows):
 
@@ -41,24 +42,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.codegen_rows import ROW_VALUES
-from onnxfuse.expr import Builder, Operand, Program, Ref, rewrite_tails
+from onnxfuse.codegen import KernelSource
+from onnxfuse.codegen_rows import REDUCTIONS, ROW_VALUES, RowsSpec, RowsVariant, generate_rows, rows_variants
+from onnxfuse.expr import Builder, Operand, Program, Ref, evaluate, rewrite_tails
 from onnxfuse.graph import GraphView, Shape, same_shape
-from onnxfuse.match import (
-    DTYPE_IDS,
-    Match,
-    _Accepted,
-    _dtype_reason,
-    _operands,
-    _reentering,
-    broadcasts_to,
-    check_node,
-    literal_inputs,
-)
+from onnxfuse.groups import Accepted, reentering
+from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
+from onnxfuse.match import DTYPE_IDS, broadcasts_to, check_node, dtype_reason, literal_inputs, operands
 from onnxfuse.ops import ELEM_TYPE, FLOAT_TYPES, RULES, node_attrs
-from onnxfuse.pattern import Pattern, RowReductionMatch
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 MS_DOMAIN = "com.microsoft"
@@ -115,19 +108,44 @@ class Core:
 
 
 @dataclass(frozen=True)
-class RowsMatch(Match):
-    """A row_reduction match: Match's nodes (prologue, core, epilogue, topological order)
-    and outputs (the epilogue's, then x when `x_output`), and the parts."""
+class RowsParts:
+    """What a match found (Match.params): its core, prologue and epilogue nodes
+    (topological order), whether x leaves the node too; Match's nodes are all of them and
+    its outputs the epilogue's, then x when `x_output`."""
 
-    core: Core | None = None
+    core: Core
     prologue: tuple[int, ...] = ()
     epilogue: tuple[int, ...] = ()
     x_output: bool = False
-    note: str = ""  # the ORT rule that applied, if any
+    note: str = ""  # the rule of ONNX Runtime's fusions that applied, if any (the report's notes)
+
+
+@dataclass(frozen=True)
+class RowsParams:
+    """Match a normalization or softmax over the last dims (`reductions`), the pointwise
+    group before it (the prologue: what computes its input) and after it (the epilogue)."""
+
+    reductions: frozenset[str]
+    ops: frozenset[str]  # op types allowed in the prologue and the epilogue
+    dtypes: frozenset[str]
+    min_nodes: int = 1  # prologue and epilogue nodes besides the reduction's own, at least
 
     @property
-    def kind(self) -> str:
-        return "rows"
+    def anchors(self) -> frozenset[str]:
+        return frozenset().union(*(REDUCTION_ANCHORS[r] for r in self.reductions))
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        return self.ops | self.anchors
+
+
+# The ONNX ops each reduction is recognized from (the decomposed forms start at ReduceMean).
+REDUCTION_ANCHORS = {
+    "layer_norm": frozenset({"ReduceMean", "LayerNormalization"}),
+    "rms_norm": frozenset({"ReduceMean", "SimplifiedLayerNormalization", "RMSNormalization"}),
+    "softmax": frozenset({"Softmax"}),
+    "log_softmax": frozenset({"LogSoftmax"}),
+}
 
 
 # ---------------------------------------------------------------------------------------
@@ -257,9 +275,9 @@ def _check_x(view: GraphView, x: str, pattern: Pattern) -> Shape | str:
         return UNKNOWN_SHAPE
     if not shape:
         return "a scalar input"
-    m: RowReductionMatch = pattern.match
+    m: RowsParams = pattern.match
     if view.types.get(x) not in {DTYPE_IDS[d] for d in m.dtypes}:
-        return _dtype_reason(view.types.get(x))
+        return dtype_reason(view.types.get(x))
     return shape
 
 
@@ -271,7 +289,7 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
     """The reduction anchored at node i, why it cannot fuse, or None when node i anchors no
     reduction of this pattern (a ReduceMean that is a LayerNorm's variance, or no
     normalization at all)."""
-    m: RowReductionMatch = pattern.match
+    m: RowsParams = pattern.match
     n = view.nodes[i]
     if n.op_type == "ReduceMean" and n.domain in DEFAULT_DOMAINS:
         parts = _layer_norm_parts(view, i)
@@ -310,7 +328,7 @@ def _decomposed_layer_norm(view: GraphView, r1: int, parts: tuple[int, int, int]
     if axis != axis2:
         return "the mean and the variance reduce different axes"
     if view.types.get(view.nodes[r2].output[0]) not in FLOAT_TYPES:
-        return f"its variance is {_dtype_reason(view.types.get(view.nodes[r2].output[0]))} (a Cast before the square)"
+        return f"its variance is {dtype_reason(view.types.get(view.nodes[r2].output[0]))} (a Cast before the square)"
     eps = _eps_reason(view, view.nodes[r2].output[0])
     if eps:
         return eps
@@ -471,7 +489,7 @@ class _Growth:
                 out = v.nodes[c].output[0]
                 if not (same_shape(v.shapes.get(out), self.x_shape) or same_shape(v.shapes.get(out), self.row_shape)):
                     continue
-                if all(name in readable or self.mode(name) is not None for _, name in _operands(v, c)):
+                if all(name in readable or self.mode(name) is not None for _, name in operands(v, c)):
                     self.epilogue.add(c)
                     readable.add(out)
                     work.append(out)
@@ -487,7 +505,7 @@ class _Growth:
         work = [p]
         while work:
             i = work.pop()
-            for _, name in _operands(v, i):
+            for _, name in operands(v, i):
                 q = v.producer.get(name)
                 if q is None or q in group or not self.candidate(q) or q in self.epilogue:
                     continue
@@ -505,9 +523,9 @@ class _Growth:
                 i = stack.pop()
                 if i in group:
                     group.discard(i)
-                    stack += [v.producer[name] for _, name in _operands(v, i) if v.producer.get(name) in group]
+                    stack += [v.producer[name] for _, name in operands(v, i) if v.producer.get(name) in group]
         # every operand read where the kernel can read it
-        if all(self.mode(name) is not None for i in group for _, name in _operands(v, i)
+        if all(self.mode(name) is not None for i in group for _, name in operands(v, i)
                if v.producer.get(name) not in group):
             self.prologue = group
 
@@ -516,15 +534,16 @@ def _members(g: _Growth) -> list[int]:
     return sorted(set(g.core.nodes) | g.prologue | g.epilogue)
 
 
-def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: _Accepted,
-               reserved: dict[int, str] | None = None) -> tuple[list[Match], dict[int, str]]:
-    """Matches of a row_reduction pattern in topological order of their anchors; adds their
-    nodes to `taken` and `accepted`. Also returns why each other anchor (normalization or
-    softmax node not already taken) did not match. `reserved` (node -> reason, from
-    `onnxfuse.ort_fusions`; None without leave_to_ort) says what ONNX Runtime fuses itself."""
-    m: RowReductionMatch = pattern.match
-    matches: list[Match] = []
-    reasons: dict[int, str] = {}
+def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+               reserved: dict[int, str]) -> MatchResult:
+    """Matches of a rows pattern in topological order of their anchors; adds their nodes to
+    `taken` and `accepted`. The result's `anchors` say why each other anchor (normalization
+    or softmax node not already taken) did not match, its `notes` which rule of ONNX
+    Runtime's fusions a match followed. `reserved` (node -> reason, from
+    `onnxfuse.ort_fusions`; empty without leave_to_ort) says what ONNX Runtime fuses itself."""
+    m: RowsParams = pattern.match
+    result = MatchResult()
+    reasons = result.anchors
     for i, n in enumerate(view.nodes):
         if i in taken or n.op_type not in m.anchors:
             continue
@@ -540,10 +559,12 @@ def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: _Ac
                 if view.nodes[c].op_type in m.anchors:
                     reasons[c] = found
             continue
-        matches.append(found)
+        result.matches.append(found)
+        if found.params.note:
+            result.notes[found.params.note] += len(found.nodes)
         taken.update(found.nodes)
         accepted.add(list(found.nodes))
-    return matches, reasons
+    return result
 
 
 def _anchor_nodes(view: GraphView, i: int) -> tuple[int, ...]:
@@ -552,21 +573,21 @@ def _anchor_nodes(view: GraphView, i: int) -> tuple[int, ...]:
     return (i,) if parts is None else (i, parts[2])
 
 
-def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accepted: _Accepted,
-           reserved: dict[int, str] | None) -> RowsMatch | str:
+def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accepted: Accepted,
+           reserved: dict[int, str]) -> Match | str:
     x_shape = view.shapes[core.x]
     row_shape = tuple(x_shape[:core.axis]) + (1,) * (len(x_shape) - core.axis)
     for name in core.op_inputs:
         if input_mode(view, name, x_shape, core.axis) is None:
             return NOT_BROADCAST
-    ort = reserved or {}
+    ort = reserved
     own = next((ort[c] for c in core.nodes if c in ort), None)
     g = _Growth(view, pattern, core, x_shape, row_shape, taken, own, ort)
     g.grow_epilogue()
     g.grow_prologue()
     while True:
         group = _members(g)
-        tainted = _reentering(view, group, accepted)
+        tainted = reentering(view, group, accepted)
         if not tainted:
             break
         if tainted & set(core.nodes):
@@ -594,17 +615,16 @@ def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accep
         return "its result is never used"
     for o in outputs:
         if view.types.get(o) not in FLOAT_TYPES:
-            return _dtype_reason(view.types.get(o))
+            return dtype_reason(view.types.get(o))
     if len(g.prologue) + len(g.epilogue) < pattern.match.min_nodes:
         return LONE
     note = ""
-    if reserved is not None and own is not None:
+    if own is not None:  # (reserved is empty without leave_to_ort)
         if all(i in ort for i in group):
             return left_to_ort(own)
         note = taken_from_ort(own)
-    return RowsMatch(pattern, tuple(group), tuple(outputs) + ((core.x,) if x_output else ()), core=core,
-                     prologue=tuple(sorted(g.prologue)), epilogue=tuple(sorted(g.epilogue)), x_output=x_output,
-                     note=note)
+    parts = RowsParts(core, tuple(sorted(g.prologue)), tuple(sorted(g.epilogue)), x_output, note)
+    return Match(pattern, tuple(group), tuple(outputs) + ((core.x,) if x_output else ()), params=parts)
 
 
 # ---------------------------------------------------------------------------------------
@@ -622,48 +642,32 @@ class RowsInfo:
     x_output: bool
 
 
-@dataclass(frozen=True)
-class RowsParts:
-    """A match lowered: the node's inputs (the prologue's, then the epilogue's extras), their
-    modes, the two programs, the constants the function body needs, its attributes."""
-
-    inputs: tuple[str, ...]
-    modes: tuple[str, ...]
-    prologue: Program
-    epilogue: Program
-    folded: dict[str, float | None]
-    info: RowsInfo
-
-    @property
-    def attrs(self) -> dict:
-        return {"prologue": self.prologue.to_text(), "reduction": self.info.reduction, "axis": self.info.axis,
-                "x_output": int(self.info.x_output)}
-
-    @property
-    def key(self) -> str:
-        """What names the kernel besides the programs and the body: N and the modes."""
-        return f"rows {self.prologue.to_text()} N={self.info.n_cols} modes={','.join(self.modes)}"
-
-
-def lower_rows(view: GraphView, m: RowsMatch) -> RowsParts:
-    """The FusedRows node of a match (docs/format.md)."""
-    core = m.core
+def lower_rows(view: GraphView, m: Match) -> Lowering:
+    """The FusedRows node of a match (docs/format.md): inputs the prologue's, then the
+    epilogue's extras; attribute `program` the epilogue; the body every node of the match."""
+    parts: RowsParts = m.params
+    core = parts.core
     x_shape = view.shapes[core.x]
-    if m.prologue:
-        prologue, p_inputs, folded = _lower(view, m.prologue, (core.x,), [])
+    if parts.prologue:
+        prologue, p_inputs, folded = _lower(view, parts.prologue, (core.x,), [])
     else:
         prologue, p_inputs, folded = _lower(view, (), (core.x,), [(core.x, _ir_dtype(view, core.x))])
     fixed = [(name, "f32") for name in core.row_values]
     fixed += [(name, _ir_dtype(view, name)) for name in core.op_inputs]
-    epi_outputs = m.outputs[:-1] if m.x_output else m.outputs
-    epilogue, e_inputs, folded2 = _lower(view, m.epilogue, epi_outputs, fixed, core.prelude, set(core.seeds))
+    epi_outputs = m.outputs[:-1] if parts.x_output else m.outputs
+    epilogue, e_inputs, folded2 = _lower(view, parts.epilogue, epi_outputs, fixed, core.prelude, set(core.seeds))
     extras = e_inputs[len(core.row_values):]
     folded = {**folded, **folded2, **dict.fromkeys(core.constants)}
-    modes = tuple(input_mode(view, name, x_shape, core.axis) for name in (*p_inputs, *extras))
+    inputs = [*p_inputs, *extras]
+    modes = tuple(input_mode(view, name, x_shape, core.axis) for name in inputs)
     trail = x_shape[core.axis:]
     n_cols = int(np.prod(trail, dtype=np.int64)) if all(isinstance(d, int) for d in trail) else None
-    info = RowsInfo(core.reduction, prologue, core.axis, n_cols, m.x_output)
-    return RowsParts((*p_inputs, *extras), modes, prologue, epilogue, folded, info)
+    info = RowsInfo(core.reduction, prologue, core.axis, n_cols, parts.x_output)
+    attrs = {"prologue": prologue.to_text(), "reduction": core.reduction, "axis": core.axis,
+             "x_output": int(parts.x_output)}
+    key = f"rows {prologue.to_text()} N={n_cols} modes={','.join(modes)}"  # besides the programs and the body
+    return Lowering(epilogue, folded, inputs, [view.nodes[i] for i in m.nodes], attrs, key, core.axis, modes,
+                    {"params": info})
 
 
 def _ir_dtype(view: GraphView, name: str) -> str:
@@ -685,7 +689,7 @@ def _lower(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...], fi
     dtypes = [dt for _, dt in fixed]
     seen = set(inputs) | (defined or set())
     for i in nodes:
-        for _, name in _operands(view, i):
+        for _, name in operands(view, i):
             if view.producer.get(name) not in members and name not in seen:
                 inputs.append(name)
                 dtypes.append(_ir_dtype(view, name))
@@ -743,4 +747,100 @@ def _round_trip_source(view: GraphView, members: set[int], n: onnx.NodeProto) ->
     return widen.input[0] if widen.op_type == "Cast" and view.types.get(widen.input[0]) == to else None
 
 
-assert set(ROW_VALUES) == {"layer_norm", "rms_norm", "softmax", "log_softmax"}
+# ---------------------------------------------------------------------------------------
+# The kind
+# ---------------------------------------------------------------------------------------
+
+class Rows(Kind):
+    """A match is a normalization or softmax over the trailing dims of its input x (its
+    core), the pointwise ops that compute x (prologue) and those after it (epilogue), as the
+    module docstring says; each normalization or softmax that does not fuse is reported with
+    the reason."""
+
+    name = "rows"
+    op_type = "FusedRows"
+    match_kind = "row_reduction"
+    params = frozenset({"reductions", "min_nodes"})
+
+    def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> RowsParams:
+        """reductions (any of layer_norm, rms_norm, softmax, log_softmax), min_nodes (default
+        1: prologue and epilogue nodes besides the reduction's own)."""
+        reductions = m.get("reductions", list)
+        if not reductions:
+            m.fail("match.reductions", "must name at least one reduction")
+        for r in reductions:
+            if r not in REDUCTIONS:
+                m.fail("match.reductions", f"{r!r} is not one of {', '.join(REDUCTIONS)}")
+        min_nodes = m.get("min_nodes", int, 1)
+        if min_nodes < 0:
+            m.fail("match.min_nodes", "must be at least 0")
+        return RowsParams(frozenset(reductions), ops, dtypes, min_nodes)
+
+    def match(self, view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+              reserved: dict[int, str]) -> MatchResult:
+        return match_rows(view, pattern, taken, accepted, reserved)
+
+    def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
+        return lower_rows(view, match)
+
+    def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> RowsSpec:
+        r: RowsInfo = f.params
+        return RowsSpec(f.kernel_name, r.reduction, r.prologue, f.program, f.input_modes, r.axis, r.n_cols,
+                        r.x_output, f.source_nodes)
+
+    def variants(self, spec: RowsSpec) -> tuple[RowsVariant, ...]:
+        return rows_variants(spec)
+
+    def generate(self, spec: RowsSpec, variant: RowsVariant) -> KernelSource:
+        return generate_rows(spec, variant)
+
+    def kernel_meta(self, spec: RowsSpec, variants: tuple, binaries: list[dict]) -> dict:
+        return {
+            "version": META_VERSION, "kind": "rows", "name": spec.name, "reduction": spec.reduction,
+            "axis": spec.lead_rank, "n_prologue": spec.n_prologue, "n_extras": spec.n_extras,
+            "input_modes": list(spec.input_modes), "x_output": int(spec.x_output),
+            "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
+            "binaries": binaries,
+        }
+
+    def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        """Prologue, statistics in float64, epilogue (docs/format.md, "FusedRows")."""
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        prologue = Program.from_text(attrs["prologue"].decode())
+        epilogue = Program.from_text(attrs["program"].decode())
+        return evaluate_rows(attrs["reduction"].decode(), prologue, epilogue, inputs, int(attrs["axis"]),
+                             bool(attrs.get("x_output", 0)))
+
+
+def row_values(reduction: str, x: np.ndarray, axis: int) -> list[np.ndarray]:
+    """The values a reduction gives the epilogue (codegen_rows.ROW_VALUES), as float32 arrays
+    that broadcast to x: x itself, then per-row statistics (computed in float64) with the
+    normalized dims kept as 1; or the softmax."""
+    trail = tuple(range(axis, x.ndim))
+    x64 = x.astype(np.float64)
+    with np.errstate(all="ignore"):
+        if reduction == "layer_norm":
+            mean = x64.mean(axis=trail, keepdims=True)
+            var = ((x64 - mean) ** 2).mean(axis=trail, keepdims=True)
+            return [x.astype(np.float32), mean.astype(np.float32), var.astype(np.float32)]
+        if reduction == "rms_norm":
+            return [x.astype(np.float32), (x64 * x64).mean(axis=trail, keepdims=True).astype(np.float32)]
+        m = np.max(x64, axis=trail, keepdims=True)
+        m = np.where(np.isnan(x64).any(axis=trail, keepdims=True), np.nan, m)
+        e = np.exp(x64 - m)
+        s = e.sum(axis=trail, keepdims=True)
+        y = e / s if reduction == "softmax" else (x64 - m) - np.log(s)
+        return [y.astype(np.float32)]
+
+
+def evaluate_rows(reduction: str, prologue: Program, epilogue: Program, inputs: list[np.ndarray], axis: int,
+                  x_output: bool = False) -> list[np.ndarray]:
+    """A FusedRows node's outputs for `inputs` (the prologue's, then the epilogue's extras)."""
+    p = len(prologue.input_dtypes)
+    (x,) = evaluate(prologue, inputs[:p])
+    values = row_values(reduction, x, axis)
+    outs = [np.broadcast_to(o, x.shape).copy() for o in evaluate(epilogue, [*values, *inputs[p:]])]
+    return outs + ([x] if x_output else [])
+
+
+assert set(ROW_VALUES) == set(REDUCTION_ANCHORS)

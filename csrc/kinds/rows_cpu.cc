@@ -135,7 +135,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
 
 }  // namespace
 
-void append_cpu_rows_ops(std::vector<OrtCustomOp*>* ops) {
+void append_rows_cpu_ops(std::vector<OrtCustomOp*>* ops) {
   static OpDef op = make_op<RowsKernel>(1, create_kernel);
   ops->push_back(&op);
 }

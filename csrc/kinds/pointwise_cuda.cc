@@ -1,0 +1,121 @@
+// CUDA kernel of onnxfuse::PointwiseChain (docs/format.md, "The node", kernel_meta kind
+// "pointwise"): input modes full / scalar / strided, every integer parameter 64-bit, a
+// flat grid of `block` elements per program.
+#include "cuda_driver.h"
+
+#ifdef ONNXFUSE_WITH_CUDA
+
+namespace onnxfuse {
+namespace {
+
+using cuda::Params;
+using cuda::thread_params;
+using cuda::Target;
+using cuda::Variant;
+
+enum class Mode { FULL, SCALAR, STRIDED };
+
+struct PointwiseKernel : cuda::CudaKernel {
+  static constexpr const char* kOp = "PointwiseChain";
+  int rank = 0;
+  std::vector<Mode> modes;  // per program input
+  bool any_strided = false;
+  std::vector<int64_t> blocks;  // per variant: elements per program
+
+  const char* kind() const override { return "pointwise"; }
+  bool int32_params() const override { return false; }
+
+  void read_meta(const Json& j, size_t n_inputs) override {
+    const int64_t r = cuda::meta_int(j, "rank", "kernel_meta");
+    if (r < 0 || r > 64) throw Error("kernel_meta: bad rank " + std::to_string(r));
+    rank = static_cast<int>(r);
+    const Json& modes_j = cuda::meta_array(j, "input_modes", "kernel_meta");
+    if (modes_j.arr.size() != n_inputs)
+      throw Error("kernel_meta has " + std::to_string(modes_j.arr.size()) + " input_modes, the program has " +
+                  std::to_string(n_inputs) + " inputs");
+    for (const Json& md : modes_j.arr) {
+      if (md.kind != Json::STRING) throw Error("kernel_meta: input_modes must be strings");
+      if (md.str == "full") modes.push_back(Mode::FULL);
+      else if (md.str == "scalar") modes.push_back(Mode::SCALAR);
+      else if (md.str == "strided") modes.push_back(Mode::STRIDED), any_strided = true;
+      else throw Error("kernel_meta: unknown input mode \"" + md.str + "\"");
+    }
+  }
+
+  void read_variant(const Json& vj, const std::string& where, Variant*) override {
+    blocks.push_back(cuda::meta_positive(vj, "block", where));
+  }
+
+  void compute(OrtKernelContext* ctx) override {
+    if (!meta_error.empty()) throw Error(meta_error);
+    Io io = bind_io(prog, ctx);
+    if (io.n == 0) return;
+    const Target t = target(ctx);
+
+    const size_t n_in = prog.inputs.size();
+    const size_t n_out = prog.outputs.size();
+    std::vector<size_t> strided;
+    for (size_t i = 0; i < n_in; ++i) {
+      const int64_t ni = numel(io.in[i].shape);
+      switch (modes[i]) {
+        case Mode::FULL:
+          if (ni != io.n)
+            throw Error("input " + std::to_string(i) + " has shape " + shape_str(io.in[i].shape) +
+                        ", its kernel reads it in mode 'full', which needs the output's shape " +
+                        shape_str(io.out_shape) + " (the model's shapes changed since it was optimized?)");
+          break;
+        case Mode::SCALAR:
+          if (ni != 1)
+            throw Error("input " + std::to_string(i) + " has shape " + shape_str(io.in[i].shape) +
+                        ", its kernel reads it in mode 'scalar', which needs one element");
+          break;
+        case Mode::STRIDED: strided.push_back(i); break;
+      }
+    }
+
+    // docs/format.md, Launch: every integer 64-bit.
+    Params& p = thread_params();
+    std::vector<const void*> ptrs;
+    for (size_t i = 0; i < n_in; ++i) ptrs.push_back(io.in[i].data);
+    for (size_t j = 0; j < n_out; ++j) ptrs.push_back(io.out[j].data);
+    for (const void* ptr : ptrs) p.ptr(ptr);
+    p.i64(io.n);
+    if (any_strided) {
+      std::vector<Shape> st;
+      for (size_t i : strided) st.push_back(broadcast_strides(io.in[i].shape, io.out_shape));
+      Collapsed c = collapse(io.out_shape, st);
+      if (c.dims.size() > static_cast<size_t>(rank))
+        throw Error("output shape " + shape_str(io.out_shape) + " needs rank " + std::to_string(c.dims.size()) +
+                    " for its strided inputs, the kernel was compiled for rank " + std::to_string(rank));
+      const size_t pad = static_cast<size_t>(rank) - c.dims.size();
+      for (size_t k = 0; k < pad; ++k) p.i64(1);
+      for (int64_t dim : c.dims) p.i64(dim);
+      for (size_t s = 0; s < strided.size(); ++s) {
+        for (size_t k = 0; k < pad; ++k) p.i64(0);
+        for (int64_t stv : c.strides[s]) p.i64(stv);
+      }
+    }
+    p.scratch();
+
+    const int v = choose_variant(t, ptrs, io.n, io.n);
+    const int64_t block = blocks[v];
+    launch(t, v, (io.n + block - 1) / block, 1, p);
+  }
+};
+
+}  // namespace
+
+void append_pointwise_cuda_ops(std::vector<OrtCustomOp*>* ops) {
+  static OpDef op = make_op<PointwiseKernel>(1, cuda::create_kernel<PointwiseKernel>);
+  ops->push_back(&op);
+}
+
+}  // namespace onnxfuse
+
+#else  // built without cuda.h: CPU only
+
+namespace onnxfuse {
+void append_pointwise_cuda_ops(std::vector<OrtCustomOp*>*) {}
+}  // namespace onnxfuse
+
+#endif

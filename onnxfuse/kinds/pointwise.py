@@ -1,0 +1,238 @@
+"""The pointwise kind: connected groups of elementwise ops become one PointwiseChain node
+whose kernel reads each input once and writes each output once (docs/format.md, "The node").
+
+Launch configuration (`choose_variants`): 4 warps, and a BLOCK giving each thread two
+16-byte accesses per tensor: 1024 (8 elements per thread) when some input or output is
+fp32, 2048 when all are 16-bit or bool. Long programs keep 4 warps: with 8 warps, x*2
+repeated 64-256 times ran 6-16% slower on the H200 (compute-bound there). Measured on the H200
+(64M elements, Triton JIT, 2026-11-29): 1024/4 was within about 5% of the best of
+512..4096 x 2..16 warps for cos(cos(x)) and x*2 (8x) in fp32; an fp16 GELU ran 116 us at
+1024/4 and 110 us at 2048/4. benchmarks/tune_pointwise.py (2026-11-29, H200, 64M
+elements, 32 configurations x 5 workloads, BENCHMARKS.md): 1024/4 with int32 offsets was
+best by geometric mean and equal to torch.compile's kernels; mask-free (even) kernels and
+int64 offsets made no measurable difference, so the mask-free variant is off by default
+(ONNXFUSE_POINTWISE_CONFIG=even=1 turns it on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import GraphProto, ModelProto, NodeProto, helper
+
+from onnxfuse.codegen import KernelSource, KernelSpec, Variant, generate
+from onnxfuse.expr import Program, evaluate
+from onnxfuse.graph import GraphView, same_shape
+from onnxfuse.groups import Accepted, components, exit_levels, exposed_outputs, reentering
+from onnxfuse.kinds.base import (
+    META_VERSION,
+    Fields,
+    FusedNode,
+    Kind,
+    Lowering,
+    Match,
+    MatchResult,
+    Pattern,
+    env_config,
+)
+from onnxfuse.match import check_node, literal_inputs
+from onnxfuse.ops import RULES
+from onnxfuse.rewrite import input_mode, lower_group
+
+BLOCK = 1024  # with any fp32 tensor
+BLOCK_16BIT = 2048  # when every tensor is f16, bf16 or bool
+NUM_WARPS = 4  # 8 warps for long programs was 6-16% slower on the H200 (BENCHMARKS.md)
+
+
+@dataclass(frozen=True)
+class LongProgram:
+    """The launch configuration of long programs: those of `min_instrs` instructions or more,
+    and fewer than `max_instrs`, get `block` and `warps` instead of BLOCK / NUM_WARPS."""
+
+    min_instrs: int
+    block: int
+    warps: int
+    max_instrs: int = 1 << 30
+
+
+# Long programs turn compute-bound (x*2 repeated 64 times: the knee of the intensity sweep).
+# benchmarks/tune_pointwise.py on the H200 (tune_long.json, 2026-11-29, kernel ms at 64M
+# floats): r = 64: 1024/4 0.1636, 1024/2 0.1495, 4096/4 0.1480, torch.compile 0.1577;
+# r = 128: 1024/4 0.2812, 1024/2 0.2719, torch.compile 0.2826; r = 32: 1024/4 0.1307,
+# 1024/2 0.1325. 1024 x 2 warps had the best geometric mean of the long chains (18
+# configurations); 8 warps was worse. Fewer threads per block hold more elements each,
+# whose independent multiply chains hide the FMA latency. Fully compute-bound programs do
+# not gain: r = 256 took 0.573 ms with 1024/2 against 0.536 with 1024/4 and torch.compile's
+# 0.537 (intensity_sweep.json), so from 192 instructions the default launch returns.
+# $ONNXFUSE_POINTWISE_CONFIG still overrides it; None turns it off.
+LONG_PROGRAM: LongProgram | None = LongProgram(min_instrs=48, block=1024, warps=2, max_instrs=192)
+
+
+def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
+    """The variants of a kernel, most specialized first (the launcher takes the first whose
+    requirements hold): 0: aligned, n a multiple of BLOCK, int32 offsets, no mask;
+    1: aligned, n % 16 == 0, int32 offsets; 2: anything, int64 offsets.
+
+    Programs of 48 to 191 instructions take LONG_PROGRAM's block and warps (1024 and 2:
+    measured on the long chains, see LONG_PROGRAM).
+    ``$ONNXFUSE_POINTWISE_CONFIG`` (e.g. ``block=2048,warps=8,int32=0,even=0``) overrides
+    the launch configuration; it is for tuning experiments (benchmarks/tune_pointwise.py)."""
+    prog = spec.program
+    narrow = "f32" not in prog.input_dtypes and all(dt != "f32" for _, dt in prog.outputs)
+    cfg = {"block": BLOCK_16BIT if narrow else BLOCK, "warps": NUM_WARPS,
+           "int32": 1, "even": 0}
+    if LONG_PROGRAM is not None and LONG_PROGRAM.min_instrs <= len(prog.instrs) < LONG_PROGRAM.max_instrs:
+        cfg.update(block=LONG_PROGRAM.block, warps=LONG_PROGRAM.warps)
+    env_config("ONNXFUSE_POINTWISE_CONFIG", cfg)
+    block, warps, bits = cfg["block"], cfg["warps"], 32 if cfg["int32"] else 64
+    variants = []
+    if cfg["even"]:
+        variants.append(dict(ptr_align=16, n_multiple=max(block, 16), index_bits=bits))
+    variants.append(dict(ptr_align=16, n_multiple=16, index_bits=bits))
+    variants.append(dict(index_bits=64))
+    return tuple(Variant(k, block=block, num_warps=warps, **v) for k, v in enumerate(variants))
+
+
+@dataclass(frozen=True)
+class PointwiseParams:
+    """Match connected groups of elementwise nodes (pattern fields ops, dtypes, min_nodes)."""
+
+    ops: frozenset[str]
+    dtypes: frozenset[str]
+    min_nodes: int
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        """Every op type a match may contain."""
+        return self.ops
+
+
+# ---------------------------------------------------------------------------------------
+# matching: maximal connected, convex, shape-uniform groups of elementwise nodes
+# ---------------------------------------------------------------------------------------
+
+def _shape_misfits(view: GraphView, group: list[int], outputs: list[str]) -> set[int]:
+    """Members whose exposed output's shape differs from the group's shape (that of the
+    highest-rank output, the latest among equals), or is not known to be equal to it."""
+    ranked = [(len(view.shapes.get(o) or ()), k) for k, o in enumerate(outputs)]
+    target_name = outputs[max(ranked)[1]]
+    target = view.shapes.get(target_name)
+    return {view.producer[o] for o in outputs if o != target_name and not same_shape(view.shapes.get(o), target)}
+
+
+def _has_tensor_input(view: GraphView, group: list[int]) -> bool:
+    members = set(group)
+    for i in group:
+        lits = literal_inputs(view, i)
+        rule = RULES[view.nodes[i].op_type]
+        for k, name in enumerate(view.nodes[i].input):
+            if name and k not in lits and k not in rule.const_inputs and view.producer.get(name) not in members:
+                if name not in view.constants:
+                    return True
+    return False
+
+
+def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
+                             accepted: Accepted | None = None, reserved: dict[int, str] | None = None) -> MatchResult:
+    """Groups of this pattern among the nodes not in `taken`; `accepted` holds the groups
+    already matched (by patterns before this one) and gets this pattern's groups added.
+    Nodes in `reserved` (node -> reason) join no group: they are counted under that reason."""
+    result = MatchResult()
+    accepted = Accepted(len(view.nodes)) if accepted is None else accepted
+    reserved = reserved or {}
+    candidates: set[int] = set()
+    for i, n in enumerate(view.nodes):
+        if i in taken or n.op_type not in pattern.match.ops or n.domain not in ("", "ai.onnx"):
+            continue
+        if i in reserved:
+            result.rejected[reserved[i]] += 1
+            continue
+        reason = check_node(view, i, pattern)
+        if reason is None:
+            candidates.add(i)
+        else:
+            result.rejected[reason] += 1
+    work = [part for comp in components(view, candidates) for level_set in exit_levels(view, comp)
+            for part in components(view, level_set)]
+    while work:
+        group = work.pop()
+        after = reentering(view, group, accepted)
+        if after:
+            work += components(view, set(group) - after) + components(view, after)
+            continue
+        outputs = exposed_outputs(view, group)
+        if not outputs:
+            result.rejected["result is never used"] += len(group)
+            continue
+        misfits = _shape_misfits(view, group, outputs)
+        if misfits:
+            result.rejected["output shape differs from the group's"] += len(misfits)
+            work += components(view, set(group) - misfits)
+            continue
+        if len(group) < pattern.match.min_nodes:
+            result.rejected["no elementwise neighbour to fuse with"] += len(group)
+            continue
+        if not _has_tensor_input(view, group):
+            result.rejected["computes only on constants"] += len(group)
+            continue
+        accepted.add(group)
+        result.matches.append(Match(pattern, tuple(group), tuple(outputs)))
+    result.matches.sort(key=lambda m: m.nodes)
+    return result
+
+
+class Pointwise(Kind):
+    """A match is a maximal connected set of elementwise nodes (producer-consumer edges)
+    that is convex (no path leaves the group and comes back, so one node can replace it)
+    and shape-uniform (every tensor the group exposes, read outside it or a graph output,
+    has the same shape: the shape the kernel iterates over). Nodes that could have joined
+    but did not are reported with the reason."""
+
+    name = "pointwise"
+    op_type = "PointwiseChain"
+    match_kind = "elementwise_group"
+    params = frozenset({"min_nodes"})
+    layout_free = True  # an elementwise program computes the same on channels-last tensors
+
+    def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> PointwiseParams:
+        min_nodes = m.get("min_nodes", int, 2)
+        if min_nodes < 1:
+            m.fail("match.min_nodes", "must be at least 1")
+        return PointwiseParams(ops, dtypes, min_nodes)
+
+    def match(self, view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+              reserved: dict[int, str]) -> MatchResult:
+        return match_elementwise_groups(view, pattern, taken, accepted, reserved)
+
+    def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
+        """Inputs: the group's boundary tensors in order of first use; outputs: the tensors
+        it exposes. The function body is the group's nodes."""
+        program, inputs, folded = lower_group(view, match.nodes, match.outputs)
+        shape = view.shapes[match.outputs[0]]
+        return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], {}, "", len(shape),
+                        tuple(input_mode(view, x, shape) for x in inputs))
+
+    def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> KernelSpec:
+        return KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes)
+
+    def variants(self, spec: KernelSpec) -> tuple[Variant, ...]:
+        return choose_variants(spec)
+
+    def generate(self, spec: KernelSpec, variant: Variant) -> KernelSource:
+        return generate(spec.program, spec.name, spec.rank, spec.input_modes, list(spec.source_nodes), variant)
+
+    def kernel_meta(self, spec: KernelSpec, variants: tuple, binaries: list[dict]) -> dict:
+        return {
+            "version": META_VERSION,
+            "name": spec.name,
+            "rank": spec.rank,
+            "input_modes": list(spec.input_modes),
+            "variants": [{"requires": v.requires(), "block": v.block} for v in variants],
+            "binaries": binaries,
+        }
+
+    def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        program = Program.from_text(helper.get_attribute_value(
+            next(a for a in node.attribute if a.name == "program")).decode())
+        return evaluate(program, inputs)

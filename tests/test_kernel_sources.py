@@ -1,0 +1,255 @@
+"""Golden kernel sources: every generated Triton kernel and its kernel_meta stay byte-identical.
+
+For a set of models that exercises every fusion kind and kernel shape (pointwise chains with
+full / scalar / strided inputs in f32, f16 and bf16, short and long programs; convs plain,
+flat (image input), split-K, grouped (direct loop and block-diagonal GEMM), depthwise,
+NCHW and NHWC, with a pooled epilogue, at the three conv precisions, with TF32 rounding at
+the producer; max pools flat, rows and nhwc), the compile pass runs as `optimize` runs it
+(`--target sm_80,sm_90`, no tuning), but nothing is compiled: the kernel cache is faked, so
+every (kernel, variant, target) is a "hit" whose source is recorded. Each kernel's record is
+the sha256 of every variant's source with its compile arguments, of its kernel_meta (binaries
+included: the fake cache gives them fixed metadata), and of the sources of the candidate
+configurations `--tune` would time.
+
+tests/data/kernel_sources.json holds the hashes. A change that alters a generated kernel
+on purpose regenerates it: ``ONNXFUSE_UPDATE_GOLDEN=1 python -m pytest tests/test_kernel_sources.py``
+(and says so in its commit message). The pretrained models are used when they are in the
+models cache (`python -m models.pretrained`); without them their cases skip.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from models import build
+from onnxfuse import compile as aot
+from onnxfuse import tune
+from onnxfuse.pattern import example_model, load_patterns
+from onnxfuse.pipeline import NHWC_ONLY_PATTERNS, build_options, optimize_model
+from tests import test_layout as lay
+
+pytest.importorskip("triton")
+
+GOLDEN = Path(__file__).parent / "data" / "kernel_sources.json"
+UPDATE = os.environ.get("ONNXFUSE_UPDATE_GOLDEN") == "1"
+TARGETS = "sm_80,sm_90"
+N = helper.make_node
+
+
+def _sha(data: str | bytes) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()
+
+
+def _kernel_text(k) -> str:
+    """A generated kernel as `triton.compile` gets it: source and every compile argument."""
+    return json.dumps({"name": k.name, "source": k.source, "params": k.params, "constexprs": k.constexprs,
+                       "divisible": k.divisible, "num_warps": k.num_warps, "num_stages": k.num_stages}, sort_keys=True)
+
+
+class FakeCache:
+    """Stands in for the kernel cache: every key is a hit with fixed metadata; records the
+    kernel source behind each key."""
+
+    def __init__(self):
+        self.kernels: dict[str, object] = {}
+
+    def key(self, kernel, arch: int) -> str:
+        key = _sha(f"{arch}\n{_kernel_text(kernel)}")
+        self.kernels[key] = kernel
+        return key
+
+    def get(self, root, key: str) -> dict:
+        k = self.kernels[key]
+        return {"entry": k.name, "num_warps": k.num_warps, "shared": 0, "global_scratch_size": 0,
+                "global_scratch_align": 1, "profile_scratch_size": 0, "profile_scratch_align": 1,
+                "cubin": b"cubin", "ptx": ".target sm_90a\n"}
+
+
+def kernel_records(model: onnx.ModelProto, monkeypatch, layout: str, precision: str = "tf32",
+                   patterns: list | None = None, leave_to_ort: bool = True) -> dict[str, dict]:
+    """kernel name -> {"variants": [sha per variant], "meta": sha, "candidates": sha} of every
+    kernel the compile pass of `model` writes."""
+    cache = FakeCache()
+    monkeypatch.setattr(aot, "_cache_key", cache.key)
+    monkeypatch.setattr(aot, "_cache_get", cache.get)
+    specs: dict[str, object] = {}
+    real = aot.compile_kernels
+
+    def recording(spec_list, *args, **kwargs):
+        if kwargs.get("variant_override") is None:
+            specs.update((s.name, s) for s in spec_list)
+        return real(spec_list, *args, **kwargs)
+
+    monkeypatch.setattr(aot, "compile_kernels", recording)
+    options = build_options(target=TARGETS, layout=layout, conv_precision=precision, tune="off",
+                            leave_to_ort=leave_to_ort)
+    r = optimize_model(model, patterns, options=options)
+    info = r.report.compile or {}
+    assert not info.get("failed"), info.get("failed")
+    metas = {}
+    for n in r.model.graph.node:
+        meta = next((a.s for a in n.attribute if a.name == "kernel_meta"), None)
+        if meta is not None:
+            metas[json.loads(meta)["name"]] = meta
+    out = {}
+    for name in sorted(metas):
+        spec = specs[name]
+        (ck,) = real([spec], aot.parse_targets(TARGETS))
+        variants = {}
+        for k in cache.kernels.values():
+            if k.name == name:
+                variants[k.variant.index] = _sha(_kernel_text(k))
+        assert ck.kernel_meta_json().encode() == metas[name]
+        cands = []
+        for label, vs in tune.candidates(spec):
+            before = set(cache.kernels)
+            (c,) = real([spec], [90], variant_override=vs)
+            new = sorted(_kernel_text(cache.kernels[k]) for k in cache.kernels if k not in before) or [
+                c.kernel_meta_json()]
+            cands.append(label + "\n" + "\n".join(new) + "\n" + c.kernel_meta_json())
+        out[name] = {"variants": [variants[i] for i in sorted(variants)], "meta": _sha(metas[name]),
+                     "candidates": _sha("\n\n".join(cands))}
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------
+
+def _pointwise_dtypes(dtype: int) -> onnx.ModelProto:
+    """A chain over x [N, 8, 33] with a full input, a broadcast (strided) row, a scalar, and
+    two outputs; in `dtype`."""
+    nodes = [N("Mul", ["x", "row"], ["a"]), N("Sigmoid", ["a"], ["s"]), N("Add", ["s", "z"], ["b"]),
+             N("Mul", ["b", "k"], ["y"]), N("Tanh", ["a"], ["t"])]
+    inputs = [helper.make_tensor_value_info("x", dtype, ["N", 8, 33]),
+              helper.make_tensor_value_info("row", dtype, [1, 33]),
+              helper.make_tensor_value_info("z", dtype, ["N", 8, 33]),
+              helper.make_tensor_value_info("k", dtype, [1])]
+    outputs = [helper.make_tensor_value_info("y", dtype, ["N", 8, 33]),
+               helper.make_tensor_value_info("t", dtype, ["N", 8, 33])]
+    g = helper.make_graph(nodes, "pointwise_dtypes", inputs, outputs)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+def _grouped_gemm() -> onnx.ModelProto:
+    """RegNet's grouped conv: 32 channels in groups of 8 (the block-diagonal GEMM), then a
+    group-1 1x1 conv; SiLU epilogues."""
+    rng = np.random.default_rng(11)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) / np.sqrt(np.prod(s[1:]))).astype(np.float32), n)
+             for n, s in (("w0", (32, 16, 1, 1)), ("w1", (32, 8, 3, 3)), ("w2", (16, 32, 1, 1)))]
+    nodes = [N("Conv", ["x", "w0"], ["c0"], kernel_shape=[1, 1], name="c0"),
+             N("Relu", ["c0"], ["r0"]),
+             N("Conv", ["r0", "w1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], group=4, name="grouped"),
+             N("Sigmoid", ["c1"], ["s1"]), N("Mul", ["c1", "s1"], ["m1"]),
+             N("Conv", ["m1", "w2"], ["c2"], kernel_shape=[1, 1], name="c2"),
+             N("Relu", ["c2"], ["y"])]
+    return lay.image_model(nodes, "grouped_gemm", 16, 12, [("y", 16)], inits)
+
+
+def _pretrained(name: str) -> Callable[[], onnx.ModelProto]:
+    def load() -> onnx.ModelProto:
+        from models import pretrained
+
+        path = pretrained.cache_dir() / f"{name}.onnx"
+        spec = pretrained.PRETRAINED[name]
+        if not path.exists() or pretrained.sha256(path) != spec.sha256:
+            pytest.skip(f"{name} is not in the models cache (python -m models.pretrained {name})")
+        return onnx.load(str(path))
+    return load
+
+
+def _pattern_cases() -> dict[str, tuple]:
+    cases = {}
+    for p in load_patterns():
+        if p.example is None:
+            continue
+        for layout in ("nchw", "nhwc"):
+            if layout == "nchw" and p.name in NHWC_ONLY_PATTERNS:
+                continue
+            cases[f"pattern_{p.name}_{layout}"] = (lambda p=p: example_model(p), layout, "tf32", {})
+    return cases
+
+
+# case name -> (model builder, layout, conv precision, optimize keywords)
+CASES: dict[str, tuple] = {
+    **_pattern_cases(),
+    "example": (build.example, "nhwc", "tf32", {"leave_to_ort": False}),
+    "activation_block": (build.activation_block, "nhwc", "tf32", {}),
+    "mul_chain_8": (lambda: build.mul_chain(8), "nhwc", "tf32", {}),
+    "mul_chain_64": (lambda: build.mul_chain(64), "nhwc", "tf32", {}),
+    "mul_chain_256": (lambda: build.mul_chain(256), "nhwc", "tf32", {}),
+    "gelu_erf": (build.gelu_erf, "nhwc", "tf32", {"leave_to_ort": False}),
+    "pointwise_f32": (lambda: _pointwise_dtypes(TensorProto.FLOAT), "nhwc", "tf32", {}),
+    "pointwise_f16": (lambda: _pointwise_dtypes(TensorProto.FLOAT16), "nhwc", "tf32", {}),
+    "pointwise_bf16": (lambda: _pointwise_dtypes(TensorProto.BFLOAT16), "nhwc", "tf32", {}),
+    "mlp_block": (lambda: build.mlp_block(8, 32, 64), "nhwc", "tf32", {"leave_to_ort": False}),
+    "relu_maxpool_nchw": (lambda: build.relu_maxpool(8, 16), "nchw", "tf32", {}),
+    "relu_maxpool_odd": (lambda: build.relu_maxpool(8, 15), "nchw", "tf32", {}),
+    "conv_relu_nchw": (lambda: build.conv_relu(64, 16), "nchw", "tf32", {}),
+    "conv_relu_maxpool_nchw": (lambda: build.conv_relu_maxpool(32, 16), "nchw", "tf32", {}),
+    "vgg_stack_nchw": (lambda: build.vgg_stack(3, 64, 3, 32), "nchw", "tf32", {}),
+    "vgg_stack_nhwc": (lambda: build.vgg_stack(3, 64, 3, 32), "nhwc", "tf32", {}),
+    "vgg_stack_ieee": (lambda: build.vgg_stack(3, 64, 3, 32), "nhwc", "ieee", {}),
+    "vgg_stack_tf32x3": (lambda: build.vgg_stack(3, 64, 3, 32), "nhwc", "tf32x3", {}),
+    "vgg_stack_fp16": (lambda: lay.to_fp16(build.vgg_stack(3, 64, 3, 32)), "nhwc", "tf32", {}),
+    "conv_relu_nchw_ieee": (lambda: build.conv_relu(128, 16), "nchw", "ieee", {}),
+    "c2f": (lay.c2f, "nhwc", "tf32", {}),
+    "c2f_nchw": (lay.c2f, "nchw", "tf32", {}),
+    "sppf": (lay.sppf, "nhwc", "tf32", {}),
+    "resnet_stem": (lay.resnet_stem, "nhwc", "tf32", {}),
+    "residual": (lay.residual, "nhwc", "tf32", {}),
+    "inverted_residual": (lay.inverted_residual, "nhwc", "tf32", {}),
+    "inverted_residual_grouped": (lambda: lay.inverted_residual(group=3), "nhwc", "tf32", {}),
+    "inverted_residual_fp16": (lambda: lay.to_fp16(lay.inverted_residual()), "nhwc", "tf32", {}),
+    "squeeze_excite": (lay.squeeze_excite, "nhwc", "tf32", {}),
+    "squeeze_excite_ieee": (lay.squeeze_excite, "nhwc", "ieee", {}),
+    "grouped_gemm": (_grouped_gemm, "nhwc", "tf32", {}),
+    "grouped_gemm_fp16": (lambda: lay.to_fp16(_grouped_gemm()), "nhwc", "tf32", {}),
+    "yolov8n_320": (_pretrained("yolov8n_320"), "nhwc", "tf32", {}),
+    "ppocr_det": (_pretrained("ppocr_det"), "nhwc", "tf32", {}),
+    "ppocr_det_nchw": (_pretrained("ppocr_det"), "nchw", "tf32", {}),
+}
+
+
+def _golden() -> dict:
+    return json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_generated_kernels_are_unchanged(case, monkeypatch, tmp_path):
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    for var in ("ONNXFUSE_POINTWISE_CONFIG", "ONNXFUSE_CONV_CONFIG", "ONNXFUSE_POOL_CONFIG", "ONNXFUSE_CONV_ALL"):
+        monkeypatch.delenv(var, raising=False)
+    builder, layout, precision, kw = CASES[case]
+    got = kernel_records(builder(), monkeypatch, layout, precision, **kw)
+    assert got, f"{case}: no kernels"
+    if UPDATE:
+        data = _golden()
+        data[case] = got
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(dict(sorted(data.items())), indent=1, sort_keys=True) + "\n")
+        return
+    want = _golden().get(case)
+    assert want is not None, f"{case}: no golden record (ONNXFUSE_UPDATE_GOLDEN=1 writes it)"
+    assert sorted(got) == sorted(want), f"{case}: the kernels written differ"
+    for name in want:
+        assert got[name] == want[name], f"{case}: kernel {name} changed"
+
+
+def test_the_cases_cover_every_kernel_shape():
+    """The golden set holds every kind and kernel shape this test is meant to pin."""
+    kinds = set()
+    for records in _golden().values():
+        kinds.update(name.split("_")[1] for name in records)
+    assert {"pointwise", "conv", "relu", "maxpool"} <= kinds, kinds
