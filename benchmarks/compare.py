@@ -650,7 +650,7 @@ def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
              f"{result['settings']['iters']} runs after {result['settings']['warmup']} warmup runs "
              f"(synchronized wall clock, IO binding). Errors: max abs vs {_reference_text(result)}; "
              f"gate: every onnxfuse output within 2 x ORT's own error plus the per-dtype floor "
-             f"(onnxfuse.bench.gate_output); speedups only where it passes.", "",
+             f"(onnxfuse.tools.gate.gate_output); speedups only where it passes.", "",
              "| model | inputs | fused nodes | " + " | ".join(head) + " |",
              "|" + "---|" * (len(head) + 3)]
     for c in result["cases"]:
@@ -828,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
                      + (" (dry run: ONNX Runtime CPU)" if args.dry_run else ""),
         "gate": "an onnxfuse variant passes when every output element has |y - ref| <= 2 * ort_err + "
                 "atol * max|ref| + rtol * |ref| (ort_err: the ort variant's max abs error vs ref; (rtol, atol) "
-                "per dtype, float32 1e-5, 1e-5): onnxfuse.bench.gate_output",
+                "per dtype, float32 1e-5, 1e-5): onnxfuse.tools.gate.gate_output",
         "cases": [],
     }
     with tempfile.TemporaryDirectory(prefix="onnxfuse-compare-") as tmp:

@@ -148,7 +148,7 @@ case "${1:-tests}" in
     timeout "${2:-330}" python3 -m pytest -m gpu tests -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_all.log" | tail -15
     ;;
   verify)
-    # what the fourth session left unmeasured (BENCHMARKS.md, "After the last GPU run"): every
+    # what the fourth session left unmeasured (benchmarks/results/history.md, fourth session, "After the last GPU run"): every
     # GPU test (the pool variants for C or W % 16 == 0 included), the pool kernels, then the
     # conv models; the pretrained ones need models/build carried: nhwc-models yolov8n_320_b1,...
     bash "$0" all-tests 400

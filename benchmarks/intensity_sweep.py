@@ -9,7 +9,7 @@ with r, so the time stays flat until the kernel turns compute-bound.
 Three times per contender (benchmarks/gpu_timing.py):
 - latency (the "ms" columns): `time_cuda`, call -> result available, the device synchronized
   after every call, so every contender's host work (ORT's Run, torch.compile's guards and
-  launch) is inside it. The earlier runs (BENCHMARKS.md's intensity sweep tables of
+  launch) is inside it. The earlier runs (the intensity sweep tables in benchmarks/results/history.md, first session, of
   2026-11-29) did not synchronize after torch.compile's calls, which hid its launch.
 - throughput: back-to-back calls, wall clock per call (`time_throughput`);
 - kernel: CUPTI device time of the kernels alone (`gpu_time_per_call`).

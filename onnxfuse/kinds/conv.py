@@ -61,8 +61,8 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     """The tile configuration of a conv kernel (one variant), by the heuristics measured with
     benchmarks/conv_kernels.py on the H200 (BENCHMARKS.md): 64x64 tiles of 2 warps with
     BLOCK_K 32 and 3 stages were best or within 5% of the best on every 64-channel VGG layer;
-    BLOCK_K 16 with 4 stages for inputs of fewer than 16 channels (the image layer: 0.36 ms
-    against 0.62 with 32); BLOCK_N 128 with 4 stages for 128 filters or more.
+    BLOCK_N 128 with 4 stages for 128 filters or more. (Inputs of fewer than 16 channels
+    take the flat reduction below.)
 
     Channels-last X with [K, R, S, C] weights (the NHWC pass) runs on sm_90's TF32 wgmma,
     which needs 4 warps: 128x64 tiles for up to 64 filters, 64x128 from 128 filters, BLOCK_K

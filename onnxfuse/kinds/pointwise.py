@@ -3,8 +3,9 @@ whose kernel reads each input once and writes each output once (docs/format.md, 
 
 Launch configuration (`choose_variants`): 4 warps, and a BLOCK giving each thread two
 16-byte accesses per tensor: 1024 (8 elements per thread) when some input or output is
-fp32, 2048 when all are 16-bit or bool. Long programs keep 4 warps: with 8 warps, x*2
-repeated 64-256 times ran 6-16% slower on the H200 (compute-bound there). Measured on the H200
+fp32, 2048 when all are 16-bit or bool. Programs of 48 to 191 instructions take
+LONG_PROGRAM's block and warps instead (BENCHMARKS.md, Decisions, `long-program`); with 8
+warps, x*2 repeated 64-256 times ran 6-16% slower on the H200. Measured on the H200
 (64M elements, Triton JIT, 2026-11-29): 1024/4 was within about 5% of the best of
 512..4096 x 2..16 warps for cos(cos(x)) and x*2 (8x) in fp32; an fp16 GELU ran 116 us at
 1024/4 and 110 us at 2048/4. benchmarks/tune_pointwise.py (2026-11-29, H200, 64M
