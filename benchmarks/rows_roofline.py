@@ -1,0 +1,149 @@
+"""Row reductions at BERT-base shapes on the GPU: how close the FusedRows kernels come to
+their roofline bound, beside what ONNX Runtime runs for the same nodes.
+
+Workloads (seq 128, hidden 768, 12 heads; batch 1 and 8; fp32 and fp16):
+- ``skip_ln``:  y = LayerNormalization(x + r) * gamma + beta (opset 17 op; ORT fuses the Add
+                into SkipLayerNormalization)
+- ``ln``:       the decomposed LayerNorm torch's TorchScript exporter writes at opset 16
+                (ReduceMean, Sub, Pow, ReduceMean, Add eps, Sqrt, Div, Mul, Add)
+- ``softmax``:  Softmax(scores * 0.125 + mask) over the last axis, scores [B, 12, 128, 128],
+                mask [B, 1, 1, 128]
+
+Each model is optimized with `onnxfuse optimize --no-tune --no-leave-to-ort` (the row
+kernels forced, so that they are measured even where ORT's own fusion would keep the
+nodes), then the original and the optimized model go through `onnxfuse profile --provider
+cuda --device h200` (CUPTI kernel times per node, roofline bound from bytes and FLOPs).
+Prints one table and writes JSON:
+
+    python benchmarks/rows_roofline.py --json rows_roofline.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+SEQ, HIDDEN, HEADS = 128, 768, 12
+DTYPES = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16, np.float16)}
+
+
+def _model(nodes, inputs, outputs, inits, opset: int) -> onnx.ModelProto:
+    g = helper.make_graph(nodes, "rows", inputs, outputs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return m
+
+
+def skip_ln(batch: int, dtype: str) -> onnx.ModelProto:
+    t, np_t = DTYPES[dtype]
+    shape = [batch, SEQ, HIDDEN]
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np_t), "gamma"),
+             numpy_helper.from_array((0.1 * rng.standard_normal(HIDDEN)).astype(np_t), "beta")]
+    nodes = [helper.make_node("Add", ["x", "r"], ["s"]),
+             helper.make_node("LayerNormalization", ["s", "gamma", "beta"], ["y"], axis=-1, epsilon=1e-5)]
+    io = [helper.make_tensor_value_info(n, t, shape) for n in ("x", "r")]
+    return _model(nodes, io, [helper.make_tensor_value_info("y", t, shape)], inits, 17)
+
+
+def ln(batch: int, dtype: str) -> onnx.ModelProto:
+    t, np_t = DTYPES[dtype]
+    shape = [batch, SEQ, HIDDEN]
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((1 + 0.1 * rng.standard_normal(HIDDEN)).astype(np_t), "gamma"),
+             numpy_helper.from_array((0.1 * rng.standard_normal(HIDDEN)).astype(np_t), "beta"),
+             numpy_helper.from_array(np.array(2.0, np_t), "two"),
+             numpy_helper.from_array(np.array(1e-5, np_t), "eps")]
+    N = helper.make_node
+    nodes = [N("ReduceMean", ["x"], ["mu"], axes=[-1]), N("Sub", ["x", "mu"], ["d"]),
+             N("Pow", ["d", "two"], ["d2"]), N("ReduceMean", ["d2"], ["var"], axes=[-1]),
+             N("Add", ["var", "eps"], ["ve"]), N("Sqrt", ["ve"], ["sd"]), N("Div", ["d", "sd"], ["n"]),
+             N("Mul", ["n", "gamma"], ["g"]), N("Add", ["g", "beta"], ["y"])]
+    return _model(nodes, [helper.make_tensor_value_info("x", t, shape)],
+                  [helper.make_tensor_value_info("y", t, shape)], inits, 16)
+
+
+def softmax(batch: int, dtype: str) -> onnx.ModelProto:
+    t, np_t = DTYPES[dtype]
+    shape = [batch, HEADS, SEQ, SEQ]
+    inits = [numpy_helper.from_array(np.array(0.125, np_t), "scale")]
+    nodes = [helper.make_node("Mul", ["scores", "scale"], ["s"]), helper.make_node("Add", ["s", "mask"], ["m"]),
+             helper.make_node("Softmax", ["m"], ["y"], axis=-1)]
+    io = [helper.make_tensor_value_info("scores", t, shape),
+          helper.make_tensor_value_info("mask", t, [batch, 1, 1, SEQ])]
+    return _model(nodes, io, [helper.make_tensor_value_info("y", t, shape)], inits, 17)
+
+
+WORKLOADS = {"skip_ln": skip_ln, "ln": ln, "softmax": softmax}
+
+
+def _cli(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", *args], capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"onnxfuse {args[0]} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    return r.stdout
+
+
+def _nodes(profile_json: Path) -> list[dict]:
+    d = json.loads(profile_json.read_text())
+    return [{"node": n["name"], "op": n["op_type"], "us": n["median_s"] * 1e6, "bound_us": n["bound_s"] * 1e6,
+             "pct_bound": n["pct_of_bound"], "gbps": n["achieved_gbps"]} for n in d["nodes"]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--dtypes", default="fp32,fp16")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    args = ap.parse_args()
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="rows_roofline_"))
+    for wl in args.workloads.split(","):
+        for dtype in args.dtypes.split(","):
+            for batch in (int(b) for b in args.batches.split(",")):
+                tag = f"{wl}_{dtype}_b{batch}"
+                src, opt = tmp / f"{tag}.onnx", tmp / f"{tag}.opt.onnx"
+                onnx.save(WORKLOADS[wl](batch, dtype), src)
+                row = {"workload": wl, "dtype": dtype, "batch": batch}
+                try:
+                    _cli("optimize", str(src), str(opt), "--no-tune", "--no-leave-to-ort")
+                    for which, path in (("ort", src), ("onnxfuse", opt)):
+                        out = tmp / f"{tag}.{which}.json"
+                        _cli("profile", str(path), "--provider", "cuda", "--device", "h200", "--iters", "50",
+                             "--json", str(out))
+                        nodes = _nodes(out)
+                        row[which] = {"nodes": nodes, "us": sum(n["us"] for n in nodes),
+                                      "bound_us": max((n["bound_us"] for n in nodes), default=0.0)}
+                    fused = [n for n in row["onnxfuse"]["nodes"] if n["op"] == "FusedRows"]
+                    row["fused_pct_bound"] = max((n["pct_bound"] for n in fused), default=None)
+                except RuntimeError as e:
+                    row["error"] = str(e)
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("ort", "onnxfuse")}
+                                 | {"ort_us": row.get("ort", {}).get("us"),
+                                    "onnxfuse_us": row.get("onnxfuse", {}).get("us")}), flush=True)
+    print("\n| workload | dtype | batch | ORT nodes | ORT µs | onnxfuse nodes | onnxfuse µs | FusedRows % of bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['workload']} | {r['dtype']} | {r['batch']} | error: {r['error'][:80]} | | | | |")
+            continue
+        ops = lambda w: ", ".join(n["op"] for n in r[w]["nodes"])  # noqa: E731
+        pct = r["fused_pct_bound"]
+        print(f"| {r['workload']} | {r['dtype']} | {r['batch']} | {ops('ort')} | {r['ort']['us']:.2f} | "
+              f"{ops('onnxfuse')} | {r['onnxfuse']['us']:.2f} | {'-' if pct is None else f'{pct:.0f}%'} |")
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
