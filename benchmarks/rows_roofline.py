@@ -128,6 +128,8 @@ def main() -> None:
                 except RuntimeError as e:
                     row["error"] = str(e)
                 rows.append(row)
+                if args.json:  # after every case: a run cut short keeps what it measured
+                    args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
                 print(json.dumps({k: v for k, v in row.items() if k not in ("ort", "onnxfuse")}
                                  | {"ort_us": row.get("ort", {}).get("us"),
                                     "onnxfuse_us": row.get("onnxfuse", {}).get("us")}), flush=True)
@@ -137,12 +139,10 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['workload']} | {r['dtype']} | {r['batch']} | error: {r['error'][:80]} | | | | |")
             continue
-        ops = lambda w: ", ".join(n["op"] for n in r[w]["nodes"])  # noqa: E731
+        ort_ops, ours = (", ".join(n["op"] for n in r[w]["nodes"]) for w in ("ort", "onnxfuse"))
         pct = r["fused_pct_bound"]
-        print(f"| {r['workload']} | {r['dtype']} | {r['batch']} | {ops('ort')} | {r['ort']['us']:.2f} | "
-              f"{ops('onnxfuse')} | {r['onnxfuse']['us']:.2f} | {'-' if pct is None else f'{pct:.0f}%'} |")
-    if args.json:
-        args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        print(f"| {r['workload']} | {r['dtype']} | {r['batch']} | {ort_ops} | {r['ort']['us']:.2f} | "
+              f"{ours} | {r['onnxfuse']['us']:.2f} | {'-' if pct is None else f'{pct:.0f}%'} |")
 
 
 if __name__ == "__main__":
