@@ -110,6 +110,12 @@ ELEMENTWISE = frozenset({
 # µs, GlobalAveragePool of the NCHW tensor 3.2-11.8 (H200, benchmarks/global_pool.py,
 # global_pool.json). It needs H, W and C known; the row's dtype is X's.
 AVERAGE_ROW_DTYPES = {onnx.TensorProto.FLOAT: np.float32, onnx.TensorProto.FLOAT16: np.float16}
+# Above this many pixels the one MatMul is split in two (`_average_nodes`): cuBLAS runs it as
+# a GEMV parallel over the C columns only, each walking all H·W rows. On the H200
+# (benchmarks/global_pool.py --shapes b1, global_pool_b1.json, kernel µs): [1, 112, 112, 32]
+# one MatMul 35.2, split 4.1 (GlobalAveragePool on NCHW 20.8); at batch 16 16.8 against 10.3;
+# at 56x56 (3136 pixels) the two tie (4.4-4.6 against 4.6-4.8) and below it one MatMul wins.
+SPLIT_AVERAGE_MIN_PIXELS = 4096
 # The conv precisions under which the pool becomes that MatMul (the module docstring): ORT
 # runs it in TF32, as accurate as tf32 convs and no more. ieee and tf32x3 keep the pool.
 MATMUL_POOL_PRECISIONS = ("tf32",)
@@ -357,8 +363,8 @@ def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, c
 
 def _to_channels_last(model: ModelProto, n: NodeProto, taken: set[str], chw: dict) -> list[NodeProto]:
     """A node between channels-last tensors, rewritten to work on them; returns the nodes that
-    replace it: Concat and Split on axis 3; GlobalAveragePool as Reshape, MatMul by a row of
-    1/(H·W), Reshape (AVERAGE_ROW_DTYPES); Resize with its scales or sizes permuted to
+    replace it: Concat and Split on axis 3; GlobalAveragePool as MatMuls (`_average_nodes`,
+    AVERAGE_ROW_DTYPES); Resize with its scales or sizes permuted to
     [N, H, W, C] (new initializers: the old ones may be shared). Elementwise ops stay as
     they are. chw: `_static_chw` of the graph before the pass."""
     g = model.graph
@@ -367,17 +373,7 @@ def _to_channels_last(model: ModelProto, n: NodeProto, taken: set[str], chw: dic
             n.attribute.remove(a)
         n.attribute.append(helper.make_attribute("axis", 3))
     elif n.op_type == "GlobalAveragePool":
-        c, h, w, elem = chw[n.input[0]]
-        x, y = n.input[0], n.output[0]
-        row, s3, s4, x3, m = (_fresh(f"{y}_{k}", taken) for k in ("row", "shape3", "shape4", "rows", "mean"))
-        g.initializer.extend([
-            numpy_helper.from_array(np.full((1, h * w), 1.0 / (h * w), AVERAGE_ROW_DTYPES[elem]), row),
-            numpy_helper.from_array(np.array([0, h * w, c], np.int64), s3),
-            numpy_helper.from_array(np.array([0, 1, 1, c], np.int64), s4)])
-        name = n.name or y
-        return [helper.make_node("Reshape", [x, s3], [x3], name=_fresh(f"{name}_rows", taken)),
-                helper.make_node("MatMul", [row, x3], [m], name=_fresh(f"{name}_mean", taken)),
-                helper.make_node("Reshape", [m, s4], [y], name=n.name)]
+        return _average_nodes(g, n, taken, *chw[n.input[0]])
     elif n.op_type == "Resize":
         k = 2 if len(n.input) > 2 and n.input[2] else 3
         inits = {t.name: t for t in g.initializer}
@@ -389,6 +385,42 @@ def _to_channels_last(model: ModelProto, n: NodeProto, taken: set[str], chw: dic
         g.initializer.append(numpy_helper.from_array(value[TO_NHWC].copy(), name))
         n.input[k] = name
     return [n]
+
+
+def _average_nodes(g: onnx.GraphProto, n: NodeProto, taken: set[str], c: int, h: int, w: int, elem: int
+                   ) -> list[NodeProto]:
+    """GlobalAveragePool `n` of a channels-last [N, H, W, C] tensor as MatMuls (new
+    initializers added to `g`): Reshape [N, H·W, C], MatMul by a row of 1/(H·W), Reshape
+    [N, 1, 1, C]. Above SPLIT_AVERAGE_MIN_PIXELS, where H·W has a divisor S > 1 up to its
+    square root (the largest), the MatMul is split in two: Reshape [N, S, H·W/S, C], MatMul
+    by a row of 1/(H·W) over H·W/S, Reshape [N, S, C], MatMul by a row of S ones."""
+    x, y, dt = n.input[0], n.output[0], AVERAGE_ROW_DTYPES[elem]
+    name = n.name or y
+    pixels = h * w
+    s = max(d for d in range(1, int(pixels ** 0.5) + 1) if pixels % d == 0) if pixels > SPLIT_AVERAGE_MIN_PIXELS else 1
+
+    def init(key: str, value: np.ndarray) -> str:
+        t = _fresh(f"{y}_{key}", taken)
+        g.initializer.append(numpy_helper.from_array(value, t))
+        return t
+
+    row = init("row", np.full((1, pixels // s), 1.0 / pixels, dt))
+    out = init("shape4", np.array([0, 1, 1, c], np.int64))
+    x3, m = _fresh(f"{y}_rows", taken), _fresh(f"{y}_mean", taken)
+    if s == 1:
+        return [helper.make_node("Reshape", [x, init("shape3", np.array([0, pixels, c], np.int64))], [x3],
+                                 name=_fresh(f"{name}_rows", taken)),
+                helper.make_node("MatMul", [row, x3], [m], name=_fresh(f"{name}_mean", taken)),
+                helper.make_node("Reshape", [m, out], [y], name=n.name)]
+    part, part3 = _fresh(f"{y}_partial", taken), _fresh(f"{y}_partials", taken)
+    return [helper.make_node("Reshape", [x, init("shape_split", np.array([0, s, pixels // s, c], np.int64))], [x3],
+                             name=_fresh(f"{name}_rows", taken)),
+            helper.make_node("MatMul", [row, x3], [part], name=_fresh(f"{name}_partial", taken)),
+            helper.make_node("Reshape", [part, init("shape3", np.array([0, s, c], np.int64))], [part3],
+                             name=_fresh(f"{name}_partials", taken)),
+            helper.make_node("MatMul", [init("ones", np.ones((1, s), dt)), part3], [m],
+                             name=_fresh(f"{name}_mean", taken)),
+            helper.make_node("Reshape", [m, out], [y], name=n.name)]
 
 
 def _fresh(name: str, taken: set[str]) -> str:

@@ -14,6 +14,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 from models.build import vgg_stack
+from onnxfuse import layout as layout_pass
 from onnxfuse import optimize_model
 from onnxfuse.cli import main
 from onnxfuse.pipeline import compile_pass
@@ -630,6 +631,22 @@ def test_squeeze_excite_runs_channels_last(dtype, tmp_path, monkeypatch):
         for e, a in zip(run(m, feeds, False), run(r.model, feeds, True), strict=True):
             np.testing.assert_allclose(a.astype(np.float32), e.astype(np.float32), rtol=1e-2,
                                        atol=1e-2 * float(np.abs(e.astype(np.float32)).max()))
+
+
+def test_large_global_pool_splits_its_matmul(tmp_path, monkeypatch):
+    """Above layout.SPLIT_AVERAGE_MIN_PIXELS the average is two MatMuls (cuBLAS's GEMV over
+    H·W rows parallel over C only is slow): 81 pixels as 9 slices of 9, a row of 1/81 over
+    each slice, then a row of nine ones; the outputs stay the original's."""
+    monkeypatch.setattr(layout_pass, "SPLIT_AVERAGE_MIN_PIXELS", 64)
+    m = squeeze_excite()
+    r = nhwc_pools_model(m, tmp_path, monkeypatch)
+    inits = {t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}
+    partial, mean = [n for n in r.model.graph.node if n.op_type == "MatMul"]
+    assert inits[partial.input[0]].shape == (1, 9) and np.allclose(inits[partial.input[0]], 1 / 81)
+    assert inits[mean.input[0]].shape == (1, 9) and np.all(inits[mean.input[0]] == 1)
+    assert "GlobalAveragePool" not in [n.op_type for n in r.model.graph.node]
+    check_same(m, r.model, library=False)
+    check_same(m, r.model, library=True)
 
 
 def test_exact_conv_precisions_keep_the_global_pool(tmp_path, monkeypatch):
