@@ -196,3 +196,23 @@ def test_tails_table(tmp_path):
     ort = {(r["op"], r["range"]): r["ort"] for r in rows}
     assert ort["Sigmoid", "x < -16"]["max_rel"] > 1 and ort["Gelu", "x < -5"]["zeros"] > 0
 
+
+
+def test_rows_roofline_workloads_fuse_to_one_row_kernel():
+    """benchmarks/rows_roofline.py's models each become one FusedRows (leave_to_ort off, as the
+    script optimizes them), whose function body gives the original's outputs."""
+    import numpy as np
+
+    from benchmarks.rows_roofline import WORKLOADS
+    from onnxfuse.pipeline import optimize_model
+    from tests.util import random_feeds, run
+
+    for name, build in WORKLOADS.items():
+        for dtype in ("fp32", "fp16"):
+            m = build(1, dtype)
+            r = optimize_model(m, leave_to_ort=False)
+            assert [n.op_type for n in r.model.graph.node] == ["FusedRows"], (name, dtype, r.report.summary())
+            if dtype == "fp32":
+                feeds = random_feeds(m, {}, seed=3)
+                (want,), (got,) = run(m, feeds), run(r.model, feeds)  # got: the function body
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
