@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+from collections.abc import Callable
 
 import numpy as np
 import onnx
@@ -19,7 +20,7 @@ from onnxfuse.expr import Builder, Operand, Program, Ref, rewrite_tails
 from onnxfuse.graph import GraphView, _outer_refs, same_shape
 from onnxfuse.kinds.base import FusedNode, Match
 from onnxfuse.load import UNKNOWN_DIM, default_opset
-from onnxfuse.match import literal_inputs, numel
+from onnxfuse.match import literal_inputs, numel, operands
 from onnxfuse.ops import ELEM_TYPE, FLOAT_TYPES, RULES, node_attrs
 
 DOMAIN = "onnxfuse"
@@ -27,12 +28,12 @@ DOMAIN_VERSION = 1
 MIN_IR_VERSION = 10  # function overloads
 
 
-def _ir_dtype(view: GraphView, name: str) -> str:
+def ir_dtype(view: GraphView, name: str) -> str:
     t = view.types[name]
     return "bool" if t == onnx.TensorProto.BOOL else FLOAT_TYPES[t]
 
 
-def _round_trip_source(view: GraphView, members: set[int], n: NodeProto) -> str | None:
+def round_trip_source(view: GraphView, members: set[int], n: NodeProto) -> str | None:
     """s, when n is Cast(Cast(s: T -> float32) -> T) with both casts in the group (T is
     float16 or bfloat16): the original's value is s exactly. The program keeps s unrounded
     (it rounds only where it stores), so a rounding here would make the round trip differ
@@ -51,56 +52,67 @@ def lower_group(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...
                 first: str | None = None) -> tuple[Program, list[str], dict[str, float]]:
     """Lower pointwise nodes (topological order) to a Program computing `outputs`. Its
     inputs are `first` (if given), then the other boundary tensors in order of first use."""
+    return lower_nodes(view, nodes, outputs, [(first, ir_dtype(view, first))] if first is not None else [])
+
+
+def lower_nodes(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...], fixed: list[tuple[str, str]],
+                prelude: Callable[[Builder, dict[str, Operand]], None] | None = None,
+                defined: set[str] | None = None, store_pass_through: bool = True
+                ) -> tuple[Program, list[str], dict[str, float]]:
+    """Pointwise nodes (topological order) as a Program computing `outputs`, with the
+    constants it folds. Its inputs are `fixed` ((name, IR dtype), in order), then the other
+    boundary tensors in order of first use; `prelude` emits what defines the tensors in
+    `defined` before the nodes' instructions (a row kind's statistics).
+    `store_pass_through`: an output that is only one of the program's inputs still gets an
+    instruction of its own (so that it has its own store)."""
     members = set(nodes)
-    rules = {i: RULES[view.nodes[i].op_type] for i in nodes}
     lits = {i: literal_inputs(view, i) for i in nodes}
-
-    def operand_inputs(i: int):
-        """(k, name) of node i's inputs that are program operands, not constants."""
-        rule = rules[i]
-        for k, name in enumerate(view.nodes[i].input):
-            if k in rule.const_inputs or (rule.tensor_inputs is not None and k not in rule.tensor_inputs):
-                continue
-            yield k, name
-
-    # Boundary inputs first (in order of first use): instruction numbers start after them.
-    inputs: list[str] = [first] if first is not None else []
-    seen: set[str] = set(inputs)
+    inputs = [name for name, _ in fixed]
+    dtypes = [dt for _, dt in fixed]
+    seen = set(inputs) | (defined or set())
     for i in nodes:
-        for k, name in operand_inputs(i):
-            if k not in lits[i] and view.producer.get(name) not in members and name not in seen:
+        for _, name in operands(view, i):
+            if view.producer.get(name) not in members and name not in seen:
                 inputs.append(name)
+                dtypes.append(ir_dtype(view, name))
                 seen.add(name)
-    b = Builder([_ir_dtype(view, x) for x in inputs])
-    env: dict[str, Operand] = {x: Ref(k) for k, x in enumerate(inputs)}
+    b = Builder(dtypes)
+    env: dict[str, Operand] = {}
+    for k, name in enumerate(inputs):
+        env.setdefault(name, Ref(k))
+    if prelude is not None:
+        prelude(b, env)
     folded: dict[str, float] = {}
     for i in nodes:
         n = view.nodes[i]
+        rule = RULES[n.op_type]
         consts = []
-        for k in rules[i].const_inputs:
+        for k in rule.const_inputs:
             name = n.input[k] if k < len(n.input) else ""
             consts.append(view.scalar_constant(name) if name else None)
             if name:
                 folded[name] = consts[-1]
         args: list[Operand] = []
-        for k, name in operand_inputs(i):
+        for k, name in enumerate(n.input):
+            if k in rule.const_inputs or (rule.tensor_inputs is not None and k not in rule.tensor_inputs):
+                continue
             if k in lits[i]:
                 args.append(lits[i][k])
                 folded[name] = lits[i][k]
             else:
                 args.append(env[name])
-        source = _round_trip_source(view, members, n)
+        source = round_trip_source(view, members, n)
         if source is not None:
             env[n.output[0]] = env[source]
             continue
         attrs = dict(node_attrs(n), **{ELEM_TYPE: view.types[n.output[0]]})
-        env[n.output[0]] = rules[i].lower(b, args, attrs, consts)
+        env[n.output[0]] = rule.lower(b, args, attrs, consts)
     outs: list[tuple[Ref, str]] = []
     for o in outputs:
         v = env[o]
         if not isinstance(v, Ref):
             v = b.emit("add", v, 0.0)
-        elif v.index < len(inputs) and o not in inputs:
+        elif store_pass_through and v.index < len(inputs) and o not in inputs:
             v = b.emit("add", v, 0.0)  # a pure pass-through still gets its own store
         outs.append((v, FLOAT_TYPES[view.types[o]]))
     return rewrite_tails(b.build(outs)), inputs, folded

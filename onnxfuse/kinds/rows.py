@@ -46,12 +46,13 @@ from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_rows import REDUCTIONS, ROW_VALUES, RowsSpec, RowsVariant, generate_rows, rows_variants
-from onnxfuse.expr import Builder, Operand, Program, Ref, evaluate, rewrite_tails
+from onnxfuse.expr import Builder, Operand, Program, evaluate
 from onnxfuse.graph import GraphView, Shape, same_shape
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
-from onnxfuse.match import DTYPE_IDS, broadcasts_to, check_node, dtype_reason, literal_inputs, operands
-from onnxfuse.ops import ELEM_TYPE, FLOAT_TYPES, RULES, node_attrs
+from onnxfuse.match import DTYPE_IDS, broadcasts_to, check_node, dtype_reason, operands
+from onnxfuse.ops import FLOAT_TYPES, node_attrs
+from onnxfuse.rewrite import ir_dtype, lower_nodes
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 MS_DOMAIN = "com.microsoft"
@@ -648,14 +649,13 @@ def lower_rows(view: GraphView, m: Match) -> Lowering:
     parts: RowsParts = m.params
     core = parts.core
     x_shape = view.shapes[core.x]
-    if parts.prologue:
-        prologue, p_inputs, folded = _lower(view, parts.prologue, (core.x,), [])
-    else:
-        prologue, p_inputs, folded = _lower(view, (), (core.x,), [(core.x, _ir_dtype(view, core.x))])
+    fixed_x = [] if parts.prologue else [(core.x, ir_dtype(view, core.x))]
+    prologue, p_inputs, folded = lower_nodes(view, parts.prologue, (core.x,), fixed_x, store_pass_through=False)
     fixed = [(name, "f32") for name in core.row_values]
-    fixed += [(name, _ir_dtype(view, name)) for name in core.op_inputs]
+    fixed += [(name, ir_dtype(view, name)) for name in core.op_inputs]
     epi_outputs = m.outputs[:-1] if parts.x_output else m.outputs
-    epilogue, e_inputs, folded2 = _lower(view, parts.epilogue, epi_outputs, fixed, core.prelude, set(core.seeds))
+    epilogue, e_inputs, folded2 = lower_nodes(view, parts.epilogue, epi_outputs, fixed, core.prelude,
+                                              set(core.seeds), store_pass_through=False)
     extras = e_inputs[len(core.row_values):]
     folded = {**folded, **folded2, **dict.fromkeys(core.constants)}
     inputs = [*p_inputs, *extras]
@@ -668,83 +668,6 @@ def lower_rows(view: GraphView, m: Match) -> Lowering:
     key = f"rows {prologue.to_text()} N={n_cols} modes={','.join(modes)}"  # besides the programs and the body
     return Lowering(epilogue, folded, inputs, [view.nodes[i] for i in m.nodes], attrs, key, core.axis, modes,
                     {"params": info})
-
-
-def _ir_dtype(view: GraphView, name: str) -> str:
-    t = view.types[name]
-    return "bool" if t == onnx.TensorProto.BOOL else FLOAT_TYPES[t]
-
-
-def _lower(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...], fixed: list[tuple[str, str]],
-           prelude: Callable[[Builder, dict[str, Operand]], None] | None = None, defined: set[str] | None = None
-           ) -> tuple[Program, list[str], dict[str, float]]:
-    """Pointwise nodes (topological order) as a Program computing `outputs`: its inputs are
-    `fixed` ((name, dtype): the row values, the op's inputs), then the other boundary
-    tensors in order of first use; `prelude` defines the tensors in `defined` (what the op
-    forms compute). As `onnxfuse.rewrite.lower_group`, with several fixed inputs of given
-    dtypes."""
-    members = set(nodes)
-    lits = {i: literal_inputs(view, i) for i in nodes}
-    inputs = [name for name, _ in fixed]
-    dtypes = [dt for _, dt in fixed]
-    seen = set(inputs) | (defined or set())
-    for i in nodes:
-        for _, name in operands(view, i):
-            if view.producer.get(name) not in members and name not in seen:
-                inputs.append(name)
-                dtypes.append(_ir_dtype(view, name))
-                seen.add(name)
-    b = Builder(dtypes)
-    env: dict[str, Operand] = {}
-    for k, name in enumerate(inputs):
-        env.setdefault(name, Ref(k))
-    if prelude is not None:
-        prelude(b, env)
-    folded: dict[str, float] = {}
-    for i in nodes:
-        n = view.nodes[i]
-        rule = RULES[n.op_type]
-        consts = []
-        for k in rule.const_inputs:
-            name = n.input[k] if k < len(n.input) else ""
-            consts.append(view.scalar_constant(name) if name else None)
-            if name:
-                folded[name] = consts[-1]
-        args: list[Operand] = []
-        for k, name in enumerate(n.input):
-            if k in rule.const_inputs or (rule.tensor_inputs is not None and k not in rule.tensor_inputs):
-                continue
-            if k in lits[i]:
-                args.append(lits[i][k])
-                folded[name] = lits[i][k]
-            else:
-                args.append(env[name])
-        source = _round_trip_source(view, members, n)
-        if source is not None:
-            env[n.output[0]] = env[source]
-            continue
-        attrs = dict(node_attrs(n), **{ELEM_TYPE: view.types[n.output[0]]})
-        env[n.output[0]] = rule.lower(b, args, attrs, consts)
-    outs: list[tuple[Ref, str]] = []
-    for o in outputs:
-        v = env[o]
-        if not isinstance(v, Ref):
-            v = b.emit("add", v, 0.0)
-        outs.append((v, FLOAT_TYPES[view.types[o]]))
-    return rewrite_tails(b.build(outs)), inputs, folded
-
-
-def _round_trip_source(view: GraphView, members: set[int], n: onnx.NodeProto) -> str | None:
-    """s when n is Cast(Cast(s: T -> float32) -> T) inside the group: the value is s exactly
-    (`onnxfuse.rewrite._round_trip_source`)."""
-    if n.op_type != "Cast" or view.types.get(n.input[0]) != onnx.TensorProto.FLOAT:
-        return None
-    to = node_attrs(n).get("to")
-    p = view.producer.get(n.input[0])
-    if to not in (onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16) or p not in members:
-        return None
-    widen = view.nodes[p]
-    return widen.input[0] if widen.op_type == "Cast" and view.types.get(widen.input[0]) == to else None
 
 
 # ---------------------------------------------------------------------------------------
