@@ -226,14 +226,16 @@ def _module_source(
         "@triton.jit",
         f"def {name}(",
     ]
-    lines += [f"    {', '.join(group)}," for group in _param_groups(names)]
+    lines += [f"    {', '.join(group)}," for group in param_groups(names)]
     lines += ["    BLOCK: tl.constexpr,", "):"]
     lines += ["    " + s for s in _body(program, rank, modes, variant)]
     return "\n".join(lines) + "\n"
 
 
-def _param_groups(names: list[str]) -> list[list[str]]:
-    """Parameters grouped one line per role: pointers, n_elements, sizes, each input's strides."""
+def param_groups(names: list[str], role=lambda p: p.rstrip("0123456789")) -> list[list[str]]:
+    """Parameters grouped one line per role, in order of first appearance: pointers, each
+    input's strides, and the others by `role(name)` (default: the name without its trailing
+    digits, so n_elements alone and size0, size1, ... together)."""
     groups: dict[str, list[str]] = {}
     for p in names:
         if p.endswith("_ptr"):
@@ -241,7 +243,7 @@ def _param_groups(names: list[str]) -> list[list[str]]:
         elif p.startswith("stride_"):
             key = p.rsplit("_", 1)[0]
         else:
-            key = p.rstrip("0123456789")
+            key = role(p)
         groups.setdefault(key, []).append(p)
     return list(groups.values())
 

@@ -58,6 +58,7 @@ from onnxfuse.codegen import (
     _literal,
     _operand_text,
     check_kernel_name,
+    param_groups,
 )
 from onnxfuse.expr import Instr, Program, Ref
 
@@ -296,27 +297,12 @@ def _module(spec: RowsSpec, variant: RowsVariant, names: list[str], constexprs: 
     if spec.reduction in ("softmax", "log_softmax"):
         lines += ["", "", *MAX_NAN]
     lines += ["", "", "@triton.jit", f"def {spec.name}("]
-    lines += [f"    {', '.join(group)}," for group in _param_groups(names)]
+    groups = param_groups(names, lambda p: "size" if p.startswith("size") else "n")  # n_rows, n_cols together
+    lines += [f"    {', '.join(group)}," for group in groups]
     lines += [f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},", "):"]
     body = _looped_body(spec, variant) if variant.looped else _single_body(spec, variant)
     lines += ["    " + ln if ln else "" for ln in body]
     return "\n".join(lines) + "\n"
-
-
-def _param_groups(names: list[str]) -> list[list[str]]:
-    """One line per role: pointers, the two sizes, the leading sizes, each input's strides."""
-    groups: dict[str, list[str]] = {}
-    for p in names:
-        if p.endswith("_ptr"):
-            key = "ptr"
-        elif p.startswith("stride_"):
-            key = p.rsplit("_", 1)[0]
-        elif p.startswith("size"):
-            key = "size"
-        else:
-            key = "n"
-        groups.setdefault(key, []).append(p)
-    return list(groups.values())
 
 
 def _n(variant: RowsVariant) -> str:
