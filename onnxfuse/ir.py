@@ -116,6 +116,25 @@ def import_model(model: ModelProto) -> Model:
     return Model(graph, model, unread)
 
 
+def all_names(model: ModelProto) -> set[str]:
+    """Every tensor name of the main graph and its subgraphs."""
+    names: set[str] = set()
+
+    def walk(g: onnx.GraphProto) -> None:
+        names.update(i.name for i in g.input)
+        names.update(o.name for o in g.output)
+        names.update(t.name for t in g.initializer)
+        names.update(v.name for v in g.value_info)
+        for n in g.node:
+            names.update(x for x in list(n.input) + list(n.output) if x)
+            for a in n.attribute:
+                for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+                    walk(sg)
+
+    walk(model.graph)
+    return names
+
+
 def make_node(op: str, name: str, domain: str, attrs: dict, inputs: Sequence[gs.Tensor],
               outputs: Sequence[gs.Tensor], overload: str = "") -> gs.Node:
     """A gs node; attributes in the order given (None values left out, as helper.make_node
@@ -173,10 +192,15 @@ def set_type(tensor: gs.Variable, elem_type: int, dims: list | None) -> None:
     tensor.shape = dims
 
 
-def cleanup(m: Model) -> None:
-    """Nodes and tensors no graph output needs removed; nodes in topological order."""
+def cleanup(m: Model, toposort: bool = True) -> None:
+    """Nodes and tensors no graph output needs removed; nodes in topological order (gs's:
+    by depth, the list order within a depth). toposort=False keeps the list order, for a
+    pass whose edits keep it topological: the order decides which of several nodes with
+    the same kernel a kernel's header names (the first matched), and matching follows it."""
     with _quiet():
-        m.graph.cleanup().toposort()
+        m.graph.cleanup()
+        if toposort:
+            m.graph.toposort()
 
 
 def export_model(m: Model) -> ModelProto:

@@ -401,23 +401,7 @@ def _fold_weight_transposes(m_ir: ir.Model, transposes: list) -> None:
         graph.nodes = [n for n in graph.nodes if n is not t]
 
 
-def _all_names(model: ModelProto) -> set[str]:
-    """Every tensor name of the main graph and its subgraphs."""
-    names: set[str] = set()
-
-    def walk(g: onnx.GraphProto) -> None:
-        names.update(i.name for i in g.input)
-        names.update(o.name for o in g.output)
-        names.update(t.name for t in g.initializer)
-        names.update(v.name for v in g.value_info)
-        for n in g.node:
-            names.update(x for x in list(n.input) + list(n.output) if x)
-            for a in n.attribute:
-                for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                    walk(sg)
-
-    walk(model.graph)
-    return names
+_all_names = ir.all_names  # (the layout pass imports it from here)
 
 
 def swap_functions(model: ModelProto, renamed: set[tuple[str, str, str]], added: dict) -> None:
