@@ -148,6 +148,16 @@ def make_node(op: str, name: str, domain: str, attrs: dict, inputs: Sequence[gs.
     return node
 
 
+def set_overload(node: gs.Node, overload: str) -> None:
+    """Give a node a new overload (export writes it)."""
+    proto = NodeProto()
+    old = getattr(node, PROTO, None)
+    if old is not None:
+        proto.CopyFrom(old)
+    proto.overload = overload
+    setattr(node, PROTO, proto)
+
+
 def overload(node: gs.Node) -> str:
     proto = getattr(node, PROTO, None)
     return proto.overload if proto is not None else ""
@@ -185,8 +195,12 @@ def empty() -> gs.Variable:
     return gs.Variable.empty()
 
 
-def set_type(tensor: gs.Variable, elem_type: int, dims: list | None) -> None:
-    """Give a tensor a value_info on export: ONNX element type and dims (None: unknown)."""
+def set_type(tensor: gs.Variable, elem_type, dims: list | None) -> None:
+    """Give a tensor a value_info on export: element type (ONNX's, or a gs dtype) and dims
+    (None: unknown)."""
+    if not isinstance(elem_type, int):
+        tensor.dtype, tensor.shape = elem_type, dims
+        return
     np_type = onnx.helper.tensor_dtype_to_np_dtype(elem_type) if elem_type != TensorProto.BFLOAT16 else None
     tensor.dtype = np_type if np_type is not None and np_type != np.dtype(object) else elem_type
     tensor.shape = dims
