@@ -316,6 +316,8 @@ def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, c
     splices keep the node list topological (a replacement takes the replaced node's place,
     a boundary Transpose goes right before its first reader), and the order stays as the
     later steps (TF32 rounding, tuning) and the tests know it."""
+    if not any(KINDS[f.kind].layouts is not None for f in fused):
+        return list(fused)  # nothing takes a layout (and no import of a large graph for nothing)
     g = model.graph
     shapes = _shapes(g, tensors)
     m = ir.import_model(model)
