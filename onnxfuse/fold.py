@@ -28,92 +28,84 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import ModelProto, NodeProto, numpy_helper
+import onnx_graphsurgeon as gs
+from onnx import ModelProto, TensorProto, numpy_helper
 
-from onnxfuse.graph import _outer_refs
-from onnxfuse.ops import node_attrs
+from onnxfuse import ir
 
 FLOAT_WEIGHTS = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE)
 
 
 def fold_batchnorm(model: ModelProto) -> tuple[ModelProto, int]:
     """A copy of `model` with each Conv -> BatchNormalization pair that can be folded
-    replaced by one Conv; returns it and the number of pairs folded."""
-    out = ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
-    graph_inputs = {i.name for i in g.input}
-    graph_outputs = {o.name for o in g.output}
-    inits = {t.name: t for t in g.initializer if t.name not in graph_inputs}
-    readers: dict[str, list[int]] = {}
-    producer: dict[str, int] = {}
-    for i, n in enumerate(g.node):
-        for name in dict.fromkeys(list(n.input) + sorted(_outer_refs(n))):
-            readers.setdefault(name, []).append(i)
-        for o in n.output:
-            if o:
-                producer[o] = i
-    names = {t.name for t in g.initializer} | {x for n in g.node for x in list(n.input) + list(n.output)}
-    names |= {v.name for v in list(g.input) + list(g.output) + list(g.value_info)}
-    dropped: set[int] = set()
+    replaced by one Conv; returns it and the number of pairs folded. On the gs graph
+    (`onnxfuse.ir`): the Conv takes the BatchNormalization's output tensor and the folded
+    weights, then one cleanup (the BatchNormalization and unread weights go) and export.
+    The node order stays (the Conv already precedes every reader of the BatchNormalization's
+    output): no toposort, so the matcher sees the nodes in the order it did before."""
+    if not any(n.op_type == "BatchNormalization" for n in model.graph.node):
+        out = ModelProto()
+        out.CopyFrom(model)
+        return out, 0
+    m = ir.import_model(model)
+    graph_inputs = {i.name for i in model.graph.input}  # initializers among them: overridable
+    graph_outputs = {o.name for o in model.graph.output}
+    names = ir.all_names(model)
     count = 0
-    for bi, bn in enumerate(g.node):
-        if bn.op_type != "BatchNormalization" or bn.domain not in ("", "ai.onnx") or not bn.input[0]:
+    for bn in list(m.graph.nodes):
+        if bn.op != "BatchNormalization" or bn.domain not in ("", "ai.onnx", None) or not bn.inputs \
+                or bn.inputs[0].is_empty() or len(bn.inputs[0].inputs) != 1:
             continue
-        ci = producer.get(bn.input[0])
-        if ci is None or ci in dropped:
-            continue
-        conv = g.node[ci]
-        values = _foldable(conv, bn, inits, readers, graph_outputs)
+        conv = bn.inputs[0].inputs[0]
+        values = _foldable(conv, bn, graph_inputs, graph_outputs)
         if values is None:
             continue
-        w, b = _folded(*values, eps=float(node_attrs(bn).get("epsilon", 1e-5)))
-        w_name = _store(g, inits, readers, graph_outputs, conv.input[1], w, ci, names)
-        has_bias = len(conv.input) > 2 and conv.input[2]
-        b_name = _store(g, inits, readers, graph_outputs, conv.input[2] if has_bias else "", b, ci, names,
-                        fresh=f"{conv.name or conv.input[1]}.bias_folded")
-        del conv.input[1:]
-        conv.input.extend([w_name, b_name])
-        old = conv.output[0]
-        conv.output[0] = bn.output[0]
-        producer[bn.output[0]] = ci
-        dropped.add(bi)
-        _drop_value_info(g, old)
+        w, b = _folded(*values, eps=float(bn.attrs.get("epsilon", 1e-5)))
+        w_c = _store(conv, 1, w, graph_outputs, names)
+        b_c = _store(conv, 2, b, graph_outputs, names, fresh=f"{conv.name or conv.inputs[1].name}.bias_folded")
+        x = conv.inputs[0]
+        conv.inputs.clear()
+        conv.inputs.extend([x, w_c, b_c])
+        y = bn.outputs[0]
+        bn.outputs.clear()
+        conv.outputs[0] = y
         count += 1
     if not count:
+        out = ModelProto()
+        out.CopyFrom(model)
         return out, 0
-    kept = [n for i, n in enumerate(g.node) if i not in dropped]
-    del g.node[:]
-    g.node.extend(kept)
-    read = {x for n in g.node for x in list(n.input) + sorted(_outer_refs(n))}
-    keep = [t for t in g.initializer if t.name in read or t.name in graph_inputs or t.name in graph_outputs
-            or t.name not in readers]
-    del g.initializer[:]
-    g.initializer.extend(keep)
-    return out, count
+    ir.cleanup(m, toposort=False)
+    return ir.export_model(m), count
 
 
-def _foldable(conv: NodeProto, bn: NodeProto, inits: dict, readers: dict, graph_outputs: set[str]):
+def _constant(t, graph_inputs: set[str]) -> TensorProto | None:
+    """The initializer a gs tensor is, unless it is a graph input (an overridable default)."""
+    if not isinstance(t, gs.Constant) or t.name in graph_inputs:
+        return None
+    return ir.tensor_proto(t)
+
+
+def _foldable(conv, bn, graph_inputs: set[str], graph_outputs: set[str]):
     """(W, B or None, scale, beta, mean, var) as arrays when the pair can be folded, else None."""
-    if conv.op_type != "Conv" or conv.domain not in ("", "ai.onnx") or len(conv.input) < 2:
+    if conv.op != "Conv" or conv.domain not in ("", "ai.onnx", None) or len(conv.inputs) < 2:
         return None
-    y = conv.output[0]
-    if y in graph_outputs or len(readers.get(y, ())) != 1 or bn.output[0] in graph_outputs:
+    y = conv.outputs[0]
+    if y.name in graph_outputs or len(y.outputs) != 1 or bn.outputs[0].name in graph_outputs:
         return None
-    attrs = node_attrs(bn)
-    if attrs.get("training_mode", 0) or attrs.get("spatial", 1) != 1 or len(bn.input) != 5:
+    attrs = bn.attrs
+    if attrs.get("training_mode", 0) or attrs.get("spatial", 1) != 1 or len(bn.inputs) != 5:
         return None
-    if any(o for o in bn.output[1:]):
+    if any(not o.is_empty() for o in bn.outputs[1:]):
         return None
-    w = inits.get(conv.input[1])
+    w = _constant(conv.inputs[1], graph_inputs)
     if w is None or w.data_type not in FLOAT_WEIGHTS or len(w.dims) < 3:
         return None
     b = None
-    if len(conv.input) > 2 and conv.input[2]:
-        b = inits.get(conv.input[2])
+    if len(conv.inputs) > 2 and not conv.inputs[2].is_empty():
+        b = _constant(conv.inputs[2], graph_inputs)
         if b is None or b.data_type != w.data_type:
             return None
-    params = [inits.get(name) for name in bn.input[1:]]
+    params = [_constant(t, graph_inputs) for t in bn.inputs[1:]]
     if any(p is None or p.data_type != w.data_type or len(p.dims) != 1 for p in params):
         return None
     k = w.dims[0]
@@ -146,28 +138,16 @@ def _folded(w: np.ndarray, b: np.ndarray | None, scale: np.ndarray, beta: np.nda
     return w2, b2
 
 
-def _store(g: onnx.GraphProto, inits: dict, readers: dict, graph_outputs: set[str], name: str,
-           value: np.ndarray, conv_idx: int, names: set[str], fresh: str = "") -> str:
-    """Put `value` in an initializer for the Conv: in place when only that Conv reads `name`,
-    else under a new unique name. Returns the name."""
-    if name and readers.get(name) == [conv_idx] and name not in graph_outputs:
-        inits[name].CopyFrom(numpy_helper.from_array(value, name))
-        return name
-    base = fresh or f"{name}_folded"
-    new, k = base, 1
+def _store(conv, k: int, value: np.ndarray, graph_outputs: set[str], names: set[str], fresh: str = ""):
+    """A Constant holding `value` for input k of the Conv: under the old initializer's name
+    when only that Conv reads it (it takes its place), else under a new unique name."""
+    old = conv.inputs[k] if k < len(conv.inputs) and not conv.inputs[k].is_empty() else None
+    if old is not None and len(old.outputs) == 1 and old.name not in graph_outputs:
+        return ir.constant(numpy_helper.from_array(value, old.name))
+    base = fresh or f"{old.name}_folded"
+    new, n = base, 1
     while new in names:
-        new = f"{base}_{k}"
-        k += 1
+        new = f"{base}_{n}"
+        n += 1
     names.add(new)
-    t = numpy_helper.from_array(value, new)
-    g.initializer.append(t)
-    inits[new] = g.initializer[-1]
-    readers[new] = [conv_idx]
-    return new
-
-
-def _drop_value_info(g: onnx.GraphProto, name: str) -> None:
-    kept = [v for v in g.value_info if v.name != name]
-    if len(kept) != len(g.value_info):
-        del g.value_info[:]
-        g.value_info.extend(kept)
+    return ir.constant(numpy_helper.from_array(value, new))

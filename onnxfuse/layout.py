@@ -58,12 +58,13 @@ import dataclasses
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.graph import _outer_refs
+from onnxfuse import ir
 from onnxfuse.kinds import KINDS, kind_of
 from onnxfuse.kinds.base import NodeLayouts
-from onnxfuse.rewrite import _all_names, swap_functions
+from onnxfuse.rewrite import swap_functions
 
 TO_NCHW = [0, 3, 1, 2]
 TO_NHWC = [0, 2, 3, 1]
@@ -173,12 +174,14 @@ def _static_chw(shapes: dict[str, tuple[tuple, int]]) -> dict[str, tuple[int, in
     return {name: (*dims[1:], elem) for name, (dims, elem) in shapes.items() if all(d for d in dims[1:])}
 
 
-def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | None = None,
+def plan(model: ModelProto | ir.Model, fused: list, shapes: dict[str, tuple[tuple, int]] | None = None,
          conv_precision: str = "tf32") -> Plan:
     """shapes: `_shapes` of the graph (default: from its value_info); conv_precision: the
     fused convs' (`--conv-precision`): GlobalAveragePools become MatMuls only under
-    MATMUL_POOL_PRECISIONS."""
-    g = model.graph
+    MATMUL_POOL_PRECISIONS. model: the model or its gs graph (`onnxfuse.ir`), whose links
+    give each tensor's producer and readers."""
+    m = model if isinstance(model, ir.Model) else ir.import_model(model)
+    g = m.source.graph
     # the fused nodes that take layouts (their kinds' NodeLayouts): "convs" turn X, Y and
     # each extra channels-last on their own, "pools" X and Y together (y_follows_x)
     laid = {f.node_name: (f, KINDS[f.kind].layouts) for f in fused if KINDS[f.kind].layouts is not None}
@@ -186,25 +189,35 @@ def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | 
     pools = {name: f for name, (f, how) in laid.items() if how.y_follows_x}
     how_of = {name: how for name, (_, how) in laid.items()}
     weight_dims = {t.name: tuple(t.dims) for t in g.initializer}
-    # Nodes by index: only the fused nodes' names are known to be unique.
+    # Nodes by index (into g.node, which is m.graph.nodes in the same order): only the fused
+    # nodes' names are known to be unique.
     conv_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in convs}
     pool_at = {i: n.name for i, n in enumerate(g.node) if n.domain == "onnxfuse" and n.name in pools}
-    readers: dict[str, list[tuple[int, int]]] = {}
-    producer: dict[str, int] = {}
-    for i, n in enumerate(g.node):
-        for k, name in enumerate(n.input):
-            if name:
-                readers.setdefault(name, []).append((i, k))
-        for name in _outer_refs(n):
-            readers.setdefault(name, []).append((i, -1))
-        for name in n.output:
-            producer[name] = i
+    # producers and readers: the gs graph's links (gs.Tensor.inputs / outputs); a node of a
+    # subgraph that reads the tensor is a reader at (-1, -1)
+    at = {id(n): i for i, n in enumerate(m.graph.nodes)}
+    by_name = m.tensors()
+
+    def readers_of(t: str) -> list[tuple[int, int]]:
+        tensor = by_name.get(t)
+        if tensor is None:
+            return []
+        out = []
+        for u in {id(u): u for u in tensor.outputs}.values():
+            i = at.get(id(u))
+            out += [(i, k) for k, x in enumerate(u.inputs) if x is tensor] if i is not None else [(-1, -1)]
+        return out
+
+    def producer_of(t: str) -> int | None:
+        tensor = by_name.get(t)
+        return at.get(id(tensor.inputs[0])) if tensor is not None and tensor.inputs else None
+
     outputs = {o.name for o in g.output}
     fixed = outputs | {i.name for i in g.input} | set(weight_dims)
     joins = {i: n for i, n in enumerate(g.node) if _channel_axis_node(n)}
     constants = {n.output[0]: next((tuple(a.t.dims) for a in n.attribute if a.name == "value"), None)
                  for n in g.node if n.op_type == "Constant" and n.domain in ("", "ai.onnx") and n.output}
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    opset = next((o.version for o in m.source.opset_import if o.domain in ("", "ai.onnx")), 1)
     chw = _static_chw(_shapes(g, None) if shapes is None else shapes)
     matmul_pool = conv_precision in MATMUL_POOL_PRECISIONS
     free = {i: pos for i, n in enumerate(g.node) if i not in joins and (pos := _layout_free_inputs(
@@ -247,7 +260,7 @@ def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | 
         return u in joins and (k == 0 or joins[u].op_type == "Concat")
 
     def producer_ok(t: str) -> bool:
-        p = producer.get(t)
+        p = producer_of(t)
         return ((p in conv_at and convs[conv_at[p]].outputs[0] == t) or p in joins or p in free
                 or (p in pool_at and pools[pool_at[p]].outputs[0] == t))
 
@@ -258,20 +271,20 @@ def plan(model: ModelProto, fused: list, shapes: dict[str, tuple[tuple, int]] | 
     for comp in components.values():
         if any(t in fixed or not producer_ok(t) for t in comp):
             continue
-        if not all(reader_ok(u, k) for t in comp for u, k in readers.get(t, [])):
+        if not all(reader_ok(u, k) for t in comp for u, k in readers_of(t)):
             continue
-        if not any(u in conv_at and how_of[conv_at[u]].wants_nhwc for t in comp for u, _ in readers.get(t, [])):
+        if not any(u in conv_at and how_of[conv_at[u]].wants_nhwc for t in comp for u, _ in readers_of(t)):
             continue  # nothing channels-last reads it
         nhwc.update(comp)
         for t in comp:
-            p = producer[t]
+            p = producer_of(t)
             if p in conv_at:
                 layouts[conv_at[p]][1] = "nhwc"
             elif p in pool_at:
                 nhwc_pools.add(pool_at[p])
             else:
                 transparent.add(p)
-            for u, k in readers.get(t, []):
+            for u, k in readers_of(t):
                 if u not in conv_at:
                     continue
                 if k == 0:
@@ -304,123 +317,127 @@ def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, c
     """Rewrite `model` in place for the NHWC plan; returns `fused` with the changed nodes'
     FusedNode values replaced (new kernel names, inputs and layouts), in the same order.
     tensors: the shapes inferred while optimizing (`onnxfuse.pipeline.Result.shapes`);
-    conv_precision: the precision the convs are compiled at (`plan`)."""
+    conv_precision: the precision the convs are compiled at (`plan`). On the gs graph
+    (`onnxfuse.ir`): one import, the splices, one cleanup, one export. No toposort: the
+    splices keep the node list topological (a replacement takes the replaced node's place,
+    a boundary Transpose goes right before its first reader), and the order stays as the
+    later steps (TF32 rounding, tuning) and the tests know it."""
+    if not any(KINDS[f.kind].layouts is not None for f in fused):
+        return list(fused)  # nothing takes a layout (and no import of a large graph for nothing)
     g = model.graph
     shapes = _shapes(g, tensors)
-    p = plan(model, fused, shapes, conv_precision)
+    m = ir.import_model(model)
+    p = plan(m, fused, shapes, conv_precision)
     if not p.nodes and not p.transparent:
         return list(fused)
-    taken = _all_names(model)
+    taken = ir.all_names(model)
     chw = _static_chw(shapes)
-    replaced = {i: _to_channels_last(model, g.node[i], taken, chw) for i in p.transparent}
-    body = [m for i, n in enumerate(g.node) for m in replaced.get(i, [n])]
-    del g.node[:]
-    g.node.extend(body)
+    by_name = m.tensors()
+    nodes = list(m.graph.nodes)
+    replaced = {i: _to_channels_last(m, nodes[i], by_name, taken, chw) for i in sorted(p.transparent)}
+    m.graph.nodes = [r for i, n in enumerate(nodes) for r in replaced.get(i, [n])]
     single_pixel = {name for name, (dims, _) in shapes.items() if dims[2:] == (1, 1)}
-    nhwc_copy = _insert_boundary_transposes(g, p.boundaries, taken, single_pixel)  # rebuilds the node list
-    nodes = {n.name: n for n in g.node if n.domain == "onnxfuse"}  # fused nodes' names are unique
+    nhwc_copy = _insert_boundary_transposes(m, by_name, p.boundaries, taken, single_pixel)
+    fused_nodes = {n.name: n for n in m.graph.nodes if n.domain == "onnxfuse"}  # fused nodes' names are unique
     functions = {(f.domain, f.name, f.overload): f for f in model.functions}
     new_functions: dict[str, FunctionProto] = {}
     renamed: set[tuple[str, str, str]] = set()  # the functions of the nodes given new overloads
-    initializers = {t.name: t for t in g.initializer}
     out = []
     for f in fused:
         if f.node_name not in p.nodes:
             out.append(f)
             continue
         x, y, extras, w = p.nodes[f.node_name]
-        node = nodes[f.node_name]
+        node = fused_nodes[f.node_name]
+        key = (node.domain, node.op, ir.overload(node))
         suffix = f"_{x}_{y}" + ("_e" + "".join(map(str, extras)) if any(extras) else "") + \
             ("_krsc" if w == "krsc" else "")
         name = f.kernel_name + suffix
-        old = functions[(node.domain, node.op_type, node.overload)]
-        renamed.add((node.domain, node.op_type, node.overload))
+        old = functions[key]
+        renamed.add(key)
         how = KINDS[f.kind].layouts
         if name not in new_functions:
             new_functions[name] = _layout_function(old, name, x, y, extras, how, w)
-        for attr in [a for a in node.attribute if a.name in ("x_layout", "y_layout", "extra_layouts", "w_layout")]:
-            node.attribute.remove(attr)
-        node.attribute.append(helper.make_attribute("x_layout", x.upper()))
-        node.attribute.append(helper.make_attribute("y_layout", y.upper()))
+        for attr in ("x_layout", "y_layout", "extra_layouts", "w_layout"):
+            node.attrs.pop(attr, None)
+        node.attrs["x_layout"] = x.upper()
+        node.attrs["y_layout"] = y.upper()
         if extras:
-            node.attribute.append(helper.make_attribute("extra_layouts", list(extras)))
+            node.attrs["extra_layouts"] = list(extras)
         if w != "rsck":
-            node.attribute.append(helper.make_attribute("w_layout", w.upper()))
+            node.attrs["w_layout"] = w.upper()
         if w != f.w_layout:
-            _repack(initializers[f.inputs[how.weights]], f.w_layout, w)
-        node.overload = name
+            k = how.weights
+            node.inputs[k] = ir.constant(_repacked(ir.tensor_proto(node.inputs[k]), f.w_layout, w))
+        ir.set_overload(node, name)
         inputs = f.inputs
         if f.node_name in nhwc_copy:
-            node.input[0] = nhwc_copy[f.node_name]
-            inputs = (node.input[0], *inputs[1:])
+            node.inputs[0] = by_name[nhwc_copy[f.node_name]]
+            inputs = (nhwc_copy[f.node_name], *inputs[1:])
         out.append(dataclasses.replace(f, kernel_name=name, inputs=inputs, x_layout=x, y_layout=y,
                                        extra_layouts=extras, w_layout=w))
     for t in sorted(p.nhwc):  # the conv outputs that turn NHWC and the Concat / Split results
-        _permute_value_info(g, t)
+        _permute_type(by_name[t])
+    ir.cleanup(m, toposort=False)
+    model.CopyFrom(ir.export_model(m))
     swap_functions(model, renamed, new_functions)
     return out
 
 
-def _to_channels_last(model: ModelProto, n: NodeProto, taken: set[str], chw: dict) -> list[NodeProto]:
-    """A node between channels-last tensors, rewritten to work on them; returns the nodes that
-    replace it: Concat and Split on axis 3; GlobalAveragePool as MatMuls (`_average_nodes`,
-    AVERAGE_ROW_DTYPES); Resize with its scales or sizes permuted to
-    [N, H, W, C] (new initializers: the old ones may be shared). Elementwise ops stay as
-    they are. chw: `_static_chw` of the graph before the pass."""
-    g = model.graph
-    if n.op_type in ("Concat", "Split"):
-        for a in [a for a in n.attribute if a.name == "axis"]:
-            n.attribute.remove(a)
-        n.attribute.append(helper.make_attribute("axis", 3))
-    elif n.op_type == "GlobalAveragePool":
-        return _average_nodes(g, n, taken, *chw[n.input[0]])
-    elif n.op_type == "Resize":
-        k = 2 if len(n.input) > 2 and n.input[2] else 3
-        inits = {t.name: t for t in g.initializer}
-        consts = {c.output[0]: c for c in g.node if c.op_type == "Constant"}
-        src = n.input[k]
-        value = (numpy_helper.to_array(inits[src]) if src in inits else
-                 numpy_helper.to_array(next(a.t for a in consts[src].attribute if a.name == "value")))
-        name = _fresh(f"{src}_nhwc", taken)
-        g.initializer.append(numpy_helper.from_array(value[TO_NHWC].copy(), name))
-        n.input[k] = name
+def _to_channels_last(m: ir.Model, n, tensors: dict, taken: set[str], chw: dict) -> list:
+    """A node between channels-last tensors (a gs node), rewritten to work on them; returns
+    the nodes that replace it: Concat and Split on axis 3; GlobalAveragePool as MatMuls
+    (`_average_nodes`, AVERAGE_ROW_DTYPES); Resize with its scales or sizes permuted to
+    [N, H, W, C] (new initializers: the old ones may be shared).
+    Elementwise ops stay as they are. chw: `_static_chw` of the graph before the pass."""
+    if n.op in ("Concat", "Split"):
+        n.attrs.pop("axis", None)
+        n.attrs["axis"] = 3
+    elif n.op == "GlobalAveragePool":
+        x, y = n.inputs[0], n.outputs[0]
+        nodes = _average_nodes(n, x, y, taken, *chw[x.name])
+        n.inputs.clear()
+        n.outputs.clear()
+        return nodes
+    elif n.op == "Resize":
+        k = 2 if len(n.inputs) > 2 and not n.inputs[2].is_empty() else 3
+        src = n.inputs[k]
+        # an initializer or a Constant node's value
+        const = src if isinstance(src, gs.Constant) else src.inputs[0].attrs["value"]
+        value = numpy_helper.to_array(ir.tensor_proto(const))
+        name = _fresh(f"{src.name}_nhwc", taken)
+        n.inputs[k] = ir.constant(numpy_helper.from_array(value[TO_NHWC].copy(), name))
     return [n]
 
 
-def _average_nodes(g: onnx.GraphProto, n: NodeProto, taken: set[str], c: int, h: int, w: int, elem: int
-                   ) -> list[NodeProto]:
-    """GlobalAveragePool `n` of a channels-last [N, H, W, C] tensor as MatMuls (new
-    initializers added to `g`): Reshape [N, H·W, C], MatMul by a row of 1/(H·W), Reshape
-    [N, 1, 1, C]. Above SPLIT_AVERAGE_MIN_PIXELS, where H·W has a divisor S > 1 up to its
-    square root (the largest), the MatMul is split in two: Reshape [N, S, H·W/S, C], MatMul
-    by a row of 1/(H·W) over H·W/S, Reshape [N, S, C], MatMul by a row of S ones."""
-    x, y, dt = n.input[0], n.output[0], AVERAGE_ROW_DTYPES[elem]
-    name = n.name or y
-    pixels = h * w
+def _average_nodes(n, x, y, taken: set[str], c: int, h: int, w: int, elem: int) -> list:
+    """GlobalAveragePool `n` (a gs node) of a channels-last [N, H, W, C] tensor `x` into `y`,
+    as MatMuls: Reshape [N, H·W, C], MatMul by a row of 1/(H·W), Reshape [N, 1, 1, C]. Above
+    SPLIT_AVERAGE_MIN_PIXELS, where H·W has a divisor S > 1 up to its square root (the
+    largest), the MatMul is split in two: Reshape [N, S, H·W/S, C], MatMul by a row of
+    1/(H·W) over H·W/S, Reshape [N, S, C], MatMul by a row of S ones."""
+    dt, name, pixels = AVERAGE_ROW_DTYPES[elem], n.name or y.name, h * w
     s = max(d for d in range(1, int(pixels ** 0.5) + 1) if pixels % d == 0) if pixels > SPLIT_AVERAGE_MIN_PIXELS else 1
 
-    def init(key: str, value: np.ndarray) -> str:
-        t = _fresh(f"{y}_{key}", taken)
-        g.initializer.append(numpy_helper.from_array(value, t))
-        return t
+    def const(key: str, value: np.ndarray):
+        return ir.constant(numpy_helper.from_array(value, _fresh(f"{y.name}_{key}", taken)))
 
-    row = init("row", np.full((1, pixels // s), 1.0 / pixels, dt))
-    out = init("shape4", np.array([0, 1, 1, c], np.int64))
-    x3, m = _fresh(f"{y}_rows", taken), _fresh(f"{y}_mean", taken)
+    def node(op: str, key: str, inputs: list, outputs: list):
+        return ir.make_node(op, _fresh(f"{name}_{key}", taken), "", {}, inputs, outputs)
+
+    row = const("row", np.full((1, pixels // s), 1.0 / pixels, dt))
+    shape3 = const("shape3", np.array([0, s, c] if s > 1 else [0, pixels, c], np.int64))
+    shape4 = const("shape4", np.array([0, 1, 1, c], np.int64))
+    x3, mean = (ir.variable(_fresh(f"{y.name}_{k}", taken)) for k in ("rows", "mean"))
     if s == 1:
-        return [helper.make_node("Reshape", [x, init("shape3", np.array([0, pixels, c], np.int64))], [x3],
-                                 name=_fresh(f"{name}_rows", taken)),
-                helper.make_node("MatMul", [row, x3], [m], name=_fresh(f"{name}_mean", taken)),
-                helper.make_node("Reshape", [m, out], [y], name=n.name)]
-    part, part3 = _fresh(f"{y}_partial", taken), _fresh(f"{y}_partials", taken)
-    return [helper.make_node("Reshape", [x, init("shape_split", np.array([0, s, pixels // s, c], np.int64))], [x3],
-                             name=_fresh(f"{name}_rows", taken)),
-            helper.make_node("MatMul", [row, x3], [part], name=_fresh(f"{name}_partial", taken)),
-            helper.make_node("Reshape", [part, init("shape3", np.array([0, s, c], np.int64))], [part3],
-                             name=_fresh(f"{name}_partials", taken)),
-            helper.make_node("MatMul", [init("ones", np.ones((1, s), dt)), part3], [m],
-                             name=_fresh(f"{name}_mean", taken)),
-            helper.make_node("Reshape", [m, out], [y], name=n.name)]
+        return [node("Reshape", "rows", [x, shape3], [x3]), node("MatMul", "mean", [row, x3], [mean]),
+                ir.make_node("Reshape", n.name, "", {}, [mean, shape4], [y])]
+    split = const("shape_split", np.array([0, s, pixels // s, c], np.int64))
+    part, part3 = (ir.variable(_fresh(f"{y.name}_{k}", taken)) for k in ("partial", "partials"))
+    return [node("Reshape", "rows", [x, split], [x3]), node("MatMul", "partial", [row, x3], [part]),
+            node("Reshape", "partials", [part, shape3], [part3]),
+            node("MatMul", "mean", [const("ones", np.ones((1, s), dt)), part3], [mean]),
+            ir.make_node("Reshape", n.name, "", {}, [mean, shape4], [y])]
 
 
 def _fresh(name: str, taken: set[str]) -> str:
@@ -431,42 +448,45 @@ def _fresh(name: str, taken: set[str]) -> str:
     return name
 
 
-def _insert_boundary_transposes(g: onnx.GraphProto, boundaries: dict[str, list[str]],
+def _insert_boundary_transposes(m: ir.Model, tensors: dict, boundaries: dict[str, list[str]],
                                 taken: set[str], single_pixel: set[str] = frozenset()) -> dict[str, str]:
     """Put `Transpose(perm=[0, 2, 3, 1])` of each boundary tensor right before its first
-    reader; returns reader node name -> the NHWC tensor it reads. `taken`: every tensor name
-    of the model, its subgraphs' included (the new names avoid them). A tensor of
-    `single_pixel`, known to be [N, C, 1, 1] (a squeeze-excite's pooled vector), has the same
-    bytes in either layout: it gets `Reshape(shape=[0, 1, 1, -1])` instead, which copies
-    nothing."""
+    reader; returns reader node name -> the NHWC tensor it reads (added to `tensors`).
+    `taken`: every tensor name of the model, its subgraphs' included (the new names avoid
+    them). A tensor of `single_pixel`, known to be [N, C, 1, 1] (a squeeze-excite's pooled
+    vector), has the same bytes in either layout: it gets `Reshape(shape=[0, 1, 1, -1])`
+    instead, which copies nothing."""
     if not boundaries:
         return {}
-    shape_name = ""
+    shape = None
     if single_pixel & set(boundaries):
-        shape_name = _fresh("onnxfuse_nhwc_single_pixel_shape", taken)
-        g.initializer.append(numpy_helper.from_array(np.array([0, 1, 1, -1], np.int64), shape_name))
+        name = _fresh("onnxfuse_nhwc_single_pixel_shape", taken)
+        shape = ir.constant(numpy_helper.from_array(np.array([0, 1, 1, -1], np.int64), name))
     copies = {tensor: _fresh(f"{tensor}_nhwc", taken) for tensor in boundaries}
     reader_of = {r: t for t, rs in boundaries.items() for r in rs}
     body, placed = [], set()
-    for n in g.node:
+    for n in m.graph.nodes:
         t = reader_of.get(n.name)
         if t is not None and t not in placed:
-            body.append(helper.make_node("Reshape", [t, shape_name], [copies[t]], name=f"onnxfuse_to_nhwc_{t}")
+            src = tensors[t]
+            copy = tensors[copies[t]] = ir.variable(copies[t])
+            if src.shape is not None:  # its type: src's with the dims in NHWC order
+                ir.set_type(copy, src.dtype, list(src.shape))
+                _permute_type(copy)
+            body.append(ir.make_node("Reshape", f"onnxfuse_to_nhwc_{t}", "", {}, [src, shape], [copy])
                         if t in single_pixel else
-                        helper.make_node("Transpose", [t], [copies[t]], perm=TO_NHWC, name=f"onnxfuse_to_nhwc_{t}"))
+                        ir.make_node("Transpose", f"onnxfuse_to_nhwc_{t}", "", {"perm": TO_NHWC}, [src], [copy]))
             placed.add(t)
-            _add_permuted_value_info(g, t, copies[t])
         body.append(n)
-    del g.node[:]
-    g.node.extend(body)
+    m.graph.nodes = body
     return {r: copies[t] for r, t in reader_of.items()}
 
 
-def _repack(t: onnx.TensorProto, src: str, dst: str) -> None:
-    """Packed conv weights from one layout to the other, in place ([R, S, C, K] <-> [K, R, S, C])."""
+def _repacked(t: onnx.TensorProto, src: str, dst: str) -> onnx.TensorProto:
+    """Packed conv weights from one layout to the other ([R, S, C, K] <-> [K, R, S, C])."""
     a = numpy_helper.to_array(t)
     a = a.transpose(3, 0, 1, 2) if (src, dst) == ("rsck", "krsc") else a.transpose(1, 2, 3, 0)
-    t.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(a), t.name))
+    return numpy_helper.from_array(np.ascontiguousarray(a), t.name)
 
 
 def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: tuple[int, ...],
@@ -507,26 +527,7 @@ def _layout_function(old: FunctionProto, overload: str, x: str, y: str, extras: 
     return f
 
 
-def _permute_value_info(g: onnx.GraphProto, name: str) -> None:
-    for vi in g.value_info:
-        if vi.name == name and vi.type.tensor_type.HasField("shape"):
-            dims = list(vi.type.tensor_type.shape.dim)
-            if len(dims) == 4:
-                copies = [onnx.TensorShapeProto.Dimension() for _ in range(4)]
-                for c, d in zip(copies, [dims[i] for i in TO_NHWC], strict=True):
-                    c.CopyFrom(d)
-                del vi.type.tensor_type.shape.dim[:]
-                vi.type.tensor_type.shape.dim.extend(copies)
-
-
-def _add_permuted_value_info(g: onnx.GraphProto, src: str, dst: str) -> None:
-    """A value_info for dst: src's type with its dims in NHWC order (when src's is known)."""
-    for vi in [*g.value_info, *g.input, *g.output]:
-        if vi.name == src and vi.type.tensor_type.HasField("shape"):
-            copy = onnx.ValueInfoProto()
-            copy.CopyFrom(vi)
-            copy.name = dst
-            copy.doc_string = ""
-            g.value_info.append(copy)
-            _permute_value_info(g, dst)
-            return
+def _permute_type(t) -> None:
+    """A gs tensor's 4-D shape (its value_info on export) in NHWC order."""
+    if t.shape is not None and len(t.shape) == 4:
+        t.shape = [t.shape[i] for i in TO_NHWC]

@@ -8,16 +8,17 @@ nodes to a Program) and what undoes a fusion (`unfuse`)."""
 from __future__ import annotations
 
 import hashlib
-import heapq
 from collections.abc import Callable
 
 import numpy as np
 import onnx
+import onnx_graphsurgeon as gs
 from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 
+from onnxfuse import ir
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Builder, Operand, Program, Ref, rewrite_tails
-from onnxfuse.graph import GraphView, _outer_refs, same_shape
+from onnxfuse.graph import GraphView, same_shape
 from onnxfuse.kinds.base import FusedNode, Match
 from onnxfuse.load import UNKNOWN_DIM, default_opset
 from onnxfuse.match import literal_inputs, numel, operands
@@ -161,20 +162,33 @@ def input_mode(view: GraphView, name: str, out_shape) -> str:
 
 
 def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[ModelProto, list[FusedNode]]:
-    """A copy of model with every match replaced; the model must be the one view indexes."""
-    out = ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
+    """A copy of model with every match replaced; the model must be the one view indexes.
+
+    On the gs graph (`onnxfuse.ir`): each fused node is inserted reusing the match's boundary
+    tensors, the nodes it replaces detached (their outputs cleared), then one
+    `cleanup().toposort()` for all matches and one export."""
+    if not matches:
+        out = ModelProto()
+        out.CopyFrom(model)
+        return out, []
+    m_ir = ir.import_model(model)
+    graph = m_ir.graph
+    gnodes = list(graph.nodes)  # node i of the view
+    tensors = m_ir.tensors()
     opset = default_opset(model)
-    used_names = {n.name for n in g.node if n.name}
-    tensor_names = _all_names(out)
+    used_names = {n.name for n in model.graph.node if n.name}
+    tensor_names = _all_names(model)
+    scratch = onnx.GraphProto()  # initializers the lowerings add (packed conv weights)
     functions: dict[str, FunctionProto] = {}
     fused: list[FusedNode] = []
-    replaced: dict[int, NodeProto | None] = {}
+    placed: dict[int, object] = {}  # last replaced node -> the fused node
     for m in matches:
         kind = m.pattern.kind
         node_name = unique_name(f"{m.pattern.name}_{view.nodes[m.nodes[0]].name or m.nodes[0]}", used_names)
-        low = kind.lower(view, m, node_name, tensor_names, g)
+        low = kind.lower(view, m, node_name, tensor_names, scratch)
+        for t in scratch.initializer:
+            tensors[t.name] = ir.constant(t)
+        scratch = onnx.GraphProto()
         program = low.program
         body, fin, fout = _function_body(view, low.body, low.inputs, m.outputs, low.folded)
         digest = hashlib.sha256(program.to_text().encode())
@@ -187,26 +201,23 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
             f.overload = kernel_name
             f.doc_string = f"onnxfuse pattern {m.pattern.name}: the original subgraph"
             functions[kernel_name] = f
-        node = helper.make_node(kind.op_type, low.inputs, list(m.outputs), name=node_name,
-                                domain=DOMAIN, program=program.to_text(), **low.attrs)
-        node.overload = kernel_name
+        for i in m.nodes:
+            gnodes[i].outputs.clear()
+        attrs = dict(sorted({"program": program.to_text(), **low.attrs}.items()))  # as helper.make_node
+        placed[m.nodes[-1]] = ir.make_node(kind.op_type, node_name, DOMAIN, attrs,
+                                           [tensors[x] if x else ir.empty() for x in low.inputs],
+                                           [tensors[y] for y in m.outputs], overload=kernel_name)
         fused.append(FusedNode(
             node_name=node_name, pattern=m.pattern.name, kernel_name=kernel_name, program=program,
             inputs=tuple(low.inputs), outputs=m.outputs, rank=low.rank, input_modes=low.input_modes,
             source_nodes=tuple(f"{view.nodes[i].op_type} {view.nodes[i].name}".rstrip() for i in m.nodes),
             kind=kind.name, **low.fields,
         ))
-        for i in m.nodes:
-            replaced[i] = None
-        replaced[m.nodes[-1]] = node
-    if not matches:
-        return out, []
-    nodes = [replaced.get(i, n) for i, n in enumerate(g.node)]
-    nodes = toposort([n for n in nodes if n is not None], g)
-    del g.node[:]
-    g.node.extend(nodes)
-    _drop_dead_tensors(g, view)
-    _type_fused_outputs(g, view, fused)
+    # each fused node where its last node was (gs's toposort keeps the list order within a level)
+    graph.nodes = [x for i, n in enumerate(gnodes) for x in ((n, placed[i]) if i in placed else (n,))]
+    _type_fused_outputs(model.graph, tensors, view, fused)
+    ir.cleanup(m_ir)
+    out = ir.export_model(m_ir)
     # An input optimized before may have some of these functions already (same key, same body).
     present = {(f.domain, f.name, f.overload) for f in out.functions}
     out.functions.extend(f for k in sorted(functions) if (f := functions[k]) and
@@ -217,9 +228,10 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
     return out, fused
 
 
-def _type_fused_outputs(g: onnx.GraphProto, view: GraphView, fused: list[FusedNode]) -> None:
-    """Give every fused output that is not a graph output a value_info: ONNX Runtime cannot
-    infer the element types of a custom op's variadic outputs (docs/format.md)."""
+def _type_fused_outputs(g: onnx.GraphProto, tensors: dict, view: GraphView, fused: list[FusedNode]) -> None:
+    """Give every fused output that is not a graph output a value_info (its gs tensor a type):
+    ONNX Runtime cannot infer the element types of a custom op's variadic outputs
+    (docs/format.md). g: the graph as it was before the rewrite."""
     typed = {o.name for o in g.output} | {v.name for v in g.value_info}
     for f in fused:
         for name in f.outputs:
@@ -227,7 +239,7 @@ def _type_fused_outputs(g: onnx.GraphProto, view: GraphView, fused: list[FusedNo
                 shape = view.shapes.get(name)
                 dims = None if shape is None else [
                     None if isinstance(d, str) and d.startswith(UNKNOWN_DIM) else d for d in shape]
-                g.value_info.append(helper.make_tensor_value_info(name, view.types[name], dims))
+                ir.set_type(tensors[name], view.types[name], dims)
                 typed.add(name)
 
 
@@ -240,49 +252,6 @@ def unique_name(name: str, used: set[str]) -> str:
     return cand
 
 
-def _drop_dead_tensors(g: onnx.GraphProto, view: GraphView) -> None:
-    """Remove value_info of tensors no node produces any more, and initializers that only
-    fused groups read (their values now live in the programs and function bodies)."""
-    produced = {o for n in g.node for o in n.output}
-    read = {x for n in g.node for x in list(n.input) + sorted(_outer_refs(n))}
-    vi = [v for v in g.value_info if v.name in produced]
-    if len(vi) != len(g.value_info):
-        del g.value_info[:]
-        g.value_info.extend(vi)
-    was_read = set(view.consumers)
-    graph_io = view.graph_inputs | view.graph_outputs
-    keep = [t for t in g.initializer if t.name in read or t.name not in was_read or t.name in graph_io]
-    if len(keep) != len(g.initializer):
-        del g.initializer[:]
-        g.initializer.extend(keep)
-
-
-def toposort(nodes: list[NodeProto], g: onnx.GraphProto) -> list[NodeProto]:
-    """Stable topological order: among ready nodes, the one listed first goes first."""
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    deps: list[set[int]] = []
-    users: list[list[int]] = [[] for _ in nodes]
-    for i, n in enumerate(nodes):
-        d = {producer[x] for x in list(n.input) + sorted(_outer_refs(n)) if x in producer and producer[x] != i}
-        deps.append(d)
-        for p in d:
-            users[p].append(i)
-    pending = [len(d) for d in deps]
-    ready = [i for i, c in enumerate(pending) if c == 0]
-    heapq.heapify(ready)
-    order = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for u in users[i]:
-            pending[u] -= 1
-            if pending[u] == 0:
-                heapq.heappush(ready, u)
-    if len(order) != len(nodes):
-        raise AssertionError("fusion created a cycle; please report this model")
-    return [nodes[i] for i in order]
-
-
 def unfuse(model: ModelProto, fused: FusedNode) -> None:
     """Turn a fused node of `model` back into its original nodes, in place (`unfuse_node`),
     with the original node names of `fused.source_nodes`."""
@@ -293,12 +262,15 @@ def unfuse_node(model: ModelProto, node_name: str, source_nodes: tuple[str, ...]
     """Turn the onnxfuse node `node_name` of `model` back into its original nodes, in place,
     from the model alone: its function body inlined (`inline_function_node`), a Transpose of
     packed FusedConv weights folded into ONNX weights again. The function goes when no node
-    uses it any more, the onnxfuse opset import when nothing uses the domain."""
+    uses it any more, the onnxfuse opset import when nothing uses the domain. One import
+    and one export of the gs graph (`onnxfuse.ir`)."""
+    m_ir = ir.import_model(model)
+    node = m_ir.graph.nodes[_node_index(model.graph, node_name)]
+    key = (node.domain, node.op, ir.overload(node))
+    body = _inline(m_ir, node, node_name, source_nodes)
+    _fold_weight_transposes(m_ir, [n for n in body if n.op == "Transpose"])
+    model.CopyFrom(ir.export_model(m_ir))
     g = model.graph
-    node = g.node[_node_index(g, node_name)]
-    key = (node.domain, node.op_type, node.overload)
-    body = inline_function_node(model, node_name, source_nodes)
-    _fold_weight_transposes(g, [n for n in body if n.op_type == "Transpose"])
     if not any((n.domain, n.op_type, n.overload) == key for n in g.node):
         kept = [fn for fn in model.functions if (fn.domain, fn.name, fn.overload) != key]
         del model.functions[:]
@@ -316,26 +288,35 @@ def inline_function_node(model: ModelProto, node_name: str, source_nodes: tuple[
     fresh names `<node>/<name>`; an attribute reference takes the node's value or the
     function's default. Node names: none for Constants, else the names of `source_nodes`
     ("OpType name") in order as op types match, else `<node>/<optype>`. Functions and
-    opset imports are left as they are."""
-    g = model.graph
-    idx = _node_index(g, node_name)
-    node = g.node[idx]
-    key = (node.domain, node.op_type, node.overload)
+    opset imports are left as they are. The body takes the node's place in the node list
+    (so the order stays topological; nothing is cleaned up: a body output no one reads stays)."""
+    idx = _node_index(model.graph, node_name)
+    m_ir = ir.import_model(model)
+    body = _inline(m_ir, m_ir.graph.nodes[idx], node_name, source_nodes)
+    model.CopyFrom(ir.export_model(m_ir))
+    return list(model.graph.node[idx:idx + len(body)])
+
+
+def _inline(m_ir: ir.Model, node, node_name: str, source_nodes: tuple[str, ...]) -> list:
+    """`inline_function_node` on the gs graph: the body's gs nodes, spliced in place of `node`."""
+    model = m_ir.source
+    key = (node.domain, node.op, ir.overload(node))
     f = next((f for f in model.functions if (f.domain, f.name, f.overload) == key), None)
     if f is None:
-        raise OnnxfuseError(f"node {node_name!r} ({node.domain}::{node.op_type}) has no model-local function")
+        raise OnnxfuseError(f"node {node_name!r} ({node.domain}::{node.op}) has no model-local function")
     fv, mv = _default_version(f.opset_import), _default_version(model.opset_import)
     if fv is not None and mv is not None and fv != mv:
         raise OnnxfuseError(f"node {node_name!r}: its function uses opset {fv}, the model {mv}; cannot inline it")
     if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for n in f.node for a in n.attribute):
         raise OnnxfuseError(f"node {node_name!r}: its function body has subgraphs; cannot inline it")
-    rename = {x: (node.input[k] if k < len(node.input) else "") for k, x in enumerate(f.input)}
-    rename |= {y: node.output[k] for k, y in enumerate(f.output) if k < len(node.output) and node.output[k]}
-    attrs = {a.name: a for a in f.attribute_proto} | {a.name: a for a in node.attribute}
+    proto = model.graph.node[_node_index(model.graph, node_name)]
+    rename = {x: (proto.input[k] if k < len(proto.input) else "") for k, x in enumerate(f.input)}
+    rename |= {y: proto.output[k] for k, y in enumerate(f.output) if k < len(proto.output) and proto.output[k]}
+    attrs = {a.name: a for a in f.attribute_proto} | {a.name: a for a in proto.attribute}
     taken = _all_names(model)
     originals = [tuple(s.split(" ", 1)) if " " in s else (s, "") for s in source_nodes]
-    node_names = {n.name for n in g.node if n.name}
-    body = []
+    node_names = {n.name for n in model.graph.node if n.name}
+    body: list[NodeProto] = []
     for b in f.node:
         n = NodeProto()
         n.CopyFrom(b)
@@ -355,10 +336,28 @@ def inline_function_node(model: ModelProto, node_name: str, source_nodes: tuple[
         else:
             n.name = unique_name(f"{node_name}/{n.op_type.lower()}", node_names)
         body.append(n)
-    nodes = list(g.node[:idx]) + body + list(g.node[idx + 1:])
-    del g.node[:]
-    g.node.extend(nodes)
-    return list(g.node[idx:idx + len(body)])
+    # the body as gs nodes (imported as a graph of its own), relinked to the main graph's tensors
+    part = ModelProto()
+    part.ir_version = model.ir_version
+    part.opset_import.extend(model.opset_import)
+    part.graph.node.extend(body)
+    tensors = m_ir.tensors()
+    graph = m_ir.graph
+    nodes = []
+    for b in ir.import_model(part).graph.nodes:
+        def link(t):
+            if t.is_empty():
+                return ir.empty()
+            return tensors.setdefault(t.name, ir.variable(t.name))
+        ins, outs = [link(t) for t in b.inputs], [link(t) for t in b.outputs]
+        b.inputs.clear()
+        b.outputs.clear()
+        nodes.append(ir.copy_node(b, ins, outs))
+    node.inputs.clear()
+    node.outputs.clear()
+    at = next(k for k, n in enumerate(graph.nodes) if n is node)
+    graph.nodes[at:at + 1] = nodes
+    return nodes
 
 
 def _node_index(g: onnx.GraphProto, name: str) -> int:
@@ -391,47 +390,30 @@ def _bind_attribute_refs(n: NodeProto, attrs: dict[str, onnx.AttributeProto]) ->
     n.attribute.extend(kept)
 
 
-def _fold_weight_transposes(g: onnx.GraphProto, transposes: list[NodeProto]) -> None:
+def _fold_weight_transposes(m_ir: ir.Model, transposes: list) -> None:
     """After unfusing a FusedConv: a Transpose of packed weights that only it reads becomes
     the ONNX weights again, an initializer, so the unfused Conv reads them as the original
-    did (no Transpose left for the runtime to fold)."""
-    inits = {t.name: t for t in g.initializer}
+    did (no Transpose left for the runtime to fold). On the gs graph: the Transpose's output
+    becomes a Constant, the Transpose and the packed weights go."""
+    graph = m_ir.graph
     for t in transposes:
-        src = t.input[0]
-        # (g.node holds copies of the body's nodes: compare by name)
-        if src not in inits or any(src in n.input for n in g.node if n.name != t.name):
+        src = t.inputs[0]
+        if not isinstance(src, gs.Constant) or len(src.outputs) != 1:
             continue
-        perm = next(list(a.ints) for a in t.attribute if a.name == "perm")
-        weights = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[src]).transpose(perm)),
-                                          t.output[0])
-        kept = [n for n in g.node if n.name != t.name]
-        del g.node[:]
-        g.node.extend(kept)
-        others = [x for x in g.initializer if x.name != src]
-        del g.initializer[:]
-        g.initializer.extend(others + [weights])
-        vi = [v for v in g.value_info if v.name != t.output[0]]
-        del g.value_info[:]
-        g.value_info.extend(vi)
+        perm = list(t.attrs["perm"])
+        y = t.outputs[0]
+        value = numpy_helper.to_array(ir.tensor_proto(src)).transpose(perm)
+        weights = ir.constant(numpy_helper.from_array(np.ascontiguousarray(value), y.name))
+        for reader in list(y.outputs):
+            for k, x in enumerate(list(reader.inputs)):
+                if x is y:
+                    reader.inputs[k] = weights
+        t.inputs.clear()
+        t.outputs.clear()
+        graph.nodes = [n for n in graph.nodes if n is not t]
 
 
-def _all_names(model: ModelProto) -> set[str]:
-    """Every tensor name of the main graph and its subgraphs."""
-    names: set[str] = set()
-
-    def walk(g: onnx.GraphProto) -> None:
-        names.update(i.name for i in g.input)
-        names.update(o.name for o in g.output)
-        names.update(t.name for t in g.initializer)
-        names.update(v.name for v in g.value_info)
-        for n in g.node:
-            names.update(x for x in list(n.input) + list(n.output) if x)
-            for a in n.attribute:
-                for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                    walk(sg)
-
-    walk(model.graph)
-    return names
+_all_names = ir.all_names  # (the layout pass imports it from here)
 
 
 def swap_functions(model: ModelProto, renamed: set[tuple[str, str, str]], added: dict) -> None:
