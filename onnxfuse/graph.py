@@ -1,41 +1,95 @@
-"""A read-only index over one ONNX graph: producers, consumers, constants, types and shapes."""
+"""A read-only typed view of one ONNX graph: producers and consumers (from the links of its
+onnx-graphsurgeon import), constants, types and shapes."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 import onnx
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
 
+from onnxfuse import ir
+
 Dim = int | str | None  # a size, a symbolic name, or unknown
 Shape = tuple[Dim, ...]
 
 
+INDEX = "onnxfuse_index"  # gs.Node attribute: its position in the main graph's node list
+
+
+class _Producer(Mapping):
+    """tensor name -> the index of the node that produces it, read from the gs graph's links."""
+
+    def __init__(self, tensors: dict):
+        self._tensors = tensors
+
+    def get(self, name, default=None):
+        t = self._tensors.get(name)
+        return getattr(t.inputs[0], INDEX, default) if t is not None and t.inputs else default
+
+    def __getitem__(self, name):
+        i = self.get(name)
+        if i is None:
+            raise KeyError(name)
+        return i
+
+    def __contains__(self, name) -> bool:
+        return self.get(name) is not None
+
+    def __iter__(self):
+        return (name for name in self._tensors if name in self)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+class _Consumers(_Producer):
+    """tensor name -> the indices of the nodes that read it (a node whose subgraph reads it
+    counts), ascending, read from the gs graph's links."""
+
+    def get(self, name, default=None):
+        t = self._tensors.get(name)
+        if t is None or not t.outputs:
+            return default
+        readers = sorted({i for n in t.outputs if (i := getattr(n, INDEX, None)) is not None})
+        return readers or default
+
+
 @dataclass
 class GraphView:
+    """A read-only typed view of one graph for the matcher and the lowerings: its nodes (as
+    NodeProtos, in order; a node is its index), each tensor's producer and consumers (read
+    from the links of the graph's onnx-graphsurgeon import, `ir`: no index of their own),
+    graph inputs and outputs, constants (initializers that are not graph inputs), element
+    types and shapes (from shape inference)."""
+
     nodes: list[NodeProto]
-    producer: dict[str, int]
-    consumers: dict[str, list[int]]  # includes nodes whose subgraphs read the tensor
+    producer: Mapping[str, int]
+    consumers: Mapping[str, list[int]]  # includes nodes whose subgraphs read the tensor
     graph_inputs: set[str]
     graph_outputs: set[str]
     constants: dict[str, TensorProto]
     types: dict[str, int]  # elem type per tensor name
     shapes: dict[str, Shape | None]  # None: rank unknown
     opset: int | None = None  # the default domain's opset (what an op means, e.g. Softmax's axis)
+    ir: object = None  # the onnxfuse.ir.Model the links come from (rewrite edits it: one view, one rewrite)
 
     @staticmethod
     def build(model: ModelProto, inferred: ModelProto | None = None) -> GraphView:
         g = model.graph
-        producer: dict[str, int] = {}
-        consumers: dict[str, list[int]] = {}
-        for i, n in enumerate(g.node):
-            for o in n.output:
-                if o:
-                    producer[o] = i
-            for name in dict.fromkeys(list(n.input) + sorted(_outer_refs(n))):
-                if name:
-                    consumers.setdefault(name, []).append(i)
+        m = ir.import_model(model)
+
+        def number(nodes, index=None) -> None:  # a subgraph's nodes count as their outer node
+            for i, n in enumerate(nodes):
+                k = i if index is None else index
+                setattr(n, INDEX, k)
+                for sub in n.subgraphs():
+                    number(sub.nodes, k)
+
+        number(m.graph.nodes)
+        tensors = m.tensors()
         types: dict[str, int] = {}
         shapes: dict[str, Shape | None] = {}
         src = inferred.graph if inferred is not None else g
@@ -61,9 +115,9 @@ class GraphView:
             shapes[t.name] = tuple(t.dims)
         opset = next((i.version for i in model.opset_import if i.domain in ("", "ai.onnx")), None)
         return GraphView(
-            nodes=list(g.node), producer=producer, consumers=consumers,
+            nodes=list(g.node), producer=_Producer(tensors), consumers=_Consumers(tensors),
             graph_inputs=graph_inputs, graph_outputs={o.name for o in g.output},
-            constants=constants, types=types, shapes=shapes, opset=opset,
+            constants=constants, types=types, shapes=shapes, opset=opset, ir=m,
         )
 
     def scalar_constant(self, name: str) -> float | None:

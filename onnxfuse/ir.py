@@ -51,6 +51,7 @@ class Model:
     # initializers no main-graph node of the source reads (unused, or read only inside
     # subgraphs): gs exports only those its nodes read; these are put back
     unread: tuple[str, ...] = ()
+    edited: bool = False  # a pass has edited the graph (a GraphView's import serves one rewrite)
 
     def tensors(self) -> dict[str, gs.Tensor]:
         """Every tensor of the main graph by name (a new dict; gs walks the graph)."""

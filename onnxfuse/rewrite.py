@@ -164,14 +164,18 @@ def input_mode(view: GraphView, name: str, out_shape) -> str:
 def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[ModelProto, list[FusedNode]]:
     """A copy of model with every match replaced; the model must be the one view indexes.
 
-    On the gs graph (`onnxfuse.ir`): each fused node is inserted reusing the match's boundary
+    On the gs graph (`onnxfuse.ir`; the view's own import when it is of this model and not
+    edited yet, else a new one): each fused node is inserted reusing the match's boundary
     tensors, the nodes it replaces detached (their outputs cleared), then one
     `cleanup().toposort()` for all matches and one export."""
     if not matches:
         out = ModelProto()
         out.CopyFrom(model)
         return out, []
-    m_ir = ir.import_model(model)
+    m_ir = view.ir  # the gs graph the view reads its links from, when it is this model's
+    if not isinstance(m_ir, ir.Model) or m_ir.source is not model or m_ir.edited:
+        m_ir = ir.import_model(model)
+    m_ir.edited = True
     graph = m_ir.graph
     gnodes = list(graph.nodes)  # node i of the view
     tensors = m_ir.tensors()
