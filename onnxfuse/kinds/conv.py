@@ -242,6 +242,13 @@ def conv_candidates(spec: ConvSpec) -> list[tuple[str, tuple]]:
                                      block_n=128 if base.block_n == 64 else 64),
                  dataclasses.replace(base, block_m=128, block_n=128),
                  dataclasses.replace(base, block_m=64, block_n=64, block_k=64)]
+        if spec.pool is None:
+            # small outputs (batch 1 at 7-14 pixels square, squeeze-excite FCs on one pixel):
+            # narrow pixel tiles with long reduction steps, up to 2.4x the heuristic's on
+            # EfficientNet-B0's 1x1 layers (conv_kernels_b1_1x1.json; BENCHMARKS.md, "Batch 1:
+            # where the time goes")
+            tiles += [dataclasses.replace(base, block_m=16, block_n=64, block_k=64, num_warps=2, num_stages=3),
+                      dataclasses.replace(base, block_m=16, block_n=32, block_k=128, num_warps=1, num_stages=3)]
     else:
         tiles = [base, dataclasses.replace(base, block_m=128, num_warps=4),
                  dataclasses.replace(base, block_m=32, num_stages=4),
