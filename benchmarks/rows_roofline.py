@@ -11,9 +11,11 @@ Workloads (seq 128, hidden 768, 12 heads; batch 1 and 8; fp32 and fp16):
 
 Each model is optimized with `onnxfuse optimize --no-tune --no-leave-to-ort` (the row
 kernels forced, so that they are measured even where ORT's own fusion would keep the
-nodes), then the original and the optimized model go through `onnxfuse profile --provider
-cuda --device h200` (CUPTI kernel times per node, roofline bound from bytes and FLOPs).
-Prints one table and writes JSON:
+nodes); `onnxfuse bench --provider cuda` gives both errors against the original in float64
+(the optimized model's and the original's under ORT's defaults) and the gate; then the
+original and the optimized model go through `onnxfuse profile --provider cuda --device
+h200` (CUPTI kernel times per node, roofline bound from bytes and FLOPs). A time ratio is
+a speedup only where the gate passes. Prints one table and writes JSON:
 
     python benchmarks/rows_roofline.py --json rows_roofline.json
 """
@@ -98,6 +100,18 @@ def _nodes(profile_json: Path) -> list[dict]:
              "pct_bound": n["pct_of_bound"], "gbps": n["achieved_gbps"]} for n in d["nodes"]]
 
 
+def accuracy(src: Path, opt: Path, out: Path, provider: str = "cuda") -> dict:
+    """`onnxfuse bench` of the pair (on CUDA by default): the optimized model's max abs error against the
+    float64 reference beside the original's under ORT's defaults, and the gate."""
+    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "bench", str(src), str(opt), "--provider", provider,
+                        "--warmup", "2", "--iters", "10", "--json", str(out)], capture_output=True, text=True)
+    if not out.exists():  # exit 1 is a failed gate, which the JSON records; no JSON is an error
+        raise RuntimeError(f"onnxfuse bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    outs = json.loads(out.read_text())["models"][1]["outputs"]
+    return {"err": max(o["max_abs_err"] for o in outs), "ort_err": max(o["ort_max_abs_err"] for o in outs),
+            "gate_passed": all(o["passed"] for o in outs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
@@ -116,6 +130,7 @@ def main() -> None:
                 row = {"workload": wl, "dtype": dtype, "batch": batch}
                 try:
                     _cli("optimize", str(src), str(opt), "--no-tune", "--no-leave-to-ort")
+                    row["accuracy"] = accuracy(src, opt, tmp / f"{tag}.bench.json")
                     for which, path in (("ort", src), ("onnxfuse", opt)):
                         out = tmp / f"{tag}.{which}.json"
                         _cli("profile", str(path), "--provider", "cuda", "--device", "h200", "--iters", "50",
@@ -133,16 +148,18 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in row.items() if k not in ("ort", "onnxfuse")}
                                  | {"ort_us": row.get("ort", {}).get("us"),
                                     "onnxfuse_us": row.get("onnxfuse", {}).get("us")}), flush=True)
-    print("\n| workload | dtype | batch | ORT nodes | ORT µs | onnxfuse nodes | onnxfuse µs | FusedRows % of bound |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| workload | dtype | batch | ORT nodes | ORT µs | onnxfuse nodes | onnxfuse µs | FusedRows % of bound "
+          "| ORT err vs ref | onnxfuse err vs ref | gate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['workload']} | {r['dtype']} | {r['batch']} | error: {r['error'][:80]} | | | | |")
+            print(f"| {r['workload']} | {r['dtype']} | {r['batch']} | error: {r['error'][:80]} | | | | | | | |")
             continue
         ort_ops, ours = (", ".join(n["op"] for n in r[w]["nodes"]) for w in ("ort", "onnxfuse"))
-        pct = r["fused_pct_bound"]
+        pct, acc = r["fused_pct_bound"], r["accuracy"]
         print(f"| {r['workload']} | {r['dtype']} | {r['batch']} | {ort_ops} | {r['ort']['us']:.2f} | "
-              f"{ours} | {r['onnxfuse']['us']:.2f} | {'-' if pct is None else f'{pct:.0f}%'} |")
+              f"{ours} | {r['onnxfuse']['us']:.2f} | {'-' if pct is None else f'{pct:.0f}%'} | "
+              f"{acc['ort_err']:.2g} | {acc['err']:.2g} | {'pass' if acc['gate_passed'] else 'FAIL'} |")
 
 
 if __name__ == "__main__":

@@ -216,3 +216,19 @@ def test_rows_roofline_workloads_fuse_to_one_row_kernel():
                 feeds = random_feeds(m, {}, seed=3)
                 (want,), (got,) = run(m, feeds), run(r.model, feeds)  # got: the function body
                 np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_rows_roofline_accuracy_reads_both_errors_and_the_gate(tmp_path):
+    """rows_roofline's accuracy step: onnxfuse bench's errors against float64 for the fused
+    model and the original under ORT, and the gate (run here on the CPU provider)."""
+    import onnx
+
+    from benchmarks.rows_roofline import accuracy, skip_ln
+    from onnxfuse.cli import main
+
+    src, opt = tmp_path / "ln.onnx", tmp_path / "ln.opt.onnx"
+    onnx.save(skip_ln(1, "fp32"), src)
+    assert main(["optimize", str(src), str(opt), "--no-tune", "--no-leave-to-ort", "--target", "none"]) == 0
+    acc = accuracy(src, opt, tmp_path / "b.json", provider="cpu")
+    assert acc["gate_passed"] is True
+    assert 0 < acc["ort_err"] < 1e-5 and acc["err"] < 1e-5
