@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # A folder carried to the device in one call is gone in the next: every call that runs models
 # with the library must carry .devlib again (the eighth session lost a whole suite run to it).
 case "${1:-tests}" in
-  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models)
+  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder)
     if [ -z "${ONNXFUSE_LIBRARY:-}" ] && [ -z "${ONNXFUSE_ORT_INCLUDE:-}" ]; then
       echo "gpu_session.sh ${1}: no .devlib here (carry [\".devlib\"] in this call): stopping" >&2; exit 2
     fi ;;
@@ -143,9 +143,34 @@ case "${1:-tests}" in
         --json "$OUT/profile_$(basename "$v" .onnx).json" 2>&1 | tee "$OUT/profile_$(basename "$v" .onnx).log" | head -45
     done
     ;;
+  encoder)
+    # issue 17's first measurement again: a 4-layer torch.nn.TransformerEncoder (d 768, 12 heads,
+    # GELU FFN, opset 17, TorchScript exporter, seeded random weights), optimized at seq 128 for
+    # each batch with the defaults (ORT's own fusions left to it) and with --no-leave-to-ort,
+    # then ORT against both, with and without CUDA graphs, gated.   encoder [LIMIT]
+    python3 - <<'PY'
+import torch
+torch.manual_seed(0)
+layer = torch.nn.TransformerEncoderLayer(768, 12, 3072, dropout=0.0, activation="gelu", batch_first=True)
+enc = torch.nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).eval()
+torch.onnx.export(enc, (torch.randn(1, 128, 768),), "/tmp/enc.onnx", opset_version=17, input_names=["x"],
+                  output_names=["y"], dynamic_axes={"x": {0: "batch", 1: "seq"}}, dynamo=False)
+PY
+    for b in 1 8; do
+      timeout "${2:-120}" python3 -m onnxfuse.cli optimize /tmp/enc.onnx /tmp/enc.opt.b$b.onnx --shape seq=128 --batch $b \
+        --tune-budget 10 --json "$OUT/enc_opt_b$b.json" 2>&1 | tail -3
+      timeout "${2:-120}" python3 -m onnxfuse.cli optimize /tmp/enc.onnx /tmp/enc.force.b$b.onnx --shape seq=128 --batch $b \
+        --tune-budget 10 --no-leave-to-ort --json "$OUT/enc_force_b$b.json" 2>&1 | tail -3
+      for g in "" --cuda-graph; do
+        python3 -m onnxfuse.cli bench /tmp/enc.onnx /tmp/enc.opt.b$b.onnx /tmp/enc.force.b$b.onnx --provider cuda \
+          --batch $b --shape seq=128 --iters 50 $g --json "$OUT/enc_bench_b$b${g:+_graph}.json" 2>&1 \
+          | grep -v "W:onnxruntime" | tail -8
+      done
+    done
+    ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)
-    timeout "${2:-330}" python3 -m pytest -m gpu tests -q -p no:cacheprovider -rf 2>&1 | tee "$OUT/gpu_tests_all.log" | tail -15
+    timeout "${2:-330}" python3 -m pytest -m gpu tests -q -p no:cacheprovider -rf --durations=30 2>&1 | tee "$OUT/gpu_tests_all.log" | tail -15
     ;;
   verify)
     # what the fourth session left unmeasured (benchmarks/results/history.md, fourth session, "After the last GPU run"): every

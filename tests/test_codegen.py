@@ -30,6 +30,7 @@ import pytest
 
 from onnxfuse.codegen import KernelSpec, Variant, generate, param_names
 from onnxfuse.compile import (
+    COMPILE_OPTIONS,
     DEFAULT_TARGETS,
     SUPPORTED_ARCHS,
     attach,
@@ -369,7 +370,9 @@ def _run_cases(workdir: Path, device: str) -> None:
             n = c["ints"][0]
             outs = [torch.empty(n, dtype=torch_dtypes[dt], device=device) for dt in c["output_dtypes"]]
             grid = ((n + c["block"] - 1) // c["block"],)
-            getattr(mod, c["name"])[grid](*ins, *outs, *c["ints"], BLOCK=c["block"])
+            # on the GPU, the options onnxfuse compiles with (subnormals kept, as in its binaries)
+            options = COMPILE_OPTIONS if device == "cuda" else {}
+            getattr(mod, c["name"])[grid](*ins, *outs, *c["ints"], BLOCK=c["block"], **options)
             arrays = {f"out{j}": (o.view(torch.int16) if o.dtype == torch.bfloat16 else o).cpu().numpy()
                       for j, o in enumerate(outs)}
             np.savez(workdir / f"case{i}_out.npz", **arrays)

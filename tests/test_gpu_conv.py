@@ -347,14 +347,16 @@ def test_split_k_convs_match_original(layout, fp16):
     r = optimize_model(m, layout=layout)
     info = compile_pass(r, kernel_options("auto", layout=layout)).report.compile
     assert not info["failed"], info["failed"]
-    metas = [json.loads(a.s) for n in r.model.graph.node if n.op_type == "FusedConv"
-             for a in n.attribute if a.name == "kernel_meta"]
-    # slices per fused conv (None: too short to split, 1x1 over 64 channels). NCHW leaves
-    # conv1 (reduction 2304) to cuDNN, and the lone 1x1 conv3 is fused only channels-last.
-    # fp16 reduces 64 channels per step: fewer steps, fewer convs worth splitting.
-    want = {("nchw", False): [3, 2], ("nhwc", False): [12, 3, None, 2], ("nhwc", True): [9, None, None, None]}
-    want = want[layout, fp16]
-    assert [meta["variants"][-1].get("split") for meta in metas] == want
+    # slices per fused conv, by its source conv (None: too short to split, 1x1 over 64
+    # channels). NCHW leaves conv1 (reduction 2304) to cuDNN, and the lone 1x1 conv3 is fused
+    # only channels-last. fp16 reduces 64 channels per step: fewer steps, fewer convs worth
+    # splitting. (Keyed by name: the node order is the IR's toposort, not the model's.)
+    splits = {n.name.rsplit("_", 1)[1]: json.loads(a.s)["variants"][-1].get("split")
+              for n in r.model.graph.node if n.op_type == "FusedConv" for a in n.attribute if a.name == "kernel_meta"}
+    want = {("nchw", False): {"conv2": 3, "conv4": 2},
+            ("nhwc", False): {"conv1": 12, "conv2": 3, "conv3": None, "conv4": 2},
+            ("nhwc", True): {"conv1": 9, "conv2": None, "conv3": None, "conv4": None}}
+    assert splits == want[layout, fp16]
     rel = 1e-2 if fp16 else 2e-3
     original, sess = session(m, library=False), session(r.model, library=True)
     for batch in (1, 3, 64):
