@@ -232,3 +232,24 @@ def test_rows_roofline_accuracy_reads_both_errors_and_the_gate(tmp_path):
     acc = accuracy(src, opt, tmp_path / "b.json", provider="cpu")
     assert acc["gate_passed"] is True
     assert 0 < acc["ort_err"] < 1e-5 and acc["err"] < 1e-5
+
+
+def test_session_timing_times_every_model_in_every_mode(tmp_path):
+    """benchmarks/session_timing.py on the CPU: each model alone and interleaved, with the
+    sessions' thread settings varied; one row per model, one cell per mode, in its JSON."""
+    import onnx
+
+    from benchmarks import session_timing
+    from models.build import example
+    from onnxfuse import optimize
+
+    onnx.save(example(), tmp_path / "ex.onnx")
+    optimize(tmp_path / "ex.onnx", tmp_path / "ex.opt.onnx", target="none")
+    out = tmp_path / "t.json"
+    assert session_timing.main([str(tmp_path / "ex.onnx"), str(tmp_path / "ex.opt.onnx"), "--provider", "cpu",
+                                "--batch", "2", "--iters", "5", "--warmup", "1", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"ex.onnx", "ex.opt.onnx"}
+    for row in results.values():
+        assert set(row) == set(session_timing.MODES)
+        assert all(cell["n"] == 5 and 0 < cell["p10"] <= cell["median"] <= cell["p90"] for cell in row.values())
