@@ -147,7 +147,7 @@ def shipped_kernels(layer: Layer, layout: tuple[str, str, str], sms: int) -> lis
                 out.append(("split", v))
         elif v.max_m:
             if layer.n * p * q <= v.max_m:
-                out.append(("small-M", v))
+                out.append(("small_m", v))
         else:
             out.append(("direct" if layer.group != 1 else "flat" if v.flat else "plain", v))
     return out
