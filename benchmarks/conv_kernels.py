@@ -9,11 +9,21 @@ tile configurations in onnxfuse/codegen_conv.py are chosen.
 
     python benchmarks/conv_kernels.py --json results/conv_kernels.json [--quick] [--no-compile]
     python benchmarks/conv_kernels.py --pool-only --no-compile   # Relu + MaxPool 2x2 kernels only
+    python benchmarks/conv_kernels.py --layers 26,27,28,29,30,31 --layouts nhwc-krsc --shipped \
+        --no-compile --json results/conv_kernels_b1_small_m.json  # also each shipped variant
+
+With --shipped, every group-1 layer also times the variants onnxfuse ships for it
+(`conv_variants`, at the precision the node compiles at, one-pixel convs included), each
+launched as csrc/kinds/conv_cuda.cc launches it: the plain tile, the split-K kernel with its
+workspace and the counters zeroed before each launch, the small-M tile; TF32 kernels read
+weights rounded as the compile step packs them. `launcher_pick` marks the variant the
+library would choose at this M (`launcher_choice`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -35,9 +45,12 @@ from onnxfuse.codegen_conv import (  # noqa: E402
     group_gemm_fits,
     group_span,
     next_pow2,
+    prerounds_weights,
+    round_array_to_tf32,
 )
 from onnxfuse.expr import HEADER, parse  # noqa: E402
-from onnxfuse.kinds.conv import conv_variants  # noqa: E402
+from onnxfuse.kinds.base import META_VERSION  # noqa: E402
+from onnxfuse.kinds.conv import conv_variants, launcher_choice, layer_precision  # noqa: E402
 from onnxfuse.layers import ConvAttrs, PoolAttrs  # noqa: E402
 
 RELU = parse(HEADER + "\ninput %0 {dt}\n%1 = max %0 0.0\noutput %1 {dt}\n".replace("{dt}", "f32"))
@@ -147,6 +160,9 @@ def main() -> None:
     ap.add_argument("--layers", default=None, help="comma-separated indices into LAYERS (default: all)")
     ap.add_argument("--configs", type=int, default=None, help="time only the first N configurations per layout")
     ap.add_argument("--pool-only", action="store_true", help="only the Relu + MaxPool 2x2 section")
+    ap.add_argument("--shipped", action="store_true",
+                    help="also time the variants onnxfuse ships for each group-1 layer, launched as the library "
+                         "launches them (module docstring)")
     args = ap.parse_args()
 
     import torch
@@ -263,6 +279,8 @@ def main() -> None:
             if lbest and (best is None or lbest["ms"] < best["ms"]):
                 best = lbest
         layer["best"] = best
+        if args.shipped and group == 1:
+            layer["shipped"] = shipped(lname, n, c, h, k, conv, pa, x, w, b, exact)
         if group != 1:  # the two loops apart, beside cuDNN and the copy floor
             for loop, is_gemm in (("direct", False), ("group_gemm", True)):
                 layer[f"best_{loop}"] = min((r for r in layer["configs"] if "ms" in r
@@ -290,6 +308,62 @@ def main() -> None:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(out, indent=1))
 
+
+    def shipped(lname, n, c, h, k, conv, pa, x, w, b, exact) -> list[dict]:
+        """Each variant `conv_variants` ships for the layer, channels last with [K, R, S, C]
+        weights, launched as the library launches it (module docstring)."""
+        p, q = conv.out_size(h, h)
+        op, oq = pa.out_size(p, q) if pa else (p, q)
+        win = 4 if pa else 1
+        m = n * op * oq * win
+        precision = layer_precision(args.precision, "f32", 1, p * q)
+        spec = ConvSpec(f"k_shipped_{len(out['layers'])}", RELU, c, k, conv, pa, precision, x_layout="nhwc",
+                        y_layout="nhwc", w_layout="krsc")
+        variants = conv_variants(spec)
+        meta = {"version": META_VERSION, "variants": [v.meta() for v in variants]}
+        pick = launcher_choice(meta, m, k, torch.cuda.get_device_properties(dev).multi_processor_count)
+        wk = w.permute(0, 2, 3, 1).contiguous()
+        if prerounds_weights(spec):  # as the compile step packs them
+            wk = torch.from_numpy(round_array_to_tf32(wk.cpu().numpy())).to(dev)
+        xl = x.to(memory_format=torch.channels_last)
+        recs = []
+        for v in variants:
+            kind = "split" if v.split_k else "small-M" if v.max_m else "plain"
+            rec = {"variant": kind, "index": v.index, "precision": precision,
+                   "config": [v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages],
+                   **({"split": v.split} if v.split_k else {}), **({"max_m": v.max_m} if v.max_m else {}),
+                   "launcher_pick": v.index == pick}
+            try:
+                ks = generate_conv(dataclasses.replace(spec, name=f"{spec.name}_{v.index}"), v)
+                fn = _load(ks.source, ks.name, tmp)
+                y = torch.empty(n, k, op, oq, device=dev).to(memory_format=torch.channels_last)
+                grid = (triton.cdiv(m, v.block_m), triton.cdiv(k, v.block_n))
+                extra = []
+                if v.split_k:  # the workspace and the counters, zeroed before each launch
+                    tiles = grid[0] * grid[1]
+                    ws = torch.empty(v.split * tiles * v.block_m * v.block_n, device=dev)
+                    cnt = torch.zeros(tiles, dtype=torch.int32, device=dev)
+                    extra, grid = [ws, cnt], (*grid, v.split)
+                consts = dict(ks.constexprs)
+
+                def run(fn=fn, grid=grid, consts=consts, v=v, y=y, extra=extra):
+                    if extra:
+                        extra[1].zero_()
+                    fn[grid](xl, wk, b, y, n, h, h, p, q, op, oq, *extra, num_warps=v.num_warps,
+                             num_stages=v.num_stages, **consts)
+
+                run()
+                torch.cuda.synchronize()
+                rec["max_rel_err"] = float(((y - exact).abs().max() / exact.abs().max()).item())
+                rec["ms"] = bench(run)
+            except Exception as e:  # recorded, skipped
+                rec["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            recs.append(rec)
+        print(f"{lname}: shipped (M = {m}, the launcher picks variant {pick}): " + "; ".join(
+            f"{r['variant']} {r['config']} {precision} " + (f"{r['ms'] * 1000:.1f} us err {r['max_rel_err']:.1e}"
+                                                            if "ms" in r else r.get("error", "")) for r in recs),
+            flush=True)
+        return recs
 
     chosen = [LAYERS[int(i)] for i in args.layers.split(",")] if args.layers else LAYERS
     if args.pool_only:

@@ -135,15 +135,19 @@ def spec_for(layer: Layer, layout: tuple[str, str, str], precision: str, name: s
 
 def shipped_kernels(layer: Layer, layout: tuple[str, str, str], sms: int) -> list[tuple[str, ConvVariant]]:
     """(kind, variant) of the kernels onnxfuse ships for the layer: the plain one ("plain",
-    "flat" or "direct") and the split-K one where the launcher would launch it (its tiles at
-    most half the multiprocessors, docs/format.md)."""
+    "flat" or "direct"), the split-K one where the launcher would launch it (its tiles at
+    most half the multiprocessors, docs/format.md) and the small-M one where M is at most its
+    max_m."""
     out = []
+    p, q = layer.conv.out_size(layer.h, layer.h)
     for v in conv_variants(spec_for(layer, layout, "tf32")):
         if v.split_k:
-            p, q = layer.conv.out_size(layer.h, layer.h)
             tiles = math.ceil(layer.n * p * q / v.block_m) * math.ceil(layer.k / v.block_n)
             if tiles <= sms // 2:
                 out.append(("split", v))
+        elif v.max_m:
+            if layer.n * p * q <= v.max_m:
+                out.append(("small_m", v))
         else:
             out.append(("direct" if layer.group != 1 else "flat" if v.flat else "plain", v))
     return out

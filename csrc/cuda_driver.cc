@@ -371,11 +371,12 @@ int CudaKernel::choose_variant(const Target& t, const std::vector<const void*>& 
 }
 
 int CudaKernel::find_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest,
-                             int64_t c, int64_t w, bool split) const {
+                             int64_t c, int64_t w, bool split, int64_t m) const {
   for (size_t v = 0; v < meta.variants.size(); ++v) {
     if (!t.L->fn[v]) continue;
     const Variant& var = meta.variants[v];
     if ((var.split > 1) != split) continue;
+    if (m > 0 ? var.max_m < m : var.max_m > 0) continue;
     if (n % var.n_multiple != 0) continue;
     if (var.c_multiple > 1 && (c <= 0 || c % var.c_multiple != 0)) continue;
     if (var.w_multiple > 1 && (w <= 0 || w % var.w_multiple != 0)) continue;

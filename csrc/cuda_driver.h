@@ -76,7 +76,8 @@ struct Binary {
 };
 
 // A variant's requirements ("requires"; 1 / 0: none), and whether the kind launches it only
-// on its own terms (split K: `split` slices, > 1). Its block sizes are the kind's.
+// on its own terms (split K: `split` slices, > 1; small M: `max_m`, > 0). Its block sizes
+// are the kind's.
 struct Variant {
   int64_t n_multiple = 1;
   int64_t c_multiple = 1;    // the channel count C a multiple of this (maxpool)
@@ -84,6 +85,7 @@ struct Variant {
   int64_t ptr_align = 1;
   int64_t max_elements = 0;  // 0: no limit
   int64_t split = 0;         // > 1: a split-K variant (conv), grid z
+  int64_t max_m = 0;         // > 0: a small-M variant (conv), for M (output pixels) up to it
 };
 
 struct Meta {
@@ -210,9 +212,10 @@ struct CudaKernel {
   // 2^31 - 1). Throws when there is none.
   int choose_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest,
                      int64_t c = 0, int64_t w = 0) const;
-  // choose_variant's search among the split-K variants (split) or the others; -1 if none.
+  // choose_variant's search among the split-K variants (split), the small-M variants whose
+  // max_m is at least m (m > 0), or the others (neither split K nor small M); -1 if none.
   int find_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest, int64_t c,
-                   int64_t w, bool split) const;
+                   int64_t w, bool split, int64_t m = 0) const;
   void launch(const Target& t, int v, int64_t grid_x, int64_t grid_y, Params& params, int64_t grid_z = 1) const;
 
  private:

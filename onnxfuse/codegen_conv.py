@@ -159,6 +159,11 @@ class ConvVariant:
     # Grouped convs only: the block-diagonal GEMM on the tensor cores (module docstring)
     # instead of the direct loop on CUDA cores. Needs `group_gemm_fits`.
     group_gemm: bool = False
+    # A small-M variant (group 1, no pool; `onnxfuse.kinds.conv.small_m_variant`): the
+    # launcher picks it only when the run-time M = N·P·Q is at most this (and no split-K
+    # variant runs); 0: no such limit. Its kernel is the same implicit GEMM in a 16-row tile:
+    # any M would run right, only slower.
+    max_m: int = 0
 
     @property
     def split_k(self) -> bool:
@@ -171,8 +176,10 @@ class ConvVariant:
 
     def meta(self) -> dict[str, int]:
         """The block sizes (and slices) as kernel_meta's variant lists them (docs/format.md,
-        kind conv): a "split" key makes it a split-K kernel, launched over a 3-D grid."""
-        return {"block_m": self.block_m, "block_n": self.block_n, **({"split": self.split} if self.split_k else {})}
+        kind conv): a "split" key makes it a split-K kernel, launched over a 3-D grid; a
+        "max_m" key a small-M kernel, launched only for M up to it."""
+        return {"block_m": self.block_m, "block_n": self.block_n, **({"split": self.split} if self.split_k else {}),
+                **({"max_m": self.max_m} if self.max_m else {})}
 
 
 POOL_TILES = ("flat", "rows", "nhwc")
@@ -374,6 +381,8 @@ def generate_conv(spec: ConvSpec, variant: ConvVariant) -> KernelSource:
     split = variant.split_k
     if split and (group != 1 or spec.pool is not None):
         raise ValueError(f"{spec.name}: split K is for group-1 convs without a pool in the epilogue")
+    if variant.max_m and (group != 1 or spec.pool is not None or split or variant.max_m < 0):
+        raise ValueError(f"{spec.name}: a small-M variant is for group-1 convs without a pool, not split")
     if split and conv_steps(spec, variant) % variant.split:
         raise ValueError(f"{spec.name}: split {variant.split} does not divide the {conv_steps(spec, variant)} steps")
     win = 1

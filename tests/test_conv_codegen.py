@@ -457,13 +457,13 @@ def _split_spec(c: int, k: int, kernel: int, pool: PoolAttrs | None = None, grou
 
 def test_split_k_variant_choice():
     # YOLOv8n's head at 320²: 256 -> 64 channels 3x3, 72 steps of 32 channels: 12 slices of 6
-    plain, split = conv_variants(_split_spec(256, 64, 3))
+    plain, split, _small = conv_variants(_split_spec(256, 64, 3))
     assert (plain.index, plain.split, split.index, split.split) == (0, 0, 1, 12)
     assert split.block_m == 64 and (split.block_n, split.block_k) == (plain.block_n, plain.block_k)
     # 1x1 over 512 channels: 16 steps, 4 slices of 4; over 64 channels: 2 steps, no split
     assert conv_variants(_split_spec(512, 256, 1))[1].split == 4
-    assert len(conv_variants(_split_spec(64, 64, 1))) == 1
-    # no split with a pool in the epilogue or for grouped convs
+    assert [v.split for v in conv_variants(_split_spec(64, 64, 1))] == [0, 0]  # plain, small-M
+    # no split (nor small-M variant) with a pool in the epilogue or for grouped convs
     assert len(conv_variants(_split_spec(256, 64, 3, PoolAttrs((2, 2), (2, 2))))) == 1
     assert len(conv_variants(_split_spec(256, 256, 3, group=256))) == 1
     spec = _split_spec(256, 64, 3)
@@ -512,7 +512,7 @@ def test_aot_compile_split_k_for_sm90(tmp_path):
     pytest.importorskip("triton")
     (out,) = compile_kernels([_split_spec(256, 64, 3)], [90], cache_dir=tmp_path, jobs=2)
     meta = out.kernel_meta()
-    assert [v.get("split") for v in meta["variants"]] == [None, 12]
+    assert [v.get("split") for v in meta["variants"]] == [None, 12, None]  # then the small-M variant
     assert {(b["variant"], b["format"]) for b in meta["binaries"]} >= {(0, "cubin"), (1, "cubin")}
     ptx = next(d.decode() for b, d in zip(meta["binaries"], out.kernels(), strict=True)
                if b["variant"] == 1 and b["format"] == "ptx")

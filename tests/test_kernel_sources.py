@@ -157,6 +157,12 @@ def _grouped_gemm() -> onnx.ModelProto:
     return lay.image_model(nodes, "grouped_gemm", 16, 12, [("y", 16)], inits)
 
 
+def _mbconv_se(c: int, e: int, size: int) -> onnx.ModelProto:
+    from tests.test_conv_small_m import mbconv_se
+
+    return mbconv_se(c, e, size)
+
+
 def _pretrained(name: str) -> Callable[[], onnx.ModelProto]:
     def load() -> onnx.ModelProto:
         from models import pretrained
@@ -216,6 +222,13 @@ CASES: dict[str, tuple] = {
     "squeeze_excite_ieee": (lay.squeeze_excite, "nhwc", "ieee", {}),
     "grouped_gemm": (_grouped_gemm, "nhwc", "tf32", {}),
     "grouped_gemm_fp16": (lambda: lay.to_fp16(_grouped_gemm()), "nhwc", "tf32", {}),
+    # the small-M variant and one-pixel convs at ieee (tests/test_conv_small_m.py): EfficientNet's
+    # MBConv block at 14² (M = 196 at batch 1) and 7² (49), its SE FCs on one pixel
+    "small_m_mbconv_14": (lambda: _mbconv_se(80, 480, 14), "nhwc", "tf32", {}),
+    "small_m_mbconv_7": (lambda: _mbconv_se(32, 192, 7), "nhwc", "tf32", {}),
+    "small_m_mbconv_7_ieee": (lambda: _mbconv_se(32, 192, 7), "nhwc", "ieee", {}),
+    "small_m_mbconv_7_tf32x3": (lambda: _mbconv_se(32, 192, 7), "nhwc", "tf32x3", {}),
+    "small_m_mbconv_7_fp16": (lambda: lay.to_fp16(_mbconv_se(32, 192, 7)), "nhwc", "tf32", {}),
     "yolov8n_320": (_pretrained("yolov8n_320"), "nhwc", "tf32", {}),
     "ppocr_det": (_pretrained("ppocr_det"), "nhwc", "tf32", {}),
     "ppocr_det_nchw": (_pretrained("ppocr_det"), "nchw", "tf32", {}),

@@ -1,7 +1,8 @@
 // CUDA kernel of onnxfuse::FusedConv (docs/format.md, "FusedConv", kernel_meta kind
 // "conv"): the layer's checks, int32 parameters N H W P Q OP OQ and the extras' strides, a
-// grid of BLOCK_M x BLOCK_N tiles, and split K where the plain tiles would leave most SMs
-// idle (the workspace lent by the CUDA EP).
+// grid of BLOCK_M x BLOCK_N tiles, split K where the plain tiles would leave most SMs idle
+// (the workspace lent by the CUDA EP), else the small-M variant where M is at most its
+// max_m.
 #include "cuda_driver.h"
 
 #ifdef ONNXFUSE_WITH_CUDA
@@ -90,6 +91,9 @@ struct ConvKernel : cuda::CudaKernel {
     t.block_m = cuda::meta_positive(vj, "block_m", where);
     t.block_n = cuda::meta_positive(vj, "block_n", where);
     if (vj.get("split")) var->split = cuda::meta_positive(vj, "split", where);
+    if (vj.get("max_m")) var->max_m = cuda::meta_positive(vj, "max_m", where);
+    if (var->split > 1 && var->max_m > 0)
+      throw Error("kernel_meta: " + where + " has both split and max_m (a split-K variant has no M limit)");
     tiles.push_back(t);
   }
 
@@ -173,7 +177,7 @@ struct ConvKernel : cuda::CudaKernel {
 
     // Split K where the split variant's tiles number at most half the SMs (codegen_conv: a
     // small M, typically a deep layer at batch 1) and the EP lends a workspace; otherwise
-    // the plain variant.
+    // the small-M variant or the plain one (below).
     const int sv = find_variant(tg, ptrs, n_out, largest, 0, 0, /*split=*/true);
     if (sv >= 0) {
       const Variant& var = meta.variants[sv];
@@ -198,7 +202,10 @@ struct ConvKernel : cuda::CudaKernel {
       }
     }
     p.scratch();
-    const int v = choose_variant(tg, ptrs, n_out, largest);
+    // Else the small-M variant (kernel_meta "max_m", a 16-row tile) where M is at most its
+    // max_m (BENCHMARKS.md, Decisions, conv-small-m); otherwise the plain one.
+    int v = find_variant(tg, ptrs, n_out, largest, 0, 0, /*split=*/false, m);
+    if (v < 0) v = choose_variant(tg, ptrs, n_out, largest);
     const Tile& tile = tiles[v];
     launch(tg, v, (m + tile.block_m - 1) / tile.block_m, (s.K + tile.block_n - 1) / tile.block_n, p);
   }

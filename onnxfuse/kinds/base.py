@@ -182,7 +182,7 @@ class FusedNode:
     # for its readers; set by onnxfuse.rounding
     x_rounded: bool = False
     round_y: bool = False
-    params: Any = None  # what else a kind keeps about its node (none of the built-in ones)
+    params: Any = None  # what else a kind keeps about its node (conv: ConvNodeInfo; rows: RowsInfo)
 
 
 @dataclass(frozen=True)

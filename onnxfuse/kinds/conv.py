@@ -75,15 +75,18 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     against 0.362; conv_kernels_flat_*.json).
 
     A second variant splits the reduction (split K, `split_variant`) for launches whose plain
-    tiles would leave most SMs idle; the launcher picks it at run time.
+    tiles would leave most SMs idle; the launcher picks it at run time. Channels-last convs
+    without a pool get a last one, a 16-row tile for small outputs (`small_m_variant`), which
+    the launcher picks when M = N·P·Q is at most SMALL_M_MAX and split K does not run.
 
     Grouped convs: the block-diagonal GEMM where it fits (`_grouped_gemm_tile`), else the
     direct loop (`_grouped_tile`).
 
     ``$ONNXFUSE_CONV_CONFIG`` (``block_m=,block_n=,block_k=,warps=,stages=,flat=,split=,
-    group_gemm=``) overrides it (``split=0``: no split-K variant)."""
+    group_gemm=,small_m=``) overrides it (``split=0``: no split-K variant; ``small_m=0``: no
+    small-M variant)."""
     cfg = {"block_m": 64, "block_n": 64, "block_k": 32, "warps": 2, "stages": 3, "flat": 0, "split": 1,
-           "group_gemm": 0}
+           "group_gemm": 0, "small_m": 1}
     if spec.conv.group != 1:
         cfg.update(_grouped_gemm_tile(spec) or _grouped_tile(spec))
     elif spec.channels < FLAT_MAX_CHANNELS:
@@ -106,7 +109,58 @@ def conv_variants(spec: ConvSpec) -> tuple[ConvVariant, ...]:
     plain = ConvVariant(0, cfg["block_m"], cfg["block_n"], cfg["block_k"], cfg["warps"], cfg["stages"],
                         bool(cfg["flat"]), group_gemm=bool(cfg["group_gemm"]))
     split = split_variant(spec, plain) if cfg["split"] else None
-    return (plain,) if split is None else (plain, split)
+    variants = (plain,) if split is None else (plain, split)
+    small = small_m_variant(spec, plain, len(variants)) if cfg["small_m"] else None
+    return variants if small is None else (*variants, small)
+
+
+# The small-M variant (BENCHMARKS.md, Decisions, `conv-small-m`): at batch 1 the deep layers
+# of a CNN have M = N·P·Q of 1 (squeeze-excite FCs) to 196 (14² maps) output pixels, and the
+# heuristic's 64-128-row tiles give 2-16 programs for 132 SMs. EfficientNet-B0's batch-1 1x1
+# layers alone on the H200 (conv_kernels.py --layers 26-31, conv_kernels_b1_1x1.json), the
+# heuristic's tile against 16x64x64 with 2 warps: at M = 49, 192 -> 1152 9.8 vs 7.3 µs and
+# 1152 -> 192 26.6 vs 17.9; at M = 1, 1152 -> 48 31.4 vs 17.3, 48 -> 1152 6.9 vs 5.2, 144 -> 6
+# 7.6 vs 6.7 (1.1-1.8x on every layer up to M = 49); at M = 196 (80 -> 480) it lost, 14.5 vs
+# 8.8. So the tile serves M up to 64, the smallest BLOCK_M of the heuristic's tiles: there the
+# plain tiles are one row of programs. The cut between 49 and 196 is not measured.
+SMALL_M_MAX = 64
+SMALL_M_TILE = {"block_m": 16, "block_n": 64, "block_k": 64, "num_warps": 2, "num_stages": 3}
+
+
+def small_m_variant(spec: ConvSpec, plain: ConvVariant, index: int) -> ConvVariant | None:
+    """The small-M variant (`SMALL_M_TILE`, kernel_meta "max_m": SMALL_M_MAX) of a
+    channels-last group-1 conv whose plain variant is `plain`, or None: grouped convs, the
+    flat reduction (image inputs: large M), NCHW convs (not measured), and convs with a pool
+    in the epilogue, whose BLOCK_M holds whole windows and which sit early in a network, at
+    large M (as split K excludes them). BLOCK_K is 64, or C to the next power of two when
+    that is smaller (at least 16): no step is mostly masked channels."""
+    if (spec.conv.group != 1 or spec.pool is not None or plain.flat or plain.group_gemm
+            or (spec.x_layout, spec.w_layout) != ("nhwc", "krsc")):
+        return None
+    t = SMALL_M_TILE
+    block_k = min(t["block_k"], max(16, next_pow2(spec.channels)))
+    return ConvVariant(index, t["block_m"], t["block_n"], block_k, t["num_warps"], t["num_stages"],
+                       max_m=SMALL_M_MAX)
+
+
+def launcher_choice(meta: dict, m: int, k: int, sms: int = 132, workspace: bool = True) -> int:
+    """The variant csrc/kinds/conv_cuda.cc launches for a FusedConv of kernel_meta `meta`
+    at run-time M = N·P·Q output pixels (with a pool: N·OP·OQ·WIN) and K filters, on a GPU of
+    `sms` multiprocessors, every variant's requirements holding: the first split-K variant
+    ("split") when 2 · its tiles ≤ sms and the CUDA EP lends the workspace; else the first
+    small-M variant ("max_m") whose max_m is at least M; else the first other variant. A
+    mirror of the C++ rule, for tests and benchmarks."""
+    variants = meta["variants"]
+    for i, v in enumerate(variants):
+        if v.get("split", 0) > 1:
+            tiles = -(-m // v["block_m"]) * -(-k // v["block_n"])
+            if 2 * tiles <= sms and workspace:
+                return i
+            break
+    for i, v in enumerate(variants):
+        if v.get("split", 0) <= 1 and v.get("max_m", 0) >= m:
+            return i
+    return next(i for i, v in enumerate(variants) if v.get("split", 0) <= 1 and not v.get("max_m"))
 
 
 # Split K (codegen_conv's module docstring): at most this many slices, each of at least
@@ -219,8 +273,11 @@ def conv_decline_reason(spec: ConvSpec, layout: str = "nchw") -> str | None:
 
 def conv_candidates(spec: ConvSpec) -> list[tuple[str, tuple]]:
     """(label, variants) per configuration `--tune` times: the heuristics' tile, then the
-    runners-up of the sweep that chose it, each with its split-K variant."""
-    base = conv_variants(spec)[0]
+    runners-up of the sweep that chose it, each with its split-K variant; the heuristics'
+    tile also with its small-M variant, as the node ships it."""
+    heuristic = conv_variants(spec)
+    base = heuristic[0]
+    small = next((v for v in heuristic if v.max_m), None)
     if spec.conv.group != 1:
         # the direct loop: the runners-up of conv_kernels_depthwise.json; the block-diagonal
         # GEMM (where a tile fits): the heuristic's tile at 64 and 128 pixels, BLOCK_N 16/32
@@ -268,7 +325,13 @@ def conv_candidates(spec: ConvSpec) -> list[tuple[str, tuple]]:
             label += ", block-diagonal GEMM" if v.group_gemm else ""
             # with the candidate's split-K variant, which the launcher takes for small outputs
             split = split_variant(spec, v)
-            out.append((label, (v,) if split is None else (v, split)))
+            vs = (v,) if split is None else (v, split)
+            if not out and small is not None:
+                # the heuristic's tile ships with the small-M variant: timed as it would run
+                vs = (*vs, replace(small, index=len(vs)))
+                label += (f", small-M {small.block_m}x{small.block_n}x{small.block_k} "
+                          f"({small.num_warps} warps) up to M {small.max_m}")
+            out.append((label, vs))
     return out
 
 
@@ -286,6 +349,41 @@ class ConvParams:
     @property
     def fused_ops(self) -> frozenset[str]:
         return self.ops | {"Conv"} | ({"MaxPool"} if self.pool != "none" else set())
+
+
+@dataclass(frozen=True)
+class ConvNodeInfo:
+    """What the conv kind keeps about a node besides FusedNode's fields (FusedNode.params)."""
+
+    out_pixels: int | None = None  # P·Q of the conv output where the graph fixes them
+
+
+# One-pixel convs (P·Q = 1: squeeze-excite FCs, M = N) compile at this precision when the
+# model's is "tf32" (BENCHMARKS.md, Decisions, `conv-one-pixel-ieee`): cuDNN ran
+# EfficientNet-B0's batch-1 SE FCs in fp32 even with TF32 allowed (max relative error 1.1e-7
+# to 6.8e-7, against 3.3e-4 for our TF32 tiles), so at "tf32" they would be ~500x less
+# accurate than ONNX Runtime there. Their GEMMs are N x C x K with C, K of at most a few
+# thousand: fp32 FMA costs little at any batch. None: they stay at the model's precision.
+ONE_PIXEL_PRECISION: str | None = "ieee"
+
+
+def layer_precision(precision: str, dtype: str, group: int, out_pixels: int | None) -> str:
+    """The precision a conv layer compiles at when the model's conv precision is `precision`:
+    ONE_PIXEL_PRECISION for float32 group-1 convs of one output pixel at "tf32", else
+    `precision`."""
+    if ONE_PIXEL_PRECISION is not None and precision == "tf32" and dtype == "f32" and group == 1 \
+            and out_pixels == 1:
+        return ONE_PIXEL_PRECISION
+    return precision
+
+
+def node_precision(f: FusedNode, precision: str) -> str:
+    """The precision FusedConv `f` compiles at (`layer_precision`). The whole node's, not a
+    variant's: its packed weights are rounded to TF32 (or not) once, and the producers of
+    its X round their stores for it (or not)."""
+    info = f.params
+    pixels = info.out_pixels if isinstance(info, ConvNodeInfo) else None
+    return layer_precision(precision, f.program.input_dtypes[0], f.conv.group if f.conv else 1, pixels)
 
 
 def channels(f: FusedNode, weight_dims: dict[str, tuple[int, ...]]) -> int:
@@ -457,17 +555,20 @@ class Conv(Kind):
         attrs = {**match.conv_attrs.node_attrs(),
                  **(match.pool_attrs.node_attrs() if match.pool_attrs is not None else {})}
         key = f"conv C={c} K={k} {match.conv_attrs} pool {match.pool_attrs}"
+        p, q = shape[2], shape[3]
+        info = ConvNodeInfo(out_pixels=p * q if isinstance(p, int) and isinstance(q, int) else None)
         return Lowering(program, folded, [x, packed, bias, *prog_inputs[1:]], [unpack, body_conv, *pointwise, *pool],
-                        attrs, key, len(shape), modes, {"conv": match.conv_attrs, "pool": match.pool_attrs})
+                        attrs, key, len(shape), modes, {"conv": match.conv_attrs, "pool": match.pool_attrs,
+                                                        "params": info})
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> ConvSpec:
         """C and K come from the packed weights ([R, S, C/group, K], or [K, R, S, C/group]
-        with w_layout krsc)."""
+        with w_layout krsc); the precision is the node's (`node_precision`)."""
         dims = (weight_dims[f.inputs[1]] if weight_dims is not None else
                 tuple(next(t.dims for t in model.graph.initializer if t.name == f.inputs[1])))
         c, k = (dims[2], dims[3]) if f.w_layout == "rsck" else (dims[3], dims[0])
         return ConvSpec(f.kernel_name, f.program, channels=int(c) * f.conv.group,
-                        filters=int(k), conv=f.conv, pool=f.pool, precision=precision,
+                        filters=int(k), conv=f.conv, pool=f.pool, precision=node_precision(f, precision),
                         source_nodes=f.source_nodes, x_layout=f.x_layout, y_layout=f.y_layout,
                         extra_layouts=f.extra_layouts, w_layout=f.w_layout,
                         x_rounded=f.x_rounded, round_y=f.round_y)
@@ -504,9 +605,9 @@ class Conv(Kind):
         return conv_candidates(spec)
 
     def multiplies_in_tf32(self, f: FusedNode, precision: str) -> bool:
-        """Float32 convs at "tf32". Float16 convs multiply as cuDNN's do (fp16 products,
-        fp32 sums)."""
-        return precision == "tf32" and f.program.input_dtypes[0] == "f32"
+        """Float32 convs at "tf32" (one-pixel convs compile at ONE_PIXEL_PRECISION). Float16
+        convs multiply as cuDNN's do (fp16 products, fp32 sums)."""
+        return node_precision(f, precision) == "tf32" and f.program.input_dtypes[0] == "f32"
 
     def reads_tf32(self, spec: ConvSpec) -> bool:
         return prerounds_weights(spec)
