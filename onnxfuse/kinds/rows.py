@@ -52,7 +52,7 @@ from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
 from onnxfuse.match import DTYPE_IDS, broadcasts_to, check_node, dtype_reason, operands
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
-from onnxfuse.rewrite import ir_dtype, lower_nodes
+from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 MS_DOMAIN = "com.microsoft"
@@ -106,6 +106,13 @@ class Core:
     prelude: Callable[[Builder, dict[str, Operand]], None] | None = None
     exposable: frozenset[str] = frozenset()  # core tensors that may be read outside (the op's output)
     constants: tuple[str, ...] = ()  # constants the core's nodes read (axes, the exponent 2)
+    # group_norm: the number of groups (x is [N, C, spatial...], axis 1); op inputs read in a
+    # mode their own shape does not say (GroupNormalization's scale: "channel"); constant
+    # scales and biases the node reads as a [C, 1, ...] copy (opset 18's [G] repeated per
+    # channel, opset 21's [C] reshaped)
+    groups: int = 0
+    op_modes: tuple[tuple[str, str], ...] = ()
+    expand: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +153,7 @@ REDUCTION_ANCHORS = {
     "rms_norm": frozenset({"ReduceMean", "SimplifiedLayerNormalization", "RMSNormalization"}),
     "softmax": frozenset({"Softmax"}),
     "log_softmax": frozenset({"LogSoftmax"}),
+    "group_norm": frozenset({"InstanceNormalization", "GroupNormalization"}),
 }
 
 
@@ -310,6 +318,10 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
         return NOT_IN_FUNCTIONS
     if n.op_type == "RMSNormalization" and n.domain in DEFAULT_DOMAINS and "rms_norm" in m.reductions:
         return _layer_norm_op(view, i, pattern, rms=True)
+    if n.op_type == "GroupNormalization" and n.domain in DEFAULT_DOMAINS and "group_norm" in m.reductions:
+        return _group_norm_op(view, i, pattern)
+    if n.op_type == "InstanceNormalization" and n.domain in DEFAULT_DOMAINS and "group_norm" in m.reductions:
+        return _instance_group_norm(view, i, pattern)
     if n.op_type in ("Softmax", "LogSoftmax") and n.domain in DEFAULT_DOMAINS:
         reduction = "softmax" if n.op_type == "Softmax" else "log_softmax"
         return _softmax_op(view, i, pattern, reduction) if reduction in m.reductions else None
@@ -405,6 +417,149 @@ def _layer_norm_op(view: GraphView, i: int, pattern: Pattern, rms: bool = False)
                 frozenset({y}))
 
 
+def _uniform(view: GraphView, name: str) -> float | None:
+    """The value of a float constant whose elements are all equal (torch's ones and zeros)."""
+    t = view.constants.get(name)
+    if t is None:
+        return None
+    a = numpy_helper.to_array(t)
+    if a.size == 0 or a.dtype.kind != "f":
+        return None
+    v = a.reshape(-1)[0]
+    return float(v) if np.all(a == v) else None
+
+
+def _group_norm_core(view: GraphView, x: str, y: str, groups: int, eps: float, affine: tuple[str, str],
+                     per_group: bool, nodes: tuple[int, ...], pattern: Pattern) -> Core | str:
+    """A GroupNorm of x ([N, C, spatial...]) in `groups` groups whose output is y (x's shape):
+    y = (x - mean) / sqrt(var + eps) * scale + bias, statistics per (n, group); scale and
+    bias per group (`per_group`: GroupNormalization-18, InstanceNormalization's) or per
+    channel (GroupNormalization-21), "" when absent."""
+    shape = _check_x(view, x, pattern)
+    if isinstance(shape, str):
+        return shape
+    if len(shape) < 2:
+        return "x of rank below 2 (no channel dim)"
+    c = shape[1]
+    if not isinstance(c, int):
+        return "the channel count is not known"
+    if groups <= 0 or c % groups:
+        return f"{c} channels do not split into {groups} groups"
+    lits: dict[str, float] = {}
+    op_inputs: list[str] = []
+    op_modes: list[tuple[str, str]] = []
+    expand: list[str] = []
+    for name in affine:
+        if not name:
+            continue
+        v = _uniform(view, name)
+        if v is not None:
+            lits[name] = v
+            continue
+        size = int(np.prod(view.shapes.get(name) or (0,)))
+        want = groups if per_group else c
+        if view.shapes.get(name) is None or size != want:
+            return f"scale or bias {name!r} has {size} elements, expected {want}"
+        if any(r not in nodes for r in view.consumers.get(name, ())):
+            return f"its per-group scale or bias {name!r} is read elsewhere too"
+        if len(shape) > 2:  # a [G] or [C] vector does not broadcast to [N, C, spatial...]: the node reads a copy
+            if name not in view.constants:
+                return ("a per-group scale or bias (GroupNormalization before opset 21) that is not a constant"
+                        if per_group and groups != c else
+                        "a per-channel scale or bias of shape [C] that is not a constant")
+            expand.append(name)
+        elif per_group and groups != c:
+            return "a per-group scale or bias (GroupNormalization before opset 21) that is not a constant"
+        op_inputs.append(name)
+        op_modes.append((name, "channel"))
+    stats = (f"{y}\0mean", f"{y}\0var")
+    scale, bias = affine
+
+    def prelude(b: Builder, env: dict[str, Operand]) -> None:
+        inv = b.emit("div", 1.0, b.emit("sqrt", b.emit("add", env[stats[1]], eps)))
+        v = b.emit("mul", b.emit("sub", env[x], env[stats[0]]), inv)
+        if scale and lits.get(scale) != 1.0:
+            v = b.emit("mul", v, lits[scale] if scale in lits else env[scale])
+        if bias and lits.get(bias) != 0.0:
+            v = b.emit("add", v, lits[bias] if bias in lits else env[bias])
+        env[y] = v
+
+    # constants as Constant nodes of the body: the reshape shapes, the folded ones, the
+    # expanded ones (not a per-channel gamma, a node input)
+    constants = tuple(sorted({t for t in _constants_of(view, nodes) if t not in op_inputs} | set(expand)))
+    return Core("group_norm", nodes, x, 1, (y,), (x, *stats), tuple(op_inputs), prelude, frozenset({y}),
+                constants, groups, tuple(op_modes), tuple(expand))
+
+
+def _group_norm_op(view: GraphView, i: int, pattern: Pattern) -> Core | str:
+    """GroupNormalization: opset 18's scale and bias have one value per group (as its
+    function body computes them, and ONNX Runtime runs it), opset 21's one per channel."""
+    n = view.nodes[i]
+    if any(_used(view, o) for o in n.output[1:]):
+        return EXTRA_OUTPUTS
+    attrs = node_attrs(n)
+    if "num_groups" not in attrs:
+        return "GroupNormalization without num_groups"
+    affine = (n.input[1] if len(n.input) > 1 else "", n.input[2] if len(n.input) > 2 else "")
+    per_group = (view.opset or 21) < 21
+    return _group_norm_core(view, n.input[0], n.output[0], int(attrs["num_groups"]),
+                            float(attrs.get("epsilon", 1e-5)), affine, per_group, (i,), pattern)
+
+
+def _reshape_target(view: GraphView, i: int) -> list[int] | None:
+    """Reshape node i's shape input when it is a constant, else None."""
+    n = view.nodes[i]
+    if n.op_type != "Reshape" or n.domain not in DEFAULT_DOMAINS or len(n.input) < 2:
+        return None
+    t = view.constants.get(n.input[1])
+    return None if t is None else [int(d) for d in numpy_helper.to_array(t).reshape(-1)]
+
+
+GN_RESHAPE = "InstanceNormalization not of x reshaped to [N, groups, -1] and back (a GroupNorm as torch exports it)"
+
+
+def _instance_group_norm(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
+    """torch.onnx.export's nn.GroupNorm (opsets 13 to 21): Reshape(x, [0, G, -1]) ->
+    InstanceNormalization(ones[G], zeros[G]) -> Reshape(to Shape(x) or x's constant shape);
+    its gamma and beta, a Mul and an Add of [C, 1, 1], are epilogue nodes. An
+    InstanceNormalization of anything else is not a GroupNorm: None (not reported: the
+    rows kind does not fuse instance norms)."""
+    n = view.nodes[i]
+    r1 = view.producer.get(n.input[0])
+    if r1 is None or _single_reader(view, n.input[0]) != i:
+        return None
+    x = view.nodes[r1].input[0]
+    x_shape = view.shapes.get(x)
+    target = _reshape_target(view, r1)
+    if target is None or x_shape is None or len(x_shape) < 2 or len(target) != 3:
+        return None
+    groups = target[1]
+    trail = x_shape[1:]
+    size = int(np.prod(trail)) // groups if groups > 0 and all(isinstance(d, int) for d in trail) else None
+    if target[0] not in (0, x_shape[0]) or target[2] not in (-1, size) or groups <= 0:
+        return None
+    r2 = _single_reader(view, n.output[0])
+    if r2 is None or view.nodes[r2].op_type != "Reshape" or view.nodes[r2].domain not in DEFAULT_DOMAINS:
+        return None
+    y = view.nodes[r2].output[0]
+    if not same_shape(view.shapes.get(y), x_shape):
+        return GN_RESHAPE
+    nodes = [r1, i, r2]
+    back = view.nodes[r2].input[1]
+    sh = view.producer.get(back)
+    if sh is not None:  # Shape(x), read by this Reshape only
+        s = view.nodes[sh]
+        if (s.op_type != "Shape" or s.input[0] != x or node_attrs(s).get("start", 0) != 0 or "end" in node_attrs(s)
+                or _single_reader(view, back) != r2):
+            return GN_RESHAPE
+        nodes.append(sh)
+    elif _reshape_target(view, r2) != list(x_shape):
+        return GN_RESHAPE
+    affine = (n.input[1], n.input[2])
+    eps = float(node_attrs(n).get("epsilon", 1e-5))
+    return _group_norm_core(view, x, y, groups, eps, affine, True, tuple(sorted(nodes)), pattern)
+
+
 def _softmax_op(view: GraphView, i: int, pattern: Pattern, reduction: str) -> Core | str:
     """Softmax / LogSoftmax: from opset 13 over one axis, which must be the last; before 13
     over the dims from `axis` on, flattened (the coerced 2-D semantics): rows of the same
@@ -449,6 +604,45 @@ def input_mode(view: GraphView, name: str, x_shape: Shape, axis: int) -> str | N
     return "last" if spans and all(d == 1 for d in lead) else "strided"
 
 
+def group_input_mode(view: GraphView, name: str, x_shape: Shape) -> str | None:
+    """How a group_norm kernel reads tensor `name` against x's shape [N, C, spatial...]
+    (codegen_rows.GROUP_INPUT_MODES), or None: anything that varies along the spatial dims
+    without being x's shape."""
+    shape = view.shapes.get(name)
+    if shape is None:
+        return None
+    if same_shape(shape, x_shape):
+        return "full"
+    if all(d == 1 for d in shape):
+        return "scalar"
+    if not broadcasts_to(shape, x_shape):
+        return None
+    aligned = (1,) * (len(x_shape) - len(shape)) + tuple(shape)
+    if any(d != 1 for d in aligned[2:]):
+        return None
+    per_image, per_channel = aligned[0] != 1, aligned[1] != 1
+    return "batch_channel" if per_image and per_channel else "channel" if per_channel else "batch"
+
+
+def x_shaped(view: GraphView, core: Core, name: str, x_shape: Shape) -> bool:
+    """Tensor `name` (an epilogue node's output) has x's shape. For a group norm also when its
+    symbolic dims are named apart from x's (a graph output of torch's dynamic export: the
+    node's operands broadcast to x, so its output is x's shape whatever the name)."""
+    shape = view.shapes.get(name)
+    if same_shape(shape, x_shape):
+        return True
+    if not core.groups or shape is None or len(shape) != len(x_shape):
+        return False
+    return all(d == t or (isinstance(d, str) and isinstance(t, str)) for d, t in zip(shape, x_shape, strict=True))
+
+
+def core_input_mode(view: GraphView, core: Core, name: str, x_shape: Shape) -> str | None:
+    """How the core's kernel reads tensor `name` (the op's own inputs as the core says)."""
+    if core.reduction == "group_norm":
+        return dict(core.op_modes).get(name) or group_input_mode(view, name, x_shape)
+    return input_mode(view, name, x_shape, core.axis)
+
+
 @dataclass
 class _Growth:
     view: GraphView
@@ -472,7 +666,10 @@ class _Growth:
         return check_node(v, i, self.pattern) is None
 
     def mode(self, name: str) -> str | None:
-        return input_mode(self.view, name, self.x_shape, self.core.axis)
+        return core_input_mode(self.view, self.core, name, self.x_shape)
+
+    def x_shaped(self, name: str) -> bool:
+        return x_shaped(self.view, self.core, name, self.x_shape)
 
     def grow_epilogue(self) -> None:
         """Every pointwise node reachable from the core's seeds whose operands are the
@@ -488,7 +685,7 @@ class _Growth:
                 if c in self.epilogue or not self.candidate(c):
                     continue
                 out = v.nodes[c].output[0]
-                if not (same_shape(v.shapes.get(out), self.x_shape) or same_shape(v.shapes.get(out), self.row_shape)):
+                if not (self.x_shaped(out) or same_shape(v.shapes.get(out), self.row_shape)):
                     continue
                 if all(name in readable or self.mode(name) is not None for _, name in operands(v, c)):
                     self.epilogue.add(c)
@@ -577,9 +774,10 @@ def _anchor_nodes(view: GraphView, i: int) -> tuple[int, ...]:
 def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accepted: Accepted,
            reserved: dict[int, str]) -> Match | str:
     x_shape = view.shapes[core.x]
-    row_shape = tuple(x_shape[:core.axis]) + (1,) * (len(x_shape) - core.axis)
+    # (a group norm's statistics have no shape of x's rank: no epilogue node is per row)
+    row_shape = x_shape if core.groups else tuple(x_shape[:core.axis]) + (1,) * (len(x_shape) - core.axis)
     for name in core.op_inputs:
-        if input_mode(view, name, x_shape, core.axis) is None:
+        if core_input_mode(view, core, name, x_shape) is None:
             return NOT_BROADCAST
     ort = reserved
     own = next((ort[c] for c in core.nodes if c in ort), None)
@@ -608,7 +806,7 @@ def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accep
                 x_output = True  # (grow_prologue leaves only x readable outside)
             elif i in core.nodes and o not in core.exposable:
                 return STAT_OUTSIDE
-            elif not same_shape(view.shapes.get(o), x_shape):
+            elif not x_shaped(view, core, o, x_shape):
                 return STAT_OUTSIDE
             else:
                 outputs.append(o)
@@ -641,9 +839,12 @@ class RowsInfo:
     axis: int
     n_cols: int | None
     x_output: bool
+    groups: int = 0  # group_norm: the groups, and x's channels
+    channels: int = 0
 
 
-def lower_rows(view: GraphView, m: Match) -> Lowering:
+def lower_rows(view: GraphView, m: Match, names: set[str] | None = None, graph: GraphProto | None = None
+               ) -> Lowering:
     """The FusedRows node of a match (docs/format.md): inputs the prologue's, then the
     epilogue's extras; attribute `program` the epilogue; the body every node of the match."""
     parts: RowsParts = m.params
@@ -659,15 +860,42 @@ def lower_rows(view: GraphView, m: Match) -> Lowering:
     extras = e_inputs[len(core.row_values):]
     folded = {**folded, **folded2, **dict.fromkeys(core.constants)}
     inputs = [*p_inputs, *extras]
-    modes = tuple(input_mode(view, name, x_shape, core.axis) for name in inputs)
+    modes = tuple(core_input_mode(view, core, name, x_shape) for name in inputs)
     trail = x_shape[core.axis:]
     n_cols = int(np.prod(trail, dtype=np.int64)) if all(isinstance(d, int) for d in trail) else None
-    info = RowsInfo(core.reduction, prologue, core.axis, n_cols, parts.x_output)
+    channels = 0
+    if core.groups:
+        channels = int(x_shape[1])
+        n_cols = n_cols // core.groups if n_cols is not None else None
+        inputs = _expand_per_group(view, core, inputs, channels, names, graph)
+    info = RowsInfo(core.reduction, prologue, core.axis, n_cols, parts.x_output, core.groups, channels)
     attrs = {"prologue": prologue.to_text(), "reduction": core.reduction, "axis": core.axis,
              "x_output": int(parts.x_output)}
+    if core.groups:
+        attrs["groups"] = core.groups
     key = f"rows {prologue.to_text()} N={n_cols} modes={','.join(modes)}"  # besides the programs and the body
     return Lowering(epilogue, folded, inputs, [view.nodes[i] for i in m.nodes], attrs, key, core.axis, modes,
                     {"params": info})
+
+
+def _expand_per_group(view: GraphView, core: Core, inputs: list[str], channels: int, names: set[str] | None,
+                      graph: GraphProto | None) -> list[str]:
+    """The node's inputs with each constant GroupNormalization scale or bias replaced by a new
+    initializer of one value per channel, [C, 1, ...] (a [G] one repeated per channel of its
+    group); the function body still reads the original (a Constant node: `core.constants`)."""
+    if not core.expand:
+        return inputs
+    if graph is None or names is None:
+        raise ValueError("a GroupNormalization scale or bias needs the graph to add its per-channel copy to")
+    out = list(inputs)
+    rank = len(view.shapes[core.x])
+    for name in core.expand:
+        a = numpy_helper.to_array(view.constants[name]).reshape(-1)
+        a = np.repeat(a, channels // a.size).reshape((channels,) + (1,) * (rank - 2))
+        new = unique_name(f"{name}.per_channel", names)
+        graph.initializer.append(numpy_helper.from_array(a, new))
+        out = [new if t == name else t for t in out]
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -704,12 +932,12 @@ class Rows(Kind):
         return match_rows(view, pattern, taken, accepted, reserved)
 
     def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
-        return lower_rows(view, match)
+        return lower_rows(view, match, names, graph)
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> RowsSpec:
         r: RowsInfo = f.params
         return RowsSpec(f.kernel_name, r.reduction, r.prologue, f.program, f.input_modes, r.axis, r.n_cols,
-                        r.x_output, f.source_nodes)
+                        r.x_output, f.source_nodes, r.groups, r.channels)
 
     def variants(self, spec: RowsSpec) -> tuple[RowsVariant, ...]:
         return rows_variants(spec)
@@ -724,6 +952,8 @@ class Rows(Kind):
             "input_modes": list(spec.input_modes), "x_output": int(spec.x_output),
             "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
             "binaries": binaries,
+            **({"groups": spec.groups, "channels": spec.channels, "channels_last": int(spec.channels_last)}
+               if spec.reduction == "group_norm" else {}),
         }
 
     def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -732,13 +962,44 @@ class Rows(Kind):
         prologue = Program.from_text(attrs["prologue"].decode())
         epilogue = Program.from_text(attrs["program"].decode())
         return evaluate_rows(attrs["reduction"].decode(), prologue, epilogue, inputs, int(attrs["axis"]),
-                             bool(attrs.get("x_output", 0)))
+                             bool(attrs.get("x_output", 0)), int(attrs.get("groups", 0)),
+                             bool(attrs.get("channels_last", 0)))
 
 
-def row_values(reduction: str, x: np.ndarray, axis: int) -> list[np.ndarray]:
+def group_stats(x: np.ndarray, groups: int, channels_last: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and biased variance (of x - mean) per (image, group) in float64, one value per
+    channel: [N, C, 1, ...] for x [N, C, spatial...], [N, 1, ..., C] for channels-last x
+    [N, spatial..., C]."""
+    x64 = x.astype(np.float64)
+    n = x.shape[0]
+    c = x.shape[-1] if channels_last else x.shape[1]
+    g = x64.reshape(n, -1, groups, c // groups) if channels_last else x64.reshape(n, groups, -1)
+    axes = (1, 3) if channels_last else (2,)
+    with np.errstate(all="ignore"):
+        mean = g.mean(axis=axes, keepdims=True)
+        var = ((g - mean) ** 2).mean(axis=axes, keepdims=True)
+    keep = [1] * x.ndim
+    keep[0] = n
+    keep[-1 if channels_last else 1] = c
+    per_channel = [np.repeat(s.reshape(n, groups), c // groups, axis=1).reshape(keep) for s in (mean, var)]
+    return per_channel[0], per_channel[1]
+
+
+def to_channels_last(a: np.ndarray, rank: int) -> np.ndarray:
+    """A tensor that broadcasts to [N, C, spatial...] (rank `rank`), with its channel dim
+    moved last: how it broadcasts to channels-last x."""
+    a = a.reshape((1,) * (rank - a.ndim) + a.shape)
+    return np.moveaxis(a, 1, -1)
+
+
+def row_values(reduction: str, x: np.ndarray, axis: int, groups: int = 0,
+               channels_last: bool = False) -> list[np.ndarray]:
     """The values a reduction gives the epilogue (codegen_rows.ROW_VALUES), as float32 arrays
     that broadcast to x: x itself, then per-row statistics (computed in float64) with the
-    normalized dims kept as 1; or the softmax."""
+    normalized dims kept as 1 (group_norm: one value per channel); or the softmax."""
+    if reduction == "group_norm":
+        mean, var = group_stats(x, groups, channels_last)
+        return [x.astype(np.float32), mean.astype(np.float32), var.astype(np.float32)]
     trail = tuple(range(axis, x.ndim))
     x64 = x.astype(np.float64)
     with np.errstate(all="ignore"):
@@ -757,11 +1018,16 @@ def row_values(reduction: str, x: np.ndarray, axis: int) -> list[np.ndarray]:
 
 
 def evaluate_rows(reduction: str, prologue: Program, epilogue: Program, inputs: list[np.ndarray], axis: int,
-                  x_output: bool = False) -> list[np.ndarray]:
-    """A FusedRows node's outputs for `inputs` (the prologue's, then the epilogue's extras)."""
+                  x_output: bool = False, groups: int = 0, channels_last: bool = False) -> list[np.ndarray]:
+    """A FusedRows node's outputs for `inputs` (the prologue's, then the epilogue's extras).
+    channels_last (group_norm): x and the inputs of its shape are stored [N, spatial..., C],
+    the other inputs have their NCHW shapes (docs/format.md)."""
     p = len(prologue.input_dtypes)
+    if channels_last:
+        full = max((a.shape for a in inputs[:p]), key=lambda sh: int(np.prod(sh)))  # x's, stored NHWC
+        inputs = [a if a.shape == full else to_channels_last(a, len(full)) for a in inputs]
     (x,) = evaluate(prologue, inputs[:p])
-    values = row_values(reduction, x, axis)
+    values = row_values(reduction, x, axis, groups, channels_last)
     outs = [np.broadcast_to(o, x.shape).copy() for o in evaluate(epilogue, [*values, *inputs[p:]])]
     return outs + ([x] if x_output else [])
 
