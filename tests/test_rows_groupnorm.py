@@ -216,3 +216,35 @@ def test_analyze_costs_the_fused_node():
     x_bytes = 2 * 16 * 8 * 8 * 4
     assert fused.bytes_read == 2 * x_bytes + 2 * 16 * 4 and fused.bytes_written == x_bytes
     assert after.bytes < before.bytes / 3
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_channels_last_cpu_kernel(lib, dtype):
+    """The node contract's channels_last (group_norm): x, the residual and y stored
+    [N, H, W, C], gamma and beta [C, 1, 1] as in the graph. The library's CPU kernel on such a
+    node equals the NCHW node's output transposed, and the numpy reference. (The NHWC layout
+    pass does not emit such nodes yet: they are built here from the NCHW one.)"""
+    m = torch_group_norm(17, shape=(2, 16, 5, 6))
+    if dtype == "f16":
+        from tests.test_layout import to_fp16
+
+        m = to_fp16(m)
+    np_dt = np.float32 if dtype == "f32" else np.float16
+    r = optimize_model(m)
+    (node,) = r.model.graph.node
+    feeds = {k: v.astype(np_dt) for k, v in _feeds((2, 16, 5, 6), scale=100.0 if dtype == "f16" else 1.0).items()}
+    (want,) = run_lib(lib, r.model, feeds)
+    cl = helper.make_node("FusedRows", list(node.input), list(node.output), domain="onnxfuse", channels_last=1)
+    cl.attribute.extend(a for a in node.attribute)
+    elem = F if dtype == "f32" else H
+    g = helper.make_graph([cl], "cl", [helper.make_tensor_value_info(k, elem, [2, 5, 6, 16]) for k in ("x", "r")],
+                          [helper.make_tensor_value_info("y", elem, [2, 5, 6, 16])], list(r.model.graph.initializer))
+    mc = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("onnxfuse", 1)])
+    mc.ir_version = 10
+    nhwc = {k: np.ascontiguousarray(v.transpose(0, 2, 3, 1)) for k, v in feeds.items()}
+    (got,) = run_lib(lib, mc, nhwc)
+    tol = 1e-6 if dtype == "f32" else 1e-3
+    _close(got, want.transpose(0, 2, 3, 1), tol, "channels-last against NCHW")
+    values = {**nhwc, **{t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}}
+    (ref,) = Rows().evaluate(cl, [values[x] for x in cl.input])
+    _close(got, ref.astype(np_dt), 1e-5 if dtype == "f32" else 1e-2, "channels-last against the reference")
