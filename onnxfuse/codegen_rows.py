@@ -13,6 +13,10 @@ row the kernel
      squaring, so there is no E[x^2] - E[x]^2 cancellation, and fp16 rows of magnitude 1e4
      (squares 1e8, beyond fp16) are summed in fp32 without overflow;
    - ``rms_norm``: mean(x^2);
+   - ``group_norm``: as layer_norm over one (image, group) of x [N, C, spatial...]: C / G
+     channels by every pixel, contiguous in NCHW, strided in channels-last x (each pixel's
+     C / G channels of the group); the statistics are per row, inputs read per channel
+     (gamma, beta: `GROUP_INPUT_MODES`) through each element's channel;
    - ``softmax`` / ``log_softmax``: the row's max (NaN-propagating), then the sum of
      exp(x - max): x - max is never positive, so exp never overflows;
 3. evaluates the **epilogue** program, whose first inputs are the row values the reduction

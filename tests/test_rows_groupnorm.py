@@ -248,3 +248,27 @@ def test_channels_last_cpu_kernel(lib, dtype):
     values = {**nhwc, **{t.name: numpy_helper.to_array(t) for t in r.model.graph.initializer}}
     (ref,) = Rows().evaluate(cl, [values[x] for x in cl.input])
     _close(got, ref.astype(np_dt), 1e-5 if dtype == "f32" else 1e-2, "channels-last against the reference")
+
+
+def test_decomposed_form_fuses_as_a_layer_norm_of_the_groups():
+    """The ReduceMean form over Reshape(x, [0, G, -1]) (tf2onnx / Keras style) is not a
+    group_norm core: it fuses as a LayerNorm of the reshaped tensor, and gamma, beta and SiLU
+    after the Reshape back as a pointwise chain (two kernels; docs/kinds.md)."""
+    from tests.util import model
+
+    c, groups = 16, 4
+    rng = np.random.default_rng(5)
+    N = helper.make_node
+    nodes = [N("Reshape", ["x", "split"], ["r"]), N("ReduceMean", ["r", "axes"], ["mean"]),
+             N("Sub", ["r", "mean"], ["d"]), N("Pow", ["d", "two"], ["d2"]), N("ReduceMean", ["d2", "axes"], ["var"]),
+             N("Add", ["var", "eps"], ["ve"]), N("Sqrt", ["ve"], ["sd"]), N("Div", ["d", "sd"], ["nr"]),
+             N("Shape", ["x"], ["xs"]), N("Reshape", ["nr", "xs"], ["n0"]), N("Mul", ["n0", "gamma"], ["n1"]),
+             N("Add", ["n1", "beta"], ["n"]), N("Sigmoid", ["n"], ["sg"]), N("Mul", ["n", "sg"], ["y"])]
+    inits = {"split": np.array([0, groups, -1], np.int64), "axes": np.array([-1], np.int64),
+             "two": np.array(2.0, np.float32), "eps": np.array(1e-5, np.float32),
+             "gamma": rng.standard_normal((c, 1, 1)).astype(np.float32),
+             "beta": rng.standard_normal((c, 1, 1)).astype(np.float32)}
+    m = model(nodes, {"x": ("float32", [2, c, 5, 6])}, {"y": ("float32", [2, c, 5, 6])}, inits, opset=18)
+    r = check_fusion(m, expect_fused=2)
+    assert sorted(op_types(r.model)) == ["FusedRows", "PointwiseChain", "Reshape", "Reshape", "Shape"], \
+        r.report.summary()

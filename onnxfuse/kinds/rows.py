@@ -16,6 +16,12 @@ A match has three parts (docs/format.md, FusedRows):
     declined (`NOT_IN_FUNCTIONS`);
   - ``softmax`` / ``log_softmax``: the op, over the last axis (opset >= 13), or over the
     trailing dims from `axis` on (opset < 13 flattens them: its coerced 2-D semantics);
+  - ``group_norm``: torch.onnx.export's nn.GroupNorm (Reshape(x, [0, G, -1]) ->
+    InstanceNormalization -> Reshape(Shape(x)); its gamma and beta are epilogue nodes) or
+    the GroupNormalization op (opset 18's scale per group, 21's per channel); x is
+    [N, C, spatial...] and a row one (image, group). Not recognized: the decomposed form
+    over Reshape(x, [N, G, -1]) (ReduceMean...): it fuses as a LayerNorm of the reshaped
+    tensor, and what follows the Reshape back (gamma, beta, SiLU) as a separate group;
 - the **prologue**: the pointwise nodes that compute x (a residual add, a bias add, a scale
   and an attention mask before a softmax, a Cast to float32), each of x's shape, read only
   inside the match (x itself may be read outside: the node then stores it too);
