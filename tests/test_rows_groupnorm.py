@@ -250,25 +250,51 @@ def test_channels_last_cpu_kernel(lib, dtype):
     _close(got, ref.astype(np_dt), 1e-5 if dtype == "f32" else 1e-2, "channels-last against the reference")
 
 
-def test_decomposed_form_fuses_as_a_layer_norm_of_the_groups():
-    """The ReduceMean form over Reshape(x, [0, G, -1]) (tf2onnx / Keras style) is not a
-    group_norm core: it fuses as a LayerNorm of the reshaped tensor, and gamma, beta and SiLU
-    after the Reshape back as a pointwise chain (two kernels; docs/kinds.md)."""
+def _decomposed(c=16, groups=4, shape=(2, 16, 5, 6), back="shape"):
+    """The ReduceMean form over Reshape(x, [0, G, -1]) (tf2onnx, hand-written exports): mean,
+    Sub, Pow, mean, eps, Sqrt, Div over [N, G, L], Reshape back (to Shape(x), or x's static
+    shape), gamma, beta, SiLU; a residual add before."""
     from tests.util import model
 
-    c, groups = 16, 4
     rng = np.random.default_rng(5)
     N = helper.make_node
-    nodes = [N("Reshape", ["x", "split"], ["r"]), N("ReduceMean", ["r", "axes"], ["mean"]),
+    nodes = [N("Add", ["a", "b"], ["x"]), N("Reshape", ["x", "split"], ["r"]), N("ReduceMean", ["r", "axes"], ["mean"]),
              N("Sub", ["r", "mean"], ["d"]), N("Pow", ["d", "two"], ["d2"]), N("ReduceMean", ["d2", "axes"], ["var"]),
-             N("Add", ["var", "eps"], ["ve"]), N("Sqrt", ["ve"], ["sd"]), N("Div", ["d", "sd"], ["nr"]),
-             N("Shape", ["x"], ["xs"]), N("Reshape", ["nr", "xs"], ["n0"]), N("Mul", ["n0", "gamma"], ["n1"]),
-             N("Add", ["n1", "beta"], ["n"]), N("Sigmoid", ["n"], ["sg"]), N("Mul", ["n", "sg"], ["y"])]
+             N("Add", ["var", "eps"], ["ve"]), N("Sqrt", ["ve"], ["sd"]), N("Div", ["d", "sd"], ["nr"])]
     inits = {"split": np.array([0, groups, -1], np.int64), "axes": np.array([-1], np.int64),
              "two": np.array(2.0, np.float32), "eps": np.array(1e-5, np.float32),
              "gamma": rng.standard_normal((c, 1, 1)).astype(np.float32),
              "beta": rng.standard_normal((c, 1, 1)).astype(np.float32)}
-    m = model(nodes, {"x": ("float32", [2, c, 5, 6])}, {"y": ("float32", [2, c, 5, 6])}, inits, opset=18)
-    r = check_fusion(m, expect_fused=2)
-    assert sorted(op_types(r.model)) == ["FusedRows", "PointwiseChain", "Reshape", "Reshape", "Shape"], \
-        r.report.summary()
+    if back == "shape":
+        nodes += [N("Shape", ["x"], ["xs"]), N("Reshape", ["nr", "xs"], ["n0"])]
+    else:
+        inits["xs"] = np.array(shape, np.int64)
+        nodes.append(N("Reshape", ["nr", "xs"], ["n0"]))
+    nodes += [N("Mul", ["n0", "gamma"], ["n1"]), N("Add", ["n1", "beta"], ["n"]), N("Sigmoid", ["n"], ["sg"]),
+              N("Mul", ["n", "sg"], ["y"])]
+    io = {k: ("float32", list(shape)) for k in ("a", "b")}
+    return model(nodes, io, {"y": ("float32", list(shape))}, inits, opset=18)
+
+
+@pytest.mark.parametrize("back", ["shape", "constant"])
+def test_decomposed_form(lib, back):
+    """The ReduceMean form is a group_norm core too: one node (the Reshape back read as the
+    same elements), equal to the original as a function body and as the library's kernel."""
+    m = _decomposed(back=back)
+    r = check_fusion(m, expect_fused=1)
+    assert op_types(r.model) == ["FusedRows"], r.report.summary()
+    attrs = {a.name: helper.get_attribute_value(a) for a in r.model.graph.node[0].attribute}
+    assert (attrs["reduction"], attrs["groups"]) == (b"group_norm", 4)
+    rng = np.random.default_rng(3)
+    feeds = {k: (rng.standard_normal((2, 16, 5, 6)) * 3 + 1).astype(np.float32) for k in ("a", "b")}
+    _close(run_lib(lib, r.model, feeds)[0], run(m, feeds)[0], 1e-5, "library against the original")
+
+
+def test_decomposed_form_with_the_groups_read_outside_is_declined():
+    """A value of the [N, G, L] part read outside (here the normalized groups, before the
+    Reshape back) cannot leave the node (it is not of x's shape): reported."""
+    m = _decomposed()
+    m.graph.output.append(helper.make_tensor_value_info("nr", TensorProto.FLOAT, None))
+    r = optimize_model(m)
+    assert "FusedRows" not in op_types(r.model)
+    assert any("read outside" in k for k in r.report.not_fused), r.report.summary()

@@ -43,6 +43,7 @@ its nodes, and the report's notes say so. Nodes ONNX Runtime takes into other fu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -119,6 +120,11 @@ class Core:
     groups: int = 0
     op_modes: tuple[tuple[str, str], ...] = ()
     expand: tuple[str, ...] = ()
+    # the decomposed group norm: the shape of x reshaped to [N, G, L] (its epilogue begins
+    # there, per-row values [N, G, 1]), and the Reshape back to x's shape, a core node, as
+    # (its input, its output): the same elements in the same order, one value in the kernel
+    inner_shape: Shape | None = None
+    bridges: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,7 +165,7 @@ REDUCTION_ANCHORS = {
     "rms_norm": frozenset({"ReduceMean", "SimplifiedLayerNormalization", "RMSNormalization"}),
     "softmax": frozenset({"Softmax"}),
     "log_softmax": frozenset({"LogSoftmax"}),
-    "group_norm": frozenset({"InstanceNormalization", "GroupNormalization"}),
+    "group_norm": frozenset({"InstanceNormalization", "GroupNormalization", "ReduceMean"}),
 }
 
 
@@ -309,6 +315,9 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
     if n.op_type == "ReduceMean" and n.domain in DEFAULT_DOMAINS:
         parts = _layer_norm_parts(view, i)
         if parts is not None:
+            group = _decomposed_group_norm(view, i, parts, pattern)
+            if group is not None:  # a GroupNorm's (the group_norm pattern's, not a LayerNorm of the groups)
+                return group if "group_norm" in m.reductions else None
             return _decomposed_layer_norm(view, i, parts, pattern) if "layer_norm" in m.reductions else None
         if _variance_of(view, i):
             return None
@@ -521,6 +530,96 @@ def _reshape_target(view: GraphView, i: int) -> list[int] | None:
     return None if t is None else [int(d) for d in numpy_helper.to_array(t).reshape(-1)]
 
 
+def _reshape_back(view: GraphView, n: int, x: str) -> bool:
+    """Node n is Reshape(t, Shape(x)) or Reshape(t, x's static shape) (its Shape node read by it alone)."""
+    node = view.nodes[n]
+    if node.op_type != "Reshape" or node.domain not in DEFAULT_DOMAINS or len(node.input) < 2:
+        return False
+    sh = view.producer.get(node.input[1])
+    if sh is None:
+        return _reshape_target(view, n) == list(view.shapes.get(x) or ())
+    s = view.nodes[sh]
+    return (s.op_type == "Shape" and s.input[0] == x and node_attrs(s).get("start", 0) == 0
+            and "end" not in node_attrs(s) and _single_reader(view, node.input[1]) == n)
+
+
+def _group_split(view: GraphView, r: str) -> tuple[int, str, int] | None:
+    """(the Reshape node, x, G) when tensor r is Reshape(x, [0 or N, G, -1 or L]) of an x of rank >= 3."""
+    p = view.producer.get(r)
+    target = _reshape_target(view, p) if p is not None else None
+    if target is None or len(target) != 3:
+        return None
+    x = view.nodes[p].input[0]
+    xs = view.shapes.get(x)
+    if xs is None or len(xs) < 3 or target[1] <= 0:
+        return None
+    trail = xs[1:]
+    size = int(np.prod(trail)) // target[1] if all(isinstance(d, int) for d in trail) else None
+    if target[0] not in (0, xs[0]) or target[2] not in (-1, size):
+        return None
+    return p, x, target[1]
+
+
+def _decomposed_group_norm(view: GraphView, r1: int, parts: tuple[int, int, int], pattern: Pattern
+                           ) -> Core | str | None:
+    """The ReduceMean form of a GroupNorm (tf2onnx and hand-written exports): a decomposed
+    LayerNorm (`_layer_norm_parts`) of r = Reshape(x, [0, G, -1]) whose normalized result,
+    through pointwise nodes over [N, G, L] or [N, G, 1], reaches one Reshape back to x's
+    shape; None when it is not one (a LayerNorm of something else)."""
+    _, square, r2 = parts
+    r = view.nodes[r1].input[0]
+    split = _group_split(view, r)
+    if split is None:
+        return None
+    p, x, groups = split
+    inner = view.shapes.get(r)
+    if inner is None:
+        return None
+    m: RowsParams = pattern.match
+    # the Reshape back: reached from the statistics through pointwise nodes of the groups' shapes
+    seen: set[str] = set()
+    work = [view.nodes[r1].output[0], view.nodes[r2].output[0], r]
+    backs: set[int] = set()
+    while work:
+        t = work.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        for c in view.consumers.get(t, ()):
+            n = view.nodes[c]
+            if c in (r1, r2, square):
+                continue
+            if _reshape_back(view, c, x):
+                backs.add(c)
+            elif n.op_type in m.ops and n.domain in DEFAULT_DOMAINS and len(n.output) == 1 and (
+                    same_shape(view.shapes.get(n.output[0]), inner)
+                    or same_shape(view.shapes.get(n.output[0]), (*inner[:2], 1))):
+                work.append(n.output[0])
+    if len(backs) != 1:
+        return None
+    (back,) = backs
+    core = _decomposed_layer_norm(view, r1, parts, pattern)
+    if isinstance(core, str):
+        return core
+    if core.axis != 2:
+        return NOT_LAST
+    shape = _check_x(view, x, pattern)
+    if isinstance(shape, str):
+        return shape
+    c = shape[1]
+    if not isinstance(c, int) or c % groups:
+        return f"{c} channels do not split into {groups} groups"
+    nodes = {p, *core.nodes, back}
+    sh = view.producer.get(view.nodes[back].input[1])
+    if sh is not None:
+        nodes.add(sh)
+    nodes_t = tuple(sorted(nodes))
+    src, dst = view.nodes[back].input[0], view.nodes[back].output[0]
+    return Core("group_norm", nodes_t, x, 1, core.seeds, (r, *core.row_values[1:]), exposable=frozenset({dst}),
+                constants=_constants_of(view, nodes_t), groups=groups, inner_shape=tuple(inner),
+                bridges=((src, dst),))
+
+
 GN_RESHAPE = "InstanceNormalization not of x reshaped to [N, groups, -1] and back (a GroupNorm as torch exports it)"
 
 
@@ -691,12 +790,17 @@ class _Growth:
                 if c in self.epilogue or not self.candidate(c):
                     continue
                 out = v.nodes[c].output[0]
-                if not (self.x_shaped(out) or same_shape(v.shapes.get(out), self.row_shape)):
+                if not (self.x_shaped(out) or same_shape(v.shapes.get(out), self.row_shape)
+                        or same_shape(v.shapes.get(out), core.inner_shape)):
                     continue
                 if all(name in readable or self.mode(name) is not None for _, name in operands(v, c)):
                     self.epilogue.add(c)
                     readable.add(out)
                     work.append(out)
+                    for src, dst in core.bridges:  # through the Reshape back to x's shape
+                        if src == out:
+                            readable.add(dst)
+                            work.append(dst)
 
     def grow_prologue(self) -> None:
         """The pointwise nodes of x's shape that compute x (through their producers), minus
@@ -780,8 +884,12 @@ def _anchor_nodes(view: GraphView, i: int) -> tuple[int, ...]:
 def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accepted: Accepted,
            reserved: dict[int, str]) -> Match | str:
     x_shape = view.shapes[core.x]
-    # (a group norm's statistics have no shape of x's rank: no epilogue node is per row)
-    row_shape = x_shape if core.groups else tuple(x_shape[:core.axis]) + (1,) * (len(x_shape) - core.axis)
+    # (a group norm's statistics have no shape of x's rank: no epilogue node is per row, but in
+    # the decomposed form's [N, G, L] part, per [N, G, 1])
+    if core.groups:
+        row_shape = (*core.inner_shape[:2], 1) if core.inner_shape else x_shape
+    else:
+        row_shape = tuple(x_shape[:core.axis]) + (1,) * (len(x_shape) - core.axis)
     for name in core.op_inputs:
         if core_input_mode(view, core, name, x_shape) is None:
             return NOT_BROADCAST
@@ -861,7 +969,18 @@ def lower_rows(view: GraphView, m: Match, names: set[str] | None = None, graph: 
     fixed = [(name, "f32") for name in core.row_values]
     fixed += [(name, ir_dtype(view, name)) for name in core.op_inputs]
     epi_outputs = m.outputs[:-1] if parts.x_output else m.outputs
-    epilogue, e_inputs, folded2 = lower_nodes(view, parts.epilogue, epi_outputs, fixed, core.prelude,
+    epi_view = view
+    if core.bridges:  # the epilogue reads the Reshape back's input where the graph reads its output
+        back = {dst: src for src, dst in core.bridges}
+        epi_view = dataclasses.replace(view, nodes=list(view.nodes))
+        for i in parts.epilogue:
+            n = NodeProto()
+            n.CopyFrom(view.nodes[i])
+            for k, name in enumerate(n.input):
+                n.input[k] = back.get(name, name)
+            epi_view.nodes[i] = n
+        epi_outputs = tuple(back.get(o, o) for o in epi_outputs)
+    epilogue, e_inputs, folded2 = lower_nodes(epi_view, parts.epilogue, epi_outputs, fixed, core.prelude,
                                               set(core.seeds), store_pass_through=False)
     extras = e_inputs[len(core.row_values):]
     folded = {**folded, **folded2, **dict.fromkeys(core.constants)}
