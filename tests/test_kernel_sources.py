@@ -187,6 +187,14 @@ def _group_norm(dtype: int, shape: list, groups: int, form: str) -> onnx.ModelPr
     return m
 
 
+def _group_norm_between_convs() -> onnx.ModelProto:
+    """conv -> Relu -> GroupNorm -> SiLU -> conv -> Relu: the NHWC pass lays the GroupNorm out
+    channels-last (tests/test_rows_groupnorm.py)."""
+    from tests.test_rows_groupnorm import _convs_around_group_norm
+
+    return _convs_around_group_norm()
+
+
 def _pretrained(name: str) -> Callable[[], onnx.ModelProto]:
     def load() -> onnx.ModelProto:
         from models import pretrained
@@ -255,6 +263,7 @@ CASES: dict[str, tuple] = {
                            {}),
     "group_norm_op_dynamic_size": (lambda: _group_norm(TensorProto.FLOAT, ["N", 32, "H", "W"], 8, "op"), "nhwc",
                                    "tf32", {}),
+    "group_norm_between_convs_nhwc": (_group_norm_between_convs, "nhwc", "tf32", {}),
     "yolov8n_320": (_pretrained("yolov8n_320"), "nhwc", "tf32", {}),
     "ppocr_det": (_pretrained("ppocr_det"), "nhwc", "tf32", {}),
     "ppocr_det_nchw": (_pretrained("ppocr_det"), "nchw", "tf32", {}),

@@ -220,10 +220,10 @@ def test_analyze_costs_the_fused_node():
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 def test_channels_last_cpu_kernel(lib, dtype):
-    """The node contract's channels_last (group_norm): x, the residual and y stored
+    """The node contract's x_layout / y_layout NHWC (group_norm): x, the residual and y stored
     [N, H, W, C], gamma and beta [C, 1, 1] as in the graph. The library's CPU kernel on such a
-    node equals the NCHW node's output transposed, and the numpy reference. (The NHWC layout
-    pass does not emit such nodes yet: they are built here from the NCHW one.)"""
+    node equals the NCHW node's output transposed, and the numpy reference. (A residual of
+    x's shape keeps the NHWC pass from laying the node out: built here from the NCHW one.)"""
     m = torch_group_norm(17, shape=(2, 16, 5, 6))
     if dtype == "f16":
         from tests.test_layout import to_fp16
@@ -234,7 +234,8 @@ def test_channels_last_cpu_kernel(lib, dtype):
     (node,) = r.model.graph.node
     feeds = {k: v.astype(np_dt) for k, v in _feeds((2, 16, 5, 6), scale=100.0 if dtype == "f16" else 1.0).items()}
     (want,) = run_lib(lib, r.model, feeds)
-    cl = helper.make_node("FusedRows", list(node.input), list(node.output), domain="onnxfuse", channels_last=1)
+    cl = helper.make_node("FusedRows", list(node.input), list(node.output), domain="onnxfuse", x_layout="NHWC",
+                          y_layout="NHWC")
     cl.attribute.extend(a for a in node.attribute)
     elem = F if dtype == "f32" else H
     g = helper.make_graph([cl], "cl", [helper.make_tensor_value_info(k, elem, [2, 5, 6, 16]) for k in ("x", "r")],
@@ -298,3 +299,71 @@ def test_decomposed_form_with_the_groups_read_outside_is_declined():
     r = optimize_model(m)
     assert "FusedRows" not in op_types(r.model)
     assert any("read outside" in k for k in r.report.not_fused), r.report.summary()
+
+
+def _convs_around_group_norm(c: int = 32, groups: int = 8, size: int = 10) -> onnx.ModelProto:
+    """conv -> Relu -> GroupNorm (torch's form) -> SiLU -> conv -> Relu: SD-UNet's resnet block."""
+    from tests.test_layout import image_model
+
+    rng = np.random.default_rng(6)
+    N = helper.make_node
+    inits = [numpy_helper.from_array((rng.standard_normal((c, 16, 3, 3)) / 12).astype(np.float32), "w0"),
+             numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) / 17).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal((c, 1, 1)).astype(np.float32), "gamma"),
+             numpy_helper.from_array(rng.standard_normal((c, 1, 1)).astype(np.float32), "beta"),
+             numpy_helper.from_array(np.array([0, groups, -1], np.int64), "split"),
+             numpy_helper.from_array(np.ones(groups, np.float32), "ones"),
+             numpy_helper.from_array(np.zeros(groups, np.float32), "zeros")]
+    nodes = [N("Conv", ["x", "w0"], ["c0"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv0"),
+             N("Relu", ["c0"], ["h"]), N("Reshape", ["h", "split"], ["r"]),
+             N("InstanceNormalization", ["r", "ones", "zeros"], ["i"]), N("Shape", ["h"], ["hs"]),
+             N("Reshape", ["i", "hs"], ["n0"]), N("Mul", ["n0", "gamma"], ["n1"]), N("Add", ["n1", "beta"], ["n"]),
+             N("Sigmoid", ["n"], ["sg"]), N("Mul", ["n", "sg"], ["a"]),
+             N("Conv", ["a", "w1"], ["c1"], kernel_shape=[3, 3], pads=[1, 1, 1, 1], name="conv1"),
+             N("Relu", ["c1"], ["y"])]
+    return image_model(nodes, "gn_between_convs", 16, size, [("y", c)], inits)
+
+
+def test_nhwc_pass_lays_out_a_group_norm_between_convs(lib, tmp_path, monkeypatch):
+    """The NHWC pass carries channels-last through a GroupNorm (laid out as a pool: X and Y
+    together): conv (NHWC out) -> FusedRows (NHWC in and out) -> conv (NHWC in), no Transpose;
+    the kernel compiled channels-last; the model equal to the original with the library's CPU
+    kernels and as function bodies (which transpose around the original nodes)."""
+    import json
+
+    from onnxfuse.pipeline import compile_pass
+    from tests.test_layout import attrs, check_same
+    from tests.util import kernel_options
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    m = _convs_around_group_norm()
+    r = optimize_model(m)
+    # ieee convs: the library's CPU conv kernels emulate "tf32" (3.5e-4 off fp32 here, in
+    # NCHW as in NHWC), which would hide the GroupNorm's own error
+    info = compile_pass(r, kernel_options("sm_90", layout="nhwc", conv_precision="ieee")).report.compile
+    assert not info["failed"] and not info["declined"]
+    onnx.checker.check_model(r.model, full_check=True)
+    # (the image enters through one Transpose: conv0 reads 16 channels channels-last)
+    assert op_types(r.model) == ["Transpose", "FusedConv", "FusedRows", "FusedConv"], r.report.summary()
+    _, conv0, gn, conv1 = r.model.graph.node
+    assert attrs(conv0)["y_layout"] == b"NHWC" and attrs(conv1)["x_layout"] == b"NHWC"
+    assert (attrs(gn)["x_layout"], attrs(gn)["y_layout"]) == (b"NHWC", b"NHWC")
+    meta = json.loads(next(a.s for a in gn.attribute if a.name == "kernel_meta"))
+    assert (meta["reduction"], meta["channels_last"], meta["groups"]) == ("group_norm", 1, 8)
+    assert gn.overload.endswith("_nhwc_nhwc")
+    check_same(m, r.model, library=True)
+    check_same(m, r.model, library=False)
+
+
+def test_which_group_norms_take_layouts():
+    """Only a GroupNorm whose x is its one input of x's shape and y its one output is laid out
+    (a residual of x's shape would need its own layout: such a node stays NCHW)."""
+    from onnxfuse.kinds.rows import GROUP_NORM_LAYOUTS
+
+    kind = Rows()
+    residual = optimize_model(torch_group_norm(17))  # GroupNorm(x + r): two inputs of x's shape
+    assert [kind.node_layouts(f) for f in residual.fused] == [None]
+    m, _, _ = _gn_op(21, 12)  # GroupNorm(x + temb [N, C, 1, 1])
+    assert [kind.node_layouts(f) for f in optimize_model(m).fused] == [GROUP_NORM_LAYOUTS]
+    ln = optimize_model(_decomposed()).fused  # a group norm too (the decomposed form), two inputs
+    assert [kind.node_layouts(f) for f in ln] == [None]

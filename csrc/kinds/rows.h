@@ -3,8 +3,8 @@
 //
 // A FusedRows node computes, for its row value x (the prologue program of its first inputs),
 // a row reduction over the dims from `axis` on (`reduction`: layer_norm, rms_norm, softmax,
-// log_softmax; group_norm: x is [N, C, spatial...] or, with `channels_last`, stored
-// [N, spatial..., C], and a row is one (image, group) of C / `groups` channels by every
+// log_softmax; group_norm: x is [N, C, spatial...] or, with x_layout and y_layout NHWC,
+// stored [N, spatial..., C], and a row is one (image, group) of C / `groups` channels by every
 // pixel), then the epilogue program (attribute `program`) whose first inputs are the
 // reduction's row values and whose other inputs are the node's remaining inputs.
 #pragma once
@@ -76,15 +76,17 @@ inline RowsAttrs read_rows_attrs(const OrtKernelInfo* info) {
   if (xo != 0 && xo != 1) throw Error("x_output must be 0 or 1");
   a.x_output = xo == 1;
   get_int_attr(info, "groups", &a.groups);
-  int64_t cl = 0;
-  get_int_attr(info, "channels_last", &cl);
-  if (cl != 0 && cl != 1) throw Error("channels_last must be 0 or 1");
-  a.channels_last = cl == 1;
+  std::string xl = "NCHW", yl = "NCHW";  // group_norm: as the NHWC pass writes a pool's layouts
+  get_string_attr(info, "x_layout", &xl);
+  get_string_attr(info, "y_layout", &yl);
+  if ((xl != "NCHW" && xl != "NHWC") || xl != yl)
+    throw Error("x_layout " + xl + " and y_layout " + yl + ": both NCHW or both NHWC");
+  a.channels_last = xl == "NHWC";
   if (a.reduction == Reduction::GROUP_NORM && (a.groups <= 0 || a.axis != 1))
     throw Error("group_norm needs a positive int attribute 'groups' and axis 1, got groups " +
                 std::to_string(a.groups) + ", axis " + std::to_string(a.axis));
   if (a.reduction != Reduction::GROUP_NORM && (a.groups != 0 || a.channels_last))
-    throw Error("attributes 'groups' and 'channels_last' are group_norm's");
+    throw Error("attributes 'groups' and x_layout NHWC are group_norm's");
   if (a.prologue.outputs.size() != 1)
     throw Error("the prologue has " + std::to_string(a.prologue.outputs.size()) + " outputs, expected 1 (x)");
   if (a.epilogue.inputs.size() < row_values(a.reduction))

@@ -56,7 +56,17 @@ from onnxfuse.codegen_rows import REDUCTIONS, ROW_VALUES, RowsSpec, RowsVariant,
 from onnxfuse.expr import Builder, Operand, Program, evaluate
 from onnxfuse.graph import GraphView, Shape, same_shape
 from onnxfuse.groups import Accepted, reentering
-from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
+from onnxfuse.kinds.base import (
+    META_VERSION,
+    Fields,
+    FusedNode,
+    Kind,
+    Lowering,
+    Match,
+    MatchResult,
+    NodeLayouts,
+    Pattern,
+)
 from onnxfuse.match import DTYPE_IDS, broadcasts_to, check_node, dtype_reason, operands
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
 from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
@@ -953,8 +963,9 @@ class RowsInfo:
     axis: int
     n_cols: int | None
     x_output: bool
-    groups: int = 0  # group_norm: the groups, and x's channels
+    groups: int = 0  # group_norm: the groups, x's channels and rank
     channels: int = 0
+    x_rank: int = 0
 
 
 def lower_rows(view: GraphView, m: Match, names: set[str] | None = None, graph: GraphProto | None = None
@@ -993,7 +1004,7 @@ def lower_rows(view: GraphView, m: Match, names: set[str] | None = None, graph: 
         channels = int(x_shape[1])
         n_cols = n_cols // core.groups if n_cols is not None else None
         inputs = _expand_per_group(view, core, inputs, channels, names, graph)
-    info = RowsInfo(core.reduction, prologue, core.axis, n_cols, parts.x_output, core.groups, channels)
+    info = RowsInfo(core.reduction, prologue, core.axis, n_cols, parts.x_output, core.groups, channels, len(x_shape))
     attrs = {"prologue": prologue.to_text(), "reduction": core.reduction, "axis": core.axis,
              "x_output": int(parts.x_output)}
     if core.groups:
@@ -1027,6 +1038,11 @@ def _expand_per_group(view: GraphView, core: Core, inputs: list[str], channels: 
 # The kind
 # ---------------------------------------------------------------------------------------
 
+# A GroupNorm node with one input of x's shape (input 0) and one output turns channels-last
+# in the NHWC pass as a pool does: X and Y together, its other inputs as they are.
+GROUP_NORM_LAYOUTS = NodeLayouts(y_follows_x=True)
+
+
 class Rows(Kind):
     """A match is a normalization or softmax over the trailing dims of its input x (its
     core), the pointwise ops that compute x (prologue) and those after it (epilogue), as the
@@ -1059,10 +1075,19 @@ class Rows(Kind):
     def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
         return lower_rows(view, match, names, graph)
 
+    def node_layouts(self, f: FusedNode) -> NodeLayouts | None:
+        """A GroupNorm whose only input of x's shape is input 0 (x, 4-D) and that has one output
+        takes the NHWC pass's layouts as a pool (X and Y together); other nodes do not."""
+        r: RowsInfo = f.params
+        if r.reduction != "group_norm" or r.x_output or len(f.outputs) != 1 or r.x_rank != 4:
+            return None
+        modes = f.input_modes
+        return GROUP_NORM_LAYOUTS if modes[:1] == ("full",) and "full" not in modes[1:] else None
+
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> RowsSpec:
         r: RowsInfo = f.params
         return RowsSpec(f.kernel_name, r.reduction, r.prologue, f.program, f.input_modes, r.axis, r.n_cols,
-                        r.x_output, f.source_nodes, r.groups, r.channels)
+                        r.x_output, f.source_nodes, r.groups, r.channels, f.x_layout == "nhwc")
 
     def variants(self, spec: RowsSpec) -> tuple[RowsVariant, ...]:
         return rows_variants(spec)
@@ -1088,7 +1113,7 @@ class Rows(Kind):
         epilogue = Program.from_text(attrs["program"].decode())
         return evaluate_rows(attrs["reduction"].decode(), prologue, epilogue, inputs, int(attrs["axis"]),
                              bool(attrs.get("x_output", 0)), int(attrs.get("groups", 0)),
-                             bool(attrs.get("channels_last", 0)))
+                             attrs.get("x_layout", b"NCHW") == b"NHWC")
 
 
 def group_stats(x: np.ndarray, groups: int, channels_last: bool = False) -> tuple[np.ndarray, np.ndarray]:
