@@ -79,6 +79,11 @@ CASES = [
          channels_last=True, variant=RowsVariant(0, 1, 32, 2, looped=True), mean=-3.0),
     Case("nhwc-fp16-magnitude-1e4-x-output", (1, 64, 9, 9), 32, TEMB, GN_SILU,
          ("full", "batch_channel", "channel", "channel"), dtype="f16", scale=1e4, x_output=True, channels_last=True),
+    Case("nchw-split-3-programs-per-row", (2, 12, 9, 11), 3, TEMB, GN_SILU,
+         ("full", "batch_channel", "channel", "channel"),
+         variant=RowsVariant(0, 1, 64, 4, looped=True, cols=4 * 99, split=3, max_rows=64), scale=10.0, mean=100.0),
+    Case("nhwc-split-4-run-time-cols", (1, 20, 7, 9), 4, TEMB, GN_SILU, ("full", "full", "channel", "channel"),
+         channels_last=True, variant=RowsVariant(0, 1, 32, 2, looped=True, split=4, max_rows=64), mean=-3.0),
     Case("nhwc-bf16-per-image-scalar", (2, 6, 4, 9), 3, PER_IMAGE, GN_SCALAR, ("full", "batch", "scalar", "channel"),
          dtype="bf16", channels_last=True),
 ]
@@ -225,7 +230,12 @@ def test_parameters_and_variants():
     v = rows_variants(spec)  # 4 channels x 42 pixels = 168 columns: single pass, 4 rows per program, then looped
     assert [(x.block_m, x.block_n, x.looped, x.cols) for x in v] == [(4, 256, False, 168), (1, 1024, True, 0)]
     big = dataclasses.replace(spec, n_cols=10 * 64 * 64, channels=320, groups=32)  # SD-UNet: 40960 columns
-    assert [(x.looped, x.cols) for x in rows_variants(big)] == [(True, 40960), (True, 0)]
+    # first 4 programs per row for launches of at most 64 rows (batch 1 and 2), then one per row
+    assert [(x.looped, x.cols, x.split, x.max_rows) for x in rows_variants(big)] == [
+        (True, 40960, 4, 64), (True, 40960, 1, 0), (True, 0, 1, 0)]
+    assert rows_variants(big)[0].meta()["split"] == 4 and "split" not in rows_variants(big)[1].meta()
+    assert rows_variants(big)[0].grid(32) == (128, 1)
+    assert rows_variants(dataclasses.replace(big, x_output=True))[0].split == 1  # x stored once per row
     ks = generate_rows(spec, v[0])
     assert dict(ks.constexprs)["GROUPS"] == 8 and dict(ks.constexprs)["GROUP_CHANNELS"] == 4
     assert "Group norm: 32 channels in 8 groups, x stored NCHW" in ks.source
@@ -237,23 +247,28 @@ def test_rejected_specs():
         generate_rows(dataclasses.replace(spec, channels=30), v)
     with pytest.raises(ValueError, match="input mode 'last'"):
         generate_rows(dataclasses.replace(spec, input_modes=("full", "last", "channel", "channel")), v)
+    with pytest.raises(ValueError, match="splits its rows"):
+        generate_rows(spec, dataclasses.replace(v, split=2))  # a single-pass variant
     ln = dataclasses.replace(spec, reduction="layer_norm", input_modes=("full", "full", "last", "last"))
     with pytest.raises(ValueError, match="group_norm's"):
         generate_rows(ln, v)
 
 
 def test_aot_compile_for_sm90(tmp_path):
-    """Both layouts and both kernels compile for sm_90 with no GPU."""
+    """Both layouts, single pass and looped, and the split kernel (SD-UNet's 40960-column
+    rows) compile for sm_90 with no GPU."""
     pytest.importorskip("triton")
     from onnxfuse.compile import compile_kernels
 
-    specs = [spec_of(0, CASES[0])[0], spec_of(7, CASES[7])[0]]
+    sd = dataclasses.replace(spec_of(0, CASES[0])[0], name="k_gn_sd", n_cols=10 * 64 * 64, channels=320, groups=32)
+    specs = [spec_of(0, CASES[0])[0], spec_of(7, CASES[7])[0], sd]
     out = compile_kernels(specs, [90], cache_dir=tmp_path)
-    assert [ck.kernel_meta()["channels_last"] for ck in out] == [0, 1]
-    for ck in out:
-        meta = ck.kernel_meta()
-        assert len(meta["variants"]) == 2 and len(meta["binaries"]) >= 2
-        assert meta["reduction"] == "group_norm" and meta["groups"] in (8, 32) and meta["channels"] in (32, 64)
+    metas = [ck.kernel_meta() for ck in out]
+    assert [m["channels_last"] for m in metas] == [0, 1, 0]
+    assert [len(m["variants"]) for m in metas] == [2, 2, 3]
+    assert metas[2]["variants"][0]["split"] == 4 and metas[2]["variants"][0]["max_rows"] == 64
+    for m in metas:
+        assert m["reduction"] == "group_norm" and len(m["binaries"]) >= len(m["variants"])
 
 
 if __name__ == "__main__":

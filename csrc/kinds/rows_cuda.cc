@@ -10,6 +10,8 @@
 // group_norm: a row is one (image, group), n_rows = N * groups, n_cols = C / groups * pixels;
 // inputs read per channel, per image and channel or per image need no parameters (C and the
 // groups are compiled in; kernel_meta's "groups", "channels" and "channels_last" say so).
+// A variant with "split": S launches S programs per row (grid ceil(n_rows / block_m) * S),
+// taken only for at most "max_rows" rows.
 #include "cuda_driver.h"
 
 #ifdef ONNXFUSE_WITH_CUDA
@@ -31,6 +33,8 @@ struct RowsTile {
   int64_t block_m = 1, block_n = 1;
   int64_t cols = 0;      // compiled for rows of exactly this many elements; 0: any
   int64_t max_cols = 0;  // rows of at most this many elements; 0: any
+  int64_t split = 1;     // group_norm: programs per row
+  int64_t max_rows = 0;  // launches of at most this many rows; 0: any
 };
 
 const char* reduction_name(Reduction r) {
@@ -86,6 +90,8 @@ struct RowsKernel : cuda::CudaKernel {
     t.block_n = cuda::meta_positive(vj, "block_n", where);
     t.cols = std::max<int64_t>(0, cuda::meta_int(vj, "cols", where, false, 0));
     t.max_cols = std::max<int64_t>(0, cuda::meta_int(vj, "max_cols", where, false, 0));
+    t.split = std::max<int64_t>(1, cuda::meta_int(vj, "split", where, false, 1));
+    t.max_rows = std::max<int64_t>(0, cuda::meta_int(vj, "max_rows", where, false, 0));
     tiles.push_back(t);
   }
 
@@ -186,16 +192,17 @@ struct RowsKernel : cuda::CudaKernel {
         if (modes[i] == RowMode::STRIDED) check_mode(i, t[i].shape, xs, n_cols, &p);
     }
     p.scratch();
-    const int v = choose(tg, ptrs, n_cols);
-    launch(tg, v, (n_rows + tiles[v].block_m - 1) / tiles[v].block_m, 1, p);
+    const int v = choose(tg, ptrs, n_rows, n_cols);
+    launch(tg, v, (n_rows + tiles[v].block_m - 1) / tiles[v].block_m * tiles[v].split, 1, p);
   }
 
-  // The first variant with a binary for this device that takes the row length and whose
-  // requirements (the pointers' alignment) hold.
-  int choose(const Target& tg, const std::vector<const void*>& ptrs, int64_t n_cols) const {
+  // The first variant with a binary for this device that takes the row length (and, a split
+  // variant, the row count) and whose requirements (the pointers' alignment) hold.
+  int choose(const Target& tg, const std::vector<const void*>& ptrs, int64_t n_rows, int64_t n_cols) const {
     for (size_t v = 0; v < tiles.size(); ++v) {
       const RowsTile& tile = tiles[v];
       if ((tile.cols > 0 && tile.cols != n_cols) || (tile.max_cols > 0 && n_cols > tile.max_cols)) continue;
+      if (tile.max_rows > 0 && n_rows > tile.max_rows) continue;
       const int found = find_variant_at(tg, ptrs, v);
       if (found >= 0) return found;
     }
