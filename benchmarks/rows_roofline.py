@@ -1,4 +1,4 @@
-"""Row reductions at BERT-base shapes on the GPU: how close the FusedRows kernels come to
+"""Row reductions at BERT-base shapes (and an SD-UNet GroupNorm) on the GPU: how close the FusedRows kernels come to
 their roofline bound, beside what ONNX Runtime runs for the same nodes.
 
 Workloads (seq 128, hidden 768, 12 heads; batch 1 and 8; fp32 and fp16):
@@ -8,6 +8,10 @@ Workloads (seq 128, hidden 768, 12 heads; batch 1 and 8; fp32 and fp16):
                 (ReduceMean, Sub, Pow, ReduceMean, Add eps, Sqrt, Div, Mul, Add)
 - ``softmax``:  Softmax(scores * 0.125 + mask) over the last axis, scores [B, 12, 128, 128],
                 mask [B, 1, 1, 128]
+- ``group_norm``: SD-UNet's resnet-block norm: SiLU(GroupNorm(x + temb)) over x [B, 320, 64, 64]
+                in 32 groups (rows of 10 * 64 * 64 = 40960 elements: the looped kernel, B * 32
+                programs), temb [B, 320, 1, 1], in the form torch.onnx.export writes nn.GroupNorm
+                (Reshape, InstanceNormalization, Reshape, Mul, Add; then Sigmoid, Mul)
 
 Each model is optimized with `onnxfuse optimize --no-tune --no-leave-to-ort` (the row
 kernels forced, so that they are measured even where ORT's own fusion would keep the
@@ -84,7 +88,29 @@ def softmax(batch: int, dtype: str) -> onnx.ModelProto:
     return _model(nodes, io, [helper.make_tensor_value_info("y", t, shape)], inits, 17)
 
 
-WORKLOADS = {"skip_ln": skip_ln, "ln": ln, "softmax": softmax}
+GN_CHANNELS, GN_GROUPS, GN_SIZE = 320, 32, 64
+
+
+def group_norm(batch: int, dtype: str) -> onnx.ModelProto:
+    t, np_t = DTYPES[dtype]
+    shape = [batch, GN_CHANNELS, GN_SIZE, GN_SIZE]
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((1 + 0.1 * rng.standard_normal((GN_CHANNELS, 1, 1))).astype(np_t), "gamma"),
+             numpy_helper.from_array((0.1 * rng.standard_normal((GN_CHANNELS, 1, 1))).astype(np_t), "beta"),
+             numpy_helper.from_array(np.array([0, GN_GROUPS, -1], np.int64), "split"),
+             numpy_helper.from_array(np.ones(GN_GROUPS, np_t), "ones"),
+             numpy_helper.from_array(np.zeros(GN_GROUPS, np_t), "zeros")]
+    N = helper.make_node
+    nodes = [N("Add", ["x", "temb"], ["h"]), N("Reshape", ["h", "split"], ["r"]),
+             N("InstanceNormalization", ["r", "ones", "zeros"], ["i"], epsilon=1e-5), N("Shape", ["h"], ["hs"]),
+             N("Reshape", ["i", "hs"], ["n0"]), N("Mul", ["n0", "gamma"], ["n1"]), N("Add", ["n1", "beta"], ["n"]),
+             N("Sigmoid", ["n"], ["sg"]), N("Mul", ["n", "sg"], ["y"])]
+    io = [helper.make_tensor_value_info("x", t, shape),
+          helper.make_tensor_value_info("temb", t, [batch, GN_CHANNELS, 1, 1])]
+    return _model(nodes, io, [helper.make_tensor_value_info("y", t, shape)], inits, 17)
+
+
+WORKLOADS = {"skip_ln": skip_ln, "ln": ln, "softmax": softmax, "group_norm": group_norm}
 
 
 def _cli(*args: str) -> str:

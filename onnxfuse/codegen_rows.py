@@ -13,6 +13,10 @@ row the kernel
      squaring, so there is no E[x^2] - E[x]^2 cancellation, and fp16 rows of magnitude 1e4
      (squares 1e8, beyond fp16) are summed in fp32 without overflow;
    - ``rms_norm``: mean(x^2);
+   - ``group_norm``: as layer_norm over one (image, group) of x [N, C, spatial...]: C / G
+     channels by every pixel, contiguous in NCHW, strided in channels-last x (each pixel's
+     C / G channels of the group); the statistics are per row, inputs read per channel
+     (gamma, beta: `GROUP_INPUT_MODES`) through each element's channel;
    - ``softmax`` / ``log_softmax``: the row's max (NaN-propagating), then the sum of
      exp(x - max): x - max is never positive, so exp never overflows;
 3. evaluates the **epilogue** program, whose first inputs are the row values the reduction
@@ -68,13 +72,22 @@ ROW_VALUES: dict[str, tuple[str, ...]] = {
     "rms_norm": ("x", "mean_square"),
     "softmax": ("softmax",),
     "log_softmax": ("log_softmax",),
+    "group_norm": ("x", "mean", "var"),  # per (n, group): over the group's channels and every pixel
 }
 REDUCTIONS = tuple(ROW_VALUES)
 INPUT_MODES = ("full", "last", "scalar", "strided")
+# How a group_norm kernel reads its inputs (docs/format.md, FusedRows "group_norm"): as x,
+# one element, per channel ([C, 1, 1] gamma), per image and channel ([N, C, 1, 1]: a time
+# embedding added before the norm), per image ([N, 1, 1, 1]).
+GROUP_INPUT_MODES = ("full", "scalar", "channel", "batch_channel", "batch")
 INT_TYPE = "i32"
 
 # Rows up to this many columns are read once, into registers (single pass); longer rows loop.
 MAX_SINGLE_PASS = 8192
+# group_norm rows of at least SPLIT_MIN_COLS columns get, first, a variant of SPLIT programs
+# per row for launches of at most SPLIT_MAX_ROWS rows (N * G: batch 1 or 2 at 32 groups; the
+# H200 has 132 SMs). Untuned: chosen for SD-UNet's 40960-column rows, not measured yet.
+SPLIT, SPLIT_MIN_COLS, SPLIT_MAX_ROWS = 4, 16384, 64
 
 
 @dataclass(frozen=True)
@@ -91,6 +104,16 @@ class RowsSpec:
     n_cols: int | None = None  # N, when the optimizer knows it: compiled in
     x_output: bool = False  # the node's last output is x
     source_nodes: tuple[str, ...] = ()
+    # group_norm: x is [N, C, spatial...] (channels_last: stored [N, spatial..., C]); a row
+    # is one (n, group) of C / groups channels by every pixel; C and groups compiled in
+    groups: int = 0
+    channels: int = 0
+    channels_last: bool = False
+
+    @property
+    def group_channels(self) -> int:
+        """group_norm: the channels of one group (C / groups)."""
+        return self.channels // self.groups
 
     @property
     def n_prologue(self) -> int:
@@ -134,6 +157,11 @@ class RowsVariant:
     looped: bool = False
     cols: int = 0
     aligned: bool = False
+    # group_norm, looped: SPLIT programs per row, each computing the row's statistics (the
+    # row read SPLIT times, from L2 after the first) and normalizing its 1/SPLIT of the row;
+    # taken for at most max_rows rows (batch 1: G programs alone would leave most SMs idle)
+    split: int = 1
+    max_rows: int = 0
 
     def requires(self) -> dict[str, int]:
         return {"ptr_align": 16} if self.aligned else {}
@@ -144,13 +172,15 @@ class RowsVariant:
         return self.cols or (0 if self.looped else self.block_n)
 
     def meta(self) -> dict[str, int]:
-        """Its kernel_meta entry besides `requires`: the tile and the row lengths it takes."""
+        """Its kernel_meta entry besides `requires`: the tile and the row lengths it takes
+        (and, split variants only, the programs per row and the most rows it takes)."""
         return {"block_m": self.block_m, "block_n": self.block_n, "looped": int(self.looped), "cols": self.cols,
-                "max_cols": self.max_cols}
+                "max_cols": self.max_cols, **({"split": self.split, "max_rows": self.max_rows} if self.split > 1
+                                              else {})}
 
     def grid(self, n_rows: int) -> tuple[int, int]:
         """The launch grid for `n_rows` rows, as the C++ launcher computes it."""
-        return (-(-n_rows // self.block_m), 1)
+        return (-(-n_rows // self.block_m) * self.split, 1)
 
 
 def next_pow2(n: int) -> int:
@@ -179,6 +209,8 @@ def rows_variants(spec: RowsSpec) -> tuple[RowsVariant, ...]:
         return min(max(elements // 256, 1), 8)
 
     n = spec.n_cols
+    if spec.reduction == "group_norm" and n is not None and n >= SPLIT_MIN_COLS and not spec.x_output:
+        add(block_n=chunk, num_warps=4, looped=True, cols=n, aligned=True, split=SPLIT, max_rows=SPLIT_MAX_ROWS)
     if n is not None and n > 0:
         block_n = next_pow2(n)
         if block_n <= MAX_SINGLE_PASS:
@@ -232,9 +264,15 @@ def _check(spec: RowsSpec, variant: RowsVariant) -> None:
     if len(spec.input_modes) != spec.n_prologue + spec.n_extras:
         raise ValueError(f"{spec.name}: {len(spec.input_modes)} input modes for "
                          f"{spec.n_prologue + spec.n_extras} inputs")
+    modes = GROUP_INPUT_MODES if spec.reduction == "group_norm" else INPUT_MODES
     for m in spec.input_modes:
-        if m not in INPUT_MODES:
-            raise ValueError(f"{spec.name}: input mode {m!r} is not one of {INPUT_MODES}")
+        if m not in modes:
+            raise ValueError(f"{spec.name}: input mode {m!r} is not one of {modes}")
+    if spec.reduction == "group_norm" and (spec.groups <= 0 or spec.channels <= 0 or spec.channels % spec.groups):
+        raise ValueError(f"{spec.name}: group_norm needs C ({spec.channels}) a positive multiple of groups "
+                         f"({spec.groups})")
+    if spec.reduction != "group_norm" and (spec.groups or spec.channels_last):
+        raise ValueError(f"{spec.name}: groups and channels_last are group_norm's")
     if spec.prologue.input_dtypes and "full" not in spec.input_modes[:spec.n_prologue] \
             and "strided" not in spec.input_modes[:spec.n_prologue]:
         raise ValueError(f"{spec.name}: no prologue input has x's shape")
@@ -249,6 +287,8 @@ def _check(spec: RowsSpec, variant: RowsVariant) -> None:
         raise ValueError(f"{spec.name}: variant compiled for {variant.cols} columns, the spec has {spec.n_cols}")
     if variant.looped and variant.block_m != 1:
         raise ValueError(f"{spec.name}: the looped kernel takes one row per program (BLOCK_M 1)")
+    if variant.split > 1 and (not variant.looped or spec.reduction != "group_norm" or spec.x_output):
+        raise ValueError(f"{spec.name}: only a looped group_norm kernel without x_output splits its rows")
 
 
 def generate_rows(spec: RowsSpec, variant: RowsVariant) -> KernelSource:
@@ -262,6 +302,10 @@ def generate_rows(spec: RowsSpec, variant: RowsVariant) -> KernelSource:
     constexprs = [("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n)]
     if variant.cols:
         constexprs.append(("N_COLS", variant.cols))
+    if spec.reduction == "group_norm":
+        constexprs += [("GROUPS", spec.groups), ("GROUP_CHANNELS", spec.group_channels), ("CHANNELS", spec.channels)]
+    if variant.split > 1:
+        constexprs.append(("SPLIT", variant.split))
     source = _module(spec, variant, names, [c for c, _ in constexprs])
     divisible: tuple[int, ...] = tuple(range(len(in_dtypes) + len(out_dtypes))) if variant.aligned else ()
     return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
@@ -284,10 +328,17 @@ MAX_NAN = [
 
 def _module(spec: RowsSpec, variant: RowsVariant, names: list[str], constexprs: list[str]) -> str:
     kind = "looped over BLOCK_N chunks" if variant.looped else "single pass, the row in registers"
+    if variant.split > 1:
+        kind += f", {variant.split} programs per row"
     n = f"{variant.cols} columns" if variant.cols else "N columns given at run time"
     lines = [f"# {spec.name}: generated by onnxfuse.codegen_rows; do not edit.", "#",
              f"# {spec.reduction} over rows of {n} ({kind}); row values for the epilogue: "
-             f"{', '.join(ROW_VALUES[spec.reduction])}.", "#", "# Replaces the ONNX nodes:"]
+             f"{', '.join(ROW_VALUES[spec.reduction])}.", "#"]
+    if spec.reduction == "group_norm":
+        layout = "NHWC (channels last)" if spec.channels_last else "NCHW"
+        lines += [f"# Group norm: {spec.channels} channels in {spec.groups} groups, x stored {layout}; a row is one",
+                  "# (image, group): GROUP_CHANNELS channels by every pixel.", "#"]
+    lines += ["# Replaces the ONNX nodes:"]
     lines += [f"#   {_comment_text(s)}" for s in spec.source_nodes] or ["#   (none listed)"]
     lines += ["#", "# Prologue (inputs: the node's first inputs; output: x):"]
     lines += [f"#   {ln}" for ln in spec.prologue.to_text().splitlines()]
@@ -318,6 +369,8 @@ def _n_float(variant: RowsVariant) -> str:
 def _row_setup(spec: RowsSpec, variant: RowsVariant) -> list[str]:
     """Program id -> the tile's rows, their 64-bit start offsets, and (strided inputs) each
     row's offset in every strided input: the row index unravelled once per row."""
+    if spec.reduction == "group_norm":
+        return _group_row_setup(spec, variant)
     out = ["pid = tl.program_id(axis=0)",
            "rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)",
            "row_mask = rows < n_rows",
@@ -338,7 +391,46 @@ def _row_setup(spec: RowsSpec, variant: RowsVariant) -> list[str]:
     return out
 
 
-def _col_setup(variant: RowsVariant, start: str | None) -> list[str]:
+def _group_row_setup(spec: RowsSpec, variant: RowsVariant) -> list[str]:
+    """group_norm: row = n * GROUPS + g; the row's first element, 64-bit. NCHW: a group's
+    channels are contiguous planes, so the row is n_cols contiguous elements; NHWC: it starts
+    at channel g * GROUP_CHANNELS of image n's first pixel."""
+    out = ["pid = tl.program_id(axis=0)"]
+    if variant.split > 1:
+        out += ["part = pid % SPLIT  # this program's share of the row in pass 2", "pid = pid // SPLIT"]
+    out += ["rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)",
+            "row_mask = rows < n_rows",
+            "batch = rows // GROUPS",
+           "group = rows % GROUPS",
+           f"hw = {_n(variant)} // GROUP_CHANNELS  # pixels per image"]
+    if spec.channels_last:
+        out.append(f"row_start = batch.to(tl.int64) * {_n(variant)} * GROUPS + group * GROUP_CHANNELS"
+                   "  # n * HW * C + g * C/G")
+    else:
+        out.append(f"row_start = rows.to(tl.int64) * {_n(variant)}  # the group's planes, contiguous")
+    return out
+
+
+def _group_col_setup(spec: RowsSpec, variant: RowsVariant, start: str | None) -> list[str]:
+    """group_norm: column j of a row -> its element's offset and its channel (`chan`).
+    NCHW: j = channel-in-group * HW + pixel; NHWC: j = pixel * (C / G) + channel-in-group."""
+    cols = "tl.arange(0, BLOCK_N)" if start is None else f"{start} + tl.arange(0, BLOCK_N)"
+    out = [f"cols = {cols}",
+           f"col_mask = cols < {_n(variant)}",
+           "mask = row_mask[:, None] & col_mask[None, :]"]
+    if spec.channels_last:
+        out += ["pix = cols // GROUP_CHANNELS",
+                "chan = group[:, None] * GROUP_CHANNELS + (cols % GROUP_CHANNELS)[None, :]",
+                "offsets = row_start[:, None] + (pix.to(tl.int64) * CHANNELS + cols % GROUP_CHANNELS)[None, :]"]
+    else:
+        out += ["chan = group[:, None] * GROUP_CHANNELS + (cols // hw)[None, :]",
+                "offsets = row_start[:, None] + cols[None, :]"]
+    return out
+
+
+def _col_setup(variant: RowsVariant, start: str | None, spec: RowsSpec | None = None) -> list[str]:
+    if spec is not None and spec.reduction == "group_norm":
+        return _group_col_setup(spec, variant, start)
     cols = "tl.arange(0, BLOCK_N)" if start is None else f"{start} + tl.arange(0, BLOCK_N)"
     return [f"cols = {cols}",
             f"col_mask = cols < {_n(variant)}",
@@ -353,6 +445,12 @@ def _load(ptr: str, mode: str, dtype: str) -> str:
         load = f"tl.load({ptr}_ptr + cols[None, :], mask=col_mask[None, :], other=0)"
     elif mode == "scalar":
         load = f"tl.load({ptr}_ptr)"
+    elif mode == "channel":
+        load = f"tl.load({ptr}_ptr + chan, mask=mask, other=0)"
+    elif mode == "batch_channel":
+        load = f"tl.load({ptr}_ptr + (batch[:, None] * CHANNELS + chan), mask=mask, other=0)"
+    elif mode == "batch":
+        load = f"tl.load({ptr}_ptr + batch, mask=row_mask, other=0)[:, None]"
     else:
         load = (f"tl.load({ptr}_ptr + ({ptr}_row[:, None] + cols[None, :] * stride_{ptr}_col), "
                 "mask=mask, other=0)")
@@ -432,9 +530,9 @@ def _epilogue(spec: RowsSpec, row_values: list[str]) -> list[str]:
 
 def _single_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
     nf = _n_float(variant)
-    out = _row_setup(spec, variant) + _col_setup(variant, None) + _prologue(spec) + _store_x(spec)
+    out = _row_setup(spec, variant) + _col_setup(variant, None, spec) + _prologue(spec) + _store_x(spec)
     red = spec.reduction
-    if red == "layer_norm":
+    if red in ("layer_norm", "group_norm"):
         out += ["# Row statistics in fp32, two passes over the registers: the mean, then the mean of",
                 "# the squared deviations from it (no E[x^2] - E[x]^2: no cancellation, no fp16 overflow).",
                 "x = tl.where(mask, x, 0.0)",
@@ -467,8 +565,8 @@ def _looped_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
     red = spec.reduction
     out = _row_setup(spec, variant)
     loop = f"for start in range(0, {n}, BLOCK_N):"
-    first = _col_setup(variant, "start") + _prologue(spec) + _store_x(spec)
-    if red == "layer_norm":
+    first = _col_setup(variant, "start", spec) + _prologue(spec) + _store_x(spec)
+    if red in ("layer_norm", "group_norm"):
         out += ["# Pass 1: mean and variance, chunk by chunk: each chunk's mean and sum of squared",
                 "# deviations (in registers), merged into the running ones (Chan et al.'s pairwise update):",
                 "# deviations from a mean throughout, no E[x^2] - E[x]^2.",
@@ -518,7 +616,12 @@ def _looped_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
         else:
             second = ["y = (x - row_max[:, None]) - libdevice.log(denom)[:, None]"]
         values = ["y"]
-    out += ["# Pass 2: the prologue again, then the epilogue, chunk by chunk.", loop]
-    step = _col_setup(variant, "start") + _prologue(spec) + second + _epilogue(spec, values)
+    if variant.split > 1:
+        out += ["# Pass 2, this program's share: SPLIT spans of whole chunks.",
+                f"span = tl.cdiv(tl.cdiv({n}, SPLIT), BLOCK_N) * BLOCK_N",
+                f"for start in range(part * span, tl.minimum({n}, part * span + span), BLOCK_N):"]
+    else:
+        out += ["# Pass 2: the prologue again, then the epilogue, chunk by chunk.", loop]
+    step = _col_setup(variant, "start", spec) + _prologue(spec) + second + _epilogue(spec, values)
     out += ["    " + s for s in step]
     return out

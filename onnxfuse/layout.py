@@ -20,6 +20,9 @@ channels-last X a row of contiguous channels at a time):
   Concat with the conv output (YOLO's SPPF) run channels-last with no Transpose. A pool reads
   its X as the one channels-last-capable input; its prologue's extra inputs stay NCHW (a
   component that one of them is in stays NCHW). Such pools get `x_layout` and `y_layout` NHWC.
+- A FusedRows GroupNorm whose x is its only input of x's shape (the others per channel or
+  image: gamma, beta, a time embedding) and y its only output is laid out as a pool (its
+  kind's `node_layouts`): SD-UNet's conv -> GroupNorm + SiLU -> conv stays channels-last.
 - Layout-free nodes join their tensors into one component too (`_layout_free_inputs`):
   elementwise ops and PointwiseChain nodes (every input that is not a constant scalar),
   GlobalAveragePool of known C, H, W (rewritten as a MatMul by a row of 1/(H·W)) and
@@ -184,7 +187,7 @@ def plan(model: ModelProto | ir.Model, fused: list, shapes: dict[str, tuple[tupl
     g = m.source.graph
     # the fused nodes that take layouts (their kinds' NodeLayouts): "convs" turn X, Y and
     # each extra channels-last on their own, "pools" X and Y together (y_follows_x)
-    laid = {f.node_name: (f, KINDS[f.kind].layouts) for f in fused if KINDS[f.kind].layouts is not None}
+    laid = {f.node_name: (f, how) for f in fused if (how := KINDS[f.kind].node_layouts(f)) is not None}
     convs = {name: f for name, (f, how) in laid.items() if not how.y_follows_x}
     pools = {name: f for name, (f, how) in laid.items() if how.y_follows_x}
     how_of = {name: how for name, (_, how) in laid.items()}
@@ -322,7 +325,7 @@ def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, c
     splices keep the node list topological (a replacement takes the replaced node's place,
     a boundary Transpose goes right before its first reader), and the order stays as the
     later steps (TF32 rounding, tuning) and the tests know it."""
-    if not any(KINDS[f.kind].layouts is not None for f in fused):
+    if not any(KINDS[f.kind].node_layouts(f) is not None for f in fused):
         return list(fused)  # nothing takes a layout (and no import of a large graph for nothing)
     g = model.graph
     shapes = _shapes(g, tensors)
@@ -355,7 +358,7 @@ def apply_layouts(model: ModelProto, fused: list, tensors: dict | None = None, c
         name = f.kernel_name + suffix
         old = functions[key]
         renamed.add(key)
-        how = KINDS[f.kind].layouts
+        how = KINDS[f.kind].node_layouts(f)
         if name not in new_functions:
             new_functions[name] = _layout_function(old, name, x, y, extras, how, w)
         for attr in ("x_layout", "y_layout", "extra_layouts", "w_layout"):

@@ -265,9 +265,56 @@ def infer_shapes(model: ModelProto) -> ModelProto:
             _make_placeholder(t)
     _name_unknown_dims(light.graph)
     try:
-        return onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
+        out = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
+        if _fill_inference_gaps(out.graph):
+            out = onnx.shape_inference.infer_shapes(out, strict_mode=False, data_prop=True)
+        return out
     except Exception:  # inference is best effort: unknown shapes only block fusion
         return light
+
+
+def _fill_inference_gaps(g: onnx.GraphProto) -> bool:
+    """Give Reshape(t, Shape(s)) the shape of s where inference left it unknown (onnx 1.23
+    does not propagate it: torch's GroupNorm export reshapes back so), and GroupNormalization's
+    output its input's type; True if any changed."""
+    infos = {vi.name: vi for vi in [*g.input, *g.value_info, *g.output]}
+    producer = {o: n for n in g.node for o in n.output}
+
+    def shape(name: str):
+        vi = infos.get(name)
+        if vi is None or not vi.type.tensor_type.HasField("shape"):
+            return None
+        return vi.type.tensor_type.shape
+
+    changed = False
+    for n in g.node:
+        if n.op_type == "GroupNormalization" and n.domain in ("", "ai.onnx") and n.input[0] in infos \
+                and n.output[0] not in infos:
+            # onnx 1.23 infers nothing for opset 18's GroupNormalization (deprecated): y is x's shape
+            vi = onnx.ValueInfoProto()
+            vi.CopyFrom(infos[n.input[0]])
+            vi.name = n.output[0]
+            g.value_info.append(vi)
+            infos[vi.name] = vi
+            changed = True
+            continue
+        if n.op_type != "Reshape" or n.domain not in ("", "ai.onnx") or len(n.input) < 2 or shape(n.output[0]):
+            continue
+        p = producer.get(n.input[1])
+        if p is None or p.op_type != "Shape" or any(a.name in ("start", "end") for a in p.attribute):
+            continue
+        src, data = shape(p.input[0]), infos.get(n.input[0])
+        if src is None or data is None or not data.type.tensor_type.elem_type:
+            continue
+        vi = onnx.helper.make_tensor_value_info(n.output[0], data.type.tensor_type.elem_type, None)
+        vi.type.tensor_type.shape.CopyFrom(src)
+        if n.output[0] in infos:
+            infos[n.output[0]].type.CopyFrom(vi.type)
+        else:
+            g.value_info.append(vi)
+            infos[n.output[0]] = vi
+        changed = True
+    return changed
 
 
 # Prefix of the names `infer_shapes` gives to graph-input dims that have neither a size nor

@@ -163,6 +163,44 @@ def _mbconv_se(c: int, e: int, size: int) -> onnx.ModelProto:
     return mbconv_se(c, e, size)
 
 
+def _group_norm(dtype: int, shape: list, groups: int, form: str) -> onnx.ModelProto:
+    """A GroupNorm with a time-embedding add before it and SiLU after it: `form` "torch"
+    (Reshape -> InstanceNormalization -> Reshape(Shape(x)) -> Mul -> Add, as torch exports
+    nn.GroupNorm) or "op" (GroupNormalization, opset 21)."""
+    c = shape[1]
+    rng = np.random.default_rng(17)
+    np_dt = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16}[dtype]
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np_dt), n)
+             for n, s in (("gamma", (c, 1, 1) if form == "torch" else (c,)), ("beta", (c, 1, 1) if form == "torch"
+                                                                                 else (c,)))]
+    nodes = [N("Add", ["x", "t"], ["h"])]
+    if form == "torch":
+        inits += [numpy_helper.from_array(np.array([0, groups, -1], np.int64), "split"),
+                  numpy_helper.from_array(np.ones(groups, np_dt), "ones"),
+                  numpy_helper.from_array(np.zeros(groups, np_dt), "zeros")]
+        nodes += [N("Reshape", ["h", "split"], ["r"]), N("InstanceNormalization", ["r", "ones", "zeros"], ["i"]),
+                  N("Shape", ["h"], ["hs"]), N("Reshape", ["i", "hs"], ["n0"]), N("Mul", ["n0", "gamma"], ["n1"]),
+                  N("Add", ["n1", "beta"], ["n"])]
+    else:
+        nodes.append(N("GroupNormalization", ["h", "gamma", "beta"], ["n"], num_groups=groups))
+    nodes += [N("Sigmoid", ["n"], ["sg"]), N("Mul", ["n", "sg"], ["y"])]
+    inputs = [helper.make_tensor_value_info("x", dtype, shape),
+              helper.make_tensor_value_info("t", dtype, [shape[0], c, 1, 1])]
+    g = helper.make_graph(nodes, f"group_norm_{form}", inputs, [helper.make_tensor_value_info("y", dtype, shape)],
+                          inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21 if form == "op" else 17)])
+    m.ir_version = 10
+    return m
+
+
+def _group_norm_between_convs() -> onnx.ModelProto:
+    """conv -> Relu -> GroupNorm -> SiLU -> conv -> Relu: the NHWC pass lays the GroupNorm out
+    channels-last (tests/test_rows_groupnorm.py)."""
+    from tests.test_rows_groupnorm import _convs_around_group_norm
+
+    return _convs_around_group_norm()
+
+
 def _pretrained(name: str) -> Callable[[], onnx.ModelProto]:
     def load() -> onnx.ModelProto:
         from models import pretrained
@@ -229,6 +267,16 @@ CASES: dict[str, tuple] = {
     "small_m_mbconv_7_ieee": (lambda: _mbconv_se(32, 192, 7), "nhwc", "ieee", {}),
     "small_m_mbconv_7_tf32x3": (lambda: _mbconv_se(32, 192, 7), "nhwc", "tf32x3", {}),
     "small_m_mbconv_7_fp16": (lambda: lay.to_fp16(_mbconv_se(32, 192, 7)), "nhwc", "tf32", {}),
+    # GroupNorm (rows kind, reduction group_norm): SD-UNet's 40960-column rows (looped), fp16
+    # with a dynamic batch (compiled for the row length), and a dynamic image size (the
+    # single-pass variants by row length, then looped)
+    "group_norm_torch_sd_looped": (lambda: _group_norm(TensorProto.FLOAT, [1, 320, 64, 64], 32, "torch"), "nchw",
+                                   "tf32", {}),
+    "group_norm_op_fp16": (lambda: _group_norm(TensorProto.FLOAT16, ["N", 64, 16, 16], 32, "op"), "nchw", "tf32",
+                           {}),
+    "group_norm_op_dynamic_size": (lambda: _group_norm(TensorProto.FLOAT, ["N", 32, "H", "W"], 8, "op"), "nhwc",
+                                   "tf32", {}),
+    "group_norm_between_convs_nhwc": (_group_norm_between_convs, "nhwc", "tf32", {}),
     "yolov8n_320": (_pretrained("yolov8n_320"), "nhwc", "tf32", {}),
     "ppocr_det": (_pretrained("ppocr_det"), "nhwc", "tf32", {}),
     "ppocr_det_nchw": (_pretrained("ppocr_det"), "nchw", "tf32", {}),

@@ -7,6 +7,11 @@
 // its stride along the row (1, or 0 when it is the same for the whole row); the two scratch
 // pointers. Grid: ceil(n_rows / block_m) programs. A variant takes rows of exactly `cols`
 // elements, or at most `max_cols` (0: any); rows are addressed in 64 bits in the kernel.
+// group_norm: a row is one (image, group), n_rows = N * groups, n_cols = C / groups * pixels;
+// inputs read per channel, per image and channel or per image need no parameters (C and the
+// groups are compiled in; kernel_meta's "groups", "channels" and "channels_last" say so).
+// A variant with "split": S launches S programs per row (grid ceil(n_rows / block_m) * S),
+// taken only for at most "max_rows" rows.
 #include "cuda_driver.h"
 
 #ifdef ONNXFUSE_WITH_CUDA
@@ -21,13 +26,15 @@ using cuda::Target;
 using cuda::Variant;
 using cuda::thread_params;
 
-enum class RowMode { FULL, LAST, SCALAR, STRIDED };
+enum class RowMode { FULL, LAST, SCALAR, STRIDED, CHANNEL, BATCH_CHANNEL, BATCH };
 
 // A variant's tile and the row lengths it takes (its kernel_meta keys besides "requires").
 struct RowsTile {
   int64_t block_m = 1, block_n = 1;
   int64_t cols = 0;      // compiled for rows of exactly this many elements; 0: any
   int64_t max_cols = 0;  // rows of at most this many elements; 0: any
+  int64_t split = 1;     // group_norm: programs per row
+  int64_t max_rows = 0;  // launches of at most this many rows; 0: any
 };
 
 const char* reduction_name(Reduction r) {
@@ -36,6 +43,7 @@ const char* reduction_name(Reduction r) {
     case Reduction::RMS_NORM: return "rms_norm";
     case Reduction::SOFTMAX: return "softmax";
     case Reduction::LOG_SOFTMAX: return "log_softmax";
+    case Reduction::GROUP_NORM: return "group_norm";
   }
   return "?";
 }
@@ -47,6 +55,7 @@ struct RowsKernel : cuda::CudaKernel {
   bool any_strided = false;
   std::string meta_reduction;
   int64_t meta_axis = -1, meta_n_prologue = -1, meta_n_extras = -1, meta_x_output = -1;
+  int64_t meta_groups = 0, meta_channels = 0, meta_channels_last = 0;  // group_norm
   std::vector<RowsTile> tiles;  // per variant
 
   const char* kind() const override { return "rows"; }
@@ -59,12 +68,18 @@ struct RowsKernel : cuda::CudaKernel {
     meta_n_prologue = cuda::meta_int(j, "n_prologue", "kernel_meta");
     meta_n_extras = cuda::meta_int(j, "n_extras", "kernel_meta");
     meta_x_output = cuda::meta_int(j, "x_output", "kernel_meta", false, 0);
+    meta_groups = cuda::meta_int(j, "groups", "kernel_meta", false, 0);
+    meta_channels = cuda::meta_int(j, "channels", "kernel_meta", false, 0);
+    meta_channels_last = cuda::meta_int(j, "channels_last", "kernel_meta", false, 0);
     for (const Json& m : cuda::meta_array(j, "input_modes", "kernel_meta").arr) {
       if (m.kind != Json::STRING) throw Error("kernel_meta: input_modes must be strings");
       if (m.str == "full") modes.push_back(RowMode::FULL);
       else if (m.str == "last") modes.push_back(RowMode::LAST);
       else if (m.str == "scalar") modes.push_back(RowMode::SCALAR);
       else if (m.str == "strided") modes.push_back(RowMode::STRIDED), any_strided = true;
+      else if (m.str == "channel") modes.push_back(RowMode::CHANNEL);
+      else if (m.str == "batch_channel") modes.push_back(RowMode::BATCH_CHANNEL);
+      else if (m.str == "batch") modes.push_back(RowMode::BATCH);
       else throw Error("kernel_meta: unknown input mode \"" + m.str + "\"");
     }
   }
@@ -75,6 +90,8 @@ struct RowsKernel : cuda::CudaKernel {
     t.block_n = cuda::meta_positive(vj, "block_n", where);
     t.cols = std::max<int64_t>(0, cuda::meta_int(vj, "cols", where, false, 0));
     t.max_cols = std::max<int64_t>(0, cuda::meta_int(vj, "max_cols", where, false, 0));
+    t.split = std::max<int64_t>(1, cuda::meta_int(vj, "split", where, false, 1));
+    t.max_rows = std::max<int64_t>(0, cuda::meta_int(vj, "max_rows", where, false, 0));
     tiles.push_back(t);
   }
 
@@ -84,14 +101,15 @@ struct RowsKernel : cuda::CudaKernel {
     if (meta_reduction != reduction_name(a.reduction) || meta_axis != a.axis ||
         meta_n_prologue != static_cast<int64_t>(a.n_prologue()) ||
         meta_n_extras != static_cast<int64_t>(a.n_extras()) || (meta_x_output != 0) != a.x_output ||
-        modes.size() != a.n_inputs())
+        modes.size() != a.n_inputs() || meta_groups != a.groups || (meta_channels_last != 0) != a.channels_last)
       meta_error = "kernel_meta (" + meta_reduction + ", axis " + std::to_string(meta_axis) + ", n_prologue " +
                    std::to_string(meta_n_prologue) + ", n_extras " + std::to_string(meta_n_extras) + ", x_output " +
                    std::to_string(meta_x_output) + ", " + std::to_string(modes.size()) +
                    " input_modes) does not describe this node (" + reduction_name(a.reduction) + ", axis " +
                    std::to_string(a.axis) + ", " + std::to_string(a.n_prologue()) + " prologue and " +
                    std::to_string(a.n_extras()) + " epilogue inputs, x_output " + std::to_string(a.x_output ? 1 : 0) +
-                   ")";
+                   ", groups " + std::to_string(a.groups) + " (kernel_meta " + std::to_string(meta_groups) +
+                   "), channels_last " + std::to_string(a.channels_last ? 1 : 0) + ")";
   }
 
   // Row offsets are 64-bit in the kernel: tensors are not limited to 2^31 elements (each int
@@ -110,6 +128,15 @@ struct RowsKernel : cuda::CudaKernel {
       case RowMode::SCALAR:
         if (numel(s) != 1) throw Error(what + "in mode 'scalar', which needs one element");
         return;
+      case RowMode::CHANNEL:
+      case RowMode::BATCH_CHANNEL:
+      case RowMode::BATCH: {  // group_norm: [C], [N, C] or [N] values, as their NCHW shapes say
+        const int64_t want = modes[i] == RowMode::CHANNEL ? meta_channels
+                             : modes[i] == RowMode::BATCH ? xs[0] : xs[0] * meta_channels;
+        if (numel(s) != want)
+          throw Error(what + "per channel / image (" + std::to_string(want) + " elements) for x " + shape_str(xs));
+        return;
+      }
       case RowMode::LAST:
         if (numel(s) != n_cols)
           throw Error(what + "in mode 'last', which needs the shape of x's normalized dims " + shape_str(norm));
@@ -142,8 +169,12 @@ struct RowsKernel : cuda::CudaKernel {
     const std::vector<TensorRef> out = rows_outputs(a, ctx, xs, /*f32_for_half=*/false);
     const int64_t total = numel(xs);
     if (total == 0) return;
-    int64_t n_rows = 1;
-    for (int64_t d = 0; d < a.axis; ++d) n_rows *= xs[d];
+    const bool group = a.reduction == Reduction::GROUP_NORM;
+    if (group && (a.channels_last ? xs.back() : xs[1]) != meta_channels)
+      throw Error("x has shape " + shape_str(xs) + ", the kernel was compiled for " + std::to_string(meta_channels) +
+                  " channels");
+    int64_t n_rows = group ? xs[0] * a.groups : 1;  // group_norm: one row per (image, group)
+    for (int64_t d = 0; !group && d < a.axis; ++d) n_rows *= xs[d];
     const int64_t n_cols = total / n_rows;
     for (size_t i = 0; i < t.size(); ++i) check_mode(i, t[i].shape, xs, n_cols, nullptr);
     const Target tg = target(ctx);
@@ -161,16 +192,17 @@ struct RowsKernel : cuda::CudaKernel {
         if (modes[i] == RowMode::STRIDED) check_mode(i, t[i].shape, xs, n_cols, &p);
     }
     p.scratch();
-    const int v = choose(tg, ptrs, n_cols);
-    launch(tg, v, (n_rows + tiles[v].block_m - 1) / tiles[v].block_m, 1, p);
+    const int v = choose(tg, ptrs, n_rows, n_cols);
+    launch(tg, v, (n_rows + tiles[v].block_m - 1) / tiles[v].block_m * tiles[v].split, 1, p);
   }
 
-  // The first variant with a binary for this device that takes the row length and whose
-  // requirements (the pointers' alignment) hold.
-  int choose(const Target& tg, const std::vector<const void*>& ptrs, int64_t n_cols) const {
+  // The first variant with a binary for this device that takes the row length (and, a split
+  // variant, the row count) and whose requirements (the pointers' alignment) hold.
+  int choose(const Target& tg, const std::vector<const void*>& ptrs, int64_t n_rows, int64_t n_cols) const {
     for (size_t v = 0; v < tiles.size(); ++v) {
       const RowsTile& tile = tiles[v];
       if ((tile.cols > 0 && tile.cols != n_cols) || (tile.max_cols > 0 && n_cols > tile.max_cols)) continue;
+      if (tile.max_rows > 0 && n_rows > tile.max_rows) continue;
       const int found = find_variant_at(tg, ptrs, v);
       if (found >= 0) return found;
     }

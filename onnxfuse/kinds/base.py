@@ -314,6 +314,11 @@ class Kind(ABC):
 
     # ---- the NHWC pass (onnxfuse.layout) -----------------------------------------------
 
+    def node_layouts(self, f: FusedNode) -> NodeLayouts | None:
+        """How node f takes part in the NHWC pass: the kind's `layouts` (a kind whose nodes
+        differ, FusedRows' group norms, says per node)."""
+        return self.layouts
+
     def transposes_x(self, f: FusedNode, weight_dims: dict) -> bool:
         """With `layouts`: the node reads an NCHW X through a Transpose to channels-last
         (which the pass puts before its first reader) rather than as it is."""

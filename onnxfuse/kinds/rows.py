@@ -16,6 +16,12 @@ A match has three parts (docs/format.md, FusedRows):
     declined (`NOT_IN_FUNCTIONS`);
   - ``softmax`` / ``log_softmax``: the op, over the last axis (opset >= 13), or over the
     trailing dims from `axis` on (opset < 13 flattens them: its coerced 2-D semantics);
+  - ``group_norm``: torch.onnx.export's nn.GroupNorm (Reshape(x, [0, G, -1]) ->
+    InstanceNormalization -> Reshape(Shape(x)); its gamma and beta are epilogue nodes) or
+    the GroupNormalization op (opset 18's scale per group, 21's per channel); x is
+    [N, C, spatial...] and a row one (image, group). Not recognized: the decomposed form
+    over Reshape(x, [N, G, -1]) (ReduceMean...): it fuses as a LayerNorm of the reshaped
+    tensor, and what follows the Reshape back (gamma, beta, SiLU) as a separate group;
 - the **prologue**: the pointwise nodes that compute x (a residual add, a bias add, a scale
   and an attention mask before a softmax, a Cast to float32), each of x's shape, read only
   inside the match (x itself may be read outside: the node then stores it too);
@@ -37,6 +43,7 @@ its nodes, and the report's notes say so. Nodes ONNX Runtime takes into other fu
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -49,10 +56,20 @@ from onnxfuse.codegen_rows import REDUCTIONS, ROW_VALUES, RowsSpec, RowsVariant,
 from onnxfuse.expr import Builder, Operand, Program, evaluate
 from onnxfuse.graph import GraphView, Shape, same_shape
 from onnxfuse.groups import Accepted, reentering
-from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
+from onnxfuse.kinds.base import (
+    META_VERSION,
+    Fields,
+    FusedNode,
+    Kind,
+    Lowering,
+    Match,
+    MatchResult,
+    NodeLayouts,
+    Pattern,
+)
 from onnxfuse.match import DTYPE_IDS, broadcasts_to, check_node, dtype_reason, operands
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
-from onnxfuse.rewrite import ir_dtype, lower_nodes
+from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 MS_DOMAIN = "com.microsoft"
@@ -106,6 +123,18 @@ class Core:
     prelude: Callable[[Builder, dict[str, Operand]], None] | None = None
     exposable: frozenset[str] = frozenset()  # core tensors that may be read outside (the op's output)
     constants: tuple[str, ...] = ()  # constants the core's nodes read (axes, the exponent 2)
+    # group_norm: the number of groups (x is [N, C, spatial...], axis 1); op inputs read in a
+    # mode their own shape does not say (GroupNormalization's scale: "channel"); constant
+    # scales and biases the node reads as a [C, 1, ...] copy (opset 18's [G] repeated per
+    # channel, opset 21's [C] reshaped)
+    groups: int = 0
+    op_modes: tuple[tuple[str, str], ...] = ()
+    expand: tuple[str, ...] = ()
+    # the decomposed group norm: the shape of x reshaped to [N, G, L] (its epilogue begins
+    # there, per-row values [N, G, 1]), and the Reshape back to x's shape, a core node, as
+    # (its input, its output): the same elements in the same order, one value in the kernel
+    inner_shape: Shape | None = None
+    bridges: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,6 +175,7 @@ REDUCTION_ANCHORS = {
     "rms_norm": frozenset({"ReduceMean", "SimplifiedLayerNormalization", "RMSNormalization"}),
     "softmax": frozenset({"Softmax"}),
     "log_softmax": frozenset({"LogSoftmax"}),
+    "group_norm": frozenset({"InstanceNormalization", "GroupNormalization", "ReduceMean"}),
 }
 
 
@@ -295,6 +325,9 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
     if n.op_type == "ReduceMean" and n.domain in DEFAULT_DOMAINS:
         parts = _layer_norm_parts(view, i)
         if parts is not None:
+            group = _decomposed_group_norm(view, i, parts, pattern)
+            if group is not None:  # a GroupNorm's (the group_norm pattern's, not a LayerNorm of the groups)
+                return group if "group_norm" in m.reductions else None
             return _decomposed_layer_norm(view, i, parts, pattern) if "layer_norm" in m.reductions else None
         if _variance_of(view, i):
             return None
@@ -310,6 +343,10 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
         return NOT_IN_FUNCTIONS
     if n.op_type == "RMSNormalization" and n.domain in DEFAULT_DOMAINS and "rms_norm" in m.reductions:
         return _layer_norm_op(view, i, pattern, rms=True)
+    if n.op_type == "GroupNormalization" and n.domain in DEFAULT_DOMAINS and "group_norm" in m.reductions:
+        return _group_norm_op(view, i, pattern)
+    if n.op_type == "InstanceNormalization" and n.domain in DEFAULT_DOMAINS and "group_norm" in m.reductions:
+        return _instance_group_norm(view, i, pattern)
     if n.op_type in ("Softmax", "LogSoftmax") and n.domain in DEFAULT_DOMAINS:
         reduction = "softmax" if n.op_type == "Softmax" else "log_softmax"
         return _softmax_op(view, i, pattern, reduction) if reduction in m.reductions else None
@@ -405,6 +442,239 @@ def _layer_norm_op(view: GraphView, i: int, pattern: Pattern, rms: bool = False)
                 frozenset({y}))
 
 
+def _uniform(view: GraphView, name: str) -> float | None:
+    """The value of a float constant whose elements are all equal (torch's ones and zeros)."""
+    t = view.constants.get(name)
+    if t is None:
+        return None
+    a = numpy_helper.to_array(t)
+    if a.size == 0 or a.dtype.kind != "f":
+        return None
+    v = a.reshape(-1)[0]
+    return float(v) if np.all(a == v) else None
+
+
+def _group_norm_core(view: GraphView, x: str, y: str, groups: int, eps: float, affine: tuple[str, str],
+                     per_group: bool, nodes: tuple[int, ...], pattern: Pattern) -> Core | str:
+    """A GroupNorm of x ([N, C, spatial...]) in `groups` groups whose output is y (x's shape):
+    y = (x - mean) / sqrt(var + eps) * scale + bias, statistics per (n, group); scale and
+    bias per group (`per_group`: GroupNormalization-18, InstanceNormalization's) or per
+    channel (GroupNormalization-21), "" when absent."""
+    shape = _check_x(view, x, pattern)
+    if isinstance(shape, str):
+        return shape
+    if len(shape) < 2:
+        return "x of rank below 2 (no channel dim)"
+    c = shape[1]
+    if not isinstance(c, int):
+        return "the channel count is not known"
+    if groups <= 0 or c % groups:
+        return f"{c} channels do not split into {groups} groups"
+    lits: dict[str, float] = {}
+    op_inputs: list[str] = []
+    op_modes: list[tuple[str, str]] = []
+    expand: list[str] = []
+    for name in affine:
+        if not name:
+            continue
+        v = _uniform(view, name)
+        if v is not None:
+            lits[name] = v
+            continue
+        size = int(np.prod(view.shapes.get(name) or (0,)))
+        want = groups if per_group else c
+        if view.shapes.get(name) is None or size != want:
+            return f"scale or bias {name!r} has {size} elements, expected {want}"
+        if any(r not in nodes for r in view.consumers.get(name, ())):
+            return f"its per-group scale or bias {name!r} is read elsewhere too"
+        if len(shape) > 2:  # a [G] or [C] vector does not broadcast to [N, C, spatial...]: the node reads a copy
+            if name not in view.constants:
+                return ("a per-group scale or bias (GroupNormalization before opset 21) that is not a constant"
+                        if per_group and groups != c else
+                        "a per-channel scale or bias of shape [C] that is not a constant")
+            expand.append(name)
+        elif per_group and groups != c:
+            return "a per-group scale or bias (GroupNormalization before opset 21) that is not a constant"
+        op_inputs.append(name)
+        op_modes.append((name, "channel"))
+    stats = (f"{y}\0mean", f"{y}\0var")
+    scale, bias = affine
+
+    def prelude(b: Builder, env: dict[str, Operand]) -> None:
+        inv = b.emit("div", 1.0, b.emit("sqrt", b.emit("add", env[stats[1]], eps)))
+        v = b.emit("mul", b.emit("sub", env[x], env[stats[0]]), inv)
+        if scale and lits.get(scale) != 1.0:
+            v = b.emit("mul", v, lits[scale] if scale in lits else env[scale])
+        if bias and lits.get(bias) != 0.0:
+            v = b.emit("add", v, lits[bias] if bias in lits else env[bias])
+        env[y] = v
+
+    # constants as Constant nodes of the body: the reshape shapes, the folded ones, the
+    # expanded ones (not a per-channel gamma, a node input)
+    constants = tuple(sorted({t for t in _constants_of(view, nodes) if t not in op_inputs} | set(expand)))
+    return Core("group_norm", nodes, x, 1, (y,), (x, *stats), tuple(op_inputs), prelude, frozenset({y}),
+                constants, groups, tuple(op_modes), tuple(expand))
+
+
+def _group_norm_op(view: GraphView, i: int, pattern: Pattern) -> Core | str:
+    """GroupNormalization: opset 18's scale and bias have one value per group (as its
+    function body computes them, and ONNX Runtime runs it), opset 21's one per channel."""
+    n = view.nodes[i]
+    if any(_used(view, o) for o in n.output[1:]):
+        return EXTRA_OUTPUTS
+    attrs = node_attrs(n)
+    if "num_groups" not in attrs:
+        return "GroupNormalization without num_groups"
+    affine = (n.input[1] if len(n.input) > 1 else "", n.input[2] if len(n.input) > 2 else "")
+    per_group = (view.opset or 21) < 21
+    return _group_norm_core(view, n.input[0], n.output[0], int(attrs["num_groups"]),
+                            float(attrs.get("epsilon", 1e-5)), affine, per_group, (i,), pattern)
+
+
+def _reshape_target(view: GraphView, i: int) -> list[int] | None:
+    """Reshape node i's shape input when it is a constant, else None."""
+    n = view.nodes[i]
+    if n.op_type != "Reshape" or n.domain not in DEFAULT_DOMAINS or len(n.input) < 2:
+        return None
+    t = view.constants.get(n.input[1])
+    return None if t is None else [int(d) for d in numpy_helper.to_array(t).reshape(-1)]
+
+
+def _reshape_back(view: GraphView, n: int, x: str) -> bool:
+    """Node n is Reshape(t, Shape(x)) or Reshape(t, x's static shape) (its Shape node read by it alone)."""
+    node = view.nodes[n]
+    if node.op_type != "Reshape" or node.domain not in DEFAULT_DOMAINS or len(node.input) < 2:
+        return False
+    sh = view.producer.get(node.input[1])
+    if sh is None:
+        return _reshape_target(view, n) == list(view.shapes.get(x) or ())
+    s = view.nodes[sh]
+    return (s.op_type == "Shape" and s.input[0] == x and node_attrs(s).get("start", 0) == 0
+            and "end" not in node_attrs(s) and _single_reader(view, node.input[1]) == n)
+
+
+def _group_split(view: GraphView, r: str) -> tuple[int, str, int] | None:
+    """(the Reshape node, x, G) when tensor r is Reshape(x, [0 or N, G, -1 or L]) of an x of rank >= 3."""
+    p = view.producer.get(r)
+    target = _reshape_target(view, p) if p is not None else None
+    if target is None or len(target) != 3:
+        return None
+    x = view.nodes[p].input[0]
+    xs = view.shapes.get(x)
+    if xs is None or len(xs) < 3 or target[1] <= 0:
+        return None
+    trail = xs[1:]
+    size = int(np.prod(trail)) // target[1] if all(isinstance(d, int) for d in trail) else None
+    if target[0] not in (0, xs[0]) or target[2] not in (-1, size):
+        return None
+    return p, x, target[1]
+
+
+def _decomposed_group_norm(view: GraphView, r1: int, parts: tuple[int, int, int], pattern: Pattern
+                           ) -> Core | str | None:
+    """The ReduceMean form of a GroupNorm (tf2onnx and hand-written exports): a decomposed
+    LayerNorm (`_layer_norm_parts`) of r = Reshape(x, [0, G, -1]) whose normalized result,
+    through pointwise nodes over [N, G, L] or [N, G, 1], reaches one Reshape back to x's
+    shape; None when it is not one (a LayerNorm of something else)."""
+    _, square, r2 = parts
+    r = view.nodes[r1].input[0]
+    split = _group_split(view, r)
+    if split is None:
+        return None
+    p, x, groups = split
+    inner = view.shapes.get(r)
+    if inner is None:
+        return None
+    m: RowsParams = pattern.match
+    # the Reshape back: reached from the statistics through pointwise nodes of the groups' shapes
+    seen: set[str] = set()
+    work = [view.nodes[r1].output[0], view.nodes[r2].output[0], r]
+    backs: set[int] = set()
+    while work:
+        t = work.pop()
+        if t in seen:
+            continue
+        seen.add(t)
+        for c in view.consumers.get(t, ()):
+            n = view.nodes[c]
+            if c in (r1, r2, square):
+                continue
+            if _reshape_back(view, c, x):
+                backs.add(c)
+            elif n.op_type in m.ops and n.domain in DEFAULT_DOMAINS and len(n.output) == 1 and (
+                    same_shape(view.shapes.get(n.output[0]), inner)
+                    or same_shape(view.shapes.get(n.output[0]), (*inner[:2], 1))):
+                work.append(n.output[0])
+    if len(backs) != 1:
+        return None
+    (back,) = backs
+    core = _decomposed_layer_norm(view, r1, parts, pattern)
+    if isinstance(core, str):
+        return core
+    if core.axis != 2:
+        return NOT_LAST
+    shape = _check_x(view, x, pattern)
+    if isinstance(shape, str):
+        return shape
+    c = shape[1]
+    if not isinstance(c, int) or c % groups:
+        return f"{c} channels do not split into {groups} groups"
+    nodes = {p, *core.nodes, back}
+    sh = view.producer.get(view.nodes[back].input[1])
+    if sh is not None:
+        nodes.add(sh)
+    nodes_t = tuple(sorted(nodes))
+    src, dst = view.nodes[back].input[0], view.nodes[back].output[0]
+    return Core("group_norm", nodes_t, x, 1, core.seeds, (r, *core.row_values[1:]), exposable=frozenset({dst}),
+                constants=_constants_of(view, nodes_t), groups=groups, inner_shape=tuple(inner),
+                bridges=((src, dst),))
+
+
+GN_RESHAPE = "InstanceNormalization not of x reshaped to [N, groups, -1] and back (a GroupNorm as torch exports it)"
+
+
+def _instance_group_norm(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
+    """torch.onnx.export's nn.GroupNorm (opsets 13 to 21): Reshape(x, [0, G, -1]) ->
+    InstanceNormalization(ones[G], zeros[G]) -> Reshape(to Shape(x) or x's constant shape);
+    its gamma and beta, a Mul and an Add of [C, 1, 1], are epilogue nodes. An
+    InstanceNormalization of anything else is not a GroupNorm: None (not reported: the
+    rows kind does not fuse instance norms)."""
+    n = view.nodes[i]
+    r1 = view.producer.get(n.input[0])
+    if r1 is None or _single_reader(view, n.input[0]) != i:
+        return None
+    x = view.nodes[r1].input[0]
+    x_shape = view.shapes.get(x)
+    target = _reshape_target(view, r1)
+    if target is None or x_shape is None or len(x_shape) < 2 or len(target) != 3:
+        return None
+    groups = target[1]
+    trail = x_shape[1:]
+    size = int(np.prod(trail)) // groups if groups > 0 and all(isinstance(d, int) for d in trail) else None
+    if target[0] not in (0, x_shape[0]) or target[2] not in (-1, size) or groups <= 0:
+        return None
+    r2 = _single_reader(view, n.output[0])
+    if r2 is None or view.nodes[r2].op_type != "Reshape" or view.nodes[r2].domain not in DEFAULT_DOMAINS:
+        return None
+    y = view.nodes[r2].output[0]
+    if not same_shape(view.shapes.get(y), x_shape):
+        return GN_RESHAPE
+    nodes = [r1, i, r2]
+    back = view.nodes[r2].input[1]
+    sh = view.producer.get(back)
+    if sh is not None:  # Shape(x), read by this Reshape only
+        s = view.nodes[sh]
+        if (s.op_type != "Shape" or s.input[0] != x or node_attrs(s).get("start", 0) != 0 or "end" in node_attrs(s)
+                or _single_reader(view, back) != r2):
+            return GN_RESHAPE
+        nodes.append(sh)
+    elif _reshape_target(view, r2) != list(x_shape):
+        return GN_RESHAPE
+    affine = (n.input[1], n.input[2])
+    eps = float(node_attrs(n).get("epsilon", 1e-5))
+    return _group_norm_core(view, x, y, groups, eps, affine, True, tuple(sorted(nodes)), pattern)
+
+
 def _softmax_op(view: GraphView, i: int, pattern: Pattern, reduction: str) -> Core | str:
     """Softmax / LogSoftmax: from opset 13 over one axis, which must be the last; before 13
     over the dims from `axis` on, flattened (the coerced 2-D semantics): rows of the same
@@ -449,6 +719,45 @@ def input_mode(view: GraphView, name: str, x_shape: Shape, axis: int) -> str | N
     return "last" if spans and all(d == 1 for d in lead) else "strided"
 
 
+def group_input_mode(view: GraphView, name: str, x_shape: Shape) -> str | None:
+    """How a group_norm kernel reads tensor `name` against x's shape [N, C, spatial...]
+    (codegen_rows.GROUP_INPUT_MODES), or None: anything that varies along the spatial dims
+    without being x's shape."""
+    shape = view.shapes.get(name)
+    if shape is None:
+        return None
+    if same_shape(shape, x_shape):
+        return "full"
+    if all(d == 1 for d in shape):
+        return "scalar"
+    if not broadcasts_to(shape, x_shape):
+        return None
+    aligned = (1,) * (len(x_shape) - len(shape)) + tuple(shape)
+    if any(d != 1 for d in aligned[2:]):
+        return None
+    per_image, per_channel = aligned[0] != 1, aligned[1] != 1
+    return "batch_channel" if per_image and per_channel else "channel" if per_channel else "batch"
+
+
+def x_shaped(view: GraphView, core: Core, name: str, x_shape: Shape) -> bool:
+    """Tensor `name` (an epilogue node's output) has x's shape. For a group norm also when its
+    symbolic dims are named apart from x's (a graph output of torch's dynamic export: the
+    node's operands broadcast to x, so its output is x's shape whatever the name)."""
+    shape = view.shapes.get(name)
+    if same_shape(shape, x_shape):
+        return True
+    if not core.groups or shape is None or len(shape) != len(x_shape):
+        return False
+    return all(d == t or (isinstance(d, str) and isinstance(t, str)) for d, t in zip(shape, x_shape, strict=True))
+
+
+def core_input_mode(view: GraphView, core: Core, name: str, x_shape: Shape) -> str | None:
+    """How the core's kernel reads tensor `name` (the op's own inputs as the core says)."""
+    if core.reduction == "group_norm":
+        return dict(core.op_modes).get(name) or group_input_mode(view, name, x_shape)
+    return input_mode(view, name, x_shape, core.axis)
+
+
 @dataclass
 class _Growth:
     view: GraphView
@@ -472,7 +781,10 @@ class _Growth:
         return check_node(v, i, self.pattern) is None
 
     def mode(self, name: str) -> str | None:
-        return input_mode(self.view, name, self.x_shape, self.core.axis)
+        return core_input_mode(self.view, self.core, name, self.x_shape)
+
+    def x_shaped(self, name: str) -> bool:
+        return x_shaped(self.view, self.core, name, self.x_shape)
 
     def grow_epilogue(self) -> None:
         """Every pointwise node reachable from the core's seeds whose operands are the
@@ -488,12 +800,17 @@ class _Growth:
                 if c in self.epilogue or not self.candidate(c):
                     continue
                 out = v.nodes[c].output[0]
-                if not (same_shape(v.shapes.get(out), self.x_shape) or same_shape(v.shapes.get(out), self.row_shape)):
+                if not (self.x_shaped(out) or same_shape(v.shapes.get(out), self.row_shape)
+                        or same_shape(v.shapes.get(out), core.inner_shape)):
                     continue
                 if all(name in readable or self.mode(name) is not None for _, name in operands(v, c)):
                     self.epilogue.add(c)
                     readable.add(out)
                     work.append(out)
+                    for src, dst in core.bridges:  # through the Reshape back to x's shape
+                        if src == out:
+                            readable.add(dst)
+                            work.append(dst)
 
     def grow_prologue(self) -> None:
         """The pointwise nodes of x's shape that compute x (through their producers), minus
@@ -577,9 +894,14 @@ def _anchor_nodes(view: GraphView, i: int) -> tuple[int, ...]:
 def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accepted: Accepted,
            reserved: dict[int, str]) -> Match | str:
     x_shape = view.shapes[core.x]
-    row_shape = tuple(x_shape[:core.axis]) + (1,) * (len(x_shape) - core.axis)
+    # (a group norm's statistics have no shape of x's rank: no epilogue node is per row, but in
+    # the decomposed form's [N, G, L] part, per [N, G, 1])
+    if core.groups:
+        row_shape = (*core.inner_shape[:2], 1) if core.inner_shape else x_shape
+    else:
+        row_shape = tuple(x_shape[:core.axis]) + (1,) * (len(x_shape) - core.axis)
     for name in core.op_inputs:
-        if input_mode(view, name, x_shape, core.axis) is None:
+        if core_input_mode(view, core, name, x_shape) is None:
             return NOT_BROADCAST
     ort = reserved
     own = next((ort[c] for c in core.nodes if c in ort), None)
@@ -608,7 +930,7 @@ def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accep
                 x_output = True  # (grow_prologue leaves only x readable outside)
             elif i in core.nodes and o not in core.exposable:
                 return STAT_OUTSIDE
-            elif not same_shape(view.shapes.get(o), x_shape):
+            elif not x_shaped(view, core, o, x_shape):
                 return STAT_OUTSIDE
             else:
                 outputs.append(o)
@@ -641,9 +963,13 @@ class RowsInfo:
     axis: int
     n_cols: int | None
     x_output: bool
+    groups: int = 0  # group_norm: the groups, x's channels and rank
+    channels: int = 0
+    x_rank: int = 0
 
 
-def lower_rows(view: GraphView, m: Match) -> Lowering:
+def lower_rows(view: GraphView, m: Match, names: set[str] | None = None, graph: GraphProto | None = None
+               ) -> Lowering:
     """The FusedRows node of a match (docs/format.md): inputs the prologue's, then the
     epilogue's extras; attribute `program` the epilogue; the body every node of the match."""
     parts: RowsParts = m.params
@@ -654,25 +980,68 @@ def lower_rows(view: GraphView, m: Match) -> Lowering:
     fixed = [(name, "f32") for name in core.row_values]
     fixed += [(name, ir_dtype(view, name)) for name in core.op_inputs]
     epi_outputs = m.outputs[:-1] if parts.x_output else m.outputs
-    epilogue, e_inputs, folded2 = lower_nodes(view, parts.epilogue, epi_outputs, fixed, core.prelude,
+    epi_view = view
+    if core.bridges:  # the epilogue reads the Reshape back's input where the graph reads its output
+        back = {dst: src for src, dst in core.bridges}
+        epi_view = dataclasses.replace(view, nodes=list(view.nodes))
+        for i in parts.epilogue:
+            n = NodeProto()
+            n.CopyFrom(view.nodes[i])
+            for k, name in enumerate(n.input):
+                n.input[k] = back.get(name, name)
+            epi_view.nodes[i] = n
+        epi_outputs = tuple(back.get(o, o) for o in epi_outputs)
+    epilogue, e_inputs, folded2 = lower_nodes(epi_view, parts.epilogue, epi_outputs, fixed, core.prelude,
                                               set(core.seeds), store_pass_through=False)
     extras = e_inputs[len(core.row_values):]
     folded = {**folded, **folded2, **dict.fromkeys(core.constants)}
     inputs = [*p_inputs, *extras]
-    modes = tuple(input_mode(view, name, x_shape, core.axis) for name in inputs)
+    modes = tuple(core_input_mode(view, core, name, x_shape) for name in inputs)
     trail = x_shape[core.axis:]
     n_cols = int(np.prod(trail, dtype=np.int64)) if all(isinstance(d, int) for d in trail) else None
-    info = RowsInfo(core.reduction, prologue, core.axis, n_cols, parts.x_output)
+    channels = 0
+    if core.groups:
+        channels = int(x_shape[1])
+        n_cols = n_cols // core.groups if n_cols is not None else None
+        inputs = _expand_per_group(view, core, inputs, channels, names, graph)
+    info = RowsInfo(core.reduction, prologue, core.axis, n_cols, parts.x_output, core.groups, channels, len(x_shape))
     attrs = {"prologue": prologue.to_text(), "reduction": core.reduction, "axis": core.axis,
              "x_output": int(parts.x_output)}
+    if core.groups:
+        attrs["groups"] = core.groups
     key = f"rows {prologue.to_text()} N={n_cols} modes={','.join(modes)}"  # besides the programs and the body
     return Lowering(epilogue, folded, inputs, [view.nodes[i] for i in m.nodes], attrs, key, core.axis, modes,
                     {"params": info})
 
 
+def _expand_per_group(view: GraphView, core: Core, inputs: list[str], channels: int, names: set[str] | None,
+                      graph: GraphProto | None) -> list[str]:
+    """The node's inputs with each constant GroupNormalization scale or bias replaced by a new
+    initializer of one value per channel, [C, 1, ...] (a [G] one repeated per channel of its
+    group); the function body still reads the original (a Constant node: `core.constants`)."""
+    if not core.expand:
+        return inputs
+    if graph is None or names is None:
+        raise ValueError("a GroupNormalization scale or bias needs the graph to add its per-channel copy to")
+    out = list(inputs)
+    rank = len(view.shapes[core.x])
+    for name in core.expand:
+        a = numpy_helper.to_array(view.constants[name]).reshape(-1)
+        a = np.repeat(a, channels // a.size).reshape((channels,) + (1,) * (rank - 2))
+        new = unique_name(f"{name}.per_channel", names)
+        graph.initializer.append(numpy_helper.from_array(a, new))
+        out = [new if t == name else t for t in out]
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # The kind
 # ---------------------------------------------------------------------------------------
+
+# A GroupNorm node with one input of x's shape (input 0) and one output turns channels-last
+# in the NHWC pass as a pool does: X and Y together, its other inputs as they are.
+GROUP_NORM_LAYOUTS = NodeLayouts(y_follows_x=True)
+
 
 class Rows(Kind):
     """A match is a normalization or softmax over the trailing dims of its input x (its
@@ -704,12 +1073,21 @@ class Rows(Kind):
         return match_rows(view, pattern, taken, accepted, reserved)
 
     def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
-        return lower_rows(view, match)
+        return lower_rows(view, match, names, graph)
+
+    def node_layouts(self, f: FusedNode) -> NodeLayouts | None:
+        """A GroupNorm whose only input of x's shape is input 0 (x, 4-D) and that has one output
+        takes the NHWC pass's layouts as a pool (X and Y together); other nodes do not."""
+        r: RowsInfo = f.params
+        if r.reduction != "group_norm" or r.x_output or len(f.outputs) != 1 or r.x_rank != 4:
+            return None
+        modes = f.input_modes
+        return GROUP_NORM_LAYOUTS if modes[:1] == ("full",) and "full" not in modes[1:] else None
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> RowsSpec:
         r: RowsInfo = f.params
         return RowsSpec(f.kernel_name, r.reduction, r.prologue, f.program, f.input_modes, r.axis, r.n_cols,
-                        r.x_output, f.source_nodes)
+                        r.x_output, f.source_nodes, r.groups, r.channels, f.x_layout == "nhwc")
 
     def variants(self, spec: RowsSpec) -> tuple[RowsVariant, ...]:
         return rows_variants(spec)
@@ -724,6 +1102,8 @@ class Rows(Kind):
             "input_modes": list(spec.input_modes), "x_output": int(spec.x_output),
             "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
             "binaries": binaries,
+            **({"groups": spec.groups, "channels": spec.channels, "channels_last": int(spec.channels_last)}
+               if spec.reduction == "group_norm" else {}),
         }
 
     def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
@@ -732,13 +1112,44 @@ class Rows(Kind):
         prologue = Program.from_text(attrs["prologue"].decode())
         epilogue = Program.from_text(attrs["program"].decode())
         return evaluate_rows(attrs["reduction"].decode(), prologue, epilogue, inputs, int(attrs["axis"]),
-                             bool(attrs.get("x_output", 0)))
+                             bool(attrs.get("x_output", 0)), int(attrs.get("groups", 0)),
+                             attrs.get("x_layout", b"NCHW") == b"NHWC")
 
 
-def row_values(reduction: str, x: np.ndarray, axis: int) -> list[np.ndarray]:
+def group_stats(x: np.ndarray, groups: int, channels_last: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and biased variance (of x - mean) per (image, group) in float64, one value per
+    channel: [N, C, 1, ...] for x [N, C, spatial...], [N, 1, ..., C] for channels-last x
+    [N, spatial..., C]."""
+    x64 = x.astype(np.float64)
+    n = x.shape[0]
+    c = x.shape[-1] if channels_last else x.shape[1]
+    g = x64.reshape(n, -1, groups, c // groups) if channels_last else x64.reshape(n, groups, -1)
+    axes = (1, 3) if channels_last else (2,)
+    with np.errstate(all="ignore"):
+        mean = g.mean(axis=axes, keepdims=True)
+        var = ((g - mean) ** 2).mean(axis=axes, keepdims=True)
+    keep = [1] * x.ndim
+    keep[0] = n
+    keep[-1 if channels_last else 1] = c
+    per_channel = [np.repeat(s.reshape(n, groups), c // groups, axis=1).reshape(keep) for s in (mean, var)]
+    return per_channel[0], per_channel[1]
+
+
+def to_channels_last(a: np.ndarray, rank: int) -> np.ndarray:
+    """A tensor that broadcasts to [N, C, spatial...] (rank `rank`), with its channel dim
+    moved last: how it broadcasts to channels-last x."""
+    a = a.reshape((1,) * (rank - a.ndim) + a.shape)
+    return np.moveaxis(a, 1, -1)
+
+
+def row_values(reduction: str, x: np.ndarray, axis: int, groups: int = 0,
+               channels_last: bool = False) -> list[np.ndarray]:
     """The values a reduction gives the epilogue (codegen_rows.ROW_VALUES), as float32 arrays
     that broadcast to x: x itself, then per-row statistics (computed in float64) with the
-    normalized dims kept as 1; or the softmax."""
+    normalized dims kept as 1 (group_norm: one value per channel); or the softmax."""
+    if reduction == "group_norm":
+        mean, var = group_stats(x, groups, channels_last)
+        return [x.astype(np.float32), mean.astype(np.float32), var.astype(np.float32)]
     trail = tuple(range(axis, x.ndim))
     x64 = x.astype(np.float64)
     with np.errstate(all="ignore"):
@@ -757,11 +1168,16 @@ def row_values(reduction: str, x: np.ndarray, axis: int) -> list[np.ndarray]:
 
 
 def evaluate_rows(reduction: str, prologue: Program, epilogue: Program, inputs: list[np.ndarray], axis: int,
-                  x_output: bool = False) -> list[np.ndarray]:
-    """A FusedRows node's outputs for `inputs` (the prologue's, then the epilogue's extras)."""
+                  x_output: bool = False, groups: int = 0, channels_last: bool = False) -> list[np.ndarray]:
+    """A FusedRows node's outputs for `inputs` (the prologue's, then the epilogue's extras).
+    channels_last (group_norm): x and the inputs of its shape are stored [N, spatial..., C],
+    the other inputs have their NCHW shapes (docs/format.md)."""
     p = len(prologue.input_dtypes)
+    if channels_last:
+        full = max((a.shape for a in inputs[:p]), key=lambda sh: int(np.prod(sh)))  # x's, stored NHWC
+        inputs = [a if a.shape == full else to_channels_last(a, len(full)) for a in inputs]
     (x,) = evaluate(prologue, inputs[:p])
-    values = row_values(reduction, x, axis)
+    values = row_values(reduction, x, axis, groups, channels_last)
     outs = [np.broadcast_to(o, x.shape).copy() for o in evaluate(epilogue, [*values, *inputs[p:]])]
     return outs + ([x] if x_output else [])
 
