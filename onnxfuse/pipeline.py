@@ -309,20 +309,22 @@ def infer_shapes_pass(result: Result, options: Options) -> Result:
 
 def choose_layout_pass(result: Result, options: Options) -> Result:
     """The patterns for the layout (`options.layout`, decided by `build_options`: "nhwc" when
-    kernels are compiled): NHWC_ONLY_PATTERNS only for "nhwc". The layout itself is applied
-    to the fused nodes in the compile pass (`onnxfuse.layout`), whose plan depends on which
-    convs stay fused (declined, failed, or left to ONNX Runtime by tuning)."""
+    kernels are compiled): NHWC_ONLY_PATTERNS only for "nhwc". Without tuning, not the patterns
+    of kinds whose nodes are fused only where measured (`Kind.untuned_reason`: the gemm kind).
+    The layout itself is applied to the fused nodes in the compile pass (`onnxfuse.layout`),
+    whose plan depends on which convs stay fused (declined, failed, or left to ONNX Runtime by
+    tuning)."""
     if options.patterns is not None:
         result.patterns = list(options.patterns)
     else:
         result.patterns = for_layout(select_patterns(load_patterns(options.pattern_dirs), options.exclude),
                                      options.layout)
-        if options.tune is None:  # kinds fused only where measured (the gemm kind): not matched
-            for p in result.patterns:
-                reason = p.kind.untuned_reason()
-                if reason is not None:
-                    result.untuned[reason] = result.untuned.get(reason, frozenset()) | p.kind.anchor_ops
-            result.patterns = [p for p in result.patterns if p.kind.untuned_reason() is None]
+    if options.tune is None:  # kinds fused only where measured (the gemm kind): not matched
+        for p in result.patterns:
+            reason = p.kind.untuned_reason()
+            if reason is not None:
+                result.untuned[reason] = result.untuned.get(reason, frozenset()) | p.kind.anchor_ops
+        result.patterns = [p for p in result.patterns if p.kind.untuned_reason() is None]
     return result
 
 

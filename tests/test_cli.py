@@ -64,7 +64,7 @@ def test_patterns_command(tmp_path):
     assert r.returncode == 0
     names = [line.split()[0] for line in r.stdout.splitlines()]
     assert names == ["conv_relu_maxpool", "conv_relu", "conv_grouped", "relu_maxpool", "maxpool", "conv_alone",
-                     "layer_norm", "rms_norm", "softmax", "pointwise_chain"]  # by priority
+                     "layer_norm", "rms_norm", "softmax", "gemm_epilogue", "pointwise_chain"]  # by priority
 
 
 def bad(tmp_path: Path, *args: str) -> str:
