@@ -292,3 +292,25 @@ def test_pattern_parameters():
     assert (p.min_nodes, p.dynamic_b) == (0, True) and {"MatMul", "Gemm", "Relu"} <= p.fused_ops
     with pytest.raises(PatternError, match="min_nodes"):
         kind.parse(Fields({"min_nodes": -1}, "x.yaml", "match."), frozenset(), frozenset({"float32"}))
+
+
+def test_tuned_pipeline_matches_the_gemm_kind_and_never_keeps_it_unmeasured(tmp_path, monkeypatch):
+    """With tuning on (as on a GPU), the gemm patterns are matched and compiled; when the tuning
+    itself fails, the GEMM nodes go back to ONNX Runtime (the heuristics never keep one)."""
+    pytest.importorskip("triton")
+    from onnxfuse import tune as tuning
+    from onnxfuse.pipeline import build_options
+
+    monkeypatch.delenv("ONNXFUSE_GEMM_ALL", raising=False)
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    options = dataclasses.replace(build_options(target="sm_90", layout="nchw", tune="off"),
+                                  tune=tuning.TuneSettings(budget_s=1.0))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no GPU in this test")
+
+    monkeypatch.setattr(tuning, "tune", fail)
+    with pytest.warns(Warning, match="not tuned"):
+        r = optimize_model(ffn1(s=5, k=32, n=48), options=options)
+    assert not gemm_fused(r) and "MatMul" in op_types(r.model) and "Transpose" not in op_types(r.model)
+    assert r.report.not_fused.get(gk.UNTUNED) == 7, r.report.summary()
