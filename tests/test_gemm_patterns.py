@@ -314,3 +314,51 @@ def test_tuned_pipeline_matches_the_gemm_kind_and_never_keeps_it_unmeasured(tmp_
         r = optimize_model(ffn1(s=5, k=32, n=48), options=options)
     assert not gemm_fused(r) and "MatMul" in op_types(r.model) and "Transpose" not in op_types(r.model)
     assert r.report.not_fused.get(gk.UNTUNED) == 7, r.report.summary()
+
+
+def _torch_export(module, args, **kw):
+    import io
+
+    import onnx
+
+    torch = pytest.importorskip("torch")
+    f = io.BytesIO()
+    # (with grad enabled: torch's encoder layer then exports its ops, not its fused fast path)
+    torch.onnx.export(module.eval(), args, f, opset_version=17, dynamo=False, input_names=["x"], output_names=["y"],
+                      **kw)
+    return onnx.load_from_string(f.getvalue())
+
+
+def test_torch_exported_mlp():
+    """torch's Linear -> GELU -> Linear (+ the input: a residual) as torch.onnx.export writes it:
+    two GemmEpilogue nodes (bias + erf-GELU; bias + residual), nothing left over."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1, self.fc2 = torch.nn.Linear(32, 64), torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            return x + self.fc2(torch.nn.functional.gelu(self.fc1(x)))
+
+    m = _torch_export(Mlp(), (torch.randn(2, 7, 32),), dynamic_axes={"x": {0: "batch"}})
+    r = check_fusion(m, expect_fused=2, patterns=PATTERNS)
+    assert op_types(r.model) == ["GemmEpilogue", "GemmEpilogue"], r.report.summary()
+    assert [f.input_modes for f in r.fused] == [("full", "row"), ("full", "row", "full")]
+
+
+def test_torch_encoder_layer():
+    """torch's TransformerEncoderLayer (GELU, post-norm): each FFN1 fuses with its bias and GELU;
+    attention's products of two activations stay with cuBLAS, and no fusion of ONNX Runtime's is
+    split; the optimized model computes what the original does."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, activation="gelu", batch_first=True)
+    m = _torch_export(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), (torch.randn(2, 16, 64),))
+    r = check_fusion(m, patterns=PATTERNS)
+    ffn1 = [f for f in r.fused if f.kind == "gemm" and any(s.startswith("Erf") for s in f.source_nodes)]
+    assert len(ffn1) == 2, r.report.summary()
+    assert r.report.not_fused.get(gk.DYNAMIC_B) == 4  # QK^T and PV of both layers
+    assert not [k for k in r.report.not_fused if "would split" in k], r.report.summary()

@@ -250,16 +250,20 @@ def _candidate_taken(view: GraphView, taken: set[int], reserved: dict[int, str])
     return taken | {j for j, r in reserved.items() if not any(r.endswith(f"{f} fusion") for f in PRODUCT_FUSIONS)}
 
 
-def _split_fusion(view: GraphView, members: set[int], reserved: dict[int, str]) -> str | None:
+def _split_fusion(view: GraphView, members: set[int], reserved: dict[int, str], ops: frozenset[str]) -> str | None:
     """The ONNX Runtime fusion a group of these members would split (a node of it inside, a
-    neighbour of the same fusion outside), or None."""
+    neighbour of the same fusion outside), or None. Only neighbours of the op types a product's
+    fusion is made of (`ops`) count: `ort_fusions` also attributes to a fusion the shape
+    arithmetic that ONNX Runtime folds away beside it (Shape, Slice, Concat on the bias add's
+    output), which no fusion holds."""
     for i in members:
         r = reserved.get(i)
         if r is None:
             continue
         n = view.nodes[i]
         near = [view.producer.get(x) for x in n.input if x] + [c for o in n.output for c in view.consumers.get(o, ())]
-        if any(j is not None and j not in members and reserved.get(j) == r for j in near):
+        if any(j is not None and j not in members and reserved.get(j) == r and view.nodes[j].op_type in ops
+               for j in near):
             return r
     return None
 
@@ -287,7 +291,7 @@ def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accept
     nodes = sorted(epilogue | anchor_group)
     if reentering(view, nodes, accepted):
         return CYCLE
-    split = _split_fusion(view, set(nodes), reserved)
+    split = _split_fusion(view, set(nodes), reserved, m.fused_ops)
     if split is not None:
         return split_reason(split.removeprefix("left to ONNX Runtime's ").removesuffix(" fusion"))
     if view.types.get(result) not in FLOAT_TYPES:
