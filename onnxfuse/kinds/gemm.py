@@ -59,7 +59,8 @@ PRODUCT_FUSIONS = ("MatMul + Add into Gemm", "FusedMatMul", "BiasGelu", "Gelu", 
 UNTUNED = ("MatMul / Gemm: fused only where --tune or the tune pass measures the fused node faster than "
            "cuBLAS with ONNX Runtime's own fusions (not tuned: no GPU, or --no-tune)")
 NO_EPILOGUE = "MatMul / Gemm without a fusible epilogue (cuBLAS runs it alone)"
-DYNAMIC_B = "both operands are activations (attention's products): left to cuBLAS (pattern dynamic_b: false)"
+DYNAMIC_B = ("B is not a constant (a product of two activations, as attention's): left to cuBLAS "
+             "(pattern dynamic_b: false)")
 OUTPUT_ELSEWHERE = "MatMul / Gemm output is also read elsewhere"
 PARTIAL_BATCH = "batch dims broadcast partially (only equal batch dims or a 2-D operand are fused)"
 LOW_RANK = "a 1-D operand"
