@@ -23,6 +23,7 @@ from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
 from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
+from onnxfuse.kinds import KINDS
 from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem
 from onnxfuse.match import MatchResult, find_matches
 from onnxfuse.ort_fusions import ort_fusions
@@ -200,6 +201,9 @@ class Result:
     shapes: dict[str, tuple] = field(default_factory=dict)
     # - choose layout: the patterns the match pass applies
     patterns: list[Pattern] = field(default_factory=list)
+    # - choose layout: patterns left out because no tuning will time their nodes
+    #   (Kind.untuned_reason): reason -> the op types their matches start from
+    untuned: dict[str, frozenset[str]] = field(default_factory=dict)
     # - match: what each pattern fuses, and why other nodes do not
     found: MatchResult | None = None
     # - compile, when the tune pass follows: the result as the rewrite left it, from which
@@ -305,14 +309,22 @@ def infer_shapes_pass(result: Result, options: Options) -> Result:
 
 def choose_layout_pass(result: Result, options: Options) -> Result:
     """The patterns for the layout (`options.layout`, decided by `build_options`: "nhwc" when
-    kernels are compiled): NHWC_ONLY_PATTERNS only for "nhwc". The layout itself is applied
-    to the fused nodes in the compile pass (`onnxfuse.layout`), whose plan depends on which
-    convs stay fused (declined, failed, or left to ONNX Runtime by tuning)."""
+    kernels are compiled): NHWC_ONLY_PATTERNS only for "nhwc". Without tuning, not the patterns
+    of kinds whose nodes are fused only where measured (`Kind.untuned_reason`: the gemm kind).
+    The layout itself is applied to the fused nodes in the compile pass (`onnxfuse.layout`),
+    whose plan depends on which convs stay fused (declined, failed, or left to ONNX Runtime by
+    tuning)."""
     if options.patterns is not None:
         result.patterns = list(options.patterns)
     else:
         result.patterns = for_layout(select_patterns(load_patterns(options.pattern_dirs), options.exclude),
                                      options.layout)
+    if options.tune is None:  # kinds fused only where measured (the gemm kind): not matched
+        for p in result.patterns:
+            reason = p.kind.untuned_reason()
+            if reason is not None:
+                result.untuned[reason] = result.untuned.get(reason, frozenset()) | p.kind.anchor_ops
+        result.patterns = [p for p in result.patterns if p.kind.untuned_reason() is None]
     return result
 
 
@@ -331,6 +343,12 @@ def match_pass(result: Result, options: Options) -> Result:
         not_fused = dict(result.found.rejected)
         for reason, count in _not_visited(result.model, result.patterns).items():
             not_fused[reason] = not_fused.get(reason, 0) + count
+        matched = {i for m in result.found.matches for i in m.nodes}
+        for reason, ops in result.untuned.items():
+            count = sum(1 for i, n in enumerate(result.model.graph.node)
+                        if i not in matched and n.op_type in ops and n.domain in ("", "ai.onnx"))
+            if count:
+                not_fused[reason] = not_fused.get(reason, 0) + count
         result.report.not_fused = not_fused
     return result
 
@@ -409,6 +427,11 @@ def tune_pass(result: Result, options: Options) -> Result:
         if options.tune.explicit:
             raise OnnxfuseError(f"--tune: {why}") from None
         result.warn(f"not tuned: {why}")
+        # nodes of kinds fused only where measured (Kind.untuned_reason) go back to ONNX Runtime
+        for f in list(result.fused):
+            reason = KINDS[f.kind].untuned_reason()
+            if reason is not None:
+                tuning.unfuse_nodes(result, {f.node_name}, reason)
     describe_graph(result)
     return result
 

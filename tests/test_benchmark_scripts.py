@@ -255,3 +255,36 @@ def test_session_timing_times_every_model_in_every_mode(tmp_path):
     for row in results.values():
         assert set(row) == set(session_timing.MODES)
         assert all(cell["n"] == 5 and 0 < cell["p10"] <= cell["median"] <= cell["p90"] for cell in row.values())
+
+
+def test_gemm_roofline_dry_run(tmp_path):
+    """benchmarks/gemm_roofline.py --dry-run: each BERT-base workload (small sizes) becomes one
+    GemmEpilogue whose function body gives the original's outputs."""
+    out = tmp_path / "gemm.json"
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "benchmarks/gemm_roofline.py", "--dry-run", "--json", str(out)], cwd=root,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(x["workload"], x["dtype"]) for x in rows} == {(w, d) for w in ("qkv", "ffn1", "ffn2")
+                                                            for d in ("fp32", "fp16")}
+    assert all(x["nodes"] == ["GemmEpilogue"] and x["function_body_err"] < 1e-5 for x in rows)
+
+
+def test_gemm_roofline_accuracy_reads_both_errors_and_the_gate(tmp_path, monkeypatch):
+    """gemm_roofline's accuracy step: onnxfuse bench's errors against float64 for the fused
+    model and the original under ORT, and the gate (run here on the CPU provider, where the
+    library's CPU kernel runs the node)."""
+    import onnx
+
+    from benchmarks.gemm_roofline import accuracy, build
+    from onnxfuse.cli import main
+
+    monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")
+    src, opt = tmp_path / "ffn.onnx", tmp_path / "ffn.opt.onnx"
+    onnx.save(build("ffn1", "fp32", batch=2, seq=8, scale=16), src)
+    assert main(["optimize", str(src), str(opt), "--no-tune", "--target", "none"]) == 0
+    assert "GemmEpilogue" in [n.op_type for n in onnx.load(str(opt)).graph.node]
+    acc = accuracy(src, opt, tmp_path / "b.json", provider="cpu")
+    assert acc["gate_passed"] is True
+    assert 0 < acc["ort_err"] < 1e-5 and acc["err"] < 1e-5

@@ -63,8 +63,8 @@ def test_patterns_command(tmp_path):
     r = cli("patterns")
     assert r.returncode == 0
     names = [line.split()[0] for line in r.stdout.splitlines()]
-    assert names == ["conv_relu_maxpool", "conv_relu", "conv_grouped", "relu_maxpool", "maxpool", "conv_alone",
-                     "layer_norm", "rms_norm", "softmax", "group_norm", "pointwise_chain"]  # by priority
+    assert names == ["conv_relu_maxpool", "conv_relu", "conv_grouped", "relu_maxpool", "maxpool", "conv_alone",  # by
+                     "layer_norm", "rms_norm", "softmax", "group_norm", "gemm_epilogue", "pointwise_chain"]  # priority
 
 
 def bad(tmp_path: Path, *args: str) -> str:

@@ -221,9 +221,36 @@ def _pattern_cases() -> dict[str, tuple]:
         for layout in ("nchw", "nhwc"):
             if layout == "nchw" and p.name in NHWC_ONLY_PATTERNS:
                 continue
-            cases[f"pattern_{p.name}_{layout}"] = (lambda p=p: example_model(p), layout, "tf32", {})
+            kw = {"env": GEMM_ENV} if p.kind.untuned_reason() else {}  # (matched only when tuned)
+            cases[f"pattern_{p.name}_{layout}"] = (lambda p=p: example_model(p), layout, "tf32", kw)
     return cases
 
+
+def _gemm_ffn(dtype: str = "float32", s: int = 128, k: int = 768, n: int = 3072) -> onnx.ModelProto:
+    from tests.test_gemm_patterns import ffn1
+
+    return ffn1(dtype, s, k, n)
+
+
+def _gemm_attention() -> onnx.ModelProto:
+    """Gemm transB with a bias and Relu, then a batched product with a transposed A."""
+    rng = np.random.default_rng(12)
+    inits = [numpy_helper.from_array(rng.standard_normal(s).astype(np.float32), n)
+             for n, s in (("w", (64, 32)), ("c", (64,)), ("w2", (24, 16)))]
+    nodes = [N("Gemm", ["x", "w", "c"], ["h"], transB=1), N("Relu", ["h"], ["y"]),
+             N("Transpose", ["z"], ["zt"], perm=[0, 2, 1]), N("MatMul", ["zt", "w2"], ["p"]),
+             N("Sigmoid", ["p"], ["q"])]
+    g = helper.make_graph(nodes, "gemm_mix", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [10, 32]),
+                                              helper.make_tensor_value_info("z", TensorProto.FLOAT, [3, 24, 5])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [10, 64]),
+                           helper.make_tensor_value_info("q", TensorProto.FLOAT, [3, 5, 16])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 10
+    return m
+
+
+# Cases whose kernels the optimizer writes only with $ONNXFUSE_GEMM_ALL=1 or tuning (the gemm kind)
+GEMM_ENV = {"ONNXFUSE_GEMM_ALL": "1"}
 
 # case name -> (model builder, layout, conv precision, optimize keywords)
 CASES: dict[str, tuple] = {
@@ -280,6 +307,12 @@ CASES: dict[str, tuple] = {
     "yolov8n_320": (_pretrained("yolov8n_320"), "nhwc", "tf32", {}),
     "ppocr_det": (_pretrained("ppocr_det"), "nhwc", "tf32", {}),
     "ppocr_det_nchw": (_pretrained("ppocr_det"), "nchw", "tf32", {}),
+    "gemm_ffn_tf32": (_gemm_ffn, "nhwc", "tf32", {"env": GEMM_ENV}),
+    "gemm_ffn_ieee": (_gemm_ffn, "nhwc", "ieee", {"env": GEMM_ENV}),
+    "gemm_ffn_tf32x3": (_gemm_ffn, "nhwc", "tf32x3", {"env": GEMM_ENV}),
+    "gemm_ffn_fp16": (lambda: _gemm_ffn("float16"), "nhwc", "tf32", {"env": GEMM_ENV}),
+    "gemm_small_m": (lambda: _gemm_ffn(s=4, k=256, n=64), "nhwc", "tf32", {"env": GEMM_ENV}),
+    "gemm_mix": (_gemm_attention, "nhwc", "tf32", {"env": GEMM_ENV}),
 }
 
 
@@ -290,9 +323,13 @@ def _golden() -> dict:
 @pytest.mark.parametrize("case", list(CASES))
 def test_generated_kernels_are_unchanged(case, monkeypatch, tmp_path):
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
-    for var in ("ONNXFUSE_POINTWISE_CONFIG", "ONNXFUSE_CONV_CONFIG", "ONNXFUSE_POOL_CONFIG", "ONNXFUSE_CONV_ALL"):
+    for var in ("ONNXFUSE_POINTWISE_CONFIG", "ONNXFUSE_CONV_CONFIG", "ONNXFUSE_POOL_CONFIG", "ONNXFUSE_CONV_ALL",
+                "ONNXFUSE_GEMM_ALL"):
         monkeypatch.delenv(var, raising=False)
     builder, layout, precision, kw = CASES[case]
+    kw = dict(kw)
+    for var, value in kw.pop("env", {}).items():
+        monkeypatch.setenv(var, value)
     got = kernel_records(builder(), monkeypatch, layout, precision, **kw)
     assert got, f"{case}: no kernels"
     if UPDATE:

@@ -8,12 +8,13 @@ from onnx import NodeProto
 
 from onnxfuse.kinds.base import Kind
 from onnxfuse.kinds.conv import Conv
+from onnxfuse.kinds.gemm import Gemm
 from onnxfuse.kinds.maxpool import MaxPool
 from onnxfuse.kinds.pointwise import Pointwise
 from onnxfuse.kinds.rows import Rows
 from onnxfuse.rewrite import DOMAIN
 
-KINDS: dict[str, Kind] = {k.name: k for k in (Pointwise(), Conv(), MaxPool(), Rows())}
+KINDS: dict[str, Kind] = {k.name: k for k in (Pointwise(), Conv(), MaxPool(), Rows(), Gemm())}
 BY_OP_TYPE: dict[str, Kind] = {k.op_type: k for k in KINDS.values()}
 
 

@@ -227,6 +227,9 @@ class Kind(ABC):
     # tuning (onnxfuse.tune) times these nodes first: ONNX Runtime's own kernels for the
     # nodes they replace may be faster (cuDNN's convs), where fused memory-bound work seldom loses
     measure_first: ClassVar[bool] = False
+    # the op types whose nodes anchor its matches (the report counts them when its patterns
+    # are not matched: `untuned_reason`)
+    anchor_ops: ClassVar[frozenset[str]] = frozenset()
 
     # ---- patterns ----------------------------------------------------------------------
 
@@ -234,6 +237,12 @@ class Kind(ABC):
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> Params:
         """The pattern's parameters: its `match` fields (`m`; ops and dtypes are read and
         checked already), validated; a bad value fails through `m.fail`."""
+
+    def untuned_reason(self) -> str | None:
+        """Why the pipeline does not match this kind's patterns when no tuning will time its
+        nodes (no GPU, `--no-tune`): its nodes are worth fusing only where measured faster
+        than ONNX Runtime. None (the default): they are matched regardless."""
+        return None
 
     # ---- match -------------------------------------------------------------------------
 

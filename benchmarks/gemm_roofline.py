@@ -1,0 +1,211 @@
+"""GEMMs with an epilogue at BERT-base shapes on the GPU: how close the GemmEpilogue kernels come
+to their roofline bound, beside what ONNX Runtime runs for the same nodes (cuBLAS plus its own
+fusions: Gemm, BiasGelu, FastGelu) and torch's matmul as a peer.
+
+Workloads (batch 8, seq 128: M = 1024 rows; fp32 and fp16), as torch.onnx.export writes them
+(x [B, S, K] @ W [K, N] + b, W an initializer):
+- ``qkv``:  768 -> 2304, + bias
+- ``ffn1``: 768 -> 3072, + bias, erf-GELU (Div, Erf, Add, Mul, Mul)
+- ``ffn2``: 3072 -> 768, + bias, + the residual r [B, S, 768]
+
+Each model is optimized with `onnxfuse optimize --no-tune` and ``ONNXFUSE_GEMM_ALL=1`` (the
+gemm kind forced, so that it is measured even where the tune pass would leave the nodes to
+ONNX Runtime: `--tune`'s per-node decision is what ships); `onnxfuse bench --provider cuda`
+gives both errors against the original in float64 (the optimized model's, and the original's
+under ORT's defaults: TF32 for fp32) and the gate (onnxfuse/tools/gate.py); then the original
+and the optimized model go through `onnxfuse profile --provider cuda --device h200` (CUPTI
+kernel times per node; the roofline bound max(FLOPs / peak, bytes / bandwidth) with the H200
+datasheet's numbers, onnxfuse/analyze.py: TF32 494.5 and FP16 989.5 TFLOP/s, 4.8 TB/s). torch
+runs the same computation (TF32 allowed for fp32, as ORT's default) timed with CUDA events,
+queued back to back. A time ratio is a speedup only where the gate passes. Prints one table
+and writes JSON:
+
+    python benchmarks/gemm_roofline.py --json gemm_roofline.json
+    python benchmarks/gemm_roofline.py --dry-run   # CPU: builds, optimizes (no kernels) and checks the models
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+BATCH, SEQ = 8, 128
+DTYPES = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16, np.float16)}
+# name -> (K, N, epilogue)
+WORKLOADS = {"qkv": (768, 2304, "bias"), "ffn1": (768, 3072, "bias_gelu"), "ffn2": (3072, 768, "bias_residual")}
+ENV = {**os.environ, "ONNXFUSE_GEMM_ALL": "1"}
+
+
+def build(name: str, dtype: str, batch: int = BATCH, seq: int = SEQ, scale: int = 1) -> onnx.ModelProto:
+    """The workload's model; `scale` divides K and N (the dry run's small sizes)."""
+    k, n, epilogue = WORKLOADS[name]
+    k, n = k // scale, n // scale
+    t, np_t = DTYPES[dtype]
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((k, n)) / math.sqrt(k)).astype(np_t), "w"),
+             numpy_helper.from_array((0.1 * rng.standard_normal(n)).astype(np_t), "b")]
+    N = helper.make_node
+    nodes = [N("MatMul", ["x", "w"], ["h"], name="matmul"), N("Add", ["h", "b"], ["hb" if epilogue != "bias" else "y"],
+                                                             name="bias")]
+    inputs = [helper.make_tensor_value_info("x", t, [batch, seq, k])]
+    if epilogue == "bias_gelu":
+        inits += [numpy_helper.from_array(np.array(v, np_t), name)
+                  for name, v in (("sqrt2", math.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+        nodes += [N("Div", ["hb", "sqrt2"], ["d"]), N("Erf", ["d"], ["e"]), N("Add", ["e", "one"], ["e1"]),
+                  N("Mul", ["hb", "e1"], ["m"]), N("Mul", ["m", "half"], ["y"])]
+    elif epilogue == "bias_residual":
+        nodes.append(N("Add", ["hb", "r"], ["y"], name="residual"))
+        inputs.append(helper.make_tensor_value_info("r", t, [batch, seq, n]))
+    g = helper.make_graph(nodes, name, inputs, [helper.make_tensor_value_info("y", t, [batch, seq, n])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _cli(*args: str) -> str:
+    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", *args], capture_output=True, text=True, env=ENV)
+    if r.returncode != 0:
+        raise RuntimeError(f"onnxfuse {args[0]} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    return r.stdout
+
+
+def _nodes(profile_json: Path) -> list[dict]:
+    d = json.loads(profile_json.read_text())
+    return [{"node": n["name"], "op": n["op_type"], "us": n["median_s"] * 1e6,
+             "bound_us": (n["bound_s"] or 0.0) * 1e6, "pct_bound": n["pct_of_bound"], "tflops": n["achieved_tflops"]}
+            for n in d["nodes"]]
+
+
+def accuracy(src: Path, opt: Path, out: Path, provider: str = "cuda") -> dict:
+    """`onnxfuse bench` of the pair: the optimized model's max abs error against the float64
+    reference beside the original's under ORT's defaults, and the gate."""
+    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "bench", str(src), str(opt), "--provider", provider,
+                        "--warmup", "2", "--iters", "10", "--json", str(out)], capture_output=True, text=True,
+                       env=ENV)
+    if not out.exists():  # exit 1 is a failed gate, which the JSON records; no JSON is an error
+        raise RuntimeError(f"onnxfuse bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
+    outs = json.loads(out.read_text())["models"][1]["outputs"]
+    return {"err": max(o["max_abs_err"] for o in outs), "ort_err": max(o["ort_max_abs_err"] for o in outs),
+            "gate_passed": all(o["passed"] for o in outs)}
+
+
+def torch_peer(name: str, dtype: str, model: onnx.ModelProto) -> float:
+    """torch's matmul and epilogue on the same inputs, µs per call (CUDA events, queued)."""
+    import torch
+
+    from benchmarks.gpu_timing import time_queued
+
+    torch.backends.cuda.matmul.allow_tf32 = True  # as ORT's CUDA default (use_tf32)
+    tdt = torch.float32 if dtype == "fp32" else torch.float16
+    inits = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()).cuda() for t in model.graph.initializer}
+    w, b = inits["w"], inits["b"]
+    k, n = w.shape
+    x = torch.randn(BATCH, SEQ, k, device="cuda", dtype=tdt)
+    r = torch.randn(BATCH, SEQ, n, device="cuda", dtype=tdt)
+    epilogue = WORKLOADS[name][2]
+
+    def fn():
+        h = torch.matmul(x, w) + b
+        if epilogue == "bias_gelu":
+            return torch.nn.functional.gelu(h)
+        if epilogue == "bias_residual":
+            return h + r
+        return h
+    return time_queued(fn, iters=100, warmup=20).median_ms * 1e3
+
+
+def dry_run() -> list[dict]:
+    """CPU: each workload (small K and N) optimized without kernels; one GemmEpilogue node whose
+    function body gives the original's outputs."""
+    from onnxfuse.pipeline import build_options, optimize_model
+    from tests.util import random_feeds, run
+
+    os.environ["ONNXFUSE_GEMM_ALL"] = "1"
+    rows = []
+    for name in WORKLOADS:
+        for dtype in DTYPES:
+            m = build(name, dtype, batch=2, seq=8, scale=16)
+            r = optimize_model(m, options=build_options(target="none", tune="off"))
+            ops = [n.op_type for n in r.model.graph.node]
+            feeds = random_feeds(m, {}, seed=3)
+            (want,), (got,) = run(m, feeds), run(r.model, feeds)
+            err = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max())
+            rows.append({"workload": name, "dtype": dtype, "nodes": ops, "function_body_err": err})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--dtypes", default="fp32,fp16")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch peer")
+    ap.add_argument("--dry-run", action="store_true", help="CPU: build and optimize the models, no timing")
+    args = ap.parse_args()
+    if args.dry_run:
+        rows = dry_run()
+        if args.json:
+            args.json.write_text(json.dumps({"dry_run": True, "rows": rows}, indent=1) + "\n")
+        return
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="gemm_roofline_"))
+    for wl in args.workloads.split(","):
+        for dtype in args.dtypes.split(","):
+            tag = f"{wl}_{dtype}"
+            src, opt = tmp / f"{tag}.onnx", tmp / f"{tag}.opt.onnx"
+            model = build(wl, dtype)
+            onnx.save(model, src)
+            k, n, _ = WORKLOADS[wl]
+            row = {"workload": wl, "dtype": dtype, "M": BATCH * SEQ, "N": n, "K": k}
+            try:
+                _cli("optimize", str(src), str(opt), "--no-tune")
+                row["accuracy"] = accuracy(src, opt, tmp / f"{tag}.bench.json")
+                for which, path in (("ort", src), ("onnxfuse", opt)):
+                    out = tmp / f"{tag}.{which}.json"
+                    _cli("profile", str(path), "--provider", "cuda", "--device", "h200", "--iters", "50",
+                         "--json", str(out))
+                    nodes = _nodes(out)
+                    row[which] = {"nodes": nodes, "us": sum(x["us"] for x in nodes),
+                                  "bound_us": max((x["bound_us"] for x in nodes), default=0.0)}
+                fused = [x for x in row["onnxfuse"]["nodes"] if x["op"] == "GemmEpilogue"]
+                row["fused_pct_bound"] = max((x["pct_bound"] for x in fused), default=None)
+                row["speedup_vs_ort"] = row["ort"]["us"] / row["onnxfuse"]["us"] if row["onnxfuse"]["us"] else None
+                if not args.no_torch:
+                    row["torch_us"] = torch_peer(wl, dtype, model)
+            except RuntimeError as e:
+                row["error"] = str(e)
+            rows.append(row)
+            if args.json:  # after every case: a run cut short keeps what it measured
+                args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+            print(json.dumps({k: v for k, v in row.items() if k not in ("ort", "onnxfuse")}
+                             | {"ort_us": row.get("ort", {}).get("us"),
+                                "onnxfuse_us": row.get("onnxfuse", {}).get("us")}), flush=True)
+    print("\n| workload | dtype | M x N x K | ORT nodes | ORT µs | GemmEpilogue µs | % of bound | torch µs "
+          "| ORT / onnxfuse | ORT err vs ref | onnxfuse err vs ref | gate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['workload']} | {r['dtype']} | | error: {r['error'][:80]} | | | | | | | | |")
+            continue
+        ort_ops = ", ".join(x["op"] for x in r["ort"]["nodes"])
+        pct, acc = r["fused_pct_bound"], r["accuracy"]
+        torch_us = r.get("torch_us")
+        print(f"| {r['workload']} | {r['dtype']} | {r['M']}x{r['N']}x{r['K']} | {ort_ops} | {r['ort']['us']:.1f} | "
+              f"{r['onnxfuse']['us']:.1f} | {'-' if pct is None else f'{pct:.0f}%'} | "
+              f"{'-' if torch_us is None else f'{torch_us:.1f}'} | {r['speedup_vs_ort']:.2f} | "
+              f"{acc['ort_err']:.2g} | {acc['err']:.2g} | {'pass' if acc['gate_passed'] else 'FAIL'} |")
+
+
+if __name__ == "__main__":
+    main()

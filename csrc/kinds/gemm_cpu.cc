@@ -1,0 +1,175 @@
+// The CPU kernel of onnxfuse::GemmEpilogue (docs/format.md): a correctness reference.
+//   1. the product alpha * op(A) @ op(B), summed in double per output row (parallel over rows
+//      on ORT's intra-op thread pool), rounded to A's dtype as the original's MatMul stores it;
+//   2. the epilogue program over Y's shape with the cpu_program.cc evaluator, reading the
+//      product as its %0 and the node's other inputs with numpy broadcasting.
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace onnxfuse {
+namespace {
+
+constexpr const char* kGemmEpilogue = "GemmEpilogue";
+
+// A, B [..., M, K] x [..., K, N] (op() applied): Y's shape and the GEMMs it runs as.
+struct Geometry {
+  Shape y;
+  int64_t g = 1, m = 0, n = 0, k = 0;
+  bool a_batched = false, b_batched = false;  // the operand has batch dims (else it is shared by all)
+};
+
+Geometry geometry(const Shape& a, const Shape& b, bool trans_a, bool trans_b) {
+  if (a.size() < 2 || b.size() < 2)
+    throw Error("A has shape " + shape_str(a) + " and B " + shape_str(b) + ": both need at least 2 dims");
+  const size_t ra = a.size(), rb = b.size();
+  Geometry geo;
+  const int64_t am = trans_a ? a[ra - 1] : a[ra - 2];
+  geo.k = trans_a ? a[ra - 2] : a[ra - 1];
+  const int64_t bk = trans_b ? b[rb - 1] : b[rb - 2];
+  geo.n = trans_b ? b[rb - 2] : b[rb - 1];
+  if (bk != geo.k)
+    throw Error("A " + shape_str(a) + (trans_a ? " (transposed)" : "") + " and B " + shape_str(b) +
+                (trans_b ? " (transposed)" : "") + " do not agree on K");
+  const Shape ab(a.begin(), a.end() - 2), bb(b.begin(), b.end() - 2);
+  if (!ab.empty() && !bb.empty() && ab != bb)
+    throw Error("A's batch dims " + shape_str(ab) + " and B's " + shape_str(bb) + " differ");
+  const Shape& batch = ab.empty() ? bb : ab;
+  geo.y = batch;
+  geo.y.push_back(am);
+  geo.y.push_back(geo.n);
+  geo.g = numel(batch);
+  geo.m = am;
+  geo.a_batched = !ab.empty();
+  geo.b_batched = !bb.empty();
+  return geo;
+}
+
+// A tensor's elements as fp32 (f16 / bf16 widened; float32 standing for them read as is).
+std::vector<float> widen(const TensorRef& t, DType declared) {
+  const int64_t n = numel(t.shape);
+  std::vector<float> out(static_cast<size_t>(n));
+  const DType d = actual_dtype(t.type, declared);
+  const auto* h = static_cast<const uint16_t*>(t.data);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = d == DType::F32 ? static_cast<const float*>(t.data)[i] : d == DType::F16 ? f16_to_f32(h[i])
+                                                                                      : bf16_to_f32(h[i]);
+  return out;
+}
+
+float round_to(DType d, float v) {
+  if (d == DType::F16) return f16_to_f32(f32_to_f16(v));
+  if (d == DType::BF16) return bf16_to_f32(f32_to_bf16(v));
+  return v;
+}
+
+struct GemmKernel {
+  static constexpr const char* kOp = kGemmEpilogue;
+  static constexpr const char* kProvider = "CPUExecutionProvider";
+  static constexpr const char* kWhere = "";
+  std::string name;
+  Program prog;
+  bool trans_a = false, trans_b = false;
+  float alpha = 1.0f;
+
+  void compute(OrtKernelContext* ctx) const {
+    size_t n_in = 0, n_out = 0;
+    check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
+    check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
+    if (n_in != prog.inputs.size() + 1)
+      throw Error("the node has " + std::to_string(n_in) + " inputs, expected A, B and the program's " +
+                  std::to_string(prog.inputs.size() - 1) + " extras");
+    if (n_out != 1) throw Error("the node has " + std::to_string(n_out) + " outputs, expected 1");
+    std::vector<TensorRef> t(n_in);
+    for (size_t i = 0; i < n_in; ++i) {
+      const OrtValue* v = nullptr;
+      check(g_ort->KernelContext_GetInput(ctx, i, &v));
+      if (!v) throw Error("input " + std::to_string(i) + " is missing");
+      read_tensor(v, &t[i]);
+      const DType want = prog.inputs[i < 2 ? 0 : i - 1];
+      if (!type_fits(t[i].type, want, /*f32_for_half=*/true))
+        throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +
+                    dtype_name(want));
+    }
+    const Geometry geo = geometry(t[0].shape, t[1].shape, trans_a, trans_b);
+    for (size_t i = 2; i < n_in; ++i)
+      if (broadcast_shapes({geo.y, t[i].shape}) != geo.y)
+        throw Error("input " + std::to_string(i) + " has shape " + shape_str(t[i].shape) +
+                    ", which does not broadcast to the product's " + shape_str(geo.y));
+    OrtValue* yv = nullptr;
+    check(g_ort->KernelContext_GetOutput(ctx, 0, geo.y.data(), geo.y.size(), &yv));
+    TensorRef y;
+    read_tensor(yv, &y);
+    const DType out_dt = prog.outputs[0].second;
+    if (!type_fits(y.type, out_dt, true))
+      throw Error("output 0 is " + std::string(elem_type_name(y.type)) + " in the graph, the program stores " +
+                  dtype_name(out_dt));
+    const int64_t total = numel(geo.y);
+    if (total == 0) return;
+
+    // 1. the product, [G, M, N] row-major, rounded to A's dtype
+    const std::vector<float> a = widen(t[0], prog.inputs[0]), b = widen(t[1], prog.inputs[0]);
+    const int64_t m = geo.m, n = geo.n, k = geo.k;
+    std::vector<float> p(static_cast<size_t>(total));
+    parallel_for(ctx, geo.g * m, [&](int64_t row) {
+      const int64_t g = row / m, i = row % m;
+      const float* ag = a.data() + (geo.a_batched ? g * m * k : 0);
+      const float* bg = b.data() + (geo.b_batched ? g * k * n : 0);
+      std::vector<double> acc(static_cast<size_t>(n), 0.0);
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const double av = trans_a ? ag[kk * m + i] : ag[i * k + kk];
+        if (trans_b) {
+          for (int64_t j = 0; j < n; ++j) acc[j] += av * bg[j * k + kk];
+        } else {
+          const float* brow = bg + kk * n;
+          for (int64_t j = 0; j < n; ++j) acc[j] += av * brow[j];
+        }
+      }
+      float* out = p.data() + row * n;
+      for (int64_t j = 0; j < n; ++j) out[j] = round_to(prog.inputs[0], static_cast<float>(alpha * acc[j]));
+    });
+
+    // 2. the epilogue
+    std::vector<HostTensor> in;
+    in.push_back({DType::F32, p.data(), geo.y});
+    for (size_t i = 2; i < n_in; ++i) in.push_back({actual_dtype(t[i].type, prog.inputs[i - 1]), t[i].data, t[i].shape});
+    run_program(prog, in, {{actual_dtype(y.type, out_dt), y.data, geo.y}}, geo.y, ctx);
+  }
+};
+
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+  std::string name;
+  try {
+    name = node_name(info);
+    auto k = std::make_unique<GemmKernel>();
+    k->name = name;
+    k->prog = read_program(info);
+    if (k->prog.inputs.empty() || k->prog.outputs.size() != 1)
+      throw Error("the program needs the product as input %0 and exactly one output");
+    int64_t v = 0;
+    if (get_int_attr(info, "trans_a", &v)) k->trans_a = v != 0;
+    if (get_int_attr(info, "trans_b", &v)) k->trans_b = v != 0;
+    float alpha = 1.0f;
+    if (OrtStatus* st = g_ort->KernelInfoGetAttribute_float(info, "alpha", &alpha)) {
+      g_ort->ReleaseStatus(st);  // absent: 1
+    } else {
+      k->alpha = alpha;
+    }
+    *kernel = k.release();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(describe_node(kGemmEpilogue, name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
+  }
+}
+
+}  // namespace
+
+void append_gemm_cpu_ops(std::vector<OrtCustomOp*>* ops) {
+  static OpDef op = make_op<GemmKernel>(2, create_kernel);
+  ops->push_back(&op);
+}
+
+}  // namespace onnxfuse

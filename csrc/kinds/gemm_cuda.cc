@@ -1,0 +1,260 @@
+// CUDA kernel of onnxfuse::GemmEpilogue (docs/format.md, "GemmEpilogue", kernel_meta kind
+// "gemm"): launches the node's embedded Triton GEMM.
+//
+// Launch: pointers to A, B, the epilogue's extras and Y; int32 M, N, K, stride_ag,
+// stride_a, stride_bg, stride_b (the operands' batch strides, 0 for one shared by every
+// GEMM, and the stride of their non-contiguous dim), then per "strided" extra its three
+// strides over Y's [G, M, N] view; the two scratch pointers. A batched A times a 2-D B (no
+// trans_a) runs as one GEMM of M = batch * rows (G = 1). Grid: (ceil(M / block_m) *
+// ceil(N / block_n), G).
+#include "cuda_driver.h"
+
+#ifdef ONNXFUSE_WITH_CUDA
+
+namespace onnxfuse {
+namespace {
+
+using cuda::Params;
+using cuda::Target;
+using cuda::Variant;
+using cuda::thread_params;
+
+constexpr const char* kGemmEpilogue = "GemmEpilogue";
+
+enum class ExtraMode { FULL, ROW, SCALAR, STRIDED };
+
+// A variant's tile and the launcher's own requirements (kernel_meta keys besides "requires").
+struct GemmTile {
+  int64_t block_m = 1, block_n = 1;
+  int64_t stride_multiple = 1;  // the strides passed are multiples of this (hinted to the compiler)
+  int64_t max_m = 0;            // for GEMMs of at most this many rows; 0: any
+};
+
+// The GEMMs a node runs: G products [M, K] x [K, N], and Y's shape.
+struct Geometry {
+  Shape y;
+  int64_t g = 1, m = 0, n = 0, k = 0;
+  int64_t stride_ag = 0, stride_a = 0, stride_bg = 0, stride_b = 0;
+  size_t lead = 0;  // Y's dims [0, lead) form G, [lead, rank - 1) form M
+};
+
+Geometry geometry(const Shape& a, const Shape& b, bool trans_a, bool trans_b) {
+  if (a.size() < 2 || b.size() < 2)
+    throw Error("A has shape " + shape_str(a) + " and B " + shape_str(b) + ": both need at least 2 dims");
+  const size_t ra = a.size(), rb = b.size();
+  Geometry geo;
+  const int64_t am = trans_a ? a[ra - 1] : a[ra - 2];
+  geo.k = trans_a ? a[ra - 2] : a[ra - 1];
+  geo.n = trans_b ? b[rb - 2] : b[rb - 1];
+  if ((trans_b ? b[rb - 1] : b[rb - 2]) != geo.k)
+    throw Error("A " + shape_str(a) + " and B " + shape_str(b) + " do not agree on K");
+  const Shape ab(a.begin(), a.end() - 2), bb(b.begin(), b.end() - 2);
+  if (!ab.empty() && !bb.empty() && ab != bb)
+    throw Error("A's batch dims " + shape_str(ab) + " and B's " + shape_str(bb) + " differ");
+  const Shape& batch = ab.empty() ? bb : ab;
+  geo.y = batch;
+  geo.y.push_back(am);
+  geo.y.push_back(geo.n);
+  geo.stride_a = trans_a ? am : geo.k;
+  geo.stride_b = trans_b ? geo.k : geo.n;
+  if (bb.empty() && !trans_a) {  // one GEMM over every row of A
+    geo.g = 1;
+    geo.m = numel(batch) * am;
+    geo.lead = 0;
+  } else {
+    geo.g = numel(batch);
+    geo.m = am;
+    geo.stride_ag = ab.empty() ? 0 : am * geo.k;
+    geo.stride_bg = bb.empty() ? 0 : geo.k * geo.n;
+    geo.lead = batch.size();
+  }
+  return geo;
+}
+
+// The stride of Y's dims [lo, hi) as one index, for an input with these per-dim strides
+// over Y (0 on broadcast dims); throws when they do not collapse to one.
+int64_t collapse_dims(const Shape& y, const Shape& st, size_t lo, size_t hi, size_t input) {
+  int64_t inner = -1, inner_size = 1;
+  bool zero = true, stacked = true;
+  for (size_t d = hi; d-- > lo;) {
+    if (y[d] == 1) continue;
+    zero &= st[d] == 0;
+    if (inner >= 0) stacked &= st[d] == inner * inner_size;
+    inner = st[d];
+    inner_size = y[d];
+  }
+  if (zero) return 0;
+  if (!stacked)
+    throw Error("input " + std::to_string(input) + " does not broadcast over the product as [batch, rows, columns]");
+  // the collapsed index's stride is the innermost live dim's
+  for (size_t d = hi; d-- > lo;)
+    if (y[d] != 1) return st[d];
+  return 0;
+}
+
+struct GemmKernel : cuda::CudaKernel {
+  static constexpr const char* kOp = kGemmEpilogue;
+  bool trans_a = false, trans_b = false;
+  int64_t meta_trans_a = -1, meta_trans_b = -1;
+  std::vector<ExtraMode> modes;  // per extra input, from kernel_meta
+  std::vector<GemmTile> tiles;   // per variant
+
+  const char* kind() const override { return "gemm"; }
+
+  void init(const OrtKernelInfo* info) override {
+    int64_t v = 0;
+    if (get_int_attr(info, "trans_a", &v)) trans_a = v != 0;
+    if (get_int_attr(info, "trans_b", &v)) trans_b = v != 0;
+  }
+
+  void read_meta(const Json& j, size_t n_inputs) override {
+    cuda::check_n_extras(j, n_inputs);
+    meta_trans_a = cuda::meta_int(j, "trans_a", "kernel_meta");
+    meta_trans_b = cuda::meta_int(j, "trans_b", "kernel_meta");
+    for (const Json& m : cuda::meta_array(j, "input_modes", "kernel_meta").arr) {
+      if (m.kind != Json::STRING) throw Error("kernel_meta: input_modes must be strings");
+      if (m.str == "full") modes.push_back(ExtraMode::FULL);
+      else if (m.str == "row") modes.push_back(ExtraMode::ROW);
+      else if (m.str == "scalar") modes.push_back(ExtraMode::SCALAR);
+      else if (m.str == "strided") modes.push_back(ExtraMode::STRIDED);
+      else throw Error("kernel_meta: unknown input mode \"" + m.str + "\"");
+    }
+  }
+
+  void read_variant(const Json& vj, const std::string& where, Variant*) override {
+    GemmTile t;
+    t.block_m = cuda::meta_positive(vj, "block_m", where);
+    t.block_n = cuda::meta_positive(vj, "block_n", where);
+    t.stride_multiple = std::max<int64_t>(1, cuda::meta_int(vj, "stride_multiple", where, false, 1));
+    t.max_m = std::max<int64_t>(0, cuda::meta_int(vj, "max_m", where, false, 0));
+    tiles.push_back(t);
+  }
+
+  void check_meta() override {
+    if (!meta_error.empty()) return;
+    if ((meta_trans_a != 0) != trans_a || (meta_trans_b != 0) != trans_b || modes.size() + 1 != prog.inputs.size())
+      meta_error = "kernel_meta (trans_a " + std::to_string(meta_trans_a) + ", trans_b " +
+                   std::to_string(meta_trans_b) + ", " + std::to_string(modes.size()) +
+                   " input_modes) does not describe this node (trans_a " + std::to_string(trans_a ? 1 : 0) +
+                   ", trans_b " + std::to_string(trans_b ? 1 : 0) + ", " + std::to_string(prog.inputs.size() - 1) +
+                   " extra inputs)";
+    if (prog.outputs.size() != 1) meta_error = "the program must have exactly one output";
+  }
+
+  void check_mode(size_t e, const Shape& s, const Geometry& geo) const {
+    const std::string what = "input " + std::to_string(e + 2) + " has shape " + shape_str(s) + ", its kernel reads it ";
+    if (broadcast_shapes({geo.y, s}) != geo.y)
+      throw Error(what + "broadcast to the product's shape " + shape_str(geo.y) + ", which it does not");
+    switch (modes[e]) {
+      case ExtraMode::FULL:
+        if (numel(s) != numel(geo.y)) throw Error(what + "in mode 'full', which needs the product's shape");
+        return;
+      case ExtraMode::SCALAR:
+        if (numel(s) != 1) throw Error(what + "in mode 'scalar', which needs one element");
+        return;
+      case ExtraMode::ROW:
+        if (numel(s) != geo.n || s.empty() || s.back() != geo.n)
+          throw Error(what + "in mode 'row', which needs N = " + std::to_string(geo.n) + " elements along the last dim");
+        return;
+      case ExtraMode::STRIDED:
+        return;
+    }
+  }
+
+  void compute(OrtKernelContext* ctx) override {
+    if (!meta_error.empty()) throw Error(meta_error);
+    size_t n_in = 0, n_out = 0;
+    check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
+    check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
+    if (n_in != prog.inputs.size() + 1 || n_out != 1)
+      throw Error("the node has " + std::to_string(n_in) + " inputs and " + std::to_string(n_out) +
+                  " outputs, expected A, B, " + std::to_string(prog.inputs.size() - 1) + " extras and one output");
+    std::vector<TensorRef> t(n_in);
+    for (size_t i = 0; i < n_in; ++i) {
+      const OrtValue* v = nullptr;
+      check(g_ort->KernelContext_GetInput(ctx, i, &v));
+      if (!v) throw Error("input " + std::to_string(i) + " is missing");
+      read_tensor(v, &t[i]);
+      const DType want = prog.inputs[i < 2 ? 0 : i - 1];
+      if (!type_fits(t[i].type, want, /*f32_for_half=*/false))
+        throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +
+                    dtype_name(want));
+    }
+    const Geometry geo = geometry(t[0].shape, t[1].shape, trans_a, trans_b);
+    for (size_t e = 0; e + 2 < n_in; ++e) check_mode(e, t[e + 2].shape, geo);
+    OrtValue* yv = nullptr;
+    check(g_ort->KernelContext_GetOutput(ctx, 0, geo.y.data(), geo.y.size(), &yv));
+    TensorRef y;
+    read_tensor(yv, &y);
+    if (!type_fits(y.type, prog.outputs[0].second, false))
+      throw Error("output 0 is " + std::string(elem_type_name(y.type)) + " in the graph, the program stores " +
+                  dtype_name(prog.outputs[0].second));
+    if (numel(geo.y) == 0) return;
+    const Target tg = target(ctx);
+
+    Params& p = thread_params();
+    std::vector<const void*> ptrs;
+    int64_t largest = numel(geo.y);
+    for (const TensorRef& x : t) {
+      ptrs.push_back(x.data);
+      largest = std::max(largest, numel(x.shape));
+    }
+    ptrs.push_back(y.data);
+    for (const void* ptr : ptrs) p.ptr(ptr);
+    p.i32(geo.m, "M");
+    p.i32(geo.n, "N");
+    p.i32(geo.k, "K");
+    p.i32(geo.stride_ag, "A's batch stride");
+    p.i32(geo.stride_a, "A's stride");
+    p.i32(geo.stride_bg, "B's batch stride");
+    p.i32(geo.stride_b, "B's stride");
+    const size_t rank = geo.y.size();
+    for (size_t e = 0; e + 2 < n_in; ++e) {
+      if (modes[e] != ExtraMode::STRIDED) continue;
+      const Shape st = broadcast_strides(t[e + 2].shape, geo.y);
+      p.i32(collapse_dims(geo.y, st, 0, geo.lead, e + 2), "an extra input's batch stride");
+      p.i32(collapse_dims(geo.y, st, geo.lead, rank - 1, e + 2), "an extra input's row stride");
+      p.i32(collapse_dims(geo.y, st, rank - 1, rank, e + 2), "an extra input's column stride");
+    }
+    p.scratch();
+    const int v = choose(tg, ptrs, geo, largest);
+    const GemmTile& tile = tiles[v];
+    launch(tg, v, ((geo.m + tile.block_m - 1) / tile.block_m) * ((geo.n + tile.block_n - 1) / tile.block_n), geo.g, p);
+  }
+
+  // The first variant with a binary for this device that takes M rows, whose strides and
+  // pointers are as aligned as it was compiled for, and whose tensors fit its 32-bit indices.
+  int choose(const Target& tg, const std::vector<const void*>& ptrs, const Geometry& geo, int64_t largest) const {
+    for (size_t v = 0; v < tiles.size(); ++v) {
+      const GemmTile& tile = tiles[v];
+      if (!tg.L->fn[v] || (tile.max_m > 0 && geo.m > tile.max_m)) continue;
+      const int64_t sm = tile.stride_multiple;
+      if (geo.stride_ag % sm || geo.stride_a % sm || geo.stride_bg % sm || geo.stride_b % sm) continue;
+      const Variant& var = meta.variants[v];
+      if ((var.max_elements > 0 && largest > var.max_elements) || largest > INT32_MAX) continue;
+      bool aligned = true;
+      for (const void* q : ptrs) aligned &= reinterpret_cast<uintptr_t>(q) % static_cast<uint64_t>(var.ptr_align) == 0;
+      if (aligned) return static_cast<int>(v);
+    }
+    throw Error("kernel " + meta.name + ": no variant with a binary for this GPU takes this product (M " +
+                std::to_string(geo.m) + ", N " + std::to_string(geo.n) + ", K " + std::to_string(geo.k) +
+                ") at these addresses; embedded: " + meta.embedded());
+  }
+};
+
+}  // namespace
+
+void append_gemm_cuda_ops(std::vector<OrtCustomOp*>* ops) {
+  static OpDef op = make_op<GemmKernel>(2, cuda::create_kernel<GemmKernel>);
+  ops->push_back(&op);
+}
+
+}  // namespace onnxfuse
+
+#else  // built without cuda.h: CPU only
+
+namespace onnxfuse {
+void append_gemm_cuda_ops(std::vector<OrtCustomOp*>*) {}
+}  // namespace onnxfuse
+
+#endif

@@ -1,0 +1,349 @@
+"""Code generation for GemmEpilogue (docs/format.md): a matrix product with a pointwise
+epilogue, as Triton source text.
+
+A GemmEpilogue node computes Y = program(alpha * op(A) @ op(B), extras...) where op()
+transposes the last two dims when the node's trans_a / trans_b say so. The kernel sees it as
+G independent products [M, K] x [K, N] (G = 1 when a batched A meets a 2-D B: its leading dims
+are flattened into M, one GEMM of M = batch * rows):
+
+    program ids over (M tiles x N tiles, in groups of GROUP_M tile rows so that neighbouring
+    programs share A and B tiles in L2) and G -> an fp32 accumulator over K in BLOCK_K steps
+    (`tl.dot`) -> alpha -> rounded to A's dtype (the original's MatMul output, %0) -> the
+    epilogue program in fp32 on the tile -> stored, cast to the output dtype.
+
+This is the Triton tutorial's matmul: operand strides are kernel parameters, so a transposed
+operand (Gemm's transA / transB, a Transpose of the last two dims before a MatMul, packed
+weights) costs nothing; the stride of the contiguous dim is 1 in the generated source (the
+node's trans_a / trans_b are compile-time), so the loads vectorize. Rows and columns past
+M and N wrap around (`% M`, `% N`, as the tutorial does) rather than being masked in the loop;
+the store is masked.
+
+Float32 operands multiply at the node's precision (`PRECISIONS`, `--conv-precision`): "tf32"
+rounds them to the nearest TF32 value first (`codegen_conv.ROUND_TO_TF32`, as cuBLAS does;
+Triton's tf32 dot would truncate), B being rounded once at compile time when it is a
+constant (`GemmSpec.b_rounded`); "tf32x3" and "ieee" are passed to `tl.dot` as they are.
+Float16 and bfloat16 operands multiply on the tensor cores with fp32 sums, as cuBLAS does.
+
+The epilogue's extra inputs are read by mode (`INPUT_MODES`) over Y's [G, M, N] view:
+``full`` (Y's shape), ``row`` (varies along N only: a bias), ``scalar``, ``strided`` (any other
+shape that broadcasts to Y and collapses to three strides, given at run time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, check_kernel_name
+from onnxfuse.codegen_conv import PRECISIONS, ROUND_TO_TF32
+from onnxfuse.codegen_rows import _program_lines
+from onnxfuse.expr import Program
+
+INPUT_MODES = ("full", "row", "scalar", "strided")
+INT_TYPE = "i32"  # every integer parameter; each tensor holds fewer than 2**31 elements (max_elements)
+MAX_ELEMENTS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """What a GemmEpilogue kernel computes (docs/format.md, GemmEpilogue)."""
+
+    kind: ClassVar[str] = "gemm"  # the Kind whose kernel it is (onnxfuse.kinds.gemm)
+    name: str
+    program: Program  # %0: the product (A's dtype), then the extras -> one output
+    input_modes: tuple[str, ...]  # per extra input (program inputs %1, %2, ...)
+    trans_a: bool = False
+    trans_b: bool = False
+    alpha: float = 1.0
+    precision: str = "tf32"  # float32 operands: tl.dot's input_precision (TF32 rounded to nearest)
+    b_rounded: bool = False  # float32 "tf32": B holds TF32 values already (a constant, rounded when compiled)
+    m: int | None = None  # rows of the GEMM the kernel runs (batch folded in), when static
+    n: int | None = None
+    k: int | None = None
+    batch: int | None = None  # G, when static
+    source_nodes: tuple[str, ...] = ()
+
+    @property
+    def dtype(self) -> str:
+        return self.program.input_dtypes[0]
+
+    @property
+    def n_extras(self) -> int:
+        return len(self.program.input_dtypes) - 1
+
+    @property
+    def rounds_a(self) -> bool:
+        return self.dtype == "f32" and self.precision == "tf32"
+
+    @property
+    def rounds_b(self) -> bool:
+        return self.rounds_a and not self.b_rounded
+
+
+@dataclass(frozen=True)
+class GemmVariant:
+    """One binary of a GemmEpilogue kernel: its tile, and what the launcher checks.
+
+    aligned: the pointers are 16-byte aligned and the strides given at run time multiples of
+    16 elements (hinted to the compiler; `requires` ptr_align and the launcher's own
+    `stride_multiple`); max_m > 0: the variant is for GEMMs of at most this many rows (the
+    small-M tiles), the launcher's own key like rows' max_cols."""
+
+    index: int = 0
+    block_m: int = 128
+    block_n: int = 128
+    block_k: int = 32
+    group_m: int = 8
+    num_warps: int = 8
+    num_stages: int = 3
+    aligned: bool = False
+    max_m: int = 0
+
+    def requires(self) -> dict[str, int]:
+        req = {"max_elements": MAX_ELEMENTS}
+        if self.aligned:
+            req["ptr_align"] = 16
+        return req
+
+    def meta(self) -> dict[str, int]:
+        return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
+                "stride_multiple": 16 if self.aligned else 1, "max_m": self.max_m}
+
+    def grid(self, m: int, n: int, g: int) -> tuple[int, int]:
+        """The launch grid, as the C++ launcher computes it."""
+        return (-(-m // self.block_m)) * (-(-n // self.block_n)), g
+
+    @property
+    def label(self) -> str:
+        return (f"tile {self.block_m}x{self.block_n}x{self.block_k}, {self.num_warps} warps, "
+                f"{self.num_stages} stages")
+
+
+# Tiles (block_m, block_n, block_k, warps, stages) by dtype. The large tile is the Triton
+# tutorial's Hopper configuration for its dtype; the medium one for products of too few
+# large tiles to fill the GPU (132 SMs on the H200), the small-M one for a handful of rows
+# (batch-1 decoding, pooled heads). Untimed: `--tune` times every one of them per node
+# (`gemm_candidates`) and keeps the node only where it beats ONNX Runtime.
+TILES = {
+    "large": {"f32": (128, 128, 32, 8, 3), "f16": (128, 128, 64, 8, 3)},
+    "medium": {"f32": (64, 128, 32, 4, 4), "f16": (64, 128, 64, 4, 4)},
+    "square": {"f32": (64, 64, 64, 4, 3), "f16": (64, 64, 64, 4, 4)},
+    "small_m": {"f32": (16, 64, 64, 4, 4), "f16": (16, 64, 128, 4, 4)},
+    "small_m32": {"f32": (32, 64, 64, 4, 4), "f16": (32, 128, 64, 4, 4)},
+}
+SMALL_M = 32  # GEMMs of at most this many rows take the small-M tiles
+SMS = 132  # multiprocessors of the H100 / H200: fewer large tiles than this leave SMs idle
+
+
+def _tile(spec: GemmSpec, name: str, **kw) -> GemmVariant:
+    bm, bn, bk, w, s = TILES[name]["f32" if spec.dtype == "f32" else "f16"]
+    return GemmVariant(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, **kw)
+
+
+def _heuristic_tile(spec: GemmSpec) -> str:
+    """The tile for a GEMM of known size: the small-M tile for at most SMALL_M rows, else
+    the large tile unless it makes fewer tiles than the GPU has SMs (then the medium one)."""
+    m, n, g = spec.m, spec.n, spec.batch or 1
+    if m is not None and m <= SMALL_M:
+        return "small_m" if m <= 16 else "small_m32"
+    if m is not None and n is not None and -(-m // 128) * -(-n // 128) * g < SMS:
+        return "medium"
+    return "large"
+
+
+def _numbered(variants: list[GemmVariant]) -> tuple[GemmVariant, ...]:
+    return tuple(GemmVariant(**{**v.__dict__, "index": i}) for i, v in enumerate(variants))
+
+
+def gemm_variants(spec: GemmSpec) -> tuple[GemmVariant, ...]:
+    """The variants of a GemmEpilogue kernel, most specialized first (the launcher takes the
+    first whose requirements hold): M known, the heuristic's tile for it, aligned then not;
+    M unknown (a dynamic batch), the small-M tile for M <= SMALL_M, then the large tile, each
+    aligned, and the large tile unaligned last."""
+    if spec.m is not None:
+        tile = _heuristic_tile(spec)
+        return _numbered([_tile(spec, tile, aligned=True), _tile(spec, tile)])
+    return _numbered([_tile(spec, "small_m", aligned=True, max_m=16), _tile(spec, "small_m32", aligned=True,
+                                                                             max_m=SMALL_M),
+                      _tile(spec, "large", aligned=True), _tile(spec, "large")])
+
+
+def gemm_candidates(spec: GemmSpec) -> list[tuple[str, tuple]]:
+    """(label, variants) per configuration `--tune` times: the heuristic's variants first,
+    then each tile of `TILES` (aligned, with its unaligned fallback)."""
+    out = [("default", gemm_variants(spec))]
+    for name in TILES:
+        v = _tile(spec, name, aligned=True)
+        out.append((v.label, _numbered([v, _tile(spec, name)])))
+    return out
+
+
+def gemm_param_names(spec: GemmSpec) -> list[str]:
+    """Kernel parameters in launch order (docs/format.md, kind gemm), without constexprs."""
+    names = ["a_ptr", "b_ptr", *(f"e{i}_ptr" for i in range(spec.n_extras)), "y_ptr",
+             "M", "N", "K", "stride_ag", "stride_a", "stride_bg", "stride_b"]
+    for i, mode in enumerate(spec.input_modes):
+        if mode == "strided":
+            names += [f"stride_e{i}_g", f"stride_e{i}_m", f"stride_e{i}_n"]
+    return names
+
+
+def _check(spec: GemmSpec, variant: GemmVariant) -> None:
+    check_kernel_name(spec.name)
+    spec.program.validate()
+    if spec.dtype not in ("f32", "f16", "bf16"):
+        raise ValueError(f"{spec.name}: the product's dtype {spec.dtype!r} is not f32, f16 or bf16")
+    if len(spec.program.outputs) != 1:
+        raise ValueError(f"{spec.name}: the epilogue must have one output, it has {len(spec.program.outputs)}")
+    if len(spec.input_modes) != spec.n_extras:
+        raise ValueError(f"{spec.name}: {len(spec.input_modes)} input modes for {spec.n_extras} extras")
+    for m in spec.input_modes:
+        if m not in INPUT_MODES:
+            raise ValueError(f"{spec.name}: input mode {m!r} is not one of {INPUT_MODES}")
+    if spec.precision not in PRECISIONS:
+        raise ValueError(f"precision {spec.precision!r} is not one of {PRECISIONS}")
+    for v in (variant.block_m, variant.block_n, variant.block_k, variant.num_warps):
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"tile sizes and num_warps must be powers of two: {variant}")
+    if min(variant.block_m, variant.block_n, variant.block_k) < 16:
+        raise ValueError(f"tl.dot needs tiles of at least 16: {variant}")
+
+
+def generate_gemm(spec: GemmSpec, variant: GemmVariant) -> KernelSource:
+    """The Triton kernel of a GemmEpilogue node for one variant."""
+    _check(spec, variant)
+    names = gemm_param_names(spec)
+    n_ptrs = 3 + spec.n_extras
+    types = [POINTER_TYPES[spec.dtype]] * 2 + [POINTER_TYPES[d] for d in spec.program.input_dtypes[1:]]
+    types += [POINTER_TYPES[spec.program.outputs[0][1]]]
+    types += [INT_TYPE] * (len(names) - n_ptrs)
+    constexprs = (("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n), ("BLOCK_K", variant.block_k),
+                  ("GROUP_M", variant.group_m))
+    divisible: tuple[int, ...] = ()
+    if variant.aligned:  # the pointers, and the strides the launcher checked (not M, N, K)
+        strides = [i for i, p in enumerate(names) if p.startswith("stride_") and not p.endswith(("_g", "_m", "_n"))]
+        divisible = tuple(range(n_ptrs)) + tuple(strides)
+    source = _module(spec, variant, names, [c for c, _ in constexprs])
+    return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
+                        constexprs=constexprs, divisible=divisible, num_warps=variant.num_warps,
+                        variant=variant, num_stages=variant.num_stages)
+
+
+# ---------------------------------------------------------------------------------------
+# module text
+# ---------------------------------------------------------------------------------------
+
+def _precision_text(spec: GemmSpec) -> str:
+    if spec.dtype != "f32":
+        return f"{spec.dtype} products, fp32 sums"
+    if spec.precision != "tf32":
+        return f"fp32 operands, dot precision {spec.precision}"
+    return ("tf32, operands rounded to nearest as cuBLAS does ("
+            + ("A here, B when compiled)" if spec.b_rounded else "both here)"))
+
+
+def _module(spec: GemmSpec, variant: GemmVariant, names: list[str], constexprs: list[str]) -> str:
+    a_shape = "[G, K, M] (trans_a)" if spec.trans_a else "[G, M, K]"
+    b_shape = "[G, N, K] (trans_b)" if spec.trans_b else "[G, K, N]"
+    lines = [f"# {spec.name}: generated by onnxfuse.codegen_gemm; do not edit.", "#",
+             f"# Y[G, M, N] = epilogue(alpha * A @ B); A {a_shape}, B {b_shape}; {_precision_text(spec)}.",
+             "#", "# Replaces the ONNX nodes:"]
+    lines += [f"#   {_comment_text(s)}" for s in spec.source_nodes] or ["#   (none listed)"]
+    lines += ["#", "# Epilogue (%0 is the product, rounded to A's dtype; then the extra inputs):"]
+    lines += [f"#   {ln}" for ln in spec.program.to_text().splitlines()]
+    lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
+    if spec.rounds_a:
+        lines += ["", "", *ROUND_TO_TF32]
+    lines += ["", "", "@triton.jit", f"def {spec.name}("]
+    ptrs = [p for p in names if p.endswith("_ptr")]
+    lines.append(f"    {', '.join(ptrs)},")
+    lines.append("    M, N, K,")
+    lines.append("    stride_ag, stride_a, stride_bg, stride_b,")
+    for i, mode in enumerate(spec.input_modes):
+        if mode == "strided":
+            lines.append(f"    stride_e{i}_g, stride_e{i}_m, stride_e{i}_n,")
+    lines += [f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},", "):"]
+    lines += ["    " + ln if ln else "" for ln in _body(spec)]
+    return "\n".join(lines) + "\n"
+
+
+def _body(spec: GemmSpec) -> list[str]:
+    a_off = ("offs_am[:, None] + offs_k[None, :] * stride_a" if spec.trans_a else
+             "offs_am[:, None] * stride_a + offs_k[None, :]")
+    b_off = ("offs_k[:, None] + offs_bn[None, :] * stride_b" if spec.trans_b else
+             "offs_k[:, None] * stride_b + offs_bn[None, :]")
+    a_step = "BLOCK_K * stride_a" if spec.trans_a else "BLOCK_K"
+    b_step = "BLOCK_K" if spec.trans_b else "BLOCK_K * stride_b"
+    out = ["# Tiles in groups of GROUP_M tile rows, so that neighbouring programs share A and B in L2.",
+           "pid = tl.program_id(axis=0)",
+           "pid_g = tl.program_id(axis=1).to(tl.int64)",
+           "num_pid_m = tl.cdiv(M, BLOCK_M)",
+           "num_pid_n = tl.cdiv(N, BLOCK_N)",
+           "num_pid_in_group = GROUP_M * num_pid_n",
+           "group_id = pid // num_pid_in_group",
+           "first_pid_m = group_id * GROUP_M",
+           "group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)",
+           "pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)",
+           "pid_n = (pid % num_pid_in_group) // group_size_m",
+           "",
+           "# Rows and columns past M and N wrap around (their results are not stored).",
+           "offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M",
+           "offs_bn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N",
+           "offs_k = tl.arange(0, BLOCK_K)",
+           f"a_ptrs = a_ptr + pid_g * stride_ag + ({a_off})",
+           f"b_ptrs = b_ptr + pid_g * stride_bg + ({b_off})",
+           "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
+           "for k in range(0, tl.cdiv(K, BLOCK_K)):",
+           "    k_left = K - k * BLOCK_K",
+           "    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)",
+           "    b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)"]
+    if spec.rounds_a:
+        out.append("    # To the nearest TF32 value, as cuBLAS does (tl.dot's tf32 would truncate)"
+                   + ("; B was rounded when compiled." if spec.b_rounded else "."))
+        out.append("    a = round_to_tf32(a)")
+        if spec.rounds_b:
+            out.append("    b = round_to_tf32(b)")
+    if spec.dtype == "f32":
+        out.append(f'    acc = tl.dot(a, b, acc, input_precision="{spec.precision}")')
+    else:
+        out.append("    acc = tl.dot(a, b, acc)")
+    out += [f"    a_ptrs += {a_step}", f"    b_ptrs += {b_step}", ""]
+    out += ["# Epilogue on the tile, in fp32: %0 is the product as the original stores it."]
+    alpha = "" if spec.alpha == 1.0 else f" * {float(spec.alpha)!r}"
+    if spec.dtype == "f32":
+        out.append(f"p = acc{alpha}")
+    else:
+        out.append(f'p = (acc{alpha}).to({TL_DTYPES[spec.dtype]}, fp_downcast_rounding="rtne").to(tl.float32)')
+    out += ["offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+            "offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)",
+            "mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)",
+            "y_offs = pid_g * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]"]
+    for i, (dt, mode) in enumerate(zip(spec.program.input_dtypes[1:], spec.input_modes, strict=True)):
+        out.append(f"e{i} = {_load(i, dt, mode)}")
+    prog = spec.program
+
+    def value_of(i: int) -> str:
+        return "p" if i == 0 else f"e{i - 1}"
+
+    out += _program_lines(prog, value_of, "t")
+    v, dt = prog.outputs[0]
+    val = value_of(v) if v < len(prog.input_dtypes) else f"t{v}"
+    if dt != "f32":
+        val = f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
+    out += ["# Store, cast to the output dtype.", f"tl.store(y_ptr + y_offs, {val}, mask=mask)"]
+    return out
+
+
+def _load(i: int, dtype: str, mode: str) -> str:
+    if mode == "full":
+        load = f"tl.load(e{i}_ptr + y_offs, mask=mask, other=0)"
+    elif mode == "row":
+        load = f"tl.load(e{i}_ptr + offs_n[None, :], mask=offs_n[None, :] < N, other=0)"
+    elif mode == "scalar":
+        load = f"tl.load(e{i}_ptr)"
+    else:
+        load = (f"tl.load(e{i}_ptr + (pid_g * stride_e{i}_g + offs_m[:, None].to(tl.int64) * stride_e{i}_m"
+                f" + offs_n[None, :] * stride_e{i}_n), mask=mask, other=0)")
+    if dtype == "bool":
+        return f"({load} != 0).to(tl.float32)"
+    return load if dtype == "f32" else f"{load}.to(tl.float32)"

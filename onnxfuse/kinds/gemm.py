@@ -1,0 +1,508 @@
+"""The gemm kind (GemmEpilogue): a MatMul or Gemm with the pointwise ops after it (bias add,
+GELU in any of its forms, SiLU, Relu, Clip, a residual add, a Cast) becomes one node whose
+Triton kernel (onnxfuse/codegen_gemm.py) applies them to the product's tiles before storing
+it (docs/format.md, "GemmEpilogue").
+
+A match has two parts:
+
+- the **core**: a MatMul of operands of rank >= 2 (2-D, batched with equal batch dims, or a
+  batched A times a 2-D B, which runs as one GEMM of M = batch * rows), or a Gemm (its
+  transA / transB, alpha, and beta * C as the epilogue's first instruction); a Transpose of
+  the last two dims that feeds the MatMul alone is absorbed into the node's trans_a /
+  trans_b (the kernel reads the operand with swapped strides);
+- the **epilogue**: the largest group of pointwise ops after it with one result, each
+  computing over the product's shape (`onnxfuse.match.grow_epilogue`, `single_result`).
+
+B must be a constant (weights) unless the pattern says `dynamic_b: true`: a product of two
+activations (attention's QK^T and PV) is left to ONNX Runtime by default. Float32 constant
+weights are packed K-major (B^T, [N, K], trans_b 1) in a new initializer, which the compile
+step rounds to TF32 for "tf32" kernels (cuBLAS rounds its operands; the kernel rounds A);
+the function body transposes them back.
+
+ONNX Runtime's own fusions (`onnxfuse.ort_fusions`): the gemm kind claims the whole group
+ONNX Runtime would fuse around a product (MatMul + Add into Gemm, FusedMatMul, BiasGelu,
+Gelu, FastGelu): a match must hold every node of each of those fusions it touches, or it is
+left to ONNX Runtime whole ("would split ..."); nodes of ORT's other fusions (the bias and
+residual adds of a SkipLayerNormalization, attention) never join an epilogue.
+
+Whether a match is kept is measured, never guessed: cuBLAS is hard to beat on the product
+itself, so the kind's patterns are matched only when the tune pass times every fused node
+against ONNX Runtime running the original nodes (with its own fusions) and keeps it only
+where it is faster (`Gemm.untuned_reason`; ``$ONNXFUSE_GEMM_ALL=1`` matches them regardless,
+for tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
+
+from onnxfuse.codegen import KernelSource
+from onnxfuse.codegen_gemm import MAX_ELEMENTS, GemmSpec, GemmVariant, gemm_candidates, gemm_variants, generate_gemm
+from onnxfuse.expr import Program, evaluate
+from onnxfuse.graph import GraphView, Shape, same_shape
+from onnxfuse.groups import Accepted, reentering
+from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
+from onnxfuse.match import DTYPE_IDS, dtype_reason, grow_epilogue, numel, operands, single_result
+from onnxfuse.ops import FLOAT_TYPES, node_attrs
+from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+ANCHORS = frozenset({"MatMul", "Gemm"})
+# ONNX Runtime's fusions around a product, which a gemm match takes whole (ort_fusions.FUSED_OPS names)
+PRODUCT_FUSIONS = ("MatMul + Add into Gemm", "FusedMatMul", "BiasGelu", "Gelu", "FastGelu")
+
+# Reasons in the report (MatMul / Gemm node -> why it did not fuse).
+UNTUNED = ("MatMul / Gemm: fused only where --tune or the tune pass measures the fused node faster than "
+           "cuBLAS with ONNX Runtime's own fusions (not tuned: no GPU, or --no-tune)")
+NO_EPILOGUE = "MatMul / Gemm without a fusible epilogue (cuBLAS runs it alone)"
+DYNAMIC_B = ("B is not a constant (a product of two activations, as attention's): left to cuBLAS "
+             "(pattern dynamic_b: false)")
+OUTPUT_ELSEWHERE = "MatMul / Gemm output is also read elsewhere"
+PARTIAL_BATCH = "batch dims broadcast partially (only equal batch dims or a 2-D operand are fused)"
+LOW_RANK = "a 1-D operand"
+UNKNOWN_SHAPE = "unknown shape"
+CYCLE = "fusing would create a cycle"
+EXTRA_LAYOUT = "an epilogue input does not broadcast over the product as [batch, rows, columns]"
+
+
+def split_reason(fusion: str) -> str:
+    return f"left to ONNX Runtime's {fusion} fusion (fusing would split it)"
+
+
+@dataclass(frozen=True)
+class GemmParams:
+    """Match a MatMul or Gemm and the pointwise group after it (`ops`)."""
+
+    ops: frozenset[str]
+    dtypes: frozenset[str]
+    min_nodes: int = 1  # epilogue nodes at least
+    dynamic_b: bool = False  # also products of two activations
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        return self.ops | ANCHORS | {"Transpose"}
+
+
+@dataclass(frozen=True)
+class Core:
+    """The product: its node, operands as the kernel reads them, and its geometry."""
+
+    node: int
+    a: str  # the tensor the kernel reads as A (a Transpose's input when one is absorbed)
+    b: str
+    c: str | None  # Gemm's C
+    trans_a: bool
+    trans_b: bool
+    alpha: float
+    beta: float
+    transposes: tuple[int, ...]  # absorbed Transpose nodes
+    y_shape: Shape  # the product's shape
+    flatten: bool  # a batched A times a 2-D B: one GEMM of M = batch * rows
+    b_const: bool
+
+
+@dataclass(frozen=True)
+class GemmParts:
+    """What a match found (Match.params)."""
+
+    core: Core
+    epilogue: tuple[int, ...]
+    result: str
+    modes: tuple[str, ...] = ()  # filled in by the lowering
+
+
+@dataclass(frozen=True)
+class GemmInfo:
+    """What a GemmEpilogue node's kernel needs besides its program (FusedNode.params)."""
+
+    trans_a: bool
+    trans_b: bool
+    alpha: float
+    packed: bool  # B is this node's own K-major copy of constant weights (TF32-rounded when compiled)
+    m: int | None
+    n: int | None
+    k: int | None
+    batch: int | None
+
+
+def _is(view: GraphView, i: int | None, op: str) -> bool:
+    return i is not None and view.nodes[i].op_type == op and view.nodes[i].domain in DEFAULT_DOMAINS
+
+
+def _last_two_swapped(view: GraphView, t: int) -> bool:
+    n = view.nodes[t]
+    rank = view.rank(n.input[0])
+    perm = list(node_attrs(n).get("perm", []))
+    if rank is None or rank < 2:
+        return False
+    if not perm:
+        return rank == 2
+    return perm == [*range(rank - 2), rank - 1, rank - 2]
+
+
+def _absorbed(view: GraphView, name: str, user: int, taken: set[int]) -> int | None:
+    """The Transpose of the last two dims producing `name` that only node `user` reads."""
+    t = view.producer.get(name)
+    if not _is(view, t, "Transpose") or t in taken or name in view.graph_outputs:
+        return None
+    if view.consumers.get(name, []) != [user] or not _last_two_swapped(view, t):
+        return None
+    return t
+
+
+def _dim_product(dims) -> int | str | None:
+    if all(isinstance(d, int) for d in dims):
+        return int(np.prod(dims, dtype=np.int64)) if dims else 1
+    return None
+
+
+def find_core(view: GraphView, i: int, pattern: Pattern, taken: set[int]) -> Core | str:
+    """The product at node i, or why it cannot fuse."""
+    m: GemmParams = pattern.match
+    n = view.nodes[i]
+    gemm = n.op_type == "Gemm"
+    if len(n.input) < 2 or len(n.output) != 1:
+        return "MatMul without two inputs"
+    a, b = n.input[0], n.input[1]
+    attrs = node_attrs(n)
+    trans_a = bool(attrs.get("transA", 0)) if gemm else False
+    trans_b = bool(attrs.get("transB", 0)) if gemm else False
+    transposes: list[int] = []
+    if not gemm:
+        for which, name in ((0, a), (1, b)):
+            t = _absorbed(view, name, i, taken)
+            if t is not None:
+                transposes.append(t)
+                if which == 0:
+                    a, trans_a = view.nodes[t].input[0], True
+                else:
+                    b, trans_b = view.nodes[t].input[0], True
+    dtype = view.types.get(a)
+    if dtype not in {DTYPE_IDS[d] for d in m.dtypes}:
+        return dtype_reason(dtype)
+    if view.types.get(b) != dtype:
+        return "operands of different dtypes"
+    a_shape, b_shape, y_shape = view.shapes.get(a), view.shapes.get(b), view.shapes.get(n.output[0])
+    if a_shape is None or b_shape is None or y_shape is None:
+        return UNKNOWN_SHAPE
+    if len(a_shape) < 2 or len(b_shape) < 2:
+        return LOW_RANK
+    b_const = b in view.constants
+    if not b_const and not m.dynamic_b:
+        return DYNAMIC_B
+    a_batch, b_batch = tuple(a_shape[:-2]), tuple(b_shape[:-2])
+    if b_batch and a_batch and not same_shape(a_batch, b_batch):
+        return PARTIAL_BATCH
+    flatten = not b_batch and not trans_a
+    c, beta = None, 1.0
+    if gemm:
+        alpha, beta = float(attrs.get("alpha", 1.0)), float(attrs.get("beta", 1.0))
+        if len(n.input) > 2 and n.input[2]:
+            c = n.input[2]
+            if view.types.get(c) != dtype or view.shapes.get(c) is None:
+                return "Gemm's C has another dtype or an unknown shape"
+    else:
+        alpha = 1.0
+    return Core(i, a, b, c, trans_a, trans_b, alpha, beta, tuple(transposes), tuple(y_shape), flatten, b_const)
+
+
+def _groups(core: Core) -> tuple[range, range]:
+    """Y's dims forming the kernel's G and M (N is the last dim)."""
+    r = len(core.y_shape)
+    return (range(0, 0), range(0, r - 1)) if core.flatten else (range(0, r - 2), range(r - 2, r - 1))
+
+
+def extra_mode(shape: Shape | None, core: Core) -> str | None:
+    """How the kernel reads an epilogue input of this shape over Y's [G, M, N] view
+    (codegen_gemm.INPUT_MODES), or None when it cannot."""
+    y = core.y_shape
+    if shape is None or len(shape) > len(y):
+        return None
+    if same_shape(shape, y):
+        return "full"
+    if numel(shape) == 1:
+        return "scalar"
+    padded = (1,) * (len(y) - len(shape)) + tuple(shape)
+    if all(d == 1 for d in padded[:-1]) and padded[-1] == y[-1]:
+        return "row"
+    if not all(isinstance(d, int) for d in padded) or not all(isinstance(d, int) for d in y):
+        return None
+    # strided: each group of Y's dims must collapse to one stride over the input's contiguous layout
+    strides, s = [0] * len(padded), 1
+    for d in range(len(padded) - 1, -1, -1):
+        strides[d] = 0 if padded[d] == 1 else s
+        s *= padded[d]
+    for group in _groups(core):
+        live = [d for d in group if y[d] != 1]
+        if any(strides[d] != 0 for d in live) and not all(
+                strides[d] != 0 and (k == len(live) - 1 or strides[d] == strides[live[k + 1]] * y[live[k + 1]])
+                for k, d in enumerate(live)):
+            return None
+    return "strided"
+
+
+def _candidate_taken(view: GraphView, taken: set[int], reserved: dict[int, str]) -> set[int]:
+    """Nodes no epilogue may take: those taken already, and those ONNX Runtime fuses into
+    something other than a product (a SkipLayerNormalization's adds)."""
+    return taken | {j for j, r in reserved.items() if not any(r.endswith(f"{f} fusion") for f in PRODUCT_FUSIONS)}
+
+
+def _split_fusion(view: GraphView, members: set[int], reserved: dict[int, str], ops: frozenset[str]) -> str | None:
+    """The ONNX Runtime fusion a group of these members would split (a node of it inside, a
+    neighbour of the same fusion outside), or None. Only neighbours of the op types a product's
+    fusion is made of (`ops`) count: `ort_fusions` also attributes to a fusion the shape
+    arithmetic that ONNX Runtime folds away beside it (Shape, Slice, Concat on the bias add's
+    output), which no fusion holds."""
+    for i in members:
+        r = reserved.get(i)
+        if r is None:
+            continue
+        n = view.nodes[i]
+        near = [view.producer.get(x) for x in n.input if x] + [c for o in n.output for c in view.consumers.get(o, ())]
+        if any(j is not None and j not in members and reserved.get(j) == r and view.nodes[j].op_type in ops
+               for j in near):
+            return r
+    return None
+
+
+def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accepted: Accepted,
+              reserved: dict[int, str]) -> Match | str:
+    m: GemmParams = pattern.match
+    core = find_core(view, i, pattern, taken)
+    if isinstance(core, str):
+        return core
+    out = view.nodes[i].output[0]
+    blocked = _candidate_taken(view, taken, reserved)
+    epilogue = grow_epilogue(view, i, core.y_shape, pattern, blocked)
+    direct = [c for c in view.consumers.get(out, ()) if c not in epilogue]
+    if epilogue and (out in view.graph_outputs or direct):
+        return OUTPUT_ELSEWHERE
+    grown = bool(epilogue)
+    anchor_group = {i, *core.transposes}
+    epilogue, result = single_result(view, i, out, epilogue, accepted)
+    if grown and not epilogue:
+        return OUTPUT_ELSEWHERE
+    if len(epilogue) < m.min_nodes:
+        return NO_EPILOGUE
+    result = result or out
+    nodes = sorted(epilogue | anchor_group)
+    if reentering(view, nodes, accepted):
+        return CYCLE
+    split = _split_fusion(view, set(nodes), reserved, m.fused_ops)
+    if split is not None:
+        return split_reason(split.removeprefix("left to ONNX Runtime's ").removesuffix(" fusion"))
+    if view.types.get(result) not in FLOAT_TYPES:
+        return dtype_reason(view.types.get(result))
+    members = set(nodes)
+    for j in epilogue:
+        for _, x in operands(view, j):
+            if view.producer.get(x) not in members and extra_mode(view.shapes.get(x), core) is None:
+                return EXTRA_LAYOUT
+    if core.c is not None and extra_mode(view.shapes.get(core.c), core) is None:
+        return EXTRA_LAYOUT
+    return Match(pattern, tuple(nodes), (result,), pointwise=tuple(sorted(epilogue)), first_input=out,
+                 result=result, params=GemmParts(core, tuple(sorted(epilogue)), result))
+
+
+def match_gemm(view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+               reserved: dict[int, str]) -> MatchResult:
+    """Matches at every MatMul / Gemm not taken yet, in topological order; the result's
+    `anchors` say why each other one did not match."""
+    result = MatchResult()
+    for i, n in enumerate(view.nodes):
+        if i in taken or n.op_type not in ANCHORS or n.domain not in DEFAULT_DOMAINS:
+            continue
+        found = match_one(view, i, pattern, taken, accepted, reserved)
+        if isinstance(found, str):
+            result.anchors[i] = found
+            continue
+        result.matches.append(found)
+        taken.update(found.nodes)
+        accepted.add(list(found.nodes))
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Lowering
+# ---------------------------------------------------------------------------------------
+
+PRODUCT = "\0gemm product"  # the program's %0 for a Gemm (no graph tensor has this name)
+
+
+def _static(v) -> int | None:
+    return v if isinstance(v, int) else None
+
+
+def geometry(core: Core, a_shape: Shape) -> tuple[int | None, int | None, int | None, int | None]:
+    """(M, N, K, G) of the GEMM the kernel runs, where static."""
+    y = core.y_shape
+    n = _static(y[-1])
+    k = _static(a_shape[-2] if core.trans_a else a_shape[-1])
+    if core.flatten:
+        return _dim_product(y[:-1]), n, k, 1
+    return _static(y[-2]), n, k, _dim_product(y[:-2])
+
+
+def lower_gemm(view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
+    """The GemmEpilogue node (docs/format.md): inputs A, B (or its packed copy), the
+    epilogue's extras; the body the absorbed Transposes, the product, the epilogue."""
+    parts: GemmParts = match.params
+    core = parts.core
+    node = view.nodes[core.node]
+    dt = ir_dtype(view, core.a)
+    if node.op_type == "Gemm":
+        fixed = [(PRODUCT, dt)] + ([(core.c, ir_dtype(view, core.c))] if core.c is not None else [])
+
+        def prelude(b, env):  # Gemm's output: alpha A B (%0) + beta C
+            v = env[PRODUCT]
+            if core.c is not None:
+                cv = env[core.c]
+                if core.beta != 1.0:
+                    cv = b.emit("mul", cv, core.beta)
+                v = b.emit("add", v, cv)
+                if dt != "f32":  # the original stores Gemm's output in its dtype
+                    v = b.emit(f"round_{dt}", v)
+            env[node.output[0]] = v
+        program, inputs, folded = lower_nodes(view, parts.epilogue, (parts.result,), fixed, prelude,
+                                              {node.output[0]})
+    else:
+        program, inputs, folded = lower_nodes(view, parts.epilogue, (parts.result,), [(node.output[0], dt)])
+    extras = inputs[1:]
+    modes = tuple(extra_mode(view.shapes.get(x), core) or "strided" for x in extras)
+    a_shape = view.shapes[core.a]
+    b_dims = view.shapes[core.b]
+    body: list[NodeProto] = [view.nodes[t] for t in core.transposes]
+    b_input, trans_b, packed = core.b, core.trans_b, False
+    if core.b_const and dt == "f32" and len(b_dims) == 2:
+        # float32 weights packed K-major ([N, K]): TF32 tensor cores read B K-major; this copy
+        # is the node's own, so rounding it to TF32 changes no other reader
+        w = numpy_helper.to_array(view.constants[core.b])
+        op_b = w.T if core.trans_b else w  # [K, N]
+        b_input = unique_name(f"{node_name}.weight_packed", names)
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(op_b.T), b_input))
+        trans_b, packed = True, True
+        unpacked = f"{b_input}\0onnx_weights"
+        body = [view.nodes[t] for t in core.transposes if view.nodes[t].output[0] != node.input[1]]
+        body.append(helper.make_node("Transpose", [b_input], [unpacked], perm=[1, 0]))
+        copy = NodeProto()
+        copy.CopyFrom(node)
+        copy.input[1] = unpacked
+        if node.op_type == "Gemm":
+            for att in copy.attribute:
+                if att.name == "transB":
+                    att.i = 0
+        body.append(copy)
+    else:
+        body.append(node)
+    body += [view.nodes[j] for j in parts.epilogue]
+    m, n, k, g = geometry(core, a_shape)
+    attrs = {"trans_a": int(core.trans_a), "trans_b": int(trans_b)}
+    if core.alpha != 1.0:
+        attrs["alpha"] = core.alpha
+    key = (f"gemm trans_a={int(core.trans_a)} trans_b={int(trans_b)} alpha={core.alpha!r} packed={packed} "
+           f"M={m} N={n} K={k} G={g} flatten={core.flatten} modes={','.join(modes)}")
+    info = GemmInfo(core.trans_a, trans_b, core.alpha, packed, m, n, k, g)
+    return Lowering(program, folded, [core.a, b_input, *extras], body, attrs, key, len(core.y_shape),
+                    ("full", *modes), {"params": info})
+
+
+# ---------------------------------------------------------------------------------------
+# The kind
+# ---------------------------------------------------------------------------------------
+
+class Gemm(Kind):
+    """A match is a MatMul or Gemm (with the Transposes of the last two dims it absorbs) and
+    the largest pointwise group after it with one result; each MatMul or Gemm that does not
+    fuse is reported with the reason."""
+
+    name = "gemm"
+    op_type = "GemmEpilogue"
+    match_kind = "gemm_epilogue"
+    params = frozenset({"min_nodes", "dynamic_b"})
+    measure_first = True  # cuBLAS is hard to beat: time these nodes first
+    anchor_ops = ANCHORS
+
+    def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> GemmParams:
+        """min_nodes (default 1: epilogue nodes at least), dynamic_b (default false: B must
+        be a constant)."""
+        min_nodes = m.get("min_nodes", int, 1)
+        if min_nodes < 0:
+            m.fail("match.min_nodes", "must be at least 0")
+        return GemmParams(ops, dtypes, min_nodes, m.get("dynamic_b", bool, False))
+
+    def match(self, view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+              reserved: dict[int, str]) -> MatchResult:
+        return match_gemm(view, pattern, taken, accepted, reserved)
+
+    def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
+        return lower_gemm(view, match, node_name, names, graph)
+
+    def untuned_reason(self) -> str | None:
+        return None if os.environ.get("ONNXFUSE_GEMM_ALL") == "1" else UNTUNED
+
+    def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> GemmSpec:
+        g: GemmInfo = f.params
+        return GemmSpec(f.kernel_name, f.program, tuple(f.input_modes[1:]), g.trans_a, g.trans_b, g.alpha,
+                        precision, g.packed and precision == "tf32" and f.program.input_dtypes[0] == "f32",
+                        g.m, g.n, g.k, g.batch, f.source_nodes)
+
+    def decline_reason(self, spec: GemmSpec, layout: str) -> str | None:
+        """A GEMM with a tensor of more than 2**31 - 1 elements (32-bit index parameters)."""
+        sizes = [spec.m, spec.n, spec.k, spec.batch or 1]
+        if all(s is not None for s in sizes):
+            m, n, k, g = sizes
+            if max(g * m * k, g * k * n, g * m * n) > MAX_ELEMENTS:
+                return "GEMM operand of more than 2**31 - 1 elements (the kernel indexes in 32 bits)"
+        return None
+
+    def variants(self, spec: GemmSpec) -> tuple[GemmVariant, ...]:
+        return gemm_variants(spec)
+
+    def generate(self, spec: GemmSpec, variant: GemmVariant) -> KernelSource:
+        return generate_gemm(spec, variant)
+
+    def kernel_meta(self, spec: GemmSpec, variants: tuple, binaries: list[dict]) -> dict:
+        return {
+            "version": META_VERSION, "kind": "gemm", "name": spec.name, "n_extras": spec.n_extras,
+            "trans_a": int(spec.trans_a), "trans_b": int(spec.trans_b), "input_modes": list(spec.input_modes),
+            "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
+            "binaries": binaries,
+        }
+
+    def ptx_arch(self, archs: list[int]) -> tuple[int, bool]:
+        """As conv: sm_90a's wgmma PTX cannot be relaxed; the highest target below sm_90's PTX
+        is embedded when there is one."""
+        below = [a for a in archs if a < 90]
+        return (below[-1] if below else archs[-1]), False
+
+    def candidates(self, spec: GemmSpec) -> list[tuple[str, tuple]]:
+        return gemm_candidates(spec)
+
+    def multiplies_in_tf32(self, f: FusedNode, precision: str) -> bool:
+        return precision == "tf32" and f.program.input_dtypes[0] == "f32"
+
+    def tf32_initializers(self, f: FusedNode, spec: GemmSpec) -> tuple[str, ...]:
+        return (f.inputs[1],) if spec.b_rounded else ()
+
+    def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        """alpha * op(A) @ op(B) in float64, rounded to A's dtype, then the program."""
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        program = Program.from_text(attrs["program"].decode())
+        a, b, *extras = inputs
+        return evaluate_gemm(program, a, b, extras, bool(attrs.get("trans_a", 0)), bool(attrs.get("trans_b", 0)),
+                             float(attrs.get("alpha", 1.0)))
+
+
+def evaluate_gemm(program: Program, a: np.ndarray, b: np.ndarray, extras: list[np.ndarray], trans_a: bool,
+                  trans_b: bool, alpha: float = 1.0) -> list[np.ndarray]:
+    """A GemmEpilogue node's output (docs/format.md) in numpy."""
+    a64 = np.swapaxes(a, -1, -2) if trans_a else a
+    b64 = np.swapaxes(b, -1, -2) if trans_b else b
+    p = alpha * np.matmul(a64.astype(np.float64), b64.astype(np.float64))
+    (y,) = evaluate(program, [p.astype(a.dtype), *extras])
+    return [np.broadcast_to(y, p.shape).copy()]
+

@@ -1,0 +1,187 @@
+"""GemmEpilogue on an NVIDIA GPU (run with ``pytest -m gpu`` on the device machine):
+
+- the ahead-of-time binaries of every variant of every kernel case of tests/test_gemm_codegen.py
+  (bf16 included), launched through the CUDA driver with the parameters and grid the C++
+  launcher passes (docs/format.md, kind gemm), against the numpy reference of the contract
+  (`gpu(ort=False, torch=True)`: needs torch with CUDA, not onnxruntime-gpu);
+- optimized models on ONNX Runtime's CUDA execution provider with the custom-op library
+  against the originals there, with and without CUDA graphs: fp32 at ieee against ORT with
+  TF32 off (1e-5 of the scale), fp32 at the default tf32 against the float64 reference within
+  2x ORT's own TF32 error plus a floor (onnxfuse bench's gate), fp16 (1e-2)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from tests.test_gemm_codegen import CASES, NP, TOL, extra_strides, geometry, inputs_of, reference, spec_of, y_shape
+from tests.test_gemm_patterns import GEMM, _w, ffn1
+from tests.util import model
+
+N = helper.make_node
+
+
+def _arch() -> int:
+    import torch
+
+    from onnxfuse.compile import SUPPORTED_ARCHS
+
+    major, minor = torch.cuda.get_device_capability()
+    arch = major * 10 + minor
+    return arch if arch in SUPPORTED_ARCHS else max(a for a in SUPPORTED_ARCHS if a < arch)
+
+
+def _launch(image: bytes, entry: str, grid: tuple[int, int], num_warps: int, shared: int, args: list[int],
+            stream: int) -> None:
+    """cuModuleLoadData, cuModuleGetFunction, cuLaunchKernel on a 2-D grid, as the C++ launcher."""
+    import ctypes as ct
+
+    lib = ct.CDLL("libcuda.so.1")
+    mod, fn = ct.c_void_p(), ct.c_void_p()
+    assert lib.cuModuleLoadData(ct.byref(mod), ct.c_char_p(image)) == 0
+    assert lib.cuModuleGetFunction(ct.byref(fn), mod, entry.encode()) == 0
+    values = [ct.c_uint64(a & (2**64 - 1)) for a in args] + [ct.c_uint64(0), ct.c_uint64(0)]
+    params = (ct.c_void_p * len(values))(*[ct.cast(ct.byref(v), ct.c_void_p) for v in values])
+    if shared > 48 * 1024:
+        assert lib.cuFuncSetAttribute(fn, 8, shared) == 0
+    assert lib.cuLaunchKernel(fn, grid[0], grid[1], 1, 32 * num_warps, 1, 1, shared, ct.c_void_p(stream), params,
+                              None) == 0
+
+
+@pytest.mark.gpu(ort=False, torch=True)
+def test_aot_variants_launch_with_the_documented_abi(tmp_path):
+    import torch
+
+    from onnxfuse.codegen_gemm import gemm_variants
+    from onnxfuse.compile import compile_kernels
+
+    tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+    checked = 0
+    for i, case in enumerate(CASES):
+        spec, forced = spec_of(i, case)
+        variants = (dataclasses.replace(forced, index=0),) if case.variant else gemm_variants(spec)
+        (ck,) = compile_kernels([spec], [_arch()], cache_dir=tmp_path / "cache", variant_override=variants)
+        meta = ck.kernel_meta()
+        inputs = inputs_of(i, case)
+        want = reference(i, case).astype(np.float32)
+        m, n, k, g, sag, sa, sbg, sb, lead = geometry(case)
+        ys = y_shape(case)
+        ints = [m, n, k, sag, sa, sbg, sb]
+        for (shape, mode) in case.extras:
+            if mode == "strided":
+                ints += extra_strides(shape, ys, lead)
+        for v, vm in zip(variants, meta["variants"], strict=True):
+            if vm["max_m"] and m > vm["max_m"]:
+                continue
+            if vm["stride_multiple"] > 1 and any(s % vm["stride_multiple"] for s in (sag, sa, sbg, sb)):
+                continue
+            ins = []
+            for a in inputs:
+                if a.dtype == NP["bf16"]:
+                    ins.append(torch.from_numpy(a.view(np.uint16).copy()).view(torch.bfloat16).cuda())
+                else:
+                    ins.append(torch.from_numpy(np.ascontiguousarray(a)).cuda())
+            y = torch.full(ys, float("nan"), dtype=tdt[spec.program.outputs[0][1]], device="cuda")
+            b = next(b for b in meta["binaries"] if b["variant"] == v.index and b["format"] == "cubin")
+            blob = ck.kernels()[meta["binaries"].index(b)]
+            _launch(blob, b["entry"], v.grid(m, n, g), b["num_warps"], b["shared"],
+                    [t.data_ptr() for t in [*ins, y]] + ints, torch.cuda.current_stream().cuda_stream)
+            torch.cuda.synchronize()
+            got = y.float().cpu().numpy()
+            # tf32 on the tensor cores: the operands rounded as the reference rounds them; the sums'
+            # order differs
+            tol = max(TOL[spec.dtype], TOL[spec.program.outputs[0][1]])
+            np.testing.assert_allclose(got, want, rtol=tol, atol=tol * float(np.abs(want).max(initial=1)),
+                                       err_msg=f"{case.id} variant {v.index}")
+            checked += 1
+    assert checked >= len(CASES)
+
+
+# ---------------------------------------------------------------------------------------
+# ONNX Runtime's CUDA EP with the library
+# ---------------------------------------------------------------------------------------
+
+def _models() -> list[tuple[str, onnx.ModelProto, dict, bool]]:
+    """(name, model, feeds, dynamic_b)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for s, k, n in ((128, 768, 3072), (37, 70, 45), (1, 256, 512)):
+        out.append((f"ffn1-{s}x{k}x{n}", ffn1(s=s, k=k, n=n),
+                    {"x": rng.standard_normal((8, s, k)).astype(np.float32)}, False))
+    out.append(("ffn1-fp16", ffn1("float16", s=128, k=768, n=3072),
+                {"x": rng.standard_normal((8, 128, 768)).astype(np.float16)}, False))
+    nodes = [N("Gemm", ["x", "w", "c"], ["h"], transB=1, alpha=0.5), N("Relu", ["h"], ["y"])]
+    out.append(("gemm-transb", model(nodes, {"x": ("float32", [300, 96])}, {"y": ("float32", [300, 200])},
+                                     {"w": _w((200, 96), 3), "c": _w((200,), 4)}),
+                {"x": rng.standard_normal((300, 96)).astype(np.float32)}, False))
+    nodes = [N("MatMul", ["x", "w"], ["h"]), N("Add", ["h", "b"], ["hb"]), N("Add", ["hb", "r"], ["s"]),
+             N("Cast", ["s"], ["y"], to=TensorProto.FLOAT16)]
+    out.append(("ffn2-residual-cast", model(nodes, {"x": ("float32", [8, 128, 3072]), "r": ("float32", [8, 128, 768])},
+                                            {"y": ("float16", [8, 128, 768])}, {"w": _w((3072, 768)),
+                                                                                "b": _w((768,), 2)}),
+                {"x": rng.standard_normal((8, 128, 3072)).astype(np.float32),
+                 "r": rng.standard_normal((8, 128, 768)).astype(np.float32)}, False))
+    nodes = [N("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), N("MatMul", ["q", "kt"], ["s"]),
+             N("Mul", ["s", "scale"], ["y"])]
+    qk = {"q": ("float32", [2, 12, 128, 64]), "k": ("float32", [2, 12, 128, 64])}
+    out.append(("attention-scores", model(nodes, qk, {"y": ("float32", [2, 12, 128, 128])},
+                                          {"scale": np.array(0.125, np.float32)}),
+                {"q": rng.standard_normal((2, 12, 128, 64)).astype(np.float32),
+                 "k": rng.standard_normal((2, 12, 128, 64)).astype(np.float32)}, True))
+    return out
+
+
+MODELS = _models()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["ieee", "tf32"])
+@pytest.mark.parametrize("index", range(len(MODELS)), ids=[m[0] for m in MODELS])
+def test_cuda_op_matches_onnx_runtime(index, precision, tmp_path, monkeypatch):
+    import onnxruntime as ort
+
+    from onnxfuse import library_path, optimize_model
+    from onnxfuse.compile import local_gpu_archs
+    from onnxfuse.kernels import compile_fused
+    from onnxfuse.reference import evaluate
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")
+    name, m, feeds, dynamic_b = MODELS[index]
+    pats = [dataclasses.replace(GEMM, match=dataclasses.replace(GEMM.match, dynamic_b=True))] if dynamic_b else None
+    r = optimize_model(m, pats)
+    info, _ = compile_fused(r.model, r.fused, local_gpu_archs(), conv_precision=precision)
+    assert not info["failed"] and any(n.op_type == "GemmEpilogue" for n in r.model.graph.node), r.report.summary()
+
+    def session(mm, library, graph=False, tf32=False):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if library:
+            so.register_custom_ops_library(library_path())
+        opts = {"use_tf32": "1" if tf32 else "0", **({"enable_cuda_graph": "1"} if graph else {})}
+        return ort.InferenceSession(mm.SerializeToString(), so, providers=[("CUDAExecutionProvider", opts)])
+
+    fp32 = m.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    want = session(m, False).run(None, feeds)
+    ort_tf32 = session(m, False, tf32=True).run(None, feeds)
+    ref = evaluate(m, feeds) if fp32 and precision == "tf32" else None
+    outs = [o.name for o in m.graph.output]
+    for graph in (False, True):
+        got = session(r.model, True, graph).run(None, feeds)
+        for k, (e, g) in enumerate(zip(want, got, strict=True)):
+            assert e.dtype == g.dtype and e.shape == g.shape
+            what = f"{name}, {precision}, CUDA graph {graph}"
+            if ref is not None:  # TF32: no further from float64 than ORT's own TF32 (the gate's rule)
+                r64 = np.asarray(ref[outs[k]], np.float64)
+                ort_err = np.abs(ort_tf32[k].astype(np.float64) - r64)
+                bound = 2 * ort_err.max() + 1e-5 * np.abs(r64).max()
+                assert np.abs(g.astype(np.float64) - r64).max() <= bound, what
+                continue
+            tol = 1e-5 if e.dtype == np.float32 else 1e-2
+            scale = float(np.abs(e.astype(np.float64)).max(initial=1.0))
+            np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=tol, atol=tol * scale,
+                                       err_msg=what)
