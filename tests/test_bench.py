@@ -724,8 +724,8 @@ def test_compare_lists_every_benchmark_model():
 @pytest.mark.parametrize("graph", [False, True], ids=["plain", "cuda_graph"])
 def test_bench_on_the_gpu(tmp_path, graph):
     opt = tmp_path / "example.opt.onnx"
-    # kernels for the local GPU; untuned, so all three chains stay fused (tuning at batch 1
-    # may leave one to ORT, which is tuning's business, not bench's)
+    # kernels for the local GPU; untuned, so what the heuristics fuse stays fused (tuning at
+    # batch 1 may leave a node to ORT, which is tuning's business, not bench's)
     r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "optimize", str(EXAMPLE), str(opt), "--no-tune"],
                        capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert r.returncode == 0, r.stderr
@@ -739,7 +739,8 @@ def test_bench_on_the_gpu(tmp_path, graph):
     for m in d["models"]:
         assert m["peak_gpu_mem_mb"] is not None and m["peak_gpu_mem_mb"] > 0
         assert 0 < m["latency_ms"]["median"] < 50
-    assert d["models"][1]["library"] is True and d["models"][1]["onnxfuse_nodes"] == 3
+    fused = sum(n.domain == "onnxfuse" for n in onnx.load(str(opt)).graph.node)  # 2: LayerNorm, a chain
+    assert fused >= 2 and d["models"][1]["library"] is True and d["models"][1]["onnxfuse_nodes"] == fused
 
 
 def test_compare_torchvision_case_with_a_stand_in_module(tmp_path, monkeypatch):
