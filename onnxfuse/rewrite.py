@@ -400,14 +400,22 @@ def _fold_weight_transposes(m_ir: ir.Model, transposes: list) -> None:
     did (no Transpose left for the runtime to fold). On the gs graph: the Transpose's output
     becomes a Constant, the Transpose and the packed weights go."""
     graph = m_ir.graph
+    originals = None  # the graph's initializers by shape, dtype and bytes, built when needed
     for t in transposes:
         src = t.inputs[0]
         if not isinstance(src, gs.Constant) or len(src.outputs) != 1:
             continue
         perm = list(t.attrs["perm"])
         y = t.outputs[0]
-        value = numpy_helper.to_array(ir.tensor_proto(src)).transpose(perm)
-        weights = ir.constant(numpy_helper.from_array(np.ascontiguousarray(value), y.name))
+        value = np.ascontiguousarray(numpy_helper.to_array(ir.tensor_proto(src)).transpose(perm))
+        if originals is None:
+            originals = _constants_by_value(graph)
+        # the weights the node was made from, when they are still in the graph (shared by
+        # other readers, as torch exports the identical layers of a deep-copied block), so
+        # unfusing gives back the original graph rather than a copy per node
+        weights = originals.get((value.shape, value.dtype.str, value.tobytes()))
+        if weights is None:
+            weights = ir.constant(numpy_helper.from_array(value, y.name))
         for reader in list(y.outputs):
             for k, x in enumerate(list(reader.inputs)):
                 if x is y:
@@ -415,6 +423,16 @@ def _fold_weight_transposes(m_ir: ir.Model, transposes: list) -> None:
         t.inputs.clear()
         t.outputs.clear()
         graph.nodes = [n for n in graph.nodes if n is not t]
+
+
+def _constants_by_value(graph) -> dict:
+    """The graph's constant tensors of at least 2 dims, by (shape, dtype, bytes)."""
+    out = {}
+    for c in graph.tensors().values():
+        if isinstance(c, gs.Constant) and len(c.shape) >= 2:
+            v = np.ascontiguousarray(numpy_helper.to_array(ir.tensor_proto(c)))
+            out.setdefault((v.shape, v.dtype.str, v.tobytes()), c)
+    return out
 
 
 _all_names = ir.all_names  # (the layout pass imports it from here)

@@ -269,6 +269,26 @@ def test_packed_weights_are_the_nodes_own():
     np.testing.assert_array_equal(w, _w((8, 6)).T)
 
 
+def test_unfused_nodes_share_their_weights_again():
+    """What tuning leaves to ONNX Runtime is unfused: the two MatMuls read one weight tensor
+    again, as in the original (torch exports a deep-copied block's identical layers with
+    shared initializers; a copy per node multiplied a 4-layer encoder's weights by 4)."""
+    from onnxfuse import tune as tuning
+
+    nodes = [N("MatMul", ["x", "w"], ["h1"]), N("Relu", ["h1"], ["y1"]), N("MatMul", ["x", "w"], ["h2"]),
+             N("Sigmoid", ["h2"], ["y2"])]
+    m = model(nodes, {"x": ("float32", [4, 8])}, {"y1": ("float32", [4, 6]), "y2": ("float32", [4, 6])},
+              {"w": _w((8, 6))})
+    r = optimize_model(m, patterns=PATTERNS)
+    assert len(r.fused) == 2
+    tuning.unfuse_nodes(r, {f.node_name for f in r.fused})
+    matmuls = [n for n in r.model.graph.node if n.op_type == "MatMul"]
+    assert len(matmuls) == 2 and matmuls[0].input[1] == matmuls[1].input[1]
+    [w] = [t for t in r.model.graph.initializer if t.name == matmuls[0].input[1]]
+    np.testing.assert_array_equal(numpy_helper.to_array(w), _w((8, 6)))
+    assert len(r.model.graph.initializer) == 1
+
+
 def test_extra_modes():
     core = gk.Core(0, "a", "b", None, False, False, 1.0, 1.0, (), (2, 3, 4, 5), False, True)
     assert gk.extra_mode((2, 3, 4, 5), core) == "full"
