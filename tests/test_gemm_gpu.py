@@ -77,7 +77,7 @@ def test_aot_variants_launch_with_the_documented_abi(tmp_path):
         for v, vm in zip(variants, meta["variants"], strict=True):
             if vm["max_m"] and m > vm["max_m"]:
                 continue
-            if vm["stride_multiple"] > 1 and any(s % vm["stride_multiple"] for s in (sag, sa, sbg, sb)):
+            if vm["stride_multiple"] > 1 and any(s % vm["stride_multiple"] for s in (sag, sa, sbg, sb, n, k)):
                 continue
             ins = []
             for a in inputs:

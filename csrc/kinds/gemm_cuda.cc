@@ -26,7 +26,7 @@ enum class ExtraMode { FULL, ROW, SCALAR, STRIDED };
 // A variant's tile and the launcher's own requirements (kernel_meta keys besides "requires").
 struct GemmTile {
   int64_t block_m = 1, block_n = 1;
-  int64_t stride_multiple = 1;  // the strides passed are multiples of this (hinted to the compiler)
+  int64_t stride_multiple = 1;  // the strides passed, N and K are multiples of this (hinted to the compiler)
   int64_t max_m = 0;            // for GEMMs of at most this many rows; 0: any
 };
 
@@ -222,14 +222,16 @@ struct GemmKernel : cuda::CudaKernel {
     launch(tg, v, ((geo.m + tile.block_m - 1) / tile.block_m) * ((geo.n + tile.block_n - 1) / tile.block_n), geo.g, p);
   }
 
-  // The first variant with a binary for this device that takes M rows, whose strides and
-  // pointers are as aligned as it was compiled for, and whose tensors fit its 32-bit indices.
+  // The first variant with a binary for this device that takes M rows, whose strides, N, K
+  // and pointers are as aligned as it was compiled for, and whose tensors fit its 32-bit indices.
   int choose(const Target& tg, const std::vector<const void*>& ptrs, const Geometry& geo, int64_t largest) const {
     for (size_t v = 0; v < tiles.size(); ++v) {
       const GemmTile& tile = tiles[v];
       if (!tg.L->fn[v] || (tile.max_m > 0 && geo.m > tile.max_m)) continue;
       const int64_t sm = tile.stride_multiple;
-      if (geo.stride_ag % sm || geo.stride_a % sm || geo.stride_bg % sm || geo.stride_b % sm) continue;
+      if (geo.stride_ag % sm || geo.stride_a % sm || geo.stride_bg % sm || geo.stride_b % sm || geo.n % sm ||
+          geo.k % sm)
+        continue;
       const Variant& var = meta.variants[v];
       if ((var.max_elements > 0 && largest > var.max_elements) || largest > INT32_MAX) continue;
       bool aligned = true;
