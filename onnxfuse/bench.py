@@ -47,11 +47,12 @@ input (unreadable model, unknown input name, a model ONNX Runtime cannot load or
 A model with ``onnxfuse`` nodes gets the onnxfuse custom-op library registered
 (`onnxfuse.runtime`); ``--no-library`` runs their function bodies instead.
 
-JSON (``--json FILE``), schema ``onnxfuse.bench/1.2``; keys are only ever added under a new
+JSON (``--json FILE``), schema ``onnxfuse.bench/1.3``; keys are only ever added under a new
 minor revision, never renamed (1.1 added ``reference``, ``ort_max_abs_err`` and ``gate_atol``;
-1.2 ``settings.reference`` and ``reference.float64``, ``fallback_reason``, ``seconds``)::
+1.2 ``settings.reference`` and ``reference.float64``, ``fallback_reason``, ``seconds``; 1.3
+``models[].cuda_graph``)::
 
-    {"schema": "onnxfuse.bench/1.2", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
+    {"schema": "onnxfuse.bench/1.3", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
      "device": str, "versions": {"onnxfuse", "onnxruntime", "onnx", "numpy", "python": str},
      "settings": {"warmup", "iters", "batch", "seed", "cuda_graph", "tf32", "threads", "atol",
                   "rtol", "library", "opt_level", "shapes", "inputs", "provider_options",
@@ -73,6 +74,9 @@ minor revision, never renamed (1.1 added ``reference``, ``ort_max_abs_err`` and 
         "peak_gpu_mem_mb": float | null,                 # CUDA only: device memory in use above
                                                          # the level before the session was made
         "speedup": float,                                # first model's median / this median
+        "cuda_graph": bool | null,                       # --cuda-graph: whether it ran under CUDA
+                                                         # graphs (false: ONNX Runtime cannot
+                                                         # capture it, so it ran without); else null
         "outputs": [{"name", "dtype", "shape", "max_abs_err", "max_rel_err", "atol", "rtol",
                      "mismatches": int, "passed": bool, "note": str | null,
                      "ort_max_abs_err": float | null,    # ort_err of this output
@@ -92,6 +96,7 @@ reference is compared in float64).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import platform
@@ -126,6 +131,7 @@ from onnxfuse.tools.session import (
     OPT_LEVELS,
     BenchSettings,
     Progress,
+    Run,
     cpu_name,
     evaluate_model,
     ort_module,
@@ -143,7 +149,7 @@ from onnxfuse.tools.shapes import (
 )
 from onnxfuse.version import __version__
 
-SCHEMA = "onnxfuse.bench/1.2"
+SCHEMA = "onnxfuse.bench/1.3"
 
 GATE_HELP = (
     "A speedup counts only at equal accuracy. The reference is the first model (the original) evaluated in "
@@ -194,6 +200,7 @@ class ModelResult:
     speedup: float
     outputs: list[OutputCheck]
     passed: bool
+    cuda_graph: bool | None = None  # --cuda-graph: under CUDA graphs, or false when it cannot be captured
 
 
 @dataclass
@@ -248,7 +255,8 @@ class BenchReport:
                 abs_e = fmt_err(max((o.max_abs_err for o in m.outputs), default=0.0, key=nan_high))
                 check = "ok" if m.passed else "FAIL"
             lat = m.latency_ms
-            rows.append([m.name, str(m.onnxfuse_nodes) + (" (lib)" if m.library else ""), f"{m.load_ms:.1f}",
+            name = m.name + (" (no graph)" if m.cuda_graph is False else "")
+            rows.append([name, str(m.onnxfuse_nodes) + (" (lib)" if m.library else ""), f"{m.load_ms:.1f}",
                          f"{m.first_run_ms:.3f}", f"{lat.median:.3f}", f"{lat.p10:.3f}", f"{lat.p90:.3f}",
                          f"{lat.min:.3f}", f"{m.samples_per_s:.1f}",
                          "-" if m.peak_gpu_mem_mb is None else f"{m.peak_gpu_mem_mb:.0f}",
@@ -350,7 +358,7 @@ def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = Non
             if i == 0 and ref64 is None and gated(settings):
                 reference = evaluate_model(path, feeds, reference_settings(settings), library)
             progress = Progress(f"{name}", settings.warmup + settings.iters, stream=stream)
-            r = run_model(path, feeds, settings, library, progress, gpu)
+            r, graph = run_timed(path, name, feeds, settings, library, progress, gpu, notes)
             lat = Latency.of(r.times_ms)
             checks: list[OutputCheck] = []
             if i == 0:
@@ -375,7 +383,7 @@ def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = Non
                 samples_per_s=batch * 1e3 / lat.median if lat.median > 0 else 0.0,
                 peak_gpu_mem_mb=r.peak_gpu_mem_mb,
                 speedup=first_median / lat.median if lat.median > 0 else 0.0,
-                outputs=checks, passed=all(c.passed for c in checks)))
+                outputs=checks, passed=all(c.passed for c in checks), cuda_graph=graph))
     finally:
         if gpu is not None:
             gpu.close()
@@ -389,6 +397,29 @@ def bench(paths: list[str], settings: BenchSettings, stream: TextIO | None = Non
         passed=all(m.passed for m in results),
         reference=reference_info(paths[0], settings, ort_errors, float64=ref64 is not None, fallback_reason=why_not,
                                  seconds=ref_seconds if ref64 is not None else None))
+
+
+def run_timed(path: str, name: str, feeds: dict[str, np.ndarray], settings: BenchSettings, library: bool,
+              progress: Progress, gpu: CudaDriver | None, notes: TextIO, run=None) -> tuple[Run, bool | None]:
+    """`run_model` of one model, and whether it ran under CUDA graphs (None: not asked). With
+    --cuda-graph, a model that ONNX Runtime cannot capture (an exported model's shape
+    arithmetic on the CPU: the original of `optimize --shape`) but that runs plainly is timed
+    without graphs, with a note, so the models after it are still compared; one that does
+    not run at all is the error it was."""
+    run = run or run_model
+    try:
+        return run(path, feeds, settings, library, progress, gpu), (True if settings.cuda_graph else None)
+    except OnnxfuseError as e:
+        if not settings.cuda_graph:
+            raise
+        plain = dataclasses.replace(settings, cuda_graph=False)
+        try:
+            r = run(path, feeds, plain, library, progress, gpu)
+        except OnnxfuseError:
+            raise e from None
+        why = str(e).strip().splitlines()[0] if str(e).strip() else "cannot capture"
+        print(f"note: {name}: ran without CUDA graphs, as ONNX Runtime cannot capture it ({why})", file=notes)
+        return r, False
 
 
 def validate(s: BenchSettings) -> None:

@@ -172,8 +172,10 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     _run_arguments(p)
     p.add_argument("--warmup", type=int, default=10, help="untimed runs after the first (default 10)")
     p.add_argument("--iters", type=int, default=100, help="timed runs (default 100)")
-    p.add_argument("--cuda-graph", action="store_true", help="run with ONNX Runtime's CUDA graphs")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1.2)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="run with ONNX Runtime's CUDA graphs (a model they cannot capture runs without, "
+                        "marked \"(no graph)\")")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1.3)")
     p.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
                    help="print the table as Markdown (or write it to FILE)")
 

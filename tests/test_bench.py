@@ -64,7 +64,7 @@ def one_constant_changed(src: Path, dst: Path) -> str:
 # ---------------------------------------------------------------------------------------
 
 MODEL_KEYS = {"name", "path", "onnxfuse_nodes", "library", "load_ms", "first_run_ms", "latency_ms", "runs_per_s",
-              "samples_per_s", "peak_gpu_mem_mb", "speedup", "outputs", "passed"}
+              "samples_per_s", "peak_gpu_mem_mb", "speedup", "outputs", "passed", "cuda_graph"}  # 1.3: cuda_graph
 OUTPUT_KEYS = {"name", "dtype", "shape", "max_abs_err", "max_rel_err", "atol", "rtol", "mismatches", "passed", "note",
                "ort_max_abs_err", "gate_atol"}
 
@@ -77,7 +77,7 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
     d = json.loads(js.read_text())
     assert list(d) == ["schema", "date", "provider", "device", "versions", "settings", "inputs", "batch",
                        "reference", "models", "passed"]
-    assert d["schema"] == "onnxfuse.bench/1.2" and d["provider"] == "cpu" and d["passed"] is True
+    assert d["schema"] == "onnxfuse.bench/1.3" and d["provider"] == "cpu" and d["passed"] is True
     # the reference is the first model in float64: ORT's own error is its float32 rounding
     ref = d["reference"]
     assert list(ref) == ["path", "tf32", "separate_run", "float64", "fallback_reason", "seconds", "description",
@@ -98,7 +98,7 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
         assert set(m["latency_ms"]) == {"median", "p10", "p90", "min", "max", "mean", "iters"}
         assert m["latency_ms"]["iters"] == 3
         assert m["latency_ms"]["min"] <= m["latency_ms"]["median"] <= m["latency_ms"]["max"]
-        assert m["peak_gpu_mem_mb"] is None
+        assert m["peak_gpu_mem_mb"] is None and m["cuda_graph"] is None  # not asked for
         assert m["samples_per_s"] == pytest.approx(4 * m["runs_per_s"])
     assert first["outputs"] == [] and first["speedup"] == 1.0 and first["library"] is False
     assert second["onnxfuse_nodes"] == 3 and second["library"] is True
@@ -803,3 +803,39 @@ def test_wrong_declared_output_shapes_fall_back_to_a_probe_run(monkeypatch):
     assert opened == ["graph", "graph", "plain"]  # declared shapes, then again with a probe
     np.testing.assert_array_equal(bound.outputs()["y"], np.maximum(x, 0))
     bound.close()
+
+
+def test_a_model_cuda_graphs_cannot_capture_is_timed_without_them():
+    """bench --cuda-graph: an original whose shape arithmetic runs on the CPU cannot be
+    captured (issue 17's encoder); it is timed plainly with a note, so the optimized models
+    after it are still compared, and its row and JSON say so. A model that does not run at all
+    is still the error it was."""
+    import io
+
+    from onnxfuse.bench import run_timed
+    from onnxfuse.errors import OnnxfuseError
+    from onnxfuse.tools.session import BenchSettings
+
+    calls = []
+
+    def fake(capturable: bool, runs: bool):
+        def run(path, feeds, settings, library, progress, gpu):
+            calls.append(settings.cuda_graph)
+            if not runs or (settings.cuda_graph and not capturable):
+                raise OnnxfuseError(f"{path}: onnxruntime cannot load it: cannot use the graph capture feature")
+            return "run"
+        return run
+
+    graph = BenchSettings(provider="cuda", cuda_graph=True)
+    notes = io.StringIO()
+    assert run_timed("m.onnx", "m", {}, graph, False, None, None, notes, fake(True, True)) == ("run", True)
+    assert run_timed("m.onnx", "m", {}, BenchSettings(provider="cuda"), False, None, None, notes,
+                     fake(True, True)) == ("run", None)
+    assert notes.getvalue() == "" and calls == [True, False]
+    calls.clear()
+    assert run_timed("m.onnx", "m", {}, graph, False, None, None, notes, fake(False, True)) == ("run", False)
+    assert calls == [True, False] and "m: ran without CUDA graphs" in notes.getvalue()
+    with pytest.raises(OnnxfuseError, match="graph capture"):
+        run_timed("m.onnx", "m", {}, graph, False, None, None, notes, fake(False, False))
+    with pytest.raises(OnnxfuseError):
+        run_timed("m.onnx", "m", {}, BenchSettings(provider="cuda"), False, None, None, notes, fake(True, False))
