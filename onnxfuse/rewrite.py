@@ -409,11 +409,12 @@ def _fold_weight_transposes(m_ir: ir.Model, transposes: list) -> None:
         y = t.outputs[0]
         value = np.ascontiguousarray(numpy_helper.to_array(ir.tensor_proto(src)).transpose(perm))
         if originals is None:
-            originals = _constants_by_value(graph)
+            originals = _constants_by_shape(graph)
         # the weights the node was made from, when they are still in the graph (shared by
         # other readers, as torch exports the identical layers of a deep-copied block), so
         # unfusing gives back the original graph rather than a copy per node
-        weights = originals.get((value.shape, value.dtype.str, value.tobytes()))
+        weights = next((c for c in originals.get((value.shape, value.dtype.str), ())
+                        if np.array_equal(numpy_helper.to_array(ir.tensor_proto(c)), value)), None)
         if weights is None:
             weights = ir.constant(numpy_helper.from_array(value, y.name))
         for reader in list(y.outputs):
@@ -425,13 +426,15 @@ def _fold_weight_transposes(m_ir: ir.Model, transposes: list) -> None:
         graph.nodes = [n for n in graph.nodes if n is not t]
 
 
-def _constants_by_value(graph) -> dict:
-    """The graph's constant tensors of at least 2 dims, by (shape, dtype, bytes)."""
-    out = {}
+def _constants_by_shape(graph) -> dict:
+    """The graph's constant tensors of at least 2 dims, by (shape, dtype) (their values are
+    read only where a shape matches)."""
+    out: dict[tuple, list] = {}
     for c in graph.tensors().values():
         if isinstance(c, gs.Constant) and len(c.shape) >= 2:
-            v = np.ascontiguousarray(numpy_helper.to_array(ir.tensor_proto(c)))
-            out.setdefault((v.shape, v.dtype.str, v.tobytes()), c)
+            t = ir.tensor_proto(c)
+            dtype = helper.tensor_dtype_to_np_dtype(t.data_type)
+            out.setdefault((tuple(t.dims), np.dtype(dtype).str), []).append(c)
     return out
 
 
