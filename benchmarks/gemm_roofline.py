@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -38,6 +37,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import roofline_runs as runs  # noqa: E402
 
 BATCH, SEQ = 8, 128
 DTYPES = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16, np.float16)}
@@ -72,31 +74,9 @@ def build(name: str, dtype: str, batch: int = BATCH, seq: int = SEQ, scale: int 
     return m
 
 
-def _cli(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", *args], capture_output=True, text=True, env=ENV)
-    if r.returncode != 0:
-        raise RuntimeError(f"onnxfuse {args[0]} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-    return r.stdout
-
-
-def _nodes(profile_json: Path) -> list[dict]:
-    d = json.loads(profile_json.read_text())
-    return [{"node": n["name"], "op": n["op_type"], "us": n["median_s"] * 1e6,
-             "bound_us": (n["bound_s"] or 0.0) * 1e6, "pct_bound": n["pct_of_bound"], "tflops": n["achieved_tflops"]}
-            for n in d["nodes"]]
-
-
 def accuracy(src: Path, opt: Path, out: Path, provider: str = "cuda") -> dict:
-    """`onnxfuse bench` of the pair: the optimized model's max abs error against the float64
-    reference beside the original's under ORT's defaults, and the gate."""
-    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "bench", str(src), str(opt), "--provider", provider,
-                        "--warmup", "2", "--iters", "10", "--json", str(out)], capture_output=True, text=True,
-                       env=ENV)
-    if not out.exists():  # exit 1 is a failed gate, which the JSON records; no JSON is an error
-        raise RuntimeError(f"onnxfuse bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-    outs = json.loads(out.read_text())["models"][1]["outputs"]
-    return {"err": max(o["max_abs_err"] for o in outs), "ort_err": max(o["ort_max_abs_err"] for o in outs),
-            "gate_passed": all(o["passed"] for o in outs)}
+    """`onnxfuse bench`'s errors and gate for the pair, GEMMs matched (roofline_runs.accuracy)."""
+    return runs.accuracy(src, opt, out, provider, env=ENV)
 
 
 def torch_peer(name: str, dtype: str, model: onnx.ModelProto) -> float:
@@ -169,15 +149,9 @@ def main() -> None:
             k, n, _ = WORKLOADS[wl]
             row = {"workload": wl, "dtype": dtype, "M": BATCH * SEQ, "N": n, "K": k}
             try:
-                _cli("optimize", str(src), str(opt), "--no-tune")
+                runs.cli("optimize", str(src), str(opt), "--no-tune", env=ENV)
                 row["accuracy"] = accuracy(src, opt, tmp / f"{tag}.bench.json")
-                for which, path in (("ort", src), ("onnxfuse", opt)):
-                    out = tmp / f"{tag}.{which}.json"
-                    _cli("profile", str(path), "--provider", "cuda", "--device", "h200", "--iters", "50",
-                         "--json", str(out))
-                    nodes = _nodes(out)
-                    row[which] = {"nodes": nodes, "us": sum(x["us"] for x in nodes),
-                                  "bound_us": max((x["bound_us"] for x in nodes), default=0.0)}
+                row.update(runs.profile_pair(src, opt, tmp, tag, "tflops", env=ENV))
                 fused = [x for x in row["onnxfuse"]["nodes"] if x["op"] == "GemmEpilogue"]
                 row["fused_pct_bound"] = max((x["pct_bound"] for x in fused), default=None)
                 row["speedup_vs_ort"] = row["ort"]["us"] / row["onnxfuse"]["us"] if row["onnxfuse"]["us"] else None

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -36,6 +35,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks import roofline_runs as runs  # noqa: E402
 
 SEQ, HIDDEN, HEADS = 128, 768, 12
 DTYPES = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16, np.float16)}
@@ -113,29 +115,9 @@ def group_norm(batch: int, dtype: str) -> onnx.ModelProto:
 WORKLOADS = {"skip_ln": skip_ln, "ln": ln, "softmax": softmax, "group_norm": group_norm}
 
 
-def _cli(*args: str) -> str:
-    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", *args], capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"onnxfuse {args[0]} failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-    return r.stdout
-
-
-def _nodes(profile_json: Path) -> list[dict]:
-    d = json.loads(profile_json.read_text())
-    return [{"node": n["name"], "op": n["op_type"], "us": n["median_s"] * 1e6, "bound_us": n["bound_s"] * 1e6,
-             "pct_bound": n["pct_of_bound"], "gbps": n["achieved_gbps"]} for n in d["nodes"]]
-
-
 def accuracy(src: Path, opt: Path, out: Path, provider: str = "cuda") -> dict:
-    """`onnxfuse bench` of the pair (on CUDA by default): the optimized model's max abs error against the
-    float64 reference beside the original's under ORT's defaults, and the gate."""
-    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "bench", str(src), str(opt), "--provider", provider,
-                        "--warmup", "2", "--iters", "10", "--json", str(out)], capture_output=True, text=True)
-    if not out.exists():  # exit 1 is a failed gate, which the JSON records; no JSON is an error
-        raise RuntimeError(f"onnxfuse bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-    outs = json.loads(out.read_text())["models"][1]["outputs"]
-    return {"err": max(o["max_abs_err"] for o in outs), "ort_err": max(o["ort_max_abs_err"] for o in outs),
-            "gate_passed": all(o["passed"] for o in outs)}
+    """`onnxfuse bench`'s errors and gate for the pair (roofline_runs.accuracy)."""
+    return runs.accuracy(src, opt, out, provider)
 
 
 def main() -> None:
@@ -155,15 +137,9 @@ def main() -> None:
                 onnx.save(WORKLOADS[wl](batch, dtype), src)
                 row = {"workload": wl, "dtype": dtype, "batch": batch}
                 try:
-                    _cli("optimize", str(src), str(opt), "--no-tune", "--no-leave-to-ort")
+                    runs.cli("optimize", str(src), str(opt), "--no-tune", "--no-leave-to-ort")
                     row["accuracy"] = accuracy(src, opt, tmp / f"{tag}.bench.json")
-                    for which, path in (("ort", src), ("onnxfuse", opt)):
-                        out = tmp / f"{tag}.{which}.json"
-                        _cli("profile", str(path), "--provider", "cuda", "--device", "h200", "--iters", "50",
-                             "--json", str(out))
-                        nodes = _nodes(out)
-                        row[which] = {"nodes": nodes, "us": sum(n["us"] for n in nodes),
-                                      "bound_us": max((n["bound_us"] for n in nodes), default=0.0)}
+                    row.update(runs.profile_pair(src, opt, tmp, tag, "gbps"))
                     fused = [n for n in row["onnxfuse"]["nodes"] if n["op"] == "FusedRows"]
                     row["fused_pct_bound"] = max((n["pct_bound"] for n in fused), default=None)
                 except RuntimeError as e:

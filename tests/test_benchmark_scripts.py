@@ -288,3 +288,20 @@ def test_gemm_roofline_accuracy_reads_both_errors_and_the_gate(tmp_path, monkeyp
     acc = accuracy(src, opt, tmp_path / "b.json", provider="cpu")
     assert acc["gate_passed"] is True
     assert 0 < acc["ort_err"] < 1e-5 and acc["err"] < 1e-5
+
+
+def test_roofline_runs_reads_profile_nodes(tmp_path):
+    """The roofline benchmarks' shared reader of `onnxfuse profile --json`: µs, the bound (0
+    for a node without one) and the achieved rate each script reports."""
+    from benchmarks.roofline_runs import profile_nodes
+
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps({"nodes": [
+        {"name": "mm", "op_type": "Gemm", "median_s": 3.2e-5, "bound_s": 8e-6, "pct_of_bound": 25.0,
+         "achieved_gbps": 900.0, "achieved_tflops": 110.0},
+        {"name": "r", "op_type": "Reshape", "median_s": 0.0, "bound_s": None, "pct_of_bound": None,
+         "achieved_gbps": None, "achieved_tflops": None}]}))
+    mm, r = profile_nodes(p, "tflops")
+    assert mm == {"node": "mm", "op": "Gemm", "us": pytest.approx(32.0), "bound_us": pytest.approx(8.0),
+                  "pct_bound": 25.0, "tflops": 110.0}
+    assert r["bound_us"] == 0.0 and profile_nodes(p, "gbps")[0]["gbps"] == 900.0
