@@ -9,44 +9,10 @@
 #include <vector>
 
 #include "cpu_ops.h"
+#include "gemm.h"
 
 namespace onnxfuse {
 namespace {
-
-constexpr const char* kGemmEpilogue = "GemmEpilogue";
-
-// A, B [..., M, K] x [..., K, N] (op() applied): Y's shape and the GEMMs it runs as.
-struct Geometry {
-  Shape y;
-  int64_t g = 1, m = 0, n = 0, k = 0;
-  bool a_batched = false, b_batched = false;  // the operand has batch dims (else it is shared by all)
-};
-
-Geometry geometry(const Shape& a, const Shape& b, bool trans_a, bool trans_b) {
-  if (a.size() < 2 || b.size() < 2)
-    throw Error("A has shape " + shape_str(a) + " and B " + shape_str(b) + ": both need at least 2 dims");
-  const size_t ra = a.size(), rb = b.size();
-  Geometry geo;
-  const int64_t am = trans_a ? a[ra - 1] : a[ra - 2];
-  geo.k = trans_a ? a[ra - 2] : a[ra - 1];
-  const int64_t bk = trans_b ? b[rb - 1] : b[rb - 2];
-  geo.n = trans_b ? b[rb - 2] : b[rb - 1];
-  if (bk != geo.k)
-    throw Error("A " + shape_str(a) + (trans_a ? " (transposed)" : "") + " and B " + shape_str(b) +
-                (trans_b ? " (transposed)" : "") + " do not agree on K");
-  const Shape ab(a.begin(), a.end() - 2), bb(b.begin(), b.end() - 2);
-  if (!ab.empty() && !bb.empty() && ab != bb)
-    throw Error("A's batch dims " + shape_str(ab) + " and B's " + shape_str(bb) + " differ");
-  const Shape& batch = ab.empty() ? bb : ab;
-  geo.y = batch;
-  geo.y.push_back(am);
-  geo.y.push_back(geo.n);
-  geo.g = numel(batch);
-  geo.m = am;
-  geo.a_batched = !ab.empty();
-  geo.b_batched = !bb.empty();
-  return geo;
-}
 
 // A tensor's elements as fp32 (f16 / bf16 widened; float32 standing for them read as is).
 std::vector<float> widen(const TensorRef& t, DType declared) {
@@ -94,7 +60,7 @@ struct GemmKernel {
         throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +
                     dtype_name(want));
     }
-    const Geometry geo = geometry(t[0].shape, t[1].shape, trans_a, trans_b);
+    const GemmGeometry geo = gemm_geometry(t[0].shape, t[1].shape, trans_a, trans_b);
     for (size_t i = 2; i < n_in; ++i)
       if (broadcast_shapes({geo.y, t[i].shape}) != geo.y)
         throw Error("input " + std::to_string(i) + " has shape " + shape_str(t[i].shape) +
@@ -116,8 +82,8 @@ struct GemmKernel {
     std::vector<float> p(static_cast<size_t>(total));
     parallel_for(ctx, geo.g * m, [&](int64_t row) {
       const int64_t g = row / m, i = row % m;
-      const float* ag = a.data() + (geo.a_batched ? g * m * k : 0);
-      const float* bg = b.data() + (geo.b_batched ? g * k * n : 0);
+      const float* ag = a.data() + g * geo.stride_ag;
+      const float* bg = b.data() + g * geo.stride_bg;
       std::vector<double> acc(static_cast<size_t>(n), 0.0);
       for (int64_t kk = 0; kk < k; ++kk) {
         const double av = trans_a ? ag[kk * m + i] : ag[i * k + kk];

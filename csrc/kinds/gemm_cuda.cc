@@ -8,6 +8,7 @@
 // trans_a) runs as one GEMM of M = batch * rows (G = 1). Grid: (ceil(M / block_m) *
 // ceil(N / block_n), G).
 #include "cuda_driver.h"
+#include "gemm.h"
 
 #ifdef ONNXFUSE_WITH_CUDA
 
@@ -19,7 +20,6 @@ using cuda::Target;
 using cuda::Variant;
 using cuda::thread_params;
 
-constexpr const char* kGemmEpilogue = "GemmEpilogue";
 
 enum class ExtraMode { FULL, ROW, SCALAR, STRIDED };
 
@@ -29,47 +29,6 @@ struct GemmTile {
   int64_t stride_multiple = 1;  // the strides passed, N and K are multiples of this (hinted to the compiler)
   int64_t max_m = 0;            // for GEMMs of at most this many rows; 0: any
 };
-
-// The GEMMs a node runs: G products [M, K] x [K, N], and Y's shape.
-struct Geometry {
-  Shape y;
-  int64_t g = 1, m = 0, n = 0, k = 0;
-  int64_t stride_ag = 0, stride_a = 0, stride_bg = 0, stride_b = 0;
-  size_t lead = 0;  // Y's dims [0, lead) form G, [lead, rank - 1) form M
-};
-
-Geometry geometry(const Shape& a, const Shape& b, bool trans_a, bool trans_b) {
-  if (a.size() < 2 || b.size() < 2)
-    throw Error("A has shape " + shape_str(a) + " and B " + shape_str(b) + ": both need at least 2 dims");
-  const size_t ra = a.size(), rb = b.size();
-  Geometry geo;
-  const int64_t am = trans_a ? a[ra - 1] : a[ra - 2];
-  geo.k = trans_a ? a[ra - 2] : a[ra - 1];
-  geo.n = trans_b ? b[rb - 2] : b[rb - 1];
-  if ((trans_b ? b[rb - 1] : b[rb - 2]) != geo.k)
-    throw Error("A " + shape_str(a) + " and B " + shape_str(b) + " do not agree on K");
-  const Shape ab(a.begin(), a.end() - 2), bb(b.begin(), b.end() - 2);
-  if (!ab.empty() && !bb.empty() && ab != bb)
-    throw Error("A's batch dims " + shape_str(ab) + " and B's " + shape_str(bb) + " differ");
-  const Shape& batch = ab.empty() ? bb : ab;
-  geo.y = batch;
-  geo.y.push_back(am);
-  geo.y.push_back(geo.n);
-  geo.stride_a = trans_a ? am : geo.k;
-  geo.stride_b = trans_b ? geo.k : geo.n;
-  if (bb.empty() && !trans_a) {  // one GEMM over every row of A
-    geo.g = 1;
-    geo.m = numel(batch) * am;
-    geo.lead = 0;
-  } else {
-    geo.g = numel(batch);
-    geo.m = am;
-    geo.stride_ag = ab.empty() ? 0 : am * geo.k;
-    geo.stride_bg = bb.empty() ? 0 : geo.k * geo.n;
-    geo.lead = batch.size();
-  }
-  return geo;
-}
 
 // The stride of Y's dims [lo, hi) as one index, for an input with these per-dim strides
 // over Y (0 on broadcast dims); throws when they do not collapse to one.
@@ -141,7 +100,7 @@ struct GemmKernel : cuda::CudaKernel {
     if (prog.outputs.size() != 1) meta_error = "the program must have exactly one output";
   }
 
-  void check_mode(size_t e, const Shape& s, const Geometry& geo) const {
+  void check_mode(size_t e, const Shape& s, const GemmGeometry& geo) const {
     const std::string what = "input " + std::to_string(e + 2) + " has shape " + shape_str(s) + ", its kernel reads it ";
     if (broadcast_shapes({geo.y, s}) != geo.y)
       throw Error(what + "broadcast to the product's shape " + shape_str(geo.y) + ", which it does not");
@@ -180,7 +139,7 @@ struct GemmKernel : cuda::CudaKernel {
         throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +
                     dtype_name(want));
     }
-    const Geometry geo = geometry(t[0].shape, t[1].shape, trans_a, trans_b);
+    const GemmGeometry geo = gemm_geometry(t[0].shape, t[1].shape, trans_a, trans_b);
     for (size_t e = 0; e + 2 < n_in; ++e) check_mode(e, t[e + 2].shape, geo);
     OrtValue* yv = nullptr;
     check(g_ort->KernelContext_GetOutput(ctx, 0, geo.y.data(), geo.y.size(), &yv));
@@ -224,7 +183,7 @@ struct GemmKernel : cuda::CudaKernel {
 
   // The first variant with a binary for this device that takes M rows, whose strides, N, K
   // and pointers are as aligned as it was compiled for, and whose tensors fit its 32-bit indices.
-  int choose(const Target& tg, const std::vector<const void*>& ptrs, const Geometry& geo, int64_t largest) const {
+  int choose(const Target& tg, const std::vector<const void*>& ptrs, const GemmGeometry& geo, int64_t largest) const {
     for (size_t v = 0; v < tiles.size(); ++v) {
       const GemmTile& tile = tiles[v];
       if (!tg.L->fn[v] || (tile.max_m > 0 && geo.m > tile.max_m)) continue;
