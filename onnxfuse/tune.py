@@ -13,7 +13,7 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    fused node wins at batch 1 by its saved launches alone, which graphs take away; the
    whole-model check counts launches), plainly when a graph cannot be captured; median of
    `iters` synchronized runs. Convs are measured first (the budget may run out). A node
-   whose original is faster (by more than `NODE_MARGIN_MS` and `NODE_MARGIN_REL`) is
+   whose original is faster (by more than `node_margin`: 2% or the timing noise) is
    left to ONNX Runtime: the model is rebuilt from the state before the layout pass with
    those nodes unfused, so the NHWC plan routes around them, and recompiled (cache hits).
    With `--tune` each fused kernel's candidate configurations (`candidates`) are timed too
@@ -50,13 +50,16 @@ moves the root), one JSON file per device, ONNX Runtime, onnxfuse and kernel cac
 keyed by a hash of the exact one-node (or whole) model and its input shapes, so a second
 `optimize` of the same model at the same shapes measures nothing again.
 
-Budget: per-node timing stops after `budget_s` seconds (default `BUDGET_S`); nodes not
-reached keep the heuristics' decision and are listed as not measured; the whole-model
-check always runs.
+Budget: per-node timing stops after `budget_s` seconds (default `BUDGET_S`); after that a
+node is decided only when its timings are remembered (a layer of the same shapes as one
+measured, or an earlier tuning); nodes left keep the heuristics' decision and are listed as
+not measured; the whole-model check always runs. The record's "phases" say where the
+seconds went (node timing, recompiling, whole-model timing, accuracy).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -93,8 +96,9 @@ from onnxfuse.version import __version__
 ITERS, WARMUP = 15, 2          # per one-node model
 MODEL_ITERS, MODEL_WARMUP = 30, 5  # per whole model
 BUDGET_S = 60.0
-# A node is left to ONNX Runtime when its original is faster by more than both margins:
-# one-node timings are synchronized wall clock, whose medians move by about a microsecond.
+# A node is left to ONNX Runtime when its original is faster by more than both margins
+# (`node_margin`): one-node timings are synchronized wall clock, whose medians move by about a
+# microsecond per run; a run of k replicated copies divides that by k.
 NODE_MARGIN_MS = 0.002
 NODE_MARGIN_REL = 0.02
 # Whole model: slower than the original by more than this fraction is slower.
@@ -487,15 +491,19 @@ class Timer:
         save_model(m, path)
         return path
 
-    def time(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool = False) -> float:
+    def time(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool = False,
+             cached_only: bool = False) -> float | None:
         """Median ms of one (small) model on `feeds`, with ORT's CUDA graphs or without;
-        raises OnnxfuseError when it cannot run (or be captured)."""
+        raises OnnxfuseError when it cannot run (or be captured). `cached_only`: the
+        remembered time, or None where there is none (nothing is run)."""
         key = self._key(m, feeds, library, graph)
         if key in self.entries:
             self.hits += 1
             if "error" in self.entries[key]:
                 raise OnnxfuseError(self.entries[key]["error"])
             return float(self.entries[key]["ms"])
+        if cached_only:
+            return None
         s = self.settings
         path = self._path(m)
         try:
@@ -688,15 +696,18 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
     original = result.original
     dims = input_shapes(original, settings)
     feeds = feeds_for(original, dims)
+    phases = Phases()
     with tempfile.TemporaryDirectory(prefix="onnxfuse-tune-") as tmp:
         timer = Timer(settings, Path(tmp))
-        decisions = time_nodes(result, feeds, dims, timer, settings, targets, conv_precision, jobs, t0)
+        with phases("nodes"):
+            decisions = time_nodes(result, feeds, dims, timer, settings, targets, conv_precision, jobs, t0)
         losers = {d.node for d in decisions if d.chosen == "original"}
         models: list[tuple[str, object, dict]] = []
         if losers:
             tuned = snapshot(before)
             unfuse_nodes(tuned, losers)
-            tuned_info = recompile(tuned)
+            with phases("recompile"):
+                tuned_info = recompile(tuned)
             _copy_kernels(result.model, tuned.model, {d.node for d in decisions if d.candidates})
             models.append(("tuned", tuned, tuned_info))
         models.append(("heuristic" if losers else "optimized", result, info))
@@ -706,13 +717,15 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
             # keeps the fuller model)
             winners = snapshot(before)
             unfuse_nodes(winners, losers | unmeasured, UNMEASURED_REASON)
-            winners_info = recompile(winners)
+            with phases("recompile"):
+                winners_info = recompile(winners)
             _copy_kernels(result.model, winners.model, {d.node for d in decisions if d.candidates})
             models.append(("measured only", winners, winners_info))
         graphs = (False, True) if settings.provider == "cuda" else (False,)
-        measured = timer.time_models({"original": (original, False),
-                                      **{label: (cand.model, bool(cand.fused)) for label, cand, _ in models}},
-                                     feeds, graphs)
+        with phases("models"):
+            measured = timer.time_models({"original": (original, False),
+                                          **{label: (cand.model, bool(cand.fused)) for label, cand, _ in models}},
+                                         feeds, graphs)
         orig_times = _times(measured, "original", graphs)
         if orig_times.plain_ms is None:
             raise OnnxfuseError(f"the original model does not run at these shapes ({orig_times.graph_error})")
@@ -720,8 +733,9 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         # the gate guards the choice of TF32 (float32 convs at "tf32": their kind says so);
         # other fusions compute in fp32, float16 convs as cuDNN's do
         checked = any(KINDS[f.kind].multiplies_in_tf32(f, conv_precision) for f in result.fused)
-        gates = (accuracy(timer, original, {label: cand.model for label, cand, _ in models}, feeds) if checked
-                 else {label: UNCHECKED for label, _, _ in models})
+        with phases("accuracy"):
+            gates = (accuracy(timer, original, {label: cand.model for label, cand, _ in models}, feeds) if checked
+                     else {label: UNCHECKED for label, _, _ in models})
         kept = _fastest(models, times, gates, orig_times)
         if kept is None and recompile_precise is not None and any(
                 times[label].not_slower_than(orig_times) and not gates[label]["passed"] for label, _, _ in models):
@@ -729,17 +743,21 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
             precise = snapshot(before)
             if losers:
                 unfuse_nodes(precise, losers)
-            precise_info = recompile_precise(precise)
+            with phases("recompile"):
+                precise_info = recompile_precise(precise)
             label = f"precise ({PRECISE})"
-            extra = timer.time_models({"original": (original, False), label: (precise.model, bool(precise.fused))},
-                                      feeds, graphs)
+            with phases("models"):
+                extra = timer.time_models({"original": (original, False),
+                                           label: (precise.model, bool(precise.fused))}, feeds, graphs)
             times[label] = _times(extra, label, graphs)
-            gates.update(accuracy(timer, original, {label: precise.model}, feeds))
+            with phases("accuracy"):
+                gates.update(accuracy(timer, original, {label: precise.model}, feeds))
             models.append((label, precise, precise_info))
             kept = _fastest(models[-1:], times, gates, orig_times)
         timer.save()
     record = {
         "shapes": {k: list(v) for k, v in dims.items()}, "seconds": round(time.perf_counter() - t0, 2),
+        "phases": phases.rounded(),
         "measured": timer.measured, "cache_hits": timer.hits, "cache": str(timer.path) if timer.path else None,
         "nodes": [dataclasses.asdict(d) for d in decisions],
         "original": dataclasses.asdict(orig_times), "models": {k: dataclasses.asdict(v) for k, v in times.items()},
@@ -773,6 +791,24 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
     out["tune"] = record
     out["summary"] = out.get("summary", "") + "\n" + summary(record)
     return out
+
+
+class Phases:
+    """Seconds spent in each named phase of a tuning: `with phases("nodes"): ...`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+
+    def rounded(self) -> dict[str, float]:
+        return {k: round(v, 2) for k, v in self.seconds.items()}
 
 
 def _float64_reference(model: ModelProto, feeds: dict[str, np.ndarray]
@@ -851,29 +887,45 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
     order = sorted(range(len(result.fused)), key=lambda i: not KINDS[result.fused[i].kind].measure_first)
     for i in order:
         f, d = result.fused[i], decisions[i]
-        if time.perf_counter() - t0 > settings.budget_s:
-            d.chosen = f"not measured (tuning budget of {settings.budget_s:g} s spent)"
-            continue
+        # past the budget a node is still decided when its pair was timed before (a layer of
+        # the same shapes as one measured, or an earlier tuning): that costs no GPU time
+        spent = time.perf_counter() - t0 > settings.budget_s
         node = nodes[f.node_name]
         try:
             mini = fused_model(result.model, node, infos)
             orig = original_model(result.model, node, infos)
-            d.mode, d.replicas, d.original_ms, d.fused_ms = _time_pair(timer, orig, mini, settings.provider == "cuda")
+            pair = _time_pair(timer, orig, mini, settings.provider == "cuda", cached_only=spent)
         except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
             d.chosen = f"not measured ({_why(e)})"
             continue
+        if pair is None:
+            d.chosen = f"not measured (tuning budget of {settings.budget_s:g} s spent)"
+            continue
+        d.mode, d.replicas, d.original_ms, d.fused_ms = pair
         d.chosen = "fused"
-        if settings.configs:
+        if settings.configs and not spent:
             best = _search_configs(result, f, node, mini, d, timer, targets, conv_precision, jobs)
             if best is not None:
                 d.fused_ms, d.chosen = best
-        if d.fused_ms - d.original_ms > max(NODE_MARGIN_MS, NODE_MARGIN_REL * d.original_ms):
+        if d.fused_ms - d.original_ms > node_margin(d.original_ms, d.replicas):
             d.chosen = "original"
     return decisions
 
 
-def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool) -> tuple[str, int, float, float]:
-    """(mode, copies, original ms, fused ms) of one node. On CUDA both run under CUDA graphs, k
+def node_margin(original_ms: float, replicas: int) -> float:
+    """How much slower than its original a fused node may time and still count as a tie (ms):
+    NODE_MARGIN_REL of the original, or the timing noise, whichever is larger. The noise,
+    NODE_MARGIN_MS, is that of one synchronized run's median; a node timed k copies per run
+    (CUDA graphs, `replicated`) has its time divided by k, and its noise with it. (On the
+    H200 a BERT-base attention softmax timed 3.34 µs fused against 2.68 µs for ORT's Add +
+    Softmax, 16 copies per run, and a flat 2 µs margin kept it fused in all 12 layers.)"""
+    return max(NODE_MARGIN_MS / max(replicas, 1), NODE_MARGIN_REL * original_ms)
+
+
+def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool,
+               cached_only: bool = False) -> tuple[str, int, float, float] | None:
+    """(mode, copies, original ms, fused ms) of one node; with `cached_only`, from the
+    timer's remembered times alone, or None where one of them is not remembered. On CUDA both run under CUDA graphs, k
     copies per run (`replicated`; the time is per copy), so the times are the GPU's work
     without the launches (a fused node's fewer launches are the whole-model check's to
     count, in both modes): timed plainly, a fused node that is slower on the GPU than the
@@ -886,11 +938,15 @@ def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool) -
         k = replicas(orig, mini)
         rep_o, rep_f = replicated(orig, k), replicated(mini, k)
         try:
-            original = timer.time(rep_o, static_feeds(rep_o), False, graph=True) / k
-            return "CUDA graph", k, original, timer.time(rep_f, static_feeds(rep_f), True, graph=True) / k
+            original = timer.time(rep_o, static_feeds(rep_o), False, graph=True, cached_only=cached_only)
+            fused = None if original is None else timer.time(rep_f, static_feeds(rep_f), True, graph=True,
+                                                             cached_only=cached_only)
+            return None if original is None or fused is None else ("CUDA graph", k, original / k, fused / k)
         except OnnxfuseError:
             pass
-    return "plain", 1, timer.time(orig, static_feeds(orig), False), timer.time(mini, static_feeds(mini), True)
+    original = timer.time(orig, static_feeds(orig), False, cached_only=cached_only)
+    fused = None if original is None else timer.time(mini, static_feeds(mini), True, cached_only=cached_only)
+    return None if original is None or fused is None else ("plain", 1, original, fused)
 
 
 def _why(e: BaseException) -> str:
@@ -1028,7 +1084,9 @@ def _err(v: float | None) -> str:
 def summary(record: dict) -> str:
     shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in record["shapes"].items())
     lines = [f"tune at {shapes}: {record['measured']} timings, {record['cache_hits']} from the cache, "
-             f"{record['seconds']:.1f} s"]
+             f"{record['seconds']:.1f} s"
+             + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in record["phases"].items()) + ")"
+                if record.get("phases") else "")]
     for d in record["nodes"]:
         if d["chosen"] == "original":
             lines.append(f"  {d['node']}: left to ONNX Runtime (original {d['original_ms']:.4f} ms, "
