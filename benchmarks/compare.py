@@ -21,8 +21,11 @@ models/pretrained.py), on the same seeded inputs:
   use_gpu=True)`` at its default opt_level (ORT's basic optimizations, then its Attention,
   SkipLayerNormalization, BiasGelu/FastGelu... fusions); an fp16 case optimizes the fp32 twin and
   converts the result with ``convert_float_to_float16(keep_io_types=False)``, as ORT's docs do
+- ``ort_tfopt_graph`` ``ort_tfopt``'s model under ONNX Runtime's CUDA graphs
 - ``onnxfuse_tfopt`` onnxfuse on top of ``ort_tfopt``'s model (onnxfuse must compose with it),
   gated against ``ort_tfopt``'s own error instead of ``ort``'s
+- ``onnxfuse_tfopt_graph`` ``onnxfuse_tfopt``'s model under CUDA graphs, gated like it (against
+  ``ort_tfopt``'s error)
 
 ONNX Runtime runs go through `onnxfuse.tools.session.BoundModel`: inputs and outputs bound on the GPU
 (IO binding), each timed call a ``run_with_iobinding`` plus output synchronization on a
@@ -98,18 +101,26 @@ from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate
 from onnxfuse.tools.shapes import resolve_inputs, signature  # noqa: E402
 from onnxfuse.tune import TuneSettings  # noqa: E402
 
-VARIANTS = ("ort", "ort_nhwc", "ort_graph", "ort_tfopt", "onnxfuse", "onnxfuse_graph", "onnxfuse_tfopt",
-            "torch_eager", "torch_compile", "torch_compile_graph")
+VARIANTS = ("ort", "ort_nhwc", "ort_graph", "ort_tfopt", "ort_tfopt_graph", "onnxfuse", "onnxfuse_graph",
+            "onnxfuse_tfopt", "onnxfuse_tfopt_graph", "torch_eager", "torch_compile", "torch_compile_graph")
 LABELS = {"ort": "ORT", "ort_nhwc": "ORT nhwc", "ort_graph": "ORT + graph", "ort_tfopt": "ORT tf-optimizer",
+          "ort_tfopt_graph": "ORT tf-optimizer + graph",
           "onnxfuse": "onnxfuse", "onnxfuse_graph": "onnxfuse + graph", "onnxfuse_tfopt": "onnxfuse on tf-optimizer",
+          "onnxfuse_tfopt_graph": "onnxfuse on tf-optimizer + graph",
           "torch_eager": "torch eager", "torch_compile": "torch.compile",
           "torch_compile_graph": "torch.compile + graph"}
-DRY_VARIANTS = ("ort", "ort_tfopt", "onnxfuse", "onnxfuse_tfopt", "torch_eager")
-SUITE_VARIANTS = ("ort", "ort_graph", "ort_tfopt", "onnxfuse", "onnxfuse_graph", "onnxfuse_tfopt")
+DRY_VARIANTS = ("ort", "ort_tfopt", "onnxfuse", "onnxfuse_tfopt", "torch_eager")   # no CUDA graphs on the CPU
+SUITE_VARIANTS = ("ort", "ort_graph", "ort_tfopt", "ort_tfopt_graph", "onnxfuse", "onnxfuse_graph", "onnxfuse_tfopt",
+                  "onnxfuse_tfopt_graph")
 # the variants on ONNX Runtime's transformers optimizer's model (cases with an ort_optimizer only),
-# and the ORT variant each onnxfuse variant is gated against
-TFOPT_VARIANTS = ("ort_tfopt", "onnxfuse_tfopt")
-GATE_BASE = {"onnxfuse_tfopt": "ort_tfopt"}
+# and the ORT variant each onnxfuse variant is gated against (default "ort")
+TFOPT_VARIANTS = ("ort_tfopt", "ort_tfopt_graph", "onnxfuse_tfopt", "onnxfuse_tfopt_graph")
+GATE_BASE = {"onnxfuse_tfopt": "ort_tfopt", "onnxfuse_tfopt_graph": "ort_tfopt"}
+
+
+def model_variant(v: str) -> str:
+    """The variant whose model `v` runs: a ``_graph`` variant runs its plain twin's under CUDA graphs."""
+    return v.removesuffix("_graph")
 
 
 @dataclass(frozen=True)
@@ -431,7 +442,7 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
             tf_paths["ort_tfopt"] = workdir / f"{case.name}.tfopt.onnx"
             save_model(tf_model, tf_paths["ort_tfopt"])
             log(f"  {case.name:<20} ORT tf-optimizer fused: {res.tfopt_ops}")
-            if "onnxfuse_tfopt" in variants:
+            if any(model_variant(v) == "onnxfuse_tfopt" for v in variants):
                 tf_fused = workdir / f"{case.name}.tfopt.onnxfuse.onnx"
                 _fuse(tf_model, tf_paths["ort_tfopt"], tf_fused, shapes, dry, tune, tune_budget,
                       lambda w: log(f"  {case.name:<20} (on tf-optimizer) {w}"))
@@ -454,9 +465,13 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     if ref is None:
         ref = _fp32_reference(res, case, orig, reference_model, feeds, provider, log)
     gpu = None if dry else CudaDriver()
-    ort_based = [v for v in variants if not v.startswith("torch") and (v not in TFOPT_VARIANTS or v in tf_paths)]
-    paths = {v: str(tf_paths[v] if v in tf_paths else fused if v.startswith("onnxfuse") else orig) for v in ort_based}
-    libraries = {v: v.startswith("onnxfuse") and (res.tfopt_fused_nodes if v in tf_paths else res.fused_nodes) > 0
+    # a _graph variant runs its plain twin's model (BoundModel captures it; _ort_variants: cuda_graph)
+    ort_based = [v for v in variants if not v.startswith("torch")
+                 and (v not in TFOPT_VARIANTS or model_variant(v) in tf_paths)]
+    paths = {v: str(tf_paths.get(model_variant(v)) or (fused if v.startswith("onnxfuse") else orig))
+             for v in ort_based}
+    libraries = {v: v.startswith("onnxfuse")
+                 and (res.tfopt_fused_nodes if model_variant(v) in tf_paths else res.fused_nodes) > 0
                  for v in ort_based}
     ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu)
     module = None
@@ -707,7 +722,10 @@ def _gate_cells(c: dict) -> list[str]:
     failed = [LABELS[v] for v, r in fz.items() if r.get("gate_passed") is False]
     gate = c.get("gate_passed")
     gate_s = "pass" if gate else ("**FAIL**: " + ", ".join(failed) if gate is False else "not gated" if fz else "")
-    med = {v: r["median_ms"] for v, r in ok.items()}
+    # every ORT variant (ort_graph, ort_tfopt, ort_tfopt_graph...) is a peer; an onnxfuse one counts
+    # only gated and passed (not one whose gate could not run: its ORT base failed), when the case passed
+    med = {v: r["median_ms"] for v, r in ok.items()
+           if not v.startswith("onnxfuse") or gate is not True or r.get("gate_passed") is True}
     ort_best = min((m for v, m in med.items() if v.startswith("ort")), default=None)
     fz_best = min((m for v, m in med.items() if v.startswith("onnxfuse")), default=None)
     vs = f"{med['ort'] / med['onnxfuse']:.2f}x" if "ort" in med and "onnxfuse" in med else ""
@@ -716,6 +734,22 @@ def _gate_cells(c: dict) -> list[str]:
         what = FAILS if gate is False else "not gated"
         vs, best = (what if vs else ""), (what if best else "")
     return [ort_err, fz_err, gate_s, vs, best]
+
+
+def resolve_variants(asked: tuple[str, ...] | None, dry: bool, suite_run: bool) -> tuple[str, ...]:
+    """The variants a run times, in VARIANTS' order: those `asked` (default: DRY_VARIANTS on a
+    dry run, else SUITE_VARIANTS for --suite, else all), with the ORT variants their gates need
+    (``ort`` for every onnxfuse variant, GATE_BASE's for the tf-optimizer ones); a dry run keeps
+    DRY_VARIANTS only (no CUDA graphs on the CPU). run_case limits the tf-optimizer ones
+    (TFOPT_VARIANTS) to cases with an ort_optimizer."""
+    variants = asked or (DRY_VARIANTS if dry else SUITE_VARIANTS if suite_run else VARIANTS)
+    if any(v.startswith("onnxfuse") for v in variants) and "ort" not in variants:
+        variants = ("ort", *variants)  # the gate needs ORT's own error
+    for v, base in GATE_BASE.items():
+        if v in variants and base not in variants:
+            variants = (base, *variants)  # ... and onnxfuse_tfopt(_graph) the ORT-optimized model's
+    variants = tuple(v for v in VARIANTS if v in variants)  # ort first: the onnxfuse variants are gated against it
+    return tuple(v for v in variants if v in DRY_VARIANTS) if dry else variants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -784,18 +818,12 @@ def main(argv: list[str] | None = None) -> int:
             if unknown:
                 ap.error(f"unknown model {unknown[0]!r}")
             picked = [c for c in all_cases if c.name in names]
-    variants = tuple(args.variants.split(",")) if args.variants else (
-        DRY_VARIANTS if args.dry_run else SUITE_VARIANTS if args.suite else VARIANTS)
-    bad = [v for v in variants if v not in VARIANTS]
+    variants = tuple(args.variants.split(",")) if args.variants else None
+    bad = [v for v in variants or () if v not in VARIANTS]
     if bad:
         ap.error(f"unknown variant {bad[0]!r}")
-    if any(v.startswith("onnxfuse") for v in variants) and "ort" not in variants:
-        variants = ("ort", *variants)  # the gate needs ORT's own error
-    if "onnxfuse_tfopt" in variants and "ort_tfopt" not in variants:
-        variants = ("ort_tfopt", *variants)  # ... and onnxfuse_tfopt the ORT-optimized model's
-    variants = tuple(v for v in VARIANTS if v in variants)  # ort first: the onnxfuse variants are gated against it
+    variants = resolve_variants(variants, args.dry_run, bool(args.suite))
     if args.dry_run:
-        variants = tuple(v for v in variants if v in DRY_VARIANTS)
         warmup, iters = min(args.warmup, 1), min(args.iters, 3)
     else:
         warmup, iters = args.warmup, args.iters

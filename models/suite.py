@@ -18,7 +18,8 @@ Entries:
   exported by the TorchScript exporter (the plain name) and by the dynamo one (``<name>_dynamo``;
   skipped where onnxscript is missing), at batch 1 and 8; dry runs take the 2-layer d=64 twins
   at sequence 16. Each names the model type of ONNX Runtime's transformers optimizer
-  (``ort_optimizer``) for benchmarks/compare.py's ``ort_tfopt`` and ``onnxfuse_tfopt`` variants.
+  (``ort_optimizer``) for benchmarks/compare.py's ``ort_tfopt`` and ``onnxfuse_tfopt`` variants
+  (and their CUDA-graph twins ``ort_tfopt_graph`` and ``onnxfuse_tfopt_graph``).
 
 An entry builds its model with ``model(dtype, dry)`` ("fp32" or "fp16"; fp16 made from the
 fp32 one by models.fp16.to_fp16, fp16 inputs and outputs), gives its input shapes at a batch

@@ -664,6 +664,101 @@ def test_compare_table_shows_no_speedup_past_the_gate():
     assert row.endswith("|  |  | not gated | not gated | not gated |")
 
 
+def _tfopt_case(name: str, fz_tfopt_graph_gate: bool | None = True, ort_tfopt_error: str | None = None) -> dict:
+    """_case plus the four tf-optimizer variants: ort_tfopt_graph the fastest ORT (0.9 ms) and
+    onnxfuse_tfopt_graph the fastest onnxfuse (0.3 ms, gated as given)."""
+    c = _case(name, True)
+    v = c["variants"]
+    v["ort_tfopt"] = {"median_ms": 1.2, "max_abs_err": 1e-4, "error": ort_tfopt_error, "gate_passed": None}
+    v["ort_tfopt_graph"] = {"median_ms": 0.9, "max_abs_err": 1e-4, "error": None, "gate_passed": None}
+    v["onnxfuse_tfopt"] = {"median_ms": 0.6, "max_abs_err": 1e-4, "error": None, "gate_passed": True,
+                           "gate_failure": None}
+    v["onnxfuse_tfopt_graph"] = {"median_ms": 0.3, "max_abs_err": 1e-4, "error": None,
+                                 "gate_passed": fz_tfopt_graph_gate,
+                                 "gate_failure": "output 'y': far" if fz_tfopt_graph_gate is False else None}
+    if ort_tfopt_error:  # no ort_tfopt outputs: neither onnxfuse_tfopt variant could be gated
+        del v["ort_tfopt"]["median_ms"]
+        v["onnxfuse_tfopt"].update(gate_passed=None)
+        v["onnxfuse_tfopt_graph"].update(gate_passed=None)
+    gated = [r["gate_passed"] for k, r in v.items() if k.startswith("onnxfuse") and r["gate_passed"] is not None]
+    c["gate_passed"] = all(gated)
+    return c
+
+
+def test_compare_table_with_the_tfopt_graph_variants():
+    """ort_tfopt_graph is an ORT peer and onnxfuse_tfopt_graph an onnxfuse variant of the best-of
+    column; a gate failure of onnxfuse_tfopt_graph is the case's, and an ungated one never counts."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    result = _compare_result([_tfopt_case("tf"), _tfopt_case("tf_bad", fz_tfopt_graph_gate=False),
+                              _tfopt_case("tf_no_base", ort_tfopt_error="RuntimeError: no")])
+    text = compare.markdown(result)
+    lines = text.splitlines()
+    assert lines[2] == ("| model | inputs | fused nodes | ORT | ORT + graph | ORT tf-optimizer | "
+                        "ORT tf-optimizer + graph | onnxfuse | onnxfuse + graph | onnxfuse on tf-optimizer | "
+                        "onnxfuse on tf-optimizer + graph | ORT err vs ref | onnxfuse err vs ref | gate | "
+                        "onnxfuse vs ORT | best onnxfuse vs best ORT |")
+    # best ORT: ort_tfopt_graph 0.9; best onnxfuse: onnxfuse_tfopt_graph 0.3
+    assert lines[4] == ("| tf | 1x4 | 1 | 2.000 | 1.500 | 1.200 | 0.900 | 1.000 | 0.800 | 0.600 | 0.300 | "
+                        "0.0001 | 0.0001 | pass | 2.00x | 3.00x |")
+    assert lines[5].endswith("| **FAIL**: onnxfuse on tf-optimizer + graph | fails gate | fails gate |")
+    assert "- tf_bad / onnxfuse on tf-optimizer + graph: output 'y': far" in text
+    # ort_tfopt failed: the tf-optimizer onnxfuse variants are ungated and left out of the best
+    # (onnxfuse_graph's 0.8 against ort_tfopt_graph's 0.9), though their times are shown
+    assert lines[6] == ("| tf_no_base | 1x4 | 1 | 2.000 | 1.500 | error | 0.900 | 1.000 | 0.800 | 0.600 | 0.300 | "
+                        "0.0001 | 0.0001 | pass | 2.00x | 1.12x |")
+    assert "- tf_no_base / ORT tf-optimizer: RuntimeError: no" in text
+    # the chosen columns
+    head = compare.markdown(result, ("ort_tfopt_graph", "onnxfuse_tfopt_graph")).splitlines()[2]
+    assert head.startswith("| model | inputs | fused nodes | ORT tf-optimizer + graph | "
+                           "onnxfuse on tf-optimizer + graph | ORT err vs ref |")
+
+
+def test_compare_variant_resolution():
+    """A variant pulls in the ORT variants its gate needs; the graph ones are GPU-only; the
+    tf-optimizer graph variants are in the suite's default, not the dry run's."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    assert compare.resolve_variants(("onnxfuse_tfopt_graph",), False, True) == (
+        "ort", "ort_tfopt", "onnxfuse_tfopt_graph")
+    assert compare.resolve_variants(("ort_tfopt_graph",), False, True) == ("ort_tfopt_graph",)
+    assert compare.resolve_variants(("onnxfuse_tfopt_graph", "ort_tfopt_graph"), False, False) == (
+        "ort", "ort_tfopt", "ort_tfopt_graph", "onnxfuse_tfopt_graph")
+    assert compare.resolve_variants(None, False, True) == (
+        "ort", "ort_graph", "ort_tfopt", "ort_tfopt_graph", "onnxfuse", "onnxfuse_graph", "onnxfuse_tfopt",
+        "onnxfuse_tfopt_graph")
+    assert compare.resolve_variants(None, True, True) == ("ort", "ort_tfopt", "onnxfuse", "onnxfuse_tfopt",
+                                                          "torch_eager")
+    # a dry run drops the graph variants, keeping what they pulled in
+    assert compare.resolve_variants(("onnxfuse_tfopt_graph",), True, True) == ("ort", "ort_tfopt")
+    assert {"ort_tfopt_graph", "onnxfuse_tfopt_graph"} <= set(compare.TFOPT_VARIANTS)
+    assert compare.GATE_BASE["onnxfuse_tfopt_graph"] == "ort_tfopt"
+    assert compare.model_variant("onnxfuse_tfopt_graph") == "onnxfuse_tfopt"
+    assert compare.model_variant("ort_graph") == "ort" and compare.model_variant("ort_nhwc") == "ort_nhwc"
+
+
+def test_compare_tfopt_graph_variants_only_with_an_optimizer(tmp_path, monkeypatch):
+    """A case without an ort_optimizer (a CNN) runs none of the tf-optimizer variants, graph or not."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    seen = {}
+    real = compare._ort_variants
+
+    def spy(paths, *a, **kw):
+        seen.update(paths)
+        return real(paths, *a, **kw)
+
+    monkeypatch.setattr(compare, "_ort_variants", spy)
+    case = next(c for c in compare.cases() if c.name == "cos_cos")
+    assert case.ort_optimizer is None
+    res = compare.run_case(case, tmp_path, True, ("ort", "ort_tfopt", "ort_tfopt_graph", "onnxfuse", "onnxfuse_tfopt",
+                                                  "onnxfuse_tfopt_graph"), 0, 2, log=lambda *a: None)
+    assert set(seen) == set(res.variants) == {"ort", "onnxfuse"} and res.gate_passed is True
+
+
 def test_compare_gates_a_wrong_onnxfuse_model(tmp_path, monkeypatch):
     """run_case with an optimizer that miscompiles one node: that case fails the gate."""
     sys.path.insert(0, str(ROOT))

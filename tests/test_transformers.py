@@ -227,3 +227,42 @@ def test_compare_dry_run_on_a_transformer(tmp_path):
     assert all(r["error"] is None for r in case["variants"].values()), case["variants"]
     assert case["gate_passed"] is True and case["tfopt_ops"]["Attention"] == 2
     assert case["variants"]["torch_eager"]["max_abs_err"] < 1e-4
+
+
+def test_compare_tfopt_graph_variants_run_the_tfopt_models(tmp_path, monkeypatch):
+    """ort_tfopt_graph and onnxfuse_tfopt_graph (asked alone) run ort_tfopt's and onnxfuse_tfopt's
+    models, onnxfuse_tfopt_graph gated against ort_tfopt's outputs. No CUDA graphs on the CPU:
+    _ort_variants runs them under other names (cuda_graph comes from a name ending in graph)."""
+    pytest.importorskip("onnxruntime.transformers.optimizer")
+    from benchmarks import compare
+
+    real_run, real_gate = compare._ort_variants, compare._gate
+    seen: dict = {}
+    gated: list = []
+
+    def without_graphs(paths, feeds, provider, libraries, *a, **kw):
+        seen.update(paths=dict(paths), libraries=dict(libraries))
+        ran = real_run({f"{v}:cpu": p for v, p in paths.items()}, feeds, provider,
+                       {f"{v}:cpu": lib for v, lib in libraries.items()}, *a, **kw)
+        seen["outs"] = {v: ran[f"{v}:cpu"][1] for v in paths}
+        return {v: ran[f"{v}:cpu"] for v in paths}
+
+    def spy_gate(ref, ort_outs, outs, r):
+        gated.append((ort_outs, r))
+        return real_gate(ref, ort_outs, outs, r)
+
+    monkeypatch.setattr(compare, "_ort_variants", without_graphs)
+    monkeypatch.setattr(compare, "_gate", spy_gate)
+    (case,) = compare.suite_cases((2,), ("fp32",), ["bert_base"])
+    variants = compare.resolve_variants(("ort_tfopt_graph", "onnxfuse_tfopt_graph"), False, True)
+    assert variants == ("ort", "ort_tfopt", "ort_tfopt_graph", "onnxfuse_tfopt_graph")
+    res = compare.run_case(case, tmp_path, True, variants, 0, 2, log=lambda *a: None)
+    assert set(res.variants) == set(variants)
+    assert all(r.error is None for r in res.variants.values()), res.variants
+    paths, libraries = seen["paths"], seen["libraries"]
+    assert paths["ort_tfopt_graph"] == paths["ort_tfopt"] == str(tmp_path / f"{case.name}.tfopt.onnx")
+    assert paths["onnxfuse_tfopt_graph"] == str(tmp_path / f"{case.name}.tfopt.onnxfuse.onnx")
+    assert libraries["onnxfuse_tfopt_graph"] == (res.tfopt_fused_nodes > 0) and not libraries["ort_tfopt_graph"]
+    ((base, r),) = gated
+    assert r is res.variants["onnxfuse_tfopt_graph"] and base is seen["outs"]["ort_tfopt"]
+    assert r.gate_passed is True and res.gate_passed is True and res.tfopt_ops["Attention"] == 2
