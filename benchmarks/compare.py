@@ -6,15 +6,13 @@ models/pretrained.py), on the same seeded inputs:
 
 - ``ort``            the original in ONNX Runtime's CUDA EP (ORT_ENABLE_ALL, TF32 allowed: ORT's defaults)
 - ``ort_nhwc``       the same with the CUDA EP's ``prefer_nhwc``
-- ``onnxfuse``       the onnxfuse model (kernels compiled for the local GPU, library registered)
+- ``onnxfuse``       the onnxfuse model (kernels compiled for the local GPU, library registered;
+  `optimize`'s defaults there: channels-last between fused convs, tuned)
 - ``onnxfuse_graph`` the same under ONNX Runtime's CUDA graphs
-- ``onnxfuse_nhwc``  the onnxfuse model with ``prefer_nhwc``
-- ``onnxfuse_cl`` / ``onnxfuse_cl_graph``  optimized with ``--layout nhwc`` (channels-last
-  tensors between fused convs; "CL"), without and with CUDA graphs
 - ``torch_eager`` / ``torch_compile``  the same PyTorch module (where one exists: the
   synthetic models, whose ONNX weights it loads, and the torchvision ones, exported from it)
 - ``torch_compile_graph``  torch.compile with ``mode="reduce-overhead"`` (Inductor's CUDA
-  graphs): the peer of ``onnxfuse_cl_graph``, as plain torch.compile is of ``onnxfuse_cl``
+  graphs): the peer of ``onnxfuse_graph``, as plain torch.compile is of ``onnxfuse``
 - ``ort_tfopt``      transformers only (a case with ``ort_optimizer``): the original after ONNX
   Runtime's own transformers optimizer, the tool a user would pick instead:
   ``onnxruntime.transformers.optimizer.optimize_model(model, model_type, num_heads, hidden_size,
@@ -459,7 +457,7 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     if reference == "float64":
         try:
             ref, seconds = float64_reference.timed_evaluate(reference_model or model, feeds)
-            log(f"  {case.name:<20} {'float64 reference':<17} {seconds:.1f} s")
+            log(f"  {case.name:<20} {'float64 reference':<32} {seconds:.1f} s")
         except float64_reference.Unavailable as e:
             why_not = str(e)
     if ref is None:
@@ -516,7 +514,7 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
             r = VariantResult(error=_error_text(e))
         res.variants[v] = r
         gate = {True: ", gate pass", False: ", gate FAIL", None: ""}[r.gate_passed]
-        log(f"  {case.name:<20} {LABELS[v]:<17} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error)
+        log(f"  {case.name:<20} {LABELS[v]:<32} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error)
             + (f", err vs ref {r.max_abs_err:.2g}" if r.max_abs_err is not None else "") + gate)
         gc.collect()
     gated = [r.gate_passed for v, r in res.variants.items() if v.startswith("onnxfuse") and r.gate_passed is not None]
@@ -614,7 +612,7 @@ def _fp32_reference(res: CaseResult, case: Case, orig: Path, reference_model, fe
                                  BenchSettings(provider=provider, tf32=False), False)
     except Exception as e:
         res.reference_error = _error_text(e)
-        log(f"  {case.name:<20} {'ORT fp32':<17} {res.reference_error}")
+        log(f"  {case.name:<20} {'ORT fp32':<32} {res.reference_error}")
         return None
 
 

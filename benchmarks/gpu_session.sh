@@ -65,7 +65,7 @@ case "${1:-tests}" in
     # part 2: the layout GPU tests, then the models with and without the NHWC pass
     python3 -m pytest -m gpu tests/test_gpu_conv.py tests/test_conv_library.py -q -p no:cacheprovider -k "nhwc or layout" 2>&1 | tail -5
     python3 benchmarks/compare.py --models conv_relu,conv_relu_maxpool,vgg_stack,resnet18,vgg11 \
-      --variants ort,ort_graph,onnxfuse,onnxfuse_graph,onnxfuse_cl,onnxfuse_cl_graph --iters 30 \
+      --variants ort,ort_graph,onnxfuse,onnxfuse_graph --iters 30 \
       --json "$OUT/compare_layout.json" --markdown "$OUT/compare_layout.md" 2>&1 | grep -v "W:onnxruntime" | tail -12
     ;;
   nhwc-kernels)
@@ -82,7 +82,7 @@ case "${1:-tests}" in
     python3 -m pytest -m gpu tests/test_gpu_conv.py tests/test_conv_library.py -q -p no:cacheprovider \
       --junitxml="$OUT/gpu_conv_tests.xml" 2>&1 | tee "$OUT/gpu_conv_tests.log" | tail -6
     python3 benchmarks/compare.py --models "${2:-conv_relu,conv_relu_maxpool,vgg_stack,resnet18,vgg11}" \
-      --variants "${3:-ort,ort_graph,onnxfuse,onnxfuse_cl,onnxfuse_cl_graph,torch_compile}" --iters 30 \
+      --variants "${3:-ort,ort_graph,onnxfuse,onnxfuse_graph,torch_compile}" --iters 30 \
       --json "$OUT/compare_nhwc.json" --markdown "$OUT/compare_nhwc.md" 2>&1 | grep -v "W:onnxruntime" | tail -12
     ;;
   final)
@@ -93,7 +93,7 @@ case "${1:-tests}" in
   nhwc-models)
     export ONNXFUSE_MODELS=$PWD/models/build/pretrained
     python3 benchmarks/compare.py --models "${2:-mobilenet_v3_small,yolov8n_320_b1,yolov8n_320_b16,ppocr_det_640_b1,ppocr_det_640_b16}" \
-      --variants "${3:-ort,ort_graph,onnxfuse,onnxfuse_graph,onnxfuse_cl,onnxfuse_cl_graph}" --iters 30 \
+      --variants "${3:-ort,ort_graph,onnxfuse,onnxfuse_graph}" --iters 30 \
       --json "$OUT/compare_nhwc_models.json" --markdown "$OUT/compare_nhwc_models.md" 2>&1 | grep -v "W:onnxruntime" | tail -14
     ;;
   suite-prep)
@@ -180,7 +180,7 @@ PY
     timeout 120 python3 benchmarks/conv_kernels.py --pool-only --no-compile --json "$OUT/relu_maxpool_tiles.json" \
       2>&1 | tail -4
     python3 benchmarks/compare.py --models relu_maxpool,conv_relu,conv_relu_maxpool,vgg_stack,resnet18,vgg11,mobilenet_v3_small \
-      --variants ort,ort_nhwc,ort_graph,onnxfuse_cl,onnxfuse_cl_graph,torch_compile --iters 30 \
+      --variants ort,ort_nhwc,ort_graph,onnxfuse,onnxfuse_graph,torch_compile --iters 30 \
       --json "$OUT/compare_verify.json" --markdown "$OUT/compare_verify.md" 2>&1 | grep -v "W:onnxruntime" | tail -12
     ;;
   split)
@@ -189,9 +189,9 @@ PY
     timeout 200 python3 benchmarks/split_k.py --json "$OUT/split_k.json" 2>&1 | grep -v "W:onnxruntime" | tail -12
     export ONNXFUSE_MODELS=$PWD/models/build/pretrained
     M=yolov8n_320_b1,yolov8n_320_b16,ppocr_det_640_b1,ppocr_det_640_b16
-    python3 benchmarks/compare.py --models $M --variants ort,ort_graph,onnxfuse_cl,onnxfuse_cl_graph --iters 50 \
+    python3 benchmarks/compare.py --models $M --variants ort,ort_graph,onnxfuse,onnxfuse_graph --iters 50 \
       --json "$OUT/compare_split.json" --markdown "$OUT/compare_split.md" 2>&1 | grep -v "W:onnxruntime" | tail -7
-    ONNXFUSE_CONV_CONFIG=split=0 python3 benchmarks/compare.py --models $M --variants ort_graph,onnxfuse_cl,onnxfuse_cl_graph \
+    ONNXFUSE_CONV_CONFIG=split=0 python3 benchmarks/compare.py --models $M --variants ort_graph,onnxfuse,onnxfuse_graph \
       --iters 50 --json "$OUT/compare_nosplit.json" --markdown "$OUT/compare_nosplit.md" 2>&1 | grep -v "W:onnxruntime" | tail -7
     ;;
   precision)
