@@ -50,6 +50,7 @@ BIAS_RESIDUAL = "input %0 {dt}\ninput %1 {dt}\ninput %2 {dt}\n%3 = add %0 %1\n%4
 SILU_CAST_F16 = "input %0 {dt}\n%1 = sigmoid %0\n%2 = mul %0 %1\noutput %2 f16"
 SCALE_CLIP = "input %0 {dt}\ninput %1 f32\n%2 = mul %0 %1\n%3 = max %2 0.0\n%4 = min %3 6.0\noutput %4 {dt}"
 STRIDED_ADD = "input %0 {dt}\ninput %1 {dt}\n%2 = add %0 %1\noutput %2 {dt}"
+STRIDED_SILU = "input %0 {dt}\ninput %1 {dt}\n%2 = add %0 %1\n%3 = sigmoid %2\n%4 = mul %2 %3\noutput %4 {dt}"
 
 SMALL = GemmVariant(0, block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
 
@@ -84,6 +85,11 @@ CASES = [
     Case("f32-alpha-scalar-clip", (20, 32), (32, 24), SCALE_CLIP, (((1,), "scalar"),), alpha=0.5),
     Case("f32-default-tile-larger-than-product", (37, 70), (70, 45), BIAS_GELU, (((45,), "row"),), variant=None),
     Case("f16-bias-gelu", (37, 70), (70, 45), BIAS_GELU, (((45,), "row"),), dtype="f16"),
+    # the default (medium) tile's heavy epilogue runs on four column parts (epilogue_split)
+    Case("f16-default-tile-split-epilogue", (37, 70), (70, 45), BIAS_GELU, (((45,), "row"),), dtype="f16",
+         variant=None),
+    Case("f32-default-tile-split-epilogue-strided", (2, 40, 33), (2, 33, 72), STRIDED_SILU,
+         (((2, 1, 72), "strided"),), variant=None),
     Case("f16-transb-residual", (2, 19, 64), (48, 64), BIAS_RESIDUAL, (((48,), "row"), ((2, 19, 48), "full")),
          dtype="f16", trans_b=True),
     Case("f32-silu-cast-to-f16", (21, 32), (32, 40), SILU_CAST_F16),
@@ -300,6 +306,27 @@ def test_source_is_deterministic_and_names_its_nodes():
     half = generate_gemm(_spec(1024, 3072, dtype="f16"), v).source
     assert "round_to_tf32" not in half and "acc = tl.dot(a, b, acc)" in half
     assert 'p = (acc).to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)' in half
+
+
+def test_heavy_epilogues_on_large_tiles_run_on_column_parts():
+    """A transcendental or a division on a tile of 64 accumulator values per thread: the epilogue
+    on four column parts (the whole 128 x 128 tile's erf-GELU took 255 registers and spilled);
+    a light epilogue, or a small tile, keeps the epilogue on the whole tile."""
+    from onnxfuse.codegen_gemm import TILES, epilogue_split
+
+    gelu = _spec(1024, 3072, dtype="f16")
+    light = dataclasses.replace(gelu, program=parse(f"{HEADER}\n{BIAS_RESIDUAL.format(dt='f16')}\n"),
+                                input_modes=("row", "full"))
+    for tile, parts in (("large", 4), ("medium", 4), ("square", 1), ("small_m", 1), ("small_m32", 1)):
+        bm, bn, bk, w, st = TILES[tile]["f16"]
+        v = GemmVariant(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+        assert (epilogue_split(gelu, v), epilogue_split(light, v)) == (parts, 1), tile
+    v = gemm_variants(gelu)[0]
+    src = generate_gemm(gelu, v).source
+    assert "left, right = column_halves(acc)" in src and src.count("    epilogue(part_") == 4
+    assert "epilogue(part_3, offs_m, offs_n + 3 * (BLOCK_N // 4), pid_g, M, N, e0_ptr, y_ptr)" in src
+    whole = generate_gemm(light, v).source
+    assert "column_halves" not in whole and "def epilogue" not in whole
 
 
 def test_strided_parameters():
