@@ -25,11 +25,13 @@ constant (`GemmSpec.b_rounded`); "tf32x3" and "ieee" are passed to `tl.dot` as t
 Float16 and bfloat16 operands multiply on the tensor cores with fp32 sums, as cuBLAS does.
 
 A heavy epilogue (a transcendental or a division, `HEAVY_OPS`) on a tile of at least
-`SPLIT_VALUES` accumulator values per thread runs on the tile's two column halves one after
-the other (`epilogue_split`), each loaded, computed and stored by the module's ``epilogue``
-function: computed on the whole tile at once, the erf-GELU of BERT's FFN1 (128 x 128, 8 warps)
-took ptxas to 255 registers with 640 bytes of spills, one program per SM where the bias-only
-kernel of the same tile (122 registers) runs two; in halves it needs 119.
+`SPLIT_VALUES` accumulator values per thread runs on four column quarters of the tile one
+after the other (`epilogue_split`), each loaded, computed and stored by the module's
+``epilogue`` function: computed on the whole tile at once, the erf-GELU of BERT's FFN1
+(128 x 128, 8 warps) took ptxas to 255 registers with 640 bytes of spills (fp16; fp32 512),
+one program per SM where the bias-only kernel of the same tile (122 registers) runs two; in
+quarters it needs 117 (fp32 122), no spills; in halves fp32 still needed 154. (ptxas -v on the
+sm_90a PTX, on the CPU; not yet timed on a GPU.)
 
 The epilogue's extra inputs are read by mode (`INPUT_MODES`) over Y's [G, M, N] view:
 ``full`` (Y's shape), ``row`` (varies along N only: a bias), ``scalar``, ``strided`` (any other
@@ -48,7 +50,7 @@ from onnxfuse.expr import Program
 
 INPUT_MODES = ("full", "row", "scalar", "strided")
 # Epilogue ops of many instructions per element (libdevice polynomials, IEEE division and its
-# slow-path call): with one of them the epilogue is split into column halves on large tiles.
+# slow-path call): with one of them the epilogue is split into column quarters on large tiles.
 HEAVY_OPS = frozenset({"exp", "expm1", "log", "sqrt", "tanh", "erf", "erfc", "cos", "sin", "pow", "sigmoid",
                        "softplus", "div"})
 SPLIT_VALUES = 64  # accumulator values per thread from which a heavy epilogue is split
@@ -191,8 +193,9 @@ def gemm_candidates(spec: GemmSpec) -> list[tuple[str, tuple]]:
 
 
 def epilogue_split(spec: GemmSpec, variant: GemmVariant) -> int:
-    """Column parts the epilogue runs on one after the other: 2 for a heavy epilogue on a tile
-    of at least SPLIT_VALUES accumulator values per thread, else 1 (the whole tile)."""
+    """Column parts the epilogue runs on one after the other: 4 for a heavy epilogue on a tile
+    of at least SPLIT_VALUES accumulator values per thread (and 64 or more columns), else 1
+    (the whole tile)."""
     heavy = any(ins.op in HEAVY_OPS for ins in spec.program.instrs)
     values = variant.block_m * variant.block_n // (32 * variant.num_warps)
     return 4 if heavy and values >= SPLIT_VALUES and variant.block_n >= 64 else 1
