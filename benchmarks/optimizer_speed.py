@@ -16,6 +16,7 @@ must split at each separator (the path chain -> MatMul -> residual Add leaves an
     python benchmarks/optimizer_speed.py --sizes 1000 50000 --repeat 3 --json out.json
     python benchmarks/optimizer_speed.py --profile 50000      # cProfile of one run, top functions
     python benchmarks/optimizer_speed.py --graph residual     # residual-stream graphs instead
+    python benchmarks/optimizer_speed.py --gemm               # the gemm kind matched too (a tuned GPU run)
 
 Prints a table (nodes, seconds, nodes/s, fused groups, and the time of each stage) and
 writes JSON (default benchmarks/results/optimizer_speed.json, or optimizer_speed_residual.json).
@@ -203,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-stages", action="store_true", help="skip the per-stage timing run")
     ap.add_argument("--profile", type=int, metavar="NODES", help="cProfile one run at this size and print it")
     ap.add_argument("--top", type=int, default=25, help="functions to list with --profile")
+    ap.add_argument("--gemm", action="store_true",
+                    help="match the gemm kind too, as optimize does when it tunes on a GPU (ONNXFUSE_GEMM_ALL=1)")
     args = ap.parse_args(argv)
+    if args.gemm:
+        os.environ["ONNXFUSE_GEMM_ALL"] = "1"
 
     patterns = load_patterns()
     optimize_model(build_model(200, args.graph), patterns)  # warm-up: imports, caches
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         print("time grows faster than linearly: run with --profile to see where")
 
     out = {
-        "benchmark": "optimizer_speed", "graph": args.graph, "skipped_sizes": skipped,
+        "benchmark": "optimizer_speed", "graph": args.graph, "gemm": args.gemm, "skipped_sizes": skipped,
         "machine": {"python": platform.python_version(), "onnx": onnx.__version__,
                     "cpus": os.cpu_count(), "platform": platform.platform()},
         "repeat": args.repeat, "rows": rows, "loglog_slope": slope, "per_node_growth": growth,

@@ -382,3 +382,26 @@ def test_torch_encoder_layer():
     assert len(ffn1) == 2, r.report.summary()
     assert r.report.not_fused.get(gk.DYNAMIC_B) == 4  # QK^T and PV of both layers
     assert not [k for k in r.report.not_fused if "would split" in k], r.report.summary()
+
+
+def test_an_epilogue_along_a_residual_stream_is_bounded():
+    """A MatMul whose output joins a residual stream of 300 same-shaped Adds: its epilogue
+    grows over the nearest MAX_EPILOGUE_NODES of them only (each anchor's work is bounded, so
+    matching stays linear in the graph), and the fused node is still right."""
+    from onnxfuse.graph import GraphView
+    from onnxfuse.load import canonicalize, infer_shapes
+    from onnxfuse.match import MAX_EPILOGUE_NODES, grow_epilogue
+
+    nodes = [N("MatMul", ["x", "w"], ["h0"])]
+    inits = {"w": _w((16, 16))}
+    for k in range(300):
+        nodes.append(N("Add", [f"h{k}", f"r{k}"], [f"h{k + 1}"]))
+    inputs = {"x": ("float32", [4, 16])} | {f"r{k}": ("float32", [4, 16]) for k in range(300)}
+    m = model(nodes, inputs, {"h300": ("float32", [4, 16])}, inits)
+    canonical = canonicalize(m)
+    view = GraphView.build(canonical, infer_shapes(canonical))
+    grown = grow_epilogue(view, 0, (4, 16), GEMM, set())
+    assert grown == set(range(1, MAX_EPILOGUE_NODES + 1))  # the nearest, in order
+    r = check_fusion(m, expect_fused=2, patterns=PATTERNS)  # the rest of the stream: a pointwise chain
+    (f,) = [f for f in r.fused if f.kind == "gemm"]
+    assert len(f.source_nodes) == 1 + MAX_EPILOGUE_NODES
