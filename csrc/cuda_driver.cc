@@ -244,6 +244,19 @@ Workspace::~Workspace() {
   g_ort->ReleaseAllocator(alloc);
 }
 
+SplitBuffers::SplitBuffers(OrtKernelContext* ctx, int device, int64_t tiles, int64_t split, int64_t tile_elems)
+    : tiles(tiles),
+      cnt_bytes((static_cast<size_t>(tiles) * 4 + 255) / 256 * 256),
+      ws(ctx, device, cnt_bytes + static_cast<size_t>(split * tiles * tile_elems) * 4) {}
+
+void SplitBuffers::pass(CUstream stream, const std::string& kernel, Params& p) const {
+  const Driver& d = driver();
+  CUresult r = d.MemsetD32Async(reinterpret_cast<CUdeviceptr>(ws.data), 0, static_cast<size_t>(tiles), stream);
+  if (r != CUDA_SUCCESS) throw Error("cuMemsetD32Async for " + kernel + " failed: " + d.describe(r));
+  p.ptr(static_cast<char*>(ws.data) + cnt_bytes);  // ws_ptr
+  p.ptr(ws.data);                                 // cnt_ptr
+}
+
 // ---------------------------------------------------------------------------------------
 // Modules per context, variant choice, launch
 // ---------------------------------------------------------------------------------------

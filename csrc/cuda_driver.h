@@ -84,7 +84,7 @@ struct Variant {
   int64_t w_multiple = 1;    // the input width W a multiple of this (maxpool)
   int64_t ptr_align = 1;
   int64_t max_elements = 0;  // 0: no limit
-  int64_t split = 0;         // > 1: a split-K variant (conv), grid z
+  int64_t split = 0;         // > 1: a split-K variant (conv: its slices, grid z; gemm: the most slices)
   int64_t max_m = 0;         // > 0: a small-M variant (conv), for M (output pixels) up to it
 };
 
@@ -144,6 +144,21 @@ struct Workspace {
   ~Workspace();
   Workspace(const Workspace&) = delete;
   Workspace& operator=(const Workspace&) = delete;
+};
+
+// Split K's buffers for one launch (FusedConv, GemmEpilogue; docs/format.md): `tiles` int32
+// arrival counters (padded to 256 bytes), then split · tiles · tile_elems fp32 partial tiles,
+// lent by the CUDA EP for the one Compute (Workspace). ok() is false where the EP lends none:
+// the caller launches another variant.
+struct SplitBuffers {
+  int64_t tiles;
+  size_t cnt_bytes;
+  Workspace ws;
+  SplitBuffers(OrtKernelContext* ctx, int device, int64_t tiles, int64_t split, int64_t tile_elems);
+  bool ok() const { return ws.data != nullptr; }
+  // Zeroes the counters on the stream (cuMemsetD32Async) and appends the kernel's ws_ptr and
+  // cnt_ptr parameters to p. `kernel` names the kernel in the error.
+  void pass(CUstream stream, const std::string& kernel, Params& p) const;
 };
 
 // The modules of one kernel instance in one CUDA context: per variant, the function to

@@ -650,7 +650,8 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
         else:
             body.append("    acc = tl.dot(a, b, acc)")
     if split:
-        body += _split_reduce()
+        body += split_reduce("tl.num_programs(axis=0) * tl.num_programs(axis=1)",
+                             "pid_m * tl.num_programs(axis=1) + pid_n", "SPLIT")
     body += ["# Epilogue: bias, then the pointwise program on the tile.",
              "x0 = acc + tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]"]
     if spec.dtype == "f16":
@@ -684,20 +685,24 @@ def _conv_module(spec: ConvSpec, variant: ConvVariant, names: list[str], constex
     return "\n".join(lines) + "\n"
 
 
-def _split_reduce() -> list[str]:
-    """Split K: publish this program's partial tile; the last of the tile's SPLIT programs
-    to arrive sums them all (the others' epilogue is masked off by `last`)."""
+def split_reduce(tiles: str, tile: str, split: str) -> list[str]:
+    """Split K (FusedConv, GemmEpilogue): publish this program's partial tile `acc`; the last
+    of the tile's `split` programs to arrive sums them all (the others' epilogue is masked
+    off by `last`). `tiles`: the count of output tiles (one arrival counter each), `tile`:
+    this program's, `split`: the slice count (expressions of the kernel); the slice is
+    `pid_k`, the workspace `ws_ptr` ([split, tiles, BLOCK_M * BLOCK_N] fp32) and the
+    counters `cnt_ptr` (zeroed by the launcher)."""
     return ["# Split K: write the partial tile, then count this program in; the last to arrive",
             "# reads every partial back (from L2: .cg) and runs the epilogue on the sum.",
-            "tiles = tl.num_programs(axis=0) * tl.num_programs(axis=1)",
-            "tile = pid_m * tl.num_programs(axis=1) + pid_n",
+            f"tiles = {tiles}",
+            f"tile = {tile}",
             "offs_t = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]",
             "tl.store(ws_ptr + (pid_k * tiles + tile) * (BLOCK_M * BLOCK_N) + offs_t, acc)",
             "tl.debug_barrier()  # every thread's part of the tile is written before the count",
             'arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")',
-            "last = arrived == SPLIT - 1",
+            f"last = arrived == {split} - 1",
             "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
-            "for part in range(0, SPLIT):",
+            f"for part in range(0, {split}):",
             "    acc += tl.load(ws_ptr + (part * tiles + tile) * (BLOCK_M * BLOCK_N) + offs_t,",
             '                   mask=(offs_t >= 0) & last, other=0.0, cache_modifier=".cg")']
 

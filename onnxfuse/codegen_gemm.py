@@ -25,8 +25,8 @@ constant (`GemmSpec.b_rounded`); "tf32x3" and "ieee" are passed to `tl.dot` as t
 Float16 and bfloat16 operands multiply on the tensor cores with fp32 sums, as cuBLAS does.
 
 A heavy epilogue (a transcendental or a division, `HEAVY_OPS`) on a tile of at least
-`SPLIT_VALUES` accumulator values per thread runs on four column quarters of the tile one
-after the other (`epilogue_split`), each loaded, computed and stored by the module's
+`PART_VALUES` accumulator values per thread runs on four column quarters of the tile one
+after the other (`epilogue_parts`), each loaded, computed and stored by the module's
 ``epilogue`` function: computed on the whole tile at once, the erf-GELU of BERT's FFN1
 (128 x 128, 8 warps) took ptxas to 255 registers with 640 bytes of spills (fp16; fp32 512),
 one program per SM where the bias-only kernel of the same tile (122 registers) runs two; in
@@ -36,6 +36,27 @@ sm_90a PTX, on the CPU; not yet timed on a GPU.)
 The epilogue's extra inputs are read by mode (`INPUT_MODES`) over Y's [G, M, N] view:
 ``full`` (Y's shape), ``row`` (varies along N only: a bias), ``scalar``, ``strided`` (any other
 shape that broadcasts to Y and collapses to three strides, given at run time).
+
+Split K (GemmVariant.split > 1), FusedConv's design (codegen_conv's module docstring): for
+products whose tiles are too few to fill the GPU (BERT-base at batch 1: M = 128 rows make 6
+to 24 tiles for 132 SMs, each running the whole K loop), the grid's third axis splits the K
+loop. K is a run-time value here, so the slice count is too: the kernel reads it from the
+grid (`split = tl.num_programs(2)`) and program `pid_k` of a tile takes the contiguous
+K blocks [pid_k * per, min((pid_k + 1) * per, K_BLOCKS)), per = cdiv(K_BLOCKS, split),
+K_BLOCKS = cdiv(K, BLOCK_K); the K tail inside the last block is masked as in the plain loop
+(a slice left empty, which the launcher never makes, contributes zeros). Grid: (tiles, G,
+split), so the batch and the slices both have their own axis and the tile order within a
+batch is the plain kernel's. Each program writes its fp32 partial tile to a workspace
+[split, G * tiles, BLOCK_M * BLOCK_N] and increments the tile's arrival counter (one int32
+per (g, tile)); the program that arrives last sums the partials (`codegen_conv.split_reduce`,
+the conv's code) and runs the unchanged epilogue on the sum, so alpha, the rounding to A's
+dtype, the bias, the activation, the residual and the cast all see the whole product; the
+others' stores are masked off. The variant's "split" in kernel_meta is the most slices the
+launcher may use (K_BLOCKS / SPLIT_MIN_BLOCKS, at most SPLIT_MAX, when K is known); the
+launcher takes the variant where the plain grid of its tile would leave most SMs idle (tiles
+· G at most half the SMs) and runs it with split = min(S, SMs // (tiles · G), K_BLOCKS)
+slices, evened out to cdiv(K_BLOCKS, cdiv(K_BLOCKS, split)) so that none is empty
+(`GemmVariant.slices`, docs/format.md, kind gemm).
 """
 
 from __future__ import annotations
@@ -44,7 +65,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, check_kernel_name
-from onnxfuse.codegen_conv import PRECISIONS, ROUND_TO_TF32
+from onnxfuse.codegen_conv import PRECISIONS, ROUND_TO_TF32, split_reduce
 from onnxfuse.codegen_rows import _program_lines
 from onnxfuse.expr import Program
 
@@ -53,9 +74,15 @@ INPUT_MODES = ("full", "row", "scalar", "strided")
 # slow-path call): with one of them the epilogue is split into column quarters on large tiles.
 HEAVY_OPS = frozenset({"exp", "expm1", "log", "sqrt", "tanh", "erf", "erfc", "cos", "sin", "pow", "sigmoid",
                        "softplus", "div"})
-SPLIT_VALUES = 64  # accumulator values per thread from which a heavy epilogue is split
+PART_VALUES = 64  # accumulator values per thread from which a heavy epilogue is split
 INT_TYPE = "i32"  # every integer parameter; each tensor holds fewer than 2**31 elements (max_elements)
 MAX_ELEMENTS = 2**31 - 1
+# Split K (module docstring): at most this many slices, each of at least SPLIT_MIN_BLOCKS K
+# blocks (so that the pipeline has blocks to overlap). The conv's values (kinds.conv.SPLIT_MAX,
+# SPLIT_MIN_STEPS), not measured for GEMMs (BENCHMARKS.md, Decisions, `gemm-split-k`).
+SPLIT_MAX = 16
+SPLIT_MIN_BLOCKS = 4
+MAX_GRID_Z = 65535  # CUDA's grid z limit: the most slices a launch can have
 
 
 @dataclass(frozen=True)
@@ -101,7 +128,9 @@ class GemmVariant:
     aligned: the pointers are 16-byte aligned and the strides, N and K given at run time
     multiples of 16 elements (hinted to the compiler; `requires` ptr_align and the launcher's own
     `stride_multiple`); max_m > 0: the variant is for GEMMs of at most this many rows (the
-    small-M tiles), the launcher's own key like rows' max_cols."""
+    small-M tiles), the launcher's own key like rows' max_cols; split > 1: a split-K kernel
+    (module docstring) that the launcher runs with at most this many K slices, only where the
+    plain grid of its tile would leave most SMs idle (`slices`)."""
 
     index: int = 0
     block_m: int = 128
@@ -112,6 +141,11 @@ class GemmVariant:
     num_stages: int = 3
     aligned: bool = False
     max_m: int = 0
+    split: int = 0  # 0 / 1: no split K
+
+    @property
+    def split_k(self) -> bool:
+        return self.split > 1
 
     def requires(self) -> dict[str, int]:
         req = {"max_elements": MAX_ELEMENTS}
@@ -121,16 +155,38 @@ class GemmVariant:
 
     def meta(self) -> dict[str, int]:
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
-                "stride_multiple": 16 if self.aligned else 1, "max_m": self.max_m}
+                "stride_multiple": 16 if self.aligned else 1, "max_m": self.max_m,
+                **({"split": self.split} if self.split_k else {})}
 
-    def grid(self, m: int, n: int, g: int) -> tuple[int, int]:
-        """The launch grid, as the C++ launcher computes it."""
-        return (-(-m // self.block_m)) * (-(-n // self.block_n)), g
+    def tiles(self, m: int, n: int) -> int:
+        return (-(-m // self.block_m)) * (-(-n // self.block_n))
+
+    def slices(self, m: int, n: int, k: int, g: int, sms: int = 0) -> int:
+        """The K slices the C++ launcher runs this split-K variant with for a product of this
+        size on a GPU of `sms` multiprocessors (default SMS), or 0 where it does not run it:
+        its grid of tiles · G would fill more than half the SMs, or fewer than two slices
+        result (module docstring)."""
+        sms = sms or SMS
+        tiles = self.tiles(m, n) * g
+        if not self.split_k or tiles == 0 or 2 * tiles > sms:
+            return 0
+        blocks = -(-k // self.block_k)
+        s = min(self.split, sms // tiles, blocks, MAX_GRID_Z)
+        if s < 2:
+            return 0
+        return -(-blocks // -(-blocks // s))  # every slice non-empty
+
+    def grid(self, m: int, n: int, g: int, split: int = 0) -> tuple[int, ...]:
+        """The launch grid, as the C++ launcher computes it: (tiles, G), or (tiles, G, split)
+        for a split-K variant run with `split` slices."""
+        if split > 1:
+            return self.tiles(m, n), g, split
+        return self.tiles(m, n), g
 
     @property
     def label(self) -> str:
         return (f"tile {self.block_m}x{self.block_n}x{self.block_k}, {self.num_warps} warps, "
-                f"{self.num_stages} stages")
+                f"{self.num_stages} stages" + (f", split K up to {self.split}" if self.split_k else ""))
 
 
 # Tiles (block_m, block_n, block_k, warps, stages) by dtype. The large tile is the Triton
@@ -169,17 +225,36 @@ def _numbered(variants: list[GemmVariant]) -> tuple[GemmVariant, ...]:
     return tuple(GemmVariant(**{**v.__dict__, "index": i}) for i, v in enumerate(variants))
 
 
+def split_variant(spec: GemmSpec, tile: str) -> GemmVariant | None:
+    """The split-K variant of a tile (aligned; module docstring), or None where it cannot
+    help: K known and too short for two slices of SPLIT_MIN_BLOCKS blocks, or the fewest
+    tiles the product can have (M, N and G where known, else one tile each) more than half
+    of SMS, so the launcher would never take it. Its "split" is the most slices: K_BLOCKS //
+    SPLIT_MIN_BLOCKS up to SPLIT_MAX (SPLIT_MAX for a run-time K); the launcher picks the
+    slice count from the run-time tiles and the SMs (`GemmVariant.slices`)."""
+    v = _tile(spec, tile, aligned=True)
+    most = SPLIT_MAX if spec.k is None else min(SPLIT_MAX, -(-spec.k // v.block_k) // SPLIT_MIN_BLOCKS)
+    fewest = v.tiles(spec.m or 1, spec.n or 1) * (spec.batch or 1)
+    if most < 2 or 2 * fewest > SMS:
+        return None
+    return GemmVariant(**{**v.__dict__, "split": most})
+
+
 def gemm_variants(spec: GemmSpec) -> tuple[GemmVariant, ...]:
     """The variants of a GemmEpilogue kernel, most specialized first (the launcher takes the
-    first whose requirements hold): M known, the heuristic's tile for it, aligned then not;
-    M unknown (a dynamic batch), the small-M tile for M <= SMALL_M, then the large tile, each
-    aligned, and the large tile unaligned last."""
+    first whose requirements hold): M known, the split-K variant of the heuristic's tile
+    (where it can help: `split_variant`), then the tile aligned, then not; M unknown (a
+    dynamic batch), the small-M tile for M <= SMALL_M, the split-K variant of the medium
+    tile, then the large tile, each aligned, and the large tile unaligned last. A split-K
+    variant's requirements include the launcher's own: its tiles at most half the SMs."""
     if spec.m is not None:
         tile = _heuristic_tile(spec)
-        return _numbered([_tile(spec, tile, aligned=True), _tile(spec, tile)])
+        split = split_variant(spec, tile)
+        return _numbered([*([split] if split else []), _tile(spec, tile, aligned=True), _tile(spec, tile)])
+    split = split_variant(spec, "medium")
     return _numbered([_tile(spec, "small_m", aligned=True, max_m=16), _tile(spec, "small_m32", aligned=True,
                                                                              max_m=SMALL_M),
-                      _tile(spec, "large", aligned=True), _tile(spec, "large")])
+                      *([split] if split else []), _tile(spec, "large", aligned=True), _tile(spec, "large")])
 
 
 def gemm_candidates(spec: GemmSpec) -> list[tuple[str, tuple]]:
@@ -192,22 +267,25 @@ def gemm_candidates(spec: GemmSpec) -> list[tuple[str, tuple]]:
     return out
 
 
-def epilogue_split(spec: GemmSpec, variant: GemmVariant) -> int:
+def epilogue_parts(spec: GemmSpec, variant: GemmVariant) -> int:
     """Column parts the epilogue runs on one after the other: 4 for a heavy epilogue on a tile
-    of at least SPLIT_VALUES accumulator values per thread (and 64 or more columns), else 1
+    of at least PART_VALUES accumulator values per thread (and 64 or more columns), else 1
     (the whole tile)."""
     heavy = any(ins.op in HEAVY_OPS for ins in spec.program.instrs)
     values = variant.block_m * variant.block_n // (32 * variant.num_warps)
-    return 4 if heavy and values >= SPLIT_VALUES and variant.block_n >= 64 else 1
+    return 4 if heavy and values >= PART_VALUES and variant.block_n >= 64 else 1
 
 
-def gemm_param_names(spec: GemmSpec) -> list[str]:
-    """Kernel parameters in launch order (docs/format.md, kind gemm), without constexprs."""
+def gemm_param_names(spec: GemmSpec, split: bool = False) -> list[str]:
+    """Kernel parameters in launch order (docs/format.md, kind gemm), without constexprs; a
+    split-K kernel's end with its workspace and arrival counters."""
     names = ["a_ptr", "b_ptr", *(f"e{i}_ptr" for i in range(spec.n_extras)), "y_ptr",
              "M", "N", "K", "stride_ag", "stride_a", "stride_bg", "stride_b"]
     for i, mode in enumerate(spec.input_modes):
         if mode == "strided":
             names += [f"stride_e{i}_g", f"stride_e{i}_m", f"stride_e{i}_n"]
+    if split:
+        names += ["ws_ptr", "cnt_ptr"]
     return names
 
 
@@ -230,16 +308,23 @@ def _check(spec: GemmSpec, variant: GemmVariant) -> None:
             raise ValueError(f"tile sizes and num_warps must be powers of two: {variant}")
     if min(variant.block_m, variant.block_n, variant.block_k) < 16:
         raise ValueError(f"tl.dot needs tiles of at least 16: {variant}")
+    if not 0 <= variant.split <= MAX_GRID_Z:
+        raise ValueError(f"split is the most K slices, 0 or 1 (none) to {MAX_GRID_Z}: {variant}")
+    if variant.split_k and variant.max_m:
+        raise ValueError(f"a split-K variant has no M limit (max_m): {variant}")
 
 
 def generate_gemm(spec: GemmSpec, variant: GemmVariant) -> KernelSource:
     """The Triton kernel of a GemmEpilogue node for one variant."""
     _check(spec, variant)
-    names = gemm_param_names(spec)
+    split = variant.split_k
+    names = gemm_param_names(spec, split)
     n_ptrs = 3 + spec.n_extras
     types = [POINTER_TYPES[spec.dtype]] * 2 + [POINTER_TYPES[d] for d in spec.program.input_dtypes[1:]]
     types += [POINTER_TYPES[spec.program.outputs[0][1]]]
-    types += [INT_TYPE] * (len(names) - n_ptrs)
+    types += [INT_TYPE] * (len(names) - n_ptrs - (2 if split else 0))
+    if split:  # the workspace and the arrival counters
+        types += ["*fp32", "*i32"]
     constexprs = (("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n), ("BLOCK_K", variant.block_k),
                   ("GROUP_M", variant.group_m))
     divisible: tuple[int, ...] = ()
@@ -249,7 +334,9 @@ def generate_gemm(spec: GemmSpec, variant: GemmVariant) -> KernelSource:
         hinted = [i for i, p in enumerate(names) if p in ("N", "K") or
                   (p.startswith("stride_") and not p.endswith(("_g", "_m", "_n")))]
         divisible = tuple(range(n_ptrs)) + tuple(hinted)
-    source = _module(spec, variant, names, [c for c, _ in constexprs], epilogue_split(spec, variant))
+    if split:  # the launcher's workspace: 256-byte aligned
+        divisible += (names.index("ws_ptr"),)
+    source = _module(spec, variant, names, [c for c, _ in constexprs], epilogue_parts(spec, variant))
     return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
                         constexprs=constexprs, divisible=divisible, num_warps=variant.num_warps,
                         variant=variant, num_stages=variant.num_stages)
@@ -268,11 +355,12 @@ def _precision_text(spec: GemmSpec) -> str:
             + ("A here, B when compiled)" if spec.b_rounded else "both here)"))
 
 
-def _module(spec: GemmSpec, variant: GemmVariant, names: list[str], constexprs: list[str], split: int) -> str:
+def _module(spec: GemmSpec, variant: GemmVariant, names: list[str], constexprs: list[str], parts: int) -> str:
     a_shape = "[G, K, M] (trans_a)" if spec.trans_a else "[G, M, K]"
     b_shape = "[G, N, K] (trans_b)" if spec.trans_b else "[G, K, N]"
     lines = [f"# {spec.name}: generated by onnxfuse.codegen_gemm; do not edit.", "#",
-             f"# Y[G, M, N] = epilogue(alpha * A @ B); A {a_shape}, B {b_shape}; {_precision_text(spec)}.",
+             f"# Y[G, M, N] = epilogue(alpha * A @ B); A {a_shape}, B {b_shape}; {_precision_text(spec)}"
+             + ("; split K over the grid's third axis." if variant.split_k else "."),
              "#", "# Replaces the ONNX nodes:"]
     lines += [f"#   {_comment_text(s)}" for s in spec.source_nodes] or ["#   (none listed)"]
     lines += ["#", "# Epilogue (%0 is the product, rounded to A's dtype; then the extra inputs):"]
@@ -280,22 +368,24 @@ def _module(spec: GemmSpec, variant: GemmVariant, names: list[str], constexprs: 
     lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
     if spec.rounds_a:
         lines += ["", "", *ROUND_TO_TF32]
-    if split > 1:
-        lines += ["", "", *_epilogue_function(spec)]
+    if parts > 1:
+        lines += ["", "", *_epilogue_function(spec, variant.split_k)]
     lines += ["", "", "@triton.jit", f"def {spec.name}("]
-    ptrs = [p for p in names if p.endswith("_ptr")]
+    ptrs = [p for p in names if p.endswith("_ptr") and p not in ("ws_ptr", "cnt_ptr")]
     lines.append(f"    {', '.join(ptrs)},")
     lines.append("    M, N, K,")
     lines.append("    stride_ag, stride_a, stride_bg, stride_b,")
     for i, mode in enumerate(spec.input_modes):
         if mode == "strided":
             lines.append(f"    stride_e{i}_g, stride_e{i}_m, stride_e{i}_n,")
+    if variant.split_k:
+        lines.append("    ws_ptr, cnt_ptr,")
     lines += [f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},", "):"]
-    lines += ["    " + ln if ln else "" for ln in _body(spec, split)]
+    lines += ["    " + ln if ln else "" for ln in _body(spec, variant.split_k, parts)]
     return "\n".join(lines) + "\n"
 
 
-def _body(spec: GemmSpec, split: int) -> list[str]:
+def _body(spec: GemmSpec, split: bool = False, parts: int = 1) -> list[str]:
     a_off = ("offs_am[:, None] + offs_k[None, :] * stride_a" if spec.trans_a else
              "offs_am[:, None] * stride_a + offs_k[None, :]")
     b_off = ("offs_k[:, None] + offs_bn[None, :] * stride_b" if spec.trans_b else
@@ -313,6 +403,7 @@ def _body(spec: GemmSpec, split: int) -> list[str]:
            "group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)",
            "pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)",
            "pid_n = (pid % num_pid_in_group) // group_size_m",
+           *(_SPLIT_RANGE if split else ()),
            "",
            "# Rows and columns past M and N wrap around (their results are not stored).",
            "offs_am = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)) % M",
@@ -320,8 +411,9 @@ def _body(spec: GemmSpec, split: int) -> list[str]:
            "offs_k = tl.arange(0, BLOCK_K)",
            f"a_ptrs = a_ptr + pid_g * stride_ag + ({a_off})",
            f"b_ptrs = b_ptr + pid_g * stride_bg + ({b_off})",
+           *([f"a_ptrs += k_lo * ({a_step})", f"b_ptrs += k_lo * ({b_step})"] if split else ()),
            "acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)",
-           "for k in range(0, tl.cdiv(K, BLOCK_K)):",
+           "for k in range(k_lo, k_hi):" if split else "for k in range(0, tl.cdiv(K, BLOCK_K)):",
            "    k_left = K - k * BLOCK_K",
            "    a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)",
            "    b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)"]
@@ -336,33 +428,38 @@ def _body(spec: GemmSpec, split: int) -> list[str]:
     else:
         out.append("    acc = tl.dot(a, b, acc)")
     out += [f"    a_ptrs += {a_step}", f"    b_ptrs += {b_step}", ""]
-    if split > 1:
-        args = ", ".join(_epilogue_args(spec))
-        out += [f"# The epilogue on {split} parts of the tile's columns, one after the other: on the whole tile",
+    if split:
+        # one counter per (g, tile): the tiles of batch g follow those of batch g - 1
+        out += [*split_reduce("tl.num_programs(axis=0) * tl.num_programs(axis=1)",
+                              "pid_g * tl.num_programs(axis=0) + pid", "split"), ""]
+    if parts > 1:
+        args = ", ".join(_epilogue_args(spec, split))
+        out += [f"# The epilogue on {parts} parts of the tile's columns, one after the other: on the whole tile",
                 "# at once its fp32 temporaries would not fit in the registers beside the accumulator.",
                 "left, right = column_halves(acc)"]
-        parts = ["left", "right"]
-        if split == 4:
+        pieces = ["left", "right"]
+        if parts == 4:
             out += ["part_0, part_1 = column_halves(left)", "part_2, part_3 = column_halves(right)"]
-            parts = [f"part_{i}" for i in range(4)]
+            pieces = [f"part_{i}" for i in range(4)]
         out += ["offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
-                f"offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // {split})"]
-        for i, part in enumerate(parts):
-            shift = "" if i == 0 else f" + {'' if i == 1 else f'{i} * '}(BLOCK_N // {split})"
+                f"offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // {parts})"]
+        for i, part in enumerate(pieces):
+            shift = "" if i == 0 else f" + {'' if i == 1 else f'{i} * '}(BLOCK_N // {parts})"
             out.append(f"epilogue({part}, offs_m, offs_n{shift}, {args})")
         return out
     out += ["# Epilogue on the tile, in fp32: %0 is the product as the original stores it."]
     return out + _epilogue_lines(spec, ["offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
-                                        "offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)"])
+                                        "offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)"], split)
 
 
-def _epilogue_args(spec: GemmSpec) -> list[str]:
-    """The `epilogue` function's parameters after (acc, offs_m, offs_n)."""
+def _epilogue_args(spec: GemmSpec, split: bool = False) -> list[str]:
+    """The `epilogue` function's parameters after (acc, offs_m, offs_n); a split-K kernel's
+    end with `last` (whether this program sums the partials and stores)."""
     names = ["pid_g", "M", "N", *(f"e{i}_ptr" for i in range(spec.n_extras)), "y_ptr"]
     for i, mode in enumerate(spec.input_modes):
         if mode == "strided":
             names += [f"stride_e{i}_g", f"stride_e{i}_m", f"stride_e{i}_n"]
-    return names
+    return names + (["last"] if split else [])
 
 
 COLUMN_HALVES = [
@@ -373,18 +470,18 @@ COLUMN_HALVES = [
 ]
 
 
-def _epilogue_function(spec: GemmSpec) -> list[str]:
+def _epilogue_function(spec: GemmSpec, split: bool = False) -> list[str]:
     """The epilogue as a function of a part of the tile (the kernel calls it per column part)."""
-    params = ", ".join(_epilogue_args(spec))
+    params = ", ".join(_epilogue_args(spec, split))
     return (COLUMN_HALVES + ["", "", "@triton.jit", f"def epilogue(acc, offs_m, offs_n, {params}):",
              '    """The epilogue on acc, the part of the tile at rows offs_m and columns offs_n, '
              'in fp32: %0 is the', '    product as the original stores it; stored to Y."""']
-            + ["    " + ln for ln in _epilogue_lines(spec, [])])
+            + ["    " + ln for ln in _epilogue_lines(spec, [], split)])
 
 
-def _epilogue_lines(spec: GemmSpec, offsets: list[str]) -> list[str]:
+def _epilogue_lines(spec: GemmSpec, offsets: list[str], split: bool = False) -> list[str]:
     """The epilogue on `acc` at rows offs_m and columns offs_n (defined by `offsets`, after the
-    product): loads, program, masked store."""
+    product): loads, program, masked store (split K: by the program that arrived last only)."""
     out = []
     alpha = "" if spec.alpha == 1.0 else f" * {float(spec.alpha)!r}"
     if spec.dtype == "f32":
@@ -392,7 +489,7 @@ def _epilogue_lines(spec: GemmSpec, offsets: list[str]) -> list[str]:
     else:
         out.append(f'p = (acc{alpha}).to({TL_DTYPES[spec.dtype]}, fp_downcast_rounding="rtne").to(tl.float32)')
     out += offsets
-    out += ["mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)",
+    out += ["mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)" + (" & last" if split else ""),
             "y_offs = pid_g * M * N + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]"]
     for i, (dt, mode) in enumerate(zip(spec.program.input_dtypes[1:], spec.input_modes, strict=True)):
         out.append(f"e{i} = {_load(i, dt, mode)}")
@@ -408,6 +505,20 @@ def _epilogue_lines(spec: GemmSpec, offsets: list[str]) -> list[str]:
         val = f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
     out += ["# Store, cast to the output dtype.", f"tl.store(y_ptr + y_offs, {val}, mask=mask)"]
     return out
+
+
+# Split K: the K blocks of this program's slice (module docstring).
+_SPLIT_RANGE = (
+    "",
+    "# Split K: this program sums K blocks k_lo .. k_hi - 1 of the tile, one contiguous share",
+    "# of the cdiv(K, BLOCK_K) blocks per program along the grid's third axis.",
+    "pid_k = tl.program_id(axis=2)",
+    "split = tl.num_programs(axis=2)",
+    "k_blocks = tl.cdiv(K, BLOCK_K)",
+    "k_per = tl.cdiv(k_blocks, split)",
+    "k_lo = pid_k * k_per",
+    "k_hi = tl.minimum(k_lo + k_per, k_blocks)",
+)
 
 
 def _load(i: int, dtype: str, mode: str) -> str:

@@ -9,7 +9,14 @@ that wrap around, the masked K tail), tiles larger than the product, transposed 
 batched A times a 2-D B (one GEMM of M = batch * rows), equal batch dims, every epilogue input
 mode (full, row, scalar, strided), alpha, float32 at the three precisions (tf32: operands
 rounded to nearest TF32 as cuBLAS does, B pre-rounded or rounded in the kernel), float16 and
-bfloat16."""
+bfloat16; and split K (GemmVariant.split: the K blocks spread over the grid's third axis, the
+last program per tile summing the partials and running the epilogue) at several slice
+counts, one that leaves a slice empty, fp32 and fp16, a batched product (one counter per
+batch and tile), with a bias + erf-GELU + residual epilogue.
+
+Split K in the interpreter: programs run one after another, so the arrival counter's
+acquire-release atomic is exercised for its count (the last program of each tile, and only
+it, sums and stores), not for its memory ordering; that is the GPU tests' (test_gemm_gpu.py)."""
 
 from __future__ import annotations
 
@@ -47,12 +54,15 @@ IDENTITY = "input %0 {dt}\n%1 = add %0 0.0\noutput %1 {dt}"
 BIAS_GELU = ("input %0 {dt}\ninput %1 {dt}\n%2 = add %0 %1\n%3 = mul %2 -0.7071067690849304\n%4 = erfc %3\n"
              "%5 = mul %2 0.5\n%6 = mul %5 %4\noutput %6 {dt}")
 BIAS_RESIDUAL = "input %0 {dt}\ninput %1 {dt}\ninput %2 {dt}\n%3 = add %0 %1\n%4 = add %3 %2\noutput %4 {dt}"
+BIAS_GELU_RESIDUAL = ("input %0 {dt}\ninput %1 {dt}\ninput %2 {dt}\n%3 = add %0 %1\n%4 = mul %3 -0.7071067690849304\n"
+                      "%5 = erfc %4\n%6 = mul %3 0.5\n%7 = mul %6 %5\n%8 = add %7 %2\noutput %8 {dt}")
 SILU_CAST_F16 = "input %0 {dt}\n%1 = sigmoid %0\n%2 = mul %0 %1\noutput %2 f16"
 SCALE_CLIP = "input %0 {dt}\ninput %1 f32\n%2 = mul %0 %1\n%3 = max %2 0.0\n%4 = min %3 6.0\noutput %4 {dt}"
 STRIDED_ADD = "input %0 {dt}\ninput %1 {dt}\n%2 = add %0 %1\noutput %2 {dt}"
 STRIDED_SILU = "input %0 {dt}\ninput %1 {dt}\n%2 = add %0 %1\n%3 = sigmoid %2\n%4 = mul %2 %3\noutput %4 {dt}"
 
 SMALL = GemmVariant(0, block_m=16, block_n=32, block_k=16, group_m=2, num_warps=4, num_stages=1)
+SPLIT = dataclasses.replace(SMALL, split=16)  # split K, run with Case.slices slices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +80,7 @@ class Case:
     b_rounded: bool = False
     variant: GemmVariant | None = SMALL  # None: the first of gemm_variants
     interpreter: bool = True  # False: GPU only (Triton 3.6's interpreter multiplies bf16 bit patterns)
+    slices: int = 0  # split-K variants: the grid's z (0: what the launcher would pick, at least 2)
 
 
 CASES = [
@@ -85,7 +96,7 @@ CASES = [
     Case("f32-alpha-scalar-clip", (20, 32), (32, 24), SCALE_CLIP, (((1,), "scalar"),), alpha=0.5),
     Case("f32-default-tile-larger-than-product", (37, 70), (70, 45), BIAS_GELU, (((45,), "row"),), variant=None),
     Case("f16-bias-gelu", (37, 70), (70, 45), BIAS_GELU, (((45,), "row"),), dtype="f16"),
-    # the default (medium) tile's heavy epilogue runs on four column parts (epilogue_split)
+    # the default (medium) tile's heavy epilogue runs on four column parts (epilogue_parts)
     Case("f16-default-tile-split-epilogue", (37, 70), (70, 45), BIAS_GELU, (((45,), "row"),), dtype="f16",
          variant=None),
     Case("f32-default-tile-split-epilogue-strided", (2, 40, 33), (2, 33, 72), STRIDED_SILU,
@@ -94,6 +105,19 @@ CASES = [
          dtype="f16", trans_b=True),
     Case("f32-silu-cast-to-f16", (21, 32), (32, 40), SILU_CAST_F16),
     Case("bf16-bias-gelu", (37, 70), (70, 45), BIAS_GELU, (((45,), "row"),), dtype="bf16", interpreter=False),
+    # split K (5 K blocks of 16): 2 and 3 slices, 4 (per = 2: the last slice empty), 5 (one block each)
+    *(Case(f"split{s}-f32-bias-gelu-residual-odd", (37, 70), (70, 45), BIAS_GELU_RESIDUAL,
+           (((45,), "row"), ((37, 45), "full")), variant=SPLIT, slices=s) for s in (2, 3, 4, 5)),
+    Case("split3-f16-bias-gelu-residual-odd", (37, 70), (70, 45), BIAS_GELU_RESIDUAL,
+         (((45,), "row"), ((37, 45), "full")), dtype="f16", variant=SPLIT, slices=3),
+    Case("split2-f16-transb-flattened", (2, 19, 64), (48, 64), BIAS_GELU_RESIDUAL,
+         (((48,), "row"), ((2, 19, 48), "full")), dtype="f16", trans_b=True, variant=SPLIT, slices=2),
+    Case("split3-f32-tf32-batched-alpha", (3, 17, 70), (3, 70, 45), BIAS_GELU_RESIDUAL,
+         (((45,), "row"), ((3, 17, 45), "full")), alpha=0.5, precision="tf32", variant=SPLIT, slices=3),
+    Case("split4-f32-batched-shared-b-trans-a-strided", (3, 70, 17), (70, 20), STRIDED_ADD,
+         (((17, 1), "strided"),), trans_a=True, variant=SPLIT, slices=4),
+    Case("split-default-variant-m128", (128, 768), (768, 64), BIAS_GELU_RESIDUAL,
+         (((64,), "row"), ((128, 64), "full")), variant=None),
 ]
 
 
@@ -180,7 +204,13 @@ def launch(fn, spec: GemmSpec, variant: GemmVariant, constexprs: dict, case: Cas
     for (shape, mode) in case.extras:
         if mode == "strided":
             ints += extra_strides(shape, ys, lead)
-    fn[variant.grid(m, n, g)](*map(tensor, inputs), y, *ints, **constexprs)
+    slices = 0
+    if variant.split_k:  # the launcher's workspace (never read before written: NaN) and zeroed counters
+        slices = case.slices or variant.slices(m, n, k, g) or 2
+        tiles = variant.tiles(m, n) * g
+        ints += [torch.full((slices * tiles * variant.block_m * variant.block_n,), float("nan"), device=device),
+                 torch.zeros(tiles, dtype=torch.int32, device=device)]
+    fn[variant.grid(m, n, g, slices)](*map(tensor, inputs), y, *ints, **constexprs)
     return y.float().cpu().numpy()
 
 
@@ -274,11 +304,12 @@ def test_variant_choice():
     assert gemm_variants(_spec(1024, 3072, 768, "f16"))[0].block_k == 64
     # a handful of rows: the small-M tiles
     assert gemm_variants(_spec(8))[0].block_m == 16 and gemm_variants(_spec(SMALL_M))[0].block_m == 32
-    # M unknown (dynamic batch): small-M tiles for M <= 16, <= 32, then the large tile
+    # M unknown (dynamic batch): small-M tiles for M <= 16, <= 32, split K on the medium tile,
+    # then the large tile
     dyn = gemm_variants(_spec(None))
-    assert [(x.block_m, x.max_m, x.aligned) for x in dyn] == [(16, 16, True), (32, 32, True), (128, 0, True),
-                                                             (128, 0, False)]
-    assert [x.index for x in dyn] == [0, 1, 2, 3]
+    assert [(x.block_m, x.max_m, x.aligned, x.split) for x in dyn] == [
+        (16, 16, True, 0), (32, 32, True, 0), (64, 0, True, 6), (128, 0, True, 0), (128, 0, False, 0)]
+    assert [x.index for x in dyn] == [0, 1, 2, 3, 4]
     labels = [label for label, _ in gemm_candidates(_spec(1024))]
     assert labels[0] == "default" and len(labels) == len(set(labels)) == 6
 
@@ -312,7 +343,7 @@ def test_heavy_epilogues_on_large_tiles_run_on_column_parts():
     """A transcendental or a division on a tile of 64 accumulator values per thread: the epilogue
     on four column parts (the whole 128 x 128 tile's erf-GELU took 255 registers and spilled);
     a light epilogue, or a small tile, keeps the epilogue on the whole tile."""
-    from onnxfuse.codegen_gemm import TILES, epilogue_split
+    from onnxfuse.codegen_gemm import TILES, epilogue_parts
 
     gelu = _spec(1024, 3072, dtype="f16")
     light = dataclasses.replace(gelu, program=parse(f"{HEADER}\n{BIAS_RESIDUAL.format(dt='f16')}\n"),
@@ -320,13 +351,134 @@ def test_heavy_epilogues_on_large_tiles_run_on_column_parts():
     for tile, parts in (("large", 4), ("medium", 4), ("square", 1), ("small_m", 1), ("small_m32", 1)):
         bm, bn, bk, w, st = TILES[tile]["f16"]
         v = GemmVariant(block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
-        assert (epilogue_split(gelu, v), epilogue_split(light, v)) == (parts, 1), tile
+        assert (epilogue_parts(gelu, v), epilogue_parts(light, v)) == (parts, 1), tile
     v = gemm_variants(gelu)[0]
     src = generate_gemm(gelu, v).source
     assert "left, right = column_halves(acc)" in src and src.count("    epilogue(part_") == 4
     assert "epilogue(part_3, offs_m, offs_n + 3 * (BLOCK_N // 4), pid_g, M, N, e0_ptr, y_ptr)" in src
     whole = generate_gemm(light, v).source
     assert "column_halves" not in whole and "def epilogue" not in whole
+
+
+def test_split_k_variants():
+    """Split K where the product's tiles leave most SMs idle and K is long enough: BERT-base's
+    projections at batch 1 (M = 128) and any M <= 256 or so; not at batch 8 (M = 1024)."""
+    from onnxfuse.codegen_gemm import SMS, SPLIT_MAX, SPLIT_MIN_BLOCKS
+
+    # M = 128, 768 -> 768, fp32: the medium tile (12 tiles), split K first, at most 24 // 4 = 6 slices
+    v = gemm_variants(_spec(128, 768, 768))
+    assert [(x.index, x.block_m, x.block_n, x.aligned, x.split) for x in v] == [
+        (0, 64, 128, True, 6), (1, 64, 128, True, 0), (2, 64, 128, False, 0)]
+    assert v[0].meta()["split"] == 6 and "split" not in v[1].meta() and v[0].requires() == v[1].requires()
+    assert "split K up to 6" in v[0].label
+    # the launcher's slices: min(split, SMs // tiles, K blocks), evened out so that none is empty
+    assert v[0].slices(128, 768, 768, 1) == 6  # 12 tiles x 6 = 72 programs
+    assert v[0].slices(128, 768, 768, 1, sms=48) == 4  # 48 // 12
+    assert v[0].slices(128, 768, 768, 1, sms=23) == 0  # 12 tiles: more than half of 23 SMs
+    assert v[0].slices(1024, 768, 768, 1) == 0  # 96 tiles
+    assert v[0].slices(128, 768, 768, 6) == 0  # 72 tiles over the batch
+    assert v[0].slices(128, 768, 40, 1) == 2  # 2 K blocks
+    assert v[0].slices(128, 768, 32, 1) == 0  # one K block: nothing to split
+    assert v[0].slices(64, 128, 7 * 32, 1) == 4  # min(6, 132, 7) = 6 slices -> 2 blocks each -> 4 slices
+    # K = 3072 -> 768 (FFN2): 96 blocks, SPLIT_MAX slices at most; at run time 132 // 12 = 11
+    ffn2 = gemm_variants(_spec(128, 768, 3072))[0]
+    assert ffn2.split == SPLIT_MAX and ffn2.slices(128, 768, 3072, 1) == 11
+    # fp16: K steps of 64, so 768 makes 12 blocks: 3 slices
+    assert gemm_variants(_spec(128, 768, 768, "f16"))[0].split == 3
+    # small M: split K on the small-M tile (K steps of 64: 48 blocks, 12 slices at most)
+    assert [(x.block_m, x.split) for x in gemm_variants(_spec(8, 768, 3072))] == [(16, 12), (16, 0), (16, 0)]
+    # no split K: M = 1024 (96 medium tiles, more than half of SMS), or K too short for 2 x 4 blocks
+    assert all(x.split == 0 for x in gemm_variants(_spec(1024, 3072, 768)))
+    assert all(x.split == 0 for x in gemm_variants(_spec(128, 768, 7 * 32)))
+    assert gemm_variants(_spec(128, 768, 8 * 32))[0].split == 2
+    assert all(x.split == 0 for x in gemm_variants(dataclasses.replace(_spec(128, 768, 768), batch=12)))
+    # K unknown: SPLIT_MAX; N wide enough that one row of tiles exceeds half the SMs: none
+    assert gemm_variants(_spec(None, 768, None))[2].split == SPLIT_MAX
+    assert all(x.split == 0 for x in gemm_variants(_spec(None, 128 * (SMS // 2 + 1), 768)))
+    assert SPLIT_MIN_BLOCKS == 4
+    # the default candidate `--tune` times holds the split variant; the tile candidates do not
+    # (the tune pass compares split K with the plain tiles)
+    cands = gemm_candidates(_spec(128, 768, 768))
+    assert cands[0][1][0].split == 6 and all(x.split == 0 for _, vs in cands[1:] for x in vs)
+
+
+def _epilogue_text(src: str) -> str:
+    """The epilogue of a GEMM kernel's source: on the whole tile, or the column parts' function."""
+    if "# Epilogue on the tile" in src:
+        return src.split("# Epilogue on the tile")[1]
+    i = src.index("def epilogue(")
+    return src[i:src.index("\n\n\n", i)]
+
+
+def test_split_k_source_and_parameters():
+    spec = dataclasses.replace(_spec(128, 768, 768), precision="tf32", b_rounded=True, trans_b=True)
+    sv, plain = gemm_variants(spec)[:2]
+    ks = generate_gemm(spec, sv)
+    names = [p for p, _ in ks.params]
+    assert names == gemm_param_names(spec, split=True) and names[-2:] == ["ws_ptr", "cnt_ptr"]
+    assert dict(ks.params)["ws_ptr"] == "*fp32" and dict(ks.params)["cnt_ptr"] == "*i32"
+    assert names.index("ws_ptr") in ks.divisible and ks.constexprs == generate_gemm(spec, plain).constexprs
+    src = ks.source
+    assert "    ws_ptr, cnt_ptr,\n    BLOCK_M: tl.constexpr" in src
+    for line in ("pid_k = tl.program_id(axis=2)", "split = tl.num_programs(axis=2)", "for k in range(k_lo, k_hi):",
+                 "a_ptrs += k_lo * (BLOCK_K)", "b_ptrs += k_lo * (BLOCK_K)",
+                 "tile = pid_g * tl.num_programs(axis=0) + pid",
+                 'arrived = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")', "last = arrived == split - 1",
+                 "mask = (offs_m[:, None] < M) & (offs_n[None, :] < N) & last"):
+        assert line in src, line
+    # the epilogue is the plain kernel's, after the sum (here a GELU's: the parts' function)
+    epilogue = _epilogue_text(generate_gemm(spec, plain).source)
+    assert "def epilogue(" in epilogue
+    assert _epilogue_text(src) == epilogue.replace("y_ptr):", "y_ptr, last):").replace("< N)\n", "< N) & last\n", 1)
+    assert src.count(", y_ptr, last)\n") == 4  # each part's call passes `last`
+    light = dataclasses.replace(spec, program=parse(f"{HEADER}\n{BIAS_RESIDUAL.format(dt='f32')}\n"),
+                                input_modes=("row", "full"))
+    whole = _epilogue_text(generate_gemm(light, plain).source)
+    assert _epilogue_text(generate_gemm(light, sv).source) == whole.replace("< N)\n", "< N) & last\n", 1)
+    assert "ws_ptr" not in generate_gemm(spec, plain).source
+    # trans_a: A's K step is BLOCK_K rows
+    t = generate_gemm(dataclasses.replace(spec, trans_a=True), sv).source
+    assert "a_ptrs += k_lo * (BLOCK_K * stride_a)" in t
+    with pytest.raises(ValueError, match="no M limit"):
+        generate_gemm(spec, dataclasses.replace(sv, max_m=16))
+    with pytest.raises(ValueError, match="most K slices"):
+        generate_gemm(spec, dataclasses.replace(sv, split=-1))
+    with pytest.raises(ValueError, match="most K slices"):
+        generate_gemm(spec, dataclasses.replace(sv, split=70000))
+
+
+def test_launcher_choice_mirror():
+    """kinds.gemm.launcher_choice, the Python mirror of csrc/kinds/gemm_cuda.cc's rule."""
+    from onnxfuse.kinds.gemm import launcher_choice
+
+    def meta(spec):
+        return {"name": spec.name, "variants": [{"requires": v.requires(), **v.meta()} for v in gemm_variants(spec)]}
+
+    static = meta(_spec(128, 768, 3072))
+    assert launcher_choice(static, 128, 768, 3072) == (0, 11)
+    assert launcher_choice(static, 128, 768, 3072, sms=16) == (1, 0)  # 12 tiles: more than half of 16 SMs
+    assert launcher_choice(static, 128, 768, 3072, workspace=False) == (1, 0)
+    assert launcher_choice(static, 128, 768, 3072, aligned=False) == (2, 0)
+    dyn = meta(_spec(None, 768, 768))  # small-M 16, 32, split (medium), large aligned, large
+    assert launcher_choice(dyn, 1, 768, 768) == (0, 0)  # the small-M tiles come first
+    assert launcher_choice(dyn, 32, 768, 768) == (1, 0)
+    assert launcher_choice(dyn, 128, 768, 768) == (2, 6)  # BERT-base at batch 1
+    assert launcher_choice(dyn, 512, 768, 768) == (2, 2)  # 48 tiles: 132 // 48 = 2 slices
+    assert launcher_choice(dyn, 1024, 768, 768) == (3, 0)
+    assert launcher_choice(dyn, 128, 768, 768, aligned=False) == (4, 0)
+
+
+def test_the_cpp_launcher_reads_and_applies_split():
+    """The C++ side of the rule `launcher_choice` mirrors (no GPU here to run it): gemm_cuda.cc
+    validates "split", computes the slices as GemmVariant.slices does, and falls back to the
+    next variant when the EP lends no workspace; conv and gemm share SplitBuffers."""
+    src = (REPO / "csrc" / "kinds" / "gemm_cuda.cc").read_text()
+    assert 'cuda::meta_int(vj, "split", where, false, 0)' in src and "has both split and max_m" in src
+    assert "if (n_tiles <= 0 || 2 * n_tiles > sms) return 0;" in src
+    assert "return (blocks + per - 1) / per;" in src
+    assert "start = static_cast<size_t>(v) + 1;" in src and "launch(tg, v, grid_x, geo.g, p, slices);" in src
+    for f in ("gemm_cuda.cc", "conv_cuda.cc"):
+        assert "cuda::SplitBuffers sb(" in (REPO / "csrc" / "kinds" / f).read_text()
 
 
 def test_strided_parameters():
@@ -366,10 +518,33 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
     # sm_90: wgmma on the tensor cores; the PTX embedded is sm_80's (sm_90a's cannot be relaxed)
     assert [(b["variant"], b["arch"], b["format"]) for b in meta["binaries"]] == [
         (0, 80, "cubin"), (0, 90, "cubin"), (0, 80, "ptx"), (1, 80, "cubin"), (1, 90, "cubin"), (1, 80, "ptx")]
-    assert [v["max_m"] for v in out[1].kernel_meta()["variants"]] == [16, 32, 0, 0]
+    assert [v["max_m"] for v in out[1].kernel_meta()["variants"]] == [16, 32, 0, 0, 0]
+    assert [v.get("split") for v in out[1].kernel_meta()["variants"]] == [None, None, 3, None, None]
     again = compile_kernels([f32], [80, 90], cache_dir=tmp_path)
     assert again[0].cache_hits == 4 and again[0].compiled == 0
     assert json.dumps(again[0].kernel_meta()) == json.dumps(meta)
+
+
+def test_aot_compile_split_k_for_sm90(tmp_path):
+    """The split-K kernel compiles ahead of time for sm_90 (wgmma, fp32 and fp16): its counter is
+    one acquire-release atomic after a CTA barrier, the partials read back from L2; kernel_meta
+    carries the most slices and block_k."""
+    pytest.importorskip("triton")
+    from onnxfuse.compile import compile_kernels
+
+    f32 = dataclasses.replace(_spec(128, 768, 3072), precision="tf32", b_rounded=True, trans_b=True)
+    f16 = dataclasses.replace(_spec(128, 768, 768, "f16"), trans_b=True)
+    for spec, most in ((f32, 16), (f16, 3)):
+        (out,) = compile_kernels([spec], [90], cache_dir=tmp_path, jobs=2)
+        meta = out.kernel_meta()
+        assert [v.get("split") for v in meta["variants"]] == [most, None, None]
+        assert meta["variants"][0]["block_k"] == (32 if spec.dtype == "f32" else 64)
+        assert {(b["variant"], b["format"]) for b in meta["binaries"]} >= {(0, "cubin"), (0, "ptx")}
+        b, ptx = next((b, d.decode()) for b, d in zip(meta["binaries"], out.kernels(), strict=True)
+                      if b["variant"] == 0 and b["format"] == "ptx")
+        assert b["global_scratch_size"] == 0
+        assert "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx and "ld.global.cg" in ptx
+        assert "wgmma" in ptx and "%ctaid.z" in ptx and "%nctaid.z" in ptx
 
 
 def test_aligned_fp16_variant_pipelines_its_loads(tmp_path):

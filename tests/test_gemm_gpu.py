@@ -7,7 +7,12 @@
 - optimized models on ONNX Runtime's CUDA execution provider with the custom-op library
   against the originals there, with and without CUDA graphs: fp32 at ieee against ORT with
   TF32 off (1e-5 of the scale), fp32 at the default tf32 against the float64 reference within
-  2x ORT's own TF32 error plus a floor (onnxfuse bench's gate), fp16 (1e-2)."""
+  2x ORT's own TF32 error plus a floor (onnxfuse bench's gate), fp16 (1e-2);
+- split K (codegen_gemm's module docstring) at BERT-base's batch-1 shapes (M = 128) and a
+  batched product, where the launcher's rule (`kinds.gemm.launcher_choice`, its mirror) takes
+  the split-K variant, through the CUDA EP with and without CUDA graphs; the split variants
+  of the kernel cases above launched directly with their workspace and counters;
+- the CUDA kernel's kernel_meta checks on "split" (clear errors for bad values)."""
 
 from __future__ import annotations
 
@@ -35,9 +40,10 @@ def _arch() -> int:
     return arch if arch in SUPPORTED_ARCHS else max(a for a in SUPPORTED_ARCHS if a < arch)
 
 
-def _launch(image: bytes, entry: str, grid: tuple[int, int], num_warps: int, shared: int, args: list[int],
+def _launch(image: bytes, entry: str, grid: tuple[int, ...], num_warps: int, shared: int, args: list[int],
             stream: int) -> None:
-    """cuModuleLoadData, cuModuleGetFunction, cuLaunchKernel on a 2-D grid, as the C++ launcher."""
+    """cuModuleLoadData, cuModuleGetFunction, cuLaunchKernel on a 2-D grid (3-D for split K),
+    as the C++ launcher."""
     import ctypes as ct
 
     lib = ct.CDLL("libcuda.so.1")
@@ -48,7 +54,8 @@ def _launch(image: bytes, entry: str, grid: tuple[int, int], num_warps: int, sha
     params = (ct.c_void_p * len(values))(*[ct.cast(ct.byref(v), ct.c_void_p) for v in values])
     if shared > 48 * 1024:
         assert lib.cuFuncSetAttribute(fn, 8, shared) == 0
-    assert lib.cuLaunchKernel(fn, grid[0], grid[1], 1, 32 * num_warps, 1, 1, shared, ct.c_void_p(stream), params,
+    gz = grid[2] if len(grid) > 2 else 1
+    assert lib.cuLaunchKernel(fn, grid[0], grid[1], gz, 32 * num_warps, 1, 1, shared, ct.c_void_p(stream), params,
                               None) == 0
 
 
@@ -88,8 +95,15 @@ def test_aot_variants_launch_with_the_documented_abi(tmp_path):
             y = torch.full(ys, float("nan"), dtype=tdt[spec.program.outputs[0][1]], device="cuda")
             b = next(b for b in meta["binaries"] if b["variant"] == v.index and b["format"] == "cubin")
             blob = ck.kernels()[meta["binaries"].index(b)]
-            _launch(blob, b["entry"], v.grid(m, n, g), b["num_warps"], b["shared"],
-                    [t.data_ptr() for t in [*ins, y]] + ints, torch.cuda.current_stream().cuda_stream)
+            slices, split_args, keep = 0, [], []
+            if vm.get("split"):  # the launcher's slices (2 where it would not split), workspace, zeroed counters
+                slices = case.slices or v.slices(m, n, k, g) or 2
+                tiles = v.tiles(m, n) * g
+                keep = [torch.full((slices * tiles * v.block_m * v.block_n,), float("nan"), device="cuda"),
+                        torch.zeros(tiles, dtype=torch.int32, device="cuda")]
+                split_args = [t.data_ptr() for t in keep]
+            _launch(blob, b["entry"], v.grid(m, n, g, slices), b["num_warps"], b["shared"],
+                    [t.data_ptr() for t in [*ins, y]] + ints + split_args, torch.cuda.current_stream().cuda_stream)
             torch.cuda.synchronize()
             got = y.float().cpu().numpy()
             # tf32 on the tensor cores: the operands rounded as the reference rounds them; the sums'
@@ -125,6 +139,27 @@ def _models() -> list[tuple[str, onnx.ModelProto, dict, bool]]:
                                                                                 "b": _w((768,), 2)}),
                 {"x": rng.standard_normal((8, 128, 3072)).astype(np.float32),
                  "r": rng.standard_normal((8, 128, 768)).astype(np.float32)}, False))
+    # split K (BERT-base at batch 1, M = 128): FFN1 768 -> 3072 + erf-GELU (dynamic batch),
+    # FFN2 3072 -> 768 + bias + residual (static), QKV 768 -> 2304 in fp16, and a batched product
+    # of two activations (G = 4: one arrival counter per batch and tile)
+    out.append(("split-ffn1-b1", ffn1(s=128, k=768, n=3072), {"x": rng.standard_normal((1, 128, 768)).astype(
+        np.float32)}, False))
+    nodes = [N("MatMul", ["x", "w"], ["h"]), N("Add", ["h", "b"], ["hb"]), N("Add", ["hb", "r"], ["y"])]
+    out.append(("split-ffn2-b1-residual", model(nodes, {"x": ("float32", [1, 128, 3072]),
+                                                        "r": ("float32", [1, 128, 768])},
+                                                {"y": ("float32", [1, 128, 768])},
+                                                {"w": _w((3072, 768)), "b": _w((768,), 2)}),
+                {"x": rng.standard_normal((1, 128, 3072)).astype(np.float32),
+                 "r": rng.standard_normal((1, 128, 768)).astype(np.float32)}, False))
+    nodes = [N("MatMul", ["x", "w"], ["h"]), N("Add", ["h", "b"], ["y"])]
+    out.append(("split-qkv-b1-fp16", model(nodes, {"x": ("float16", [1, 128, 768])}, {"y": ("float16", [1, 128, 2304])},
+                                           {"w": _w((768, 2304), 1, np.float16), "b": _w((2304,), 2, np.float16)}),
+                {"x": rng.standard_normal((1, 128, 768)).astype(np.float16)}, False))
+    nodes = [N("MatMul", ["p", "v"], ["h"]), N("Relu", ["h"], ["y"])]
+    out.append(("split-batched", model(nodes, {"p": ("float32", [4, 64, 1024]), "v": ("float32", [4, 1024, 96])},
+                                       {"y": ("float32", [4, 64, 96])}),
+                {"p": rng.standard_normal((4, 64, 1024)).astype(np.float32),
+                 "v": rng.standard_normal((4, 1024, 96)).astype(np.float32)}, True))
     nodes = [N("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), N("MatMul", ["q", "kt"], ["s"]),
              N("Mul", ["s", "scale"], ["y"])]
     qk = {"q": ("float32", [2, 12, 128, 64]), "k": ("float32", [2, 12, 128, 64])}
@@ -156,6 +191,8 @@ def test_cuda_op_matches_onnx_runtime(index, precision, tmp_path, monkeypatch):
     r = optimize_model(m, pats)
     info, _ = compile_fused(r.model, r.fused, local_gpu_archs(), conv_precision=precision)
     assert not info["failed"] and any(n.op_type == "GemmEpilogue" for n in r.model.graph.node), r.report.summary()
+    if name.startswith("split-"):  # the launcher takes the split-K variant here (its rule's mirror)
+        assert _split_slices(r.model, feeds) >= 2, name
 
     def session(mm, library, graph=False, tf32=False):
         so = ort.SessionOptions()
@@ -185,3 +222,90 @@ def test_cuda_op_matches_onnx_runtime(index, precision, tmp_path, monkeypatch):
             scale = float(np.abs(e.astype(np.float64)).max(initial=1.0))
             np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=tol, atol=tol * scale,
                                        err_msg=what)
+
+
+def _split_slices(m: onnx.ModelProto, feeds: dict, sms: int | None = None) -> int:
+    """The K slices the launcher runs the (one) GemmEpilogue node of `m` with on a GPU of `sms`
+    multiprocessors (None: this one's), by its rule's mirror (`kinds.gemm.launcher_choice`);
+    0: no split K."""
+    import json
+
+    from onnxfuse.kinds.gemm import launcher_choice
+
+    (node,) = [n for n in m.graph.node if n.op_type == "GemmEpilogue"]
+    meta = json.loads(next(a.s for a in node.attribute if a.name == "kernel_meta"))
+    attrs = {a.name: a.i for a in node.attribute if a.type == onnx.AttributeProto.INT}
+    a = feeds[node.input[0]]
+    b = feeds.get(node.input[1])
+    b_shape = b.shape if b is not None else tuple(
+        next(t for t in m.graph.initializer if t.name == node.input[1]).dims)
+    k = a.shape[-2] if attrs.get("trans_a") else a.shape[-1]
+    n = b_shape[-2] if attrs.get("trans_b") else b_shape[-1]
+    rows = a.shape[-1] if attrs.get("trans_a") else a.shape[-2]
+    if len(b_shape) == 2 and not attrs.get("trans_a"):
+        g, rows = 1, int(np.prod(a.shape[:-1]))
+    else:
+        g = int(np.prod(a.shape[:-2]))
+    if sms is None:
+        import torch
+
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+    return launcher_choice(meta, rows, n, k, g, sms=sms)[1]
+
+
+@pytest.mark.gpu(torch=True)
+def test_cuda_kernel_meta_split_checks(tmp_path, monkeypatch):
+    """The CUDA kernel's kernel_meta reader rejects bad "split" values with a clear error on the
+    node's first run (csrc/kinds/gemm_cuda.cc, read_variant)."""
+    import json
+
+    import onnxruntime as ort
+
+    from onnxfuse import library_path, optimize_model
+    from onnxfuse.compile import local_gpu_archs
+    from onnxfuse.kernels import compile_fused
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")
+    name, m, feeds, _ = next(x for x in MODELS if x[0] == "split-ffn1-b1")
+    r = optimize_model(m)
+    info, _ = compile_fused(r.model, r.fused, local_gpu_archs(), conv_precision="ieee")
+    assert not info["failed"]
+    (node,) = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
+    attr = next(a for a in node.attribute if a.name == "kernel_meta")
+    good = json.loads(attr.s)
+    split_at = next(i for i, v in enumerate(good["variants"]) if v.get("split"))
+
+    def run_with(**keys):
+        meta = json.loads(json.dumps(good))
+        meta["variants"][split_at].update(keys)
+        meta["variants"][split_at] = {k: v for k, v in meta["variants"][split_at].items() if v is not None}
+        attr.s = json.dumps(meta).encode()
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.register_custom_ops_library(library_path())
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        sess = ort.InferenceSession(r.model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+        return sess.run(None, feeds)[0]
+
+    where = rf"GemmEpilogue node '[^']*' \(CUDA\): kernel_meta: variants\[{split_at}\]"
+    for bad in (-1, 65536, 10**6):
+        with pytest.raises(Exception, match=where + rf"\.split must be from 2 to 65535 \(the most K slices of a "
+                                                   rf"split-K variant; 0, 1 or absent: none\), not {bad}"):
+            run_with(split=bad)
+    with pytest.raises(Exception, match=where + r"\.split is not an integer"):
+        run_with(split=2.5)
+    with pytest.raises(Exception, match=where + r" has both split and max_m"):
+        run_with(max_m=16)
+    with pytest.raises(Exception, match=where + r" has no \"block_k\""):
+        run_with(block_k=None)
+    # good values run: the optimizer's, and 2 (fewer slices)
+    want = evaluate_ffn(m, feeds)
+    for ok in (good["variants"][split_at]["split"], 2):
+        np.testing.assert_allclose(run_with(split=ok), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def evaluate_ffn(m: onnx.ModelProto, feeds: dict) -> np.ndarray:
+    from onnxfuse.reference import evaluate
+
+    return np.asarray(evaluate(m, feeds)[m.graph.output[0].name], np.float32)

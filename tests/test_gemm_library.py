@@ -219,6 +219,12 @@ def test_compiled_model_keeps_its_contract(tmp_path, monkeypatch, lib):
     (want,) = run(m, {"x": x})
     (got,) = run_lib(lib, r.model, {"x": x})
     _close(got, want, "compiled model on the CPU (weights rounded to TF32)", tol=2e-3)
+    # the CPU kernel reads no kernel_meta: variants it could not launch (a split-K one with a
+    # "split" the CUDA kernel rejects) change nothing on the CPU
+    meta["variants"][0]["split"] = 70000
+    attrs["kernel_meta"].s = json.dumps(meta).encode()
+    (again,) = run_lib(lib, r.model, {"x": x})
+    np.testing.assert_array_equal(again, got)
 
 
 def test_erf_consts_helpers_are_exporter_like():

@@ -185,19 +185,12 @@ struct ConvKernel : cuda::CudaKernel {
       const int64_t gx = (m + tile.block_m - 1) / tile.block_m, gy = (s.K + tile.block_n - 1) / tile.block_n;
       if (2 * gx * gy <= tg.L->sms) {
         // [tiles] int32 arrival counters (zeroed here), then [split, tiles, BLOCK_M * BLOCK_N] fp32 partials
-        const size_t cnt_bytes = (static_cast<size_t>(gx * gy) * 4 + 255) / 256 * 256;
-        const size_t bytes = cnt_bytes + static_cast<size_t>(var.split * gx * gy * tile.block_m * tile.block_n) * 4;
-        cuda::Workspace ws(ctx, tg.L->device, bytes);
-        if (ws.data) {
-          const cuda::Driver& d = cuda::driver();
-          CUresult r = d.MemsetD32Async(reinterpret_cast<CUdeviceptr>(ws.data), 0, static_cast<size_t>(gx * gy),
-                                        tg.stream);
-          if (r != CUDA_SUCCESS) throw Error("cuMemsetD32Async for " + meta.name + " failed: " + d.describe(r));
-          p.ptr(static_cast<char*>(ws.data) + cnt_bytes);  // ws_ptr
-          p.ptr(ws.data);                                 // cnt_ptr
+        const cuda::SplitBuffers sb(ctx, tg.L->device, gx * gy, var.split, tile.block_m * tile.block_n);
+        if (sb.ok()) {
+          sb.pass(tg.stream, meta.name, p);
           p.scratch();
           launch(tg, sv, gx, gy, p, var.split);
-          return;  // ws goes back to the EP's arena: later work on this stream reuses it in order
+          return;  // sb goes back to the EP's arena: later work on this stream reuses it in order
         }
       }
     }

@@ -4,9 +4,12 @@
 // Launch: pointers to A, B, the epilogue's extras and Y; int32 M, N, K, stride_ag,
 // stride_a, stride_bg, stride_b (the operands' batch strides, 0 for one shared by every
 // GEMM, and the stride of their non-contiguous dim), then per "strided" extra its three
-// strides over Y's [G, M, N] view; the two scratch pointers. A batched A times a 2-D B (no
-// trans_a) runs as one GEMM of M = batch * rows (G = 1). Grid: (ceil(M / block_m) *
-// ceil(N / block_n), G).
+// strides over Y's [G, M, N] view; for a split-K variant ws_ptr and cnt_ptr; the two scratch
+// pointers. A batched A times a 2-D B (no trans_a) runs as one GEMM of M = batch * rows (G = 1).
+// Grid: (ceil(M / block_m) * ceil(N / block_n), G), and the K slices on z for split K: the
+// variant is taken where its tiles · G are at most half the SMs, with min("split", SMs / (tiles
+// · G), K blocks) slices (evened out so that none is empty), its workspace lent by the CUDA EP
+// (codegen_gemm's module docstring).
 #include "cuda_driver.h"
 #include "gemm.h"
 
@@ -23,9 +26,12 @@ using cuda::thread_params;
 
 enum class ExtraMode { FULL, ROW, SCALAR, STRIDED };
 
+constexpr int64_t kMaxSlices = 65535;  // split K: CUDA's grid z limit
+
 // A variant's tile and the launcher's own requirements (kernel_meta keys besides "requires").
 struct GemmTile {
   int64_t block_m = 1, block_n = 1;
+  int64_t block_k = 0;          // read for split-K variants (their K blocks), else 0
   int64_t stride_multiple = 1;  // the strides passed, N and K are multiples of this (hinted to the compiler)
   int64_t max_m = 0;            // for GEMMs of at most this many rows; 0: any
 };
@@ -80,12 +86,23 @@ struct GemmKernel : cuda::CudaKernel {
     }
   }
 
-  void read_variant(const Json& vj, const std::string& where, Variant*) override {
+  void read_variant(const Json& vj, const std::string& where, Variant* var) override {
     GemmTile t;
     t.block_m = cuda::meta_positive(vj, "block_m", where);
     t.block_n = cuda::meta_positive(vj, "block_n", where);
     t.stride_multiple = std::max<int64_t>(1, cuda::meta_int(vj, "stride_multiple", where, false, 1));
     t.max_m = std::max<int64_t>(0, cuda::meta_int(vj, "max_m", where, false, 0));
+    // "split": S > 1, a split-K kernel run with at most S slices on the grid's z (0 or 1: none)
+    const int64_t split = cuda::meta_int(vj, "split", where, false, 0);
+    if (split < 0 || split > kMaxSlices)
+      throw Error("kernel_meta: " + where + ".split must be from 2 to " + std::to_string(kMaxSlices) +
+                  " (the most K slices of a split-K variant; 0, 1 or absent: none), not " + std::to_string(split));
+    if (split > 1) {
+      if (t.max_m > 0)
+        throw Error("kernel_meta: " + where + " has both split and max_m (a split-K variant has no M limit)");
+      t.block_k = cuda::meta_positive(vj, "block_k", where);
+      var->split = split;
+    }
     tiles.push_back(t);
   }
 
@@ -175,16 +192,49 @@ struct GemmKernel : cuda::CudaKernel {
       p.i32(collapse_dims(geo.y, st, geo.lead, rank - 1, e + 2), "an extra input's row stride");
       p.i32(collapse_dims(geo.y, st, rank - 1, rank, e + 2), "an extra input's column stride");
     }
-    p.scratch();
-    const int v = choose(tg, ptrs, geo, largest);
-    const GemmTile& tile = tiles[v];
-    launch(tg, v, ((geo.m + tile.block_m - 1) / tile.block_m) * ((geo.n + tile.block_n - 1) / tile.block_n), geo.g, p);
+    for (size_t start = 0;;) {
+      int64_t slices = 0;
+      const int v = choose(tg, ptrs, geo, largest, start, &slices);
+      const GemmTile& tile = tiles[v];
+      const int64_t grid_x = ((geo.m + tile.block_m - 1) / tile.block_m) * ((geo.n + tile.block_n - 1) / tile.block_n);
+      if (slices > 1) {  // split K: [G * tiles] counters, [slices, G * tiles, BLOCK_M * BLOCK_N] partials
+        const cuda::SplitBuffers sb(ctx, tg.L->device, grid_x * geo.g, slices, tile.block_m * tile.block_n);
+        if (!sb.ok()) {  // no workspace from the EP: the next variant that runs without one
+          start = static_cast<size_t>(v) + 1;
+          continue;
+        }
+        sb.pass(tg.stream, meta.name, p);
+        p.scratch();
+        launch(tg, v, grid_x, geo.g, p, slices);
+        return;  // sb goes back to the EP's arena: later work on this stream reuses it in order
+      }
+      p.scratch();
+      launch(tg, v, grid_x, geo.g, p);
+      return;
+    }
   }
 
-  // The first variant with a binary for this device that takes M rows, whose strides, N, K
-  // and pointers are as aligned as it was compiled for, and whose tensors fit its 32-bit indices.
-  int choose(const Target& tg, const std::vector<const void*>& ptrs, const GemmGeometry& geo, int64_t largest) const {
-    for (size_t v = 0; v < tiles.size(); ++v) {
+  // The K slices split-K variant v runs with for this product on this device (codegen_gemm,
+  // GemmVariant.slices): min(its "split", SMs / (tiles · G), K blocks), evened out so that no
+  // slice is empty; 0 where its tiles · G exceed half the SMs or fewer than 2 slices result.
+  int64_t slices_for(const Target& tg, size_t v, const GemmGeometry& geo) const {
+    const GemmTile& t = tiles[v];
+    const int64_t n_tiles = ((geo.m + t.block_m - 1) / t.block_m) * ((geo.n + t.block_n - 1) / t.block_n) * geo.g;
+    const int64_t sms = tg.L->sms;
+    if (n_tiles <= 0 || 2 * n_tiles > sms) return 0;
+    const int64_t blocks = (geo.k + t.block_k - 1) / t.block_k;
+    const int64_t s = std::min(std::min(meta.variants[v].split, sms / n_tiles), std::min(blocks, kMaxSlices));
+    if (s < 2) return 0;
+    const int64_t per = (blocks + s - 1) / s;
+    return (blocks + per - 1) / per;
+  }
+
+  // The first variant from `start` on with a binary for this device that takes M rows, whose
+  // strides, N, K and pointers are as aligned as it was compiled for, whose tensors fit its
+  // 32-bit indices, and, split K, that gets at least 2 slices (*slices; 0 for the others).
+  int choose(const Target& tg, const std::vector<const void*>& ptrs, const GemmGeometry& geo, int64_t largest,
+             size_t start, int64_t* slices) const {
+    for (size_t v = start; v < tiles.size(); ++v) {
       const GemmTile& tile = tiles[v];
       if (!tg.L->fn[v] || (tile.max_m > 0 && geo.m > tile.max_m)) continue;
       const int64_t sm = tile.stride_multiple;
@@ -193,6 +243,8 @@ struct GemmKernel : cuda::CudaKernel {
         continue;
       const Variant& var = meta.variants[v];
       if ((var.max_elements > 0 && largest > var.max_elements) || largest > INT32_MAX) continue;
+      *slices = var.split > 1 ? slices_for(tg, v, geo) : 0;
+      if (var.split > 1 && *slices < 2) continue;
       bool aligned = true;
       for (const void* q : ptrs) aligned &= reinterpret_cast<uintptr_t>(q) % static_cast<uint64_t>(var.ptr_align) == 0;
       if (aligned) return static_cast<int>(v);

@@ -41,7 +41,15 @@ import numpy as np
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.codegen import KernelSource
-from onnxfuse.codegen_gemm import MAX_ELEMENTS, GemmSpec, GemmVariant, gemm_candidates, gemm_variants, generate_gemm
+from onnxfuse.codegen_gemm import (
+    MAX_ELEMENTS,
+    SMS,
+    GemmSpec,
+    GemmVariant,
+    gemm_candidates,
+    gemm_variants,
+    generate_gemm,
+)
 from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, Shape, same_shape
 from onnxfuse.groups import Accepted, reentering
@@ -510,3 +518,28 @@ def evaluate_gemm(program: Program, a: np.ndarray, b: np.ndarray, extras: list[n
     (y,) = evaluate(program, [p.astype(a.dtype), *extras])
     return [np.broadcast_to(y, p.shape).copy()]
 
+
+
+def launcher_choice(meta: dict, m: int, n: int, k: int, g: int = 1, sms: int = SMS, aligned: bool = True,
+                    workspace: bool = True) -> tuple[int, int]:
+    """(variant, K slices) that csrc/kinds/gemm_cuda.cc launches for a GemmEpilogue of
+    kernel_meta `meta` running G products [M, K] x [K, N] on a GPU of `sms` multiprocessors,
+    every variant having a binary: the first variant in order that takes M rows (max_m), whose
+    stride_multiple holds (`aligned`: the strides, N and K multiples of 16 and the pointers
+    16-byte aligned), and, for a split-K variant, that gets at least two slices
+    (`GemmVariant.slices`: its tiles · G at most half the SMs) and its workspace from the EP
+    (`workspace`). Slices are 0 for the other variants. A mirror of the C++ rule, for tests
+    and benchmarks."""
+    for i, v in enumerate(meta["variants"]):
+        if v.get("max_m", 0) and m > v["max_m"]:
+            continue
+        if v.get("stride_multiple", 1) > 1 and (not aligned or n % v["stride_multiple"] or k % v["stride_multiple"]):
+            continue
+        slices = 0
+        if v.get("split", 0) > 1:
+            tile = GemmVariant(block_m=v["block_m"], block_n=v["block_n"], block_k=v["block_k"], split=v["split"])
+            slices = tile.slices(m, n, k, g, sms)
+            if slices < 2 or not workspace:
+                continue
+        return i, slices
+    raise ValueError(f"no variant of {meta.get('name')} takes M {m}, N {n}, K {k}")
