@@ -21,6 +21,7 @@ queued back to back. A time ratio is a speedup only where the gate passes. Print
 and writes JSON:
 
     python benchmarks/gemm_roofline.py --json gemm_roofline.json
+    python benchmarks/gemm_roofline.py --batch 1 --json gemm_roofline_b1.json   # M = 128: split K
     python benchmarks/gemm_roofline.py --dry-run   # CPU: builds, optimizes (no kernels) and checks the models
 """
 
@@ -79,7 +80,7 @@ def accuracy(src: Path, opt: Path, out: Path, provider: str = "cuda") -> dict:
     return runs.accuracy(src, opt, out, provider, env=ENV)
 
 
-def torch_peer(name: str, dtype: str, model: onnx.ModelProto) -> float:
+def torch_peer(name: str, dtype: str, model: onnx.ModelProto, batch: int = BATCH) -> float:
     """torch's matmul and epilogue on the same inputs, µs per call (CUDA events, queued)."""
     import torch
 
@@ -90,8 +91,8 @@ def torch_peer(name: str, dtype: str, model: onnx.ModelProto) -> float:
     inits = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()).cuda() for t in model.graph.initializer}
     w, b = inits["w"], inits["b"]
     k, n = w.shape
-    x = torch.randn(BATCH, SEQ, k, device="cuda", dtype=tdt)
-    r = torch.randn(BATCH, SEQ, n, device="cuda", dtype=tdt)
+    x = torch.randn(batch, SEQ, k, device="cuda", dtype=tdt)
+    r = torch.randn(batch, SEQ, n, device="cuda", dtype=tdt)
     epilogue = WORKLOADS[name][2]
 
     def fn():
@@ -131,6 +132,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,fp16")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--no-torch", action="store_true", help="skip the torch peer")
+    ap.add_argument("--batch", type=int, default=BATCH,
+                    help=f"batch of seq-{SEQ} rows (default {BATCH}: M = {BATCH * SEQ}; 1 gives BERT-base's M = 128)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: build and optimize the models, no timing")
     args = ap.parse_args()
     if args.dry_run:
@@ -144,10 +147,10 @@ def main() -> None:
         for dtype in args.dtypes.split(","):
             tag = f"{wl}_{dtype}"
             src, opt = tmp / f"{tag}.onnx", tmp / f"{tag}.opt.onnx"
-            model = build(wl, dtype)
+            model = build(wl, dtype, batch=args.batch)
             onnx.save(model, src)
             k, n, _ = WORKLOADS[wl]
-            row = {"workload": wl, "dtype": dtype, "M": BATCH * SEQ, "N": n, "K": k}
+            row = {"workload": wl, "dtype": dtype, "M": args.batch * SEQ, "N": n, "K": k}
             try:
                 runs.cli("optimize", str(src), str(opt), "--no-tune", env=ENV)
                 row["accuracy"] = accuracy(src, opt, tmp / f"{tag}.bench.json")
@@ -156,7 +159,7 @@ def main() -> None:
                 row["fused_pct_bound"] = max((x["pct_bound"] for x in fused), default=None)
                 row["speedup_vs_ort"] = row["ort"]["us"] / row["onnxfuse"]["us"] if row["onnxfuse"]["us"] else None
                 if not args.no_torch:
-                    row["torch_us"] = torch_peer(wl, dtype, model)
+                    row["torch_us"] = torch_peer(wl, dtype, model, args.batch)
             except RuntimeError as e:
                 row["error"] = str(e)
             rows.append(row)
