@@ -934,26 +934,33 @@ def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool,
     every node of MobileNetV3-S measured 12-21 µs, mostly the graph's own launch and
     synchronization, and the model with graphs was slower. A pair that graphs cannot
     capture is timed plainly, one copy."""
-    # a lookup needs the inputs' dtypes and shapes only (the cache key), not 16 copies' data
-    feeds = _shape_only_feeds if cached_only else static_feeds
     if graphs:
         k = replicas(orig, mini)
         rep_o, rep_f = replicated(orig, k), replicated(mini, k)
         try:
-            original = timer.time(rep_o, feeds(rep_o), False, graph=True, cached_only=cached_only)
-            fused = None if original is None else timer.time(rep_f, feeds(rep_f), True, graph=True,
-                                                             cached_only=cached_only)
+            original = _timed(timer, rep_o, False, True, cached_only)
+            fused = None if original is None else _timed(timer, rep_f, True, True, cached_only)
             return None if original is None or fused is None else ("CUDA graph", k, original / k, fused / k)
         except OnnxfuseError:
             pass
-    original = timer.time(orig, feeds(orig), False, cached_only=cached_only)
-    fused = None if original is None else timer.time(mini, feeds(mini), True, cached_only=cached_only)
+    original = _timed(timer, orig, False, False, cached_only)
+    fused = None if original is None else _timed(timer, mini, True, False, cached_only)
     return None if original is None or fused is None else ("plain", 1, original, fused)
+
+
+def _timed(timer: Timer, m: ModelProto, library: bool, graph: bool, cached_only: bool) -> float | None:
+    """`timer.time` of a one-node model: looked up first with inputs that are only dtypes and
+    shapes (what the cache key reads: 16 copies' random data would be 50 MB at BERT-base's FFN),
+    timed on seeded random inputs where not remembered, unless `cached_only`."""
+    ms = timer.time(m, _shape_only_feeds(m), library, graph=graph, cached_only=True)
+    if ms is not None or cached_only:
+        return ms
+    return timer.time(m, static_feeds(m), library, graph=graph)
 
 
 def _shape_only_feeds(m: ModelProto) -> dict[str, np.ndarray]:
     """`static_feeds`' dtypes and shapes without its data (read-only zero-stride views): what
-    a cache key reads. For BERT-base's FFN at batch 8, 16 copies' random inputs are 50 MB."""
+    a cache key reads."""
     out = {}
     for vi in m.graph.input:
         t = vi.type.tensor_type

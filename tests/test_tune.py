@@ -248,7 +248,8 @@ def test_nodes_are_timed_under_cuda_graphs_where_they_can_be(monkeypatch):
             self.capture = capture
 
         def time(self, m, feeds, library, graph=False, cached_only=False):
-            assert not cached_only
+            if cached_only:  # nothing remembered
+                return None
             copies = len(m.graph.node) // (1 if library else 2)
             calls.append((library, graph, copies))
             if graph and not self.capture:
