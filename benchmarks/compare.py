@@ -564,9 +564,15 @@ def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto
     op types it wrote (the nonzero ones of get_fused_operator_statistics)."""
     from onnxruntime.transformers.optimizer import optimize_model as ort_optimize
 
-    src = onnx.ModelProto()
-    src.CopyFrom(fp32_twin if fp32_twin is not None else model)   # the optimizer edits its input
-    opt = ort_optimize(src, use_gpu=not dry, **options)
+    src = fp32_twin if fp32_twin is not None else model
+    # given as a file: handed a ModelProto, the optimizer moves every initializer to "external
+    # data" for its ORT session, whose shape inference then cannot read a dynamo export's
+    # shape initializers ("Cannot parse data from external tensors"; TorchScript writes them as
+    # Constant nodes)
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-tfopt-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        onnx.save_model(src, str(path), save_as_external_data=src.ByteSize() >= 2**31 - 1)
+        opt = ort_optimize(str(path), use_gpu=not dry, **options)
     if fp32_twin is not None:
         opt.convert_float_to_float16(keep_io_types=False)
     stats = {k: int(v) for k, v in opt.get_fused_operator_statistics().items() if v}

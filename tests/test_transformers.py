@@ -266,3 +266,26 @@ def test_compare_tfopt_graph_variants_run_the_tfopt_models(tmp_path, monkeypatch
     ((base, r),) = gated
     assert r is res.variants["onnxfuse_tfopt_graph"] and base is seen["outs"]["ort_tfopt"]
     assert r.gate_passed is True and res.gate_passed is True and res.tfopt_ops["Attention"] == 2
+
+
+def test_ort_transformers_optimizer_reads_shape_initializers():
+    """The dynamo exporter writes a Reshape's shape as an initializer (TorchScript as a Constant
+    node). Handed a ModelProto, ORT's transformers optimizer moves every initializer to external
+    data for its session, whose shape inference then fails on it; compare.py hands it a file, and
+    leaves the caller's model as it was."""
+    pytest.importorskip("onnxruntime.transformers.optimizer")
+    from onnx import TensorProto, helper, numpy_helper
+
+    from benchmarks.compare import ort_transformers_optimize
+
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "s"], ["r"]), helper.make_node("Relu", ["r"], ["y"])],
+                          "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(np.array([-1, 2], np.int64), "s")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)])
+    before = m.SerializeToString()
+    out, _ = ort_transformers_optimize(m, None, {"model_type": "bert", "num_heads": 0, "hidden_size": 0}, dry=True)
+    assert [n.op_type for n in out.graph.node] == ["Reshape", "Relu"]
+    assert m.SerializeToString() == before
+    (s,) = out.graph.initializer
+    assert s.data_location != TensorProto.EXTERNAL and list(numpy_helper.to_array(s)) == [-1, 2]
