@@ -18,7 +18,8 @@ row the kernel
      C / G channels of the group); the statistics are per row, inputs read per channel
      (gamma, beta: `GROUP_INPUT_MODES`) through each element's channel;
    - ``softmax`` / ``log_softmax``: the row's max (NaN-propagating), then the sum of
-     exp(x - max): x - max is never positive, so exp never overflows;
+     exp(x - max): x - max is never positive, so exp never overflows; softmax multiplies
+     by the row's reciprocal of the sum (one IEEE division per row, not one per element);
 3. evaluates the **epilogue** program, whose first inputs are the row values the reduction
    provides (`ROW_VALUES`; the statistics are one value per row, [BLOCK_M, 1] in the kernel,
    so what the program computes from them alone, eps added, a square root, a reciprocal,
@@ -583,7 +584,8 @@ def _single_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
                 "e = tl.where(mask, libdevice.exp(shifted), 0.0)",
                 "denom = tl.sum(e, axis=1)"]
         if red == "softmax":
-            out.append("y = tl.div_rn(e, denom[:, None])")
+            out += ["# One IEEE reciprocal per row, a multiply per element (within an ulp of dividing each).",
+                    "y = e * tl.div_rn(1.0, denom)[:, None]"]
         else:
             out.append("y = shifted - libdevice.log(denom)[:, None]")
         values = ["y"]
@@ -642,7 +644,8 @@ def _looped_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
                 'scale = tl.where(m_run == float("-inf"), 0.0, libdevice.exp(m_run - row_max[:, None]))',
                 "denom = tl.sum(s_run * scale, axis=1)"]
         if red == "softmax":
-            second = ["shifted = x - row_max[:, None]", "y = tl.div_rn(libdevice.exp(shifted), denom[:, None])"]
+            out.append("inv_denom = tl.div_rn(1.0, denom)  # once per row; pass 2 multiplies")
+            second = ["shifted = x - row_max[:, None]", "y = libdevice.exp(shifted) * inv_denom[:, None]"]
         else:
             second = ["y = (x - row_max[:, None]) - libdevice.log(denom)[:, None]"]
         values = ["y"]
