@@ -18,7 +18,8 @@ row the kernel
      C / G channels of the group); the statistics are per row, inputs read per channel
      (gamma, beta: `GROUP_INPUT_MODES`) through each element's channel;
    - ``softmax`` / ``log_softmax``: the row's max (NaN-propagating), then the sum of
-     exp(x - max): x - max is never positive, so exp never overflows;
+     exp(x - max): x - max is never positive, so exp never overflows; softmax multiplies
+     by the row's reciprocal of the sum (one IEEE division per row, not one per element);
 3. evaluates the **epilogue** program, whose first inputs are the row values the reduction
    provides (`ROW_VALUES`; the statistics are one value per row, [BLOCK_M, 1] in the kernel,
    so what the program computes from them alone, eps added, a square root, a reciprocal,
@@ -388,6 +389,28 @@ def _row_setup(spec: RowsSpec, variant: RowsVariant) -> list[str]:
             for p in strided:
                 terms = " + ".join(f"idx{d}.to(tl.int64) * stride_{p}_{d}" for d in range(spec.lead_rank))
                 out.append(f"{p}_row = {terms}")
+        out += _strided_setup(strided, variant)
+    return out
+
+
+def _strided_setup(strided: list[str], variant: RowsVariant) -> list[str]:
+    """A strided input's stride along the row is 1 (it spans the row) or 0 (one value per
+    row; docs/format.md): `<p>_along`, a scalar. Spanning the row, its leading strides are 0
+    or multiples of N (its dims after each include the row's), so with N compiled in its row
+    offset is hinted a multiple of N's largest power-of-two divisor (0 when it does not span
+    the row: still a multiple). Read as a row of x is, with vector loads, instead of with a
+    column stride unknown to the compiler: that would make the compiler lay the whole tile
+    out for this small input (each row spread over the warps, x and y staged through shared
+    memory, the row reductions through shared memory and barriers)."""
+    out = []
+    for p in strided:
+        out.append(f"{p}_along = stride_{p}_col != 0  # 1: {p} spans the row; 0: one value per row")
+        if variant.cols:
+            pow2 = variant.cols & -variant.cols
+            out.append(f"{p}_span_row = tl.multiple_of(tl.where({p}_along, {p}_row, 0), {pow2})"
+                       "  # a multiple of N when spanning")
+        else:
+            out.append(f"{p}_span_row = {p}_row")
     return out
 
 
@@ -438,11 +461,17 @@ def _col_setup(variant: RowsVariant, start: str | None, spec: RowsSpec | None = 
             "offsets = row_start[:, None] + cols[None, :]"]
 
 
-def _load(ptr: str, mode: str, dtype: str) -> str:
+def _load(ptr: str, mode: str, dtype: str, block_m: int = 1) -> list[str]:
+    """Lines that load input `ptr` in its mode as fp32, assigned to `ptr` (x<i>, e<j>)."""
+    pre: list[str] = []
     if mode == "full":
         load = f"tl.load({ptr}_ptr + offsets, mask=mask, other=0)"
     elif mode == "last":
-        load = f"tl.load({ptr}_ptr + cols[None, :], mask=col_mask[None, :], other=0)"
+        if block_m > 1:  # the tile's shape, as x's: a [1, BLOCK_N] load would set the tile's layout
+            load = (f"tl.load({ptr}_ptr + tl.broadcast_to(cols[None, :], BLOCK_M, BLOCK_N), "
+                    "mask=col_mask[None, :], other=0)")
+        else:
+            load = f"tl.load({ptr}_ptr + cols[None, :], mask=col_mask[None, :], other=0)"
     elif mode == "scalar":
         load = f"tl.load({ptr}_ptr)"
     elif mode == "channel":
@@ -451,12 +480,14 @@ def _load(ptr: str, mode: str, dtype: str) -> str:
         load = f"tl.load({ptr}_ptr + (batch[:, None] * CHANNELS + chan), mask=mask, other=0)"
     elif mode == "batch":
         load = f"tl.load({ptr}_ptr + batch, mask=row_mask, other=0)[:, None]"
-    else:
-        load = (f"tl.load({ptr}_ptr + ({ptr}_row[:, None] + cols[None, :] * stride_{ptr}_col), "
-                "mask=mask, other=0)")
+    else:  # strided: a span of the row (stride 1) or one value per row (stride 0), whichever it is
+        pre = [f"{ptr}_span = tl.load({ptr}_ptr + ({ptr}_span_row[:, None] + cols[None, :]), "
+               f"mask=mask & {ptr}_along, other=0)",
+               f"{ptr}_one = tl.load({ptr}_ptr + {ptr}_row, mask=row_mask & (stride_{ptr}_col == 0), other=0)"]
+        load = f"tl.where({ptr}_along, {ptr}_span, {ptr}_one[:, None])"
     if dtype == "bool":
-        return f"({load} != 0).to(tl.float32)"
-    return load if dtype == "f32" else f"{load}.to(tl.float32)"
+        return [*pre, f"{ptr} = ({load} != 0).to(tl.float32)"]
+    return [*pre, f"{ptr} = {load if dtype == 'f32' else f'{load}.to(tl.float32)'}"]
 
 
 def _program_lines(prog: Program, value_of: Callable[[int], str], prefix: str) -> list[str]:
@@ -484,12 +515,12 @@ def _expr(ins: Instr, name: Callable[[int], str]) -> str:
     return OP_TABLE[op].format(*texts)
 
 
-def _prologue(spec: RowsSpec) -> list[str]:
+def _prologue(spec: RowsSpec, variant: RowsVariant) -> list[str]:
     """Load the prologue's inputs, evaluate it, and round x to its dtype: `x`."""
     prog = spec.prologue
     out = ["# Prologue: x from the node's first inputs (fp32), rounded as the original stores it."]
     for i, (dt, mode) in enumerate(zip(prog.input_dtypes, spec.input_modes, strict=False)):
-        out.append(f"x{i} = {_load(f'x{i}', mode, dt)}")
+        out += _load(f"x{i}", mode, dt, variant.block_m)
     out += _program_lines(prog, lambda i: f"x{i}", "p")
     v, dt = prog.outputs[0]
     val = f"x{v}" if v < len(prog.input_dtypes) else f"p{v}"
@@ -508,14 +539,14 @@ def _cast(val: str, dt: str) -> str:
     return val if dt == "f32" else f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
 
 
-def _epilogue(spec: RowsSpec, row_values: list[str]) -> list[str]:
+def _epilogue(spec: RowsSpec, variant: RowsVariant, row_values: list[str]) -> list[str]:
     """Load the extras, evaluate the epilogue on the row values, store every output."""
     prog = spec.program
     k = spec.n_row_values
     out = [f"# Epilogue: {', '.join(f'%{i} = {v}' for i, v in enumerate(ROW_VALUES[spec.reduction]))}, "
            "then the node's other inputs."]
     for j, (dt, mode) in enumerate(zip(prog.input_dtypes[k:], spec.input_modes[spec.n_prologue:], strict=True)):
-        out.append(f"e{j} = {_load(f'e{j}', mode, dt)}")
+        out += _load(f"e{j}", mode, dt, variant.block_m)
 
     def value_of(i: int) -> str:
         return row_values[i] if i < k else f"e{i - k}"
@@ -530,7 +561,7 @@ def _epilogue(spec: RowsSpec, row_values: list[str]) -> list[str]:
 
 def _single_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
     nf = _n_float(variant)
-    out = _row_setup(spec, variant) + _col_setup(variant, None, spec) + _prologue(spec) + _store_x(spec)
+    out = _row_setup(spec, variant) + _col_setup(variant, None, spec) + _prologue(spec, variant) + _store_x(spec)
     red = spec.reduction
     if red in ("layer_norm", "group_norm"):
         out += ["# Row statistics in fp32, two passes over the registers: the mean, then the mean of",
@@ -553,11 +584,12 @@ def _single_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
                 "e = tl.where(mask, libdevice.exp(shifted), 0.0)",
                 "denom = tl.sum(e, axis=1)"]
         if red == "softmax":
-            out.append("y = tl.div_rn(e, denom[:, None])")
+            out += ["# One IEEE reciprocal per row, a multiply per element (within an ulp of dividing each).",
+                    "y = e * tl.div_rn(1.0, denom)[:, None]"]
         else:
             out.append("y = shifted - libdevice.log(denom)[:, None]")
         values = ["y"]
-    return out + _epilogue(spec, values)
+    return out + _epilogue(spec, variant, values)
 
 
 def _looped_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
@@ -565,7 +597,7 @@ def _looped_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
     red = spec.reduction
     out = _row_setup(spec, variant)
     loop = f"for start in range(0, {n}, BLOCK_N):"
-    first = _col_setup(variant, "start", spec) + _prologue(spec) + _store_x(spec)
+    first = _col_setup(variant, "start", spec) + _prologue(spec, variant) + _store_x(spec)
     if red in ("layer_norm", "group_norm"):
         out += ["# Pass 1: mean and variance, chunk by chunk: each chunk's mean and sum of squared",
                 "# deviations (in registers), merged into the running ones (Chan et al.'s pairwise update):",
@@ -612,7 +644,8 @@ def _looped_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
                 'scale = tl.where(m_run == float("-inf"), 0.0, libdevice.exp(m_run - row_max[:, None]))',
                 "denom = tl.sum(s_run * scale, axis=1)"]
         if red == "softmax":
-            second = ["shifted = x - row_max[:, None]", "y = tl.div_rn(libdevice.exp(shifted), denom[:, None])"]
+            out.append("inv_denom = tl.div_rn(1.0, denom)  # once per row; pass 2 multiplies")
+            second = ["shifted = x - row_max[:, None]", "y = libdevice.exp(shifted) * inv_denom[:, None]"]
         else:
             second = ["y = (x - row_max[:, None]) - libdevice.log(denom)[:, None]"]
         values = ["y"]
@@ -622,6 +655,6 @@ def _looped_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
                 f"for start in range(part * span, tl.minimum({n}, part * span + span), BLOCK_N):"]
     else:
         out += ["# Pass 2: the prologue again, then the epilogue, chunk by chunk.", loop]
-    step = _col_setup(variant, "start", spec) + _prologue(spec) + second + _epilogue(spec, values)
+    step = _col_setup(variant, "start", spec) + _prologue(spec, variant) + second + _epilogue(spec, variant, values)
     out += ["    " + s for s in step]
     return out

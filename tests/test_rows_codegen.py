@@ -47,6 +47,7 @@ IDENTITY = ("input %0 {dt}\noutput %0 {dt}", 1)
 CAST_UP = ("input %0 {dt}\noutput %0 f32", 1)
 SCALE_MASK = ("input %0 {dt}\ninput %1 f32\n%2 = mul %0 0.125\n%3 = add %2 %1\noutput %3 {dt}", 2)
 WHERE_MASK = ("input %0 {dt}\ninput %1 bool\n%2 = select %1 -inf %0\noutput %2 {dt}", 2)
+ROW_SCALE = ("input %0 {dt}\ninput %1 f32\n%2 = mul %0 %1\noutput %2 {dt}", 2)  # a per-row temperature
 LN_AFFINE = ("input %0 f32\ninput %1 f32\ninput %2 f32\ninput %3 {dt}\ninput %4 {dt}\n%5 = sub %0 %1\n"
              "%6 = add %2 1e-05\n%7 = sqrt %6\n%8 = div 1.0 %7\n%9 = mul %5 %8\n%10 = mul %9 %3\n%11 = add %10 %4\n"
              "output %11 {dt}", 2)
@@ -80,6 +81,7 @@ class Case:
     scale: float = 1.0  # the inputs' magnitude
     mean: float = 0.0
     special: str = ""  # "nan": NaN and -inf rows
+    per_row: bool = False  # strided inputs are one value per row ([B, 1, S, 1]: stride 0 along it)
 
 
 CASES = [
@@ -116,6 +118,13 @@ CASES = [
     Case("log-softmax-looped", "log_softmax", (3, 2000), 1, IDENTITY, SOFTMAX_OUT, ("full",),
          variant=RowsVariant(0, 1, 512, 4, looped=True, cols=2000), scale=10.0),
     Case("log-softmax-coerced-2d", "log_softmax", (2, 3, 4, 5), 1, IDENTITY, SOFTMAX_OUT, ("full",)),
+    # BERT's attention softmax: N = 128 compiled in, 8 rows per program, the mask's span hinted
+    Case("softmax-mask-128-rows-per-program", "softmax", (2, 3, 19, 128), 3, SCALE_MASK, SOFTMAX_OUT,
+         ("full", "strided")),
+    Case("softmax-per-row-strided", "softmax", (2, 3, 19, 128), 3, ROW_SCALE, SOFTMAX_OUT, ("full", "strided"),
+         per_row=True),
+    Case("softmax-per-row-strided-looped", "softmax", (2, 3, 5, 300), 3, ROW_SCALE, SOFTMAX_OUT,
+         ("full", "strided"), per_row=True, pick=1),
 ]
 
 
@@ -131,13 +140,15 @@ def spec_of(i: int, case: Case) -> tuple[RowsSpec, RowsVariant]:
     return spec, case.variant or rows_variants(spec)[case.pick]
 
 
-def _input_shape(mode: str, shape: tuple[int, ...], axis: int) -> tuple[int, ...]:
+def _input_shape(mode: str, shape: tuple[int, ...], axis: int, per_row: bool = False) -> tuple[int, ...]:
     if mode == "full":
         return shape
     if mode == "last":
         return shape[axis:]
     if mode == "scalar":
         return (1,)
+    if per_row:  # strided, one value per row: [B, 1, S, 1]
+        return (shape[0],) + (1,) * (axis - 2) + shape[axis - 1:axis] + (1,) * (len(shape) - axis)
     # strided: [B, 1, 1, S]-like (an attention mask), or [B, 1, ...] for lower ranks
     return (shape[0],) + (1,) * (len(shape) - 2) + (shape[-1],)
 
@@ -148,7 +159,7 @@ def inputs_of(i: int, case: Case) -> list[np.ndarray]:
     dtypes = list(spec.prologue.input_dtypes) + list(spec.program.input_dtypes[spec.n_row_values:])
     out = []
     for k, (mode, dt) in enumerate(zip(case.modes, dtypes, strict=True)):
-        shape = _input_shape(mode, case.shape, case.axis)
+        shape = _input_shape(mode, case.shape, case.axis, case.per_row)
         if dt == "bool":
             out.append(rng.random(shape) < 0.3)
             continue
