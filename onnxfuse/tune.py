@@ -925,10 +925,11 @@ def node_margin(original_ms: float, replicas: int) -> float:
 def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool,
                cached_only: bool = False) -> tuple[str, int, float, float] | None:
     """(mode, copies, original ms, fused ms) of one node; with `cached_only`, from the
-    timer's remembered times alone, or None where one of them is not remembered. On CUDA both run under CUDA graphs, k
-    copies per run (`replicated`; the time is per copy), so the times are the GPU's work
-    without the launches (a fused node's fewer launches are the whole-model check's to
-    count, in both modes): timed plainly, a fused node that is slower on the GPU than the
+    timer's remembered times alone, or None where one of them is not remembered.
+
+    On CUDA both run under CUDA graphs, k copies per run (`replicated`; the time is per
+    copy), so the times are the GPU's work without the launches (a fused node's fewer
+    launches are the whole-model check's to count, in both modes): timed plainly, a fused node that is slower on the GPU than the
     cuDNN conv it replaces still won at batch 1 by its launches alone, and the model lost
     once graphs took the launches away; timed one copy per graph (H200, seventh session),
     every node of MobileNetV3-S measured 12-21 µs, mostly the graph's own launch and
