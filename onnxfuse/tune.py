@@ -929,12 +929,12 @@ def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool,
 
     On CUDA both run under CUDA graphs, k copies per run (`replicated`; the time is per
     copy), so the times are the GPU's work without the launches (a fused node's fewer
-    launches are the whole-model check's to count, in both modes): timed plainly, a fused node that is slower on the GPU than the
-    cuDNN conv it replaces still won at batch 1 by its launches alone, and the model lost
-    once graphs took the launches away; timed one copy per graph (H200, seventh session),
-    every node of MobileNetV3-S measured 12-21 µs, mostly the graph's own launch and
-    synchronization, and the model with graphs was slower. A pair that graphs cannot
-    capture is timed plainly, one copy."""
+    launches are the whole-model check's to count, in both modes): timed plainly, a fused
+    node that is slower on the GPU than the cuDNN conv it replaces still won at batch 1 by
+    its launches alone, and the model lost once graphs took the launches away; timed one
+    copy per graph (H200, seventh session), every node of MobileNetV3-S measured 12-21 µs,
+    mostly the graph's own launch and synchronization, and the model with graphs was slower.
+    A pair that graphs cannot capture is timed plainly, one copy."""
     if graphs:
         k = replicas(orig, mini)
         rep_o, rep_f = replicated(orig, k), replicated(mini, k)
