@@ -98,15 +98,25 @@ class GemmSpec:
     alpha: float = 1.0
     precision: str = "tf32"  # float32 operands: tl.dot's input_precision (TF32 rounded to nearest)
     b_rounded: bool = False  # float32 "tf32": B holds TF32 values already (a constant, rounded when compiled)
+    # TF32 rounding at the producer (`onnxfuse.rounding`), float32 "tf32" only: x_rounded, A
+    # holds TF32 values already (its producer stored them rounded), so the kernel feeds A to
+    # tl.dot as loaded; round_y, the kernel stores Y rounded, as every reader would round it
     m: int | None = None  # rows of the GEMM the kernel runs (batch folded in), when static
     n: int | None = None
     k: int | None = None
     batch: int | None = None  # G, when static
     source_nodes: tuple[str, ...] = ()
+    x_rounded: bool = False
+    round_y: bool = False
 
     @property
     def dtype(self) -> str:
         return self.program.input_dtypes[0]
+
+    @property
+    def tf32(self) -> bool:
+        """Float32 operands multiplied at precision "tf32" (rounded to nearest first)."""
+        return self.dtype == "f32" and self.precision == "tf32"
 
     @property
     def n_extras(self) -> int:
@@ -114,11 +124,15 @@ class GemmSpec:
 
     @property
     def rounds_a(self) -> bool:
-        return self.dtype == "f32" and self.precision == "tf32"
+        return self.tf32 and not self.x_rounded
 
     @property
     def rounds_b(self) -> bool:
-        return self.rounds_a and not self.b_rounded
+        return self.tf32 and not self.b_rounded
+
+    @property
+    def stores_rounded(self) -> bool:
+        return self.round_y and self.tf32 and self.program.outputs[0][1] == "f32"
 
 
 @dataclass(frozen=True)
@@ -351,6 +365,9 @@ def _precision_text(spec: GemmSpec) -> str:
         return f"{spec.dtype} products, fp32 sums"
     if spec.precision != "tf32":
         return f"fp32 operands, dot precision {spec.precision}"
+    if spec.x_rounded:  # TF32 rounding at the producer (onnxfuse.rounding)
+        return ("tf32, operands rounded to nearest as cuBLAS does (A by its producer, B "
+                + ("when compiled)" if spec.b_rounded else "here)"))
     return ("tf32, operands rounded to nearest as cuBLAS does ("
             + ("A here, B when compiled)" if spec.b_rounded else "both here)"))
 
@@ -366,7 +383,7 @@ def _module(spec: GemmSpec, variant: GemmVariant, names: list[str], constexprs: 
     lines += ["#", "# Epilogue (%0 is the product, rounded to A's dtype; then the extra inputs):"]
     lines += [f"#   {ln}" for ln in spec.program.to_text().splitlines()]
     lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
-    if spec.rounds_a:
+    if spec.rounds_a or spec.rounds_b or spec.stores_rounded:
         lines += ["", "", *ROUND_TO_TF32]
     if parts > 1:
         lines += ["", "", *_epilogue_function(spec, variant.split_k)]
@@ -423,6 +440,9 @@ def _body(spec: GemmSpec, split: bool = False, parts: int = 1) -> list[str]:
         out.append("    a = round_to_tf32(a)")
         if spec.rounds_b:
             out.append("    b = round_to_tf32(b)")
+    elif spec.rounds_b:  # A was stored rounded by its producer (x_rounded)
+        out += ["    # To the nearest TF32 value, as cuBLAS does; A holds TF32 values already.",
+                "    b = round_to_tf32(b)"]
     if spec.dtype == "f32":
         out.append(f'    acc = tl.dot(a, b, acc, input_precision="{spec.precision}")')
     else:
@@ -501,6 +521,10 @@ def _epilogue_lines(spec: GemmSpec, offsets: list[str], split: bool = False) -> 
     out += _program_lines(prog, value_of, "t")
     v, dt = prog.outputs[0]
     val = value_of(v) if v < len(prog.input_dtypes) else f"t{v}"
+    if spec.stores_rounded:
+        out += ["# Y rounded to TF32 as the GEMMs and convs that read it would round it: they skip that step.",
+                f"y_rounded = round_to_tf32({val})"]
+        val = "y_rounded"
     if dt != "f32":
         val = f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
     out += ["# Store, cast to the output dtype.", f"tl.store(y_ptr + y_offs, {val}, mask=mask)"]

@@ -81,6 +81,8 @@ class Case:
     variant: GemmVariant | None = SMALL  # None: the first of gemm_variants
     interpreter: bool = True  # False: GPU only (Triton 3.6's interpreter multiplies bf16 bit patterns)
     slices: int = 0  # split-K variants: the grid's z (0: what the launcher would pick, at least 2)
+    x_rounded: bool = False  # TF32 at the producer: A arrives rounded, the kernel does not round it
+    round_y: bool = False  # ... and the kernel stores Y rounded to TF32
 
 
 CASES = [
@@ -118,6 +120,15 @@ CASES = [
          (((17, 1), "strided"),), trans_a=True, variant=SPLIT, slices=4),
     Case("split-default-variant-m128", (128, 768), (768, 64), BIAS_GELU_RESIDUAL,
          (((64,), "row"), ((128, 64), "full")), variant=None),
+    # TF32 rounding at the producer (onnxfuse.rounding): A stored rounded by its producer (the
+    # kernel rounds B only), and Y stored rounded (in the column-part epilogue and in split K)
+    Case("f32-tf32-a-rounded-by-producer", (37, 70), (70, 45), BIAS_GELU, (((45,), "row"),), precision="tf32",
+         x_rounded=True),
+    Case("f32-tf32-stores-y-rounded-parts", (37, 70), (70, 45), BIAS_GELU, (((45,), "row"),), precision="tf32",
+         b_rounded=True, round_y=True, variant=None),
+    Case("split3-f32-tf32-a-rounded-stores-rounded", (37, 70), (70, 45), BIAS_GELU_RESIDUAL,
+         (((45,), "row"), ((37, 45), "full")), precision="tf32", b_rounded=True, variant=SPLIT, slices=3,
+         x_rounded=True, round_y=True),
 ]
 
 
@@ -125,7 +136,8 @@ def spec_of(i: int, case: Case) -> tuple[GemmSpec, GemmVariant]:
     prog = parse(f"{HEADER}\n{case.program.format(dt=case.dtype)}\n")
     m, n, k, g = geometry(case)[:4]
     spec = GemmSpec(f"k_gemm_{i}", prog, tuple(mode for _, mode in case.extras), case.trans_a, case.trans_b,
-                    case.alpha, case.precision, case.b_rounded, m, n, k, g)
+                    case.alpha, case.precision, case.b_rounded, m, n, k, g, x_rounded=case.x_rounded,
+                    round_y=case.round_y)
     return spec, case.variant or gemm_variants(spec)[0]
 
 
@@ -157,6 +169,8 @@ def inputs_of(i: int, case: Case) -> list[np.ndarray]:
     b = (rng.standard_normal(case.b_shape) / np.sqrt(case.b_shape[-1])).astype(dt)
     if case.b_rounded:
         b = round_array_to_tf32(b)
+    if case.x_rounded:  # as its producer stored it
+        a = round_array_to_tf32(a)
     spec, _ = spec_of(i, case)
     extras = [rng.standard_normal(shape).astype(NP[d] if d != "bool" else np.float32)
               for (shape, _), d in zip(case.extras, spec.program.input_dtypes[1:], strict=True)]
@@ -166,10 +180,10 @@ def inputs_of(i: int, case: Case) -> list[np.ndarray]:
 def reference(i: int, case: Case) -> np.ndarray:
     spec, _ = spec_of(i, case)
     a, b, *extras = inputs_of(i, case)
-    if spec.rounds_a:  # the kernel's operands as it multiplies them (B pre-rounded, or rounded in the kernel)
+    if spec.tf32:  # the kernel's operands as it multiplies them (rounded before, or in the kernel)
         a, b = round_array_to_tf32(a), round_array_to_tf32(b)
     (y,) = evaluate_gemm(spec.program, a, b, extras, case.trans_a, case.trans_b, case.alpha)
-    return y
+    return round_array_to_tf32(y.astype(np.float32)) if spec.stores_rounded else y
 
 
 def extra_strides(shape: tuple[int, ...], y: tuple[int, ...], lead: int) -> list[int]:
@@ -247,6 +261,9 @@ def check(workdir: Path, index: int) -> None:
     spec, _ = spec_of(index, case)
     tol = TOL[spec.program.outputs[0][1]] if spec.dtype == "f32" else max(TOL[spec.dtype],
                                                                           TOL[spec.program.outputs[0][1]])
+    if spec.stores_rounded:  # TF32 values, within one TF32 step of the rounded reference
+        assert not (got.view(np.uint32) & 0x1FFF).any()
+        tol = 2.0**-10
     scale = float(np.abs(want).max(initial=1.0))
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
 
@@ -560,6 +577,51 @@ def test_aligned_fp16_variant_pipelines_its_loads(tmp_path):
            if b["format"] == "ptx"}
     assert "cp.async.cg.shared.global" in ptx[0] and "ld.global.b16" not in ptx[0]
     assert "cp.async" not in ptx[1]
+
+
+def _ptxas_info(ptx: str, tmp_path: Path) -> str:
+    """ptxas -v's report on a kernel's PTX (Triton's own ptxas), or skip where there is none."""
+    import shutil
+    import subprocess
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists() and not shutil.which("ptxas"):
+        pytest.skip("no ptxas")
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    target = next(ln.split()[1] for ln in ptx.splitlines() if ln.startswith(".target"))
+    out = subprocess.run([str(ptxas) if ptxas.exists() else "ptxas", "-v", "--gpu-name", target, str(src),
+                          "-o", str(tmp_path / "k.cubin")], capture_output=True, text=True, check=True)
+    return out.stdout + out.stderr
+
+
+def test_a_rounded_by_its_producer_keeps_the_fp32_wgmma_pipelined(tmp_path):
+    """Rounding A to TF32 in the K loop makes ptxas serialize the fp32 wgmma (C7515: "non wgmma
+    instructions defining accumulator registers ... between start and end of the pipeline
+    stage"); with A rounded by its producer (x_rounded) the kernel does not touch A and the
+    warning is gone. The source says which operands it rounds, and round_y rounds the store."""
+    pytest.importorskip("triton")
+    from onnxfuse.compile import compile_kernels
+
+    base = dataclasses.replace(_spec(1024, 2304, 768), precision="tf32", b_rounded=True)
+    shipped, producer = base, dataclasses.replace(base, x_rounded=True, round_y=True)
+    src = generate_gemm(producer, gemm_variants(producer)[0]).source
+    assert "a = round_to_tf32(a)" not in src and "b = round_to_tf32(b)" not in src
+    assert "y_rounded = round_to_tf32(" in src and "A by its producer, B when compiled" in src
+    b_here = generate_gemm(dataclasses.replace(producer, b_rounded=False), gemm_variants(producer)[0]).source
+    assert "a = round_to_tf32(a)" not in b_here and "    b = round_to_tf32(b)" in b_here
+    assert "a = round_to_tf32(a)" in generate_gemm(shipped, gemm_variants(shipped)[0]).source
+    infos = {}
+    for label, spec in (("shipped", shipped), ("producer", producer)):
+        variant = gemm_variants(spec)[0]
+        [out] = compile_kernels([spec], [90], cache_dir=tmp_path / label, variant_override=(variant,))
+        (ptx,) = [blob.decode() for b, blob in zip(out.kernel_meta()["binaries"], out.kernels(), strict=True)
+                  if b["format"] == "ptx"]
+        assert "wgmma.mma_async" in ptx
+        infos[label] = _ptxas_info(ptx, tmp_path)
+    assert "C7515" not in infos["producer"], infos["producer"]
 
 
 if __name__ == "__main__":

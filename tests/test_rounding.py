@@ -226,3 +226,42 @@ def test_a_producer_that_fails_to_compile_leaves_its_readers_rounding(tmp_path, 
     assert any(n.op_type == "Conv" for n in r.model.graph.node)
     onnx.checker.check_model(r.model, full_check=True)
     check_same(m, r.model, library=True)
+
+
+def ffn(residual_reader: bool) -> onnx.ModelProto:
+    """A transformer FFN in float32: fc1 (bias, erf-GELU) -> fc2 (bias); with
+    `residual_reader`, fc1's output is also added to fc2's (a reader that does not round)."""
+    rng = np.random.default_rng(4)
+    inits = [numpy_helper.from_array((rng.standard_normal(s) / 8).astype(np.float32), name)
+             for name, s in (("w1", (32, 64)), ("b1", (64,)), ("w2", (64, 64)), ("b2", (64,)))]
+    nodes = [N("MatMul", ["x", "w1"], ["h"], name="fc1"), N("Add", ["h", "b1"], ["hb"]),
+             N("Div", ["hb", "sqrt2"], ["s"]), N("Erf", ["s"], ["e"]), N("Add", ["e", "one"], ["e1"]),
+             N("Mul", ["hb", "e1"], ["m"]), N("Mul", ["m", "half"], ["g"]),
+             N("MatMul", ["g", "w2"], ["h2"], name="fc2"), N("Add", ["h2", "b2"], ["y0"])]
+    inits += [numpy_helper.from_array(np.array(v, np.float32), n) for n, v in
+              (("sqrt2", 1.4142135), ("one", 1.0), ("half", 0.5))]
+    if residual_reader:
+        nodes.append(N("Add", ["y0", "g"], ["y"]))
+    else:
+        nodes.append(N("Identity", ["y0"], ["y"]))
+    g = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 16, 32])],
+                          [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["N", 16, 64])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("residual_reader", [False, True])
+def test_gemm_reads_a_rounded_by_the_gemm_before_it(tmp_path, monkeypatch, residual_reader):
+    """fc1's GemmEpilogue output is read only by fc2's GemmEpilogue as its A: fc1 stores it
+    rounded (_ry), fc2 skips rounding A (_rx), so its fp32 wgmma stays pipelined (ptxas C7515:
+    tests/test_gemm_codegen.py). When the residual Add also reads it, both keep rounding."""
+    monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")  # the gemm kind, as when tuning
+    m = ffn(residual_reader)
+    r = optimized(m, tmp_path, monkeypatch, layout="nchw")
+    gemms = {f.source_nodes[0].split()[-1]: f for f in r.fused if f.kind == "gemm"}
+    assert set(gemms) == {"fc1", "fc2"}, r.report.summary()
+    got = {k: (f.x_rounded, f.round_y) for k, f in gemms.items()}
+    chained = not residual_reader
+    assert got == {"fc1": (False, chained), "fc2": (chained, False)}
+    overloads = {n.overload for n in r.model.graph.node if n.domain == "onnxfuse"}
+    assert any(o.endswith("_ry") for o in overloads) == chained and any(o.endswith("_rx") for o in overloads) == chained
+    check_same(m, r.model, library=True)

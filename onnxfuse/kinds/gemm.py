@@ -460,7 +460,7 @@ class Gemm(Kind):
         g: GemmInfo = f.params
         return GemmSpec(f.kernel_name, f.program, tuple(f.input_modes[1:]), g.trans_a, g.trans_b, g.alpha,
                         precision, g.packed and precision == "tf32" and f.program.input_dtypes[0] == "f32",
-                        g.m, g.n, g.k, g.batch, f.source_nodes)
+                        g.m, g.n, g.k, g.batch, f.source_nodes, x_rounded=f.x_rounded, round_y=f.round_y)
 
     def decline_reason(self, spec: GemmSpec, layout: str) -> str | None:
         """A GEMM with a tensor of more than 2**31 - 1 elements (32-bit index parameters)."""
@@ -499,6 +499,16 @@ class Gemm(Kind):
 
     def tf32_initializers(self, f: FusedNode, spec: GemmSpec) -> tuple[str, ...]:
         return (f.inputs[1],) if spec.b_rounded else ()
+
+    # TF32 rounding at the producer (onnxfuse.rounding): a "tf32" float32 GEMM rounds its A
+    # (input 0) in the K loop, which makes ptxas serialize the fp32 wgmma (C7515; BENCHMARKS.md,
+    # Decisions, `gemm-tf32-at-producer`); where A's producer stores it rounded it need not.
+
+    def reads_tf32(self, spec: GemmSpec) -> bool:
+        return spec.tf32
+
+    def may_store_tf32(self, spec: GemmSpec) -> bool:
+        return spec.tf32 and spec.program.outputs[0][1] == "f32"
 
     def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """alpha * op(A) @ op(B) in float64, rounded to A's dtype, then the program."""
