@@ -65,6 +65,7 @@ from onnxfuse.codegen import (
     check_kernel_name,
     param_groups,
 )
+from onnxfuse.codegen_conv import ROUND_TO_TF32
 from onnxfuse.expr import Instr, Program, Ref
 
 # The row values each reduction gives the epilogue, in program input order (%0, %1, ...).
@@ -110,6 +111,13 @@ class RowsSpec:
     groups: int = 0
     channels: int = 0
     channels_last: bool = False
+    # TF32 rounding at the producer (`onnxfuse.rounding`): store output 0 rounded to TF32,
+    # because every reader (a "tf32" GEMM or conv) would round it anyway (kernel suffix _ry)
+    round_y: bool = False
+
+    @property
+    def stores_rounded(self) -> bool:
+        return self.round_y and self.program.outputs[0][1] == "f32"
 
     @property
     def group_channels(self) -> int:
@@ -348,6 +356,8 @@ def _module(spec: RowsSpec, variant: RowsVariant, names: list[str], constexprs: 
     lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
     if spec.reduction in ("softmax", "log_softmax"):
         lines += ["", "", *MAX_NAN]
+    if spec.stores_rounded:
+        lines += ["", "", *ROUND_TO_TF32]
     lines += ["", "", "@triton.jit", f"def {spec.name}("]
     groups = param_groups(names, lambda p: "size" if p.startswith("size") else "n")  # n_rows, n_cols together
     lines += [f"    {', '.join(group)}," for group in groups]
@@ -555,6 +565,10 @@ def _epilogue(spec: RowsSpec, variant: RowsVariant, row_values: list[str]) -> li
     out.append("# Store, cast to the output dtypes.")
     for j, (v, dt) in enumerate(prog.outputs):
         val = value_of(v) if v < len(prog.input_dtypes) else f"t{v}"
+        if j == 0 and spec.stores_rounded:
+            out += ["# y0 rounded to TF32 as the GEMMs and convs that read it would round it: they skip that step.",
+                    f"y0_rounded = round_to_tf32({val})"]
+            val = "y0_rounded"
         out.append(f"tl.store(y{j}_ptr + offsets, {_cast(val, dt)}, mask=mask)")
     return out
 

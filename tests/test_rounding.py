@@ -265,3 +265,47 @@ def test_gemm_reads_a_rounded_by_the_gemm_before_it(tmp_path, monkeypatch, resid
     overloads = {n.overload for n in r.model.graph.node if n.domain == "onnxfuse"}
     assert any(o.endswith("_ry") for o in overloads) == chained and any(o.endswith("_rx") for o in overloads) == chained
     check_same(m, r.model, library=True)
+
+
+def pre_ln(other_reader: bool) -> onnx.ModelProto:
+    """A pre-LN transformer block's start in float32: LayerNormalization -> the Q, K and V
+    projections (MatMul + bias); with `other_reader` the normalized tensor is a graph
+    output too (a reader that does not round)."""
+    rng = np.random.default_rng(6)
+    inits = [numpy_helper.from_array(v.astype(np.float32), n) for n, v in
+             (("gamma", 1 + rng.standard_normal(32) / 8), ("beta", rng.standard_normal(32) / 8),
+              *((f"w{p}", rng.standard_normal((32, 32)) / 6) for p in "qkv"),
+              *((f"b{p}", rng.standard_normal(32) / 8) for p in "qkv"))]
+    # the residual stream h = x + a (the LayerNorm's prologue; h is read on, an output here)
+    nodes = [N("Add", ["x", "a"], ["h"], name="stream"),
+             N("LayerNormalization", ["h", "gamma", "beta"], ["ln"], axis=-1, epsilon=1e-5, name="ln")]
+    for p in "qkv":
+        nodes += [N("MatMul", ["ln", f"w{p}"], [f"{p}0"], name=f"proj_{p}"), N("Add", [f"{p}0", f"b{p}"], [p])]
+    outs = ["h", "q", "k", "v"]
+    if other_reader:  # the normalized tensor is an output too (the caller reads it as computed)
+        outs.append("ln")
+    vi = [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, ["N", 16, 32]) for n in ("x", "a")]
+    g = helper.make_graph(nodes, "pre_ln", vi,
+                          [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, ["N", 16, 32]) for o in outs],
+                          inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("other_reader", [False, True])
+def test_a_layer_norm_stores_rounded_for_the_projections_after_it(tmp_path, monkeypatch, other_reader):
+    """The LayerNorm's FusedRows output is read only by the Q, K and V GemmEpilogues (pre-LN):
+    it stores it rounded (_ry; the residual stream it also stores stays as computed) and the
+    three skip rounding their A (_rx). Another reader of it keeps every kernel as it was."""
+    monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")  # the gemm kind, as when tuning
+    m = pre_ln(other_reader)
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    r = optimize_model(m, leave_to_ort=False)
+    info = compile_pass(r, kernel_options("sm_90", layout="nchw", conv_precision="tf32")).report.compile
+    assert not info["failed"] and not info["declined"]
+    kinds = sorted(f.kind for f in r.fused)
+    assert kinds == ["gemm", "gemm", "gemm", "rows"], r.report.summary()
+    chained = not other_reader
+    for f in r.fused:
+        assert (f.x_rounded, f.round_y) == ((chained, False) if f.kind == "gemm" else (False, chained)), f.node_name
+        assert f.kernel_name.endswith("_rx" if f.kind == "gemm" else "_ry") == chained
+    check_same(m, r.model, library=True)

@@ -22,6 +22,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from onnxfuse.codegen_conv import round_array_to_tf32
 from onnxfuse.codegen_rows import (
     MAX_SINGLE_PASS,
     RowsSpec,
@@ -82,11 +83,15 @@ class Case:
     mean: float = 0.0
     special: str = ""  # "nan": NaN and -inf rows
     per_row: bool = False  # strided inputs are one value per row ([B, 1, S, 1]: stride 0 along it)
+    round_y: bool = False  # output 0 stored rounded to TF32 (onnxfuse.rounding: GEMMs read it)
 
 
 CASES = [
     Case("ln-768-residual-affine-xout", "layer_norm", (2, 3, 768), 2, RESIDUAL, LN_AFFINE,
          ("full", "full", "last", "last"), x_output=True),
+    # TF32 at the producer: output 0 stored rounded, the residual stream x as computed
+    Case("ln-768-stores-rounded-xout", "layer_norm", (2, 3, 768), 2, RESIDUAL, LN_AFFINE,
+         ("full", "full", "last", "last"), x_output=True, round_y=True),
     Case("ln-77-rows-per-program", "layer_norm", (5, 7, 77), 2, BIAS_RESIDUAL, LN_AFFINE,
          ("full", "last", "full", "last", "last"), mean=30.0),
     Case("ln-1000-looped-small-chunks", "layer_norm", (3, 1000), 1, RESIDUAL, LN_AFFINE,
@@ -136,7 +141,7 @@ def spec_of(i: int, case: Case) -> tuple[RowsSpec, RowsVariant]:
     pro, epi = _program(case.prologue, case.dtype), _program(case.epilogue, case.dtype)
     n = int(np.prod(case.shape[case.axis:]))
     spec = RowsSpec(f"k_rows_{i}", case.reduction, pro, epi, case.modes, case.axis, None if case.dynamic else n,
-                    case.x_output)
+                    case.x_output, round_y=case.round_y)
     return spec, case.variant or rows_variants(spec)[case.pick]
 
 
@@ -247,11 +252,15 @@ def check(workdir: Path, index: int) -> None:
         got = got_all[f"case{index}_{k}"]
         want = want.astype(np.float32)
         assert got.shape == want.shape
+        rounded = k == 0 and spec.stores_rounded
+        if rounded:  # TF32 values, each the reference's rounded within one TF32 step
+            assert not (got.view(np.uint32) & 0x1FFF).any(), "output 0 not rounded to TF32"
+            want = round_array_to_tf32(want)
         assert np.array_equal(np.isnan(got), np.isnan(want)), f"output {k}: NaN in different places"
         finite = np.isfinite(want)
         assert np.array_equal(got[~finite], want[~finite], equal_nan=True)
         # an output's dtype rounds it; the kernel's fp32 sums differ from the float64 reference by ulps
-        tol = {"f32": 2e-5, "f16": 2e-3, "bf16": 1.6e-2}[dtypes[k]]
+        tol = 2.0**-10 if rounded else {"f32": 2e-5, "f16": 2e-3, "bf16": 1.6e-2}[dtypes[k]]
         scale = float(np.abs(want[finite]).max(initial=1.0))
         np.testing.assert_allclose(got[finite], want[finite], rtol=tol, atol=tol * scale, err_msg=f"output {k}")
 

@@ -1087,7 +1087,12 @@ class Rows(Kind):
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> RowsSpec:
         r: RowsInfo = f.params
         return RowsSpec(f.kernel_name, r.reduction, r.prologue, f.program, f.input_modes, r.axis, r.n_cols,
-                        r.x_output, f.source_nodes, r.groups, r.channels, f.x_layout == "nhwc")
+                        r.x_output, f.source_nodes, r.groups, r.channels, f.x_layout == "nhwc", f.round_y)
+
+    def may_store_tf32(self, spec: RowsSpec) -> bool:
+        """A float32 output 0 (a LayerNorm before Q, K and V) may be stored rounded to TF32 for
+        "tf32" GEMMs that read it (onnxfuse.rounding: only where every reader rounds it)."""
+        return spec.program.outputs[0][1] == "f32"
 
     def variants(self, spec: RowsSpec) -> tuple[RowsVariant, ...]:
         return rows_variants(spec)
