@@ -16,6 +16,11 @@ such tensors skips its own rounding (`ConvSpec.x_rounded`). The results are bit-
 rounding in every reader; only the time changes. A tensor that anything else reads (a graph
 output, an Add, a Sigmoid, an extra input of an epilogue, a subgraph) is stored as computed.
 
+The kinds say who takes part (`Kind.reads_tf32`, `Kind.may_store_tf32`): float32 "tf32"
+FusedConv and GemmEpilogue nodes round their input 0 (a GEMM's A: rounded in the K loop, it
+also makes ptxas serialize the fp32 wgmma) and may store rounded; FusedRows nodes (a
+LayerNorm before the Q, K and V projections) may store their output 0 rounded.
+
 `plan` decides both flags for the nodes of a model after the layout pass; `apply` gives the
 nodes whose kernels change new kernel names (suffix `_rx` for x_rounded, `_ry` for round_y),
 each with a copy of its function (the same body: the flags change no ONNX semantics). When a
@@ -47,8 +52,8 @@ MOVES_VALUES = {
 
 @dataclass(frozen=True)
 class Plan:
-    round_y: frozenset[str]  # fused conv nodes that store Y rounded to TF32
-    x_rounded: frozenset[str]  # fused conv nodes whose X holds TF32 values only
+    round_y: frozenset[str]  # fused nodes that store Y (output 0) rounded to TF32
+    x_rounded: frozenset[str]  # fused nodes whose X (input 0) holds TF32 values only
 
 
 def plan(model: ModelProto, rounding: set[str], may_store: set[str]) -> Plan:
