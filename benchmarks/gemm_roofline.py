@@ -155,19 +155,13 @@ def main() -> None:
                 runs.cli("optimize", str(src), str(opt), "--no-tune", env=ENV)
                 row["accuracy"] = accuracy(src, opt, tmp / f"{tag}.bench.json")
                 row.update(runs.profile_pair(src, opt, tmp, tag, "tflops", env=ENV))
-                fused = [x for x in row["onnxfuse"]["nodes"] if x["op"] == "GemmEpilogue"]
-                row["fused_pct_bound"] = max((x["pct_bound"] for x in fused), default=None)
+                row["fused_pct_bound"] = runs.fused_pct_bound(row, "GemmEpilogue")
                 row["speedup_vs_ort"] = row["ort"]["us"] / row["onnxfuse"]["us"] if row["onnxfuse"]["us"] else None
                 if not args.no_torch:
                     row["torch_us"] = torch_peer(wl, dtype, model, args.batch)
             except RuntimeError as e:
                 row["error"] = str(e)
-            rows.append(row)
-            if args.json:  # after every case: a run cut short keeps what it measured
-                args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-            print(json.dumps({k: v for k, v in row.items() if k not in ("ort", "onnxfuse")}
-                             | {"ort_us": row.get("ort", {}).get("us"),
-                                "onnxfuse_us": row.get("onnxfuse", {}).get("us")}), flush=True)
+            runs.keep(rows, row, args.json)
     print("\n| workload | dtype | M x N x K | ORT nodes | ORT µs | GemmEpilogue µs | % of bound | torch µs "
           "| ORT / onnxfuse | ORT err vs ref | onnxfuse err vs ref | gate |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -55,3 +55,19 @@ def profile_pair(src: Path, opt: Path, tmp: Path, tag: str, metric: str,
         out[which] = {"nodes": nodes, "us": sum(n["us"] for n in nodes),
                       "bound_us": max((n["bound_us"] for n in nodes), default=0.0)}
     return out
+
+
+def fused_pct_bound(pair: dict[str, dict], op: str) -> float | None:
+    """The largest % of its roofline bound that a fused node of op type `op` reached."""
+    return max((n["pct_bound"] for n in pair["onnxfuse"]["nodes"] if n["op"] == op), default=None)
+
+
+def keep(rows: list[dict], row: dict, json_path: Path | None) -> None:
+    """Add a case's row, write the JSON after every case (a run cut short keeps what it
+    measured) and print the row on one line, the per-node lists left out."""
+    rows.append(row)
+    if json_path:
+        json_path.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in row.items() if k not in ("ort", "onnxfuse")}
+                     | {"ort_us": row.get("ort", {}).get("us"), "onnxfuse_us": row.get("onnxfuse", {}).get("us")}),
+          flush=True)

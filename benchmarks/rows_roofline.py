@@ -27,7 +27,6 @@ a speedup only where the gate passes. Prints one table and writes JSON:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -140,16 +139,10 @@ def main() -> None:
                     runs.cli("optimize", str(src), str(opt), "--no-tune", "--no-leave-to-ort")
                     row["accuracy"] = accuracy(src, opt, tmp / f"{tag}.bench.json")
                     row.update(runs.profile_pair(src, opt, tmp, tag, "gbps"))
-                    fused = [n for n in row["onnxfuse"]["nodes"] if n["op"] == "FusedRows"]
-                    row["fused_pct_bound"] = max((n["pct_bound"] for n in fused), default=None)
+                    row["fused_pct_bound"] = runs.fused_pct_bound(row, "FusedRows")
                 except RuntimeError as e:
                     row["error"] = str(e)
-                rows.append(row)
-                if args.json:  # after every case: a run cut short keeps what it measured
-                    args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
-                print(json.dumps({k: v for k, v in row.items() if k not in ("ort", "onnxfuse")}
-                                 | {"ort_us": row.get("ort", {}).get("us"),
-                                    "onnxfuse_us": row.get("onnxfuse", {}).get("us")}), flush=True)
+                runs.keep(rows, row, args.json)
     print("\n| workload | dtype | batch | ORT nodes | ORT µs | onnxfuse nodes | onnxfuse µs | FusedRows % of bound "
           "| ORT err vs ref | onnxfuse err vs ref | gate |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

@@ -254,14 +254,16 @@ def numel(shape) -> int | None:
     return int(np.prod(shape, dtype=np.int64))
 
 
-def match_anchored(view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted, anchor_op: str,
+def match_anchored(view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+                   anchor_ops: str | frozenset[str],
                    match_one: Callable[[GraphView, int, Pattern, set[int], Accepted], Match | str]) -> MatchResult:
-    """The matches `match_one` finds anchored at each node of op type `anchor_op` (a Conv, a
-    MaxPool) not taken yet, in topological order; adds their nodes to `taken` and `accepted`.
-    The result's `anchors` say why each other such node did not match."""
+    """The matches `match_one` finds anchored at each node of an op type in `anchor_ops` (a Conv,
+    a MaxPool, a MatMul or Gemm) not taken yet, in topological order; adds their nodes to
+    `taken` and `accepted`. The result's `anchors` say why each other such node did not match."""
+    ops = frozenset({anchor_ops}) if isinstance(anchor_ops, str) else anchor_ops
     result = MatchResult()
     for i, n in enumerate(view.nodes):
-        if i in taken or n.op_type != anchor_op or n.domain not in ("", "ai.onnx"):
+        if i in taken or n.op_type not in ops or n.domain not in ("", "ai.onnx"):
             continue
         found = match_one(view, i, pattern, taken, accepted)
         if isinstance(found, str):

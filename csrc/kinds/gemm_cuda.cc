@@ -139,23 +139,8 @@ struct GemmKernel : cuda::CudaKernel {
 
   void compute(OrtKernelContext* ctx) override {
     if (!meta_error.empty()) throw Error(meta_error);
-    size_t n_in = 0, n_out = 0;
-    check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
-    check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
-    if (n_in != prog.inputs.size() + 1 || n_out != 1)
-      throw Error("the node has " + std::to_string(n_in) + " inputs and " + std::to_string(n_out) +
-                  " outputs, expected A, B, " + std::to_string(prog.inputs.size() - 1) + " extras and one output");
-    std::vector<TensorRef> t(n_in);
-    for (size_t i = 0; i < n_in; ++i) {
-      const OrtValue* v = nullptr;
-      check(g_ort->KernelContext_GetInput(ctx, i, &v));
-      if (!v) throw Error("input " + std::to_string(i) + " is missing");
-      read_tensor(v, &t[i]);
-      const DType want = prog.inputs[i < 2 ? 0 : i - 1];
-      if (!type_fits(t[i].type, want, /*f32_for_half=*/false))
-        throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +
-                    dtype_name(want));
-    }
+    const std::vector<TensorRef> t = read_gemm_inputs(ctx, prog, /*f32_for_half=*/false);
+    const size_t n_in = t.size();
     const GemmGeometry geo = gemm_geometry(t[0].shape, t[1].shape, trans_a, trans_b);
     for (size_t e = 0; e + 2 < n_in; ++e) check_mode(e, t[e + 2].shape, geo);
     OrtValue* yv = nullptr;

@@ -54,7 +54,7 @@ from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, Shape, same_shape
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
-from onnxfuse.match import DTYPE_IDS, dtype_reason, grow_epilogue, numel, operands, single_result
+from onnxfuse.match import DTYPE_IDS, dtype_reason, grow_epilogue, match_anchored, numel, operands, single_result
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
 from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
 
@@ -320,18 +320,8 @@ def match_gemm(view: GraphView, pattern: Pattern, taken: set[int], accepted: Acc
                reserved: dict[int, str]) -> MatchResult:
     """Matches at every MatMul / Gemm not taken yet, in topological order; the result's
     `anchors` say why each other one did not match."""
-    result = MatchResult()
-    for i, n in enumerate(view.nodes):
-        if i in taken or n.op_type not in ANCHORS or n.domain not in DEFAULT_DOMAINS:
-            continue
-        found = match_one(view, i, pattern, taken, accepted, reserved)
-        if isinstance(found, str):
-            result.anchors[i] = found
-            continue
-        result.matches.append(found)
-        taken.update(found.nodes)
-        accepted.add(list(found.nodes))
-    return result
+    return match_anchored(view, pattern, taken, accepted, ANCHORS,
+                          lambda v, i, p, t, a: match_one(v, i, p, t, a, reserved))
 
 
 # ---------------------------------------------------------------------------------------
