@@ -7,6 +7,8 @@ Workloads (batch 8, seq 128: M = 1024 rows; fp32 and fp16), as torch.onnx.export
 - ``qkv``:  768 -> 2304, + bias
 - ``ffn1``: 768 -> 3072, + bias, erf-GELU (Div, Erf, Add, Mul, Mul)
 - ``ffn2``: 3072 -> 768, + bias, + the residual r [B, S, 768]
+- ``ffn``:  the block, ffn1 then ffn2 with x as the residual: two GEMM nodes, where fp32's
+  FFN1 stores its output rounded to TF32 for FFN2 (the rounding plan, `gemm-tf32-at-producer`)
 
 Each model is optimized with `onnxfuse optimize --no-tune` and ``ONNXFUSE_GEMM_ALL=1`` (the
 gemm kind forced, so that it is measured even where the tune pass would leave the nodes to
@@ -45,7 +47,9 @@ from benchmarks import roofline_runs as runs  # noqa: E402
 BATCH, SEQ = 8, 128
 DTYPES = {"fp32": (TensorProto.FLOAT, np.float32), "fp16": (TensorProto.FLOAT16, np.float16)}
 # name -> (K, N, epilogue)
-WORKLOADS = {"qkv": (768, 2304, "bias"), "ffn1": (768, 3072, "bias_gelu"), "ffn2": (3072, 768, "bias_residual")}
+WORKLOADS = {"qkv": (768, 2304, "bias"), "ffn1": (768, 3072, "bias_gelu"), "ffn2": (3072, 768, "bias_residual"),
+             "ffn": (768, 768, "block")}
+HIDDEN = 3072  # the ffn block's inner width
 ENV = {**os.environ, "ONNXFUSE_GEMM_ALL": "1"}
 
 
@@ -55,6 +59,8 @@ def build(name: str, dtype: str, batch: int = BATCH, seq: int = SEQ, scale: int 
     k, n = k // scale, n // scale
     t, np_t = DTYPES[dtype]
     rng = np.random.default_rng(0)
+    if epilogue == "block":
+        return _ffn_block(k, HIDDEN // scale, t, np_t, rng, batch, seq)
     inits = [numpy_helper.from_array((rng.standard_normal((k, n)) / math.sqrt(k)).astype(np_t), "w"),
              numpy_helper.from_array((0.1 * rng.standard_normal(n)).astype(np_t), "b")]
     N = helper.make_node
@@ -75,6 +81,27 @@ def build(name: str, dtype: str, batch: int = BATCH, seq: int = SEQ, scale: int 
     return m
 
 
+def _ffn_block(d: int, hidden: int, t: int, np_t, rng, batch: int, seq: int) -> onnx.ModelProto:
+    """x -> MatMul w1 + b1 -> erf-GELU -> MatMul w2 + b2 + x: a transformer's FFN as exported."""
+    inits = [numpy_helper.from_array((rng.standard_normal((d, hidden)) / math.sqrt(d)).astype(np_t), "w"),
+             numpy_helper.from_array((0.1 * rng.standard_normal(hidden)).astype(np_t), "b"),
+             numpy_helper.from_array((rng.standard_normal((hidden, d)) / math.sqrt(hidden)).astype(np_t), "w2"),
+             numpy_helper.from_array((0.1 * rng.standard_normal(d)).astype(np_t), "b2")]
+    inits += [numpy_helper.from_array(np.array(v, np_t), name)
+              for name, v in (("sqrt2", math.sqrt(2.0)), ("one", 1.0), ("half", 0.5))]
+    N = helper.make_node
+    nodes = [N("MatMul", ["x", "w"], ["h"], name="matmul"), N("Add", ["h", "b"], ["hb"], name="bias"),
+             N("Div", ["hb", "sqrt2"], ["d"]), N("Erf", ["d"], ["e"]), N("Add", ["e", "one"], ["e1"]),
+             N("Mul", ["hb", "e1"], ["m"]), N("Mul", ["m", "half"], ["g"]),
+             N("MatMul", ["g", "w2"], ["h2"], name="matmul2"), N("Add", ["h2", "b2"], ["hb2"], name="bias2"),
+             N("Add", ["hb2", "x"], ["y"], name="residual")]
+    g = helper.make_graph(nodes, "ffn", [helper.make_tensor_value_info("x", t, [batch, seq, d])],
+                          [helper.make_tensor_value_info("y", t, [batch, seq, d])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
 def accuracy(src: Path, opt: Path, out: Path, provider: str = "cuda") -> dict:
     """`onnxfuse bench`'s errors and gate for the pair, GEMMs matched (roofline_runs.accuracy)."""
     return runs.accuracy(src, opt, out, provider, env=ENV)
@@ -90,12 +117,15 @@ def torch_peer(name: str, dtype: str, model: onnx.ModelProto, batch: int = BATCH
     tdt = torch.float32 if dtype == "fp32" else torch.float16
     inits = {t.name: torch.from_numpy(numpy_helper.to_array(t).copy()).cuda() for t in model.graph.initializer}
     w, b = inits["w"], inits["b"]
-    k, n = w.shape
+    k, n = (v.type.tensor_type.shape.dim[2].dim_value for v in (model.graph.input[0], model.graph.output[0]))
     x = torch.randn(batch, SEQ, k, device="cuda", dtype=tdt)
     r = torch.randn(batch, SEQ, n, device="cuda", dtype=tdt)
     epilogue = WORKLOADS[name][2]
 
     def fn():
+        if epilogue == "block":
+            g = torch.nn.functional.gelu(torch.matmul(x, w) + b)
+            return torch.matmul(g, inits["w2"]) + inits["b2"] + x
         h = torch.matmul(x, w) + b
         if epilogue == "bias_gelu":
             return torch.nn.functional.gelu(h)

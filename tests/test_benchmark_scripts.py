@@ -259,16 +259,17 @@ def test_session_timing_times_every_model_in_every_mode(tmp_path):
 
 def test_gemm_roofline_dry_run(tmp_path):
     """benchmarks/gemm_roofline.py --dry-run: each BERT-base workload (small sizes) becomes one
-    GemmEpilogue whose function body gives the original's outputs."""
+    GemmEpilogue whose function body gives the original's outputs; the FFN block becomes two."""
     out = tmp_path / "gemm.json"
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, "benchmarks/gemm_roofline.py", "--dry-run", "--json", str(out)], cwd=root,
                        capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root)}, timeout=600)
     assert r.returncode == 0, r.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    assert {(x["workload"], x["dtype"]) for x in rows} == {(w, d) for w in ("qkv", "ffn1", "ffn2")
+    assert {(x["workload"], x["dtype"]) for x in rows} == {(w, d) for w in ("qkv", "ffn1", "ffn2", "ffn")
                                                             for d in ("fp32", "fp16")}
-    assert all(x["nodes"] == ["GemmEpilogue"] and x["function_body_err"] < 1e-5 for x in rows)
+    assert all(x["nodes"] == ["GemmEpilogue"] * (2 if x["workload"] == "ffn" else 1) for x in rows)
+    assert all(x["function_body_err"] < 1e-5 for x in rows)
 
 
 def test_gemm_roofline_accuracy_reads_both_errors_and_the_gate(tmp_path, monkeypatch):
