@@ -241,28 +241,38 @@ def run_all(workdir: Path, device: str) -> None:
 
 
 def check(workdir: Path, index: int) -> None:
-    case = CASES[index]
     err = workdir / f"case{index}_error.txt"
     if err.exists():
         pytest.fail(f"kernel failed: {err.read_text()}")
     got_all = np.load(workdir / "out.npz")
+    n_out = len(reference(index, CASES[index]))
+    assert_outputs(index, [got_all[f"case{index}_{k}"] for k in range(n_out)])
+
+
+def assert_outputs(index: int, outputs: list[np.ndarray], where: str = "") -> None:
+    """A case's kernel outputs (float32 arrays, interpreter or GPU) against its reference: NaN and
+    infinities in the same places, the rest within the dtype's tolerance; an output stored rounded
+    to TF32 holds TF32 values, each within a TF32 step of the reference's rounded value."""
+    case = CASES[index]
     spec, _ = spec_of(index, case)
     dtypes = [dt for _, dt in spec.program.outputs] + ([spec.x_dtype] if spec.x_output else [])
-    for k, want in enumerate(reference(index, case)):
-        got = got_all[f"case{index}_{k}"]
+    wants = reference(index, case)
+    assert len(outputs) == len(wants)
+    for k, (got, want) in enumerate(zip(outputs, wants, strict=True)):
+        msg = f"{where}output {k}"
         want = want.astype(np.float32)
-        assert got.shape == want.shape
+        assert got.shape == want.shape, msg
         rounded = k == 0 and spec.stores_rounded
-        if rounded:  # TF32 values, each the reference's rounded within one TF32 step
-            assert not (got.view(np.uint32) & 0x1FFF).any(), "output 0 not rounded to TF32"
+        if rounded:
+            assert not (got.view(np.uint32) & 0x1FFF).any(), f"{msg} not rounded to TF32"
             want = round_array_to_tf32(want)
-        assert np.array_equal(np.isnan(got), np.isnan(want)), f"output {k}: NaN in different places"
+        assert np.array_equal(np.isnan(got), np.isnan(want)), f"{msg}: NaN in different places"
         finite = np.isfinite(want)
-        assert np.array_equal(got[~finite], want[~finite], equal_nan=True)
+        assert np.array_equal(got[~finite], want[~finite], equal_nan=True), msg
         # an output's dtype rounds it; the kernel's fp32 sums differ from the float64 reference by ulps
         tol = 2.0**-10 if rounded else {"f32": 2e-5, "f16": 2e-3, "bf16": 1.6e-2}[dtypes[k]]
         scale = float(np.abs(want[finite]).max(initial=1.0))
-        np.testing.assert_allclose(got[finite], want[finite], rtol=tol, atol=tol * scale, err_msg=f"output {k}")
+        np.testing.assert_allclose(got[finite], want[finite], rtol=tol, atol=tol * scale, err_msg=msg)
 
 
 @pytest.fixture(scope="module")
