@@ -54,6 +54,7 @@ const Driver& driver() {
     sym("cuFuncSetAttribute", &d.FuncSetAttribute);
     sym("cuLaunchKernel", &d.LaunchKernel);
     sym("cuMemsetD32Async", &d.MemsetD32Async);
+    sym("cuMemsetD8Async", &d.MemsetD8Async);
     if (d.error.empty()) {
       CUresult r = d.Init(0);
       if (r != CUDA_SUCCESS) d.error = "cuInit failed: " + d.describe(r);

@@ -1,0 +1,261 @@
+// What the CPU and CUDA kernels of onnxfuse::FusedAttention share (docs/format.md,
+// FusedAttention): the perms, the node's inputs and the geometry of the logical operands.
+//
+// Inputs 0, 1, 2 are the base tensors of Q, K^T and V (contiguous, rank r = 3 or 4); the
+// logical operands are Transpose(base, perm): logical dim i has size base[perm[i]] and stride
+// base_stride[perm[i]]. Q is [..., Sq, D], K^T [..., D, Sk], V [..., Sk, Dv]; their r - 2
+// leading dims are Y's or 1 (broadcast, stride 0). The kernels see them as [B, H]: r = 4, the
+// two dims; r = 3, B = 1 and H the one dim. Output 0 is Y's base tensor, Transpose(logical Y,
+// perm_y) with logical Y [..., Sq, Dv]. Inputs 3, 4, ... (the score program's extras) each
+// broadcast (numpy rules) to the scores [..., Sq, Sk].
+#pragma once
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "common.h"
+
+namespace onnxfuse {
+
+constexpr const char* kFusedAttention = "FusedAttention";
+
+// The four perms as the node gives them (empty: absent, the identity of the inputs' rank).
+struct AttentionPerms {
+  std::vector<int64_t> q, k, v, y;
+
+  static constexpr const char* kNames[4] = {"perm_q", "perm_k", "perm_v", "perm_y"};
+  const std::vector<int64_t>& get(int i) const { return i == 0 ? q : i == 1 ? k : i == 2 ? v : y; }
+  std::vector<int64_t>& get(int i) { return i == 0 ? q : i == 1 ? k : i == 2 ? v : y; }
+
+  // The rank the given perms imply (0: none given).
+  size_t rank() const {
+    for (int i = 0; i < 4; ++i)
+      if (!get(i).empty()) return get(i).size();
+    return 0;
+  }
+  // Perm i for rank r: the given one, or the identity.
+  std::vector<int64_t> resolved(int i, size_t r) const {
+    if (!get(i).empty()) return get(i);
+    std::vector<int64_t> id(r);
+    for (size_t d = 0; d < r; ++d) id[d] = static_cast<int64_t>(d);
+    return id;
+  }
+};
+
+inline std::string ints_str(const std::vector<int64_t>& v) {
+  std::string r = "[";
+  for (size_t i = 0; i < v.size(); ++i) r += (i ? ", " : "") + std::to_string(v[i]);
+  return r + "]";
+}
+
+// Whether p is a permutation of 0 .. p.size() - 1.
+inline bool is_permutation(const std::vector<int64_t>& p) {
+  std::vector<char> seen(p.size(), 0);
+  for (int64_t x : p) {
+    if (x < 0 || x >= static_cast<int64_t>(p.size()) || seen[x]) return false;
+    seen[x] = 1;
+  }
+  return true;
+}
+
+// The node's perm_q, perm_k, perm_v, perm_y (ints; absent: the identity), checked: each a
+// permutation of 0 .. r-1 with r 3 or 4, all given ones of the same length. Throws Error.
+inline AttentionPerms read_attention_perms(const OrtKernelInfo* info) {
+  AttentionPerms p;
+  for (int i = 0; i < 4; ++i) {
+    const char* name = AttentionPerms::kNames[i];
+    std::vector<int64_t>& v = p.get(i);
+    if (!get_ints_attr(info, name, &v)) continue;
+    if (v.size() != 3 && v.size() != 4)
+      throw Error(std::string(name) + " " + ints_str(v) + " must have 3 or 4 entries (the inputs' rank)");
+    if (!is_permutation(v))
+      throw Error(std::string(name) + " " + ints_str(v) + " is not a permutation of 0 .. " +
+                  std::to_string(v.size() - 1));
+  }
+  const size_t r = p.rank();
+  for (int i = 0; i < 4; ++i)
+    if (!p.get(i).empty() && p.get(i).size() != r)
+      throw Error(std::string(AttentionPerms::kNames[i]) + " " + ints_str(p.get(i)) + " and the other perms (" +
+                  std::to_string(r) + " entries) differ in length");
+  return p;
+}
+
+// The logical operands and Y: sizes, and element strides over [B, H, then the last two dims]
+// (0 on broadcast dims).
+struct AttentionGeometry {
+  size_t rank = 0;
+  int64_t b = 1, h = 1, sq = 0, sk = 0, d = 0, dv = 0;
+  int64_t q[4] = {0, 0, 0, 0};  // [B, H, Sq, D]
+  int64_t k[4] = {0, 0, 0, 0};  // [B, H, D, Sk]
+  int64_t v[4] = {0, 0, 0, 0};  // [B, H, Sk, Dv]
+  int64_t y[4] = {0, 0, 0, 0};  // [B, H, Sq, Dv], inside Y's base tensor
+  Shape batch;                  // the broadcast leading dims (r - 2 of them)
+  Shape scores;                 // [batch..., Sq, Sk]
+  Shape y_base;                 // Y's base (output) shape: Transpose(logical Y, perm_y)
+  std::vector<Shape> extras;    // per extra input: its 4 strides over [B, H, Sq, Sk]
+};
+
+namespace attention_detail {
+
+inline Shape contiguous_strides(const Shape& s) {
+  Shape st(s.size(), 1);
+  for (size_t i = s.size(); i-- > 1;) st[i - 1] = st[i] * s[i];
+  return st;
+}
+
+// Transpose(base, perm): the logical shape and each logical dim's stride in base.
+inline void logical(const Shape& base, const std::vector<int64_t>& perm, Shape* shape, Shape* strides) {
+  const Shape bs = contiguous_strides(base);
+  shape->resize(perm.size());
+  strides->resize(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i) {
+    (*shape)[i] = base[perm[i]];
+    (*strides)[i] = bs[perm[i]];
+  }
+}
+
+// Strides of r leading-and-last-two dims into [B, H, x, y]: r = 4 as is, r = 3 with B = 1.
+inline void to4(const Shape& st, int64_t out[4]) {
+  if (st.size() == 4) {
+    for (int i = 0; i < 4; ++i) out[i] = st[i];
+  } else {
+    out[0] = 0;
+    for (int i = 0; i < 3; ++i) out[i + 1] = st[i];
+  }
+}
+
+}  // namespace attention_detail
+
+// The geometry from the base shapes of Q, K^T, V and the extras (`extras`, in input order),
+// and the perms; throws Error naming the problem.
+inline AttentionGeometry attention_geometry(const Shape& qb, const Shape& kb, const Shape& vb,
+                                            const std::vector<Shape>& extras, const AttentionPerms& perms) {
+  using namespace attention_detail;
+  AttentionGeometry g;
+  const size_t r = qb.size();
+  if (r != 3 && r != 4)
+    throw Error("Q has shape " + shape_str(qb) + ": Q, K^T and V must have rank 3 or 4");
+  if (kb.size() != r || vb.size() != r)
+    throw Error("Q " + shape_str(qb) + ", K^T " + shape_str(kb) + " and V " + shape_str(vb) +
+                " must have the same rank");
+  if (perms.rank() != 0 && perms.rank() != r)
+    throw Error("the perms have " + std::to_string(perms.rank()) + " entries, the inputs rank " +
+                std::to_string(r) + " (Q " + shape_str(qb) + ")");
+  g.rank = r;
+  Shape qs, qst, ks, kst, vs, vst;
+  logical(qb, perms.resolved(0, r), &qs, &qst);
+  logical(kb, perms.resolved(1, r), &ks, &kst);
+  logical(vb, perms.resolved(2, r), &vs, &vst);
+  const std::string shapes = " (logical Q " + shape_str(qs) + ", K^T " + shape_str(ks) + ", V " + shape_str(vs) + ")";
+  g.sq = qs[r - 2];
+  g.d = qs[r - 1];
+  g.sk = ks[r - 1];
+  g.dv = vs[r - 1];
+  if (ks[r - 2] != g.d)
+    throw Error("Q's last dim D = " + std::to_string(g.d) + " and K^T's second-to-last " +
+                std::to_string(ks[r - 2]) + " differ" + shapes);
+  if (vs[r - 2] != g.sk)
+    throw Error("K^T's last dim Sk = " + std::to_string(g.sk) + " and V's second-to-last " +
+                std::to_string(vs[r - 2]) + " differ" + shapes);
+  // the batch dims: each operand's are the broadcast's or 1
+  for (size_t i = 0; i + 2 < r; ++i) {
+    int64_t n = 1;
+    for (const Shape* s : {&qs, &ks, &vs}) {
+      const int64_t x = (*s)[i];
+      if (x == 1) continue;
+      if (n != 1 && x != n)
+        throw Error("the batch dims of Q, K^T and V do not broadcast" + shapes);
+      n = x;
+    }
+    g.batch.push_back(n);
+  }
+  for (Shape* st : {&qst, &kst, &vst}) {
+    const Shape& s = st == &qst ? qs : st == &kst ? ks : vs;
+    for (size_t i = 0; i + 2 < r; ++i)
+      if (s[i] == 1) (*st)[i] = 0;
+  }
+  to4(qst, g.q);
+  to4(kst, g.k);
+  to4(vst, g.v);
+  if (r == 4) {
+    g.b = g.batch[0];
+    g.h = g.batch[1];
+  } else {
+    g.b = 1;
+    g.h = g.batch[0];
+  }
+  // Y: logical [batch..., Sq, Dv]; base dim i is logical dim perm_y[i]
+  Shape yl = g.batch;
+  yl.push_back(g.sq);
+  yl.push_back(g.dv);
+  const std::vector<int64_t> py = perms.resolved(3, r);
+  g.y_base.resize(r);
+  for (size_t i = 0; i < r; ++i) g.y_base[i] = yl[py[i]];
+  const Shape ybs = contiguous_strides(g.y_base);
+  Shape yst(r);
+  for (size_t i = 0; i < r; ++i) yst[py[i]] = ybs[i];
+  for (size_t i = 0; i < r; ++i)
+    if (yl[i] == 1) yst[i] = 0;
+  to4(yst, g.y);
+  // the scores and the extras over them
+  g.scores = g.batch;
+  g.scores.push_back(g.sq);
+  g.scores.push_back(g.sk);
+  for (size_t e = 0; e < extras.size(); ++e) {
+    const Shape& s = extras[e];
+    bool ok = s.size() <= r;
+    for (size_t i = 0; ok && i < s.size(); ++i) {
+      const int64_t x = s[s.size() - 1 - i];
+      ok = x == 1 || x == g.scores[r - 1 - i];
+    }
+    if (!ok)
+      throw Error("input " + std::to_string(e + 3) + " (extra %" + std::to_string(e + 1) + ") has shape " +
+                  shape_str(s) + ", which does not broadcast to the scores' shape " + shape_str(g.scores));
+    Shape st4(4, 0);
+    int64_t tmp[4];
+    to4(broadcast_strides(s, g.scores), tmp);
+    for (int i = 0; i < 4; ++i) st4[i] = tmp[i];
+    g.extras.push_back(st4);
+  }
+  return g;
+}
+
+// The node's inputs Q, K^T, V and the program's extras, checked against the program (their
+// count, one output, each input's element type: Q, K^T and V the scores' %0 dtype, Q's;
+// f32_for_half: a float32 tensor may stand for a half one, as on the CPU).
+inline std::vector<TensorRef> read_attention_inputs(OrtKernelContext* ctx, const Program& prog, bool f32_for_half) {
+  size_t n_in = 0, n_out = 0;
+  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
+  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
+  if (n_in != prog.inputs.size() + 2 || n_out != 1)
+    throw Error("the node has " + std::to_string(n_in) + " inputs and " + std::to_string(n_out) +
+                " outputs, expected Q, K^T, V, " + std::to_string(prog.inputs.size() - 1) +
+                " extras (the score program's inputs but %0) and one output");
+  std::vector<TensorRef> t(n_in);
+  for (size_t i = 0; i < n_in; ++i) {
+    const OrtValue* v = nullptr;
+    check(g_ort->KernelContext_GetInput(ctx, i, &v));
+    if (!v) throw Error("input " + std::to_string(i) + " is missing");
+    read_tensor(v, &t[i]);
+    const DType want = prog.inputs[i < 3 ? 0 : i - 2];
+    if (!type_fits(t[i].type, want, f32_for_half))
+      throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +
+                  dtype_name(want));
+  }
+  if (f32_for_half && (t[0].type != t[1].type || t[0].type != t[2].type))
+    throw Error(std::string("Q, K^T and V are ") + elem_type_name(t[0].type) + ", " + elem_type_name(t[1].type) +
+                " and " + elem_type_name(t[2].type) + ": they must have one element type");
+  return t;
+}
+
+// The program's contract: %0 the scores, exactly one output. Throws Error.
+inline void check_attention_program(const Program& prog) {
+  if (prog.inputs.empty() || prog.outputs.size() != 1)
+    throw Error("the score program needs the scores as input %0 and exactly one output (it has " +
+                std::to_string(prog.inputs.size()) + " inputs and " + std::to_string(prog.outputs.size()) +
+                " outputs)");
+  if (prog.inputs[0] == DType::BOOL) throw Error("the score program's %0 (the scores) cannot be bool");
+}
+
+}  // namespace onnxfuse

@@ -1,0 +1,156 @@
+// The CPU kernel of onnxfuse::FusedAttention (docs/format.md): a correctness reference.
+//   1. the scores Q @ K^T per (batch, head, query row), summed in double (parallel over the
+//      rows on ORT's intra-op thread pool), rounded to Q's dtype as the original's MatMul
+//      stores them, into a [B, H, Sq, Sk] buffer (the logical [batch..., Sq, Sk]);
+//   2. the score program over the scores with the cpu_program.cc evaluator, reading the
+//      extras with numpy broadcasting, its output rounded to the program's output dtype;
+//   3. per row, ONNX's softmax in double (a row of -inf gives NaN; NaN propagates), the
+//      probabilities rounded to V's dtype, P @ V summed in double, rounded to Y's dtype and
+//      written to Y's base tensor through its strides (Transpose(logical Y, perm_y)).
+// Sk = 0 gives Y = 0. Float32 tensors may stand for f16 / bf16 ones (docs/format.md).
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "attention.h"
+#include "cpu_ops.h"
+
+namespace onnxfuse {
+namespace {
+
+// A tensor's elements as fp32 (f16 / bf16 widened; float32 standing for them read as is).
+std::vector<float> widen(const TensorRef& t, DType declared) {
+  const int64_t n = numel(t.shape);
+  std::vector<float> out(static_cast<size_t>(n));
+  const DType d = actual_dtype(t.type, declared);
+  const auto* h = static_cast<const uint16_t*>(t.data);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = d == DType::F32 ? static_cast<const float*>(t.data)[i] : d == DType::F16 ? f16_to_f32(h[i])
+                                                                                      : bf16_to_f32(h[i]);
+  return out;
+}
+
+float round_to(DType d, float v) {
+  if (d == DType::F16) return f16_to_f32(f32_to_f16(v));
+  if (d == DType::BF16) return bf16_to_f32(f32_to_bf16(v));
+  return v;
+}
+
+// Writes v (already rounded to the declared dtype) as element `at` of a tensor stored as `actual`.
+void put(DType actual, void* data, int64_t at, float v) {
+  switch (actual) {
+    case DType::F32: static_cast<float*>(data)[at] = v; break;
+    case DType::F16: static_cast<uint16_t*>(data)[at] = f32_to_f16(v); break;
+    case DType::BF16: static_cast<uint16_t*>(data)[at] = f32_to_bf16(v); break;
+    case DType::BOOL: break;
+  }
+}
+
+struct AttentionKernel {
+  static constexpr const char* kOp = kFusedAttention;
+  static constexpr const char* kProvider = "CPUExecutionProvider";
+  static constexpr const char* kWhere = "";
+  std::string name;
+  Program prog;
+  AttentionPerms perms;
+
+  void compute(OrtKernelContext* ctx) const {
+    const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/true);
+    const size_t n_in = t.size();
+    std::vector<Shape> extra_shapes;
+    for (size_t i = 3; i < n_in; ++i) extra_shapes.push_back(t[i].shape);
+    const AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms);
+    OrtValue* yv = nullptr;
+    check(g_ort->KernelContext_GetOutput(ctx, 0, g.y_base.data(), g.y_base.size(), &yv));
+    TensorRef y;
+    read_tensor(yv, &y);
+    const DType dt = prog.inputs[0];  // Q's, K^T's, V's and Y's
+    if (!type_fits(y.type, dt, true))
+      throw Error("output 0 is " + std::string(elem_type_name(y.type)) + " in the graph, Q is " + dtype_name(dt));
+    const DType y_actual = actual_dtype(y.type, dt);
+    if (numel(g.y_base) == 0) return;
+
+    const std::vector<float> q = widen(t[0], dt), k = widen(t[1], dt), v = widen(t[2], dt);
+    const int64_t rows = g.b * g.h * g.sq, sk = g.sk, sq = g.sq, d = g.d, dv = g.dv;
+    auto bh_of = [&](int64_t row, int64_t* b, int64_t* h, int64_t* i) {
+      *i = row % sq;
+      *h = (row / sq) % g.h;
+      *b = row / (sq * g.h);
+    };
+
+    // 1. the scores [B, H, Sq, Sk], rounded to Q's dtype
+    std::vector<float> s(static_cast<size_t>(rows * sk));
+    if (sk > 0)
+      parallel_for(ctx, rows, [&](int64_t row) {
+        int64_t b, h, i;
+        bh_of(row, &b, &h, &i);
+        const float* qr = q.data() + b * g.q[0] + h * g.q[1] + i * g.q[2];
+        const float* kh = k.data() + b * g.k[0] + h * g.k[1];
+        float* out = s.data() + row * sk;
+        for (int64_t j = 0; j < sk; ++j) {
+          double acc = 0.0;
+          for (int64_t c = 0; c < d; ++c) acc += static_cast<double>(qr[c * g.q[3]]) * kh[c * g.k[2] + j * g.k[3]];
+          out[j] = round_to(dt, static_cast<float>(acc));
+        }
+      });
+
+    // 2. the score program over [batch..., Sq, Sk], rounded as it stores its output
+    std::vector<float> z(s.size());
+    if (!s.empty()) {
+      std::vector<HostTensor> in;
+      in.push_back({DType::F32, s.data(), g.scores});
+      for (size_t i = 3; i < n_in; ++i) in.push_back({actual_dtype(t[i].type, prog.inputs[i - 2]), t[i].data, t[i].shape});
+      run_program(prog, in, {{DType::F32, z.data(), g.scores}}, g.scores, ctx);
+    }
+
+    // 3. softmax, P @ V, the store through Y's strides
+    parallel_for(ctx, rows, [&](int64_t row) {
+      int64_t b, h, i;
+      bh_of(row, &b, &h, &i);
+      const float* zr = z.data() + row * sk;
+      double m = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < sk; ++j) m = zr[j] > m ? zr[j] : m;
+      std::vector<double> p(static_cast<size_t>(sk));
+      double sum = 0.0;
+      for (int64_t j = 0; j < sk; ++j) {
+        p[j] = std::exp(static_cast<double>(zr[j]) - m);  // NaN for a row of -inf, as ONNX's
+        sum += p[j];
+      }
+      for (int64_t j = 0; j < sk; ++j) p[j] = round_to(dt, static_cast<float>(p[j] / sum));
+      const float* vh = v.data() + b * g.v[0] + h * g.v[1];
+      const int64_t yo = b * g.y[0] + h * g.y[1] + i * g.y[2];
+      for (int64_t c = 0; c < dv; ++c) {
+        double acc = 0.0;
+        for (int64_t j = 0; j < sk; ++j) acc += p[j] * vh[j * g.v[2] + c * g.v[3]];
+        put(y_actual, y.data, yo + c * g.y[3], round_to(dt, static_cast<float>(acc)));
+      }
+    });
+  }
+};
+
+OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo* info, void** kernel) {
+  std::string name;
+  try {
+    name = node_name(info);
+    auto k = std::make_unique<AttentionKernel>();
+    k->name = name;
+    k->prog = read_program(info);
+    check_attention_program(k->prog);
+    k->perms = read_attention_perms(info);
+    *kernel = k.release();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return make_status(describe_node(kFusedAttention, name) + ": " + e.what(), ORT_INVALID_ARGUMENT);
+  }
+}
+
+}  // namespace
+
+void append_attention_cpu_ops(std::vector<OrtCustomOp*>* ops) {
+  static OpDef op = make_op<AttentionKernel>(3, create_kernel);
+  ops->push_back(&op);
+}
+
+}  // namespace onnxfuse

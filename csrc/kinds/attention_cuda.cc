@@ -1,0 +1,166 @@
+// CUDA kernel of onnxfuse::FusedAttention (docs/format.md, "FusedAttention", kernel_meta kind
+// "attention"): launches the node's embedded Triton flash-attention kernel.
+//
+// Launch: pointers to Q, K^T, V (the base tensors), the score program's extras and Y (Y's base
+// tensor); int32 H, SQ, SK; then four int32 element strides per operand over its logical dims
+// [B, H, then its last two] (Q [B, H, Sq, D], K^T [B, H, D, Sk], V [B, H, Sk, Dv], Y [B, H, Sq,
+// Dv] inside Y's base tensor), then per extra its four strides over the scores [B, H, Sq, Sk]
+// (0 on broadcast dims; attention.h computes them from the base shapes and the perms); the two
+// scratch pointers. Grid: (ceil(SQ / block_m), B * H). D and Dv are the kernel's constexprs
+// (kernel_meta's head_d, head_dv). Nothing is launched when Y is empty; Y is zeroed on the
+// stream (cuMemsetD8Async) when Sk = 0.
+#include "attention.h"
+#include "cuda_driver.h"
+
+#ifdef ONNXFUSE_WITH_CUDA
+
+namespace onnxfuse {
+namespace {
+
+using cuda::Params;
+using cuda::Target;
+using cuda::Variant;
+using cuda::thread_params;
+
+struct AttentionTile {
+  int64_t block_m = 1, block_n = 1;
+};
+
+struct AttentionKernel : cuda::CudaKernel {
+  static constexpr const char* kOp = kFusedAttention;
+  AttentionPerms perms;
+  int64_t meta_rank = 0, head_d = 0, head_dv = 0;
+  std::vector<int64_t> meta_perms[4];
+  std::vector<AttentionTile> tiles;  // per variant
+
+  const char* kind() const override { return "attention"; }
+
+  // A bad program or perm attribute fails session creation (cuda::create_kernel), as on the CPU.
+  void init(const OrtKernelInfo* info) override {
+    check_attention_program(prog);
+    perms = read_attention_perms(info);
+  }
+
+  void read_meta(const Json& j, size_t n_inputs) override {
+    cuda::check_n_extras(j, n_inputs);
+    meta_rank = cuda::meta_int(j, "rank", "kernel_meta");
+    if (meta_rank != 3 && meta_rank != 4)
+      throw Error("kernel_meta: rank " + std::to_string(meta_rank) + " must be 3 or 4");
+    for (int i = 0; i < 4; ++i) {
+      const char* key = AttentionPerms::kNames[i];
+      for (const Json& x : cuda::meta_array(j, key, "kernel_meta").arr) {
+        if (x.kind != Json::NUMBER || x.num != static_cast<double>(static_cast<int64_t>(x.num)))
+          throw Error(std::string("kernel_meta: ") + key + " must be an array of integers");
+        meta_perms[i].push_back(static_cast<int64_t>(x.num));
+      }
+      if (meta_perms[i].size() != static_cast<size_t>(meta_rank) || !is_permutation(meta_perms[i]))
+        throw Error(std::string("kernel_meta: ") + key + " " + ints_str(meta_perms[i]) +
+                    " is not a permutation of 0 .. " + std::to_string(meta_rank - 1) + " (rank " +
+                    std::to_string(meta_rank) + ")");
+    }
+    head_d = cuda::meta_positive(j, "head_d", "kernel_meta");
+    head_dv = cuda::meta_positive(j, "head_dv", "kernel_meta");
+  }
+
+  void read_variant(const Json& vj, const std::string& where, Variant*) override {
+    AttentionTile t;
+    t.block_m = cuda::meta_positive(vj, "block_m", where);
+    t.block_n = cuda::meta_positive(vj, "block_n", where);
+    tiles.push_back(t);
+  }
+
+  void check_meta() override {
+    if (!meta_error.empty()) return;
+    const size_t r = static_cast<size_t>(meta_rank);
+    std::string node_desc, meta_desc;
+    bool same = perms.rank() == 0 || perms.rank() == r;
+    for (int i = 0; i < 4; ++i) {
+      const std::vector<int64_t> mine = perms.rank() == 0 || perms.rank() == r ? perms.resolved(i, r) : perms.get(i);
+      same &= mine == meta_perms[i];
+      node_desc += std::string(i ? ", " : "") + AttentionPerms::kNames[i] + " " + ints_str(mine);
+      meta_desc += std::string(i ? ", " : "") + AttentionPerms::kNames[i] + " " + ints_str(meta_perms[i]);
+    }
+    if (!same)
+      meta_error = "kernel_meta (rank " + std::to_string(meta_rank) + ", " + meta_desc +
+                   ") does not describe this node (" + node_desc + ")";
+  }
+
+  void compute(OrtKernelContext* ctx) override {
+    if (!meta_error.empty()) throw Error(meta_error);
+    const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/false);
+    const size_t n_in = t.size();
+    std::vector<Shape> extra_shapes;
+    for (size_t i = 3; i < n_in; ++i) extra_shapes.push_back(t[i].shape);
+    const AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms);
+    if (static_cast<int64_t>(g.rank) != meta_rank)
+      throw Error("the inputs have rank " + std::to_string(g.rank) + ", the kernel was compiled for rank " +
+                  std::to_string(meta_rank));
+    if (g.d != head_d || g.dv != head_dv)
+      throw Error("the heads have D = " + std::to_string(g.d) + " and Dv = " + std::to_string(g.dv) + " (Q " +
+                  shape_str(t[0].shape) + ", V " + shape_str(t[2].shape) + "), the kernel " + meta.name +
+                  " was compiled for D = " + std::to_string(head_d) + " and Dv = " + std::to_string(head_dv) +
+                  ": re-run onnxfuse optimize for these shapes");
+    OrtValue* yv = nullptr;
+    check(g_ort->KernelContext_GetOutput(ctx, 0, g.y_base.data(), g.y_base.size(), &yv));
+    TensorRef y;
+    read_tensor(yv, &y);
+    if (!type_fits(y.type, prog.inputs[0], false))
+      throw Error("output 0 is " + std::string(elem_type_name(y.type)) + " in the graph, Q is " +
+                  dtype_name(prog.inputs[0]));
+    const int64_t ny = numel(g.y_base);
+    if (ny == 0) return;
+    const Target tg = target(ctx);
+    if (g.sk == 0) {  // softmax over no keys, a product over nothing: Y = 0
+      const cuda::Driver& d = cuda::driver();
+      const size_t bytes = static_cast<size_t>(ny) * elem_size(prog.inputs[0]);
+      const CUresult r = d.MemsetD8Async(reinterpret_cast<CUdeviceptr>(y.data), 0, bytes, tg.stream);
+      if (r != CUDA_SUCCESS) throw Error("cuMemsetD8Async of Y for " + meta.name + " failed: " + d.describe(r));
+      return;
+    }
+
+    Params& p = thread_params();
+    std::vector<const void*> ptrs;
+    int64_t largest = ny;
+    for (const TensorRef& x : t) {
+      ptrs.push_back(x.data);
+      largest = std::max(largest, numel(x.shape));
+    }
+    ptrs.push_back(y.data);
+    for (const void* ptr : ptrs) p.ptr(ptr);
+    p.i32(g.h, "H");
+    p.i32(g.sq, "SQ");
+    p.i32(g.sk, "SK");
+    static const char* const kStrideNames[4][4] = {
+        {"stride_qb", "stride_qh", "stride_qm", "stride_qd"},
+        {"stride_kb", "stride_kh", "stride_kd", "stride_kn"},
+        {"stride_vb", "stride_vh", "stride_vn", "stride_vd"},
+        {"stride_yb", "stride_yh", "stride_ym", "stride_yd"},
+    };
+    const int64_t* strides[4] = {g.q, g.k, g.v, g.y};
+    for (int o = 0; o < 4; ++o)
+      for (int i = 0; i < 4; ++i) p.i32(strides[o][i], kStrideNames[o][i]);
+    for (const Shape& st : g.extras)
+      for (int i = 0; i < 4; ++i) p.i32(st[i], "an extra input's stride over the scores");
+    p.scratch();
+    const int v = choose_variant(tg, ptrs, ny, largest);
+    const AttentionTile& tile = tiles[v];
+    launch(tg, v, (g.sq + tile.block_m - 1) / tile.block_m, g.b * g.h, p);
+  }
+};
+
+}  // namespace
+
+void append_attention_cuda_ops(std::vector<OrtCustomOp*>* ops) {
+  static OpDef op = make_op<AttentionKernel>(3, cuda::create_kernel<AttentionKernel>);
+  ops->push_back(&op);
+}
+
+}  // namespace onnxfuse
+
+#else  // built without cuda.h: CPU only
+
+namespace onnxfuse {
+void append_attention_cuda_ops(std::vector<OrtCustomOp*>*) {}
+}  // namespace onnxfuse
+
+#endif

@@ -1,0 +1,361 @@
+"""FusedAttention in the custom-op library's CPU kernel (csrc/kinds/attention_cpu.cc): nodes built
+by hand (docs/format.md, FusedAttention: the base tensors of Q, K^T and V with their perms, the
+score program, a model-local function whose body is the original subgraph) run with the library
+against the same model without it (ONNX Runtime inlines the function body) and against a numpy
+float64 reference of the node contract (one rounding of the scores to Q's dtype, the program's
+rounding, the probabilities rounded to V's dtype, one rounding at the store).
+
+Cases: BERT's perms (heads made by Transposes of [B, S, H, D] tensors, Y stored back as
+[B, S, H, Dv]), identity perms at rank 4 and rank 3, Dv != D, an additive [B, 1, 1, Sk] mask
+after a Div by the scale, GPT-2's bool causal mask [1, 1, S, S] with Where, K and V broadcast
+along a leading dim, f32 and f16, Sk = 0, a row of -inf (NaN, as ONNX's Softmax gives), float32
+tensors standing for f16 ones; and one-line errors for a perm that is not a permutation,
+mismatched D and an extra that does not broadcast.
+
+Tolerances: fp32 1e-5 of the output's scale, fp16 1e-2."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxfuse.expr import Program, evaluate
+
+ort = pytest.importorskip("onnxruntime")
+N = helper.make_node
+TOL = {np.dtype(np.float32): 1e-5, np.dtype(np.float16): 1e-2}
+ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
+        np.dtype(np.bool_): TensorProto.BOOL}
+PD = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16", np.dtype(np.bool_): "bool"}
+BERT = {"perm_q": (0, 2, 1, 3), "perm_k": (0, 2, 3, 1), "perm_v": (0, 2, 1, 3), "perm_y": (0, 2, 1, 3)}
+
+
+@pytest.fixture(scope="module")
+def lib() -> str:
+    from onnxfuse import runtime
+
+    return runtime.library_path()
+
+
+def session(m: onnx.ModelProto, lib: str | None):
+    so = ort.SessionOptions()
+    if lib:
+        so.register_custom_ops_library(lib)
+    so.log_severity_level = 3
+    return ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def run(m: onnx.ModelProto, feeds: dict, lib: str | None = None) -> np.ndarray:
+    return session(m, lib).run(None, feeds)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# building the node
+# ---------------------------------------------------------------------------------------
+
+def score_program(dtype, extras, body: list[str], out: int, out_dtype=None) -> str:
+    """The score program: %0 the scores (Q's dtype), %1.. the extras; `body` its instructions."""
+    lines = ["onnxfuse.pointwise v1", f"input %0 {PD[np.dtype(dtype)]}"]
+    lines += [f"input %{i + 1} {PD[np.dtype(e.dtype)]}" for i, e in enumerate(extras)]
+    lines += body
+    lines.append(f"output %{out} {PD[np.dtype(out_dtype or dtype)]}")
+    return "\n".join(lines) + "\n"
+
+
+def attention_model(q, k, v, extras: list[np.ndarray], program: str, score_nodes, perms: dict,
+                    dyn: bool = False, y_type=None) -> onnx.ModelProto:
+    """A FusedAttention node over graph inputs q, k, v, e0, e1, ... and its function body: the
+    Transposes, MatMul, the score nodes (from "s" and "e<i>" to "z"), Softmax, MatMul, the output
+    Transpose. dyn: the graph inputs' dims are symbolic (no static shape inference)."""
+    r = q.ndim
+    full = {p: tuple(perms.get(p, range(r))) for p in ("perm_q", "perm_k", "perm_v", "perm_y")}
+    names = ["q", "k", "v", *(f"e{i}" for i in range(len(extras)))]
+    arrays = [q, k, v, *extras]
+    body = [N("Transpose", ["q"], ["qt"], perm=list(full["perm_q"])),
+            N("Transpose", ["k"], ["kt"], perm=list(full["perm_k"])),
+            N("Transpose", ["v"], ["vt"], perm=list(full["perm_v"])),
+            N("MatMul", ["qt", "kt"], ["s"]), *score_nodes(),
+            N("Softmax", ["z"], ["p"], axis=-1), N("MatMul", ["p", "vt"], ["yl"]),
+            N("Transpose", ["yl"], ["y"], perm=list(full["perm_y"]))]
+    overload = "onnxfuse_attention_test"
+    fn = helper.make_function("onnxfuse", "FusedAttention", names, ["y"], body, [helper.make_opsetid("", 20)])
+    fn.overload = overload
+    attrs = {k_: list(v_) for k_, v_ in perms.items()}
+    node = N("FusedAttention", names, ["y"], domain="onnxfuse", name="attn", program=program, **attrs)
+    node.overload = overload
+    inputs = [helper.make_tensor_value_info(n, ONNX[a.dtype],
+                                            [f"{n}_{i}" for i in range(a.ndim)] if dyn else list(a.shape))
+              for n, a in zip(names, arrays, strict=True)]
+    ref = reference(q, k, v, extras, program, perms)
+    out = helper.make_tensor_value_info("y", y_type or ONNX[q.dtype], None if dyn else list(ref.shape))
+    g = helper.make_graph([node], "attention", inputs, [out])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("onnxfuse", 1)],
+                          functions=[fn])
+    m.ir_version = 10
+    return m
+
+
+def reference(q, k, v, extras, program: str, perms: dict, dtype=None) -> np.ndarray:
+    """The node contract in numpy: float64 sums, the roundings of the original's stores."""
+    dtype = np.dtype(dtype or q.dtype)
+    r = q.ndim
+
+    def t(x, p):
+        return np.transpose(x.astype(np.float64), perms.get(p, tuple(range(r))))
+
+    s = (t(q, "perm_q") @ t(k, "perm_k")).astype(dtype)
+    (z,) = evaluate(Program.from_text(program), [s, *extras])
+    z = z.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(z - z.max(axis=-1, keepdims=True, initial=-np.inf))
+        p = (e / e.sum(axis=-1, keepdims=True)).astype(dtype).astype(np.float64)
+    y = (p @ t(v, "perm_v")).astype(dtype)
+    return np.transpose(y, perms.get("perm_y", tuple(range(r))))
+
+
+def _x(shape, dtype=np.float32, seed=1):
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (what, got.dtype, got.shape, want.shape)
+    tol = TOL[want.dtype]
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    scale = float(np.nanmax(np.abs(w), initial=1.0))
+    np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale, equal_nan=True, err_msg=what)
+
+
+def check(lib, q, k, v, extras, program, score_nodes, perms, against_ort=True):
+    m = attention_model(q, k, v, extras, program, score_nodes, perms)
+    feeds = dict(zip(["q", "k", "v", *(f"e{i}" for i in range(len(extras)))], [q, k, v, *extras], strict=True))
+    got = run(m, feeds, lib)
+    _close(got, reference(q, k, v, extras, program, perms), "library against the numpy reference")
+    if against_ort:
+        _close(got, run(m, feeds), "library against the function body in ONNX Runtime")
+    return got
+
+
+# score programs and their nodes
+
+def scale_only(scale: float):
+    return (lambda dt: score_program(dt, [], [f"%1 = mul %0 {scale!r}"], 1),
+            lambda dt: lambda: [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array(scale, dt))),
+                                N("Mul", ["s", "c"], ["z"])])
+
+
+def div_add_mask(scale: float):
+    """BERT: scores / sqrt(D) + mask (an additive [B, 1, 1, Sk] mask)."""
+    return (lambda dt, mask: score_program(dt, [mask], [f"%2 = div %0 {scale!r}", "%3 = add %2 %1"], 3),
+            lambda dt: lambda: [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array(scale, dt))),
+                                N("Div", ["s", "c"], ["sd"]), N("Add", ["sd", "e0"], ["z"])])
+
+
+# ---------------------------------------------------------------------------------------
+# cases
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_bert_perms_with_additive_mask(lib, dtype):
+    b, s, h, d = 2, 7, 3, 16
+    q, k, v = _x((b, s, h, d), dtype, 1), _x((b, s, h, d), dtype, 2), _x((b, s, h, d), dtype, 3)
+    mask = np.zeros((b, 1, 1, s), dtype)
+    mask[1, ..., 5:] = -10000.0
+    prog, nodes = div_add_mask(4.0)
+    check(lib, q, k, v, [mask], prog(dtype, mask), nodes(dtype), BERT)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_identity_perms_rank4(lib, dtype):
+    q, k, v = _x((2, 3, 5, 8), dtype, 1), _x((2, 3, 8, 6), dtype, 2), _x((2, 3, 6, 8), dtype, 3)
+    prog, nodes = scale_only(0.35)
+    check(lib, q, k, v, [], prog(dtype), nodes(dtype), {})
+
+
+def test_identity_perms_rank3(lib):
+    q, k, v = _x((4, 5, 8), seed=1), _x((4, 8, 9), seed=2), _x((4, 9, 8), seed=3)
+    prog, nodes = scale_only(0.5)
+    check(lib, q, k, v, [], prog(np.float32), nodes(np.float32), {})
+
+
+def test_rank3_with_perms_and_dv_not_d(lib):
+    """Rank 3 (B = 1, H the one dim): Q base [Sq, H, D] perm (1, 0, 2), K base [Sk, H, D] perm
+    (1, 2, 0), V [H, Sk, Dv], Y stored [Sq, H, Dv]."""
+    q, k, v = _x((6, 4, 8), seed=1), _x((9, 4, 8), seed=2), _x((4, 9, 5), seed=3)
+    perms = {"perm_q": (1, 0, 2), "perm_k": (1, 2, 0), "perm_y": (1, 0, 2)}
+    prog, nodes = scale_only(0.3)
+    y = check(lib, q, k, v, [], prog(np.float32), nodes(np.float32), perms)
+    assert y.shape == (6, 4, 5)
+
+
+def test_perms_that_are_not_their_own_inverse(lib):
+    """perm_q (1, 2, 0, 3), perm_k (2, 3, 1, 0), perm_v (3, 0, 2, 1), perm_y (2, 0, 3, 1): every
+    operand read, and Y written, through the inverse mapping of its perm."""
+    perms = {"perm_q": (1, 2, 0, 3), "perm_k": (2, 3, 1, 0), "perm_v": (3, 0, 2, 1), "perm_y": (2, 0, 3, 1)}
+    b, h, sq, sk, d, dv = 2, 3, 5, 6, 8, 7
+
+    def base(logical, perm, seed):  # a base tensor whose Transpose(perm) is `logical`
+        return np.ascontiguousarray(np.transpose(_x(logical, seed=seed), np.argsort(perm)))
+
+    q = base((b, h, sq, d), perms["perm_q"], 1)
+    k = base((b, h, d, sk), perms["perm_k"], 2)
+    v = base((b, h, sk, dv), perms["perm_v"], 3)
+    prog, nodes = scale_only(0.35)
+    y = check(lib, q, k, v, [], prog(np.float32), nodes(np.float32), perms)
+    assert y.shape == tuple(np.array([b, h, sq, dv])[list(perms["perm_y"])])
+
+
+def test_bert_dv_not_d(lib):
+    b, s, h = 2, 9, 2
+    q, k, v = _x((b, s, h, 16), seed=1), _x((b, s, h, 16), seed=2), _x((b, s, h, 12), seed=3)
+    mask = np.where(_x((b, 1, 1, s), seed=4) > 0.5, -10000.0, 0.0).astype(np.float32)
+    prog, nodes = div_add_mask(4.0)
+    y = check(lib, q, k, v, [mask], prog(np.float32, mask), nodes(np.float32), BERT)
+    assert y.shape == (b, s, h, 12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gpt2_causal_bool_mask_with_where(lib, dtype):
+    """GPT-2: scores / sqrt(D), then Where(causal [1, 1, S, S] bool, scores, -10000)."""
+    b, s, h, d = 2, 8, 2, 8
+    q, k, v = _x((b, s, h, d), dtype, 1), _x((b, s, h, d), dtype, 2), _x((b, s, h, d), dtype, 3)
+    causal = np.tril(np.ones((s, s), np.bool_))[None, None]
+    prog = score_program(dtype, [causal], ["%2 = div %0 2.8284270763397217", "%3 = select %1 %2 -10000.0"], 3)
+
+    def nodes():
+        return [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array(2.8284270763397217, dtype))),
+                N("Constant", [], ["big"], value=numpy_helper.from_array(np.array(-10000.0, dtype))),
+                N("Div", ["s", "c"], ["sd"]), N("Where", ["e0", "sd", "big"], ["z"])]
+
+    check(lib, q, k, v, [causal], prog, nodes, BERT)
+
+
+def test_broadcast_leading_dims(lib):
+    """K^T with H = 1 and V with B = 1 against Q's [B, H]: stride 0 on those dims."""
+    q, k, v = _x((2, 3, 5, 8), seed=1), _x((2, 1, 8, 6), seed=2), _x((1, 3, 6, 8), seed=3)
+    prog, nodes = scale_only(0.35)
+    y = check(lib, q, k, v, [], prog(np.float32), nodes(np.float32), {})
+    assert y.shape == (2, 3, 5, 8)
+
+
+def test_multi_query_bert_layout(lib):
+    """Q base [B, S, H, D] with BERT's perms; K and V with one head ([B, S, 1, D])."""
+    q, k, v = _x((2, 6, 4, 8), seed=1), _x((2, 7, 1, 8), seed=2), _x((2, 7, 1, 8), seed=3)
+    prog, nodes = scale_only(0.35)
+    y = check(lib, q, k, v, [], prog(np.float32), nodes(np.float32), BERT)
+    assert y.shape == (2, 6, 4, 8)
+
+
+def test_program_casts_to_f32_before_softmax(lib):
+    """An f16 node whose score program stores f32 (a Cast to float before the Softmax): the
+    program's output is not rounded to f16; the probabilities are (V's dtype)."""
+    dt = np.float16
+    q, k, v = _x((1, 2, 5, 8), dt, 1), _x((1, 2, 8, 7), dt, 2), _x((1, 2, 7, 8), dt, 3)
+    prog = score_program(dt, [], ["%1 = mul %0 0.5"], 1, out_dtype=np.float32)
+    m = attention_model(q, k, v, [], prog, lambda: [], {})
+    got = run(m, {"q": q, "k": k, "v": v}, lib)
+    _close(got, reference(q, k, v, [], prog, {}), "f32 scores against the reference")
+
+
+def test_sk_zero_gives_zeros(lib):
+    q, k, v = _x((2, 3, 5, 8), seed=1), np.zeros((2, 3, 8, 0), np.float32), np.zeros((2, 3, 0, 4), np.float32)
+    prog, nodes = scale_only(0.35)
+    m = attention_model(q, k, v, [], prog(np.float32), nodes(np.float32), {})
+    got = run(m, {"q": q, "k": k, "v": v}, lib)
+    assert got.shape == (2, 3, 5, 4) and not got.any()
+
+
+def test_row_of_minus_inf_is_nan(lib):
+    """A query row whose scores are all -inf (an additive mask of -inf): NaN, as ONNX's Softmax."""
+    q, k, v = _x((1, 2, 4, 8), seed=1), _x((1, 2, 8, 5), seed=2), _x((1, 2, 5, 8), seed=3)
+    mask = np.zeros((1, 1, 4, 5), np.float32)
+    mask[0, 0, 2, :] = -np.inf
+    mask[0, 0, 1, 3] = -np.inf
+    prog, nodes = div_add_mask(2.0)
+    got = check(lib, q, k, v, [mask], prog(np.float32, mask), nodes(np.float32), {})
+    assert np.isnan(got[:, :, 2]).all() and not np.isnan(np.delete(got, 2, axis=2)).any()
+
+
+def test_float32_standing_for_f16(lib):
+    """ONNX Runtime's CPU provider may hand an f16 node float32 tensors ("isolated fp16 node"):
+    the kernel reads them as they are and rounds as the node says (f16), storing float32."""
+    q, k, v = _x((2, 5, 2, 8), seed=1), _x((2, 6, 2, 8), seed=2), _x((2, 6, 2, 8), seed=3)
+    prog = score_program(np.float16, [], ["%1 = mul %0 0.35"], 1)
+    m = attention_model(q, k, v, [], prog, lambda: [N("Identity", ["s"], ["z"])], BERT)
+    got = run(m, {"q": q, "k": k, "v": v}, lib)
+    want = reference(q, k, v, [], prog, BERT, dtype=np.float16).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(got, got.astype(np.float16).astype(np.float32))  # rounded to f16
+
+
+def test_the_kernel_runs_not_the_function_body(lib):
+    """A program changed to scale by 0 (its body left as it was): uniform probabilities, the
+    mean of V's rows, show in the output."""
+    q, k, v = _x((1, 2, 4, 8), seed=1), _x((1, 2, 8, 5), seed=2), _x((1, 2, 5, 8), seed=3)
+    prog, nodes = scale_only(0.35)
+    m = attention_model(q, k, v, [], prog(np.float32).replace("0.35", "0.0"), nodes(np.float32), {})
+    got = run(m, {"q": q, "k": k, "v": v}, lib)
+    np.testing.assert_allclose(got, np.broadcast_to(v.mean(axis=2, keepdims=True), got.shape), rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------------------
+
+def _one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert "onnxfuse FusedAttention node 'attn'" in msg, msg
+    return msg
+
+
+def _bert_model(**kw):
+    b, s, h, d = 1, 4, 2, 8
+    q, k, v = _x((b, s, h, d), seed=1), _x((b, s, h, d), seed=2), _x((b, s, h, d), seed=3)
+    prog, nodes = scale_only(0.35)
+    return attention_model(q, k, v, [], prog(np.float32), nodes(np.float32), BERT, dyn=True, **kw), (q, k, v)
+
+
+def test_perm_that_is_not_a_permutation(lib):
+    m, (q, k, v) = _bert_model()
+    attr = next(a for a in m.graph.node[0].attribute if a.name == "perm_k")
+    attr.ints[:] = [0, 2, 2, 1]
+    with pytest.raises(Exception) as e:
+        run(m, {"q": q, "k": k, "v": v}, lib)
+    assert "perm_k [0, 2, 2, 1] is not a permutation of 0 .. 3" in _one_line(e)
+
+
+def test_perm_of_the_wrong_rank(lib):
+    m, (q, k, v) = _bert_model()
+    next(a for a in m.graph.node[0].attribute if a.name == "perm_y").ints[:] = [0, 2, 1]
+    with pytest.raises(Exception) as e:
+        run(m, {"q": q, "k": k, "v": v}, lib)
+    assert "perm_y [0, 2, 1] and the other perms (4 entries) differ in length" in _one_line(e)
+
+
+def test_mismatched_d(lib):
+    m, (q, k, v) = _bert_model()
+    with pytest.raises(Exception) as e:
+        run(m, {"q": q, "k": _x((1, 4, 2, 6), seed=2), "v": v}, lib)
+    assert "Q's last dim D = 8 and K^T's second-to-last 6 differ" in _one_line(e)
+
+
+def test_extra_that_does_not_broadcast(lib):
+    b, s, h, d = 1, 4, 2, 8
+    q, k, v = _x((b, s, h, d), seed=1), _x((b, s, h, d), seed=2), _x((b, s, h, d), seed=3)
+    mask = np.zeros((b, 1, 1, s), np.float32)
+    prog, nodes = div_add_mask(4.0)
+    m = attention_model(q, k, v, [mask], prog(np.float32, mask), nodes(np.float32), BERT, dyn=True)
+    with pytest.raises(Exception) as e:
+        run(m, {"q": q, "k": k, "v": v, "e0": np.zeros((b, 1, 1, 3), np.float32)}, lib)
+    msg = _one_line(e)
+    assert "input 3 (extra %1) has shape [1, 1, 1, 3], which does not broadcast to the scores' shape [1, 2, 4, 4]" in msg
+
+
+def test_program_without_one_output(lib):
+    m, (q, k, v) = _bert_model()
+    attr = next(a for a in m.graph.node[0].attribute if a.name == "program")
+    attr.s = attr.s.replace(b"output %1 f32\n", b"output %1 f32\noutput %0 f32\n")
+    with pytest.raises(Exception) as e:
+        run(m, {"q": q, "k": k, "v": v}, lib)
+    assert "exactly one output" in _one_line(e)
