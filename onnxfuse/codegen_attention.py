@@ -36,6 +36,9 @@ class AttentionSpec:
     sq: int | None = None
     sk: int | None = None
     source_nodes: tuple[str, ...] = ()
+    # the node's rank and perm_q, perm_k, perm_v, perm_y (kernel_meta repeats them)
+    rank: int = 4
+    perms: tuple[tuple[int, ...], ...] = ()
 
     @property
     def dtype(self) -> str:
@@ -85,3 +88,15 @@ def attention_param_names(spec: AttentionSpec) -> list[str]:
     for i in range(spec.n_extras):
         names += [f"stride_e{i}_b", f"stride_e{i}_h", f"stride_e{i}_m", f"stride_e{i}_n"]
     return names
+
+
+def attention_variants(spec):  # TEMP: replaced by the generator's branch
+    return (AttentionVariant(),)
+
+
+def attention_candidates(spec):  # TEMP
+    return [("default", attention_variants(spec))]
+
+
+def generate_attention(spec, variant):  # TEMP
+    raise NotImplementedError

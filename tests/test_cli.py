@@ -64,7 +64,8 @@ def test_patterns_command(tmp_path):
     assert r.returncode == 0
     names = [line.split()[0] for line in r.stdout.splitlines()]
     assert names == ["conv_relu_maxpool", "conv_relu", "conv_grouped", "relu_maxpool", "maxpool", "conv_alone",  # by
-                     "layer_norm", "rms_norm", "softmax", "group_norm", "gemm_epilogue", "pointwise_chain"]  # priority
+                     "attention", "layer_norm", "rms_norm", "softmax", "group_norm", "gemm_epilogue",  # priority
+                     "pointwise_chain"]
 
 
 def bad(tmp_path: Path, *args: str) -> str:

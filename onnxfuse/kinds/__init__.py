@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from onnx import NodeProto
 
+from onnxfuse.kinds.attention import Attention
 from onnxfuse.kinds.base import Kind
 from onnxfuse.kinds.conv import Conv
 from onnxfuse.kinds.gemm import Gemm
@@ -14,7 +15,7 @@ from onnxfuse.kinds.pointwise import Pointwise
 from onnxfuse.kinds.rows import Rows
 from onnxfuse.rewrite import DOMAIN
 
-KINDS: dict[str, Kind] = {k.name: k for k in (Pointwise(), Conv(), MaxPool(), Rows(), Gemm())}
+KINDS: dict[str, Kind] = {k.name: k for k in (Pointwise(), Conv(), MaxPool(), Rows(), Gemm(), Attention())}
 BY_OP_TYPE: dict[str, Kind] = {k.op_type: k for k in KINDS.values()}
 
 

@@ -1,0 +1,427 @@
+"""The attention kind (FusedAttention): scaled dot-product attention as exporters write it,
+MatMul(Q, K^T) -> the pointwise ops on the scores (the scale, an additive mask, a Where that
+masks, a Cast) -> Softmax over the last axis -> MatMul with V, becomes one node whose Triton
+kernel (onnxfuse/codegen_attention.py, flash attention's forward pass) never writes the
+scores or the probabilities to memory (docs/format.md, "FusedAttention").
+
+A match is anchored at the Softmax:
+
+- the **score ops**: the chain of pointwise ops from the first MatMul's output to the
+  Softmax's input, each read only by the next (their other inputs, a mask, are the node's
+  extra inputs and broadcast to the scores);
+- the **products**: the first MatMul (Q @ K^T, both activations) and the second (P @ V), the
+  Softmax read only by it; rank 3 or 4 operands of one float dtype, the head dims D and Dv
+  static;
+- the **Transposes** that make the heads: chains of Transposes that produce an operand and that
+  only the node reads are absorbed into the operand's `perm_*` (the kernel reads the tensor
+  before them through strides), and one Transpose that alone reads the output into `perm_y`.
+
+ONNX Runtime's own fusions (`onnxfuse.ort_fusions`): a match holding a node of ONNX
+Runtime's Attention fusion is left to it whole; one that takes nodes of its smaller fusions
+around attention (FusedMatMul's transposed, scaled product, BiasSoftmax's mask add) fuses work
+ONNX Runtime does not (the score tensor never reaches memory), and the report's notes say so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import GraphProto, ModelProto, NodeProto, helper
+
+from onnxfuse.codegen import KernelSource
+from onnxfuse.codegen_attention import (
+    MAX_ELEMENTS,
+    AttentionSpec,
+    AttentionVariant,
+    attention_candidates,
+    attention_variants,
+    generate_attention,
+)
+from onnxfuse.expr import Program, evaluate
+from onnxfuse.graph import GraphView, Shape
+from onnxfuse.groups import Accepted, reentering
+from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
+from onnxfuse.match import DTYPE_IDS, dtype_reason, operands, pointwise_candidate
+from onnxfuse.ops import FLOAT_TYPES, node_attrs
+from onnxfuse.rewrite import ir_dtype, lower_nodes
+
+DEFAULT_DOMAINS = ("", "ai.onnx")
+ANCHORS = frozenset({"Softmax"})
+MAX_SCORE_OPS = 16  # pointwise ops between the first MatMul and the Softmax, at most
+
+# Reasons in the report (Softmax node -> why it did not fuse as attention).
+NOT_LAST_AXIS = "Softmax not over the last axis"
+NO_PRODUCT = "no MatMul of two activations before the Softmax through fusible pointwise ops"
+NO_SECOND = "the Softmax's output is not read by one MatMul alone (as P in P @ V)"
+SCORES_ELSEWHERE = "the scores or probabilities are also read elsewhere"
+RANK = "attention operands of rank other than 3 or 4"
+UNKNOWN_SHAPE = "unknown shape"
+HEAD_DIM = "the head dims (D, Dv) are not static"
+DTYPES = "Q, K and V of different dtypes"
+BATCH = "the operands' batch dims neither equal nor 1"
+CYCLE = "fusing would create a cycle"
+
+
+def left_to_ort(reason: str) -> str:
+    return f"{reason} (ONNX Runtime fuses the whole attention)"
+
+
+def taken_from_ort(reason: str) -> str:
+    return (reason.replace("left to", "taken from", 1)
+            + ": the fused attention also keeps the scores and probabilities out of memory")
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """Match attention at each Softmax; `ops`: the pointwise ops allowed on the scores."""
+
+    ops: frozenset[str]
+    dtypes: frozenset[str]
+
+    @property
+    def fused_ops(self) -> frozenset[str]:
+        return self.ops | {"MatMul", "Softmax", "Transpose"}
+
+
+@dataclass(frozen=True)
+class Operand:
+    """An operand as the kernel reads it: the tensor before the absorbed Transposes and the
+    permutation from it to the logical operand."""
+
+    base: str
+    perm: tuple[int, ...]
+    transposes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AttentionParts:
+    """What a match found (Match.params)."""
+
+    qk: int  # the first MatMul
+    softmax: int
+    pv: int  # the second MatMul
+    q: Operand
+    k: Operand  # K^T, the first MatMul's second operand
+    v: Operand
+    score_ops: tuple[int, ...]  # topological order
+    y_transpose: int | None
+    perm_y: tuple[int, ...]
+    result: str
+    rank: int
+    head_d: int
+    head_dv: int
+    batch_heads: int | None
+    sq: int | None
+    sk: int | None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class AttentionInfo:
+    """What a FusedAttention node's kernel needs besides its program (FusedNode.params)."""
+
+    rank: int
+    perm_q: tuple[int, ...]
+    perm_k: tuple[int, ...]
+    perm_v: tuple[int, ...]
+    perm_y: tuple[int, ...]
+    head_d: int
+    head_dv: int
+    batch_heads: int | None
+    sq: int | None
+    sk: int | None
+
+
+def _is(view: GraphView, i: int | None, op: str) -> bool:
+    return i is not None and view.nodes[i].op_type == op and view.nodes[i].domain in DEFAULT_DOMAINS
+
+
+def _only_reader(view: GraphView, name: str, reader: int) -> bool:
+    return name not in view.graph_outputs and list(view.consumers.get(name, ())) == [reader]
+
+
+def _perm(view: GraphView, t: int, rank: int) -> tuple[int, ...]:
+    p = node_attrs(view.nodes[t]).get("perm")
+    return tuple(int(x) for x in p) if p else tuple(reversed(range(rank)))
+
+
+def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int]) -> Operand:
+    """`name` read by node `reader`, through the chain of Transposes before it that only the
+    chain reads (logical = Transpose(base, perm))."""
+    perm = tuple(range(rank))
+    transposes: list[int] = []
+    while True:
+        t = view.producer.get(name)
+        if not _is(view, t, "Transpose") or t in taken or not _only_reader(view, name, reader):
+            break
+        p = _perm(view, t, rank)
+        if len(p) != rank:
+            break
+        perm = tuple(p[i] for i in perm)  # Transpose(Transpose(x, p), perm) = Transpose(x, p o perm)
+        transposes.append(t)
+        reader, name = t, view.nodes[t].input[0]
+    return Operand(name, perm, tuple(transposes))
+
+
+def _score_path(view: GraphView, x: str, target: Shape, pattern: Pattern, taken: set[int]
+                ) -> tuple[int, list[int]] | None:
+    """(the first MatMul, the pointwise nodes from its output to `x`, topological order): a
+    chain in which each node's output is read only by the next (the last one's by the
+    Softmax), found depth first through the operands of the scores' shape."""
+    def walk(name: str, reader: int | None, path: list[int]) -> tuple[int, list[int]] | None:
+        p = view.producer.get(name)
+        if p is None or p in taken or (reader is not None and not _only_reader(view, name, reader)):
+            return None
+        if _is(view, p, "MatMul"):
+            return p, path[::-1]
+        if len(path) >= MAX_SCORE_OPS or not pointwise_candidate(view, p, pattern, taken):
+            return None
+        for name_in in dict.fromkeys(view.nodes[p].input):
+            shape = view.shapes.get(name_in)
+            if name_in and name_in not in view.constants and shape is not None and len(shape) == len(target) \
+                    and fits(shape, target):
+                found = walk(name_in, p, [*path, p])
+                if found is not None:
+                    return found
+        return None
+    return walk(x, None, [])
+
+
+def fits(shape: Shape | None, target: Shape) -> bool:
+    """A tensor of `shape` may broadcast to `target` without enlarging it: each of its dims
+    (right-aligned) is 1, equal to target's, or symbolic where target's is not 1 (dynamic
+    exports: the library checks the run-time shapes)."""
+    if shape is None or len(shape) > len(target):
+        return False
+    tail = target[len(target) - len(shape):]
+    return all(d == 1 or d == t or (not isinstance(d, int) and t != 1)
+               or (isinstance(d, int) and not isinstance(t, int)) for d, t in zip(shape, tail, strict=True))
+
+
+def _dim(v) -> int | None:
+    return v if isinstance(v, int) else None
+
+
+def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], accepted: Accepted,
+                   reserved: dict[int, str]) -> Match | str:
+    """The attention around Softmax node `sm`, or why there is none."""
+    p: AttentionParams = pattern.match
+    node = view.nodes[sm]
+    x, probs = node.input[0], node.output[0]
+    x_shape = view.shapes.get(x)
+    if x_shape is None:
+        return UNKNOWN_SHAPE
+    rank = len(x_shape)
+    axis = int(node_attrs(node).get("axis", -1 if view.opset >= 13 else 1))
+    if axis % max(rank, 1) != rank - 1:
+        return NOT_LAST_AXIS
+    if rank not in (3, 4):
+        return RANK
+    found = _score_path(view, x, tuple(x_shape), pattern, taken)
+    if found is None:
+        return NO_PRODUCT
+    qk, score_ops = found
+    readers = list(view.consumers.get(probs, ()))
+    if probs in view.graph_outputs or len(readers) != 1 or not _is(view, readers[0], "MatMul") \
+            or view.nodes[readers[0]].input[0] != probs or readers[0] in taken:
+        return NO_SECOND
+    pv = readers[0]
+    scores = view.nodes[qk].output[0]
+    if not _only_reader(view, scores, score_ops[0] if score_ops else sm):
+        return SCORES_ELSEWHERE
+    inside = {scores, *(view.nodes[j].output[0] for j in score_ops)}
+    for j in score_ops:
+        if not all(name in inside or fits(view.shapes.get(name), tuple(x_shape)) for _, name in operands(view, j)):
+            return "a score op's other input does not broadcast to the scores"
+    q = operand(view, view.nodes[qk].input[0], qk, rank, taken)
+    k = operand(view, view.nodes[qk].input[1], qk, rank, taken)
+    v = operand(view, view.nodes[pv].input[1], pv, rank, taken)
+    dtype = view.types.get(q.base)
+    if dtype not in {DTYPE_IDS[d] for d in p.dtypes}:
+        return dtype_reason(dtype)
+    if any(view.types.get(t) != dtype for t in (k.base, v.base, scores, probs, view.nodes[pv].output[0])):
+        return DTYPES
+    shapes = [view.shapes.get(o.base) for o in (q, k, v)]
+    if any(s is None for s in shapes):
+        return UNKNOWN_SHAPE
+    if any(len(s) != rank for s in shapes):
+        return RANK
+    lq, lk, lv = ([s[i] for i in o.perm] for s, o in zip(shapes, (q, k, v), strict=True))
+    d, dv = _dim(lq[-1]), _dim(lv[-1])
+    if d is None or dv is None or _dim(lk[-2]) != d:
+        return HEAD_DIM
+    lead = []
+    for dims in zip(*(s[:-2] for s in (lq, lk, lv)), strict=True):
+        live = {e for e in dims if e != 1}
+        if len(live) > 1 or any(e is None for e in live):
+            return BATCH
+        lead.append(next(iter(live), 1))
+    # the output's Transpose, when it alone reads the product
+    y = view.nodes[pv].output[0]
+    y_transpose, perm_y, result = None, tuple(range(rank)), y
+    t = next(iter(view.consumers.get(y, ())), None)
+    if _is(view, t, "Transpose") and t not in taken and _only_reader(view, y, t) and len(_perm(view, t, rank)) == rank:
+        y_transpose, perm_y, result = t, _perm(view, t, rank), view.nodes[t].output[0]
+    group = sorted({*q.transposes, *k.transposes, *v.transposes, qk, *score_ops, sm, pv,
+                    *([y_transpose] if y_transpose is not None else [])})
+    if any(i in taken for i in group):
+        return "a node is taken by an earlier pattern"
+    if reentering(view, group, accepted):
+        return CYCLE
+    if view.types.get(result) not in FLOAT_TYPES:
+        return dtype_reason(view.types.get(result))
+    note = ""
+    own = [reserved[i] for i in group if i in reserved]
+    if any("Attention" in r for r in own):
+        return left_to_ort(next(r for r in own if "Attention" in r))
+    if own:
+        note = taken_from_ort(own[0])
+    bh = None
+    if all(isinstance(e, int) for e in lead):
+        bh = int(np.prod(lead, dtype=np.int64)) if lead else 1
+    parts = AttentionParts(qk, sm, pv, q, k, v, tuple(score_ops), y_transpose, tuple(perm_y), result, rank, d, dv,
+                           bh, _dim(lq[-2]), _dim(lk[-1]), note)
+    return Match(pattern, tuple(group), (result,), result=result, params=parts)
+
+
+def match_attention(view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+                    reserved: dict[int, str]) -> MatchResult:
+    """Matches at every Softmax not taken yet, in topological order; adds their nodes to
+    `taken` and `accepted`. `anchors` say why each other Softmax did not match, `notes` which
+    of ONNX Runtime's fusions a match took nodes from."""
+    result = MatchResult()
+    for i, n in enumerate(view.nodes):
+        if i in taken or n.op_type not in ANCHORS or n.domain not in DEFAULT_DOMAINS:
+            continue
+        found = find_attention(view, i, pattern, taken, accepted, reserved)
+        if isinstance(found, str):
+            result.anchors[i] = found
+            continue
+        result.matches.append(found)
+        if found.params.note:
+            result.notes[found.params.note] += len(found.nodes)
+        taken.update(found.nodes)
+        accepted.add(list(found.nodes))
+    return result
+
+
+# ---------------------------------------------------------------------------------------
+# Lowering
+# ---------------------------------------------------------------------------------------
+
+def lower_attention(view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
+    """The FusedAttention node (docs/format.md): inputs Q, K^T, V (the tensors before their
+    absorbed Transposes), the score ops' extras; the body the original nodes."""
+    parts: AttentionParts = match.params
+    scores = view.nodes[parts.qk].output[0]
+    x = view.nodes[parts.softmax].input[0]
+    program, inputs, folded = lower_nodes(view, parts.score_ops, (x,), [(scores, ir_dtype(view, scores))])
+    extras = inputs[1:]
+    body = [view.nodes[i] for i in match.nodes]
+    info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
+                         parts.head_dv, parts.batch_heads, parts.sq, parts.sk)
+    attrs = {"perm_q": list(info.perm_q), "perm_k": list(info.perm_k), "perm_v": list(info.perm_v),
+             "perm_y": list(info.perm_y)}
+    key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
+           f"perm_y={info.perm_y} D={info.head_d} Dv={info.head_dv} BH={info.batch_heads} Sq={info.sq} "
+           f"Sk={info.sk}")
+    return Lowering(program, folded, [parts.q.base, parts.k.base, parts.v.base, *extras], body, attrs, key,
+                    parts.rank, ("full",) + ("strided",) * len(extras), {"params": info})
+
+
+# ---------------------------------------------------------------------------------------
+# The kind
+# ---------------------------------------------------------------------------------------
+
+class Attention(Kind):
+    """A match is one attention (two MatMuls, the score ops and the Softmax between them, the
+    Transposes around them); each Softmax that does not fuse is reported with the reason."""
+
+    name = "attention"
+    op_type = "FusedAttention"
+    match_kind = "attention"
+    params = frozenset()
+    anchor_ops = ANCHORS
+
+    def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> AttentionParams:
+        return AttentionParams(ops, dtypes)
+
+    def match(self, view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
+              reserved: dict[int, str]) -> MatchResult:
+        return match_attention(view, pattern, taken, accepted, reserved)
+
+    def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
+        return lower_attention(view, match, node_name, names, graph)
+
+    def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> AttentionSpec:
+        a: AttentionInfo = f.params
+        return AttentionSpec(f.kernel_name, f.program, a.head_d, a.head_dv, precision, a.batch_heads, a.sq, a.sk,
+                             f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y))
+
+    def decline_reason(self, spec: AttentionSpec, layout: str) -> str | None:
+        """Tensors of more than 2**31 - 1 elements (32-bit index parameters), where static."""
+        sizes = (spec.batch_heads, spec.sq, spec.sk)
+        if all(s is not None for s in sizes):
+            bh, sq, sk = sizes
+            if bh * max(sq, sk) * max(spec.head_d, spec.head_dv, sk) > MAX_ELEMENTS:
+                return "attention tensor of more than 2**31 - 1 elements (the kernel indexes in 32 bits)"
+        return None
+
+    def variants(self, spec: AttentionSpec) -> tuple[AttentionVariant, ...]:
+        return attention_variants(spec)
+
+    def generate(self, spec: AttentionSpec, variant: AttentionVariant) -> KernelSource:
+        return generate_attention(spec, variant)
+
+    def kernel_meta(self, spec: AttentionSpec, variants: tuple, binaries: list[dict]) -> dict:
+        identity = list(range(spec.rank))
+        perms = [list(p) for p in spec.perms] or [identity] * 4
+        return {
+            "version": META_VERSION, "kind": "attention", "name": spec.name, "n_extras": spec.n_extras,
+            "rank": spec.rank, **{f"perm_{w}": p for w, p in zip("qkvy", perms, strict=True)},
+            "head_d": spec.head_d, "head_dv": spec.head_dv,
+            "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
+            "binaries": binaries,
+        }
+
+    def ptx_arch(self, archs: list[int]) -> tuple[int, bool]:
+        """As gemm: sm_90a's wgmma PTX cannot be relaxed; the highest target below sm_90's
+        PTX is embedded when there is one."""
+        below = [a for a in archs if a < 90]
+        return (below[-1] if below else archs[-1]), False
+
+    def candidates(self, spec: AttentionSpec) -> list[tuple[str, tuple]]:
+        return attention_candidates(spec)
+
+    def multiplies_in_tf32(self, f: FusedNode, precision: str) -> bool:
+        return precision == "tf32" and f.program.input_dtypes[0] == "f32"
+
+    def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
+        """docs/format.md's definition in numpy: products in float64, each stored value
+        rounded to its dtype as the original stores it."""
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        program = Program.from_text(attrs["program"].decode())
+        q, k, v, *extras = inputs
+        rank = q.ndim
+        perms = [tuple(attrs.get(f"perm_{w}", range(rank))) for w in "qkvy"]
+        return [evaluate_attention(program, q, k, v, extras, *perms)]
+
+
+def evaluate_attention(program: Program, q: np.ndarray, k: np.ndarray, v: np.ndarray, extras: list[np.ndarray],
+                       perm_q=None, perm_k=None, perm_v=None, perm_y=None) -> np.ndarray:
+    """A FusedAttention node's output (docs/format.md) in numpy."""
+    lq, lk, lv = (a if p is None else np.transpose(a, p) for a, p in ((q, perm_q), (k, perm_k), (v, perm_v)))
+    dt = q.dtype
+    if lk.shape[-1] == 0:  # Sk = 0: Y = 0
+        shape = np.broadcast_shapes(lq.shape[:-2], lv.shape[:-2]) + (lq.shape[-2], lv.shape[-1])
+        y0 = np.zeros(shape, dt)
+        return y0 if perm_y is None else np.ascontiguousarray(np.transpose(y0, perm_y))
+    s = np.matmul(lq.astype(np.float64), lk.astype(np.float64)).astype(dt)
+    (x,) = evaluate(program, [s, *extras])
+    x = np.broadcast_to(x, s.shape).astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        probs = (e / e.sum(axis=-1, keepdims=True)).astype(lv.dtype)
+    y = np.matmul(probs.astype(np.float64), lv.astype(np.float64)).astype(dt)
+    return np.ascontiguousarray(y if perm_y is None else np.transpose(y, perm_y))

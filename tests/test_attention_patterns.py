@@ -1,0 +1,160 @@
+"""The attention kind's matcher and lowering (onnxfuse.kinds.attention) on hand-built graphs and
+on the suite's transformers (models/transformers.py, both torch exporters, at static shapes):
+every attention becomes one FusedAttention node with its head Transposes absorbed; the fused
+model runs the original's function bodies to the original's outputs, and each node's numpy
+reference (its contract in docs/format.md) gives the original's tensors (tests.util.check_fusion);
+attention that cannot fuse is reported with the reason."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from onnxfuse import optimize_model
+from onnxfuse.kinds.attention import evaluate_attention
+from onnxfuse.pattern import load_patterns
+from onnxfuse.pipeline import NHWC_ONLY_PATTERNS, build_options
+from tests.util import NP, check_fusion, model, op_types, run
+
+N = helper.make_node
+PATTERNS = [p for p in load_patterns() if p.name not in NHWC_ONLY_PATTERNS]
+B, S, H, D = 2, 6, 2, 8
+
+
+def _heads(mask: str | None = "add", scale: str = "div", dtype: str = "float32", out_transpose: bool = True,
+           k_twice: bool = False, sk: int = S):
+    """BERT's attention as torch.onnx.export writes it: q, k, v [B, S, H, D] made heads by
+    Transposes, scores / sqrt(D) (+ mask), Softmax, @ v, back to [B, S, H, D]."""
+    k_t = [N("Transpose", ["k"], ["kh"], perm=[0, 2, 1, 3]), N("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2])]
+    nodes = [N("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]),
+             *(k_t if k_twice else [N("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1])]),
+             N("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qh", "kt"], ["s"])]
+    inputs = {"q": (dtype, [B, S, H, D]), "k": (dtype, [B, sk, H, D]), "v": (dtype, [B, sk, H, D])}
+    inits = {"scale": np.array(np.sqrt(D), dtype)}
+    nodes.append(N("Div" if scale == "div" else "Mul", ["s", "scale"], ["t"]))
+    if mask == "add":
+        inputs["mask"] = (dtype, [B, 1, 1, sk])
+        nodes.append(N("Add", ["t", "mask"], ["a"]))
+    elif mask == "where":  # GPT-2's causal mask
+        inputs["keep"] = ("bool", [1, 1, S, sk])
+        inits["masked"] = np.array(-10000.0, inits["scale"].dtype)
+        nodes.append(N("Where", ["keep", "t", "masked"], ["a"]))
+    else:
+        nodes.append(N("Identity", ["t"], ["a"]))
+    nodes += [N("Softmax", ["a"], ["p"], axis=-1), N("MatMul", ["p", "vh"], ["o"])]
+    if out_transpose:
+        nodes.append(N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3]))
+        out = {"y": (dtype, [B, S, H, D])}
+    else:
+        nodes.append(N("Identity", ["o"], ["y"]))
+        out = {"y": (dtype, [B, H, S, D])}
+    return model(nodes, inputs, out, inits, opset=17)
+
+
+def _feeds(m, seed=0) -> dict:
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i in m.graph.input:
+        dims = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        et = i.type.tensor_type.elem_type
+        if et == TensorProto.BOOL:
+            out[i.name] = np.tril(np.ones(dims[-2:], bool)).reshape(dims)
+        elif i.name == "mask":
+            out[i.name] = np.where(rng.random(dims) < 0.3, -10000.0, 0.0).astype(NP[et])
+        else:
+            out[i.name] = rng.standard_normal(dims).astype(NP[et])
+    return out
+
+
+@pytest.mark.parametrize("mask", ["add", "where", None])
+@pytest.mark.parametrize("scale", ["div", "mul"])
+def test_attention_becomes_one_node(mask, scale):
+    m = _heads(mask, scale)
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
+    assert op_types(r.model).count("FusedAttention") == 1
+    assert not {"Softmax", "MatMul", "Transpose"} & set(op_types(r.model)), op_types(r.model)
+    node = next(n for n in r.model.graph.node if n.op_type == "FusedAttention")
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert list(node.input[:3]) == ["q", "k", "v"]
+    assert attrs["perm_q"] == [0, 2, 1, 3] and attrs["perm_k"] == [0, 2, 3, 1] and attrs["perm_y"] == [0, 2, 1, 3]
+
+
+def test_float16_attention():
+    m = _heads("add", dtype="float16")
+    check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS, rtol=1e-2)
+
+
+def test_keys_transposed_twice_and_output_left_as_heads():
+    """K^T as k.transpose(-1, -2) of already-made heads: two Transposes compose into one perm;
+    an output read as heads keeps the identity perm_y."""
+    m = _heads("add", k_twice=True, out_transpose=False)
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
+    node = next(n for n in r.model.graph.node if n.op_type == "FusedAttention")
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert attrs["perm_k"] == [0, 2, 3, 1] and attrs["perm_y"] == [0, 1, 2, 3]
+
+
+def test_reasons_for_softmax_that_is_not_attention():
+    """The probabilities also read elsewhere: the rows kind's softmax takes the Softmax with its
+    scale and mask; without that pattern the report says why attention did not fuse."""
+    m = _heads("add")
+    m.graph.output.append(helper.make_tensor_value_info("p", TensorProto.FLOAT, [B, H, S, S]))
+    r = check_fusion(m, feeds=_feeds(m), patterns=PATTERNS)
+    assert "FusedAttention" not in op_types(r.model) and "FusedRows" in op_types(r.model)
+    r = optimize_model(m, [p for p in PATTERNS if p.name != "softmax"])
+    assert any("Softmax's output is not read by one MatMul alone" in k for k in r.report.not_fused), \
+        r.report.not_fused
+    m = _heads("add")
+    next(n for n in m.graph.node if n.op_type == "Softmax").attribute[0].i = 2
+    r = optimize_model(m, [p for p in PATTERNS if p.name != "softmax"])
+    assert "FusedAttention" not in op_types(r.model)
+    assert r.report.not_fused.get("Softmax not over the last axis") == 1, r.report.not_fused
+
+
+def test_evaluate_follows_the_contract():
+    """The numpy reference of the contract against a direct computation in float64."""
+    rng = np.random.default_rng(1)
+    from onnxfuse.expr import Program
+    prog = Program.from_text(optimize_model(_heads(None), PATTERNS).fused[0].program.to_text())
+    q, k, v = (rng.standard_normal((B, S, H, D)).astype(np.float32) for _ in range(3))
+    y = evaluate_attention(prog, q, k, v, [], (0, 2, 1, 3), (0, 2, 3, 1), (0, 2, 1, 3), (0, 2, 1, 3))
+    qh, kh, vh = (np.transpose(a, (0, 2, 1, 3)).astype(np.float64) for a in (q, k, v))
+    s = qh @ np.swapaxes(kh, -1, -2) / np.sqrt(D)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = np.transpose((p / p.sum(-1, keepdims=True)) @ vh, (0, 2, 1, 3))
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# the suite's transformers
+# ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("arch", ["bert_base", "vit_s16", "gpt2_small"])
+def test_exported_transformers(arch, exporter):
+    pytest.importorskip("torch")
+    from models import transformers as mt
+    if exporter == "dynamo" and mt.dynamo_available():
+        pytest.skip(mt.dynamo_available())
+    m = mt.export(arch, exporter, small=True)
+    shapes = {k: (2, *v) for k, v in mt.input_dims(arch, small=True).items()}
+    r = optimize_model(m, options=build_options(target="none", tune="off", shapes=shapes))
+    ops = op_types(r.model)
+    layers = mt.config(arch, small=True).layers
+    assert ops.count("FusedAttention") == layers and "Softmax" not in ops, r.report.summary()
+    feeds = mt.feeds(arch, shapes, small=True)
+    want = run(m, feeds)
+    for got in (run(r.model, feeds), _run_with_library(r.model, feeds)):  # function bodies; the CPU kernels
+        for w, g in zip(want, got, strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4 * float(np.abs(w).max()))
+
+
+def _run_with_library(m, feeds: dict) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    from onnxfuse import runtime
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(runtime.library_path())
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
