@@ -34,8 +34,14 @@ max, but the NaN reaches the sum through p); a +inf score makes the max +inf and
 exp(inf - inf) NaN, so the row is NaN, as numpy's and ONNX Runtime's softmax give.
 
 The exps are `tl.exp` (ex2.approx of x * log2(e) on the GPU: a few ulp where the probability
-matters, the arguments being <= 0); not yet timed on a GPU. Strides are run-time values (the
-ABI), so a unit stride along D is not known to the compiler: the loads are not vectorized.
+matters, the arguments being <= 0). Not yet timed on a GPU. Compiled for sm_90 on the CPU
+(ptxas -v on the PTX, the heuristic's tiles, an additive mask): both products on wgmma, no
+spills; float16 D 64 (128 x 64, 8 warps) 209 registers, float32 tf32 D 64 (64 x 32, 4 warps)
+205, D 128 254 and 255. Every stride is a run-time value (the ABI), so a unit stride along D is
+not known to the compiler: float16 / bfloat16 tiles are loaded element by element (ld.global.b16,
+no cp.async pipelining; float32's go through 4-byte cp.async). A variant that assumes
+stride_qd = stride_kd = stride_vd = stride_yd = 1 (checked by the launcher) is the obvious next
+step once a GPU times it.
 """
 
 from __future__ import annotations
@@ -135,9 +141,10 @@ def padded(n: int) -> int:
 # at twice the bytes of float16 ones, so its key blocks are narrower (for head_d 64 fp32: Q 64 x 64,
 # K^T 64 x 32, the scores 64 x 32 and the accumulator 64 x 64 in 4 warps); float16 / bfloat16 take
 # the Triton tutorial's Hopper tile (128 x 64, 8 warps, 3 stages), and half of it for heads wider
-# than 128. A static grid of fewer than SMS programs halves BLOCK_M (down to 16) until it fills the
-# GPU or cannot shrink (BERT-base at batch 1: Sq 128, 12 heads). Untimed (no GPU where this was
-# written): `--tune` times the alternatives of `attention_candidates`.
+# than 128. Where Sq and B * H are both known, a grid cdiv(Sq, BLOCK_M) * B * H of fewer than SMS
+# programs halves BLOCK_M (down to 16, at most 4 warps below 128 rows) until it fills the GPU or
+# cannot shrink (BERT-base at batch 1: Sq 128, 12 heads: 16 rows, 96 programs). Untimed (no GPU
+# where this was written): `--tune` times the alternatives of `attention_candidates`.
 F32_TILE = {"narrow": (64, 64, 4, 2), "wide": (64, 32, 4, 2)}  # head_d <= 32, else
 HALF_TILE = {"narrow": (128, 64, 8, 3), "wide": (64, 64, 4, 2)}  # head_d, head_dv <= 128, else
 ALTERNATIVES = {

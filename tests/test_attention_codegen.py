@@ -59,6 +59,7 @@ MASK_F32 = "input %0 {dt}\ninput %1 f32\n%2 = mul %0 0.125\n%3 = add %2 %1\noutp
 SMALL = AttentionVariant(block_m=16, block_n=16, num_warps=4, num_stages=1)
 # The special rows of the "special" mask extra: all -inf, one +inf, one NaN
 NEG_INF_ROW, POS_INF_ROW, NAN_ROW = 5, 2, 7
+LATE_ROW = 6  # its first 20 keys -inf (a whole key block of 16): finite, not NaN
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +150,7 @@ def inputs_of(i: int, case: Case) -> tuple[list[np.ndarray], list[np.ndarray]]:
         if kind == "special":
             mask = np.where(rng.random(shape) < 0.25, -np.inf, 0.0)
             mask[..., NEG_INF_ROW, :] = -np.inf
+            mask[..., LATE_ROW, :20] = -np.inf  # a first key block all -inf, then finite scores
             mask[..., POS_INF_ROW, 3] = np.inf
             mask[..., NAN_ROW, 30] = np.nan
         extras.append(mask.astype(NP[edt]))
