@@ -13,7 +13,9 @@ mask [B, 1, 1, Sk] (broadcast strides 0), GPT-2's causal bool mask through a sel
 the scores to float32, and none at all; operands read through strides (Q and V from [B, S, H,
 D] arrays, K^T from a [B, S, H, D] key array as [B, H, D, S]) and Y written to a [B, Sq, H, Dv]
 buffer; rank 3 (B = 1); and special values: a row of -inf scores, a +inf score and a NaN score
-each make exactly their rows NaN.
+each make exactly their rows NaN, while a row whose first key block is all -inf (the running max
+still -inf there: the kernel shifts by 0) stays finite. The GPU-only test runs the same cases
+with Triton's JIT (`-m gpu`).
 
 The kernel rounds the unnormalized probabilities to V's dtype (flash attention's way,
 codegen_attention's module docstring) where the reference rounds the normalized ones: the
