@@ -7,6 +7,41 @@ The kernel is the Triton tutorial's fused attention (flash attention's forward p
 (i, j) holds BLOCK_M query rows of batch-head j, loops over the keys in blocks of BLOCK_N,
 computes the score tile with one `tl.dot`, runs the score program on it, and keeps a running
 max and sum (the online softmax) with the fp32 accumulator of P @ V.
+
+Per key block: the K^T tile [HEAD_D, BLOCK_N] and `tl.dot` with the Q tile (loaded once), fp32
+sums; %0 is that product rounded to Q's dtype, as the original's MatMul stores it; the score
+program on the [BLOCK_M, BLOCK_N] tile in fp32, its extras read through their four strides over
+[B, H, Sq, Sk] (0 on a broadcast dim; a bool extra as int8, != 0); its output rounded to its
+dtype, as the original stores the Softmax's input; keys past Sk set to -inf. Then the online
+softmax in fp32 (m_i, l_i, acc rescaled by exp(m_old - m_new)), and acc += P @ V with P in V's
+dtype. At the end Y = acc / l_i, cast to Y's dtype (round to nearest even). Head dims are
+constexprs (D, Dv), the tiles' HEAD_D, HEAD_DV the next powers of two >= max(16, D), the padding
+masked to 0.
+
+Rounding of the probabilities: the original stores softmax's normalized P in V's dtype and
+multiplies that; here P is unnormalized while the keys are swept (exp(s - running max)), so it
+is P * l (l the row's sum so far, over the max so far) that is rounded to V's dtype (float16,
+bfloat16; TF32 for float32 at precision tf32) before `tl.dot`, and the division by l comes
+after the product. The two differ by at most one rounding step of that dtype per probability
+(relative), which is what flash attention does; the fp32 sums and the single rounding of Y are
+as the contract says. Float32 at precision tf32 rounds Q, K^T, P and V to the nearest TF32
+value in the kernel (`codegen_conv.ROUND_TO_TF32`: Triton's tf32 dot would truncate).
+
+Special values as ONNX's Softmax: a row whose scores are all -inf gives 0 / 0 = NaN (its
+running max stays -inf: the shift is 0 then, so that exp gives 0, not exp(-inf + inf)); a NaN
+score makes its exp NaN and so its row's sum and Y (tl.max may drop the NaN from the running
+max, but the NaN reaches the sum through p); a +inf score makes the max +inf and its own
+exp(inf - inf) NaN, so the row is NaN, as numpy's and ONNX Runtime's softmax give.
+
+The exps are `tl.exp` (ex2.approx of x * log2(e) on the GPU: a few ulp where the probability
+matters, the arguments being <= 0). Not yet timed on a GPU. Compiled for sm_90 on the CPU
+(ptxas -v on the PTX, the heuristic's tiles, an additive mask): both products on wgmma, no
+spills; float16 D 64 (128 x 64, 8 warps) 209 registers, float32 tf32 D 64 (64 x 32, 4 warps)
+205, D 128 254 and 255. Every stride is a run-time value (the ABI), so a unit stride along D is
+not known to the compiler: float16 / bfloat16 tiles are loaded element by element (ld.global.b16,
+no cp.async pipelining; float32's go through 4-byte cp.async). A variant that assumes
+stride_qd = stride_kd = stride_vd = stride_yd = 1 (checked by the launcher) is the obvious next
+step once a GPU times it.
 """
 
 from __future__ import annotations
@@ -14,6 +49,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, check_kernel_name
+from onnxfuse.codegen_conv import PRECISIONS, ROUND_TO_TF32
+from onnxfuse.codegen_rows import _program_lines
 from onnxfuse.expr import Program
 
 INT_TYPE = "i32"
@@ -90,13 +128,252 @@ def attention_param_names(spec: AttentionSpec) -> list[str]:
     return names
 
 
-def attention_variants(spec):  # TEMP: replaced by the generator's branch
-    return (AttentionVariant(),)
+# ---------------------------------------------------------------------------------------
+# variants
+# ---------------------------------------------------------------------------------------
+
+def padded(n: int) -> int:
+    """A head dim as the kernel's tiles hold it: the next power of two >= max(16, n)."""
+    p = 16
+    while p < n:
+        p *= 2
+    return p
 
 
-def attention_candidates(spec):  # TEMP
-    return [("default", attention_variants(spec))]
+# Tiles (block_m, block_n, num_warps, num_stages) by dtype: float32 tiles are held in registers
+# at twice the bytes of float16 ones, so its key blocks are narrower (for head_d 64 fp32: Q 64 x 64,
+# K^T 64 x 32, the scores 64 x 32 and the accumulator 64 x 64 in 4 warps); float16 / bfloat16 take
+# the Triton tutorial's Hopper tile (128 x 64, 8 warps, 3 stages), and half of it for heads wider
+# than 128. Where Sq and B * H are both known, a grid cdiv(Sq, BLOCK_M) * B * H of fewer than SMS
+# programs halves BLOCK_M (down to 16, at most 4 warps below 128 rows) until it fills the GPU or
+# cannot shrink (BERT-base at batch 1: Sq 128, 12 heads: 16 rows, 96 programs). Untimed (no GPU
+# where this was written): `--tune` times the alternatives of `attention_candidates`.
+F32_TILE = {"narrow": (64, 64, 4, 2), "wide": (64, 32, 4, 2)}  # head_d <= 32, else
+HALF_TILE = {"narrow": (128, 64, 8, 3), "wide": (64, 64, 4, 2)}  # head_d, head_dv <= 128, else
+ALTERNATIVES = {
+    "f32": ((32, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)),
+    "f16": ((64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2), (128, 64, 8, 3)),
+}
 
 
-def generate_attention(spec, variant):  # TEMP
-    raise NotImplementedError
+def _variant(tile: tuple[int, int, int, int]) -> AttentionVariant:
+    bm, bn, w, s = tile
+    return AttentionVariant(index=0, block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+
+
+def _heuristic_tile(spec: AttentionSpec) -> tuple[int, int, int, int]:
+    if spec.dtype == "f32":
+        bm, bn, w, s = F32_TILE["narrow" if spec.head_d <= 32 else "wide"]
+    else:
+        bm, bn, w, s = HALF_TILE["narrow" if max(spec.head_d, spec.head_dv) <= 128 else "wide"]
+    if spec.sq is not None and spec.batch_heads is not None:
+        while bm > 16 and -(-spec.sq // bm) * spec.batch_heads < SMS:
+            bm //= 2
+    if bm < 128:
+        w = min(w, 4)
+    return bm, bn, w, s
+
+
+def attention_variants(spec: AttentionSpec) -> tuple[AttentionVariant, ...]:
+    """The variants of a FusedAttention kernel: one tile, by the heuristic above (`F32_TILE`,
+    `HALF_TILE`, BLOCK_M halved while a known grid leaves SMs idle)."""
+    return (_variant(_heuristic_tile(spec)),)
+
+
+def attention_candidates(spec: AttentionSpec) -> list[tuple[str, tuple[AttentionVariant, ...]]]:
+    """(label, variants) per configuration `--tune` times: the heuristic's first, then up to
+    three alternative tiles (each one variant, index 0) other than the heuristic's."""
+    out: list[tuple[str, tuple[AttentionVariant, ...]]] = [("default", attention_variants(spec))]
+    seen = {_heuristic_tile(spec)}
+    for tile in ALTERNATIVES["f32" if spec.dtype == "f32" else "f16"]:
+        if tile in seen or len(out) == 4:
+            continue
+        seen.add(tile)
+        v = _variant(tile)
+        out.append((v.label, (v,)))
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# kernel source
+# ---------------------------------------------------------------------------------------
+
+def _check(spec: AttentionSpec, variant: AttentionVariant) -> None:
+    check_kernel_name(spec.name)
+    spec.program.validate()
+    if spec.dtype not in ("f32", "f16", "bf16"):
+        raise ValueError(f"{spec.name}: Q's dtype {spec.dtype!r} is not f32, f16 or bf16")
+    if len(spec.program.outputs) != 1:
+        raise ValueError(f"{spec.name}: the score program must have one output, it has {len(spec.program.outputs)}")
+    if spec.precision not in PRECISIONS:
+        raise ValueError(f"precision {spec.precision!r} is not one of {PRECISIONS}")
+    if spec.head_d < 1 or spec.head_dv < 1:
+        raise ValueError(f"{spec.name}: head dims must be at least 1: D {spec.head_d}, Dv {spec.head_dv}")
+    for v in (variant.block_m, variant.block_n, variant.num_warps):
+        if v <= 0 or v & (v - 1):
+            raise ValueError(f"tile sizes and num_warps must be powers of two: {variant}")
+    if min(variant.block_m, variant.block_n) < 16:
+        raise ValueError(f"tl.dot needs tiles of at least 16: {variant}")
+    if variant.num_stages < 1:
+        raise ValueError(f"num_stages must be at least 1: {variant}")
+
+
+def generate_attention(spec: AttentionSpec, variant: AttentionVariant) -> KernelSource:
+    """The Triton kernel of a FusedAttention node for one variant (docs/format.md, kind attention)."""
+    _check(spec, variant)
+    names = attention_param_names(spec)
+    ptr = POINTER_TYPES[spec.dtype]
+    types = [ptr] * 3 + [POINTER_TYPES[d] for d in spec.program.input_dtypes[1:]] + [ptr]
+    types += [INT_TYPE] * (len(names) - len(types))
+    constexprs = (("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n), ("HEAD_D", padded(spec.head_d)),
+                  ("HEAD_DV", padded(spec.head_dv)), ("D", spec.head_d), ("DV", spec.head_dv))
+    source = _module(spec, names, [c for c, _ in constexprs])
+    return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
+                        constexprs=constexprs, divisible=(), num_warps=variant.num_warps, variant=variant,
+                        num_stages=variant.num_stages)
+
+
+def _precision_text(spec: AttentionSpec) -> str:
+    if spec.dtype != "f32":
+        return f"{spec.dtype} products on the tensor cores, fp32 sums and softmax"
+    if spec.precision == "tf32":
+        return "tf32: Q, K^T, the probabilities and V rounded to nearest TF32 as cuBLAS does, fp32 sums"
+    return f"fp32 operands, dot precision {spec.precision}"
+
+
+def _module(spec: AttentionSpec, names: list[str], constexprs: list[str]) -> str:
+    lines = [f"# {spec.name}: generated by onnxfuse.codegen_attention; do not edit.", "#",
+             "# Y[B, H, Sq, Dv] = softmax(scores(Q @ K^T, extras...)) @ V over the keys, the online softmax of",
+             f"# flash attention; Q [B, H, Sq, {spec.head_d}], K^T [B, H, {spec.head_d}, Sk], "
+             f"V [B, H, Sk, {spec.head_dv}], all through strides;",
+             f"# {_precision_text(spec)}.", "#", "# Replaces the ONNX nodes:"]
+    lines += [f"#   {_comment_text(s)}" for s in spec.source_nodes] or ["#   (none listed)"]
+    lines += ["#", "# Score program (%0 is Q @ K^T, rounded to Q's dtype; then the extra inputs):"]
+    lines += [f"#   {ln}" for ln in spec.program.to_text().splitlines()]
+    lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
+    if spec.tf32:
+        lines += ["", "", *ROUND_TO_TF32]
+    lines += ["", "", "@triton.jit", f"def {spec.name}("]
+    n = spec.n_extras
+    lines.append(f"    {', '.join(names[:4 + n])},")
+    lines.append(f"    {', '.join(names[4 + n:7 + n])},")
+    strides = names[7 + n:]
+    for i in range(0, len(strides), 4):
+        lines.append(f"    {', '.join(strides[i:i + 4])},")
+    lines += [f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},", "):"]
+    lines += ["    " + ln if ln else "" for ln in _body(spec)]
+    return "\n".join(lines) + "\n"
+
+
+def _dot(spec: AttentionSpec, a: str, b: str, acc: str | None = None) -> str:
+    args = f"{a}, {b}" + (f", {acc}" if acc else "")
+    if spec.dtype == "f32":
+        return f'tl.dot({args}, input_precision="{spec.precision}")'
+    return f"tl.dot({args})"
+
+
+def _body(spec: AttentionSpec) -> list[str]:
+    dt = spec.dtype
+    d_mask = spec.head_d != padded(spec.head_d)
+    dv_mask = spec.head_dv != padded(spec.head_dv)
+    q_mask = "row_ok[:, None]" + (" & (offs_d[None, :] < D)" if d_mask else "")
+    k_mask = ("(offs_d[:, None] < D) & " if d_mask else "") + "col_ok[None, :]"
+    v_mask = "col_ok[:, None]" + (" & (offs_dv[None, :] < DV)" if dv_mask else "")
+    y_mask = "row_ok[:, None]" + (" & (offs_dv[None, :] < DV)" if dv_mask else "")
+    out = ["# Program (i, j): query rows [i * BLOCK_M, (i + 1) * BLOCK_M) of batch j // H, head j % H.",
+           "pid_m = tl.program_id(axis=0)",
+           "pid_bh = tl.program_id(axis=1).to(tl.int64)",
+           "b = pid_bh // H",
+           "h = pid_bh % H",
+           "q_base = q_ptr + b * stride_qb + h * stride_qh",
+           "k_base = k_ptr + b * stride_kb + h * stride_kh",
+           "v_base = v_ptr + b * stride_vb + h * stride_vh",
+           "y_base = y_ptr + b * stride_yb + h * stride_yh",
+           *(f"e{i}_base = e{i}_ptr + b * stride_e{i}_b + h * stride_e{i}_h" for i in range(spec.n_extras)),
+           "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",
+           "offs_d = tl.arange(0, HEAD_D)" + ("  # D padded to a power of two" if d_mask else ""),
+           "offs_dv = tl.arange(0, HEAD_DV)" + ("  # Dv padded to a power of two" if dv_mask else ""),
+           "row_ok = offs_m < SQ",
+           "",
+           "# The Q tile, loaded once.",
+           f"q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask={q_mask}, "
+           "other=0.0)"]
+    if spec.tf32:
+        out += ["q = round_to_tf32(q)  # to nearest, as cuBLAS does (tl.dot's tf32 would truncate)"]
+    out += ["",
+            "# The online softmax, in fp32: m_i the running row max, l_i the running sum of",
+            "# exp(score - m_i), acc the running P @ V (unnormalized).",
+            'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
+            "l_i = tl.zeros([BLOCK_M], dtype=tl.float32)",
+            "acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)",
+            "for start_n in range(0, SK, BLOCK_N):",
+            "    offs_n = start_n + tl.arange(0, BLOCK_N)",
+            "    col_ok = offs_n < SK",
+            f"    kt = tl.load(k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, mask={k_mask}, "
+            "other=0.0)"]
+    if spec.tf32:
+        out += ["    kt = round_to_tf32(kt)"]
+    out += [f"    qk = {_dot(spec, 'q', 'kt')}"]
+    out += ["    " + ln for ln in _score_lines(spec)]
+    out += ["    s = tl.where(col_ok[None, :], s, float(\"-inf\"))  # keys past SK take no share",
+            "",
+            "    # A row whose max is still -inf (every score so far -inf) shifts by 0, so that its",
+            "    # exp(-inf) are 0, not exp(NaN); at the end its sum is 0 and Y = 0 / 0 = NaN, as ONNX's",
+            "    # Softmax gives for a row of -inf. A NaN score makes its p NaN (exp(NaN)), and so its",
+            "    # row's sum and Y; a +inf score makes the max +inf and its p exp(inf - inf) = NaN.",
+            "    m_new = tl.maximum(m_i, tl.max(s, axis=1))",
+            '    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)',
+            "    alpha = tl.exp(m_i - m_shift)",
+            "    p = tl.exp(s - m_shift[:, None])",
+            "    l_i = l_i * alpha + tl.sum(p, axis=1)",
+            "    acc = acc * alpha[:, None]",
+            "    m_i = m_new",
+            f"    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, "
+            "other=0.0)"]
+    if dt == "f32":
+        if spec.tf32:
+            out += ["    # P and V to nearest TF32 (P unnormalized: module docstring).",
+                    "    p = round_to_tf32(p)",
+                    "    v = round_to_tf32(v)"]
+        out += [f"    acc = {_dot(spec, 'p', 'v', 'acc')}"]
+    else:
+        out += ["    # P in V's dtype, as the original's Softmax stores it (unnormalized here: module docstring).",
+                f'    acc = tl.dot(p.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne"), v, acc)']
+    y = "y" if dt == "f32" else f'y.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
+    out += ["",
+            "# Normalize (a row of -inf: 0 / 0 = NaN) and store, cast to Y's dtype.",
+            "y = tl.div_rn(acc, l_i[:, None])",
+            f"tl.store(y_base + offs_m[:, None] * stride_ym + offs_dv[None, :] * stride_yd, {y}, mask={y_mask})"]
+    return out
+
+
+def _score_lines(spec: AttentionSpec) -> list[str]:
+    """The score program on the tile `qk` (fp32 sums): `s`, fp32, as the original stores the
+    Softmax's input."""
+    prog = spec.program
+    out = ["# %0: the product as the original's MatMul stores it."]
+    out.append("s0 = qk" if spec.dtype == "f32" else
+               f's0 = qk.to({TL_DTYPES[spec.dtype]}, fp_downcast_rounding="rtne").to(tl.float32)')
+    if spec.n_extras:
+        out.append("e_mask = row_ok[:, None] & col_ok[None, :]")
+    for i, dt in enumerate(prog.input_dtypes[1:]):
+        load = (f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m + offs_n[None, :] * stride_e{i}_n, "
+                "mask=e_mask, other=0)")
+        if dt == "bool":
+            load = f"({load} != 0).to(tl.float32)"
+        elif dt != "f32":
+            load = f"{load}.to(tl.float32)"
+        out.append(f"e{i} = {load}")
+
+    def value_of(i: int) -> str:
+        return "s0" if i == 0 else f"e{i - 1}"
+
+    out += _program_lines(prog, value_of, "t")
+    v, dt = prog.outputs[0]
+    val = value_of(v) if v < len(prog.input_dtypes) else f"t{v}"
+    out.append("# The Softmax's input as the original stores it, widened to fp32.")
+    if dt == "f32":
+        out.append(f"s = {val}")
+    else:
+        out.append(f's = {val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne").to(tl.float32)')
+    return out

@@ -349,7 +349,8 @@ def test_extra_that_does_not_broadcast(lib):
     with pytest.raises(Exception) as e:
         run(m, {"q": q, "k": k, "v": v, "e0": np.zeros((b, 1, 1, 3), np.float32)}, lib)
     msg = _one_line(e)
-    assert "input 3 (extra %1) has shape [1, 1, 1, 3], which does not broadcast to the scores' shape [1, 2, 4, 4]" in msg
+    assert ("input 3 (extra %1) has shape [1, 1, 1, 3], which does not broadcast to the scores' shape "
+            "[1, 2, 4, 4]") in msg
 
 
 def test_program_without_one_output(lib):

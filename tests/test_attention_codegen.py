@@ -1,0 +1,456 @@
+"""Generated FusedAttention Triton kernels (onnxfuse.codegen_attention) against a float64 numpy
+reference that follows the node contract (docs/format.md, FusedAttention): scores = Q @ K^T
+rounded to Q's dtype, the score program, ONNX's softmax over the keys, the probabilities
+rounded to V's dtype, P @ V rounded to Y's dtype. Under ``TRITON_INTERPRET=1`` in one child
+process (this file run as a script, so the interpreter setting never reaches the process where
+other tests compile kernels), and compiled ahead of time for sm_90 with no GPU.
+
+The cases cover Sq and Sk that are not multiples of the tiles (Sq 20, Sk 37: masked query rows
+and key columns, several key blocks), a tile larger than the whole problem, head dims that are
+not powers of two (D 40 and Dv 24, 72: padded HEAD_D / HEAD_DV) and Dv != D, float32 at
+precisions ieee and tf32, float16 and bfloat16, score programs with a scalar Div, an additive
+mask [B, 1, 1, Sk] (broadcast strides 0), GPT-2's causal bool mask through a select, a Cast of
+the scores to float32, and none at all; operands read through strides (Q and V from [B, S, H,
+D] arrays, K^T from a [B, S, H, D] key array as [B, H, D, S]) and Y written to a [B, Sq, H, Dv]
+buffer; rank 3 (B = 1); and special values: a row of -inf scores, a +inf score and a NaN score
+each make exactly their rows NaN, while a row whose first key block is all -inf (the running max
+still -inf there: the kernel shifts by 0) stays finite. The GPU-only test runs the same cases
+with Triton's JIT (`-m gpu`).
+
+The kernel rounds the unnormalized probabilities to V's dtype (flash attention's way,
+codegen_attention's module docstring) where the reference rounds the normalized ones: the
+tolerances allow that one rounding step."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from onnxfuse.codegen_attention import (
+    SMS,
+    AttentionSpec,
+    AttentionVariant,
+    attention_candidates,
+    attention_param_names,
+    attention_variants,
+    generate_attention,
+)
+from onnxfuse.codegen_conv import round_array_to_tf32
+from onnxfuse.expr import HEADER, evaluate, parse
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from tests.util import interpreted_run  # noqa: E402
+
+NP = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+
+# Score programs: {dt} is Q's dtype; the extras follow %0.
+SCALE = "input %0 {dt}\n%1 = div %0 8.0\noutput %1 {dt}"
+SCALE_MASK = "input %0 {dt}\ninput %1 {dt}\n%2 = div %0 8.0\n%3 = add %2 %1\noutput %3 {dt}"
+CAUSAL = "input %0 {dt}\ninput %1 bool\n%2 = div %0 8.0\n%3 = select %1 %2 -10000.0\noutput %3 {dt}"
+NONE = "input %0 {dt}\noutput %0 {dt}"
+SCALE_TO_F32 = "input %0 {dt}\n%1 = mul %0 0.125\noutput %1 f32"  # a Cast of the scaled scores to float32
+MASK_F32 = "input %0 {dt}\ninput %1 f32\n%2 = mul %0 0.125\n%3 = add %2 %1\noutput %3 {dt}"
+
+SMALL = AttentionVariant(block_m=16, block_n=16, num_warps=4, num_stages=1)
+# The special rows of the "special" mask extra: all -inf, one +inf, one NaN
+NEG_INF_ROW, POS_INF_ROW, NAN_ROW = 5, 2, 7
+LATE_ROW = 6  # its first 20 keys -inf (a whole key block of 16): finite, not NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    id: str
+    dtype: str
+    program: str
+    b: int = 2
+    h: int = 2
+    sq: int = 20
+    sk: int = 37
+    d: int = 64
+    dv: int = 64
+    precision: str = "ieee"
+    # (kind, shape) per extra: "additive" (0 or -10000, the extra's dtype from the program),
+    # "causal" (bool, tril offset Sk - Sq), "special" (additive with the special rows above)
+    extras: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # base layouts: "bshd" reads Q / V from [B, S, H, D] (perm 0,2,1,3) and K^T from a [B, S, H, D]
+    # key array (perm 0,2,3,1); "bhsd" the logical layout itself; "shd" rank 3 ([S, H, D], B = 1)
+    layout: str = "bshd"
+    y_layout: str = "bshd"
+    variant: AttentionVariant | None = SMALL  # None: attention_variants' heuristic (sq unknown)
+
+
+CASES = [
+    Case("f32-ieee-scale-odd", "f32", SCALE),
+    Case("f32-tf32-mask-d40-dv24", "f32", SCALE_MASK, d=40, dv=24, precision="tf32",
+         extras=(("additive", (2, 1, 1, 37)),)),
+    Case("f32-ieee-no-program-contiguous", "f32", NONE, sk=70, layout="bhsd", y_layout="bhsd"),
+    Case("f16-causal-gpt2", "f16", CAUSAL, extras=(("causal", (1, 1, 20, 37)),)),
+    Case("f16-mask-d40-dv72", "f16", SCALE_MASK, d=40, dv=72, extras=(("additive", (2, 1, 1, 37)),)),
+    Case("f16-scores-cast-to-f32", "f16", SCALE_TO_F32, sk=50),
+    Case("f16-default-tile", "f16", SCALE_MASK, extras=(("additive", (2, 1, 1, 37)),), variant=None),
+    Case("f32-tf32-default-tile-rank3", "f32", SCALE, b=1, h=3, sk=70, precision="tf32", layout="shd",
+         variant=None),
+    Case("bf16-mask", "bf16", SCALE_MASK, extras=(("additive", (2, 1, 1, 37)),)),
+    Case("f32-ieee-special-rows", "f32", MASK_F32, extras=(("special", (1, 1, 20, 37)),)),
+    Case("f16-special-rows", "f16", MASK_F32, extras=(("special", (1, 1, 20, 37)),)),
+]
+
+
+def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
+    prog = parse(f"{HEADER}\n{case.program.format(dt=case.dtype)}\n")
+    spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision)
+    return spec, case.variant or attention_variants(spec)[0]
+
+
+# ---------------------------------------------------------------------------------------
+# operands: base arrays, their logical views and strides
+# ---------------------------------------------------------------------------------------
+
+PERMS = {  # (base shape of Q as (S, D) -> dims, perm to the logical [B, H, S, D] / K^T [B, H, D, S])
+    "bshd": ((0, 2, 1, 3), (0, 2, 3, 1)),
+    "bhsd": ((0, 1, 2, 3), (0, 1, 3, 2)),  # K^T from a [B, H, Sk, D] key array too
+    "shd": ((1, 0, 2), (1, 2, 0)),
+}
+
+
+def _base_shape(case: Case, s: int, d: int) -> tuple[int, ...]:
+    return {"bshd": (case.b, s, case.h, d), "bhsd": (case.b, case.h, s, d), "shd": (s, case.h, d)}[case.layout]
+
+
+def _logical4(base: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
+    """The logical operand as a 4-D view of `base` (rank 3: B = 1 in front)."""
+    view = np.transpose(base, perm)
+    return view[None] if view.ndim == 3 else view
+
+
+def _strides(view: np.ndarray) -> list[int]:
+    """Element strides of a 4-D view, 0 on a dim of size 1 (as the launcher gives a broadcast)."""
+    return [0 if n == 1 else s // view.itemsize for n, s in zip(view.shape, view.strides, strict=True)]
+
+
+def inputs_of(i: int, case: Case) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(base Q, K, V arrays, extras) as the node gets them."""
+    rng = np.random.default_rng(7000 + i)
+    dt = NP[case.dtype]
+    q = rng.standard_normal(_base_shape(case, case.sq, case.d)).astype(dt)
+    k = rng.standard_normal(_base_shape(case, case.sk, case.d)).astype(dt)
+    v = rng.standard_normal(_base_shape(case, case.sk, case.dv)).astype(dt)
+    spec, _ = spec_of(i, case)
+    extras = []
+    for (kind, shape), edt in zip(case.extras, spec.program.input_dtypes[1:], strict=True):
+        if kind == "causal":
+            extras.append(np.broadcast_to(np.tri(case.sq, case.sk, case.sk - case.sq, dtype=bool), shape).copy())
+            continue
+        mask = np.where(rng.random(shape) < 0.25, -10000.0, 0.0)
+        if kind == "special":
+            mask = np.where(rng.random(shape) < 0.25, -np.inf, 0.0)
+            mask[..., NEG_INF_ROW, :] = -np.inf
+            mask[..., LATE_ROW, :20] = -np.inf  # a first key block all -inf, then finite scores
+            mask[..., POS_INF_ROW, 3] = np.inf
+            mask[..., NAN_ROW, 30] = np.nan
+        extras.append(mask.astype(NP[edt]))
+    return [q, k, v], extras
+
+
+def logical_operands(case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray):
+    pq, pk = PERMS[case.layout]
+    return _logical4(q, pq), _logical4(k, pk), _logical4(v, pq)
+
+
+def reference(i: int, case: Case) -> np.ndarray:
+    """Logical Y [B, H, Sq, Dv] (float32) as docs/format.md defines it, in float64."""
+    spec, _ = spec_of(i, case)
+    (q, k, v), extras = inputs_of(i, case)
+    q, kt, v = (x.astype(np.float32) for x in logical_operands(case, q, k, v))
+    if spec.tf32:
+        q, kt, v = round_array_to_tf32(q), round_array_to_tf32(kt), round_array_to_tf32(v)
+    dt = NP[case.dtype]
+    scores = np.matmul(q.astype(np.float64), kt.astype(np.float64)).astype(dt)
+    ex = [x.reshape((1,) * (4 - x.ndim) + x.shape) for x in extras]
+    (s,) = evaluate(spec.program, [scores, *ex])
+    s = s.astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = e / e.sum(axis=-1, keepdims=True)
+    p = p.astype(dt).astype(np.float32)  # as the original's Softmax stores it (V's dtype)
+    if spec.tf32:
+        p = round_array_to_tf32(p)
+    return np.matmul(p.astype(np.float64), v.astype(np.float64)).astype(dt).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# launch (interpreter child process, or a GPU)
+# ---------------------------------------------------------------------------------------
+
+def launch(fn, case: Case, spec: AttentionSpec, variant: AttentionVariant, constexprs: dict, device: str):
+    """Run a generated kernel with the parameters and grid the C++ launcher passes; returns the
+    logical Y [B, H, Sq, Dv] read back from its base buffer."""
+    import torch
+
+    def tensor(x: np.ndarray):
+        if x.dtype == ml_dtypes.bfloat16:
+            return torch.from_numpy(x.view(np.uint16).copy()).view(torch.bfloat16).to(device)
+        if x.dtype == np.bool_:
+            x = x.view(np.int8)
+        return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+
+    i = CASES.index(case)
+    (q, k, v), extras = inputs_of(i, case)
+    lq, lk, lv = logical_operands(case, q, k, v)
+    tdt = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[case.dtype]
+    # Y's base: [B, Sq, H, Dv] (logical through perm 0,2,1,3) or the logical layout; filled with a
+    # sentinel, so that an element the kernel does not write shows
+    if case.y_layout == "bshd":
+        y = torch.full((case.b, case.sq, case.h, case.dv), 777.0, dtype=tdt, device=device)
+        ly = y.permute(0, 2, 1, 3)
+    else:
+        y = torch.full((case.b, case.h, case.sq, case.dv), 777.0, dtype=tdt, device=device)
+        ly = y
+    ints = [case.h, case.sq, case.sk, *_strides(lq), *_strides(lk), *_strides(lv),
+            *[0 if n == 1 else s for n, s in zip(ly.shape, ly.stride(), strict=True)]]
+    scores = (case.b, case.h, case.sq, case.sk)
+    for x in extras:
+        ints += _strides(np.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), scores))
+    grid = variant.grid(case.sq, case.b * case.h)
+    fn[grid](tensor(q), tensor(k), tensor(v), *map(tensor, extras), y, *ints, **constexprs)
+    return ly.float().cpu().numpy()
+
+
+def run_all(workdir: Path, device: str) -> None:
+    from benchmarks.conv_kernels import _load
+
+    results = {}
+    for i, case in enumerate(CASES):
+        try:
+            spec, v = spec_of(i, case)
+            ks = generate_attention(spec, v)
+            fn = _load(ks.source, spec.name, workdir)
+            results[f"case{i}"] = launch(fn, case, spec, v, dict(ks.constexprs), device)
+        except Exception as e:  # reported by the case's test
+            (workdir / f"case{i}_error.txt").write_text(f"{type(e).__name__}: {e}")
+    np.savez(workdir / "out.npz", **results)
+
+
+# Tolerances relative to the output's scale (at least 1): fp32 sums against the float64
+# reference, the probabilities rounded unnormalized (one rounding step of V's dtype: TF32's is
+# 2^-11, float16's 2^-11, bfloat16's 2^-8), then one rounding of Y at the store.
+TOL = {("f32", "ieee"): 1e-5, ("f32", "tf32"): 2e-3, ("f16", "ieee"): 2e-3, ("bf16", "ieee"): 1.6e-2}
+
+
+def check(workdir: Path, index: int) -> np.ndarray:
+    case = CASES[index]
+    err = workdir / f"case{index}_error.txt"
+    if err.exists():
+        pytest.fail(f"kernel failed: {err.read_text()}")
+    got = np.load(workdir / "out.npz")[f"case{index}"]
+    want = reference(index, case)
+    assert got.shape == want.shape == (case.b, case.h, case.sq, case.dv)
+    tol = TOL[(case.dtype, case.precision if case.dtype == "f32" else "ieee")]
+    scale = float(np.abs(want[np.isfinite(want)]).max(initial=1.0))
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol * scale)
+    return got
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    with interpreted_run(__file__, "onnxfuse-attention-interp-") as workdir:
+        yield workdir
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[c.id for c in CASES])
+def test_attention_kernel_matches_reference(interpreted, index):
+    got = check(interpreted, index)
+    case = CASES[index]
+    nan_rows = sorted(set(np.nonzero(np.isnan(got))[2].tolist()))
+    if case.extras and case.extras[0][0] == "special":
+        # a row of -inf (0 / 0), a +inf score (inf - inf) and a NaN score: exactly those rows,
+        # every element, in every batch and head
+        assert nan_rows == sorted((NEG_INF_ROW, POS_INF_ROW, NAN_ROW))
+        assert np.isnan(got[:, :, nan_rows]).all()
+    else:
+        assert nan_rows == []
+
+
+def test_tolerances_see_the_rounding():
+    """The tf32 case tests something: its reference differs from the unrounded one by more than
+    the ieee tolerance."""
+    i = next(i for i, c in enumerate(CASES) if c.id == "f32-tf32-mask-d40-dv24")
+    case = CASES[i]
+    ieee = dataclasses.replace(case, precision="ieee")  # the same inputs (seeded by the index)
+    diff = float(np.abs(reference(i, case) - reference(i, ieee)).max())
+    assert 1e-5 < diff < 1e-2
+
+
+@pytest.mark.gpu(ort=False, torch=True)
+def test_attention_kernels_on_gpu(tmp_path):
+    """The same kernels with Triton's JIT on the GPU."""
+    run_all(tmp_path, "cuda")
+    for i in range(len(CASES)):
+        check(tmp_path, i)
+
+
+# ---------------------------------------------------------------------------------------
+# variants, source and compile-time checks
+# ---------------------------------------------------------------------------------------
+
+def _spec(dtype: str = "f16", d: int = 64, dv: int = 64, **kw) -> AttentionSpec:
+    prog = parse(f"{HEADER}\n{SCALE_MASK.format(dt=dtype)}\n")
+    return AttentionSpec("onnxfuse_attention_0123456789ab", prog, d, dv, **kw)
+
+
+def test_parameters_are_the_abi():
+    """The generated kernel's parameters, in order, are docs/format.md's (attention_param_names),
+    typed as the launcher passes them; the constexprs carry the padded head dims."""
+    spec = _spec("f16", 40, 72)
+    ks = generate_attention(spec, attention_variants(spec)[0])
+    names = [p for p, _ in ks.params]
+    assert names == attention_param_names(spec)
+    assert names[:8] == ["q_ptr", "k_ptr", "v_ptr", "e0_ptr", "y_ptr", "H", "SQ", "SK"]
+    assert names[-4:] == ["stride_e0_b", "stride_e0_h", "stride_e0_m", "stride_e0_n"]
+    types = dict(ks.params)
+    assert [types[p] for p in names[:5]] == ["*fp16"] * 5
+    assert all(types[p] == "i32" for p in names[5:])
+    assert dict(ks.constexprs) == {"BLOCK_M": 128, "BLOCK_N": 64, "HEAD_D": 64, "HEAD_DV": 128, "D": 40, "DV": 72}
+    # the source's own signature lists the same names in the same order, then the constexprs
+    src = ks.source
+    start = src.index(f"def {spec.name}(\n") + len(spec.name) + 5
+    sig = src[start:src.index("\n):\n", start)]
+    params = [p.strip() for p in sig.replace("\n", " ").split(",") if p.strip()]
+    assert params == names + [f"{c}: tl.constexpr" for c, _ in ks.constexprs]
+    # bool extras are int8 pointers; no extras
+    causal = AttentionSpec("k", parse(f"{HEADER}\n{CAUSAL.format(dt='bf16')}\n"), 64, 64)
+    assert dict(generate_attention(causal, SMALL).params)["e0_ptr"] == "*i8"
+    plain = AttentionSpec("k", parse(f"{HEADER}\n{NONE.format(dt='f32')}\n"), 64, 64)
+    assert [p for p, _ in generate_attention(plain, SMALL).params] == attention_param_names(plain)
+
+
+def test_source_is_deterministic_and_names_its_nodes():
+    spec = dataclasses.replace(_spec("f32"), source_nodes=("MatMul qk", "Softmax sm"))
+    a, b = generate_attention(spec, SMALL), generate_attention(spec, SMALL)
+    assert a.source == b.source
+    assert "#   MatMul qk" in a.source and "#   Softmax sm" in a.source
+    assert "#   %2 = div %0 8.0" in a.source
+    # tf32: Q, K^T, P and V rounded to nearest in the kernel
+    for line in ("q = round_to_tf32(q)", "kt = round_to_tf32(kt)", "p = round_to_tf32(p)", "v = round_to_tf32(v)",
+                 'input_precision="tf32"'):
+        assert line in a.source, line
+    ieee = generate_attention(dataclasses.replace(spec, precision="ieee"), SMALL).source
+    assert "round_to_tf32" not in ieee and 'input_precision="ieee"' in ieee
+    half = generate_attention(_spec("f16"), SMALL).source
+    assert 's0 = qk.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)' in half
+    assert 'acc = tl.dot(p.to(tl.float16, fp_downcast_rounding="rtne"), v, acc)' in half
+    assert "offs_d[None, :] < D" not in half  # D = 64 = HEAD_D: no padding mask
+
+
+def test_variant_choice():
+    # float16, D 64: the tutorial's Hopper tile; a static grid that leaves SMs idle halves BLOCK_M
+    assert attention_variants(_spec("f16")) == (AttentionVariant(0, 128, 64, 8, 3),)
+    assert attention_variants(_spec("f16", sq=512, batch_heads=96))[0].block_m == 128  # 4 * 96 programs
+    bert1 = attention_variants(_spec("f16", sq=128, batch_heads=12))[0]  # BERT-base at batch 1
+    assert (bert1.block_m, bert1.num_warps) == (16, 4)
+    assert attention_variants(_spec("f16", sq=128, batch_heads=48))[0].block_m == 32  # 4 * 48 >= SMS
+    assert -(-128 // 32) * 48 >= SMS > -(-128 // 64) * 48
+    # wide heads: the half tile
+    assert attention_variants(_spec("bf16", 256, 256))[0] == AttentionVariant(0, 64, 64, 4, 2)
+    # float32: narrower key blocks above D 32
+    assert attention_variants(_spec("f32"))[0] == AttentionVariant(0, 64, 32, 4, 2)
+    assert attention_variants(_spec("f32", 32, 32))[0].block_n == 64
+    for spec in (_spec("f16"), _spec("f32"), _spec("f16", sq=128, batch_heads=12)):
+        cands = attention_candidates(spec)
+        labels = [label for label, _ in cands]
+        assert labels[0] == "default" and len(labels) == len(set(labels)) == 4
+        assert cands[0][1] == attention_variants(spec)
+        assert all(len(vs) == 1 and vs[0].index == 0 for _, vs in cands)
+        tiles = [(v.block_m, v.block_n, v.num_warps, v.num_stages) for _, (v,) in cands]
+        assert len(set(tiles)) == 4
+
+
+def test_rejected_specs():
+    spec = _spec("f16")
+    with pytest.raises(ValueError, match="powers of two"):
+        generate_attention(spec, dataclasses.replace(SMALL, block_n=48))
+    with pytest.raises(ValueError, match="at least 16"):
+        generate_attention(spec, dataclasses.replace(SMALL, block_m=8))
+    with pytest.raises(ValueError, match="head dims"):
+        generate_attention(dataclasses.replace(spec, head_d=0), SMALL)
+    with pytest.raises(ValueError, match="precision"):
+        generate_attention(dataclasses.replace(spec, precision="fp64"), SMALL)
+    with pytest.raises(ValueError, match="identifier"):
+        generate_attention(dataclasses.replace(spec, name="not a name"), SMALL)
+    two = parse(f"{HEADER}\ninput %0 f16\n%1 = mul %0 2.0\noutput %1 f16\noutput %0 f16\n")
+    with pytest.raises(ValueError, match="one output"):
+        generate_attention(dataclasses.replace(spec, program=two), SMALL)
+    with pytest.raises(ValueError, match="dtype"):
+        generate_attention(dataclasses.replace(spec, program=parse(f"{HEADER}\ninput %0 bool\noutput %0 f32\n")),
+                           SMALL)
+
+
+def _compile_sm90(ks, tmp_path: Path):
+    """triton.compile of a generated kernel for sm_90 on the CPU, as onnxfuse.compile does."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from onnxfuse.compile import COMPILE_OPTIONS, _load_kernel
+
+    fn = _load_kernel(tmp_path, ks)
+    with knobs.cache.scope(), knobs.compilation.scope(), knobs.runtime.scope():
+        knobs.cache.dir = str(tmp_path / "triton-cache")
+        knobs.runtime.override_arch = None
+        src = ASTSource(fn, ks.signature, dict(ks.constexprs), ks.attrs)
+        options = dict(COMPILE_OPTIONS, num_warps=ks.num_warps, num_stages=ks.num_stages)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_aot_compile_for_sm90(tmp_path, dtype):
+    """The heuristic's variant compiles for sm_90 with no GPU (D 64, a mask extra): both products
+    on the tensor cores, no global scratch."""
+    pytest.importorskip("triton")
+    spec = _spec(dtype, precision="tf32")
+    ks = generate_attention(spec, attention_variants(spec)[0])
+    ck = _compile_sm90(ks, tmp_path)
+    ptx = ck.asm["ptx"]
+    assert f".entry {spec.name}(" in ptx or f".entry {spec.name}" in ptx
+    assert "mma" in ptx  # wgmma or mma.sync
+    assert (ck.metadata.global_scratch_size or 0) == 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--interpret"]:
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+        from tests.test_codegen import _install_bf16_rounding_fix, _install_gpu_max_semantics, _install_libdevice_shims
+        from tests.test_rows_codegen import install_index_fix
+
+        def install_bf16_dot_fix() -> None:
+            """Triton 3.6's interpreter multiplies bfloat16 operands as their uint16 bit patterns
+            (it stores bf16 as uint16); widen them to float32 first, as the tensor cores do."""
+            import triton.language as tl
+            from triton.runtime import interpreter
+            from triton.runtime.interpreter import TensorHandle
+
+            builder = interpreter.InterpreterBuilder
+            create_dot = builder.create_dot
+
+            def widened(x):
+                if x.dtype.scalar == tl.bfloat16:
+                    data = (x.data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+                    return TensorHandle(data, tl.float32)
+                return x
+
+            builder.create_dot = lambda self, a, b, d, *args: create_dot(self, widened(a), widened(b), d, *args)
+
+        _install_libdevice_shims()
+        _install_bf16_rounding_fix()
+        _install_gpu_max_semantics()
+        install_index_fix()  # the key loop's bound is a run-time scalar
+        install_bf16_dot_fix()
+        run_all(Path(sys.argv[2]), "cpu")
