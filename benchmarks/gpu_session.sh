@@ -175,12 +175,13 @@ PY
   gpu-tests-a|gpu-tests-b)
     # every GPU-marked test in two calls of under 600 s each (about 290 s and 390 s on the H200,
     # eleventh session); a: the row kernels first and alone (their first test compiles every
-    # case: 37 s), then the library, NaN, rounding and conv-library tests; b: the rest
+    # case: 37 s), then the library, NaN, rounding, conv-library and attention tests; b: the rest
     P="python3 -m pytest -m gpu -q -p no:cacheprovider -rf --tb=short --durations=12"
     if [ "$1" = gpu-tests-a ]; then
       timeout -s INT 220 $P tests/test_rows_gpu.py 2>&1 | tee "$OUT/gpu_tests_a1.log" | grep -v '^\.*\s*\[' | tail -20
       timeout -s INT "${2:-330}" $P tests/test_library.py tests/test_nan.py tests/test_rounding.py tests/test_gpu.py \
-        tests/test_conv_library.py tests/test_rows_codegen.py 2>&1 | tee "$OUT/gpu_tests_a2.log" | grep -v '^\.*\s*\[' | tail -30
+        tests/test_conv_library.py tests/test_rows_codegen.py tests/test_attention_gpu.py tests/test_attention_codegen.py \
+        2>&1 | tee "$OUT/gpu_tests_a2.log" | grep -v '^\.*\s*\[' | tail -30
     else
       timeout -s INT "${2:-560}" $P tests/test_gpu_conv.py tests/test_gpu_reliability.py tests/test_gemm_gpu.py \
         tests/test_rows_groupnorm_gpu.py tests/test_conv_small_m.py tests/test_bench.py tests/test_codegen.py \

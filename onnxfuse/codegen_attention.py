@@ -95,19 +95,25 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class AttentionVariant:
-    """One binary of a FusedAttention kernel: its tile."""
+    """One binary of a FusedAttention kernel: its tile, and what the launcher checks.
+
+    aligned: the head dims of Q, K^T, V and Y are contiguous (stride 1: the kernel's loads along
+    them vectorize) and their other strides multiples of 16 elements, the pointers 16-byte
+    aligned (`requires` ptr_align, the launcher's own `stride_multiple`); the variant after it,
+    the same tile unaligned, takes any strides."""
 
     index: int = 0
     block_m: int = 64
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    aligned: bool = False
 
     def requires(self) -> dict[str, int]:
-        return {"max_elements": MAX_ELEMENTS}
+        return {"max_elements": MAX_ELEMENTS, **({"ptr_align": 16} if self.aligned else {})}
 
     def meta(self) -> dict[str, int]:
-        return {"block_m": self.block_m, "block_n": self.block_n}
+        return {"block_m": self.block_m, "block_n": self.block_n, "stride_multiple": 16 if self.aligned else 1}
 
     def grid(self, sq: int, batch_heads: int) -> tuple[int, int]:
         """The launch grid, as the C++ launcher computes it."""
@@ -156,9 +162,11 @@ ALTERNATIVES = {
 }
 
 
-def _variant(tile: tuple[int, int, int, int]) -> AttentionVariant:
+def _variants(tile: tuple[int, int, int, int]) -> tuple[AttentionVariant, AttentionVariant]:
+    """The tile aligned (index 0), then unaligned (index 1)."""
     bm, bn, w, s = tile
-    return AttentionVariant(index=0, block_m=bm, block_n=bn, num_warps=w, num_stages=s)
+    return tuple(AttentionVariant(index=i, block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=i == 0)
+                 for i in range(2))
 
 
 def _heuristic_tile(spec: AttentionSpec) -> tuple[int, int, int, int]:
@@ -176,21 +184,21 @@ def _heuristic_tile(spec: AttentionSpec) -> tuple[int, int, int, int]:
 
 def attention_variants(spec: AttentionSpec) -> tuple[AttentionVariant, ...]:
     """The variants of a FusedAttention kernel: one tile, by the heuristic above (`F32_TILE`,
-    `HALF_TILE`, BLOCK_M halved while a known grid leaves SMs idle)."""
-    return (_variant(_heuristic_tile(spec)),)
+    `HALF_TILE`, BLOCK_M halved while a known grid leaves SMs idle), aligned then not."""
+    return _variants(_heuristic_tile(spec))
 
 
 def attention_candidates(spec: AttentionSpec) -> list[tuple[str, tuple[AttentionVariant, ...]]]:
     """(label, variants) per configuration `--tune` times: the heuristic's first, then up to
-    three alternative tiles (each one variant, index 0) other than the heuristic's."""
+    three alternative tiles (each aligned then not) other than the heuristic's."""
     out: list[tuple[str, tuple[AttentionVariant, ...]]] = [("default", attention_variants(spec))]
     seen = {_heuristic_tile(spec)}
     for tile in ALTERNATIVES["f32" if spec.dtype == "f32" else "f16"]:
         if tile in seen or len(out) == 4:
             continue
         seen.add(tile)
-        v = _variant(tile)
-        out.append((v.label, (v,)))
+        vs = _variants(tile)
+        out.append((vs[0].label, vs))
     return out
 
 
@@ -227,10 +235,18 @@ def generate_attention(spec: AttentionSpec, variant: AttentionVariant) -> Kernel
     types += [INT_TYPE] * (len(names) - len(types))
     constexprs = (("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n), ("HEAD_D", padded(spec.head_d)),
                   ("HEAD_DV", padded(spec.head_dv)), ("D", spec.head_d), ("DV", spec.head_dv))
-    source = _module(spec, names, [c for c, _ in constexprs])
+    source = _module(spec, names, [c for c, _ in constexprs], variant.aligned)
+    divisible: tuple[int, ...] = ()
+    if variant.aligned:  # the pointers and the strides the launcher checked (not the extras')
+        divisible = tuple(i for i, p in enumerate(names) if p.endswith("_ptr") or p in ALIGNED_STRIDES)
     return KernelSource(name=spec.name, source=source, params=tuple(zip(names, types, strict=True)),
-                        constexprs=constexprs, divisible=(), num_warps=variant.num_warps, variant=variant,
+                        constexprs=constexprs, divisible=divisible, num_warps=variant.num_warps, variant=variant,
                         num_stages=variant.num_stages)
+
+
+# An aligned variant's strides of Q, K^T, V and Y that are multiples of 16 (their head dims' are 1)
+ALIGNED_STRIDES = frozenset({"stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn",
+                             "stride_vb", "stride_vh", "stride_vn", "stride_yb", "stride_yh", "stride_ym"})
 
 
 def _precision_text(spec: AttentionSpec) -> str:
@@ -241,7 +257,7 @@ def _precision_text(spec: AttentionSpec) -> str:
     return f"fp32 operands, dot precision {spec.precision}"
 
 
-def _module(spec: AttentionSpec, names: list[str], constexprs: list[str]) -> str:
+def _module(spec: AttentionSpec, names: list[str], constexprs: list[str], aligned: bool = False) -> str:
     lines = [f"# {spec.name}: generated by onnxfuse.codegen_attention; do not edit.", "#",
              "# Y[B, H, Sq, Dv] = softmax(scores(Q @ K^T, extras...)) @ V over the keys, the online softmax of",
              f"# flash attention; Q [B, H, Sq, {spec.head_d}], K^T [B, H, {spec.head_d}, Sk], "
@@ -261,7 +277,7 @@ def _module(spec: AttentionSpec, names: list[str], constexprs: list[str]) -> str
     for i in range(0, len(strides), 4):
         lines.append(f"    {', '.join(strides[i:i + 4])},")
     lines += [f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},", "):"]
-    lines += ["    " + ln if ln else "" for ln in _body(spec)]
+    lines += ["    " + ln if ln else "" for ln in _body(spec, aligned)]
     return "\n".join(lines) + "\n"
 
 
@@ -272,8 +288,11 @@ def _dot(spec: AttentionSpec, a: str, b: str, acc: str | None = None) -> str:
     return f"tl.dot({args})"
 
 
-def _body(spec: AttentionSpec) -> list[str]:
+def _body(spec: AttentionSpec, aligned: bool = False) -> list[str]:
     dt = spec.dtype
+
+    def step(name: str) -> str:  # a head dim's stride: 1 in an aligned variant (checked by the launcher)
+        return "" if aligned else f" * {name}"
     d_mask = spec.head_d != padded(spec.head_d)
     dv_mask = spec.head_dv != padded(spec.head_dv)
     q_mask = "row_ok[:, None]" + (" & (offs_d[None, :] < D)" if d_mask else "")
@@ -296,7 +315,9 @@ def _body(spec: AttentionSpec) -> list[str]:
            "row_ok = offs_m < SQ",
            "",
            "# The Q tile, loaded once.",
-           f"q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd, mask={q_mask}, "
+           *(["# Aligned: the head dims are contiguous (stride 1), so the loads along them vectorize."]
+             if aligned else []),
+           f"q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :]{step('stride_qd')}, mask={q_mask}, "
            "other=0.0)"]
     if spec.tf32:
         out += ["q = round_to_tf32(q)  # to nearest, as cuBLAS does (tl.dot's tf32 would truncate)"]
@@ -309,8 +330,8 @@ def _body(spec: AttentionSpec) -> list[str]:
             "for start_n in range(0, SK, BLOCK_N):",
             "    offs_n = start_n + tl.arange(0, BLOCK_N)",
             "    col_ok = offs_n < SK",
-            f"    kt = tl.load(k_base + offs_d[:, None] * stride_kd + offs_n[None, :] * stride_kn, mask={k_mask}, "
-            "other=0.0)"]
+            f"    kt = tl.load(k_base + offs_d[:, None]{step('stride_kd')} + offs_n[None, :] * stride_kn, "
+            f"mask={k_mask}, other=0.0)"]
     if spec.tf32:
         out += ["    kt = round_to_tf32(kt)"]
     out += [f"    qk = {_dot(spec, 'q', 'kt')}"]
@@ -328,8 +349,8 @@ def _body(spec: AttentionSpec) -> list[str]:
             "    l_i = l_i * alpha + tl.sum(p, axis=1)",
             "    acc = acc * alpha[:, None]",
             "    m_i = m_new",
-            f"    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd, mask={v_mask}, "
-            "other=0.0)"]
+            f"    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]{step('stride_vd')}, "
+            f"mask={v_mask}, other=0.0)"]
     if dt == "f32":
         if spec.tf32:
             out += ["    # P and V to nearest TF32 (P unnormalized: module docstring).",
@@ -343,7 +364,8 @@ def _body(spec: AttentionSpec) -> list[str]:
     out += ["",
             "# Normalize (a row of -inf: 0 / 0 = NaN) and store, cast to Y's dtype.",
             "y = tl.div_rn(acc, l_i[:, None])",
-            f"tl.store(y_base + offs_m[:, None] * stride_ym + offs_dv[None, :] * stride_yd, {y}, mask={y_mask})"]
+            f"tl.store(y_base + offs_m[:, None] * stride_ym + offs_dv[None, :]{step('stride_yd')}, {y}, "
+            f"mask={y_mask})"]
     return out
 
 

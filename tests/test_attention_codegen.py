@@ -59,6 +59,7 @@ SCALE_TO_F32 = "input %0 {dt}\n%1 = mul %0 0.125\noutput %1 f32"  # a Cast of th
 MASK_F32 = "input %0 {dt}\ninput %1 f32\n%2 = mul %0 0.125\n%3 = add %2 %1\noutput %3 {dt}"
 
 SMALL = AttentionVariant(block_m=16, block_n=16, num_warps=4, num_stages=1)
+SMALL_ALIGNED = AttentionVariant(block_m=16, block_n=16, num_warps=4, num_stages=1, aligned=True)
 # The special rows of the "special" mask extra: all -inf, one +inf, one NaN
 NEG_INF_ROW, POS_INF_ROW, NAN_ROW = 5, 2, 7
 LATE_ROW = 6  # its first 20 keys -inf (a whole key block of 16): finite, not NaN
@@ -99,6 +100,10 @@ CASES = [
          variant=None),
     Case("bf16-mask", "bf16", SCALE_MASK, extras=(("additive", (2, 1, 1, 37)),)),
     Case("f32-ieee-special-rows", "f32", MASK_F32, extras=(("special", (1, 1, 20, 37)),)),
+    # aligned variants: the head dims read at stride 1 (every layout here has contiguous heads)
+    Case("f16-causal-aligned", "f16", CAUSAL, extras=(("causal", (1, 1, 20, 37)),), variant=SMALL_ALIGNED),
+    Case("f32-tf32-mask-d40-aligned", "f32", SCALE_MASK, d=40, dv=24, precision="tf32",
+         extras=(("additive", (2, 1, 1, 37)),), variant=SMALL_ALIGNED),
     Case("f16-special-rows", "f16", MASK_F32, extras=(("special", (1, 1, 20, 37)),)),
 ]
 
@@ -351,24 +356,26 @@ def test_source_is_deterministic_and_names_its_nodes():
 
 def test_variant_choice():
     # float16, D 64: the tutorial's Hopper tile; a static grid that leaves SMs idle halves BLOCK_M
-    assert attention_variants(_spec("f16")) == (AttentionVariant(0, 128, 64, 8, 3),)
+    # (each tile aligned, then not)
+    assert attention_variants(_spec("f16")) == (AttentionVariant(0, 128, 64, 8, 3, aligned=True),
+                                                AttentionVariant(1, 128, 64, 8, 3))
     assert attention_variants(_spec("f16", sq=512, batch_heads=96))[0].block_m == 128  # 4 * 96 programs
     bert1 = attention_variants(_spec("f16", sq=128, batch_heads=12))[0]  # BERT-base at batch 1
     assert (bert1.block_m, bert1.num_warps) == (16, 4)
     assert attention_variants(_spec("f16", sq=128, batch_heads=48))[0].block_m == 32  # 4 * 48 >= SMS
     assert -(-128 // 32) * 48 >= SMS > -(-128 // 64) * 48
     # wide heads: the half tile
-    assert attention_variants(_spec("bf16", 256, 256))[0] == AttentionVariant(0, 64, 64, 4, 2)
+    assert attention_variants(_spec("bf16", 256, 256))[0] == AttentionVariant(0, 64, 64, 4, 2, aligned=True)
     # float32: narrower key blocks above D 32
-    assert attention_variants(_spec("f32"))[0] == AttentionVariant(0, 64, 32, 4, 2)
+    assert attention_variants(_spec("f32"))[0] == AttentionVariant(0, 64, 32, 4, 2, aligned=True)
     assert attention_variants(_spec("f32", 32, 32))[0].block_n == 64
     for spec in (_spec("f16"), _spec("f32"), _spec("f16", sq=128, batch_heads=12)):
         cands = attention_candidates(spec)
         labels = [label for label, _ in cands]
         assert labels[0] == "default" and len(labels) == len(set(labels)) == 4
         assert cands[0][1] == attention_variants(spec)
-        assert all(len(vs) == 1 and vs[0].index == 0 for _, vs in cands)
-        tiles = [(v.block_m, v.block_n, v.num_warps, v.num_stages) for _, (v,) in cands]
+        assert all([(v.index, v.aligned) for v in vs] == [(0, True), (1, False)] for _, vs in cands)
+        tiles = [(v.block_m, v.block_n, v.num_warps, v.num_stages) for _, (v, _) in cands]
         assert len(set(tiles)) == 4
 
 

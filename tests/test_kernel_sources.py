@@ -249,6 +249,18 @@ def _gemm_attention() -> onnx.ModelProto:
     return m
 
 
+def _attention(form: str) -> onnx.ModelProto:
+    """BERT-base's attention at batch 2 in float16 (aligned and unaligned variants, a mask);
+    GPT-2's causal Where on a small float32 head (precision ieee)."""
+    if form == "bert":
+        from tests.test_attention_gpu import _bert_shaped
+
+        return _bert_shaped("float16", 2, 128, 12, 64)
+    from tests.test_attention_patterns import _heads
+
+    return _heads("where")
+
+
 # Cases whose kernels the optimizer writes only with $ONNXFUSE_GEMM_ALL=1 or tuning (the gemm kind)
 GEMM_ENV = {"ONNXFUSE_GEMM_ALL": "1"}
 
@@ -313,6 +325,8 @@ CASES: dict[str, tuple] = {
     "gemm_ffn_fp16": (lambda: _gemm_ffn("float16"), "nhwc", "tf32", {"env": GEMM_ENV}),
     "gemm_small_m": (lambda: _gemm_ffn(s=4, k=256, n=64), "nhwc", "tf32", {"env": GEMM_ENV}),
     "gemm_mix": (_gemm_attention, "nhwc", "tf32", {"env": GEMM_ENV}),
+    "attention_bert_base_fp16": (lambda: _attention("bert"), "nhwc", "tf32", {}),
+    "attention_gpt2_causal_ieee": (lambda: _attention("gpt2"), "nhwc", "ieee", {}),
 }
 
 

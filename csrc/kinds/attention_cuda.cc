@@ -24,6 +24,9 @@ using cuda::thread_params;
 
 struct AttentionTile {
   int64_t block_m = 1, block_n = 1;
+  // 16: the kernel was compiled knowing the head dims of Q, K^T, V and Y contiguous (stride 1)
+  // and their other strides multiples of 16 (and the pointers 16-byte aligned: ptr_align); 1: any
+  int64_t stride_multiple = 1;
 };
 
 struct AttentionKernel : cuda::CudaKernel {
@@ -66,6 +69,7 @@ struct AttentionKernel : cuda::CudaKernel {
     AttentionTile t;
     t.block_m = cuda::meta_positive(vj, "block_m", where);
     t.block_n = cuda::meta_positive(vj, "block_n", where);
+    t.stride_multiple = std::max<int64_t>(1, cuda::meta_int(vj, "stride_multiple", where, false, 1));
     tiles.push_back(t);
   }
 
@@ -142,9 +146,37 @@ struct AttentionKernel : cuda::CudaKernel {
     for (const Shape& st : g.extras)
       for (int i = 0; i < 4; ++i) p.i32(st[i], "an extra input's stride over the scores");
     p.scratch();
-    const int v = choose_variant(tg, ptrs, ny, largest);
+    const int v = choose(tg, ptrs, g, largest);
     const AttentionTile& tile = tiles[v];
     launch(tg, v, (g.sq + tile.block_m - 1) / tile.block_m, g.b * g.h, p);
+  }
+
+  // Whether Q, K^T, V and Y have contiguous head dims and their other strides are multiples of m.
+  static bool strides_fit(const AttentionGeometry& g, int64_t m) {
+    if (g.q[3] != 1 || g.k[2] != 1 || g.v[3] != 1 || g.y[3] != 1) return false;
+    const int64_t others[] = {g.q[0], g.q[1], g.q[2], g.k[0], g.k[1], g.k[3],
+                              g.v[0], g.v[1], g.v[2], g.y[0], g.y[1], g.y[2]};
+    for (int64_t s : others)
+      if (s % m) return false;
+    return true;
+  }
+
+  // The first variant with a binary for this device whose requirements hold: its tensors fit its
+  // 32-bit indices, its pointers are as aligned as it asks, and, for one compiled with
+  // stride_multiple > 1, the strides fit (strides_fit).
+  int choose(const Target& tg, const std::vector<const void*>& ptrs, const AttentionGeometry& g,
+             int64_t largest) const {
+    for (size_t v = 0; v < tiles.size(); ++v) {
+      if (!tg.L->fn[v]) continue;
+      const Variant& var = meta.variants[v];
+      if ((var.max_elements > 0 && largest > var.max_elements) || largest > INT32_MAX) continue;
+      if (tiles[v].stride_multiple > 1 && !strides_fit(g, tiles[v].stride_multiple)) continue;
+      bool aligned = true;
+      for (const void* q : ptrs) aligned &= reinterpret_cast<uintptr_t>(q) % static_cast<uint64_t>(var.ptr_align) == 0;
+      if (aligned) return static_cast<int>(v);
+    }
+    throw Error("kernel " + meta.name + ": no variant with a binary for this GPU takes these tensors (largest " +
+                std::to_string(largest) + " elements) at these addresses and strides; embedded: " + meta.embedded());
   }
 };
 

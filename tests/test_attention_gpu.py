@@ -1,0 +1,134 @@
+"""FusedAttention on an NVIDIA GPU (run with ``pytest -m gpu`` on the device machine): optimized
+models on ONNX Runtime's CUDA execution provider with the custom-op library against the
+originals there, with and without CUDA graphs:
+
+- float32 at `ieee` against ORT with TF32 off (1e-5 of the scale); at the default `tf32`
+  against the float64 reference within 2x ORT's own TF32 error plus a floor (`onnxfuse bench`'s
+  gate); float16 within 1e-2 of ORT;
+- BERT's layout (heads made by Transposes, which the node absorbs), GPT-2's causal Where, no
+  mask, keys transposed twice, the output left as heads, BERT-base's shapes (aligned variant:
+  contiguous head dims, strides multiples of 16), and a head dim of 40 (H * D = 120: the
+  unaligned variant);
+- the suite's small transformers end to end (models/transformers.py, TorchScript exporter, at
+  static shapes)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+from tests.test_attention_patterns import _feeds, _heads
+from tests.util import model
+
+N = helper.make_node
+
+
+def _bert_shaped(dtype: str, b: int, s: int, h: int, d: int):
+    """BERT's attention at [b, s, h, d]: Transposes, / sqrt(d), an additive mask, Softmax, @ v."""
+    nodes = [N("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]), N("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]),
+             N("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qh", "kt"], ["sc"]),
+             N("Div", ["sc", "scale"], ["t"]), N("Add", ["t", "mask"], ["a"]), N("Softmax", ["a"], ["p"], axis=-1),
+             N("MatMul", ["p", "vh"], ["o"]), N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
+    io = {x: (dtype, [b, s, h, d]) for x in "qkv"}
+    io["mask"] = (dtype, [b, 1, 1, s])
+    return model(nodes, io, {"y": (dtype, [b, s, h, d])}, {"scale": np.array(np.sqrt(d), dtype)}, opset=17)
+
+
+def _models() -> list[tuple[str, object]]:
+    return [
+        ("bert-layout-f32", _heads("add")),
+        ("gpt2-causal-f32", _heads("where")),
+        ("no-mask-mul-f32", _heads(None, "mul")),
+        ("keys-twice-heads-out-f32", _heads("add", k_twice=True, out_transpose=False)),
+        ("bert-layout-f16", _heads("add", dtype="float16")),
+        ("gpt2-causal-f16", _heads("where", dtype="float16")),
+        ("bert-base-b2-f32", _bert_shaped("float32", 2, 128, 12, 64)),
+        ("bert-base-b2-f16", _bert_shaped("float16", 2, 128, 12, 64)),
+        ("head-dim-40-f16", _bert_shaped("float16", 2, 77, 3, 40)),
+    ]
+
+
+MODELS = _models()
+# float32 models at both precisions, float16 ones once (the precision is float32's)
+RUNS = [(i, prec) for i, (name, _) in enumerate(MODELS) for prec in (("ieee", "tf32") if name.endswith("f32") else
+                                                                      ("tf32",))]
+
+
+def _session(m, library: bool, graph: bool = False, tf32: bool = False):
+    import onnxruntime as ort
+
+    from onnxfuse import library_path
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if library:
+        so.register_custom_ops_library(library_path())
+    opts = {"use_tf32": "1" if tf32 else "0", **({"enable_cuda_graph": "1"} if graph else {})}
+    return ort.InferenceSession(m.SerializeToString(), so, providers=[("CUDAExecutionProvider", opts)])
+
+
+def _check_against_ort(name: str, m, r, feeds: dict, precision: str) -> None:
+    from onnxfuse.reference import evaluate
+
+    fp32 = m.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
+    want = _session(m, False).run(None, feeds)
+    ort_tf32 = _session(m, False, tf32=True).run(None, feeds)
+    ref = evaluate(m, feeds) if fp32 and precision == "tf32" else None
+    outs = [o.name for o in m.graph.output]
+    for graph in (False, True):
+        got = _session(r.model, True, graph).run(None, feeds)
+        for k, (e, g) in enumerate(zip(want, got, strict=True)):
+            what = f"{name}, {precision}, CUDA graph {graph}, output {outs[k]}"
+            assert e.dtype == g.dtype and e.shape == g.shape, what
+            if ref is not None:  # TF32: no further from float64 than ORT's own TF32 (the gate's rule)
+                r64 = np.asarray(ref[outs[k]], np.float64)
+                bound = 2 * np.abs(ort_tf32[k].astype(np.float64) - r64).max() + 1e-5 * np.abs(r64).max()
+                assert np.abs(g.astype(np.float64) - r64).max() <= bound, what
+                continue
+            tol = 1e-5 if e.dtype == np.float32 else 1e-2
+            scale = float(np.abs(e.astype(np.float64)).max(initial=1.0))
+            np.testing.assert_allclose(g.astype(np.float64), e.astype(np.float64), rtol=tol, atol=tol * scale,
+                                       err_msg=what)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("index", "precision"), RUNS, ids=[f"{MODELS[i][0]}-{p}" for i, p in RUNS])
+def test_cuda_op_matches_onnx_runtime(index, precision, tmp_path, monkeypatch):
+    from onnxfuse import optimize_model
+    from onnxfuse.compile import local_gpu_archs
+    from onnxfuse.kernels import compile_fused
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    name, m = MODELS[index]
+    r = optimize_model(m)
+    info, _ = compile_fused(r.model, r.fused, local_gpu_archs(), conv_precision=precision)
+    nodes = [n for n in r.model.graph.node if n.op_type == "FusedAttention"]
+    assert not info["failed"] and len(nodes) == 1, r.report.summary()
+    meta = json.loads(next(a.s for a in nodes[0].attribute if a.name == "kernel_meta"))
+    assert [v["stride_multiple"] for v in meta["variants"]] == [16, 1]
+    _check_against_ort(name, m, r, _feeds(m), precision)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["bert_base", "vit_s16", "gpt2_small"])
+def test_small_transformers_on_cuda(arch, tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    from models import transformers as mt
+    from onnxfuse.pipeline import build_options, optimize_model
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    m = mt.export(arch, "torchscript", small=True)
+    shapes = {k: (2, *v) for k, v in mt.input_dims(arch, small=True).items()}
+    # ieee: the fused attention at float32's full precision, held to ORT with TF32 off
+    r = optimize_model(m, options=build_options(target="auto", tune="off", shapes=shapes, conv_precision="ieee"))
+    assert sum(n.op_type == "FusedAttention" for n in r.model.graph.node) == mt.config(arch, small=True).layers
+    feeds = mt.feeds(arch, shapes, small=True)
+    want = _session(m, False).run(None, feeds)
+    for graph in (False, True):
+        got = _session(r.model, True, graph).run(None, feeds)
+        for e, g in zip(want, got, strict=True):
+            scale = float(np.abs(e).max(initial=1.0))
+            np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-4 * scale, err_msg=f"{arch}, CUDA graph {graph}")
