@@ -105,6 +105,11 @@ def test_reasons_for_softmax_that_is_not_attention():
     r = optimize_model(m, [p for p in PATTERNS if p.name != "softmax"])
     assert any("Softmax's output is not read by one MatMul alone" in k for k in r.report.not_fused), \
         r.report.not_fused
+    # the masked scores (the Softmax's input) also a graph output: no attention, the graph intact
+    m = _heads("add")
+    m.graph.output.append(helper.make_tensor_value_info("a", TensorProto.FLOAT, [B, H, S, S]))
+    r = check_fusion(m, feeds=_feeds(m), patterns=[p for p in PATTERNS if p.name != "softmax"])
+    assert "FusedAttention" not in op_types(r.model)
     m = _heads("add")
     next(n for n in m.graph.node if n.op_type == "Softmax").attribute[0].i = 2
     r = optimize_model(m, [p for p in PATTERNS if p.name != "softmax"])

@@ -164,14 +164,14 @@ def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int])
     return Operand(name, perm, tuple(transposes))
 
 
-def _score_path(view: GraphView, x: str, target: Shape, pattern: Pattern, taken: set[int]
+def _score_path(view: GraphView, x: str, sm: int, target: Shape, pattern: Pattern, taken: set[int]
                 ) -> tuple[int, list[int]] | None:
     """(the first MatMul, the pointwise nodes from its output to `x`, topological order): a
     chain in which each node's output is read only by the next (the last one's by the
-    Softmax), found depth first through the operands of the scores' shape."""
-    def walk(name: str, reader: int | None, path: list[int]) -> tuple[int, list[int]] | None:
+    Softmax `sm`), found depth first through the operands of the scores' shape."""
+    def walk(name: str, reader: int, path: list[int]) -> tuple[int, list[int]] | None:
         p = view.producer.get(name)
-        if p is None or p in taken or (reader is not None and not _only_reader(view, name, reader)):
+        if p is None or p in taken or not _only_reader(view, name, reader):
             return None
         if _is(view, p, "MatMul"):
             return p, path[::-1]
@@ -185,7 +185,7 @@ def _score_path(view: GraphView, x: str, target: Shape, pattern: Pattern, taken:
                 if found is not None:
                     return found
         return None
-    return walk(x, None, [])
+    return walk(x, sm, [])
 
 
 def fits(shape: Shape | None, target: Shape) -> bool:
@@ -218,7 +218,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
         return NOT_LAST_AXIS
     if rank not in (3, 4):
         return RANK
-    found = _score_path(view, x, tuple(x_shape), pattern, taken)
+    found = _score_path(view, x, sm, tuple(x_shape), pattern, taken)
     if found is None:
         return NO_PRODUCT
     qk, score_ops = found
