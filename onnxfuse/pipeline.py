@@ -28,6 +28,7 @@ from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem
 from onnxfuse.match import MatchResult, find_matches
 from onnxfuse.ort_fusions import ort_fusions
 from onnxfuse.outputs import Outputs
+from onnxfuse.pack import pack_qkv
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.rewrite import DOMAIN, FusedNode, rewrite
 from onnxfuse.static import fold_shape_arithmetic, resolve_dims
@@ -204,6 +205,8 @@ class Result:
     # - choose layout: patterns left out because no tuning will time their nodes
     #   (Kind.untuned_reason): reason -> the op types their matches start from
     untuned: dict[str, frozenset[str]] = field(default_factory=dict)
+    # - pack: how many attentions had their Q, K and V projections packed into one product
+    packed: int = 0
     # - match: what each pattern fuses, and why other nodes do not
     found: MatchResult | None = None
     # - compile, when the tune pass follows: the result as the rewrite left it, from which
@@ -328,6 +331,23 @@ def choose_layout_pass(result: Result, options: Options) -> Result:
     return result
 
 
+PACKED = ("attentions whose Q, K and V projections were packed into one MatMul (the attention reads "
+          "them in place)")
+
+
+def pack_pass(result: Result, options: Options) -> Result:
+    """Where the attention pattern is applied: each attention's Q, K and V projections (three
+    MatMuls of one input) packed into one product and a Split that the attention then reads in
+    place (`onnxfuse.pack`); the shapes inferred again when anything was packed."""
+    attention = next((p for p in result.patterns if p.kind.name == "attention"), None)
+    if result.unchanged is None and attention is not None:
+        model, packed = pack_qkv(result.model, result.view, attention)
+        if packed:
+            result.model, result.packed = model, packed
+            infer_shapes_pass(result, options)
+    return result
+
+
 def match_pass(result: Result, options: Options) -> Result:
     """The groups each pattern fuses (`onnxfuse.match`), and in the report why other nodes do
     not (including those the matcher does not visit: in subgraphs and the model's functions).
@@ -340,6 +360,8 @@ def match_pass(result: Result, options: Options) -> Result:
                         "(--no-leave-to-ort says not to look)")
         result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None)
         result.report.notes = dict(result.found.notes)
+        if result.packed:
+            result.report.notes[PACKED] = result.packed
         not_fused = dict(result.found.rejected)
         for reason, count in _not_visited(result.model, result.patterns).items():
             not_fused[reason] = not_fused.get(reason, 0) + count
@@ -442,6 +464,7 @@ PASSES: tuple[Callable[[Result, Options], Result], ...] = (
     fold_pass,            # Conv -> BatchNormalization: one Conv
     infer_shapes_pass,    # types and shapes, for matching and for the NHWC layout
     choose_layout_pass,   # the patterns for the layout (nchw, or nhwc when kernels are compiled)
+    pack_pass,            # attention's Q, K and V projections: one product, read in place
     match_pass,           # the groups each pattern fuses, and why other nodes do not
     rewrite_pass,         # custom nodes in domain onnxfuse + their original subgraphs as functions
     compile_pass,         # decline slow convs, lay out NHWC, compile and attach kernels, unfuse failures

@@ -122,13 +122,17 @@ def lower_nodes(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...
 def _function_body(view: GraphView, nodes: list[NodeProto], inputs: list[str], outputs: tuple[str, ...],
                    folded: dict[str, float]) -> tuple[list[NodeProto], list[str], list[str]]:
     """Copies of `nodes` with names normalized: x<i> inputs, y<i> outputs, t<i> internals,
-    n<j> nodes, and Constant nodes for the constants that became literals."""
+    n<j> nodes, and Constant nodes for the constants that became literals and for any other
+    constant a body node reads that is not an input (a Reshape's shape, a Split's sizes)."""
     names: dict[str, str] = {}
     for k, x in enumerate(inputs):
         names.setdefault(x, f"x{k}")  # a tensor passed twice is read through its first input
     names.update({y: f"y{k}" for k, y in enumerate(outputs)})
     body: list[NodeProto] = []
-    for k, c in enumerate(sorted(folded)):
+    consts = sorted(folded)
+    consts += sorted({x for n in nodes for x in n.input if x and x not in names and x not in folded
+                      and x in view.constants})
+    for k, c in enumerate(consts):
         names[c] = f"c{k}"
         t = onnx.TensorProto()
         t.CopyFrom(view.constants[c])

@@ -100,6 +100,10 @@ def check_programs(m: onnx.ModelProto, result: Result, feeds: dict, rtol: float 
     original graph's tensors: the check that the expression the kernels run is right."""
     values = intermediates(m, feeds)
     values.update({t.name: numpy_helper.to_array(t) for t in result.model.graph.initializer})  # packed weights
+    if any(x not in values for f in result.fused for x in f.inputs):
+        # tensors the optimizer made before fusing (onnxfuse.pack's packed projections): the
+        # optimized model's own, its fused nodes running their function bodies
+        values = {**intermediates(result.model, feeds), **values}
     nodes = {n.name: n for n in result.model.graph.node}
     for f in result.fused:
         if f.kind != "pointwise":  # the other kinds: the node's contract (docs/format.md) in numpy

@@ -92,6 +92,17 @@ class Operand:
     base: str
     perm: tuple[int, ...]
     transposes: tuple[int, ...]
+    reader: int = -1  # the node that reads `base` (the last Transpose absorbed, or the MatMul)
+    # read in place from a packed tensor (a Split on its last axis, then a Reshape to heads):
+    # the node's input is `packed`, and `split` is [offset, heads, head_dim] (docs/format.md)
+    packed: str = ""
+    split: tuple[int, int, int] | None = None
+    split_nodes: tuple[int, ...] = ()  # the Reshape (and, for the first operand of its Split, the Split)
+
+    @property
+    def input(self) -> str:
+        """The node's input for this operand."""
+        return self.packed or self.base
 
 
 @dataclass(frozen=True)
@@ -161,7 +172,62 @@ def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int])
         perm = tuple(p[i] for i in perm)  # Transpose(Transpose(x, p), perm) = Transpose(x, p o perm)
         transposes.append(t)
         reader, name = t, view.nodes[t].input[0]
-    return Operand(name, perm, tuple(transposes))
+    return Operand(name, perm, tuple(transposes), reader)
+
+
+def _split_view(view: GraphView, o: Operand, taken: set[int]) -> tuple[int, int, str, tuple[int, int, int]] | None:
+    """(the Reshape, the Split, the packed tensor, [offset, heads, head_dim]) when operand `o`'s
+    base is a Reshape to [..., heads, head_dim] of one output of a Split on the last axis,
+    each read only by the chain; None otherwise."""
+    r = view.producer.get(o.base)
+    if not _is(view, r, "Reshape") or r in taken or not _only_reader(view, o.base, o.reader):
+        return None
+    part = view.nodes[r].input[0]
+    sp = view.producer.get(part)
+    if not _is(view, sp, "Split") or sp in taken or not _only_reader(view, part, r):
+        return None
+    if len(view.nodes[r].input) < 2 or view.nodes[r].input[1] not in view.constants:
+        return None  # a shape computed at run time would leave the function body an outer input
+    x = view.nodes[sp].input[0]
+    xs, ps, bs = view.shapes.get(x), view.shapes.get(part), view.shapes.get(o.base)
+    if xs is None or ps is None or bs is None or len(ps) != len(xs) or len(bs) != len(xs) + 1:
+        return None
+    axis = int(node_attrs(view.nodes[sp]).get("axis", 0))
+    if axis % len(xs) != len(xs) - 1 or list(bs[:-2]) != list(ps[:-1]):
+        return None
+    heads, head_dim, width = bs[-2], bs[-1], ps[-1]
+    if not all(isinstance(v, int) for v in (heads, head_dim, width)) or heads * head_dim != width:
+        return None
+    offset = 0
+    for out in view.nodes[sp].output:
+        if out == part:
+            return r, sp, x, (offset, heads, head_dim)
+        width = (view.shapes.get(out) or (None,))[-1]
+        if not isinstance(width, int):
+            return None
+        offset += width
+    return None
+
+
+def packed_operands(view: GraphView, ops: tuple[Operand, ...], taken: set[int]) -> tuple[Operand, ...]:
+    """The operands, each read in place from its Split's input where the Splits they come from
+    are absorbed whole: every output of each such Split is the base of one of them (through
+    its Reshape). The first operand of a Split carries the Split among its nodes."""
+    views = [_split_view(view, o, taken) for o in ops]
+    by_split: dict[int, list[int]] = {}
+    for i, v in enumerate(views):
+        if v is not None:
+            by_split.setdefault(v[1], []).append(i)
+    out = list(ops)
+    for sp, members in by_split.items():
+        if len(members) != len(view.nodes[sp].output):
+            continue
+        for k, i in enumerate(members):
+            r, _, x, split = views[i]
+            nodes = (r, sp) if k == 0 else (r,)
+            o = ops[i]
+            out[i] = Operand(o.base, o.perm, o.transposes, o.reader, x, split, nodes)
+    return tuple(out)
 
 
 def _score_path(view: GraphView, x: str, sm: int, target: Shape, pattern: Pattern, taken: set[int]
@@ -237,6 +303,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     q = operand(view, view.nodes[qk].input[0], qk, rank, taken)
     k = operand(view, view.nodes[qk].input[1], qk, rank, taken)
     v = operand(view, view.nodes[pv].input[1], pv, rank, taken)
+    q, k, v = packed_operands(view, (q, k, v), taken)
     dtype = view.types.get(q.base)
     if dtype not in {DTYPE_IDS[d] for d in p.dtypes}:
         return dtype_reason(dtype)
@@ -263,7 +330,8 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     t = next(iter(view.consumers.get(y, ())), None)
     if _is(view, t, "Transpose") and t not in taken and _only_reader(view, y, t) and len(_perm(view, t, rank)) == rank:
         y_transpose, perm_y, result = t, _perm(view, t, rank), view.nodes[t].output[0]
-    group = sorted({*q.transposes, *k.transposes, *v.transposes, qk, *score_ops, sm, pv,
+    group = sorted({*q.transposes, *k.transposes, *v.transposes, *q.split_nodes, *k.split_nodes, *v.split_nodes,
+                    qk, *score_ops, sm, pv,
                     *([y_transpose] if y_transpose is not None else [])})
     if any(i in taken for i in group):
         return "a node is taken by an earlier pattern"
@@ -326,7 +394,11 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
            f"perm_y={info.perm_y} D={info.head_d} Dv={info.head_dv} BH={info.batch_heads} Sq={info.sq} "
            f"Sk={info.sk}")
-    return Lowering(program, folded, [parts.q.base, parts.k.base, parts.v.base, *extras], body, attrs, key,
+    for w, o in zip("qkv", (parts.q, parts.k, parts.v), strict=True):
+        if o.split is not None:
+            attrs[f"split_{w}"] = list(o.split)
+            key += f" split_{w}={o.split}"
+    return Lowering(program, folded, [parts.q.input, parts.k.input, parts.v.input, *extras], body, attrs, key,
                     parts.rank, ("full",) + ("strided",) * len(extras), {"params": info})
 
 
@@ -402,10 +474,22 @@ class Attention(Kind):
         rounded to its dtype as the original stores it."""
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         program = Program.from_text(attrs["program"].decode())
-        q, k, v, *extras = inputs
+        q, k, v = (unpack(x, attrs.get(f"split_{w}")) for w, x in zip("qkv", inputs[:3], strict=True))
+        extras = inputs[3:]
         rank = q.ndim
         perms = [tuple(attrs.get(f"perm_{w}", range(rank))) for w in "qkvy"]
         return [evaluate_attention(program, q, k, v, extras, *perms)]
+
+
+def unpack(x: np.ndarray, split) -> np.ndarray:
+    """An operand's base tensor: x itself, or with split = [offset, heads, head_dim] the part of
+    the packed x it reads (docs/format.md, FusedAttention)."""
+    if split is None:
+        return x
+    offset, heads, head_dim = (int(v) for v in split)
+    if offset + heads * head_dim > x.shape[-1]:
+        raise ValueError(f"split {list(split)} reaches past the packed tensor's last dim {x.shape[-1]}")
+    return x[..., offset:offset + heads * head_dim].reshape(*x.shape[:-1], heads, head_dim)
 
 
 def evaluate_attention(program: Program, q: np.ndarray, k: np.ndarray, v: np.ndarray, extras: list[np.ndarray],
