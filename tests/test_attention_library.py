@@ -9,8 +9,12 @@ Cases: BERT's perms (heads made by Transposes of [B, S, H, D] tensors, Y stored 
 [B, S, H, Dv]), identity perms at rank 4 and rank 3, Dv != D, an additive [B, 1, 1, Sk] mask
 after a Div by the scale, GPT-2's bool causal mask [1, 1, S, S] with Where, K and V broadcast
 along a leading dim, f32 and f16, Sk = 0, a row of -inf (NaN, as ONNX's Softmax gives), float32
-tensors standing for f16 ones; and one-line errors for a perm that is not a permutation,
-mismatched D and an extra that does not broadcast.
+tensors standing for f16 ones; split_q / split_k / split_v (operands read in place from a packed
+input): GPT-2's X [B, S, 3 * H * D] as one tensor fed to inputs 0, 1 and 2 (the body's one
+Split(axis=-1) and Reshapes; f32 and f16), each third at its offset, V alone packed, rank 3 (X
+rank 2), the rank from a split when no perm is given; and one-line errors for a perm that is not
+a permutation, mismatched D, an extra that does not broadcast, a split past X's last dim, of the
+wrong length, with zero heads, and on an input of the wrong rank.
 
 Tolerances: fp32 1e-5 of the output's scale, fp16 1e-2."""
 
@@ -64,31 +68,71 @@ def score_program(dtype, extras, body: list[str], out: int, out_dtype=None) -> s
     return "\n".join(lines) + "\n"
 
 
+def split_nodes(arrays, splits: dict, shared: bool) -> tuple[list, list[str]]:
+    """The function body's nodes that make each operand's base tensor from its formal input
+    ("q", "k", "v"), and the three base tensors' names. shared (inputs 0, 1, 2 one tensor X, all
+    split, X's last dim their concatenation in order): GPT-2's one Split(axis=-1) of "q" and a
+    Reshape per operand; otherwise a Slice on the last axis and a Reshape per split operand."""
+    nodes, names = [], []
+    keys = ("split_q", "split_k", "split_v")
+    if shared:
+        offs = [splits[key][0] for key in keys]
+        sizes = [splits[key][1] * splits[key][2] for key in keys]
+        assert offs == [0, sizes[0], sizes[0] + sizes[1]] and sum(sizes) == arrays[0].shape[-1], (offs, sizes)
+        nodes += [N("Constant", [], ["sizes"], value=numpy_helper.from_array(np.array(sizes, np.int64))),
+                  N("Split", ["q", "sizes"], ["q_p", "k_p", "v_p"], axis=-1)]
+    for name, key, x in zip("qkv", keys, arrays, strict=True):
+        if key not in splits:
+            names.append(name)
+            continue
+        off, heads, hd = splits[key]
+        if not shared:
+            nodes += [N("Constant", [], [f"{name}_st"], value=numpy_helper.from_array(np.array([off], np.int64))),
+                      N("Constant", [], [f"{name}_en"],
+                        value=numpy_helper.from_array(np.array([off + heads * hd], np.int64))),
+                      N("Constant", [], [f"{name}_ax"], value=numpy_helper.from_array(np.array([-1], np.int64))),
+                      N("Slice", [name, f"{name}_st", f"{name}_en", f"{name}_ax"], [f"{name}_p"])]
+        shape = np.array([0] * (x.ndim - 1) + [heads, hd], np.int64)
+        nodes += [N("Constant", [], [f"{name}_sh"], value=numpy_helper.from_array(shape)),
+                  N("Reshape", [f"{name}_p", f"{name}_sh"], [f"{name}_r"])]
+        names.append(f"{name}_r")
+    return nodes, names
+
+
 def attention_model(q, k, v, extras: list[np.ndarray], program: str, score_nodes, perms: dict,
-                    dyn: bool = False, y_type=None) -> onnx.ModelProto:
+                    dyn: bool = False, y_type=None, splits: dict | None = None,
+                    shared: bool = False) -> onnx.ModelProto:
     """A FusedAttention node over graph inputs q, k, v, e0, e1, ... and its function body: the
     Transposes, MatMul, the score nodes (from "s" and "e<i>" to "z"), Softmax, MatMul, the output
-    Transpose. dyn: the graph inputs' dims are symbolic (no static shape inference)."""
-    r = q.ndim
+    Transpose. dyn: the graph inputs' dims are symbolic (no static shape inference). splits:
+    split_q / split_k / split_v ([offset, heads, head_dim]; q, k, v then the packed inputs, the
+    body Slices or Splits them and Reshapes, split_nodes). shared: q, k and v are one tensor, the
+    graph input "x" fed to inputs 0, 1 and 2."""
+    splits = splits or {}
+    r = q.ndim + ("split_q" in splits)
     full = {p: tuple(perms.get(p, range(r))) for p in ("perm_q", "perm_k", "perm_v", "perm_y")}
-    names = ["q", "k", "v", *(f"e{i}" for i in range(len(extras)))]
+    formal = ["q", "k", "v", *(f"e{i}" for i in range(len(extras)))]
+    names = ["x", "x", "x", *formal[3:]] if shared else formal
     arrays = [q, k, v, *extras]
-    body = [N("Transpose", ["q"], ["qt"], perm=list(full["perm_q"])),
-            N("Transpose", ["k"], ["kt"], perm=list(full["perm_k"])),
-            N("Transpose", ["v"], ["vt"], perm=list(full["perm_v"])),
+    made, (qn, kn, vn) = split_nodes(arrays[:3], splits, shared)
+    body = [*made,
+            N("Transpose", [qn], ["qt"], perm=list(full["perm_q"])),
+            N("Transpose", [kn], ["kt"], perm=list(full["perm_k"])),
+            N("Transpose", [vn], ["vt"], perm=list(full["perm_v"])),
             N("MatMul", ["qt", "kt"], ["s"]), *score_nodes(),
             N("Softmax", ["z"], ["p"], axis=-1), N("MatMul", ["p", "vt"], ["yl"]),
             N("Transpose", ["yl"], ["y"], perm=list(full["perm_y"]))]
     overload = "onnxfuse_attention_test"
-    fn = helper.make_function("onnxfuse", "FusedAttention", names, ["y"], body, [helper.make_opsetid("", 20)])
+    fn = helper.make_function("onnxfuse", "FusedAttention", formal, ["y"], body, [helper.make_opsetid("", 20)])
     fn.overload = overload
-    attrs = {k_: list(v_) for k_, v_ in perms.items()}
+    attrs = {k_: list(v_) for k_, v_ in {**perms, **splits}.items()}
     node = N("FusedAttention", names, ["y"], domain="onnxfuse", name="attn", program=program, **attrs)
     node.overload = overload
+    graph_inputs = dict(zip(names, arrays, strict=True))  # "x" once when shared
     inputs = [helper.make_tensor_value_info(n, ONNX[a.dtype],
                                             [f"{n}_{i}" for i in range(a.ndim)] if dyn else list(a.shape))
-              for n, a in zip(names, arrays, strict=True)]
-    ref = reference(q, k, v, extras, program, perms)
+              for n, a in graph_inputs.items()]
+    ref = reference(q, k, v, extras, program, perms, splits=splits)
     out = helper.make_tensor_value_info("y", y_type or ONNX[q.dtype], None if dyn else list(ref.shape))
     g = helper.make_graph([node], "attention", inputs, [out])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("onnxfuse", 1)],
@@ -97,9 +141,21 @@ def attention_model(q, k, v, extras: list[np.ndarray], program: str, score_nodes
     return m
 
 
-def reference(q, k, v, extras, program: str, perms: dict, dtype=None) -> np.ndarray:
-    """The node contract in numpy: float64 sums, the roundings of the original's stores."""
+def unpack(x: np.ndarray, split) -> np.ndarray:
+    """An operand's base tensor from its packed input X: X[..., offset : offset + heads *
+    head_dim] reshaped to [X's leading dims..., heads, head_dim]."""
+    off, heads, hd = split
+    assert off + heads * hd <= x.shape[-1]
+    return x[..., off:off + heads * hd].reshape(*x.shape[:-1], heads, hd)
+
+
+def reference(q, k, v, extras, program: str, perms: dict, dtype=None, splits: dict | None = None) -> np.ndarray:
+    """The node contract in numpy: float64 sums, the roundings of the original's stores; splits:
+    q, k, v are the packed inputs of the operands split_q / split_k / split_v name (unpack)."""
+    splits = splits or {}
     dtype = np.dtype(dtype or q.dtype)
+    q, k, v = (unpack(x, splits[key]) if key in splits else x
+               for x, key in zip((q, k, v), ("split_q", "split_k", "split_v"), strict=True))
     r = q.ndim
 
     def t(x, p):
@@ -127,11 +183,12 @@ def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale, equal_nan=True, err_msg=what)
 
 
-def check(lib, q, k, v, extras, program, score_nodes, perms, against_ort=True):
-    m = attention_model(q, k, v, extras, program, score_nodes, perms)
-    feeds = dict(zip(["q", "k", "v", *(f"e{i}" for i in range(len(extras)))], [q, k, v, *extras], strict=True))
+def check(lib, q, k, v, extras, program, score_nodes, perms, against_ort=True, splits=None, shared=False):
+    m = attention_model(q, k, v, extras, program, score_nodes, perms, splits=splits, shared=shared)
+    names = ["x", "x", "x"] if shared else ["q", "k", "v"]
+    feeds = dict(zip([*names, *(f"e{i}" for i in range(len(extras)))], [q, k, v, *extras], strict=True))
     got = run(m, feeds, lib)
-    _close(got, reference(q, k, v, extras, program, perms), "library against the numpy reference")
+    _close(got, reference(q, k, v, extras, program, perms, splits=splits), "library against the numpy reference")
     if against_ort:
         _close(got, run(m, feeds), "library against the function body in ONNX Runtime")
     return got
@@ -299,6 +356,83 @@ def test_the_kernel_runs_not_the_function_body(lib):
     np.testing.assert_allclose(got, np.broadcast_to(v.mean(axis=2, keepdims=True), got.shape), rtol=1e-5, atol=1e-6)
 
 
+def gpt2_split(h: int, d: int) -> dict:
+    """GPT-2's c_attn output X [..., 3 * H * D] read as Q, K and V (Split on the last axis)."""
+    return {"split_q": (0, h, d), "split_k": (h * d, h, d), "split_v": (2 * h * d, h, d)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gpt2_packed_qkv_one_tensor(lib, dtype):
+    """GPT-2: one tensor X [B, S, 3 * H * D] fed to inputs 0, 1 and 2 with split_q / split_k /
+    split_v, BERT's perms on the [B, S, H, D] heads, the causal Where; the function body is the
+    original Split(axis=-1), Reshapes and Transposes (ONNX Runtime takes the node's repeated
+    input name, each formal input of the function bound to X)."""
+    b, s, h, d = 2, 7, 3, 8
+    x = _x((b, s, 3 * h * d), dtype, 1)
+    causal = np.tril(np.ones((s, s), np.bool_))[None, None]
+    prog = score_program(dtype, [causal], ["%2 = div %0 2.8284270763397217", "%3 = select %1 %2 -10000.0"], 3)
+
+    def nodes():
+        return [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array(2.8284270763397217, dtype))),
+                N("Constant", [], ["big"], value=numpy_helper.from_array(np.array(-10000.0, dtype))),
+                N("Div", ["s", "c"], ["sd"]), N("Where", ["e0", "sd", "big"], ["z"])]
+
+    y = check(lib, x, x, x, [causal], prog, nodes, BERT, splits=gpt2_split(h, d), shared=True)
+    assert y.shape == (b, s, h, d)
+    m = attention_model(x, x, x, [causal], prog, nodes, BERT, splits=gpt2_split(h, d), shared=True)
+    assert [i.name for i in m.graph.input] == ["x", "e0"] and list(m.graph.node[0].input[:3]) == ["x"] * 3
+    assert [n.op_type for n in m.functions[0].node].count("Split") == 1
+
+
+def test_packed_qkv_is_read_at_each_offset(lib):
+    """Q, K and V from one X whose thirds differ in scale: a swap of two offsets would show."""
+    b, s, h, d = 1, 5, 2, 8
+    x = np.concatenate([_x((b, s, h * d), seed=1), 3 * _x((b, s, h * d), seed=2),
+                        10 + _x((b, s, h * d), seed=3)], axis=-1)
+    prog, nodes = scale_only(0.35)
+    y = check(lib, x, x, x, [], prog(np.float32), nodes(np.float32), BERT, splits=gpt2_split(h, d), shared=True)
+    assert y.mean() > 5  # V's third
+
+
+def test_split_on_v_only(lib):
+    """Q and K plain [B, S, H, D] with BERT's perms; V read from a packed [B, S, 40] tensor at
+    offset 16 (heads 2, Dv 12: two spare elements at the end), the other operands unsplit."""
+    b, s, h, d = 2, 6, 2, 8
+    q, k = _x((b, s, h, d), seed=1), _x((b, s, h, d), seed=2)
+    xv = _x((b, s, 40), seed=3)
+    prog, nodes = scale_only(0.35)
+    y = check(lib, q, k, xv, [], prog(np.float32), nodes(np.float32), BERT, splits={"split_v": (16, h, 12)})
+    assert y.shape == (b, s, h, 12)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_rank3_packed_qkv(lib, dtype):
+    """Rank 3 (X rank 2, [S, 3 * H * D]): the heads [S, H, D] with perm_q (1, 0, 2), perm_k
+    (1, 2, 0), perm_v (1, 0, 2), Y stored [S, H, D]."""
+    s, h, d = 9, 4, 8
+    x = _x((s, 3 * h * d), dtype, 1)
+    perms = {"perm_q": (1, 0, 2), "perm_k": (1, 2, 0), "perm_v": (1, 0, 2), "perm_y": (1, 0, 2)}
+    prog, nodes = scale_only(0.35)
+    y = check(lib, x, x, x, [], prog(dtype), nodes(dtype), perms, splits=gpt2_split(h, d), shared=True)
+    assert y.shape == (s, h, d)
+
+
+def test_split_without_perms_takes_rank_from_the_split(lib):
+    """No perms: the rank is Q's (plain, 4); V's packed input [1, 2, 51] has rank 3 = r - 1 and
+    split_v [3, 6, 8] makes its base tensor [1, 2, 6, 8] (the logical V, Sk = 6) from offset 3."""
+    q, k, xv = _x((1, 2, 5, 8), seed=1), _x((1, 2, 8, 6), seed=2), _x((1, 2, 51), seed=3)
+    prog, nodes = scale_only(0.35)
+    check(lib, q, k, xv, [], prog(np.float32), nodes(np.float32), {}, splits={"split_v": (3, 6, 8)})
+
+
+def test_split_q_without_perms_gives_the_rank(lib):
+    """No perms, Q packed: r = Q's input's rank + 1 = 4; K^T and V plain rank 4."""
+    xq, k, v = _x((2, 3, 40), seed=1), _x((2, 3, 8, 6), seed=2), _x((2, 3, 6, 7), seed=3)
+    prog, nodes = scale_only(0.35)
+    y = check(lib, xq, k, v, [], prog(np.float32), nodes(np.float32), {}, splits={"split_q": (8, 4, 8)})
+    assert y.shape == (2, 3, 4, 7)
+
+
 # ---------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------
@@ -360,3 +494,45 @@ def test_program_without_one_output(lib):
     with pytest.raises(Exception) as e:
         run(m, {"q": q, "k": k, "v": v}, lib)
     assert "exactly one output" in _one_line(e)
+
+
+def _gpt2_model(**kw):
+    b, s, h, d = 1, 4, 2, 8
+    x = _x((b, s, 3 * h * d), seed=1)
+    prog, nodes = scale_only(0.35)
+    return attention_model(x, x, x, [], prog(np.float32), nodes(np.float32), BERT, dyn=True,
+                           splits=gpt2_split(h, d), shared=True, **kw), x
+
+
+def test_split_past_the_last_dim(lib):
+    m, x = _gpt2_model()
+    with pytest.raises(Exception) as e:
+        run(m, {"x": x[..., :40]}, lib)
+    assert ("split_v [32, 2, 8] reads elements [32, 48) of the last dim of V's input [1, 4, 40], which has 40: "
+            "offset + heads * head_dim must be at most its last dim") in _one_line(e)
+
+
+def test_split_of_the_wrong_length(lib):
+    m, x = _gpt2_model()
+    next(a for a in m.graph.node[0].attribute if a.name == "split_k").ints[:] = [16, 2]
+    with pytest.raises(Exception) as e:
+        run(m, {"x": x}, lib)
+    assert "split_k [16, 2] must have 3 entries: [offset, heads, head_dim]" in _one_line(e)
+
+
+def test_split_with_zero_heads(lib):
+    m, x = _gpt2_model()
+    next(a for a in m.graph.node[0].attribute if a.name == "split_q").ints[:] = [0, 0, 8]
+    with pytest.raises(Exception) as e:
+        run(m, {"x": x}, lib)
+    assert "split_q [0, 0, 8]: [offset, heads, head_dim] needs offset >= 0, heads >= 1" in _one_line(e)
+
+
+def test_split_input_of_the_wrong_rank(lib):
+    """split_v on a rank-4 input against rank-4 perms: its base tensor would be rank 5."""
+    m, (q, k, v) = _bert_model()
+    m.graph.node[0].attribute.append(helper.make_attribute("split_v", [0, 2, 8]))
+    with pytest.raises(Exception) as e:
+        run(m, {"q": q, "k": k, "v": v}, lib)
+    assert ("V's input [1, 4, 2, 8] (split_v [0, 2, 8]) gives a base tensor of rank 5, the operands have rank 4 "
+            "(from the perms' length)") in _one_line(e)

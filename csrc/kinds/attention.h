@@ -3,7 +3,11 @@
 //
 // Inputs 0, 1, 2 are the base tensors of Q, K^T and V (contiguous, rank r = 3 or 4); the
 // logical operands are Transpose(base, perm): logical dim i has size base[perm[i]] and stride
-// base_stride[perm[i]]. Q is [..., Sq, D], K^T [..., D, Sk], V [..., Sk, Dv]; their r - 2
+// base_stride[perm[i]]. With split_q (split_k, split_v) = [offset, heads, head_dim], input 0
+// (1, 2) is a contiguous X of rank r - 1 and the operand's base tensor is X[..., offset : offset
+// + heads * head_dim] reshaped to [X's leading dims..., heads, head_dim], read in place: base
+// shape X.shape[:-1] + [heads, head_dim], base strides contiguous_strides(X)[:-1] + [head_dim,
+// 1], at element `offset` of X (AttentionGeometry's q_off, k_off, v_off). Q is [..., Sq, D], K^T [..., D, Sk], V [..., Sk, Dv]; their r - 2
 // leading dims are Y's or 1 (broadcast, stride 0). The kernels see them as [B, H]: r = 4, the
 // two dims; r = 3, B = 1 and H the one dim. Output 0 is Y's base tensor, Transpose(logical Y,
 // perm_y) with logical Y [..., Sq, Dv]. Inputs 3, 4, ... (the score program's extras) each
@@ -81,6 +85,32 @@ inline AttentionPerms read_attention_perms(const OrtKernelInfo* info) {
   return p;
 }
 
+// The node's split_q, split_k, split_v (empty: absent; else [offset, heads, head_dim]).
+struct AttentionSplits {
+  std::vector<int64_t> q, k, v;
+
+  static constexpr const char* kNames[3] = {"split_q", "split_k", "split_v"};
+  const std::vector<int64_t>& get(int i) const { return i == 0 ? q : i == 1 ? k : v; }
+  std::vector<int64_t>& get(int i) { return i == 0 ? q : i == 1 ? k : v; }
+};
+
+// The node's split_q, split_k, split_v (ints; absent: none), checked: exactly 3 entries, offset
+// >= 0, heads >= 1, head_dim >= 1. Throws Error naming the attribute.
+inline AttentionSplits read_attention_splits(const OrtKernelInfo* info) {
+  AttentionSplits s;
+  for (int i = 0; i < 3; ++i) {
+    const char* name = AttentionSplits::kNames[i];
+    std::vector<int64_t>& v = s.get(i);
+    if (!get_ints_attr(info, name, &v)) continue;
+    if (v.size() != 3)
+      throw Error(std::string(name) + " " + ints_str(v) + " must have 3 entries: [offset, heads, head_dim]");
+    if (v[0] < 0 || v[1] < 1 || v[2] < 1)
+      throw Error(std::string(name) + " " + ints_str(v) +
+                  ": [offset, heads, head_dim] needs offset >= 0, heads >= 1 and head_dim >= 1");
+  }
+  return s;
+}
+
 // The logical operands and Y: sizes, and element strides over [B, H, then the last two dims]
 // (0 on broadcast dims).
 struct AttentionGeometry {
@@ -90,6 +120,8 @@ struct AttentionGeometry {
   int64_t k[4] = {0, 0, 0, 0};  // [B, H, D, Sk]
   int64_t v[4] = {0, 0, 0, 0};  // [B, H, Sk, Dv]
   int64_t y[4] = {0, 0, 0, 0};  // [B, H, Sq, Dv], inside Y's base tensor
+  // each operand's first element inside its input, in elements (a split's offset; 0 without)
+  int64_t q_off = 0, k_off = 0, v_off = 0;
   Shape batch;                  // the broadcast leading dims (r - 2 of them)
   Shape scores;                 // [batch..., Sq, Sk]
   Shape y_base;                 // Y's base (output) shape: Transpose(logical Y, perm_y)
@@ -104,15 +136,43 @@ inline Shape contiguous_strides(const Shape& s) {
   return st;
 }
 
-// Transpose(base, perm): the logical shape and each logical dim's stride in base.
-inline void logical(const Shape& base, const std::vector<int64_t>& perm, Shape* shape, Shape* strides) {
-  const Shape bs = contiguous_strides(base);
+// Transpose(base, perm) of a base tensor with these strides: the logical shape and each
+// logical dim's stride.
+inline void logical(const Shape& base, const Shape& base_strides, const std::vector<int64_t>& perm, Shape* shape,
+                    Shape* strides) {
   shape->resize(perm.size());
   strides->resize(perm.size());
   for (size_t i = 0; i < perm.size(); ++i) {
     (*shape)[i] = base[perm[i]];
-    (*strides)[i] = bs[perm[i]];
+    (*strides)[i] = base_strides[perm[i]];
   }
+}
+
+// An operand's base tensor inside its input x: x itself (contiguous), or with a split
+// [offset, heads, head_dim] the slice x[..., offset : offset + heads * head_dim] reshaped to
+// [x.shape[:-1]..., heads, head_dim]. `what` names the operand and input for errors.
+inline void operand_base(const Shape& x, const std::vector<int64_t>& split, const std::string& what,
+                         const char* split_name, Shape* shape, Shape* strides, int64_t* offset) {
+  if (split.empty()) {
+    *shape = x;
+    *strides = contiguous_strides(x);
+    *offset = 0;
+    return;
+  }
+  const int64_t last = x.empty() ? 0 : x.back();
+  if (x.empty() || split[0] + split[1] * split[2] > last)
+    throw Error(std::string(split_name) + " " + ints_str(split) + " reads elements [" + std::to_string(split[0]) +
+                ", " + std::to_string(split[0] + split[1] * split[2]) + ") of the last dim of " + what + " " +
+                shape_str(x) + ", which has " + std::to_string(last) +
+                ": offset + heads * head_dim must be at most its last dim");
+  const Shape xs = contiguous_strides(x);
+  *shape = Shape(x.begin(), x.end() - 1);
+  *strides = Shape(xs.begin(), xs.end() - 1);
+  shape->push_back(split[1]);
+  shape->push_back(split[2]);
+  strides->push_back(split[2]);
+  strides->push_back(1);
+  *offset = split[0];
 }
 
 // Strides of r leading-and-last-two dims into [B, H, x, y]: r = 4 as is, r = 3 with B = 1.
@@ -127,26 +187,57 @@ inline void to4(const Shape& st, int64_t out[4]) {
 
 }  // namespace attention_detail
 
-// The geometry from the base shapes of Q, K^T, V and the extras (`extras`, in input order),
-// and the perms; throws Error naming the problem.
-inline AttentionGeometry attention_geometry(const Shape& qb, const Shape& kb, const Shape& vb,
-                                            const std::vector<Shape>& extras, const AttentionPerms& perms) {
+// The geometry from the shapes of inputs 0, 1, 2 (Q's, K^T's and V's base tensors, or with a
+// split the packed X each is read from), the extras' (`extras`, in input order), the perms and
+// the splits; throws Error naming the problem. The rank r: the perms' length when any is given,
+// else input 0's rank (+ 1 with split_q); every operand's base tensor (an input's rank, + 1 with
+// its split) must then have rank r, 3 or 4.
+inline AttentionGeometry attention_geometry(const Shape& qx, const Shape& kx, const Shape& vx,
+                                            const std::vector<Shape>& extras, const AttentionPerms& perms,
+                                            const AttentionSplits& splits = AttentionSplits()) {
   using namespace attention_detail;
   AttentionGeometry g;
-  const size_t r = qb.size();
-  if (r != 3 && r != 4)
-    throw Error("Q has shape " + shape_str(qb) + ": Q, K^T and V must have rank 3 or 4");
-  if (kb.size() != r || vb.size() != r)
-    throw Error("Q " + shape_str(qb) + ", K^T " + shape_str(kb) + " and V " + shape_str(vb) +
-                " must have the same rank");
-  if (perms.rank() != 0 && perms.rank() != r)
-    throw Error("the perms have " + std::to_string(perms.rank()) + " entries, the inputs rank " +
-                std::to_string(r) + " (Q " + shape_str(qb) + ")");
+  const Shape* xs[3] = {&qx, &kx, &vx};
+  static const char* const kOperand[3] = {"Q", "K^T", "V"};
+  auto base_rank = [&](int i) { return xs[i]->size() + (splits.get(i).empty() ? 0 : 1); };
+  auto describe = [&](int i) {
+    std::string d = std::string(kOperand[i]) + " " + shape_str(*xs[i]);
+    if (!splits.get(i).empty())
+      d = std::string(kOperand[i]) + "'s input " + shape_str(*xs[i]) + " (" + AttentionSplits::kNames[i] + " " +
+          ints_str(splits.get(i)) + ")";
+    return d;
+  };
+  const bool any_split = !splits.q.empty() || !splits.k.empty() || !splits.v.empty();
+  const size_t r = perms.rank() != 0 ? perms.rank() : base_rank(0);
+  if (!any_split) {
+    if (qx.size() != 3 && qx.size() != 4)
+      throw Error("Q has shape " + shape_str(qx) + ": Q, K^T and V must have rank 3 or 4");
+    if (kx.size() != qx.size() || vx.size() != qx.size())
+      throw Error("Q " + shape_str(qx) + ", K^T " + shape_str(kx) + " and V " + shape_str(vx) +
+                  " must have the same rank");
+    if (perms.rank() != 0 && perms.rank() != qx.size())
+      throw Error("the perms have " + std::to_string(perms.rank()) + " entries, the inputs rank " +
+                  std::to_string(qx.size()) + " (Q " + shape_str(qx) + ")");
+  } else {
+    const std::string from = perms.rank() != 0 ? "the perms' length" : describe(0);
+    if (r != 3 && r != 4)
+      throw Error("the operands have rank " + std::to_string(r) + " (from " + from +
+                  "): Q, K^T and V must have rank 3 or 4 (a split input rank 2 or 3)");
+    for (int i = 0; i < 3; ++i)
+      if (base_rank(i) != r)
+        throw Error(describe(i) + " gives a base tensor of rank " + std::to_string(base_rank(i)) +
+                    ", the operands have rank " + std::to_string(r) + " (from " + from +
+                    "); an input with a split has rank r - 1");
+  }
   g.rank = r;
+  Shape qb, qbs, kb, kbs, vb, vbs;
+  operand_base(qx, splits.q, "Q's input", "split_q", &qb, &qbs, &g.q_off);
+  operand_base(kx, splits.k, "K^T's input", "split_k", &kb, &kbs, &g.k_off);
+  operand_base(vx, splits.v, "V's input", "split_v", &vb, &vbs, &g.v_off);
   Shape qs, qst, ks, kst, vs, vst;
-  logical(qb, perms.resolved(0, r), &qs, &qst);
-  logical(kb, perms.resolved(1, r), &ks, &kst);
-  logical(vb, perms.resolved(2, r), &vs, &vst);
+  logical(qb, qbs, perms.resolved(0, r), &qs, &qst);
+  logical(kb, kbs, perms.resolved(1, r), &ks, &kst);
+  logical(vb, vbs, perms.resolved(2, r), &vs, &vst);
   const std::string shapes = " (logical Q " + shape_str(qs) + ", K^T " + shape_str(ks) + ", V " + shape_str(vs) + ")";
   g.sq = qs[r - 2];
   g.d = qs[r - 1];

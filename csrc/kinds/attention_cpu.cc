@@ -1,4 +1,6 @@
 // The CPU kernel of onnxfuse::FusedAttention (docs/format.md): a correctness reference.
+// Q, K^T and V are read through their strides from their first elements (a split's offset into
+// the packed input, attention.h; inputs 0, 1, 2 may be one tensor, widened once).
 //   1. the scores Q @ K^T per (batch, head, query row), summed in double (parallel over the
 //      rows on ORT's intra-op thread pool), rounded to Q's dtype as the original's MatMul
 //      stores them, into a [B, H, Sq, Sk] buffer (the logical [batch..., Sq, Sk]);
@@ -55,13 +57,14 @@ struct AttentionKernel {
   std::string name;
   Program prog;
   AttentionPerms perms;
+  AttentionSplits splits;
 
   void compute(OrtKernelContext* ctx) const {
     const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/true);
     const size_t n_in = t.size();
     std::vector<Shape> extra_shapes;
     for (size_t i = 3; i < n_in; ++i) extra_shapes.push_back(t[i].shape);
-    const AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms);
+    const AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits);
     OrtValue* yv = nullptr;
     check(g_ort->KernelContext_GetOutput(ctx, 0, g.y_base.data(), g.y_base.size(), &yv));
     TensorRef y;
@@ -72,7 +75,19 @@ struct AttentionKernel {
     const DType y_actual = actual_dtype(y.type, dt);
     if (numel(g.y_base) == 0) return;
 
-    const std::vector<float> q = widen(t[0], dt), k = widen(t[1], dt), v = widen(t[2], dt);
+    // inputs 0, 1, 2 widened once each, or once in all when they are one tensor (packed QKV)
+    std::vector<float> wide[3];
+    const float* base[3];
+    for (int i = 0; i < 3; ++i) {
+      int same = -1;
+      for (int j = 0; j < i && same < 0; ++j)
+        if (t[j].data == t[i].data && t[j].type == t[i].type && t[j].shape == t[i].shape) same = j;
+      if (same < 0) wide[i] = widen(t[i], dt);
+      base[i] = same < 0 ? wide[i].data() : base[same];
+    }
+    const float* q = base[0] + g.q_off;
+    const float* k = base[1] + g.k_off;
+    const float* v = base[2] + g.v_off;
     const int64_t rows = g.b * g.h * g.sq, sk = g.sk, sq = g.sq, d = g.d, dv = g.dv;
     auto bh_of = [&](int64_t row, int64_t* b, int64_t* h, int64_t* i) {
       *i = row % sq;
@@ -86,8 +101,8 @@ struct AttentionKernel {
       parallel_for(ctx, rows, [&](int64_t row) {
         int64_t b, h, i;
         bh_of(row, &b, &h, &i);
-        const float* qr = q.data() + b * g.q[0] + h * g.q[1] + i * g.q[2];
-        const float* kh = k.data() + b * g.k[0] + h * g.k[1];
+        const float* qr = q + b * g.q[0] + h * g.q[1] + i * g.q[2];
+        const float* kh = k + b * g.k[0] + h * g.k[1];
         float* out = s.data() + row * sk;
         for (int64_t j = 0; j < sk; ++j) {
           double acc = 0.0;
@@ -119,7 +134,7 @@ struct AttentionKernel {
         sum += p[j];
       }
       for (int64_t j = 0; j < sk; ++j) p[j] = round_to(dt, static_cast<float>(p[j] / sum));
-      const float* vh = v.data() + b * g.v[0] + h * g.v[1];
+      const float* vh = v + b * g.v[0] + h * g.v[1];
       const int64_t yo = b * g.y[0] + h * g.y[1] + i * g.y[2];
       for (int64_t c = 0; c < dv; ++c) {
         double acc = 0.0;
@@ -139,6 +154,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     k->prog = read_program(info);
     check_attention_program(k->prog);
     k->perms = read_attention_perms(info);
+    k->splits = read_attention_splits(info);
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {

@@ -1,7 +1,9 @@
 // CUDA kernel of onnxfuse::FusedAttention (docs/format.md, "FusedAttention", kernel_meta kind
 // "attention"): launches the node's embedded Triton flash-attention kernel.
 //
-// Launch: pointers to Q, K^T, V (the base tensors), the score program's extras and Y (Y's base
+// Launch: pointers to Q, K^T, V (the base tensors; with split_q / split_k / split_v the packed
+// input's pointer advanced by the split's offset, in bytes offset * the element size, and the
+// strides inside it: attention.h), the score program's extras and Y (Y's base
 // tensor); int32 H, SQ, SK; then four int32 element strides per operand over its logical dims
 // [B, H, then its last two] (Q [B, H, Sq, D], K^T [B, H, D, Sk], V [B, H, Sk, Dv], Y [B, H, Sq,
 // Dv] inside Y's base tensor), then per extra its four strides over the scores [B, H, Sq, Sk]
@@ -32,16 +34,19 @@ struct AttentionTile {
 struct AttentionKernel : cuda::CudaKernel {
   static constexpr const char* kOp = kFusedAttention;
   AttentionPerms perms;
+  AttentionSplits splits;
   int64_t meta_rank = 0, head_d = 0, head_dv = 0;
   std::vector<int64_t> meta_perms[4];
   std::vector<AttentionTile> tiles;  // per variant
 
   const char* kind() const override { return "attention"; }
 
-  // A bad program or perm attribute fails session creation (cuda::create_kernel), as on the CPU.
+  // A bad program, perm or split attribute fails session creation (cuda::create_kernel), as on
+  // the CPU.
   void init(const OrtKernelInfo* info) override {
     check_attention_program(prog);
     perms = read_attention_perms(info);
+    splits = read_attention_splits(info);
   }
 
   void read_meta(const Json& j, size_t n_inputs) override {
@@ -95,7 +100,7 @@ struct AttentionKernel : cuda::CudaKernel {
     const size_t n_in = t.size();
     std::vector<Shape> extra_shapes;
     for (size_t i = 3; i < n_in; ++i) extra_shapes.push_back(t[i].shape);
-    const AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms);
+    const AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits);
     if (static_cast<int64_t>(g.rank) != meta_rank)
       throw Error("the inputs have rank " + std::to_string(g.rank) + ", the kernel was compiled for rank " +
                   std::to_string(meta_rank));
@@ -123,11 +128,17 @@ struct AttentionKernel : cuda::CudaKernel {
     }
 
     Params& p = thread_params();
+    // Q, K^T and V at their first elements (a split's offset into the packed input): the
+    // pointers launched and checked for the variants' alignment (choose)
+    const int64_t offs[3] = {g.q_off, g.k_off, g.v_off};
+    const size_t esize = elem_size(prog.inputs[0]);
     std::vector<const void*> ptrs;
     int64_t largest = ny;
-    for (const TensorRef& x : t) {
-      ptrs.push_back(x.data);
-      largest = std::max(largest, numel(x.shape));
+    for (size_t i = 0; i < n_in; ++i) {
+      const char* at = static_cast<const char*>(t[i].data);
+      if (i < 3) at += static_cast<size_t>(offs[i]) * esize;
+      ptrs.push_back(at);
+      largest = std::max(largest, numel(t[i].shape));
     }
     ptrs.push_back(y.data);
     for (const void* ptr : ptrs) p.ptr(ptr);
