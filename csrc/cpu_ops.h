@@ -40,6 +40,25 @@ inline DType actual_dtype(ONNXTensorElementDataType t, DType declared) {
   return t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT ? DType::F32 : declared;
 }
 
+// v rounded to dtype d (f16 / bf16 to nearest even) and widened back: how a value stored in d reads.
+inline float round_to(DType d, float v) {
+  if (d == DType::F16) return f16_to_f32(f32_to_f16(v));
+  if (d == DType::BF16) return bf16_to_f32(f32_to_bf16(v));
+  return v;
+}
+
+// A tensor's elements as fp32 (f16 / bf16 widened; float32 standing for them read as is).
+inline std::vector<float> widen(const TensorRef& t, DType declared) {
+  const int64_t n = numel(t.shape);
+  std::vector<float> out(static_cast<size_t>(n));
+  const DType d = actual_dtype(t.type, declared);
+  const auto* h = static_cast<const uint16_t*>(t.data);
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = d == DType::F32 ? static_cast<const float*>(t.data)[i] : d == DType::F16 ? f16_to_f32(h[i])
+                                                                                      : bf16_to_f32(h[i]);
+  return out;
+}
+
 // Evaluates `prog` over `out_shape`: input i (which must broadcast to out_shape; the caller
 // checks) is read with numpy broadcasting (or through its `strides`), output j is written
 // contiguously with out_shape, rounded as the program declares. Runs on ctx's intra-op

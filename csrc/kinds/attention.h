@@ -312,32 +312,9 @@ inline AttentionGeometry attention_geometry(const Shape& qx, const Shape& kx, co
   return g;
 }
 
-// The node's inputs Q, K^T, V and the program's extras, checked against the program (their
-// count, one output, each input's element type: Q, K^T and V the scores' %0 dtype, Q's;
-// f32_for_half: a float32 tensor may stand for a half one, as on the CPU).
+// The node's inputs Q, K^T, V and the program's extras, checked (read_operand_inputs).
 inline std::vector<TensorRef> read_attention_inputs(OrtKernelContext* ctx, const Program& prog, bool f32_for_half) {
-  size_t n_in = 0, n_out = 0;
-  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
-  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
-  if (n_in != prog.inputs.size() + 2 || n_out != 1)
-    throw Error("the node has " + std::to_string(n_in) + " inputs and " + std::to_string(n_out) +
-                " outputs, expected Q, K^T, V, " + std::to_string(prog.inputs.size() - 1) +
-                " extras (the score program's inputs but %0) and one output");
-  std::vector<TensorRef> t(n_in);
-  for (size_t i = 0; i < n_in; ++i) {
-    const OrtValue* v = nullptr;
-    check(g_ort->KernelContext_GetInput(ctx, i, &v));
-    if (!v) throw Error("input " + std::to_string(i) + " is missing");
-    read_tensor(v, &t[i]);
-    const DType want = prog.inputs[i < 3 ? 0 : i - 2];
-    if (!type_fits(t[i].type, want, f32_for_half))
-      throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +
-                  dtype_name(want));
-  }
-  if (f32_for_half && (t[0].type != t[1].type || t[0].type != t[2].type))
-    throw Error(std::string("Q, K^T and V are ") + elem_type_name(t[0].type) + ", " + elem_type_name(t[1].type) +
-                " and " + elem_type_name(t[2].type) + ": they must have one element type");
-  return t;
+  return read_operand_inputs(ctx, prog, 3, "Q, K^T, V", f32_for_half);
 }
 
 // The program's contract: %0 the scores, exactly one output. Throws Error.

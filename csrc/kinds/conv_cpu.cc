@@ -32,14 +32,6 @@ float widen(const void* src, bool half, int64_t i) {
   return half ? f16_to_f32(static_cast<const uint16_t*>(src)[i]) : static_cast<const float*>(src)[i];
 }
 
-float round_to(DType d, float v) {
-  switch (d) {
-    case DType::F16: return f16_to_f32(f32_to_f16(v));
-    case DType::BF16: return bf16_to_f32(f32_to_bf16(v));
-    default: return v;
-  }
-}
-
 // ---------------------------------------------------------------------------------------
 // Convolution
 //

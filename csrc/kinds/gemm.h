@@ -57,28 +57,9 @@ inline GemmGeometry gemm_geometry(const Shape& a, const Shape& b, bool trans_a, 
   return geo;
 }
 
-// The node's inputs A, B and the program's extras, checked against the program (their count,
-// one output, each input's element type; f32_for_half: a float32 tensor may stand for a half
-// one, as on the CPU).
+// The node's inputs A, B and the program's extras, checked (read_operand_inputs).
 inline std::vector<TensorRef> read_gemm_inputs(OrtKernelContext* ctx, const Program& prog, bool f32_for_half) {
-  size_t n_in = 0, n_out = 0;
-  check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
-  check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
-  if (n_in != prog.inputs.size() + 1 || n_out != 1)
-    throw Error("the node has " + std::to_string(n_in) + " inputs and " + std::to_string(n_out) +
-                " outputs, expected A, B, " + std::to_string(prog.inputs.size() - 1) + " extras and one output");
-  std::vector<TensorRef> t(n_in);
-  for (size_t i = 0; i < n_in; ++i) {
-    const OrtValue* v = nullptr;
-    check(g_ort->KernelContext_GetInput(ctx, i, &v));
-    if (!v) throw Error("input " + std::to_string(i) + " is missing");
-    read_tensor(v, &t[i]);
-    const DType want = prog.inputs[i < 2 ? 0 : i - 1];
-    if (!type_fits(t[i].type, want, f32_for_half))
-      throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +
-                  dtype_name(want));
-  }
-  return t;
+  return read_operand_inputs(ctx, prog, 2, "A, B", f32_for_half);
 }
 
 }  // namespace onnxfuse

@@ -14,24 +14,6 @@
 namespace onnxfuse {
 namespace {
 
-// A tensor's elements as fp32 (f16 / bf16 widened; float32 standing for them read as is).
-std::vector<float> widen(const TensorRef& t, DType declared) {
-  const int64_t n = numel(t.shape);
-  std::vector<float> out(static_cast<size_t>(n));
-  const DType d = actual_dtype(t.type, declared);
-  const auto* h = static_cast<const uint16_t*>(t.data);
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = d == DType::F32 ? static_cast<const float*>(t.data)[i] : d == DType::F16 ? f16_to_f32(h[i])
-                                                                                      : bf16_to_f32(h[i]);
-  return out;
-}
-
-float round_to(DType d, float v) {
-  if (d == DType::F16) return f16_to_f32(f32_to_f16(v));
-  if (d == DType::BF16) return bf16_to_f32(f32_to_bf16(v));
-  return v;
-}
-
 struct GemmKernel {
   static constexpr const char* kOp = kGemmEpilogue;
   static constexpr const char* kProvider = "CPUExecutionProvider";

@@ -14,7 +14,11 @@ A match is anchored at the Softmax:
   static;
 - the **Transposes** that make the heads: chains of Transposes that produce an operand and that
   only the node reads are absorbed into the operand's `perm_*` (the kernel reads the tensor
-  before them through strides), and one Transpose that alone reads the output into `perm_y`.
+  before them through strides), and one Transpose that alone reads the output into `perm_y`;
+- a **Split** on the last axis whose every output reaches one operand through a Reshape to
+  [..., heads, head_dim] (GPT-2's packed c_attn; BERT's three projections after
+  `onnxfuse.pack` packs them): the operands are read in place from the Split's input
+  (`split_q`, `split_k`, `split_v`: [offset, heads, head_dim]), so the Split never runs.
 
 ONNX Runtime's own fusions (`onnxfuse.ort_fusions`): a match holding a node of ONNX
 Runtime's Attention fusion is left to it whole; one that takes nodes of its smaller fusions
