@@ -8,7 +8,7 @@ originals there, with and without CUDA graphs:
 - BERT's layout (heads made by Transposes, which the node absorbs), GPT-2's causal Where, no
   mask, keys transposed twice, the output left as heads, BERT-base's shapes (aligned variant:
   contiguous head dims, strides multiples of 16), and a head dim of 40 (H * D = 120: the
-  unaligned variant);
+  unaligned variant), Q, K and V packed into one projection and read in place (onnxfuse.pack);
 - the suite's small transformers end to end (models/transformers.py, TorchScript exporter, at
   static shapes)."""
 
@@ -21,6 +21,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from tests.test_attention_patterns import _feeds, _heads
+from tests.test_pack import _bert_attention
 from tests.util import model
 
 N = helper.make_node
@@ -48,6 +49,7 @@ def _models() -> list[tuple[str, object]]:
         ("bert-base-b2-f32", _bert_shaped("float32", 2, 128, 12, 64)),
         ("bert-base-b2-f16", _bert_shaped("float16", 2, 128, 12, 64)),
         ("head-dim-40-f16", _bert_shaped("float16", 2, 77, 3, 40)),
+        ("packed-projections-f32", _bert_attention()),  # Q, K, V read in place from one MatMul's output
     ]
 
 
