@@ -163,3 +163,21 @@ def _run_with_library(m, feeds: dict) -> list[np.ndarray]:
     so.register_custom_ops_library(runtime.library_path())
     sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
     return sess.run(None, feeds)
+
+
+@pytest.mark.parametrize("arch", ["bert_base", "gpt2_small"])
+def test_float16_twins_of_exported_transformers(arch):
+    """The suite's fp16 twins (models/fp16.py): every attention fuses there too, its output
+    within fp16's tolerance of the original's through the library's CPU kernels."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxconverter_common")
+    from models import transformers as mt
+    from models.fp16 import to_fp16
+    m = to_fp16(mt.export(arch, "torchscript", small=True))
+    shapes = {k: (2, *v) for k, v in mt.input_dims(arch, small=True).items()}
+    r = optimize_model(m, options=build_options(target="none", tune="off", shapes=shapes))
+    assert op_types(r.model).count("FusedAttention") == mt.config(arch, small=True).layers, r.report.summary()
+    feeds = mt.feeds(arch, shapes, small=True)
+    for w, g in zip(run(m, feeds), _run_with_library(r.model, feeds), strict=True):
+        w, g = w.astype(np.float64), g.astype(np.float64)
+        np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * float(np.abs(w).max()))
