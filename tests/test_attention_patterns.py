@@ -181,3 +181,53 @@ def test_float16_twins_of_exported_transformers(arch):
     for w, g in zip(run(m, feeds), _run_with_library(r.model, feeds), strict=True):
         w, g = w.astype(np.float64), g.astype(np.float64)
         np.testing.assert_allclose(g, w, rtol=2e-2, atol=2e-2 * float(np.abs(w).max()))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_operands_scaled_by_constants(dtype):
+    """torch's scaled_dot_product_attention as exported: Q and K^T each multiplied by
+    sqrt(scale) before the product (K^T's factor written first, Q's divided): the factors move
+    onto the product in the score program, so no Mul or Div is left."""
+    c = np.array(D ** -0.25, dtype)
+    nodes = [N("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]), N("Div", ["qh", "inv"], ["qs"]),
+             N("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]), N("Mul", ["c", "kt"], ["ks"]),
+             N("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qs", "ks"], ["s"]),
+             N("Add", ["s", "mask"], ["a"]), N("Softmax", ["a"], ["p"], axis=-1), N("MatMul", ["p", "vh"], ["o"]),
+             N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
+    io = {x: (dtype, [B, S, H, D]) for x in "qkv"} | {"mask": (dtype, [B, 1, 1, S])}
+    m = model(nodes, io, {"y": (dtype, [B, S, H, D])}, {"c": c, "inv": (1 / c).astype(dtype)}, opset=17)
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS, rtol=1e-2 if dtype == "float16" else None)
+    assert op_types(r.model) == ["FusedAttention"]
+    prog = r.fused[0].program.to_text()
+    assert "mul" in prog, prog
+    feeds = _feeds(m)
+    for w, g in zip(run(m, feeds), _run_with_library(r.model, feeds), strict=True):
+        tol = 1e-2 if dtype == "float16" else 1e-5
+        np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=tol,
+                                   atol=tol * float(np.abs(w.astype(np.float64)).max()))
+
+
+def test_torch_sdpa_export():
+    """F.scaled_dot_product_attention through torch's TorchScript exporter (its scale computed
+    from Shape, folded at --shape): one node."""
+    torch = pytest.importorskip("torch")
+    import io as _io
+
+    import onnx
+
+    class Sdpa(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    x = torch.randn(2, 4, 16, 32)
+    f = _io.BytesIO()
+    torch.onnx.export(Sdpa(), (x, x, x, torch.zeros(2, 1, 1, 16)), f, opset_version=17, dynamo=False,
+                      input_names=["q", "k", "v", "mask"])
+    m = onnx.load_from_string(f.getvalue())
+    shapes = {"q": (2, 4, 16, 32), "k": (2, 4, 16, 32), "v": (2, 4, 16, 32), "mask": (2, 1, 1, 16)}
+    r = optimize_model(m, options=build_options(target="none", tune="off", shapes=shapes))
+    assert op_types(r.model) == ["FusedAttention"], r.report.summary()
+    rng = np.random.default_rng(0)
+    feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
+    for w, g in zip(run(m, feeds), _run_with_library(r.model, feeds), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))

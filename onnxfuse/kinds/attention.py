@@ -18,7 +18,10 @@ A match is anchored at the Softmax:
 - a **Split** on the last axis whose every output reaches one operand through a Reshape to
   [..., heads, head_dim] (GPT-2's packed c_attn; BERT's three projections after
   `onnxfuse.pack` packs them): the operands are read in place from the Split's input
-  (`split_q`, `split_k`, `split_v`: [offset, heads, head_dim]), so the Split never runs.
+  (`split_q`, `split_k`, `split_v`: [offset, heads, head_dim]), so the Split never runs;
+- a **Mul or Div by a one-element constant** on Q's or K^T's way (torch's
+  scaled_dot_product_attention export scales both by sqrt(scale)): the score program applies
+  the factors to the product instead.
 
 ONNX Runtime's own fusions (`onnxfuse.ort_fusions`): a match holding a node of ONNX
 Runtime's Attention fusion is left to it whole; one that takes nodes of its smaller fusions
@@ -28,6 +31,7 @@ ONNX Runtime does not (the score tensor never reaches memory), and the report's 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +106,10 @@ class Operand:
     packed: str = ""
     split: tuple[int, int, int] | None = None
     split_nodes: tuple[int, ...] = ()  # the Reshape (and, for the first operand of its Split, the Split)
+    # Q and K^T scaled by one-element constants on their way (torch's scaled_dot_product_attention
+    # export multiplies each by sqrt(scale)): the product of the factors, and the Mul / Div nodes
+    scale: float = 1.0
+    scale_nodes: tuple[int, ...] = ()
 
     @property
     def input(self) -> str:
@@ -161,22 +169,49 @@ def _perm(view: GraphView, t: int, rank: int) -> tuple[int, ...]:
     return tuple(int(x) for x in p) if p else tuple(reversed(range(rank)))
 
 
-def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int]) -> Operand:
+def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int], scales: bool = False) -> Operand:
     """`name` read by node `reader`, through the chain of Transposes before it that only the
-    chain reads (logical = Transpose(base, perm))."""
+    chain reads (logical = Transpose(base, perm)); with `scales` (Q and K^T), also through
+    Mul and Div by one-element constants, whose factors the score program applies instead."""
     perm = tuple(range(rank))
     transposes: list[int] = []
+    scale, scale_nodes = 1.0, []
     while True:
         t = view.producer.get(name)
-        if not _is(view, t, "Transpose") or t in taken or not _only_reader(view, name, reader):
+        if t is None or t in taken or not _only_reader(view, name, reader):
             break
-        p = _perm(view, t, rank)
-        if len(p) != rank:
+        n = view.nodes[t]
+        if _is(view, t, "Transpose"):
+            p = _perm(view, t, rank)
+            if len(p) != rank:
+                break
+            perm = tuple(p[i] for i in perm)  # Transpose(Transpose(x, p), perm) = Transpose(x, p o perm)
+            transposes.append(t)
+            reader, name = t, n.input[0]
+            continue
+        factor = _scaling(view, t) if scales else None
+        if factor is None:
             break
-        perm = tuple(p[i] for i in perm)  # Transpose(Transpose(x, p), perm) = Transpose(x, p o perm)
-        transposes.append(t)
-        reader, name = t, view.nodes[t].input[0]
-    return Operand(name, perm, tuple(transposes), reader)
+        scale *= factor[0]
+        scale_nodes.append(t)
+        reader, name = t, factor[1]
+    return Operand(name, perm, tuple(transposes), reader, scale=scale, scale_nodes=tuple(scale_nodes))
+
+
+def _scaling(view: GraphView, t: int) -> tuple[float, str] | None:
+    """(factor, the scaled tensor) when node t multiplies a tensor by a one-element constant
+    (Mul, either order) or divides it by one (Div), keeping its shape."""
+    n = view.nodes[t]
+    if n.op_type not in ("Mul", "Div") or n.domain not in DEFAULT_DOMAINS or len(n.input) != 2:
+        return None
+    for k in ((0, 1) if n.op_type == "Mul" else (1,)):
+        c, x = view.scalar_constant(n.input[k]), n.input[1 - k]
+        if c is None or not c or x in view.constants or view.shapes.get(x) is None:
+            continue
+        if view.shapes.get(x) != view.shapes.get(n.output[0]):
+            continue
+        return (c if n.op_type == "Mul" else 1.0 / c), x
+    return None
 
 
 def _split_view(view: GraphView, o: Operand, taken: set[int]) -> tuple[int, int, str, tuple[int, int, int]] | None:
@@ -230,7 +265,7 @@ def packed_operands(view: GraphView, ops: tuple[Operand, ...], taken: set[int]) 
             r, _, x, split = views[i]
             nodes = (r, sp) if k == 0 else (r,)
             o = ops[i]
-            out[i] = Operand(o.base, o.perm, o.transposes, o.reader, x, split, nodes)
+            out[i] = dataclasses.replace(o, packed=x, split=split, split_nodes=nodes)
     return tuple(out)
 
 
@@ -304,8 +339,8 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     for j in score_ops:
         if not all(name in inside or fits(view.shapes.get(name), tuple(x_shape)) for _, name in operands(view, j)):
             return "a score op's other input does not broadcast to the scores"
-    q = operand(view, view.nodes[qk].input[0], qk, rank, taken)
-    k = operand(view, view.nodes[qk].input[1], qk, rank, taken)
+    q = operand(view, view.nodes[qk].input[0], qk, rank, taken, scales=True)
+    k = operand(view, view.nodes[qk].input[1], qk, rank, taken, scales=True)
     v = operand(view, view.nodes[pv].input[1], pv, rank, taken)
     q, k, v = packed_operands(view, (q, k, v), taken)
     dtype = view.types.get(q.base)
@@ -335,7 +370,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     if _is(view, t, "Transpose") and t not in taken and _only_reader(view, y, t) and len(_perm(view, t, rank)) == rank:
         y_transpose, perm_y, result = t, _perm(view, t, rank), view.nodes[t].output[0]
     group = sorted({*q.transposes, *k.transposes, *v.transposes, *q.split_nodes, *k.split_nodes, *v.split_nodes,
-                    qk, *score_ops, sm, pv,
+                    *q.scale_nodes, *k.scale_nodes, qk, *score_ops, sm, pv,
                     *([y_transpose] if y_transpose is not None else [])})
     if any(i in taken for i in group):
         return "a node is taken by an earlier pattern"
@@ -382,13 +417,25 @@ def match_attention(view: GraphView, pattern: Pattern, taken: set[int], accepted
 # Lowering
 # ---------------------------------------------------------------------------------------
 
+PRODUCT = "\0attention product"  # the program's %0 when Q or K^T carry a factor (no graph tensor has this name)
+
+
 def lower_attention(view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
     """The FusedAttention node (docs/format.md): inputs Q, K^T, V (the tensors before their
     absorbed Transposes), the score ops' extras; the body the original nodes."""
     parts: AttentionParts = match.params
     scores = view.nodes[parts.qk].output[0]
     x = view.nodes[parts.softmax].input[0]
-    program, inputs, folded = lower_nodes(view, parts.score_ops, (x,), [(scores, ir_dtype(view, scores))])
+    dt = ir_dtype(view, scores)
+    scale = parts.q.scale * parts.k.scale
+    if scale == 1.0:
+        program, inputs, folded = lower_nodes(view, parts.score_ops, (x,), [(scores, dt)])
+    else:  # Q's and K^T's constant factors on the product (%0), stored in its dtype as the MatMul's output
+
+        def prelude(b, env):
+            v = b.emit("mul", env[PRODUCT], scale)
+            env[scores] = v if dt == "f32" else b.emit(f"round_{dt}", v)
+        program, inputs, folded = lower_nodes(view, parts.score_ops, (x,), [(PRODUCT, dt)], prelude, {scores})
     extras = inputs[1:]
     body = [view.nodes[i] for i in match.nodes]
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
