@@ -77,6 +77,7 @@ class AttentionSpec:
     # the node's rank and perm_q, perm_k, perm_v, perm_y (kernel_meta repeats them)
     rank: int = 4
     perms: tuple[tuple[int, ...], ...] = ()
+    nan_to_zero: bool = False  # NaN probabilities read as 0 (a row of them: Y = 0)
 
     @property
     def dtype(self) -> str:
@@ -364,6 +365,9 @@ def _body(spec: AttentionSpec, aligned: bool = False) -> list[str]:
     out += ["",
             "# Normalize (a row of -inf: 0 / 0 = NaN) and store, cast to Y's dtype.",
             "y = tl.div_rn(acc, l_i[:, None])",
+            *(["# NaN probabilities read as 0 (the original's Where(IsNaN(P), 0, P)): a row's softmax is NaN",
+               "# in all its elements or in none, and its sum is then 0 (a row of -inf) or NaN.",
+               "y = tl.where(((l_i == 0.0) | (l_i != l_i))[:, None], 0.0, y)"] if spec.nan_to_zero else []),
             f"tl.store(y_base + offs_m[:, None] * stride_ym + offs_dv[None, :]{step('stride_yd')}, {y}, "
             f"mask={y_mask})"]
     return out

@@ -125,7 +125,8 @@ def default_opset(model: ModelProto) -> int | None:
 
 def canonicalize(model: ModelProto) -> ModelProto:
     """Return a copy with Constants as initializers, IR-3 input initializers as constants,
-    and Identity / inference-mode Dropout nodes removed (graph I/O names kept)."""
+    and Identity, inference-mode Dropout and one-input Concat nodes removed (graph I/O names
+    kept)."""
     m = ModelProto()
     m.CopyFrom(model)
     g = m.graph
@@ -182,6 +183,8 @@ def _is_passthrough(n: onnx.NodeProto, init: dict) -> bool:
         return False
     if n.op_type == "Identity":
         return True
+    if n.op_type == "Concat" and len([x for x in n.input if x]) == 1 and len(n.input) == 1:
+        return True  # of one input: a copy (HF's key/value cache concat with no past, as exported)
     if n.op_type == "Dropout":
         if len(n.output) > 1 and n.output[1]:
             return False  # the mask is used

@@ -85,6 +85,7 @@ class Case:
     layout: str = "bshd"
     y_layout: str = "bshd"
     variant: AttentionVariant | None = SMALL  # None: attention_variants' heuristic (sq unknown)
+    nan_to_zero: bool = False  # the node's nan_to_zero: NaN probabilities read as 0
 
 
 CASES = [
@@ -105,12 +106,14 @@ CASES = [
     Case("f32-tf32-mask-d40-aligned", "f32", SCALE_MASK, d=40, dv=24, precision="tf32",
          extras=(("additive", (2, 1, 1, 37)),), variant=SMALL_ALIGNED),
     Case("f16-special-rows", "f16", MASK_F32, extras=(("special", (1, 1, 20, 37)),)),
+    # torch's SDPA export: Where(IsNaN(P), 0, P): the special rows give 0
+    Case("f32-special-rows-nan-to-zero", "f32", MASK_F32, extras=(("special", (1, 1, 20, 37)),), nan_to_zero=True),
 ]
 
 
 def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
     prog = parse(f"{HEADER}\n{case.program.format(dt=case.dtype)}\n")
-    spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision)
+    spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision, nan_to_zero=case.nan_to_zero)
     return spec, case.variant or attention_variants(spec)[0]
 
 
@@ -185,6 +188,8 @@ def reference(i: int, case: Case) -> np.ndarray:
         e = np.exp(s - s.max(axis=-1, keepdims=True))
         p = e / e.sum(axis=-1, keepdims=True)
     p = p.astype(dt).astype(np.float32)  # as the original's Softmax stores it (V's dtype)
+    if spec.nan_to_zero:
+        p = np.where(np.isnan(p), 0, p)
     if spec.tf32:
         p = round_array_to_tf32(p)
     return np.matmul(p.astype(np.float64), v.astype(np.float64)).astype(dt).astype(np.float32)
@@ -274,7 +279,9 @@ def test_attention_kernel_matches_reference(interpreted, index):
     got = check(interpreted, index)
     case = CASES[index]
     nan_rows = sorted(set(np.nonzero(np.isnan(got))[2].tolist()))
-    if case.extras and case.extras[0][0] == "special":
+    if case.extras and case.extras[0][0] == "special" and case.nan_to_zero:
+        assert nan_rows == [] and not got[:, :, [NEG_INF_ROW, POS_INF_ROW, NAN_ROW]].any()  # rows of 0
+    elif case.extras and case.extras[0][0] == "special":
         # a row of -inf (0 / 0), a +inf score (inf - inf) and a NaN score: exactly those rows,
         # every element, in every batch and head
         assert nan_rows == sorted((NEG_INF_ROW, POS_INF_ROW, NAN_ROW))

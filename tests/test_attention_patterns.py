@@ -231,3 +231,50 @@ def test_torch_sdpa_export():
     feeds = {k: rng.standard_normal(v).astype(np.float32) for k, v in shapes.items()}
     for w, g in zip(run(m, feeds), _run_with_library(r.model, feeds), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
+
+
+def _probs_path(p_nodes, mask_value=-10000.0, dtype="float32"):
+    """BERT's attention whose probabilities reach P @ V through `p_nodes` (from "p" to "pv")."""
+    nodes = [N("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]), N("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]),
+             N("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qh", "kt"], ["s"]),
+             N("Add", ["s", "mask"], ["a"]), N("Softmax", ["a"], ["p"], axis=-1), *p_nodes,
+             N("MatMul", ["pv", "vh"], ["o"]), N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
+    io = {x: (dtype, [B, S, H, D]) for x in "qkv"} | {"mask": (dtype, [B, 1, 1, S])}
+    return model(nodes, io, {"y": (dtype, [B, S, H, D])}, {"zero": np.array(0.0, dtype)}, opset=17)
+
+
+def test_probabilities_through_casts_and_a_nan_guard():
+    """HF's softmax(..., dtype=float32).to(query.dtype) (Casts) and torch's SDPA export's
+    Where(IsNaN(P), 0, P) (nan_to_zero: a fully masked row gives 0, as the original does);
+    a Cast through a narrower dtype keeps the attention out."""
+    cast = [N("Cast", ["p"], ["pc"], to=1), N("IsNaN", ["pc"], ["isnan"]), N("Where", ["isnan", "zero", "pc"], ["pv"])]
+    m = _probs_path(cast)
+    feeds = _feeds(m)
+    feeds["mask"][0] = -np.inf  # batch 0: every key masked, the softmax NaN, P 0
+    r = check_fusion(m, expect_fused=1, feeds=feeds, patterns=PATTERNS)
+    assert op_types(r.model) == ["FusedAttention"]
+    node = r.model.graph.node[0]
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute}.get("nan_to_zero") == 1
+    (want,), (got,) = run(m, feeds), _run_with_library(r.model, feeds)
+    assert not np.isnan(want).any() and not want[0].any()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    narrowing = [N("Cast", ["p"], ["ph"], to=10), N("Cast", ["ph"], ["pv"], to=1)]
+    r = optimize_model(_probs_path(narrowing), [p for p in PATTERNS if p.name != "softmax"])
+    assert "FusedAttention" not in op_types(r.model)
+    assert any("narrower than P's" in k for k in r.report.not_fused), r.report.not_fused
+
+
+def test_one_input_concat_is_removed():
+    """A Concat of one input (HF's key/value cache with no past, as exported) is a copy:
+    canonicalize drops it, so the attention reads the keys in place."""
+    from onnxfuse.load import canonicalize
+    m = _probs_path([N("Identity", ["p"], ["pv"])])
+    nodes = list(m.graph.node)
+    k = next(n for n in nodes if n.output[0] == "kt")
+    k.input[0] = "kc"
+    nodes.insert(0, N("Concat", ["k"], ["kc"], axis=1))
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    assert "Concat" not in op_types(canonicalize(m))
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
+    assert op_types(r.model) == ["FusedAttention"]

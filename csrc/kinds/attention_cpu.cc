@@ -40,6 +40,7 @@ struct AttentionKernel {
   Program prog;
   AttentionPerms perms;
   AttentionSplits splits;
+  bool nan_to_zero = false;  // attribute nan_to_zero: NaN probabilities read as 0
 
   void compute(OrtKernelContext* ctx) const {
     const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/true);
@@ -115,7 +116,10 @@ struct AttentionKernel {
         p[j] = std::exp(static_cast<double>(zr[j]) - m);  // NaN for a row of -inf, as ONNX's
         sum += p[j];
       }
-      for (int64_t j = 0; j < sk; ++j) p[j] = round_to(dt, static_cast<float>(p[j] / sum));
+      for (int64_t j = 0; j < sk; ++j) {
+        p[j] = round_to(dt, static_cast<float>(p[j] / sum));
+        if (nan_to_zero && std::isnan(p[j])) p[j] = 0.0;  // the original's Where(IsNaN(P), 0, P)
+      }
       const float* vh = v + b * g.v[0] + h * g.v[1];
       const int64_t yo = b * g.y[0] + h * g.y[1] + i * g.y[2];
       for (int64_t c = 0; c < dv; ++c) {
@@ -137,6 +141,8 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     check_attention_program(k->prog);
     k->perms = read_attention_perms(info);
     k->splits = read_attention_splits(info);
+    int64_t v = 0;
+    k->nan_to_zero = get_int_attr(info, "nan_to_zero", &v) && v != 0;
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {

@@ -10,7 +10,8 @@ A match is anchored at the Softmax:
   Softmax's input, each read only by the next (their other inputs, a mask, are the node's
   extra inputs and broadcast to the scores);
 - the **products**: the first MatMul (Q @ K^T, both activations) and the second (P @ V), the
-  Softmax read only by it; rank 3 or 4 operands of one float dtype, the head dims D and Dv
+  Softmax read only by it (through Casts to P's dtype, none narrower: HF's
+  `softmax(..., dtype=float32).to(query.dtype)`); rank 3 or 4 operands of one float dtype, the head dims D and Dv
   static;
 - the **Transposes** that make the heads: chains of Transposes that produce an operand and that
   only the node reads are absorbed into the operand's `perm_*` (the kernel reads the tensor
@@ -69,6 +70,8 @@ HEAD_DIM = "the head dims (D, Dv) are not static"
 DTYPES = "Q, K and V of different dtypes"
 BATCH = "the operands' batch dims neither equal nor 1"
 CYCLE = "fusing would create a cycle"
+P_ROUNDED = "the probabilities pass through a dtype narrower than P's on their way to P @ V"
+FLOAT_BITS = {1: 32, 10: 16, 16: 16, 11: 64}  # float, float16, bfloat16, double
 
 
 def left_to_ort(reason: str) -> str:
@@ -138,6 +141,7 @@ class AttentionParts:
     sq: int | None
     sk: int | None
     note: str = ""
+    nan_to_zero: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,6 +158,7 @@ class AttentionInfo:
     batch_heads: int | None
     sq: int | None
     sk: int | None
+    nan_to_zero: bool = False
 
 
 def _is(view: GraphView, i: int | None, op: str) -> bool:
@@ -293,6 +298,24 @@ def _score_path(view: GraphView, x: str, sm: int, target: Shape, pattern: Patter
     return walk(x, sm, [])
 
 
+def _nan_guard(view: GraphView, probs: str, readers: list[int]) -> tuple[int, int] | None:
+    """(IsNaN, Where) when `probs` is read only by IsNaN(probs) and Where(that, 0, probs), the
+    Where's output NaN probabilities set to 0; None otherwise."""
+    if len(readers) != 2:
+        return None
+    isnan = next((r for r in readers if _is(view, r, "IsNaN")), None)
+    where = next((r for r in readers if _is(view, r, "Where")), None)
+    if isnan is None or where is None:
+        return None
+    flag = view.nodes[isnan].output[0]
+    w = view.nodes[where]
+    if list(w.input) != [flag, w.input[1], probs] or view.scalar_constant(w.input[1]) != 0.0:
+        return None
+    if not _only_reader(view, flag, where) or view.shapes.get(w.output[0]) != view.shapes.get(probs):
+        return None
+    return isnan, where
+
+
 def fits(shape: Shape | None, target: Shape) -> bool:
     """A tensor of `shape` may broadcast to `target` without enlarging it: each of its dims
     (right-aligned) is 1, equal to target's, or symbolic where target's is not 1 (dynamic
@@ -327,9 +350,25 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     if found is None:
         return NO_PRODUCT
     qk, score_ops = found
-    readers = list(view.consumers.get(probs, ()))
-    if probs in view.graph_outputs or len(readers) != 1 or not _is(view, readers[0], "MatMul") \
-            or view.nodes[readers[0]].input[0] != probs or readers[0] in taken:
+    p_casts, p_dtypes = [], [view.types.get(probs)]
+    nan_guard: tuple[int, int] | None = None
+    while True:  # Casts between the Softmax and P @ V (HF: softmax(..., dtype=float32).to(query.dtype))
+        readers = list(view.consumers.get(probs, ()))
+        if probs in view.graph_outputs or any(r in taken for r in readers):
+            return NO_SECOND
+        guard = _nan_guard(view, probs, readers) if nan_guard is None else None
+        if guard is not None:  # torch's scaled_dot_product_attention export: Where(IsNaN(P), 0, P)
+            nan_guard = guard
+            probs = view.nodes[guard[1]].output[0]
+            continue
+        if len(readers) != 1:
+            return NO_SECOND
+        if not _is(view, readers[0], "Cast"):
+            break
+        p_casts.append(readers[0])
+        probs = view.nodes[readers[0]].output[0]
+        p_dtypes.append(view.types.get(probs))
+    if not _is(view, readers[0], "MatMul") or view.nodes[readers[0]].input[0] != probs:
         return NO_SECOND
     pv = readers[0]
     scores = view.nodes[qk].output[0]
@@ -348,6 +387,9 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
         return dtype_reason(dtype)
     if any(view.types.get(t) != dtype for t in (k.base, v.base, scores, probs, view.nodes[pv].output[0])):
         return DTYPES
+    # the probabilities are rounded once, to P's dtype: every dtype before it at least as wide
+    if any(FLOAT_BITS.get(t, 0) < FLOAT_BITS[dtype] for t in p_dtypes):
+        return P_ROUNDED
     shapes = [view.shapes.get(o.base) for o in (q, k, v)]
     if any(s is None for s in shapes):
         return UNKNOWN_SHAPE
@@ -370,7 +412,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     if _is(view, t, "Transpose") and t not in taken and _only_reader(view, y, t) and len(_perm(view, t, rank)) == rank:
         y_transpose, perm_y, result = t, _perm(view, t, rank), view.nodes[t].output[0]
     group = sorted({*q.transposes, *k.transposes, *v.transposes, *q.split_nodes, *k.split_nodes, *v.split_nodes,
-                    *q.scale_nodes, *k.scale_nodes, qk, *score_ops, sm, pv,
+                    *q.scale_nodes, *k.scale_nodes, qk, *score_ops, sm, *p_casts, *(nan_guard or ()), pv,
                     *([y_transpose] if y_transpose is not None else [])})
     if any(i in taken for i in group):
         return "a node is taken by an earlier pattern"
@@ -388,7 +430,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     if all(isinstance(e, int) for e in lead):
         bh = int(np.prod(lead, dtype=np.int64)) if lead else 1
     parts = AttentionParts(qk, sm, pv, q, k, v, tuple(score_ops), y_transpose, tuple(perm_y), result, rank, d, dv,
-                           bh, _dim(lq[-2]), _dim(lk[-1]), note)
+                           bh, _dim(lq[-2]), _dim(lk[-1]), note, nan_guard is not None)
     return Match(pattern, tuple(group), (result,), result=result, params=parts)
 
 
@@ -439,11 +481,12 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
     extras = inputs[1:]
     body = [view.nodes[i] for i in match.nodes]
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
-                         parts.head_dv, parts.batch_heads, parts.sq, parts.sk)
+                         parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero)
     attrs = {"perm_q": list(info.perm_q), "perm_k": list(info.perm_k), "perm_v": list(info.perm_v),
-             "perm_y": list(info.perm_y)}
+             "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {})}
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
            f"perm_y={info.perm_y} D={info.head_d} Dv={info.head_dv} BH={info.batch_heads} Sq={info.sq} "
+           f"nan_to_zero={info.nan_to_zero} "
            f"Sk={info.sk}")
     for w, o in zip("qkv", (parts.q, parts.k, parts.v), strict=True):
         if o.split is not None:
@@ -480,7 +523,7 @@ class Attention(Kind):
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> AttentionSpec:
         a: AttentionInfo = f.params
         return AttentionSpec(f.kernel_name, f.program, a.head_d, a.head_dv, precision, a.batch_heads, a.sq, a.sk,
-                             f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y))
+                             f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y), a.nan_to_zero)
 
     def decline_reason(self, spec: AttentionSpec, layout: str) -> str | None:
         """Tensors of more than 2**31 - 1 elements (32-bit index parameters), where static."""
@@ -529,7 +572,7 @@ class Attention(Kind):
         extras = inputs[3:]
         rank = q.ndim
         perms = [tuple(attrs.get(f"perm_{w}", range(rank))) for w in "qkvy"]
-        return [evaluate_attention(program, q, k, v, extras, *perms)]
+        return [evaluate_attention(program, q, k, v, extras, *perms, nan_to_zero=bool(attrs.get("nan_to_zero", 0)))]
 
 
 def unpack(x: np.ndarray, split) -> np.ndarray:
@@ -544,7 +587,7 @@ def unpack(x: np.ndarray, split) -> np.ndarray:
 
 
 def evaluate_attention(program: Program, q: np.ndarray, k: np.ndarray, v: np.ndarray, extras: list[np.ndarray],
-                       perm_q=None, perm_k=None, perm_v=None, perm_y=None) -> np.ndarray:
+                       perm_q=None, perm_k=None, perm_v=None, perm_y=None, nan_to_zero: bool = False) -> np.ndarray:
     """A FusedAttention node's output (docs/format.md) in numpy."""
     lq, lk, lv = (a if p is None else np.transpose(a, p) for a, p in ((q, perm_q), (k, perm_k), (v, perm_v)))
     dt = q.dtype
@@ -558,5 +601,7 @@ def evaluate_attention(program: Program, q: np.ndarray, k: np.ndarray, v: np.nda
     with np.errstate(invalid="ignore", over="ignore"):
         e = np.exp(x - x.max(axis=-1, keepdims=True))
         probs = (e / e.sum(axis=-1, keepdims=True)).astype(lv.dtype)
+    if nan_to_zero:
+        probs = np.where(np.isnan(probs), 0, probs).astype(lv.dtype)
     y = np.matmul(probs.astype(np.float64), lv.astype(np.float64)).astype(dt)
     return np.ascontiguousarray(y if perm_y is None else np.transpose(y, perm_y))
