@@ -251,11 +251,29 @@ def _gemm_attention() -> onnx.ModelProto:
 
 def _attention(form: str) -> onnx.ModelProto:
     """BERT-base's attention at batch 2 in float16 (aligned and unaligned variants, a mask);
-    GPT-2's causal Where on a small float32 head (precision ieee)."""
+    GPT-2's causal Where on a small float32 head (precision ieee); a packed projection read in
+    place with torch's NaN guard (nan_to_zero)."""
     if form == "bert":
         from tests.test_attention_gpu import _bert_shaped
 
         return _bert_shaped("float16", 2, 128, 12, 64)
+    if form == "packed":  # Q, K and V packed into one projection; torch's NaN guard after the softmax
+        from onnx import helper as h
+
+        from tests.test_pack import _bert_attention
+
+        m = _bert_attention()
+        nodes = list(m.graph.node)
+        sm = next(n for n in nodes if n.op_type == "Softmax")
+        pv = next(n for n in nodes if n.op_type == "MatMul" and n.input[0] == sm.output[0])
+        pv.input[0] = "p_guarded"
+        at = nodes.index(sm) + 1
+        nodes[at:at] = [h.make_node("IsNaN", [sm.output[0]], ["p_nan"]),
+                        h.make_node("Where", ["p_nan", "zero", sm.output[0]], ["p_guarded"])]
+        del m.graph.node[:]
+        m.graph.node.extend(nodes)
+        m.graph.initializer.append(numpy_helper.from_array(np.array(0.0, np.float32), "zero"))
+        return m
     from tests.test_attention_patterns import _heads
 
     return _heads("where")
@@ -327,6 +345,7 @@ CASES: dict[str, tuple] = {
     "gemm_mix": (_gemm_attention, "nhwc", "tf32", {"env": GEMM_ENV}),
     "attention_bert_base_fp16": (lambda: _attention("bert"), "nhwc", "tf32", {}),
     "attention_gpt2_causal_ieee": (lambda: _attention("gpt2"), "nhwc", "ieee", {}),
+    "attention_packed_nan_to_zero": (lambda: _attention("packed"), "nhwc", "tf32", {}),
 }
 
 

@@ -486,8 +486,9 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
              "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {})}
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
            f"perm_y={info.perm_y} D={info.head_d} Dv={info.head_dv} BH={info.batch_heads} Sq={info.sq} "
-           f"nan_to_zero={info.nan_to_zero} "
            f"Sk={info.sk}")
+    if info.nan_to_zero:
+        key += " nan_to_zero"
     for w, o in zip("qkv", (parts.q, parts.k, parts.v), strict=True):
         if o.split is not None:
             attrs[f"split_{w}"] = list(o.split)
