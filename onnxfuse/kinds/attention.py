@@ -51,7 +51,7 @@ from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, Shape
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
-from onnxfuse.match import DTYPE_IDS, dtype_reason, operands, pointwise_candidate
+from onnxfuse.match import DTYPE_IDS, dtype_reason, match_anchored, operands, pointwise_candidate
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
 from onnxfuse.rewrite import ir_dtype, lower_nodes
 
@@ -439,20 +439,8 @@ def match_attention(view: GraphView, pattern: Pattern, taken: set[int], accepted
     """Matches at every Softmax not taken yet, in topological order; adds their nodes to
     `taken` and `accepted`. `anchors` say why each other Softmax did not match, `notes` which
     of ONNX Runtime's fusions a match took nodes from."""
-    result = MatchResult()
-    for i, n in enumerate(view.nodes):
-        if i in taken or n.op_type not in ANCHORS or n.domain not in DEFAULT_DOMAINS:
-            continue
-        found = find_attention(view, i, pattern, taken, accepted, reserved)
-        if isinstance(found, str):
-            result.anchors[i] = found
-            continue
-        result.matches.append(found)
-        if found.params.note:
-            result.notes[found.params.note] += len(found.nodes)
-        taken.update(found.nodes)
-        accepted.add(list(found.nodes))
-    return result
+    return match_anchored(view, pattern, taken, accepted, ANCHORS,
+                          lambda v, i, p, t, a: find_attention(v, i, p, t, a, reserved), lambda m: m.params.note)
 
 
 # ---------------------------------------------------------------------------------------
