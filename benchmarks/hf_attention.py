@@ -1,0 +1,147 @@
+"""Hugging Face transformers models, which this repository does not hold: does every attention
+fuse, is the optimized model right, and (on a GPU) how fast is it against ONNX Runtime.
+
+Builds BertModel, GPT2Model and ViTModel from their configurations with random weights (no
+download; base sizes, or `--small` ones for a CPU), with each attention implementation
+(`eager`, `sdpa`), exports each with torch's TorchScript exporter (opset 17, last hidden state
+out), runs `onnxfuse optimize --shape ...` at batch `--batch` and sequence 128 (ViT: 224²), and
+`onnxfuse bench` of the pair (`--provider`): both errors against the float64 reference, the gate,
+and median ms of both models. Prints a table and writes JSON after every case:
+
+    python benchmarks/hf_attention.py --provider cuda --batch 1 --json hf_b1.json
+    python benchmarks/hf_attention.py --small --provider cpu       # CPU (--target none): fusion, accuracy
+
+Needs `transformers` (the GPU machine has it; here: pip install transformers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+import onnx
+
+SEQ = 128
+ARCHS = ("bert", "gpt2", "vit")
+
+
+def build(arch: str, attn: str, small: bool):
+    """(torch module returning the last hidden state, example args, input names, input dims)."""
+    import torch
+    import transformers as tf
+
+    size = dict(hidden_size=64, num_attention_heads=2, intermediate_size=128, num_hidden_layers=2) if small else {}
+    if arch == "bert":
+        cfg = tf.BertConfig(**size, vocab_size=1000 if small else 30522, attn_implementation=attn)
+        model, names = tf.BertModel(cfg), ["input_ids", "attention_mask"]
+    elif arch == "gpt2":
+        g = dict(n_embd=64, n_head=2, n_layer=2, vocab_size=1000) if small else {}
+        cfg = tf.GPT2Config(**g, attn_implementation=attn)
+        model, names = tf.GPT2Model(cfg), ["input_ids"]
+    else:
+        cfg = tf.ViTConfig(**size, **(dict(image_size=32, patch_size=8) if small else {}), attn_implementation=attn)
+        model, names = tf.ViTModel(cfg), ["pixel_values"]
+
+    class Hidden(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *args):
+            return self.m(**dict(zip(names, args, strict=True))).last_hidden_state
+
+    return Hidden(model).eval(), names, cfg
+
+
+def export(arch: str, attn: str, small: bool, batch: int, path: Path) -> dict[str, tuple[int, ...]]:
+    """The model exported to `path`; its inputs' dims at this batch."""
+    import torch
+
+    module, names, cfg = build(arch, attn, small)
+    seq = 16 if small else SEQ
+    if arch == "vit":
+        dims = {"pixel_values": (batch, 3, cfg.image_size, cfg.image_size)}
+        args = (torch.randn(*dims["pixel_values"]),)
+    else:
+        dims = {n: (batch, seq) for n in names}
+        args = tuple(torch.ones(batch, seq, dtype=torch.int64) for _ in names)
+    with torch.no_grad():
+        torch.onnx.export(module, args, str(path), opset_version=17, dynamo=False, input_names=names,
+                          output_names=["hidden"], dynamic_axes={n: {0: "batch"} for n in names})
+    return dims
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "onnxfuse.cli", *args], capture_output=True, text=True)
+
+
+def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
+    tag = f"{arch}_{attn}_b{args.batch}"
+    src, opt, js = tmp / f"{tag}.onnx", tmp / f"{tag}.opt.onnx", tmp / f"{tag}.bench.json"
+    row: dict = {"case": tag}
+    dims = export(arch, attn, args.small, args.batch, src)
+    shapes = [f"{n}={'x'.join(map(str, d))}" for n, d in dims.items()]
+    # on the CPU no kernels (their TF32-rounded packed weights are for the GPU's tensor cores)
+    target = ["--target", "none"] if args.provider == "cpu" else []
+    r = cli("optimize", str(src), str(opt), *target, *sum((["--shape", s] for s in shapes), []))
+    if r.returncode != 0:
+        return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
+    ops = Counter(n.op_type for n in onnx.load(str(opt)).graph.node)
+    original = Counter(n.op_type for n in onnx.load(str(src)).graph.node)
+    row |= {"softmax_before": original["Softmax"], "fused_attention": ops["FusedAttention"],
+            "softmax_left": ops["Softmax"], "transposes": [original["Transpose"], ops["Transpose"]]}
+    r = cli("bench", str(src), str(opt), "--provider", args.provider, "--iters", str(args.iters),
+            *sum((["--shape", s] for s in shapes), []), "--json", str(js))
+    if not js.exists():
+        return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
+    d = json.loads(js.read_text())
+    ref, new = d["models"]
+    outs = new["outputs"]
+    row |= {"ort_ms": ref["latency_ms"]["median"], "onnxfuse_ms": new["latency_ms"]["median"],
+            "ort_err": max(o["ort_max_abs_err"] for o in outs), "err": max(o["max_abs_err"] for o in outs),
+            "gate": all(o["passed"] for o in outs)}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--provider", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--small", action="store_true", help="2-layer, width-64 configs (a CPU check)")
+    ap.add_argument("--archs", default=",".join(ARCHS))
+    ap.add_argument("--attn", default="eager,sdpa")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="hf_attention_") as tmp:
+        for arch in args.archs.split(","):
+            for attn in args.attn.split(","):
+                try:
+                    row = run_case(arch, attn, args, Path(tmp))
+                except Exception as e:  # a model that cannot be built or exported: say so, go on
+                    row = {"case": f"{arch}_{attn}_b{args.batch}", "error": f"{type(e).__name__}: {e}"[:300]}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+                if args.json:
+                    args.json.write_text(json.dumps({"provider": args.provider, "rows": rows}, indent=1) + "\n")
+    print("\n| case | Softmax before | FusedAttention | Softmax left | Transposes before → after | ORT ms | "
+          "onnxfuse ms | ORT err | onnxfuse err | gate |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['case']} | error: {str(r['error'])[:80]} | | | | | | | | |")
+            continue
+        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        print(f"| {r['case']} | {r['softmax_before']} | {r['fused_attention']} | {r['softmax_left']} | "
+              f"{r['transposes'][0]} → {r['transposes'][1]} | {fmt(r.get('ort_ms'))} | {fmt(r.get('onnxfuse_ms'))} | "
+              f"{r.get('ort_err', 0):.2g} | {r.get('err', 0):.2g} | {'pass' if r.get('gate') else 'FAIL'} |")
+
+
+if __name__ == "__main__":
+    main()
