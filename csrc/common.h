@@ -164,6 +164,16 @@ inline bool type_fits(ONNXTensorElementDataType t, DType d, bool f32_for_half) {
          (f32_for_half && t == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && (d == DType::F16 || d == DType::BF16));
 }
 
+// The node's input i (an error when it is missing).
+inline TensorRef input_tensor(OrtKernelContext* ctx, size_t i) {
+  const OrtValue* v = nullptr;
+  check(g_ort->KernelContext_GetInput(ctx, i, &v));
+  if (!v) throw Error("input " + std::to_string(i) + " is missing");
+  TensorRef t;
+  read_tensor(v, &t);
+  return t;
+}
+
 inline Io bind_io(const Program& prog, OrtKernelContext* ctx, bool f32_for_half = false) {
   Io io;
   size_t n_in = 0, n_out = 0;
@@ -178,10 +188,7 @@ inline Io bind_io(const Program& prog, OrtKernelContext* ctx, bool f32_for_half 
   io.in.resize(n_in);
   std::vector<Shape> shapes(n_in);
   for (size_t i = 0; i < n_in; ++i) {
-    const OrtValue* v = nullptr;
-    check(g_ort->KernelContext_GetInput(ctx, i, &v));
-    if (!v) throw Error("input " + std::to_string(i) + " is missing");
-    read_tensor(v, &io.in[i]);
+    io.in[i] = input_tensor(ctx, i);
     if (!type_fits(io.in[i].type, prog.inputs[i], f32_for_half))
       throw Error("input " + std::to_string(i) + " is " + elem_type_name(io.in[i].type) +
                   ", the program declares " + dtype_name(prog.inputs[i]));
@@ -280,10 +287,7 @@ inline std::vector<TensorRef> read_operand_inputs(OrtKernelContext* ctx, const P
                 " extras and one output");
   std::vector<TensorRef> t(n_in);
   for (size_t i = 0; i < n_in; ++i) {
-    const OrtValue* v = nullptr;
-    check(g_ort->KernelContext_GetInput(ctx, i, &v));
-    if (!v) throw Error("input " + std::to_string(i) + " is missing");
-    read_tensor(v, &t[i]);
+    t[i] = input_tensor(ctx, i);
     const DType want = prog.inputs[i < operands ? 0 : i - operands + 1];
     if (!type_fits(t[i].type, want, f32_for_half))
       throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +

@@ -323,10 +323,7 @@ inline std::vector<TensorRef> read_layer_inputs(const Program& prog, OrtKernelCo
   if (n_out != 1) throw Error("the node has " + std::to_string(n_out) + " outputs, expected 1");
   std::vector<TensorRef> t(n_in);
   for (size_t i = 0; i < n_in; ++i) {
-    const OrtValue* v = nullptr;
-    check(g_ort->KernelContext_GetInput(ctx, i, &v));
-    if (!v) throw Error("input " + std::to_string(i) + " is missing");
-    read_tensor(v, &t[i]);
+    t[i] = input_tensor(ctx, i);
     const size_t pi = i < n_fixed ? 0 : i - n_fixed + 1;
     const std::string what = i < n_fixed ? std::string(" (") + kInputNames[i] + ")"
                                          : " (program input %" + std::to_string(pi) + ")";

@@ -167,10 +167,7 @@ inline std::vector<TensorRef> read_rows_inputs(const RowsAttrs& a, OrtKernelCont
     throw Error("the node has " + std::to_string(n_out) + " outputs, expected " + std::to_string(a.n_outputs()));
   std::vector<TensorRef> t(n_in);
   for (size_t i = 0; i < n_in; ++i) {
-    const OrtValue* v = nullptr;
-    check(g_ort->KernelContext_GetInput(ctx, i, &v));
-    if (!v) throw Error("input " + std::to_string(i) + " is missing");
-    read_tensor(v, &t[i]);
+    t[i] = input_tensor(ctx, i);
     if (!type_fits(t[i].type, a.input_dtype(i), f32_for_half))
       throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the program declares " +
                   dtype_name(a.input_dtype(i)));
