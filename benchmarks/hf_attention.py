@@ -105,6 +105,13 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     row |= {"ort_ms": ref["latency_ms"]["median"], "onnxfuse_ms": new["latency_ms"]["median"],
             "ort_err": max(o["ort_max_abs_err"] for o in outs), "err": max(o["max_abs_err"] for o in outs),
             "gate": all(o["passed"] for o in outs)}
+    if args.cuda_graph and args.provider == "cuda":  # both models again, each replayed as one CUDA graph
+        js.unlink()
+        cli("bench", str(src), str(opt), "--provider", "cuda", "--cuda-graph", "--iters", str(args.iters),
+            *sum((["--shape", s] for s in shapes), []), "--json", str(js))
+        if js.exists():
+            ref, new = json.loads(js.read_text())["models"]
+            row |= {"ort_graph_ms": ref["latency_ms"]["median"], "onnxfuse_graph_ms": new["latency_ms"]["median"]}
     return row
 
 
@@ -117,6 +124,7 @@ def main() -> None:
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--attn", default="eager,sdpa")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--cuda-graph", action="store_true", help="also time both models under CUDA graphs")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="hf_attention_") as tmp:
@@ -131,15 +139,16 @@ def main() -> None:
                 if args.json:
                     args.json.write_text(json.dumps({"provider": args.provider, "rows": rows}, indent=1) + "\n")
     print("\n| case | Softmax before | FusedAttention | Softmax left | Transposes before → after | ORT ms | "
-          "onnxfuse ms | ORT err | onnxfuse err | gate |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "onnxfuse ms | ORT + graph ms | onnxfuse + graph ms | ORT err | onnxfuse err | gate |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['case']} | error: {str(r['error'])[:80]} | | | | | | | | |")
+            print(f"| {r['case']} | error: {str(r['error'])[:80]} | | | | | | | | | | |")
             continue
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
         print(f"| {r['case']} | {r['softmax_before']} | {r['fused_attention']} | {r['softmax_left']} | "
               f"{r['transposes'][0]} → {r['transposes'][1]} | {fmt(r.get('ort_ms'))} | {fmt(r.get('onnxfuse_ms'))} | "
+              f"{fmt(r.get('ort_graph_ms'))} | {fmt(r.get('onnxfuse_graph_ms'))} | "
               f"{r.get('ort_err', 0):.2g} | {r.get('err', 0):.2g} | {'pass' if r.get('gate') else 'FAIL'} |")
 
 
