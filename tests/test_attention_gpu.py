@@ -2,9 +2,14 @@
 models on ONNX Runtime's CUDA execution provider with the custom-op library against the
 originals there, with and without CUDA graphs:
 
-- float32 at `ieee` against ORT with TF32 off (1e-5 of the scale); at the default `tf32`
-  against the float64 reference within 2x ORT's own TF32 error plus a floor (`onnxfuse bench`'s
-  gate); float16 within 1e-2 of ORT;
+- float32 at `ieee` against ORT with TF32 off (1e-5 of the scale); at `tf32x3` and the default
+  `tf32` against the float64 reference within 2x ORT's own TF32 error plus a floor (`onnxfuse
+  bench`'s gate); float16 within 1e-2 of ORT. At these tests' tiny products (head dim 8) cuBLAS
+  multiplies in plain fp32 even with TF32 allowed (the first H200 run: ORT's error 1e-5, ours
+  6e-4), so `tf32` is held there to the error of TF32 operands rather than to ORT's: 1.5x that
+  of the float64 evaluation of the original on inputs rounded to nearest TF32 (on the H200 the
+  kernel's error was 0.97-1.04x that; inputs truncated to TF32 give 2.3-3.5x). Such a model,
+  optimized with tuning, fails tuning's gate at tf32 and is compiled at tf32x3 (onnxfuse.tune);
 - BERT's layout (heads made by Transposes, which the node absorbs), GPT-2's causal Where, no
   mask, keys transposed twice, the output left as heads, BERT-base's shapes (aligned variant:
   contiguous head dims, strides multiples of 16), and a head dim of 40 (H * D = 120: the
@@ -54,9 +59,9 @@ def _models() -> list[tuple[str, object]]:
 
 
 MODELS = _models()
-# float32 models at both precisions, float16 ones once (the precision is float32's)
-RUNS = [(i, prec) for i, (name, _) in enumerate(MODELS) for prec in (("ieee", "tf32") if name.endswith("f32") else
-                                                                      ("tf32",))]
+# float32 models at every precision, float16 ones once (the precision is float32's)
+RUNS = [(i, prec) for i, (name, _) in enumerate(MODELS)
+        for prec in (("ieee", "tf32x3", "tf32") if name.endswith("f32") else ("tf32",))]
 
 
 def _session(m, library: bool, graph: bool = False, tf32: bool = False):
@@ -74,20 +79,26 @@ def _session(m, library: bool, graph: bool = False, tf32: bool = False):
 
 def _check_against_ort(name: str, m, r, feeds: dict, precision: str) -> None:
     from onnxfuse.reference import evaluate
+    from tests.layer_ref import round_to_tf32
 
     fp32 = m.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT
     want = _session(m, False).run(None, feeds)
     ort_tf32 = _session(m, False, tf32=True).run(None, feeds)
-    ref = evaluate(m, feeds) if fp32 and precision == "tf32" else None
+    ref = evaluate(m, feeds) if fp32 and precision != "ieee" else None
+    # the float64 evaluation on float inputs rounded to TF32: the error TF32 operands cost
+    tf32_in = evaluate(m, {k: round_to_tf32(v) if v.dtype == np.float32 else v for k, v in feeds.items()}) \
+        if ref is not None and precision == "tf32" else None
     outs = [o.name for o in m.graph.output]
     for graph in (False, True):
         got = _session(r.model, True, graph).run(None, feeds)
         for k, (e, g) in enumerate(zip(want, got, strict=True)):
             what = f"{name}, {precision}, CUDA graph {graph}, output {outs[k]}"
             assert e.dtype == g.dtype and e.shape == g.shape, what
-            if ref is not None:  # TF32: no further from float64 than ORT's own TF32 (the gate's rule)
+            if ref is not None:  # the gate's rule, or TF32 operands' error (module docstring)
                 r64 = np.asarray(ref[outs[k]], np.float64)
                 bound = 2 * np.abs(ort_tf32[k].astype(np.float64) - r64).max() + 1e-5 * np.abs(r64).max()
+                if tf32_in is not None:
+                    bound = max(bound, 1.5 * np.abs(np.asarray(tf32_in[outs[k]], np.float64) - r64).max())
                 assert np.abs(g.astype(np.float64) - r64).max() <= bound, what
                 continue
             tol = 1e-5 if e.dtype == np.float32 else 1e-2
