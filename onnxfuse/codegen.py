@@ -18,15 +18,17 @@ each strided input's ``rank`` strides, all integers 64-bit; Triton appends the t
 pointers itself. ``BLOCK`` is a constexpr and takes no parameter slot.
 
 Math semantics are those of `onnxfuse.expr`: fp32 throughout, IEEE division and square
-root (``tl.div_rn``, ``tl.sqrt_rn``), libdevice for transcendental functions (accurate to
-a few ulp, unlike the fast ``tl.exp`` / ``tl.log`` approximations), NaN-propagating
-max/min, comparisons that give 1.0 / 0.0, and ``select`` on ``c != 0``.
+root (``tl.div_rn``, ``tl.sqrt_rn``; a division by a power of two is the equal product),
+libdevice for transcendental functions (accurate to a few ulp, unlike the fast ``tl.exp`` /
+``tl.log`` approximations), NaN-propagating max/min, comparisons that give 1.0 / 0.0, and
+``select`` on ``c != 0``.
 """
 
 from __future__ import annotations
 
 import keyword
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -362,14 +364,38 @@ _MIRROR = {"gt": "lt", "ge": "le", "lt": "gt", "le": "ge", "eq": "eq"}
 
 
 def _expr(ins: Instr, base: int) -> str:
+    return expr_text(ins, lambda v: _value_name(v, base))
+
+
+def expr_text(ins: Instr, name: Callable[[int], str]) -> str:
+    """The Triton expression of one instruction, value %v named `name(v)`; shared by every
+    kind's generator."""
     op, args = ins.op, list(ins.args)
     if op in _MIRROR and not isinstance(args[0], Ref) and isinstance(args[1], Ref):
         op, args = _MIRROR[op], [args[1], args[0]]
-    texts = [_value_name(a.index, base) if isinstance(a, Ref) else _literal(a) for a in args]
+    if op == "div" and isinstance(args[0], Ref) and (r := _exact_reciprocal(args[1])) is not None:
+        # x / 2^k is x * 2^-k exactly (both round the same real number), in one instruction
+        # rather than div_rn's sequence (the attention's / 8 at head dim 64)
+        op, args = "mul", [args[0], r]
+    texts = [name(a.index) if isinstance(a, Ref) else _literal(a) for a in args]
     if not any(isinstance(a, Ref) for a in args):
         # Only literals: make the first one an fp32 tensor so the math stays in Triton.
         texts[0] = f"tl.full([], {_literal(args[0])}, tl.float32)"
     return OP_TABLE[op].format(*texts)
+
+
+def _exact_reciprocal(value: Operand) -> float | None:
+    """1 / value where value is a literal power of two whose reciprocal is a normal fp32
+    (so that multiplying by it equals dividing, for every x); else None."""
+    if isinstance(value, Ref):
+        return None
+    v = float(np.float32(value))
+    if v == 0 or not math.isfinite(v):
+        return None
+    mantissa, exponent = math.frexp(abs(v))  # v = mantissa * 2^exponent, mantissa in [0.5, 1)
+    if mantissa != 0.5 or not -126 <= 1 - exponent <= 127:
+        return None
+    return 1.0 / v
 
 
 def _value_name(v: int, base: int) -> str:

@@ -54,19 +54,17 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from onnxfuse.codegen import (
-    _MIRROR,
-    OP_TABLE,
     POINTER_TYPES,
     TL_DTYPES,
     KernelSource,
     _comment_text,
-    _literal,
     _operand_text,
     check_kernel_name,
+    expr_text,
     param_groups,
 )
 from onnxfuse.codegen_conv import ROUND_TO_TF32
-from onnxfuse.expr import Instr, Program, Ref
+from onnxfuse.expr import Program
 
 # The row values each reduction gives the epilogue, in program input order (%0, %1, ...).
 ROW_VALUES: dict[str, tuple[str, ...]] = {
@@ -510,19 +508,8 @@ def _program_lines(prog: Program, value_of: Callable[[int], str], prefix: str) -
     out = []
     for k, ins in enumerate(prog.instrs):
         out.append(f"# %{base + k} = {ins.op} {' '.join(_operand_text(a) for a in ins.args)}")
-        out.append(f"{prefix}{base + k} = {_expr(ins, name)}")
+        out.append(f"{prefix}{base + k} = {expr_text(ins, name)}")
     return out
-
-
-def _expr(ins: Instr, name: Callable[[int], str]) -> str:
-    """codegen._expr with this kernel's value names."""
-    op, args = ins.op, list(ins.args)
-    if op in _MIRROR and not isinstance(args[0], Ref) and isinstance(args[1], Ref):
-        op, args = _MIRROR[op], [args[1], args[0]]
-    texts = [name(a.index) if isinstance(a, Ref) else _literal(a) for a in args]
-    if not any(isinstance(a, Ref) for a in args):
-        texts[0] = f"tl.full([], {_literal(args[0])}, tl.float32)"
-    return OP_TABLE[op].format(*texts)
 
 
 def _prologue(spec: RowsSpec, variant: RowsVariant) -> list[str]:

@@ -147,6 +147,15 @@ def _literal_cases() -> list[Case]:
              "output %2 f32\noutput %3 f32\noutput %4 f32", ((65,),), ("f32",)),
         Case("select-literal-cond", "%1 = select 1.0 %0 2.0\n%2 = select 0.0 %0 2.0\n%3 = select nan %0 2.0\n"
              "output %1 f32\noutput %2 f32\noutput %3 f32", ((40,),), ("f32",)),
+        # a division by a power of two is written as a product (codegen.expr_text), exact for
+        # every x: subnormal, overflowing, signed zero, inf and NaN inputs; 3.0 and the powers
+        # whose reciprocal is not a normal fp32 stay divisions
+        Case("div-power-of-two", "%1 = div %0 8.0\n%2 = div %0 0.25\n%3 = div %0 -2.0\n%4 = div %0 3.0\n"
+             "%5 = div %0 1.7014118346046923e+38\n%6 = div %0 1.1754943508222875e-38\n"
+             "output %1 f32\noutput %2 f32\noutput %3 f32\noutput %4 f32\noutput %5 f32\noutput %6 f32",
+             ((12,),), ("f32",),
+             values=((1e-40, -1e-45, 3.4e38, float("inf"), float("-inf"), float("nan"), -0.0, 0.0, 1.0, 7.0,
+                      1.1754944e-38, -6.5e4),)),
         Case("gelu-tanh", """
             %1 = mul %0 %0
             %2 = mul %1 %0
@@ -550,6 +559,17 @@ def test_generate_rejects_bad_arguments():
 def test_comment_lines_stay_comments():
     k = generate(parse(GOLDEN_PROGRAM), NAME, 2, ("full",) * 3, ["Mul a\nimport os", "Relu \u00e9"], Variant(1))
     assert "#   Mul a import os\n" in k.source and "#   Relu \\xe9\n" in k.source
+
+
+def test_division_by_a_power_of_two_is_a_product():
+    prog = parse(_prog(("f32",), "%1 = div %0 8.0\n%2 = div %1 3.0\n%3 = div %2 -0.5\n%4 = div 2.0 %3\n"
+                                 "%5 = div %4 1.1754943508222875e-38\noutput %5 f32"))
+    src = generate(prog, NAME, 1, ("full",), [], Variant(1)).source
+    assert "tmp1 = x0 * 0.125" in src and "tmp3 = tmp2 * -2.0" in src
+    # not a power of two; a literal dividend; a reciprocal (2^126) that is normal but whose
+    # divisor (2^-126) is the smallest normal: still exact, so a product
+    assert "tmp2 = tl.div_rn(tmp1, 3.0)" in src and "tmp4 = tl.div_rn(2.0, tmp3)" in src
+    assert "tmp5 = tmp4 * 8.507059e+37" in src
 
 
 # ---------------------------------------------------------------------------------------
