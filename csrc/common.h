@@ -273,22 +273,27 @@ OpDef make_op(int min_inputs, decltype(OrtCustomOp::CreateKernelV2) create) {
 }
 
 // A fused node's inputs: `operands` tensors of the program's %0 dtype (a product's A and B,
-// attention's Q, K^T and V: `names`), then the program's extras %1, %2, ...; checked against
-// the program (their count, one output, each input's element type; f32_for_half: a float32
-// tensor may stand for a half one, as on the CPU).
+// attention's Q, K^T and V: `names`), then the program's extras %1, %2, ..., then `trailing`
+// more of %0's dtype (attention's biases: `trailing_names`); checked against the program (their
+// count, one output, each input's element type; f32_for_half: a float32 tensor may stand for a
+// half one, as on the CPU).
 inline std::vector<TensorRef> read_operand_inputs(OrtKernelContext* ctx, const Program& prog, size_t operands,
-                                                  const char* names, bool f32_for_half) {
+                                                  const char* names, bool f32_for_half, size_t trailing = 0,
+                                                  const char* trailing_names = "") {
   size_t n_in = 0, n_out = 0;
   check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
   check(g_ort->KernelContext_GetOutputCount(ctx, &n_out));
-  if (n_in != prog.inputs.size() - 1 + operands || n_out != 1)
+  const size_t n_extras = prog.inputs.size() - 1;
+  if (n_in != operands + n_extras + trailing || n_out != 1)
     throw Error("the node has " + std::to_string(n_in) + " inputs and " + std::to_string(n_out) +
-                " outputs, expected " + names + ", " + std::to_string(prog.inputs.size() - 1) +
-                " extras and one output");
+                " outputs, expected " + names + ", " + std::to_string(n_extras) + " extras" +
+                (trailing ? ", " + std::to_string(trailing) + " " + trailing_names : std::string()) +
+                " and one output");
   std::vector<TensorRef> t(n_in);
   for (size_t i = 0; i < n_in; ++i) {
     t[i] = input_tensor(ctx, i);
-    const DType want = prog.inputs[i < operands ? 0 : i - operands + 1];
+    const bool extra = i >= operands && i < operands + n_extras;
+    const DType want = prog.inputs[extra ? i - operands + 1 : 0];
     if (!type_fits(t[i].type, want, f32_for_half))
       throw Error("input " + std::to_string(i) + " is " + elem_type_name(t[i].type) + ", the node declares " +
                   dtype_name(want));

@@ -8,6 +8,13 @@ The kernel is the Triton tutorial's fused attention (flash attention's forward p
 computes the score tile with one `tl.dot`, runs the score program on it, and keeps a running
 max and sum (the online softmax) with the fp32 accumulator of P @ V.
 
+With a projection bias (the node's `bias_q`, `bias_k`, `bias_v`: the packed projection's Add,
+absorbed), the head's slice of the bias, a [HEAD_D] (or [HEAD_DV]) vector loaded once, is added
+to each Q, K^T and V tile in fp32 and the sum rounded to the operand's dtype, as the original's
+Add stores it, before anything else reads the tile (the TF32 rounding, `tl.dot`). The masked
+rows and columns of a tile then hold the bias instead of 0: keys past Sk are masked to -inf in
+the scores (their p is 0), and query rows past Sq are never stored; padded head dims stay 0.
+
 Per key block: the K^T tile [HEAD_D, BLOCK_N] and `tl.dot` with the Q tile (loaded once), fp32
 sums; %0 is that product rounded to Q's dtype, as the original's MatMul stores it; the score
 program on the [BLOCK_M, BLOCK_N] tile in fp32, its extras read through their four strides over
@@ -78,6 +85,8 @@ class AttentionSpec:
     rank: int = 4
     perms: tuple[tuple[int, ...], ...] = ()
     nan_to_zero: bool = False  # NaN probabilities read as 0 (a row of them: Y = 0)
+    # Q, K^T, V each read with its projection's bias added (the node's bias_q, bias_k, bias_v)
+    bias: tuple[bool, bool, bool] = (False, False, False)
 
     @property
     def dtype(self) -> str:
@@ -92,6 +101,11 @@ class AttentionSpec:
     def tf32(self) -> bool:
         """Float32 operands multiplied at precision "tf32" (rounded to nearest first)."""
         return self.dtype == "f32" and self.precision == "tf32"
+
+    @property
+    def biased(self) -> tuple[str, ...]:
+        """The operands read with a bias added, of "q", "k", "v" in that order."""
+        return tuple(w for w, b in zip("qkv", self.bias, strict=True) if b)
 
 
 @dataclass(frozen=True)
@@ -127,11 +141,13 @@ class AttentionVariant:
 
 def attention_param_names(spec: AttentionSpec) -> list[str]:
     """Kernel parameters in launch order (docs/format.md, kind attention), without constexprs."""
-    names = ["q_ptr", "k_ptr", "v_ptr", *(f"e{i}_ptr" for i in range(spec.n_extras)), "y_ptr", "H", "SQ", "SK"]
+    names = ["q_ptr", "k_ptr", "v_ptr", *(f"e{i}_ptr" for i in range(spec.n_extras)),
+             *(f"b{w}_ptr" for w in spec.biased), "y_ptr", "H", "SQ", "SK"]
     names += ["stride_qb", "stride_qh", "stride_qm", "stride_qd", "stride_kb", "stride_kh", "stride_kd", "stride_kn",
               "stride_vb", "stride_vh", "stride_vn", "stride_vd", "stride_yb", "stride_yh", "stride_ym", "stride_yd"]
     for i in range(spec.n_extras):
         names += [f"stride_e{i}_b", f"stride_e{i}_h", f"stride_e{i}_m", f"stride_e{i}_n"]
+    names += [f"stride_b{w}h" for w in spec.biased]
     return names
 
 
@@ -232,7 +248,7 @@ def generate_attention(spec: AttentionSpec, variant: AttentionVariant) -> Kernel
     _check(spec, variant)
     names = attention_param_names(spec)
     ptr = POINTER_TYPES[spec.dtype]
-    types = [ptr] * 3 + [POINTER_TYPES[d] for d in spec.program.input_dtypes[1:]] + [ptr]
+    types = [ptr] * 3 + [POINTER_TYPES[d] for d in spec.program.input_dtypes[1:]] + [ptr] * len(spec.biased) + [ptr]
     types += [INT_TYPE] * (len(names) - len(types))
     constexprs = (("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n), ("HEAD_D", padded(spec.head_d)),
                   ("HEAD_DV", padded(spec.head_dv)), ("D", spec.head_d), ("DV", spec.head_dv))
@@ -245,9 +261,11 @@ def generate_attention(spec: AttentionSpec, variant: AttentionVariant) -> Kernel
                         num_stages=variant.num_stages)
 
 
-# An aligned variant's strides of Q, K^T, V and Y that are multiples of 16 (their head dims' are 1)
+# An aligned variant's strides of Q, K^T, V and Y that are multiples of 16 (their head dims' are 1),
+# and the biases' head strides
 ALIGNED_STRIDES = frozenset({"stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn",
-                             "stride_vb", "stride_vh", "stride_vn", "stride_yb", "stride_yh", "stride_ym"})
+                             "stride_vb", "stride_vh", "stride_vn", "stride_yb", "stride_yh", "stride_ym",
+                             "stride_bqh", "stride_bkh", "stride_bvh"})
 
 
 def _precision_text(spec: AttentionSpec) -> str:
@@ -264,6 +282,9 @@ def _module(spec: AttentionSpec, names: list[str], constexprs: list[str], aligne
              f"# flash attention; Q [B, H, Sq, {spec.head_d}], K^T [B, H, {spec.head_d}, Sk], "
              f"V [B, H, Sk, {spec.head_dv}], all through strides;",
              f"# {_precision_text(spec)}.", "#", "# Replaces the ONNX nodes:"]
+    if spec.biased:
+        lines[-1:-1] = [f"# {', '.join(BIASED[w] for w in spec.biased)} read with the projection's bias added "
+                        "(the absorbed Add).", "#"]
     lines += [f"#   {_comment_text(s)}" for s in spec.source_nodes] or ["#   (none listed)"]
     lines += ["#", "# Score program (%0 is Q @ K^T, rounded to Q's dtype; then the extra inputs):"]
     lines += [f"#   {ln}" for ln in spec.program.to_text().splitlines()]
@@ -271,15 +292,34 @@ def _module(spec: AttentionSpec, names: list[str], constexprs: list[str], aligne
     if spec.tf32:
         lines += ["", "", *ROUND_TO_TF32]
     lines += ["", "", "@triton.jit", f"def {spec.name}("]
-    n = spec.n_extras
-    lines.append(f"    {', '.join(names[:4 + n])},")
-    lines.append(f"    {', '.join(names[4 + n:7 + n])},")
-    strides = names[7 + n:]
+    ptrs = [p for p in names if p.endswith("_ptr")]
+    lines.append(f"    {', '.join(ptrs)},")
+    lines.append(f"    {', '.join(names[len(ptrs):len(ptrs) + 3])},")
+    strides = names[len(ptrs) + 3:]
     for i in range(0, len(strides), 4):
         lines.append(f"    {', '.join(strides[i:i + 4])},")
     lines += [f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},", "):"]
     lines += ["    " + ln if ln else "" for ln in _body(spec, aligned)]
     return "\n".join(lines) + "\n"
+
+
+BIASED = {"q": "Q", "k": "K^T", "v": "V"}
+
+
+def _bias_lines(spec: AttentionSpec, w: str, tile: str, axis: str) -> list[str]:
+    """`tile` += the head's bias vector b{w} along `axis` ("[None, :]": the tile's columns, "[:, None]":
+    its rows), in fp32, rounded to the operand's dtype as the original's Add stores it."""
+    if spec.dtype == "f32":
+        return [f"{tile} = {tile} + b{w}{axis}"]
+    return [f"{tile} = ({tile}.to(tl.float32) + b{w}.to(tl.float32){axis}).to({TL_DTYPES[spec.dtype]}, "
+            'fp_downcast_rounding="rtne")']
+
+
+def _bias_load(spec: AttentionSpec, w: str) -> str:
+    """The head's slice of operand w's bias: HEAD_D (HEAD_DV for V) elements from b{w}_ptr."""
+    offs, dim, pad = ("offs_dv", "DV", spec.head_dv) if w == "v" else ("offs_d", "D", spec.head_d)
+    mask = f", mask={offs} < {dim}, other=0.0" if pad != padded(pad) else ""
+    return f"b{w} = tl.load(b{w}_ptr + h * stride_b{w}h + {offs}{mask})"
 
 
 def _dot(spec: AttentionSpec, a: str, b: str, acc: str | None = None) -> str:
@@ -320,6 +360,13 @@ def _body(spec: AttentionSpec, aligned: bool = False) -> list[str]:
              if aligned else []),
            f"q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :]{step('stride_qd')}, mask={q_mask}, "
            "other=0.0)"]
+    if spec.biased:
+        out += ["# The projection's bias (the absorbed Add): this head's slice, loaded once, added to each",
+                "# tile in fp32 and rounded to the operand's dtype as the Add stores it. Masked rows and keys",
+                "# then hold the bias, not 0: keys past SK score -inf (their p are 0), rows past SQ are not stored.",
+                *(_bias_load(spec, w) for w in spec.biased)]
+    if "q" in spec.biased:
+        out += _bias_lines(spec, "q", "q", "[None, :]")
     if spec.tf32:
         out += ["q = round_to_tf32(q)  # to nearest, as cuBLAS does (tl.dot's tf32 would truncate)"]
     out += ["",
@@ -333,6 +380,8 @@ def _body(spec: AttentionSpec, aligned: bool = False) -> list[str]:
             "    col_ok = offs_n < SK",
             f"    kt = tl.load(k_base + offs_d[:, None]{step('stride_kd')} + offs_n[None, :] * stride_kn, "
             f"mask={k_mask}, other=0.0)"]
+    if "k" in spec.biased:
+        out += ["    " + ln for ln in _bias_lines(spec, "k", "kt", "[:, None]")]
     if spec.tf32:
         out += ["    kt = round_to_tf32(kt)"]
     out += [f"    qk = {_dot(spec, 'q', 'kt')}"]
@@ -352,6 +401,8 @@ def _body(spec: AttentionSpec, aligned: bool = False) -> list[str]:
             "    m_i = m_new",
             f"    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]{step('stride_vd')}, "
             f"mask={v_mask}, other=0.0)"]
+    if "v" in spec.biased:
+        out += ["    " + ln for ln in _bias_lines(spec, "v", "v", "[None, :]")]
     if dt == "f32":
         if spec.tf32:
             out += ["    # P and V to nearest TF32 (P unnormalized: module docstring).",

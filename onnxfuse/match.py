@@ -257,11 +257,11 @@ def numel(shape) -> int | None:
 def match_anchored(view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
                    anchor_ops: str | frozenset[str],
                    match_one: Callable[[GraphView, int, Pattern, set[int], Accepted], Match | str],
-                   note: Callable[[Match], str] | None = None) -> MatchResult:
+                   note: Callable[[Match], str | tuple[str, ...]] | None = None) -> MatchResult:
     """The matches `match_one` finds anchored at each node of an op type in `anchor_ops` (a Conv,
     a MaxPool, a MatMul or Gemm, a Softmax) not taken yet, in topological order; adds their nodes
     to `taken` and `accepted`. The result's `anchors` say why each other such node did not match;
-    its `notes` count a match's nodes under `note(match)` where that gives one."""
+    its `notes` count a match's nodes under each note `note(match)` gives (one, or a tuple)."""
     ops = frozenset({anchor_ops}) if isinstance(anchor_ops, str) else anchor_ops
     result = MatchResult()
     for i, n in enumerate(view.nodes):
@@ -272,8 +272,10 @@ def match_anchored(view: GraphView, pattern: Pattern, taken: set[int], accepted:
             result.anchors[i] = found
             continue
         result.matches.append(found)
-        if note is not None and note(found):
-            result.notes[note(found)] += len(found.nodes)
+        said = note(found) if note is not None else ()
+        for text in (said,) if isinstance(said, str) else said:
+            if text:
+                result.notes[text] += len(found.nodes)
         taken.update(found.nodes)
         accepted.add(list(found.nodes))
     return result

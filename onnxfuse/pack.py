@@ -7,10 +7,11 @@ by one over the concatenated weights, MatMul(x, [Wq | Wk | Wv]) + [bq | bk | bv]
 on the last axis whose outputs keep the three biased products' names: one GEMM of three times
 the columns instead of three (at BERT-base batch 1, 128 rows, three 768 -> 768 products fill few
 of the GPU's SMs each), the same sums of the same products per output element. The attention
-then reads Q, K and V in place from the packed output (its `split_q`, `split_k`, `split_v`,
-docs/format.md), so the Split never runs; where the attention does not fuse after all, the
-Split runs as ONNX Runtime's kernel (a copy of the packed output) and tuning's whole-model
-check compares the model with the original. GPT-2 exports one packed projection already.
+then reads Q, K and V in place from the packed product (its `split_q`, `split_k`, `split_v`,
+docs/format.md) and adds the packed bias itself as it loads them (`bias_q`, `bias_k`, `bias_v`),
+so neither the Split nor the Add runs; where the attention does not fuse after all, they run as
+ONNX Runtime's kernels (the Split a copy of the packed output) and tuning's whole-model check
+compares the model with the original. GPT-2 exports one packed projection already.
 """
 
 from __future__ import annotations

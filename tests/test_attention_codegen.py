@@ -12,9 +12,12 @@ precisions ieee and tf32, float16 and bfloat16, score programs with a scalar Div
 mask [B, 1, 1, Sk] (broadcast strides 0), GPT-2's causal bool mask through a select, a Cast of
 the scores to float32, and none at all; operands read through strides (Q and V from [B, S, H,
 D] arrays, K^T from a [B, S, H, D] key array as [B, H, D, S]) and Y written to a [B, Sq, H, Dv]
-buffer; rank 3 (B = 1); and special values: a row of -inf scores, a +inf score and a NaN score
-each make exactly their rows NaN, while a row whose first key block is all -inf (the running max
-still -inf there: the kernel shifts by 0) stays finite. The GPU-only test runs the same cases
+buffer; rank 3 (B = 1); a packed projection's bias added to Q, K^T and V in the kernel (float32
+at tf32 and ieee, float16; padded head dims, rank 3, an aligned variant; each operand's bias
+pointer at its offset into one packed bias, as the launcher passes it); and special values: a
+row of -inf scores, a +inf score and a NaN score each make exactly their rows NaN, while a row
+whose first key block is all -inf (the running max still -inf there: the kernel shifts by 0)
+stays finite. The GPU-only test runs the same cases
 with Triton's JIT (`-m gpu`).
 
 The kernel rounds the unnormalized probabilities to V's dtype (flash attention's way,
@@ -86,6 +89,9 @@ class Case:
     y_layout: str = "bshd"
     variant: AttentionVariant | None = SMALL  # None: attention_variants' heuristic (sq unknown)
     nan_to_zero: bool = False  # the node's nan_to_zero: NaN probabilities read as 0
+    # Q, K and V read with a projection bias added (bias_q, bias_k, bias_v): one packed bias
+    # [H * D | H * D | H * Dv], each operand's pointer at its offset (layouts "bshd", "shd")
+    bias: bool = False
 
 
 CASES = [
@@ -108,12 +114,20 @@ CASES = [
     Case("f16-special-rows", "f16", MASK_F32, extras=(("special", (1, 1, 20, 37)),)),
     # torch's SDPA export: Where(IsNaN(P), 0, P): the special rows give 0
     Case("f32-special-rows-nan-to-zero", "f32", MASK_F32, extras=(("special", (1, 1, 20, 37)),), nan_to_zero=True),
+    # a packed projection's bias added in the kernel (padded head dims, rank 3, aligned)
+    Case("f32-tf32-bias-mask-d40-dv24", "f32", SCALE_MASK, d=40, dv=24, precision="tf32",
+         extras=(("additive", (2, 1, 1, 37)),), bias=True),
+    Case("f32-ieee-bias-rank3", "f32", SCALE, b=1, h=3, layout="shd", bias=True),
+    Case("f16-bias-causal-d40-dv72", "f16", CAUSAL, d=40, dv=72, extras=(("causal", (1, 1, 20, 37)),), bias=True),
+    Case("f16-bias-mask-aligned", "f16", SCALE_MASK, extras=(("additive", (2, 1, 1, 37)),), variant=SMALL_ALIGNED,
+         bias=True),
 ]
 
 
 def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
     prog = parse(f"{HEADER}\n{case.program.format(dt=case.dtype)}\n")
-    spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision, nan_to_zero=case.nan_to_zero)
+    spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision, nan_to_zero=case.nan_to_zero,
+                         bias=(case.bias,) * 3)
     return spec, case.variant or attention_variants(spec)[0]
 
 
@@ -141,6 +155,28 @@ def _logical4(base: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
 def _strides(view: np.ndarray) -> list[int]:
     """Element strides of a 4-D view, 0 on a dim of size 1 (as the launcher gives a broadcast)."""
     return [0 if n == 1 else s // view.itemsize for n, s in zip(view.shape, view.strides, strict=True)]
+
+
+def bias_of(i: int, case: Case) -> np.ndarray | None:
+    """The packed bias [H * D | H * D | H * Dv] of a case with a bias (Q's, K's, V's slices)."""
+    if not case.bias:
+        return None
+    assert case.layout in ("bshd", "shd")  # the heads, then the head dim, last
+    rng = np.random.default_rng(9000 + i)
+    return rng.standard_normal(case.h * (2 * case.d + case.dv)).astype(NP[case.dtype])
+
+
+def biased(i: int, case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The base arrays with their bias slices added along [H, D], each sum rounded to the dtype
+    (the original's Add); as they are without a bias."""
+    bias = bias_of(i, case)
+    if bias is None:
+        return q, k, v
+    hd = case.h * case.d
+    parts = (bias[:hd].reshape(case.h, case.d), bias[hd:2 * hd].reshape(case.h, case.d),
+             bias[2 * hd:].reshape(case.h, case.dv))
+    return tuple((x.astype(np.float64) + b.astype(np.float64)).astype(x.dtype) for x, b in zip((q, k, v), parts,
+                                                                                              strict=True))
 
 
 def inputs_of(i: int, case: Case) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -176,6 +212,7 @@ def reference(i: int, case: Case) -> np.ndarray:
     """Logical Y [B, H, Sq, Dv] (float32) as docs/format.md defines it, in float64."""
     spec, _ = spec_of(i, case)
     (q, k, v), extras = inputs_of(i, case)
+    q, k, v = biased(i, case, q, k, v)
     q, kt, v = (x.astype(np.float32) for x in logical_operands(case, q, k, v))
     if spec.tf32:
         q, kt, v = round_array_to_tf32(q), round_array_to_tf32(kt), round_array_to_tf32(v)
@@ -228,8 +265,14 @@ def launch(fn, case: Case, spec: AttentionSpec, variant: AttentionVariant, const
     scores = (case.b, case.h, case.sq, case.sk)
     for x in extras:
         ints += _strides(np.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), scores))
+    biases = []  # as the launcher passes them: the packed bias at each operand's offset, its stride along H
+    bias = bias_of(i, case)
+    if bias is not None:
+        packed, hd = tensor(bias), case.h * case.d
+        biases = [packed[0:], packed[hd:], packed[2 * hd:]]
+        ints += [case.d, case.d, case.dv]
     grid = variant.grid(case.sq, case.b * case.h)
-    fn[grid](tensor(q), tensor(k), tensor(v), *map(tensor, extras), y, *ints, **constexprs)
+    fn[grid](tensor(q), tensor(k), tensor(v), *map(tensor, extras), *biases, y, *ints, **constexprs)
     return ly.float().cpu().numpy()
 
 
@@ -341,6 +384,15 @@ def test_parameters_are_the_abi():
     assert dict(generate_attention(causal, SMALL).params)["e0_ptr"] == "*i8"
     plain = AttentionSpec("k", parse(f"{HEADER}\n{NONE.format(dt='f32')}\n"), 64, 64)
     assert [p for p, _ in generate_attention(plain, SMALL).params] == attention_param_names(plain)
+    # biases: a pointer per biased operand after the extras, its stride along H after the extras' strides
+    kv = dataclasses.replace(spec, bias=(False, True, True))
+    ks = generate_attention(kv, SMALL_ALIGNED)
+    names = [p for p, _ in ks.params]
+    assert names == attention_param_names(kv)
+    assert names[:7] == ["q_ptr", "k_ptr", "v_ptr", "e0_ptr", "bk_ptr", "bv_ptr", "y_ptr"]
+    assert names[-2:] == ["stride_bkh", "stride_bvh"]
+    assert dict(ks.params)["bk_ptr"] == "*fp16"
+    assert {names.index(p) for p in ("bk_ptr", "bv_ptr", "stride_bkh", "stride_bvh")} <= set(ks.divisible)
 
 
 def test_source_is_deterministic_and_names_its_nodes():
@@ -359,6 +411,18 @@ def test_source_is_deterministic_and_names_its_nodes():
     assert 's0 = qk.to(tl.float16, fp_downcast_rounding="rtne").to(tl.float32)' in half
     assert 'acc = tl.dot(p.to(tl.float16, fp_downcast_rounding="rtne"), v, acc)' in half
     assert "offs_d[None, :] < D" not in half  # D = 64 = HEAD_D: no padding mask
+    assert "bq_ptr" not in half and "bias" not in half
+    # a bias: loaded once per head, added in fp32 and rounded to the operand's dtype (f16), or
+    # added in fp32 before the TF32 rounding
+    half = generate_attention(dataclasses.replace(_spec("f16", 40), bias=(True, True, True)), SMALL).source
+    for line in ("bq = tl.load(bq_ptr + h * stride_bqh + offs_d, mask=offs_d < D, other=0.0)",
+                 "bv = tl.load(bv_ptr + h * stride_bvh + offs_dv)",
+                 'q = (q.to(tl.float32) + bq.to(tl.float32)[None, :]).to(tl.float16, fp_downcast_rounding="rtne")',
+                 'kt = (kt.to(tl.float32) + bk.to(tl.float32)[:, None]).to(tl.float16, fp_downcast_rounding="rtne")',
+                 'v = (v.to(tl.float32) + bv.to(tl.float32)[None, :]).to(tl.float16, fp_downcast_rounding="rtne")'):
+        assert line in half, line
+    tf32 = generate_attention(dataclasses.replace(spec, bias=(True, False, False)), SMALL).source
+    assert "q = q + bq[None, :]\n    q = round_to_tf32(q)" in tf32 and "bk" not in tf32
 
 
 def test_variant_choice():
@@ -425,11 +489,12 @@ def _compile_sm90(ks, tmp_path: Path):
 
 
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
-def test_aot_compile_for_sm90(tmp_path, dtype):
-    """The heuristic's variant compiles for sm_90 with no GPU (D 64, a mask extra): both products
-    on the tensor cores, no global scratch."""
+@pytest.mark.parametrize("bias", [False, True])
+def test_aot_compile_for_sm90(tmp_path, dtype, bias):
+    """The heuristic's variant compiles for sm_90 with no GPU (D 64, a mask extra, with and
+    without the projection biases): both products on the tensor cores, no global scratch."""
     pytest.importorskip("triton")
-    spec = _spec(dtype, precision="tf32")
+    spec = _spec(dtype, precision="tf32", bias=(bias,) * 3)
     ks = generate_attention(spec, attention_variants(spec)[0])
     ck = _compile_sm90(ks, tmp_path)
     ptx = ck.asm["ptx"]

@@ -13,7 +13,8 @@ originals there, with and without CUDA graphs:
 - BERT's layout (heads made by Transposes, which the node absorbs), GPT-2's causal Where, no
   mask, keys transposed twice, the output left as heads, BERT-base's shapes (aligned variant:
   contiguous head dims, strides multiples of 16), and a head dim of 40 (H * D = 120: the
-  unaligned variant), Q, K and V packed into one projection and read in place (onnxfuse.pack);
+  unaligned variant), Q, K and V packed into one projection and read in place, its bias added in
+  the kernel (onnxfuse.pack; bias_q, bias_k, bias_v);
 - the suite's small transformers end to end (models/transformers.py, TorchScript exporter, at
   static shapes)."""
 
@@ -54,7 +55,7 @@ def _models() -> list[tuple[str, object]]:
         ("bert-base-b2-f32", _bert_shaped("float32", 2, 128, 12, 64)),
         ("bert-base-b2-f16", _bert_shaped("float16", 2, 128, 12, 64)),
         ("head-dim-40-f16", _bert_shaped("float16", 2, 77, 3, 40)),
-        ("packed-projections-f32", _bert_attention()),  # Q, K, V read in place from one MatMul's output
+        ("packed-projections-f32", _bert_attention()),  # Q, K, V read in place from one MatMul's output, + its bias
     ]
 
 

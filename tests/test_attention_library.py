@@ -12,9 +12,11 @@ along a leading dim, f32 and f16, Sk = 0, a row of -inf (NaN, as ONNX's Softmax 
 tensors standing for f16 ones; split_q / split_k / split_v (operands read in place from a packed
 input): GPT-2's X [B, S, 3 * H * D] as one tensor fed to inputs 0, 1 and 2 (the body's one
 Split(axis=-1) and Reshapes; f32 and f16), each third at its offset, V alone packed, rank 3 (X
-rank 2), the rank from a split when no perm is given; and one-line errors for a perm that is not
-a permutation, mismatched D, an extra that does not broadcast, a split past X's last dim, of the
-wrong length, with zero heads, and on an input of the wrong rank.
+rank 2), the rank from a split when no perm is given; the packed projection's bias (bias_q,
+bias_k, bias_v: the body's Add before the Split; f32 and f16, rank 3); and one-line errors for a
+perm that is not a permutation, mismatched D, an extra that does not broadcast, a split past X's
+last dim, of the wrong length, with zero heads, and on an input of the wrong rank, a bias of the
+wrong shape or dtype, without its split, among the extras, or whose split's heads are not H.
 
 Tolerances: fp32 1e-5 of the output's scale, fp16 1e-2."""
 
@@ -68,19 +70,22 @@ def score_program(dtype, extras, body: list[str], out: int, out_dtype=None) -> s
     return "\n".join(lines) + "\n"
 
 
-def split_nodes(arrays, splits: dict, shared: bool) -> tuple[list, list[str]]:
+def split_nodes(arrays, splits: dict, shared: bool, bias: bool = False) -> tuple[list, list[str]]:
     """The function body's nodes that make each operand's base tensor from its formal input
     ("q", "k", "v"), and the three base tensors' names. shared (inputs 0, 1, 2 one tensor X, all
-    split, X's last dim their concatenation in order): GPT-2's one Split(axis=-1) of "q" and a
-    Reshape per operand; otherwise a Slice on the last axis and a Reshape per split operand."""
+    split, X's last dim their concatenation in order): GPT-2's one Split(axis=-1) of "q" (of
+    Add("q", "b") with `bias`: the packed projection's bias) and a Reshape per operand; otherwise
+    a Slice on the last axis and a Reshape per split operand."""
     nodes, names = [], []
     keys = ("split_q", "split_k", "split_v")
     if shared:
         offs = [splits[key][0] for key in keys]
         sizes = [splits[key][1] * splits[key][2] for key in keys]
         assert offs == [0, sizes[0], sizes[0] + sizes[1]] and sum(sizes) == arrays[0].shape[-1], (offs, sizes)
+        if bias:
+            nodes.append(N("Add", ["q", "b"], ["q_biased"]))
         nodes += [N("Constant", [], ["sizes"], value=numpy_helper.from_array(np.array(sizes, np.int64))),
-                  N("Split", ["q", "sizes"], ["q_p", "k_p", "v_p"], axis=-1)]
+                  N("Split", ["q_biased" if bias else "q", "sizes"], ["q_p", "k_p", "v_p"], axis=-1)]
     for name, key, x in zip("qkv", keys, arrays, strict=True):
         if key not in splits:
             names.append(name)
@@ -101,20 +106,22 @@ def split_nodes(arrays, splits: dict, shared: bool) -> tuple[list, list[str]]:
 
 def attention_model(q, k, v, extras: list[np.ndarray], program: str, score_nodes, perms: dict,
                     dyn: bool = False, y_type=None, splits: dict | None = None,
-                    shared: bool = False) -> onnx.ModelProto:
+                    shared: bool = False, bias: np.ndarray | None = None) -> onnx.ModelProto:
     """A FusedAttention node over graph inputs q, k, v, e0, e1, ... and its function body: the
     Transposes, MatMul, the score nodes (from "s" and "e<i>" to "z"), Softmax, MatMul, the output
     Transpose. dyn: the graph inputs' dims are symbolic (no static shape inference). splits:
     split_q / split_k / split_v ([offset, heads, head_dim]; q, k, v then the packed inputs, the
     body Slices or Splits them and Reshapes, split_nodes). shared: q, k and v are one tensor, the
-    graph input "x" fed to inputs 0, 1 and 2."""
+    graph input "x" fed to inputs 0, 1 and 2; with `bias` (shared only) the graph input "b", the
+    node's last input, added to it before the split (bias_q = bias_k = bias_v)."""
     splits = splits or {}
+    assert bias is None or shared
     r = q.ndim + ("split_q" in splits)
     full = {p: tuple(perms.get(p, range(r))) for p in ("perm_q", "perm_k", "perm_v", "perm_y")}
-    formal = ["q", "k", "v", *(f"e{i}" for i in range(len(extras)))]
+    formal = ["q", "k", "v", *(f"e{i}" for i in range(len(extras))), *(["b"] if bias is not None else [])]
     names = ["x", "x", "x", *formal[3:]] if shared else formal
-    arrays = [q, k, v, *extras]
-    made, (qn, kn, vn) = split_nodes(arrays[:3], splits, shared)
+    arrays = [q, k, v, *extras, *([bias] if bias is not None else [])]
+    made, (qn, kn, vn) = split_nodes(arrays[:3], splits, shared, bias is not None)
     body = [*made,
             N("Transpose", [qn], ["qt"], perm=list(full["perm_q"])),
             N("Transpose", [kn], ["kt"], perm=list(full["perm_k"])),
@@ -126,13 +133,15 @@ def attention_model(q, k, v, extras: list[np.ndarray], program: str, score_nodes
     fn = helper.make_function("onnxfuse", "FusedAttention", formal, ["y"], body, [helper.make_opsetid("", 20)])
     fn.overload = overload
     attrs = {k_: list(v_) for k_, v_ in {**perms, **splits}.items()}
+    if bias is not None:
+        attrs.update({f"bias_{w}": 3 + len(extras) for w in "qkv"})
     node = N("FusedAttention", names, ["y"], domain="onnxfuse", name="attn", program=program, **attrs)
     node.overload = overload
     graph_inputs = dict(zip(names, arrays, strict=True))  # "x" once when shared
     inputs = [helper.make_tensor_value_info(n, ONNX[a.dtype],
                                             [f"{n}_{i}" for i in range(a.ndim)] if dyn else list(a.shape))
               for n, a in graph_inputs.items()]
-    ref = reference(q, k, v, extras, program, perms, splits=splits)
+    ref = reference(q, k, v, extras, program, perms, splits=splits, bias=bias)
     out = helper.make_tensor_value_info("y", y_type or ONNX[q.dtype], None if dyn else list(ref.shape))
     g = helper.make_graph([node], "attention", inputs, [out])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("onnxfuse", 1)],
@@ -149,11 +158,15 @@ def unpack(x: np.ndarray, split) -> np.ndarray:
     return x[..., off:off + heads * hd].reshape(*x.shape[:-1], heads, hd)
 
 
-def reference(q, k, v, extras, program: str, perms: dict, dtype=None, splits: dict | None = None) -> np.ndarray:
+def reference(q, k, v, extras, program: str, perms: dict, dtype=None, splits: dict | None = None,
+              bias: np.ndarray | None = None) -> np.ndarray:
     """The node contract in numpy: float64 sums, the roundings of the original's stores; splits:
-    q, k, v are the packed inputs of the operands split_q / split_k / split_v name (unpack)."""
+    q, k, v are the packed inputs of the operands split_q / split_k / split_v name (unpack);
+    bias: added to each packed input first, the sum rounded to its dtype (the original's Add)."""
     splits = splits or {}
     dtype = np.dtype(dtype or q.dtype)
+    if bias is not None:
+        q, k, v = ((x.astype(np.float64) + bias.astype(np.float64)).astype(x.dtype) for x in (q, k, v))
     q, k, v = (unpack(x, splits[key]) if key in splits else x
                for x, key in zip((q, k, v), ("split_q", "split_k", "split_v"), strict=True))
     r = q.ndim
@@ -183,12 +196,16 @@ def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
     np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale, equal_nan=True, err_msg=what)
 
 
-def check(lib, q, k, v, extras, program, score_nodes, perms, against_ort=True, splits=None, shared=False):
-    m = attention_model(q, k, v, extras, program, score_nodes, perms, splits=splits, shared=shared)
+def check(lib, q, k, v, extras, program, score_nodes, perms, against_ort=True, splits=None, shared=False,
+          bias=None):
+    m = attention_model(q, k, v, extras, program, score_nodes, perms, splits=splits, shared=shared, bias=bias)
     names = ["x", "x", "x"] if shared else ["q", "k", "v"]
     feeds = dict(zip([*names, *(f"e{i}" for i in range(len(extras)))], [q, k, v, *extras], strict=True))
+    if bias is not None:
+        feeds["b"] = bias
     got = run(m, feeds, lib)
-    _close(got, reference(q, k, v, extras, program, perms, splits=splits), "library against the numpy reference")
+    _close(got, reference(q, k, v, extras, program, perms, splits=splits, bias=bias),
+           "library against the numpy reference")
     if against_ort:
         _close(got, run(m, feeds), "library against the function body in ONNX Runtime")
     return got
@@ -433,6 +450,38 @@ def test_split_q_without_perms_gives_the_rank(lib):
     assert y.shape == (2, 3, 4, 7)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_packed_qkv_with_its_bias(lib, dtype):
+    """bias_q = bias_k = bias_v: the packed projection's bias b [3 * H * D] (input 4, after the
+    causal mask) added to X before the split, each sum rounded to X's dtype as the body's Add
+    stores it; the function body is Add, Split, Reshapes."""
+    b, s, h, d = 2, 7, 3, 8
+    x = _x((b, s, 3 * h * d), dtype, 1)
+    bias = (2 * _x((3 * h * d,), np.float32, 5)).astype(dtype)
+    causal = np.tril(np.ones((s, s), np.bool_))[None, None]
+    prog = score_program(dtype, [causal], ["%2 = div %0 2.8284270763397217", "%3 = select %1 %2 -10000.0"], 3)
+
+    def nodes():
+        return [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array(2.8284270763397217, dtype))),
+                N("Constant", [], ["big"], value=numpy_helper.from_array(np.array(-10000.0, dtype))),
+                N("Div", ["s", "c"], ["sd"]), N("Where", ["e0", "sd", "big"], ["z"])]
+
+    y = check(lib, x, x, x, [causal], prog, nodes, BERT, splits=gpt2_split(h, d), shared=True, bias=bias)
+    # the bias shows: without it the output differs by more than the tolerance
+    unbiased = reference(x, x, x, [causal], prog, BERT, splits=gpt2_split(h, d))
+    assert np.abs(y.astype(np.float64) - unbiased.astype(np.float64)).max() > 0.1
+
+
+def test_packed_bias_rank3(lib):
+    """Rank 3 (X [S, 3 * H * D]) with a bias."""
+    s, h, d = 9, 4, 8
+    x, bias = _x((s, 3 * h * d), seed=1), _x((3 * h * d,), seed=6)
+    perms = {"perm_q": (1, 0, 2), "perm_k": (1, 2, 0), "perm_v": (1, 0, 2), "perm_y": (1, 0, 2)}
+    prog, nodes = scale_only(0.35)
+    check(lib, x, x, x, [], prog(np.float32), nodes(np.float32), perms, splits=gpt2_split(h, d), shared=True,
+          bias=bias)
+
+
 # ---------------------------------------------------------------------------------------
 # errors
 # ---------------------------------------------------------------------------------------
@@ -536,3 +585,60 @@ def test_split_input_of_the_wrong_rank(lib):
         run(m, {"q": q, "k": k, "v": v}, lib)
     assert ("V's input [1, 4, 2, 8] (split_v [0, 2, 8]) gives a base tensor of rank 5, the operands have rank 4 "
             "(from the perms' length)") in _one_line(e)
+
+
+def _biased_model():
+    b, s, h, d = 1, 4, 2, 8
+    x, bias = _x((b, s, 3 * h * d), seed=1), _x((3 * h * d,), seed=2)
+    prog, nodes = scale_only(0.35)
+    return attention_model(x, x, x, [], prog(np.float32), nodes(np.float32), BERT, dyn=True,
+                           splits=gpt2_split(h, d), shared=True, bias=bias), x, bias
+
+
+def test_bias_of_the_wrong_shape(lib):
+    m, x, bias = _biased_model()
+    m.graph.input[1].type.tensor_type.ClearField("shape")  # any rank
+    for wrong in (bias[:40], bias.reshape(1, -1)):
+        with pytest.raises(Exception) as e:
+            run(m, {"x": x, "b": wrong}, lib)
+        assert (f"input 3 (bias_q) has shape {list(wrong.shape)}: a bias must be 1-D of its packed input's last "
+                "dim (Q's input [1, 4, 48])") in _one_line(e)
+
+
+def test_bias_of_another_dtype(lib):
+    m, x, bias = _biased_model()
+    m.graph.input[1].type.tensor_type.elem_type = TensorProto.FLOAT16
+    with pytest.raises(Exception) as e:
+        run(m, {"x": x, "b": bias.astype(np.float16)}, lib)
+    assert "input 3 is float16, the node declares f32" in _one_line(e)
+
+
+def test_bias_without_its_split(lib):
+    """bias_q on a plain (unsplit) Q: session creation fails naming the attribute."""
+    m, (q, k, v) = _bert_model()
+    m.graph.node[0].input.append("q")
+    m.graph.node[0].attribute.append(helper.make_attribute("bias_q", 3))
+    with pytest.raises(Exception) as e:
+        run(m, {"q": q, "k": k, "v": v}, lib)
+    assert "bias_q 3 needs split_q: a bias is added to the packed input the operand is split from" in _one_line(e)
+
+
+def test_bias_index_among_the_extras(lib):
+    m, x, bias = _biased_model()
+    next(a for a in m.graph.node[0].attribute if a.name == "bias_k").i = 2
+    with pytest.raises(Exception) as e:
+        run(m, {"x": x, "b": bias}, lib)
+    assert "bias_k 2 names an input before the biases, which follow Q, K^T, V and the 0 extras" in _one_line(e)
+
+
+def test_bias_with_heads_not_the_h_dim(lib):
+    """The kernels add a head's slice of the bias along D: a perm that makes the split's heads
+    another dim than H is refused."""
+    m, x, bias = _biased_model()
+    for key, perm in (("perm_q", [0, 1, 2, 3]), ("perm_k", [0, 1, 3, 2]), ("perm_v", [0, 1, 2, 3]),
+                      ("perm_y", [0, 1, 2, 3])):  # attention over [B, S] with H as the rows
+        next(a for a in m.graph.node[0].attribute if a.name == key).ints[:] = perm
+    with pytest.raises(Exception) as e:
+        run(m, {"x": x, "b": bias}, lib)
+    assert ("bias_q: perm_q [0, 1, 2, 3] must read split_q's heads as the operand's head dim (dim 1) and its "
+            "head_dim as D (dim 3)") in _one_line(e)

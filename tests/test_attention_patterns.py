@@ -3,7 +3,9 @@ on the suite's transformers (models/transformers.py, both torch exporters, at st
 every attention becomes one FusedAttention node with its head Transposes absorbed; the fused
 model runs the original's function bodies to the original's outputs, and each node's numpy
 reference (its contract in docs/format.md) gives the original's tensors (tests.util.check_fusion);
-attention that cannot fuse is reported with the reason."""
+attention that cannot fuse is reported with the reason; a packed projection's bias Add joins the
+node where it can (and stays where it is read elsewhere, is not a constant, broadcasts along more
+than the last dim, or its heads are not the attention's H dim)."""
 
 from __future__ import annotations
 
@@ -278,3 +280,88 @@ def test_one_input_concat_is_removed():
     assert "Concat" not in op_types(canonicalize(m))
     r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
     assert op_types(r.model) == ["FusedAttention"]
+
+
+# ---------------------------------------------------------------------------------------
+# a packed projection's bias Add (GPT-2's c_attn form, and BERT's after onnxfuse.pack)
+# ---------------------------------------------------------------------------------------
+
+def _packed(bias_shape=(3 * H * D,), bias: str = "constant", x_output: bool = False, x_reader: bool = False,
+            heads: bool = True, dtype: str = "float32"):
+    """x [B, S, E] @ W [E, 3E] + b -> Split on the last axis -> Reshapes to [B, S, H, D] ->
+    attention (Transposes to heads, / sqrt(D), Softmax, @ v, back). bias: "constant" (an
+    initializer of `bias_shape`) or "input" (a graph input); x_output / x_reader: the biased
+    product is also a graph output / also read by a Relu; heads False: no head Transposes, the
+    attention runs over [B, S, H, D] as it is (its H dim is S, not the split's heads)."""
+    e = H * D
+    rng = np.random.default_rng(5)
+    inits = {"w": (rng.standard_normal((e, 3 * e)) / np.sqrt(e)).astype(dtype),
+             "sizes": np.array([e, e, e], np.int64), "shape": np.array([B, S, H, D], np.int64),
+             "scale": np.array(np.sqrt(D), dtype)}
+    inputs = {"x": (dtype, [B, S, e])}
+    if bias == "constant":
+        inits["b"] = (0.5 * rng.standard_normal(bias_shape)).astype(dtype)
+    else:
+        inputs["b"] = (dtype, list(bias_shape))
+    nodes = [N("MatMul", ["x", "w"], ["xw"]), N("Add", ["b", "xw"], ["qkv"]),
+             N("Split", ["qkv", "sizes"], ["q2", "k2", "v2"], axis=-1),
+             *(N("Reshape", [f"{w}2", "shape"], [f"{w}4"]) for w in "qkv")]
+    if heads:
+        nodes += [N("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]), N("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
+                  N("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3])]
+    else:
+        nodes += [N("Identity", ["q4"], ["qh"]), N("Transpose", ["k4"], ["kt"], perm=[0, 1, 3, 2]),
+                  N("Identity", ["v4"], ["vh"])]
+    nodes += [N("MatMul", ["qh", "kt"], ["s"]), N("Div", ["s", "scale"], ["t"]), N("Softmax", ["t"], ["p"], axis=-1),
+              N("MatMul", ["p", "vh"], ["o"]), N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
+    outputs = {"y": (dtype, [B, H, S, D] if not heads else [B, S, H, D])}
+    if x_output:
+        outputs["qkv"] = (dtype, [B, S, 3 * e])
+    if x_reader:
+        nodes.append(N("Relu", ["qkv"], ["r"]))
+        outputs["r"] = (dtype, [B, S, 3 * e])
+    return model(nodes, inputs, outputs, inits, opset=17)
+
+
+def _node_attrs(r) -> dict:
+    node = next(n for n in r.model.graph.node if n.op_type == "FusedAttention")
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute} | {"inputs": list(node.input)}
+
+
+@pytest.mark.parametrize("bias_shape", [(3 * H * D,), (1, 1, 3 * H * D)])
+def test_packed_projection_bias_is_absorbed(bias_shape):
+    """The bias Add of the Split's input joins the node (bias_q = bias_k = bias_v, one input after
+    the extras): no Add is left, the node reads the product before it; a [1, 1, N] bias is passed
+    as a 1-D copy, the function body keeping the original Add."""
+    m = _packed(bias_shape)
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
+    assert op_types(r.model) == ["MatMul", "FusedAttention"], r.report.summary()
+    a = _node_attrs(r)
+    assert a["inputs"][:3] == ["xw"] * 3 and [a[f"bias_{w}"] for w in "qkv"] == [3, 3, 3] and len(a["inputs"]) == 4
+    bias = next(t for t in r.model.graph.initializer if t.name == a["inputs"][3])
+    assert list(bias.dims) == [3 * H * D]
+    feeds = _feeds(m)
+    for w, g in zip(run(m, feeds), _run_with_library(r.model, feeds), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
+
+
+def test_packed_projection_bias_float16():
+    m = _packed(dtype="float16")
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS, rtol=1e-2)
+    assert op_types(r.model) == ["MatMul", "FusedAttention"], r.report.summary()
+
+
+@pytest.mark.parametrize("form", ["graph output", "another reader", "not a constant", "2-D bias",
+                                  "heads not the H dim"])
+def test_packed_projection_bias_left_alone(form):
+    """The Add stays (the attention reads the biased product, split, as before) when the biased
+    product is read outside the attention, when the bias is not a constant or varies along more
+    than the last dim, or when the split's heads are not the attention's H dim (the kernel adds
+    a head's slice of the bias along D)."""
+    m = {"graph output": lambda: _packed(x_output=True), "another reader": lambda: _packed(x_reader=True),
+         "not a constant": lambda: _packed(bias="input"), "2-D bias": lambda: _packed((S, 3 * H * D)),
+         "heads not the H dim": lambda: _packed(heads=False)}[form]()
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
+    assert op_types(r.model).count("Add") == 1 and "FusedAttention" in op_types(r.model), r.report.summary()
+    a = _node_attrs(r)
+    assert a["inputs"][:3] == ["qkv"] * 3 and not {"bias_q", "bias_k", "bias_v"} & set(a), a

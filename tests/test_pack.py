@@ -1,62 +1,88 @@
 """Packing an attention's Q, K and V projections (onnxfuse.pack): three MatMuls of one input
-(with their bias Adds) become one over the concatenated weights and a Split, which the
-attention absorbs (its split_q / split_k / split_v): no Split, no Transpose and one MatMul
-left; the fused model computes what the original does (function bodies in stock ONNX Runtime,
-and each node's numpy reference: tests.util.check_fusion)."""
+(with their bias Adds) become one over the concatenated weights, one Add of the concatenated
+bias and a Split, which the attention absorbs with the Add (its split_q / split_k / split_v and
+bias_q / bias_k / bias_v): no Split, no Add, no Transpose and one MatMul left; the fused model
+computes what the original does (function bodies in stock ONNX Runtime, each node's numpy
+reference: tests.util.check_fusion; the library's CPU kernel, float32 and float16)."""
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from onnx import helper
 
 from onnxfuse import optimize_model
+from onnxfuse.kinds.attention import BIAS_NOTE
 from onnxfuse.pipeline import PACKED
 from tests.test_attention_patterns import PATTERNS
-from tests.util import check_fusion, model, op_types
+from tests.util import check_fusion, model, op_types, random_feeds, run
 
 N = helper.make_node
 B, S, H, D = 2, 6, 2, 8
 E = H * D
 
 
-def _bert_attention(bias: bool = True, cross: bool = False, opset: int = 17):
+def _bert_attention(bias: bool = True, cross: bool = False, opset: int = 17, dtype: str = "float32"):
     """x [B, S, E] -> q, k, v projections (k and v of `mem` when cross) -> heads -> attention."""
     rng = np.random.default_rng(3)
-    inits = {"shape": np.array([B, S, H, D], np.int64), "scale": np.array(np.sqrt(D), np.float32)}
+    inits = {"shape": np.array([B, S, H, D], np.int64), "scale": np.array(np.sqrt(D), dtype)}
     nodes = []
     for w in "qkv":
         src = "mem" if cross and w != "q" else "x"
-        inits[f"w{w}"] = (rng.standard_normal((E, E)) / np.sqrt(E)).astype(np.float32)
+        inits[f"w{w}"] = (rng.standard_normal((E, E)) / np.sqrt(E)).astype(dtype)
         nodes.append(N("MatMul", [src, f"w{w}"], [f"{w}p" if bias else f"{w}b"]))
         if bias:
-            inits[f"b{w}"] = (0.1 * rng.standard_normal(E)).astype(np.float32)
+            inits[f"b{w}"] = (0.1 * rng.standard_normal(E)).astype(dtype)
             nodes.append(N("Add", [f"b{w}", f"{w}p"], [f"{w}b"]))  # torch writes the bias first
         nodes.append(N("Reshape", [f"{w}b", "shape"], [f"{w}4"]))
     nodes += [N("Transpose", ["q4"], ["qh"], perm=[0, 2, 1, 3]), N("Transpose", ["k4"], ["kt"], perm=[0, 2, 3, 1]),
               N("Transpose", ["v4"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qh", "kt"], ["s"]),
               N("Div", ["s", "scale"], ["t"]), N("Softmax", ["t"], ["p"], axis=-1), N("MatMul", ["p", "vh"], ["o"]),
               N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
-    inputs = {"x": ("float32", [B, S, E])}
+    inputs = {"x": (dtype, [B, S, E])}
     if cross:
-        inputs["mem"] = ("float32", [B, S, E])
-    return model(nodes, inputs, {"y": ("float32", [B, S, H, D])}, inits, opset=opset)
+        inputs["mem"] = (dtype, [B, S, E])
+    return model(nodes, inputs, {"y": (dtype, [B, S, H, D])}, inits, opset=opset)
 
 
 def test_projections_packed_and_read_in_place():
     m = _bert_attention()
     r = check_fusion(m, expect_fused=1, patterns=PATTERNS)
     ops = op_types(r.model)
-    assert ops.count("MatMul") == 1 and ops.count("Add") == 1 and ops.count("FusedAttention") == 1, ops
-    assert "Split" not in ops and "Transpose" not in ops and "Reshape" not in ops, ops
+    assert ops == ["MatMul", "FusedAttention"], ops  # no Split, Reshape, Transpose; the bias Add absorbed
     node = next(n for n in r.model.graph.node if n.op_type == "FusedAttention")
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    assert len(set(node.input[:3])) == 1  # Q, K and V: one packed tensor
+    product = r.model.graph.node[0].output[0]
+    assert list(node.input[:3]) == [product] * 3  # Q, K and V: one packed product, before its bias
     assert [attrs[f"split_{w}"] for w in "qkv"] == [[0, H, D], [E, H, D], [2 * E, H, D]]
+    assert [attrs[f"bias_{w}"] for w in "qkv"] == [3, 3, 3] and len(node.input) == 4  # no extras: one bias
     assert r.report.notes.get(PACKED) == 1
+    assert any(note.startswith(BIAS_NOTE) for note in r.report.notes), r.report.notes
     # the three weights and biases are gone; one packed copy of each is there
     inits = {t.name: t for t in r.model.graph.initializer}
     assert not {"wq", "wk", "wv", "bq", "bk", "bv"} & set(inits)
     assert sorted(tuple(t.dims) for t in inits.values() if len(t.dims) == 2) == [(E, 3 * E)]
+    assert tuple(inits[node.input[3]].dims) == (3 * E,)
+    # the function body is the original subgraph, the Add included
+    body = next(f for f in r.model.functions if f.overload == node.overload)
+    assert [n.op_type for n in body.node].count("Add") == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_packed_bias_in_the_library_cpu_kernel(dtype):
+    """The fused model through the custom-op library's CPU kernel (the bias added as it reads
+    Q, K and V) gives the original model's output."""
+    from tests.test_attention_patterns import _run_with_library
+
+    m = _bert_attention(dtype=dtype)
+    r = optimize_model(m, PATTERNS)
+    assert op_types(r.model) == ["MatMul", "FusedAttention"], r.report.summary()
+    feeds = random_feeds(m)
+    (want,), (got,) = run(m, feeds), _run_with_library(r.model, feeds)
+    assert got.dtype == want.dtype
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    w64 = want.astype(np.float64)
+    np.testing.assert_allclose(got.astype(np.float64), w64, rtol=tol, atol=tol * float(np.abs(w64).max()))
 
 
 def test_without_bias_and_at_opset_11():

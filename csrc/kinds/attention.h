@@ -11,7 +11,11 @@
 // leading dims are Y's or 1 (broadcast, stride 0). The kernels see them as [B, H]: r = 4, the
 // two dims; r = 3, B = 1 and H the one dim. Output 0 is Y's base tensor, Transpose(logical Y,
 // perm_y) with logical Y [..., Sq, Dv]. Inputs 3, 4, ... (the score program's extras) each
-// broadcast (numpy rules) to the scores [..., Sq, Sk].
+// broadcast (numpy rules) to the scores [..., Sq, Sk]. With bias_q (bias_k, bias_v) = i, the
+// operand's packed input X is read as round_to_dtype(X + input i), input i 1-D of X's last dim
+// (a packed projection's bias, its Add absorbed); the bias inputs follow the extras, and the
+// operand's split must make its heads its logical H dim and its head_dim its D (Dv for V), where
+// the kernels read a head's slice of the bias (AttentionGeometry's bias_h).
 #pragma once
 
 #include <algorithm>
@@ -111,6 +115,49 @@ inline AttentionSplits read_attention_splits(const OrtKernelInfo* info) {
   return s;
 }
 
+// The node's bias_q, bias_k, bias_v (-1: absent; else the index of the node input holding the
+// operand's bias), and how many bias inputs there are (after the extras).
+struct AttentionBiases {
+  int64_t q = -1, k = -1, v = -1;
+  size_t count = 0;
+
+  static constexpr const char* kNames[3] = {"bias_q", "bias_k", "bias_v"};
+  int64_t get(int i) const { return i == 0 ? q : i == 1 ? k : v; }
+  int64_t& get(int i) { return i == 0 ? q : i == 1 ? k : v; }
+};
+
+// The node's bias_q, bias_k, bias_v (ints; absent: none), checked: each needs its operand's split
+// (the bias is added to the packed input) and names an input after Q, K^T, V and the `n_extras`
+// extras; those inputs are the biases, each named by one attribute or more (Q, K and V usually
+// share one). Throws Error naming the attribute.
+inline AttentionBiases read_attention_biases(const OrtKernelInfo* info, const AttentionSplits& splits,
+                                             size_t n_extras) {
+  AttentionBiases b;
+  const int64_t first = 3 + static_cast<int64_t>(n_extras);
+  std::vector<int64_t> seen;
+  for (int i = 0; i < 3; ++i) {
+    const char* name = AttentionBiases::kNames[i];
+    int64_t at = 0;
+    if (!get_int_attr(info, name, &at)) continue;
+    const std::string desc = std::string(name) + " " + std::to_string(at);
+    if (splits.get(i).empty())
+      throw Error(desc + " needs " + AttentionSplits::kNames[i] +
+                  ": a bias is added to the packed input the operand is split from");
+    if (at < first)
+      throw Error(desc + " names an input before the biases, which follow Q, K^T, V and the " +
+                  std::to_string(n_extras) + " extras (input " + std::to_string(first) + " on)");
+    b.get(i) = at;
+    if (std::find(seen.begin(), seen.end(), at) == seen.end()) seen.push_back(at);
+  }
+  std::sort(seen.begin(), seen.end());
+  for (size_t j = 0; j < seen.size(); ++j)
+    if (seen[j] != first + static_cast<int64_t>(j))
+      throw Error("the bias inputs are " + ints_str(seen) + ": they must be inputs " + std::to_string(first) +
+                  " on, one after the other, each named by bias_q, bias_k or bias_v");
+  b.count = seen.size();
+  return b;
+}
+
 // The logical operands and Y: sizes, and element strides over [B, H, then the last two dims]
 // (0 on broadcast dims).
 struct AttentionGeometry {
@@ -122,6 +169,9 @@ struct AttentionGeometry {
   int64_t y[4] = {0, 0, 0, 0};  // [B, H, Sq, Dv], inside Y's base tensor
   // each operand's first element inside its input, in elements (a split's offset; 0 without)
   int64_t q_off = 0, k_off = 0, v_off = 0;
+  // per operand (Q, K^T, V) with a bias: the bias's element stride along H (head_dim; 0 when the
+  // operand has one head), read from element q_off (k_off, v_off) of the bias, stride 1 along D
+  int64_t bias_h[3] = {0, 0, 0};
   Shape batch;                  // the broadcast leading dims (r - 2 of them)
   Shape scores;                 // [batch..., Sq, Sk]
   Shape y_base;                 // Y's base (output) shape: Transpose(logical Y, perm_y)
@@ -312,9 +362,40 @@ inline AttentionGeometry attention_geometry(const Shape& qx, const Shape& kx, co
   return g;
 }
 
-// The node's inputs Q, K^T, V and the program's extras, checked (read_operand_inputs).
-inline std::vector<TensorRef> read_attention_inputs(OrtKernelContext* ctx, const Program& prog, bool f32_for_half) {
-  return read_operand_inputs(ctx, prog, 3, "Q, K^T, V", f32_for_half);
+// Checks the operands' biases (`biases`; `shapes`: every node input's shape) against the inputs
+// Q, K^T and V are split from and the perms, and sets g's bias_h: a bias is 1-D of its packed
+// input's last dim, and the split's heads are the operand's logical H dim (r - 3), its head_dim
+// the operand's D (Q, V: dim r - 1; K^T: dim r - 2). Throws Error naming the problem.
+inline void attention_bias_geometry(const std::vector<Shape>& shapes, const AttentionPerms& perms,
+                                    const AttentionSplits& splits, const AttentionBiases& biases,
+                                    AttentionGeometry* g) {
+  static const char* const kInput[3] = {"Q's input", "K^T's input", "V's input"};
+  const size_t r = g->rank;
+  for (int i = 0; i < 3; ++i) {
+    const int64_t at = biases.get(i);
+    if (at < 0) continue;
+    const Shape& x = shapes[i];
+    const Shape& b = shapes[static_cast<size_t>(at)];
+    if (b.size() != 1 || x.empty() || b[0] != x.back())
+      throw Error("input " + std::to_string(at) + " (" + AttentionBiases::kNames[i] + ") has shape " + shape_str(b) +
+                  ": a bias must be 1-D of its packed input's last dim (" + kInput[i] + " " + shape_str(x) + ")");
+    const std::vector<int64_t> p = perms.resolved(i, r);
+    const size_t d_dim = i == 1 ? r - 2 : r - 1;
+    if (p[r - 3] != static_cast<int64_t>(r - 2) || p[d_dim] != static_cast<int64_t>(r - 1))
+      throw Error(std::string(AttentionBiases::kNames[i]) + ": " + AttentionPerms::kNames[i] + " " + ints_str(p) +
+                  " must read " + AttentionSplits::kNames[i] + "'s heads as the operand's head dim (dim " +
+                  std::to_string(r - 3) + ") and its head_dim as D (dim " + std::to_string(d_dim) +
+                  "), where the kernels add a head's slice of the bias");
+    const std::vector<int64_t>& split = splits.get(i);
+    g->bias_h[i] = split[1] == 1 ? 0 : split[2];
+  }
+}
+
+// The node's inputs Q, K^T, V, the program's extras and `n_biases` biases, checked
+// (read_operand_inputs).
+inline std::vector<TensorRef> read_attention_inputs(OrtKernelContext* ctx, const Program& prog, bool f32_for_half,
+                                                    size_t n_biases = 0) {
+  return read_operand_inputs(ctx, prog, 3, "Q, K^T, V", f32_for_half, n_biases, "biases");
 }
 
 // The program's contract: %0 the scores, exactly one output. Throws Error.

@@ -1,6 +1,8 @@
 // The CPU kernel of onnxfuse::FusedAttention (docs/format.md): a correctness reference.
 // Q, K^T and V are read through their strides from their first elements (a split's offset into
-// the packed input, attention.h; inputs 0, 1, 2 may be one tensor, widened once).
+// the packed input, attention.h; inputs 0, 1, 2 may be one tensor, widened once); an input with
+// a bias (bias_q, bias_k, bias_v) is widened with the bias added along its last dim, each sum
+// rounded to Q's dtype as the original's Add stores it.
 //   1. the scores Q @ K^T per (batch, head, query row), summed in double (parallel over the
 //      rows on ORT's intra-op thread pool), rounded to Q's dtype as the original's MatMul
 //      stores them, into a [B, H, Sq, Sk] buffer (the logical [batch..., Sq, Sk]);
@@ -40,14 +42,17 @@ struct AttentionKernel {
   Program prog;
   AttentionPerms perms;
   AttentionSplits splits;
+  AttentionBiases biases;
   bool nan_to_zero = false;  // attribute nan_to_zero: NaN probabilities read as 0
 
   void compute(OrtKernelContext* ctx) const {
-    const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/true);
-    const size_t n_in = t.size();
-    std::vector<Shape> extra_shapes;
+    const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/true, biases.count);
+    const size_t n_in = t.size() - biases.count;  // Q, K^T, V and the extras
+    std::vector<Shape> extra_shapes, shapes;
     for (size_t i = 3; i < n_in; ++i) extra_shapes.push_back(t[i].shape);
-    const AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits);
+    for (const TensorRef& x : t) shapes.push_back(x.shape);
+    AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits);
+    attention_bias_geometry(shapes, perms, splits, biases, &g);
     OrtValue* yv = nullptr;
     check(g_ort->KernelContext_GetOutput(ctx, 0, g.y_base.data(), g.y_base.size(), &yv));
     TensorRef y;
@@ -58,14 +63,25 @@ struct AttentionKernel {
     const DType y_actual = actual_dtype(y.type, dt);
     if (numel(g.y_base) == 0) return;
 
-    // inputs 0, 1, 2 widened once each, or once in all when they are one tensor (packed QKV)
+    // inputs 0, 1, 2 widened once each (with their bias added), or once in all when they are one
+    // tensor with one bias (packed QKV)
     std::vector<float> wide[3];
     const float* base[3];
     for (int i = 0; i < 3; ++i) {
       int same = -1;
       for (int j = 0; j < i && same < 0; ++j)
-        if (t[j].data == t[i].data && t[j].type == t[i].type && t[j].shape == t[i].shape) same = j;
-      if (same < 0) wide[i] = widen(t[i], dt);
+        if (t[j].data == t[i].data && t[j].type == t[i].type && t[j].shape == t[i].shape &&
+            biases.get(j) == biases.get(i))
+          same = j;
+      if (same < 0) {
+        wide[i] = widen(t[i], dt);
+        if (biases.get(i) >= 0) {
+          const std::vector<float> bias = widen(t[static_cast<size_t>(biases.get(i))], dt);
+          const size_t n = bias.size();
+          for (size_t e = 0; e < wide[i].size(); ++e)
+            wide[i][e] = round_to(dt, static_cast<float>(static_cast<double>(wide[i][e]) + bias[e % n]));
+        }
+      }
       base[i] = same < 0 ? wide[i].data() : base[same];
     }
     const float* q = base[0] + g.q_off;
@@ -141,6 +157,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     check_attention_program(k->prog);
     k->perms = read_attention_perms(info);
     k->splits = read_attention_splits(info);
+    k->biases = read_attention_biases(info, k->splits, k->prog.inputs.size() - 1);
     int64_t v = 0;
     k->nan_to_zero = get_int_attr(info, "nan_to_zero", &v) && v != 0;
     *kernel = k.release();

@@ -4,13 +4,16 @@
 // Launch: pointers to Q, K^T, V (the base tensors; with split_q / split_k / split_v the packed
 // input's pointer advanced by the split's offset, in bytes offset * the element size, and the
 // strides inside it: attention.h), the score program's extras and Y (Y's base
-// tensor); int32 H, SQ, SK; then four int32 element strides per operand over its logical dims
-// [B, H, then its last two] (Q [B, H, Sq, D], K^T [B, H, D, Sk], V [B, H, Sk, Dv], Y [B, H, Sq,
-// Dv] inside Y's base tensor), then per extra its four strides over the scores [B, H, Sq, Sk]
-// (0 on broadcast dims; attention.h computes them from the base shapes and the perms); the two
-// scratch pointers. Grid: (ceil(SQ / block_m), B * H). D and Dv are the kernel's constexprs
-// (kernel_meta's head_d, head_dv). Nothing is launched when Y is empty; Y is zeroed on the
-// stream (cuMemsetD8Async) when Sk = 0.
+// tensor); with bias_q / bias_k / bias_v, between the extras and Y, per biased operand in the
+// order Q, K^T, V its bias input's pointer advanced by the operand's split offset; int32 H, SQ,
+// SK; then four int32 element strides per operand over its logical dims [B, H, then its last
+// two] (Q [B, H, Sq, D], K^T [B, H, D, Sk], V [B, H, Sk, Dv], Y [B, H, Sq, Dv] inside Y's base
+// tensor), then per extra its four strides over the scores [B, H, Sq, Sk] (0 on broadcast dims;
+// attention.h computes them from the base shapes and the perms), then per biased operand its
+// bias's stride along H (attention.h's bias_h); the two scratch pointers. Grid: (ceil(SQ /
+// block_m), B * H). D and Dv are the kernel's constexprs (kernel_meta's head_d, head_dv), and
+// kernel_meta's "bias" says which operands it adds a bias to. Nothing is launched when Y is
+// empty; Y is zeroed on the stream (cuMemsetD8Async) when Sk = 0.
 #include "attention.h"
 #include "cuda_driver.h"
 
@@ -35,18 +38,21 @@ struct AttentionKernel : cuda::CudaKernel {
   static constexpr const char* kOp = kFusedAttention;
   AttentionPerms perms;
   AttentionSplits splits;
+  AttentionBiases biases;
   int64_t meta_rank = 0, head_d = 0, head_dv = 0;
   std::vector<int64_t> meta_perms[4];
+  int64_t meta_bias[3] = {0, 0, 0};  // kernel_meta's "bias": the kernel adds Q's, K^T's, V's bias
   std::vector<AttentionTile> tiles;  // per variant
 
   const char* kind() const override { return "attention"; }
 
-  // A bad program, perm or split attribute fails session creation (cuda::create_kernel), as on
-  // the CPU.
+  // A bad program, perm, split or bias attribute fails session creation (cuda::create_kernel), as
+  // on the CPU.
   void init(const OrtKernelInfo* info) override {
     check_attention_program(prog);
     perms = read_attention_perms(info);
     splits = read_attention_splits(info);
+    biases = read_attention_biases(info, splits, prog.inputs.size() - 1);
   }
 
   void read_meta(const Json& j, size_t n_inputs) override {
@@ -68,6 +74,17 @@ struct AttentionKernel : cuda::CudaKernel {
     }
     head_d = cuda::meta_positive(j, "head_d", "kernel_meta");
     head_dv = cuda::meta_positive(j, "head_dv", "kernel_meta");
+    if (j.get("bias")) {  // absent: no operand has a bias
+      const Json& b = cuda::meta_array(j, "bias", "kernel_meta");
+      if (b.arr.size() != 3)
+        throw Error("kernel_meta: bias must have 3 entries (Q, K^T, V), it has " + std::to_string(b.arr.size()));
+      for (int i = 0; i < 3; ++i) {
+        const Json& x = b.arr[i];
+        if (x.kind != Json::NUMBER || (x.num != 0 && x.num != 1))
+          throw Error("kernel_meta: bias must be an array of three 0 or 1");
+        meta_bias[i] = static_cast<int64_t>(x.num);
+      }
+    }
   }
 
   void read_variant(const Json& vj, const std::string& where, Variant*) override {
@@ -89,18 +106,29 @@ struct AttentionKernel : cuda::CudaKernel {
       node_desc += std::string(i ? ", " : "") + AttentionPerms::kNames[i] + " " + ints_str(mine);
       meta_desc += std::string(i ? ", " : "") + AttentionPerms::kNames[i] + " " + ints_str(meta_perms[i]);
     }
-    if (!same)
+    if (!same) {
       meta_error = "kernel_meta (rank " + std::to_string(meta_rank) + ", " + meta_desc +
                    ") does not describe this node (" + node_desc + ")";
+      return;
+    }
+    for (int i = 0; i < 3; ++i)
+      if (meta_bias[i] != (biases.get(i) >= 0 ? 1 : 0))
+        meta_error = std::string("kernel_meta's bias [") + std::to_string(meta_bias[0]) + ", " +
+                     std::to_string(meta_bias[1]) + ", " + std::to_string(meta_bias[2]) +
+                     "] does not describe this node (bias_q, bias_k, bias_v " +
+                     (biases.q >= 0 ? "given" : "absent") + ", " + (biases.k >= 0 ? "given" : "absent") + ", " +
+                     (biases.v >= 0 ? "given" : "absent") + ")";
   }
 
   void compute(OrtKernelContext* ctx) override {
     if (!meta_error.empty()) throw Error(meta_error);
-    const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/false);
-    const size_t n_in = t.size();
-    std::vector<Shape> extra_shapes;
+    const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/false, biases.count);
+    const size_t n_in = t.size() - biases.count;  // Q, K^T, V and the extras
+    std::vector<Shape> extra_shapes, shapes;
     for (size_t i = 3; i < n_in; ++i) extra_shapes.push_back(t[i].shape);
-    const AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits);
+    for (const TensorRef& x : t) shapes.push_back(x.shape);
+    AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits);
+    attention_bias_geometry(shapes, perms, splits, biases, &g);
     if (static_cast<int64_t>(g.rank) != meta_rank)
       throw Error("the inputs have rank " + std::to_string(g.rank) + ", the kernel was compiled for rank " +
                   std::to_string(meta_rank));
@@ -128,8 +156,9 @@ struct AttentionKernel : cuda::CudaKernel {
     }
 
     Params& p = thread_params();
-    // Q, K^T and V at their first elements (a split's offset into the packed input): the
-    // pointers launched and checked for the variants' alignment (choose)
+    // Q, K^T and V at their first elements (a split's offset into the packed input), the extras,
+    // each biased operand's bias at the same offset, Y: the pointers launched and checked for the
+    // variants' alignment (choose)
     const int64_t offs[3] = {g.q_off, g.k_off, g.v_off};
     const size_t esize = elem_size(prog.inputs[0]);
     std::vector<const void*> ptrs;
@@ -140,6 +169,10 @@ struct AttentionKernel : cuda::CudaKernel {
       ptrs.push_back(at);
       largest = std::max(largest, numel(t[i].shape));
     }
+    for (int i = 0; i < 3; ++i)
+      if (biases.get(i) >= 0)
+        ptrs.push_back(static_cast<const char*>(t[static_cast<size_t>(biases.get(i))].data) +
+                       static_cast<size_t>(offs[i]) * esize);
     ptrs.push_back(y.data);
     for (const void* ptr : ptrs) p.ptr(ptr);
     p.i32(g.h, "H");
@@ -156,17 +189,21 @@ struct AttentionKernel : cuda::CudaKernel {
       for (int i = 0; i < 4; ++i) p.i32(strides[o][i], kStrideNames[o][i]);
     for (const Shape& st : g.extras)
       for (int i = 0; i < 4; ++i) p.i32(st[i], "an extra input's stride over the scores");
+    static const char* const kBiasStrideNames[3] = {"stride_bqh", "stride_bkh", "stride_bvh"};
+    for (int i = 0; i < 3; ++i)
+      if (biases.get(i) >= 0) p.i32(g.bias_h[i], kBiasStrideNames[i]);
     p.scratch();
     const int v = choose(tg, ptrs, g, largest);
     const AttentionTile& tile = tiles[v];
     launch(tg, v, (g.sq + tile.block_m - 1) / tile.block_m, g.b * g.h, p);
   }
 
-  // Whether Q, K^T, V and Y have contiguous head dims and their other strides are multiples of m.
+  // Whether Q, K^T, V and Y have contiguous head dims and their other strides (and the biases'
+  // strides along H) are multiples of m.
   static bool strides_fit(const AttentionGeometry& g, int64_t m) {
     if (g.q[3] != 1 || g.k[2] != 1 || g.v[3] != 1 || g.y[3] != 1) return false;
-    const int64_t others[] = {g.q[0], g.q[1], g.q[2], g.k[0], g.k[1], g.k[3],
-                              g.v[0], g.v[1], g.v[2], g.y[0], g.y[1], g.y[2]};
+    const int64_t others[] = {g.q[0], g.q[1], g.q[2], g.k[0], g.k[1], g.k[3], g.v[0], g.v[1],
+                              g.v[2], g.y[0], g.y[1], g.y[2], g.bias_h[0], g.bias_h[1], g.bias_h[2]};
     for (int64_t s : others)
       if (s % m) return false;
     return true;

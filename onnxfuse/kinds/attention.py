@@ -20,6 +20,11 @@ A match is anchored at the Softmax:
   [..., heads, head_dim] (GPT-2's packed c_attn; BERT's three projections after
   `onnxfuse.pack` packs them): the operands are read in place from the Split's input
   (`split_q`, `split_k`, `split_v`: [offset, heads, head_dim]), so the Split never runs;
+- the **bias Add** of that Split's input, X = Add(Y, b) with b a constant of X's last dim
+  ([N] or [1, ..., 1, N]; the packed projection's bias after `onnxfuse.pack`) and X read by the
+  Split alone: the node reads Y and adds b itself as it loads Q, K and V (`bias_q`, `bias_k`,
+  `bias_v`), so the Add never runs (where each operand's heads are its H dim and its head_dim
+  its D, as every exporter's packed layout has them);
 - a **Mul or Div by a one-element constant** on Q's or K^T's way (torch's
   scaled_dot_product_attention export scales both by sqrt(scale)): the score program applies
   the factors to the product instead.
@@ -36,7 +41,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import GraphProto, ModelProto, NodeProto, helper
+from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_attention import (
@@ -53,7 +58,7 @@ from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
 from onnxfuse.match import DTYPE_IDS, dtype_reason, match_anchored, operands, pointwise_candidate
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
-from onnxfuse.rewrite import ir_dtype, lower_nodes
+from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 ANCHORS = frozenset({"Softmax"})
@@ -72,6 +77,8 @@ BATCH = "the operands' batch dims neither equal nor 1"
 CYCLE = "fusing would create a cycle"
 P_ROUNDED = "the probabilities pass through a dtype narrower than P's on their way to P @ V"
 FLOAT_BITS = {1: 32, 10: 16, 16: 16, 11: 64}  # float, float16, bfloat16, double
+# The report's note for a match that absorbed its packed projection's bias Add
+BIAS_NOTE = "projection bias added in the attention kernel (its Add absorbed)"
 
 
 def left_to_ort(reason: str) -> str:
@@ -109,6 +116,10 @@ class Operand:
     packed: str = ""
     split: tuple[int, int, int] | None = None
     split_nodes: tuple[int, ...] = ()  # the Reshape (and, for the first operand of its Split, the Split)
+    # the Split's input made by Add(packed, bias) with a constant bias, the Add absorbed: the node
+    # reads `packed` and adds `bias` as it loads the operand (the first operand carries the Add)
+    bias: str = ""
+    bias_add: int = -1
     # Q and K^T scaled by one-element constants on their way (torch's scaled_dot_product_attention
     # export multiplies each by sqrt(scale)): the product of the factors, and the Mul / Div nodes
     scale: float = 1.0
@@ -140,7 +151,7 @@ class AttentionParts:
     batch_heads: int | None
     sq: int | None
     sk: int | None
-    note: str = ""
+    notes: tuple[str, ...] = ()
     nan_to_zero: bool = False
 
 
@@ -159,6 +170,7 @@ class AttentionInfo:
     sq: int | None
     sk: int | None
     nan_to_zero: bool = False
+    bias: tuple[bool, bool, bool] = (False, False, False)  # Q, K^T, V read with a bias added
 
 
 def _is(view: GraphView, i: int | None, op: str) -> bool:
@@ -256,7 +268,9 @@ def _split_view(view: GraphView, o: Operand, taken: set[int]) -> tuple[int, int,
 def packed_operands(view: GraphView, ops: tuple[Operand, ...], taken: set[int]) -> tuple[Operand, ...]:
     """The operands, each read in place from its Split's input where the Splits they come from
     are absorbed whole: every output of each such Split is the base of one of them (through
-    its Reshape). The first operand of a Split carries the Split among its nodes."""
+    its Reshape). The first operand of a Split carries the Split among its nodes, and the
+    Split input's bias Add when that is absorbed too (`_bias_add`, `_bias_fits`: the operands
+    then read the Add's tensor input and carry its bias)."""
     views = [_split_view(view, o, taken) for o in ops]
     by_split: dict[int, list[int]] = {}
     for i, v in enumerate(views):
@@ -266,12 +280,51 @@ def packed_operands(view: GraphView, ops: tuple[Operand, ...], taken: set[int]) 
     for sp, members in by_split.items():
         if len(members) != len(view.nodes[sp].output):
             continue
+        x = views[members[0]][2]
+        add = _bias_add(view, x, sp, taken)
+        if add is not None and not all(_bias_fits(ops[i], i) for i in members):
+            add = None
         for k, i in enumerate(members):
-            r, _, x, split = views[i]
-            nodes = (r, sp) if k == 0 else (r,)
-            o = ops[i]
-            out[i] = dataclasses.replace(o, packed=x, split=split, split_nodes=nodes)
+            r, _, _, split = views[i]
+            nodes = ((r, sp) + ((add[0],) if add else ())) if k == 0 else (r,)
+            o = dataclasses.replace(ops[i], packed=x, split=split, split_nodes=nodes)
+            if add is not None:
+                o = dataclasses.replace(o, packed=add[1], bias=add[2], bias_add=add[0])
+            out[i] = o
     return tuple(out)
+
+
+def _bias_add(view: GraphView, x: str, sp: int, taken: set[int]) -> tuple[int, str, str] | None:
+    """(the Add, its tensor input y, the bias) when the packed tensor `x` that Split `sp` alone
+    reads is Add(y, bias) (either order) with `bias` a constant of x's dtype and shape [N] or
+    [1, ..., 1, N], N x's last dim (broadcast only along it: x has y's shape); None otherwise."""
+    a = view.producer.get(x)
+    if not _is(view, a, "Add") or a in taken or not _only_reader(view, x, sp) or len(view.nodes[a].input) != 2:
+        return None
+    xs = view.shapes.get(x)
+    if xs is None or not xs or not isinstance(xs[-1], int):
+        return None
+    for k in (1, 0):
+        b, y = view.nodes[a].input[k], view.nodes[a].input[1 - k]
+        c = view.constants.get(b)
+        if c is None or y in view.constants or view.shapes.get(y) != xs:
+            continue
+        dims = [int(d) for d in c.dims]
+        if not dims or len(dims) > len(xs) or dims[-1] != xs[-1] or any(d != 1 for d in dims[:-1]):
+            continue
+        if c.data_type != view.types.get(x) or view.types.get(y) != view.types.get(x):
+            continue
+        return a, y, b
+    return None
+
+
+def _bias_fits(o: Operand, which: int) -> bool:
+    """Whether operand `o` (0 Q, 1 K^T, 2 V), read from a split, has the split's heads as its
+    logical H dim (r - 3) and the split's head_dim as its D (the kernel loads a head's bias
+    slice as a vector along D, docs/format.md)."""
+    r = len(o.perm)
+    d_dim = r - 2 if which == 1 else r - 1  # K^T is [..., D, Sk]
+    return o.perm[r - 3] == r - 2 and o.perm[d_dim] == r - 1
 
 
 def _score_path(view: GraphView, x: str, sm: int, target: Shape, pattern: Pattern, taken: set[int]
@@ -420,17 +473,22 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
         return CYCLE
     if view.types.get(result) not in FLOAT_TYPES:
         return dtype_reason(view.types.get(result))
-    note = ""
+    notes: list[str] = []
     own = [reserved[i] for i in group if i in reserved]
     if any("Attention" in r for r in own):
         return left_to_ort(next(r for r in own if "Attention" in r))
-    if own:
-        note = taken_from_ort(own[0])
+    adds = {o.bias_add for o in (q, k, v) if o.bias}
+    others = [reserved[i] for i in group if i in reserved and i not in adds]
+    if others:
+        notes.append(taken_from_ort(others[0]))
+    if adds:  # the bias Add, and ONNX Runtime's MatMul + Add into Gemm fusion it may take it from
+        from_ort = [reserved[a].replace("left to", "taken from", 1) for a in sorted(adds) if a in reserved]
+        notes.append(", ".join([BIAS_NOTE, *from_ort[:1]]))
     bh = None
     if all(isinstance(e, int) for e in lead):
         bh = int(np.prod(lead, dtype=np.int64)) if lead else 1
     parts = AttentionParts(qk, sm, pv, q, k, v, tuple(score_ops), y_transpose, tuple(perm_y), result, rank, d, dv,
-                           bh, _dim(lq[-2]), _dim(lk[-1]), note, nan_guard is not None)
+                           bh, _dim(lq[-2]), _dim(lk[-1]), tuple(notes), nan_guard is not None)
     return Match(pattern, tuple(group), (result,), result=result, params=parts)
 
 
@@ -438,9 +496,9 @@ def match_attention(view: GraphView, pattern: Pattern, taken: set[int], accepted
                     reserved: dict[int, str]) -> MatchResult:
     """Matches at every Softmax not taken yet, in topological order; adds their nodes to
     `taken` and `accepted`. `anchors` say why each other Softmax did not match, `notes` which
-    of ONNX Runtime's fusions a match took nodes from."""
+    of ONNX Runtime's fusions a match took nodes from and which absorbed a projection's bias."""
     return match_anchored(view, pattern, taken, accepted, ANCHORS,
-                          lambda v, i, p, t, a: find_attention(v, i, p, t, a, reserved), lambda m: m.params.note)
+                          lambda v, i, p, t, a: find_attention(v, i, p, t, a, reserved), lambda m: m.params.notes)
 
 
 # ---------------------------------------------------------------------------------------
@@ -468,8 +526,10 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
         program, inputs, folded = lower_nodes(view, parts.score_ops, (x,), [(PRODUCT, dt)], prelude, {scores})
     extras = inputs[1:]
     body = [view.nodes[i] for i in match.nodes]
+    qkv = (parts.q, parts.k, parts.v)
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
-                         parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero)
+                         parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero,
+                         tuple(bool(o.bias) for o in qkv))
     attrs = {"perm_q": list(info.perm_q), "perm_k": list(info.perm_k), "perm_v": list(info.perm_v),
              "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {})}
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
@@ -477,12 +537,32 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
            f"Sk={info.sk}")
     if info.nan_to_zero:
         key += " nan_to_zero"
-    for w, o in zip("qkv", (parts.q, parts.k, parts.v), strict=True):
+    for w, o in zip("qkv", qkv, strict=True):
         if o.split is not None:
             attrs[f"split_{w}"] = list(o.split)
             key += f" split_{w}={o.split}"
-    return Lowering(program, folded, [parts.q.input, parts.k.input, parts.v.input, *extras], body, attrs, key,
+    # the biases after the extras, each input once (Q, K and V usually share the packed one)
+    biases: list[str] = []
+    for w, o in zip("qkv", qkv, strict=True):
+        if o.bias:
+            if o.bias not in biases:
+                biases.append(o.bias)
+            attrs[f"bias_{w}"] = 3 + len(extras) + biases.index(o.bias)
+            key += f" bias_{w}"
+    bias_inputs = [_bias_vector(view, b, node_name, names, graph) for b in biases]
+    return Lowering(program, folded, [*(o.input for o in qkv), *extras, *bias_inputs], body, attrs, key,
                     parts.rank, ("full",) + ("strided",) * len(extras), {"params": info})
+
+
+def _bias_vector(view: GraphView, bias: str, node_name: str, names: set[str], graph: GraphProto) -> str:
+    """The node's input for a bias constant: the constant itself when it is 1-D, else a 1-D
+    copy of it (a [1, ..., 1, N] bias) added to `graph`; the function body reads the original."""
+    c = view.constants[bias]
+    if len(c.dims) == 1:
+        return bias
+    name = unique_name(f"{node_name}.bias", names)
+    graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(c).reshape(-1), name))
+    return name
 
 
 # ---------------------------------------------------------------------------------------
@@ -512,7 +592,8 @@ class Attention(Kind):
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> AttentionSpec:
         a: AttentionInfo = f.params
         return AttentionSpec(f.kernel_name, f.program, a.head_d, a.head_dv, precision, a.batch_heads, a.sq, a.sk,
-                             f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y), a.nan_to_zero)
+                             f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y), a.nan_to_zero,
+                             a.bias)
 
     def decline_reason(self, spec: AttentionSpec, layout: str) -> str | None:
         """Tensors of more than 2**31 - 1 elements (32-bit index parameters), where static."""
@@ -536,6 +617,7 @@ class Attention(Kind):
             "version": META_VERSION, "kind": "attention", "name": spec.name, "n_extras": spec.n_extras,
             "rank": spec.rank, **{f"perm_{w}": p for w, p in zip("qkvy", perms, strict=True)},
             "head_d": spec.head_d, "head_dv": spec.head_dv,
+            **({"bias": [int(b) for b in spec.bias]} if any(spec.bias) else {}),
             "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
             "binaries": binaries,
         }
@@ -557,11 +639,23 @@ class Attention(Kind):
         rounded to its dtype as the original stores it."""
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         program = Program.from_text(attrs["program"].decode())
-        q, k, v = (unpack(x, attrs.get(f"split_{w}")) for w, x in zip("qkv", inputs[:3], strict=True))
-        extras = inputs[3:]
+        q, k, v = (unpack(add_bias(x, inputs[attrs[f"bias_{w}"]] if f"bias_{w}" in attrs else None),
+                          attrs.get(f"split_{w}")) for w, x in zip("qkv", inputs[:3], strict=True))
+        extras = inputs[3:3 + len(program.input_dtypes) - 1]
         rank = q.ndim
         perms = [tuple(attrs.get(f"perm_{w}", range(rank))) for w in "qkvy"]
         return [evaluate_attention(program, q, k, v, extras, *perms, nan_to_zero=bool(attrs.get("nan_to_zero", 0)))]
+
+
+def add_bias(x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """x + bias along x's last dim, rounded to x's dtype as the original's Add stores it
+    (docs/format.md, FusedAttention's `bias_*`); x itself without a bias."""
+    if bias is None:
+        return x
+    if bias.ndim != 1 or bias.shape[0] != x.shape[-1]:
+        raise ValueError(f"a bias of shape {list(bias.shape)} for an input of shape {list(x.shape)}: "
+                         "it must be 1-D of the input's last dim")
+    return (x.astype(np.float64) + bias.astype(np.float64)).astype(x.dtype)
 
 
 def unpack(x: np.ndarray, split) -> np.ndarray:
