@@ -18,8 +18,12 @@ the scores (their p is 0), and query rows past Sq are never stored; padded head 
 Per key block: the K^T tile [HEAD_D, BLOCK_N] and `tl.dot` with the Q tile (loaded once), fp32
 sums; %0 is that product rounded to Q's dtype, as the original's MatMul stores it; the score
 program on the [BLOCK_M, BLOCK_N] tile in fp32, its extras read through their four strides over
-[B, H, Sq, Sk] (0 on a broadcast dim; a bool extra as int8, != 0); its output rounded to its
-dtype, as the original stores the Softmax's input; keys past Sk set to -inf. Then the online
+[B, H, Sq, Sk] (0 on a broadcast dim; a bool extra as int8, != 0; one whose static shape has 1
+on the query or key dim loaded as the [1, BLOCK_N] row or [BLOCK_M, 1] column it is: BERT's key
+mask [B, 1, 1, Sk] read as a tile made BERT-base b8's fp16 kernel 2504 SASS instructions, 28 of
+them barriers; read as a row, 1816 and 5 (sm_90, compiled on the CPU; untimed)); its output
+rounded to its dtype, as the original stores the Softmax's input; keys past Sk set to -inf.
+Then the online
 softmax in fp32 (m_i, l_i, acc rescaled by exp(m_old - m_new)), and acc += P @ V with P in V's
 dtype. At the end Y = acc / l_i, cast to Y's dtype (round to nearest even). Head dims are
 constexprs (D, Dv), the tiles' HEAD_D, HEAD_DV the next powers of two >= max(16, D), the padding
@@ -87,6 +91,9 @@ class AttentionSpec:
     nan_to_zero: bool = False  # NaN probabilities read as 0 (a row of them: Y = 0)
     # Q, K^T, V each read with its projection's bias added (the node's bias_q, bias_k, bias_v)
     bias: tuple[bool, bool, bool] = (False, False, False)
+    # per extra, the score dims it is known to broadcast over (its static dim there is 1):
+    # "m" the queries (a key mask [B, 1, 1, Sk]), "n" the keys, "mn" both, "" neither (or unknown)
+    extras_broadcast: tuple[str, ...] = ()
 
     @property
     def dtype(self) -> str:
@@ -101,6 +108,10 @@ class AttentionSpec:
     def tf32(self) -> bool:
         """Float32 operands multiplied at precision "tf32" (rounded to nearest first)."""
         return self.dtype == "f32" and self.precision == "tf32"
+
+    def broadcast(self, i: int) -> str:
+        """Extra i's broadcast dims ("", "m", "n" or "mn"; `extras_broadcast`)."""
+        return self.extras_broadcast[i] if i < len(self.extras_broadcast) else ""
 
     @property
     def biased(self) -> tuple[str, ...]:
@@ -241,6 +252,9 @@ def _check(spec: AttentionSpec, variant: AttentionVariant) -> None:
         raise ValueError(f"tl.dot needs tiles of at least 16: {variant}")
     if variant.num_stages < 1:
         raise ValueError(f"num_stages must be at least 1: {variant}")
+    if len(spec.extras_broadcast) > spec.n_extras or not set(spec.extras_broadcast) <= {"", "m", "n", "mn"}:
+        raise ValueError(f"{spec.name}: extras_broadcast {spec.extras_broadcast} is not one of '', 'm', 'n', 'mn' "
+                         f"per extra ({spec.n_extras})")
 
 
 def generate_attention(spec: AttentionSpec, variant: AttentionVariant) -> KernelSource:
@@ -431,11 +445,16 @@ def _score_lines(spec: AttentionSpec) -> list[str]:
     out = ["# %0: the product as the original's MatMul stores it."]
     out.append("s0 = qk" if spec.dtype == "f32" else
                f's0 = qk.to({TL_DTYPES[spec.dtype]}, fp_downcast_rounding="rtne").to(tl.float32)')
-    if spec.n_extras:
+    if any(spec.broadcast(i) == "" for i in range(spec.n_extras)):
         out.append("e_mask = row_ok[:, None] & col_ok[None, :]")
     for i, dt in enumerate(prog.input_dtypes[1:]):
-        load = (f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m + offs_n[None, :] * stride_e{i}_n, "
-                "mask=e_mask, other=0)")
+        # an extra that broadcasts over a dim is loaded as the vector (or element) it is, not as
+        # a [BLOCK_M, BLOCK_N] tile of repeats (the launcher checks its stride there is 0)
+        load = {"m": f"tl.load(e{i}_base + offs_n[None, :] * stride_e{i}_n, mask=col_ok[None, :], other=0)",
+                "n": f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m, mask=row_ok[:, None], other=0)",
+                "mn": f"tl.load(e{i}_base)"}.get(spec.broadcast(i), (
+                    f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m + offs_n[None, :] * stride_e{i}_n, "
+                    "mask=e_mask, other=0)"))
         if dt == "bool":
             load = f"({load} != 0).to(tl.float32)"
         elif dt != "f32":

@@ -46,6 +46,7 @@ from onnxfuse.codegen_attention import (
 )
 from onnxfuse.codegen_conv import round_array_to_tf32
 from onnxfuse.expr import HEADER, evaluate, parse
+from onnxfuse.kinds.attention import _broadcast_dims
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -92,6 +93,9 @@ class Case:
     # Q, K and V read with a projection bias added (bias_q, bias_k, bias_v): one packed bias
     # [H * D | H * D | H * Dv], each operand's pointer at its offset (layouts "bshd", "shd")
     bias: bool = False
+    # the extras read as the rows, columns or elements their shapes say they are
+    # (AttentionSpec.extras_broadcast, as onnxfuse.kinds.attention derives it); else as tiles
+    broadcast: bool = False
 
 
 CASES = [
@@ -121,13 +125,25 @@ CASES = [
     Case("f16-bias-causal-d40-dv72", "f16", CAUSAL, d=40, dv=72, extras=(("causal", (1, 1, 20, 37)),), bias=True),
     Case("f16-bias-mask-aligned", "f16", SCALE_MASK, extras=(("additive", (2, 1, 1, 37)),), variant=SMALL_ALIGNED,
          bias=True),
+    # extras loaded as what they broadcast as: BERT's key mask as one row of keys, a per-query
+    # column, one element per batch and head; beside a full tile (GPT-2's causal mask)
+    Case("f16-key-mask-row", "f16", SCALE_MASK, extras=(("additive", (2, 1, 1, 37)),), broadcast=True),
+    Case("f32-tf32-key-mask-row-aligned-bias", "f32", SCALE_MASK, precision="tf32",
+         extras=(("additive", (2, 1, 1, 37)),), variant=SMALL_ALIGNED, bias=True, broadcast=True),
+    Case("f32-ieee-query-column-and-scalar", "f32", "input %0 {dt}\ninput %1 f32\ninput %2 f32\n%3 = add %0 %1\n"
+         "%4 = mul %3 %2\noutput %4 {dt}", extras=(("additive", (2, 2, 20, 1)), ("additive", (2, 2, 1, 1))),
+         broadcast=True),
+    Case("bf16-row-mask-and-causal", "bf16", "input %0 {dt}\ninput %1 {dt}\ninput %2 bool\n%3 = add %0 %1\n"
+         "%4 = select %2 %3 -10000.0\noutput %4 {dt}", extras=(("additive", (1, 1, 1, 37)), ("causal", (1, 1, 20, 37))),
+         broadcast=True),
 ]
 
 
 def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
     prog = parse(f"{HEADER}\n{case.program.format(dt=case.dtype)}\n")
+    broadcast = tuple(_broadcast_dims(shape) for _, shape in case.extras) if case.broadcast else ()
     spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision, nan_to_zero=case.nan_to_zero,
-                         bias=(case.bias,) * 3)
+                         bias=(case.bias,) * 3, extras_broadcast=broadcast)
     return spec, case.variant or attention_variants(spec)[0]
 
 
@@ -468,6 +484,21 @@ def test_rejected_specs():
     with pytest.raises(ValueError, match="dtype"):
         generate_attention(dataclasses.replace(spec, program=parse(f"{HEADER}\ninput %0 bool\noutput %0 f32\n")),
                            SMALL)
+    with pytest.raises(ValueError, match="extras_broadcast"):
+        generate_attention(dataclasses.replace(spec, extras_broadcast=("m", "m")), SMALL)  # one extra
+    with pytest.raises(ValueError, match="extras_broadcast"):
+        generate_attention(dataclasses.replace(spec, extras_broadcast=("k",)), SMALL)
+
+
+def test_broadcast_extras_are_loaded_as_vectors():
+    """A key mask [B, 1, 1, Sk] is loaded as one row of keys (no [BLOCK_M, BLOCK_N] tile of
+    repeats, no tile mask); unknown broadcasting keeps the tile load."""
+    spec = _spec("f16")
+    tile = generate_attention(spec, SMALL).source
+    row = generate_attention(dataclasses.replace(spec, extras_broadcast=("m",)), SMALL).source
+    assert "e_mask" in tile and "offs_m[:, None] * stride_e0_m" in tile
+    assert "e_mask" not in row and row.count("stride_e0_m") == 1  # the parameter, unread
+    assert "e0 = tl.load(e0_base + offs_n[None, :] * stride_e0_n, mask=col_ok[None, :], other=0)" in row
 
 
 def _compile_sm90(ks, tmp_path: Path):

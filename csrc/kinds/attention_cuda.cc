@@ -42,6 +42,9 @@ struct AttentionKernel : cuda::CudaKernel {
   int64_t meta_rank = 0, head_d = 0, head_dv = 0;
   std::vector<int64_t> meta_perms[4];
   int64_t meta_bias[3] = {0, 0, 0};  // kernel_meta's "bias": the kernel adds Q's, K^T's, V's bias
+  // kernel_meta's "extras_broadcast": per extra, whether the kernel reads it as one row for every
+  // query ("m" in it: its stride over Sq ignored) and as one column for every key ("n")
+  std::vector<std::pair<bool, bool>> extra_bcast;
   std::vector<AttentionTile> tiles;  // per variant
 
   const char* kind() const override { return "attention"; }
@@ -83,6 +86,18 @@ struct AttentionKernel : cuda::CudaKernel {
         if (x.kind != Json::NUMBER || (x.num != 0 && x.num != 1))
           throw Error("kernel_meta: bias must be an array of three 0 or 1");
         meta_bias[i] = static_cast<int64_t>(x.num);
+      }
+    }
+    if (j.get("extras_broadcast")) {  // absent: every extra read as a full tile
+      const Json& b = cuda::meta_array(j, "extras_broadcast", "kernel_meta");
+      const int64_t n_extras = cuda::meta_int(j, "n_extras", "kernel_meta");
+      if (static_cast<int64_t>(b.arr.size()) != n_extras)
+        throw Error("kernel_meta: extras_broadcast has " + std::to_string(b.arr.size()) + " entries for " +
+                    std::to_string(n_extras) + " extras");
+      for (const Json& x : b.arr) {
+        if (x.kind != Json::STRING || (x.str != "" && x.str != "m" && x.str != "n" && x.str != "mn"))
+          throw Error("kernel_meta: extras_broadcast entries must be \"\", \"m\", \"n\" or \"mn\"");
+        extra_bcast.emplace_back(x.str.find('m') != std::string::npos, x.str.find('n') != std::string::npos);
       }
     }
   }
@@ -146,6 +161,15 @@ struct AttentionKernel : cuda::CudaKernel {
                   dtype_name(prog.inputs[0]));
     const int64_t ny = numel(g.y_base);
     if (ny == 0) return;
+    // an extra the kernel reads as one row (column) must be one: its stride over Sq (Sk) is 0
+    for (size_t i = 0; i < extra_bcast.size() && i < g.extras.size(); ++i) {
+      const bool rows = extra_bcast[i].first && g.extras[i][2] != 0 && g.sq > 1;
+      const bool cols = extra_bcast[i].second && g.extras[i][3] != 0 && g.sk > 1;
+      if (rows || cols)
+        throw Error("input " + std::to_string(3 + i) + " has shape " + shape_str(extra_shapes[i]) + ", the kernel " +
+                    meta.name + " was compiled for one of size 1 along the " + (rows ? "queries" : "keys") +
+                    ": re-run onnxfuse optimize for these shapes");
+    }
     const Target tg = target(ctx);
     if (g.sk == 0) {  // softmax over no keys, a product over nothing: Y = 0
       const cuda::Driver& d = cuda::driver();

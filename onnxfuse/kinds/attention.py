@@ -171,6 +171,7 @@ class AttentionInfo:
     sk: int | None
     nan_to_zero: bool = False
     bias: tuple[bool, bool, bool] = (False, False, False)  # Q, K^T, V read with a bias added
+    extras_broadcast: tuple[str, ...] = ()  # per extra: AttentionSpec.extras_broadcast
 
 
 def _is(view: GraphView, i: int | None, op: str) -> bool:
@@ -529,7 +530,7 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
     qkv = (parts.q, parts.k, parts.v)
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
                          parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero,
-                         tuple(bool(o.bias) for o in qkv))
+                         tuple(bool(o.bias) for o in qkv), tuple(_broadcast_dims(view.shapes.get(e)) for e in extras))
     attrs = {"perm_q": list(info.perm_q), "perm_k": list(info.perm_k), "perm_v": list(info.perm_v),
              "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {})}
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
@@ -537,6 +538,8 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
            f"Sk={info.sk}")
     if info.nan_to_zero:
         key += " nan_to_zero"
+    if any(info.extras_broadcast):
+        key += f" extras_broadcast={info.extras_broadcast}"
     for w, o in zip("qkv", qkv, strict=True):
         if o.split is not None:
             attrs[f"split_{w}"] = list(o.split)
@@ -552,6 +555,15 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
     bias_inputs = [_bias_vector(view, b, node_name, names, graph) for b in biases]
     return Lowering(program, folded, [*(o.input for o in qkv), *extras, *bias_inputs], body, attrs, key,
                     parts.rank, ("full",) + ("strided",) * len(extras), {"params": info})
+
+
+def _broadcast_dims(shape) -> str:
+    """The score dims an extra of this static shape broadcasts over: "m" (queries) where its
+    second-to-last dim is 1 or absent, "n" (keys) where its last is; "" where unknown."""
+    if shape is None:
+        return ""
+    dims = (1, 1, *shape)[-2:]
+    return ("m" if dims[0] == 1 else "") + ("n" if dims[1] == 1 else "")
 
 
 def _bias_vector(view: GraphView, bias: str, node_name: str, names: set[str], graph: GraphProto) -> str:
@@ -593,7 +605,7 @@ class Attention(Kind):
         a: AttentionInfo = f.params
         return AttentionSpec(f.kernel_name, f.program, a.head_d, a.head_dv, precision, a.batch_heads, a.sq, a.sk,
                              f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y), a.nan_to_zero,
-                             a.bias)
+                             a.bias, a.extras_broadcast)
 
     def decline_reason(self, spec: AttentionSpec, layout: str) -> str | None:
         """Tensors of more than 2**31 - 1 elements (32-bit index parameters), where static."""
@@ -618,6 +630,7 @@ class Attention(Kind):
             "rank": spec.rank, **{f"perm_{w}": p for w, p in zip("qkvy", perms, strict=True)},
             "head_d": spec.head_d, "head_dv": spec.head_dv,
             **({"bias": [int(b) for b in spec.bias]} if any(spec.bias) else {}),
+            **({"extras_broadcast": list(spec.extras_broadcast)} if any(spec.extras_broadcast) else {}),
             "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
             "binaries": binaries,
         }
