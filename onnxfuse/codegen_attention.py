@@ -60,7 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, check_kernel_name
+from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, _literal, check_kernel_name
 from onnxfuse.codegen_conv import PRECISIONS, ROUND_TO_TF32
 from onnxfuse.codegen_rows import _program_lines
 from onnxfuse.expr import Program
@@ -68,6 +68,9 @@ from onnxfuse.expr import Program
 INT_TYPE = "i32"
 MAX_ELEMENTS = 2**31 - 1
 SMS = 132  # multiprocessors of the H100 / H200
+# A score this far below its row's max has exp(score - max) = 0 in fp32 (below e^-103.3, the
+# smallest subnormal), in the kernel and in the original's Softmax: skipping it changes nothing.
+CAUSAL_MARGIN = 128.0
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,15 @@ class AttentionSpec:
     nan_to_zero: bool = False  # NaN probabilities read as 0 (a row of them: Y = 0)
     # Q, K^T, V each read with its projection's bias added (the node's bias_q, bias_k, bias_v)
     bias: tuple[bool, bool, bool] = (False, False, False)
-    # per extra, the score dims it is known to broadcast over (its static dim there is 1):
-    # "m" the queries (a key mask [B, 1, 1, Sk]), "n" the keys, "mn" both, "" neither (or unknown)
+    # per extra, how the kernel reads it: "m" one row for every query (its static dim there is 1:
+    # a key mask [B, 1, 1, Sk]), "n" one column for every key, "mn" one element per batch and
+    # head, "" a full tile (or unknown); "causal" not read but computed from the indices (a
+    # constant bool mask, key j kept where j <= i + Sk - Sq, the same for every batch and head)
     extras_broadcast: tuple[str, ...] = ()
+    # with a causal extra: the score program's output where that mask is false, whatever the
+    # scores (GPT-2's Where: -10000), when it is one value; key blocks wholly past a program's
+    # diagonal are then skipped while every row's max is CAUSAL_MARGIN above it. None: no skipping
+    causal_fill: float | None = None
 
     @property
     def dtype(self) -> str:
@@ -234,6 +243,9 @@ def attention_candidates(spec: AttentionSpec) -> list[tuple[str, tuple[Attention
 # kernel source
 # ---------------------------------------------------------------------------------------
 
+EXTRA_READS = ("", "m", "n", "mn", "causal")  # AttentionSpec.extras_broadcast's values
+
+
 def _check(spec: AttentionSpec, variant: AttentionVariant) -> None:
     check_kernel_name(spec.name)
     spec.program.validate()
@@ -252,9 +264,14 @@ def _check(spec: AttentionSpec, variant: AttentionVariant) -> None:
         raise ValueError(f"tl.dot needs tiles of at least 16: {variant}")
     if variant.num_stages < 1:
         raise ValueError(f"num_stages must be at least 1: {variant}")
-    if len(spec.extras_broadcast) > spec.n_extras or not set(spec.extras_broadcast) <= {"", "m", "n", "mn"}:
-        raise ValueError(f"{spec.name}: extras_broadcast {spec.extras_broadcast} is not one of '', 'm', 'n', 'mn' "
+    if len(spec.extras_broadcast) > spec.n_extras or not set(spec.extras_broadcast) <= set(EXTRA_READS):
+        raise ValueError(f"{spec.name}: extras_broadcast {spec.extras_broadcast} is not one of {EXTRA_READS} "
                          f"per extra ({spec.n_extras})")
+    causal = [i for i, b in enumerate(spec.extras_broadcast) if b == "causal"]
+    if causal and spec.program.input_dtypes[1 + causal[0]] != "bool":
+        raise ValueError(f"{spec.name}: a causal extra must be bool")
+    if spec.causal_fill is not None and len(causal) != 1:
+        raise ValueError(f"{spec.name}: causal_fill needs one causal extra, there are {len(causal)}")
 
 
 def generate_attention(spec: AttentionSpec, variant: AttentionVariant) -> KernelSource:
@@ -388,44 +405,20 @@ def _body(spec: AttentionSpec, aligned: bool = False) -> list[str]:
             "# exp(score - m_i), acc the running P @ V (unnormalized).",
             'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
             "l_i = tl.zeros([BLOCK_M], dtype=tl.float32)",
-            "acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)",
-            "for start_n in range(0, SK, BLOCK_N):",
-            "    offs_n = start_n + tl.arange(0, BLOCK_N)",
-            "    col_ok = offs_n < SK",
-            f"    kt = tl.load(k_base + offs_d[:, None]{step('stride_kd')} + offs_n[None, :] * stride_kn, "
-            f"mask={k_mask}, other=0.0)"]
-    if "k" in spec.biased:
-        out += ["    " + ln for ln in _bias_lines(spec, "k", "kt", "[:, None]")]
-    if spec.tf32:
-        out += ["    kt = round_to_tf32(kt)"]
-    out += [f"    qk = {_dot(spec, 'q', 'kt')}"]
-    out += ["    " + ln for ln in _score_lines(spec)]
-    out += ["    s = tl.where(col_ok[None, :], s, float(\"-inf\"))  # keys past SK take no share",
-            "",
-            "    # A row whose max is still -inf (every score so far -inf) shifts by 0, so that its",
-            "    # exp(-inf) are 0, not exp(NaN); at the end its sum is 0 and Y = 0 / 0 = NaN, as ONNX's",
-            "    # Softmax gives for a row of -inf. A NaN score makes its p NaN (exp(NaN)), and so its",
-            "    # row's sum and Y; a +inf score makes the max +inf and its p exp(inf - inf) = NaN.",
-            "    m_new = tl.maximum(m_i, tl.max(s, axis=1))",
-            '    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)',
-            "    alpha = tl.exp(m_i - m_shift)",
-            "    p = tl.exp(s - m_shift[:, None])",
-            "    l_i = l_i * alpha + tl.sum(p, axis=1)",
-            "    acc = acc * alpha[:, None]",
-            "    m_i = m_new",
-            f"    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]{step('stride_vd')}, "
-            f"mask={v_mask}, other=0.0)"]
-    if "v" in spec.biased:
-        out += ["    " + ln for ln in _bias_lines(spec, "v", "v", "[None, :]")]
-    if dt == "f32":
-        if spec.tf32:
-            out += ["    # P and V to nearest TF32 (P unnormalized: module docstring).",
-                    "    p = round_to_tf32(p)",
-                    "    v = round_to_tf32(v)"]
-        out += [f"    acc = {_dot(spec, 'p', 'v', 'acc')}"]
+            "acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)"]
+    loop = _key_block(spec, step, k_mask, v_mask)
+    if spec.causal_fill is None:
+        out += ["for start_n in range(0, SK, BLOCK_N):", *_indent(loop)]
     else:
-        out += ["    # P in V's dtype, as the original's Softmax stores it (unnormalized here: module docstring).",
-                f'    acc = tl.dot(p.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne"), v, acc)']
+        out += ["# Causal (module docstring): the key blocks up to this program's last row's diagonal, then",
+                "# the blocks past it only where some row's max is not far enough above the fill value",
+                "# (their exps are then not all 0).",
+                "hi = tl.maximum(tl.minimum(SK, tl.minimum((pid_m + 1) * BLOCK_M, SQ) + SK - SQ), 0)",
+                "for start_n in range(0, hi, BLOCK_N):", *_indent(loop),
+                "start_rest = tl.cdiv(hi, BLOCK_N) * BLOCK_N",
+                'lowest = tl.min(tl.where(row_ok, m_i, float("inf")), axis=0)',
+                f"end_rest = tl.where(lowest > {_literal(spec.causal_fill)} + {CAUSAL_MARGIN}, start_rest, SK)",
+                "for start_n in range(start_rest, end_rest, BLOCK_N):", *_indent(loop)]
     y = "y" if dt == "f32" else f'y.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
     out += ["",
             "# Normalize (a row of -inf: 0 / 0 = NaN) and store, cast to Y's dtype.",
@@ -437,6 +430,52 @@ def _body(spec: AttentionSpec, aligned: bool = False) -> list[str]:
             f"mask={y_mask})"]
     return out
 
+
+
+def _indent(lines: list[str]) -> list[str]:
+    return [f"    {ln}" if ln else ln for ln in lines]
+
+
+def _key_block(spec: AttentionSpec, step, k_mask: str, v_mask: str) -> list[str]:
+    """One key block of the loop (unindented): K^T, the scores, the online softmax, P @ V."""
+    dt = spec.dtype
+    out = ["offs_n = start_n + tl.arange(0, BLOCK_N)",
+           "col_ok = offs_n < SK",
+           f"kt = tl.load(k_base + offs_d[:, None]{step('stride_kd')} + offs_n[None, :] * stride_kn, "
+           f"mask={k_mask}, other=0.0)"]
+    if "k" in spec.biased:
+        out += _bias_lines(spec, "k", "kt", "[:, None]")
+    if spec.tf32:
+        out += ["kt = round_to_tf32(kt)"]
+    out += [f"qk = {_dot(spec, 'q', 'kt')}"]
+    out += _score_lines(spec)
+    out += ["s = tl.where(col_ok[None, :], s, float(\"-inf\"))  # keys past SK take no share",
+            "",
+            "# A row whose max is still -inf (every score so far -inf) shifts by 0, so that its",
+            "# exp(-inf) are 0, not exp(NaN); at the end its sum is 0 and Y = 0 / 0 = NaN, as ONNX's",
+            "# Softmax gives for a row of -inf. A NaN score makes its p NaN (exp(NaN)), and so its",
+            "# row's sum and Y; a +inf score makes the max +inf and its p exp(inf - inf) = NaN.",
+            "m_new = tl.maximum(m_i, tl.max(s, axis=1))",
+            'm_shift = tl.where(m_new == float("-inf"), 0.0, m_new)',
+            "alpha = tl.exp(m_i - m_shift)",
+            "p = tl.exp(s - m_shift[:, None])",
+            "l_i = l_i * alpha + tl.sum(p, axis=1)",
+            "acc = acc * alpha[:, None]",
+            "m_i = m_new",
+            f"v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]{step('stride_vd')}, "
+            f"mask={v_mask}, other=0.0)"]
+    if "v" in spec.biased:
+        out += _bias_lines(spec, "v", "v", "[None, :]")
+    if dt == "f32":
+        if spec.tf32:
+            out += ["# P and V to nearest TF32 (P unnormalized: module docstring).",
+                    "p = round_to_tf32(p)",
+                    "v = round_to_tf32(v)"]
+        out += [f"acc = {_dot(spec, 'p', 'v', 'acc')}"]
+    else:
+        out += ["# P in V's dtype, as the original's Softmax stores it (unnormalized here: module docstring).",
+                f'acc = tl.dot(p.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne"), v, acc)']
+    return out
 
 def _score_lines(spec: AttentionSpec) -> list[str]:
     """The score program on the tile `qk` (fp32 sums): `s`, fp32, as the original stores the
@@ -450,6 +489,9 @@ def _score_lines(spec: AttentionSpec) -> list[str]:
     for i, dt in enumerate(prog.input_dtypes[1:]):
         # an extra that broadcasts over a dim is loaded as the vector (or element) it is, not as
         # a [BLOCK_M, BLOCK_N] tile of repeats (the launcher checks its stride there is 0)
+        if spec.broadcast(i) == "causal":
+            out.append(f"e{i} = (offs_n[None, :] <= offs_m[:, None] + (SK - SQ)).to(tl.float32)  # causal, not read")
+            continue
         load = {"m": f"tl.load(e{i}_base + offs_n[None, :] * stride_e{i}_n, mask=col_ok[None, :], other=0)",
                 "n": f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m, mask=row_ok[:, None], other=0)",
                 "mn": f"tl.load(e{i}_base)"}.get(spec.broadcast(i), (

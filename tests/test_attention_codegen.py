@@ -46,7 +46,7 @@ from onnxfuse.codegen_attention import (
 )
 from onnxfuse.codegen_conv import round_array_to_tf32
 from onnxfuse.expr import HEADER, evaluate, parse
-from onnxfuse.kinds.attention import _broadcast_dims
+from onnxfuse.kinds.attention import _broadcast_dims, _constant_where_masked
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -96,6 +96,9 @@ class Case:
     # the extras read as the rows, columns or elements their shapes say they are
     # (AttentionSpec.extras_broadcast, as onnxfuse.kinds.attention derives it); else as tiles
     broadcast: bool = False
+    # the "causal" extras computed from the indices, not read, and key blocks past the diagonal
+    # skipped where the program's masked value is one value (AttentionSpec.causal_fill)
+    causal: bool = False
 
 
 CASES = [
@@ -136,14 +139,34 @@ CASES = [
     Case("bf16-row-mask-and-causal", "bf16", "input %0 {dt}\ninput %1 {dt}\ninput %2 bool\n%3 = add %0 %1\n"
          "%4 = select %2 %3 -10000.0\noutput %4 {dt}", extras=(("additive", (1, 1, 1, 37)), ("causal", (1, 1, 20, 37))),
          broadcast=True),
+    # GPT-2's constant causal mask from the indices, the blocks past the diagonal skipped (Sk > Sq:
+    # a cache offset), with more queries than keys (rows with every key masked: nothing skipped
+    # for them), and scores so low that the masked value (-10000) is the rows' max (the guard
+    # keeps every block)
+    Case("f16-causal-skip", "f16", CAUSAL, sq=45, sk=45, extras=(("causal", (1, 1, 45, 45)),), causal=True),
+    Case("f16-causal-skip-offset", "f16", CAUSAL, extras=(("causal", (1, 1, 20, 37)),), causal=True),
+    Case("f32-tf32-causal-skip-more-queries-aligned", "f32", CAUSAL, sq=37, sk=20, precision="tf32",
+         extras=(("causal", (1, 1, 37, 20)),), variant=SMALL_ALIGNED, causal=True),
+    Case("f32-ieee-causal-masked-value-is-max", "f32",
+         "input %0 {dt}\ninput %1 bool\n%2 = sub %0 20000.0\n%3 = select %1 %2 -10000.0\noutput %3 {dt}",
+         sq=40, sk=40, extras=(("causal", (1, 1, 40, 40)),), causal=True),
+    Case("bf16-causal-and-key-mask", "bf16", "input %0 {dt}\ninput %1 {dt}\ninput %2 bool\n%3 = add %0 %1\n"
+         "%4 = select %2 %3 -10000.0\noutput %4 {dt}", extras=(("additive", (2, 1, 1, 37)), ("causal", (1, 1, 20, 37))),
+         broadcast=True, causal=True),
 ]
 
 
 def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
     prog = parse(f"{HEADER}\n{case.program.format(dt=case.dtype)}\n")
-    broadcast = tuple(_broadcast_dims(shape) for _, shape in case.extras) if case.broadcast else ()
+    reads = [_broadcast_dims(shape) if case.broadcast else "" for _, shape in case.extras]
+    fill = None
+    if case.causal:
+        (at,) = [j for j, (kind, _) in enumerate(case.extras) if kind == "causal"]
+        reads[at] = "causal"
+        fill = _constant_where_masked(prog, 1 + at)
     spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision, nan_to_zero=case.nan_to_zero,
-                         bias=(case.bias,) * 3, extras_broadcast=broadcast)
+                         bias=(case.bias,) * 3, extras_broadcast=tuple(reads) if any(reads) else (),
+                         causal_fill=fill)
     return spec, case.variant or attention_variants(spec)[0]
 
 

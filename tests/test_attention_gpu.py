@@ -14,7 +14,8 @@ originals there, with and without CUDA graphs:
   mask, keys transposed twice, the output left as heads, BERT-base's shapes (aligned variant:
   contiguous head dims, strides multiples of 16), and a head dim of 40 (H * D = 120: the
   unaligned variant), Q, K and V packed into one projection and read in place, its bias added in
-  the kernel (onnxfuse.pack; bias_q, bias_k, bias_v);
+  the kernel (onnxfuse.pack; bias_q, bias_k, bias_v), GPT-2's causal mask as the constant a
+  static export makes it (computed from the indices, the key blocks past the diagonal skipped);
 - the suite's small transformers end to end (models/transformers.py, TorchScript exporter, at
   static shapes)."""
 
@@ -44,6 +45,20 @@ def _bert_shaped(dtype: str, b: int, s: int, h: int, d: int):
     return model(nodes, io, {"y": (dtype, [b, s, h, d])}, {"scale": np.array(np.sqrt(d), dtype)}, opset=17)
 
 
+def _gpt2_shaped(dtype: str, b: int, s: int, h: int, d: int):
+    """GPT-2's attention at [b, s, h, d] with its causal mask a constant (as exported at static
+    shapes): the kernel computes it from the indices and skips the key blocks past the diagonal."""
+    nodes = [N("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]), N("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]),
+             N("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qh", "kt"], ["sc"]),
+             N("Div", ["sc", "scale"], ["t"]), N("Where", ["keep", "t", "masked"], ["a"]),
+             N("Softmax", ["a"], ["p"], axis=-1), N("MatMul", ["p", "vh"], ["o"]),
+             N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
+    io = {x: (dtype, [b, s, h, d]) for x in "qkv"}
+    inits = {"scale": np.array(np.sqrt(d), dtype), "masked": np.array(-10000.0, dtype),
+             "keep": np.tri(s, s, 0, dtype=bool)[None, None]}
+    return model(nodes, io, {"y": (dtype, [b, s, h, d])}, inits, opset=17)
+
+
 def _models() -> list[tuple[str, object]]:
     return [
         ("bert-layout-f32", _heads("add")),
@@ -56,6 +71,8 @@ def _models() -> list[tuple[str, object]]:
         ("bert-base-b2-f16", _bert_shaped("float16", 2, 128, 12, 64)),
         ("head-dim-40-f16", _bert_shaped("float16", 2, 77, 3, 40)),
         ("packed-projections-f32", _bert_attention()),  # Q, K, V read in place from one MatMul's output, + its bias
+        ("gpt2-constant-causal-f16", _gpt2_shaped("float16", 2, 200, 4, 64)),  # computed mask, blocks skipped
+        ("gpt2-constant-causal-f32", _gpt2_shaped("float32", 2, 200, 4, 64)),
     ]
 
 

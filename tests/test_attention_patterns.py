@@ -365,3 +365,59 @@ def test_packed_projection_bias_left_alone(form):
     assert op_types(r.model).count("Add") == 1 and "FusedAttention" in op_types(r.model), r.report.summary()
     a = _node_attrs(r)
     assert a["inputs"][:3] == ["qkv"] * 3 and not {"bias_q", "bias_k", "bias_v"} & set(a), a
+
+
+def _attention_spec(m):
+    """The kernel spec of the model's one FusedAttention node, and the optimize result."""
+    from onnxfuse.kinds import KINDS
+    r = optimize_model(m, options=build_options(target="none", tune="off"))
+    (f,) = [f for f in r.fused if f.kind == "attention"]
+    return KINDS[f.kind].spec(r.model, f, "tf32", None), r
+
+
+def _constant_keep(keep: np.ndarray):
+    """GPT-2's attention (_heads("where")) with its keep mask a constant."""
+    m = _heads("where")
+    inp = next(i for i in m.graph.input if i.name == "keep")
+    m.graph.input.remove(inp)
+    from onnx import numpy_helper
+    m.graph.initializer.append(numpy_helper.from_array(keep, "keep"))
+    return m
+
+
+def test_extras_read_as_what_they_broadcast_as():
+    """BERT's key mask [B, 1, 1, Sk] is read as a row of keys; a graph-input causal mask as a tile;
+    GPT-2's constant causal mask is computed from the indices, with the Where's -10000 as the
+    value past the diagonal (key blocks there skipped); a constant that is not causal, or that
+    differs per batch, is read as a tile."""
+    spec, _ = _attention_spec(_heads("add"))
+    assert spec.extras_broadcast == ("m",) and spec.causal_fill is None
+    spec, _ = _attention_spec(_heads("where"))
+    assert spec.extras_broadcast == ("",) and spec.causal_fill is None
+    tri = np.tri(S, S, 0, dtype=bool)[None, None]
+    spec, r = _attention_spec(_constant_keep(tri))
+    assert spec.extras_broadcast == ("causal",) and spec.causal_fill == -10000.0
+    feeds = _feeds(_heads("where"))
+    feeds.pop("keep")
+    np.testing.assert_allclose(_run_with_library(r.model, feeds)[0], run(_constant_keep(tri), feeds)[0],
+                               rtol=1e-5, atol=1e-5)
+    not_causal = tri.copy()
+    not_causal[..., 0, 1] = True
+    assert _attention_spec(_constant_keep(not_causal))[0].extras_broadcast == ("",)
+    per_batch = np.broadcast_to(tri, (B, 1, S, S)).copy()
+    assert _attention_spec(_constant_keep(per_batch))[0].extras_broadcast == ("",)
+
+
+def test_causal_fill_only_where_the_masked_value_is_one_value():
+    from onnxfuse.expr import HEADER, parse
+    from onnxfuse.kinds.attention import _constant_where_masked
+
+    def fill(body: str, dtypes=("f32", "bool")):
+        lines = [HEADER] + [f"input %{i} {dt}" for i, dt in enumerate(dtypes)] + body.splitlines()
+        return _constant_where_masked(parse("\n".join(lines) + "\n"), 1)
+
+    assert fill("%2 = div %0 8.0\n%3 = select %1 %2 -10000.0\noutput %3 f32") == -10000.0
+    assert fill("%2 = select %1 %0 -inf\noutput %2 f16") == float("-inf")
+    assert fill("%2 = select %1 %0 %0\noutput %2 f32") is None  # the scores themselves
+    assert fill("%3 = select %1 %0 -10000.0\n%4 = add %3 %2\noutput %4 f32", ("f32", "bool", "f32")) is None
+    assert fill("%2 = select %1 %0 nan\noutput %2 f32") is None

@@ -42,9 +42,10 @@ struct AttentionKernel : cuda::CudaKernel {
   int64_t meta_rank = 0, head_d = 0, head_dv = 0;
   std::vector<int64_t> meta_perms[4];
   int64_t meta_bias[3] = {0, 0, 0};  // kernel_meta's "bias": the kernel adds Q's, K^T's, V's bias
-  // kernel_meta's "extras_broadcast": per extra, whether the kernel reads it as one row for every
-  // query ("m" in it: its stride over Sq ignored) and as one column for every key ("n")
-  std::vector<std::pair<bool, bool>> extra_bcast;
+  // kernel_meta's "extras_broadcast": per extra, how the kernel reads it: "m" one row for every
+  // query (its stride over Sq unread), "n" one column for every key, "mn" both, "" a full tile,
+  // "causal" not at all (a constant causal mask [1, .., 1, SQ, SK], computed from the indices)
+  std::vector<std::string> extra_reads;
   std::vector<AttentionTile> tiles;  // per variant
 
   const char* kind() const override { return "attention"; }
@@ -95,9 +96,10 @@ struct AttentionKernel : cuda::CudaKernel {
         throw Error("kernel_meta: extras_broadcast has " + std::to_string(b.arr.size()) + " entries for " +
                     std::to_string(n_extras) + " extras");
       for (const Json& x : b.arr) {
-        if (x.kind != Json::STRING || (x.str != "" && x.str != "m" && x.str != "n" && x.str != "mn"))
-          throw Error("kernel_meta: extras_broadcast entries must be \"\", \"m\", \"n\" or \"mn\"");
-        extra_bcast.emplace_back(x.str.find('m') != std::string::npos, x.str.find('n') != std::string::npos);
+        if (x.kind != Json::STRING ||
+            (x.str != "" && x.str != "m" && x.str != "n" && x.str != "mn" && x.str != "causal"))
+          throw Error("kernel_meta: extras_broadcast entries must be \"\", \"m\", \"n\", \"mn\" or \"causal\"");
+        extra_reads.push_back(x.str);
       }
     }
   }
@@ -161,14 +163,24 @@ struct AttentionKernel : cuda::CudaKernel {
                   dtype_name(prog.inputs[0]));
     const int64_t ny = numel(g.y_base);
     if (ny == 0) return;
-    // an extra the kernel reads as one row (column) must be one: its stride over Sq (Sk) is 0
-    for (size_t i = 0; i < extra_bcast.size() && i < g.extras.size(); ++i) {
-      const bool rows = extra_bcast[i].first && g.extras[i][2] != 0 && g.sq > 1;
-      const bool cols = extra_bcast[i].second && g.extras[i][3] != 0 && g.sk > 1;
-      if (rows || cols)
-        throw Error("input " + std::to_string(3 + i) + " has shape " + shape_str(extra_shapes[i]) + ", the kernel " +
-                    meta.name + " was compiled for one of size 1 along the " + (rows ? "queries" : "keys") +
-                    ": re-run onnxfuse optimize for these shapes");
+    // an extra the kernel reads as one row (column) must be one: its stride over Sq (Sk) is 0; a
+    // causal one, which it computes, must be [1, .., 1, SQ, SK] (its values are the graph's constant)
+    for (size_t i = 0; i < extra_reads.size() && i < g.extras.size(); ++i) {
+      const std::string& r = extra_reads[i];
+      const Shape& es = extra_shapes[i];
+      std::string want;
+      if (r == "causal") {
+        bool ok = es.size() >= 2 && es[es.size() - 2] == g.sq && es.back() == g.sk;
+        for (size_t d = 0; d + 2 < es.size(); ++d) ok &= es[d] == 1;
+        if (!ok) want = "[1, .., 1, " + std::to_string(g.sq) + ", " + std::to_string(g.sk) + "] (a causal mask)";
+      } else if (r.find('m') != std::string::npos && g.extras[i][2] != 0 && g.sq > 1) {
+        want = "one of size 1 along the queries";
+      } else if (r.find('n') != std::string::npos && g.extras[i][3] != 0 && g.sk > 1) {
+        want = "one of size 1 along the keys";
+      }
+      if (!want.empty())
+        throw Error("input " + std::to_string(3 + i) + " has shape " + shape_str(es) + ", the kernel " + meta.name +
+                    " was compiled for " + want + ": re-run onnxfuse optimize for these shapes");
     }
     const Target tg = target(ctx);
     if (g.sk == 0) {  // softmax over no keys, a product over nothing: Y = 0

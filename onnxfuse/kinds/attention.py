@@ -41,7 +41,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_attention import (
@@ -172,6 +172,7 @@ class AttentionInfo:
     nan_to_zero: bool = False
     bias: tuple[bool, bool, bool] = (False, False, False)  # Q, K^T, V read with a bias added
     extras_broadcast: tuple[str, ...] = ()  # per extra: AttentionSpec.extras_broadcast
+    causal_fill: float | None = None  # AttentionSpec.causal_fill
 
 
 def _is(view: GraphView, i: int | None, op: str) -> bool:
@@ -530,7 +531,7 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
     qkv = (parts.q, parts.k, parts.v)
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
                          parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero,
-                         tuple(bool(o.bias) for o in qkv), tuple(_broadcast_dims(view.shapes.get(e)) for e in extras))
+                         tuple(bool(o.bias) for o in qkv), *_extra_reads(view, program, extras, parts.sq, parts.sk))
     attrs = {"perm_q": list(info.perm_q), "perm_k": list(info.perm_k), "perm_v": list(info.perm_v),
              "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {})}
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
@@ -540,6 +541,8 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
         key += " nan_to_zero"
     if any(info.extras_broadcast):
         key += f" extras_broadcast={info.extras_broadcast}"
+    if info.causal_fill is not None:
+        key += f" causal_fill={info.causal_fill!r}"
     for w, o in zip("qkv", qkv, strict=True):
         if o.split is not None:
             attrs[f"split_{w}"] = list(o.split)
@@ -555,6 +558,62 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
     bias_inputs = [_bias_vector(view, b, node_name, names, graph) for b in biases]
     return Lowering(program, folded, [*(o.input for o in qkv), *extras, *bias_inputs], body, attrs, key,
                     parts.rank, ("full",) + ("strided",) * len(extras), {"params": info})
+
+
+def _extra_reads(view: GraphView, program, extras: list[str], sq: int | None,
+                 sk: int | None) -> tuple[tuple[str, ...], float | None]:
+    """How the kernel reads each extra (AttentionSpec.extras_broadcast) and, with one causal
+    mask among them, the score program's value where it is false (causal_fill) when that is
+    one value whatever the scores and the other extras."""
+    reads = [_broadcast_dims(view.shapes.get(e)) for e in extras]
+    for i, e in enumerate(extras):
+        if _is_causal(view, e, sq, sk):
+            reads[i] = "causal"
+    causal = [i for i, r in enumerate(reads) if r == "causal"]
+    if len(causal) != 1:
+        return tuple(reads), None
+    return tuple(reads), _constant_where_masked(program, 1 + causal[0])
+
+
+def _is_causal(view: GraphView, name: str, sq: int | None, sk: int | None) -> bool:
+    """A constant bool mask [1, ..., 1, Sq, Sk] that keeps key j for query i where j <= i + Sk - Sq
+    (GPT-2's, exported at static shapes, with or without a cache offset)."""
+    c = view.constants.get(name)
+    if c is None or sq is None or sk is None or c.data_type != TensorProto.BOOL:
+        return False
+    a = numpy_helper.to_array(c)
+    if a.ndim < 2 or a.shape[-2:] != (sq, sk) or any(d != 1 for d in a.shape[:-2]):
+        return False
+    return bool(np.array_equal(a.reshape(sq, sk), np.tri(sq, sk, sk - sq, dtype=bool)))
+
+
+# scores at which the program's value where the mask is false is checked to be one value
+_PROBE_SCORES = (0.0, 1.0, -1.0, 3.25, 1e4, -1e4, 6e4, -6e4, np.inf, -np.inf, np.nan)
+
+
+def _constant_where_masked(program, mask_input: int) -> float | None:
+    """The program's output where input `mask_input` (a bool) is false, if it is one value (not
+    NaN) for every probed score and two draws of the other extras; else None."""
+    n = len(_PROBE_SCORES)
+    outs = []
+    for seed in (0, 1):
+        rng = np.random.default_rng(seed)
+        inputs = []
+        for j, dt in enumerate(program.input_dtypes):
+            if j == 0:
+                inputs.append(np.array(_PROBE_SCORES, np.float32))
+            elif j == mask_input:
+                inputs.append(np.zeros(n, bool))
+            elif dt == "bool":
+                inputs.append(rng.random(n) < 0.5)
+            else:
+                inputs.append(rng.standard_normal(n).astype(np.float32) * 100)
+        (out,) = evaluate(program, inputs)
+        outs.append(np.broadcast_to(np.asarray(out, np.float32), (n,)))
+    values = np.concatenate(outs)
+    if np.isnan(values).any() or not (values == values[0]).all():
+        return None
+    return float(values[0])
 
 
 def _broadcast_dims(shape) -> str:
@@ -605,7 +664,7 @@ class Attention(Kind):
         a: AttentionInfo = f.params
         return AttentionSpec(f.kernel_name, f.program, a.head_d, a.head_dv, precision, a.batch_heads, a.sq, a.sk,
                              f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y), a.nan_to_zero,
-                             a.bias, a.extras_broadcast)
+                             a.bias, a.extras_broadcast, a.causal_fill)
 
     def decline_reason(self, spec: AttentionSpec, layout: str) -> str | None:
         """Tensors of more than 2**31 - 1 elements (32-bit index parameters), where static."""
