@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # A folder carried to the device in one call is gone in the next: every call that runs models
 # with the library must carry .devlib again (the eighth session lost a whole suite run to it).
 case "${1:-tests}" in
-  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder)
+  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder|attention)
     if [ -z "${ONNXFUSE_LIBRARY:-}" ] && [ -z "${ONNXFUSE_ORT_INCLUDE:-}" ]; then
       echo "gpu_session.sh ${1}: no .devlib here (carry [\".devlib\"] in this call): stopping" >&2; exit 2
     fi ;;
@@ -167,6 +167,15 @@ PY
           | grep -v "W:onnxruntime" | tail -8
       done
     done
+    ;;
+  attention)
+    # FusedAttention at BERT-base, GPT-2 and ViT-S/16 shapes against its roofline bound, ORT's
+    # unfused nodes, ORT's MultiHeadAttention and torch's SDPA, every tile timed; JSON after each
+    # case, each case's log beside it.   attention [LIMIT] [TAG] [attention_roofline.py arguments]
+    #   e.g. attention 560 fp16 --dtypes fp16
+    limit=${2:-560}; tag=${3:+_$3}; shift $(( $# < 3 ? $# : 3 ))
+    timeout -s INT "$limit" python3 benchmarks/attention_roofline.py --json "$OUT/attention_roofline$tag.json" "$@" \
+      2>&1 | grep -v "W:onnxruntime" | tee "$OUT/attention_roofline$tag.log"
     ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)

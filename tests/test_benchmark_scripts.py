@@ -306,3 +306,50 @@ def test_roofline_runs_reads_profile_nodes(tmp_path):
     assert mm == {"node": "mm", "op": "Gemm", "us": pytest.approx(32.0), "bound_us": pytest.approx(8.0),
                   "pct_bound": 25.0, "tflops": 110.0}
     assert r["bound_us"] == 0.0 and profile_nodes(p, "gbps")[0]["gbps"] == 900.0
+
+
+def test_attention_roofline_dry_run(tmp_path):
+    """benchmarks/attention_roofline.py --dry-run: every workload, dtype and batch becomes one
+    FusedAttention (and the merging Reshape), its graph computes the workload's formula, and the
+    original, the fused node's function body, each MultiHeadAttention form and torch's SDPA meet
+    the float64 reference on the CPU; each case lists the heuristic's tile first, then the others."""
+    out = tmp_path / "attention.json"
+    r = subprocess.run([sys.executable, "benchmarks/attention_roofline.py", "--dry-run", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {(x["workload"], x["dtype"], x["batch"]) for x in rows} == {
+        (w, d, b) for w in ("bert", "gpt2", "vit") for d in ("fp32", "fp16") for b in (1, 8)}
+    assert all(x["nodes"] == ["FusedAttention", "Reshape"] for x in rows)
+    assert all(x["tiles"][0].endswith("(candidate)") and x["tiles"][-1].endswith("(extra)") for x in rows)
+    assert {f for x in rows for f in x["mha_cpu_err"]} == {"bias", "padding", "causal", "plain"}
+
+
+def test_attention_roofline_table_reads_a_measured_row():
+    """attention_roofline's summary of a measured row (the fused node's µs, the fastest tile, ORT's
+    fastest MultiHeadAttention form, torch's own choice, % of bound) and a row cut short."""
+    from benchmarks.attention_roofline import roofline, summary, table, tile_table
+
+    rl = roofline("bert", "fp16", 8)
+    row = {"workload": "bert", "dtype": "fp16", "batch": 8, "roofline": rl, "default_tile": "64x64 4w 3s",
+           "ort": {"us": 28.6, "nodes": []},
+           "onnxfuse": {"us": 16.6, "nodes": [{"op": "FusedAttention", "us": 16.5}, {"op": "Reshape", "us": 0.1}]},
+           "mha": {"bias": {"us": 9.0}, "padding": {"error": "RuntimeError: not supported"}},
+           "torch": {"backends": {"auto": {"us_cupti": 5.0, "same_as": "efficient"}}},
+           "tiles": [{"label": "64x64 4w 3s", "us": 16.4, "err": 1e-3, "gate_passed": True},
+                     {"label": "64x128 4w 2s", "us": 9.8, "err": 2e-3, "gate_passed": False},
+                     {"label": "16x128 4w 2s", "error": "RuntimeError: out of resources"}],
+           "accuracy": {"err": 1e-3, "ort_err": 5e-4, "gate_passed": True}}
+    s = summary(row)
+    assert (s["default_us"], s["best_us"], s["best_tile"], s["mha_form"]) == (16.5, 9.8, "64x128 4w 2s", "bias")
+    assert s["default_pct_bound"] == pytest.approx(100 * rl["bound_us"] / 16.5)
+    cut = {"workload": "vit", "dtype": "fp32", "batch": 1, "roofline": roofline("vit", "fp32", 1),
+           "error": "case timed out after 240 s", "tiles": {"error": "RuntimeError: x"}}
+    text = table([row, cut])
+    assert ("| bert fp16 b8 | 28.6 | 9.0 (bias) | 5.0 (efficient) | 16.5 (64x64 4w 3s) | 9.8 (64x128 4w 2s) | 1.31 "
+            "| 8% / 13% |") in text
+    assert "0.001 / 0.002 / 0.0005 | pass / FAIL |" in text
+    assert "| vit fp32 b1 | error: case timed out after 240 s |" in text
+    tiles = tile_table([row, cut]).splitlines()
+    assert len(tiles) == 5 and tiles[3].startswith("| bert fp16 b8 | 64x128 4w 2s |") and "| 13% |" in tiles[3]
+    assert tiles[4].endswith("| - | - | RuntimeError: out of resources")
