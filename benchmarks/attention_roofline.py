@@ -9,8 +9,9 @@ it after onnxfuse's pack pass, the projections left out (their inputs are graph 
   and Transposed to heads (K to [B, 12, 64, 128]), MatMul, Div by 8, Add an additive mask
   m [B, 1, 1, 128] (0 or -10000), Softmax, MatMul with V, Transpose back, Reshape to [B, 128, 768]
 - ``gpt2``: the causal form of tests/test_attention_patterns.py ``_heads("where")``: q, k, v
-  [B, 128, 12, 64], Where(keep, scores / 8, -10000) with a bool keep [1, 1, 128, 128] (lower
-  triangle), then as bert (no packed input)
+  [B, 128, 12, 64], Where(keep, scores / 8, -10000) with a constant bool keep [1, 1, 128, 128]
+  (lower triangle, as an export at static shapes has it: onnxfuse computes it from the indices
+  and skips the key blocks past the diagonal), then as bert (no packed input)
 - ``vit``: ViT-S/16, as bert with 6 heads and seq 197 (not a multiple of 16: the masked tile
   edges) and no mask
 
@@ -89,7 +90,7 @@ class Workload:
     heads: int
     head_dim: int
     seq: int
-    mask: str | None  # "add": additive [B, 1, 1, S] input; "where": bool keep [1, 1, S, S] input; None
+    mask: str | None  # "add": additive [B, 1, 1, S] input; "where": bool keep [1, 1, S, S] constant; None
     packed: bool  # x [B, S, 3E] split in place; else q, k, v [B, S, H, D] inputs
 
     @property
@@ -157,7 +158,8 @@ def build(name: str, dtype: str, batch: int) -> onnx.ModelProto:
         nodes.append(N("Add", ["scaled", "mask"], ["masked"], name="mask"))
         logits = "masked"
     elif w.mask == "where":
-        inputs.append(helper.make_tensor_value_info("keep", TensorProto.BOOL, [1, 1, s, s]))
+        # a constant, as an export at static shapes has it (onnxfuse computes it from the indices)
+        inits.append(numpy_helper.from_array(causal_keep(s), "keep"))
         inits.append(numpy_helper.from_array(np.array(MASKED, np_t), "masked_value"))
         nodes.append(N("Where", ["keep", "scaled", "masked_value"], ["masked"], name="causal"))
         logits = "masked"
@@ -170,7 +172,7 @@ def build(name: str, dtype: str, batch: int) -> onnx.ModelProto:
 
 def make_feeds(name: str, dtype: str, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     """The case's inputs, the same for every variant: N(0, 1) activations; bert's mask 0 or
-    -10000 (30% of the keys masked, the first never); gpt2's keep the lower triangle."""
+    -10000 (30% of the keys masked, the first never); gpt2's keep is the model's constant."""
     w = WORKLOADS[name]
     np_t = DTYPES[dtype][1]
     rng = np.random.default_rng(seed)
@@ -183,9 +185,12 @@ def make_feeds(name: str, dtype: str, batch: int, seed: int = 0) -> dict[str, np
         mask = np.where(rng.random((b, 1, 1, s)) < 0.3, MASKED, 0.0)
         mask[..., 0] = 0.0
         out["mask"] = mask.astype(np_t)
-    elif w.mask == "where":
-        out["keep"] = np.tril(np.ones((s, s), bool)).reshape(1, 1, s, s)
     return out
+
+
+def causal_keep(s: int) -> np.ndarray:
+    """GPT-2's keep mask [1, 1, S, S]: the lower triangle."""
+    return np.tril(np.ones((s, s), bool)).reshape(1, 1, s, s)
 
 
 def qkv(name: str, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -205,7 +210,7 @@ def additive_mask(name: str, feeds: dict[str, np.ndarray]) -> np.ndarray | None:
     if w.mask == "add":
         return feeds["mask"].astype(np.float64)
     if w.mask == "where":
-        return np.where(feeds["keep"], 0.0, MASKED)
+        return np.where(causal_keep(w.seq), 0.0, MASKED)
     return None
 
 
@@ -217,7 +222,7 @@ def exact(name: str, feeds: dict[str, np.ndarray]) -> np.ndarray:
                for a in qkv(name, feeds))
     s = q @ k.transpose(0, 1, 3, 2) / np.sqrt(w.head_dim)
     if w.mask == "where":
-        s = np.where(feeds["keep"], s, MASKED)
+        s = np.where(causal_keep(w.seq), s, MASKED)
     elif w.mask == "add":
         s = s + feeds["mask"].astype(np.float64)
     p = np.exp(s - s.max(-1, keepdims=True))
