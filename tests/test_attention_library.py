@@ -289,11 +289,9 @@ def test_bert_dv_not_d(lib):
     assert y.shape == (b, s, h, 12)
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_gpt2_causal_bool_mask_with_where(lib, dtype):
-    """GPT-2: scores / sqrt(D), then Where(causal [1, 1, S, S] bool, scores, -10000)."""
-    b, s, h, d = 2, 8, 2, 8
-    q, k, v = _x((b, s, h, d), dtype, 1), _x((b, s, h, d), dtype, 2), _x((b, s, h, d), dtype, 3)
+def _gpt2_scores(dtype, s: int):
+    """GPT-2's causal mask [1, 1, S, S], its score program (/ sqrt(8), Where(mask, scores, -10000))
+    and the function body's score nodes."""
     causal = np.tril(np.ones((s, s), np.bool_))[None, None]
     prog = score_program(dtype, [causal], ["%2 = div %0 2.8284270763397217", "%3 = select %1 %2 -10000.0"], 3)
 
@@ -301,6 +299,15 @@ def test_gpt2_causal_bool_mask_with_where(lib, dtype):
         return [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array(2.8284270763397217, dtype))),
                 N("Constant", [], ["big"], value=numpy_helper.from_array(np.array(-10000.0, dtype))),
                 N("Div", ["s", "c"], ["sd"]), N("Where", ["e0", "sd", "big"], ["z"])]
+    return causal, prog, nodes
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_gpt2_causal_bool_mask_with_where(lib, dtype):
+    """GPT-2: scores / sqrt(D), then Where(causal [1, 1, S, S] bool, scores, -10000)."""
+    b, s, h, d = 2, 8, 2, 8
+    q, k, v = _x((b, s, h, d), dtype, 1), _x((b, s, h, d), dtype, 2), _x((b, s, h, d), dtype, 3)
+    causal, prog, nodes = _gpt2_scores(dtype, s)
 
     check(lib, q, k, v, [causal], prog, nodes, BERT)
 
@@ -386,13 +393,7 @@ def test_gpt2_packed_qkv_one_tensor(lib, dtype):
     input name, each formal input of the function bound to X)."""
     b, s, h, d = 2, 7, 3, 8
     x = _x((b, s, 3 * h * d), dtype, 1)
-    causal = np.tril(np.ones((s, s), np.bool_))[None, None]
-    prog = score_program(dtype, [causal], ["%2 = div %0 2.8284270763397217", "%3 = select %1 %2 -10000.0"], 3)
-
-    def nodes():
-        return [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array(2.8284270763397217, dtype))),
-                N("Constant", [], ["big"], value=numpy_helper.from_array(np.array(-10000.0, dtype))),
-                N("Div", ["s", "c"], ["sd"]), N("Where", ["e0", "sd", "big"], ["z"])]
+    causal, prog, nodes = _gpt2_scores(dtype, s)
 
     y = check(lib, x, x, x, [causal], prog, nodes, BERT, splits=gpt2_split(h, d), shared=True)
     assert y.shape == (b, s, h, d)
@@ -458,13 +459,7 @@ def test_packed_qkv_with_its_bias(lib, dtype):
     b, s, h, d = 2, 7, 3, 8
     x = _x((b, s, 3 * h * d), dtype, 1)
     bias = (2 * _x((3 * h * d,), np.float32, 5)).astype(dtype)
-    causal = np.tril(np.ones((s, s), np.bool_))[None, None]
-    prog = score_program(dtype, [causal], ["%2 = div %0 2.8284270763397217", "%3 = select %1 %2 -10000.0"], 3)
-
-    def nodes():
-        return [N("Constant", [], ["c"], value=numpy_helper.from_array(np.array(2.8284270763397217, dtype))),
-                N("Constant", [], ["big"], value=numpy_helper.from_array(np.array(-10000.0, dtype))),
-                N("Div", ["s", "c"], ["sd"]), N("Where", ["e0", "sd", "big"], ["z"])]
+    causal, prog, nodes = _gpt2_scores(dtype, s)
 
     y = check(lib, x, x, x, [causal], prog, nodes, BERT, splits=gpt2_split(h, d), shared=True, bias=bias)
     # the bias shows: without it the output differs by more than the tolerance
