@@ -96,8 +96,10 @@ class AttentionSpec:
     bias: tuple[bool, bool, bool] = (False, False, False)
     # per extra, how the kernel reads it: "m" one row for every query (its static dim there is 1:
     # a key mask [B, 1, 1, Sk]), "n" one column for every key, "mn" one element per batch and
-    # head, "" a full tile (or unknown); "causal" not read but computed from the indices (a
-    # constant bool mask, key j kept where j <= i + Sk - Sq, the same for every batch and head)
+    # head, "" a full tile (or unknown); "row" its first query row for every query (its rows
+    # are equal: a key mask expanded to [B, 1, Sq, Sk]); "causal" not read but computed from the
+    # indices (a constant bool mask, key j kept where j <= i + Sk - Sq, the same for every batch
+    # and head)
     extras_broadcast: tuple[str, ...] = ()
     # with a causal extra: the score program's output where that mask is false, whatever the
     # scores (GPT-2's Where: -10000), when it is one value; key blocks wholly past a program's
@@ -243,7 +245,7 @@ def attention_candidates(spec: AttentionSpec) -> list[tuple[str, tuple[Attention
 # kernel source
 # ---------------------------------------------------------------------------------------
 
-EXTRA_READS = ("", "m", "n", "mn", "causal")  # AttentionSpec.extras_broadcast's values
+EXTRA_READS = ("", "m", "n", "mn", "row", "causal")  # AttentionSpec.extras_broadcast's values
 
 
 def _check(spec: AttentionSpec, variant: AttentionVariant) -> None:
@@ -492,7 +494,8 @@ def _score_lines(spec: AttentionSpec) -> list[str]:
         if spec.broadcast(i) == "causal":
             out.append(f"e{i} = (offs_n[None, :] <= offs_m[:, None] + (SK - SQ)).to(tl.float32)  # causal, not read")
             continue
-        load = {"m": f"tl.load(e{i}_base + offs_n[None, :] * stride_e{i}_n, mask=col_ok[None, :], other=0)",
+        row = f"tl.load(e{i}_base + offs_n[None, :] * stride_e{i}_n, mask=col_ok[None, :], other=0)"
+        load = {"m": row, "row": row,
                 "n": f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m, mask=row_ok[:, None], other=0)",
                 "mn": f"tl.load(e{i}_base)"}.get(spec.broadcast(i), (
                     f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m + offs_n[None, :] * stride_e{i}_n, "

@@ -82,6 +82,7 @@ class Case:
     dv: int = 64
     precision: str = "ieee"
     # (kind, shape) per extra: "additive" (0 or -10000, the extra's dtype from the program),
+    # "key-rows" (additive, its rows equal: a key mask expanded over the queries),
     # "causal" (bool, tril offset Sk - Sq), "special" (additive with the special rows above)
     extras: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # base layouts: "bshd" reads Q / V from [B, S, H, D] (perm 0,2,1,3) and K^T from a [B, S, H, D]
@@ -136,6 +137,8 @@ CASES = [
     Case("f32-ieee-query-column-and-scalar", "f32", "input %0 {dt}\ninput %1 f32\ninput %2 f32\n%3 = add %0 %1\n"
          "%4 = mul %3 %2\noutput %4 {dt}", extras=(("additive", (2, 2, 20, 1)), ("additive", (2, 2, 1, 1))),
          broadcast=True),
+    # a key mask expanded over the queries ([B, 1, Sq, Sk], equal rows): read as its first row
+    Case("f16-expanded-key-mask-row", "f16", SCALE_MASK, extras=(("key-rows", (2, 1, 20, 37)),), broadcast=True),
     Case("bf16-row-mask-and-causal", "bf16", "input %0 {dt}\ninput %1 {dt}\ninput %2 bool\n%3 = add %0 %1\n"
          "%4 = select %2 %3 -10000.0\noutput %4 {dt}", extras=(("additive", (1, 1, 1, 37)), ("causal", (1, 1, 20, 37))),
          broadcast=True),
@@ -158,7 +161,8 @@ CASES = [
 
 def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
     prog = parse(f"{HEADER}\n{case.program.format(dt=case.dtype)}\n")
-    reads = [_broadcast_dims(shape) if case.broadcast else "" for _, shape in case.extras]
+    reads = [("row" if kind == "key-rows" else _broadcast_dims(shape)) if case.broadcast else ""
+             for kind, shape in case.extras]
     fill = None
     if case.causal:
         (at,) = [j for j, (kind, _) in enumerate(case.extras) if kind == "causal"]
@@ -232,6 +236,8 @@ def inputs_of(i: int, case: Case) -> tuple[list[np.ndarray], list[np.ndarray]]:
             extras.append(np.broadcast_to(np.tri(case.sq, case.sk, case.sk - case.sq, dtype=bool), shape).copy())
             continue
         mask = np.where(rng.random(shape) < 0.25, -10000.0, 0.0)
+        if kind == "key-rows":  # one key mask row, the same for every query
+            mask = np.broadcast_to(mask[..., :1, :], shape).copy()
         if kind == "special":
             mask = np.where(rng.random(shape) < 0.25, -np.inf, 0.0)
             mask[..., NEG_INF_ROW, :] = -np.inf

@@ -408,6 +408,32 @@ def test_extras_read_as_what_they_broadcast_as():
     assert _attention_spec(_constant_keep(per_batch))[0].extras_broadcast == ("",)
 
 
+def _expanded_mask(rows_equal: bool):
+    """BERT's attention with its additive mask Expanded to [B, 1, S, S] first (Hugging Face
+    transformers 5's form): from [B, 1, 1, S] (equal rows), or from [B, 1, S, 1] (not)."""
+    m = _heads("add")
+    g = m.graph
+    mask_in = next(i for i in g.input if i.name == "mask")
+    dims = mask_in.type.tensor_type.shape.dim
+    if not rows_equal:
+        dims[2].dim_value, dims[3].dim_value = S, 1
+    from onnx import numpy_helper
+    g.initializer.append(numpy_helper.from_array(np.array([B, 1, S, S], np.int64), "full"))
+    add = next(n for n in g.node if n.op_type == "Add")
+    add.input[1] = "mask_full"
+    g.node.insert(0, N("Expand", ["mask", "full"], ["mask_full"]))
+    return m
+
+
+def test_expanded_key_mask_is_read_as_a_row():
+    spec, r = _attention_spec(_expanded_mask(True))
+    assert spec.extras_broadcast == ("row",)
+    feeds = _feeds(_expanded_mask(True))
+    np.testing.assert_allclose(_run_with_library(r.model, feeds)[0], run(_expanded_mask(True), feeds)[0],
+                               rtol=1e-5, atol=1e-5)
+    assert _attention_spec(_expanded_mask(False))[0].extras_broadcast == ("",)
+
+
 def test_causal_fill_only_where_the_masked_value_is_one_value():
     from onnxfuse.expr import HEADER, parse
     from onnxfuse.kinds.attention import _constant_where_masked

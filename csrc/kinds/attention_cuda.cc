@@ -44,7 +44,9 @@ struct AttentionKernel : cuda::CudaKernel {
   int64_t meta_bias[3] = {0, 0, 0};  // kernel_meta's "bias": the kernel adds Q's, K^T's, V's bias
   // kernel_meta's "extras_broadcast": per extra, how the kernel reads it: "m" one row for every
   // query (its stride over Sq unread), "n" one column for every key, "mn" both, "" a full tile,
-  // "causal" not at all (a constant causal mask [1, .., 1, SQ, SK], computed from the indices)
+  // "row" its first query row for every query (the optimizer showed its rows equal: nothing to
+  // check here), "causal" not at all (a constant causal mask [1, .., 1, SQ, SK], computed from
+  // the indices)
   std::vector<std::string> extra_reads;
   std::vector<AttentionTile> tiles;  // per variant
 
@@ -96,9 +98,10 @@ struct AttentionKernel : cuda::CudaKernel {
         throw Error("kernel_meta: extras_broadcast has " + std::to_string(b.arr.size()) + " entries for " +
                     std::to_string(n_extras) + " extras");
       for (const Json& x : b.arr) {
-        if (x.kind != Json::STRING ||
-            (x.str != "" && x.str != "m" && x.str != "n" && x.str != "mn" && x.str != "causal"))
-          throw Error("kernel_meta: extras_broadcast entries must be \"\", \"m\", \"n\", \"mn\" or \"causal\"");
+        if (x.kind != Json::STRING || (x.str != "" && x.str != "m" && x.str != "n" && x.str != "mn" &&
+                                       x.str != "row" && x.str != "causal"))
+          throw Error(
+              "kernel_meta: extras_broadcast entries must be \"\", \"m\", \"n\", \"mn\", \"row\" or \"causal\"");
         extra_reads.push_back(x.str);
       }
     }

@@ -569,6 +569,8 @@ def _extra_reads(view: GraphView, program, extras: list[str], sq: int | None,
     for i, e in enumerate(extras):
         if _is_causal(view, e, sq, sk):
             reads[i] = "causal"
+        elif reads[i] == "" and _rows_equal(view, e, {}):
+            reads[i] = "row"
     causal = [i for i, r in enumerate(reads) if r == "causal"]
     if len(causal) != 1:
         return tuple(reads), None
@@ -585,6 +587,41 @@ def _is_causal(view: GraphView, name: str, sq: int | None, sk: int | None) -> bo
     if a.ndim < 2 or a.shape[-2:] != (sq, sk) or any(d != 1 for d in a.shape[:-2]):
         return False
     return bool(np.array_equal(a.reshape(sq, sk), np.tri(sq, sk, sk - sq, dtype=bool)))
+
+
+# Ops whose output element is a function of their inputs' elements at the same (broadcast)
+# index: a tensor made by them of tensors whose rows are equal has equal rows too
+ROW_WISE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Abs", "Where", "Cast", "Not", "And", "Or", "Xor",
+                          "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "IsNaN", "IsInf", "Identity",
+                          "Max", "Min", "Sign", "Floor", "Ceil", "Clip", "Exp", "Log", "Sqrt", "Reciprocal"})
+
+
+def _rows_equal(view: GraphView, name: str, memo: dict[str, bool], depth: int = 0) -> bool:
+    """Whether tensor `name` holds the same values in every row of its second-to-last axis (the
+    queries, for an extra of the scores): its dim there is 1 or it has fewer than two, it is a
+    constant whose rows are equal, or it is an Expand or a row-wise op (ROW_WISE_OPS) of such
+    tensors. A padding mask [B, S] made [B, 1, 1, S], then And-ed with an all-true [1, 1, S, S]
+    and Expanded to [B, 1, S, S] (Hugging Face transformers 5's BERT) is one."""
+    if name in memo:
+        return memo[name]
+    memo[name] = False  # a cycle or a path too deep: not shown equal
+    shape = view.shapes.get(name)
+    if shape is not None and (len(shape) < 2 or shape[-2] == 1):
+        memo[name] = True
+    elif name in view.constants:
+        a = numpy_helper.to_array(view.constants[name])
+        first = a[..., :1, :] if a.ndim >= 2 else a
+        same = a == first
+        if a.dtype.kind == "f":
+            same |= np.isnan(a) & np.isnan(first)
+        memo[name] = a.ndim < 2 or bool(same.all())
+    elif (i := view.producer.get(name)) is not None and depth < 32:
+        n = view.nodes[i]
+        if n.domain in DEFAULT_DOMAINS and n.op_type == "Expand":
+            memo[name] = _rows_equal(view, n.input[0], memo, depth + 1)
+        elif n.domain in DEFAULT_DOMAINS and n.op_type in ROW_WISE_OPS:
+            memo[name] = all(_rows_equal(view, x, memo, depth + 1) for x in n.input if x)
+    return memo[name]
 
 
 # scores at which the program's value where the mask is false is checked to be one value
