@@ -105,6 +105,8 @@ class AttentionSpec:
     # scores (GPT-2's Where: -10000), when it is one value; key blocks wholly past a program's
     # diagonal are then skipped while every row's max is CAUSAL_MARGIN above it. None: no skipping
     causal_fill: float | None = None
+    # the value of a "causal_add" extra (an additive causal mask: 0 where kept) past the diagonal
+    causal_masked: float | None = None
 
     @property
     def dtype(self) -> str:
@@ -245,7 +247,7 @@ def attention_candidates(spec: AttentionSpec) -> list[tuple[str, tuple[Attention
 # kernel source
 # ---------------------------------------------------------------------------------------
 
-EXTRA_READS = ("", "m", "n", "mn", "row", "causal")  # AttentionSpec.extras_broadcast's values
+EXTRA_READS = ("", "m", "n", "mn", "row", "causal", "causal_add")  # AttentionSpec.extras_broadcast's values
 
 
 def _check(spec: AttentionSpec, variant: AttentionVariant) -> None:
@@ -272,6 +274,8 @@ def _check(spec: AttentionSpec, variant: AttentionVariant) -> None:
     causal = [i for i, b in enumerate(spec.extras_broadcast) if b == "causal"]
     if causal and spec.program.input_dtypes[1 + causal[0]] != "bool":
         raise ValueError(f"{spec.name}: a causal extra must be bool")
+    if ("causal_add" in spec.extras_broadcast) != (spec.causal_masked is not None):
+        raise ValueError(f"{spec.name}: a causal_add extra needs causal_masked, and only it")
     if spec.causal_fill is not None and len(causal) != 1:
         raise ValueError(f"{spec.name}: causal_fill needs one causal extra, there are {len(causal)}")
 
@@ -493,6 +497,10 @@ def _score_lines(spec: AttentionSpec) -> list[str]:
         # a [BLOCK_M, BLOCK_N] tile of repeats (the launcher checks its stride there is 0)
         if spec.broadcast(i) == "causal":
             out.append(f"e{i} = (offs_n[None, :] <= offs_m[:, None] + (SK - SQ)).to(tl.float32)  # causal, not read")
+            continue
+        if spec.broadcast(i) == "causal_add":
+            out.append(f"e{i} = tl.where(offs_n[None, :] <= offs_m[:, None] + (SK - SQ), 0.0, "
+                       f"{_literal(spec.causal_masked)})  # additive causal, not read")
             continue
         row = f"tl.load(e{i}_base + offs_n[None, :] * stride_e{i}_n, mask=col_ok[None, :], other=0)"
         load = {"m": row, "row": row,

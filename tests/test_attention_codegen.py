@@ -82,7 +82,8 @@ class Case:
     dv: int = 64
     precision: str = "ieee"
     # (kind, shape) per extra: "additive" (0 or -10000, the extra's dtype from the program),
-    # "key-rows" (additive, its rows equal: a key mask expanded over the queries),
+    # "key-rows" (additive, its rows equal: a key mask expanded over the queries), "causal-add"
+    # (0 on and below the diagonal, the dtype's lowest above: Hugging Face's GPT-2),
     # "causal" (bool, tril offset Sk - Sq), "special" (additive with the special rows above)
     extras: tuple[tuple[str, tuple[int, ...]], ...] = ()
     # base layouts: "bshd" reads Q / V from [B, S, H, D] (perm 0,2,1,3) and K^T from a [B, S, H, D]
@@ -137,6 +138,10 @@ CASES = [
     Case("f32-ieee-query-column-and-scalar", "f32", "input %0 {dt}\ninput %1 f32\ninput %2 f32\n%3 = add %0 %1\n"
          "%4 = mul %3 %2\noutput %4 {dt}", extras=(("additive", (2, 2, 20, 1)), ("additive", (2, 2, 1, 1))),
          broadcast=True),
+    # an additive causal mask (0 kept, the dtype's lowest elsewhere; Hugging Face's GPT-2): computed
+    Case("f16-additive-causal", "f16", SCALE_MASK, extras=(("causal-add", (2, 1, 20, 37)),), causal=True),
+    Case("f32-tf32-additive-causal-aligned", "f32", SCALE_MASK, sq=40, sk=40, precision="tf32",
+         extras=(("causal-add", (1, 1, 40, 40)),), variant=SMALL_ALIGNED, causal=True),
     # a key mask expanded over the queries ([B, 1, Sq, Sk], equal rows): read as its first row
     Case("f16-expanded-key-mask-row", "f16", SCALE_MASK, extras=(("key-rows", (2, 1, 20, 37)),), broadcast=True),
     Case("bf16-row-mask-and-causal", "bf16", "input %0 {dt}\ninput %1 {dt}\ninput %2 bool\n%3 = add %0 %1\n"
@@ -163,14 +168,18 @@ def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
     prog = parse(f"{HEADER}\n{case.program.format(dt=case.dtype)}\n")
     reads = [("row" if kind == "key-rows" else _broadcast_dims(shape)) if case.broadcast else ""
              for kind, shape in case.extras]
-    fill = None
+    fill = masked = None
     if case.causal:
-        (at,) = [j for j, (kind, _) in enumerate(case.extras) if kind == "causal"]
-        reads[at] = "causal"
-        fill = _constant_where_masked(prog, 1 + at)
+        (at,) = [j for j, (kind, _) in enumerate(case.extras) if kind.startswith("causal")]
+        if case.extras[at][0] == "causal":
+            reads[at] = "causal"
+            fill = _constant_where_masked(prog, 1 + at)
+        else:
+            reads[at] = "causal_add"
+            masked = float(np.finfo(NP[prog.input_dtypes[1 + at]]).min)
     spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision, nan_to_zero=case.nan_to_zero,
                          bias=(case.bias,) * 3, extras_broadcast=tuple(reads) if any(reads) else (),
-                         causal_fill=fill)
+                         causal_fill=fill, causal_masked=masked)
     return spec, case.variant or attention_variants(spec)[0]
 
 
@@ -234,6 +243,11 @@ def inputs_of(i: int, case: Case) -> tuple[list[np.ndarray], list[np.ndarray]]:
     for (kind, shape), edt in zip(case.extras, spec.program.input_dtypes[1:], strict=True):
         if kind == "causal":
             extras.append(np.broadcast_to(np.tri(case.sq, case.sk, case.sk - case.sq, dtype=bool), shape).copy())
+            continue
+        if kind == "causal-add":
+            lowest = np.finfo(NP[edt]).min
+            keep = np.tri(case.sq, case.sk, case.sk - case.sq, dtype=bool)
+            extras.append(np.broadcast_to(np.where(keep, 0, lowest).astype(NP[edt]), shape).copy())
             continue
         mask = np.where(rng.random(shape) < 0.25, -10000.0, 0.0)
         if kind == "key-rows":  # one key mask row, the same for every query

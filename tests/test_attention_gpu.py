@@ -15,7 +15,8 @@ originals there, with and without CUDA graphs:
   contiguous head dims, strides multiples of 16), and a head dim of 40 (H * D = 120: the
   unaligned variant), Q, K and V packed into one projection and read in place, its bias added in
   the kernel (onnxfuse.pack; bias_q, bias_k, bias_v), GPT-2's causal mask as the constant a
-  static export makes it (computed from the indices, the key blocks past the diagonal skipped);
+  static export makes it (computed from the indices, the key blocks past the diagonal skipped;
+  and Hugging Face's additive form, computed);
 - the suite's small transformers end to end (models/transformers.py, TorchScript exporter, at
   static shapes)."""
 
@@ -45,17 +46,23 @@ def _bert_shaped(dtype: str, b: int, s: int, h: int, d: int):
     return model(nodes, io, {"y": (dtype, [b, s, h, d])}, {"scale": np.array(np.sqrt(d), dtype)}, opset=17)
 
 
-def _gpt2_shaped(dtype: str, b: int, s: int, h: int, d: int):
+def _gpt2_shaped(dtype: str, b: int, s: int, h: int, d: int, additive: bool = False):
     """GPT-2's attention at [b, s, h, d] with its causal mask a constant (as exported at static
-    shapes): the kernel computes it from the indices and skips the key blocks past the diagonal."""
+    shapes): the kernel computes it from the indices and skips the key blocks past the diagonal;
+    `additive`: Hugging Face's form, scores + a float mask [b, 1, s, s] (0, the dtype's lowest)."""
+    keep = np.tri(s, s, 0, dtype=bool)[None, None]
+    mask = N("Add", ["t", "add_mask"], ["a"]) if additive else N("Where", ["keep", "t", "masked"], ["a"])
     nodes = [N("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]), N("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]),
              N("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qh", "kt"], ["sc"]),
-             N("Div", ["sc", "scale"], ["t"]), N("Where", ["keep", "t", "masked"], ["a"]),
+             N("Div", ["sc", "scale"], ["t"]), mask,
              N("Softmax", ["a"], ["p"], axis=-1), N("MatMul", ["p", "vh"], ["o"]),
              N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
     io = {x: (dtype, [b, s, h, d]) for x in "qkv"}
-    inits = {"scale": np.array(np.sqrt(d), dtype), "masked": np.array(-10000.0, dtype),
-             "keep": np.tri(s, s, 0, dtype=bool)[None, None]}
+    inits = {"scale": np.array(np.sqrt(d), dtype)}
+    if additive:
+        inits["add_mask"] = np.broadcast_to(np.where(keep, 0, np.finfo(dtype).min), (b, 1, s, s)).astype(dtype)
+    else:
+        inits |= {"masked": np.array(-10000.0, dtype), "keep": keep}
     return model(nodes, io, {"y": (dtype, [b, s, h, d])}, inits, opset=17)
 
 
@@ -73,6 +80,7 @@ def _models() -> list[tuple[str, object]]:
         ("packed-projections-f32", _bert_attention()),  # Q, K, V read in place from one MatMul's output, + its bias
         ("gpt2-constant-causal-f16", _gpt2_shaped("float16", 2, 200, 4, 64)),  # computed mask, blocks skipped
         ("gpt2-constant-causal-f32", _gpt2_shaped("float32", 2, 200, 4, 64)),
+        ("gpt2-additive-causal-f16", _gpt2_shaped("float16", 2, 200, 4, 64, additive=True)),  # computed, read nothing
     ]
 
 

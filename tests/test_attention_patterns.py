@@ -388,8 +388,8 @@ def _constant_keep(keep: np.ndarray):
 def test_extras_read_as_what_they_broadcast_as():
     """BERT's key mask [B, 1, 1, Sk] is read as a row of keys; a graph-input causal mask as a tile;
     GPT-2's constant causal mask is computed from the indices, with the Where's -10000 as the
-    value past the diagonal (key blocks there skipped); a constant that is not causal, or that
-    differs per batch, is read as a tile."""
+    value past the diagonal (key blocks there skipped), also when repeated per batch; a constant
+    that is not causal, or that differs per batch, is read as a tile."""
     spec, _ = _attention_spec(_heads("add"))
     assert spec.extras_broadcast == ("m",) and spec.causal_fill is None
     spec, _ = _attention_spec(_heads("where"))
@@ -404,7 +404,9 @@ def test_extras_read_as_what_they_broadcast_as():
     not_causal = tri.copy()
     not_causal[..., 0, 1] = True
     assert _attention_spec(_constant_keep(not_causal))[0].extras_broadcast == ("",)
-    per_batch = np.broadcast_to(tri, (B, 1, S, S)).copy()
+    per_batch = np.broadcast_to(tri, (B, 1, S, S)).copy()  # a copy per batch: still computed
+    assert _attention_spec(_constant_keep(per_batch))[0].extras_broadcast == ("causal",)
+    per_batch[1, 0, 0, 1] = True  # batches that differ: read
     assert _attention_spec(_constant_keep(per_batch))[0].extras_broadcast == ("",)
 
 
@@ -432,6 +434,34 @@ def test_expanded_key_mask_is_read_as_a_row():
     np.testing.assert_allclose(_run_with_library(r.model, feeds)[0], run(_expanded_mask(True), feeds)[0],
                                rtol=1e-5, atol=1e-5)
     assert _attention_spec(_expanded_mask(False))[0].extras_broadcast == ("",)
+
+
+def _additive_causal(mask: np.ndarray):
+    """BERT's attention form with its additive mask a constant [..., S, S] (Hugging Face's GPT-2)."""
+    m = _heads("add")
+    g = m.graph
+    g.input.remove(next(i for i in g.input if i.name == "mask"))
+    from onnx import numpy_helper
+    g.initializer.append(numpy_helper.from_array(mask.astype(np.float32), "mask"))
+    return m
+
+
+def test_additive_causal_constant_is_computed():
+    keep = np.tri(S, S, 0, dtype=bool)
+    lowest = np.finfo(np.float32).min
+    mask = np.broadcast_to(np.where(keep, 0, lowest), (B, 1, S, S)).copy()  # per batch, every slice equal
+    spec, r = _attention_spec(_additive_causal(mask))
+    assert spec.extras_broadcast == ("causal_add",) and spec.causal_masked == float(lowest)
+    assert spec.causal_fill is None  # an additive mask keeps NaN and inf scores: nothing is skipped
+    feeds = {k: v for k, v in _feeds(_heads("add")).items() if k != "mask"}
+    np.testing.assert_allclose(_run_with_library(r.model, feeds)[0], run(_additive_causal(mask), feeds)[0],
+                               rtol=1e-5, atol=1e-5)
+    two_values = mask.copy()
+    two_values[0, 0, 0, -1] = -1.0
+    assert _attention_spec(_additive_causal(two_values))[0].extras_broadcast == ("",)
+    unequal = mask.copy()
+    unequal[1, 0, 0, -1] = 0.0
+    assert _attention_spec(_additive_causal(unequal))[0].extras_broadcast == ("",)
 
 
 def test_causal_fill_only_where_the_masked_value_is_one_value():

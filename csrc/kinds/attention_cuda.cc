@@ -45,8 +45,8 @@ struct AttentionKernel : cuda::CudaKernel {
   // kernel_meta's "extras_broadcast": per extra, how the kernel reads it: "m" one row for every
   // query (its stride over Sq unread), "n" one column for every key, "mn" both, "" a full tile,
   // "row" its first query row for every query (the optimizer showed its rows equal: nothing to
-  // check here), "causal" not at all (a constant causal mask [1, .., 1, SQ, SK], computed from
-  // the indices)
+  // check here), "causal" and "causal_add" not at all (a constant causal mask [..., SQ, SK],
+  // bool or additive, computed from the indices)
   std::vector<std::string> extra_reads;
   std::vector<AttentionTile> tiles;  // per variant
 
@@ -99,9 +99,9 @@ struct AttentionKernel : cuda::CudaKernel {
                     std::to_string(n_extras) + " extras");
       for (const Json& x : b.arr) {
         if (x.kind != Json::STRING || (x.str != "" && x.str != "m" && x.str != "n" && x.str != "mn" &&
-                                       x.str != "row" && x.str != "causal"))
-          throw Error(
-              "kernel_meta: extras_broadcast entries must be \"\", \"m\", \"n\", \"mn\", \"row\" or \"causal\"");
+                                       x.str != "row" && x.str != "causal" && x.str != "causal_add"))
+          throw Error("kernel_meta: extras_broadcast entries must be \"\", \"m\", \"n\", \"mn\", \"row\", "
+                      "\"causal\" or \"causal_add\"");
         extra_reads.push_back(x.str);
       }
     }
@@ -172,10 +172,9 @@ struct AttentionKernel : cuda::CudaKernel {
       const std::string& r = extra_reads[i];
       const Shape& es = extra_shapes[i];
       std::string want;
-      if (r == "causal") {
-        bool ok = es.size() >= 2 && es[es.size() - 2] == g.sq && es.back() == g.sk;
-        for (size_t d = 0; d + 2 < es.size(); ++d) ok &= es[d] == 1;
-        if (!ok) want = "[1, .., 1, " + std::to_string(g.sq) + ", " + std::to_string(g.sk) + "] (a causal mask)";
+      if (r == "causal" || r == "causal_add") {  // the optimizer checked every leading slice equal
+        if (!(es.size() >= 2 && es[es.size() - 2] == g.sq && es.back() == g.sk))
+          want = "[..., " + std::to_string(g.sq) + ", " + std::to_string(g.sk) + "] (a causal mask)";
       } else if (r.find('m') != std::string::npos && g.extras[i][2] != 0 && g.sq > 1) {
         want = "one of size 1 along the queries";
       } else if (r.find('n') != std::string::npos && g.extras[i][3] != 0 && g.sk > 1) {

@@ -173,6 +173,7 @@ class AttentionInfo:
     bias: tuple[bool, bool, bool] = (False, False, False)  # Q, K^T, V read with a bias added
     extras_broadcast: tuple[str, ...] = ()  # per extra: AttentionSpec.extras_broadcast
     causal_fill: float | None = None  # AttentionSpec.causal_fill
+    causal_masked: float | None = None  # AttentionSpec.causal_masked
 
 
 def _is(view: GraphView, i: int | None, op: str) -> bool:
@@ -543,6 +544,8 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
         key += f" extras_broadcast={info.extras_broadcast}"
     if info.causal_fill is not None:
         key += f" causal_fill={info.causal_fill!r}"
+    if info.causal_masked is not None:
+        key += f" causal_masked={info.causal_masked!r}"
     for w, o in zip("qkv", qkv, strict=True):
         if o.split is not None:
             attrs[f"split_{w}"] = list(o.split)
@@ -561,32 +564,50 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
 
 
 def _extra_reads(view: GraphView, program, extras: list[str], sq: int | None,
-                 sk: int | None) -> tuple[tuple[str, ...], float | None]:
-    """How the kernel reads each extra (AttentionSpec.extras_broadcast) and, with one causal
+                 sk: int | None) -> tuple[tuple[str, ...], float | None, float | None]:
+    """How the kernel reads each extra (AttentionSpec.extras_broadcast); with one bool causal
     mask among them, the score program's value where it is false (causal_fill) when that is
-    one value whatever the scores and the other extras."""
+    one value whatever the scores and the other extras; the masked value of the additive causal
+    masks (causal_masked: one value for all of them, else only the first is computed)."""
     reads = [_broadcast_dims(view.shapes.get(e)) for e in extras]
+    masked: float | None = None
     for i, e in enumerate(extras):
-        if _is_causal(view, e, sq, sk):
-            reads[i] = "causal"
+        kind, value = _causal(view, e, sq, sk)
+        if kind and (kind == "causal" or masked in (None, value)):
+            reads[i] = kind
+            masked = value if kind == "causal_add" else masked
         elif reads[i] == "" and _rows_equal(view, e, {}):
             reads[i] = "row"
     causal = [i for i, r in enumerate(reads) if r == "causal"]
-    if len(causal) != 1:
-        return tuple(reads), None
-    return tuple(reads), _constant_where_masked(program, 1 + causal[0])
+    fill = _constant_where_masked(program, 1 + causal[0]) if len(causal) == 1 else None
+    return tuple(reads), fill, masked
 
 
-def _is_causal(view: GraphView, name: str, sq: int | None, sk: int | None) -> bool:
-    """A constant bool mask [1, ..., 1, Sq, Sk] that keeps key j for query i where j <= i + Sk - Sq
-    (GPT-2's, exported at static shapes, with or without a cache offset)."""
+def _causal(view: GraphView, name: str, sq: int | None, sk: int | None) -> tuple[str, float | None]:
+    """("causal", None) for a constant bool mask [..., Sq, Sk] that keeps key j for query i where
+    j <= i + Sk - Sq (GPT-2's, exported at static shapes, with or without a cache offset), the
+    same for every leading index; ("causal_add", c) for an additive float one: 0 where kept, one
+    value c < 0 elsewhere (Hugging Face transformers 5's GPT-2, eager: c = the dtype's lowest);
+    ("", None) otherwise."""
     c = view.constants.get(name)
-    if c is None or sq is None or sk is None or c.data_type != TensorProto.BOOL:
-        return False
+    if c is None or sq is None or sk is None:
+        return "", None
     a = numpy_helper.to_array(c)
-    if a.ndim < 2 or a.shape[-2:] != (sq, sk) or any(d != 1 for d in a.shape[:-2]):
-        return False
-    return bool(np.array_equal(a.reshape(sq, sk), np.tri(sq, sk, sk - sq, dtype=bool)))
+    if a.ndim < 2 or a.shape[-2:] != (sq, sk) or a.size == 0:
+        return "", None
+    slices = a.reshape(-1, sq, sk)
+    if not (slices == slices[:1]).all():
+        return "", None
+    keep = np.tri(sq, sk, sk - sq, dtype=bool)
+    first = slices[0]
+    if c.data_type == TensorProto.BOOL:
+        return ("causal", None) if np.array_equal(first, keep) else ("", None)
+    if a.dtype.kind != "f" or keep.all() or not (first[keep] == 0).all():
+        return "", None
+    values = np.unique(first[~keep])
+    if len(values) != 1 or not values[0] < 0:
+        return "", None
+    return "causal_add", float(values[0])
 
 
 # Ops whose output element is a function of their inputs' elements at the same (broadcast)
@@ -701,7 +722,7 @@ class Attention(Kind):
         a: AttentionInfo = f.params
         return AttentionSpec(f.kernel_name, f.program, a.head_d, a.head_dv, precision, a.batch_heads, a.sq, a.sk,
                              f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y), a.nan_to_zero,
-                             a.bias, a.extras_broadcast, a.causal_fill)
+                             a.bias, a.extras_broadcast, a.causal_fill, a.causal_masked)
 
     def decline_reason(self, spec: AttentionSpec, layout: str) -> str | None:
         """Tensors of more than 2**31 - 1 elements (32-bit index parameters), where static."""
