@@ -6,9 +6,11 @@ download; base sizes, or `--small` ones for a CPU), with each attention implemen
 (`eager`, `sdpa`), exports each with torch's TorchScript exporter (opset 17, last hidden state
 out), runs `onnxfuse optimize --shape ...` at batch `--batch` and sequence 128 (ViT: 224²), and
 `onnxfuse bench` of the pair (`--provider`): both errors against the float64 reference, the gate,
-and median ms of both models. Prints a table and writes JSON after every case:
+and median ms of both models (`--cuda-graph`: again under CUDA graphs; `--tf-optimizer`: ONNX
+Runtime's transformers optimizer's model of the same export beside them, the peer a user would
+pick instead, with its own error and gate). Prints a table and writes JSON after every case:
 
-    python benchmarks/hf_attention.py --provider cuda --batch 1 --json hf_b1.json
+    python benchmarks/hf_attention.py --provider cuda --batch 1 --cuda-graph --tf-optimizer --json hf_b1.json
     python benchmarks/hf_attention.py --small --provider cpu       # CPU (--target none): fusion, accuracy
 
 Needs `transformers` (the GPU machine has it; here: pip install transformers).
@@ -58,8 +60,20 @@ def build(arch: str, attn: str, small: bool):
     return Hidden(model).eval(), names, cfg
 
 
+def tf_optimizer_options(arch: str, cfg) -> dict:
+    """onnxruntime.transformers.optimizer.optimize_model's model_type, num_heads, hidden_size."""
+    if arch == "gpt2":
+        return {"model_type": "gpt2", "num_heads": cfg.n_head, "hidden_size": cfg.n_embd}
+    return {"model_type": arch, "num_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size}
+
+
 def export(arch: str, attn: str, small: bool, batch: int, path: Path) -> dict[str, tuple[int, ...]]:
     """The model exported to `path`; its inputs' dims at this batch."""
+    return _export(arch, attn, small, batch, path)[0]
+
+
+def _export(arch: str, attn: str, small: bool, batch: int, path: Path):
+    """(the inputs' dims, the model's configuration) of `export`."""
     import torch
 
     module, names, cfg = build(arch, attn, small)
@@ -73,7 +87,7 @@ def export(arch: str, attn: str, small: bool, batch: int, path: Path) -> dict[st
     with torch.no_grad():
         torch.onnx.export(module, args, str(path), opset_version=17, dynamo=False, input_names=names,
                           output_names=["hidden"], dynamic_axes={n: {0: "batch"} for n in names})
-    return dims
+    return dims, cfg
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -84,8 +98,22 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     tag = f"{arch}_{attn}_b{args.batch}"
     src, opt, js = tmp / f"{tag}.onnx", tmp / f"{tag}.opt.onnx", tmp / f"{tag}.bench.json"
     row: dict = {"case": tag}
-    dims = export(arch, attn, args.small, args.batch, src)
+    dims, cfg = _export(arch, attn, args.small, args.batch, src)
     shapes = [f"{n}={'x'.join(map(str, d))}" for n, d in dims.items()]
+    models = [src, opt]
+    if args.tf_optimizer:  # the peer a user would pick instead: ORT's transformers optimizer
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from benchmarks.compare import ort_transformers_optimize
+
+        tfo = tmp / f"{tag}.tfopt.onnx"
+        try:
+            m, stats = ort_transformers_optimize(onnx.load(str(src)), None, tf_optimizer_options(arch, cfg),
+                                                 dry=args.provider == "cpu")
+            onnx.save(m, str(tfo))
+            row["tfopt_fused"] = stats
+            models.append(tfo)
+        except Exception as e:  # noqa: BLE001 -- the optimizer raises its own types: say so, go on
+            row["tfopt_error"] = f"{type(e).__name__}: {e}"[:300]
     # on the CPU no kernels (their TF32-rounded packed weights are for the GPU's tensor cores)
     target = ["--target", "none"] if args.provider == "cpu" else []
     r = cli("optimize", str(src), str(opt), *target, *sum((["--shape", s] for s in shapes), []))
@@ -95,23 +123,29 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     original = Counter(n.op_type for n in onnx.load(str(src)).graph.node)
     row |= {"softmax_before": original["Softmax"], "fused_attention": ops["FusedAttention"],
             "softmax_left": ops["Softmax"], "transposes": [original["Transpose"], ops["Transpose"]]}
-    r = cli("bench", str(src), str(opt), "--provider", args.provider, "--iters", str(args.iters),
+    r = cli("bench", *map(str, models), "--provider", args.provider, "--iters", str(args.iters),
             *sum((["--shape", s] for s in shapes), []), "--json", str(js))
     if not js.exists():
         return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
     d = json.loads(js.read_text())
-    ref, new = d["models"]
+    ref, new, *peer = d["models"]
     outs = new["outputs"]
     row |= {"ort_ms": ref["latency_ms"]["median"], "onnxfuse_ms": new["latency_ms"]["median"],
             "ort_err": max(o["ort_max_abs_err"] for o in outs), "err": max(o["max_abs_err"] for o in outs),
             "gate": all(o["passed"] for o in outs)}
-    if args.cuda_graph and args.provider == "cuda":  # both models again, each replayed as one CUDA graph
+    if peer:
+        row |= {"tfopt_ms": peer[0]["latency_ms"]["median"],
+                "tfopt_err": max(o["max_abs_err"] for o in peer[0]["outputs"]),
+                "tfopt_gate": all(o["passed"] for o in peer[0]["outputs"])}
+    if args.cuda_graph and args.provider == "cuda":  # every model again, each replayed as one CUDA graph
         js.unlink()
-        cli("bench", str(src), str(opt), "--provider", "cuda", "--cuda-graph", "--iters", str(args.iters),
+        cli("bench", *map(str, models), "--provider", "cuda", "--cuda-graph", "--iters", str(args.iters),
             *sum((["--shape", s] for s in shapes), []), "--json", str(js))
         if js.exists():
-            ref, new = json.loads(js.read_text())["models"]
+            ref, new, *peer = json.loads(js.read_text())["models"]
             row |= {"ort_graph_ms": ref["latency_ms"]["median"], "onnxfuse_graph_ms": new["latency_ms"]["median"]}
+            if peer:
+                row["tfopt_graph_ms"] = peer[0]["latency_ms"]["median"]
     return row
 
 
@@ -124,7 +158,9 @@ def main() -> None:
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--attn", default="eager,sdpa")
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--cuda-graph", action="store_true", help="also time both models under CUDA graphs")
+    ap.add_argument("--cuda-graph", action="store_true", help="also time the models under CUDA graphs")
+    ap.add_argument("--tf-optimizer", action="store_true",
+                    help="also time ONNX Runtime's transformers optimizer's model of the export (the peer)")
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="hf_attention_") as tmp:
@@ -139,18 +175,21 @@ def main() -> None:
                 if args.json:
                     args.json.write_text(json.dumps({"provider": args.provider, "rows": rows}, indent=1) + "\n")
     print("\n| case | Softmax before | FusedAttention | Softmax left | Transposes before → after | ORT ms | "
-          "onnxfuse ms | ORT + graph ms | onnxfuse + graph ms | ORT err | onnxfuse err | gate |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "onnxfuse ms | ORT + graph ms | onnxfuse + graph ms | tf-opt. ms | tf-opt. + graph ms | ORT err | "
+          "onnxfuse err | tf-opt. err | gate (onnxfuse, tf-opt.) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         if "error" in r:
-            print(f"| {r['case']} | error: {str(r['error'])[:80]} | | | | | | | | | | |")
+            print(f"| {r['case']} | error: {str(r['error'])[:80]} |" + " |" * 13)
             continue
         fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        err = lambda v: "-" if v is None else f"{v:.2g}"  # noqa: E731
         print(f"| {r['case']} | {r['softmax_before']} | {r['fused_attention']} | {r['softmax_left']} | "
               f"{r['transposes'][0]} → {r['transposes'][1]} | {fmt(r.get('ort_ms'))} | {fmt(r.get('onnxfuse_ms'))} | "
-              f"{fmt(r.get('ort_graph_ms'))} | {fmt(r.get('onnxfuse_graph_ms'))} | "
-              f"{r.get('ort_err', 0):.2g} | {r.get('err', 0):.2g} | {'pass' if r.get('gate') else 'FAIL'} |")
-
+              f"{fmt(r.get('ort_graph_ms'))} | {fmt(r.get('onnxfuse_graph_ms'))} | {fmt(r.get('tfopt_ms'))} | "
+              f"{fmt(r.get('tfopt_graph_ms'))} | {err(r.get('ort_err'))} | {err(r.get('err'))} | "
+              f"{err(r.get('tfopt_err'))} | {'pass' if r.get('gate') else 'FAIL'}"
+              + (f", {'pass' if r['tfopt_gate'] else 'FAIL'}" if "tfopt_gate" in r else "") + " |")
 
 if __name__ == "__main__":
     main()
