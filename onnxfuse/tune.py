@@ -17,7 +17,8 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    left to ONNX Runtime: the model is rebuilt from the state before the layout pass with
    those nodes unfused, so the NHWC plan routes around them, and recompiled (cache hits).
    With `--tune` each fused kernel's candidate configurations (`candidates`) are timed too
-   and the fastest is kept.
+   and the fastest is kept; a kind whose tiles are not yet measured (`Kind.search_configs`:
+   FusedAttention) has its configurations timed without `--tune` as well.
 2. **Whole model.** The original (ORT defaults) and the optimized model are timed, with
    and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
@@ -903,7 +904,7 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
             continue
         d.mode, d.replicas, d.original_ms, d.fused_ms = pair
         d.chosen = "fused"
-        if settings.configs and not spent:
+        if (settings.configs or KINDS[f.kind].search_configs) and not spent:
             best = _search_configs(result, f, node, mini, d, timer, targets, conv_precision, jobs)
             if best is not None:
                 d.fused_ms, d.chosen = best
@@ -988,7 +989,8 @@ def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, target
             trial.CopyFrom(mini)
             aot.attach(trial.graph.node[0], ck)
             trial = replicated(trial, d.replicas)  # timed as the node was (_time_pair)
-            ms = timer.time(trial, static_feeds(trial), library=True, graph=d.mode == "CUDA graph") / d.replicas
+            # looked up before its inputs are made: a layer of the same shapes timed it already
+            ms = _timed(timer, trial, True, d.mode == "CUDA graph", False) / d.replicas
             d.candidates.append({"config": label, "ms": ms})
             if best is None or ms < best[0]:
                 best = (ms, label, ck)

@@ -735,3 +735,30 @@ def test_a_model_only_folded_is_still_checked_against_the_original(monkeypatch, 
         assert r.model.SerializeToString() == m.SerializeToString()
     else:
         assert not [n for n in r.model.graph.node if n.op_type == "Shape"]
+
+
+def test_attention_tiles_are_searched_without_tune_configs(monkeypatch):
+    """FusedAttention's tile heuristic is not yet measured (Kind.search_configs): tuning times
+    its candidate configurations even without `--tune`, and only its (a pointwise chain's are
+    not); the fastest configuration's time is the node's."""
+    from tests.test_attention_patterns import _heads
+
+    m = _heads("add")
+    relu = helper.make_node("Relu", ["y"], ["y_relu"])
+    m.graph.node.append(relu)
+    m.graph.node.append(helper.make_node("Sigmoid", ["y_relu"], ["y_out"]))
+    m.graph.output[0].name = "y_out"
+    r, before = _optimized(m)
+    assert sorted(f.kind for f in r.fused) == ["attention", "pointwise"]
+    searched = []
+
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs):
+        searched.append(f.kind)
+        return 0.05, "tile 16x16"
+
+    monkeypatch.setattr(tuning, "_search_configs", search)
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+    rec = _tune(r, before)["tune"]
+    assert searched == ["attention"]
+    (att,) = [d for d in rec["nodes"] if d["kind"] == "attention"]
+    assert att["chosen"] == "tile 16x16" and att["fused_ms"] == 0.05

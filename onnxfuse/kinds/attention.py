@@ -707,6 +707,7 @@ class Attention(Kind):
     match_kind = "attention"
     params = frozenset()
     anchor_ops = ANCHORS
+    search_configs = True  # the tiles (`attention-tiles`) are not yet measured: tuning times them
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> AttentionParams:
         return AttentionParams(ops, dtypes)

@@ -227,6 +227,9 @@ class Kind(ABC):
     # tuning (onnxfuse.tune) times these nodes first: ONNX Runtime's own kernels for the
     # nodes they replace may be faster (cuDNN's convs), where fused memory-bound work seldom loses
     measure_first: ClassVar[bool] = False
+    # tuning times its kernels' candidate configurations (`candidates`) even without `--tune`:
+    # its tile heuristic is not yet measured, and its nodes repeat per layer (one search each)
+    search_configs: ClassVar[bool] = False
     # the op types whose nodes anchor its matches (the report counts them when its patterns
     # are not matched: `untuned_reason`)
     anchor_ops: ClassVar[frozenset[str]] = frozenset()
