@@ -38,6 +38,17 @@ after the product. The two differ by at most one rounding step of that dtype per
 as the contract says. Float32 at precision tf32 rounds Q, K^T, P and V to the nearest TF32
 value in the kernel (`codegen_conv.ROUND_TO_TF32`: Triton's tf32 dot would truncate).
 
+Causal masks (`extras_broadcast` "causal", "causal_add": a constant mask, lower-triangular
+with offset Sk - Sq) are computed from the indices, not loaded. With `causal_fill` (the score
+program's value c where a bool causal mask is false, one value whatever the scores), the key
+loop runs in two parts: first the blocks up to the program's last row's diagonal, then the
+blocks past it only where some valid row's running max is not above c + CAUSAL_MARGIN. Past
+the diagonal every score is c, and exp(c - max) is 0 in fp32 once max > c + 103.3 (the
+smallest subnormal is e^-103.3), in the kernel and in the original's Softmax alike, so
+skipping those blocks changes nothing; a row that is itself all masked (Sk < Sq) or whose
+scores lie below c keeps every block. An additive causal mask gets no skipping: a NaN or inf
+score stays what it is under the addition.
+
 Special values as ONNX's Softmax: a row whose scores are all -inf gives 0 / 0 = NaN (its
 running max stays -inf: the shift is 0 then, so that exp gives 0, not exp(-inf + inf)); a NaN
 score makes its exp NaN and so its row's sum and Y (tl.max may drop the NaN from the running
