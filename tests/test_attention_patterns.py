@@ -477,3 +477,27 @@ def test_causal_fill_only_where_the_masked_value_is_one_value():
     assert fill("%2 = select %1 %0 %0\noutput %2 f32") is None  # the scores themselves
     assert fill("%3 = select %1 %0 -10000.0\n%4 = add %3 %2\noutput %4 f32", ("f32", "bool", "f32")) is None
     assert fill("%2 = select %1 %0 nan\noutput %2 f32") is None
+
+
+def test_output_transpose_after_a_same_shape_reshape():
+    """Hugging Face transformers 5.24's sdpa attention reshapes P @ V to its own shape before the
+    heads' Transpose: the Reshape and the Transpose join the node (perm_y); a Reshape that
+    changes the shape stays, and so does the Transpose after it."""
+    def with_reshape(shape):
+        m = _heads("add", out_transpose=True)
+        g = m.graph
+        t = next(n for n in g.node if n.op_type == "Transpose" and n.output[0] == "y")
+        t.input[0] = "o_same"
+        from onnx import numpy_helper
+        g.initializer.append(numpy_helper.from_array(np.array(shape, np.int64), "o_shape"))
+        g.node.insert(list(g.node).index(t), N("Reshape", ["o", "o_shape"], ["o_same"]))
+        return m
+
+    same = with_reshape([B, H, S, D])
+    r = check_fusion(same, 1)
+    assert op_types(r.model) == ["FusedAttention"], r.report.summary()
+    feeds = _feeds(same)
+    np.testing.assert_allclose(_run_with_library(r.model, feeds)[0], run(same, feeds)[0], rtol=1e-5, atol=1e-5)
+    other = with_reshape([B, H * S, 1, D])  # not the product's shape: left, with the Transpose
+    r = optimize_model(other, options=build_options(target="none", tune="off"))
+    assert sorted(op_types(r.model)) == ["FusedAttention", "Reshape", "Transpose"], r.report.summary()

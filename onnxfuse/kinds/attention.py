@@ -15,7 +15,8 @@ A match is anchored at the Softmax:
   static;
 - the **Transposes** that make the heads: chains of Transposes that produce an operand and that
   only the node reads are absorbed into the operand's `perm_*` (the kernel reads the tensor
-  before them through strides), and one Transpose that alone reads the output into `perm_y`;
+  before them through strides), and one Transpose that alone reads the output (directly, or
+  through a Reshape to the same static shape that alone reads it) into `perm_y`;
 - a **Split** on the last axis whose every output reaches one operand through a Reshape to
   [..., heads, head_dim] (GPT-2's packed c_attn; BERT's three projections after
   `onnxfuse.pack` packs them): the operands are read in place from the Split's input
@@ -174,6 +175,12 @@ class AttentionInfo:
     extras_broadcast: tuple[str, ...] = ()  # per extra: AttentionSpec.extras_broadcast
     causal_fill: float | None = None  # AttentionSpec.causal_fill
     causal_masked: float | None = None  # AttentionSpec.causal_masked
+
+
+def _same_static_shape(view: GraphView, a: str, b: str) -> bool:
+    """Whether tensors a and b have one static shape (a Reshape between them is a copy)."""
+    sa = view.shapes.get(a)
+    return sa is not None and all(isinstance(e, int) for e in sa) and view.shapes.get(b) == sa
 
 
 def _is(view: GraphView, i: int | None, op: str) -> bool:
@@ -461,15 +468,24 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
         if len(live) > 1 or any(e is None for e in live):
             return BATCH
         lead.append(next(iter(live), 1))
-    # the output's Transpose, when it alone reads the product
+    # the output's Transpose, when it alone reads the product (through a Reshape to the same
+    # shape, as Hugging Face transformers 5.24's sdpa attention writes it, when that alone does)
     y = view.nodes[pv].output[0]
-    y_transpose, perm_y, result = None, tuple(range(rank)), y
+    y_transpose, perm_y, result, y_reshape = None, tuple(range(rank)), y, None
     t = next(iter(view.consumers.get(y, ())), None)
+    if _is(view, t, "Reshape") and t not in taken and _only_reader(view, y, t) and _same_static_shape(
+            view, y, view.nodes[t].output[0]):
+        after = view.nodes[t].output[0]
+        t2 = next(iter(view.consumers.get(after, ())), None)
+        if _is(view, t2, "Transpose") and t2 not in taken and _only_reader(view, after, t2):
+            y_reshape, y, t = t, after, t2
     if _is(view, t, "Transpose") and t not in taken and _only_reader(view, y, t) and len(_perm(view, t, rank)) == rank:
         y_transpose, perm_y, result = t, _perm(view, t, rank), view.nodes[t].output[0]
+    elif y_reshape is not None:
+        y_reshape = None
     group = sorted({*q.transposes, *k.transposes, *v.transposes, *q.split_nodes, *k.split_nodes, *v.split_nodes,
                     *q.scale_nodes, *k.scale_nodes, qk, *score_ops, sm, *p_casts, *(nan_guard or ()), pv,
-                    *([y_transpose] if y_transpose is not None else [])})
+                    *(x for x in (y_transpose, y_reshape) if x is not None)})
     if any(i in taken for i in group):
         return "a node is taken by an earlier pattern"
     if reentering(view, group, accepted):
