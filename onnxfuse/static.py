@@ -149,8 +149,10 @@ def _fold_once(m: ModelProto, report: Folded) -> ModelProto:
     return m
 
 
-def _evaluate(n: onnx.NodeProto, known: dict[str, np.ndarray], shapes: dict, opsets) -> dict | None:
-    """The node's outputs by name when they follow from known values (None otherwise)."""
+def _evaluate(n: onnx.NodeProto, known: dict[str, np.ndarray], shapes: dict, opsets,
+              max_elements: int = MAX_ELEMENTS) -> dict | None:
+    """The node's outputs by name when they follow from known values and hold at most
+    `max_elements` each (None otherwise)."""
     if n.op_type in ("Shape", "Size"):
         x = n.input[0]
         if x not in shapes and x not in known:
@@ -173,9 +175,20 @@ def _evaluate(n: onnx.NodeProto, known: dict[str, np.ndarray], shapes: dict, ops
     except Exception:  # noqa: BLE001  a node the reference cannot run is not folded
         return None
     values = {o: np.asarray(v) for o, v in zip([o for o in n.output if o], outs, strict=True)}
-    if any(v.size > MAX_ELEMENTS or v.dtype == object for v in values.values()):
+    if any(v.size > max_elements or v.dtype == object for v in values.values()):
         return None
     return values
+
+
+def evaluate_constant(n: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int | None,
+                      max_elements: int) -> dict | None:
+    """One node of FOLDABLE ops (or Trilu) on known inputs, by ONNX's reference implementation, at
+    the default domain's `opset` (None: this onnx's); its outputs by name, or None where it
+    cannot run or an output holds more than `max_elements`."""
+    if n.domain not in ("", "ai.onnx") or n.op_type not in FOLDABLE | {"Trilu"} or _has_subgraph(n):
+        return None
+    opsets = [helper.make_opsetid("", opset if opset is not None else onnx.defs.onnx_opset_version())]
+    return _evaluate(n, inputs, {}, opsets, max_elements)
 
 
 def _has_subgraph(n: onnx.NodeProto) -> bool:

@@ -501,3 +501,24 @@ def test_output_transpose_after_a_same_shape_reshape():
     other = with_reshape([B, H * S, 1, D])  # not the product's shape: left, with the Transpose
     r = optimize_model(other, options=build_options(target="none", tune="off"))
     assert sorted(op_types(r.model)) == ["FusedAttention", "Reshape", "Transpose"], r.report.summary()
+
+
+def test_causal_mask_computed_from_constants_is_recognized():
+    """Hugging Face transformers 5's GPT-2 sdpa export makes its mask in the graph from constants
+    alone, Where(Equal(Trilu(Expand(1, [S, S])), 0), -inf, 0), for every layer: evaluated at
+    optimize time, it is the additive causal mask, computed by the kernel (nothing read)."""
+    from onnx import numpy_helper
+    m = _heads("add")
+    g = m.graph
+    g.input.remove(next(i for i in g.input if i.name == "mask"))
+    consts = {"one": np.array(1.0, np.float32), "square": np.array([S, S], np.int64),
+              "zero": np.array([0.0], np.float32), "neg_inf": np.array([-np.inf], np.float32)}
+    g.initializer.extend(numpy_helper.from_array(v, k) for k, v in consts.items())
+    g.node.insert(0, N("Expand", ["one", "square"], ["ones"]))
+    g.node.insert(1, N("Trilu", ["ones"], ["tril"], upper=0))
+    g.node.insert(2, N("Equal", ["tril", "zero"], ["above"]))
+    g.node.insert(3, N("Where", ["above", "neg_inf", "zero"], ["mask"]))
+    spec, r = _attention_spec(m)
+    assert spec.extras_broadcast == ("causal_add",) and spec.causal_masked == float("-inf")
+    feeds = {k: v for k, v in _feeds(_heads("add")).items() if k != "mask"}
+    np.testing.assert_allclose(_run_with_library(r.model, feeds)[0], run(m, feeds)[0], rtol=1e-5, atol=1e-5)

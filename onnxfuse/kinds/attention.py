@@ -42,7 +42,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
+from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_attention import (
@@ -599,24 +599,57 @@ def _extra_reads(view: GraphView, program, extras: list[str], sq: int | None,
     return tuple(reads), fill, masked
 
 
+# the most elements a mask may have to be evaluated at optimize time (`_constant_value`): 4096^2
+MASK_EVAL_MAX = 1 << 24
+
+
+def _constant_value(view: GraphView, name: str, memo: dict, depth: int = 0) -> np.ndarray | None:
+    """The value of a tensor that follows from constants alone: a constant, or a node of
+    constant-foldable ops (onnxfuse.static.FOLDABLE, Trilu) of such tensors, evaluated with
+    ONNX's reference implementation (Hugging Face transformers 5's GPT-2 sdpa mask:
+    Where(Equal(Trilu(Expand(1)), 0), -inf, 0) per layer, which ONNX Runtime folds when the
+    session starts); None otherwise, or where a value holds more than MASK_EVAL_MAX elements."""
+    if name in memo:
+        return memo[name]
+    memo[name] = None
+    if name in view.constants:
+        c = view.constants[name]
+        if int(np.prod(c.dims)) <= MASK_EVAL_MAX:
+            memo[name] = numpy_helper.to_array(c)
+        return memo[name]
+    i = view.producer.get(name)
+    if i is None or depth > 32:
+        return None
+    n = view.nodes[i]
+    inputs = {x: _constant_value(view, x, memo, depth + 1) for x in n.input if x}
+    if any(v is None for v in inputs.values()):
+        return None
+    from onnxfuse.static import evaluate_constant
+
+    values = evaluate_constant(n, inputs, view.opset, MASK_EVAL_MAX)
+    if values is not None:
+        memo.update(values)
+    return memo[name] if values is not None else None
+
+
 def _causal(view: GraphView, name: str, sq: int | None, sk: int | None) -> tuple[str, float | None]:
-    """("causal", None) for a constant bool mask [..., Sq, Sk] that keeps key j for query i where
+    """("causal", None) for a constant bool mask [..., Sq, Sk] (a constant, or a value that follows
+    from constants alone: `_constant_value`) that keeps key j for query i where
     j <= i + Sk - Sq (GPT-2's, exported at static shapes, with or without a cache offset), the
     same for every leading index; ("causal_add", c) for an additive float one: 0 where kept, one
     value c < 0 elsewhere (Hugging Face transformers 5's GPT-2, eager: c = the dtype's lowest);
     ("", None) otherwise."""
-    c = view.constants.get(name)
-    if c is None or sq is None or sk is None:
+    if sq is None or sk is None:
         return "", None
-    a = numpy_helper.to_array(c)
-    if a.ndim < 2 or a.shape[-2:] != (sq, sk) or a.size == 0:
+    a = _constant_value(view, name, {})
+    if a is None or a.ndim < 2 or a.shape[-2:] != (sq, sk) or a.size == 0:
         return "", None
     slices = a.reshape(-1, sq, sk)
     if not (slices == slices[:1]).all():
         return "", None
     keep = np.tri(sq, sk, sk - sq, dtype=bool)
     first = slices[0]
-    if c.data_type == TensorProto.BOOL:
+    if a.dtype == np.bool_:
         return ("causal", None) if np.array_equal(first, keep) else ("", None)
     if a.dtype.kind != "f" or keep.all() or not (first[keep] == 0).all():
         return "", None
