@@ -60,6 +60,7 @@ from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering,
 from onnxfuse.match import DTYPE_IDS, dtype_reason, match_anchored, operands, pointwise_candidate
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
 from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
+from onnxfuse.static import evaluate_constant
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
 ANCHORS = frozenset({"Softmax"})
@@ -625,8 +626,6 @@ def _constant_value(view: GraphView, name: str, memo: dict, depth: int = 0) -> n
     inputs = {x: _constant_value(view, x, memo, depth + 1) for x in n.input if x}
     if any(v is None for v in inputs.values()):
         return None
-    from onnxfuse.static import evaluate_constant
-
     values = evaluate_constant(n, inputs, view.opset, MASK_EVAL_MAX)
     if values is not None:
         memo.update(values)
