@@ -110,7 +110,7 @@ class AttentionSpec:
     # head, "" a full tile (or unknown); "row" its first query row for every query (its rows
     # are equal: a key mask expanded to [B, 1, Sq, Sk]); "causal" not read but computed from the
     # indices (a constant bool mask, key j kept where j <= i + Sk - Sq, the same for every batch
-    # and head)
+    # and head), "causal_add" likewise for an additive one (0 kept, `causal_masked` elsewhere)
     extras_broadcast: tuple[str, ...] = ()
     # with a causal extra: the score program's output where that mask is false, whatever the
     # scores (GPT-2's Where: -10000), when it is one value; key blocks wholly past a program's
@@ -134,7 +134,7 @@ class AttentionSpec:
         return self.dtype == "f32" and self.precision == "tf32"
 
     def broadcast(self, i: int) -> str:
-        """Extra i's broadcast dims ("", "m", "n" or "mn"; `extras_broadcast`)."""
+        """How extra i is read (one of EXTRA_READS; `extras_broadcast`)."""
         return self.extras_broadcast[i] if i < len(self.extras_broadcast) else ""
 
     @property
