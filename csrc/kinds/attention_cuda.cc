@@ -42,12 +42,15 @@ struct AttentionKernel : cuda::CudaKernel {
   int64_t meta_rank = 0, head_d = 0, head_dv = 0;
   std::vector<int64_t> meta_perms[4];
   int64_t meta_bias[3] = {0, 0, 0};  // kernel_meta's "bias": the kernel adds Q's, K^T's, V's bias
-  // kernel_meta's "extras_broadcast": per extra, how the kernel reads it: "m" one row for every
-  // query (its stride over Sq unread), "n" one column for every key, "mn" both, "" a full tile,
-  // "row" its first query row for every query (the optimizer showed its rows equal: nothing to
-  // check here), "causal" and "causal_add" not at all (a constant causal mask [..., SQ, SK],
-  // bool or additive, computed from the indices)
-  std::vector<std::string> extra_reads;
+  // kernel_meta's "extras_broadcast", read once: per extra, what the launcher checks of it. "m"
+  // (one row for every query: its stride over Sq unread) and "mn" need stride 0 along Sq, "n"
+  // and "mn" along Sk; "causal" and "causal_add" (not read: a constant causal mask computed
+  // from the indices) need the shape [..., SQ, SK]; "" (a full tile) and "row" (its first query
+  // row: the optimizer showed its rows equal) nothing.
+  struct ExtraRead {
+    bool one_row = false, one_column = false, causal = false;
+  };
+  std::vector<ExtraRead> extra_reads;
   std::vector<AttentionTile> tiles;  // per variant
 
   const char* kind() const override { return "attention"; }
@@ -102,7 +105,8 @@ struct AttentionKernel : cuda::CudaKernel {
                                        x.str != "row" && x.str != "causal" && x.str != "causal_add"))
           throw Error("kernel_meta: extras_broadcast entries must be \"\", \"m\", \"n\", \"mn\", \"row\", "
                       "\"causal\" or \"causal_add\"");
-        extra_reads.push_back(x.str);
+        extra_reads.push_back({x.str == "m" || x.str == "mn", x.str == "n" || x.str == "mn",
+                               x.str == "causal" || x.str == "causal_add"});
       }
     }
   }
@@ -169,15 +173,15 @@ struct AttentionKernel : cuda::CudaKernel {
     // an extra the kernel reads as one row (column) must be one: its stride over Sq (Sk) is 0; a
     // causal one, which it computes, must be [1, .., 1, SQ, SK] (its values are the graph's constant)
     for (size_t i = 0; i < extra_reads.size() && i < g.extras.size(); ++i) {
-      const std::string& r = extra_reads[i];
+      const ExtraRead& r = extra_reads[i];
       const Shape& es = extra_shapes[i];
       std::string want;
-      if (r == "causal" || r == "causal_add") {  // the optimizer checked every leading slice equal
+      if (r.causal) {  // the optimizer checked every leading slice equal
         if (!(es.size() >= 2 && es[es.size() - 2] == g.sq && es.back() == g.sk))
           want = "[..., " + std::to_string(g.sq) + ", " + std::to_string(g.sk) + "] (a causal mask)";
-      } else if (r.find('m') != std::string::npos && g.extras[i][2] != 0 && g.sq > 1) {
+      } else if (r.one_row && g.extras[i][2] != 0 && g.sq > 1) {
         want = "one of size 1 along the queries";
-      } else if (r.find('n') != std::string::npos && g.extras[i][3] != 0 && g.sk > 1) {
+      } else if (r.one_column && g.extras[i][3] != 0 && g.sk > 1) {
         want = "one of size 1 along the keys";
       }
       if (!want.empty())
