@@ -28,6 +28,8 @@ from pathlib import Path
 
 import onnx
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 SEQ = 128
 ARCHS = ("bert", "gpt2", "vit")
 
@@ -102,7 +104,6 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     shapes = [f"{n}={'x'.join(map(str, d))}" for n, d in dims.items()]
     models = [src, opt]
     if args.tf_optimizer:  # the peer a user would pick instead: ORT's transformers optimizer
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
         from benchmarks.compare import ort_transformers_optimize
 
         tfo = tmp / f"{tag}.tfopt.onnx"

@@ -35,34 +35,28 @@ from tests.util import model
 N = helper.make_node
 
 
-def _bert_shaped(dtype: str, b: int, s: int, h: int, d: int):
-    """BERT's attention at [b, s, h, d]: Transposes, / sqrt(d), an additive mask, Softmax, @ v."""
-    nodes = [N("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]), N("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]),
-             N("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qh", "kt"], ["sc"]),
-             N("Div", ["sc", "scale"], ["t"]), N("Add", ["t", "mask"], ["a"]), N("Softmax", ["a"], ["p"], axis=-1),
-             N("MatMul", ["p", "vh"], ["o"]), N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
-    io = {x: (dtype, [b, s, h, d]) for x in "qkv"}
-    io["mask"] = (dtype, [b, 1, 1, s])
-    return model(nodes, io, {"y": (dtype, [b, s, h, d])}, {"scale": np.array(np.sqrt(d), dtype)}, opset=17)
-
-
-def _gpt2_shaped(dtype: str, b: int, s: int, h: int, d: int, additive: bool = False):
-    """GPT-2's attention at [b, s, h, d] with its causal mask a constant (as exported at static
-    shapes): the kernel computes it from the indices and skips the key blocks past the diagonal;
-    `additive`: Hugging Face's form, scores + a float mask [b, 1, s, s] (0, the dtype's lowest)."""
+def _shaped(dtype: str, b: int, s: int, h: int, d: int, mask: str = "bert"):
+    """An attention at [b, s, h, d]: Transposes, / sqrt(d), the mask, Softmax, @ v. `mask`: "bert",
+    an additive [b, 1, 1, s] input; "gpt2", GPT-2's causal Where with the keep mask a constant (as
+    exported at static shapes: the kernel computes it from the indices and skips the key blocks
+    past the diagonal); "hf-causal", Hugging Face's form, scores + a constant float mask
+    [b, 1, s, s] (0, the dtype's lowest: computed, nothing skipped)."""
     keep = np.tri(s, s, 0, dtype=bool)[None, None]
-    mask = N("Add", ["t", "add_mask"], ["a"]) if additive else N("Where", ["keep", "t", "masked"], ["a"])
-    nodes = [N("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]), N("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]),
-             N("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qh", "kt"], ["sc"]),
-             N("Div", ["sc", "scale"], ["t"]), mask,
-             N("Softmax", ["a"], ["p"], axis=-1), N("MatMul", ["p", "vh"], ["o"]),
-             N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
     io = {x: (dtype, [b, s, h, d]) for x in "qkv"}
     inits = {"scale": np.array(np.sqrt(d), dtype)}
-    if additive:
-        inits["add_mask"] = np.broadcast_to(np.where(keep, 0, np.finfo(dtype).min), (b, 1, s, s)).astype(dtype)
-    else:
+    if mask == "bert":
+        io["mask"] = (dtype, [b, 1, 1, s])
+        masking = N("Add", ["t", "mask"], ["a"])
+    elif mask == "gpt2":
         inits |= {"masked": np.array(-10000.0, dtype), "keep": keep}
+        masking = N("Where", ["keep", "t", "masked"], ["a"])
+    else:
+        inits["add_mask"] = np.broadcast_to(np.where(keep, 0, np.finfo(dtype).min), (b, 1, s, s)).astype(dtype)
+        masking = N("Add", ["t", "add_mask"], ["a"])
+    nodes = [N("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]), N("Transpose", ["k"], ["kt"], perm=[0, 2, 3, 1]),
+             N("Transpose", ["v"], ["vh"], perm=[0, 2, 1, 3]), N("MatMul", ["qh", "kt"], ["sc"]),
+             N("Div", ["sc", "scale"], ["t"]), masking, N("Softmax", ["a"], ["p"], axis=-1),
+             N("MatMul", ["p", "vh"], ["o"]), N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
     return model(nodes, io, {"y": (dtype, [b, s, h, d])}, inits, opset=17)
 
 
@@ -74,13 +68,13 @@ def _models() -> list[tuple[str, object]]:
         ("keys-twice-heads-out-f32", _heads("add", k_twice=True, out_transpose=False)),
         ("bert-layout-f16", _heads("add", dtype="float16")),
         ("gpt2-causal-f16", _heads("where", dtype="float16")),
-        ("bert-base-b2-f32", _bert_shaped("float32", 2, 128, 12, 64)),
-        ("bert-base-b2-f16", _bert_shaped("float16", 2, 128, 12, 64)),
-        ("head-dim-40-f16", _bert_shaped("float16", 2, 77, 3, 40)),
+        ("bert-base-b2-f32", _shaped("float32", 2, 128, 12, 64)),
+        ("bert-base-b2-f16", _shaped("float16", 2, 128, 12, 64)),
+        ("head-dim-40-f16", _shaped("float16", 2, 77, 3, 40)),
         ("packed-projections-f32", _bert_attention()),  # Q, K, V read in place from one MatMul's output, + its bias
-        ("gpt2-constant-causal-f16", _gpt2_shaped("float16", 2, 200, 4, 64)),  # computed mask, blocks skipped
-        ("gpt2-constant-causal-f32", _gpt2_shaped("float32", 2, 200, 4, 64)),
-        ("gpt2-additive-causal-f16", _gpt2_shaped("float16", 2, 200, 4, 64, additive=True)),  # computed, read nothing
+        ("gpt2-constant-causal-f16", _shaped("float16", 2, 200, 4, 64, "gpt2")),  # computed mask, blocks skipped
+        ("gpt2-constant-causal-f32", _shaped("float32", 2, 200, 4, 64, "gpt2")),
+        ("gpt2-additive-causal-f16", _shaped("float16", 2, 200, 4, 64, "hf-causal")),  # computed, read nothing
     ]
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from onnxfuse import optimize_model
 from onnxfuse.kinds.attention import evaluate_attention
@@ -375,14 +375,17 @@ def _attention_spec(m):
     return KINDS[f.kind].spec(r.model, f, "tf32", None), r
 
 
+def _mask_constant(mask: str, name: str, value: np.ndarray):
+    """_heads(mask) with its mask input `name` made the constant `value`."""
+    m = _heads(mask)
+    m.graph.input.remove(next(i for i in m.graph.input if i.name == name))
+    m.graph.initializer.append(numpy_helper.from_array(value, name))
+    return m
+
+
 def _constant_keep(keep: np.ndarray):
     """GPT-2's attention (_heads("where")) with its keep mask a constant."""
-    m = _heads("where")
-    inp = next(i for i in m.graph.input if i.name == "keep")
-    m.graph.input.remove(inp)
-    from onnx import numpy_helper
-    m.graph.initializer.append(numpy_helper.from_array(keep, "keep"))
-    return m
+    return _mask_constant("where", "keep", keep)
 
 
 def test_extras_read_as_what_they_broadcast_as():
@@ -419,7 +422,6 @@ def _expanded_mask(rows_equal: bool):
     dims = mask_in.type.tensor_type.shape.dim
     if not rows_equal:
         dims[2].dim_value, dims[3].dim_value = S, 1
-    from onnx import numpy_helper
     g.initializer.append(numpy_helper.from_array(np.array([B, 1, S, S], np.int64), "full"))
     add = next(n for n in g.node if n.op_type == "Add")
     add.input[1] = "mask_full"
@@ -438,12 +440,7 @@ def test_expanded_key_mask_is_read_as_a_row():
 
 def _additive_causal(mask: np.ndarray):
     """BERT's attention form with its additive mask a constant [..., S, S] (Hugging Face's GPT-2)."""
-    m = _heads("add")
-    g = m.graph
-    g.input.remove(next(i for i in g.input if i.name == "mask"))
-    from onnx import numpy_helper
-    g.initializer.append(numpy_helper.from_array(mask.astype(np.float32), "mask"))
-    return m
+    return _mask_constant("add", "mask", mask.astype(np.float32))
 
 
 def test_additive_causal_constant_is_computed():
@@ -488,7 +485,6 @@ def test_output_transpose_after_a_same_shape_reshape():
         g = m.graph
         t = next(n for n in g.node if n.op_type == "Transpose" and n.output[0] == "y")
         t.input[0] = "o_same"
-        from onnx import numpy_helper
         g.initializer.append(numpy_helper.from_array(np.array(shape, np.int64), "o_shape"))
         g.node.insert(list(g.node).index(t), N("Reshape", ["o", "o_shape"], ["o_same"]))
         return m
@@ -507,7 +503,6 @@ def test_causal_mask_computed_from_constants_is_recognized():
     """Hugging Face transformers 5's GPT-2 sdpa export makes its mask in the graph from constants
     alone, Where(Equal(Trilu(Expand(1, [S, S])), 0), -inf, 0), for every layer: evaluated at
     optimize time, it is the additive causal mask, computed by the kernel (nothing read)."""
-    from onnx import numpy_helper
     m = _heads("add")
     g = m.graph
     g.input.remove(next(i for i in g.input if i.name == "mask"))

@@ -254,9 +254,9 @@ def _attention(form: str) -> onnx.ModelProto:
     GPT-2's causal Where on a small float32 head (precision ieee); a packed projection read in
     place with torch's NaN guard (nan_to_zero)."""
     if form == "bert":
-        from tests.test_attention_gpu import _bert_shaped
+        from tests.test_attention_gpu import _shaped
 
-        return _bert_shaped("float16", 2, 128, 12, 64)
+        return _shaped("float16", 2, 128, 12, 64)
     if form == "packed":  # Q, K and V packed into one projection; torch's NaN guard after the softmax
         from onnx import helper as h
 
