@@ -198,19 +198,26 @@ def padded(n: int) -> int:
     return p
 
 
-# Tiles (block_m, block_n, num_warps, num_stages) by dtype: float32 tiles are held in registers
-# at twice the bytes of float16 ones, so its key blocks are narrower (for head_d 64 fp32: Q 64 x 64,
-# K^T 64 x 32, the scores 64 x 32 and the accumulator 64 x 64 in 4 warps); float16 / bfloat16 take
-# the Triton tutorial's Hopper tile (128 x 64, 8 warps, 3 stages), and half of it for heads wider
-# than 128. Where Sq and B * H are both known, a grid cdiv(Sq, BLOCK_M) * B * H of fewer than SMS
-# programs halves BLOCK_M (down to 16, at most 4 warps below 128 rows) until it fills the GPU or
-# cannot shrink (BERT-base at batch 1: Sq 128, 12 heads: 16 rows, 96 programs). Untimed (no GPU
-# where this was written): `--tune` times the alternatives of `attention_candidates`.
-F32_TILE = {"narrow": (64, 64, 4, 2), "wide": (64, 32, 4, 2)}  # head_d <= 32, else
+# Tiles (block_m, block_n, num_warps, num_stages), measured on the H200 (fourteenth session,
+# `attention_roofline.py`; BENCHMARKS.md, Decisions, `attention-tiles`): BERT-, GPT-2- and
+# ViT-shaped heads (D 64, 128 or 197 tokens) at batch 1 and 8, fp16 and fp32, eleven tiles each.
+# - float16 / bfloat16 start from the Triton tutorial's Hopper tile (128 x 64, 8 warps, 3
+#   stages), half of it for heads wider than 128; a static grid cdiv(Sq, BLOCK_M) * B * H of
+#   fewer than SMS programs halves BLOCK_M (to 16 at least, at most 4 warps below 128 rows).
+#   At 16 rows the key blocks widen to 128 (2 stages) for heads up to 64: batch 1 ran 3.5-4.3 µs
+#   against 3.9-4.8 at 16 x 64.
+# - float32 holds its tiles in registers at twice the bytes: 32 query rows (16 where that grid
+#   leaves SMs idle) and a score tile of 2048 elements (32 x 64, 16 x 128), K and V blocks of at
+#   most 8192 elements (BLOCK_N * D). Batch 8 ran 10.3-14.6 µs at 32 x 64 against 15.3-21.6 at
+#   the 64 x 32 used before; batch 1 4.4-6.4 at 16 x 128 against 5.6-9.0 at 16 x 32.
+# Where Sq or B * H is not static the grid is unknown and BLOCK_M is not halved.
 HALF_TILE = {"narrow": (128, 64, 8, 3), "wide": (64, 64, 4, 2)}  # head_d, head_dv <= 128, else
+HALF_SMALL_M = (16, 128, 4, 2)  # 16 query rows, heads up to 64
+F32_BLOCK_M, F32_SCORES, F32_KV = 32, 2048, 8192
+# the tiles `--tune configs` times besides the heuristic's: the next fastest of each dtype there
 ALTERNATIVES = {
-    "f32": ((32, 32, 4, 2), (64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3)),
-    "f16": ((64, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 2), (128, 64, 8, 3)),
+    "f32": ((32, 64, 4, 2), (16, 128, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
+    "f16": ((64, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 3), (16, 128, 4, 2)),
 }
 
 
@@ -221,22 +228,31 @@ def _variants(tile: tuple[int, int, int, int]) -> tuple[AttentionVariant, Attent
                  for i in range(2))
 
 
-def _heuristic_tile(spec: AttentionSpec) -> tuple[int, int, int, int]:
-    if spec.dtype == "f32":
-        bm, bn, w, s = F32_TILE["narrow" if spec.head_d <= 32 else "wide"]
-    else:
-        bm, bn, w, s = HALF_TILE["narrow" if max(spec.head_d, spec.head_dv) <= 128 else "wide"]
+def _block_m(spec: AttentionSpec, bm: int) -> int:
+    """bm halved (to 16 at least) while a static grid leaves SMs idle."""
     if spec.sq is not None and spec.batch_heads is not None:
         while bm > 16 and -(-spec.sq // bm) * spec.batch_heads < SMS:
             bm //= 2
-    if bm < 128:
-        w = min(w, 4)
-    return bm, bn, w, s
+    return bm
+
+
+def _heuristic_tile(spec: AttentionSpec) -> tuple[int, int, int, int]:
+    d = padded(max(spec.head_d, spec.head_dv))
+    if spec.dtype == "f32":
+        bm = _block_m(spec, F32_BLOCK_M)
+        bn = max(16, min(128, F32_SCORES // bm, F32_KV // d))
+        return bm, bn, 4, 2
+    bm, bn, w, s = HALF_TILE["narrow" if d <= 128 else "wide"]
+    bm = _block_m(spec, bm)
+    if bm == 16 and d <= 64:
+        return HALF_SMALL_M
+    return bm, bn, (w if bm >= 128 else min(w, 4)), s
 
 
 def attention_variants(spec: AttentionSpec) -> tuple[AttentionVariant, ...]:
-    """The variants of a FusedAttention kernel: one tile, by the heuristic above (`F32_TILE`,
-    `HALF_TILE`, BLOCK_M halved while a known grid leaves SMs idle), aligned then not."""
+    """The variants of a FusedAttention kernel: one tile, by the measured heuristic above
+    (`HALF_TILE`, `F32_BLOCK_M`: BLOCK_M halved while a static grid leaves SMs idle), aligned
+    then not."""
     return _variants(_heuristic_tile(spec))
 
 

@@ -17,8 +17,9 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    left to ONNX Runtime: the model is rebuilt from the state before the layout pass with
    those nodes unfused, so the NHWC plan routes around them, and recompiled (cache hits).
    With `--tune` each fused kernel's candidate configurations (`candidates`) are timed too
-   and the fastest is kept; a kind whose tiles are not yet measured (`Kind.search_configs`:
-   FusedAttention) has its configurations timed without `--tune` as well.
+   and the fastest is kept; a kind whose tile heuristic is measured on few shapes
+   (`Kind.search_configs`: FusedAttention) has its configurations timed without `--tune` as
+   well. Configurations are timed after every node's own kernel, within the budget.
 2. **Whole model.** The original (ORT defaults) and the optimized model are timed, with
    and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
@@ -54,7 +55,9 @@ keyed by a hash of the exact one-node (or whole) model and its input shapes, so 
 Budget: per-node timing stops after `budget_s` seconds (default `BUDGET_S`); after that a
 node is decided only when its timings are remembered (a layer of the same shapes as one
 measured, or an earlier tuning); nodes left keep the heuristics' decision and are listed as
-not measured; the whole-model check always runs. The record's "phases" say where the
+not measured; the whole-model check always runs. Candidate configurations (`--tune configs`,
+`Kind.search_configs`) are timed after every node's own kernel, with what is left of the
+budget. The record's "phases" say where the
 seconds went (node timing, recompiling, whole-model timing, accuracy).
 """
 
@@ -886,6 +889,7 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
     # convs first: they are where ORT's own kernels (cuDNN) may be faster; pointwise chains
     # and pools replace memory-bound nodes and seldom lose, so they come after, within the budget
     order = sorted(range(len(result.fused)), key=lambda i: not KINDS[result.fused[i].kind].measure_first)
+    searches = []  # (fused node, node, its one-node model, decision) whose configurations are timed
     for i in order:
         f, d = result.fused[i], decisions[i]
         # past the budget a node is still decided when its pair was timed before (a layer of
@@ -904,12 +908,22 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
             continue
         d.mode, d.replicas, d.original_ms, d.fused_ms = pair
         d.chosen = "fused"
-        if (settings.configs or KINDS[f.kind].search_configs) and not spent:
-            best = _search_configs(result, f, node, mini, d, timer, targets, conv_precision, jobs)
-            if best is not None:
-                d.fused_ms, d.chosen = best
+        if settings.configs or KINDS[f.kind].search_configs:
+            searches.append((f, node, mini, d))
         if d.fused_ms - d.original_ms > node_margin(d.original_ms, d.replicas):
             d.chosen = "original"
+    # then the candidate configurations, with what is left of the budget: every node's own
+    # kernel is timed first, so a search (one compile per tile) never leaves later nodes
+    # unmeasured (the thirteenth session's BERT-base b8: four attention tiles spent the 10 s
+    # before any GEMM was timed)
+    for f, node, mini, d in searches:
+        if time.perf_counter() - t0 > settings.budget_s:
+            break
+        best = _search_configs(result, f, node, mini, d, timer, targets, conv_precision, jobs)
+        if best is not None:
+            d.fused_ms, d.chosen = best
+            if d.fused_ms - d.original_ms > node_margin(d.original_ms, d.replicas):
+                d.chosen = "original"
     return decisions
 
 

@@ -490,14 +490,22 @@ def test_variant_choice():
     assert attention_variants(_spec("f16")) == (AttentionVariant(0, 128, 64, 8, 3, aligned=True),
                                                 AttentionVariant(1, 128, 64, 8, 3))
     assert attention_variants(_spec("f16", sq=512, batch_heads=96))[0].block_m == 128  # 4 * 96 programs
-    bert1 = attention_variants(_spec("f16", sq=128, batch_heads=12))[0]  # BERT-base at batch 1
-    assert (bert1.block_m, bert1.num_warps) == (16, 4)
+    bert8 = attention_variants(_spec("f16", sq=128, batch_heads=96))[0]  # BERT-base at batch 8
+    assert (bert8.block_m, bert8.block_n, bert8.num_warps, bert8.num_stages) == (64, 64, 4, 3)
     assert attention_variants(_spec("f16", sq=128, batch_heads=48))[0].block_m == 32  # 4 * 48 >= SMS
     assert -(-128 // 32) * 48 >= SMS > -(-128 // 64) * 48
+    # 16 query rows (BERT-base at batch 1: 96 programs) take 128-wide key blocks, up to D 64
+    bert1 = attention_variants(_spec("f16", sq=128, batch_heads=12))[0]
+    assert (bert1.block_m, bert1.block_n, bert1.num_warps, bert1.num_stages) == (16, 128, 4, 2)
+    assert attention_variants(_spec("f16", 128, 128, sq=128, batch_heads=12))[0].block_n == 64
     # wide heads: the half tile
     assert attention_variants(_spec("bf16", 256, 256))[0] == AttentionVariant(0, 64, 64, 4, 2, aligned=True)
-    # float32: narrower key blocks above D 32
-    assert attention_variants(_spec("f32"))[0] == AttentionVariant(0, 64, 32, 4, 2, aligned=True)
+    # float32: 32 query rows and a 2048-element score tile, K / V blocks of at most 8192 elements
+    assert attention_variants(_spec("f32"))[0] == AttentionVariant(0, 32, 64, 4, 2, aligned=True)
+    assert attention_variants(_spec("f32", sq=128, batch_heads=96))[0].block_m == 32  # 4 * 96 programs
+    f32_b1 = attention_variants(_spec("f32", sq=128, batch_heads=12))[0]
+    assert (f32_b1.block_m, f32_b1.block_n) == (16, 128)
+    assert attention_variants(_spec("f32", 128, 128, sq=128, batch_heads=12))[0].block_n == 64
     assert attention_variants(_spec("f32", 32, 32))[0].block_n == 64
     for spec in (_spec("f16"), _spec("f32"), _spec("f16", sq=128, batch_heads=12)):
         cands = attention_candidates(spec)

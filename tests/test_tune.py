@@ -737,18 +737,21 @@ def test_a_model_only_folded_is_still_checked_against_the_original(monkeypatch, 
         assert not [n for n in r.model.graph.node if n.op_type == "Shape"]
 
 
-def test_attention_tiles_are_searched_without_tune_configs(monkeypatch):
-    """FusedAttention's tile heuristic is not yet measured (Kind.search_configs): tuning times
-    its candidate configurations even without `--tune`, and only its (a pointwise chain's are
-    not); the fastest configuration's time is the node's."""
+def _attention_then_pointwise():
     from tests.test_attention_patterns import _heads
 
     m = _heads("add")
-    relu = helper.make_node("Relu", ["y"], ["y_relu"])
-    m.graph.node.append(relu)
+    m.graph.node.append(helper.make_node("Relu", ["y"], ["y_relu"]))
     m.graph.node.append(helper.make_node("Sigmoid", ["y_relu"], ["y_out"]))
     m.graph.output[0].name = "y_out"
-    r, before = _optimized(m)
+    return m
+
+
+def test_attention_tiles_are_searched_without_tune_configs(monkeypatch):
+    """FusedAttention's tile heuristic is measured on few shapes (Kind.search_configs): tuning
+    times its candidate configurations even without `--tune`, and only its (a pointwise chain's are
+    not); the fastest configuration's time is the node's."""
+    r, before = _optimized(_attention_then_pointwise())
     assert sorted(f.kind for f in r.fused) == ["attention", "pointwise"]
     searched = []
 
@@ -762,3 +765,42 @@ def test_attention_tiles_are_searched_without_tune_configs(monkeypatch):
     assert searched == ["attention"]
     (att,) = [d for d in rec["nodes"] if d["kind"] == "attention"]
     assert att["chosen"] == "tile 16x16" and att["fused_ms"] == 0.05
+
+
+def test_configurations_are_timed_after_every_nodes_own_kernel(monkeypatch):
+    """A search (one compile per tile) comes after every node's own pair of timings, so it
+    cannot spend the budget that a later node needed; a search that finds a slower tile than
+    the original turns the node back."""
+    r, before = _optimized(_attention_then_pointwise())
+    events = []
+    time_pair = tuning._time_pair
+
+    def pair(timer, orig, mini, graphs, cached_only=False):
+        events.append("pair")
+        return time_pair(timer, orig, mini, graphs, cached_only)
+
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs):
+        events.append("search")
+        return 0.3, "tile 16x16"  # slower than the original's 0.2
+
+    monkeypatch.setattr(tuning, "_time_pair", pair)
+    monkeypatch.setattr(tuning, "_search_configs", search)
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+    rec = _tune(r, before)["tune"]
+    assert events == ["pair", "pair", "search"]
+    (att,) = [d for d in rec["nodes"] if d["kind"] == "attention"]
+    assert att["chosen"] == "original" and att["fused_ms"] == 0.3
+    (pw,) = [d for d in rec["nodes"] if d["kind"] == "pointwise"]
+    assert pw["chosen"] == "fused"
+
+
+def test_no_configuration_is_timed_past_the_budget(monkeypatch):
+    r, before = _optimized(_attention_then_pointwise())
+    searched = []
+    monkeypatch.setattr(tuning, "_search_configs", lambda *a: searched.append(a) or (0.05, "tile 16x16"))
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)),
+                budget_after_one_pair=True)
+    rec = _tune(r, before)["tune"]
+    assert not searched
+    chosen = {d["kind"]: d["chosen"] for d in rec["nodes"]}
+    assert chosen["attention"] == "fused" and chosen["pointwise"].startswith("not measured (tuning budget")

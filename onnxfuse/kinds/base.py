@@ -227,8 +227,9 @@ class Kind(ABC):
     # tuning (onnxfuse.tune) times these nodes first: ONNX Runtime's own kernels for the
     # nodes they replace may be faster (cuDNN's convs), where fused memory-bound work seldom loses
     measure_first: ClassVar[bool] = False
-    # tuning times its kernels' candidate configurations (`candidates`) even without `--tune`:
-    # its tile heuristic is not yet measured, and its nodes repeat per layer (one search each)
+    # tuning times its kernels' candidate configurations (`candidates`) even without `--tune`,
+    # with the budget left after every node's own kernel: its tile heuristic is measured on few
+    # shapes, and its nodes repeat per layer (one search per shape)
     search_configs: ClassVar[bool] = False
     # the op types whose nodes anchor its matches (the report counts them when its patterns
     # are not matched: `untuned_reason`)
