@@ -233,3 +233,12 @@ PY
     python3 benchmarks/intensity_sweep.py --json "$OUT/intensity_sweep.json" --png "$OUT/intensity_sweep.png" 2>&1 | tee "$OUT/intensity_sweep.log"
     ;;
 esac
+# The device tool brings back at most 8 files from $OUT (the fourteenth session lost a suite's
+# JSON to it): past 7, every file this run left there that is not already packed goes into one
+# archive, bundle_<mode>_<pid>.tgz, and is removed; earlier runs' bundles stay beside it.
+if [ "$(find "$OUT" -type f | wc -l)" -gt 7 ]; then
+  b="bundle_${1:-tests}_$$.tgz"
+  if (cd "$OUT" && find . -type f ! -name 'bundle_*.tgz' -print0 | tar czf "/tmp/$b" --null -T -); then
+    (cd "$OUT" && find . -type f ! -name 'bundle_*.tgz' -delete) && mv "/tmp/$b" "$OUT/$b"
+  fi
+fi
