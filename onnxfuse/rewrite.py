@@ -198,7 +198,7 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
             tensors[t.name] = ir.constant(t)
         scratch = onnx.GraphProto()
         program = low.program
-        body, fin, fout = _function_body(view, low.body, low.inputs, m.outputs, low.folded)
+        body, fin, fout = _function_body(view, low.body, low.body_inputs or low.inputs, m.outputs, low.folded)
         digest = hashlib.sha256(program.to_text().encode())
         for n in body:
             digest.update(n.SerializeToString(deterministic=True))

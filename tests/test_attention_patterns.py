@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from onnx.inliner import inline_local_functions
 
 from onnxfuse import optimize_model
 from onnxfuse.kinds.attention import evaluate_attention
@@ -502,7 +503,9 @@ def test_output_transpose_after_a_same_shape_reshape():
 def test_causal_mask_computed_from_constants_is_recognized():
     """Hugging Face transformers 5's GPT-2 sdpa export makes its mask in the graph from constants
     alone, Where(Equal(Trilu(Expand(1, [S, S])), 0), -inf, 0), for every layer: evaluated at
-    optimize time, it is the additive causal mask, computed by the kernel (nothing read)."""
+    optimize time, it is the additive causal mask, computed by the kernel (nothing read). The
+    node takes it as a constant, so the four ops are gone; the function body, inlined, still
+    computes the original."""
     m = _heads("add")
     g = m.graph
     g.input.remove(next(i for i in g.input if i.name == "mask"))
@@ -515,5 +518,11 @@ def test_causal_mask_computed_from_constants_is_recognized():
     g.node.insert(3, N("Where", ["above", "neg_inf", "zero"], ["mask"]))
     spec, r = _attention_spec(m)
     assert spec.extras_broadcast == ("causal_add",) and spec.causal_masked == float("-inf")
+    assert op_types(r.model) == ["FusedAttention"], r.report.summary()
+    (node,) = r.model.graph.node
+    (mask,) = [t for t in r.model.graph.initializer if t.name == node.input[3]]
+    np.testing.assert_array_equal(numpy_helper.to_array(mask), np.where(np.tri(S, S, 0, dtype=bool), 0, -np.inf))
     feeds = {k: v for k, v in _feeds(_heads("add")).items() if k != "mask"}
-    np.testing.assert_allclose(_run_with_library(r.model, feeds)[0], run(m, feeds)[0], rtol=1e-5, atol=1e-5)
+    want = run(m, feeds)[0]
+    np.testing.assert_allclose(_run_with_library(r.model, feeds)[0], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(run(inline_local_functions(r.model), feeds)[0], want, rtol=1e-6, atol=1e-6)

@@ -39,6 +39,7 @@ ONNX Runtime does not (the score tensor never reaches memory), and the report's 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -576,8 +577,10 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
             attrs[f"bias_{w}"] = 3 + len(extras) + biases.index(o.bias)
             key += f" bias_{w}"
     bias_inputs = [_bias_vector(view, b, node_name, names, graph) for b in biases]
-    return Lowering(program, folded, [*(o.input for o in qkv), *extras, *bias_inputs], body, attrs, key,
-                    parts.rank, ("full",) + ("strided",) * len(extras), {"params": info})
+    stored = [_computed_extra(view, e, r, names, graph) for e, r in zip(extras, info.extras_broadcast, strict=True)]
+    inputs = [*(o.input for o in qkv), *stored, *bias_inputs]
+    return Lowering(program, folded, inputs, body, attrs, key, parts.rank, ("full",) + ("strided",) * len(extras),
+                    {"params": info}, None if stored == extras else [*(o.input for o in qkv), *extras, *bias_inputs])
 
 
 def _extra_reads(view: GraphView, program, extras: list[str], sq: int | None,
@@ -740,6 +743,31 @@ def _bias_vector(view: GraphView, bias: str, node_name: str, names: set[str], gr
         return bias
     name = unique_name(f"{node_name}.bias", names)
     graph.initializer.append(numpy_helper.from_array(numpy_helper.to_array(c).reshape(-1), name))
+    return name
+
+
+# the most bytes of a causal mask that the graph computes from constants and that is stored as a
+# constant instead (`_computed_extra`): 1024^2 float32 values
+FOLD_MASK_MAX_BYTES = 1 << 22
+
+
+def _computed_extra(view: GraphView, extra: str, read: str, names: set[str], graph: GraphProto) -> str:
+    """The node's input for an extra: for a causal mask the kernel computes from the indices
+    ("causal", "causal_add") that the graph computes from constants (GPT-2's Slices of its
+    lower-triangular buffer, two per layer; Hugging Face 5's sdpa mask, four ops per layer), the
+    value as one constant shared by every layer that computes the same, so those nodes are left
+    without consumers and removed: the kernel does not read it, the function body does. Other
+    extras, constants, and masks over FOLD_MASK_MAX_BYTES stay as they are."""
+    if read not in ("causal", "causal_add") or extra in view.constants:
+        return extra
+    value = _constant_value(view, extra, {})
+    if value is None or value.nbytes > FOLD_MASK_MAX_BYTES:
+        return extra
+    digest = hashlib.sha1(value.tobytes() + str((value.dtype, value.shape)).encode()).hexdigest()[:12]
+    name = f"onnxfuse_causal_mask_{digest}"
+    if name not in names:
+        names.add(name)
+        graph.initializer.append(numpy_helper.from_array(value, name))
     return name
 
 

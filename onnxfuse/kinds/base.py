@@ -141,7 +141,7 @@ class MatchResult:
 class Lowering:
     """How a match becomes a node (`Kind.lower`): its program (attribute `program`) with
     the constants folded into it, the node's inputs, the original nodes its function body
-    holds (by their tensor names; the body's inputs are `inputs`), its other attributes,
+    holds (by their tensor names; the body's inputs are `inputs`, or `body_inputs`), its other attributes,
     what else names its kernel (`key`, hashed with the program and the body), and the
     FusedNode's fields besides the common ones."""
 
@@ -154,6 +154,9 @@ class Lowering:
     rank: int
     input_modes: tuple[str, ...]
     fields: dict = field(default_factory=dict)
+    # what the body reads for each input, where a lowering passes the node another tensor of the
+    # same value (a mask the graph computes, stored as a constant); None: `inputs`
+    body_inputs: list[str] | None = None
 
 
 @dataclass(frozen=True)
