@@ -281,6 +281,7 @@ class CaseResult:
     ort_max_abs_err: float | None = None  # the "ort" variant's error vs the reference
     gate_passed: bool | None = None       # every onnxfuse variant that ran passed (None: none gated)
     tune: dict | None = None              # what optimize's tuning measured and kept (onnxfuse.tune)
+    profile: dict | None = None           # --profile: per model, kernel time by op type (`profile_summary`)
 
 
 def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProto,
@@ -405,10 +406,12 @@ def _torch_variant(module, feeds, cuda: bool, compile_mode: str | None, warmup: 
 
 
 def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], warmup: int, iters: int,
-             log=print, tune: bool = True, tune_budget: float | None = None, reference: str = "float64") -> CaseResult:
+             log=print, tune: bool = True, tune_budget: float | None = None, reference: str = "float64",
+             profile: bool = False) -> CaseResult:
     """One case: the original, `onnxfuse optimize` of it as the command line runs it on a GPU
     (channels-last, tuned at the case's shapes unless `tune` is off), every variant timed on
-    the same inputs, errors against the fp32 reference and the gate."""
+    the same inputs, errors against the fp32 reference and the gate; with `profile`, each
+    model's kernel time by op type too (`profile_summary`)."""
     shapes = case.dry_shapes if dry else case.shapes
     res = CaseResult(case.name, case.kind, {k: list(v) for k, v in shapes.items()})
     try:
@@ -519,6 +522,17 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         gc.collect()
     gated = [r.gate_passed for v, r in res.variants.items() if v.startswith("onnxfuse") and r.gate_passed is not None]
     res.gate_passed = all(gated) if gated else None
+    if profile:
+        res.profile = {}
+        for v in ort_based:  # each model once, under its plain variant's name
+            name = model_variant(v)
+            if name in res.profile:
+                continue
+            try:
+                res.profile[name] = profile_summary(paths[v], provider, shapes)
+            except Exception as e:  # the timings above stand without it
+                res.profile[name] = {"error": _error_text(e)}
+            log(f"  {case.name:<20} profile {LABELS.get(name, name):<24} " + profile_line(res.profile[name]))
     del ort_outs, ref, ran
     if gpu is not None:
         gpu.close()
@@ -553,6 +567,41 @@ def _fuse(model: onnx.ModelProto, src: Path, dst: Path, shapes: dict[str, tuple[
     for w in report.warnings:
         warn(f"warning: {w[:300]}")
     return report.compile or {}
+
+
+# op types that cost no kernel time in ONNX Runtime (their output is a view of the input)
+FREE_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
+def profile_summary(path: str, provider: str, shapes: dict[str, tuple[int, ...]], top: int = 12) -> dict:
+    """`onnxfuse profile` of one model at the case's shapes, without CUDA graphs (kernel times
+    through CUPTI on CUDA): its median run, the summed median time per op type (nodes ONNX
+    Runtime created by its own fusions under their new op type: SkipLayerNormalization, Gemm
+    from MatMul + Add, ...), and the `top` nodes by time."""
+    from onnxfuse.profile import profile
+
+    r = profile(path, provider, shapes=dict(shapes), iters=10, warmup=3)
+    by_op: dict[str, dict] = {}
+    for n in r.nodes:
+        e = by_op.setdefault(n.op_type, {"us": 0.0, "nodes": 0})
+        e["us"] += n.median_s * 1e6
+        e["nodes"] += 1
+    ranked = sorted(r.nodes, key=lambda n: -n.median_s)[:top]
+    return {"run_us": r.run_median_s * 1e6, "time_source": r.time_source,
+            "kernel_us": sum(e["us"] for e in by_op.values()),
+            "by_op": dict(sorted(((k, {"us": round(e["us"], 2), "nodes": e["nodes"]}) for k, e in by_op.items()),
+                                 key=lambda kv: -kv[1]["us"])),
+            "top": [{"node": n.name, "op": n.op_type, "us": round(n.median_s * 1e6, 2)} for n in ranked],
+            "warnings": r.warnings[:5]}
+
+
+def profile_line(p: dict) -> str:
+    """One line of a profile summary: total kernel µs and the five op types that take most."""
+    if "error" in p:
+        return p["error"]
+    ops = ", ".join(f"{k} {v['us']:.0f} ({v['nodes']})" for k, v in list(p["by_op"].items())[:5]
+                    if k not in FREE_OPS or v["us"] > 0)
+    return f"{p['kernel_us']:.0f} µs in kernels ({p['time_source']}): {ops}"
 
 
 def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto | None, options: dict,
@@ -764,6 +813,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: check plumbing and tables only")
     ap.add_argument("--workdir", type=Path, help="where the models are written (default: a temporary folder)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also `onnxfuse profile` each case's models (without CUDA graphs): kernel time by op type "
+                         "and the slowest nodes, in the JSON's cases[].profile")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--table", help="timing columns of the table (default: every variant that ran), e.g. "
@@ -869,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
         for case in picked:
             print(f"{case.name} ({case.kind})", flush=True)
             res = run_case(case, workdir, args.dry_run, variants, warmup, iters, tune=not args.no_tune,
-                           tune_budget=args.tune_budget, reference=args.reference)
+                           tune_budget=args.tune_budget, reference=args.reference, profile=args.profile)
             if res.skipped:
                 print(f"  skipped: {res.skipped}")
             result["cases"].append(ob._finite(dataclasses.asdict(res)))

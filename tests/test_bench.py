@@ -759,6 +759,27 @@ def test_compare_tfopt_graph_variants_only_with_an_optimizer(tmp_path, monkeypat
     assert set(seen) == set(res.variants) == {"ort", "onnxfuse"} and res.gate_passed is True
 
 
+def test_compare_profile_names_each_models_kernels(tmp_path):
+    """--profile: each model of the case profiled once (a _graph variant runs its plain twin's
+    model): its kernel time by op type, summed over the nodes, and the slowest nodes; the
+    onnxfuse model's time includes its fused nodes'."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    case = next(c for c in compare.cases() if c.name == "cos_cos")
+    res = compare.run_case(case, tmp_path, True, ("ort", "ort_graph", "onnxfuse"), 0, 2, log=lambda *a: None,
+                           profile=True)
+    assert set(res.profile) == {"ort", "onnxfuse"}
+    for p in res.profile.values():
+        assert "error" not in p, p
+        assert p["kernel_us"] == pytest.approx(sum(e["us"] for e in p["by_op"].values()), rel=1e-3, abs=0.05)
+        assert p["kernel_us"] > 0 and p["top"] and p["top"][0]["us"] == max(t["us"] for t in p["top"])
+    assert set(res.profile["onnxfuse"]["by_op"]) == {"PointwiseChain"}
+    assert res.profile["ort"]["by_op"]["Cos"]["nodes"] == 2
+    assert compare.profile_line(res.profile["ort"]).endswith(")") and "µs in kernels" in compare.profile_line(
+        res.profile["ort"])
+
+
 def test_compare_gates_a_wrong_onnxfuse_model(tmp_path, monkeypatch):
     """run_case with an optimizer that miscompiles one node: that case fails the gate."""
     sys.path.insert(0, str(ROOT))
