@@ -19,12 +19,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import ModelProto, helper, numpy_helper
+from onnx import ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
 from onnxfuse.kinds.attention import AttentionParts, find_attention
 from onnxfuse.kinds.base import Pattern
+from onnxfuse.load import infer_shapes
+from onnxfuse.match import find_matches
+from onnxfuse.ort_fusions import OrtFusions, ort_fusions, reason
 
 
 @dataclass(frozen=True)
@@ -164,3 +167,203 @@ def pack_qkv(model: ModelProto, view: GraphView, pattern: Pattern) -> tuple[Mode
     del g.initializer[:]
     g.initializer.extend(alive)
     return out, len(trios)
+
+
+# ---------------------------------------------------------------------------------------
+# The bias after the product
+# ---------------------------------------------------------------------------------------
+
+# ONNX Runtime's fusions that take a bias Add in (SkipLayerNormalization's and BiasGelu's,
+# FastGelu's bias input): where one of these takes the Add, the GEMM runs without its bias
+BIAS_TAKERS = frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu"})
+
+
+@dataclass(frozen=True)
+class BiasMove:
+    """A product whose bias moves after it: a Gemm with a 1-D C, or a static MatMul + bias Add."""
+
+    node: int  # the Gemm or MatMul
+    add: int | None  # the MatMul's Add
+    reshape: int | None  # the Gemm's one consumer, a Reshape (its rows back to the input's dims)
+    bias: np.ndarray  # [N]
+    out: str  # the biased value's name (the Add's, the Reshape's or the Gemm's output)
+
+
+def _gemm_move(view: GraphView, i: int) -> BiasMove | None:
+    n = view.nodes[i]
+    a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
+    if len(n.input) < 3 or not n.input[2] or n.input[2] not in view.constants or a.get("transA", 0):
+        return None
+    if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0:
+        return None
+    c = numpy_helper.to_array(view.constants[n.input[2]])
+    shape = view.shapes.get(n.output[0])
+    if shape is None or not isinstance(shape[-1], int) or c.size != shape[-1] \
+            or not (c.ndim == 1 or c.ndim == 2 and c.shape[0] == 1):
+        return None
+    out = n.output[0]
+    users = view.consumers.get(out, [])
+    reshape = None
+    if len(users) == 1 and out not in view.graph_outputs and view.nodes[users[0]].op_type == "Reshape":
+        rows = view.shapes.get(view.nodes[users[0]].output[0])
+        if rows is not None and rows[-1] == shape[-1]:  # the same last dim: each row stays a row
+            reshape = users[0]
+            out = view.nodes[reshape].output[0]
+    return BiasMove(i, None, reshape, c.reshape(-1), out)
+
+
+def _matmul_move(view: GraphView, i: int) -> BiasMove | None:
+    """A MatMul of a static [..., K] input by a constant [K, N] whose one consumer adds a constant
+    [N] bias: ONNX Runtime fuses the pair into a Gemm with the bias (MatMulAddFusion, before the
+    fusions of BIAS_TAKERS), which `bias_after_product` writes as Reshape, Gemm, Reshape, Add."""
+    n = view.nodes[i]
+    x, w = n.input[0], n.input[1]
+    xs = view.shapes.get(x)
+    if w not in view.constants or len(view.constants[w].dims) != 2 or xs is None or len(xs) < 2 \
+            or not all(isinstance(d, int) for d in xs):
+        return None
+    users = view.consumers.get(n.output[0], [])
+    if len(users) != 1 or n.output[0] in view.graph_outputs or view.nodes[users[0]].op_type != "Add":
+        return None
+    add = view.nodes[users[0]]
+    bias = next((t for t in add.input if t != n.output[0]), None)
+    if bias is None or bias not in view.constants:
+        return None
+    b = numpy_helper.to_array(view.constants[bias])
+    width = int(view.constants[w].dims[1])
+    if b.size != width or b.shape[-1] != width:
+        return None
+    return BiasMove(i, users[0], None, b.reshape(-1), add.output[0])
+
+
+def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[ModelProto, dict[int, int]]:
+    """`model` with each move applied, and where each move's bias Add is in the new node list."""
+    out = ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    names = {t for n in g.node for t in (*n.input, *n.output)} | {t.name for t in g.initializer} \
+        | {i.name for i in g.input} | {o.name for o in g.output}
+
+    def fresh(base: str) -> str:
+        k, name = 0, base
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.add(name)
+        return name
+
+    after: dict[int, tuple[int, list]] = {}  # node -> (move, nodes that take its place)
+    for k, mv in enumerate(moves):
+        n = view.nodes[mv.node]
+        stem = n.name or n.output[0]
+        b_name = fresh(f"{stem}.bias")
+        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(mv.bias), b_name))
+        if mv.add is None:  # Gemm(A, W, C) [-> Reshape]  =>  Gemm(A, W) [-> Reshape] -> Add(C)
+            gemm = NodeProto()
+            gemm.CopyFrom(n)
+            del gemm.input[2:]
+            keep = [x for x in gemm.attribute if x.name != "beta"]
+            del gemm.attribute[:]
+            gemm.attribute.extend(keep)
+            product = fresh(f"{stem}.product")
+            gemm.output[0] = product
+            after[mv.node] = (k, [gemm])
+            nodes = []
+            if mv.reshape is not None:  # the Add where the Reshape is (its shape may be made after the Gemm)
+                r = NodeProto()
+                r.CopyFrom(view.nodes[mv.reshape])
+                r.input[0] = product
+                product = fresh(f"{stem}.product_rows")
+                r.output[0] = product
+                nodes.append(r)
+            nodes.append(helper.make_node("Add", [product, b_name], [mv.out], name=fresh(f"{stem}.bias_add")))
+            if mv.reshape is None:
+                after[mv.node] = (k, [gemm, *nodes])
+            else:
+                after[mv.reshape] = (k, nodes)
+        else:  # MatMul(X, W) -> Add(b)  =>  Reshape(X, [M, K]) -> Gemm(., W) -> Reshape(., [..., N]) -> Add(b)
+            xs = view.shapes[n.input[0]]
+            width = len(mv.bias)
+            rows = fresh(f"{stem}.rows")
+            shape_in, shape_out = fresh(f"{stem}.rows_shape"), fresh(f"{stem}.out_shape")
+            g.initializer.append(numpy_helper.from_array(np.array([-1, xs[-1]], np.int64), shape_in))
+            g.initializer.append(numpy_helper.from_array(np.array([*xs[:-1], width], np.int64), shape_out))
+            product, unflat = fresh(f"{stem}.product"), fresh(f"{stem}.product_rows")
+            nodes = [helper.make_node("Reshape", [n.input[0], shape_in], [rows], name=fresh(f"{stem}.flatten")),
+                     helper.make_node("Gemm", [rows, n.input[1]], [product], name=fresh(f"{stem}.gemm")),
+                     helper.make_node("Reshape", [product, shape_out], [unflat], name=fresh(f"{stem}.unflatten")),
+                     helper.make_node("Add", [unflat, b_name], [mv.out], name=view.nodes[mv.add].name
+                                      or fresh(f"{stem}.bias_add"))]
+            after[mv.node] = (k, nodes[:3])
+            after[mv.add] = (k, nodes[3:])
+    kept, where = [], {}
+    for j, n in enumerate(g.node):
+        if j in after:
+            k, nodes = after[j]
+            for m in nodes:
+                if m.op_type == "Add" and m.output[0] == moves[k].out:
+                    where[k] = len(kept)
+                kept.append(m)
+        else:
+            kept.append(n)
+    del g.node[:]
+    g.node.extend(kept)
+    read = {t for n in g.node for t in n.input}
+    inits = {t.name for t in model.graph.initializer}
+    alive = [t for t in g.initializer if t.name in read or t.name not in inits]
+    del g.initializer[:]
+    g.initializer.extend(alive)
+    return out, where
+
+
+def bias_after_product(model: ModelProto, view: GraphView,
+                       patterns: list[Pattern]) -> tuple[ModelProto, int, OrtFusions | None]:
+    """`model` with the bias of each product that ONNX Runtime would otherwise run inside its Gemm
+    added after the product instead, where one of ORT's own fusions then takes that Add in
+    (BIAS_TAKERS: a residual add and LayerNorm into SkipLayerNormalization, a GELU into BiasGelu or
+    FastGelu), as ORT's transformers optimizer writes those layers; how many moved; and ORT's
+    fusions of the model returned where they were asked of it here (else None: the match pass
+    asks).
+
+    Why: ORT's CUDA Gemm with a bias vector first writes the bias broadcast into Y with a rank-1
+    cuBLAS product, then multiplies with beta 1, reading Y back (core/providers/cuda/math/gemm.cc):
+    a second kernel and a write and read of the output for each projection. ORT makes such a Gemm
+    of every MatMul + bias Add (its MatMulAddFusion, level 1) before its SkipLayerNormalization and
+    BiasGelu fusions (level 2) look for the Add; GPT-2's TorchScript export writes it so already
+    (Conv1D: Reshape, Gemm with C, Reshape). Here the product becomes Reshape, Gemm without C,
+    Reshape (or stays a Gemm without C) and the bias an Add after it.
+
+    Which moves are kept is measured on the graph, not guessed: every candidate is moved in a
+    trial model, ORT optimizes it (`onnxfuse.ort_fusions`) and `patterns` are matched on it; a move
+    stays where ORT's fusions took its Add into one of BIAS_TAKERS or one of onnxfuse's fused nodes
+    takes it (a normalization's prologue, the attention's packed bias, a pointwise chain), and the
+    others are left as they were. Static input shapes are needed for a MatMul (the Reshapes'
+    shapes); a Gemm's Reshapes are its own."""
+    moves = []
+    for i, n in enumerate(view.nodes):
+        if n.domain not in ("", "ai.onnx") or n.op_type not in ("Gemm", "MatMul"):
+            continue
+        mv = _gemm_move(view, i) if n.op_type == "Gemm" else _matmul_move(view, i)
+        if mv is not None and view.consumers.get(mv.out):  # a graph output alone: nothing takes the Add
+            moves.append(mv)
+    if not moves:
+        return model, 0, None
+    # a product or bias Add that one of the patterns fuses already (a GemmEpilogue with the bias
+    # in its epilogue, the attention's packed bias) stays as it is
+    probe = ort_fusions(model)
+    taken = {i for m in find_matches(view, patterns, probe.absorbed).matches for i in m.nodes}
+    moves = [mv for mv in moves if mv.node not in taken and mv.add not in taken]
+    if not moves:
+        return model, 0, probe
+    trial, where = _moved(model, view, moves)
+    trial_probe = ort_fusions(trial)
+    takers = {reason(f) for f in BIAS_TAKERS}
+    absorbed = trial_probe.absorbed
+    ours = {i for m in find_matches(GraphView.build(trial, infer_shapes(trial)), patterns, absorbed).matches
+            for i in m.nodes}
+    kept = [mv for k, mv in enumerate(moves) if where.get(k, -1) in ours or absorbed.get(where.get(k, -1)) in takers]
+    if not kept:
+        return model, 0, probe
+    if len(kept) == len(moves):
+        return trial, len(kept), trial_probe
+    return _moved(model, view, kept)[0], len(kept), None

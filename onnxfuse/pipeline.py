@@ -26,9 +26,9 @@ from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
 from onnxfuse.kinds import KINDS
 from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem
 from onnxfuse.match import MatchResult, find_matches
-from onnxfuse.ort_fusions import ort_fusions
+from onnxfuse.ort_fusions import OrtFusions, ort_fusions
 from onnxfuse.outputs import Outputs
-from onnxfuse.pack import pack_qkv
+from onnxfuse.pack import bias_after_product, pack_qkv
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.rewrite import DOMAIN, FusedNode, rewrite
 from onnxfuse.static import fold_shape_arithmetic, resolve_dims
@@ -207,6 +207,10 @@ class Result:
     untuned: dict[str, frozenset[str]] = field(default_factory=dict)
     # - pack: how many attentions had their Q, K and V projections packed into one product
     packed: int = 0
+    # - bias: how many products had their bias moved after them, into one of ORT's fusions, and
+    #   ORT's fusions of the model where the bias pass asked for them (the match pass's answer)
+    biased_after: int = 0
+    ort_probe: OrtFusions | None = None
     # - match: what each pattern fuses, and why other nodes do not
     found: MatchResult | None = None
     # - compile, when the tune pass follows: the result as the rewrite left it, from which
@@ -348,13 +352,31 @@ def pack_pass(result: Result, options: Options) -> Result:
     return result
 
 
+BIAS_AFTER = ("products whose bias was added after them, where ONNX Runtime's SkipLayerNormalization, BiasGelu "
+              "or FastGelu fusion or a fused node takes the Add in (ONNX Runtime's Gemm would add it with a "
+              "second kernel)")
+
+
+def bias_pass(result: Result, options: Options) -> Result:
+    """With `leave_to_ort`: each product's bias that ONNX Runtime would run inside its Gemm (a
+    broadcast kernel, then the product with beta 1) added after the product instead, where
+    ORT's own fusions then take that Add in (`onnxfuse.pack.bias_after_product`, asked of ORT);
+    the shapes inferred again when anything moved."""
+    if result.unchanged is None and options.leave_to_ort:
+        model, moved, result.ort_probe = bias_after_product(result.model, result.view, result.patterns)
+        if moved:
+            result.model, result.biased_after = model, moved
+            infer_shapes_pass(result, options)
+    return result
+
+
 def match_pass(result: Result, options: Options) -> Result:
     """The groups each pattern fuses (`onnxfuse.match`), and in the report why other nodes do
     not (including those the matcher does not visit: in subgraphs and the model's functions).
     With `leave_to_ort`, the nodes ONNX Runtime's own fusions would take are kept out of
     pointwise chains (`onnxfuse.ort_fusions`, asked about the canonical model)."""
     if result.unchanged is None:
-        by_ort = ort_fusions(result.model) if options.leave_to_ort else None
+        by_ort = (result.ort_probe or ort_fusions(result.model)) if options.leave_to_ort else None
         if by_ort is not None and (by_ort.missing_ort or by_ort.too_large):
             result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused "
                         "(--no-leave-to-ort says not to look)")
@@ -362,6 +384,8 @@ def match_pass(result: Result, options: Options) -> Result:
         result.report.notes = dict(result.found.notes)
         if result.packed:
             result.report.notes[PACKED] = result.packed
+        if result.biased_after:
+            result.report.notes[BIAS_AFTER] = result.biased_after
         not_fused = dict(result.found.rejected)
         for reason, count in _not_visited(result.model, result.patterns).items():
             not_fused[reason] = not_fused.get(reason, 0) + count
@@ -465,6 +489,7 @@ PASSES: tuple[Callable[[Result, Options], Result], ...] = (
     infer_shapes_pass,    # types and shapes, for matching and for the NHWC layout
     choose_layout_pass,   # the patterns for the layout (nchw, or nhwc when kernels are compiled)
     pack_pass,            # attention's Q, K and V projections: one product, read in place
+    bias_pass,            # a product's bias after it, where ORT's SkipLayerNorm / BiasGelu fusions take it
     match_pass,           # the groups each pattern fuses, and why other nodes do not
     rewrite_pass,         # custom nodes in domain onnxfuse + their original subgraphs as functions
     compile_pass,         # decline slow convs, lay out NHWC, compile and attach kernels, unfuse failures

@@ -362,8 +362,12 @@ def test_packed_projection_bias_left_alone(form):
     m = {"graph output": lambda: _packed(x_output=True), "another reader": lambda: _packed(x_reader=True),
          "not a constant": lambda: _packed(bias="input"), "2-D bias": lambda: _packed((S, 3 * H * D)),
          "heads not the H dim": lambda: _packed(heads=False)}[form]()
-    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
-    assert op_types(r.model).count("Add") == 1 and "FusedAttention" in op_types(r.model), r.report.summary()
+    r = check_fusion(m, expect_fused=None, feeds=_feeds(m), patterns=PATTERNS)
+    # the Add runs as a node, or in a pointwise chain with its other reader (the product's bias
+    # then added after it: `bias_after_product`)
+    in_chains = sum(s.startswith("Add ") for f in r.fused if f.kind == "pointwise" for s in f.source_nodes)
+    assert op_types(r.model).count("Add") + in_chains == 1 and "FusedAttention" in op_types(r.model), \
+        r.report.summary()
     a = _node_attrs(r)
     assert a["inputs"][:3] == ["qkv"] * 3 and not {"bias_q", "bias_k", "bias_v"} & set(a), a
 

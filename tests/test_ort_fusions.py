@@ -16,6 +16,7 @@ from onnx import helper
 
 from onnxfuse import optimize_model
 from onnxfuse.ort_fusions import absorbed_nodes, as_float32, ort_fusions, reason
+from onnxfuse.pipeline import BIAS_AFTER
 from tests.util import check_fusion, model, random_feeds, run
 
 pytest.importorskip("onnxruntime")
@@ -113,13 +114,18 @@ def test_leave_to_ort_off_fuses_them_anyway():
     assert not any(k.startswith("left to ONNX Runtime") for k in r.report.not_fused)
 
 
-def test_static_shapes_leave_the_bias_to_gemm():
-    # with every dim known ORT turns MatMul + Add (3-D, through Reshapes) into Gemm and the
-    # erf-GELU into Gelu: both are left to it
+def test_static_shapes_move_the_bias_into_bias_gelu():
+    # with every dim known ORT would turn MatMul + Add (3-D, through Reshapes) into a Gemm with
+    # the bias (a broadcast kernel first) and the erf-GELU into Gelu; written as Reshape, Gemm
+    # without a bias, Reshape, Add (`onnxfuse.pack.bias_after_product`), ORT's BiasGelu fusion
+    # takes the Add and the GELU, and the model computes the same
     m = encoder_block(batch=2)
     r = check_fusion(m, expect_fused=1)
     nf = r.report.not_fused
-    assert nf[reason("MatMul + Add into Gemm")] == 1 and nf[reason("Gelu")] == 5
+    assert reason("MatMul + Add into Gemm") not in nf and nf[reason("BiasGelu")] == 6
+    assert r.report.notes[BIAS_AFTER] == 1
+    (gemm,) = [n for n in r.model.graph.node if n.op_type == "Gemm"]
+    assert len(gemm.input) == 2
 
 
 def test_float16_is_probed_as_float32():
@@ -222,11 +228,15 @@ def test_torch_encoder_dynamic_shapes(torch_encoder):
 
 
 def test_torch_encoder_static_shapes(torch_encoder):
-    # every dim known: Gemm takes the biases, Gelu the erf chain, SkipLayerNormalization the
-    # residual Adds: nothing is left for a pointwise chain; each layer's attention (whose scale
-    # FusedMatMul would take) is one FusedAttention
-    r = _check_encoder(torch_encoder["static"], {"SkipLayerNormalization": 4, "Gelu": 10})
-    assert r.report.patterns_applied == {"attention": 2}
+    # every dim known: the output projection's and the FFN's biases are added after their
+    # products (bias_after_product), so SkipLayerNormalization takes bias and residual Adds and
+    # BiasGelu the FFN1 bias with the erf chain, each Gemm without a bias; the input projection
+    # (its bias Add feeds the heads' split) stays a Gemm with the bias; nothing is left for a
+    # pointwise chain; each layer's attention (whose scale FusedMatMul would take) is one
+    # FusedAttention
+    r = _check_encoder(torch_encoder["static"], {"SkipLayerNormalization": 6, "BiasGelu": 12,
+                                                 "MatMul + Add into Gemm": 4})
+    assert r.report.patterns_applied == {"attention": 2} and r.report.notes[BIAS_AFTER] == 4
 
 
 def test_a_model_no_fusion_starts_from_is_not_probed(monkeypatch):

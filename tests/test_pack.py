@@ -103,3 +103,95 @@ def test_nothing_packed_without_the_attention_pattern():
     m = _bert_attention()
     r = optimize_model(m, [p for p in PATTERNS if p.name != "attention"])
     assert op_types(r.model).count("MatMul") == 5 and PACKED not in r.report.notes
+
+
+# ---------------------------------------------------------------------------------------
+# The bias after the product (bias_after_product)
+# ---------------------------------------------------------------------------------------
+
+def _ort_ops(m, tmp_path) -> list[tuple[str, int]]:
+    """(op type, inputs given) of each node ONNX Runtime runs after its own fusions (CPU EP,
+    ORT_ENABLE_EXTENDED, as the CUDA EP has them: onnxfuse.ort_fusions)."""
+    import onnx
+    import onnxruntime as ort
+
+    from onnxfuse.runtime import library_path
+
+    so = ort.SessionOptions()
+    so.register_custom_ops_library(library_path())
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+    so.optimized_model_filepath = str(tmp_path / "ort.onnx")
+    so.log_severity_level = 3
+    ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return [(n.op_type, sum(1 for i in n.input if i)) for n in onnx.load(str(tmp_path / "ort.onnx")).graph.node]
+
+
+def _layer(form: str, tail: str):
+    """A projection x [B, S, E] -> [B, S, F] with a bias, as exporters write it ("matmul":
+    MatMul + Add, static shapes; "gemm": GPT-2's Conv1D, Reshape -> Gemm with C -> Reshape),
+    then `tail`: "residual" (+ r, LayerNormalization), "gelu" (erf-GELU), "relu", "output"."""
+    rng = np.random.default_rng(5)
+    f = 3 * E
+    inits = {"w": rng.standard_normal((E, f)).astype(np.float32) / 4, "b": rng.standard_normal(f).astype(np.float32),
+             "g": np.ones(f, np.float32), "beta": np.zeros(f, np.float32), "rows": np.array([-1, E], np.int64),
+             "back": np.array([B, S, f], np.int64), "half": np.array(0.5, np.float32),
+             "sqrt2": np.array(np.sqrt(2.0), np.float32), "one": np.array(1.0, np.float32)}
+    if form == "matmul":
+        nodes = [N("MatMul", ["x", "w"], ["p"]), N("Add", ["p", "b"], ["h"])]
+    else:
+        nodes = [N("Reshape", ["x", "rows"], ["x2"]), N("Gemm", ["x2", "w", "b"], ["p2"]),
+                 N("Reshape", ["p2", "back"], ["h"])]
+    inputs = {"x": ("float32", [B, S, E])}
+    if tail == "residual":
+        nodes += [N("Add", ["h", "r"], ["s"]), N("LayerNormalization", ["s", "g", "beta"], ["y"], epsilon=1e-5)]
+        inputs["r"] = ("float32", [B, S, f])
+    elif tail == "gelu":
+        nodes += [N("Div", ["h", "sqrt2"], ["d"]), N("Erf", ["d"], ["e"]), N("Add", ["e", "one"], ["e1"]),
+                  N("Mul", ["h", "e1"], ["m"]), N("Mul", ["m", "half"], ["y"])]
+    elif tail == "relu":
+        nodes += [N("Relu", ["h"], ["y"])]
+    else:
+        nodes += [N("Identity", ["h"], ["y"])]
+    return model(nodes, inputs, {"y": ("float32", [B, S, f])}, inits, opset=17)
+
+
+@pytest.mark.parametrize("form", ["matmul", "gemm"])
+@pytest.mark.parametrize("tail, taker", [("residual", ("SkipLayerNormalization", 5)), ("gelu", ("BiasGelu", 2))])
+def test_bias_moves_where_an_ort_fusion_takes_it(form, tail, taker, tmp_path):
+    """Where ONNX Runtime would run the bias inside its Gemm (MatMulAddFusion before its
+    SkipLayerNormalization and BiasGelu fusions), the bias is added after the product and ORT
+    then runs a Gemm without C and the fused node with the bias; the same values."""
+    from onnxfuse.pipeline import BIAS_AFTER
+
+    m = _layer(form, tail)
+    before = _ort_ops(m, tmp_path)
+    assert ("Gemm", 3) in before and taker not in before
+    r = check_fusion(m, expect_fused=0)
+    assert r.report.notes[BIAS_AFTER] == 1
+    after = _ort_ops(r.model, tmp_path)
+    assert ("Gemm", 2) in after and taker in after and ("Gemm", 3) not in after, after
+
+
+def test_bias_stays_where_nothing_takes_it():
+    """A bias that neither ORT's fusions nor a fused node would take (the product is the graph's
+    output) stays in the Gemm."""
+    from onnxfuse.pipeline import BIAS_AFTER
+
+    r = optimize_model(_layer("gemm", "output"))
+    assert BIAS_AFTER not in r.report.notes
+    (gemm,) = [n for n in r.model.graph.node if n.op_type == "Gemm"]
+    assert len(gemm.input) == 3
+
+
+def test_bias_moves_into_a_pointwise_chain(tmp_path):
+    """A bias whose Add a pointwise chain takes moves there: the Gemm without C and one kernel
+    for bias and Relu, where ORT's CUDA EP would run the Gemm's two and a Relu."""
+    from onnxfuse.pipeline import BIAS_AFTER
+
+    r = check_fusion(_layer("gemm", "relu"), expect_fused=1)
+    assert r.report.notes[BIAS_AFTER] == 1
+    (f,) = r.fused
+    assert f.kind == "pointwise" and [s.split()[0] for s in f.source_nodes] == ["Add", "Relu"]
+    assert [op for op, _ in _ort_ops(r.model, tmp_path) if op not in ("Reshape",)] == ["Gemm", "PointwiseChain"]
+    (gemm,) = [n for n in r.model.graph.node if n.op_type == "Gemm"]
+    assert len(gemm.input) == 2
