@@ -261,11 +261,7 @@ def infer_shapes(model: ModelProto) -> ModelProto:
     """Shape-inferred copy of the model (for analysis only; never written out). Large
     initializers are replaced by empty stand-ins first: inference needs their shapes, not
     their values, and models over 2 GB cannot go through the checker's protobuf otherwise."""
-    light = ModelProto()
-    light.CopyFrom(model) if model.ByteSize() < 2**31 - 1 else _copy_without_weights(model, light)
-    for t in light.graph.initializer:
-        if _tensor_bytes(t) > 4096:
-            _make_placeholder(t)
+    light = light_copy(model)
     _name_unknown_dims(light.graph)
     try:
         out = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
@@ -274,6 +270,48 @@ def infer_shapes(model: ModelProto) -> ModelProto:
         return out
     except Exception:  # inference is best effort: unknown shapes only block fusion
         return light
+
+
+def light_copy(model: ModelProto) -> ModelProto:
+    """A copy of `model` whose initializers of more than 4096 bytes are empty stand-ins (name,
+    type and shape kept): what shape inference reads of them, without copying the weights."""
+    light = ModelProto()
+    _copy_fields(model, light, skip="graph")  # field by field: the weights are never read
+    g, lg = model.graph, light.graph
+    _copy_fields(g, lg, skip="initializer")
+    for t in g.initializer:
+        if _declared_bytes(t) <= 4096:
+            lg.initializer.add().CopyFrom(t)
+        else:
+            stand_in = lg.initializer.add(name=t.name, data_type=t.data_type)
+            stand_in.dims.extend(t.dims)
+            _make_placeholder(stand_in)
+    return light
+
+
+def _copy_fields(src, dst, skip: str) -> None:
+    """Every set field of message `src` but `skip` into `dst` (repeated ones appended)."""
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(dst, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
+
+
+def _declared_bytes(t: onnx.TensorProto) -> int:
+    """A tensor's size by its dims and type (its data is not read; strings count 8 bytes each)."""
+    try:
+        size = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
+    except (KeyError, TypeError, ValueError):
+        size = 8
+    n = 1
+    for d in t.dims:
+        n *= d
+    return n * max(size, 1)
 
 
 def _fill_inference_gaps(g: onnx.GraphProto) -> bool:
@@ -335,10 +373,6 @@ def _name_unknown_dims(g: onnx.GraphProto) -> None:
                     k += 1
 
 
-def _tensor_bytes(t: onnx.TensorProto) -> int:
-    return len(t.raw_data) + 4 * (len(t.float_data) + len(t.int32_data)) + 8 * (len(t.int64_data) + len(t.double_data))
-
-
 def _make_placeholder(t: onnx.TensorProto) -> None:
     """Drop a tensor's values, keeping name, type and shape (as an empty external tensor)."""
     t.ClearField("raw_data")
@@ -348,16 +382,3 @@ def _make_placeholder(t: onnx.TensorProto) -> None:
     del t.external_data[:]
     kv = t.external_data.add()
     kv.key, kv.value = "location", "onnxfuse-placeholder"
-
-
-def _copy_without_weights(model: ModelProto, into: ModelProto) -> None:
-    saved = []
-    for t in model.graph.initializer:
-        if _tensor_bytes(t) > 4096:
-            saved.append((t, t.raw_data))
-            t.ClearField("raw_data")
-    try:
-        into.CopyFrom(model)
-    finally:
-        for t, raw in saved:
-            t.raw_data = raw

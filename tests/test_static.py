@@ -103,3 +103,63 @@ def test_cli_shape_makes_the_written_model_static(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "not made static, a symbolic dim is not given: input 'x': dim 2 (H) set to 1" in out
     assert onnx.load(str(dst)).graph.input[0].type.tensor_type.shape.dim[2].dim_param == "H"
+
+
+def _head_split_chain(layers: int) -> onnx.ModelProto:
+    """`layers` times: x [B, 64] -> Reshape to [B, heads, -1] -> Reshape back, with heads computed
+    from x's shape through ops onnx's data propagation does not follow (Cast, Div), as exported
+    decoders compute their head splits: each layer's shapes are known only once the layer before
+    it is folded (GPT-2-small: one layer per round)."""
+    nodes, x = [], "x"
+    inits = {"zero": np.array(0, np.int64), "eight": np.array(8.0, np.float32), "minus1": np.array([-1], np.int64),
+             "axes": np.array([0], np.int64), "flat": np.array([0, -1], np.int64)}
+    for k in range(layers):
+        nodes += [helper.make_node("Shape", [x], [f"s{k}"]),
+                  helper.make_node("Gather", [f"s{k}", "zero"], [f"b{k}"]),
+                  helper.make_node("Cast", [f"b{k}"], [f"bf{k}"], to=onnx.TensorProto.FLOAT),
+                  helper.make_node("Div", [f"bf{k}", "eight"], [f"q{k}"]),
+                  helper.make_node("Cast", [f"q{k}"], [f"qi{k}"], to=onnx.TensorProto.INT64),
+                  helper.make_node("Unsqueeze", [f"b{k}", "axes"], [f"bu{k}"]),
+                  helper.make_node("Unsqueeze", [f"qi{k}", "axes"], [f"qu{k}"]),
+                  helper.make_node("Concat", [f"bu{k}", f"qu{k}", "minus1"], [f"t{k}"], axis=0),
+                  helper.make_node("Reshape", [x, f"t{k}"], [f"r{k}"]),
+                  helper.make_node("Reshape", [f"r{k}", "flat"], [f"y{k}"]),
+                  helper.make_node("Relu", [f"y{k}"], [f"x{k + 1}"])]
+        x = f"x{k + 1}"
+    nodes.append(helper.make_node("Identity", [x], ["y"]))
+    return model(nodes, {"x": ("float32", ["B", 64])}, {"y": ("float32", ["B", 64])}, inits, opset=17)
+
+
+def test_shape_arithmetic_folds_layer_after_layer():
+    """Folding repeats until nothing more folds: every layer of a 12-layer chain is folded (at
+    the former 8 rounds the last layers kept their Shape nodes), and the outputs stay the same."""
+    m = _head_split_chain(12)
+    folded, report = fold_shape_arithmetic(m, {"x": (16, 64)})
+    assert not [n for n in folded.graph.node if n.op_type in ("Shape", "Cast", "Div", "Concat")]
+    assert report.nodes["Shape"] == 12
+    x = np.random.default_rng(0).standard_normal((16, 64)).astype(np.float32)
+    run = [ort.InferenceSession(mm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+           for mm in (m, folded)]
+    np.testing.assert_array_equal(run[0], run[1])
+
+
+def test_light_copy_keeps_everything_but_large_weights():
+    """load.light_copy: the model field by field, small initializers with their values, large
+    ones as stand-ins of the same name, type and dims (what shape inference reads), none read."""
+    from onnxfuse.load import light_copy
+
+    m = _head_split_chain(2)
+    m.graph.initializer.append(numpy_helper.from_array(np.ones((64, 64), np.float32), "big"))
+    m.graph.value_info.append(helper.make_tensor_value_info("r0", onnx.TensorProto.FLOAT, None))
+    m.doc_string = "kept"
+    light = light_copy(m)
+    assert light.doc_string == "kept" and light.opset_import == m.opset_import
+    assert light.graph.node == m.graph.node and light.graph.value_info == m.graph.value_info
+    assert light.graph.input == m.graph.input and light.graph.output == m.graph.output
+    by = {t.name: t for t in light.graph.initializer}
+    assert set(by) == {t.name for t in m.graph.initializer}
+    assert by["eight"] == next(t for t in m.graph.initializer if t.name == "eight")
+    big = by["big"]
+    assert list(big.dims) == [64, 64] and big.data_type == onnx.TensorProto.FLOAT and not big.raw_data
+    assert big.data_location == onnx.TensorProto.EXTERNAL
+    assert len(m.graph.initializer[-1].raw_data) == 64 * 64 * 4  # the model itself is untouched
