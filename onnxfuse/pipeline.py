@@ -360,8 +360,8 @@ BIAS_AFTER = ("products whose bias was added after them, where ONNX Runtime's Sk
 def bias_pass(result: Result, options: Options) -> Result:
     """With `leave_to_ort`: each product's bias that ONNX Runtime would run inside its Gemm (a
     broadcast kernel, then the product with beta 1) added after the product instead, where
-    ORT's own fusions then take that Add in (`onnxfuse.pack.bias_after_product`, asked of ORT);
-    the shapes inferred again when anything moved."""
+    ORT's own fusions or a fused node then take that Add in (`onnxfuse.pack.bias_after_product`:
+    ORT and the patterns asked on a trial model); the shapes inferred again when anything moved."""
     if result.unchanged is None and options.leave_to_ort:
         model, moved, result.ort_probe = bias_after_product(result.model, result.view, result.patterns)
         if moved:
@@ -489,7 +489,7 @@ PASSES: tuple[Callable[[Result, Options], Result], ...] = (
     infer_shapes_pass,    # types and shapes, for matching and for the NHWC layout
     choose_layout_pass,   # the patterns for the layout (nchw, or nhwc when kernels are compiled)
     pack_pass,            # attention's Q, K and V projections: one product, read in place
-    bias_pass,            # a product's bias after it, where ORT's SkipLayerNorm / BiasGelu fusions take it
+    bias_pass,            # a product's bias after it, where ORT's fusions or a fused node take it
     match_pass,           # the groups each pattern fuses, and why other nodes do not
     rewrite_pass,         # custom nodes in domain onnxfuse + their original subgraphs as functions
     compile_pass,         # decline slow convs, lay out NHWC, compile and attach kernels, unfuse failures
