@@ -412,29 +412,6 @@ def fused_us(prof: dict) -> float | None:
     return sum(times) if times else None
 
 
-def accuracy(src: Path, models: list[Path], inputs: dict[str, Path], out: Path, provider: str) -> list[dict]:
-    """`onnxfuse bench` of the original and `models` on the case's inputs: per model its max abs
-    error against the float64 reference (None where not finite), the original's under ORT's
-    defaults, and the gate."""
-    args = ["bench", str(src), *map(str, models), "--provider", provider, "--warmup", "2", "--iters", "10",
-            "--json", str(out)]
-    for name, p in inputs.items():
-        args += ["--input", f"{name}={p}"]
-    try:
-        cli(*args)
-    except RuntimeError:
-        if not out.exists():  # exit 1 is a failed gate, which the JSON records; no JSON is an error
-            raise
-    res = []
-    for m in json.loads(out.read_text())["models"][1:]:
-        outs = m["outputs"]
-        errs = [o["max_abs_err"] for o in outs]
-        res.append({"err": None if None in errs else max(errs),
-                    "ort_err": max((o["ort_max_abs_err"] or 0.0) for o in outs),
-                    "gate_passed": all(o["passed"] for o in outs)})
-    return res
-
-
 def _max_err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got.astype(np.float64) - want).max())
 
@@ -614,8 +591,8 @@ def measure(name: str, dtype: str, batch: int, args, tmp: Path, save) -> dict:
 
     def bench() -> dict:
         timed = [t for t in row["tiles"] if t.get("us") is not None] if isinstance(row["tiles"], list) else []
-        res = accuracy(src, [opt, *(Path(t["path"]) for t in timed)], inputs, tmp / f"{tag}.bench.json",
-                       args.provider)
+        res = runs.accuracy_models(src, [opt, *(Path(t["path"]) for t in timed)], tmp / f"{tag}.bench.json",
+                                   args.provider, inputs)
         for t, r in zip(timed, res[1:], strict=True):
             t.update(r)
         return res[0]

@@ -23,14 +23,28 @@ def cli(*args: str, env: Mapping[str, str] | None = None) -> str:
 def accuracy(src: Path, opt: Path, out: Path, provider: str = "cuda", env: Mapping[str, str] | None = None) -> dict:
     """`onnxfuse bench` of the pair (on CUDA by default): the optimized model's max abs error
     against the float64 reference beside the original's under ORT's defaults, and the gate."""
-    r = subprocess.run([sys.executable, "-m", "onnxfuse.cli", "bench", str(src), str(opt), "--provider", provider,
-                        "--warmup", "2", "--iters", "10", "--json", str(out)], capture_output=True, text=True,
-                       env=env)
+    return accuracy_models(src, [opt], out, provider, env=env)[0]
+
+
+def accuracy_models(src: Path, models: list[Path], out: Path, provider: str = "cuda",
+                    inputs: Mapping[str, Path] | None = None, env: Mapping[str, str] | None = None) -> list[dict]:
+    """`onnxfuse bench` of the original and `models` in one run (on the given `inputs`, .npy files
+    by input name, else bench's own): per model its max abs error against the float64 reference
+    (None where not finite), the original's under ORT's defaults, and the gate."""
+    args = [sys.executable, "-m", "onnxfuse.cli", "bench", str(src), *map(str, models), "--provider", provider,
+            "--warmup", "2", "--iters", "10", "--json", str(out)]
+    for name, path in (inputs or {}).items():
+        args += ["--input", f"{name}={path}"]
+    r = subprocess.run(args, capture_output=True, text=True, env=env)
     if not out.exists():  # exit 1 is a failed gate, which the JSON records; no JSON is an error
         raise RuntimeError(f"onnxfuse bench failed: {(r.stderr or r.stdout).strip().splitlines()[-1:]}")
-    outs = json.loads(out.read_text())["models"][1]["outputs"]
-    return {"err": max(o["max_abs_err"] for o in outs), "ort_err": max(o["ort_max_abs_err"] for o in outs),
-            "gate_passed": all(o["passed"] for o in outs)}
+    res = []
+    for m in json.loads(out.read_text())["models"][1:]:
+        errs = [o["max_abs_err"] for o in m["outputs"]]
+        res.append({"err": None if None in errs else max(errs),
+                    "ort_err": max((o["ort_max_abs_err"] or 0.0) for o in m["outputs"]),
+                    "gate_passed": all(o["passed"] for o in m["outputs"])})
+    return res
 
 
 def profile_nodes(profile_json: Path, metric: str) -> list[dict]:

@@ -171,3 +171,11 @@ def same_shape(a: Shape | None, b: Shape | None) -> bool:
     if a is None or b is None or len(a) != len(b):
         return False
     return all(x is not None and x == y for x, y in zip(a, b, strict=True))
+
+
+def last_dim_vector(t: TensorProto, n: int, max_rank: int | None = None) -> bool:
+    """Whether constant `t` is a vector of `n` values along the last dim: shape [n] or
+    [1, ..., 1, n] (of at most `max_rank` dims), as a bias broadcast over rows is."""
+    dims = [int(d) for d in t.dims]
+    return bool(dims) and dims[-1] == n and all(d == 1 for d in dims[:-1]) \
+        and (max_rank is None or len(dims) <= max_rank)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.graph import GraphView
+from onnxfuse.graph import GraphView, last_dim_vector
 from onnxfuse.groups import Accepted
 from onnxfuse.kinds.attention import AttentionParts, find_attention
 from onnxfuse.kinds.base import Pattern
@@ -205,11 +205,10 @@ def _gemm_move(view: GraphView, i: int) -> BiasMove | None:
         return None
     if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0:
         return None
-    c = numpy_helper.to_array(view.constants[n.input[2]])
     shape = view.shapes.get(n.output[0])
-    if shape is None or not isinstance(shape[-1], int) or c.size != shape[-1] \
-            or not (c.ndim == 1 or c.ndim == 2 and c.shape[0] == 1):
+    if shape is None or not isinstance(shape[-1], int) or not last_dim_vector(view.constants[n.input[2]], shape[-1], 2):
         return None
+    c = numpy_helper.to_array(view.constants[n.input[2]])
     out = n.output[0]
     users = view.consumers.get(out, [])
     reshape = None
@@ -238,11 +237,9 @@ def _matmul_move(view: GraphView, i: int) -> BiasMove | None:
     bias = next((t for t in add.input if t != n.output[0]), None)
     if bias is None or bias not in view.constants:
         return None
-    b = numpy_helper.to_array(view.constants[bias])
-    width = int(view.constants[w].dims[1])
-    if b.size != width or b.shape[-1] != width:
+    if not last_dim_vector(view.constants[bias], int(view.constants[w].dims[1])):
         return None
-    return BiasMove(i, users[0], None, b.reshape(-1), add.output[0])
+    return BiasMove(i, users[0], None, numpy_helper.to_array(view.constants[bias]).reshape(-1), add.output[0])
 
 
 def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[ModelProto, dict[int, int]]:

@@ -55,7 +55,7 @@ from onnxfuse.codegen_attention import (
     generate_attention,
 )
 from onnxfuse.expr import Program, evaluate
-from onnxfuse.graph import GraphView, Shape
+from onnxfuse.graph import GraphView, Shape, last_dim_vector
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
 from onnxfuse.match import DTYPE_IDS, dtype_reason, match_anchored, operands, pointwise_candidate
@@ -321,8 +321,7 @@ def _bias_add(view: GraphView, x: str, sp: int, taken: set[int]) -> tuple[int, s
         c = view.constants.get(b)
         if c is None or y in view.constants or view.shapes.get(y) != xs:
             continue
-        dims = [int(d) for d in c.dims]
-        if not dims or len(dims) > len(xs) or dims[-1] != xs[-1] or any(d != 1 for d in dims[:-1]):
+        if not last_dim_vector(c, xs[-1], len(xs)):
             continue
         if c.data_type != view.types.get(x) or view.types.get(y) != view.types.get(x):
             continue
@@ -548,9 +547,11 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
     extras = inputs[1:]
     body = [view.nodes[i] for i in match.nodes]
     qkv = (parts.q, parts.k, parts.v)
+    values: dict = {}  # the extras' values that follow from constants, evaluated once (`_constant_value`)
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
                          parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero,
-                         tuple(bool(o.bias) for o in qkv), *_extra_reads(view, program, extras, parts.sq, parts.sk))
+                         tuple(bool(o.bias) for o in qkv),
+                         *_extra_reads(view, program, extras, parts.sq, parts.sk, values))
     attrs = {"perm_q": list(info.perm_q), "perm_k": list(info.perm_k), "perm_v": list(info.perm_v),
              "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {})}
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
@@ -577,22 +578,24 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
             attrs[f"bias_{w}"] = 3 + len(extras) + biases.index(o.bias)
             key += f" bias_{w}"
     bias_inputs = [_bias_vector(view, b, node_name, names, graph) for b in biases]
-    stored = [_computed_extra(view, e, r, names, graph) for e, r in zip(extras, info.extras_broadcast, strict=True)]
+    stored = [_computed_extra(view, e, r, names, graph, values)
+              for e, r in zip(extras, info.extras_broadcast, strict=True)]
     inputs = [*(o.input for o in qkv), *stored, *bias_inputs]
     return Lowering(program, folded, inputs, body, attrs, key, parts.rank, ("full",) + ("strided",) * len(extras),
                     {"params": info}, None if stored == extras else [*(o.input for o in qkv), *extras, *bias_inputs])
 
 
-def _extra_reads(view: GraphView, program, extras: list[str], sq: int | None,
-                 sk: int | None) -> tuple[tuple[str, ...], float | None, float | None]:
+def _extra_reads(view: GraphView, program, extras: list[str], sq: int | None, sk: int | None,
+                 values: dict) -> tuple[tuple[str, ...], float | None, float | None]:
     """How the kernel reads each extra (AttentionSpec.extras_broadcast); with one bool causal
     mask among them, the score program's value where it is false (causal_fill) when that is
     one value whatever the scores and the other extras; the masked value of the additive causal
-    masks (causal_masked: one value for all of them, else only the first is computed)."""
+    masks (causal_masked: one value for all of them, else only the first is computed). `values`
+    memoizes `_constant_value`."""
     reads = [_broadcast_dims(view.shapes.get(e)) for e in extras]
     masked: float | None = None
     for i, e in enumerate(extras):
-        kind, value = _causal(view, e, sq, sk)
+        kind, value = _causal(view, e, sq, sk, values)
         if kind and (kind == "causal" or masked in (None, value)):
             reads[i] = kind
             masked = value if kind == "causal_add" else masked
@@ -635,7 +638,7 @@ def _constant_value(view: GraphView, name: str, memo: dict, depth: int = 0) -> n
     return memo[name] if values is not None else None
 
 
-def _causal(view: GraphView, name: str, sq: int | None, sk: int | None) -> tuple[str, float | None]:
+def _causal(view: GraphView, name: str, sq: int | None, sk: int | None, memo: dict) -> tuple[str, float | None]:
     """("causal", None) for a constant bool mask [..., Sq, Sk] (a constant, or a value that follows
     from constants alone: `_constant_value`) that keeps key j for query i where
     j <= i + Sk - Sq (GPT-2's, exported at static shapes, with or without a cache offset), the
@@ -644,7 +647,7 @@ def _causal(view: GraphView, name: str, sq: int | None, sk: int | None) -> tuple
     ("", None) otherwise."""
     if sq is None or sk is None:
         return "", None
-    a = _constant_value(view, name, {})
+    a = _constant_value(view, name, memo)
     if a is None or a.ndim < 2 or a.shape[-2:] != (sq, sk) or a.size == 0:
         return "", None
     slices = a.reshape(-1, sq, sk)
@@ -751,7 +754,7 @@ def _bias_vector(view: GraphView, bias: str, node_name: str, names: set[str], gr
 FOLD_MASK_MAX_BYTES = 1 << 22
 
 
-def _computed_extra(view: GraphView, extra: str, read: str, names: set[str], graph: GraphProto) -> str:
+def _computed_extra(view: GraphView, extra: str, read: str, names: set[str], graph: GraphProto, memo: dict) -> str:
     """The node's input for an extra: for a causal mask the kernel computes from the indices
     ("causal", "causal_add") that the graph computes from constants (GPT-2's Slices of its
     lower-triangular buffer, two per layer; Hugging Face 5's sdpa mask, four ops per layer), the
@@ -760,7 +763,7 @@ def _computed_extra(view: GraphView, extra: str, read: str, names: set[str], gra
     extras, constants, and masks over FOLD_MASK_MAX_BYTES stay as they are."""
     if read not in ("causal", "causal_add") or extra in view.constants:
         return extra
-    value = _constant_value(view, extra, {})
+    value = _constant_value(view, extra, memo)  # evaluated by `_causal` already
     if value is None or value.nbytes > FOLD_MASK_MAX_BYTES:
         return extra
     digest = hashlib.sha1(value.tobytes() + str((value.dtype, value.shape)).encode()).hexdigest()[:12]
