@@ -311,13 +311,13 @@ def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[M
 
 
 def bias_after_product(model: ModelProto, view: GraphView,
-                       patterns: list[Pattern]) -> tuple[ModelProto, int, OrtFusions | None]:
+                       patterns: list[Pattern]) -> tuple[ModelProto, int, OrtFusions | None, GraphView | None]:
     """`model` with the bias of each product that ONNX Runtime would otherwise run inside its Gemm
     added after the product instead, where one of ORT's own fusions then takes that Add in
     (BIAS_TAKERS: a residual add and LayerNorm into SkipLayerNormalization, a GELU into BiasGelu or
     FastGelu), as ORT's transformers optimizer writes those layers; how many moved; and ORT's
-    fusions of the model returned where they were asked of it here (else None: the match pass
-    asks).
+    fusions of the model returned and its GraphView where they were made here (else None: the
+    pipeline makes them).
 
     Why: ORT's CUDA Gemm with a bias vector first writes the bias broadcast into Y with a rank-1
     cuBLAS product, then multiplies with beta 1, reading Y back (core/providers/cuda/math/gemm.cc):
@@ -341,23 +341,24 @@ def bias_after_product(model: ModelProto, view: GraphView,
         if mv is not None and view.consumers.get(mv.out):  # a graph output alone: nothing takes the Add
             moves.append(mv)
     if not moves:
-        return model, 0, None
+        return model, 0, None, None
     # a product or bias Add that one of the patterns fuses already (a GemmEpilogue with the bias
     # in its epilogue, the attention's packed bias) stays as it is
     probe = ort_fusions(model)
     taken = {i for m in find_matches(view, patterns, probe.absorbed).matches for i in m.nodes}
     moves = [mv for mv in moves if mv.node not in taken and mv.add not in taken]
     if not moves:
-        return model, 0, probe
+        return model, 0, probe, None
     trial, where = _moved(model, view, moves)
     trial_probe = ort_fusions(trial)
     takers = {reason(f) for f in BIAS_TAKERS}
     absorbed = trial_probe.absorbed
-    ours = {i for m in find_matches(GraphView.build(trial, infer_shapes(trial)), patterns, absorbed).matches
+    trial_view = GraphView.build(trial, infer_shapes(trial))
+    ours = {i for m in find_matches(trial_view, patterns, absorbed).matches
             for i in m.nodes}
     kept = [mv for k, mv in enumerate(moves) if where.get(k, -1) in ours or absorbed.get(where.get(k, -1)) in takers]
     if not kept:
-        return model, 0, probe
+        return model, 0, probe, None
     if len(kept) == len(moves):
-        return trial, len(kept), trial_probe
-    return _moved(model, view, kept)[0], len(kept), None
+        return trial, len(kept), trial_probe, trial_view
+    return _moved(model, view, kept)[0], len(kept), None, None

@@ -308,10 +308,13 @@ def infer_shapes_pass(result: Result, options: Options) -> Result:
     """Types and shapes of every tensor (`onnxfuse.load.infer_shapes`), indexed with the
     graph's producers, consumers and constants (`onnxfuse.graph.GraphView`)."""
     if result.unchanged is None:
-        view = GraphView.build(result.model, infer_shapes(result.model))
-        result.view = view
-        result.shapes = {name: (shape, view.types.get(name, 0)) for name, shape in view.shapes.items()}
+        _set_view(result, GraphView.build(result.model, infer_shapes(result.model)))
     return result
+
+
+def _set_view(result: Result, view: GraphView) -> None:
+    result.view = view
+    result.shapes = {name: (shape, view.types.get(name, 0)) for name, shape in view.shapes.items()}
 
 
 def choose_layout_pass(result: Result, options: Options) -> Result:
@@ -361,12 +364,16 @@ def bias_pass(result: Result, options: Options) -> Result:
     """With `leave_to_ort`: each product's bias that ONNX Runtime would run inside its Gemm (a
     broadcast kernel, then the product with beta 1) added after the product instead, where
     ORT's own fusions or a fused node then take that Add in (`onnxfuse.pack.bias_after_product`:
-    ORT and the patterns asked on a trial model); the shapes inferred again when anything moved."""
+    ORT and the patterns asked on a trial model); the view of the model moved is the trial's when
+    every move is kept, else inferred again."""
     if result.unchanged is None and options.leave_to_ort:
-        model, moved, result.ort_probe = bias_after_product(result.model, result.view, result.patterns)
+        model, moved, result.ort_probe, view = bias_after_product(result.model, result.view, result.patterns)
         if moved:
             result.model, result.biased_after = model, moved
-            infer_shapes_pass(result, options)
+            if view is None:
+                infer_shapes_pass(result, options)
+            else:  # the trial model's, kept whole
+                _set_view(result, view)
     return result
 
 
