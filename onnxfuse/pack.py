@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.graph import GraphView, last_dim_vector
+from onnxfuse.bias import BiasMove, gemm_move, matmul_move
+from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
 from onnxfuse.kinds.attention import AttentionParts, find_attention
 from onnxfuse.kinds.base import Pattern
@@ -187,61 +188,6 @@ def pack_qkv(model: ModelProto, view: GraphView, pattern: Pattern) -> tuple[Mode
 BIAS_TAKERS = frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu"})
 
 
-@dataclass(frozen=True)
-class BiasMove:
-    """A product whose bias moves after it: a Gemm with a 1-D C, or a static MatMul + bias Add."""
-
-    node: int  # the Gemm or MatMul
-    add: int | None  # the MatMul's Add
-    reshape: int | None  # the Gemm's one consumer, a Reshape (its rows back to the input's dims)
-    bias: np.ndarray  # [N]
-    out: str  # the biased value's name (the Add's, the Reshape's or the Gemm's output)
-
-
-def _gemm_move(view: GraphView, i: int) -> BiasMove | None:
-    n = view.nodes[i]
-    a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
-    if len(n.input) < 3 or not n.input[2] or n.input[2] not in view.constants or a.get("transA", 0):
-        return None
-    if a.get("alpha", 1.0) != 1.0 or a.get("beta", 1.0) != 1.0:
-        return None
-    shape = view.shapes.get(n.output[0])
-    if shape is None or not isinstance(shape[-1], int) or not last_dim_vector(view.constants[n.input[2]], shape[-1], 2):
-        return None
-    c = numpy_helper.to_array(view.constants[n.input[2]])
-    out = n.output[0]
-    users = view.consumers.get(out, [])
-    reshape = None
-    if len(users) == 1 and out not in view.graph_outputs and view.nodes[users[0]].op_type == "Reshape":
-        rows = view.shapes.get(view.nodes[users[0]].output[0])
-        if rows is not None and rows[-1] == shape[-1]:  # the same last dim: each row stays a row
-            reshape = users[0]
-            out = view.nodes[reshape].output[0]
-    return BiasMove(i, None, reshape, c.reshape(-1), out)
-
-
-def _matmul_move(view: GraphView, i: int) -> BiasMove | None:
-    """A MatMul of a static [..., K] input by a constant [K, N] whose one consumer adds a constant
-    [N] bias: ONNX Runtime fuses the pair into a Gemm with the bias (MatMulAddFusion, before the
-    fusions of BIAS_TAKERS), which `bias_after_product` writes as Reshape, Gemm, Reshape, Add."""
-    n = view.nodes[i]
-    x, w = n.input[0], n.input[1]
-    xs = view.shapes.get(x)
-    if w not in view.constants or len(view.constants[w].dims) != 2 or xs is None or len(xs) < 2 \
-            or not all(isinstance(d, int) for d in xs):
-        return None
-    users = view.consumers.get(n.output[0], [])
-    if len(users) != 1 or n.output[0] in view.graph_outputs or view.nodes[users[0]].op_type != "Add":
-        return None
-    add = view.nodes[users[0]]
-    bias = next((t for t in add.input if t != n.output[0]), None)
-    if bias is None or bias not in view.constants:
-        return None
-    if not last_dim_vector(view.constants[bias], int(view.constants[w].dims[1])):
-        return None
-    return BiasMove(i, users[0], None, numpy_helper.to_array(view.constants[bias]).reshape(-1), add.output[0])
-
-
 def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[ModelProto, dict[int, int]]:
     """`model` with each move applied, and where each move's bias Add is in the new node list."""
     out, fresh = _copy_and_namer(model)
@@ -319,13 +265,11 @@ def bias_after_product(model: ModelProto, view: GraphView,
     fusions of the model returned and its GraphView where they were made here (else None: the
     pipeline makes them).
 
-    Why: ORT's CUDA Gemm with a bias vector first writes the bias broadcast into Y with a rank-1
-    cuBLAS product, then multiplies with beta 1, reading Y back (core/providers/cuda/math/gemm.cc):
-    a second kernel and a write and read of the output for each projection. ORT makes such a Gemm
-    of every MatMul + bias Add (its MatMulAddFusion, level 1) before its SkipLayerNormalization and
-    BiasGelu fusions (level 2) look for the Add; GPT-2's TorchScript export writes it so already
-    (Conv1D: Reshape, Gemm with C, Reshape). Here the product becomes Reshape, Gemm without C,
-    Reshape (or stays a Gemm without C) and the bias an Add after it.
+    Why (`onnxfuse.bias`): ORT's CUDA Gemm with a bias runs a second kernel for it, and ORT makes
+    such a Gemm of every MatMul + bias Add before its fusions of BIAS_TAKERS look for the Add;
+    GPT-2's TorchScript export writes it so already (Conv1D: Reshape, Gemm with C, Reshape).
+    Here the product becomes Reshape, Gemm without C, Reshape (or stays a Gemm without C) and
+    the bias an Add after it.
 
     Which moves are kept is measured on the graph, not guessed: every candidate is moved in a
     trial model, ORT optimizes it (`onnxfuse.ort_fusions`) and `patterns` are matched on it; a move
@@ -337,7 +281,7 @@ def bias_after_product(model: ModelProto, view: GraphView,
     for i, n in enumerate(view.nodes):
         if n.domain not in ("", "ai.onnx") or n.op_type not in ("Gemm", "MatMul"):
             continue
-        mv = _gemm_move(view, i) if n.op_type == "Gemm" else _matmul_move(view, i)
+        mv = gemm_move(view, i) if n.op_type == "Gemm" else matmul_move(view, i)
         if mv is not None and view.consumers.get(mv.out):  # a graph output alone: nothing takes the Add
             moves.append(mv)
     if not moves:

@@ -19,7 +19,7 @@ from onnxfuse import optimize_model
 from onnxfuse.kinds import gemm as gk
 from onnxfuse.pattern import load_patterns
 from onnxfuse.pipeline import NHWC_ONLY_PATTERNS
-from tests.util import check_fusion, model, op_types
+from tests.util import check_fusion, model, op_types, random_feeds, run
 
 N = helper.make_node
 # the built-in patterns of the nchw layout; `optimize` matches the gemm kind's only when the tune
@@ -223,6 +223,56 @@ def test_skip_layer_norm_adds_stay_with_onnx_runtime():
     r = check_fusion(m, expect_fused=1, patterns=PATTERNS)
     assert [s.split()[0] for s in r.fused[0].source_nodes] == ["MatMul", "Add"]
     assert op_types(r.model) == ["GemmEpilogue", "Add", "LayerNormalization"]
+
+
+def test_the_body_runs_the_bias_after_the_product():
+    """With static shapes, a GemmEpilogue's function body (what tuning times the node against,
+    and what it goes back to where slower) runs the product without its bias and the bias Add
+    after it, as ORT's transformers optimizer writes a layer: unfused, ONNX Runtime's BiasGelu
+    and SkipLayerNormalization take the Adds, not a Gemm with the bias inside (its MatMul + Add
+    fusion, two kernels). Equal layers keep one body (one function, one kernel); the outputs
+    are the original's, fused and unfused."""
+    from onnxfuse import tune as tuning
+    from onnxfuse.ort_fusions import ort_fusions
+
+    def layer(p: str, x: str) -> list:  # FFN1 + GELU, FFN2 + bias + residual, LayerNorm
+        return [N("MatMul", [x, "w1"], [f"{p}h"]), N("Add", [f"{p}h", "b1"], [f"{p}hb"]),
+                *erf_gelu(f"{p}hb", f"{p}g", p), N("MatMul", [f"{p}g", "w2"], [f"{p}o"]),
+                N("Add", [f"{p}o", "b2"], [f"{p}ob"]), N("Add", [f"{p}ob", x], [f"{p}s"]),
+                N("LayerNormalization", [f"{p}s", "gamma", "beta"], [f"{p}y"], axis=-1)]
+
+    m = model([*layer("a", "x"), *layer("b", "ay")], {"x": ("float32", [2, 5, 16])},
+              {"by": ("float32", [2, 5, 16])},
+              {"w1": _w((16, 48)), "b1": _w((48,), 1), "w2": _w((48, 16), 2), "b2": _w((16,), 3),
+               "gamma": np.ones(16, np.float32), "beta": np.zeros(16, np.float32), **erf_consts("a"),
+               **erf_consts("b")}, opset=17)
+    r = check_fusion(m, expect_fused=4, patterns=PATTERNS)
+    bodies = {f.kernel_name: [n.op_type for n in fn.node if n.op_type != "Constant"]
+              for f in r.fused for fn in r.model.functions if fn.overload == f.kernel_name}
+    assert len(bodies) == 2  # the two layers share FFN1's body and FFN2's
+    assert sorted(bodies.values()) == [
+        ["Transpose", "Reshape", "Gemm", "Reshape", "Add"],
+        ["Transpose", "Reshape", "Gemm", "Reshape", "Add", "Div", "Erf", "Add", "Mul", "Mul"]]
+    tuning.unfuse_nodes(r, {f.node_name for f in r.fused})
+    assert not r.fused and "MatMul" not in op_types(r.model)
+    absorbed = ort_fusions(r.model).absorbed
+    takers = {absorbed.get(i) for i, n in enumerate(r.model.graph.node) if n.op_type == "Add"}
+    assert takers == {"left to ONNX Runtime's BiasGelu fusion", "left to ONNX Runtime's SkipLayerNormalization fusion"}
+    feeds = random_feeds(m)
+    for e, a in zip(run(m, feeds), run(r.model, feeds), strict=True):
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
+
+
+def test_a_gemm_with_c_runs_it_after_the_product():
+    """Gemm(A, B, C) with a 1-D C and alpha = beta = 1: the body is Gemm(A, B) + Add(C); with
+    alpha or beta not 1 it stays as the export wrote it (test_gemm_transb_with_bias_and_relu)."""
+    nodes = [N("Gemm", ["x", "w", "c"], ["h"], transB=1), N("Relu", ["h"], ["y"])]
+    m = model(nodes, {"x": ("float32", [6, 24])}, {"y": ("float32", [6, 40])},
+              {"w": _w((40, 24), 3), "c": _w((40,), 4)})
+    r = check_fusion(m, expect_fused=1, patterns=PATTERNS)
+    fn = next(fn for fn in r.model.functions if fn.overload == r.fused[0].kernel_name)
+    gemm = next(n for n in fn.node if n.op_type == "Gemm")
+    assert [n.op_type for n in fn.node] == ["Transpose", "Gemm", "Add", "Relu"] and len(gemm.input) == 2
 
 
 def test_split_of_an_ort_fusion_is_declined():

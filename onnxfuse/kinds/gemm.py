@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
+from onnxfuse.bias import after_product_in_body
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_gemm import (
     MAX_ELEMENTS,
@@ -396,6 +397,12 @@ def lower_gemm(view: GraphView, match: Match, node_name: str, names: set[str], g
         body.append(copy)
     else:
         body.append(node)
+    if all(r in parts.epilogue for r in view.consumers.get(node.output[0], [])):
+        # the body ORT runs (when tuning times the node, and where it goes back) with the bias
+        # after the product, so that ORT's BiasGelu or SkipLayerNormalization takes it
+        moved = after_product_in_body(view, core.node, body[-1], names)
+        if moved is not None:
+            body[-1:] = moved
     body += [view.nodes[j] for j in parts.epilogue]
     m, n, k, g = geometry(core, a_shape)
     attrs = {"trans_a": int(core.trans_a), "trans_b": int(trans_b)}
