@@ -29,6 +29,12 @@ from onnx import NodeProto, helper, numpy_helper
 from onnxfuse.graph import GraphView, last_dim_vector
 from onnxfuse.rewrite import unique_name
 
+# ONNX Runtime's fusions that take a bias Add in (SkipLayerNormalization's and BiasGelu's,
+# FastGelu's bias input): where one of these takes the Add, the GEMM runs without its bias
+BIAS_TAKERS = frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu"})
+# of those, the ones that take the Add with the next one, a residual add (its skip input)
+SKIP_TAKERS = frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"})
+
 
 @dataclass(frozen=True)
 class BiasMove:

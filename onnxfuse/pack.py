@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.bias import BiasMove, gemm_move, matmul_move
+from onnxfuse.bias import BIAS_TAKERS, BiasMove, gemm_move, matmul_move
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
 from onnxfuse.kinds.attention import AttentionParts, find_attention
@@ -182,11 +182,6 @@ def pack_qkv(model: ModelProto, view: GraphView, pattern: Pattern) -> tuple[Mode
 # ---------------------------------------------------------------------------------------
 # The bias after the product
 # ---------------------------------------------------------------------------------------
-
-# ONNX Runtime's fusions that take a bias Add in (SkipLayerNormalization's and BiasGelu's,
-# FastGelu's bias input): where one of these takes the Add, the GEMM runs without its bias
-BIAS_TAKERS = frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization", "BiasGelu", "FastGelu"})
-
 
 def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[ModelProto, dict[int, int]]:
     """`model` with each move applied, and where each move's bias Add is in the new node list."""

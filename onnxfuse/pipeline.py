@@ -19,6 +19,7 @@ from onnx import ModelProto
 from onnxfuse import compile as aot
 from onnxfuse import kernels
 from onnxfuse import tune as tuning
+from onnxfuse.align import pad_columns
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
@@ -207,6 +208,8 @@ class Result:
     untuned: dict[str, frozenset[str]] = field(default_factory=dict)
     # - pack: how many attentions had their Q, K and V projections packed into one product
     packed: int = 0
+    # - align: the products padded to 16-byte rows for cuBLAS (their node names)
+    padded: list[str] = field(default_factory=list)
     # - bias: how many products had their bias moved after them, into one of ORT's fusions, and
     #   ORT's fusions of the model where the bias pass asked for them (the match pass's answer)
     biased_after: int = 0
@@ -355,6 +358,20 @@ def pack_pass(result: Result, options: Options) -> Result:
     return result
 
 
+def align_pass(result: Result, options: Options) -> Result:
+    """For the GPU (a kernel target): each large product whose output rows are not a multiple of
+    16 bytes (a vocabulary of 50257 tokens) padded to one, and sliced back, so that cuBLAS runs
+    its tensor-core kernels (`onnxfuse.align`); the shapes inferred again where any was."""
+    if result.unchanged is None and options.target != "none":
+        model, padded = pad_columns(result.model, result.view)
+        if padded:
+            result.model, result.padded = model, padded
+            infer_shapes_pass(result, options)
+    return result
+
+
+PADDED = ("products padded to 16-byte output rows and sliced back, so that cuBLAS runs its tensor-core "
+          "kernels (onnxfuse.align)")
 BIAS_AFTER = ("products whose bias was added after them, where ONNX Runtime's SkipLayerNormalization, BiasGelu "
               "or FastGelu fusion or a fused node takes the Add in (ONNX Runtime's Gemm would add it with a "
               "second kernel)")
@@ -393,6 +410,8 @@ def match_pass(result: Result, options: Options) -> Result:
             result.report.notes[PACKED] = result.packed
         if result.biased_after:
             result.report.notes[BIAS_AFTER] = result.biased_after
+        if result.padded:
+            result.report.notes[PADDED] = len(result.padded)
         not_fused = dict(result.found.rejected)
         for reason, count in _not_visited(result.model, result.patterns).items():
             not_fused[reason] = not_fused.get(reason, 0) + count
@@ -496,6 +515,7 @@ PASSES: tuple[Callable[[Result, Options], Result], ...] = (
     infer_shapes_pass,    # types and shapes, for matching and for the NHWC layout
     choose_layout_pass,   # the patterns for the layout (nchw, or nhwc when kernels are compiled)
     pack_pass,            # attention's Q, K and V projections: one product, read in place
+    align_pass,           # for the GPU: products of unaligned output rows padded for cuBLAS
     bias_pass,            # a product's bias after it, where ORT's fusions or a fused node take it
     match_pass,           # the groups each pattern fuses, and why other nodes do not
     rewrite_pass,         # custom nodes in domain onnxfuse + their original subgraphs as functions

@@ -212,17 +212,29 @@ def test_matmul_output_read_elsewhere():
 
 
 def test_skip_layer_norm_adds_stay_with_onnx_runtime():
-    """MatMul + bias + residual + LayerNormalization: ONNX Runtime fuses MatMul + bias into a
-    Gemm and the residual add with the norm into SkipLayerNormalization; the gemm kind takes
-    the first group whole and leaves the second to ONNX Runtime: nothing is half-fused."""
+    """MatMul + bias + residual + LayerNormalization: ONNX Runtime fuses the residual add with
+    the norm into SkipLayerNormalization, and once the bias runs after the product (the bias
+    pass, onnxfuse.bias) the bias too. A GemmEpilogue of the product and its bias alone would
+    only put a Triton GEMM where cuBLAS runs, so the gemm kind declines it, and nothing is
+    half-fused."""
+    from onnxfuse.graph import GraphView
+    from onnxfuse.groups import Accepted
+    from onnxfuse.load import infer_shapes
+    from onnxfuse.ort_fusions import ort_fusions
+
     nodes = [N("MatMul", ["x", "w"], ["h"]), N("Add", ["h", "b"], ["hb"]), N("Add", ["hb", "r"], ["s"]),
              N("LayerNormalization", ["s", "gamma", "beta"], ["y"], axis=-1)]
     m = model(nodes, {"x": ("float32", [2, 5, 32]), "r": ("float32", [2, 5, 16])}, {"y": ("float32", [2, 5, 16])},
               {"w": _w((32, 16)), "b": _w((16,), 1), "gamma": np.ones(16, np.float32),
                "beta": np.zeros(16, np.float32)}, opset=17)
-    r = check_fusion(m, expect_fused=1, patterns=PATTERNS)
-    assert [s.split()[0] for s in r.fused[0].source_nodes] == ["MatMul", "Add"]
-    assert op_types(r.model) == ["GemmEpilogue", "Add", "LayerNormalization"]
+    view = GraphView.build(m, infer_shapes(m))
+    r = gk.match_gemm(view, GEMM, set(), Accepted(len(view.nodes)), ort_fusions(m).absorbed)
+    assert not r.matches and r.anchors == {0: gk.BIAS_TO_SKIP_NORM}
+    # without ORT's fusion to take it, the bias is an epilogue as any other
+    r = gk.match_gemm(view, GEMM, set(), Accepted(len(view.nodes)), {})
+    assert len(r.matches) == 1
+    r = check_fusion(m, expect_fused=0, patterns=PATTERNS)
+    assert op_types(r.model) == ["Reshape", "Gemm", "Reshape", "Add", "Add", "LayerNormalization"]
 
 
 def test_the_body_runs_the_bias_after_the_product():
@@ -231,7 +243,8 @@ def test_the_body_runs_the_bias_after_the_product():
     after it, as ORT's transformers optimizer writes a layer: unfused, ONNX Runtime's BiasGelu
     and SkipLayerNormalization take the Adds, not a Gemm with the bias inside (its MatMul + Add
     fusion, two kernels). Equal layers keep one body (one function, one kernel); the outputs
-    are the original's, fused and unfused."""
+    are the original's, fused and unfused. (FFN2's bias the bias pass moves in the graph:
+    test_skip_layer_norm_adds_stay_with_onnx_runtime.)"""
     from onnxfuse import tune as tuning
     from onnxfuse.ort_fusions import ort_fusions
 
@@ -246,12 +259,10 @@ def test_the_body_runs_the_bias_after_the_product():
               {"w1": _w((16, 48)), "b1": _w((48,), 1), "w2": _w((48, 16), 2), "b2": _w((16,), 3),
                "gamma": np.ones(16, np.float32), "beta": np.zeros(16, np.float32), **erf_consts("a"),
                **erf_consts("b")}, opset=17)
-    r = check_fusion(m, expect_fused=4, patterns=PATTERNS)
+    r = check_fusion(m, expect_fused=2, patterns=PATTERNS)  # FFN2's bias is SkipLayerNormalization's
     bodies = {f.kernel_name: [n.op_type for n in fn.node if n.op_type != "Constant"]
               for f in r.fused for fn in r.model.functions if fn.overload == f.kernel_name}
-    assert len(bodies) == 2  # the two layers share FFN1's body and FFN2's
-    assert sorted(bodies.values()) == [
-        ["Transpose", "Reshape", "Gemm", "Reshape", "Add"],
+    assert list(bodies.values()) == [  # the two layers share one body
         ["Transpose", "Reshape", "Gemm", "Reshape", "Add", "Div", "Erf", "Add", "Mul", "Mul"]]
     tuning.unfuse_nodes(r, {f.node_name for f in r.fused})
     assert not r.fused and "MatMul" not in op_types(r.model)
@@ -428,7 +439,7 @@ def test_torch_encoder_layer():
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, activation="gelu", batch_first=True)
     m = _torch_export(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), (torch.randn(2, 16, 64),))
-    r = check_fusion(m, patterns=PATTERNS)
+    r = check_fusion(m, patterns=PATTERNS, output_rtol=1e-5)  # the moved biases: another rounding order
     ffn1 = [f for f in r.fused if f.kind == "gemm" and any(s.startswith("Erf") for s in f.source_nodes)]
     assert len(ffn1) == 2, r.report.summary()
     assert [f.kind for f in r.fused].count("attention") == 2, r.report.summary()

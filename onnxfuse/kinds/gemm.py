@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.bias import after_product_in_body
+from onnxfuse.bias import SKIP_TAKERS, after_product_in_body
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_gemm import (
     MAX_ELEMENTS,
@@ -52,11 +52,12 @@ from onnxfuse.codegen_gemm import (
     generate_gemm,
 )
 from onnxfuse.expr import Program, evaluate
-from onnxfuse.graph import GraphView, Shape, same_shape
+from onnxfuse.graph import GraphView, Shape, last_dim_vector, same_shape
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
 from onnxfuse.match import DTYPE_IDS, dtype_reason, grow_epilogue, match_anchored, numel, operands, single_result
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
+from onnxfuse.ort_fusions import reason
 from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
 
 DEFAULT_DOMAINS = ("", "ai.onnx")
@@ -75,6 +76,8 @@ PARTIAL_BATCH = "batch dims broadcast partially (only equal batch dims or a 2-D 
 LOW_RANK = "a 1-D operand"
 UNKNOWN_SHAPE = "unknown shape"
 CYCLE = "fusing would create a cycle"
+BIAS_TO_SKIP_NORM = ("only its bias after it, which ONNX Runtime's SkipLayerNormalization takes with the residual "
+                     "add once the bias runs after the product (onnxfuse.bias): cuBLAS runs the product")
 EXTRA_LAYOUT = "an epilogue input does not broadcast over the product as [batch, rows, columns]"
 
 
@@ -278,6 +281,24 @@ def _split_fusion(view: GraphView, members: set[int], reserved: dict[int, str], 
     return None
 
 
+def _bias_for_a_skip_norm(view: GraphView, core: Core, epilogue: set[int], result: str | None,
+                          reserved: dict[int, str]) -> bool:
+    """Whether the epilogue is only the product's bias Add and every reader of its result is a
+    residual add that ONNX Runtime fuses into a SkipLayerNormalization: with the bias after the
+    product (`onnxfuse.bias`) that fusion takes the bias too, so the fused node would only put
+    a Triton GEMM where cuBLAS runs (an out-projection's or FFN2's bias in BERT)."""
+    if len(epilogue) != 1 or result is None:
+        return False
+    add = view.nodes[next(iter(epilogue))]
+    bias = next((x for x in add.input if x != view.nodes[core.node].output[0]), None)
+    if add.op_type != "Add" or bias not in view.constants or not isinstance(core.y_shape[-1], int) \
+            or not last_dim_vector(view.constants[bias], core.y_shape[-1]):
+        return False
+    readers = view.consumers.get(result, [])
+    skip = {reason(f) for f in SKIP_TAKERS}
+    return bool(readers) and result not in view.graph_outputs and all(reserved.get(j) in skip for j in readers)
+
+
 def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accepted: Accepted,
               reserved: dict[int, str]) -> Match | str:
     m: GemmParams = pattern.match
@@ -306,6 +327,8 @@ def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accept
         return split_reason(split.removeprefix("left to ONNX Runtime's ").removesuffix(" fusion"))
     if view.types.get(result) not in FLOAT_TYPES:
         return dtype_reason(view.types.get(result))
+    if _bias_for_a_skip_norm(view, core, epilogue, result, reserved):
+        return BIAS_TO_SKIP_NORM
     members = set(nodes)
     for j in epilogue:
         for _, x in operands(view, j):
