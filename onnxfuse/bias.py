@@ -48,6 +48,9 @@ class BiasMove:
 
 
 def gemm_move(view: GraphView, i: int) -> BiasMove | None:
+    """A Gemm (not transA, alpha = beta = 1) with a constant C of one value per column: ONNX
+    Runtime runs C with a second kernel. Its one consumer, when it is a Reshape keeping the
+    rows, is where the Add goes (GPT-2's Conv1D: Reshape, Gemm, Reshape)."""
     n = view.nodes[i]
     a = {x.name: helper.get_attribute_value(x) for x in n.attribute}
     if len(n.input) < 3 or not n.input[2] or n.input[2] not in view.constants or a.get("transA", 0):

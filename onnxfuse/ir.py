@@ -26,7 +26,7 @@ Export is deterministic: the same graph gives the same bytes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,6 +134,23 @@ def all_names(model: ModelProto) -> set[str]:
 
     walk(model.graph)
     return names
+
+
+def copy_and_namer(model: ModelProto) -> tuple[ModelProto, Callable[[str], str]]:
+    """A copy of `model` to edit, and a function giving names no tensor of it has yet (`base`,
+    else `base_1`, `base_2`, ...), each name once."""
+    out = ModelProto()
+    out.CopyFrom(model)
+    names = all_names(out)
+
+    def fresh(base: str) -> str:
+        k, name = 0, base
+        while name in names:
+            k += 1
+            name = f"{base}_{k}"
+        names.add(name)
+        return name
+    return out, fresh
 
 
 def make_node(op: str, name: str, domain: str, attrs: dict, inputs: Sequence[gs.Tensor],

@@ -16,7 +16,6 @@ compares the model with the original. GPT-2 exports one packed projection alread
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +24,7 @@ from onnx import ModelProto, NodeProto, helper, numpy_helper
 from onnxfuse.bias import BIAS_TAKERS, BiasMove, gemm_move, matmul_move
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
+from onnxfuse.ir import copy_and_namer
 from onnxfuse.kinds.attention import AttentionParts, find_attention
 from onnxfuse.kinds.base import Pattern
 from onnxfuse.load import infer_shapes
@@ -92,25 +92,6 @@ def _trio(view: GraphView, parts: AttentionParts) -> tuple[Projection, ...] | No
     return tuple(projs)
 
 
-def _copy_and_namer(model: ModelProto) -> tuple[ModelProto, Callable[[str], str]]:
-    """A copy of `model` to edit, and a function giving names no tensor of it has yet (`base`,
-    else `base_1`, `base_2`, ...), each name once."""
-    out = ModelProto()
-    out.CopyFrom(model)
-    g = out.graph
-    names = {t for n in g.node for t in (*n.input, *n.output)} | {t.name for t in g.initializer} \
-        | {i.name for i in g.input} | {o.name for o in g.output}
-
-    def fresh(base: str) -> str:
-        k, name = 0, base
-        while name in names:
-            k += 1
-            name = f"{base}_{k}"
-        names.add(name)
-        return name
-    return out, fresh
-
-
 def pack_qkv(model: ModelProto, view: GraphView, pattern: Pattern) -> tuple[ModelProto, int]:
     """`model` with every attention's Q, K and V projections packed into one (module
     docstring), and how many attentions were packed. `pattern` is the attention pattern (what
@@ -130,7 +111,7 @@ def pack_qkv(model: ModelProto, view: GraphView, pattern: Pattern) -> tuple[Mode
         trios.append(trio)
     if not trios:
         return model, 0
-    out, fresh = _copy_and_namer(model)
+    out, fresh = copy_and_namer(model)
     g = out.graph
     inits = {t.name: t for t in g.initializer}
 
@@ -185,7 +166,7 @@ def pack_qkv(model: ModelProto, view: GraphView, pattern: Pattern) -> tuple[Mode
 
 def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[ModelProto, dict[int, int]]:
     """`model` with each move applied, and where each move's bias Add is in the new node list."""
-    out, fresh = _copy_and_namer(model)
+    out, fresh = copy_and_namer(model)
     g = out.graph
     after: dict[int, tuple[int, list]] = {}  # node -> (move, nodes that take its place)
     for k, mv in enumerate(moves):
