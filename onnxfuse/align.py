@@ -12,7 +12,8 @@ the same reason; an exported model has the odd size baked in.
 `pad_columns` gives such a product weights with zero columns (Gemm with transB: zero rows) up
 to the next multiple of 16 bytes, and a Slice of the first N columns after it: the same products
 and sums for every kept column (the padded columns are never read), one copy of the output more.
-Only where:
+The padded weights are a new initializer; the original goes unless something else reads it (a
+tied embedding's Gather: then the model holds both). Only where:
 - the weights are a constant (a MatMul's 2-D B; a Gemm's B without C, alpha 1);
 - the product is large enough for the copy to be repaid (MIN_FLOPS, from static shapes: a
   single-token decode step, M = 1, is not padded);
