@@ -50,7 +50,8 @@ class Padding:
     trans_b: bool
 
 
-def _candidate(view: GraphView, i: int) -> Padding | None:
+def padding(view: GraphView, i: int) -> Padding | None:
+    """How node i is padded, or None where it is not (module docstring)."""
     n = view.nodes[i]
     if n.domain not in ("", "ai.onnx") or n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2:
         return None
@@ -80,7 +81,7 @@ def _candidate(view: GraphView, i: int) -> Padding | None:
 def pad_columns(model: ModelProto, view: GraphView) -> tuple[ModelProto, list[str]]:
     """`model` with each product of unaligned output rows padded (module docstring), and the
     padded nodes' names; the model itself when there are none. `view` indexes `model`."""
-    pads = [p for i in range(len(view.nodes)) if (p := _candidate(view, i)) is not None]
+    pads = [p for i in range(len(view.nodes)) if (p := padding(view, i)) is not None]
     if not pads:
         return model, []
     out, fresh = copy_and_namer(model)

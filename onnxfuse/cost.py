@@ -62,6 +62,7 @@ import numpy as np
 import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, TensorProto, helper
 
+from onnxfuse.align import padding
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Builder, Ref, parse
 from onnxfuse.graph import GraphView
@@ -937,4 +938,10 @@ def model_cost(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = No
     unknown_shapes = sum(1 for n in nodes if n.status == "unknown-shape")
     if unknown_shapes:
         warnings.append(f"{unknown_shapes} node(s) with shapes that inference could not make concrete")
+    unaligned = [p.view.nodes[i].name or p.view.nodes[i].output[0] for i in range(len(p.view.nodes))
+                 if padding(p.view, i) is not None]
+    if unaligned:
+        warnings.append(f"{len(unaligned)} product(s) with output rows not a multiple of 16 bytes, which cuBLAS runs "
+                        f"without its tensor-core kernels (optimize pads them for the GPU: onnxfuse.align): "
+                        f"{', '.join(unaligned[:3])}{' ...' if len(unaligned) > 3 else ''}")
     return ModelCost(nodes, dims, input_shapes, warnings)

@@ -92,3 +92,13 @@ def test_the_pass_runs_for_a_gpu_target_only(small_products):
     assert r.report.notes.get(PADDED) == 1 and "Slice" in op_types(r.model)
     same_outputs(m, r.model)
     assert optimize_model(m).report.notes.get(PADDED) is None  # target "none": a CPU model
+
+
+def test_analyze_names_the_unaligned_products(small_products):
+    """`onnxfuse analyze` of the original says which products cuBLAS runs without its
+    tensor-core kernels (the ones optimize pads); an aligned head gets no such warning."""
+    from onnxfuse.cost import model_cost
+
+    (w,) = [w for w in model_cost(head()).warnings if "16 bytes" in w]
+    assert w.startswith("1 product(s)") and w.endswith("lm_head")
+    assert not [w for w in model_cost(head(vocab=1024)).warnings if "16 bytes" in w]
