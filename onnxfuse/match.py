@@ -96,11 +96,23 @@ def live_nodes(view: GraphView) -> set[int]:
     return live
 
 
-def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, str] | None = None) -> MatchResult:
+class Reserved(dict[int, str]):
+    """Nodes ONNX Runtime's own fusions take (node -> the report's reason, `onnxfuse.ort_fusions`),
+    and `offered`: the reasons whose nodes an elementwise group may take all the same, because
+    tuning times the group against ORT's fusion of them (a group holding only part of one such
+    fusion gives those nodes back: `onnxfuse.kinds.pointwise`)."""
+
+    def __init__(self, reasons: dict[int, str] | None = None, offered: frozenset[str] = frozenset()):
+        super().__init__(reasons or {})
+        self.offered = offered
+
+
+def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, str] | None = None,
+                 offered: frozenset[str] = frozenset()) -> MatchResult:
     """Apply patterns in priority order, each through its kind's matcher; a node joins at
     most one match. Nodes in `reserved` (node -> reason: those ONNX Runtime's own fusions
-    take, `onnxfuse.ort_fusions`) join no elementwise group; conv epilogues and pool
-    prologues may still take them.
+    take, `onnxfuse.ort_fusions`) join no elementwise group, unless their reason is one of
+    `offered` (`Reserved`); conv epilogues and pool prologues may still take them.
 
     Dead nodes (no graph output depends on them) never join: a group computes over the
     broadcast shape of all its inputs, and a dead node could read a larger input than the
@@ -118,7 +130,7 @@ def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, s
     accepted = Accepted(len(view.nodes))
     anchors: dict[int, str] = {}  # anchor node -> why it did not fuse
     for p in patterns:
-        r = p.kind.match(view, p, taken, accepted, reserved or {})
+        r = p.kind.match(view, p, taken, accepted, Reserved(reserved, offered))
         for m in r.matches:
             taken.update(m.nodes)
         total.matches += r.matches

@@ -305,6 +305,30 @@ def test_split_of_an_ort_fusion_is_declined():
     assert len(r.matches) == 1 and len(r.matches[0].nodes) == len(view.nodes)
 
 
+def test_an_offered_fusion_joins_a_chain_only_whole():
+    """A pointwise chain takes the nodes of an offered ORT fusion (BiasGelu, where tuning times
+    the chain against it) only when it holds all of them: with the GELU's last Mul out of its
+    reach, none of the fusion's nodes join (ORT keeps its fusion whole) and the report says so."""
+    from onnxfuse.graph import GraphView
+    from onnxfuse.groups import Accepted
+    from onnxfuse.load import infer_shapes
+    from onnxfuse.match import Reserved, find_matches
+    from onnxfuse.pipeline import TIMED_AGAINST_ORT
+
+    m = ffn1()
+    view = GraphView.build(m, infer_shapes(m))
+    bias_gelu = "left to ONNX Runtime's BiasGelu fusion"
+    reserved = {i: bias_gelu for i in range(1, len(view.nodes))}
+    chains = [p for p in PATTERNS if p.kind.name == "pointwise"]
+    whole = find_matches(view, chains, reserved, TIMED_AGAINST_ORT)
+    assert [m_.nodes for m_ in whole.matches] == [tuple(range(1, len(view.nodes)))]
+    last = len(view.nodes) - 1  # taken by something else
+    r = chains[0].kind.match(view, chains[0], {0, last}, Accepted(len(view.nodes)),
+                             Reserved(reserved, TIMED_AGAINST_ORT))
+    assert not r.matches and r.rejected[bias_gelu] == len(view.nodes) - 2
+    assert not find_matches(view, chains, reserved).matches  # not offered: ORT's
+
+
 def test_untuned_optimize_fuses_no_matmul(monkeypatch):
     """Without tuning (no GPU, --no-tune) the gemm patterns are not matched: each MatMul is
     reported with the reason, and the other patterns fuse as before."""

@@ -134,6 +134,31 @@ def test_onnxfuse_computes_the_same(exported):
     _assert_close(_run(forced.model, feeds), want, what=f"{arch} onnxfuse, ORT's fusions taken")
 
 
+def test_gelu_chains_are_offered_where_tuning_times_them():
+    """GPT-2's bias Add + tanh-GELU, which ONNX Runtime fuses into FastGelu once the bias pass
+    has put the bias after the product: left to ORT by default; where the tune pass will time
+    them (`pipeline.TIMED_AGAINST_ORT`), a pointwise chain takes each FastGelu's nodes whole
+    (one chain of 9 nodes a layer), and tuning keeps it only where faster."""
+    from onnxfuse.graph import GraphView
+    from onnxfuse.load import infer_shapes
+    from onnxfuse.match import find_matches
+    from onnxfuse.ort_fusions import ort_fusions
+    from onnxfuse.pattern import load_patterns
+    from onnxfuse.pipeline import TIMED_AGAINST_ORT, optimize_model
+
+    m = mt.export("gpt2_small", small=True)
+    dims = {k: (2, *v) for k, v in mt.input_dims("gpt2_small", small=True).items()}
+    moved = optimize_model(m, patterns=[], static_shapes=dims).model  # canonical, biases after their products
+    absorbed = ort_fusions(moved).absorbed
+    fast_gelu = {i for i, r in absorbed.items() if r == "left to ONNX Runtime's FastGelu fusion"}
+    assert len(fast_gelu) == 18
+    view = GraphView.build(moved, infer_shapes(moved))
+    chains = [p for p in load_patterns() if p.kind.name == "pointwise"]
+    assert not find_matches(view, chains, absorbed).matches
+    offered = find_matches(view, chains, absorbed, TIMED_AGAINST_ORT).matches
+    assert sorted(len(x.nodes) for x in offered) == [9, 9] and {i for x in offered for i in x.nodes} == fast_gelu
+
+
 def test_ort_transformers_optimizer_and_onnxfuse_on_top(exported):
     pytest.importorskip("onnxruntime.transformers.optimizer")
     from benchmarks.compare import ort_transformers_optimize

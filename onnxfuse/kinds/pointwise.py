@@ -138,15 +138,18 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
                              accepted: Accepted | None = None, reserved: dict[int, str] | None = None) -> MatchResult:
     """Groups of this pattern among the nodes not in `taken`; `accepted` holds the groups
     already matched (by patterns before this one) and gets this pattern's groups added.
-    Nodes in `reserved` (node -> reason) join no group: they are counted under that reason."""
+    Nodes in `reserved` (node -> reason) join no group: they are counted under that reason;
+    except those of the reasons `reserved.offered` (`onnxfuse.match.Reserved`), which a group
+    takes only whole: every node of that fusion next to it, or none."""
     result = MatchResult()
     accepted = Accepted(len(view.nodes)) if accepted is None else accepted
     reserved = reserved or {}
+    offered = getattr(reserved, "offered", frozenset())
     candidates: set[int] = set()
     for i, n in enumerate(view.nodes):
         if i in taken or n.op_type not in pattern.match.ops or n.domain not in ("", "ai.onnx"):
             continue
-        if i in reserved:
+        if i in reserved and reserved[i] not in offered:
             result.rejected[reserved[i]] += 1
             continue
         reason = check_node(view, i, pattern)
@@ -166,6 +169,12 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
         if not outputs:
             result.rejected["result is never used"] += len(group)
             continue
+        split = _split_offered(view, group, reserved, offered, pattern.match.ops)
+        if split:
+            for i in split:
+                result.rejected[reserved[i]] += 1
+            work += components(view, set(group) - split)
+            continue
         misfits = _shape_misfits(view, group, outputs)
         if misfits:
             result.rejected["output shape differs from the group's"] += len(misfits)
@@ -181,6 +190,26 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
         result.matches.append(Match(pattern, tuple(group), tuple(outputs)))
     result.matches.sort(key=lambda m: m.nodes)
     return result
+
+
+def _split_offered(view: GraphView, group: list[int], reserved: dict[int, str], offered: frozenset[str],
+                   ops: frozenset[str]) -> set[int]:
+    """The group's nodes of an offered ONNX Runtime fusion that it holds only in part (a
+    producer or reader of one of them outside the group, of the pattern's `ops`, belongs to the
+    same fusion; `ort_fusions` also gives a fusion the shape arithmetic ORT folds beside it,
+    which no group would hold): taking them would leave ORT the rest unfused."""
+    members = set(group)
+    out: set[int] = set()
+    for i in group:
+        r = reserved.get(i)
+        if r is None or r not in offered:
+            continue
+        n = view.nodes[i]
+        near = [view.producer.get(x) for x in n.input if x] + [c for o in n.output for c in view.consumers.get(o, ())]
+        if any(j is not None and j not in members and reserved.get(j) == r and view.nodes[j].op_type in ops
+               for j in near):
+            out |= {k for k in group if reserved.get(k) == r}
+    return out
 
 
 class Pointwise(Kind):
