@@ -232,8 +232,9 @@ def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[M
     return out, where
 
 
-def bias_after_product(model: ModelProto, view: GraphView,
-                       patterns: list[Pattern]) -> tuple[ModelProto, int, OrtFusions | None, GraphView | None]:
+def bias_after_product(model: ModelProto, view: GraphView, patterns: list[Pattern],
+                       offered: frozenset[str] = frozenset()
+                       ) -> tuple[ModelProto, int, OrtFusions | None, GraphView | None]:
     """`model` with the bias of each product that ONNX Runtime would otherwise run inside its Gemm
     added after the product instead, where one of ORT's own fusions then takes that Add in
     (BIAS_TAKERS: a residual add and LayerNorm into SkipLayerNormalization, a GELU into BiasGelu or
@@ -252,7 +253,8 @@ def bias_after_product(model: ModelProto, view: GraphView,
     stays where ORT's fusions took its Add into one of BIAS_TAKERS or one of onnxfuse's fused nodes
     takes it (a normalization's prologue, the attention's packed bias, a pointwise chain), and the
     others are left as they were. Static input shapes are needed for a MatMul (the Reshapes'
-    shapes); a Gemm's Reshapes are its own."""
+    shapes); a Gemm's Reshapes are its own. `offered`: as the match pass will match
+    (`onnxfuse.match.Reserved`)."""
     moves = []
     for i, n in enumerate(view.nodes):
         if n.domain not in ("", "ai.onnx") or n.op_type not in ("Gemm", "MatMul"):
@@ -265,7 +267,7 @@ def bias_after_product(model: ModelProto, view: GraphView,
     # a product or bias Add that one of the patterns fuses already (a GemmEpilogue with the bias
     # in its epilogue, the attention's packed bias) stays as it is
     probe = ort_fusions(model)
-    taken = {i for m in find_matches(view, patterns, probe.absorbed).matches for i in m.nodes}
+    taken = {i for m in find_matches(view, patterns, probe.absorbed, offered).matches for i in m.nodes}
     moves = [mv for mv in moves if mv.node not in taken and mv.add not in taken]
     if not moves:
         return model, 0, probe, None
@@ -274,7 +276,7 @@ def bias_after_product(model: ModelProto, view: GraphView,
     takers = {reason(f) for f in BIAS_TAKERS}
     absorbed = trial_probe.absorbed
     trial_view = GraphView.build(trial, infer_shapes(trial))
-    ours = {i for m in find_matches(trial_view, patterns, absorbed).matches
+    ours = {i for m in find_matches(trial_view, patterns, absorbed, offered).matches
             for i in m.nodes}
     kept = [mv for k, mv in enumerate(moves) if where.get(k, -1) in ours or absorbed.get(where.get(k, -1)) in takers]
     if not kept:

@@ -378,6 +378,21 @@ BIAS_AFTER = ("products whose bias was added after them, where ONNX Runtime's Sk
               "second kernel)")
 
 
+# ONNX Runtime's GELU fusions (BiasGelu: 2.1 TB/s at BERT-base b8 fp16 on the H200, FastGelu 1.8;
+# fifteenth session's profile), whose nodes a pointwise chain may take where the tune pass will
+# time the chain against them (`onnxfuse.match.Reserved`; a chain that loses goes back to ORT)
+TIMED_AGAINST_ORT = frozenset(ort_reason(f) for f in ("BiasGelu", "FastGelu", "Gelu"))
+
+
+UNTUNED_OFFERED = ("nodes of ONNX Runtime's BiasGelu, FastGelu or Gelu fusion: fused only where the tune pass "
+                   "measures the chain faster (not tuned)")
+
+
+def offered_to_chains(options: Options) -> frozenset[str]:
+    """TIMED_AGAINST_ORT where the tune pass will time the chains, else none."""
+    return TIMED_AGAINST_ORT if options.tune is not None else frozenset()
+
+
 def bias_pass(result: Result, options: Options) -> Result:
     """With `leave_to_ort`: each product's bias that ONNX Runtime would run inside its Gemm (a
     broadcast kernel, then the product with beta 1) added after the product instead, where
@@ -385,7 +400,8 @@ def bias_pass(result: Result, options: Options) -> Result:
     ORT and the patterns asked on a trial model); the view of the model moved is the trial's when
     every move is kept, else inferred again."""
     if result.unchanged is None and options.leave_to_ort:
-        model, moved, result.ort_probe, view = bias_after_product(result.model, result.view, result.patterns)
+        model, moved, result.ort_probe, view = bias_after_product(result.model, result.view, result.patterns,
+                                                                  offered_to_chains(options))
         if moved:
             result.model, result.biased_after = model, moved
             if view is None:
@@ -393,12 +409,6 @@ def bias_pass(result: Result, options: Options) -> Result:
             else:  # the trial model's, kept whole
                 _set_view(result, view)
     return result
-
-
-# ONNX Runtime's GELU fusions (BiasGelu: 2.1 TB/s at BERT-base b8 fp16 on the H200, FastGelu 1.8;
-# fifteenth session's profile), whose nodes a pointwise chain may take where the tune pass will
-# time the chain against them (`onnxfuse.match.Reserved`; a chain that loses goes back to ORT)
-TIMED_AGAINST_ORT = frozenset(ort_reason(f) for f in ("BiasGelu", "FastGelu", "Gelu"))
 
 
 def match_pass(result: Result, options: Options) -> Result:
@@ -412,8 +422,8 @@ def match_pass(result: Result, options: Options) -> Result:
         if by_ort is not None and (by_ort.missing_ort or by_ort.too_large):
             result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused "
                         "(--no-leave-to-ort says not to look)")
-        offered = TIMED_AGAINST_ORT if options.tune is not None else frozenset()
-        result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None, offered)
+        result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None,
+                                    offered_to_chains(options))
         result.report.notes = dict(result.found.notes)
         if result.packed:
             result.report.notes[PACKED] = result.packed
@@ -508,9 +518,10 @@ def tune_pass(result: Result, options: Options) -> Result:
         if options.tune.explicit:
             raise OnnxfuseError(f"--tune: {why}") from None
         result.warn(f"not tuned: {why}")
-        # nodes of kinds fused only where measured (Kind.untuned_reason) go back to ONNX Runtime
+        # nodes of kinds fused only where measured (Kind.untuned_reason), and chains of nodes
+        # offered from ORT's fusions (Match.measured_only), go back to ONNX Runtime
         for f in list(result.fused):
-            reason = KINDS[f.kind].untuned_reason()
+            reason = KINDS[f.kind].untuned_reason() or (UNTUNED_OFFERED if f.measured_only else None)
             if reason is not None:
                 tuning.unfuse_nodes(result, {f.node_name}, reason)
     describe_graph(result)

@@ -219,7 +219,7 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
             node_name=node_name, pattern=m.pattern.name, kernel_name=kernel_name, program=program,
             inputs=tuple(low.inputs), outputs=m.outputs, rank=low.rank, input_modes=low.input_modes,
             source_nodes=tuple(f"{view.nodes[i].op_type} {view.nodes[i].name}".rstrip() for i in m.nodes),
-            kind=kind.name, **low.fields,
+            kind=kind.name, measured_only=m.measured_only, **low.fields,
         ))
     # each fused node where its last node was (gs's toposort keeps the list order within a level)
     graph.nodes = [x for i, n in enumerate(gnodes) for x in ((n, placed[i]) if i in placed else (n,))]

@@ -159,6 +159,31 @@ def test_gelu_chains_are_offered_where_tuning_times_them():
     assert sorted(len(x.nodes) for x in offered) == [9, 9] and {i for x in offered for i in x.nodes} == fast_gelu
 
 
+def test_with_tuning_a_gelu_after_a_product_is_a_chain_timed_against_bias_gelu():
+    """BERT's FFN1 (MatMul + bias + erf-GELU) where the tune pass will run: the gemm kind
+    leaves the GELU to a chain (`gemm.BIAS_TO_TAKER`), the bias pass puts the bias after the
+    product, and one chain per layer takes the bias Add with the GELU, marked to be kept only
+    where tuning measures it faster than ORT's BiasGelu (the passes up to matching, on the CPU)."""
+    import dataclasses
+
+    from onnxfuse import tune as tuning
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, match_pass, run_passes
+
+    m = mt.export("bert_base", small=True)
+    dims = {k: (2, *v) for k, v in mt.input_dims("bert_base", small=True).items()}
+    options = dataclasses.replace(build_options(target="none", tune="off", shapes=dims),
+                                  tune=tuning.TuneSettings(budget_s=1.0))
+    upto = PASSES[:PASSES.index(match_pass) + 1]
+    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    gelu = [x for x in r.found.matches if x.kind == "pointwise" and x.measured_only]
+    assert len(gelu) == 2, r.report.summary()
+    for x in gelu:
+        assert [r.view.nodes[i].op_type for i in x.nodes] == ["Add", "Div", "Erf", "Add", "Mul", "Mul"]
+        assert r.view.nodes[r.view.producer[r.view.nodes[x.nodes[0]].input[0]]].op_type == "Reshape"  # Gemm, Reshape
+    assert not [x for x in r.found.matches if x.kind == "gemm"]
+    assert r.biased_after == 6  # two layers' out-projection, FFN1 and FFN2
+
+
 def test_ort_transformers_optimizer_and_onnxfuse_on_top(exported):
     pytest.importorskip("onnxruntime.transformers.optimizer")
     from benchmarks.compare import ort_transformers_optimize

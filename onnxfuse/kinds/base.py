@@ -117,6 +117,9 @@ class Match:
     first_input: str = ""  # program input %0: the conv output, or the prologue's X
     result: str = ""  # the program's one output (what the MaxPool reads, if one is fused)
     params: Any = None  # what else a kind's matcher hands its lowering
+    # it holds nodes of an ONNX Runtime fusion offered to it because tuning times it against that
+    # fusion (`onnxfuse.match.Reserved`): kept only where measured faster
+    measured_only: bool = False
 
     @property
     def kind(self) -> str:
@@ -186,6 +189,7 @@ class FusedNode:
     x_rounded: bool = False
     round_y: bool = False
     params: Any = None  # what else a kind keeps about its node (conv: ConvNodeInfo; rows: RowsInfo)
+    measured_only: bool = False  # Match.measured_only: goes back to ONNX Runtime when not tuned
 
 
 @dataclass(frozen=True)

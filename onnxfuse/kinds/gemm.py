@@ -55,7 +55,16 @@ from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, Shape, last_dim_vector, same_shape
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
-from onnxfuse.match import DTYPE_IDS, dtype_reason, grow_epilogue, match_anchored, numel, operands, single_result
+from onnxfuse.match import (
+    DTYPE_IDS,
+    Reserved,
+    dtype_reason,
+    grow_epilogue,
+    match_anchored,
+    numel,
+    operands,
+    single_result,
+)
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
 from onnxfuse.ort_fusions import reason
 from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
@@ -76,8 +85,9 @@ PARTIAL_BATCH = "batch dims broadcast partially (only equal batch dims or a 2-D 
 LOW_RANK = "a 1-D operand"
 UNKNOWN_SHAPE = "unknown shape"
 CYCLE = "fusing would create a cycle"
-BIAS_TO_SKIP_NORM = ("only its bias after it, which ONNX Runtime's SkipLayerNormalization takes with the residual "
-                     "add once the bias runs after the product (onnxfuse.bias): cuBLAS runs the product")
+BIAS_TO_TAKER = ("only its bias after it, which ONNX Runtime's SkipLayerNormalization (with the residual add) or a "
+                 "pointwise chain (with the GELU, timed against ORT's BiasGelu) takes once the bias runs after the "
+                 "product (onnxfuse.bias): cuBLAS runs the product")
 EXTRA_LAYOUT = "an epilogue input does not broadcast over the product as [batch, rows, columns]"
 
 
@@ -258,9 +268,17 @@ def extra_mode(shape: Shape | None, core: Core) -> str | None:
 
 
 def _candidate_taken(view: GraphView, taken: set[int], reserved: dict[int, str]) -> set[int]:
-    """Nodes no epilogue may take: those taken already, and those ONNX Runtime fuses into
-    something other than a product (a SkipLayerNormalization's adds)."""
-    return taken | {j for j, r in reserved.items() if not any(r.endswith(f"{f} fusion") for f in PRODUCT_FUSIONS)}
+    """Nodes no epilogue may take: those taken already, those ONNX Runtime fuses into
+    something other than a product (a SkipLayerNormalization's adds), and those of the fusions
+    offered to pointwise chains (`onnxfuse.match.Reserved`: a GELU, which a chain then takes
+    with the bias, timed against ORT's BiasGelu)."""
+    offered = _offered(reserved)
+    return taken | {j for j, r in reserved.items()
+                    if r in offered or not any(r.endswith(f"{f} fusion") for f in PRODUCT_FUSIONS)}
+
+
+def _offered(reserved: dict[int, str]) -> frozenset[str]:
+    return reserved.offered if isinstance(reserved, Reserved) else frozenset()
 
 
 def _split_fusion(view: GraphView, members: set[int], reserved: dict[int, str], ops: frozenset[str]) -> str | None:
@@ -281,12 +299,14 @@ def _split_fusion(view: GraphView, members: set[int], reserved: dict[int, str], 
     return None
 
 
-def _bias_for_a_skip_norm(view: GraphView, core: Core, epilogue: set[int], result: str | None,
-                          reserved: dict[int, str]) -> bool:
-    """Whether the epilogue is only the product's bias Add and every reader of its result is a
-    residual add that ONNX Runtime fuses into a SkipLayerNormalization: with the bias after the
-    product (`onnxfuse.bias`) that fusion takes the bias too, so the fused node would only put
-    a Triton GEMM where cuBLAS runs (an out-projection's or FFN2's bias in BERT)."""
+def _bias_for_a_taker(view: GraphView, core: Core, epilogue: set[int], result: str | None,
+                      reserved: dict[int, str]) -> bool:
+    """Whether the epilogue is only the product's bias Add and every reader of its result is
+    either a residual add that ONNX Runtime fuses into a SkipLayerNormalization, or a node of a
+    fusion offered to pointwise chains (a GELU; `onnxfuse.match.Reserved`): with the bias after
+    the product (`onnxfuse.bias`) that fusion, or the chain, takes the bias too, so the fused
+    node would only put a Triton GEMM where cuBLAS runs (BERT's out-projection and FFN2; its
+    FFN1 where tuning times a chain of bias + GELU against ORT's BiasGelu)."""
     if len(epilogue) != 1 or result is None:
         return False
     add = view.nodes[next(iter(epilogue))]
@@ -295,8 +315,8 @@ def _bias_for_a_skip_norm(view: GraphView, core: Core, epilogue: set[int], resul
             or not last_dim_vector(view.constants[bias], core.y_shape[-1]):
         return False
     readers = view.consumers.get(result, [])
-    skip = {reason(f) for f in SKIP_TAKERS}
-    return bool(readers) and result not in view.graph_outputs and all(reserved.get(j) in skip for j in readers)
+    takers = {reason(f) for f in SKIP_TAKERS} | _offered(reserved)
+    return bool(readers) and result not in view.graph_outputs and all(reserved.get(j) in takers for j in readers)
 
 
 def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accepted: Accepted,
@@ -327,8 +347,8 @@ def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accept
         return split_reason(split.removeprefix("left to ONNX Runtime's ").removesuffix(" fusion"))
     if view.types.get(result) not in FLOAT_TYPES:
         return dtype_reason(view.types.get(result))
-    if _bias_for_a_skip_norm(view, core, epilogue, result, reserved):
-        return BIAS_TO_SKIP_NORM
+    if _bias_for_a_taker(view, core, epilogue, result, reserved):
+        return BIAS_TO_TAKER
     members = set(nodes)
     for j in epilogue:
         for _, x in operands(view, j):

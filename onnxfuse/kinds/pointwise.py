@@ -187,7 +187,8 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
             result.rejected["computes only on constants"] += len(group)
             continue
         accepted.add(group)
-        result.matches.append(Match(pattern, tuple(group), tuple(outputs)))
+        result.matches.append(Match(pattern, tuple(group), tuple(outputs),
+                                    measured_only=any(reserved.get(i) in offered for i in group)))
     result.matches.sort(key=lambda m: m.nodes)
     return result
 
