@@ -274,6 +274,19 @@ def test_the_body_runs_the_bias_after_the_product():
         np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-5)
 
 
+def test_a_float16_body_runs_the_bias_after_the_product():
+    """float16 weights are not packed: the body's Gemm reads them as the MatMul did."""
+    npd = np.float16
+    nodes = [N("MatMul", ["x", "w"], ["h"]), N("Add", ["h", "b"], ["hb"]), *erf_gelu("hb", "y")]
+    m = model(nodes, {"x": ("float16", [2, 5, 32])}, {"y": ("float16", [2, 5, 48])},
+              {"w": _w((32, 48), 1, npd), "b": _w((48,), 2, npd), **erf_consts(dtype=npd)})
+    r = check_fusion(m, expect_fused=1, patterns=PATTERNS, rtol=1e-2)
+    fn = next(fn for fn in r.model.functions if fn.overload == r.fused[0].kernel_name)
+    assert [n.op_type for n in fn.node if n.op_type != "Constant"] == [
+        "Reshape", "Gemm", "Reshape", "Add", "Div", "Erf", "Add", "Mul", "Mul"]
+    assert next(n for n in fn.node if n.op_type == "Gemm").input[1] == "x1"  # the weights, as given
+
+
 def test_a_gemm_with_c_runs_it_after_the_product():
     """Gemm(A, B, C) with a 1-D C and alpha = beta = 1: the body is Gemm(A, B) + Add(C); with
     alpha or beta not 1 it stays as the export wrote it (test_gemm_transb_with_bias_and_relu)."""
