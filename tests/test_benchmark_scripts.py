@@ -353,3 +353,15 @@ def test_attention_roofline_table_reads_a_measured_row():
     tiles = tile_table([row, cut]).splitlines()
     assert len(tiles) == 5 and tiles[3].startswith("| bert fp16 b8 | 64x128 4w 2s |") and "| 13% |" in tiles[3]
     assert tiles[4].endswith("| - | - | RuntimeError: out of resources")
+
+
+def test_unaligned_head_dry_run(tmp_path):
+    """Every formulation of an unaligned head (plain, padded + Slice / Split, the padded
+    product alone, Gemm with transB) computes X W on the CPU as the plain MatMul does."""
+    from benchmarks import unaligned_head
+
+    out = tmp_path / "uh.json"
+    assert unaligned_head.main(["--dry-run", "--shapes", "16:32:1001", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"][:1]
+    errs = [row[f"{n}_max_abs_err"] for n in ("plain", "padded_slice", "padded_split", "padded_only", "trans_b")]
+    assert max(errs) < 2e-3 and max(errs) - min(errs) < 1e-3, row
