@@ -26,10 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import AttributeProto, GraphProto, ModelProto, TensorProto, helper, numpy_helper
+from onnx import ModelProto, TensorProto, helper, numpy_helper
 
 from onnxfuse.graph import GraphView
-from onnxfuse.ir import copy_and_namer
+from onnxfuse.ir import copy_and_namer, subgraph_reads
 from onnxfuse.ops import RULES
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -105,19 +105,10 @@ def pad_columns(model: ModelProto, view: GraphView) -> tuple[ModelProto, list[st
     del g.node[:]
     g.node.extend(nodes)
     replaced = {view.nodes[p.node].input[1] for p in pads}
-    unread = replaced - _read(g)  # the original weights, where nothing else reads them
+    read = {x for n in g.node for x in n.input} | {o.name for o in g.output} | subgraph_reads(g.node)
+    unread = replaced - read  # the original weights, where nothing else reads them
     kept = [t for t in g.initializer if t.name not in unread]
     del g.initializer[:]
     g.initializer.extend(kept)
     return out, [view.nodes[p.node].name or view.nodes[p.node].output[0] for p in pads]
 
-
-def _read(g: GraphProto) -> set[str]:
-    """The tensors read by a graph's nodes and its subgraphs', and its outputs."""
-    out = {o.name for o in g.output}
-    for n in g.node:
-        out.update(n.input)
-        for a in n.attribute:
-            for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
-                out |= _read(sg)
-    return out

@@ -94,6 +94,18 @@ def matmul_move(view: GraphView, i: int) -> BiasMove | None:
     return BiasMove(i, users[0], None, numpy_helper.to_array(view.constants[bias]).reshape(-1), add.output[0])
 
 
+def gemm_without_c(gemm: NodeProto, output: str) -> NodeProto:
+    """A copy of a Gemm without its C (and beta), writing `output`."""
+    out = NodeProto()
+    out.CopyFrom(gemm)
+    del out.input[2:]
+    keep = [a for a in out.attribute if a.name != "beta"]
+    del out.attribute[:]
+    out.attribute.extend(keep)
+    out.output[0] = output
+    return out
+
+
 def after_product_in_body(view: GraphView, i: int, product: NodeProto, names: set[str]) -> list[NodeProto] | None:
     """The nodes that take the place of `product` (view.nodes[i], or its copy reading packed
     weights) in a fused node's function body, with the bias after the product: Gemm(A, B, C)
@@ -106,14 +118,8 @@ def after_product_in_body(view: GraphView, i: int, product: NodeProto, names: se
     if n.op_type == "Gemm":
         if gemm_move(view, i) is None:
             return None
-        gemm = NodeProto()
-        gemm.CopyFrom(product)
-        bias = gemm.input[2]
-        del gemm.input[2:]
-        keep = [a for a in gemm.attribute if a.name != "beta"]
-        del gemm.attribute[:]
-        gemm.attribute.extend(keep)
-        gemm.output[0] = unique_name(f"{stem}.product", names)
+        bias = product.input[2]
+        gemm = gemm_without_c(product, unique_name(f"{stem}.product", names))
         nodes = [gemm]
         if len(view.constants[n.input[2]].dims) != 1:  # [1, N]: ORT's fusions take a 1-D bias
             flat, shape = unique_name(f"{stem}.bias_1d", names), unique_name(f"{stem}.bias_shape", names)

@@ -136,6 +136,17 @@ def all_names(model: ModelProto) -> set[str]:
     return names
 
 
+def subgraph_reads(nodes) -> set[str]:
+    """Names that the subgraphs (If / Loop / Scan bodies) of `nodes`, and theirs, read."""
+    names: set[str] = set()
+    for n in nodes:
+        for a in n.attribute:
+            for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+                names.update(x for m in sg.node for x in m.input)
+                names |= subgraph_reads(sg.node)
+    return names
+
+
 def copy_and_namer(model: ModelProto) -> tuple[ModelProto, Callable[[str], str]]:
     """A copy of `model` to edit, and a function giving names no tensor of it has yet (`base`,
     else `base_1`, `base_2`, ...), each name once."""

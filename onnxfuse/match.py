@@ -107,6 +107,11 @@ class Reserved(dict[int, str]):
         self.offered = offered
 
 
+def offered_reasons(reserved: dict[int, str]) -> frozenset[str]:
+    """`reserved.offered` for a Reserved, else none."""
+    return reserved.offered if isinstance(reserved, Reserved) else frozenset()
+
+
 def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, str] | None = None,
                  offered: frozenset[str] = frozenset()) -> MatchResult:
     """Apply patterns in priority order, each through its kind's matcher; a node joins at

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.bias import BIAS_TAKERS, BiasMove, gemm_move, matmul_move
+from onnxfuse.bias import BIAS_TAKERS, BiasMove, gemm_move, gemm_without_c, matmul_move
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
 from onnxfuse.ir import copy_and_namer
@@ -175,14 +175,8 @@ def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[M
         b_name = fresh(f"{stem}.bias")
         g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(mv.bias), b_name))
         if mv.add is None:  # Gemm(A, W, C) [-> Reshape]  =>  Gemm(A, W) [-> Reshape] -> Add(C)
-            gemm = NodeProto()
-            gemm.CopyFrom(n)
-            del gemm.input[2:]
-            keep = [x for x in gemm.attribute if x.name != "beta"]
-            del gemm.attribute[:]
-            gemm.attribute.extend(keep)
             product = fresh(f"{stem}.product")
-            gemm.output[0] = product
+            gemm = gemm_without_c(n, product)
             after[mv.node] = (k, [gemm])
             nodes = []
             if mv.reshape is not None:  # the Add where the Reshape is (its shape may be made after the Gemm)

@@ -34,8 +34,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from onnx import AttributeProto, FunctionProto, ModelProto, NodeProto, numpy_helper
+from onnx import FunctionProto, ModelProto, NodeProto, numpy_helper
 
+from onnxfuse.ir import subgraph_reads
 from onnxfuse.kinds import kind_of
 from onnxfuse.rewrite import DOMAIN, swap_functions
 
@@ -71,7 +72,7 @@ def plan(model: ModelProto, rounding: set[str], may_store: set[str]) -> Plan:
                 readers.setdefault(name, []).append((n, i))
         for name in n.output:
             producer[name] = n
-    opaque = {o.name for o in g.output} | _captured(g)
+    opaque = {o.name for o in g.output} | subgraph_reads(g.node)
 
     memo: dict[str, bool] = {}
 
@@ -182,19 +183,3 @@ def _moves_values(n: NodeProto, i: int, g) -> bool:
             return init is not None and not numpy_helper.to_array(init).any()
         return True
     return True
-
-
-def _captured(g) -> set[str]:
-    """Names that subgraphs (If / Loop / Scan bodies) of g's nodes read: readers this pass
-    does not follow."""
-    names: set[str] = set()
-
-    def walk(graph) -> None:
-        for n in graph.node:
-            for a in n.attribute:
-                for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
-                    names.update(x for m in sg.node for x in m.input)
-                    walk(sg)
-
-    walk(g)
-    return names

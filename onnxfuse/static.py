@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 from onnx import ModelProto, helper, numpy_helper
 
+from onnxfuse import ir
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.load import light_copy
 from onnxfuse.tools.shapes import input_dims, with_input_dims
@@ -136,7 +137,7 @@ def _fold_once(m: ModelProto, report: Folded) -> ModelProto:
     if not folded:
         return m
     kept = [n for i, n in enumerate(g.node) if i not in folded]
-    read = {x for n in kept for x in n.input} | {o.name for o in g.output} | _captured(kept)
+    read = {x for n in kept for x in n.input} | {o.name for o in g.output} | ir.subgraph_reads(kept)
     produced = {o for i in folded for o in g.node[i].output if o}
     graph_inputs = {vi.name for vi in g.input}
     for k in reversed(range(len(g.initializer))):  # in place: the weights are not copied again
@@ -196,14 +197,3 @@ def evaluate_constant(n: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: i
 
 def _has_subgraph(n: onnx.NodeProto) -> bool:
     return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in n.attribute)
-
-
-def _captured(nodes) -> set[str]:
-    """Names the subgraphs of `nodes` read (they may read folded values)."""
-    names: set[str] = set()
-    for n in nodes:
-        for a in n.attribute:
-            for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
-                names.update(x for m in sg.node for x in m.input)
-                names |= _captured(sg.node)
-    return names

@@ -57,11 +57,11 @@ from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
 from onnxfuse.match import (
     DTYPE_IDS,
-    Reserved,
     dtype_reason,
     grow_epilogue,
     match_anchored,
     numel,
+    offered_reasons,
     operands,
     single_result,
 )
@@ -272,13 +272,10 @@ def _candidate_taken(view: GraphView, taken: set[int], reserved: dict[int, str])
     something other than a product (a SkipLayerNormalization's adds), and those of the fusions
     offered to pointwise chains (`onnxfuse.match.Reserved`: a GELU, which a chain then takes
     with the bias, timed against ORT's BiasGelu)."""
-    offered = _offered(reserved)
+    offered = offered_reasons(reserved)
     return taken | {j for j, r in reserved.items()
                     if r in offered or not any(r.endswith(f"{f} fusion") for f in PRODUCT_FUSIONS)}
 
-
-def _offered(reserved: dict[int, str]) -> frozenset[str]:
-    return reserved.offered if isinstance(reserved, Reserved) else frozenset()
 
 
 def _split_fusion(view: GraphView, members: set[int], reserved: dict[int, str], ops: frozenset[str]) -> str | None:
@@ -315,7 +312,7 @@ def _bias_for_a_taker(view: GraphView, core: Core, epilogue: set[int], result: s
             or not last_dim_vector(view.constants[bias], core.y_shape[-1]):
         return False
     readers = view.consumers.get(result, [])
-    takers = {reason(f) for f in SKIP_TAKERS} | _offered(reserved)
+    takers = {reason(f) for f in SKIP_TAKERS} | offered_reasons(reserved)
     return bool(readers) and result not in view.graph_outputs and all(reserved.get(j) in takers for j in readers)
 
 

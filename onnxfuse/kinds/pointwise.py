@@ -37,7 +37,7 @@ from onnxfuse.kinds.base import (
     Pattern,
     env_config,
 )
-from onnxfuse.match import Reserved, check_node, literal_inputs
+from onnxfuse.match import check_node, literal_inputs, offered_reasons
 from onnxfuse.ops import RULES
 from onnxfuse.rewrite import input_mode, lower_group
 
@@ -144,7 +144,7 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
     result = MatchResult()
     accepted = Accepted(len(view.nodes)) if accepted is None else accepted
     reserved = reserved or {}
-    offered = reserved.offered if isinstance(reserved, Reserved) else frozenset()
+    offered = offered_reasons(reserved)
     candidates: set[int] = set()
     for i, n in enumerate(view.nodes):
         if i in taken or n.op_type not in pattern.match.ops or n.domain not in ("", "ai.onnx"):
