@@ -573,11 +573,12 @@ def _fuse(model: onnx.ModelProto, src: Path, dst: Path, shapes: dict[str, tuple[
 FREE_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
 
-def profile_summary(path: str, provider: str, shapes: dict[str, tuple[int, ...]], top: int = 12) -> dict:
+def profile_summary(path: str, provider: str, shapes: dict[str, tuple[int, ...]], top: int | None = None) -> dict:
     """`onnxfuse profile` of one model at the case's shapes, without CUDA graphs (kernel times
     through CUPTI on CUDA): its median run, the summed median time per op type (nodes ONNX
     Runtime created by its own fusions under their new op type: SkipLayerNormalization, Gemm
-    from MatMul + Add, ...), and the `top` nodes by time."""
+    from MatMul + Add, ...), and the `top` nodes by time (None: every node, so that two
+    models' layers can be put side by side)."""
     from onnxfuse.profile import profile
 
     r = profile(path, provider, shapes=dict(shapes), iters=10, warmup=3)

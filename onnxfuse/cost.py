@@ -62,6 +62,7 @@ import numpy as np
 import onnx
 from onnx import FunctionProto, ModelProto, NodeProto, TensorProto, helper
 
+from onnxfuse import ir
 from onnxfuse.align import padding
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Builder, Ref, parse
@@ -305,9 +306,9 @@ def bind_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = Non
                                 f"got {len(want)} dimensions")
         if tt.HasField("shape"):
             for k, (d, v) in enumerate(zip(tt.shape.dim, want, strict=True)):
-                if d.HasField("dim_value") and d.dim_value != v:
+                if ir.known_dim(d) is not None and d.dim_value != v:
                     raise OnnxfuseError(f"--shape {vi.name}: dimension {k} is {d.dim_value} in the model, not {v}")
-                if d.HasField("dim_param") and d.dim_param:
+                if ir.dim_symbol(d) is not None:
                     bind(d.dim_param, v, f"--shape {vi.name}")
     # Pass 2: batch, then defaults.
     for vi in inputs:
@@ -330,10 +331,10 @@ def bind_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = Non
             continue
         dims = []
         for k, d in enumerate(tt.shape.dim):
-            if d.HasField("dim_value"):
+            if ir.known_dim(d) is not None:
                 dims.append(d.dim_value)
                 continue
-            sym = d.dim_param if d.HasField("dim_param") and d.dim_param else None
+            sym = ir.dim_symbol(d)
             if sym is not None and sym in symbols:
                 v = symbols[sym]
             elif k == 0 and batch is not None:
@@ -356,7 +357,7 @@ def bind_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]] | None = Non
     for vi in list(g.output) + list(g.value_info):
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
             for d in vi.type.tensor_type.shape.dim:
-                if d.HasField("dim_param") and d.dim_param in symbols:
+                if ir.dim_symbol(d) is not None and d.dim_param in symbols:
                     v = symbols[d.dim_param]
                     d.Clear()
                     d.dim_value = v

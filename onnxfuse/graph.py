@@ -136,7 +136,7 @@ class GraphView:
 
 
 def _dim(d: onnx.TensorShapeProto.Dimension) -> Dim:
-    if d.HasField("dim_value"):
+    if ir.known_dim(d) is not None:
         return d.dim_value
     if d.HasField("dim_param") and d.dim_param:
         return d.dim_param

@@ -224,6 +224,21 @@ def empty() -> gs.Variable:
     return gs.Variable.empty()
 
 
+def known_dim(d: onnx.TensorShapeProto.Dimension) -> int | None:
+    """A dimension's size, or None where it is dynamic: a dim_param, nothing, or a negative
+    dim_value (Paddle's exporter writes -1 for its dynamic dims)."""
+    return d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else None
+
+
+ANONYMOUS_DIMS = ("", "?")  # dim_params that name no dimension (Paddle writes "?" for each unknown one)
+
+
+def dim_symbol(d: onnx.TensorShapeProto.Dimension) -> str | None:
+    """The name of a symbolic dimension, shared by every dim of that name; None for a size or
+    an anonymous dimension."""
+    return d.dim_param if d.HasField("dim_param") and d.dim_param not in ANONYMOUS_DIMS else None
+
+
 def set_type(tensor: gs.Variable, elem_type, dims: list | None) -> None:
     """Give a tensor a value_info on export: element type (ONNX's, or a gs dtype) and dims
     (None: unknown)."""

@@ -164,7 +164,7 @@ def _shapes(g: onnx.GraphProto, tensors: dict | None) -> dict[str, tuple[tuple, 
     for vi in [*g.value_info, *g.input, *g.output]:
         t = vi.type.tensor_type
         if t.HasField("shape") and len(t.shape.dim) == 4:
-            out[vi.name] = (tuple(d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim),
+            out[vi.name] = (tuple(ir.known_dim(d) for d in t.shape.dim),
                             t.elem_type)
     for name, (dims, elem) in (tensors or {}).items():
         if dims is not None and len(dims) == 4 and name not in out:

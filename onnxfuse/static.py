@@ -118,7 +118,7 @@ def _fold_once(m: ModelProto, report: Folded) -> ModelProto:
     shapes = {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         t = vi.type.tensor_type
-        if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+        if t.HasField("shape") and all(ir.known_dim(d) is not None for d in t.shape.dim):
             shapes[vi.name] = tuple(d.dim_value for d in t.shape.dim)
     g = m.graph
     known: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer

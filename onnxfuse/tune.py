@@ -81,7 +81,7 @@ import onnx
 from onnx import ModelProto, helper
 
 from onnxfuse import compile as aot
-from onnxfuse import reference, runtime
+from onnxfuse import ir, reference, runtime
 from onnxfuse.cost import model_cost
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
@@ -281,7 +281,7 @@ def run_for_values(model: ModelProto, feeds: dict[str, np.ndarray], names: list[
 
 def _static(vi: onnx.ValueInfoProto) -> bool:
     t = vi.type.tensor_type
-    return t.elem_type != 0 and t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim)
+    return t.elem_type != 0 and t.HasField("shape") and all(ir.known_dim(d) is not None for d in t.shape.dim)
 
 
 # ---------------------------------------------------------------------------------------

@@ -340,6 +340,18 @@ def test_bad_shapes(shapes, message):
         bind_dims(_dyn(), shapes)
 
 
+
+def test_paddle_dynamic_dims():
+    """Paddle's exporter writes -1 for a dynamic dim and "?" for every unknown one (PP-OCR's
+    direction classifier: x [-1, 3, ?, ?]): -1 is dynamic, and the "?"s are not one shared
+    dimension, so x=1,3,48,192 binds (the fifteenth session's tuning lost its float64
+    reference to this, and `profile` of the original stopped)."""
+    m = model([N("Relu", ["x"], ["y"])], {"x": ("float32", [-1, 3, "?", "?"])}, {"y": ("float32", [-1, 3, "?", "?"])})
+    mc = model_cost(m, shapes={"x": (1, 3, 48, 192)})
+    assert mc.nodes[0].flops == 3 * 48 * 192 and not mc.warnings
+    mc = model_cost(m)  # unbound: each unknown dim assumed 1, each with its warning
+    assert mc.nodes[0].flops == 3 and len(mc.warnings) == 3
+
 def test_parse_shape_args():
     assert parse_shapes(["x=1,3,224,224", "m=2x5"]) == {"x": (1, 3, 224, 224), "m": (2, 5)}
     for bad in ("x", "x=", "x=a,b", "=3"):
