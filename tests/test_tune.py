@@ -312,6 +312,25 @@ def test_convs_are_timed_before_the_budget_runs_out(monkeypatch):
     assert [kinds[n] for n, ok in measured.items() if ok] == ["conv"]
 
 
+
+def test_the_largest_convs_are_timed_first(monkeypatch):
+    """Two convs in a row, the small one first in the graph: with a budget for one node, the
+    one measured is the larger (8 -> 32 channels 3x3 over 6x6, against 3 -> 8 over 8x8)."""
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((8, 3, 1, 1)).astype(np.float32)
+    w2 = rng.standard_normal((32, 8, 3, 3)).astype(np.float32)
+    m = model([N("Conv", ["x", "w1"], ["c1"], kernel_shape=[1, 1]), N("Relu", ["c1"], ["r1"]),
+               N("Conv", ["r1", "w2"], ["c2"], kernel_shape=[3, 3]), N("Relu", ["c2"], ["y"])],
+              {"x": ("float32", ["N", 3, 8, 8])}, {"y": ("float32", ["N", 32, 6, 6])}, {"w1": w1, "w2": w2})
+    r, before = _optimized(m)
+    assert [f.kind for f in r.fused] == ["conv", "conv"]
+    small, large = (f.node_name for f in r.fused)
+    assert tuning.measure_order(r, {"x": (2, 3, 8, 8)}) == [1, 0]
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0, budget_after_one_pair=True)
+    rec = _tune(r, before, TuneSettings(provider="cpu", batch=2, cache=False, budget_s=1.5))["tune"]
+    measured = [d["node"] for d in rec["nodes"] if not d["chosen"].startswith("not measured")]
+    assert measured == [large]
+
 def test_a_slower_optimized_model_gives_back_the_original(monkeypatch):
     m = vgg_stack(2, 8, 3, 16)
     r, before = _optimized(m)
