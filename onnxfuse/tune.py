@@ -475,6 +475,10 @@ class Timer:
         self.entries: dict[str, dict] = _read_cache(self.path) if self.path else {}
         self.measured = 0
         self.hits = 0
+        # where the one-node timings' seconds go (the record's "node_runs"): session loads, first
+        # runs (cuDNN's algorithm search, graph capture), timed runs and the rest (saving the
+        # model, binding inputs, warm-up runs, reading outputs back)
+        self.spent = {"runs": 0, "load_s": 0.0, "first_run_s": 0.0, "timed_s": 0.0, "total_s": 0.0}
         self._float64: dict[int, tuple[dict[str, np.ndarray] | None, str | None]] = {}
         self._original_runs: dict[tuple[int, bool], dict[str, np.ndarray] | str] = {}
 
@@ -510,6 +514,7 @@ class Timer:
         if cached_only:
             return None
         s = self.settings
+        t0 = time.perf_counter()
         path = self._path(m)
         try:
             run = run_model(str(path), feeds, self._settings(s.warmup, s.iters, graph), library=library)
@@ -523,6 +528,11 @@ class Timer:
         ms = float(np.median(run.times_ms))
         self.measured += 1
         self.entries[key] = {"ms": ms}
+        self.spent["runs"] += 1
+        self.spent["load_s"] += run.load_ms / 1e3
+        self.spent["first_run_s"] += run.first_run_ms / 1e3
+        self.spent["timed_s"] += sum(run.times_ms) / 1e3
+        self.spent["total_s"] += time.perf_counter() - t0
         return ms
 
     def _runs_plainly(self, path: Path, feeds: dict[str, np.ndarray], library: bool) -> bool:
@@ -764,6 +774,7 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         "shapes": {k: list(v) for k, v in dims.items()}, "seconds": round(time.perf_counter() - t0, 2),
         "phases": phases.rounded(),
         "measured": timer.measured, "cache_hits": timer.hits, "cache": str(timer.path) if timer.path else None,
+        "node_runs": {k: round(v, 3) for k, v in timer.spent.items()},
         "nodes": [dataclasses.asdict(d) for d in decisions],
         "original": dataclasses.asdict(orig_times), "models": {k: dataclasses.asdict(v) for k, v in times.items()},
         "accuracy": gates if checked else None,

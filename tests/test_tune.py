@@ -6,7 +6,6 @@ run is tests/test_gpu_conv.py."""
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable
 
 import numpy as np
@@ -28,6 +27,7 @@ from onnxfuse.layers import ConvAttrs, PoolAttrs
 from onnxfuse.pipeline import compile_pass
 from onnxfuse.runtime import library_path
 from onnxfuse.tools.feeds import static_feeds
+from onnxfuse.tools.session import Run
 from onnxfuse.tune import TuneSettings, candidates, input_shapes
 from tests.util import kernel_options, model
 
@@ -404,7 +404,7 @@ def test_only_real_capture_failures_are_cached(tmp_path, monkeypatch):
     def fake_run(path, feeds, settings, library=False):
         if settings.cuda_graph or not works["plain"]:
             raise OnnxfuseError("it failed")
-        return types.SimpleNamespace(times_ms=[1.0])
+        return Run(5.0, 2.0, [1.0], {}, None)
 
     monkeypatch.setattr(tuning, "run_model", fake_run)
     for plain, cached in ((False, False), (True, True)):
@@ -519,7 +519,7 @@ def test_past_the_budget_layers_timed_before_are_still_decided(tmp_path, monkeyp
 
     def fake_run(path, feeds, settings, library=False):
         runs.append(library)
-        return types.SimpleNamespace(times_ms=[0.1 if library else 0.3])
+        return Run(5.0, 2.0, [0.1 if library else 0.3], {}, None)
 
     monkeypatch.setattr(tuning, "run_model", fake_run)
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: 100.0 if runs else 0.0)  # spent after a run
@@ -528,6 +528,8 @@ def test_past_the_budget_layers_timed_before_are_still_decided(tmp_path, monkeyp
     rec = _tune(r, before, TuneSettings(provider="cpu", batch=2, budget_s=1.0))["tune"]
     first, second = rec["nodes"]
     assert first["chosen"] == "fused" and runs == [False, True]  # one pair timed
+    spent = rec["node_runs"]  # where the timings' seconds went: two loads of 5 ms, two first runs of 2
+    assert spent["runs"] == 2 and spent["load_s"] == 0.01 and spent["first_run_s"] == 0.004
     if same_shapes:
         assert second["chosen"] == "fused" and (second["original_ms"], second["fused_ms"]) == (0.3, 0.1)
         assert rec["cache_hits"] == 2
