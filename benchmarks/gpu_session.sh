@@ -227,6 +227,25 @@ PY
     timeout 580 python3 benchmarks/conv_precision.py --json "$OUT/conv_precision.json" ${2:+--layers "$2"} \
       > "$OUT/conv_precision.log" 2>&1; tail -140 "$OUT/conv_precision.log"
     ;;
+  cache-save)
+    # the tuning cache and the compiled kernels (~/.cache/onnxfuse/{tune,kernels}) as one archive
+    # in $OUT, so that a later call on a fresh machine starts warm (`cache-load`): the kernels
+    # too where the archive stays under the tool's 16 MiB per file, else the tuning cache alone
+    root=${ONNXFUSE_CACHE:-$HOME/.cache/onnxfuse}
+    parts=$(cd "$root" 2>/dev/null && ls -d tune kernels 2>/dev/null)
+    [ -n "$parts" ] || { echo "cache-save: nothing under $root"; exit 0; }
+    tar czf /tmp/onnxfuse_cache.tgz -C "$root" $parts
+    if [ "$(stat -c %s /tmp/onnxfuse_cache.tgz)" -gt 15000000 ]; then
+      tar czf /tmp/onnxfuse_cache.tgz -C "$root" tune 2>/dev/null && echo "cache-save: kernels left out (over 15 MB)"
+    fi
+    mv /tmp/onnxfuse_cache.tgz "$OUT/" && ls -la "$OUT/onnxfuse_cache.tgz"
+    ;;
+  cache-load)
+    # cache-load ARCHIVE: what cache-save wrote, unpacked under ~/.cache/onnxfuse. A suite run
+    # after it re-measures nothing it remembers: its tune records say so (measured, cache_hits)
+    root=${ONNXFUSE_CACHE:-$HOME/.cache/onnxfuse}
+    mkdir -p "$root" && tar xzf "${2:?cache-load ARCHIVE}" -C "$root" && du -sh "$root"/* 2>/dev/null
+    ;;
   sweep)
     [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")
     echo "ONNXFUSE_POINTWISE_CONFIG=${ONNXFUSE_POINTWISE_CONFIG:-default}"

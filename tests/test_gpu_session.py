@@ -22,3 +22,28 @@ def test_the_two_gpu_test_calls_cover_every_gpu_test_file():
     assert marked, "no GPU-marked test found: the marker's spelling changed?"
     assert marked <= named, f"not run by gpu-tests-a/b: {sorted(marked - named)}"
     assert named <= {p.name for p in (ROOT / "tests").glob("test_*.py")}, "a named file does not exist"
+
+
+def test_cache_save_and_load_carry_the_caches_to_a_fresh_machine(tmp_path):
+    """cache-save packs the tuning cache and the kernels into $OUT; cache-load unpacks them
+    under another machine's cache root, file for file."""
+    import subprocess
+
+    src, dst, out = tmp_path / "src", tmp_path / "dst", tmp_path / "out"
+    (src / "tune").mkdir(parents=True)
+    (src / "kernels" / "ab").mkdir(parents=True)
+    (src / "tune" / "H200.json").write_text('{"k": {"ms": 0.01}}')
+    (src / "kernels" / "ab" / "k.cubin").write_bytes(b"\x7fELF" + bytes(64))
+    (src / "lib").mkdir()  # the built library stays behind: it is the machine's own
+    (src / "lib" / "libonnxfuse_ops.so").write_bytes(b"x")
+    script = str(ROOT / "benchmarks" / "gpu_session.sh")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out)}
+    subprocess.run(["bash", script, "cache-save"], env={**env, "ONNXFUSE_CACHE": str(src)}, check=True,
+                   capture_output=True, cwd=ROOT)
+    assert (out / "onnxfuse_cache.tgz").is_file()
+    subprocess.run(["bash", script, "cache-load", str(out / "onnxfuse_cache.tgz")],
+                   env={**env, "ONNXFUSE_CACHE": str(dst), "OUT": str(tmp_path / "out2")}, check=True,
+                   capture_output=True, cwd=ROOT)
+    assert (dst / "tune" / "H200.json").read_text() == '{"k": {"ms": 0.01}}'
+    assert (dst / "kernels" / "ab" / "k.cubin").read_bytes() == b"\x7fELF" + bytes(64)
+    assert not (dst / "lib").exists()
