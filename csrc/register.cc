@@ -1,6 +1,6 @@
 // Entry point of libonnxfuse_ops.so: registers the op of every fusion kind (csrc/kinds/:
-// PointwiseChain, FusedConv, FusedMaxPool, FusedRows, GemmEpilogue, FusedAttention) for the
-// CPU and CUDA execution providers. This is the only exported symbol.
+// PointwiseChain, FusedConv, FusedMaxPool, FusedRows, GemmEpilogue, FusedAttention,
+// FusedSqueezeExcite) for the CPU and CUDA execution providers. This is the only exported symbol.
 #include <exception>
 #include <mutex>
 #include <string>
@@ -19,17 +19,19 @@ void append_maxpool_cpu_ops(std::vector<OrtCustomOp*>* ops);
 void append_rows_cpu_ops(std::vector<OrtCustomOp*>* ops);
 void append_gemm_cpu_ops(std::vector<OrtCustomOp*>* ops);
 void append_attention_cpu_ops(std::vector<OrtCustomOp*>* ops);
+void append_squeeze_cpu_ops(std::vector<OrtCustomOp*>* ops);
 void append_pointwise_cuda_ops(std::vector<OrtCustomOp*>* ops);
 void append_conv_cuda_ops(std::vector<OrtCustomOp*>* ops);
 void append_maxpool_cuda_ops(std::vector<OrtCustomOp*>* ops);
 void append_rows_cuda_ops(std::vector<OrtCustomOp*>* ops);
 void append_gemm_cuda_ops(std::vector<OrtCustomOp*>* ops);
 void append_attention_cuda_ops(std::vector<OrtCustomOp*>* ops);
+void append_squeeze_cuda_ops(std::vector<OrtCustomOp*>* ops);
 constexpr void (*kRegistrations[])(std::vector<OrtCustomOp*>*) = {
     append_pointwise_cpu_ops,  append_conv_cpu_ops,  append_maxpool_cpu_ops,  append_rows_cpu_ops,
-    append_gemm_cpu_ops,       append_attention_cpu_ops,
+    append_gemm_cpu_ops,       append_attention_cpu_ops, append_squeeze_cpu_ops,
     append_pointwise_cuda_ops, append_conv_cuda_ops, append_maxpool_cuda_ops, append_rows_cuda_ops,
-    append_gemm_cuda_ops,      append_attention_cuda_ops,
+    append_gemm_cuda_ops,      append_attention_cuda_ops, append_squeeze_cuda_ops,
 };
 }  // namespace onnxfuse
 

@@ -90,6 +90,7 @@ from onnxfuse.kinds import KINDS
 from onnxfuse.layout import BODY_TRANSPOSE_PREFIX, TO_NCHW
 from onnxfuse.outputs import save_model
 from onnxfuse.rewrite import DOMAIN, unfuse
+from onnxfuse.roofline import make_roof
 from onnxfuse.specs import kernel_spec
 from onnxfuse.tools.cuda import CudaDriver, local_gpu_archs
 from onnxfuse.tools.feeds import make_feeds, static_feeds
@@ -946,8 +947,6 @@ def measure_order(result, dims: dict[str, tuple[int, ...]]) -> list[int]:
     the nodes left unmeasured are the smallest: at batch 1 a 10 s budget measured 20 of
     EfficientNet-B0's 81 convs in graph order (H200, sixteenth session). Graph order breaks
     ties and stands alone where the costs cannot be counted."""
-    from onnxfuse.analyze import make_roof
-
     try:
         costs = model_cost(result.model, dims).by_name()
     except Exception:  # noqa: BLE001  no costs: graph order

@@ -16,7 +16,7 @@ BUILTIN = load_patterns()
 VALID = textwrap.dedent("""\
     name: activations_only
     description: Only activation functions.
-    priority: 10
+    priority: 1
     match:
       kind: elementwise_group
       ops: [Relu, Sigmoid, Tanh]
@@ -61,7 +61,7 @@ def write(tmp_path: Path, text: str, name: str = "p.yaml") -> Path:
 def test_user_folder_adds_patterns(tmp_path):
     write(tmp_path, VALID)
     names = [p.name for p in load_patterns([tmp_path])]
-    assert names[0] == "activations_only"  # priority 10 runs first
+    assert names[0] == "activations_only"  # priority 1 runs first
     assert "pointwise_chain" in names
 
 
@@ -77,7 +77,7 @@ def test_user_pattern_example_runs(tmp_path):
     (("ops: [Relu, Sigmoid, Tanh]", "ops: Relu"), "match.ops"),
     (("kernel: pointwise", "kernel: cutlass"), "replace.kernel"),
     (("name: activations_only", "name: 'bad name'"), "name"),
-    (("priority: 10", "priority: high"), "priority"),
+    (("priority: 1\n", "priority: high\n"), "priority"),
     (("description: Only activation functions.\n", ""), "description"),
     (("  op_type: PointwiseChain\n", "  op_type: PointwiseChain\n  extra: 1\n"), "replace.extra"),
     (("inputs: {x: [float32, [4]]}", "inputs: {x: float32}"), "example.inputs.x"),

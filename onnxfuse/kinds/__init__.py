@@ -13,9 +13,11 @@ from onnxfuse.kinds.gemm import Gemm
 from onnxfuse.kinds.maxpool import MaxPool
 from onnxfuse.kinds.pointwise import Pointwise
 from onnxfuse.kinds.rows import Rows
+from onnxfuse.kinds.squeeze import SqueezeExcite
 from onnxfuse.rewrite import DOMAIN
 
-KINDS: dict[str, Kind] = {k.name: k for k in (Pointwise(), Conv(), MaxPool(), Rows(), Gemm(), Attention())}
+KINDS: dict[str, Kind] = {k.name: k for k in (Pointwise(), Conv(), MaxPool(), Rows(), Gemm(), Attention(),
+                                            SqueezeExcite())}
 BY_OP_TYPE: dict[str, Kind] = {k.op_type: k for k in KINDS.values()}
 
 
