@@ -24,7 +24,7 @@ table of `onnxfuse.codegen`, so their numerics are those of PointwiseChain kerne
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, check_kernel_name, expr_text
@@ -33,8 +33,18 @@ from onnxfuse.expr import Program
 
 PARAM_NAMES = ["x_ptr", "w1_ptr", "b1_ptr", "w2_ptr", "b2_ptr", "y_ptr", "ws_ptr", "cnt_ptr", "N", "HW", "CHUNK"]
 # FC1's tile [BLOCK_R hidden units, BLOCK_F channels] holds at most this many fp32 values
-# (32 per thread at 8 warps); BLOCK_F is FC2's channel block too
-FC_TILE = 8192
+# (16 per thread at 8 warps: the first kernel's 8192 with a [BLOCK_R, BLOCK_F] accumulator
+# spilled, 45 µs for RegNetY's 440 -> 110 -> 440 block at batch 1 on the H200); BLOCK_F is FC2's
+# channel block too
+FC_TILE = 4096
+# The most programs that share one image (the launcher's split is capped at a variant's
+# max_split): the last reads their partial sums as one [MAX_SPLIT, BLOCK_F] tile per channel
+# block, not one load after another
+MAX_SPLIT = 32
+# Loops that stream weights or X are software-pipelined this deep (`tl.range(num_stages=)`):
+# one program reads every weight of both products, at batch 1 hundreds of KB, and a loop that
+# waits for each tile's load runs at a fraction of one SM's bandwidth
+STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -62,35 +72,37 @@ class SqueezeVariant:
     block_p: int = 32
     block_c: int = 64
     min_chunk: int = 128
-    num_warps: int = 4
+    num_warps: int = 8
+    max_split: int = MAX_SPLIT
 
     def requires(self) -> dict[str, int]:
         return {"max_elements": MAX_ELEMENTS, "ptr_align": 16}
 
     def meta(self) -> dict[str, int]:
-        return {"block_p": self.block_p, "block_c": self.block_c, "min_chunk": self.min_chunk}
+        return {"block_p": self.block_p, "block_c": self.block_c, "min_chunk": self.min_chunk,
+                "max_split": self.max_split}
 
 
 def squeeze_variants(spec: SqueezeSpec) -> tuple[SqueezeVariant, ...]:
     """The heuristic's one variant (not yet measured against alternatives on a GPU; `--tune`
     times `squeeze_candidates`): 2048-element pixel tiles, channels-last 64 channels wide
     (256 contiguous bytes per pixel row in fp32), NCHW 16 channels by 128 pixels; at least
-    4 tiles of pixels per program, so a 7x7 image runs in one program and a 112x112 one in
-    up to 98; 4 warps."""
+    4 tiles of pixels per program and at most MAX_SPLIT programs per image, so a 7x7 image
+    runs in one program and a 112x112 one in 32; 8 warps."""
     if spec.x_layout == "nhwc":
         bc = min(next_pow2(spec.channels), 64)
-        return (SqueezeVariant(0, max(8, 2048 // bc), bc, 4 * max(8, 2048 // bc), 4),)
-    return (SqueezeVariant(0, 128, 16, 512, 4),)
+        return (SqueezeVariant(0, max(8, 2048 // bc), bc, 4 * max(8, 2048 // bc)),)
+    return (SqueezeVariant(0, 128, 16, 512),)
 
 
 def squeeze_candidates(spec: SqueezeSpec) -> list[tuple[str, tuple]]:
     """(label, variants) per configuration `--tune` times: the heuristic's, then smaller and
-    larger parts per program and 8 warps."""
+    larger parts per program and 4 warps."""
     (base,) = squeeze_variants(spec)
     tiles = [base,
-             SqueezeVariant(0, base.block_p, base.block_c, base.block_p, base.num_warps),
-             SqueezeVariant(0, base.block_p, base.block_c, 16 * base.block_p, base.num_warps),
-             SqueezeVariant(0, base.block_p, base.block_c, base.min_chunk, 8)]
+             replace(base, min_chunk=base.block_p),
+             replace(base, min_chunk=16 * base.block_p),
+             replace(base, num_warps=4)]
     return [(f"tile {v.block_p}x{v.block_c}, parts of at least {v.min_chunk} pixels, {v.num_warps} warps", (v,))
             for v in dict.fromkeys(tiles)]
 
@@ -132,6 +144,8 @@ def generate_squeeze(spec: SqueezeSpec, variant: SqueezeVariant) -> KernelSource
             raise ValueError(f"block sizes and num_warps must be powers of two: {variant}")
     if variant.min_chunk < variant.block_p:
         raise ValueError(f"min_chunk {variant.min_chunk} is below block_p {variant.block_p}")
+    if not 1 <= variant.max_split <= MAX_SPLIT:
+        raise ValueError(f"max_split {variant.max_split} is not in 1..{MAX_SPLIT}")
     dt = spec.dtype
     for what, prog in (("activation", spec.program), ("gate", spec.gate)):
         if prog.input_dtypes != (dt,):
@@ -143,7 +157,8 @@ def generate_squeeze(spec: SqueezeSpec, variant: SqueezeVariant) -> KernelSource
     nhwc = spec.x_layout == "nhwc"
     types = [POINTER_TYPES[dt]] * 5 + [POINTER_TYPES[out_dt], "*fp32", "*i32"] + [INT_TYPE] * 3
     constexprs = [("C", spec.channels), ("CR", spec.hidden), ("BLOCK_P", variant.block_p),
-                  ("BLOCK_C", variant.block_c), ("BLOCK_R", block_r), ("BLOCK_F", block_f)]
+                  ("BLOCK_C", variant.block_c), ("BLOCK_R", block_r), ("BLOCK_F", block_f),
+                  ("MAX_SPLIT", next_pow2(variant.max_split)), ("STAGES", STAGES)]
 
     lines = [f"# {spec.name}: generated by onnxfuse.codegen_squeeze; do not edit.", "#",
              f"# Squeeze-and-excitation, C = {spec.channels} channels, {spec.hidden} hidden units, {dt}, "
@@ -174,7 +189,7 @@ def generate_squeeze(spec: SqueezeSpec, variant: SqueezeVariant) -> KernelSource
             "    mask_c = cs < C"]
     if nhwc:
         body += ["    acc = tl.zeros((BLOCK_P, BLOCK_C), dtype=tl.float32)",
-                 "    for p0 in range(0, CHUNK, BLOCK_P):",
+                 "    for p0 in tl.range(0, CHUNK, BLOCK_P, num_stages=STAGES):",
                  "        ps = p_lo + p0 + offs_p",
                  "        mask = (ps < HW)[:, None] & mask_c[None, :]",
                  "        # channels last: each pixel's BLOCK_C channels are contiguous",
@@ -182,7 +197,7 @@ def generate_squeeze(spec: SqueezeSpec, variant: SqueezeVariant) -> KernelSource
                  "    sums = tl.sum(acc, axis=0)"]
     else:
         body += ["    acc = tl.zeros((BLOCK_C, BLOCK_P), dtype=tl.float32)",
-                 "    for p0 in range(0, CHUNK, BLOCK_P):",
+                 "    for p0 in tl.range(0, CHUNK, BLOCK_P, num_stages=STAGES):",
                  "        ps = p_lo + p0 + offs_p",
                  "        mask = mask_c[:, None] & (ps < HW)[None, :]",
                  "        # NCHW: each channel's pixels are contiguous",
@@ -197,25 +212,24 @@ def generate_squeeze(spec: SqueezeSpec, variant: SqueezeVariant) -> KernelSource
              "    offs_r = tl.arange(0, BLOCK_R)",
              "    mask_r = offs_r < CR",
              "    offs_f = tl.arange(0, BLOCK_F)",
+             "    parts = tl.arange(0, MAX_SPLIT)",
              "    # FC1: z1[j] = sum over c of W1[j, c] * mean[c], BLOCK_F channels at a time.",
-             "    acc1 = tl.zeros((BLOCK_R, BLOCK_F), dtype=tl.float32)",
-             "    for c0 in range(0, C, BLOCK_F):",
+             "    z1 = tl.load(b1_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)",
+             "    for c0 in tl.range(0, C, BLOCK_F, num_stages=STAGES):",
              "        cs = c0 + offs_f",
              "        mask_f = cs < C",
-             "        total = tl.zeros((BLOCK_F,), dtype=tl.float32)",
-             "        for k in range(0, split):",
-             "            total += tl.load(ws_ptr + (k * N + n) * C + cs, mask=mask_f, other=0.0,",
-             '                             cache_modifier=".cg")',
-             f"        mean = {_round('total / HW', dt)}  # the pool's output",
+             "        # every part's sums of these channels, one tile",
+             "        ws = tl.load(ws_ptr + ((parts * N + n) * C)[:, None] + cs[None, :],",
+             '                     mask=(parts < split)[:, None] & mask_f[None, :], other=0.0, cache_modifier=".cg")',
+             f"        mean = {_round('tl.sum(ws, axis=0) / HW', dt)}  # the pool's output",
              "        w1 = tl.load(w1_ptr + offs_r[:, None] * C + cs[None, :], mask=mask_r[:, None] & mask_f[None, :],",
              "                     other=0.0).to(tl.float32)",
-             "        acc1 += w1 * mean[None, :]",
-             "    z1 = tl.sum(acc1, axis=1) + tl.load(b1_ptr + offs_r, mask=mask_r, other=0.0).to(tl.float32)",
+             "        z1 += tl.sum(w1 * mean[None, :], axis=1)",
              f"    h = {_round('act(' + _round('z1', dt) + ')', act_dt)}",
              "    # hidden units past CR must add nothing to FC2 (an activation of 0 need not be 0)",
              "    h = tl.where(mask_r, h, 0.0)",
              "    # FC2 and the gate, BLOCK_F channels at a time.",
-             "    for c0 in range(0, C, BLOCK_F):",
+             "    for c0 in tl.range(0, C, BLOCK_F, num_stages=STAGES):",
              "        cs = c0 + offs_f",
              "        mask_f = cs < C",
              "        w2 = tl.load(w2_ptr + cs[:, None] * CR + offs_r[None, :],",

@@ -172,7 +172,7 @@ def test_kernel_source_reads_x_in_its_layout(x_layout):
 def test_float16_kernels_round_between_steps_as_the_original_stores():
     spec = _spec(dtype="f16")
     src = generate_squeeze(spec, squeeze_variants(spec)[0]).source
-    for step in ("mean = (total / HW).to(tl.float16", "h = (act(z1.to(tl.float16", ".to(tl.float32))).to(tl.float16",
+    for step in ("mean = (tl.sum(ws, axis=0) / HW).to(tl.float16", "h = (act(z1.to(tl.float16", ".to(tl.float32))).to(tl.float16",
                  "y = gate(z2.to(tl.float16", "y.to(tl.float16"):
         assert step in src, step
 

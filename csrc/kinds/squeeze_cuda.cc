@@ -26,9 +26,10 @@ using cuda::Variant;
 using cuda::thread_params;
 
 // A variant's block sizes: BLOCK_P pixels by BLOCK_C channels per step of the sum; MIN_CHUNK
-// the fewest pixels worth a program of their own (the launcher's split, below).
+// the fewest pixels worth a program of their own and MAX_SPLIT the most programs per image
+// (the kernel reads their partial sums as one tile of that many rows): the launcher's split, below.
 struct SqueezeTile {
-  int64_t block_p = 0, block_c = 0, min_chunk = 0;
+  int64_t block_p = 0, block_c = 0, min_chunk = 0, max_split = 0;
 };
 
 struct SqueezeKernel : cuda::CudaKernel {
@@ -57,6 +58,7 @@ struct SqueezeKernel : cuda::CudaKernel {
     t.block_p = cuda::meta_positive(vj, "block_p", where);
     t.block_c = cuda::meta_positive(vj, "block_c", where);
     t.min_chunk = cuda::meta_positive(vj, "min_chunk", where);
+    t.max_split = cuda::meta_positive(vj, "max_split", where);
     tiles.push_back(t);
   }
 
@@ -89,10 +91,11 @@ struct SqueezeKernel : cuda::CudaKernel {
     const SqueezeTile& tile = tiles[v];
 
     // docs/format.md, kind squeeze_excite: S programs per image, enough to fill the SMs twice
-    // over but none with fewer than min_chunk pixels; CHUNK a multiple of block_p (the
-    // kernel's step); SPLIT the programs that CHUNK then needs (at least one: H·W = 0 still
-    // launches, and the mean is NaN).
-    const int64_t S = std::max<int64_t>(1, std::min(ceil_div(2 * tg.L->sms, N), ceil_div(HW, tile.min_chunk)));
+    // over but none with fewer than min_chunk pixels, and at most max_split; CHUNK a multiple
+    // of block_p (the kernel's step); SPLIT the programs that CHUNK then needs (at least one:
+    // H·W = 0 still launches, and the mean is NaN; never more than S).
+    const int64_t S = std::max<int64_t>(
+        1, std::min({ceil_div(2 * tg.L->sms, N), ceil_div(HW, tile.min_chunk), tile.max_split}));
     const int64_t CHUNK = std::max(tile.block_p, tile.block_p * ceil_div(ceil_div(HW, S), tile.block_p));
     const int64_t SPLIT = std::max<int64_t>(1, ceil_div(HW, CHUNK));
     if (SPLIT * N * C > INT32_MAX)
