@@ -127,6 +127,12 @@ UNCHECKED = {"passed": True, "max_abs_err": None, "ort_max_abs_err": None, "fail
 # the original run with TF32 off on the GPU: a fraction of a second, but it takes ONNX
 # Runtime's own kernels as the truth, tails included (README, Reliability).
 FLOAT64_MAX_FLOPS = 20e9
+# ONNX Runtime's own default error, the gate's baseline, is that of the most accurate of this many
+# fresh sessions, output by output (CUDA): cuDNN's exhaustive search picks fp32 or TF32
+# algorithms for small convs by timing, session by session. PP-OCR's direction classifier at
+# batch 1 on the H200: 2.2e-5 in the suite's sessions, 1.8e-4 in the one tuning ran, whose gate
+# then passed a model (1.4e-4) that failed the suite's (sixteenth session)
+ORT_DEFAULT_SESSIONS = 3
 # The conv precision tried when the tf32 candidates fail the accuracy gate: as accurate as
 # fp32 to about 1e-7 relative, 1.1-2.5x a tf32 kernel's time (BENCHMARKS.md, "Conv precision")
 PRECISE = "tf32x3"
@@ -850,7 +856,8 @@ def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProt
     (`Timer.float64_reference`), else the original with TF32 off, and a candidate passes when
     each output is within 2x the original's own error under ORT's defaults (TF32 allowed)
     plus the dtype's floor. Per label: passed, max_abs_err, ort_max_abs_err, the first
-    failure's text (or the error that stopped the run) and which reference it was."""
+    failure's text (or the error that stopped the run) and which reference it was. On CUDA,
+    ORT's own error is the smallest of ORT_DEFAULT_SESSIONS sessions', output by output."""
     ref64, why_not = timer.float64_reference(original, feeds)
     ort = timer.original_outputs(original, feeds, "ort", True)
     runs = timer.outputs({label: (m, True, True) for label, m in candidates.items()}, feeds)
@@ -860,6 +867,9 @@ def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProt
     if isinstance(reference, str) or isinstance(ort, str):
         raise OnnxfuseError(f"the original model does not run at these shapes "
                             f"({reference if isinstance(reference, str) else ort})")
+    if timer.settings.provider == "cuda":
+        ort = most_accurate([ort, *(timer.outputs({"ort": (original, False, True)}, feeds)["ort"]
+                                    for _ in range(ORT_DEFAULT_SESSIONS - 1))], reference)
     what = "float64" if ref64 is not None else f"TF32 off ({why_not})"
     out = {}
     for label in candidates:
@@ -877,6 +887,21 @@ def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProt
                       "failure": f"output {failed[0].name!r}: {failed[0].failure()}" if failed else None,
                       "reference": what}
     return out
+
+
+def most_accurate(runs: list, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per output, the value of the run (outputs by name; a run that failed is its error's
+    text) closest to the reference by max abs error."""
+    ok = [r for r in runs if not isinstance(r, str)]
+
+    def err(r: dict, name: str) -> float:
+        got, want = r[name].astype(np.float64), reference[name].astype(np.float64)
+        d = np.abs(got - want)
+        d[np.isnan(d)] = np.inf  # a NaN the reference does not have is the worst error
+        d[np.isnan(got) & np.isnan(want)] = 0.0
+        return float(d.max(initial=0.0))
+
+    return {name: min(ok, key=lambda r: err(r, name))[name] for name in ok[0]}
 
 
 def _fastest(models: list, times: dict[str, ModelTimes], gates: dict[str, dict], orig: ModelTimes):

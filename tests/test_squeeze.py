@@ -22,21 +22,37 @@ N = helper.make_node
 NP = {"float32": np.float32, "float16": np.float16}
 
 
+@pytest.fixture(autouse=True)
+def squeeze_all(monkeypatch):
+    """The kind is fused only where tuning measures it (UNTUNED): here, as if tuned."""
+    monkeypatch.setenv("ONNXFUSE_SQUEEZE_ALL", "1")
+
+
 def se_model(act: str = "silu", gate: str = "sigmoid", c: int = 24, cr: int = 6, dtype: str = "float32",
-             bias: bool = True, hw: tuple[int, int] = (5, 7)) -> onnx.ModelProto:
-    """x [N, c, h, w] -> GlobalAveragePool -> Conv (c -> cr) -> act -> Conv (cr -> c) -> gate -> Mul(x, .)"""
+             bias: bool | str = True, hw: tuple[int, int] = (5, 7)) -> onnx.ModelProto:
+    """x [N, c, h, w] -> GlobalAveragePool -> Conv (c -> cr) -> act -> Conv (cr -> c) -> gate -> Mul(x, .);
+    bias "add": each conv without one, then an Add of [1, K, 1, 1] constants (Paddle's export)."""
     rng = np.random.default_rng(0)
     inits = {"w1": (rng.standard_normal((cr, c, 1, 1)) / np.sqrt(c)).astype(NP[dtype]),
              "w2": (rng.standard_normal((c, cr, 1, 1)) / np.sqrt(cr)).astype(NP[dtype])}
     if bias:
-        inits |= {"b1": (0.1 * rng.standard_normal(cr)).astype(NP[dtype]),
-                  "b2": (0.1 * rng.standard_normal(c)).astype(NP[dtype])}
-    nodes = [N("GlobalAveragePool", ["x"], ["m"]), N("Conv", ["m", "w1", *(["b1"] if bias else [])], ["z1"])]
+        shape = (lambda k: (1, k, 1, 1)) if bias == "add" else (lambda k: (k,))
+        inits |= {"b1": (0.1 * rng.standard_normal(shape(cr))).astype(NP[dtype]),
+                  "b2": (0.1 * rng.standard_normal(shape(c))).astype(NP[dtype])}
+    conv_bias = ["b1"] if bias is True else []
+    nodes = [N("GlobalAveragePool", ["x"], ["m"])]
+    if bias == "add":
+        nodes += [N("Conv", ["m", "w1"], ["z1c"]), N("Add", ["z1c", "b1"], ["z1"])]
+    else:
+        nodes += [N("Conv", ["m", "w1", *conv_bias], ["z1"])]
     nodes += {"silu": [N("Sigmoid", ["z1"], ["s1"]), N("Mul", ["z1", "s1"], ["h"])],
               "relu": [N("Relu", ["z1"], ["h"])],
               "hardswish": [N("HardSwish", ["z1"], ["h"])],
               "none": [N("Identity", ["z1"], ["h"])]}[act]
-    nodes.append(N("Conv", ["h", "w2", *(["b2"] if bias else [])], ["z2"]))
+    if bias == "add":
+        nodes += [N("Conv", ["h", "w2"], ["z2c"]), N("Add", ["z2c", "b2"], ["z2"])]
+    else:
+        nodes.append(N("Conv", ["h", "w2", *(["b2"] if bias is True else [])], ["z2"]))
     nodes += {"sigmoid": [N("Sigmoid", ["z2"], ["g"])],
               "hardsigmoid": [N("HardSigmoid", ["z2"], ["g"], alpha=1 / 6, beta=0.5)],
               "paddle": [N("HardSigmoid", ["z2"], ["g"], alpha=0.2, beta=0.5)],
@@ -66,6 +82,9 @@ def test_squeeze_excite_blocks_fuse(act, gate):
 
 def test_without_biases_and_in_float16():
     check_fusion(se_model(bias=False), expect_fused=1)
+    # Paddle's biases: a Conv without one, then an Add of a [1, K, 1, 1] constant; it becomes the node's bias
+    r = check_fusion(se_model("relu", "paddle", bias="add"), expect_fused=1)
+    assert "Add" not in op_types(r.model)
     r = check_fusion(se_model("silu", "hardsigmoid", dtype="float16"), expect_fused=1, rtol=1e-2)
     node = next(n for n in r.model.graph.node if n.op_type == "FusedSqueezeExcite")
     attrs = {a.name: a.s.decode() for a in node.attribute if a.s}
@@ -91,8 +110,16 @@ def test_blocks_that_do_not_fuse_say_why():
         g.node.insert(list(g.node).index(relu), N("Add", ["z1", "t"], ["z1t"]))
         relu.input[0] = "z1t"
 
+    def act_scales_per_channel(g):  # Relu, then Mul by a [1, 6, 1, 1] constant: no bias, another input
+        g.initializer.append(onnx.numpy_helper.from_array(np.linspace(0.5, 1.5, 6, dtype=np.float32)
+                                                          .reshape(1, 6, 1, 1), "scale"))
+        relu = next(n for n in g.node if n.op_type == "Relu")
+        relu.output[0] = "hr"
+        g.node.insert(list(g.node).index(relu) + 1, N("Mul", ["hr", "scale"], ["h"]))
+
     for edit, reason in ((pool_read_twice, "the pool is not read by one conv alone"),
-                         (act_reads_another_tensor, "an activation or gate reads another tensor")):
+                         (act_reads_another_tensor, "an activation or gate reads another tensor"),
+                         (act_scales_per_channel, "an activation or gate reads another tensor")):
         r = optimize_model(_rewired(base, edit))
         assert "FusedSqueezeExcite" not in op_types(r.model), reason
         assert any(reason in k for k in r.report.not_fused), r.report.summary()
@@ -109,6 +136,13 @@ def test_a_second_conv_that_does_not_give_back_the_channels_does_not_fuse():
     r = optimize_model(m)
     assert "FusedSqueezeExcite" not in op_types(r.model)
     assert any("does not give back every channel" in k for k in r.report.not_fused), r.report.summary()
+
+
+def test_without_tuning_blocks_stay_with_onnx_runtime(monkeypatch):
+    monkeypatch.delenv("ONNXFUSE_SQUEEZE_ALL")
+    r = optimize_model(se_model())
+    assert "FusedSqueezeExcite" not in op_types(r.model)
+    assert "squeeze-excite blocks: fused only where tuning measures" in r.report.summary()
 
 
 def test_an_mbconv_block_keeps_its_squeeze_excite_channels_last(tmp_path, monkeypatch):
@@ -172,8 +206,8 @@ def test_kernel_source_reads_x_in_its_layout(x_layout):
 def test_float16_kernels_round_between_steps_as_the_original_stores():
     spec = _spec(dtype="f16")
     src = generate_squeeze(spec, squeeze_variants(spec)[0]).source
-    for step in ("mean = (tl.sum(ws, axis=0) / HW).to(tl.float16", "h = (act(z1.to(tl.float16", ".to(tl.float32))).to(tl.float16",
-                 "y = gate(z2.to(tl.float16", "y.to(tl.float16"):
+    for step in ("mean = (tl.sum(ws, axis=0) / HW).to(tl.float16", "h = (act(z1.to(tl.float16",
+                 ".to(tl.float32))).to(tl.float16", "y = gate(z2.to(tl.float16", "y.to(tl.float16"):
         assert step in src, step
 
 

@@ -825,3 +825,14 @@ def test_no_configuration_is_timed_past_the_budget(monkeypatch):
     assert not searched
     chosen = {d["kind"]: d["chosen"] for d in rec["nodes"]}
     assert chosen["attention"] == "fused" and chosen["pointwise"].startswith("not measured (tuning budget")
+
+
+def test_ort_default_error_is_the_most_accurate_session_output_by_output():
+    """cuDNN may pick fp32 algorithms in one session and TF32 ones in the next: the gate's
+    baseline takes each output from the session closest to the reference; a NaN the reference
+    does not have counts as the worst error, a NaN it has too as none."""
+    ref = {"a": np.array([1.0, 2.0]), "b": np.array([0.0, np.nan])}
+    s1 = {"a": np.array([1.1, 2.0]), "b": np.array([0.0, np.nan])}
+    s2 = {"a": np.array([1.0, 2.01]), "b": np.array([np.nan, np.nan])}
+    best = tuning.most_accurate([s1, "cannot run", s2], ref)
+    assert best["a"] is s2["a"] and best["b"] is s1["b"]

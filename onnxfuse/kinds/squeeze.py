@@ -12,6 +12,7 @@ more kernels cost 15-40 µs per block on the H200, the pool alone 3-29 µs (BENC
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,10 +42,16 @@ from onnxfuse.kinds.base import (
     layout_attr,
 )
 from onnxfuse.layers import conv_from_node
-from onnxfuse.match import DTYPE_IDS, dtype_reason, grow_epilogue, match_anchored, single_result
+from onnxfuse.match import DTYPE_IDS, dtype_reason, grow_epilogue, match_anchored, operands, single_result
 from onnxfuse.rewrite import lower_group, unique_name
 
 IR_DTYPES = {1: "f32", 10: "f16"}  # ONNX element type -> the programs' dtype
+# Fused only where tuning measures the node faster than the original's kernels: on the H200
+# (sixteenth session, batch 1) it beat them on MobileNetV3-small's small blocks (4-6 µs against
+# 10 or more) and lost on wide ones (576 -> 144 -> 576: 53 µs against 17.6) and at large images
+# (PP-OCRv4 det's: up to 62 µs). $ONNXFUSE_SQUEEZE_ALL=1 fuses every block (tests).
+UNTUNED = ("squeeze-excite blocks: fused only where tuning measures the fused node faster than ONNX Runtime's "
+           "kernels for them (not tuned: no GPU, or --no-tune)")
 
 
 @dataclass(frozen=True)
@@ -66,9 +73,11 @@ class SqueezeParts:
 
     pool: int
     fc1: int
+    bias1: int | None  # an Add of a per-channel constant right after FC1: its bias, as Paddle writes it
     act: tuple[int, ...]  # the activation's nodes, topological order
     hidden: str  # the activation's result: FC2's input
     fc2: int
+    bias2: int | None
     gate: tuple[int, ...]
     result: str  # the gate's result: the node's output
 
@@ -96,10 +105,30 @@ def _fc(view: GraphView, ci: int, x: str, c_in: int, dtype: int) -> int | str:
     return int(w.dims[0])
 
 
+def _bias_add(view: GraphView, ci: int, k: int, taken: set[int]) -> int | None:
+    """The Add that alone reads Conv ci's output and adds a constant of K values, one per
+    channel ([K], [K, 1, 1] or [1, K, 1, 1]): the conv's bias as Paddle's exporter writes it
+    (Conv without a bias, then Add of Reshape(bias), folded to a constant at --shape)."""
+    out = view.nodes[ci].output[0]
+    readers = view.consumers.get(out, ())
+    if out in view.graph_outputs or len(readers) != 1 or readers[0] in taken:
+        return None
+    n = view.nodes[readers[0]]
+    if n.op_type != "Add" or n.domain not in ("", "ai.onnx") or len(n.input) != 2:
+        return None
+    other = n.input[1] if n.input[0] == out else n.input[0]
+    t = view.constants.get(other)
+    if t is None or t.data_type != view.constants[view.nodes[ci].input[1]].data_type:
+        return None
+    dims = tuple(t.dims)
+    return readers[0] if dims in ((k,), (k, 1, 1), (1, k, 1, 1)) else None
+
+
 def _chain(view: GraphView, ci: int, target, pattern: Pattern, taken: set[int], accepted: Accepted,
            ) -> tuple[tuple[int, ...], str] | str:
-    """The pointwise nodes after Conv ci that compute over its output alone (its program's one
-    input), and their one result; the conv output itself when there are none."""
+    """The pointwise nodes after node ci (a Conv, or its bias Add) that compute over its output
+    alone (their program's one input: constants other than scalars would be inputs too), and
+    their one result; ci's output itself when there are none."""
     out = view.nodes[ci].output[0]
     group = grow_epilogue(view, ci, target, pattern, taken)
     group, result = single_result(view, ci, out, group, accepted)
@@ -107,8 +136,8 @@ def _chain(view: GraphView, ci: int, target, pattern: Pattern, taken: set[int], 
         return (), out
     members = set(group)
     for i in group:
-        for name in view.nodes[i].input:
-            if name and name != out and view.producer.get(name) not in members and name not in view.constants:
+        for _, name in operands(view, i):  # what the program reads (folded scalars are not)
+            if name != out and view.producer.get(name) not in members:
                 return "an activation or gate reads another tensor"
     return tuple(sorted(group)), result
 
@@ -134,7 +163,8 @@ def _squeeze_match(view: GraphView, pi: int, pattern: Pattern, taken: set[int], 
     cr = _fc(view, fc1, a, c, dtype)
     if isinstance(cr, str):
         return cr
-    act = _chain(view, fc1, (shape[0], cr, 1, 1), pattern, taken, accepted)
+    bias1 = _bias_add(view, fc1, cr, taken)
+    act = _chain(view, fc1 if bias1 is None else bias1, (shape[0], cr, 1, 1), pattern, taken, accepted)
     if isinstance(act, str):
         return act
     act_nodes, hidden = act
@@ -147,38 +177,47 @@ def _squeeze_match(view: GraphView, pi: int, pattern: Pattern, taken: set[int], 
         return k
     if k != c:
         return "the second conv does not give back every channel"
-    gate = _chain(view, fc2, (shape[0], c, 1, 1), pattern, taken, accepted)
+    bias2 = _bias_add(view, fc2, c, taken)
+    gate = _chain(view, fc2 if bias2 is None else bias2, (shape[0], c, 1, 1), pattern, taken, accepted)
     if isinstance(gate, str):
         return gate
     gate_nodes, result = gate
-    nodes = tuple(sorted({pi, fc1, fc2, *act_nodes, *gate_nodes}))
+    nodes = tuple(sorted({pi, fc1, fc2, *act_nodes, *gate_nodes} | {i for i in (bias1, bias2) if i is not None}))
     if reentering(view, list(nodes), accepted):
         return "fusing would create a cycle"
     if view.types.get(result) != dtype:
         return "the gate's result is not of the input's dtype"
-    parts = SqueezeParts(pi, fc1, act_nodes, hidden, fc2, gate_nodes, result)
+    parts = SqueezeParts(pi, fc1, bias1, act_nodes, hidden, fc2, bias2, gate_nodes, result)
     return Match(pattern, nodes, (result,), pointwise=tuple(sorted(act_nodes + gate_nodes)), first_input=x,
                  result=result, params=parts)
 
 
-def _weights_2d(view: GraphView, conv: NodeProto, node_name: str, what: str, names: set[str],
+def _weights_2d(view: GraphView, conv: NodeProto, add: int | None, node_name: str, what: str, names: set[str],
                 graph: GraphProto) -> tuple[str, str, np.ndarray]:
-    """A new initializer of the conv's weights [K, C] (the node's input) and its bias (zeros
-    where it has none): (weights' name, bias's name, weights)."""
+    """A new initializer of the conv's weights [K, C] (the node's input) and its bias: the
+    conv's own, plus the per-channel constant of its bias Add (`add`), or zeros where it has
+    neither: (weights' name, bias's name, weights)."""
     w = numpy_helper.to_array(view.constants[conv.input[1]])
     w2d = np.ascontiguousarray(w.reshape(w.shape[0], w.shape[1]))
     name = unique_name(f"{node_name}.{what}_weight", names)
     graph.initializer.append(numpy_helper.from_array(w2d, name))
     bias = conv.input[2] if len(conv.input) > 2 and conv.input[2] else ""
-    if not bias:
-        bias = unique_name(f"{node_name}.{what}_bias", names)
-        graph.initializer.append(numpy_helper.from_array(np.zeros(w.shape[0], w.dtype), bias))
+    if bias and add is None:
+        return name, bias, w2d
+    total = numpy_helper.to_array(view.constants[bias]) if bias else np.zeros(w.shape[0], w.dtype)
+    if add is not None:
+        n = view.nodes[add]
+        other = n.input[1] if n.input[0] == conv.output[0] else n.input[0]
+        total = (total.astype(np.float32) + numpy_helper.to_array(view.constants[other]).reshape(-1)).astype(w.dtype)
+    bias = unique_name(f"{node_name}.{what}_bias", names)
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(total), bias))
     return name, bias, w2d
 
 
-def _body_conv(conv: NodeProto, w2d_name: str, bias: str, k: int, c: int, tag: str) -> list[NodeProto]:
+def _body_conv(conv: NodeProto, w2d_name: str, bias: str, k: int, c: int, tag: str, out: str) -> list[NodeProto]:
     """The body's copy of a conv reading the node's [K, C] weights through a Reshape to
-    [K, C, 1, 1] (internal names the graph cannot have: renamed in the body)."""
+    [K, C, 1, 1] (internal names the graph cannot have: renamed in the body), with the node's
+    bias, writing `out` (the conv's output, or its bias Add's, which the bias then holds)."""
     shape, w4d = f"{w2d_name}\0{tag}_shape", f"{w2d_name}\0{tag}_4d"
     const = helper.make_node("Constant", [], [shape], value=numpy_helper.from_array(
         np.array([k, c, 1, 1], np.int64), "shape"))
@@ -187,6 +226,8 @@ def _body_conv(conv: NodeProto, w2d_name: str, bias: str, k: int, c: int, tag: s
     copy.CopyFrom(conv)
     del copy.input[:]
     copy.input.extend([conv.input[0], w4d, bias])
+    del copy.output[:]
+    copy.output.append(out)
     return [const, reshape, copy]
 
 
@@ -205,7 +246,13 @@ class SqueezeExcite(Kind):
     # between channels-last convs needs no Transpose
     layouts = NodeLayouts(y_follows_x=True)
     measure_first = True  # it replaces cuDNN convs: timed against them early
+    # its configurations are timed too (`squeeze_candidates`), with the budget left after every
+    # node's own kernel: the heuristic's tile is measured on one model's blocks only
+    search_configs = True
     anchor_ops = frozenset({"GlobalAveragePool"})
+
+    def untuned_reason(self) -> str | None:
+        return None if os.environ.get("ONNXFUSE_SQUEEZE_ALL") == "1" else UNTUNED
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> SqueezeParams:
         for dt in sorted(dtypes):
@@ -222,13 +269,17 @@ class SqueezeExcite(Kind):
         the pool, the convs (through Reshapes of the node's weights) and the pointwise nodes."""
         p: SqueezeParts = match.params
         fc1, fc2 = view.nodes[p.fc1], view.nodes[p.fc2]
-        act, _, folded = lower_group(view, p.act, (p.hidden,), first=fc1.output[0])
-        gate, _, folded2 = lower_group(view, p.gate, (p.result,), first=fc2.output[0])
-        w1, b1, w1_2d = _weights_2d(view, fc1, node_name, "fc1", names, graph)
-        w2, b2, w2_2d = _weights_2d(view, fc2, node_name, "fc2", names, graph)
+        # a bias Add is the conv's bias in the node (and in the body's conv, whose output then
+        # takes the Add's name: the activation reads it)
+        z1 = view.nodes[p.bias1].output[0] if p.bias1 is not None else fc1.output[0]
+        z2 = view.nodes[p.bias2].output[0] if p.bias2 is not None else fc2.output[0]
+        act, _, folded = lower_group(view, p.act, (p.hidden,), first=z1)
+        gate, _, folded2 = lower_group(view, p.gate, (p.result,), first=z2)
+        w1, b1, w1_2d = _weights_2d(view, fc1, p.bias1, node_name, "fc1", names, graph)
+        w2, b2, w2_2d = _weights_2d(view, fc2, p.bias2, node_name, "fc2", names, graph)
         c, cr = w1_2d.shape[1], w1_2d.shape[0]
-        body = ([view.nodes[p.pool]] + _body_conv(fc1, w1, b1, cr, c, "fc1") + [view.nodes[i] for i in p.act]
-                + _body_conv(fc2, w2, b2, c, cr, "fc2") + [view.nodes[i] for i in p.gate])
+        body = ([view.nodes[p.pool]] + _body_conv(fc1, w1, b1, cr, c, "fc1", z1) + [view.nodes[i] for i in p.act]
+                + _body_conv(fc2, w2, b2, c, cr, "fc2", z2) + [view.nodes[i] for i in p.gate])
         x = match.first_input
         return Lowering(act, {**folded, **folded2}, [x, w1, b1, w2, b2], body, {"gate": gate.to_text()},
                         f"squeeze_excite C={c} CR={cr} gate {gate.to_text()}", 4, ("full",),
