@@ -142,6 +142,24 @@ def _chain(view: GraphView, ci: int, target, pattern: Pattern, taken: set[int], 
     return tuple(sorted(group)), result
 
 
+def _layer(view: GraphView, x: str, c_in: int, dtype: int, n, pattern: Pattern, taken: set[int],
+           accepted: Accepted, what: str) -> tuple[int, int, int | None, tuple[int, ...], str] | str:
+    """The 1x1 conv that alone reads `x` (`what`), its bias Add if any, and the pointwise nodes
+    after them: (conv, its channels, bias Add, those nodes, their result), or why not."""
+    readers = view.consumers.get(x, ())
+    if x in view.graph_outputs or len(readers) != 1 or readers[0] in taken:
+        return f"{what} is not read by one conv alone"
+    fc = readers[0]
+    k = _fc(view, fc, x, c_in, dtype)
+    if isinstance(k, str):
+        return k
+    bias = _bias_add(view, fc, k, taken)
+    chain = _chain(view, fc if bias is None else bias, (n, k, 1, 1), pattern, taken, accepted)
+    if isinstance(chain, str):
+        return chain
+    return fc, k, bias, *chain
+
+
 def _squeeze_match(view: GraphView, pi: int, pattern: Pattern, taken: set[int], accepted: Accepted) -> Match | str:
     """The squeeze_excite match anchored at GlobalAveragePool node pi, or why there is none."""
     m: SqueezeParams = pattern.match
@@ -156,32 +174,16 @@ def _squeeze_match(view: GraphView, pi: int, pattern: Pattern, taken: set[int], 
     c = shape[1]
     if not isinstance(c, int):
         return "unknown number of channels"
-    readers = view.consumers.get(a, ())
-    if a in view.graph_outputs or len(readers) != 1 or readers[0] in taken:
-        return "the pool is not read by one conv alone"
-    fc1 = readers[0]
-    cr = _fc(view, fc1, a, c, dtype)
-    if isinstance(cr, str):
-        return cr
-    bias1 = _bias_add(view, fc1, cr, taken)
-    act = _chain(view, fc1 if bias1 is None else bias1, (shape[0], cr, 1, 1), pattern, taken, accepted)
-    if isinstance(act, str):
-        return act
-    act_nodes, hidden = act
-    readers = view.consumers.get(hidden, ())
-    if hidden in view.graph_outputs or len(readers) != 1 or readers[0] in taken:
-        return "the activation is not read by one conv alone"
-    fc2 = readers[0]
-    k = _fc(view, fc2, hidden, cr, dtype)
-    if isinstance(k, str):
-        return k
+    first = _layer(view, a, c, dtype, shape[0], pattern, taken, accepted, "the pool")
+    if isinstance(first, str):
+        return first
+    fc1, cr, bias1, act_nodes, hidden = first
+    second = _layer(view, hidden, cr, dtype, shape[0], pattern, taken, accepted, "the activation")
+    if isinstance(second, str):
+        return second
+    fc2, k, bias2, gate_nodes, result = second
     if k != c:
         return "the second conv does not give back every channel"
-    bias2 = _bias_add(view, fc2, c, taken)
-    gate = _chain(view, fc2 if bias2 is None else bias2, (shape[0], c, 1, 1), pattern, taken, accepted)
-    if isinstance(gate, str):
-        return gate
-    gate_nodes, result = gate
     nodes = tuple(sorted({pi, fc1, fc2, *act_nodes, *gate_nodes} | {i for i in (bias1, bias2) if i is not None}))
     if reentering(view, list(nodes), accepted):
         return "fusing would create a cycle"
