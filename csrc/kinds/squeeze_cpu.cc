@@ -15,13 +15,11 @@
 
 #include "conv.h"
 #include "cpu_ops.h"
+#include "squeeze.h"
 
 namespace onnxfuse {
 
-constexpr const char* kFusedSqueezeExcite = "FusedSqueezeExcite";
-
-// The 'gate' attribute, parsed; checks that it and the program each map one f32 or f16
-// value to one (docs/format.md, FusedSqueezeExcite). Shared with squeeze_cuda.cc.
+// squeeze.h: shared with squeeze_cuda.cc
 Program read_squeeze_gate(const OrtKernelInfo* info, const Program& prog) {
   std::string text;
   if (!get_string_attr(info, "gate", &text)) throw Error("the node has no string attribute 'gate'");
@@ -39,9 +37,7 @@ Program read_squeeze_gate(const OrtKernelInfo* info, const Program& prog) {
   return gate;
 }
 
-// Reads the inputs X, W1, B1, W2, B2 and checks their types (X as the program's %0,
-// f32_for_half as in type_fits; the weights X's type) and shapes: X rank 4, W1 [CR, C] with
-// X's C, B1 [CR], W2 [C, CR], B2 [C]. Shared with squeeze_cuda.cc.
+// squeeze.h: shared with squeeze_cuda.cc
 std::vector<TensorRef> read_squeeze_inputs(OrtKernelContext* ctx, const Program& prog, bool x_nhwc,
                                            bool f32_for_half) {
   static const char* const kNames[] = {"X", "W1", "B1", "W2", "B2"};

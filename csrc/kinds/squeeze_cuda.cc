@@ -10,13 +10,9 @@
 #include <algorithm>
 
 #include "conv.h"
+#include "squeeze.h"
 
 namespace onnxfuse {
-
-// Defined in squeeze_cpu.cc: the gate attribute and the inputs, checked as the CPU kernel does.
-Program read_squeeze_gate(const OrtKernelInfo* info, const Program& prog);
-std::vector<TensorRef> read_squeeze_inputs(OrtKernelContext* ctx, const Program& prog, bool x_nhwc,
-                                           bool f32_for_half);
 
 namespace {
 
