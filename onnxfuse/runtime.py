@@ -21,7 +21,7 @@ from onnxfuse import build as _build
 from onnxfuse.errors import OnnxfuseError
 
 _lock = threading.Lock()
-_cached: dict[str, str] = {}  # cache root ($ONNXFUSE_CACHE) -> the library found or built there
+_cached: str | None = None
 
 
 def library_path(build: bool = True) -> str:
@@ -31,15 +31,15 @@ def library_path(build: bool = True) -> str:
     built from the package's sources as they are now; the one built on first use into the
     cache. With ``build=False`` an existing library is returned or OnnxfuseError is raised.
     """
+    global _cached
     env = os.environ.get("ONNXFUSE_LIBRARY")
     if env:
         if not Path(env).is_file():
             raise OnnxfuseError(f"ONNXFUSE_LIBRARY={env} does not exist")
         return env
-    root = str(_build.cache_dir())
     with _lock:
-        if root in _cached and Path(_cached[root]).is_file():
-            return _cached[root]
+        if _cached is not None and Path(_cached).is_file():
+            return _cached
         path = _build.prebuilt_path()  # a wheel's, built from these sources
         if path is None and build:
             path = _build.build()
@@ -47,8 +47,8 @@ def library_path(build: bool = True) -> str:
             path = _build.expected_path()
             if path is None or not path.is_file():
                 raise OnnxfuseError("the onnxfuse custom-op library is not built: run `python -m onnxfuse.build`")
-        _cached[root] = str(path)
-        return _cached[root]
+        _cached = str(path)
+        return _cached
 
 
 def session_options(sess_options: Any = None) -> Any:

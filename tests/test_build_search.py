@@ -262,7 +262,7 @@ def package_lib(tmp_path, monkeypatch):
     (d / build.STAMP_NAME).write_text(json.dumps({"source_hash": build.source_hash(),
                                                   "platform": build._platform_id(), "cuda": True}))
     monkeypatch.setattr(build, "prebuilt_dir", lambda: d)
-    monkeypatch.setattr(runtime, "_cached", {})
+    monkeypatch.setattr(runtime, "_cached", None)
     monkeypatch.delenv("ONNXFUSE_LIBRARY", raising=False)
     built = tmp_path / "cache-built.so"
     built.write_bytes(b"\x7fELF built")
@@ -280,7 +280,7 @@ def package_lib(tmp_path, monkeypatch):
 def test_runtime_takes_the_shipped_library_without_building(package_lib, monkeypatch, tmp_path):
     d, built, calls = package_lib
     assert runtime.library_path() == str(d / build.LIB_NAME)
-    monkeypatch.setattr(runtime, "_cached", {})
+    monkeypatch.setattr(runtime, "_cached", None)
     assert runtime.library_path(build=False) == str(d / build.LIB_NAME)
     assert calls == []
     # ONNXFUSE_LIBRARY still comes first
