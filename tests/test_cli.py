@@ -63,9 +63,9 @@ def test_patterns_command(tmp_path):
     r = cli("patterns")
     assert r.returncode == 0
     names = [line.split()[0] for line in r.stdout.splitlines()]
-    assert names == ["squeeze_excite", "conv_relu_maxpool", "conv_relu", "conv_grouped", "relu_maxpool", "maxpool", "conv_alone",  # by
-                     "attention", "layer_norm", "rms_norm", "softmax", "group_norm", "gemm_epilogue",  # priority
-                     "pointwise_chain"]
+    assert names == ["squeeze_excite", "conv_relu_maxpool", "conv_relu", "conv_grouped", "relu_maxpool",  # by
+                     "maxpool", "conv_alone", "attention", "layer_norm", "rms_norm", "softmax",  # priority
+                     "group_norm", "gemm_epilogue", "pointwise_chain"]
 
 
 def bad(tmp_path: Path, *args: str) -> str:
