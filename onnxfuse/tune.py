@@ -35,7 +35,9 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    where that is cheap at the tuning's shapes (`FLOAT64_MAX_FLOPS`); otherwise, and where
    it cannot be computed, the original run with TF32 off on the GPU. ORT's "default" is not always TF32:
    cuDNN picks fp32 algorithms for some layers (PP-OCR's direction classifier at batch 1 on
-   the H200: 2.2e-5, where onnxfuse's tf32 convs gave 1.2e-3). When the only candidates
+   the H200: 2.2e-5, where onnxfuse's tf32 convs gave 1.2e-3), and for small convs it picks
+   them in one session and not in the next, so ORT's own error is the smallest of three fresh
+   sessions' (`ORT_DEFAULT_SESSIONS`), output by output. When the only candidates
    fast enough fail the gate, the same fusions are compiled at PRECISE (tf32x3) and kept if
    they pass and are not slower; otherwise the original is written, with a warning.
 
