@@ -484,10 +484,12 @@ class Timer:
         self.entries: dict[str, dict] = _read_cache(self.path) if self.path else {}
         self.measured = 0
         self.hits = 0
-        # where the one-node timings' seconds go (the record's "node_runs"): session loads, first
-        # runs (cuDNN's algorithm search, graph capture), timed runs and the rest (saving the
-        # model, binding inputs, warm-up runs, reading outputs back)
-        self.spent = {"runs": 0, "load_s": 0.0, "first_run_s": 0.0, "timed_s": 0.0, "total_s": 0.0}
+        # where the one-node timings' seconds go (the record's "node_runs"): making their random
+        # inputs, session loads, first runs (cuDNN's algorithm search), warm-up runs (under CUDA
+        # graphs the capture), timed runs, reading the outputs back and releasing the session, and
+        # the total (the rest: saving the model, binding the inputs)
+        self.spent = {"runs": 0, "feeds_s": 0.0, "load_s": 0.0, "first_run_s": 0.0, "warmup_s": 0.0,
+                      "timed_s": 0.0, "close_s": 0.0, "total_s": 0.0}
         self._float64: dict[int, tuple[dict[str, np.ndarray] | None, str | None]] = {}
         self._original_runs: dict[tuple[int, bool], dict[str, np.ndarray] | str] = {}
 
@@ -509,12 +511,14 @@ class Timer:
         save_model(m, path)
         return path
 
-    def time(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool = False,
+    def time(self, m: ModelProto, feeds: dict[str, np.ndarray] | None, library: bool, graph: bool = False,
              cached_only: bool = False) -> float | None:
         """Median ms of one (small) model on `feeds`, with ORT's CUDA graphs or without;
         raises OnnxfuseError when it cannot run (or be captured). `cached_only`: the
-        remembered time, or None where there is none (nothing is run)."""
-        key = self._key(m, feeds, library, graph)
+        remembered time, or None where there is none (nothing is run). `feeds` None: seeded
+        random inputs (`static_feeds`), made only if the model runs (the key reads their dtypes
+        and shapes alone: 16 copies' random data would be 50 MB at BERT-base's FFN)."""
+        key = self._key(m, feeds if feeds is not None else _shape_only_feeds(m), library, graph)
         if key in self.entries:
             self.hits += 1
             if "error" in self.entries[key]:
@@ -524,6 +528,9 @@ class Timer:
             return None
         s = self.settings
         t0 = time.perf_counter()
+        if feeds is None:
+            feeds = static_feeds(m)
+            self.spent["feeds_s"] += time.perf_counter() - t0
         path = self._path(m)
         try:
             run = run_model(str(path), feeds, self._settings(s.warmup, s.iters, graph), library=library)
@@ -540,7 +547,9 @@ class Timer:
         self.spent["runs"] += 1
         self.spent["load_s"] += run.load_ms / 1e3
         self.spent["first_run_s"] += run.first_run_ms / 1e3
+        self.spent["warmup_s"] += run.warmup_ms / 1e3
         self.spent["timed_s"] += sum(run.times_ms) / 1e3
+        self.spent["close_s"] += run.close_ms / 1e3
         self.spent["total_s"] += time.perf_counter() - t0
         return ms
 
@@ -1027,13 +1036,9 @@ def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool,
 
 
 def _timed(timer: Timer, m: ModelProto, library: bool, graph: bool, cached_only: bool) -> float | None:
-    """`timer.time` of a one-node model: looked up first with inputs that are only dtypes and
-    shapes (what the cache key reads: 16 copies' random data would be 50 MB at BERT-base's FFN),
-    timed on seeded random inputs where not remembered, unless `cached_only`."""
-    ms = timer.time(m, _shape_only_feeds(m), library, graph=graph, cached_only=True)
-    if ms is not None or cached_only:
-        return ms
-    return timer.time(m, static_feeds(m), library, graph=graph)
+    """`timer.time` of a one-node model: remembered, else timed on seeded random inputs made
+    only then (unless `cached_only`)."""
+    return timer.time(m, None, library, graph=graph, cached_only=cached_only)
 
 
 def _shape_only_feeds(m: ModelProto) -> dict[str, np.ndarray]:

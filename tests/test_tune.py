@@ -519,7 +519,7 @@ def test_past_the_budget_layers_timed_before_are_still_decided(tmp_path, monkeyp
 
     def fake_run(path, feeds, settings, library=False):
         runs.append(library)
-        return Run(5.0, 2.0, [0.1 if library else 0.3], {}, None)
+        return Run(5.0, 2.0, [0.1 if library else 0.3], {}, None, 3.0, 4.0)
 
     monkeypatch.setattr(tuning, "run_model", fake_run)
     monkeypatch.setattr(tuning.time, "perf_counter", lambda: 100.0 if runs else 0.0)  # spent after a run
@@ -528,8 +528,9 @@ def test_past_the_budget_layers_timed_before_are_still_decided(tmp_path, monkeyp
     rec = _tune(r, before, TuneSettings(provider="cpu", batch=2, budget_s=1.0))["tune"]
     first, second = rec["nodes"]
     assert first["chosen"] == "fused" and runs == [False, True]  # one pair timed
-    spent = rec["node_runs"]  # where the timings' seconds went: two loads of 5 ms, two first runs of 2
+    spent = rec["node_runs"]  # where the timings' seconds went: two runs' loads, first runs, warm-ups, closes
     assert spent["runs"] == 2 and spent["load_s"] == 0.01 and spent["first_run_s"] == 0.004
+    assert spent["warmup_s"] == 0.006 and spent["close_s"] == 0.008
     if same_shapes:
         assert second["chosen"] == "fused" and (second["original_ms"], second["fused_ms"]) == (0.3, 0.1)
         assert rec["cache_hits"] == 2

@@ -102,6 +102,8 @@ class Run:
     times_ms: list[float]
     outputs: dict[str, np.ndarray]
     peak_gpu_mem_mb: float | None
+    warmup_ms: float = 0.0  # the warm-up runs (under CUDA graphs: the capture)
+    close_ms: float = 0.0  # reading the outputs back, releasing the session (the CUDA EP's teardown)
 
 
 def ort_module():
@@ -286,20 +288,25 @@ def run_model(path: str, feeds: dict[str, np.ndarray], settings: BenchSettings, 
               progress: Progress | None = None, gpu: CudaDriver | None = None) -> Run:
     """Load, run once, warm up and time one model; returns times and its outputs."""
     progress = progress or Progress("", 1, enabled=False)
+    clock = time.perf_counter
     try:
         model = BoundModel(path, feeds, settings, library, gpu)
         try:
             progress.update(0, "loaded")
+            t0 = clock()
             model.time(settings.warmup, progress, "warmup")
+            warmup_ms = (clock() - t0) * 1e3
             times = model.time(settings.iters, progress, "timed", settings.warmup)
+            t0 = clock()
             outputs = model.outputs()
             peak = model.peak_mb()
         finally:
             model.close()
+        close_ms = (clock() - t0) * 1e3  # from reading the outputs back through the release
     finally:
         progress.update(settings.warmup + settings.iters, "done")
         progress.close()
-    return Run(model.load_ms, model.first_ms, times, outputs, peak)
+    return Run(model.load_ms, model.first_ms, times, outputs, peak, warmup_ms, close_ms)
 
 
 def evaluate_model(model: str | bytes, feeds: dict[str, np.ndarray], settings: BenchSettings,
