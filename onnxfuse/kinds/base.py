@@ -365,6 +365,12 @@ def env_config(var: str, cfg: dict, known: tuple[str, ...] | None = None) -> dic
     return cfg
 
 
+def xy_layout_meta(x_layout: str, y_layout: str) -> dict[str, str]:
+    """kernel_meta's "x_layout" / "y_layout" keys of a kind laid out as a pool (docs/format.md,
+    FusedMaxPool): present only when not both "nchw"."""
+    return {"x_layout": x_layout, "y_layout": y_layout} if (x_layout, y_layout) != ("nchw", "nchw") else {}
+
+
 def layout_attr(attrs: dict[str, Any], name: str, default: str, allowed: tuple[str, ...]) -> str:
     """A node's string layout attribute (`onnx.helper.get_attribute_value` values), checked."""
     v = attrs.get(name, default.encode())

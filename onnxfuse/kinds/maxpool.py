@@ -27,6 +27,7 @@ from onnxfuse.kinds.base import (
     Pattern,
     env_config,
     layout_attr,
+    xy_layout_meta,
 )
 from onnxfuse.layers import pool_from_fused, pool_from_node
 from onnxfuse.match import (
@@ -253,8 +254,7 @@ class MaxPool(Kind):
     def kernel_meta(self, spec: MaxPoolSpec, variants: tuple, binaries: list[dict]) -> dict:
         return {
             "version": META_VERSION, "kind": "maxpool", "name": spec.name, "n_extras": spec.n_extras,
-            **({"x_layout": spec.x_layout, "y_layout": spec.y_layout}
-               if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else {}),
+            **xy_layout_meta(spec.x_layout, spec.y_layout),
             "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
             "binaries": binaries,
         }

@@ -40,12 +40,12 @@ from onnxfuse.kinds.base import (
     NodeLayouts,
     Pattern,
     layout_attr,
+    xy_layout_meta,
 )
 from onnxfuse.layers import conv_from_node
 from onnxfuse.match import DTYPE_IDS, dtype_reason, grow_epilogue, match_anchored, operands, single_result
 from onnxfuse.rewrite import lower_group, unique_name
 
-IR_DTYPES = {1: "f32", 10: "f16"}  # ONNX element type -> the programs' dtype
 # Fused only where tuning measures the node faster than the original's kernels: on the H200
 # (sixteenth session, batch 1) it beat them on MobileNetV3-small's small blocks (4-6 µs against
 # 10 or more) and lost on wide ones (576 -> 144 -> 576: 53 µs against 17.6) and at large images
@@ -169,7 +169,7 @@ def _squeeze_match(view: GraphView, pi: int, pattern: Pattern, taken: set[int], 
     if shape is None or len(shape) != 4:
         return "not a 4-D global average pool"
     dtype = view.types.get(x)
-    if dtype not in {DTYPE_IDS[d] for d in m.dtypes} or dtype not in IR_DTYPES:
+    if dtype not in {DTYPE_IDS[d] for d in m.dtypes}:  # float32 / float16: `parse` allows no others
         return dtype_reason(dtype)
     c = shape[1]
     if not isinstance(c, int):
@@ -305,8 +305,7 @@ class SqueezeExcite(Kind):
         return {
             "version": META_VERSION, "kind": "squeeze_excite", "name": spec.name,
             "channels": spec.channels, "hidden": spec.hidden,
-            **({"x_layout": spec.x_layout, "y_layout": spec.y_layout}
-               if (spec.x_layout, spec.y_layout) != ("nchw", "nchw") else {}),
+            **xy_layout_meta(spec.x_layout, spec.y_layout),
             "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
             "binaries": binaries,
         }
