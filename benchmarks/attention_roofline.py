@@ -419,9 +419,9 @@ def _max_err(got: np.ndarray, want: np.ndarray) -> float:
 def gpu_kernels(torch, fn, tmp: Path, calls: int = 20) -> dict:
     """CUPTI (through torch's profiler, as `onnxfuse profile` does) over `calls` calls of fn:
     the GPU kernels' µs per call and their names."""
-    from onnxfuse.profile import _run_under_cupti
+    from onnxfuse.trace import run_under_cupti
 
-    trace = _run_under_cupti(torch, fn, calls, tmp) or {}
+    trace = run_under_cupti(torch, fn, calls, tmp) or {}
     ev = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
     return {"us_cupti": sum(float(e.get("dur", 0.0)) for e in ev) / calls if ev else None,
             "kernels": sorted({str(e.get("name", ""))[:120] for e in ev})}

@@ -9,11 +9,18 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    nodes: the node's original subgraph as a model of its own, in NCHW (the channels-last
    Transposes that the function body holds for the NHWC layout are left out: they are
    how the body reads onnxfuse's storage, not work the original did). Both run in ORT's
-   CUDA EP with its defaults (TF32 allowed) under CUDA graphs (GPU time: timed plainly, a
-   fused node wins at batch 1 by its saved launches alone, which graphs take away; the
-   whole-model check counts launches), plainly when a graph cannot be captured; median of
-   `iters` synchronized runs. Convs are measured first, the largest first (the budget may run
-   out: `measure_order`). A node
+   CUDA EP with its defaults (TF32 allowed). On CUDA with torch's CUPTI at hand, all of them
+   at once (`onnxfuse.bundle`): every one-node model side by side in one session, each timed
+   by the GPU time of the kernels its nodes launch (median of `bundle.ITERS` runs), plus a
+   launch gap per kernel (`graph_gap`: what a CUDA graph spends between two kernels on this
+   device) so that a fused node's fewer kernels count as they do in a graph. A session per model cost
+   about 0.3 s, and a 10 s budget measured a fifth to a third of a CNN's nodes; a bundle
+   measures every node of one in a few seconds. Nodes a bundle cannot time (a node of the
+   original on the CPU, no CUPTI, a bundle that fails) are timed a pair at a time under CUDA
+   graphs (GPU time: timed plainly, a fused node wins at batch 1 by its saved launches
+   alone, which graphs take away; the whole-model check counts launches), plainly when a
+   graph cannot be captured; median of `iters` synchronized runs. Convs are measured first,
+   the largest first (the budget may run out: `measure_order`). A node
    whose original is faster (by more than `node_margin`: 2% or the timing noise) is
    left to ONNX Runtime: the model is rebuilt from the state before the layout pass with
    those nodes unfused, so the NHWC plan routes around them, and recompiled (cache hits).
@@ -83,8 +90,8 @@ import numpy as np
 import onnx
 from onnx import ModelProto, helper
 
+from onnxfuse import bundle, ir, reference, runtime
 from onnxfuse import compile as aot
-from onnxfuse import ir, reference, runtime
 from onnxfuse.cost import model_cost
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
@@ -109,6 +116,16 @@ BUDGET_S = 60.0
 # microsecond per run; a run of k replicated copies divides that by k.
 NODE_MARGIN_MS = 0.002
 NODE_MARGIN_REL = 0.02
+# Bundled timings (onnxfuse.bundle) are sums of CUPTI kernel durations, medians of 10 runs:
+# their noise is well under a microsecond
+BUNDLED = "CUPTI, bundled"
+BUNDLED_MARGIN_MS = 0.0003
+# What a CUDA graph spends between two dependent kernels besides the kernels themselves:
+# bundled timings count kernel time alone, so each side of a node is charged this per kernel
+# it launches, as the whole model under graphs pays it. Measured by `graph_gap` once per device
+# and software (cached); this where that measurement fails. The H200's: see `graph_gap`
+GRAPH_GAP_MS = 0.001
+GAP_CHAINS = (32, 160)  # lengths of the two chains of small nodes `graph_gap` times
 # Whole model: slower than the original by more than this fraction is slower.
 MODEL_NOISE = 0.02
 # 2: a model that did not run at all is no longer remembered as "graphs cannot capture it"
@@ -172,6 +189,19 @@ class NodeDecision:
     replicas: int = 1
     chosen: str = ""  # "fused", a configuration's label, "original" or "not measured (...)"
     candidates: list[dict] = field(default_factory=list)  # --tune: {"config", "ms"} or {"config", "error"}
+    # bundled timings: GPU activities (kernels, memsets) per run of each side, and what a CUDA
+    # graph spends between two kernels on this device (`graph_gap`)
+    original_kernels: int | None = None
+    fused_kernels: int | None = None
+    gap_ms: float = 0.0
+
+    def loses(self) -> bool:
+        """Whether the original is faster by more than `node_margin`; bundled timings charge
+        each side `gap_ms` per kernel."""
+        gaps = 0.0
+        if self.mode == BUNDLED and self.original_kernels is not None and self.fused_kernels is not None:
+            gaps = self.gap_ms * (self.fused_kernels - self.original_kernels)
+        return self.fused_ms + gaps - self.original_ms > node_margin(self.original_ms, self.replicas, self.mode)
 
 
 @dataclass
@@ -418,20 +448,10 @@ REPLICA_BYTES = 256 * 2**20  # the inputs and outputs of all copies of a one-nod
 MAX_REPLICAS = 16
 
 
-def _io_bytes(m: ModelProto) -> int:
-    """Bytes of a one-node model's graph inputs and outputs (static shapes)."""
-    total = 0
-    for vi in [*m.graph.input, *m.graph.output]:
-        t = vi.type.tensor_type
-        size = np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)).itemsize
-        total += size * int(np.prod([d.dim_value for d in t.shape.dim]))
-    return total
-
-
 def replicas(*models: ModelProto) -> int:
     """How many copies of each model one timed run holds (`replicated`): up to MAX_REPLICAS,
     as many as fit in REPLICA_BYTES of inputs and outputs for the largest of `models`."""
-    largest = max(_io_bytes(m) for m in models)
+    largest = max(bundle.io_bytes(m) for m in models)
     return max(1, min(MAX_REPLICAS, REPLICA_BYTES // max(1, largest)))
 
 
@@ -490,6 +510,11 @@ class Timer:
         # the total (the rest: saving the model, binding the inputs)
         self.spent = {"runs": 0, "feeds_s": 0.0, "load_s": 0.0, "first_run_s": 0.0, "warmup_s": 0.0,
                       "timed_s": 0.0, "close_s": 0.0, "total_s": 0.0}
+        # the same for bundles (onnxfuse.bundle; the record's "bundles"): sessions, models timed
+        # in them, seconds per phase (first_run_s: the warm-up runs, the first with cuDNN's
+        # algorithm searches), and the errors of bundles that did not run
+        self.bundled = {"sessions": 0, "models": 0, "feeds_s": 0.0, "load_s": 0.0, "first_run_s": 0.0,
+                        "profiled_s": 0.0, "total_s": 0.0, "unattributed_us": 0.0, "errors": []}
         self._float64: dict[int, tuple[dict[str, np.ndarray] | None, str | None]] = {}
         self._original_runs: dict[tuple[int, bool], dict[str, np.ndarray] | str] = {}
 
@@ -552,6 +577,56 @@ class Timer:
         self.spent["close_s"] += run.close_ms / 1e3
         self.spent["total_s"] += time.perf_counter() - t0
         return ms
+
+    def time_bundled(self, models: list[tuple[ModelProto, bool]], deadline: float | None = None
+                     ) -> list[bundle.Timed | None]:
+        """GPU time of each (one-node model, library) by `onnxfuse.bundle`: remembered, else
+        measured with the others in bundles (a session per `bundle.BUNDLE_BYTES` of inputs and
+        outputs; models of equal keys, layers of the same shapes, once). None where a model
+        is not timed so: it cannot join a bundle, its bundle failed (`bundled["errors"]`), the
+        bundle could not attribute time to it, or `deadline` (perf_counter) passed first."""
+        keys = [hashlib.sha256(f"{self._key(m, _shape_only_feeds(m), lib, False)}|bundled".encode()).hexdigest()
+                for m, lib in models]
+        first: dict[str, int] = {}
+        for k, (key, (m, _)) in enumerate(zip(keys, models, strict=True)):
+            if key in self.entries:
+                self.hits += 1
+            elif bundle.bundleable(m):
+                first.setdefault(key, k)
+        todo = list(first.values())
+        for part in bundle.chunks([models[k][0] for k in todo]):
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+            idx = [todo[j] for j in part]
+            members = [models[k][0] for k in idx]
+            t0 = time.perf_counter()
+            feeds = bundle.bundle_feeds(members)
+            self.bundled["feeds_s"] += time.perf_counter() - t0
+            try:
+                r = bundle.run_bundle(bundle.bundle(members), feeds, library=any(models[k][1] for k in idx))
+            except OnnxfuseError as e:
+                self.bundled["errors"].append(str(e).splitlines()[0][:300] if str(e) else "failed")
+                continue
+            finally:
+                del feeds
+            b = self.bundled
+            b["sessions"] += 1
+            b["models"] += len(members)
+            b["load_s"] += r.load_s
+            b["first_run_s"] += r.first_run_s
+            b["profiled_s"] += r.profiled_s
+            b["unattributed_us"] += r.unattributed_us
+            b["total_s"] += time.perf_counter() - t0
+            for j, k in enumerate(idx):
+                t = r.times.get(j)
+                if t is not None:
+                    self.entries[keys[k]] = {"us": t.us, "kernels": t.kernels}
+                    self.measured += 1
+        out: list[bundle.Timed | None] = []
+        for key in keys:
+            e = self.entries.get(key)
+            out.append(bundle.Timed(float(e["us"]), int(e["kernels"])) if e and "us" in e else None)
+        return out
 
     def _runs_plainly(self, path: Path, feeds: dict[str, np.ndarray], library: bool) -> bool:
         """Whether the model at `path` runs once without CUDA graphs."""
@@ -793,6 +868,7 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         "phases": phases.rounded(),
         "measured": timer.measured, "cache_hits": timer.hits, "cache": str(timer.path) if timer.path else None,
         "node_runs": {k: round(v, 3) for k, v in timer.spent.items()},
+        "bundles": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in timer.bundled.items()},
         "nodes": [dataclasses.asdict(d) for d in decisions],
         "original": dataclasses.asdict(orig_times), "models": {k: dataclasses.asdict(v) for k, v in times.items()},
         "accuracy": gates if checked else None,
@@ -936,28 +1012,44 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
     infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
     decisions = [NodeDecision(f.node_name, f.kind) for f in result.fused]
     order = measure_order(result, dims)
+    built: dict[int, tuple[ModelProto, ModelProto]] = {}  # index -> (original, fused) one-node models
+    for i in order:
+        node = nodes[result.fused[i].node_name]
+        try:
+            built[i] = (original_model(result.model, node, infos), fused_model(result.model, node, infos))
+        except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
+            decisions[i].chosen = f"not measured ({_why(e)})"
+    bundled = (_time_bundled(timer, built, t0 + settings.budget_s)
+               if settings.provider == "cuda" and bundle.available() else {})
+    gap = graph_gap(timer) if bundled else 0.0
     searches = []  # (fused node, node, its one-node model, decision) whose configurations are timed
     for i in order:
+        if i not in built:
+            continue
         f, d = result.fused[i], decisions[i]
-        # past the budget a node is still decided when its pair was timed before (a layer of
-        # the same shapes as one measured, or an earlier tuning): that costs no GPU time
-        spent = time.perf_counter() - t0 > settings.budget_s
-        node = nodes[f.node_name]
-        try:
-            mini = fused_model(result.model, node, infos)
-            orig = original_model(result.model, node, infos)
-            pair = _time_pair(timer, orig, mini, settings.provider == "cuda", cached_only=spent)
-        except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
-            d.chosen = f"not measured ({_why(e)})"
-            continue
-        if pair is None:
-            d.chosen = f"not measured (tuning budget of {settings.budget_s:g} s spent)"
-            continue
-        d.mode, d.replicas, d.original_ms, d.fused_ms = pair
+        orig, mini = built[i]
+        if i in bundled:
+            o, fz = bundled[i]
+            d.mode, d.replicas, d.gap_ms = BUNDLED, 1, gap
+            d.original_ms, d.fused_ms = o.us / 1e3, fz.us / 1e3
+            d.original_kernels, d.fused_kernels = o.kernels, fz.kernels
+        else:
+            # past the budget a node is still decided when its pair was timed before (a layer of
+            # the same shapes as one measured, or an earlier tuning): that costs no GPU time
+            spent = time.perf_counter() - t0 > settings.budget_s
+            try:
+                pair = _time_pair(timer, orig, mini, settings.provider == "cuda", cached_only=spent)
+            except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
+                d.chosen = f"not measured ({_why(e)})"
+                continue
+            if pair is None:
+                d.chosen = f"not measured (tuning budget of {settings.budget_s:g} s spent)"
+                continue
+            d.mode, d.replicas, d.original_ms, d.fused_ms = pair
         d.chosen = "fused"
         if settings.configs or KINDS[f.kind].search_configs:
-            searches.append((f, node, mini, d))
-        if d.fused_ms - d.original_ms > node_margin(d.original_ms, d.replicas):
+            searches.append((f, nodes[f.node_name], mini, d))
+        if d.loses():
             d.chosen = "original"
     # then the candidate configurations, with what is left of the budget: every node's own
     # kernel is timed first, so a search (one compile per tile) never leaves later nodes
@@ -969,9 +1061,63 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
         best = _search_configs(result, f, node, mini, d, timer, targets, conv_precision, jobs)
         if best is not None:
             d.fused_ms, d.chosen = best
-            if d.fused_ms - d.original_ms > node_margin(d.original_ms, d.replicas):
+            if d.loses():
                 d.chosen = "original"
     return decisions
+
+
+def _time_bundled(timer: Timer, built: dict[int, tuple[ModelProto, ModelProto]], deadline: float
+                  ) -> dict[int, tuple[bundle.Timed, bundle.Timed]]:
+    """(original, fused) bundled times of the nodes `built` (index -> their one-node models)
+    that `Timer.time_bundled` timed on both sides; each node's pair side by side, in the order
+    given, so that a budget spent between two bundles leaves whole nodes unmeasured."""
+    idx = list(built)
+    models = [pair for i in idx for pair in ((built[i][0], False), (built[i][1], True))]
+    times = timer.time_bundled(models, deadline)
+    out = {}
+    for k, i in enumerate(idx):
+        o, fz = times[2 * k], times[2 * k + 1]
+        if o is not None and fz is not None:
+            out[i] = (o, fz)
+    return out
+
+
+def graph_gap(timer: Timer) -> float:
+    """What a CUDA graph spends between two dependent kernels on this device besides the
+    kernels themselves (ms): two chains of small elementwise nodes (GAP_CHAINS long) timed
+    under CUDA graphs and in a bundle; the difference of their graph times less that of their
+    kernel times, per kernel more. Measured once per device and software (the tuning cache);
+    GRAPH_GAP_MS where it cannot be."""
+    key = f"graph-gap|{GAP_CHAINS}"
+    if key in timer.entries:
+        timer.hits += 1
+        return float(timer.entries[key]["ms"])
+    chains = [_chain(n) for n in GAP_CHAINS]
+    try:
+        graph_ms = [timer.time(c, None, False, graph=True) for c in chains]
+        kernels = timer.time_bundled([(c, False) for c in chains])
+    except OnnxfuseError:
+        return GRAPH_GAP_MS
+    short, long = kernels
+    if short is None or long is None or long.kernels <= short.kernels:
+        return GRAPH_GAP_MS
+    gap = ((graph_ms[1] - graph_ms[0]) - (long.us - short.us) / 1e3) / (long.kernels - short.kernels)
+    timer.entries[key] = {"ms": max(0.0, gap)}
+    timer.measured += 1
+    return max(0.0, gap)
+
+
+def _chain(n: int) -> ModelProto:
+    """n dependent elementwise nodes (Relu and Sigmoid in turn, which ONNX Runtime does not
+    fuse) on 1024 floats: kernels of a couple of microseconds, one after another."""
+    names = ["x", *(f"t{k}" for k in range(1, n)), "y"]
+    nodes = [helper.make_node("Relu" if k % 2 == 0 else "Sigmoid", [names[k]], [names[k + 1]], name=f"n{k}")
+             for k in range(n)]
+    vi = [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, [1, 1024]) for x in ("x", "y")]
+    m = helper.make_model(helper.make_graph(nodes, f"chain{n}", vi[:1], vi[1:]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
 
 
 def measure_order(result, dims: dict[str, tuple[int, ...]]) -> list[int]:
@@ -998,14 +1144,16 @@ def measure_order(result, dims: dict[str, tuple[int, ...]]) -> list[int]:
     return sorted(range(len(result.fused)), key=lambda i: (not KINDS[result.fused[i].kind].measure_first, -size(i), i))
 
 
-def node_margin(original_ms: float, replicas: int) -> float:
+def node_margin(original_ms: float, replicas: int, mode: str = "") -> float:
     """How much slower than its original a fused node may time and still count as a tie (ms):
     NODE_MARGIN_REL of the original, or the timing noise, whichever is larger. The noise,
     NODE_MARGIN_MS, is that of one synchronized run's median; a node timed k copies per run
     (CUDA graphs, `replicated`) has its time divided by k, and its noise with it. (On the
     H200 a BERT-base attention softmax timed 3.34 µs fused against 2.68 µs for ORT's Add +
-    Softmax, 16 copies per run, and a flat 2 µs margin kept it fused in all 12 layers.)"""
-    return max(NODE_MARGIN_MS / max(replicas, 1), NODE_MARGIN_REL * original_ms)
+    Softmax, 16 copies per run, and a flat 2 µs margin kept it fused in all 12 layers.)
+    Bundled timings (`mode` BUNDLED: kernel durations) have BUNDLED_MARGIN_MS of noise."""
+    noise = BUNDLED_MARGIN_MS if mode == BUNDLED else NODE_MARGIN_MS / max(replicas, 1)
+    return max(noise, NODE_MARGIN_REL * original_ms)
 
 
 def _time_pair(timer: Timer, orig: ModelProto, mini: ModelProto, graphs: bool,
@@ -1058,29 +1206,53 @@ def _why(e: BaseException) -> str:
     return first if isinstance(e, OnnxfuseError) else f"{type(e).__name__}: {first}"
 
 
-def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, targets, conv_precision, jobs):
-    """--tune: time each candidate configuration of the node's kernel; attach the fastest
-    to the node in result.model. Returns (ms, label) of the fastest, or None."""
+def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, targets, conv_precision, jobs
+                    ) -> tuple[float, str] | None:
+    """--tune: time each candidate configuration of the node's kernel as the node itself was
+    timed (in one bundle, or a pair's way); attach the fastest to the node in result.model
+    (bundled: its kernel count to `d`). Returns (ms, label) of the fastest, or None."""
     spec = kernel_spec(result.model, f, conv_precision)
-    best = None
+    trials = []  # (label, one-node model, compiled kernel)
     for label, variants in candidates(spec):
         try:
             (ck,) = aot.compile_kernels([spec], targets, jobs=jobs, variant_override=variants)
             trial = ModelProto()
             trial.CopyFrom(mini)
             aot.attach(trial.graph.node[0], ck)
-            trial = replicated(trial, d.replicas)  # timed as the node was (_time_pair)
-            # looked up before its inputs are made: a layer of the same shapes timed it already
-            ms = _timed(timer, trial, True, d.mode == "CUDA graph", False) / d.replicas
-            d.candidates.append({"config": label, "ms": ms})
-            if best is None or ms < best[0]:
-                best = (ms, label, ck)
-        except Exception as e:  # a configuration that does not compile or run is skipped
-            d.candidates.append({"config": label, "error": str(e).splitlines()[0][:200] if str(e) else repr(e)})
+            trials.append((label, trial, ck))
+        except Exception as e:  # a configuration that does not compile is skipped
+            d.candidates.append({"config": label, "error": _why(e)})
+    if d.mode == BUNDLED:
+        timed = timer.time_bundled([(t, True) for _, t, _ in trials])
+        scored = [(label, None if t is None else (t.us / 1e3, t.kernels), ck)
+                  for (label, _, ck), t in zip(trials, timed, strict=True)]
+    else:
+        scored = []
+        for label, trial, ck in trials:
+            try:
+                # looked up before its inputs are made: a layer of the same shapes timed it already
+                ms = _timed(timer, replicated(trial, d.replicas), True, d.mode == "CUDA graph", False) / d.replicas
+                scored.append((label, (ms, None), ck))
+            except Exception as e:  # a configuration that does not run is skipped
+                d.candidates.append({"config": label, "error": _why(e)})
+    best = None
+    for label, got, ck in scored:
+        if got is None:
+            d.candidates.append({"config": label, "error": "not timed in its bundle"})
+            continue
+        ms, kernels = got
+        d.candidates.append({"config": label, "ms": ms, **({"kernels": kernels} if kernels is not None else {})})
+        # bundled: the launch gaps of each candidate's kernels count too (a split K launches two)
+        score = ms + d.gap_ms * (kernels or 0)
+        if best is None or score < best[0]:
+            best = (score, label, ck, ms, kernels)
     if best is None:
         return None
-    aot.attach(node, best[2])
-    return best[0], best[1]
+    _, label, ck, ms, kernels = best
+    if kernels is not None:
+        d.fused_kernels = kernels
+    aot.attach(node, ck)
+    return ms, label
 
 
 def _times(measured: dict, label: str, graphs: tuple[bool, ...]) -> ModelTimes:
@@ -1191,6 +1363,10 @@ def summary(record: dict) -> str:
              f"{record['seconds']:.1f} s"
              + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in record["phases"].items()) + ")"
                 if record.get("phases") else "")]
+    b = record.get("bundles") or {}
+    if b.get("sessions") or b.get("errors"):
+        lines.append(f"  bundled: {b['models']} one-node models in {b['sessions']} session(s), {b['total_s']:.1f} s"
+                     + (f"; {len(b['errors'])} bundle(s) failed: {b['errors'][0]}" if b["errors"] else ""))
     for d in record["nodes"]:
         if d["chosen"] == "original":
             lines.append(f"  {d['node']}: left to ONNX Runtime (original {d['original_ms']:.4f} ms, "

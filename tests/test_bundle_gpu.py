@@ -1,0 +1,68 @@
+"""onnxfuse.bundle on an NVIDIA GPU (``pytest -m gpu`` on the device machine; needs
+onnxruntime-gpu and torch with CUDA, whose profiler reads CUPTI): the attribution of every
+kernel to its one-node model, against each model timed alone; the graph gap of this device;
+tuning's nodes all timed in one bundle."""
+
+from __future__ import annotations
+
+import pytest
+
+from models.build import vgg_stack
+from onnxfuse import bundle
+from onnxfuse import tune as tuning
+from onnxfuse.pipeline import compile_pass, optimize_model
+from onnxfuse.tune import TuneSettings
+from tests.test_squeeze_gpu import _arch
+from tests.util import kernel_options
+
+pytestmark = pytest.mark.gpu
+CUDA = TuneSettings(provider="cuda", batch=4, cache=False)
+
+
+def _compiled(monkeypatch, tmp_path, layout: str):
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    r = optimize_model(vgg_stack(3, 32, 3, 64))
+    compile_pass(r, kernel_options(f"sm_{_arch()}", layout))
+    assert not r.report.compile["failed"] and r.fused
+    return r
+
+
+def _pairs(r):
+    dims = tuning.input_shapes(r.original, CUDA)
+    feeds = tuning.feeds_for(r.original, dims)
+    nodes = {n.name: n for n in r.model.graph.node}
+    needed = {x for f in r.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
+    infos = tuning.tensor_infos(r.model, dims, feeds, needed, "cuda")
+    return [(tuning.original_model(r.model, nodes[f.node_name], infos),
+             tuning.fused_model(r.model, nodes[f.node_name], infos)) for f in r.fused]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_a_model_times_the_same_in_a_bundle_as_alone(monkeypatch, tmp_path, layout):
+    """Every one-node model of a bundle, originals (cuDNN) and fused nodes (the library's
+    Triton kernels), gets its own kernels: the same count, and within a quarter (plus a
+    microsecond) of its time in a bundle of its own."""
+    models = [m for p in _pairs(_compiled(monkeypatch, tmp_path, layout)) for m in p]
+    together = bundle.run_bundle(bundle.bundle(models), bundle.bundle_feeds(models), library=True)
+    assert sorted(together.times) == list(range(len(models)))
+    for i, m in enumerate(models):
+        alone = bundle.run_bundle(bundle.bundle([m]), bundle.bundle_feeds([m]), library=True).times[0]
+        t = together.times[i]
+        assert t.kernels == alone.kernels >= 1, i
+        assert abs(t.us - alone.us) <= 0.25 * alone.us + 1.0, (i, t, alone)
+
+
+def test_the_graph_gap_of_this_gpu(tmp_path):
+    gap = tuning.graph_gap(tuning.Timer(CUDA, tmp_path))
+    assert 0.0 <= gap < 0.005 and gap != tuning.GRAPH_GAP_MS  # measured, not the fallback
+
+
+def test_tuning_times_every_node_in_one_bundle(monkeypatch, tmp_path):
+    r = _compiled(monkeypatch, tmp_path, "nhwc")
+    timer = tuning.Timer(CUDA, tmp_path)
+    dims = tuning.input_shapes(r.original, CUDA)
+    decisions = tuning.time_nodes(r, tuning.feeds_for(r.original, dims), dims, timer, CUDA, [_arch()], "tf32", None,
+                                  tuning.time.perf_counter())
+    assert {d.mode for d in decisions} == {tuning.BUNDLED}, [d.chosen for d in decisions]
+    assert timer.bundled["sessions"] == 1 and not timer.bundled["errors"]
+    assert all(d.original_ms > 0 and d.fused_ms > 0 and d.fused_kernels >= 1 for d in decisions)
