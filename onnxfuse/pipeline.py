@@ -33,7 +33,7 @@ from onnxfuse.outputs import Outputs
 from onnxfuse.pack import bias_after_product, pack_qkv
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.rewrite import DOMAIN, FusedNode, rewrite
-from onnxfuse.static import fold_constants, fold_shape_arithmetic, resolve_dims
+from onnxfuse.static import fold_shape_arithmetic, resolve_dims
 from onnxfuse.text import abbreviate
 
 
@@ -273,8 +273,7 @@ def canonicalize_pass(result: Result, options: Options) -> Result:
     """Static input shapes (options.shapes / batch, when they give every symbolic dim): the
     shape arithmetic they decide folded into constants (`onnxfuse.static`), so that ONNX
     Runtime can run every node on the GPU and capture CUDA graphs; otherwise the report says
-    which dim was left open, and only what follows from constants is folded
-    (`onnxfuse.static.fold_constants`). Exporters' habits undone (`onnxfuse.load.canonicalize`).
+    which dim was left open. Then exporters' habits undone (`onnxfuse.load.canonicalize`).
 
     A model whose default-domain opset is newer than this onnxfuse knows (or older than
     `onnxfuse.load.MIN_OPSET`) is left unchanged (a copy), with a warning: an op may mean
@@ -296,12 +295,9 @@ def canonicalize_pass(result: Result, options: Options) -> Result:
     if static is not None:
         model, folded = fold_shape_arithmetic(model, static)  # Shape -> ... -> Reshape: constants
         result.report.static_shapes = folded.summary()
-        result.model = canonicalize(model)
     else:
-        model, folded = fold_constants(canonicalize(model))  # what follows from constants alone
-        note = f"{sum(folded.nodes.values())} nodes of constants folded" if folded.nodes else None
-        result.report.static_shapes = "; ".join(x for x in (why, note) if x) or None
-        result.model = model
+        result.report.static_shapes = why
+    result.model = canonicalize(model)
     return result
 
 

@@ -86,23 +86,6 @@ def fold_shape_arithmetic(model: ModelProto, dims: dict[str, tuple[int, ...]]) -
     return _fresh_value_info(m), report
 
 
-def fold_constants(model: ModelProto) -> tuple[ModelProto, Folded]:
-    """A copy of `model` with what follows from its constants and its own static dims folded
-    (the rounds of `fold_shape_arithmetic`, no input fixed): without `--shape`, Paddle's
-    exporter still writes a conv's bias as Reshape(bias, shape) of two constants, which hides
-    the bias from the patterns (PP-LCNet's squeeze-excite blocks did not fuse). ONNX Runtime
-    folds the same nodes when it loads the model."""
-    m = ModelProto()
-    m.CopyFrom(model)
-    report = Folded({})
-    for _ in range(MAX_ROUNDS):
-        before = sum(report.nodes.values())
-        m = _fold_once(m, report)
-        if sum(report.nodes.values()) == before:
-            break
-    return m, report
-
-
 def _fresh_value_info(m: ModelProto) -> ModelProto:
     """The exporter's value_info holds symbolic dims that the static inputs now decide: it
     is replaced by what inference gives at those inputs (kept as it is when inference fails)."""
