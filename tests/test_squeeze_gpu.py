@@ -82,6 +82,7 @@ def test_optimized_blocks_on_cuda_match_the_originals(a, g, dtype, tmp_path, mon
     from tests.util import kernel_options
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("ONNXFUSE_SQUEEZE_ALL", "1")  # fused without tuning's measurement
     m = block(a, g, c=144, cr=36, dtype=dtype, hw=(56, 56))
     r = optimize_model(m)
     info = compile_pass(r, kernel_options(f"sm_{_arch()}")).report.compile

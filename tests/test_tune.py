@@ -648,6 +648,34 @@ def test_a_fast_but_less_accurate_model_is_recompiled_precise(monkeypatch):
     assert r.model is recompiled[0].model and r.fused
 
 
+def test_the_gate_checks_image_like_inputs_too(monkeypatch):
+    """PP-OCR's direction classifier at batch 1 on the H200: on N(0, 1) inputs ORT's own error
+    was 1.8e-4 and the tf32 model's 2.3e-4 (a pass); on images in [0, 1) 2.2e-5 against 6.7e-4,
+    and `bench` failed it. The gate checks both sets: the model fails on the second and is
+    compiled at tf32x3."""
+    r, before = _optimized(vgg_stack(2, 8, 3, 16))
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+    errors = {"N(0, 1)": {"ort": 1.8e-4, "optimized": 2.3e-4, "precise (tf32x3)": 1e-5},
+              "uniform [0, 1)": {"ort": 2.2e-5, "optimized": 6.7e-4, "precise (tf32x3)": 1e-5}}
+
+    def outputs(self, models, feeds):
+        images = all(v.min() >= 0 and v.max() < 1 for v in feeds.values())
+        table = errors["uniform [0, 1)" if images else "N(0, 1)"]
+        return {label: {"y": np.full((2, 3), 1.0 + (0.0 if label == "reference" else table.get(label, table["ort"])),
+                                     np.float32)} for label in models}
+
+    monkeypatch.setattr(tuning.Timer, "outputs", outputs)
+    monkeypatch.setattr(tuning.Timer, "float64_reference", lambda self, m, f: ({"y": np.ones((2, 3))}, None))
+    recompiled = []
+    with pytest.warns(OnnxfuseWarning, match="tf32x3 instead"):
+        rec = _tune_precise(r, before, recompiled)["tune"]
+    gate = rec["accuracy"]["optimized"]
+    assert not gate["passed"] and gate["inputs"] == "uniform [0, 1)"
+    assert gate["max_abs_err"] == pytest.approx(6.7e-4, rel=1e-2)
+    assert gate["ort_max_abs_err"] == pytest.approx(2.2e-5, rel=1e-2)
+    assert rec["kept"] == "precise (tf32x3)" and rec["accuracy"]["precise (tf32x3)"]["passed"]
+
+
 @pytest.mark.parametrize("precise_error", [1e-3, None], ids=["precise-fails-too", "no-precise-build"])
 def test_a_model_less_accurate_than_ort_is_not_written(monkeypatch, precise_error):
     m = vgg_stack(2, 8, 3, 16)
