@@ -20,6 +20,7 @@ prefix in its name or, failing that, in its tensors' names (the optimized graph 
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import tempfile
@@ -81,7 +82,10 @@ def prefixed(i: int, name: str) -> str:
 
 def available() -> bool:
     """Whether bundles can be timed here: torch with CUDA (CUPTI through its profiler) and
-    ONNX Runtime's CUDA execution provider."""
+    ONNX Runtime's CUDA execution provider. ``ONNXFUSE_TUNE_BUNDLES=0`` says no (tuning then
+    times pairs alone, as before bundles: for measuring one against the other)."""
+    if os.environ.get("ONNXFUSE_TUNE_BUNDLES") == "0":
+        return False
     try:
         import onnxruntime as ort
         import torch

@@ -67,6 +67,11 @@ def test_inputs_of_one_shape_share_their_data():
     assert a is b and np.isfinite(a).all() and a.std() > 0
 
 
+def test_bundles_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("ONNXFUSE_TUNE_BUNDLES", "0")
+    assert not bundle.available()
+
+
 def test_a_model_with_a_subgraph_cannot_join():
     then = helper.make_graph([helper.make_node("Identity", ["x"], ["t"])], "then", [],
                              [helper.make_tensor_value_info("t", onnx.TensorProto.FLOAT, [1])])
