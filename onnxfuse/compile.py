@@ -188,12 +188,17 @@ def compile_kernels(
     jobs: int | None = None,
     errors: str = "raise",
     variant_override: tuple | None = None,
+    variant_overrides: list[tuple] | None = None,
 ) -> list[CompiledKernel | CompileFailure]:
     """Compile every spec's variants for every target (cached, in parallel); same order.
 
     A (variant, target) that fails to compile raises OnnxfuseError, or with
     errors="collect" makes its spec's entry a CompileFailure (the others still compile).
-    variant_override: the variants to compile for every spec instead of the defaults (tuning)."""
+    variant_override: the variants to compile for every spec instead of the defaults (tuning);
+    variant_overrides: one such tuple per spec (a spec given once per configuration tuning
+    times, all compiled in parallel)."""
+    if variant_overrides is not None and len(variant_overrides) != len(specs):
+        raise ValueError("variant_overrides needs one tuple of variants per spec")
     if not targets:
         raise OnnxfuseError("no GPU targets to compile for")
     for arch in targets:
@@ -202,10 +207,11 @@ def compile_kernels(
     root = cache_root(cache_dir)
     archs = sorted(set(targets))
     plans = []  # per spec: (variants, [(kernel, arch, key)])
-    for spec in specs:
+    for i, spec in enumerate(specs):
         try:
             kind = KINDS[spec.kind]
-            variants = variant_override if variant_override is not None else kind.variants(spec)
+            variants = (variant_overrides[i] if variant_overrides is not None
+                        else variant_override if variant_override is not None else kind.variants(spec))
             kernels = [kind.generate(spec, v) for v in variants]
         except ValueError as e:  # a kernel this code generator cannot write
             if errors != "collect":

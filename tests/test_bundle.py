@@ -238,3 +238,56 @@ def test_an_unmeasurable_graph_gap_falls_back(monkeypatch, tmp_path):
 
     monkeypatch.setattr(tuning.Timer, "time", fail)
     assert tuning.graph_gap(tuning.Timer(CUDA, tmp_path)) == tuning.GRAPH_GAP_MS
+
+
+def test_a_search_compiles_every_configuration_at_once_and_times_them_in_one_bundle(monkeypatch, tmp_path):
+    """--tune on a bundled node: all candidate configurations in one compile call (in parallel),
+    those that compile timed together in one bundle; one that fails to compile is recorded, the
+    fastest (launch gaps counted) is attached and returned."""
+    from onnxfuse import compile as aot
+
+    r, pairs = _one_node_models(vgg_stack(2, 8, 3, 16))
+    f, node = r.fused[0], next(n for n in r.model.graph.node if n.name == r.fused[0].node_name)
+    configs = [("a", ("va",)), ("b", ("vb",)), ("c", ("vc",))]
+    monkeypatch.setattr(tuning, "candidates", lambda spec: configs)
+    monkeypatch.setattr(tuning, "kernel_spec", lambda *a: "spec")
+    calls = []
+
+    def compile_kernels(specs, targets, jobs=None, errors="raise", variant_overrides=None, **kw):
+        calls.append(variant_overrides)
+        return [aot.CompileFailure(s, (90,), "ptxas: out of registers") if v == ("vb",) else
+                aot.CompiledKernel(s, v, (), 0.0, 0, 1) for s, v in zip(specs, variant_overrides, strict=True)]
+
+    attached = []
+    monkeypatch.setattr(aot, "compile_kernels", compile_kernels)
+    monkeypatch.setattr(aot, "attach", lambda n, ck: attached.append((n.name, ck.variants)))
+    bundles = []
+
+    def time_bundled(self, models, deadline=None):
+        bundles.append(len(models))
+        return [bundle.Timed(5.0, 3), bundle.Timed(5.5, 1)]  # a: 5 µs in 3 kernels, c: 5.5 in 1
+
+    monkeypatch.setattr(tuning.Timer, "time_bundled", time_bundled)
+    d = tuning.NodeDecision(f.node_name, f.kind, mode=tuning.BUNDLED, gap_ms=0.001)
+    got = tuning._search_configs(r, f, node, pairs[0][1], d, tuning.Timer(CUDA, tmp_path), [90], "tf32", 2)
+    assert calls == [[("va",), ("vb",), ("vc",)]] and bundles == [2]
+    assert got == (0.0055, "c") and d.fused_kernels == 1 and attached[-1] == (node.name, ("vc",))
+    assert [c.get("error") for c in d.candidates] == ["ptxas: out of registers", None, None]
+
+
+def test_compile_kernels_takes_variants_per_spec(tmp_path):
+    """`variant_overrides`: one tuple of variants per spec, compiled in the same call."""
+    pytest.importorskip("triton")
+    from onnxfuse import compile as aot
+    from onnxfuse.kinds import KINDS
+    from onnxfuse.specs import kernel_spec
+
+    r = optimize_model(vgg_stack(1, 8, 3, 16))
+    f = r.fused[0]
+    spec = kernel_spec(r.model, f, "tf32")
+    (_, first), (_, second) = KINDS[spec.kind].candidates(spec)[:2]  # two tile configurations
+    assert first != second
+    with pytest.raises(ValueError, match="one tuple of variants per spec"):
+        aot.compile_kernels([spec, spec], [90], cache_dir=tmp_path, variant_overrides=[first])
+    a, b = aot.compile_kernels([spec, spec], [90], cache_dir=tmp_path, variant_overrides=[first, second])
+    assert a.variants == first and b.variants == second and a.kernels() != b.kernels()
