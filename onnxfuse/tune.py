@@ -63,13 +63,14 @@ moves the root), one JSON file per device, ONNX Runtime, onnxfuse and kernel cac
 keyed by a hash of the exact one-node (or whole) model and its input shapes, so a second
 `optimize` of the same model at the same shapes measures nothing again.
 
-Budget: per-node timing stops after `budget_s` seconds (default `BUDGET_S`); after that a
-node is decided only when its timings are remembered (a layer of the same shapes as one
-measured, or an earlier tuning); nodes left keep the heuristics' decision and are listed as
-not measured; the whole-model check always runs. Candidate configurations (`--tune configs`,
-`Kind.search_configs`) are timed after every node's own kernel, with what is left of the
-budget. The record's "phases" say where the
-seconds went (node timing, recompiling, whole-model timing, accuracy).
+Budget: per-node timing stops after `budget_s` seconds (default `BUDGET_S`); a bundle begun
+before then runs to its end (every node of the suite's CNNs fit in one to seven, 0.5-8.4 s on
+the H200). After that a node is decided only when its timings are remembered (a layer of the
+same shapes as one measured, or an earlier tuning); nodes left keep the heuristics' decision
+and are listed as not measured; the whole-model check always runs. Candidate configurations
+(`--tune configs`, `Kind.search_configs`) are timed after every node's own kernel, with what is
+left of the budget. The record's "phases" say where the seconds went (node timing,
+recompiling, whole-model timing, accuracy); "bundles" and "node_runs" split the node timing.
 """
 
 from __future__ import annotations
@@ -571,7 +572,8 @@ class Timer:
             self.spent["feeds_s"] += time.perf_counter() - t0
         path = self._path(m)
         try:
-            run = run_model(str(path), feeds, self._settings(s.warmup, s.iters, graph), library=library)
+            run = run_model(str(path), feeds, self._settings(s.warmup, s.iters, graph), library=library,
+                            collect=False)
         except OnnxfuseError as e:
             if graph and self._runs_plainly(path, feeds, library):
                 # remembered: a graph that cannot be captured is not tried again. A model that
@@ -644,7 +646,7 @@ class Timer:
     def _runs_plainly(self, path: Path, feeds: dict[str, np.ndarray], library: bool) -> bool:
         """Whether the model at `path` runs once without CUDA graphs."""
         try:
-            run_model(str(path), feeds, self._settings(0, 1, False), library=library)
+            run_model(str(path), feeds, self._settings(0, 1, False), library=library, collect=False)
         except OnnxfuseError:
             return False
         return True
@@ -688,7 +690,7 @@ class Timer:
                     self.measured += 1
         finally:
             for b in bound.values():
-                b.close()
+                b.close(collect=False)
         return out
 
     def outputs(self, models: dict[str, tuple[ModelProto, bool, bool]],
@@ -699,7 +701,7 @@ class Timer:
         for label, (m, library, tf32) in models.items():
             settings = BenchSettings(provider=self.settings.provider, tf32=tf32)
             try:
-                out[label] = evaluate_model(str(self._path(m)), feeds, settings, library)
+                out[label] = evaluate_model(str(self._path(m)), feeds, settings, library, collect=False)
             except OnnxfuseError as e:
                 out[label] = str(e).splitlines()[0][:300] if str(e) else "cannot run"
         return out

@@ -401,7 +401,7 @@ def test_only_real_capture_failures_are_cached(tmp_path, monkeypatch):
     feeds = static_feeds(m)
     works = {"plain": True}
 
-    def fake_run(path, feeds, settings, library=False):
+    def fake_run(path, feeds, settings, library=False, collect=True):
         if settings.cuda_graph or not works["plain"]:
             raise OnnxfuseError("it failed")
         return Run(5.0, 2.0, [1.0], {}, None)
@@ -517,7 +517,8 @@ def test_past_the_budget_layers_timed_before_are_still_decided(tmp_path, monkeyp
     assert len(r.fused) == 2
     runs = []
 
-    def fake_run(path, feeds, settings, library=False):
+    def fake_run(path, feeds, settings, library=False, collect=True):
+        assert not collect  # no full garbage collection per session: 0.1 s each with torch imported
         runs.append(library)
         return Run(5.0, 2.0, [0.1 if library else 0.3], {}, None, 3.0, 4.0)
 
