@@ -5,11 +5,12 @@ SiLU); the optimized models against the originals on ONNX Runtime CPU (function 
 with the custom-op library's CPU kernel, in fp32 and fp16 at magnitude 1e4; the reasons
 given when a GroupNorm does not fuse; `analyze`'s costs.
 
-Not covered here: torch's dynamo exporter (it needs onnxscript, not installed here); the
+torch's dynamo exporter where onnxscript is installed (the test extras install it). The
 kernels themselves are tests/test_rows_groupnorm_codegen.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import warnings
 
@@ -47,9 +48,11 @@ def _close(got: np.ndarray, want: np.ndarray, tol: float, what: str) -> None:
     np.testing.assert_allclose(g, w, rtol=tol, atol=tol * scale, err_msg=what)
 
 
-def torch_group_norm(opset: int, dynamic: bool = False, shape=(2, 16, 5, 6), groups: int = 4) -> onnx.ModelProto:
+def torch_group_norm(opset: int, dynamic: bool = False, shape=(2, 16, 5, 6), groups: int = 4,
+                     dynamo: bool = False) -> onnx.ModelProto:
     """nn.GroupNorm with a residual add before it and SiLU after it, as torch.onnx.export
-    (TorchScript) writes it: Reshape -> InstanceNormalization -> Reshape(Shape(x)) -> Mul -> Add."""
+    (TorchScript) writes it: Reshape -> InstanceNormalization -> Reshape(Shape(x)) -> Mul -> Add;
+    `dynamo`: as the dynamo exporter writes it (static shapes)."""
     torch = pytest.importorskip("torch")
 
     class Block(torch.nn.Module):
@@ -66,6 +69,12 @@ def torch_group_norm(opset: int, dynamic: bool = False, shape=(2, 16, 5, 6), gro
     torch.manual_seed(0)
     f = io.BytesIO()
     axes = {"x": {0: "N", 2: "H", 3: "W"}, "r": {0: "N", 2: "H", 3: "W"}} if dynamic else None
+    if dynamo:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            prog = torch.onnx.export(Block(), (torch.randn(shape), torch.randn(shape)), dynamo=True,
+                                     opset_version=opset, input_names=["x", "r"], output_names=["y"])
+        return prog.model_proto
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(Block(), (torch.randn(shape), torch.randn(shape)), f, opset_version=opset, dynamo=False,
@@ -76,6 +85,18 @@ def torch_group_norm(opset: int, dynamic: bool = False, shape=(2, 16, 5, 6), gro
 def _feeds(shape, scale=1.0, dtype=np.float32, seed=0) -> dict:
     rng = np.random.default_rng(seed)
     return {k: (rng.standard_normal(shape) * scale + 0.5).astype(dtype) for k in ("x", "r")}
+
+
+@pytest.mark.parametrize("opset", [18, 21])
+def test_dynamo_export_fuses_whole(lib, opset):
+    """The dynamo exporter's GroupNorm + SiLU after a residual add: one node too, equal to the
+    original through the library's kernel."""
+    pytest.importorskip("onnxscript", reason="the dynamo exporter needs onnxscript")
+    m = torch_group_norm(opset, dynamo=True)
+    r = check_fusion(m, expect_fused=1)
+    assert op_types(r.model) == ["FusedRows"], r.report.summary()
+    feeds = _feeds((2, 16, 5, 6))
+    _close(run_lib(lib, r.model, feeds)[0], run(m, feeds)[0], 1e-5, "dynamo export: library kernel")
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

@@ -234,6 +234,55 @@ def test_dynamo_exporter():
         _assert_close(_run(m, feeds), want, what=f"{arch} dynamo")
 
 
+@pytest.fixture(scope="module")
+def dynamo_exports() -> dict[str, onnx.ModelProto]:
+    why = mt.dynamo_available()
+    if why is not None:
+        pytest.skip(why)
+    return {arch: mt.export(arch, "dynamo", small=True) for arch in ARCHS}
+
+
+def _ort_cpu_ops(m: onnx.ModelProto, tmp_path) -> dict[str, int]:
+    """Op types of the graph ONNX Runtime's CPU provider runs after its own fusions."""
+    from collections import Counter
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.optimized_model_filepath = str(tmp_path / "ort_optimized.onnx")
+    ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return Counter(n.op_type for n in onnx.load(str(tmp_path / "ort_optimized.onnx")).graph.node)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fusions_survive_the_exporter_change(arch, dynamo_exports, tmp_path):
+    """Issue 17: torch's two exporters write different graphs (dynamo: LayerNormalization ops,
+    no shape arithmetic, its own GELU form). At static shapes onnxfuse fuses the same
+    attentions and normalizations in both; a bias + GELU chain is left to ONNX Runtime exactly
+    where ORT's BiasGelu fusion fires (TorchScript's form) and fused where it does not (dynamo's
+    Erf form stays unfused in ORT); the fused models, run by the library's CPU kernels, compute
+    what the originals do."""
+    from collections import Counter
+
+    from onnxfuse import optimize_model
+    from onnxfuse.runtime import library_path
+
+    feeds = _feeds(arch)
+    shapes = {k: v.shape for k, v in feeds.items()}
+    kinds = {}
+    for exporter, m in (("torchscript", mt.export(arch, "torchscript", small=True)), ("dynamo", dynamo_exports[arch])):
+        r = optimize_model(m, static_shapes=shapes)
+        kinds[exporter] = Counter(f.kind for f in r.fused)
+        left_to_bias_gelu = "left to ONNX Runtime's BiasGelu fusion" in r.report.not_fused
+        assert left_to_bias_gelu == bool(_ort_cpu_ops(m, tmp_path)["BiasGelu"]), (exporter, r.report.not_fused)
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.register_custom_ops_library(library_path())
+        sess = ort.InferenceSession(r.model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        _assert_close(sess.run(None, feeds)[0], _run(m, feeds), what=f"{arch} {exporter} onnxfuse")
+    assert kinds["dynamo"]["attention"] == kinds["torchscript"]["attention"] == 2  # one per layer
+    assert kinds["dynamo"]["rows"] == kinds["torchscript"]["rows"] >= 1
+
+
 def test_unknown_exporter():
     with pytest.raises(ValueError, match="exporter"):
         mt.export("vit_s16", "tracing", small=True)
