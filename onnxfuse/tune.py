@@ -106,7 +106,7 @@ from onnxfuse.specs import kernel_spec
 from onnxfuse.tools.cuda import CudaDriver, local_gpu_archs
 from onnxfuse.tools.feeds import make_feeds, static_feeds
 from onnxfuse.tools.gate import gate_outputs, plausible_float64
-from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate_model, interleave, run_model
+from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate_model_on, interleave, run_model
 from onnxfuse.tools.shapes import resolve_inputs, signature, with_input_dims
 from onnxfuse.version import __version__
 
@@ -530,7 +530,7 @@ class Timer:
         self.bundled = {"sessions": 0, "models": 0, "feeds_s": 0.0, "load_s": 0.0, "first_run_s": 0.0,
                         "profiled_s": 0.0, "total_s": 0.0, "unattributed_us": 0.0, "errors": []}
         self._float64: dict[tuple[int, int], tuple[dict[str, np.ndarray] | None, str | None]] = {}
-        self._original_runs: dict[tuple[int, int, bool], dict[str, np.ndarray] | str] = {}
+        self._original_runs: dict[tuple, dict[str, dict[str, np.ndarray] | str]] = {}
 
     def _key(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool) -> str:
         """A model's cache key: its bytes without the values of its large initializers (layers
@@ -693,17 +693,20 @@ class Timer:
                 b.close(collect=False)
         return out
 
-    def outputs(self, models: dict[str, tuple[ModelProto, bool, bool]],
-                feeds: dict[str, np.ndarray]) -> dict[str, dict[str, np.ndarray] | str]:
-        """One untimed run of each model, label -> (model, library, tf32): its outputs, or the
-        error's text when it cannot run."""
-        out: dict[str, dict[str, np.ndarray] | str] = {}
+    def outputs(self, models: dict[str, tuple[ModelProto, bool, bool]], feed_sets: dict[str, dict[str, np.ndarray]]
+                ) -> dict[str, dict[str, dict[str, np.ndarray] | str]]:
+        """One untimed run of each model on each input set, label -> (model, library, tf32), every
+        set in one session (one cuDNN algorithm search): label -> set -> its outputs, or the
+        error's text where it cannot run."""
+        out: dict[str, dict[str, dict[str, np.ndarray] | str]] = {}
         for label, (m, library, tf32) in models.items():
             settings = BenchSettings(provider=self.settings.provider, tf32=tf32)
             try:
-                out[label] = evaluate_model(str(self._path(m)), feeds, settings, library, collect=False)
+                runs = evaluate_model_on(str(self._path(m)), list(feed_sets.values()), settings, library,
+                                         collect=False)
+                out[label] = dict(zip(feed_sets, runs, strict=True))
             except OnnxfuseError as e:
-                out[label] = str(e).splitlines()[0][:300] if str(e) else "cannot run"
+                out[label] = dict.fromkeys(feed_sets, str(e).splitlines()[0][:300] if str(e) else "cannot run")
         return out
 
     def float64_reference(self, model: ModelProto, feeds: dict[str, np.ndarray]
@@ -715,13 +718,13 @@ class Timer:
             self._float64[key] = _float64_reference(model, feeds)
         return self._float64[key]
 
-    def original_outputs(self, model: ModelProto, feeds: dict[str, np.ndarray], label: str,
-                         tf32: bool) -> dict[str, np.ndarray] | str:
+    def original_outputs(self, model: ModelProto, feed_sets: dict[str, dict[str, np.ndarray]], label: str,
+                         tf32: bool) -> dict[str, dict[str, np.ndarray] | str]:
         """`outputs` of the original (no library) with TF32 allowed or not, run once per
         tuning: the accuracy gate of a later candidate (tf32x3) reuses it."""
-        key = (id(model), id(feeds), tf32)
+        key = (id(model), tuple((name, id(f)) for name, f in feed_sets.items()), tf32)
         if key not in self._original_runs:
-            self._original_runs[key] = self.outputs({label: (model, False, tf32)}, feeds)[label]
+            self._original_runs[key] = self.outputs({label: (model, False, tf32)}, feed_sets)[label]
         return self._original_runs[key]
 
     def save(self) -> None:
@@ -957,28 +960,60 @@ def _float64_reference(model: ModelProto, feeds: dict[str, np.ndarray]
 def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProto],
              feeds: dict[str, np.ndarray]) -> dict[str, dict]:
     """The accuracy gate of `onnxfuse bench` (onnxfuse.tools.gate.gate_outputs) on every
-    candidate, at the tuning's inputs: the reference is the original in float64
+    candidate, at one set of inputs: the reference is the original in float64
     (`Timer.float64_reference`), else the original with TF32 off, and a candidate passes when
     each output is within 2x the original's own error under ORT's defaults (TF32 allowed)
     plus the dtype's floor. Per label: passed, max_abs_err, ort_max_abs_err, the first
     failure's text (or the error that stopped the run) and which reference it was. On CUDA,
     ORT's own error is the smallest of ORT_DEFAULT_SESSIONS sessions', output by output."""
+    gates = accuracy_on(timer, original, candidates, {"": feeds})
+    return {label: {k: v for k, v in g.items() if k != "inputs"} for label, g in gates.items()}
+
+
+def accuracy_on(timer: Timer, original: ModelProto, candidates: dict[str, ModelProto],
+                feed_sets: dict[str, dict[str, np.ndarray]]) -> dict[str, dict]:
+    """`accuracy` on each input set (`accuracy_feeds`), every model's sets in one session: a
+    candidate passes when it passes on every set; its record is that of the first set it fails
+    on, else of the set where its error is largest against ORT's own, with the set's name
+    ("inputs")."""
+    ort_runs = [timer.original_outputs(original, feed_sets, "ort", True)]
+    if timer.settings.provider == "cuda":
+        ort_runs += [timer.outputs({"ort": (original, False, True)}, feed_sets)["ort"]
+                     for _ in range(ORT_DEFAULT_SESSIONS - 1)]
+    runs = timer.outputs({label: (m, True, True) for label, m in candidates.items()}, feed_sets)
+    per_set = {name: _gate_set(timer, original, feed_sets, name, [r[name] for r in ort_runs],
+                               {label: runs[label][name] for label in candidates})
+               for name in feed_sets}
+
+    def ratio(g: dict) -> float:
+        err, ort = g["max_abs_err"], g["ort_max_abs_err"]
+        return -1.0 if err is None else err / ort if ort else float("inf") if err else 0.0
+
+    out = {}
+    for label in candidates:
+        sets = [{**g[label], "inputs": name} for name, g in per_set.items()]
+        failed = [g for g in sets if not g["passed"]]
+        out[label] = failed[0] if failed else max(sets, key=ratio)
+    return out
+
+
+def _gate_set(timer: Timer, original: ModelProto, feed_sets: dict[str, dict[str, np.ndarray]], name: str,
+              ort_runs: list, runs: dict[str, dict[str, np.ndarray] | str]) -> dict[str, dict]:
+    """The gate on input set `name`, given the original's ORT default runs and the candidates'."""
+    feeds = feed_sets[name]
     ref64, why_not = timer.float64_reference(original, feeds)
-    ort = timer.original_outputs(original, feeds, "ort", True)
-    runs = timer.outputs({label: (m, True, True) for label, m in candidates.items()}, feeds)
+    ort = ort_runs[0]
     if ref64 is not None and not isinstance(ort, str):
         ref64, why_not = plausible_float64(ref64, ort, why_not)
-    reference = ref64 if ref64 is not None else timer.original_outputs(original, feeds, "reference", False)
+    reference = ref64 if ref64 is not None else timer.original_outputs(original, feed_sets, "reference", False)[name]
     if isinstance(reference, str) or isinstance(ort, str):
         raise OnnxfuseError(f"the original model does not run at these shapes "
                             f"({reference if isinstance(reference, str) else ort})")
-    if timer.settings.provider == "cuda":
-        ort = most_accurate([ort, *(timer.outputs({"ort": (original, False, True)}, feeds)["ort"]
-                                    for _ in range(ORT_DEFAULT_SESSIONS - 1))], reference)
+    if len(ort_runs) > 1:
+        ort = most_accurate(ort_runs, reference)
     what = "float64" if ref64 is not None else f"TF32 off ({why_not})"
     out = {}
-    for label in candidates:
-        got = runs[label]
+    for label, got in runs.items():
         if isinstance(got, str):
             out[label] = {"passed": False, "max_abs_err": None, "ort_max_abs_err": None, "failure": got,
                           "reference": what}
@@ -991,25 +1026,6 @@ def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProt
                       "ort_max_abs_err": max(ort_errs, default=None),
                       "failure": f"output {failed[0].name!r}: {failed[0].failure()}" if failed else None,
                       "reference": what}
-    return out
-
-
-def accuracy_on(timer: Timer, original: ModelProto, candidates: dict[str, ModelProto],
-                feed_sets: dict[str, dict[str, np.ndarray]]) -> dict[str, dict]:
-    """`accuracy` on each input set (`accuracy_feeds`): a candidate passes when it passes on
-    every set; its record is that of the first set it fails on, else of the set where its error
-    is largest against ORT's own, with the set's name ("inputs")."""
-    per_set = {name: accuracy(timer, original, candidates, feeds) for name, feeds in feed_sets.items()}
-
-    def ratio(g: dict) -> float:
-        err, ort = g["max_abs_err"], g["ort_max_abs_err"]
-        return -1.0 if err is None else err / ort if ort else float("inf") if err else 0.0
-
-    out = {}
-    for label in candidates:
-        runs = [{**g[label], "inputs": name} for name, g in per_set.items()]
-        failed = [g for g in runs if not g["passed"]]
-        out[label] = failed[0] if failed else max(runs, key=ratio)
     return out
 
 

@@ -598,13 +598,14 @@ def test_shapes_learned_by_running_a_model_with_fused_convs(tmp_path, monkeypatc
 # ---- the accuracy gate at optimize time ---------------------------------------------------
 
 def _fake_outputs(monkeypatch, errors: dict[str, float]):
-    """Timer.outputs answering from a table: the reference (float64) is ones, ORT's default run
-    is off by errors["ort"], a candidate by errors[its label] (default: ORT's error)."""
-    def outputs(self, models, feeds):
+    """Timer.outputs answering from a table, on every input set alike: the reference (float64)
+    is ones, ORT's default run is off by errors["ort"], a candidate by errors[its label]
+    (default: ORT's error)."""
+    def outputs(self, models, feed_sets):
         out = {}
         for label in models:
             err = 0.0 if label == "reference" else errors.get(label, errors["ort"])
-            out[label] = {"y": np.full((2, 3), 1.0 + err, np.float32)}
+            out[label] = dict.fromkeys(feed_sets, {"y": np.full((2, 3), 1.0 + err, np.float32)})
         return out
 
     monkeypatch.setattr(tuning.Timer, "outputs", outputs)
@@ -659,11 +660,15 @@ def test_the_gate_checks_image_like_inputs_too(monkeypatch):
     errors = {"N(0, 1)": {"ort": 1.8e-4, "optimized": 2.3e-4, "precise (tf32x3)": 1e-5},
               "uniform [0, 1)": {"ort": 2.2e-5, "optimized": 6.7e-4, "precise (tf32x3)": 1e-5}}
 
-    def outputs(self, models, feeds):
-        images = all(v.min() >= 0 and v.max() < 1 for v in feeds.values())
-        table = errors["uniform [0, 1)" if images else "N(0, 1)"]
-        return {label: {"y": np.full((2, 3), 1.0 + (0.0 if label == "reference" else table.get(label, table["ort"])),
-                                     np.float32)} for label in models}
+    def outputs(self, models, feed_sets):
+        def run(label, feeds):
+            images = all(v.min() >= 0 and v.max() < 1 for v in feeds.values())
+            table = errors["uniform [0, 1)" if images else "N(0, 1)"]
+            err = 0.0 if label == "reference" else table.get(label, table["ort"])
+            return {"y": np.full((2, 3), 1.0 + err, np.float32)}
+
+        assert list(feed_sets) == ["N(0, 1)", "uniform [0, 1)"]  # both sets in one session per model
+        return {label: {name: run(label, feeds) for name, feeds in feed_sets.items()} for label in models}
 
     monkeypatch.setattr(tuning.Timer, "outputs", outputs)
     monkeypatch.setattr(tuning.Timer, "float64_reference", lambda self, m, f: ({"y": np.ones((2, 3))}, None))
@@ -700,9 +705,9 @@ def test_accuracy_runs_the_reference_with_tf32_off(monkeypatch):
     library and TF32 allowed (as users run it)."""
     seen = {}
 
-    def outputs(self, models, feeds):
+    def outputs(self, models, feed_sets):
         seen.update({k: (lib, tf32) for k, (_, lib, tf32) in models.items()})
-        return {k: {"y": np.ones(3, np.float32)} for k in models}
+        return {k: dict.fromkeys(feed_sets, {"y": np.ones(3, np.float32)}) for k in models}
 
     monkeypatch.setattr(tuning.Timer, "outputs", outputs)
     m = vgg_stack(2, 8, 3, 16)
@@ -733,13 +738,33 @@ def test_accuracy_against_the_float64_reference_where_it_is_cheap(monkeypatch, t
     assert "reference" in seen and gate["reference"].startswith("TF32 off (0 GFLOPs at these shapes, more than 0 G")
 
 
+def test_both_input_sets_run_in_one_session_per_model(monkeypatch, tmp_path):
+    """The gate's two input sets (`accuracy_feeds`) go through one session per model: on CUDA a
+    session's first run searches cuDNN's algorithms, and the accuracy step was the longest of
+    tuning's phases on the H200 (up to 16 s for RegNetY). Real runs on the CPU provider."""
+    m = vgg_stack(2, 8, 3, 16)
+    sets = tuning.accuracy_feeds(tuning.feeds_for(m, {"x": (2, 3, 16, 16)}))
+    real = tuning.evaluate_model_on
+    sessions = []
+
+    def counted(path, feed_list, *a, **k):
+        sessions.append(len(feed_list))
+        return real(path, feed_list, *a, **k)
+
+    monkeypatch.setattr(tuning, "evaluate_model_on", counted)
+    gates = tuning.accuracy_on(tuning.Timer(CPU, tmp_path), m, {"optimized": m}, sets)
+    assert sessions == [2, 2]  # the original under ORT's defaults, the candidate
+    g = gates["optimized"]
+    assert g["passed"] and g["reference"] == "float64" and g["inputs"] in sets
+
+
 def test_accuracy_is_gated_only_where_tf32_was_chosen(monkeypatch):
     """The gate guards the TF32 choice: with exact conv precisions (and for float16 convs)
     no candidate is run for it, and the record says it was not checked."""
     r, before = _optimized(vgg_stack(2, 8, 3, 16))
     _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
 
-    def outputs(self, models, feeds):
+    def outputs(self, models, feed_sets):
         raise AssertionError("no accuracy run expected")
 
     monkeypatch.setattr(tuning.Timer, "outputs", outputs)

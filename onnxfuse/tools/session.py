@@ -318,6 +318,13 @@ def evaluate_model(model: str | bytes, feeds: dict[str, np.ndarray], settings: B
                    library: bool, collect: bool = True) -> dict[str, np.ndarray]:
     """Run a model (a path or serialized bytes) once, untimed, never under CUDA graphs: its
     outputs by name. TF32 as settings.tf32 says; `collect`: as `BoundModel.close`."""
+    return evaluate_model_on(model, [feeds], settings, library, collect)[0]
+
+
+def evaluate_model_on(model: str | bytes, feed_list: list[dict[str, np.ndarray]], settings: BenchSettings,
+                      library: bool, collect: bool = True) -> list[dict[str, np.ndarray]]:
+    """`evaluate_model` on each of several inputs, in one session: one load and one first run
+    (on CUDA, cuDNN's algorithm search) for them all."""
     ort = ort_module()
     where = model if isinstance(model, str) else "model"
     try:
@@ -327,21 +334,24 @@ def evaluate_model(model: str | bytes, feeds: dict[str, np.ndarray], settings: B
     except Exception as e:  # onnxruntime raises several exception types
         raise OnnxfuseError(f"{where}: onnxruntime cannot load it: {first_line(e)}") from None
     names = [i.name for i in sess.get_inputs()]
-    missing = [n for n in names if n not in feeds]
-    if missing:
-        raise OnnxfuseError(f"{where}: input {missing[0]!r} is not an input of the first model")
-    try:
-        arrays = sess.run(None, {n: feeds[n] for n in names})
-    except Exception as e:
-        raise OnnxfuseError(f"{where}: onnxruntime failed to run it: {first_line(e)}") from None
-    outputs = {o.name: a for o, a in zip(sess.get_outputs(), arrays, strict=True)}
-    for n, a in outputs.items():
-        if not isinstance(a, np.ndarray) or a.dtype.kind not in "biuf":
-            raise OnnxfuseError(f"output {n!r} is not a numeric tensor; bench supports numeric tensors only")
+    results = []
+    for feeds in feed_list:
+        missing = [n for n in names if n not in feeds]
+        if missing:
+            raise OnnxfuseError(f"{where}: input {missing[0]!r} is not an input of the first model")
+        try:
+            arrays = sess.run(None, {n: feeds[n] for n in names})
+        except Exception as e:
+            raise OnnxfuseError(f"{where}: onnxruntime failed to run it: {first_line(e)}") from None
+        outputs = {o.name: a for o, a in zip(sess.get_outputs(), arrays, strict=True)}
+        for n, a in outputs.items():
+            if not isinstance(a, np.ndarray) or a.dtype.kind not in "biuf":
+                raise OnnxfuseError(f"output {n!r} is not a numeric tensor; bench supports numeric tensors only")
+        results.append(outputs)
     del sess
     if collect:
         gc.collect()
-    return outputs
+    return results
 
 
 def cpu_name() -> str:
