@@ -10,7 +10,8 @@ profiler), and every GPU activity (kernel, memset, copy) is attributed to the no
 Compute launched it (`onnxfuse.trace.attribute_kernels`). A model's time is the sum of its
 activities' GPU time in a run, the median over runs: GPU work without launches, as the pair
 timings under CUDA graphs measure it but without the gaps between one model's kernels, which
-the caller counts apart (`Timed.kernels`).
+the caller counts apart (`Timed.kernels`). On the H200 every fused node of the suite's CNNs,
+with its original, was timed in one to seven sessions, 0.5-8.4 s a model (seventeenth session).
 
 Every name of model i is prefixed ``b<i>~`` so that nothing collides; a node that ONNX Runtime
 creates when it optimizes the bundle (its own fusions) is traced back to its model by the
