@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import ModelProto, helper
 
-from onnxfuse import runtime, trace
+from onnxfuse import ir, trace
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.outputs import save_model
 from onnxfuse.tools.feeds import random_array
@@ -146,17 +146,8 @@ def bundle(models: Sequence[ModelProto]) -> ModelProto:
             c.input[:] = [prefixed(i, x) for x in n.input]
             c.output[:] = [prefixed(i, x) for x in n.output]
             nodes.append(c)
-        for src, dst in ((g.input, inputs), (g.output, outputs), (g.value_info, infos)):
-            for v in src:
-                c = onnx.ValueInfoProto()
-                c.CopyFrom(v)
-                c.name = prefixed(i, v.name)
-                dst.append(c)
-        for t in g.initializer:
-            c = onnx.TensorProto()
-            c.CopyFrom(t)
-            c.name = prefixed(i, t.name)
-            inits.append(c)
+        for src, dst in ((g.input, inputs), (g.output, outputs), (g.value_info, infos), (g.initializer, inits)):
+            dst.extend(ir.renamed(v, prefixed(i, v.name)) for v in src)
         for f in m.functions:
             functions.setdefault((f.domain, f.name, f.overload), f)
         for o in m.opset_import:
@@ -234,28 +225,10 @@ def run_bundle(m: ModelProto, feeds: dict[str, np.ndarray], library: bool, iters
         folder = Path(tmp)
         path = folder / "bundle.onnx"
         save_model(m, path)  # external data beside it past protobuf's 2 GB
-        dump = folder / "optimized.onnx"
-
-        def options(dumped: bool):
-            so = ort.SessionOptions()
-            so.enable_profiling = True
-            so.profile_file_prefix = str(folder / "ort_profile")
-            so.log_severity_level = 3
-            if dumped:
-                so.optimized_model_filepath = str(dump)
-                so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
-                                            dump.name + ".data")
-            if library:
-                runtime.session_options(so)
-            return so
-
         providers = [("CUDAExecutionProvider", {"device_id": "0", "use_tf32": "1"}), "CPUExecutionProvider"]
         t0 = time.perf_counter()
         try:
-            try:
-                sess = ort.InferenceSession(str(path), options(True), providers=providers)
-            except Exception:  # noqa: BLE001  saving the optimized graph is best effort
-                sess = ort.InferenceSession(str(path), options(False), providers=providers)
+            sess, dump = trace.profiling_session(ort, path, folder, providers, library)
             load_s = time.perf_counter() - t0
             run = trace.bound_runner(ort, sess, feeds, "cuda")
             t0 = time.perf_counter()
@@ -271,7 +244,7 @@ def run_bundle(m: ModelProto, feeds: dict[str, np.ndarray], library: bool, iters
             raise
         except Exception as e:  # noqa: BLE001  onnxruntime's and torch's exception types
             raise OnnxfuseError(f"a bundle of one-node models did not run: {first_line(e)}") from None
-        optimized = onnx.load(str(dump), load_external_data=False) if dump.is_file() else None
+        optimized = onnx.load(str(dump), load_external_data=False) if dump is not None and dump.is_file() else None
     parsed = trace.parse_ort_profile(events, warmup)
     if cupti is None or len(parsed.runs) != iters:
         raise OnnxfuseError("a bundle's profile is incomplete (CUPTI saw no runs)")

@@ -224,6 +224,17 @@ def empty() -> gs.Variable:
     return gs.Variable.empty()
 
 
+def renamed(proto, name: str, keep_doc: bool = True):
+    """A copy of a ValueInfoProto or TensorProto under another name; `keep_doc` False drops
+    its doc_string too (tuning's one-node models of equal layers must serialize alike)."""
+    out = type(proto)()
+    out.CopyFrom(proto)
+    out.name = name
+    if not keep_doc:
+        out.doc_string = ""
+    return out
+
+
 def known_dim(d: onnx.TensorShapeProto.Dimension) -> int | None:
     """A dimension's size, or None where it is dynamic: a dim_param, nothing, or a negative
     dim_value (Paddle's exporter writes -1 for its dynamic dims)."""

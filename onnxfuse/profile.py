@@ -52,7 +52,6 @@ from onnxfuse.errors import OnnxfuseError
 from onnxfuse.load import load_model
 from onnxfuse.outputs import Outputs, write_bytes
 from onnxfuse.plot import Series, check_path, roofline_plot
-from onnxfuse.runtime import session_options
 from onnxfuse.tools.feeds import make_feeds
 from onnxfuse.tools.session import NP_DTYPES
 from onnxfuse.tools.shapes import InputSpec, parse_shapes
@@ -63,6 +62,7 @@ from onnxfuse.trace import (  # noqa: F401  best_offset: re-exported, as onnxfus
     bound_runner,
     kernel_owners,
     parse_ort_profile,
+    profiling_session,
     run_under_cupti,
 )
 
@@ -381,36 +381,19 @@ def _per_node(kernel_us: dict[tuple[int, str], float], runs: int) -> dict[str, l
 
 
 def _session(ort, path: str, model: onnx.ModelProto, provider: str, level: str, tmp: Path):
-    """A profiling session, saving ONNX Runtime's optimized graph when it can."""
-    def options(dump: Path | None):
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.profile_file_prefix = str(tmp / "ort_profile")
-        so.log_severity_level = 3
-        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, LEVELS[level])
-        if dump is not None:
-            so.optimized_model_filepath = str(dump)
-            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
-                                        dump.name + ".data")
-        if any(n.domain == "onnxfuse" for n in model.graph.node):
-            session_options(so)  # the custom-op library runs the fused nodes
-        return so
-
+    """A profiling session (`trace.profiling_session`), saving ONNX Runtime's optimized graph
+    when it can."""
     if provider == "cuda":
         providers = [("CUDAExecutionProvider", {"device_id": "0"}), "CPUExecutionProvider"]
     else:
         providers = ["CPUExecutionProvider"]
-    dump = tmp / "ort_optimized.onnx"
+    library = any(n.domain == "onnxfuse" for n in model.graph.node)
     try:
-        sess = ort.InferenceSession(str(path), options(dump), providers=providers)
-    except Exception:  # noqa: BLE001 - saving the optimized graph is best effort
-        dump = None
-        try:
-            sess = ort.InferenceSession(str(path), options(None), providers=providers)
-        except OnnxfuseError:
-            raise
-        except Exception as e:  # noqa: BLE001
-            raise _ort_error(e) from None
+        sess, dump = profiling_session(ort, path, tmp, providers, library, LEVELS[level])
+    except OnnxfuseError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise _ort_error(e) from None
     if provider == "cuda" and sess.get_providers()[0] != "CUDAExecutionProvider":
         raise OnnxfuseError("--provider cuda: ONNX Runtime could not use the CUDA execution provider (no GPU?)")
     return sess, dump

@@ -250,6 +250,36 @@ def kernel_owners(model: onnx.ModelProto) -> dict[str, list[str]]:
     return dict(owners)
 
 
+def profiling_session(ort, path: str | Path, folder: Path, providers: list, library: bool,
+                      level: str = "ORT_ENABLE_ALL"):
+    """An ONNX Runtime session of the model at `path` with its profiler on (its JSON under
+    `folder`), the onnxfuse custom-op library registered when `library`, graph optimizations
+    at `level` (a GraphOptimizationLevel name). ORT's optimized graph is saved to
+    `folder`/ort_optimized.onnx when it can be (best effort): (session, that path or None).
+    The second attempt's exception, if any, is the caller's to word."""
+    from onnxfuse.runtime import session_options
+
+    def options(dump: Path | None):
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = str(folder / "ort_profile")
+        so.log_severity_level = 3
+        so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level)
+        if dump is not None:
+            so.optimized_model_filepath = str(dump)
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                        dump.name + ".data")
+        if library:
+            session_options(so)  # the custom-op library runs the fused nodes
+        return so
+
+    dump = folder / "ort_optimized.onnx"
+    try:
+        return ort.InferenceSession(str(path), options(dump), providers=providers), dump
+    except Exception:  # noqa: BLE001 - saving the optimized graph is best effort
+        return ort.InferenceSession(str(path), options(None), providers=providers), None
+
+
 def bound_runner(ort, sess, feeds: dict[str, np.ndarray], provider: str):
     """A function running `sess` once on `feeds`; on CUDA with inputs bound on the device (no
     copies inside the timed runs) and outputs left on it."""

@@ -353,13 +353,13 @@ def fused_model(model: ModelProto, node: onnx.NodeProto, infos: dict) -> ModelPr
     for name in dict.fromkeys(x for x in node.input if x):
         new = rename[name] = f"i{len(rename)}"
         if name in inits:
-            consts.append(_renamed_tensor(inits[name], new))
+            consts.append(ir.renamed(inits[name], new))
         else:
-            inputs.append(_renamed(_info(infos, name, node), new))
+            inputs.append(ir.renamed(_info(infos, name, node), new, keep_doc=False))
     outputs = []
     for k, name in enumerate(node.output):
         rename[name] = f"o{k}"
-        outputs.append(_renamed(_info(infos, name, node), f"o{k}"))
+        outputs.append(ir.renamed(_info(infos, name, node), f"o{k}", keep_doc=False))
     n = onnx.NodeProto()
     n.CopyFrom(node)
     n.name = "n"
@@ -407,15 +407,15 @@ def original_model(model: ModelProto, node: onnx.NodeProto, infos: dict) -> Mode
         if not name or formal not in used:
             continue
         if name in inits:
-            consts.append(_renamed_tensor(inits[name], formal))
+            consts.append(ir.renamed(inits[name], formal))
         else:
-            vi = _renamed(_info(infos, name, node), formal)
+            vi = ir.renamed(_info(infos, name, node), formal, keep_doc=False)
             if formal in nchw:
                 _permute(vi, TO_NCHW)
             inputs.append(vi)
     outputs = []
     for formal, name in zip(fn.output, node.output, strict=False):
-        vi = _renamed(_info(infos, name, node), formal)
+        vi = ir.renamed(_info(infos, name, node), formal, keep_doc=False)
         if formal in nchw:
             _permute(vi, TO_NCHW)
         outputs.append(vi)
@@ -432,21 +432,6 @@ def _info(infos: dict, name: str, node: onnx.NodeProto) -> onnx.ValueInfoProto:
     if vi is None or not _static(vi):
         raise OnnxfuseError(f"no static shape for {name!r} (a tensor of {node.name})")
     return vi
-
-
-def _renamed(vi: onnx.ValueInfoProto, name: str) -> onnx.ValueInfoProto:
-    out = onnx.ValueInfoProto()
-    out.CopyFrom(vi)
-    out.name = name
-    out.doc_string = ""
-    return out
-
-
-def _renamed_tensor(t: onnx.TensorProto, name: str) -> onnx.TensorProto:
-    out = onnx.TensorProto()
-    out.CopyFrom(t)
-    out.name = name
-    return out
 
 
 def _permute(vi: onnx.ValueInfoProto, perm: list[int]) -> None:
@@ -496,7 +481,7 @@ def replicated(m: ModelProto, k: int) -> ModelProto:
             c.output[:] = [ren(x) for x in n.output]
             g.node.append(c)
         for src, dst in ((inputs, g.input), (outputs, g.output), (infos, g.value_info)):
-            dst.extend(_renamed(v, ren(v.name)) for v in src if v.name not in shared)
+            dst.extend(ir.renamed(v, ren(v.name), keep_doc=False) for v in src if v.name not in shared)
     return out
 
 
@@ -532,10 +517,10 @@ class Timer:
         self._float64: dict[tuple[int, int], tuple[dict[str, np.ndarray] | None, str | None]] = {}
         self._original_runs: dict[tuple, dict[str, dict[str, np.ndarray] | str]] = {}
 
-    def _key(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool) -> str:
+    def _key(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool | str) -> str:
         """A model's cache key: its bytes without the values of its large initializers (layers
         of equal shapes time alike whatever their weights: one measurement serves them all),
-        its input shapes, and how it runs."""
+        its input shapes, and how it runs (`graph`: with CUDA graphs or not, or "bundled")."""
         h = hashlib.sha256(_without_weights(m))
         for name in sorted(feeds):
             h.update(f"|{name}:{feeds[name].dtype}:{feeds[name].shape}".encode())
@@ -600,8 +585,7 @@ class Timer:
         outputs; models of equal keys, layers of the same shapes, once). None where a model
         is not timed so: it cannot join a bundle, its bundle failed (`bundled["errors"]`), the
         bundle could not attribute time to it, or `deadline` (perf_counter) passed first."""
-        keys = [hashlib.sha256(f"{self._key(m, _shape_only_feeds(m), lib, False)}|bundled".encode()).hexdigest()
-                for m, lib in models]
+        keys = [self._key(m, _shape_only_feeds(m), lib, "bundled") for m, lib in models]
         first: dict[str, int] = {}
         for k, (key, (m, _)) in enumerate(zip(keys, models, strict=True)):
             if key in self.entries:

@@ -19,17 +19,21 @@ from onnxfuse.runtime import library_path
 from onnxfuse.tune import TuneSettings
 
 
-def _one_node_models(m: onnx.ModelProto):
-    """(result, [(original, fused) one-node model per fused node]) of m at batch 2."""
-    r = optimize_model(m)
-    dims = tuning.input_shapes(r.original, TuneSettings(provider="cpu", batch=2))
+def one_node_pairs(r, settings: TuneSettings) -> list[tuple[onnx.ModelProto, onnx.ModelProto]]:
+    """(original, fused) one-node model per fused node of result r, at the settings' shapes."""
+    dims = tuning.input_shapes(r.original, settings)
     feeds = tuning.feeds_for(r.original, dims)
     nodes = {n.name: n for n in r.model.graph.node}
     needed = {x for f in r.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
-    infos = tuning.tensor_infos(r.model, dims, feeds, needed, "cpu")
-    pairs = [(tuning.original_model(r.model, nodes[f.node_name], infos),
-              tuning.fused_model(r.model, nodes[f.node_name], infos)) for f in r.fused]
-    return r, pairs
+    infos = tuning.tensor_infos(r.model, dims, feeds, needed, settings.provider)
+    return [(tuning.original_model(r.model, nodes[f.node_name], infos),
+             tuning.fused_model(r.model, nodes[f.node_name], infos)) for f in r.fused]
+
+
+def _one_node_models(m: onnx.ModelProto):
+    """(result, its one-node pairs) of m at batch 2."""
+    r = optimize_model(m)
+    return r, one_node_pairs(r, TuneSettings(provider="cpu", batch=2))
 
 
 def _run(m: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:

@@ -12,6 +12,7 @@ from onnxfuse import bundle
 from onnxfuse import tune as tuning
 from onnxfuse.pipeline import compile_pass, optimize_model
 from onnxfuse.tune import TuneSettings
+from tests.test_bundle import one_node_pairs
 from tests.test_squeeze_gpu import _arch
 from tests.util import kernel_options
 
@@ -27,22 +28,12 @@ def _compiled(monkeypatch, tmp_path, layout: str):
     return r
 
 
-def _pairs(r):
-    dims = tuning.input_shapes(r.original, CUDA)
-    feeds = tuning.feeds_for(r.original, dims)
-    nodes = {n.name: n for n in r.model.graph.node}
-    needed = {x for f in r.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
-    infos = tuning.tensor_infos(r.model, dims, feeds, needed, "cuda")
-    return [(tuning.original_model(r.model, nodes[f.node_name], infos),
-             tuning.fused_model(r.model, nodes[f.node_name], infos)) for f in r.fused]
-
-
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_a_model_times_the_same_in_a_bundle_as_alone(monkeypatch, tmp_path, layout):
     """Every one-node model of a bundle, originals (cuDNN) and fused nodes (the library's
     Triton kernels), gets its own kernels: the same count, and within a quarter (plus a
     microsecond) of its time in a bundle of its own."""
-    models = [m for p in _pairs(_compiled(monkeypatch, tmp_path, layout)) for m in p]
+    models = [m for p in one_node_pairs(_compiled(monkeypatch, tmp_path, layout), CUDA) for m in p]
     together = bundle.run_bundle(bundle.bundle(models), bundle.bundle_feeds(models), library=True)
     assert sorted(together.times) == list(range(len(models)))
     for i, m in enumerate(models):
