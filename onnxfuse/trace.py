@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from onnxfuse.runtime import session_options
+
 SUFFIX = "_kernel_time"
 
 
@@ -257,8 +259,6 @@ def profiling_session(ort, path: str | Path, folder: Path, providers: list, libr
     at `level` (a GraphOptimizationLevel name). ORT's optimized graph is saved to
     `folder`/ort_optimized.onnx when it can be (best effort): (session, that path or None).
     The second attempt's exception, if any, is the caller's to word."""
-    from onnxfuse.runtime import session_options
-
     def options(dump: Path | None):
         so = ort.SessionOptions()
         so.enable_profiling = True
