@@ -682,6 +682,81 @@ def test_the_gate_checks_image_like_inputs_too(monkeypatch):
     assert rec["kept"] == "precise (tf32x3)" and rec["accuracy"]["precise (tf32x3)"]["passed"]
 
 
+def test_gate_draws_grow_as_outputs_shrink():
+    """One draw per distribution once the smallest output has GATE_ELEMENTS elements; more
+    (at most GATE_MAX_DRAWS) below that; one where the size is unknown."""
+    assert [tuning.gate_draws(n) for n in (None, 0, 1, 2, 32, 64, 100, 256, 1000)] == [1, 1, 8, 8, 8, 4, 3, 1, 1]
+
+
+def test_more_draws_keep_the_first_sets_and_add_fresh_ones():
+    feeds = {"x": np.random.default_rng(0).standard_normal((1, 3, 4, 4)).astype(np.float32),
+             "k": np.array([3], np.int64)}
+    one, three = tuning.accuracy_feeds(feeds), tuning.accuracy_feeds(feeds, draws=3)
+    assert list(one) == ["N(0, 1)", "uniform [0, 1)"]
+    assert list(three) == ["N(0, 1)", "N(0, 1) #2", "N(0, 1) #3", "uniform [0, 1)", "uniform [0, 1) #2",
+                           "uniform [0, 1) #3"]
+    for name in one:  # the one-draw sets are the first of each distribution
+        np.testing.assert_array_equal(one[name]["x"], three[name]["x"])
+    xs = [f["x"] for f in three.values()]
+    assert len({x.tobytes() for x in xs}) == 6 and all(x.dtype == np.float32 for x in xs)
+    assert all(0 <= f["x"].min() and f["x"].max() < 1 for k, f in three.items() if k.startswith("uniform"))
+    assert min(three["N(0, 1) #2"]["x"].min(), three["N(0, 1) #3"]["x"].min()) < 0
+    assert all(f["k"] is feeds["k"] for f in three.values())  # integers stay as given
+
+
+def test_smallest_output_counts_elements_at_the_tuning_shapes():
+    """A classifier head of two probabilities beside a feature map: the smallest float output
+    at the given batch. Real shape inference on the CPU."""
+    rng = np.random.default_rng(0)
+    inits = {"w": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+             "fc": rng.standard_normal((8, 2)).astype(np.float32)}
+    m = model([N("Conv", ["x", "w"], ["c"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]),
+               N("GlobalAveragePool", ["c"], ["p"]), N("Flatten", ["p"], ["f"]), N("MatMul", ["f", "fc"], ["l"]),
+               N("Softmax", ["l"], ["y"], axis=-1)],
+              {"x": ("float32", ["N", 3, 8, 8])}, {"y": ("float32", ["N", 2]), "c": ("float32", ["N", 8, 8, 8])},
+              inits)
+    for batch in (1, 16):
+        dims = {"x": (batch, 3, 8, 8)}
+        assert tuning.smallest_output(m, dims, tuning.feeds_for(m, dims), "cpu") == 2 * batch
+
+
+def test_a_small_output_is_gated_on_more_inputs(monkeypatch):
+    """Two output elements: one input's max error is noise (PP-OCR's direction classifier at
+    batch 1: the tuning's two sets passed, the suite's image failed). With a small output the
+    gate checks GATE_MAX_DRAWS sets of each distribution and fails a model that one of them
+    catches; with a large one it checks one set of each, as before."""
+    r, before = _optimized(vgg_stack(2, 8, 3, 16))
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+    seen = []
+
+    def outputs(self, models, feed_sets):
+        seen.append(list(feed_sets))
+
+        def run(label, name):
+            err = 0.0 if label == "reference" else 6.7e-4 if (label, name) == ("optimized", "uniform [0, 1) #5") \
+                else 1e-5 if label.startswith("precise") else 1.8e-4 if label == "optimized" else 2e-4
+            return {"y": np.full((1, 2), 0.5 + err, np.float32)}
+
+        return {label: {name: run(label, name) for name in feed_sets} for label in models}
+
+    monkeypatch.setattr(tuning.Timer, "outputs", outputs)
+    monkeypatch.setattr(tuning.Timer, "float64_reference", lambda self, m, f: ({"y": np.full((1, 2), 0.5)}, None))
+    monkeypatch.setattr(tuning, "smallest_output", lambda *a: 2)
+    recompiled = []
+    with pytest.warns(OnnxfuseWarning, match="tf32x3 instead"):
+        out = _tune_precise(r, before, recompiled)
+    rec = out["tune"]
+    assert len(rec["gate_inputs"]) == 2 * tuning.GATE_MAX_DRAWS and all(s == rec["gate_inputs"] for s in seen)
+    gate = rec["accuracy"]["optimized"]
+    assert not gate["passed"] and gate["inputs"] == "uniform [0, 1) #5"
+    assert rec["kept"] == "precise (tf32x3)" and "on 16 input sets" in out["summary"]
+
+    r, before = _optimized(vgg_stack(2, 8, 3, 16))
+    monkeypatch.setattr(tuning, "smallest_output", lambda *a: 10_000)
+    rec = _tune_precise(r, before, [])["tune"]
+    assert rec["gate_inputs"] == ["N(0, 1)", "uniform [0, 1)"] and rec["kept"] == "optimized"
+
+
 @pytest.mark.parametrize("precise_error", [1e-3, None], ids=["precise-fails-too", "no-precise-build"])
 def test_a_model_less_accurate_than_ort_is_not_written(monkeypatch, precise_error):
     m = vgg_stack(2, 8, 3, 16)
