@@ -365,3 +365,35 @@ def test_unaligned_head_dry_run(tmp_path):
     (row,) = json.loads(out.read_text())["rows"][:1]
     errs = [row[f"{n}_max_abs_err"] for n in ("plain", "padded_slice", "padded_split", "padded_only", "trans_b")]
     assert max(errs) < 2e-3 and max(errs) - min(errs) < 1e-3, row
+
+
+def test_tf32_emulation_rounds_convs_only(tmp_path):
+    """benchmarks/tf32_emulation.py: a conv's TF32-emulated output differs from the exact one
+    by TF32's rounding (about 2**-11 of |X| |W| per product), a model without a conv not at
+    all; its CLI writes one row per input set, the suite's image first."""
+    import numpy as np
+    import onnx
+    from onnx import helper
+
+    from benchmarks import tf32_emulation
+    from tests.util import model
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 4, 3, 3)).astype(np.float32)
+    conv = model([helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])], {"x": ("float32", [1, 4, 8, 8])},
+                 {"y": ("float32", [1, 8, 8, 8])}, {"w": w})
+    relu = model([helper.make_node("Relu", ["x"], ["y"])], {"x": ("float32", [1, 4, 8, 8])},
+                 {"y": ("float32", [1, 4, 8, 8])})
+    feeds = {"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    row = tf32_emulation.emulate(conv, {"n": feeds})[0]
+    bound = 36 * 2.0 ** -10 * float(np.abs(feeds["x"]).max() * np.abs(w).max())
+    assert 0 < row["group-1 convs"] == row["every conv"] < bound
+    assert tf32_emulation.emulate(relu, {"n": feeds})[0] == {"inputs": "n", "group-1 convs": 0.0, "every conv": 0.0}
+    path = tmp_path / "conv.onnx"
+    onnx.save(conv, str(path))
+    out = tmp_path / "rows.json"
+    assert tf32_emulation.main([str(path), "--shape", "x=1,4,8,8", "--draws", "2", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["inputs"] for r in rows] == ["suite image (seed 0)", "N(0, 1)", "N(0, 1) #2", "uniform [0, 1)",
+                                          "uniform [0, 1) #2"]
+    assert all(r["group-1 convs"] > 0 for r in rows)
