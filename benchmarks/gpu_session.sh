@@ -228,23 +228,36 @@ PY
       > "$OUT/conv_precision.log" 2>&1; tail -140 "$OUT/conv_precision.log"
     ;;
   cache-save)
-    # the tuning cache and the compiled kernels (~/.cache/onnxfuse/{tune,kernels}) as one archive
-    # in $OUT, so that a later call on a fresh machine starts warm (`cache-load`): the kernels
-    # too where the archive stays under the tool's 16 MiB per file, else the tuning cache alone
-    root=${ONNXFUSE_CACHE:-$HOME/.cache/onnxfuse}
+    # the tuning cache and the compiled kernels (~/.cache/onnxfuse/{tune,kernels}) into $OUT, so
+    # that a later call on a fresh machine starts warm (`cache-load`): one archive where it stays
+    # under the tool's 16 MiB per file; else the tuning cache alone in onnxfuse_cache.tgz and the
+    # kernels in parts onnxfuse_kernels.tgz.0, .1, ... (at most CACHE_MAX_PARTS, else left out)
+    root=${ONNXFUSE_CACHE:-$HOME/.cache/onnxfuse}; part=${CACHE_PART_BYTES:-15000000}
     parts=$(cd "$root" 2>/dev/null && ls -d tune kernels 2>/dev/null)
     [ -n "$parts" ] || { echo "cache-save: nothing under $root"; exit 0; }
     tar czf /tmp/onnxfuse_cache.tgz -C "$root" $parts
-    if [ "$(stat -c %s /tmp/onnxfuse_cache.tgz)" -gt 15000000 ]; then
-      tar czf /tmp/onnxfuse_cache.tgz -C "$root" tune 2>/dev/null && echo "cache-save: kernels left out (over 15 MB)"
+    if [ "$(stat -c %s /tmp/onnxfuse_cache.tgz)" -gt "$part" ]; then
+      tar czf /tmp/onnxfuse_cache.tgz -C "$root" tune 2>/dev/null
+      rm -f /tmp/onnxfuse_kernels.tgz.*
+      tar czf - -C "$root" kernels | split -b "$part" -d -a 2 - /tmp/onnxfuse_kernels.tgz.
+      n=$(ls /tmp/onnxfuse_kernels.tgz.* | wc -l)
+      if [ "$n" -le "${CACHE_MAX_PARTS:-5}" ]; then
+        mv /tmp/onnxfuse_kernels.tgz.* "$OUT/" && echo "cache-save: kernels in $n parts"
+      else
+        rm -f /tmp/onnxfuse_kernels.tgz.*; echo "cache-save: kernels left out ($n parts)"
+      fi
     fi
-    mv /tmp/onnxfuse_cache.tgz "$OUT/" && ls -la "$OUT/onnxfuse_cache.tgz"
+    mv /tmp/onnxfuse_cache.tgz "$OUT/" && ls -la "$OUT"/onnxfuse_*
     ;;
   cache-load)
-    # cache-load ARCHIVE: what cache-save wrote, unpacked under ~/.cache/onnxfuse. A suite run
-    # after it re-measures nothing it remembers: its tune records say so (measured, cache_hits)
-    root=${ONNXFUSE_CACHE:-$HOME/.cache/onnxfuse}
-    mkdir -p "$root" && tar xzf "${2:?cache-load ARCHIVE}" -C "$root" && du -sh "$root"/* 2>/dev/null
+    # cache-load ARCHIVE: what cache-save wrote, unpacked under ~/.cache/onnxfuse, with the
+    # kernels' parts beside it (onnxfuse_kernels.tgz.NN) where there are any. A suite run after
+    # it re-measures nothing it remembers: its tune records say so (measured, cache_hits)
+    root=${ONNXFUSE_CACHE:-$HOME/.cache/onnxfuse}; archive=${2:?cache-load ARCHIVE}
+    mkdir -p "$root" && tar xzf "$archive" -C "$root" || exit 1
+    kparts=$(ls "$(dirname "$archive")"/onnxfuse_kernels.tgz.[0-9][0-9] 2>/dev/null)
+    [ -z "$kparts" ] || cat $kparts | tar xzf - -C "$root" || exit 1
+    du -sh "$root"/* 2>/dev/null
     ;;
   sweep)
     [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")

@@ -47,3 +47,34 @@ def test_cache_save_and_load_carry_the_caches_to_a_fresh_machine(tmp_path):
     assert (dst / "tune" / "H200.json").read_text() == '{"k": {"ms": 0.01}}'
     assert (dst / "kernels" / "ab" / "k.cubin").read_bytes() == b"\x7fELF" + bytes(64)
     assert not (dst / "lib").exists()
+
+
+def test_kernels_too_large_for_one_file_travel_in_parts(tmp_path):
+    """Past the tool's per-file limit (CACHE_PART_BYTES here, 15 MB in use) cache-save writes the
+    tuning cache alone and the kernels in numbered parts; cache-load joins them again. Past
+    CACHE_MAX_PARTS the kernels are left out and the tuning cache still travels."""
+    import os
+    import subprocess
+
+    src, out = tmp_path / "src", tmp_path / "out"
+    (src / "tune").mkdir(parents=True)
+    (src / "kernels").mkdir()
+    (src / "tune" / "H200.json").write_text("{}")
+    blob = os.urandom(9000)  # incompressible: 3 parts of 4000 bytes
+    (src / "kernels" / "k.cubin").write_bytes(blob)
+    script = str(ROOT / "benchmarks" / "gpu_session.sh")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "CACHE_PART_BYTES": "4000"}
+    subprocess.run(["bash", script, "cache-save"], env={**env, "ONNXFUSE_CACHE": str(src), "OUT": str(out)},
+                   check=True, capture_output=True, cwd=ROOT)
+    assert sorted(p.name for p in out.iterdir()) == ["onnxfuse_cache.tgz", "onnxfuse_kernels.tgz.00",
+                                                    "onnxfuse_kernels.tgz.01", "onnxfuse_kernels.tgz.02"]
+    dst = tmp_path / "dst"
+    subprocess.run(["bash", script, "cache-load", str(out / "onnxfuse_cache.tgz")],
+                   env={**env, "ONNXFUSE_CACHE": str(dst), "OUT": str(tmp_path / "o2")}, check=True,
+                   capture_output=True, cwd=ROOT)
+    assert (dst / "kernels" / "k.cubin").read_bytes() == blob and (dst / "tune" / "H200.json").exists()
+    few = tmp_path / "few"
+    r = subprocess.run(["bash", script, "cache-save"], env={**env, "ONNXFUSE_CACHE": str(src), "OUT": str(few),
+                                                            "CACHE_MAX_PARTS": "2"},
+                       check=True, capture_output=True, text=True, cwd=ROOT)
+    assert "kernels left out (3 parts)" in r.stdout and [p.name for p in few.iterdir()] == ["onnxfuse_cache.tgz"]
