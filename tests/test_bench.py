@@ -666,6 +666,19 @@ def test_compare_table_shows_no_speedup_past_the_gate():
     assert row.endswith("|  |  | not gated | not gated | not gated |")
 
 
+def test_best_of_compares_without_graphs_where_ort_cannot_capture():
+    """The fp16 PP-OCR cls and YOLOv8n on the H200 (eighteenth session): ORT could not capture
+    them in a CUDA graph (nodes on the CPU), onnxfuse's models could. onnxfuse gets graphs only
+    where ORT does, so "best vs best" is onnxfuse against ORT, both without graphs."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    c = _case("no_capture", True, ort_ms=3.5, fz_ms=0.6, fz_graph_ms=0.37)
+    c["variants"]["ort_graph"].update(median_ms=None, error="OnnxfuseError: cannot use the graph capture feature")
+    row = compare.markdown(_compare_result([c, _case("capture", True)])).splitlines()
+    assert row[4].endswith("| pass | 5.83x | 5.83x |") and row[5].endswith("| pass | 2.00x | 1.88x |")
+
+
 def _tfopt_case(name: str, fz_tfopt_graph_gate: bool | None = True, ort_tfopt_error: str | None = None) -> dict:
     """_case plus the four tf-optimizer variants: ort_tfopt_graph the fastest ORT (0.9 ms) and
     onnxfuse_tfopt_graph the fastest onnxfuse (0.3 ms, gated as given)."""
