@@ -39,7 +39,8 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    meets `onnxfuse bench`'s gate, on two input sets (`accuracy_feeds`: the tuning's N(0, 1)
    inputs, and floats uniform in [0, 1) as images are; up to GATE_MAX_DRAWS of each where the
    smallest output has fewer than GATE_ELEMENTS elements, `gate_draws`, since the max error
-   over a few elements changes by 10x from input to input): its outputs against the reference,
+   over a few elements changes by 10x from input to input, as many as their float64
+   references afford, `affordable_draws`): its outputs against the reference,
    within 2x the original's own error under ORT's defaults plus the dtype's floor
    (`accuracy`, `accuracy_on`). The reference is bench's, the original evaluated in float64 on the CPU,
    where that is cheap at the tuning's shapes (`FLOAT64_MAX_FLOPS`); otherwise, and where
@@ -307,6 +308,21 @@ def gate_draws(output_elements: int | None) -> int:
     if not output_elements:
         return 1
     return max(1, min(GATE_MAX_DRAWS, -(-GATE_ELEMENTS // output_elements)))
+
+
+def affordable_draws(model: ModelProto, feeds: dict[str, np.ndarray]) -> int:
+    """Input sets of each distribution whose float64 references (`Timer.float64_reference`,
+    the model's FLOPs each) fit in FLOAT64_MAX_FLOPS together; at least 1. A model past that
+    limit has its reference run on the GPU, which costs little: GATE_MAX_DRAWS."""
+    try:
+        flops = model_cost(model, {k: tuple(v.shape) for k, v in feeds.items()}).flops
+    except Exception:  # noqa: BLE001  no estimate: one set, as before the draws
+        return 1
+    if flops is None:
+        return 1
+    if flops > FLOAT64_MAX_FLOPS:
+        return GATE_MAX_DRAWS
+    return max(1, int(FLOAT64_MAX_FLOPS // (2 * max(flops, 1.0))))
 
 
 def smallest_output(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: dict[str, np.ndarray],
@@ -906,8 +922,8 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         feed_sets: dict[str, dict[str, np.ndarray]] = {}
         with phases("accuracy"):
             if checked:
-                feed_sets = accuracy_feeds(
-                    feeds, draws=gate_draws(smallest_output(original, dims, feeds, settings.provider)))
+                draws = gate_draws(smallest_output(original, dims, feeds, settings.provider))
+                feed_sets = accuracy_feeds(feeds, draws=min(draws, affordable_draws(original, feeds)))
                 gates = accuracy_on(timer, original, {label: cand.model for label, cand, _ in models}, feed_sets)
             else:
                 gates = {label: UNCHECKED for label, _, _ in models}

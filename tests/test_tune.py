@@ -754,6 +754,22 @@ def test_smallest_output_counts_elements_at_the_tuning_shapes():
         assert tuning.smallest_output(m, dims, tuning.feeds_for(m, dims), "cpu") == 2 * batch
 
 
+def test_draws_stay_within_the_float64_reference_budget(monkeypatch):
+    """Each set's float64 reference costs the model's FLOPs on the CPU: the draws of both
+    distributions together stay within FLOAT64_MAX_FLOPS; past it the reference is a GPU run
+    and the draws are not limited by it."""
+    m = vgg_stack(2, 8, 3, 16)
+    feeds = tuning.feeds_for(m, {"x": (2, 3, 16, 16)})
+    flops = tuning.model_cost(m, {"x": (2, 3, 16, 16)}).flops
+    assert tuning.affordable_draws(m, feeds) == tuning.FLOAT64_MAX_FLOPS // (2 * flops) >= tuning.GATE_MAX_DRAWS
+    monkeypatch.setattr(tuning, "FLOAT64_MAX_FLOPS", 6 * flops)
+    assert tuning.affordable_draws(m, feeds) == 3
+    monkeypatch.setattr(tuning, "FLOAT64_MAX_FLOPS", flops)
+    assert tuning.affordable_draws(m, feeds) == 1
+    monkeypatch.setattr(tuning, "FLOAT64_MAX_FLOPS", flops / 2)
+    assert tuning.affordable_draws(m, feeds) == tuning.GATE_MAX_DRAWS
+
+
 def test_a_small_output_is_gated_on_more_inputs(monkeypatch):
     """Two output elements: one input's max error is noise (PP-OCR's direction classifier at
     batch 1: the tuning's two sets passed, the suite's image failed). With a small output the
