@@ -104,6 +104,7 @@ from onnxfuse.cost import model_cost
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
 from onnxfuse.kinds import KINDS
+from onnxfuse.kinds.base import FusedNode
 from onnxfuse.layout import BODY_TRANSPOSE_PREFIX, TO_NCHW
 from onnxfuse.outputs import save_model
 from onnxfuse.rewrite import DOMAIN, unfuse
@@ -291,7 +292,7 @@ def accuracy_feeds(feeds: dict[str, np.ndarray], seed: int = 1, draws: int = 1) 
     return named("N(0, 1)", normal) | named("uniform [0, 1)", images)
 
 
-def ort_may_use_tf32(f) -> bool:
+def ort_may_use_tf32(f: FusedNode) -> bool:
     """Whether ONNX Runtime, running the fused node `f`'s original nodes on CUDA with its
     defaults, may multiply them in TF32 (a float32 Conv, MatMul or Gemm among them)."""
     return f.program.input_dtypes[0] == "f32" and any(
@@ -314,11 +315,8 @@ def affordable_draws(model: ModelProto, feeds: dict[str, np.ndarray]) -> int:
     """Input sets of each distribution whose float64 references (`Timer.float64_reference`,
     the model's FLOPs each) fit in FLOAT64_MAX_FLOPS together; at least 1. A model past that
     limit has its reference run on the GPU, which costs little: GATE_MAX_DRAWS."""
-    try:
-        flops = model_cost(model, {k: tuple(v.shape) for k, v in feeds.items()}).flops
-    except Exception:  # noqa: BLE001  no estimate: one set, as before the draws
-        return 1
-    if flops is None:
+    flops = _flops(model, feeds)
+    if flops is None:  # no estimate: one set, as before the draws
         return 1
     if flops > FLOAT64_MAX_FLOPS:
         return GATE_MAX_DRAWS
@@ -1012,12 +1010,17 @@ class Phases:
         return {k: round(v, 2) for k, v in self.seconds.items()}
 
 
+def _flops(model: ModelProto, feeds: dict[str, np.ndarray]) -> float | None:
+    """The model's FLOPs at the feeds' shapes (onnxfuse.cost), None where it has no estimate."""
+    try:
+        return model_cost(model, {k: tuple(v.shape) for k, v in feeds.items()}).flops
+    except Exception:  # noqa: BLE001  no estimate
+        return None
+
+
 def _float64_reference(model: ModelProto, feeds: dict[str, np.ndarray]
                        ) -> tuple[dict[str, np.ndarray] | None, str | None]:
-    try:
-        flops = model_cost(model, {k: tuple(v.shape) for k, v in feeds.items()}).flops
-    except Exception:  # noqa: BLE001  no estimate: not risked
-        flops = None
+    flops = _flops(model, feeds)  # no estimate: not risked
     if flops is None or flops > FLOAT64_MAX_FLOPS:
         size = "an unknown number of" if flops is None else f"{flops / 1e9:.0f} G"
         return None, f"{size}FLOPs at these shapes, more than {FLOAT64_MAX_FLOPS / 1e9:.0f} G in float64 on the CPU"
