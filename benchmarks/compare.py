@@ -74,6 +74,7 @@ import datetime
 import gc
 import json
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -713,8 +714,12 @@ def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
     ran = [v for v in VARIANTS if any(v in c["variants"] for c in result["cases"])]
     variants = [v for v in VARIANTS if v in columns] if columns else ran
     ver = result["versions"]
+    dates = sorted({r["date"] for r in (result.get("runs") or {}).values()}) or [result["date"]]
+    when = " to ".join(dict.fromkeys((dates[0], dates[-1])))
     head = list(LABELS[v] for v in variants) + list(GATE_COLUMNS) + list(SPEEDUP_COLUMNS)
-    lines = [f"{result['device']}, {result['date']}: onnxruntime {ver['onnxruntime']}, torch {ver['torch']}, "
+    runs = result.get("runs") or {}
+    head += ["run"] if runs else []
+    lines = [f"{result['device']}, {when}: onnxruntime {ver['onnxruntime']}, torch {ver['torch']}, "
              f"triton {ver['triton']}, onnxfuse {ver['onnxfuse']}, Python {ver['python']}. Median ms over "
              f"{result['settings']['iters']} runs after {result['settings']['warmup']} warmup runs "
              f"(synchronized wall clock, IO binding). Errors: max abs vs {_reference_text(result)}; "
@@ -729,9 +734,17 @@ def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
                          + f" | skipped: {c['skipped']} |" + " |" * (len(GATE_COLUMNS) + len(SPEEDUP_COLUMNS) - 1))
             continue
         cells = [_time_cell(c["variants"].get(v)) for v in variants]
-        lines.append(f"| {c['model']} | {ins} | {c['fused_nodes']} | " + " | ".join(cells + _gate_cells(c)) + " |")
+        cells += _gate_cells(c) + ([c.get("run", "")] if runs else [])
+        lines.append(f"| {c['model']} | {ins} | {c['fused_nodes']} | " + " | ".join(cells) + " |")
     errors = [(c["model"], v, r["error"]) for c in result["cases"] for v, r in c["variants"].items() if r.get("error")]
     errors += [(c["model"], "ort_fp32", c["reference_error"]) for c in result["cases"] if c.get("reference_error")]
+    if runs:
+        # runs that share a device and versions on one line, with their dates
+        same: dict[str, list[str]] = {}
+        for n, r in runs.items():
+            key = f"{r['device']}, " + ", ".join(f"{k} {v}" for k, v in (r.get("versions") or {}).items())
+            same.setdefault(key, []).append(f"{n} ({r['date']})")
+        lines += ["", "Runs:"] + [f"- {', '.join(ns)}: {key}" for key, ns in same.items()]
     if errors:
         lines += ["", "Errors:"] + [f"- {m} / {LABELS.get(v, v)}: {e}" for m, v, e in errors]
     failures = [(c["model"], v, r["gate_failure"]) for c in result["cases"] for v, r in c["variants"].items()
@@ -780,18 +793,67 @@ def _gate_cells(c: dict) -> list[str]:
     # only gated and passed (not one whose gate could not run: its ORT base failed), when the case passed
     med = {v: r["median_ms"] for v, r in ok.items()
            if not v.startswith("onnxfuse") or gate is not True or r.get("gate_passed") is True}
-    if not any(v.startswith("ort") and v.endswith("graph") for v in med):
-        # onnxfuse gets CUDA graphs where ORT does (issue 14's rule): a model ORT cannot capture
-        # (nodes it places on the CPU) is compared without graphs on both sides
-        med = {v: m for v, m in med.items() if not (v.startswith("onnxfuse") and v.endswith("graph"))}
-    ort_best = min((m for v, m in med.items() if v.startswith("ort")), default=None)
-    fz_best = min((m for v, m in med.items() if v.startswith("onnxfuse")), default=None)
     vs = f"{med['ort'] / med['onnxfuse']:.2f}x" if "ort" in med and "onnxfuse" in med else ""
-    best = f"{ort_best / fz_best:.2f}x" if ort_best and fz_best else ""
+    ratio = _best_ratio(med)
+    best = f"{ratio:.2f}x" if ratio else ""
     if gate is not True:
         what = FAILS if gate is False else "not gated"
         vs, best = (what if vs else ""), (what if best else "")
     return [ort_err, fz_err, gate_s, vs, best]
+
+
+def _best_ratio(med: dict[str, float]) -> float | None:
+    """The fastest ORT variant's median over the fastest onnxfuse one's (`med`: the medians that
+    count). onnxfuse gets CUDA graphs where ORT does (issue 14's rule): a model ORT cannot capture
+    (nodes it places on the CPU) is compared without graphs on both sides."""
+    if not any(v.startswith("ort") and v.endswith("graph") for v in med):
+        med = {v: m for v, m in med.items() if not (v.startswith("onnxfuse") and v.endswith("graph"))}
+    ort_best = min((m for v, m in med.items() if v.startswith("ort")), default=None)
+    fz_best = min((m for v, m in med.items() if v.startswith("onnxfuse")), default=None)
+    return ort_best / fz_best if ort_best and fz_best else None
+
+
+def case_speedup(c: dict) -> float | None:
+    """A case's best onnxfuse against best ORT, as its table row prints it; None where the case
+    did not pass the gate (a speedup that fails it is not one) or a side did not run."""
+    if c.get("skipped") or c.get("gate_passed") is not True:
+        return None
+    med = {v: r["median_ms"] for v, r in c["variants"].items() if not r.get("error") and r.get("median_ms")
+           and (not v.startswith("onnxfuse") or r.get("gate_passed") is True)}
+    return _best_ratio(med)
+
+
+_GROUP = re.compile(r"_b(\d+)_(fp32|fp16|bf16)$")
+
+
+def merge_results(results: list[tuple[str, dict]]) -> dict:
+    """Several runs' results as one: each case from the last run (in the order given) that has
+    it, tagged with that run's name (`run`); the header fields are the last run's, with every
+    run's device, date and versions kept under `runs`."""
+    cases: dict[str, dict] = {}
+    for name, r in results:
+        for c in r["cases"]:
+            cases[c["model"]] = dict(c, run=name)
+    merged = dict(results[-1][1], cases=list(cases.values()))
+    merged["runs"] = {name: {k: r.get(k) for k in ("device", "date", "versions")} for name, r in results}
+    return merged
+
+
+def summary(result: dict) -> str:
+    """Per batch and dtype (from case names ending in _b<N>_<dtype>): cases, gate passes, the
+    geometric mean and the lowest of best onnxfuse against best ORT over the passing cases."""
+    groups: dict[tuple[int, str], list[dict]] = {}
+    for c in result["cases"]:
+        m = _GROUP.search(c["model"])
+        if m and not c.get("skipped"):
+            groups.setdefault((int(m.group(1)), m.group(2)), []).append(c)
+    lines = ["| batch | dtype | cases | gate passes | geomean best vs best | lowest |", "|---|---|---|---|---|---|"]
+    for (b, dt), cs in sorted(groups.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        sp = [(s, c["model"]) for c in cs if (s := case_speedup(c))]
+        geo = f"{float(np.exp(np.mean(np.log([s for s, _ in sp])))):.2f}x" if sp else ""
+        low = f"{min(sp)[0]:.2f}x ({min(sp)[1]})" if sp else ""
+        lines.append(f"| {b} | {dt} | {len(cs)} | {sum(c.get('gate_passed') is True for c in cs)} | {geo} | {low} |")
+    return "\n".join(lines) + "\n"
 
 
 def resolve_variants(asked: tuple[str, ...] | None, dry: bool, suite_run: bool) -> tuple[str, ...]:
@@ -825,8 +887,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", type=Path)
     ap.add_argument("--table", help="timing columns of the table (default: every variant that ran), e.g. "
                                     "ort,ort_graph,onnxfuse,onnxfuse_graph")
-    ap.add_argument("--from-json", type=Path, metavar="FILE",
-                    help="print (and --markdown: write) the table of an earlier run's JSON; runs nothing")
+    ap.add_argument("--from-json", type=Path, nargs="+", metavar="FILE",
+                    help="print (and --markdown: write) the table of earlier runs' JSON (.json or .json.gz), with "
+                         "the geometric mean per batch and dtype; several files merge into one table, each case "
+                         "from the last file that has it; runs nothing")
     ap.add_argument("--suite", nargs="?", const="cnn", choices=suite.GROUPS, metavar="GROUP",
                     help="the suite of models/suite.py instead of the list above: its group cnn (the default), "
                          "transformer or all; --models then names entries of any group")
@@ -848,15 +912,22 @@ def main(argv: list[str] | None = None) -> int:
     if table and any(v not in VARIANTS for v in table):
         ap.error(f"unknown variant {next(v for v in table if v not in VARIANTS)!r} in --table")
     if args.from_json:
-        try:
-            raw = args.from_json.read_bytes()
-            if args.from_json.suffix == ".gz":  # results kept in the repository are gzipped
-                import gzip
+        loaded = []
+        for path in args.from_json:
+            try:
+                raw = path.read_bytes()
+                if path.suffix == ".gz":  # results kept in the repository are gzipped
+                    import gzip
 
-                raw = gzip.decompress(raw)
-            text = markdown(json.loads(raw), table)
-        except (OSError, ValueError, KeyError) as e:
-            ap.error(f"--from-json {args.from_json}: cannot read it ({e})")
+                    raw = gzip.decompress(raw)
+                loaded.append((path.name.split(".")[0], json.loads(raw)))
+            except (OSError, ValueError) as e:
+                ap.error(f"--from-json {path}: cannot read it ({e})")
+        try:
+            result = merge_results(loaded) if len(loaded) > 1 else loaded[0][1]
+            text = markdown(result, table) + "\n" + summary(result)
+        except (KeyError, TypeError) as e:
+            ap.error(f"--from-json: not a compare.py result ({e!r})")
         print(text, end="")
         if args.markdown:
             write_text(args.markdown, text)

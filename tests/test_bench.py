@@ -970,3 +970,36 @@ def test_a_model_cuda_graphs_cannot_capture_is_timed_without_them():
         run_timed("m.onnx", "m", {}, graph, False, None, None, notes, fake(False, False))
     with pytest.raises(OnnxfuseError):
         run_timed("m.onnx", "m", {}, BenchSettings(provider="cuda"), False, None, None, notes, fake(True, False))
+
+
+def test_compare_merges_runs_and_summarises_per_batch_and_dtype(tmp_path):
+    """`compare.py --from-json A B`: one table, each case from the last file that has it, a run
+    column naming that file, and per batch and dtype the geometric mean of best-vs-best over
+    the cases that passed the gate (a failing case counted, never averaged)."""
+    import gzip
+
+    first = _compare_result([_case("m_b1_fp32", True), _case("n_b1_fp32", True, fz_ms=4.0, fz_graph_ms=3.0),
+                             _case("m_b16_fp16", False)])
+    second = _compare_result([_case("n_b1_fp32", True, graph_ms=1.0, fz_graph_ms=0.5)])
+    second["date"] = "2026-12-03"
+    (tmp_path / "run_a.json").write_text(json.dumps(first))
+    (tmp_path / "run_b.json.gz").write_bytes(gzip.compress(json.dumps(second).encode()))
+    r = subprocess.run([sys.executable, "benchmarks/compare.py", "--from-json", str(tmp_path / "run_a.json"),
+                        str(tmp_path / "run_b.json.gz"), "--markdown", str(tmp_path / "t.md")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0].startswith("GPU, 2026-12-01 to 2026-12-03: ")
+    assert lines[2].endswith("| best onnxfuse vs best ORT | run |")
+    rows = {ln.split(" | ")[0][2:]: ln for ln in lines if ln.startswith("| ") and "_fp" in ln.split(" | ")[0]}
+    # n_b1_fp32 from run_b: best ORT 1.0 (graph) over best onnxfuse 0.5
+    assert rows["n_b1_fp32"].endswith("| pass | 2.00x | 2.00x | run_b |"), rows["n_b1_fp32"]
+    assert rows["m_b1_fp32"].endswith("| 1.88x | run_a |")
+    assert "- run_a (2026-12-01), run_b (2026-12-03): GPU, onnxruntime 1, " in r.stdout
+    # geomean of 1.875 and 2.0 at b1 fp32; the b16 fp16 case failed: counted, no speedup
+    assert "| 1 | fp32 | 2 | 2 | 1.94x | 1.88x (m_b1_fp32) |" in lines
+    assert "| 16 | fp16 | 1 | 0 |  |  |" in lines
+    assert (tmp_path / "t.md").read_text() == r.stdout
+    bad = subprocess.run([sys.executable, "benchmarks/compare.py", "--from-json", str(tmp_path / "missing.json")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "cannot read it" in bad.stderr and "Traceback" not in bad.stderr
