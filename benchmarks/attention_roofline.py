@@ -859,4 +859,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from onnxfuse.cli import end_process
+
+    end_process(main() or 0)

@@ -91,6 +91,7 @@ from models import pretrained, suite  # noqa: E402
 from models.fp16 import DTYPES, to_fp16  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
 from onnxfuse import reference as float64_reference  # noqa: E402
+from onnxfuse.cli import end_process  # noqa: E402
 from onnxfuse.outputs import save_model, write_text  # noqa: E402
 from onnxfuse.pipeline import build_options, optimize, optimize_model  # noqa: E402
 from onnxfuse.tools.cuda import CudaDriver  # noqa: E402
@@ -1017,4 +1018,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    end_process(main())

@@ -209,4 +209,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from onnxfuse.cli import end_process
+
+    end_process(main() or 0)

@@ -193,4 +193,6 @@ def main() -> None:
               + (f", {'pass' if r['tfopt_gate'] else 'FAIL'}" if "tfopt_gate" in r else "") + " |")
 
 if __name__ == "__main__":
-    main()
+    from onnxfuse.cli import end_process
+
+    end_process(main() or 0)

@@ -79,6 +79,23 @@ def bad(tmp_path: Path, *args: str) -> str:
     return r.stderr
 
 
+def test_the_console_script_runs_atexit_handlers_and_keeps_the_status(tmp_path):
+    """entry() ends the process with os._exit (the native libraries' teardown aborts now and
+    then with ONNX Runtime's CUDA EP and torch in one process) after Python's own clean-up:
+    the streams flushed, every atexit handler run, the command's exit status kept."""
+    code = ("import atexit, sys; from onnxfuse import cli; "
+            "atexit.register(lambda: print('atexit handler ran')); cli.entry(); print('not reached')")
+    ok = subprocess.run([sys.executable, "-c", code, "analyze", str(EXAMPLE)], capture_output=True, text=True,
+                        timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.rstrip().endswith("atexit handler ran") and "not reached" not in ok.stdout
+    assert "FLOP" in ok.stdout
+    missing = subprocess.run([sys.executable, "-c", code, "optimize", str(tmp_path / "nope.onnx"),
+                              str(tmp_path / "out.onnx")], capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "no such file" in missing.stderr and "Traceback" not in missing.stderr
+    assert missing.stdout.strip() == "atexit handler ran"
+
+
 def test_missing_file(tmp_path):
     assert "no such file" in bad(tmp_path, str(tmp_path / "nope.onnx"))
 
