@@ -6,6 +6,9 @@
 # a fake libcuda); what remains in that process: torch's profiler (CUPTI, kineto) started 20+
 # times, ORT's CUDA EP (and its profiler), torch's SDPA, Triton. Each mode runs one case process
 # directly (no parent) REPEAT times and prints its exit codes (134: SIGABRT).
+# Nineteenth session: `onnxfuse optimize` with tuning aborts the same way (3 of 5 runs of a BERT-style
+# encoder); Python's atexit handlers and gc.collect() ran clean before os._exit, so the abort is in the
+# native teardown; the console script and the GPU benchmarks now end with onnxfuse.cli.end_process.
 #
 #   bash benchmarks/exit_abort_probe.sh MODE [CASE] [REPEAT]       CASE default bert,fp16,8
 #   MODE: gdb        the case under gdb: every thread's backtrace at the abort (which library's
