@@ -827,6 +827,19 @@ def case_speedup(c: dict) -> float | None:
 _GROUP = re.compile(r"_b(\d+)_(fp32|fp16|bf16)$")
 
 
+def shard_names(names: list[str], shard: str) -> list[str]:
+    """The models of shard "K/N" (0 <= K < N): every N-th of `names` from the K-th, so that N
+    processes, one per GPU, run the suite between them, each model's rows in one process
+    (its export and tuning cache shared by its batches and dtypes)."""
+    try:
+        k, n = (int(v) for v in shard.split("/"))
+    except ValueError:
+        raise ValueError(f"--shard {shard!r}: give K/N, e.g. 0/4") from None
+    if not 0 <= k < n:
+        raise ValueError(f"--shard {shard!r}: K must be at least 0 and below N")
+    return names[k::n]
+
+
 def merge_results(results: list[tuple[str, dict]]) -> dict:
     """Several runs' results as one: each case from the last run (in the order given) that has
     it, tagged with that run's name (`run`); the header fields are the last run's, with every
@@ -895,6 +908,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suite", nargs="?", const="cnn", choices=suite.GROUPS, metavar="GROUP",
                     help="the suite of models/suite.py instead of the list above: its group cnn (the default), "
                          "transformer or all; --models then names entries of any group")
+    ap.add_argument("--shard", metavar="K/N",
+                    help="--suite: only every N-th model from the K-th (one of N processes sharing the suite, "
+                         "e.g. one per GPU: benchmarks/gpu_session.sh suite-sharded); --from-json merges their JSON")
     ap.add_argument("--batches", help="--suite: batch sizes (default each entry's own: CNNs 1,16, transformers 1,8)")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="--suite: fp32,fp16 (default both)")
     ap.add_argument("--no-tune", action="store_true", help="optimize without tuning (the heuristics alone)")
@@ -936,8 +952,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite:
         try:
             batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
-            picked = suite_cases(batches, tuple(args.dtypes.split(",")),
-                                 args.models.split(",") if args.models else None, args.model_cache, args.suite)
+            names = args.models.split(",") if args.models else None
+            if args.shard:
+                names = shard_names(names or [e.name for e in suite.entries(args.suite)], args.shard)
+            picked = suite_cases(batches, tuple(args.dtypes.split(",")), names, args.model_cache, args.suite)
         except (ValueError, KeyError) as e:
             ap.error(f"--suite: {e}")
         if args.prepare:

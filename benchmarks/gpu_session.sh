@@ -116,6 +116,27 @@ case "${1:-tests}" in
       --iters 30 --warmup 5 --json "$OUT/suite_$tag.json" "$@" 2>&1 \
       | grep -v "W:onnxruntime" | tee "$OUT/suite_$tag.log" | grep -E "^\S|gate|error|Error|warning" | tail -60
     ;;
+  suite-sharded)
+    # the suite on every GPU of the machine at once (nvidia-h200-x4: 68 rows in about a quarter
+    # of one GPU's time): one compare.py per GPU, each every N-th model (--shard K/N; a model's
+    # rows stay in one process), its own CPU threads (nproc / N), the tuning and model caches
+    # shared (tuning's cache merges what other processes wrote); then one table from their JSON.
+    #   suite-sharded TAG LIMIT [compare.py arguments: --models ..., --batches ..., --dtypes ...]
+    tag=${2:-all}; limit=${3:-580}; shift 3
+    n=$(nvidia-smi -L | grep -c '^GPU')
+    [ "$n" -ge 1 ] || { echo "suite-sharded: no GPU" >&2; exit 2; }
+    mkdir -p /tmp/pre && cp models/build/pretrained/*.onnx /tmp/pre/ 2>/dev/null
+    threads=$(( $(nproc) / n )); [ "$threads" -ge 1 ] || threads=1
+    for k in $(seq 0 $((n - 1))); do
+      CUDA_VISIBLE_DEVICES=$k OMP_NUM_THREADS=$threads ONNXFUSE_MODELS=/tmp/pre timeout "$limit" \
+        python3 benchmarks/compare.py --suite --shard "$k/$n" --model-cache /tmp/suite-models --iters 30 --warmup 5 \
+        --json "$OUT/suite_${tag}_$k.json" "$@" > "$OUT/suite_${tag}_$k.log" 2>&1 &
+    done
+    wait
+    grep -h -E "gate|error|Error" "$OUT"/suite_"${tag}"_*.log | grep -v "W:onnxruntime" | tail -40
+    python3 benchmarks/compare.py --table ort,ort_graph,onnxfuse,onnxfuse_graph --from-json "$OUT"/suite_"${tag}"_*.json \
+      --markdown "$OUT/suite_$tag.md" | tail -8
+    ;;
   new-gpu-tests)
     # what the seventh and eighth sessions built without a GPU, first on it: producer rounding
     # (bit-identical), NaN through every fused kernel (the grouped GEMM too), transcendental

@@ -1003,3 +1003,21 @@ def test_compare_merges_runs_and_summarises_per_batch_and_dtype(tmp_path):
     bad = subprocess.run([sys.executable, "benchmarks/compare.py", "--from-json", str(tmp_path / "missing.json")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "cannot read it" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_suite_shards_split_the_models_between_processes():
+    """--shard K/N: every N-th model from the K-th, so that the N shards together run each
+    model once and each model's rows stay in one process."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    names = [f"m{i}" for i in range(17)]
+    shards = [compare.shard_names(names, f"{k}/4") for k in range(4)]
+    assert shards[0] == ["m0", "m4", "m8", "m12", "m16"] and [len(s) for s in shards] == [5, 4, 4, 4]
+    assert sorted(sum(shards, [])) == sorted(names)
+    for bad in ("4/4", "-1/2", "1", "a/b", "1/0"):
+        with pytest.raises(ValueError, match="--shard"):
+            compare.shard_names(names, bad)
+    r = subprocess.run([sys.executable, "benchmarks/compare.py", "--suite", "--shard", "5/2", "--dry-run"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--shard '5/2'" in r.stderr and "Traceback" not in r.stderr
