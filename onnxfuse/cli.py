@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE", help="write measured points on the roofline (.png or .svg)")
     p.add_argument("--top", type=int, default=30, help="rows of the table to print (0: all; default 30)")
     p.add_argument("--keep-trace", metavar="FILE", help="also keep ONNX Runtime's profile JSON here")
+    p.add_argument("--kernels", action="store_true",
+                   help="under each node, the CUDA kernels it ran, longest first (CUPTI; --provider cuda), and "
+                        "how much kernel time was in kernels named tf32: which cuDNN / cuBLAS algorithm ran, "
+                        "TF32 tensor cores or full fp32 (the --json has every kernel)")
     p.set_defaults(func=profile.cmd_profile)
 
     p = sub.add_parser("calibrate", help="measure this machine's GPU (copy bandwidth, matmul/conv throughput)")

@@ -92,6 +92,8 @@ class ProfiledNode:
     times_us: list[float]
     cost: NodeCost
     bound_s: float | None
+    # the GPU activities the node launched (CUPTI): (kernel name, device µs per run), longest first
+    kernels: list[tuple[str, float]] = field(default_factory=list)
 
     @property
     def median_s(self) -> float:
@@ -121,6 +123,7 @@ class ProfiledNode:
             "times_us": self.times_us, "median_s": self.median_s, "bound_s": self.bound_s,
             "achieved_gbps": self.achieved_gbps, "achieved_tflops": self.achieved_tflops,
             "pct_of_bound": self.pct_of_bound, "lost_s": self.lost_s, "cost": self.cost.to_dict(),
+            "kernels": [{"name": k, "us_per_run": us} for k, us in self.kernels],
         }
 
 
@@ -335,6 +338,7 @@ def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tf
     times = {name: t.times_us for name, t in parsed.nodes.items()}
     source = "ort-node"
     unattributed = 0.0
+    kernel_names: dict[str, dict[str, float]] = {}
     if provider == "cuda":
         owners = kernel_owners(model)
         if parsed.kernel_us:
@@ -343,6 +347,7 @@ def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tf
             att = attribute_kernels(trace, parsed.node_events, start_ns, owners, runs=parsed.runs)
             if att.kernels:
                 times, source = _per_node(att.kernel_us, len(parsed.runs)), "cupti"
+                kernel_names = att.names
                 unattributed = att.unattributed_us / len(parsed.runs)
                 if att.unattributed_us > 0.05 * sum(att.kernel_us.values()):
                     warnings.append(f"{unattributed:.1f} µs of GPU time per run not attributed to a node")
@@ -365,6 +370,9 @@ def profile(path: str, provider: str = "cpu", device: str | None = None, peak_tf
             static[name] = t
     model_nodes = {n.name for n in prep.model.graph.node}
     nodes = join(parsed.nodes, times, roof, graphs, static, model_nodes, functions_of(prep.model))
+    for n in nodes:
+        n.kernels = sorted(((k, us / len(parsed.runs)) for k, us in kernel_names.get(n.name, {}).items()),
+                           key=lambda kv: -kv[1])
     created = [n.name for n in nodes if not n.in_model]
     if created:
         warnings.append(f"{len(created)} node(s) created by ONNX Runtime's graph optimizations (marked +; "
@@ -411,7 +419,19 @@ SOURCES = {
 }
 
 
-def format_profile(r: ProfileResult, top: int | None = 30) -> str:
+KERNELS_PER_NODE = 3  # --kernels: the longest GPU activities printed under each node
+KERNEL_NAME_CHARS = 110
+
+
+def tf32_us(r: ProfileResult) -> tuple[float, float]:
+    """(µs per run in kernels whose name says tf32, µs per run in all attributed kernels): cuDNN's
+    and cuBLAS's Hopper and Ampere tensor-core kernels name their TF32 data type ("tf32"); an
+    fp32 model's convs or products in kernels without it ran on CUDA cores, in full fp32."""
+    total = sum(us for n in r.nodes for _, us in n.kernels)
+    return sum(us for n in r.nodes for k, us in n.kernels if "tf32" in k.lower()), total
+
+
+def format_profile(r: ProfileResult, top: int | None = 30, kernels: bool = False) -> str:
     roof = r.roof
     lines = [f"model: {r.model}", f"provider: {r.provider}, ONNX Runtime level {r.ort_level}, "
              f"{r.iters} measured runs after {r.warmup} warm-up; times: {SOURCES[r.time_source]}"]
@@ -440,6 +460,8 @@ def format_profile(r: ProfileResult, top: int | None = 30) -> str:
         op = n.op_type if len(n.op_type) <= ow else n.op_type[: ow - 1] + "…"
         if not n.cost.ok:
             lines.append(f"{mark} {name:<{w}}  {op:<{ow}}  {fmt_time(n.median_s):>9}  {n.cost.status}: {n.cost.note}")
+            if kernels:
+                lines += _kernel_lines(n)
             continue
         pct = f"{n.pct_of_bound:.1f}%" if n.pct_of_bound is not None else "?"
         gbps = f"{n.achieved_gbps:.3g}" if n.achieved_gbps is not None else "?"
@@ -447,6 +469,8 @@ def format_profile(r: ProfileResult, top: int | None = 30) -> str:
         lines.append(f"{mark} {name:<{w}}  {op:<{ow}}  {fmt_time(n.median_s):>9}  {fmt_time(n.bound_s):>9}  "
                      f"{pct:>7}  {fmt_time(n.lost_s):>9}  {gbps:>8}  {tflops:>8}  "
                      f"{fmt_intensity(n.cost.intensity):>7}")
+        if kernels:
+            lines += _kernel_lines(n)
     if top and len(r.nodes) > top:
         lines.append(f"  ... {len(r.nodes) - top} more nodes (--top 0 shows all)")
     lines.append("(ranked by time lost against the roofline bound; % bound = bound / measured"
@@ -455,7 +479,24 @@ def format_profile(r: ProfileResult, top: int | None = 30) -> str:
     if worst:
         lines.append("most time lost: " + ", ".join(f"{n.name} ({fmt_time(n.lost_s)}, "
                                                     f"{fmt_si((n.cost.bytes or 0), 'B')})" for n in worst))
+    if kernels:
+        tf32, total = tf32_us(r)
+        if total:
+            lines.append(f"kernels named tf32 (tensor-core TF32): {fmt_time(tf32 * 1e-6)} of {fmt_time(total * 1e-6)} "
+                         "of attributed kernel time per run")
+        else:
+            lines.append("no kernel names: they come from CUPTI (--provider cuda, with torch's CUDA build)")
     return "\n".join(lines)
+
+
+def _kernel_lines(n: ProfiledNode) -> list[str]:
+    out = []
+    for k, us in n.kernels[:KERNELS_PER_NODE]:
+        name = k if len(k) <= KERNEL_NAME_CHARS else k[: KERNEL_NAME_CHARS - 1] + "…"
+        out.append(f"      {fmt_time(us * 1e-6):>9}  {name}")
+    if len(n.kernels) > KERNELS_PER_NODE:
+        out.append(f"      ... {len(n.kernels) - KERNELS_PER_NODE} more kernels")
+    return out
 
 
 def plot_profile(r: ProfileResult, path: str, outputs=None) -> Path:
@@ -501,7 +542,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         if args.plot:
             plot_profile(r, args.plot, outputs=out)
         out.commit()  # before printing: a reader that stops early (| head) loses no file
-    print(format_profile(r, top=args.top or None))
+    print(format_profile(r, top=args.top or None, kernels=args.kernels))
     for path in (args.keep_trace, args.json, args.plot):
         if path:
             print(f"wrote {path}")

@@ -123,6 +123,8 @@ class Attribution:
     kernels: int
     offset_us: float  # added to ORT's timestamps to meet the trace's
     counts: dict[tuple[int, str], int] = field(default_factory=dict)  # (run, node) -> GPU activities
+    # node -> GPU activity name (a CUDA kernel's, a memcpy's) -> device µs over all runs
+    names: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def best_offset(times: list[float], intervals: list[tuple[float, float]], window: float) -> float:
@@ -225,6 +227,7 @@ def attribute_kernels(trace: dict, node_events: list[tuple[int, str, float, floa
             a, b = run_spans.get(run, (s, e))
             run_spans[run] = (min(a, s), max(b, e + 1000))
     by_name_seen: dict[tuple[int, str], int] = defaultdict(int)
+    names: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for corr, name, ts, dur in gpu:
         count += 1
         who = owner(launches[corr], best) if corr is not None and corr in launches else None
@@ -240,7 +243,9 @@ def attribute_kernels(trace: dict, node_events: list[tuple[int, str, float, floa
         else:
             kernel_us[who] += dur
             counts[who] += 1
-    return Attribution(dict(kernel_us), unattributed, count, best, dict(counts))
+            names[who[1]][name] += dur
+    return Attribution(dict(kernel_us), unattributed, count, best, dict(counts),
+                       {node: dict(k) for node, k in names.items()})
 
 
 def kernel_owners(model: onnx.ModelProto) -> dict[str, list[str]]:

@@ -236,6 +236,7 @@ def test_cupti_kernels_are_attributed_to_the_launching_node():
     assert att.offset_us == pytest.approx(37, abs=6)
     assert att.kernel_us == {(0, "a"): 10.0, (0, "b"): 37.0}
     assert att.unattributed_us == 1.0 and att.kernels == 5
+    assert att.names == {"a": {"k": 10.0}, "b": {"k": 30.0, "onnxfuse_pointwise_chain_abc": 7.0}}
     # clocks 10 s apart: the run annotations put the search in the right place
     skew = 10e6
     for e in trace["traceEvents"]:
@@ -286,6 +287,21 @@ def test_profile_cpu_run_joins_times_with_costs(tmp_path):
     assert json.loads((tmp_path / "trace.json").read_text())
     text = format_profile(r)
     assert "% bound" in text and "fc1/matmul" in text
+    # kernel names come from CUPTI only: on the CPU the table says so
+    assert "no kernel names" in format_profile(r, kernels=True) and "kernels named" not in text
+    # with names (as a CUDA run attributes them): under each node, longest first, and the TF32 share
+    conv = next(n for n in r.nodes if n.name == "fc1/matmul")
+    conv.kernels = [("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x32", 3.0), ("memset", 1.0),
+                    ("cutlass_simt_sgemm_128x64" * 6, 2.0), ("splitKreduce_kernel", 0.5)]
+    text = format_profile(r, top=0, kernels=True)
+    lines = text.splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.lstrip("+ ").startswith("fc1/matmul"))
+    assert "tf32f32" in lines[at + 1] and "memset" in lines[at + 2] and lines[at + 3].endswith("…")
+    assert lines[at + 4].strip() == "... 1 more kernels"
+    assert "kernels named tf32 (tensor-core TF32): 3 µs of 6.5 µs" in text
+    d = r.to_dict()
+    (row,) = [n for n in d["nodes"] if n["name"] == "fc1/matmul"]
+    assert row["kernels"][0] == {"name": conv.kernels[0][0], "us_per_run": 3.0}
 
 
 def test_profile_ort_fused_nodes_are_costed_and_marked():
