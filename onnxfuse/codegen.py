@@ -289,21 +289,42 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant)
 
 
 def _unravel(rank: int, strided: list[int]) -> list[str]:
-    """Unrolled row-major unravel of `offsets`, then each strided input's element offsets."""
+    """Each strided input's element offsets: an unrolled row-major unravel of `offsets` over
+    the output's dims, and, from rank 2, two shortcuts taken at run time for a whole launch
+    when every strided input reads along one contiguous dim of the output and broadcasts
+    over the others (its strides are 0 but for a 1 there): a vector along the last dim (a
+    bias over the channels or the hidden size: `offsets % size[-1]`) or along the one before
+    it (a per-channel value over NCHW's H*W, a per-row value: `(offsets // size[-1]) %
+    size[-2]`). The unravel costs an integer division and a remainder per dim on runtime
+    sizes, tens of instructions an element: on the H200 a fp32 bias + erf-GELU chain over
+    [1024, 3072] ran at 14.6 µs, about what its ~150 instructions an element take, against a
+    5.2 µs memory floor (nineteenth session)."""
     out = ["# Unravel the linear index into output coordinates for the strided inputs."]
     if rank == 0:
         return out + [f"x{i}_offsets = offsets * 0" for i in strided]
     if rank == 1:
-        out.append("idx0 = offsets")
-    else:
-        out.append("rem = offsets")
-        for d in range(rank - 1, 0, -1):
-            out.append(f"idx{d} = rem % size{d}")
-            out.append(f"rem = rem // size{d}")
-        out.append("idx0 = rem")
+        return out + ["idx0 = offsets"] + [f"x{i}_offsets = idx0 * stride_x{i}_0" for i in strided]
+    last, before = rank - 1, rank - 2
+
+    def along(d: int) -> str:
+        conds = [f"(stride_x{i}_{k} == {1 if k == d else 0})" for i in strided for k in range(rank)]
+        return " & ".join(conds)
+
+    out.append("# Every strided input a vector along the last dim: one remainder.")
+    out.append(f"if {along(last)}:")
+    out += [f"    x{i}_offsets = offsets % size{last}" for i in strided]
+    out.append("# ... or along the dim before it: one division, one remainder.")
+    out.append(f"elif {along(before)}:")
+    out += [f"    x{i}_offsets = (offsets // size{last}) % size{before}" for i in strided]
+    out.append("else:")
+    out.append("    rem = offsets")
+    for d in range(rank - 1, 0, -1):
+        out.append(f"    idx{d} = rem % size{d}")
+        out.append(f"    rem = rem // size{d}")
+    out.append("    idx0 = rem")
     for i in strided:
         terms = " + ".join(f"idx{d} * stride_x{i}_{d}" for d in range(rank))
-        out.append(f"x{i}_offsets = {terms}")
+        out.append(f"    x{i}_offsets = {terms}")
     return out
 
 

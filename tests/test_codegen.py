@@ -110,6 +110,12 @@ def _broadcast_cases() -> list[Case]:
              modes=("full", "strided")),
         Case("bool-strided", "%2 = select %0 %1 -7.0\noutput %2 f32", ((3, 1), (3, 40)), ("bool", "f32")),
         Case("big-rank", add3, ((2, 1, 3, 1, 2, 3), (3, 4, 1, 3), (1,)), ("f32", "f32", "f32")),
+        # the unravel's shortcuts (codegen._unravel): every strided input a vector along the
+        # last dim, along the one before it, or a mix (the full unravel)
+        Case("bias-last", "%2 = add %0 %1\n%3 = erf %2\noutput %3 f32", ((4, 3, 8), (8,)), ("f32", "f32")),
+        Case("two-along-last", add3, ((4, 6), (6,), (1, 6)), ("f32", "f16", "f32")),
+        Case("per-channel", "%2 = mul %0 %1\noutput %2 f32", ((2, 3, 5), (3, 1)), ("f32", "f32")),
+        Case("along-mixed", add3, ((2, 3, 5), (5,), (3, 1)), ("f32", "f32", "f32")),
     ]
 
 
@@ -462,6 +468,29 @@ def _golden(variant_index: int = 0):
                     ["Mul /block/mul", "Sigmoid /block/sigmoid", "Where /block/where", "Relu /block/relu"],
                     Variant(variant_index, ptr_align=16 if variant_index == 0 else 0,
                             n_multiple=16 if variant_index == 0 else 0))
+
+
+def _unravel_path(case: Case) -> str:
+    """Which of the generated unravel's branches a case's launch takes (codegen._unravel)."""
+    out = _out_shape(case)
+    strides = [_broadcast_strides(s, out) for s, m in zip(case.shapes, _modes(case), strict=True) if m == "strided"]
+    if len(out) < 2 or not strides:
+        return "none"
+    for path, d in (("last", len(out) - 1), ("before", len(out) - 2)):
+        if all(st == [1 if k == d else 0 for k in range(len(out))] for st in strides):
+            return path
+    return "unravel"
+
+
+def test_cases_take_every_unravel_path():
+    paths = {c.id: _unravel_path(c) for c in CASES}
+    assert paths["bias-last"] == paths["two-along-last"] == "last"
+    assert paths["per-channel"] == "before" and paths["full-as-strided"] == "unravel"
+    assert paths["along-mixed"] == paths["big-rank"] == "unravel"
+    program = parse(_prog(("f32", "f32", "f32"), "%3 = add %0 %1\n%4 = mul %3 %2\noutput %4 f32"))
+    src = generate(program, NAME, 2, ("full", "strided", "strided"), [], Variant(0)).source
+    assert "if (stride_x1_0 == 0) & (stride_x1_1 == 1) & (stride_x2_0 == 0) & (stride_x2_1 == 1):" in src
+    assert "x2_offsets = (offsets // size1) % size0" in src
 
 
 def test_source_is_deterministic_and_documented():
