@@ -285,10 +285,11 @@ def end_process(code: int) -> None:
     handler run: temporary folders, logging, caches), but without the native libraries'
     teardown. ONNX Runtime's CUDA EP and torch (its profiler times tuning's nodes) in one
     process abort at that teardown now and then, after every file is written: glibc's
-    "free(): invalid pointer" or "double free or corruption", SIGABRT, exit status 134 (one
-    of two `onnxfuse optimize` runs of a BERT-style encoder on the H200, nineteenth session;
+    "free(): invalid pointer" or "double free or corruption", SIGABRT, exit status 134 (3 of
+    5 tuned `onnxfuse optimize` runs of a BERT-style encoder on the H200, nineteenth session;
     not inside Python's atexit handlers or a garbage collection, which ran clean before the
-    same exit). A deployment pipeline reads that status, so the console script ends here."""
+    same exit; 0 of 5 ending here). A deployment pipeline reads that status, so the console
+    script ends here."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
