@@ -89,6 +89,10 @@ UNKNOWN_SHAPE = "unknown shape"
 NOT_IN_FUNCTIONS = ("SimplifiedLayerNormalization is ONNX Runtime's own op: ONNX Runtime 1.32 crashes running it "
                     "in a function body, the fused node's fallback")
 NOT_BROADCAST = "an input does not broadcast to the rows (it varies within the normalized dims, or enlarges them)"
+# flax's LayerNorm (use_fast_variance) through jax2tf and tf2onnx, or a hand-written one: the
+# sums (or means) of x and of x * x over the same axes, the variance E[x^2] - E[x]^2 (Google's
+# Magika file-type model on PyPI writes it with ReduceSum, keepdims 0, over a middle axis)
+MOMENTS_FORM = "a LayerNorm written as E[x^2] - E[x]^2 (the sums of x and of x * x): not recognized for fusion yet"
 
 
 def left_to_ort(reason: str) -> str:
@@ -171,7 +175,7 @@ class RowsParams:
 
 # The ONNX ops each reduction is recognized from (the decomposed forms start at ReduceMean).
 REDUCTION_ANCHORS = {
-    "layer_norm": frozenset({"ReduceMean", "LayerNormalization"}),
+    "layer_norm": frozenset({"ReduceMean", "ReduceSum", "LayerNormalization"}),
     "rms_norm": frozenset({"ReduceMean", "SimplifiedLayerNormalization", "RMSNormalization"}),
     "softmax": frozenset({"Softmax"}),
     "log_softmax": frozenset({"LogSoftmax"}),
@@ -238,6 +242,49 @@ def _layer_norm_parts(view: GraphView, r1: int) -> tuple[int, int, int] | None:
                 if _is_reduce_mean(view, r2):
                     return s, q, r2
     return None
+
+
+_MOMENT_REDUCTIONS = ("ReduceMean", "ReduceSum")
+
+
+def _moments_of(view: GraphView, r1: int) -> int | None:
+    """The reduction of x * x (Mul(x, x) or Pow(x, 2)) over the same axes with the same
+    keepdims when ReduceSum / ReduceMean r1 reduces x and something reads both results:
+    the E[x^2] - E[x]^2 form of a LayerNorm (MOMENTS_FORM); else None."""
+    n1 = view.nodes[r1]
+    if n1.op_type not in _MOMENT_REDUCTIONS or n1.domain not in DEFAULT_DOMAINS:
+        return None
+    x = n1.input[0]
+    for q in view.consumers.get(x, []):
+        if q == r1 or _square_base(view, q) != x:
+            continue
+        for r2 in view.consumers.get(view.nodes[q].output[0], []):
+            n2 = view.nodes[r2]
+            same = (n2.op_type == n1.op_type and n2.domain in DEFAULT_DOMAINS
+                    and _reduce_axes(view, r2) == _reduce_axes(view, r1)
+                    and node_attrs(n2).get("keepdims", 1) == node_attrs(n1).get("keepdims", 1))
+            if not same:
+                continue
+            if _meet(view, n1.output[0], n2.output[0]):
+                return r2
+    return None
+
+
+def _meet(view: GraphView, a: str, b: str, depth: int = 4) -> bool:
+    """Some node reads (through at most `depth` nodes after each) both a and b."""
+    def reach(t: str) -> set[int]:
+        seen: set[int] = set()
+        frontier = [t]
+        for _ in range(depth):
+            nxt = []
+            for name in frontier:
+                for c in view.consumers.get(name, []):
+                    if c not in seen:
+                        seen.add(c)
+                        nxt += list(view.nodes[c].output)
+            frontier = nxt
+        return seen
+    return bool(reach(a) & reach(b))
 
 
 def _kept_dims(view: GraphView, stat: str) -> list[str]:
@@ -322,6 +369,11 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
     normalization at all)."""
     m: RowsParams = pattern.match
     n = view.nodes[i]
+    if n.op_type in _MOMENT_REDUCTIONS and n.domain in DEFAULT_DOMAINS and "layer_norm" in m.reductions \
+            and _moments_of(view, i) is not None:
+        return MOMENTS_FORM
+    if n.op_type == "ReduceSum":
+        return None
     if n.op_type == "ReduceMean" and n.domain in DEFAULT_DOMAINS:
         parts = _layer_norm_parts(view, i)
         if parts is not None:
@@ -335,6 +387,8 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
         z = _square_base(view, q) if q is not None else None
         if z is None or _single_reader(view, n.input[0]) != i or "rms_norm" not in m.reductions:
             return None
+        if any(_moments_of(view, r1) == i for r1 in view.consumers.get(z, [])):
+            return MOMENTS_FORM  # the E[x^2] of a LayerNorm's moments, not an RMSNorm's mean square
         return _decomposed_rms_norm(view, i, q, z, pattern)
     if n.op_type == "LayerNormalization" and n.domain in DEFAULT_DOMAINS and "layer_norm" in m.reductions:
         return _layer_norm_op(view, i, pattern)
@@ -886,7 +940,11 @@ def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: Acc
 
 
 def _anchor_nodes(view: GraphView, i: int) -> tuple[int, ...]:
-    """Node i, and the variance's ReduceMean when node i is a decomposed LayerNorm's mean."""
+    """Node i, and the variance's ReduceMean when node i is a decomposed LayerNorm's mean (the
+    reduction of x * x in the moments form)."""
+    moments = _moments_of(view, i)
+    if moments is not None:
+        return (i, moments)
     parts = _layer_norm_parts(view, i) if _is_reduce_mean(view, i) else None
     return (i,) if parts is None else (i, parts[2])
 
