@@ -384,6 +384,66 @@ def test_softmax_forms(op, mask, cast):
     assert _attr(_fused(r)[0], "reduction") == (b"softmax" if op == "Softmax" else b"log_softmax")
 
 
+def _written_softmax(form="div", opset=13, scale=True, exp_outside=False, stable=True):
+    """A softmax over the last axis written out: ReduceMax -> Sub -> Exp -> ReduceSum ->
+    Div (or Mul by a Reciprocal), after a scale; as jax2tf writes it (Google's Magika)."""
+    shape = (2, 3, 11)
+    nodes = [helper.make_node("Mul", ["s", "scale"], ["a"])] if scale else [helper.make_node("Identity", ["s"], ["a"])]
+    inits = {"scale": np.array(0.125, np.float32), "axes": np.array([-1], np.int64)}
+    if stable:
+        nodes += [helper.make_node("ReduceMax", ["a"], ["m"], axes=[-1]),
+                  helper.make_node("Sub", ["a", "m"], ["d"])]
+    nodes.append(helper.make_node("Exp", ["d" if stable else "a"], ["e"]))
+    nodes.append(helper.make_node("ReduceSum", ["e", "axes"], ["t"]))
+    if form == "div":
+        nodes.append(helper.make_node("Div", ["e", "t"], ["y"]))
+    else:
+        nodes += [helper.make_node("Reciprocal", ["t"], ["rt"]), helper.make_node("Mul", ["e", "rt"], ["y"])]
+    outputs = {"y": ("float32", list(shape))}
+    if exp_outside:
+        outputs["e"] = ("float32", list(shape))
+    return model(nodes, {"s": ("float32", list(shape))}, outputs, inits, opset=opset)
+
+
+@pytest.mark.parametrize("form", ["div", "reciprocal"])
+def test_written_out_softmax_fuses_as_the_softmax(form):
+    r = _one_node(_written_softmax(form))
+    assert _attr(_fused(r)[0], "reduction") == b"softmax"
+    # alone (nothing before or after it) it still fuses: five nodes are worth one kernel
+    r = _one_node(_written_softmax(form, scale=False))
+    assert _attr(_fused(r)[0], "reduction") == b"softmax"
+
+
+def test_written_out_softmax_as_jax2tf_writes_it():
+    """Google's Magika (jax2tf, tf2onnx): the max and the sum with keepdims 0, the max through
+    Max(-inf, .), each back through a Reshape and an Expand; with a bias Add before it."""
+    n, k = 4, 13
+    inits = {"b": _w(k), "ninf": np.array(-np.inf, np.float32), "kept": np.array([n, 1], np.int64),
+             "axes": np.array([1], np.int64)}
+    nodes = [helper.make_node("Add", ["s", "b"], ["a"]),
+             helper.make_node("ReduceMax", ["a"], ["m0"], axes=[1], keepdims=0),
+             helper.make_node("Max", ["ninf", "m0"], ["m1"]),
+             helper.make_node("Reshape", ["m1", "kept"], ["m2"]),
+             helper.make_node("Expand", ["m2", "kept"], ["m"]),
+             helper.make_node("Sub", ["a", "m"], ["d"]),
+             helper.make_node("Exp", ["d"], ["e"]),
+             helper.make_node("ReduceSum", ["e", "axes"], ["t0"], keepdims=0),
+             helper.make_node("Reshape", ["t0", "kept"], ["t1"]),
+             helper.make_node("Expand", ["t1", "kept"], ["t"]),
+             helper.make_node("Div", ["e", "t"], ["y"])]
+    m = model(nodes, {"s": ("float32", [n, k])}, {"y": ("float32", [n, k])}, inits, opset=13)
+    r = _one_node(m)
+    assert _attr(_fused(r)[0], "reduction") == b"softmax"
+
+
+def test_written_out_softmax_that_does_not_fuse():
+    r = optimize_model(_written_softmax(exp_outside=True), leave_to_ort=False)
+    assert "FusedRows" not in op_types(r.model) and r.report.not_fused.get(STAT_OUTSIDE) == 1, r.report.summary()
+    # without the max subtracted it is not taken for a softmax (its overflow is the graph's)
+    r = optimize_model(_written_softmax(stable=False), leave_to_ort=False)
+    assert "FusedRows" not in op_types(r.model), r.report.summary()
+
+
 def test_softmax_before_opset13_over_trailing_dims():
     """Opset 11's Softmax(axis=1) normalizes over all dims from 1 on (coerced to 2-D): rows of
     3 * 5 * 9 elements."""

@@ -177,7 +177,7 @@ class RowsParams:
 REDUCTION_ANCHORS = {
     "layer_norm": frozenset({"ReduceMean", "ReduceSum", "LayerNormalization"}),
     "rms_norm": frozenset({"ReduceMean", "SimplifiedLayerNormalization", "RMSNormalization"}),
-    "softmax": frozenset({"Softmax"}),
+    "softmax": frozenset({"Softmax", "ReduceMax"}),
     "log_softmax": frozenset({"LogSoftmax"}),
     "group_norm": frozenset({"InstanceNormalization", "GroupNormalization", "ReduceMean"}),
 }
@@ -401,6 +401,8 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
         return _group_norm_op(view, i, pattern)
     if n.op_type == "InstanceNormalization" and n.domain in DEFAULT_DOMAINS and "group_norm" in m.reductions:
         return _instance_group_norm(view, i, pattern)
+    if n.op_type == "ReduceMax" and n.domain in DEFAULT_DOMAINS:
+        return _decomposed_softmax(view, i, pattern) if "softmax" in m.reductions else None
     if n.op_type in ("Softmax", "LogSoftmax") and n.domain in DEFAULT_DOMAINS:
         reduction = "softmax" if n.op_type == "Softmax" else "log_softmax"
         return _softmax_op(view, i, pattern, reduction) if reduction in m.reductions else None
@@ -748,6 +750,119 @@ def _softmax_op(view: GraphView, i: int, pattern: Pattern, reduction: str) -> Co
     return Core(reduction, (i,), x, axis, (y,), (y,), exposable=frozenset({y}))
 
 
+def _only_readers(view: GraphView, name: str, allowed: set[int]) -> bool:
+    return name not in view.graph_outputs and set(view.consumers.get(name, [])) <= allowed
+
+
+def _row_stat(view: GraphView, r: int, x_shape: Shape) -> tuple[str, list[int]] | None:
+    """The tensor the rest of a written-out softmax reads for reduction r's per-row value,
+    and the nodes between: r's output itself (keepdims 1), or after keepdims 0 the Reshape to
+    x's shape with the last dim 1 and an Expand to that shape or x's (jax2tf's way back), and
+    for the max a Max with -inf (or the lowest float: it changes nothing but an all -inf row,
+    NaN either way) before them. None when it goes another way."""
+    t, nodes = view.nodes[r].output[0], []
+
+    def only(name: str) -> int | None:
+        c = view.consumers.get(name, [])
+        return c[0] if len(c) == 1 and name not in view.graph_outputs else None
+
+    kept = (*x_shape[:-1], 1)
+    c = only(t)
+    if c is not None and view.nodes[c].op_type == "Max" and len(view.nodes[c].input) == 2:
+        other = next(a for a in view.nodes[c].input if a != t) if t in view.nodes[c].input else None
+        low = view.scalar_constant(other) if other else None
+        if low is not None and low <= -3.0e38:
+            t, nodes = view.nodes[c].output[0], [c]
+            c = only(t)
+    if node_attrs(view.nodes[r]).get("keepdims", 1):
+        return t, nodes
+    if c is None or view.nodes[c].op_type != "Reshape":
+        return None
+    if not same_shape(view.shapes.get(view.nodes[c].output[0]), kept):
+        return None
+    t, nodes = view.nodes[c].output[0], nodes + [c]
+    c = only(t)
+    if c is not None and view.nodes[c].op_type == "Expand":
+        out = view.shapes.get(view.nodes[c].output[0])
+        if same_shape(out, kept) or same_shape(out, x_shape):
+            t, nodes = view.nodes[c].output[0], nodes + [c]
+    return t, nodes
+
+
+def _only_readers(view: GraphView, name: str, allowed: set[int]) -> bool:
+    return name not in view.graph_outputs and set(view.consumers.get(name, [])) <= allowed
+
+
+def _decomposed_softmax(view: GraphView, r_max: int, pattern: Pattern) -> Core | str | None:
+    """A softmax written out, as jax2tf and hand-written code write it: ReduceMax(x) ->
+    Sub(x, max) -> Exp -> ReduceSum over the same axes -> Div(exp, sum) or Mul(exp,
+    Reciprocal(sum)); with keepdims 0 each statistic goes back through a Reshape (and an
+    Expand), the max through a Max with -inf (`_row_stat`; Google's Magika on PyPI). The
+    same rows as the Softmax op: the kernel's softmax is the row value, the nodes are the
+    body. None when ReduceMax r_max starts no such chain (an exp without the max subtracted
+    is not taken: its overflow is the graph's own)."""
+    n = view.nodes[r_max]
+    x = n.input[0]
+    shape = view.shapes.get(x)
+    if not shape:
+        return None
+    got = _row_stat(view, r_max, shape)
+    if got is None:
+        return None
+    mx, nodes = got
+    nodes = [r_max, *nodes]
+    subs = [c for c in view.consumers.get(mx, []) if view.nodes[c].op_type == "Sub"
+            and list(view.nodes[c].input) == [x, mx] and view.nodes[c].domain in DEFAULT_DOMAINS]
+    if len(subs) != 1:
+        return None
+    exps = [c for c in view.consumers.get(view.nodes[subs[0]].output[0], []) if view.nodes[c].op_type == "Exp"]
+    if len(exps) != 1:
+        return None
+    e = view.nodes[exps[0]].output[0]
+    sums = [c for c in view.consumers.get(e, []) if view.nodes[c].op_type == "ReduceSum"
+            and view.nodes[c].domain in DEFAULT_DOMAINS]
+    if len(sums) != 1:
+        return None
+    got = _row_stat(view, sums[0], shape)
+    if got is None:
+        return None
+    total, between = got
+    nodes += [subs[0], exps[0], sums[0], *between]
+    outs = []
+    for c in view.consumers.get(e, []):
+        cn = view.nodes[c]
+        if c == sums[0]:
+            continue
+        if cn.op_type == "Div" and list(cn.input) == [e, total]:
+            nodes.append(c)
+            outs.append(cn.output[0])
+        elif cn.op_type == "Mul" and e in cn.input:
+            other = cn.input[1] if cn.input[0] == e else cn.input[0]
+            p = view.producer.get(other)
+            if p is not None and view.nodes[p].op_type == "Reciprocal" and view.nodes[p].input[0] == total:
+                nodes += [p, c]
+                outs.append(cn.output[0])
+    if len(outs) != 1:
+        return None
+    y = outs[0]
+    checked = _check_x(view, x, pattern)
+    if isinstance(checked, str):
+        return checked
+    last = (len(shape) - 1,)
+    for r in (r_max, sums[0]):
+        axes = _reduce_axes(view, r)
+        if isinstance(axes, str):
+            return axes.replace("ReduceMean", view.nodes[r].op_type)
+        if axes is None or tuple(sorted(a % len(shape) for a in axes)) != last:
+            return NOT_LAST
+    inside = set(nodes)
+    if any(not _only_readers(view, o, inside) for k in inside for o in view.nodes[k].output if o != y):
+        return STAT_OUTSIDE
+    nodes = sorted(inside)
+    return Core("softmax", tuple(nodes), x, len(shape) - 1, (y,), (y,), exposable=frozenset({y}),
+                constants=_constants_of(view, nodes))
+
+
 # ---------------------------------------------------------------------------------------
 # Growing the prologue and the epilogue
 # ---------------------------------------------------------------------------------------
@@ -997,8 +1112,8 @@ def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accep
     for o in outputs:
         if view.types.get(o) not in FLOAT_TYPES:
             return dtype_reason(view.types.get(o))
-    if len(g.prologue) + len(g.epilogue) < pattern.match.min_nodes:
-        return LONE
+    if len(core.nodes) == 1 and len(g.prologue) + len(g.epilogue) < pattern.match.min_nodes:
+        return LONE  # (a written-out norm or softmax is worth one kernel on its own)
     note = ""
     if own is not None:  # (reserved is empty without leave_to_ort)
         if all(i in ort for i in group):
