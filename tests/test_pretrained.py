@@ -27,7 +27,7 @@ ort = pytest.importorskip("onnxruntime")
 RTOL, ATOL = 1e-5, 1e-6
 # Fused nodes at least (the counts when these tests were written; more is fine).
 MIN_FUSED = {"ppocr_det": 39, "ppocr_rec": 32, "ppocr_cls": 36, "silero_vad": 0, "yolov8n_320": 58,
-             "ppocr_v3_det": 52, "doc_orientation": 19}
+             "ppocr_v3_det": 52, "doc_orientation": 19, "magika": 7}
 
 
 @pytest.fixture(scope="module", params=list(pretrained.PRETRAINED))
@@ -93,3 +93,24 @@ def test_kernels_compile(case):
     assert not report["failed"]
     assert report["kernels"] + len(report["declined"]) == len(result.fused)
     assert all(any(a.name == "kernel_meta" for a in n.attribute) for n in model.graph.node if n.domain == "onnxfuse")
+
+
+def test_magika_at_static_shapes_fuses_its_softmax_and_reports_its_layernorms():
+    """Google's Magika (jax2tf): at static shapes its written-out softmax (keepdims 0, Reshape
+    and Expand back, Max with -inf) and the bias Add before it become one FusedRows node; its
+    two LayerNorms, written as E[x^2] - E[x]^2 over a middle axis, are reported, not fused;
+    the library's CPU kernel gives the original's probabilities."""
+    from onnxfuse.kinds.rows import MOMENTS_FORM
+
+    try:
+        path = pretrained.fetch("magika")
+    except pretrained.RegistryUnavailable as e:
+        pytest.skip(f"cannot fetch magika from the package registry: {e}")
+    original = onnx.load(str(path))
+    result = optimize_model(original, static_shapes={"bytes": (4, 2048)})
+    rows = [n for n in result.model.graph.node if n.op_type == "FusedRows"]
+    assert len(rows) == 1 and any(a.name == "reduction" and a.s == b"softmax" for a in rows[0].attribute)
+    assert result.report.not_fused.get(MOMENTS_FORM) == 4, result.report.summary()
+    feeds = pretrained.feeds("magika", {"bytes": (4, 2048)})
+    expected = _session(original, False).run(None, feeds)
+    _check(expected, _session(result.model, True).run(None, feeds), "magika at 4x2048, library", scaled_atol=True)
