@@ -475,16 +475,15 @@ def test_layernorm_that_does_not_fuse(kwargs, reason):
     assert r.report.not_fused.get(reason) == 2  # both ReduceMeans
 
 
-@pytest.mark.parametrize("reduce,keepdims", [("ReduceSum", 0), ("ReduceSum", 1), ("ReduceMean", 1)])
-def test_layernorm_in_the_moments_form_is_reported(reduce, keepdims):
-    """flax's LayerNorm through jax2tf and tf2onnx (Google's Magika on PyPI: ReduceSum with
-    keepdims 0, then a product by 1/n, var = max(0, E[x^2] - E[x]^2), Reshape back) is not
-    fused: both reductions are reported with the reason, the model computes the same."""
-    n, d = 6, 16
+def _moments_ln(reduce: str, keepdims: int, n: int = 6, d: int = 16) -> onnx.ModelProto:
+    """A LayerNorm written as E[x^2] - E[x]^2: the sums (ReduceSum, then a product by 1/n) or
+    means of x and x * x, var = max(0, E[x^2] - E[x]^2), and with keepdims 0 a Reshape back,
+    as flax's LayerNorm through jax2tf and tf2onnx writes it (Google's Magika on PyPI)."""
     inits = {"inv_n": np.array(1.0 / d if reduce == "ReduceSum" else 1.0, np.float32),
              "zero": np.array(0.0, np.float32), "eps": np.array(1e-6, np.float32),
-             "kept": np.array([n, 1], np.int64), "axes": np.array([1], np.int64),
-             "gamma": _w(d), "beta": _w(d)}
+             "axes": np.array([1], np.int64), "gamma": _w(d), "beta": _w(d)}
+    if not keepdims:
+        inits["kept"] = np.array([n, 1], np.int64)
     nodes = [
         helper.make_node(reduce, ["x", "axes"], ["s1"], keepdims=keepdims),
         helper.make_node("Mul", ["x", "x"], ["sq"]),
@@ -493,20 +492,35 @@ def test_layernorm_in_the_moments_form_is_reported(reduce, keepdims):
         helper.make_node("Mul", ["s2", "inv_n"], ["m2"]),
         helper.make_node("Mul", ["m1", "m1"], ["m1sq"]),
         helper.make_node("Sub", ["m2", "m1sq"], ["v0"]),
-        helper.make_node("Max", ["zero", "v0"], ["v1"]),
-        helper.make_node("Reshape", ["v1", "kept"], ["var"]),
-        helper.make_node("Reshape", ["m1", "kept"], ["mean"]),
+        helper.make_node("Max", ["zero", "v0"], ["var" if keepdims else "v1"]),
+    ]
+    if not keepdims:
+        nodes += [helper.make_node("Reshape", ["v1", "kept"], ["var"]),
+                  helper.make_node("Reshape", ["m1", "kept"], ["mean"])]
+    nodes += [
         helper.make_node("Add", ["var", "eps"], ["ve"]),
         helper.make_node("Sqrt", ["ve"], ["sd"]),
         helper.make_node("Reciprocal", ["sd"], ["inv"]),
         helper.make_node("Mul", ["inv", "gamma"], ["scale"]),
-        helper.make_node("Sub", ["x", "mean"], ["c"]),
+        helper.make_node("Sub", ["x", "mean" if not keepdims else "m1"], ["c"]),
         helper.make_node("Mul", ["c", "scale"], ["cs"]),
         helper.make_node("Add", ["cs", "beta"], ["y"]),
     ]
     opset = 13 if reduce == "ReduceSum" else 18  # (both take their axes as an input)
-    m = model(nodes, {"x": ("float32", [n, d])}, {"y": ("float32", [n, d])}, inits, opset=opset)
-    r = check_fusion(m, leave_to_ort=False)
+    return model(nodes, {"x": ("float32", [n, d])}, {"y": ("float32", [n, d])}, inits, opset=opset)
+
+
+@pytest.mark.parametrize("reduce", ["ReduceSum", "ReduceMean"])
+def test_layernorm_in_the_moments_form_fuses(reduce):
+    """keepdims 1 over the last dim: one FusedRows node whose kernel's mean and var give the
+    graph's sums (or means) of x and x * x back, the epilogue computing E[x^2] - E[x]^2 as
+    the graph does; the same outputs as the original."""
+    r = _one_node(_moments_ln(reduce, 1))
+    assert _attr(_fused(r)[0], "reduction") == b"layer_norm"
+
+
+def test_layernorm_in_the_moments_form_with_keepdims_0_is_reported():
+    r = check_fusion(_moments_ln("ReduceSum", 0), leave_to_ort=False)
     assert "FusedRows" not in op_types(r.model), r.report.summary()
     assert r.report.not_fused.get(MOMENTS_FORM) == 2, r.report.summary()
 

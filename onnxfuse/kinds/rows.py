@@ -90,9 +90,11 @@ NOT_IN_FUNCTIONS = ("SimplifiedLayerNormalization is ONNX Runtime's own op: ONNX
                     "in a function body, the fused node's fallback")
 NOT_BROADCAST = "an input does not broadcast to the rows (it varies within the normalized dims, or enlarges them)"
 # flax's LayerNorm (use_fast_variance) through jax2tf and tf2onnx, or a hand-written one: the
-# sums (or means) of x and of x * x over the same axes, the variance E[x^2] - E[x]^2 (Google's
-# Magika file-type model on PyPI writes it with ReduceSum, keepdims 0, over a middle axis)
-MOMENTS_FORM = "a LayerNorm written as E[x^2] - E[x]^2 (the sums of x and of x * x): not recognized for fusion yet"
+# sums (or means) of x and of x * x over the same axes, the variance E[x^2] - E[x]^2; fused with
+# keepdims (`_moments_layer_norm`), reported without (Google's Magika file-type model on PyPI
+# writes it with ReduceSum, keepdims 0, over a middle axis)
+MOMENTS_FORM = ("a LayerNorm written as E[x^2] - E[x]^2 with keepdims 0 (the sums of x and of x * x reshaped "
+                "back, as jax2tf writes it): not fused yet")
 
 
 def left_to_ort(reason: str) -> str:
@@ -369,9 +371,10 @@ def find_core(view: GraphView, i: int, pattern: Pattern) -> Core | str | None:
     normalization at all)."""
     m: RowsParams = pattern.match
     n = view.nodes[i]
-    if n.op_type in _MOMENT_REDUCTIONS and n.domain in DEFAULT_DOMAINS and "layer_norm" in m.reductions \
-            and _moments_of(view, i) is not None:
-        return MOMENTS_FORM
+    if n.op_type in _MOMENT_REDUCTIONS and n.domain in DEFAULT_DOMAINS and "layer_norm" in m.reductions:
+        r2 = _moments_of(view, i)
+        if r2 is not None:
+            return _moments_layer_norm(view, i, r2, pattern)
     if n.op_type == "ReduceSum":
         return None
     if n.op_type == "ReduceMean" and n.domain in DEFAULT_DOMAINS:
@@ -429,6 +432,44 @@ def _decomposed_layer_norm(view: GraphView, r1: int, parts: tuple[int, int, int]
     nodes = (r1, square, r2)
     mean, var = view.nodes[r1].output[0], view.nodes[r2].output[0]
     return Core("layer_norm", nodes, x, axis, (mean, var), (x, mean, var), constants=_constants_of(view, nodes))
+
+
+def _moments_layer_norm(view: GraphView, r1: int, r2: int, pattern: Pattern) -> Core | str:
+    """The E[x^2] - E[x]^2 form (`_moments_of`): ReduceMean or ReduceSum r1 of x and r2 of
+    x * x, keepdims, over the trailing dims. The kernel computes mean and var as for any
+    LayerNorm (var of x - mean, in fp32); the prelude gives back what the graph's reductions
+    define, s1 = mean (times n for a sum) and s2 = (var + mean^2) (times n), and the
+    epilogue computes from them as the graph does (its E[x^2] - E[x]^2 included, so the
+    result is the graph's, cancellation and all). With keepdims 0 (jax2tf's Reshape back) or
+    over other dims it is reported (MOMENTS_FORM, NOT_LAST)."""
+    x = view.nodes[r1].input[0]
+    shape = _check_x(view, x, pattern)
+    if isinstance(shape, str):
+        return shape
+    if not node_attrs(view.nodes[r1]).get("keepdims", 1):
+        return MOMENTS_FORM
+    axis = _trailing_axis(view, r1, len(shape))
+    if isinstance(axis, str):
+        return axis.replace("ReduceMean", view.nodes[r1].op_type)
+    n = 1
+    for d in shape[axis:]:
+        if not isinstance(d, int):
+            return MOMENTS_FORM + " (a row length not known)"
+        n *= d
+    square = view.producer[view.nodes[r2].input[0]]
+    s1, s2 = view.nodes[r1].output[0], view.nodes[r2].output[0]
+    stats = (f"{s1}\0mean", f"{s1}\0var")
+    scale = float(n) if view.nodes[r1].op_type == "ReduceSum" else 1.0
+
+    def prelude(b: Builder, env: dict[str, Operand]) -> None:
+        mean, var = env[stats[0]], env[stats[1]]
+        e1, e2 = mean, b.emit("add", var, b.emit("mul", mean, mean))
+        env[s1] = b.emit("mul", e1, scale) if scale != 1.0 else e1
+        env[s2] = b.emit("mul", e2, scale) if scale != 1.0 else e2
+
+    nodes = (r1, square, r2)
+    return Core("layer_norm", nodes, x, axis, (s1, s2), (x, *stats), prelude=prelude,
+                constants=_constants_of(view, nodes))
 
 
 def _decomposed_rms_norm(view: GraphView, r: int, square: int, z: str, pattern: Pattern) -> Core | str:
