@@ -454,7 +454,7 @@ def _moments_layer_norm(view: GraphView, r1: int, r2: int, pattern: Pattern) -> 
     n = 1
     for d in shape[axis:]:
         if not isinstance(d, int):
-            return MOMENTS_FORM + " (a row length not known)"
+            return "a LayerNorm written as E[x^2] - E[x]^2 over rows of a length not known"
         n *= d
     square = view.producer[view.nodes[r2].input[0]]
     s1, s2 = view.nodes[r1].output[0], view.nodes[r2].output[0]
@@ -791,10 +791,6 @@ def _softmax_op(view: GraphView, i: int, pattern: Pattern, reduction: str) -> Co
     return Core(reduction, (i,), x, axis, (y,), (y,), exposable=frozenset({y}))
 
 
-def _only_readers(view: GraphView, name: str, allowed: set[int]) -> bool:
-    return name not in view.graph_outputs and set(view.consumers.get(name, [])) <= allowed
-
-
 def _row_stat(view: GraphView, r: int, x_shape: Shape) -> tuple[str, list[int]] | None:
     """The tensor the rest of a written-out softmax reads for reduction r's per-row value,
     and the nodes between: r's output itself (keepdims 1), or after keepdims 0 the Reshape to
@@ -894,7 +890,7 @@ def _decomposed_softmax(view: GraphView, r_max: int, pattern: Pattern) -> Core |
         axes = _reduce_axes(view, r)
         if isinstance(axes, str):
             return axes.replace("ReduceMean", view.nodes[r].op_type)
-        if axes is None or tuple(sorted(a % len(shape) for a in axes)) != last:
+        if tuple(sorted(a % len(shape) for a in (axes or range(len(shape))))) != last:
             return NOT_LAST
     inside = set(nodes)
     if any(not _only_readers(view, o, inside) for k in inside for o in view.nodes[k].output if o != y):
