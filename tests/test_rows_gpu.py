@@ -18,7 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from tests.test_rows_codegen import CASES, NP, _strides, assert_outputs, inputs_of, spec_of
-from tests.test_rows_patterns import _ln_graph, _softmax_graph, _w
+from tests.test_rows_patterns import _ln_graph, _moments_ln, _softmax_graph, _w, _written_softmax
 from tests.util import model
 
 F, H = TensorProto.FLOAT, TensorProto.FLOAT16
@@ -108,6 +108,14 @@ def _models() -> list[tuple[str, onnx.ModelProto, dict]]:
         m = _softmax_graph(shape=(2, 2, 3, s))
         mask = np.where(rng.random((2, 1, 1, s)) < 0.1, -1e4, 0).astype(np.float32)
         out.append((f"softmax-{s}", m, {"s": (rng.standard_normal((2, 2, 3, s)) * 4).astype(np.float32), "mask": mask}))
+    # the written-out forms: a softmax (ReduceMax, Sub, Exp, ReduceSum, Div / Reciprocal-Mul)
+    # and a LayerNorm as E[x^2] - E[x]^2 (magnitude 5, where the moments form loses digits)
+    for form in ("div", "reciprocal"):
+        out.append((f"written-softmax-{form}", _written_softmax(form),
+                    {"s": (rng.standard_normal((2, 3, 11)) * 8).astype(np.float32)}))
+    for reduce in ("ReduceSum", "ReduceMean"):
+        out.append((f"moments-ln-{reduce}", _moments_ln(reduce, 1, n=6, d=300),
+                    {"x": (rng.standard_normal((6, 300)) + 5).astype(np.float32)}))
     return out
 
 
