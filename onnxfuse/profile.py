@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import statistics
 import subprocess
 import tempfile
@@ -423,12 +424,23 @@ KERNELS_PER_NODE = 3  # --kernels: the longest GPU activities printed under each
 KERNEL_NAME_CHARS = 110
 
 
+# CUTLASS names a tensor-core kernel on fp32 operands by its instruction shape after "tensorop_s"
+# ("cutlass_80_tensorop_s1688gemm_64x64_32x6_nn_align4": TF32 m16n8k8, which cuDNN ran for two of
+# PP-OCR cls's fp32 convs on the H200, twentieth session); fp16 ones say "tensorop_f16_s16816gemm"
+_TF32_NAMES = re.compile(r"tf32|tensorop_s\d")
+
+
+def is_tf32_kernel(name: str) -> bool:
+    """Whether a CUDA kernel's name says it multiplies on the tensor cores in TF32: cuDNN's and
+    cuBLAS's kernels name the data type ("tf32"), CUTLASS's the fp32 tensor-op instruction."""
+    return bool(_TF32_NAMES.search(name.lower()))
+
+
 def tf32_us(r: ProfileResult) -> tuple[float, float]:
-    """(µs per run in kernels whose name says tf32, µs per run in all attributed kernels): cuDNN's
-    and cuBLAS's Hopper and Ampere tensor-core kernels name their TF32 data type ("tf32"); an
-    fp32 model's convs or products in kernels without it ran on CUDA cores, in full fp32."""
+    """(µs per run in TF32 tensor-core kernels (`is_tf32_kernel`), µs per run in all attributed
+    kernels): an fp32 model's convs or products in other kernels ran on CUDA cores, in full fp32."""
     total = sum(us for n in r.nodes for _, us in n.kernels)
-    return sum(us for n in r.nodes for k, us in n.kernels if "tf32" in k.lower()), total
+    return sum(us for n in r.nodes for k, us in n.kernels if is_tf32_kernel(k)), total
 
 
 def format_profile(r: ProfileResult, top: int | None = 30, kernels: bool = False) -> str:
@@ -482,7 +494,7 @@ def format_profile(r: ProfileResult, top: int | None = 30, kernels: bool = False
     if kernels:
         tf32, total = tf32_us(r)
         if total:
-            lines.append(f"kernels named tf32 (tensor-core TF32): {fmt_time(tf32 * 1e-6)} of {fmt_time(total * 1e-6)} "
+            lines.append(f"TF32 tensor-core kernels (by name): {fmt_time(tf32 * 1e-6)} of {fmt_time(total * 1e-6)} "
                          "of attributed kernel time per run")
         else:
             lines.append("no kernel names: they come from CUPTI (--provider cuda, with torch's CUDA build)")

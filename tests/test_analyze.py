@@ -288,17 +288,22 @@ def test_profile_cpu_run_joins_times_with_costs(tmp_path):
     text = format_profile(r)
     assert "% bound" in text and "fc1/matmul" in text
     # kernel names come from CUPTI only: on the CPU the table says so
-    assert "no kernel names" in format_profile(r, kernels=True) and "kernels named" not in text
+    assert "no kernel names" in format_profile(r, kernels=True) and "TF32 tensor-core" not in text
     # with names (as a CUDA run attributes them): under each node, longest first, and the TF32 share
     conv = next(n for n in r.nodes if n.name == "fc1/matmul")
     conv.kernels = [("sm90_xmma_gemm_f32f32_tf32f32_f32_nn_n_tilesize128x128x32", 3.0), ("memset", 1.0),
                     ("cutlass_simt_sgemm_128x64" * 6, 2.0), ("splitKreduce_kernel", 0.5)]
+    conv2 = next(n for n in r.nodes if n.name != "fc1/matmul")
+    # CUTLASS's fp32 tensor-op kernel is TF32 too (cuDNN ran it for PP-OCR cls's convs on the
+    # H200); its fp16 one and the SIMT one are not
+    conv2.kernels = [("cutlass_80_tensorop_s1688gemm_64x64_32x6_nn_align4", 4.0),
+                     ("cutlass_80_tensorop_f16_s16816gemm_relu_f16_64x64_32x6_nn_align8", 1.0)]
     text = format_profile(r, top=0, kernels=True)
     lines = text.splitlines()
     at = next(i for i, ln in enumerate(lines) if ln.lstrip("+ ").startswith("fc1/matmul"))
     assert "tf32f32" in lines[at + 1] and "memset" in lines[at + 2] and lines[at + 3].endswith("…")
     assert lines[at + 4].strip() == "... 1 more kernels"
-    assert "kernels named tf32 (tensor-core TF32): 3 µs of 6.5 µs" in text
+    assert "TF32 tensor-core kernels (by name): 7 µs of 11.5 µs" in text
     d = r.to_dict()
     (row,) = [n for n in d["nodes"] if n["name"] == "fc1/matmul"]
     assert row["kernels"][0] == {"name": conv.kernels[0][0], "us_per_run": 3.0}
