@@ -9,7 +9,7 @@ it, `grow_prologue` and `prologue_inputs` before it, `match_anchored` over every
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -98,9 +98,10 @@ def live_nodes(view: GraphView) -> set[int]:
 
 class Reserved(dict[int, str]):
     """Nodes ONNX Runtime's own fusions take (node -> the report's reason, `onnxfuse.ort_fusions`),
-    and `offered`: the reasons whose nodes an elementwise group may take all the same, because
-    tuning times the group against ORT's fusion of them (a group holding only part of one such
-    fusion gives those nodes back: `onnxfuse.kinds.pointwise`)."""
+    and `offered`: the reasons whose nodes the matching kind may take all the same, because
+    tuning times its fused node against ORT's fusion of them (`onnxfuse.pipeline.TIMED_AGAINST_ORT`:
+    a pointwise chain its GELU fusions, whole or not at all, `onnxfuse.kinds.pointwise`; FusedRows
+    its layer normalizations; the gemm kind is offered the chains' reasons, which it leaves to them)."""
 
     def __init__(self, reasons: dict[int, str] | None = None, offered: frozenset[str] = frozenset()):
         super().__init__(reasons or {})
@@ -113,11 +114,12 @@ def offered_reasons(reserved: dict[int, str]) -> frozenset[str]:
 
 
 def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, str] | None = None,
-                 offered: frozenset[str] = frozenset()) -> MatchResult:
+                 offered: Mapping[str, frozenset[str]] | None = None) -> MatchResult:
     """Apply patterns in priority order, each through its kind's matcher; a node joins at
     most one match. Nodes in `reserved` (node -> reason: those ONNX Runtime's own fusions
     take, `onnxfuse.ort_fusions`) join no elementwise group, unless their reason is one of
-    `offered` (`Reserved`); conv epilogues and pool prologues may still take them.
+    those `offered` to the pattern's kind (kind name -> reasons; `Reserved`); conv epilogues
+    and pool prologues may still take them.
 
     Dead nodes (no graph output depends on them) never join: a group computes over the
     broadcast shape of all its inputs, and a dead node could read a larger input than the
@@ -135,7 +137,7 @@ def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, s
     accepted = Accepted(len(view.nodes))
     anchors: dict[int, str] = {}  # anchor node -> why it did not fuse
     for p in patterns:
-        r = p.kind.match(view, p, taken, accepted, Reserved(reserved, offered))
+        r = p.kind.match(view, p, taken, accepted, Reserved(reserved, (offered or {}).get(p.kind.name, frozenset())))
         for m in r.matches:
             taken.update(m.nodes)
         total.matches += r.matches

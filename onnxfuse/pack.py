@@ -16,6 +16,8 @@ compares the model with the original. GPT-2 exports one packed projection alread
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -227,7 +229,7 @@ def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[M
 
 
 def bias_after_product(model: ModelProto, view: GraphView, patterns: list[Pattern],
-                       offered: frozenset[str] = frozenset()
+                       offered: Mapping[str, frozenset[str]] | None = None
                        ) -> tuple[ModelProto, int, OrtFusions | None, GraphView | None]:
     """`model` with the bias of each product that ONNX Runtime would otherwise run inside its Gemm
     added after the product instead, where one of ORT's own fusions then takes that Add in

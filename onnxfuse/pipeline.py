@@ -378,19 +378,27 @@ BIAS_AFTER = ("products whose bias was added after them, where ONNX Runtime's Sk
               "second kernel)")
 
 
-# ONNX Runtime's GELU fusions (BiasGelu: 2.1 TB/s at BERT-base b8 fp16 on the H200, FastGelu 1.8;
-# fifteenth session's profile), whose nodes a pointwise chain may take where the tune pass will
-# time the chain against them (`onnxfuse.match.Reserved`; a chain that loses goes back to ORT)
-TIMED_AGAINST_ORT = frozenset(ort_reason(f) for f in ("BiasGelu", "FastGelu", "Gelu"))
+# ONNX Runtime's fusions whose nodes a kind's fused node may take where the tune pass will time
+# it against them (kind name -> reasons, `onnxfuse.match.Reserved`; a node that loses goes back to
+# ORT): its GELU fusions, taken by pointwise chains (BiasGelu: 2.1 TB/s at BERT-base b8 fp16 on
+# the H200, FastGelu 1.8; fifteenth session's profile) and left to them by the gemm kind, and its
+# layer normalizations, taken by FusedRows (issue 17's encoder at b1 fp32, twentieth session,
+# tuning's CUPTI timings: its residual + bias + LayerNorm after FFN2 2.0 µs fused against 3.9
+# under ORT; the residual + LayerNorm after attention 2.1 against SkipLayerNormalization's 1.7)
+_GELU_FUSIONS = frozenset(ort_reason(f) for f in ("BiasGelu", "FastGelu", "Gelu"))
+_NORM_FUSIONS = frozenset(ort_reason(f) for f in ("LayerNormalization", "SkipLayerNormalization",
+                                                  "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization"))
+TIMED_AGAINST_ORT: dict[str, frozenset[str]] = {"pointwise": _GELU_FUSIONS, "gemm": _GELU_FUSIONS,
+                                                 "rows": _NORM_FUSIONS}
 
 
-UNTUNED_OFFERED = ("nodes of ONNX Runtime's BiasGelu, FastGelu or Gelu fusion: fused only where the tune pass "
-                   "measures the chain faster (not tuned)")
+UNTUNED_OFFERED = ("nodes of ONNX Runtime's GELU or layer-normalization fusions: fused only where the tune pass "
+                   "measures the fused node faster (not tuned)")
 
 
-def offered_to_chains(options: Options) -> frozenset[str]:
-    """TIMED_AGAINST_ORT where the tune pass will time the chains, else none."""
-    return TIMED_AGAINST_ORT if options.tune is not None else frozenset()
+def timed_against_ort(options: Options) -> dict[str, frozenset[str]]:
+    """TIMED_AGAINST_ORT where the tune pass will time the fused nodes, else none."""
+    return TIMED_AGAINST_ORT if options.tune is not None else {}
 
 
 def bias_pass(result: Result, options: Options) -> Result:
@@ -401,7 +409,7 @@ def bias_pass(result: Result, options: Options) -> Result:
     every move is kept, else inferred again."""
     if result.unchanged is None and options.leave_to_ort:
         model, moved, result.ort_probe, view = bias_after_product(result.model, result.view, result.patterns,
-                                                                  offered_to_chains(options))
+                                                                  timed_against_ort(options))
         if moved:
             result.model, result.biased_after = model, moved
             if view is None:
@@ -415,15 +423,15 @@ def match_pass(result: Result, options: Options) -> Result:
     """The groups each pattern fuses (`onnxfuse.match`), and in the report why other nodes do
     not (including those the matcher does not visit: in subgraphs and the model's functions).
     With `leave_to_ort`, the nodes ONNX Runtime's own fusions would take are kept out of
-    pointwise chains (`onnxfuse.ort_fusions`, asked about the canonical model), but for those
-    of TIMED_AGAINST_ORT where the tune pass will time the chains."""
+    fused nodes (`onnxfuse.ort_fusions`, asked about the canonical model), but for those of
+    TIMED_AGAINST_ORT where the tune pass will time the fused nodes against ORT's."""
     if result.unchanged is None:
         by_ort = (result.ort_probe or ort_fusions(result.model)) if options.leave_to_ort else None
         if by_ort is not None and (by_ort.missing_ort or by_ort.too_large):
             result.warn(f"{by_ort.problem}: nodes its own fusions would take may have been fused "
                         "(--no-leave-to-ort says not to look)")
         result.found = find_matches(result.view, result.patterns, by_ort.absorbed if by_ort else None,
-                                    offered_to_chains(options))
+                                    timed_against_ort(options))
         result.report.notes = dict(result.found.notes)
         if result.packed:
             result.report.notes[PACKED] = result.packed

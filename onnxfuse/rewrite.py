@@ -17,7 +17,7 @@ from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse import ir
 from onnxfuse.errors import OnnxfuseError
-from onnxfuse.expr import Builder, Operand, Program, Ref, rewrite_tails
+from onnxfuse.expr import SIXTEEN_BIT, Builder, Operand, Program, Ref, relax_16bit, rewrite_tails
 from onnxfuse.graph import GraphView, same_shape
 from onnxfuse.kinds.base import FusedNode, Match
 from onnxfuse.load import UNKNOWN_DIM, default_opset
@@ -116,7 +116,10 @@ def lower_nodes(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...
         elif store_pass_through and v.index < len(inputs) and o not in inputs:
             v = b.emit("add", v, 0.0)  # a pure pass-through still gets its own store
         outs.append((v, FLOAT_TYPES[view.types[o]]))
-    return rewrite_tails(b.build(outs)), inputs, folded
+    prog = b.build(outs)
+    if all(dt in SIXTEEN_BIT for _, dt in prog.outputs):
+        return relax_16bit(prog), inputs, folded
+    return rewrite_tails(prog), inputs, folded
 
 
 def _function_body(view: GraphView, nodes: list[NodeProto], inputs: list[str], outputs: tuple[str, ...],

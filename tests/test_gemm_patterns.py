@@ -337,7 +337,7 @@ def test_an_offered_fusion_joins_a_chain_only_whole():
     assert [m_.nodes for m_ in whole.matches] == [tuple(range(1, len(view.nodes)))]
     last = len(view.nodes) - 1  # taken by something else
     r = chains[0].kind.match(view, chains[0], {0, last}, Accepted(len(view.nodes)),
-                             Reserved(reserved, TIMED_AGAINST_ORT))
+                             Reserved(reserved, TIMED_AGAINST_ORT["pointwise"]))
     assert not r.matches and r.rejected[bias_gelu] == len(view.nodes) - 2
     assert not find_matches(view, chains, reserved).matches  # not offered: ORT's
 

@@ -596,3 +596,46 @@ def test_ort_rules():
     assert op_types(skip.model) == ["Add", "LayerNormalization"]
     assert any("SkipLayerNormalization fusion (it fuses every node" in k for k in skip.report.not_fused)
     assert op_types(optimize_model(m, leave_to_ort=False).model) == ["FusedRows"]
+
+
+def test_ort_normalizations_are_offered_to_tuning(tmp_path, monkeypatch):
+    """Where the tune pass runs (a GPU), a LayerNorm that ONNX Runtime fuses whole (its
+    LayerNormalization, the residual Add's SkipLayerNormalization) becomes a FusedRows node
+    that tuning times against ORT's fusion and keeps only where faster (`Match.measured_only`,
+    `pipeline.TIMED_AGAINST_ORT`); when the tuning fails, it goes back to ONNX Runtime."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from onnxfuse import tune as tuning
+    from onnxfuse.pipeline import UNTUNED_OFFERED, build_options
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    options = dataclasses.replace(build_options(target="sm_90", layout="nchw", tune="off"),
+                                  tune=tuning.TuneSettings(budget_s=1.0))
+    nodes = [helper.make_node("Add", ["a", "b"], ["x"]),
+             helper.make_node("LayerNormalization", ["x", "g", "be"], ["y"], axis=-1, epsilon=1e-5)]
+    skip = model(nodes, {"a": ("float32", [2, 4, 32]), "b": ("float32", [2, 4, 32])}, {"y": ("float32", [2, 4, 32])},
+                 {"g": _w(32), "be": _w(32)}, opset=17)
+    kept = []
+
+    def keep_all(result, before, info, *args, **kwargs):  # a tuning that measured every node faster
+        kept.extend((f.kind, f.measured_only) for f in result.fused)
+        return info
+
+    monkeypatch.setattr(tuning, "tune", keep_all)
+    for m in (_ln_graph(), skip):
+        kept.clear()
+        r = optimize_model(m, options=options)
+        assert op_types(r.model) == ["FusedRows"] and kept == [("rows", True)], r.report.summary()
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no GPU in this test")
+
+    monkeypatch.setattr(tuning, "tune", fail)
+    for m, ops, count in ((_ln_graph(), None, 9), (skip, ["Add", "LayerNormalization"], 2)):
+        with pytest.warns(Warning, match="not tuned"):
+            r = optimize_model(m, options=options)
+        assert "FusedRows" not in op_types(r.model) and r.report.not_fused.get(UNTUNED_OFFERED) == count, \
+            r.report.summary()
+        if ops:
+            assert op_types(r.model) == ops

@@ -35,7 +35,9 @@ softmax that does not fuse is reported with the reason.
 
 ONNX Runtime's own fusions (`leave_to_ort`, `onnxfuse.ort_fusions`): a match whose every
 node ONNX Runtime would fuse into one of its normalizations (LayerNormalization,
-SkipLayerNormalization, ...) or softmaxes (BiasSoftmax) is left to it; a match that also
+SkipLayerNormalization, ...) or softmaxes (BiasSoftmax) is left to it, unless the tune pass
+will time it against that fusion (`onnxfuse.pipeline.TIMED_AGAINST_ORT`: the layer
+normalizations; `Match.measured_only`, kept only where faster); a match that also
 fuses work ONNX Runtime does not (an activation, a Cast, a prologue it leaves alone) takes
 its nodes, and the report's notes say so. Nodes ONNX Runtime takes into other fusions
 (FusedMatMul's scale, BiasGelu...) join no prologue or epilogue.
@@ -67,7 +69,7 @@ from onnxfuse.kinds.base import (
     NodeLayouts,
     Pattern,
 )
-from onnxfuse.match import DTYPE_IDS, broadcasts_to, check_node, dtype_reason, operands
+from onnxfuse.match import DTYPE_IDS, broadcasts_to, check_node, dtype_reason, offered_reasons, operands
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
 from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
 
@@ -1151,13 +1153,17 @@ def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accep
             return dtype_reason(view.types.get(o))
     if len(core.nodes) == 1 and len(g.prologue) + len(g.epilogue) < pattern.match.min_nodes:
         return LONE  # (a written-out norm or softmax is worth one kernel on its own)
-    note = ""
+    note, measured_only = "", False
     if own is not None:  # (reserved is empty without leave_to_ort)
-        if all(i in ort for i in group):
+        if not all(i in ort for i in group):
+            note = taken_from_ort(own)
+        elif own in offered_reasons(reserved):
+            measured_only = True  # the tune pass times it against ORT's fusion; kept only if faster
+        else:
             return left_to_ort(own)
-        note = taken_from_ort(own)
     parts = RowsParts(core, tuple(sorted(g.prologue)), tuple(sorted(g.epilogue)), x_output, note)
-    return Match(pattern, tuple(group), tuple(outputs) + ((core.x,) if x_output else ()), params=parts)
+    return Match(pattern, tuple(group), tuple(outputs) + ((core.x,) if x_output else ()), params=parts,
+                 measured_only=measured_only)
 
 
 # ---------------------------------------------------------------------------------------
