@@ -17,7 +17,6 @@ compares the model with the original. GPT-2 exports one packed projection alread
 from __future__ import annotations
 
 from collections.abc import Mapping
-
 from dataclasses import dataclass
 
 import numpy as np
