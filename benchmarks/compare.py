@@ -790,10 +790,8 @@ def _gate_cells(c: dict) -> list[str]:
     failed = [LABELS[v] for v, r in fz.items() if r.get("gate_passed") is False]
     gate = c.get("gate_passed")
     gate_s = "pass" if gate else ("**FAIL**: " + ", ".join(failed) if gate is False else "not gated" if fz else "")
-    # every ORT variant (ort_graph, ort_tfopt, ort_tfopt_graph...) is a peer; an onnxfuse one counts
-    # only gated and passed (not one whose gate could not run: its ORT base failed), when the case passed
-    med = {v: r["median_ms"] for v, r in ok.items()
-           if not v.startswith("onnxfuse") or gate is not True or r.get("gate_passed") is True}
+    # (a case that did not pass prints its would-be speedups' cells as FAILS / not gated below)
+    med = _counted_medians(c) if gate is True else {v: r["median_ms"] for v, r in ok.items()}
     vs = f"{med['ort'] / med['onnxfuse']:.2f}x" if "ort" in med and "onnxfuse" in med else ""
     ratio = _best_ratio(med)
     best = f"{ratio:.2f}x" if ratio else ""
@@ -814,14 +812,19 @@ def _best_ratio(med: dict[str, float]) -> float | None:
     return ort_best / fz_best if ort_best and fz_best else None
 
 
+def _counted_medians(c: dict) -> dict[str, float]:
+    """The medians a speedup counts: every ORT variant's (ort_graph, ort_tfopt... each a peer) and
+    each onnxfuse variant's that was gated and passed (not one whose gate could not run)."""
+    return {v: r["median_ms"] for v, r in c["variants"].items() if not r.get("error") and r.get("median_ms")
+            and (not v.startswith("onnxfuse") or r.get("gate_passed") is True)}
+
+
 def case_speedup(c: dict) -> float | None:
     """A case's best onnxfuse against best ORT, as its table row prints it; None where the case
     did not pass the gate (a speedup that fails it is not one) or a side did not run."""
     if c.get("skipped") or c.get("gate_passed") is not True:
         return None
-    med = {v: r["median_ms"] for v, r in c["variants"].items() if not r.get("error") and r.get("median_ms")
-           and (not v.startswith("onnxfuse") or r.get("gate_passed") is True)}
-    return _best_ratio(med)
+    return _best_ratio(_counted_medians(c))
 
 
 _GROUP = re.compile(r"_b(\d+)_(fp32|fp16|bf16)$")

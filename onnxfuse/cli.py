@@ -154,8 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-trace", metavar="FILE", help="also keep ONNX Runtime's profile JSON here")
     p.add_argument("--kernels", action="store_true",
                    help="under each node, the CUDA kernels it ran, longest first (CUPTI; --provider cuda), and "
-                        "how much kernel time was in kernels named tf32: which cuDNN / cuBLAS algorithm ran, "
-                        "TF32 tensor cores or full fp32 (the --json has every kernel)")
+                        "how much kernel time was in TF32 tensor-core kernels (by name): which cuDNN / cuBLAS / "
+                        "CUTLASS algorithm ran, TF32 tensor cores or full fp32 (the --json has every kernel)")
     p.set_defaults(func=profile.cmd_profile)
 
     p = sub.add_parser("calibrate", help="measure this machine's GPU (copy bandwidth, matmul/conv throughput)")
@@ -290,18 +290,18 @@ def end_process(code: int) -> None:
     not inside Python's atexit handlers or a garbage collection, which ran clean before the
     same exit; 0 of 5 ending here). A deployment pipeline reads that status, so the console
     script ends here."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
+    _flush_streams()
     atexit._run_exitfuncs()
+    _flush_streams()  # (what the handlers printed)
+    os._exit(code)
+
+
+def _flush_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)
 
 
 def entry() -> None:

@@ -297,8 +297,9 @@ def _unravel(rank: int, strided: list[int]) -> list[str]:
     it (a per-channel value over NCHW's H*W, a per-row value: `(offsets // size[-1]) %
     size[-2]`). The unravel costs an integer division and a remainder per dim on run-time
     sizes: in the sm_90 binary of a fp32 bias + erf-GELU chain of rank 3, 43 of its 124 SASS
-    instructions an element (nvdisasm), the shortcut's remainder 17; on the H200 that chain
-    over [1024, 3072] ran at 14.6 µs against a 5.2 µs memory floor (nineteenth session)."""
+    instructions an element (nvdisasm, static counts), the shortcut's remainder 17; on the H200
+    that chain over [1024, 3072] ran at 14.6 µs against a 5.2 µs memory floor, 11.2 with the
+    shortcuts (nineteenth and twentieth sessions, tuning's CUPTI timings)."""
     out = ["# Unravel the linear index into output coordinates for the strided inputs."]
     if rank == 0:
         return out + [f"x{i}_offsets = offsets * 0" for i in strided]
