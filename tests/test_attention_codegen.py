@@ -128,8 +128,7 @@ CASES = [
          extras=(("additive", (2, 1, 1, 37)),), bias=True),
     Case("f32-ieee-bias-rank3", "f32", SCALE, b=1, h=3, layout="shd", bias=True),
     Case("f16-bias-causal-d40-dv72", "f16", CAUSAL, d=40, dv=72, extras=(("causal", (1, 1, 20, 37)),), bias=True),
-    # the 64 x 128 tile tuning also times (codegen_attention.HALF_WIDE_KV): a partial second key
-    # block and a partial query block
+    # a 64 x 128 tile: a partial second key block and a partial query block
     Case("f16-wide-kv-tile", "f16", SCALE_MASK, sq=70, sk=130, extras=(("additive", (2, 1, 1, 130)),),
          variant=AttentionVariant(block_m=64, block_n=128, num_warps=4, num_stages=2, aligned=True)),
     Case("f16-bias-mask-aligned", "f16", SCALE_MASK, extras=(("additive", (2, 1, 1, 37)),), variant=SMALL_ALIGNED,

@@ -559,6 +559,24 @@ def test_the_node_margin_shrinks_with_the_copies_timed_per_run():
     assert tuning.node_margin(10.0, 16) == pytest.approx(0.2)  # 2% of a long node
 
 
+@pytest.mark.parametrize("orig_us, fused_us, offered, goes_back", [
+    (3.50, 3.55, False, False),  # a matched node within the margin stays fused (it saves a kernel's traffic)
+    (3.50, 3.55, True, True),    # an offered one goes back: ORT fuses these nodes itself
+    (1.78, 1.89, True, True),
+    (3.50, 3.45, True, True),    # faster, but within the margin (0.3 µs bundled): still a tie
+    (12.54, 3.30, True, False),  # faster by more than the margin: kept
+    (6.37, 8.13, False, True),   # slower by more than the margin: back either way
+])
+def test_offered_nodes_are_kept_only_where_faster(orig_us, fused_us, offered, goes_back):
+    """`offered-ties-to-ort`: on the H200 (twenty-first session, BERT-base fp16) every
+    SkipLayerNormalization offered to FusedRows timed a tie (3.50 against 3.55 µs at b8, 1.78
+    against 1.89 at b1) and the ties were kept: 25 FusedRows took 78 µs in the model where ORT's
+    24 SkipLayerNormalization took 66. An offered node now needs a lead beyond the margin."""
+    d = tuning.NodeDecision("n", "rows", original_ms=orig_us / 1e3, fused_ms=fused_us / 1e3, mode=tuning.BUNDLED,
+                            original_kernels=1, fused_kernels=1, offered=offered)
+    assert d.loses() is goes_back
+
+
 def test_the_record_says_where_the_seconds_went(monkeypatch):
     m = vgg_stack(2, 8, 3, 16)
     r, before = _optimized(m)
@@ -956,7 +974,7 @@ def test_attention_tiles_are_searched_without_tune_configs(monkeypatch):
     assert sorted(f.kind for f in r.fused) == ["attention", "pointwise"]
     searched = []
 
-    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs):
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
         searched.append(f.kind)
         return 0.05, "tile 16x16"
 
@@ -980,7 +998,7 @@ def test_configurations_are_timed_after_every_nodes_own_kernel(monkeypatch):
         events.append("pair")
         return time_pair(timer, orig, mini, graphs, cached_only)
 
-    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs):
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
         events.append("search")
         return 0.3, "tile 16x16"  # slower than the original's 0.2
 
@@ -998,13 +1016,47 @@ def test_configurations_are_timed_after_every_nodes_own_kernel(monkeypatch):
 def test_no_configuration_is_timed_past_the_budget(monkeypatch):
     r, before = _optimized(_attention_then_pointwise())
     searched = []
-    monkeypatch.setattr(tuning, "_search_configs", lambda *a: searched.append(a) or (0.05, "tile 16x16"))
+    monkeypatch.setattr(tuning, "_search_configs", lambda *a, **k: searched.append(a) or (0.05, "tile 16x16"))
     _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)),
                 budget_after_one_pair=True)
     rec = _tune(r, before)["tune"]
     assert not searched
     chosen = {d["kind"]: d["chosen"] for d in rec["nodes"]}
     assert chosen["attention"] == "fused" and chosen["pointwise"].startswith("not measured (tuning budget")
+
+
+@pytest.mark.parametrize("same_shapes", [True, False])
+def test_past_the_budget_a_layer_like_a_searched_one_is_searched_from_the_cache(monkeypatch, same_shapes):
+    """The budget runs out during the first conv's search. A second conv of the same shapes is
+    still searched, from remembered timings alone (cached_only: its tiles are compile-cache hits
+    and their times known); one of other shapes is not. (On the H200, BERT-base b8 fp16: two of
+    twelve identical attention layers got the searched 7.1 µs tile, ten the default's 10.3.)"""
+    rng = np.random.default_rng(0)
+    k2 = 8 if same_shapes else 6
+    w1, w2 = rng.standard_normal((8, 4, 3, 3)).astype(np.float32), rng.standard_normal((k2, 4, 3, 3)).astype(np.float32)
+    m = model([N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["y1"]),
+               N("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1]), N("Relu", ["c2"], ["y2"])],
+              {"x": ("float32", [2, 4, 8, 8])}, {"y1": ("float32", [2, 8, 8, 8]), "y2": ("float32", [2, k2, 8, 8])},
+              {"w1": w1, "w2": w2})
+    r, before = _optimized(m)
+    assert [f.kind for f in r.fused] == ["conv", "conv"]
+    searched = []
+
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
+        searched.append((f.node_name, cached_only))
+        return (0.04, "tile 16x16") if not cached_only or same_shapes else None
+
+    monkeypatch.setattr(tuning, "_search_configs", search)
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.1 * _fused_nodes(mm))
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: 1e6 if searched else 0.0)  # spent by the first search
+    rec = _tune(r, before, TuneSettings(provider="cpu", batch=2, cache=False, configs=True, budget_s=1.0))["tune"]
+    first, second = (f.node_name for f in r.fused)
+    if same_shapes:
+        assert searched == [(first, False), (second, True)]
+        assert [d["chosen"] for d in rec["nodes"]] == ["tile 16x16", "tile 16x16"]
+    else:
+        assert searched == [(first, False)]
+        assert [d["chosen"] for d in rec["nodes"]] == ["tile 16x16", "fused"]
 
 
 def test_ort_default_error_is_the_most_accurate_session_output_by_output():
