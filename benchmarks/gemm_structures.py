@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gemm_tiles import cycled  # noqa: E402
 
 C_ERF = 0.7071823477745056  # RN32(1 / fp16(sqrt 2))
 
@@ -112,14 +114,52 @@ TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 
 SHAPES = {"ffn1_b8": (1024, 768, 3072), "ffn1_b1": (128, 768, 3072), "qkv_b8_gelu": (1024, 768, 2304)}
 
 
-def main() -> None:
-    from triton.testing import do_bench_cudagraph
+def dry_run() -> list[dict]:
+    """CPU, under Triton's interpreter (TRITON_INTERPRET=1): each structure on a 48 x 64 x 96
+    product with 32 x 32 tiles (three programs where persistent), against float64; raises where
+    the error exceeds fp16's rounding of the output (2^-10 of its largest value)."""
+    m, k, n = 48, 64, 96
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=gen).half()
+    w = (torch.randn(k, n, generator=gen) / math.sqrt(k)).half()
+    b = (torch.randn(n, generator=gen) * 0.1).half()
+    h = x.double() @ w.double() + b.double()
+    ref = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8))
+    rows = []
+    for name, (kern, persistent) in STRUCTURES.items():
+        y = torch.zeros(m, n, dtype=torch.float16)
+        tiles = triton.cdiv(m, 32) * triton.cdiv(n, 32)
+        kern[(3 if persistent else tiles,)](x, w, b, y, m, n, k, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2,
+                                            PERSISTENT=persistent, NUM_SMS=3)
+        err, bound = float((y.double() - ref).abs().max()), float(ref.abs().max()) * 2.0**-10
+        rows.append({"kernel": name, "err": err, "bound": bound})
+        print(f"{name:16} err {err:.2g} (bound {bound:.2g})")
+        if not err <= bound:
+            raise AssertionError(f"{name}: error {err:.3g} above {bound:.3g}")
+    return rows
 
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path)
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--rep", type=int, default=50)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU: run each structure small under Triton's interpreter (TRITON_INTERPRET=1)")
     args = ap.parse_args()
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--dry-run runs under Triton's interpreter: set TRITON_INTERPRET=1")
+        from tests.test_codegen import _install_libdevice_shims  # the interpreter's stand-ins, as the tests use
+        from tests.test_rows_codegen import install_index_fix
+
+        _install_libdevice_shims()
+        install_index_fix()
+        dry_run()
+        return
+    from triton.testing import do_bench_cudagraph
+
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     rows = []
@@ -132,15 +172,8 @@ def main() -> None:
         h = x.double() @ w.double() + b.double()
         ref = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
 
-        def cycled(fn, outs=None):
-            state = {"i": 0}
-
-            def call():
-                j = state["i"] % len(sets)
-                fn(*sets[j], *([outs[j]] if outs else []))
-                state["i"] += 1
-            return call
-        mm = do_bench_cudagraph(cycled(lambda x, w, b: torch.mm(x, w)), rep=args.rep, return_mode="median") * 1e3
+        mm = do_bench_cudagraph(cycled(sets, lambda x, w, b: torch.mm(x, w)), rep=args.rep,
+                                return_mode="median") * 1e3
         # ORT's MatMul + BiasGelu, as torch: the product, then bias + exact GELU in one kernel is not
         # available, so the peer here is cuBLAS's product alone (add BiasGelu's CUPTI 6.4 us at b8)
         for name, (kern, persistent) in STRUCTURES.items():
@@ -150,14 +183,15 @@ def main() -> None:
                 grid = (min(sms, tiles) if persistent else tiles,)
                 outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in sets]
 
-                def launch(x, w, b, y, kern=kern, grid=grid, bm=bm, bn=bn, bk=bk, w_=w_, s=s, p=persistent):
+                def launch(x, w, b, y, kern=kern, grid=grid, bm=bm, bn=bn, bk=bk, w_=w_, s=s, p=persistent, m=m, n=n,
+                           k=k):
                     kern[grid](x, w, b, y, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=p,
                                NUM_SMS=sms, num_warps=w_, num_stages=s)
                 try:
                     launch(*sets[0], outs[0])
                     torch.cuda.synchronize()
                     err = float((outs[0].double() - ref).abs().max())
-                    us = do_bench_cudagraph(cycled(launch, outs), rep=args.rep, return_mode="median") * 1e3
+                    us = do_bench_cudagraph(cycled(sets, launch, outs), rep=args.rep, return_mode="median") * 1e3
                 except Exception as e:  # noqa: BLE001 -- reported
                     rows.append({"shape": shape, "kernel": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                     print(shape, label, "ERROR", rows[-1]["error"], flush=True)

@@ -39,11 +39,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -118,6 +117,10 @@ def float64_reference(name: str, x, w, b, r):
     return h
 
 
+def max_error(y, ref) -> float:
+    return float((y.double() - ref).abs().max())
+
+
 def framework_result(name: str, x, w, b, r):
     """The original graph's math in the operands' dtype, op by op (torch eager)."""
     import torch
@@ -126,6 +129,89 @@ def framework_result(name: str, x, w, b, r):
     if name == "ffn1":
         h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
     return h + r if r is not None else h
+
+
+def cycled(sets: list[tuple], fn, outs: list | None = None):
+    """A callable that runs fn on the next operand set (and its own output buffer) at each call:
+    captured `len(sets)` times or more in a CUDA graph, the replays walk through every copy, so
+    no copy's operands are still in L2 from its last run when the sets together exceed L2."""
+    state = {"i": 0}
+
+    def call():
+        j = state["i"] % len(sets)
+        fn(*sets[j], *([outs[j]] if outs is not None else []))
+        state["i"] += 1
+    return call
+
+
+def draw_sets(name: str, m: int, dtype, copies: int, device: str = "cuda", scale: int = 1) -> list[tuple]:
+    """`copies` seeded operand sets (x [M, K], W [K, N] scaled by 1/sqrt(K), the bias, the
+    residual or None) of a workload; `scale` divides K and N (the dry run's sizes)."""
+    import torch
+
+    k, n = (d // scale for d in WORKLOADS[name][:2])
+    gen = torch.Generator(device=device).manual_seed(17)
+
+    def draw(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+    return [(draw(m, k), draw(k, n, scale=k ** -0.5), draw(n, scale=0.1), draw(m, n) if residual(name) else None)
+            for _ in range(copies)]
+
+
+def launcher(fn, ks, v: GemmVariant, m: int, n: int, k: int, device: str):
+    """launch(x, w, b, r, y) of a generated kernel with the parameters and grid the C++
+    launcher passes (x [M, K] @ w [K, N], the bias b, the residual r or None), or None for a
+    split-K variant the launcher would not run at this size. A split launch zeroes its arrival
+    counters first, as the launcher does (a memset)."""
+    import torch
+
+    slices = v.slices(m, n, k, 1) if v.split_k else 0
+    if v.split_k and slices < 2:
+        return None
+    ws = torch.empty(max(1, slices * v.tiles(m, n) * v.block_m * v.block_n), device=device)
+    cnt = torch.zeros(max(1, v.tiles(m, n)), dtype=torch.int32, device=device)
+    grid, consts = v.grid(m, n, 1, slices), dict(ks.constexprs)
+
+    def launch(x, w, b, r, y):
+        ints = [m, n, k, 0, k, 0, n]
+        if v.split_k:
+            cnt.zero_()
+            ints += [ws, cnt]
+        fn[grid](x, w, b, *([r] if r is not None else []), y, *ints, num_warps=ks.num_warps,
+                 num_stages=ks.num_stages, **consts)
+    return launch
+
+
+def dry_run() -> list[dict]:
+    """CPU, under Triton's interpreter (TRITON_INTERPRET=1): every workload at a sixteenth of its
+    K and N and 32 rows, one small tile plain and split K, against float64; raises where a
+    kernel's error exceeds fp16's rounding of the output (2^-10 of its largest value)."""
+    import torch
+
+    rows = []
+    tmp = Path(tempfile.mkdtemp(prefix="gemm-tiles-dry-"))
+    m = 32
+    for name, (k, n, _) in WORKLOADS.items():
+        k, n = k // 16, n // 16
+        x, w, b, r = draw_sets(name, m, torch.float16, 1, "cpu", scale=16)[0]
+        ref = float64_reference(name, x, w, b, r)
+        spec = GemmSpec(f"k_{name}_dry", program(name, "f16"), ("row", "full") if r is not None else ("row",),
+                        m=m, n=n, k=k, batch=1)
+        small = GemmVariant(block_m=16, block_n=32, block_k=16, num_warps=4, num_stages=2, aligned=True)
+        for i, v in enumerate((small, GemmVariant(**{**small.__dict__, "split": 2}))):
+            ks = generate_gemm(spec, v)
+            fn = _load(ks.source.replace(spec.name, f"{spec.name}_{i}"), f"{spec.name}_{i}", tmp)
+            y = torch.empty(m, n, dtype=torch.float16)
+            launch = launcher(fn, ks, v, m, n, k, "cpu")
+            assert launch is not None, f"{name}: the split variant does not run at this size"
+            cycled([(x, w, b, r)], launch, [y])()  # as the timed path calls it
+            err = max_error(y, ref)
+            bound = float(ref.abs().max()) * 2.0**-10
+            rows.append({"workload": name, "split": v.split_k, "err": err, "bound": bound})
+            print(f"{name:10} {'split K' if v.split_k else 'plain':8} err {err:.2g} (bound {bound:.2g})")
+            if not err <= bound:
+                raise AssertionError(f"{name}: error {err:.3g} above {bound:.3g}")
+    return rows
 
 
 def run(args) -> list[dict]:
@@ -142,37 +228,20 @@ def run(args) -> list[dict]:
             k, n, _ = WORKLOADS[name]
             m = args.batch * SEQ
             with_r = residual(name)
-            gen = torch.Generator(device="cuda").manual_seed(17)
-
-            def draw(*shape, scale=1.0):
-                return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(tdt)
-            sets = [(draw(m, k), draw(k, n, scale=k ** -0.5), draw(n, scale=0.1),
-                     draw(m, n) if with_r else None) for _ in range(args.copies)]
+            sets = draw_sets(name, m, tdt, args.copies)
             x, w, b, r = sets[0]
             ref = float64_reference(name, x, w, b, r)
-
-            def err(y):
-                return float((y.double() - ref).abs().max())
             flops = 2.0 * m * n * k
             peer = {}
-
-            def cycle(fn):
-                state = {"i": 0}
-
-                def call():
-                    fn(*sets[state["i"] % len(sets)])
-                    state["i"] += 1
-                return call
-
-            peer["cublas mm"] = do_bench_cudagraph(cycle(lambda x, w, b, r: torch.mm(x, w)), rep=args.rep,
+            peer["cublas mm"] = do_bench_cudagraph(cycled(sets, lambda x, w, b, r: torch.mm(x, w)), rep=args.rep,
                                                    return_mode="median")
-            peer["cublasLt addmm (bias)"] = do_bench_cudagraph(cycle(lambda x, w, b, r: torch.addmm(b, x, w)),
-                                                               rep=args.rep, return_mode="median")
+            peer["cublasLt addmm (bias)"] = do_bench_cudagraph(
+                cycled(sets, lambda x, w, b, r: torch.addmm(b, x, w)), rep=args.rep, return_mode="median")
             if name == "ffn1":
                 peer["cublasLt bias+tanh-GELU"] = do_bench_cudagraph(
-                    cycle(lambda x, w, b, r: torch._addmm_activation(b, x, w, use_gelu=True)), rep=args.rep,
+                    cycled(sets, lambda x, w, b, r: torch._addmm_activation(b, x, w, use_gelu=True)), rep=args.rep,
                     return_mode="median")
-            framework_err = err(framework_result(name, x, w, b, r))
+            framework_err = max_error(framework_result(name, x, w, b, r), ref)
             spec = GemmSpec(f"k_{name}_{dt}", program(name, dt), ("row", "full") if with_r else ("row",),
                             precision="tf32", m=m, n=n, k=k, batch=1)
             for i, v in enumerate(variants(dt, m, n, k)):
@@ -184,40 +253,22 @@ def run(args) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 -- reported in the row
                     rows.append({"dtype": dtype, "workload": name, "tile": label, "error": f"{type(e).__name__}: {e}"})
                     continue
-                slices = v.slices(m, n, k, 1) if v.split_k else 0
-                if v.split_k and slices < 2:
+                launch = launcher(fn, ks, v, m, n, k, "cuda")
+                if launch is None:
                     continue
-                ws = torch.empty(max(1, slices * v.tiles(m, n) * v.block_m * v.block_n), device="cuda")
-                cnt = torch.zeros(max(1, v.tiles(m, n)), dtype=torch.int32, device="cuda")
-                grid = v.grid(m, n, 1, slices)
-                consts = dict(ks.constexprs)
-
-                def launch(x, w, b, r, y, fn=fn, grid=grid, consts=consts, split=v.split_k):
-                    extras = [b] + ([r] if r is not None else [])
-                    ints = [m, n, k, 0, k, 0, n]
-                    if split:
-                        cnt.zero_()
-                        ints += [ws, cnt]
-                    fn[grid](x, w, *extras, y, *ints, num_warps=ks.num_warps, num_stages=ks.num_stages,
-                             **consts)
                 outs = [torch.empty(m, n, dtype=tdt, device="cuda") for _ in sets]
                 try:
                     launch(x, w, b, r, outs[0])
                     torch.cuda.synchronize()
-                    e = err(outs[0])
-                    state = {"i": 0}
-
-                    def call():
-                        j = state["i"] % len(sets)
-                        launch(*sets[j], outs[j])
-                        state["i"] += 1
-                    ms = do_bench_cudagraph(call, rep=args.rep, return_mode="median")
+                    e = max_error(outs[0], ref)
+                    ms = do_bench_cudagraph(cycled(sets, launch, outs), rep=args.rep, return_mode="median")
                 except Exception as ex:  # noqa: BLE001 -- a tile that does not compile or fit
                     rows.append({"dtype": dtype, "workload": name, "tile": label,
                                  "error": f"{type(ex).__name__}: {str(ex)[:200]}"})
                     continue
                 rows.append({"dtype": dtype, "workload": name, "m": m, "n": n, "k": k, "tile": label,
-                             "slices": slices, "us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
+                             "slices": v.slices(m, n, k, 1) if v.split_k else 0, "us": ms * 1e3,
+                             "tflops": flops / (ms * 1e-3) / 1e12,
                              "err": e, "framework_err": framework_err,
                              **{f"{p} us": t * 1e3 for p, t in peer.items()}})
                 print(_line(rows[-1]), flush=True)
@@ -242,7 +293,19 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences of 128 tokens: M = 128 x batch")
     ap.add_argument("--copies", type=int, default=12, help="operand sets cycled through (L2 cold)")
     ap.add_argument("--rep", type=int, default=50, help="ms of replays per timing")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU: run every workload's kernels small under Triton's interpreter (TRITON_INTERPRET=1)")
     args = ap.parse_args()
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--dry-run runs under Triton's interpreter: set TRITON_INTERPRET=1")
+        from tests.test_codegen import _install_libdevice_shims  # the interpreter's stand-ins, as the tests use
+        from tests.test_rows_codegen import install_index_fix
+
+        _install_libdevice_shims()
+        install_index_fix()
+        dry_run()
+        return
     rows = run(args)
     best: dict[tuple[str, str], dict] = {}
     for r in rows:

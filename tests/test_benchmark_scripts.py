@@ -272,6 +272,36 @@ def test_gemm_roofline_dry_run(tmp_path):
     assert all(x["function_body_err"] < 1e-5 for x in rows)
 
 
+@pytest.mark.parametrize("script", ["gemm_tiles", "gemm_structures"])
+def test_gemm_tile_and_structure_sweeps_dry_run(script):
+    """benchmarks/gemm_tiles.py and gemm_structures.py --dry-run: every kernel they time (the
+    generated GemmEpilogue for each BERT-base workload, plain and split K; the TMA-descriptor
+    and persistent structures) runs small under Triton's interpreter within fp16's rounding of
+    the float64 result (the scripts raise otherwise)."""
+    pytest.importorskip("triton")
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--dry-run"], cwd=root, capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    lines = [ln for ln in r.stdout.splitlines() if " err " in ln]
+    assert len(lines) == (10 if script == "gemm_tiles" else 3)
+
+
+def test_gemm_tiles_sweeps_the_shipped_tiles_and_splits_only_small_grids():
+    from benchmarks.gemm_tiles import TILES, program, variants
+
+    shipped = [t["f16"] for t in TILES.values()]
+    vs = variants("f16", 1024, 768, 3072)  # FFN2 at batch 8: 48 tiles of 128 x 128
+    plain = [(v.block_m, v.block_n, v.block_k, v.num_warps, v.num_stages) for v in vs if not v.split_k]
+    assert plain[:len(shipped)] == shipped and len(set(plain)) == len(plain)
+    assert all(2 * v.tiles(1024, 768) <= 132 for v in vs if v.split_k)
+    assert any(v.split_k for v in vs) and not any(v.split_k for v in variants("f16", 1024, 3072, 768)
+                                                  if v.block_m * v.block_n >= 128 * 128)
+    text = program("ffn1", "f16").to_text()  # the 16-bit form: a product by RN(1/c), not a division
+    assert "erf" in text and "div" not in text
+    assert "div" in program("ffn1", "f32").to_text()
+
+
 def test_gemm_roofline_accuracy_reads_both_errors_and_the_gate(tmp_path, monkeypatch):
     """gemm_roofline's accuracy step: onnxfuse bench's errors against float64 for the fused
     model and the original under ORT, and the gate (run here on the CPU provider, where the
