@@ -233,6 +233,41 @@ def rows_variants(spec: RowsSpec) -> tuple[RowsVariant, ...]:
     return tuple(out)
 
 
+# Tiles tuning times besides the heuristic's (`rows-candidates`), for a single-pass kernel
+# compiled for a static row length: the same rows per program on 1, 2 or 8 warps (a row on one
+# warp is reduced by shuffles alone, no shared memory or barrier), twice the rows on twice the
+# warps, and half. At most ROW_CANDIDATES of them, each holding at most ROW_VALUES_PER_THREAD
+# fp32 values a thread. Why: at BERT-base's rows (768 wide, fp16, 1024 rows) the heuristic's
+# one row per 4-warp program timed 3.55 µs against ORT's SkipLayerNormalization's 3.50 on the
+# H200 (twenty-first session), 2.53 µs against a 1.0 µs memory bound in the ninth: a latency-
+# bound kernel, whose warps per row were never measured.
+ROW_CANDIDATES = 4
+ROW_VALUES_PER_THREAD = 64
+
+
+def rows_candidates(spec: RowsSpec) -> list[tuple[str, tuple[RowsVariant, ...]]]:
+    """(label, variants) per configuration `--tune` times (the kind's `search_configs`): the
+    heuristic's first; then, where its first variant is a single-pass kernel for a static row
+    length (not group_norm's), that kernel at the other tiles above, each followed by the
+    heuristic's fallbacks."""
+    base = rows_variants(spec)
+    out = [("default", base)]
+    first = base[0]
+    if spec.reduction == "group_norm" or first.looped or not first.cols:
+        return out
+    bm, bn, w = first.block_m, first.block_n, first.num_warps
+    tiles = [(bm, 1), (bm, 2), (bm, 8), (2 * bm, min(8, 2 * w)), (max(1, bm // 2), max(1, w // 2))]
+    seen = {(bm, w)}
+    for m, warps in tiles:
+        if (m, warps) in seen or len(out) > ROW_CANDIDATES or m * bn > ROW_VALUES_PER_THREAD * 32 * warps:
+            continue
+        seen.add((m, warps))
+        alt = RowsVariant(**{**first.__dict__, "block_m": m, "num_warps": warps})
+        variants = tuple(RowsVariant(**{**v.__dict__, "index": i}) for i, v in enumerate((alt, *base[1:])))
+        out.append((f"tile {m}x{bn}, {warps} warps", variants))
+    return out
+
+
 def rows_param_names(spec: RowsSpec) -> list[str]:
     """Kernel parameters in launch order (docs/format.md, kind rows), without constexprs."""
     names = [f"x{i}_ptr" for i in range(spec.n_prologue)] + [f"e{j}_ptr" for j in range(spec.n_extras)]

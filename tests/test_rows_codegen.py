@@ -28,6 +28,7 @@ from onnxfuse.codegen_rows import (
     RowsSpec,
     RowsVariant,
     generate_rows,
+    rows_candidates,
     rows_param_names,
     rows_variants,
 )
@@ -130,6 +131,10 @@ CASES = [
          per_row=True),
     Case("softmax-per-row-strided-looped", "softmax", (2, 3, 5, 300), 3, ROW_SCALE, SOFTMAX_OUT,
          ("full", "strided"), per_row=True, pick=1),
+    # a tile tuning times (rows_candidates): two rows of 768 fp16 per program, five rows
+    Case("ln-768-f16-candidate-two-rows", "layer_norm", (5, 768), 1, RESIDUAL, LN_AFFINE,
+         ("full", "full", "last", "last"), dtype="f16",
+         variant=RowsVariant(0, 2, 1024, 8, cols=768, aligned=True)),
 ]
 
 
@@ -322,6 +327,27 @@ def test_variant_choice():
     dyn = rows_variants(_spec(None))
     assert [x.meta()["max_cols"] for x in dyn] == [128, 512, 2048, 8192, 0]
     assert dyn[-1].looped
+
+
+def test_candidates_vary_warps_and_rows_of_a_static_single_pass_kernel():
+    """`rows-candidates`: BERT-base's 768-wide rows (one row of 1024 lanes per 4-warp program by
+    the heuristic) are also timed on 1, 2 and 8 warps and two rows per 8-warp program, each
+    followed by the heuristic's fallbacks; other kernels are timed as the heuristic has them."""
+    cands = rows_candidates(_spec(768, "f16"))
+    assert cands[0] == ("default", rows_variants(_spec(768, "f16")))
+    alts = [(v[0].block_m, v[0].num_warps) for _, v in cands[1:]]
+    assert alts == [(1, 1), (1, 2), (1, 8), (2, 8)]
+    assert [label for label, _ in cands[1:]] == ["tile 1x1024, 1 warps", "tile 1x1024, 2 warps",
+                                                 "tile 1x1024, 8 warps", "tile 2x1024, 8 warps"]
+    for _, vs in cands[1:]:
+        assert vs[0].cols == 768 and vs[0].aligned and not vs[0].looped
+        assert vs[1:] == rows_variants(_spec(768, "f16"))[1:] and [v.index for v in vs] == list(range(len(vs)))
+        generate_rows(_spec(768, "f16"), vs[0])  # each compiles to source
+    # no candidate holds more than 64 fp32 values a thread: 8192-wide rows on one warp would spill
+    wide = rows_candidates(_spec(8192))
+    assert all(v[0].block_m * v[0].block_n <= 64 * 32 * v[0].num_warps for _, v in wide)
+    # dynamic row lengths and looped kernels: the heuristic's alone
+    assert len(rows_candidates(_spec(None))) == 1 and len(rows_candidates(_spec(MAX_SINGLE_PASS + 1))) == 1
 
 
 def test_source_is_deterministic_and_names_its_nodes():

@@ -54,7 +54,15 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.codegen import KernelSource
-from onnxfuse.codegen_rows import REDUCTIONS, ROW_VALUES, RowsSpec, RowsVariant, generate_rows, rows_variants
+from onnxfuse.codegen_rows import (
+    REDUCTIONS,
+    ROW_VALUES,
+    RowsSpec,
+    RowsVariant,
+    generate_rows,
+    rows_candidates,
+    rows_variants,
+)
 from onnxfuse.expr import Builder, Operand, Program, evaluate
 from onnxfuse.graph import GraphView, Shape, same_shape
 from onnxfuse.groups import Accepted, reentering
@@ -1269,6 +1277,9 @@ class Rows(Kind):
     op_type = "FusedRows"
     match_kind = "row_reduction"
     params = frozenset({"reductions", "min_nodes"})
+    # the tile heuristic (`rows-tiles`) was never swept, and row kernels are latency-bound at
+    # transformer sizes: tuning times the candidates (`rows_candidates`) with the budget left
+    search_configs = True
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> RowsParams:
         """reductions (any of layer_norm, rms_norm, softmax, log_softmax), min_nodes (default
@@ -1312,6 +1323,9 @@ class Rows(Kind):
 
     def variants(self, spec: RowsSpec) -> tuple[RowsVariant, ...]:
         return rows_variants(spec)
+
+    def candidates(self, spec: RowsSpec) -> list[tuple[str, tuple]]:
+        return rows_candidates(spec)
 
     def generate(self, spec: RowsSpec, variant: RowsVariant) -> KernelSource:
         return generate_rows(spec, variant)
