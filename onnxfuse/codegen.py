@@ -270,7 +270,7 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant)
     else:
         out.append("mask = offsets < n_elements")
     if strided:
-        out += _unravel(rank, strided)
+        out += _unravel(rank, strided, "pid * BLOCK" if variant.index_bits == 32 else "pid.to(tl.int64) * BLOCK")
     out.append("# Load the inputs and upcast to fp32.")
     for i, (dt, mode) in enumerate(zip(program.input_dtypes, modes, strict=True)):
         out.append(f"x{i} = {_load(i, dt, mode)}")
@@ -288,7 +288,7 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant)
     return out
 
 
-def _unravel(rank: int, strided: list[int]) -> list[str]:
+def _unravel(rank: int, strided: list[int], start: str = "pid * BLOCK") -> list[str]:
     """Each strided input's element offsets: an unrolled row-major unravel of `offsets` over
     the output's dims, and, from rank 2, two shortcuts taken at run time for a whole launch
     when every strided input reads along one contiguous dim of the output and broadcasts
@@ -299,24 +299,48 @@ def _unravel(rank: int, strided: list[int]) -> list[str]:
     sizes: in the sm_90 binary of a fp32 bias + erf-GELU chain of rank 3, 43 of its 124 SASS
     instructions an element (nvdisasm, static counts), the shortcut's remainder 17; on the H200
     that chain over [1024, 3072] ran at 14.6 µs against a 5.2 µs memory floor, 11.2 with the
-    shortcuts (nineteenth and twentieth sessions, tuning's CUPTI timings)."""
+    shortcuts (nineteenth and twentieth sessions, tuning's CUPTI timings).
+
+    Within a shortcut, where a program's BLOCK consecutive elements (from `start`, the first)
+    cross the last dim's end at most once (BLOCK <= size[-1]; along the last dim also up to
+    four times), the remainders are its first element's, one scalar remainder per program,
+    plus the lane, less size[-1] past each crossing: a compare and a select an element for
+    each possible crossing instead of a remainder (`pointwise-wraps`: BERT-base's fp16 bias +
+    GELU over [1024, 3072] at BLOCK 2048, which still lost to BiasGelu, 8.1 against 6.4 µs on
+    the H200 in the twenty-first session)."""
     out = ["# Unravel the linear index into output coordinates for the strided inputs."]
     if rank == 0:
         return out + [f"x{i}_offsets = offsets * 0" for i in strided]
     if rank == 1:
         return out + ["idx0 = offsets"] + [f"x{i}_offsets = idx0 * stride_x{i}_0" for i in strided]
     last, before = rank - 1, rank - 2
+    n = f"size{last}"
 
     def along(d: int) -> str:
         conds = [f"(stride_x{i}_{k} == {1 if k == d else 0})" for i in strided for k in range(rank)]
         return " & ".join(conds)
 
-    out.append("# Every strided input a vector along the last dim: one remainder.")
+    def wrapped(times: int) -> list[str]:
+        return ([f"        col = ({start}) % {n} + tl.arange(0, BLOCK)"]
+                + [f"        col = tl.where(col >= {n}, col - {n}, col)"] * times)
+
+    out.append("# Every strided input a vector along the last dim: the column, from the program's first")
+    out.append("# element's and the lane where the block crosses the last dim's end at most four times,")
+    out.append("# else one remainder an element.")
     out.append(f"if {along(last)}:")
-    out += [f"    x{i}_offsets = offsets % size{last}" for i in strided]
-    out.append("# ... or along the dim before it: one division, one remainder.")
+    out += [f"    if BLOCK <= {n}:", *wrapped(1), f"    elif BLOCK <= 4 * {n}:", *wrapped(4),
+            "    else:", f"        col = offsets % {n}"]
+    out += [f"    x{i}_offsets = col" for i in strided]
+    out.append("# ... or along the dim before it: the row, from the program's first element's where the")
+    out.append("# block crosses the last dim's end at most once, else one division and one remainder.")
     out.append(f"elif {along(before)}:")
-    out += [f"    x{i}_offsets = (offsets // size{last}) % size{before}" for i in strided]
+    out += [f"    if BLOCK <= {n}:",
+            f"        lane = ({start}) % {n} + tl.arange(0, BLOCK)",
+            f"        row = (({start}) // {n}) % size{before} + tl.where(lane >= {n}, 1, 0)",
+            f"        row = tl.where(row >= size{before}, row - size{before}, row)",
+            "    else:",
+            f"        row = (offsets // {n}) % size{before}"]
+    out += [f"    x{i}_offsets = row" for i in strided]
     out.append("else:")
     out.append("    rem = offsets")
     for d in range(rank - 1, 0, -1):

@@ -116,6 +116,15 @@ def _broadcast_cases() -> list[Case]:
         Case("two-along-last", add3, ((4, 6), (6,), (1, 6)), ("f32", "f16", "f32")),
         Case("per-channel", "%2 = mul %0 %1\noutput %2 f32", ((2, 3, 5), (3, 1)), ("f32", "f32")),
         Case("along-mixed", add3, ((2, 3, 5), (5,), (3, 1)), ("f32", "f32", "f32")),
+        # the shortcuts' per-program wraps (`pointwise-wraps`): BLOCK 256 against a last dim of
+        # 300 / 260 (crossed at most once), 100 / 70 (up to four times), rows before it of 300 /
+        # 290 (once); int32 and int64 offsets alternate with the case's index
+        Case("bias-last-one-wrap", "%2 = add %0 %1\n%3 = erf %2\noutput %3 f32", ((5, 300), (300,)), ("f32", "f32")),
+        Case("bias-last-one-wrap-b", add3, ((7, 260), (260,), (1, 260)), ("f32", "f16", "f32")),
+        Case("bias-last-four-wraps", "%2 = add %0 %1\noutput %2 f32", ((9, 100), (100,)), ("f32", "f32")),
+        Case("bias-last-four-wraps-b", "%2 = mul %0 %1\noutput %2 f16", ((11, 70), (70,)), ("f16", "f32")),
+        Case("per-channel-one-wrap", "%2 = mul %0 %1\noutput %2 f32", ((2, 3, 300), (3, 1)), ("f32", "f32")),
+        Case("per-channel-one-wrap-b", "%2 = sub %0 %1\noutput %2 f32", ((3, 2, 290), (2, 1)), ("f32", "f32")),
     ]
 
 
@@ -471,26 +480,34 @@ def _golden(variant_index: int = 0):
 
 
 def _unravel_path(case: Case) -> str:
-    """Which of the generated unravel's branches a case's launch takes (codegen._unravel)."""
+    """Which of the generated unravel's branches a case's launch takes (codegen._unravel):
+    a shortcut with the block's wraps (1 or 4) or a remainder an element ("mod"), or the unravel."""
     out = _out_shape(case)
     strides = [_broadcast_strides(s, out) for s, m in zip(case.shapes, _modes(case), strict=True) if m == "strided"]
     if len(out) < 2 or not strides:
         return "none"
+    last = out[-1]
     for path, d in (("last", len(out) - 1), ("before", len(out) - 2)):
         if all(st == [1 if k == d else 0 for k in range(len(out))] for st in strides):
-            return path
+            if case.block <= last:
+                return f"{path}-1"
+            return f"{path}-4" if path == "last" and case.block <= 4 * last else f"{path}-mod"
     return "unravel"
 
 
 def test_cases_take_every_unravel_path():
     paths = {c.id: _unravel_path(c) for c in CASES}
-    assert paths["bias-last"] == paths["two-along-last"] == "last"
-    assert paths["per-channel"] == "before" and paths["full-as-strided"] == "unravel"
-    assert paths["along-mixed"] == paths["big-rank"] == "unravel"
+    assert paths["bias-last"] == paths["two-along-last"] == "last-mod"
+    assert paths["bias-last-one-wrap"] == paths["bias-last-one-wrap-b"] == "last-1"
+    assert paths["bias-last-four-wraps"] == paths["bias-last-four-wraps-b"] == "last-4"
+    assert paths["per-channel"] == "before-mod"
+    assert paths["per-channel-one-wrap"] == paths["per-channel-one-wrap-b"] == "before-1"
+    assert paths["full-as-strided"] == paths["along-mixed"] == paths["big-rank"] == "unravel"
     program = parse(_prog(("f32", "f32", "f32"), "%3 = add %0 %1\n%4 = mul %3 %2\noutput %4 f32"))
     src = generate(program, NAME, 2, ("full", "strided", "strided"), [], Variant(0)).source
     assert "if (stride_x1_0 == 0) & (stride_x1_1 == 1) & (stride_x2_0 == 0) & (stride_x2_1 == 1):" in src
-    assert "x2_offsets = (offsets // size1) % size0" in src
+    assert "row = (offsets // size1) % size0" in src and "x2_offsets = row" in src
+    assert "col = (pid.to(tl.int64) * BLOCK) % size1 + tl.arange(0, BLOCK)" in src  # Variant(0): int64 offsets
 
 
 def test_source_is_deterministic_and_documented():
