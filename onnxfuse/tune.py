@@ -22,12 +22,14 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    graph cannot be captured; median of `iters` synchronized runs. Convs are measured first,
    the largest first (the budget may run out: `measure_order`). A node
    whose original is faster (by more than `node_margin`: 2% or the timing noise) is
-   left to ONNX Runtime: the model is rebuilt from the state before the layout pass with
+   left to ONNX Runtime, and so is a node offered from ORT's own fusions (`Match.measured_only`:
+   a SkipLayerNormalization, a BiasGelu) that is not faster by more than that margin (a tie
+   keeps ORT's fusion, `NodeDecision.loses`): the model is rebuilt from the state before the layout pass with
    those nodes unfused, so the NHWC plan routes around them, and recompiled (cache hits).
    With `--tune` each fused kernel's candidate configurations (`candidates`) are timed too
    and the fastest is kept; a kind whose tile heuristic is measured on few shapes
-   (`Kind.search_configs`: FusedAttention) has its configurations timed without `--tune` as
-   well. Configurations are timed after every node's own kernel, within the budget.
+   (`Kind.search_configs`: FusedAttention, FusedRows) has its configurations timed without
+   `--tune` as well. Configurations are timed after every node's own kernel, within the budget.
 2. **Whole model.** The original (ORT defaults) and the optimized model are timed, with
    and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
@@ -75,7 +77,8 @@ the H200). After that a node is decided only when its timings are remembered (a 
 same shapes as one measured, or an earlier tuning); nodes left keep the heuristics' decision
 and are listed as not measured; the whole-model check always runs. Candidate configurations
 (`--tune configs`, `Kind.search_configs`) are timed after every node's own kernel, with what is
-left of the budget. The record's "phases" say where the seconds went (node timing,
+left of the budget; past it, a node whose one-node model equals one already searched (a layer
+of the same shapes) is searched from the remembered timings alone. The record's "phases" say where the seconds went (node timing,
 recompiling, whole-model timing, accuracy); "bundles" and "node_runs" split the node timing.
 """
 
