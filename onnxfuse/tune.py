@@ -24,7 +24,8 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    whose original is faster (by more than `node_margin`: 2% or the timing noise) is
    left to ONNX Runtime, and so is a node offered from ORT's own fusions (`Match.measured_only`:
    a SkipLayerNormalization, a BiasGelu) that is not faster by more than that margin (a tie
-   keeps ORT's fusion, `NodeDecision.loses`): the model is rebuilt from the state before the layout pass with
+   keeps ORT's fusion, `NodeDecision.loses`): the model is rebuilt from the state before the
+   layout pass with
    those nodes unfused, so the NHWC plan routes around them, and recompiled (cache hits).
    With `--tune` each fused kernel's candidate configurations (`candidates`) are timed too
    and the fastest is kept; a kind whose tile heuristic is measured on few shapes
@@ -78,8 +79,9 @@ same shapes as one measured, or an earlier tuning); nodes left keep the heuristi
 and are listed as not measured; the whole-model check always runs. Candidate configurations
 (`--tune configs`, `Kind.search_configs`) are timed after every node's own kernel, with what is
 left of the budget; past it, a node whose one-node model equals one already searched (a layer
-of the same shapes) is searched from the remembered timings alone. The record's "phases" say where the seconds went (node timing,
-recompiling, whole-model timing, accuracy); "bundles" and "node_runs" split the node timing.
+of the same shapes) is searched from the remembered timings alone. The record's "phases" say
+where the seconds went (node timing, recompiling, whole-model timing, accuracy); "bundles" and
+"node_runs" split the node timing.
 """
 
 from __future__ import annotations
