@@ -25,8 +25,8 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    left to ONNX Runtime, and so is a node offered from ORT's own fusions (`Match.measured_only`:
    a SkipLayerNormalization, a BiasGelu) that is not faster by more than that margin (a tie
    keeps ORT's fusion, `NodeDecision.loses`): the model is rebuilt from the state before the
-   layout pass with
-   those nodes unfused, so the NHWC plan routes around them, and recompiled (cache hits).
+   layout pass with those nodes unfused, so the NHWC plan routes around them, and recompiled
+   (cache hits).
    With `--tune` each fused kernel's candidate configurations (`candidates`) are timed too
    and the fastest is kept; a kind whose tile heuristic is measured on few shapes
    (`Kind.search_configs`: FusedAttention, FusedRows) has its configurations timed without
