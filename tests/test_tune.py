@@ -1059,6 +1059,37 @@ def test_past_the_budget_a_layer_like_a_searched_one_is_searched_from_the_cache(
         assert [d["chosen"] for d in rec["nodes"]] == ["tile 16x16", "fused"]
 
 
+def test_configurations_of_the_longest_nodes_are_searched_first(monkeypatch):
+    """The budget may end before the last search: the node with the most fused time at stake
+    goes first (an 8-channel conv timed 0.8 ms before a 16-channel one at 0.4, which the
+    measuring order, largest roofline time first, puts first)."""
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.standard_normal((8, 4, 3, 3)).astype(np.float32), rng.standard_normal((16, 4, 3, 3)).astype(np.float32)
+    m = model([N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["y1"]),
+               N("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1]), N("Relu", ["c2"], ["y2"])],
+              {"x": ("float32", [2, 4, 8, 8])}, {"y1": ("float32", [2, 8, 8, 8]), "y2": ("float32", [2, 16, 8, 8])},
+              {"w1": w1, "w2": w2})
+    r, before = _optimized(m)
+    searched = []
+
+    def time(self, mm, feeds, library, graph=False, cached_only=False):
+        if not _fused_nodes(mm):
+            return 2.0
+        ch = max(d.dim_value for o in mm.graph.output for d in o.type.tensor_type.shape.dim[1:2])
+        return 0.05 * (24 - ch)
+
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
+        searched.append(d.fused_ms)
+        return None
+
+    monkeypatch.setattr(tuning.Timer, "time", time)
+    monkeypatch.setattr(tuning.Timer, "time_models",
+                        lambda self, models, feeds, modes: {(lb, g): 1.0 for lb in models for g in modes})
+    monkeypatch.setattr(tuning, "_search_configs", search)
+    _tune(r, before, TuneSettings(provider="cpu", batch=2, cache=False, configs=True))
+    assert len(searched) == 2 and searched[0] > searched[1]
+
+
 def test_ort_default_error_is_the_most_accurate_session_output_by_output():
     """cuDNN may pick fp32 algorithms in one session and TF32 ones in the next: the gate's
     baseline takes each output from the session closest to the reference; a NaN the reference
