@@ -1185,7 +1185,9 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
                 continue
             d.mode, d.replicas, d.original_ms, d.fused_ms = pair
         d.chosen = "fused"
-        if settings.configs or KINDS[f.kind].search_configs:
+        # offered nodes compete with ORT's own fused kernels at a margin: their configurations
+        # are searched in every tuning (`offered-chains-searched`)
+        if settings.configs or KINDS[f.kind].search_configs or f.measured_only:
             searches.append((f, nodes[f.node_name], mini, d))
         if d.loses():
             d.chosen = "original"

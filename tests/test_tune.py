@@ -6,6 +6,7 @@ run is tests/test_gpu_conv.py."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -119,8 +120,9 @@ def test_pool_candidates_are_of_the_heuristics_kernel(pool, x_layout, first, til
 
 
 def test_pointwise_candidates():
-    (label, variants), = candidates(KernelSpec(RELU, "k", 1, ("full",)))
+    (label, variants), *others = candidates(KernelSpec(RELU, "k", 1, ("full",)))
     assert label == "default" and len(variants) >= 2
+    assert others and all(len(vs) == len(variants) for _, vs in others)  # the kind's candidates, as listed
 
 
 def test_input_shapes():
@@ -1088,6 +1090,43 @@ def test_configurations_of_the_longest_nodes_are_searched_first(monkeypatch):
     monkeypatch.setattr(tuning, "_search_configs", search)
     _tune(r, before, TuneSettings(provider="cpu", batch=2, cache=False, configs=True))
     assert len(searched) == 2 and searched[0] > searched[1]
+
+
+def test_offered_chains_are_searched_in_every_tuning(monkeypatch):
+    """`offered-chains-searched`: a chain offered to tuning against one of ORT's fused kernels
+    (Match.measured_only) has its launch configurations searched without `--tune configs`; a
+    chain fused outright does not."""
+    m = model([N("Sigmoid", ["x"], ["a"]), N("Mul", ["a", "x"], ["b"]), N("Transpose", ["b"], ["t"], perm=[1, 0]),
+               N("Tanh", ["t"], ["c"]), N("Exp", ["c"], ["y"])],
+              {"x": ("float32", [4, 6])}, {"y": ("float32", [6, 4])})
+    r, before = _optimized(m)
+    assert [f.kind for f in r.fused] == ["pointwise", "pointwise"]
+    r.fused[0] = dataclasses.replace(r.fused[0], measured_only=True)
+    searched = []
+
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
+        searched.append(f.node_name)
+        return None
+
+    monkeypatch.setattr(tuning, "_search_configs", search)
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.1 * _fused_nodes(mm))
+    _tune(r, before)
+    assert searched == [r.fused[0].node_name]
+
+
+def test_pointwise_candidates_vary_the_block_and_warps():
+    from onnxfuse.kinds.pointwise import choose_variants, pointwise_candidates
+
+    prog = parse(f"{HEADER}\ninput %0 f16\ninput %1 f16\n%2 = add %0 %1\n%3 = erf %2\noutput %3 f16\n")
+    spec = KernelSpec(prog, "k", 2, ("full", "strided"))
+    cands = pointwise_candidates(spec)
+    assert cands[0] == ("default", choose_variants(spec))
+    assert [label for label, _ in cands[1:]] == ["block 1024, 4 warps", "block 512, 4 warps", "block 4096, 4 warps",
+                                                 "block 2048, 8 warps"]
+    for _, vs in cands:
+        assert [(v.index, v.ptr_align, v.index_bits) for v in vs] == [(v.index, v.ptr_align, v.index_bits)
+                                                                       for v in choose_variants(spec)]
+        assert len({(v.block, v.num_warps) for v in vs}) == 1
 
 
 def test_ort_default_error_is_the_most_accurate_session_output_by_output():
