@@ -1191,15 +1191,15 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
             searches.append((f, nodes[f.node_name], mini, d))
         if d.loses():
             d.chosen = "original"
-    # then the candidate configurations, with what is left of the budget, the longest nodes
-    # first: every node's own kernel is timed first, so a search (one compile per tile) never
-    # leaves later nodes unmeasured (the thirteenth session's BERT-base b8: four attention tiles
-    # spent the 10 s before any GEMM was timed). Past the budget a node is still searched where a node of the
-    # same one-node model (a layer of the same shapes) was: its kernels are compile-cache hits
-    # and its timings remembered, so it costs no GPU time (the twenty-first session's BERT-base
-    # b8 fp16: two of twelve attention layers got the 7.1 µs tile, ten kept the default's 10.3)
-    # the nodes with the most time at stake first: the budget may end before the last search
-    # (BERT-base b8 fp16: an attention layer's 10.3 µs before a LayerNorm's 3.5)
+    # Then the candidate configurations, with what is left of the budget. Every node's own
+    # kernel is timed first, so a search (one compile per tile) never leaves later nodes
+    # unmeasured (the thirteenth session's BERT-base b8: four attention tiles spent the 10 s
+    # before any GEMM was timed); the nodes with the most time at stake are searched first
+    # (BERT-base b8 fp16: an attention layer's 10.3 µs before a LayerNorm's 3.5). Past the
+    # budget a node is still searched where one of the same one-node model (a layer of the same
+    # shapes) was: its kernels are compile-cache hits and its timings remembered, so it costs
+    # no GPU time (the twenty-first session's BERT-base b8 fp16: two of twelve attention layers
+    # got the 7.1 µs tile, ten kept the default's 10.3).
     searches.sort(key=lambda s: -(s[3].fused_ms or 0.0))
     searched: set[str] = set()
     for f, node, mini, d in searches:
