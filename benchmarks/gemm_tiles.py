@@ -51,7 +51,6 @@ from onnxfuse.codegen_gemm import TILES, GemmSpec, GemmVariant, generate_gemm  #
 from onnxfuse.expr import HEADER, parse, relax_16bit  # noqa: E402
 
 SEQ = 128
-C_ERF = 0.7071823477745056  # RN32(1 / fp16(sqrt 2)): torch's fp16 export divides by 1.4140625
 # name -> (K, N, epilogue program: the product %0, the bias %1 and, where there is one, the residual %2)
 BIAS = ["%2 = add %0 %1", "output %2 {dt}"]
 BIAS_RESIDUAL = ["input %2 {dt}", "%3 = add %0 %1", "%4 = add %3 %2", "output %4 {dt}"]
