@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gemm_tiles import cycled  # noqa: E402
+from benchmarks.gemm_tiles import cycled, interpreted  # noqa: E402
 
 C_ERF = tl.constexpr(0.7071823477745056)  # RN32(1 / fp16(sqrt 2)): the relaxed erf-GELU of an fp16 export
 
@@ -149,14 +148,7 @@ def main() -> None:
                     help="CPU: run each structure small under Triton's interpreter (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.dry_run:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--dry-run runs under Triton's interpreter: set TRITON_INTERPRET=1")
-        from tests.test_codegen import _install_libdevice_shims  # the interpreter's stand-ins, as the tests use
-        from tests.test_rows_codegen import install_index_fix
-
-        _install_libdevice_shims()
-        install_index_fix()
-        dry_run()
+        interpreted(dry_run)
         return
     from triton.testing import do_bench_cudagraph
 

@@ -181,6 +181,20 @@ def launcher(fn, ks, v: GemmVariant, m: int, n: int, k: int, device: str):
     return launch
 
 
+def interpreted(fn) -> None:
+    """Run `fn` (a script's dry run) under Triton's interpreter, with the stand-ins the tests
+    install for it (libdevice in numpy, run-time loop bounds); exits where TRITON_INTERPRET=1
+    was not set before triton was imported."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("--dry-run runs under Triton's interpreter: set TRITON_INTERPRET=1")
+    from tests.test_codegen import _install_libdevice_shims
+    from tests.test_rows_codegen import install_index_fix
+
+    _install_libdevice_shims()
+    install_index_fix()
+    fn()
+
+
 def dry_run() -> list[dict]:
     """CPU, under Triton's interpreter (TRITON_INTERPRET=1): every workload at a sixteenth of its
     K and N and 32 rows, one small tile plain and split K, against float64; raises where a
@@ -296,14 +310,7 @@ def main() -> None:
                     help="CPU: run every workload's kernels small under Triton's interpreter (TRITON_INTERPRET=1)")
     args = ap.parse_args()
     if args.dry_run:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            sys.exit("--dry-run runs under Triton's interpreter: set TRITON_INTERPRET=1")
-        from tests.test_codegen import _install_libdevice_shims  # the interpreter's stand-ins, as the tests use
-        from tests.test_rows_codegen import install_index_fix
-
-        _install_libdevice_shims()
-        install_index_fix()
-        dry_run()
+        interpreted(dry_run)
         return
     rows = run(args)
     best: dict[tuple[str, str], dict] = {}

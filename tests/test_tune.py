@@ -501,6 +501,17 @@ def test_layers_of_equal_shapes_are_timed_once(tmp_path, monkeypatch):
     assert rec["cache_hits"] == 2  # the second node's two one-node models
 
 
+def _two_convs(k2: int) -> onnx.ModelProto:
+    """Two 3x3 convs (+ Relu) of the same input, 8 and k2 output channels: layers of the same
+    shapes where k2 is 8."""
+    rng = np.random.default_rng(0)
+    w1, w2 = rng.standard_normal((8, 4, 3, 3)).astype(np.float32), rng.standard_normal((k2, 4, 3, 3)).astype(np.float32)
+    return model([N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["y1"]),
+                  N("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1]), N("Relu", ["c2"], ["y2"])],
+                 {"x": ("float32", [2, 4, 8, 8])}, {"y1": ("float32", [2, 8, 8, 8]), "y2": ("float32", [2, k2, 8, 8])},
+                 {"w1": w1, "w2": w2})
+
+
 @pytest.mark.parametrize("same_shapes", [True, False])
 def test_past_the_budget_layers_timed_before_are_still_decided(tmp_path, monkeypatch, same_shapes):
     """The budget runs out after the first conv. A second conv of the same shapes is decided
@@ -508,13 +519,7 @@ def test_past_the_budget_layers_timed_before_are_still_decided(tmp_path, monkeyp
     (On the H200, BERT-base at batch 8 left 10 of its 12 identical softmax nodes unmeasured
     with their times already known.)"""
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
-    rng = np.random.default_rng(0)
-    k2 = 8 if same_shapes else 6
-    w1, w2 = rng.standard_normal((8, 4, 3, 3)).astype(np.float32), rng.standard_normal((k2, 4, 3, 3)).astype(np.float32)
-    m = model([N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["y1"]),
-               N("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1]), N("Relu", ["c2"], ["y2"])],
-              {"x": ("float32", [2, 4, 8, 8])}, {"y1": ("float32", [2, 8, 8, 8]), "y2": ("float32", [2, k2, 8, 8])},
-              {"w1": w1, "w2": w2})
+    m = _two_convs(8 if same_shapes else 6)
     r, before = _optimized(m)
     assert len(r.fused) == 2
     runs = []
@@ -1033,13 +1038,7 @@ def test_past_the_budget_a_layer_like_a_searched_one_is_searched_from_the_cache(
     still searched, from remembered timings alone (cached_only: its tiles are compile-cache hits
     and their times known); one of other shapes is not. (On the H200, BERT-base b8 fp16: two of
     twelve identical attention layers got the searched 7.1 µs tile, ten the default's 10.3.)"""
-    rng = np.random.default_rng(0)
-    k2 = 8 if same_shapes else 6
-    w1, w2 = rng.standard_normal((8, 4, 3, 3)).astype(np.float32), rng.standard_normal((k2, 4, 3, 3)).astype(np.float32)
-    m = model([N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["y1"]),
-               N("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1]), N("Relu", ["c2"], ["y2"])],
-              {"x": ("float32", [2, 4, 8, 8])}, {"y1": ("float32", [2, 8, 8, 8]), "y2": ("float32", [2, k2, 8, 8])},
-              {"w1": w1, "w2": w2})
+    m = _two_convs(8 if same_shapes else 6)
     r, before = _optimized(m)
     assert [f.kind for f in r.fused] == ["conv", "conv"]
     searched = []
@@ -1065,12 +1064,7 @@ def test_configurations_of_the_longest_nodes_are_searched_first(monkeypatch):
     """The budget may end before the last search: the node with the most fused time at stake
     goes first (an 8-channel conv timed 0.8 ms before a 16-channel one at 0.4, which the
     measuring order, largest roofline time first, puts first)."""
-    rng = np.random.default_rng(0)
-    w1, w2 = rng.standard_normal((8, 4, 3, 3)).astype(np.float32), rng.standard_normal((16, 4, 3, 3)).astype(np.float32)
-    m = model([N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]), N("Relu", ["c1"], ["y1"]),
-               N("Conv", ["x", "w2"], ["c2"], pads=[1, 1, 1, 1]), N("Relu", ["c2"], ["y2"])],
-              {"x": ("float32", [2, 4, 8, 8])}, {"y1": ("float32", [2, 8, 8, 8]), "y2": ("float32", [2, 16, 8, 8])},
-              {"w1": w1, "w2": w2})
+    m = _two_convs(16)
     r, before = _optimized(m)
     searched = []
 
