@@ -240,16 +240,17 @@ def rows_variants(spec: RowsSpec) -> tuple[RowsVariant, ...]:
 # fp32 values a thread. Why: at BERT-base's rows (768 wide, fp16, 1024 rows) the heuristic's
 # one row per 4-warp program timed 3.55 µs against ORT's SkipLayerNormalization's 3.50 on the
 # H200 (twenty-first session), 2.53 µs against a 1.0 µs memory bound in the ninth: a latency-
-# bound kernel, whose warps per row were never measured.
+# bound kernel, whose warps per row were never measured. Timed with `--tune` only: in the
+# twenty-second session one warp a row won alone (2.56 µs) and not in the model (3.15, the
+# heuristic's 3.13): `kinds.rows.Rows.search_configs`.
 ROW_CANDIDATES = 4
 ROW_VALUES_PER_THREAD = 64
 
 
 def rows_candidates(spec: RowsSpec) -> list[tuple[str, tuple[RowsVariant, ...]]]:
-    """(label, variants) per configuration `--tune` times (the kind's `search_configs`): the
-    heuristic's first; then, where its first variant is a single-pass kernel for a static row
-    length (not group_norm's), that kernel at the other tiles above, each followed by the
-    heuristic's fallbacks."""
+    """(label, variants) per configuration `--tune` times: the heuristic's first; then, where
+    its first variant is a single-pass kernel for a static row length (not group_norm's), that
+    kernel at the other tiles above, each followed by the heuristic's fallbacks."""
     base = rows_variants(spec)
     out = [("default", base)]
     first = base[0]

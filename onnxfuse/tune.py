@@ -29,8 +29,9 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    (cache hits).
    With `--tune` each fused kernel's candidate configurations (`candidates`) are timed too
    and the fastest is kept; a kind whose tile heuristic is measured on few shapes
-   (`Kind.search_configs`: FusedAttention, FusedRows) has its configurations timed without
-   `--tune` as well. Configurations are timed after every node's own kernel, within the budget.
+   (`Kind.search_configs`: FusedAttention, squeeze-excite) has its configurations timed without
+   `--tune` as well, and so do pointwise chains offered against ORT's fused kernels
+   (`Kind.search_offered`). Configurations are timed after every node's own kernel, within the budget.
 2. **Whole model.** The original (ORT defaults) and the optimized model are timed, with
    and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
@@ -1185,9 +1186,10 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
                 continue
             d.mode, d.replicas, d.original_ms, d.fused_ms = pair
         d.chosen = "fused"
-        # offered nodes compete with ORT's own fused kernels at a margin: their configurations
+        # offered chains compete with ORT's own fused kernels at a margin: their configurations
         # are searched in every tuning (`offered-chains-searched`)
-        if settings.configs or KINDS[f.kind].search_configs or f.measured_only:
+        kind = KINDS[f.kind]
+        if settings.configs or kind.search_configs or (f.measured_only and kind.search_offered):
             searches.append((f, nodes[f.node_name], mini, d))
         if d.loses():
             d.chosen = "original"

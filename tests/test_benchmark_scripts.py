@@ -427,3 +427,37 @@ def test_tf32_emulation_rounds_convs_only(tmp_path):
     assert [r["inputs"] for r in rows] == ["suite image (seed 0)", "N(0, 1)", "N(0, 1) #2", "uniform [0, 1)",
                                           "uniform [0, 1) #2"]
     assert all(r["group-1 convs"] > 0 for r in rows)
+
+
+def test_tune_fidelity_pairs_one_node_and_in_model_times(tmp_path, capsys):
+    """tune_fidelity: each fused node's one-node time (tuning's record) beside its CUPTI time in
+    the model (the suite's profile), grouped by kind and configuration; nodes left to ORT and
+    nodes missing from the profile are not rows; a file without either is a clear error."""
+    import gzip
+
+    from benchmarks import tune_fidelity
+
+    def node(name, kind, chosen, ms, candidates=()):
+        return {"node": name, "kind": kind, "chosen": chosen, "fused_ms": ms, "candidates": list(candidates)}
+
+    case = {"model": "m_b8_fp16",
+            "tune": {"nodes": [node("ln0", "rows", "tile 1x1024, 1 warps", 0.0025, [{"config": "default"}]),
+                               node("ln1", "rows", "tile 1x1024, 1 warps", 0.0027, [{"config": "default"}]),
+                               node("gelu", "pointwise", "original", 0.0075),
+                               node("att", "attention", "fused", 0.0066),
+                               node("gone", "rows", "fused", 0.001)]},
+            "profile": {"onnxfuse": {"top": [{"node": "ln0", "us": 3.1}, {"node": "ln1", "us": 3.3},
+                                             {"node": "gelu", "us": 6.0}, {"node": "att", "us": 6.6}]}}}
+    path = tmp_path / "suite.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"cases": [case, {"model": "untuned"}]}).encode()))
+    assert tune_fidelity.main([str(path), "--json", str(tmp_path / "f.json")]) == 0
+    rows = json.loads((tmp_path / "f.json").read_text())["rows"]
+    assert [(r["kind"], r["config"], r["nodes"]) for r in rows] == [
+        ("attention", "not searched", 1), ("rows", "tile 1x1024, 1 warps", 2)]
+    assert rows[1]["alone_us"] == pytest.approx(2.6) and rows[1]["in_model_us"] == pytest.approx(3.2)
+    assert rows[1]["ratio"] == pytest.approx(3.2 / 2.6, abs=1e-3) and rows[0]["ratio"] == pytest.approx(1.0)
+    assert "| m_b8_fp16 | rows | tile 1x1024, 1 warps | 2 | 2.60 | 3.20 | 1.23 |" in capsys.readouterr().out
+    (tmp_path / "empty.json").write_text(json.dumps({"cases": [{"model": "untuned"}]}))
+    with pytest.raises(SystemExit) as e:
+        tune_fidelity.main([str(tmp_path / "empty.json")])
+    assert e.value.code == 2

@@ -1089,13 +1089,20 @@ def test_configurations_of_the_longest_nodes_are_searched_first(monkeypatch):
 def test_offered_chains_are_searched_in_every_tuning(monkeypatch):
     """`offered-chains-searched`: a chain offered to tuning against one of ORT's fused kernels
     (Match.measured_only) has its launch configurations searched without `--tune configs`; a
-    chain fused outright does not."""
+    chain fused outright does not, and neither does an offered row reduction (`rows-candidates`:
+    a row tile that won alone lost in the model on the H200); `--tune configs` searches all."""
     m = model([N("Sigmoid", ["x"], ["a"]), N("Mul", ["a", "x"], ["b"]), N("Transpose", ["b"], ["t"], perm=[1, 0]),
-               N("Tanh", ["t"], ["c"]), N("Exp", ["c"], ["y"])],
-              {"x": ("float32", [4, 6])}, {"y": ("float32", [6, 4])})
+               N("Tanh", ["t"], ["c"]), N("Exp", ["c"], ["y"]),
+               N("Add", ["p", "r"], ["s"]), N("LayerNormalization", ["s", "g", "be"], ["z"], axis=-1, epsilon=1e-5)],
+              {"x": ("float32", [4, 6]), "p": ("float32", [6, 4]), "r": ("float32", [6, 4])},
+              {"y": ("float32", [6, 4]), "z": ("float32", [6, 4])},
+              {"g": np.ones(4, np.float32), "be": np.zeros(4, np.float32)}, opset=17)
     r, before = _optimized(m)
-    assert [f.kind for f in r.fused] == ["pointwise", "pointwise"]
-    r.fused[0] = dataclasses.replace(r.fused[0], measured_only=True)
+    assert sorted(f.kind for f in r.fused) == ["pointwise", "pointwise", "rows"]
+    first = next(i for i, f in enumerate(r.fused) if f.kind == "pointwise")
+    offered = {first} | {i for i, f in enumerate(r.fused) if f.kind == "rows"}
+    for i in offered:
+        r.fused[i] = dataclasses.replace(r.fused[i], measured_only=True)
     searched = []
 
     def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
@@ -1105,7 +1112,10 @@ def test_offered_chains_are_searched_in_every_tuning(monkeypatch):
     monkeypatch.setattr(tuning, "_search_configs", search)
     _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.1 * _fused_nodes(mm))
     _tune(r, before)
-    assert searched == [r.fused[0].node_name]
+    assert searched == [r.fused[first].node_name]
+    searched.clear()
+    _tune(r, before, dataclasses.replace(CPU, configs=True))
+    assert sorted(searched) == sorted(f.node_name for f in r.fused)
 
 
 def test_pointwise_candidates_vary_the_block_and_warps():

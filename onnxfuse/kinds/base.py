@@ -238,6 +238,9 @@ class Kind(ABC):
     # with the budget left after every node's own kernel: its tile heuristic is measured on few
     # shapes, and its nodes repeat per layer (one search per shape)
     search_configs: ClassVar[bool] = False
+    # ... and for its nodes offered against ORT's own fused kernels (`Match.measured_only`),
+    # where a launch configuration decides whether the fusion beats ORT's (`offered-chains-searched`)
+    search_offered: ClassVar[bool] = False
     # the op types whose nodes anchor its matches (the report counts them when its patterns
     # are not matched: `untuned_reason`)
     anchor_ops: ClassVar[frozenset[str]] = frozenset()

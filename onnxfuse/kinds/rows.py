@@ -1277,9 +1277,12 @@ class Rows(Kind):
     op_type = "FusedRows"
     match_kind = "row_reduction"
     params = frozenset({"reductions", "min_nodes"})
-    # the tile heuristic (`rows-tiles`) was never swept, and row kernels are latency-bound at
-    # transformer sizes: tuning times the candidates (`rows_candidates`) with the budget left
-    search_configs = True
+    # the candidates (`rows_candidates`) are timed with `--tune` only: on the H200 (twenty-second
+    # session, BERT-base b8 fp16) the one warp a row that tuning chose timed 2.56 µs alone and
+    # 3.15 in the model, no faster there than the heuristic's 4 warps (FusedRows 78.5 µs for 25
+    # against 78.3), while it beat ORT's SkipLayerNormalization alone (3.46) and lost to it in
+    # the model (2.75): `rows-candidates`
+    search_configs = False
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> RowsParams:
         """reductions (any of layer_norm, rms_norm, softmax, log_softmax), min_nodes (default
