@@ -5,7 +5,9 @@ On the H200 (twenty-second session, BERT-base b8 fp16) tuning timed FusedRows' o
 heuristic's had taken 3.13; ORT's SkipLayerNormalization took 3.46 alone and 2.75 in the model.
 This times the kernel `onnxfuse.codegen_rows` generates for y = LayerNorm(x + r) * gamma + beta
 over rows of 768 (BERT-base's hidden size; M = batch x 128 rows) at every tile tuning can time
-(`rows_candidates`), in three contexts:
+(`rows_candidates`), each with gamma and beta loaded after the statistics (as the kernels did
+until the twenty-second session) and before the row (`RowsVariant.early_loads`, shipped since:
+whether loads that wait for the reductions cost a memory round trip), in three contexts:
 - ``hot``:   the same x and r every launch: they stay in L2 (3-6 MB);
 - ``cold``:  cycling through enough copies of x, r and y (`--copies`, more where they would not
              fill twice the 50 MB L2) that every launch reads from DRAM;
@@ -28,6 +30,7 @@ Needs torch with CUDA and triton (not onnxruntime):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -60,14 +63,17 @@ def spec(dt: str, name: str = "onnxfuse_rows_context") -> RowsSpec:
 
 def kernels(dt: str, tmp: Path) -> list[tuple[str, str, object]]:
     """(label, kernel name, launcher factory) for every tile tuning can time: its single-pass
-    variant (the one the C++ launcher picks for 16-byte aligned rows of 768), each under its own
-    name. Triton's JIT specializes on the pointers' alignment as the ahead-of-time compile's
-    hints do."""
+    variant (the one the C++ launcher picks for 16-byte aligned rows of 768) with gamma and beta
+    loaded after the statistics (as before `rows-early-loads`) and first (`early_loads`, as
+    shipped), each under its own name.
+    Triton's JIT specializes on the pointers' alignment as the ahead-of-time compile's hints do."""
     out = []
     for i, (label, variants) in enumerate(rows_candidates(spec(dt))):
-        name = f"onnxfuse_rows_context_{dt}_{i}"
-        ks = generate_rows(spec(dt, name), variants[0])
-        out.append((label, name, launcher(_load(ks.source, name, tmp), ks)))
+        for early in (False, True):
+            name = f"onnxfuse_rows_context_{dt}_{i}{'_early' if early else ''}"
+            ks = generate_rows(spec(dt, name), dataclasses.replace(variants[0], early_loads=early))
+            out.append((label + (", loads first" if early else ", loads after sums"), name,
+                        launcher(_load(ks.source, name, tmp), ks)))
     return out
 
 
@@ -206,7 +212,7 @@ def run(args) -> list[dict]:
 def _line(row: dict) -> str:
     def f(k):
         return "-" if row.get(k) is None else f"{row[k]:.2f}"
-    return (f"{row['dtype']} b{row['batch']:<2} {row['kernel']:24} hot {f('hot_us'):>6}  cold {f('cold_us'):>6}  "
+    return (f"{row['dtype']} b{row['batch']:<2} {row['kernel']:37} hot {f('hot_us'):>6}  cold {f('cold_us'):>6}  "
             f"after gemm {f('after_gemm_us'):>6} us  (floor {row['floor_us']:.2f})  err {row['err']:.2g}")
 
 
@@ -227,7 +233,7 @@ def dry_run() -> list[dict]:
             err = float((y.double() - ref).abs().max())
             bound = float(ref.abs().max()) * tol
             rows.append({"dtype": dt, "kernel": label, "err": err})
-            print(f"{dt} {label:24} err {err:.2g} (bound {bound:.2g})")
+            print(f"{dt} {label:37} err {err:.2g} (bound {bound:.2g})")
             if not err <= bound:
                 raise AssertionError(f"{dt} {label}: error {err:.3g} above {bound:.3g}")
     return rows

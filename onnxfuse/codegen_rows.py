@@ -169,6 +169,11 @@ class RowsVariant:
     # taken for at most max_rows rows (batch 1: G programs alone would leave most SMs idle)
     split: int = 1
     max_rows: int = 0
+    # single pass: the epilogue's other inputs (a LayerNorm's gamma and beta) loaded before the
+    # row, so their latency overlaps the row's instead of following the reductions (in the SASS
+    # of sm_90, loaded after them, they waited for every shuffle and barrier of both sums).
+    # `rows_variants` sets it for every single-pass kernel (`rows-early-loads`)
+    early_loads: bool = False
 
     def requires(self) -> dict[str, int]:
         return {"ptr_align": 16} if self.aligned else {}
@@ -205,12 +210,13 @@ def rows_variants(spec: RowsSpec) -> tuple[RowsVariant, ...]:
     dynamic sequence): single-pass kernels for N up to 128, 512, 2048 and 8192. Every
     kernel ends with the looped kernel for any N, unaligned. num_warps: a tile's elements
     / 256, 1 to 8, as the Triton tutorials' LayerNorm and softmax (4 warps for a 1024-element
-    tile, 8 from 2048). Untuned: `--tune` measures nothing of these yet."""
+    tile, 8 from 2048). Single-pass kernels load the epilogue's other inputs (gamma, beta)
+    before the row (`early_loads`). `--tune` also times the tiles of `rows_candidates`."""
     chunk = 2048 if spec.narrow else 1024
     out: list[RowsVariant] = []
 
-    def add(**kw) -> None:
-        out.append(RowsVariant(index=len(out), **kw))
+    def add(**kw) -> None:  # single-pass kernels load the epilogue's inputs first (`rows-early-loads`)
+        out.append(RowsVariant(index=len(out), early_loads=not kw.get("looped", False), **kw))
 
     def warps(elements: int) -> int:
         return min(max(elements // 256, 1), 8)
@@ -332,6 +338,8 @@ def _check(spec: RowsSpec, variant: RowsVariant) -> None:
         raise ValueError(f"{spec.name}: the looped kernel takes one row per program (BLOCK_M 1)")
     if variant.split > 1 and (not variant.looped or spec.reduction != "group_norm" or spec.x_output):
         raise ValueError(f"{spec.name}: only a looped group_norm kernel without x_output splits its rows")
+    if variant.early_loads and variant.looped:
+        raise ValueError(f"{spec.name}: only a single-pass kernel loads the epilogue's inputs with the row")
 
 
 def generate_rows(spec: RowsSpec, variant: RowsVariant) -> KernelSource:
@@ -572,14 +580,25 @@ def _cast(val: str, dt: str) -> str:
     return val if dt == "f32" else f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
 
 
-def _epilogue(spec: RowsSpec, variant: RowsVariant, row_values: list[str]) -> list[str]:
-    """Load the extras, evaluate the epilogue on the row values, store every output."""
+def _extras(spec: RowsSpec, variant: RowsVariant) -> list[str]:
+    """Load the epilogue's other inputs: e<j>."""
+    k = spec.n_row_values
+    out = []
+    for j, (dt, mode) in enumerate(zip(spec.program.input_dtypes[k:], spec.input_modes[spec.n_prologue:],
+                                       strict=True)):
+        out += _load(f"e{j}", mode, dt, variant.block_m)
+    return out
+
+
+def _epilogue(spec: RowsSpec, variant: RowsVariant, row_values: list[str], loaded: bool = False) -> list[str]:
+    """Load the extras (unless `loaded` already), evaluate the epilogue on the row values,
+    store every output."""
     prog = spec.program
     k = spec.n_row_values
     out = [f"# Epilogue: {', '.join(f'%{i} = {v}' for i, v in enumerate(ROW_VALUES[spec.reduction]))}, "
-           "then the node's other inputs."]
-    for j, (dt, mode) in enumerate(zip(prog.input_dtypes[k:], spec.input_modes[spec.n_prologue:], strict=True)):
-        out += _load(f"e{j}", mode, dt, variant.block_m)
+           "then the node's other inputs" + (" (loaded first)." if loaded else ".")]
+    if not loaded:
+        out += _extras(spec, variant)
 
     def value_of(i: int) -> str:
         return row_values[i] if i < k else f"e{i - k}"
@@ -598,7 +617,12 @@ def _epilogue(spec: RowsSpec, variant: RowsVariant, row_values: list[str]) -> li
 
 def _single_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
     nf = _n_float(variant)
-    out = _row_setup(spec, variant) + _col_setup(variant, None, spec) + _prologue(spec, variant) + _store_x(spec)
+    out = _row_setup(spec, variant) + _col_setup(variant, None, spec)
+    early = variant.early_loads and spec.n_extras > 0
+    if early:  # issued before the row's loads: all in flight at once
+        out += ["# The epilogue's other inputs, loaded first: their latency overlaps the row's.",
+                *_extras(spec, variant)]
+    out += _prologue(spec, variant) + _store_x(spec)
     red = spec.reduction
     if red in ("layer_norm", "group_norm"):
         out += ["# Row statistics in fp32, two passes over the registers: the mean, then the mean of",
@@ -626,7 +650,7 @@ def _single_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:
         else:
             out.append("y = shifted - libdevice.log(denom)[:, None]")
         values = ["y"]
-    return out + _epilogue(spec, variant, values)
+    return out + _epilogue(spec, variant, values, loaded=early)
 
 
 def _looped_body(spec: RowsSpec, variant: RowsVariant) -> list[str]:

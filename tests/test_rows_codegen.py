@@ -135,6 +135,13 @@ CASES = [
     Case("ln-768-f16-candidate-two-rows", "layer_norm", (5, 768), 1, RESIDUAL, LN_AFFINE,
          ("full", "full", "last", "last"), dtype="f16",
          variant=RowsVariant(0, 2, 1024, 8, cols=768, aligned=True)),
+    # the epilogue's inputs loaded before the row (rows_context.py times it) on a candidate
+    # tile: gamma and beta over two rows a program; a scalar weight
+    Case("ln-768-f16-early-loads", "layer_norm", (5, 768), 1, RESIDUAL, LN_AFFINE,
+         ("full", "full", "last", "last"), dtype="f16",
+         variant=RowsVariant(0, 2, 1024, 8, cols=768, aligned=True, early_loads=True)),
+    Case("rms-scalar-weight-early-loads", "rms_norm", (6, 64), 1, RESIDUAL, RMS_SCALAR, ("full", "full", "scalar"),
+         variant=RowsVariant(0, 16, 64, 1, cols=64, early_loads=True)),
 ]
 
 
@@ -348,6 +355,23 @@ def test_candidates_vary_warps_and_rows_of_a_static_single_pass_kernel():
     assert all(v[0].block_m * v[0].block_n <= 64 * 32 * v[0].num_warps for _, v in wide)
     # dynamic row lengths and looped kernels: the heuristic's alone
     assert len(rows_candidates(_spec(None))) == 1 and len(rows_candidates(_spec(MAX_SINGLE_PASS + 1))) == 1
+
+
+def test_early_loads_issue_the_epilogue_inputs_before_the_row():
+    """`early_loads` (`rows-early-loads`): the shipped single-pass kernel loads gamma and beta
+    before the row (the same lines, moved from after the statistics), the looped one after;
+    a looped kernel cannot take it."""
+    spec = _spec(768, "f16")
+    single, looped = rows_variants(spec)
+    assert single.early_loads and not looped.early_loads
+    early = generate_rows(spec, single).source
+    late = generate_rows(spec, dataclasses.replace(single, early_loads=False)).source
+    e0 = next(ln.strip() for ln in late.splitlines() if ln.strip().startswith("e0 = tl.load"))
+    assert late.index(e0) > late.index("tl.sum(x, axis=1)") > late.index("x0 = tl.load")
+    assert early.index(e0) < early.index("x0 = tl.load") < early.index("tl.sum(x, axis=1)")
+    assert early.count("e0 = tl.load") == late.count("e0 = tl.load") == 1
+    with pytest.raises(ValueError, match="single-pass"):
+        generate_rows(spec, dataclasses.replace(looped, early_loads=True))
 
 
 def test_source_is_deterministic_and_names_its_nodes():
