@@ -65,8 +65,8 @@ def kernels(dt: str, tmp: Path) -> list[tuple[str, str, object]]:
     """(label, kernel name, launcher factory) for every tile tuning can time: its single-pass
     variant (the one the C++ launcher picks for 16-byte aligned rows of 768) with gamma and beta
     loaded after the statistics (as before `rows-early-loads`) and first (`early_loads`, as
-    shipped), each under its own name.
-    Triton's JIT specializes on the pointers' alignment as the ahead-of-time compile's hints do."""
+    shipped), each under its own name. Triton's JIT specializes on the pointers' alignment as
+    the ahead-of-time compile's hints do."""
     out = []
     for i, (label, variants) in enumerate(rows_candidates(spec(dt))):
         for early in (False, True):
