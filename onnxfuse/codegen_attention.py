@@ -158,6 +158,8 @@ class AttentionVariant:
     num_warps: int = 4
     num_stages: int = 2
     aligned: bool = False
+    # V's tile loaded with K^T's, before the scores (`attention-v-first`), not after the softmax
+    v_first: bool = False
 
     def requires(self) -> dict[str, int]:
         return {"max_elements": MAX_ELEMENTS, **({"ptr_align": 16} if self.aligned else {})}
@@ -214,21 +216,28 @@ def padded(n: int) -> int:
 HALF_TILE = {"narrow": (128, 64, 8, 3), "wide": (64, 64, 4, 2)}  # head_d, head_dv <= 128, else
 HALF_SMALL_M = (16, 128, 4, 2)  # 16 query rows, heads up to 64
 F32_BLOCK_M, F32_SCORES, F32_KV = 32, 2048, 8192
-# the tiles `--tune configs` times besides the heuristic's: the next fastest of each dtype there.
-# (cuDNN's 64 x 128 tile, which beat ours at b8 fp16, was one of them in the twentieth session;
-# in our kernel it took 22.2 µs at BERT-base b8 fp16 against 7.1 at 32 x 64 on the H200,
-# twenty-first session, and was dropped: `attention-tiles`.)
+# the tiles `--tune configs` times besides the heuristic's, in this order (up to CANDIDATES in
+# all). fp16, twenty-third session (`benchmarks/attention_tiles.py`, H200, alone, L2 warm): at
+# b8 the fastest were 128 x 128 on 8 warps, 1 stage (BERT-base 6.37 µs, ViT-S 8.64 against the
+# heuristic's 64 x 64's 7.55 and 9.25), 32 x 64 (6.51 with V first) and 32 x 128 (ViT 8.22);
+# at b1 16 x 128 (4.16-4.35) and 32 x 64 (4.46). cuDNN's 64 x 128 (4 warps) spilled where a key
+# mask was read as a [1, BLOCK_N] tile (341 local loads and stores in BERT's sm_90 SASS; 19.2 µs
+# against ViT's 8.45 without a mask), now a 1-D load (`attention-extra-loads`): back in the list.
 ALTERNATIVES = {
     "f32": ((32, 64, 4, 2), (16, 128, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
-    "f16": ((64, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 1), (128, 64, 8, 3), (16, 128, 4, 2)),
+    "f16": ((32, 64, 4, 2), (64, 64, 4, 1), (128, 128, 8, 1), (32, 128, 4, 2), (64, 128, 4, 1), (16, 128, 4, 2),
+            (64, 64, 4, 3), (128, 64, 8, 3)),
 }
+CANDIDATES = 5  # the heuristic's tile and four others
 
 
-def _variants(tile: tuple[int, int, int, int]) -> tuple[AttentionVariant, AttentionVariant]:
-    """The tile aligned (index 0), then unaligned (index 1)."""
+def _variants(tile: tuple[int, int, int, int], dtype: str) -> tuple[AttentionVariant, AttentionVariant]:
+    """The tile aligned (index 0), then unaligned (index 1); V's tile after the softmax
+    (`v_first` is not shipped: `attention-v-first`)."""
     bm, bn, w, s = tile
-    return tuple(AttentionVariant(index=i, block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=i == 0)
-                 for i in range(2))
+    v_first = False
+    return tuple(AttentionVariant(index=i, block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=i == 0,
+                                  v_first=v_first) for i in range(2))
 
 
 def _block_m(spec: AttentionSpec, bm: int) -> int:
@@ -256,19 +265,19 @@ def attention_variants(spec: AttentionSpec) -> tuple[AttentionVariant, ...]:
     """The variants of a FusedAttention kernel: one tile, by the measured heuristic above
     (`HALF_TILE`, `F32_BLOCK_M`: BLOCK_M halved while a static grid leaves SMs idle), aligned
     then not."""
-    return _variants(_heuristic_tile(spec))
+    return _variants(_heuristic_tile(spec), spec.dtype)
 
 
 def attention_candidates(spec: AttentionSpec) -> list[tuple[str, tuple[AttentionVariant, ...]]]:
     """(label, variants) per configuration `--tune` times: the heuristic's first, then up to
-    three alternative tiles (each aligned then not) other than the heuristic's."""
+    CANDIDATES - 1 alternative tiles (each aligned then not) other than the heuristic's."""
     out: list[tuple[str, tuple[AttentionVariant, ...]]] = [("default", attention_variants(spec))]
     seen = {_heuristic_tile(spec)}
     for tile in ALTERNATIVES["f32" if spec.dtype == "f32" else "f16"]:
-        if tile in seen or len(out) == 4:
+        if tile in seen or len(out) == CANDIDATES:
             continue
         seen.add(tile)
-        vs = _variants(tile)
+        vs = _variants(tile, spec.dtype)
         out.append((vs[0].label, vs))
     return out
 
@@ -319,7 +328,7 @@ def generate_attention(spec: AttentionSpec, variant: AttentionVariant) -> Kernel
     types += [INT_TYPE] * (len(names) - len(types))
     constexprs = (("BLOCK_M", variant.block_m), ("BLOCK_N", variant.block_n), ("HEAD_D", padded(spec.head_d)),
                   ("HEAD_DV", padded(spec.head_dv)), ("D", spec.head_d), ("DV", spec.head_dv))
-    source = _module(spec, names, [c for c, _ in constexprs], variant.aligned)
+    source = _module(spec, names, [c for c, _ in constexprs], variant)
     divisible: tuple[int, ...] = ()
     if variant.aligned:  # the pointers and the strides the launcher checked (not the extras')
         divisible = tuple(i for i, p in enumerate(names) if p.endswith("_ptr") or p in ALIGNED_STRIDES)
@@ -343,7 +352,7 @@ def _precision_text(spec: AttentionSpec) -> str:
     return f"fp32 operands, dot precision {spec.precision}"
 
 
-def _module(spec: AttentionSpec, names: list[str], constexprs: list[str], aligned: bool = False) -> str:
+def _module(spec: AttentionSpec, names: list[str], constexprs: list[str], variant: AttentionVariant) -> str:
     lines = [f"# {spec.name}: generated by onnxfuse.codegen_attention; do not edit.", "#",
              "# Y[B, H, Sq, Dv] = softmax(scores(Q @ K^T, extras...)) @ V over the keys, the online softmax of",
              f"# flash attention; Q [B, H, Sq, {spec.head_d}], K^T [B, H, {spec.head_d}, Sk], "
@@ -366,7 +375,7 @@ def _module(spec: AttentionSpec, names: list[str], constexprs: list[str], aligne
     for i in range(0, len(strides), 4):
         lines.append(f"    {', '.join(strides[i:i + 4])},")
     lines += [f"    {', '.join(f'{c}: tl.constexpr' for c in constexprs)},", "):"]
-    lines += ["    " + ln if ln else "" for ln in _body(spec, aligned)]
+    lines += ["    " + ln if ln else "" for ln in _body(spec, variant)]
     return "\n".join(lines) + "\n"
 
 
@@ -396,8 +405,8 @@ def _dot(spec: AttentionSpec, a: str, b: str, acc: str | None = None) -> str:
     return f"tl.dot({args})"
 
 
-def _body(spec: AttentionSpec, aligned: bool = False) -> list[str]:
-    dt = spec.dtype
+def _body(spec: AttentionSpec, variant: AttentionVariant) -> list[str]:
+    dt, aligned = spec.dtype, variant.aligned
 
     def step(name: str) -> str:  # a head dim's stride: 1 in an aligned variant (checked by the launcher)
         return "" if aligned else f" * {name}"
@@ -442,7 +451,7 @@ def _body(spec: AttentionSpec, aligned: bool = False) -> list[str]:
             'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
             "l_i = tl.zeros([BLOCK_M], dtype=tl.float32)",
             "acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)"]
-    loop = _key_block(spec, step, k_mask, v_mask)
+    loop = _key_block(spec, step, k_mask, v_mask, variant.v_first)
     if spec.causal_fill is None:
         out += ["for start_n in range(0, SK, BLOCK_N):", *_indent(loop)]
     else:
@@ -472,13 +481,20 @@ def _indent(lines: list[str]) -> list[str]:
     return [f"    {ln}" if ln else ln for ln in lines]
 
 
-def _key_block(spec: AttentionSpec, step, k_mask: str, v_mask: str) -> list[str]:
-    """One key block of the loop (unindented): K^T, the scores, the online softmax, P @ V."""
+def _key_block(spec: AttentionSpec, step, k_mask: str, v_mask: str, v_first: bool = False) -> list[str]:
+    """One key block of the loop (unindented): K^T, the scores, the online softmax, P @ V; with
+    v_first, V's tile is loaded with K^T's, so that its latency overlaps the scores."""
     dt = spec.dtype
+    v_load = [f"v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]{step('stride_vd')}, "
+              f"mask={v_mask}, other=0.0)"]
+    if "v" in spec.biased:
+        v_load += _bias_lines(spec, "v", "v", "[None, :]")
     out = ["offs_n = start_n + tl.arange(0, BLOCK_N)",
            "col_ok = offs_n < SK",
            f"kt = tl.load(k_base + offs_d[:, None]{step('stride_kd')} + offs_n[None, :] * stride_kn, "
            f"mask={k_mask}, other=0.0)"]
+    if v_first:
+        out += ["# V's tile now, with K^T's: its latency overlaps the scores and the softmax.", *v_load]
     if "k" in spec.biased:
         out += _bias_lines(spec, "k", "kt", "[:, None]")
     if spec.tf32:
@@ -497,11 +513,9 @@ def _key_block(spec: AttentionSpec, step, k_mask: str, v_mask: str) -> list[str]
             "p = tl.exp(s - m_shift[:, None])",
             "l_i = l_i * alpha + tl.sum(p, axis=1)",
             "acc = acc * alpha[:, None]",
-            "m_i = m_new",
-            f"v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]{step('stride_vd')}, "
-            f"mask={v_mask}, other=0.0)"]
-    if "v" in spec.biased:
-        out += _bias_lines(spec, "v", "v", "[None, :]")
+            "m_i = m_new"]
+    if not v_first:
+        out += v_load
     if dt == "f32":
         if spec.tf32:
             out += ["# P and V to nearest TF32 (P unnormalized: module docstring).",
@@ -532,17 +546,19 @@ def _score_lines(spec: AttentionSpec) -> list[str]:
             out.append(f"e{i} = tl.where(offs_n[None, :] <= offs_m[:, None] + (SK - SQ), 0.0, "
                        f"{_literal(spec.causal_masked)})  # additive causal, not read")
             continue
-        row = f"tl.load(e{i}_base + offs_n[None, :] * stride_e{i}_n, mask=col_ok[None, :], other=0)"
-        load = {"m": row, "row": row,
-                "n": f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m, mask=row_ok[:, None], other=0)",
-                "mn": f"tl.load(e{i}_base)"}.get(spec.broadcast(i), (
+        # a row (column) is loaded as a vector and then broadcast: loaded as a [1, BLOCK_N] tile,
+        # BERT's key mask made the 64 x 128 tile spill (module docstring of benchmarks/attention_tiles.py)
+        row = f"tl.load(e{i}_base + offs_n * stride_e{i}_n, mask=col_ok, other=0)"
+        col = f"tl.load(e{i}_base + offs_m * stride_e{i}_m, mask=row_ok, other=0)"
+        load = {"m": row, "row": row, "n": col, "mn": f"tl.load(e{i}_base)"}.get(spec.broadcast(i), (
                     f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m + offs_n[None, :] * stride_e{i}_n, "
                     "mask=e_mask, other=0)"))
         if dt == "bool":
             load = f"({load} != 0).to(tl.float32)"
         elif dt != "f32":
             load = f"{load}.to(tl.float32)"
-        out.append(f"e{i} = {load}")
+        axis = {"m": "[None, :]", "row": "[None, :]", "n": "[:, None]"}.get(spec.broadcast(i), "")
+        out.append(f"e{i} = {load}{axis}")
 
     def value_of(i: int) -> str:
         return "s0" if i == 0 else f"e{i - 1}"
