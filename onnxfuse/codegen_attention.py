@@ -19,9 +19,11 @@ Per key block: the K^T tile [HEAD_D, BLOCK_N] and `tl.dot` with the Q tile (load
 sums; %0 is that product rounded to Q's dtype, as the original's MatMul stores it; the score
 program on the [BLOCK_M, BLOCK_N] tile in fp32, its extras read through their four strides over
 [B, H, Sq, Sk] (0 on a broadcast dim; a bool extra as int8, != 0; one whose static shape has 1
-on the query or key dim loaded as the [1, BLOCK_N] row or [BLOCK_M, 1] column it is: BERT's key
-mask [B, 1, 1, Sk] read as a tile made BERT-base b8's fp16 kernel 2504 SASS instructions, 28 of
-them barriers; read as a row, 1816 and 5 (sm_90, compiled on the CPU; untimed)); its output
+on the query or key dim loaded as the vector over the keys or queries it is, then broadcast:
+BERT's key mask [B, 1, 1, Sk] read as a tile made BERT-base b8's fp16 kernel 2504 SASS
+instructions, 28 of them barriers; read as a row, 1816 and 5; and as a [1, BLOCK_N] row rather
+than a vector, the 64 x 128 tile spilled (341 local loads and stores, 19.2 µs on the H200
+against 6.3: `attention-extra-loads`)); its output
 rounded to its dtype, as the original stores the Softmax's input; keys past Sk set to -inf.
 Then the online
 softmax in fp32 (m_i, l_i, acc rescaled by exp(m_old - m_new)), and acc += P @ V with P in V's
@@ -547,7 +549,7 @@ def _score_lines(spec: AttentionSpec) -> list[str]:
                        f"{_literal(spec.causal_masked)})  # additive causal, not read")
             continue
         # a row (column) is loaded as a vector and then broadcast: loaded as a [1, BLOCK_N] tile,
-        # BERT's key mask made the 64 x 128 tile spill (module docstring of benchmarks/attention_tiles.py)
+        # BERT's key mask made the 64 x 128 tile spill (module docstring, `attention-extra-loads`)
         row = f"tl.load(e{i}_base + offs_n * stride_e{i}_n, mask=col_ok, other=0)"
         col = f"tl.load(e{i}_base + offs_m * stride_e{i}_m, mask=row_ok, other=0)"
         load = {"m": row, "row": row, "n": col, "mn": f"tl.load(e{i}_base)"}.get(spec.broadcast(i), (
