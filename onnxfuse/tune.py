@@ -31,7 +31,8 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    and the fastest is kept; a kind whose tile heuristic is measured on few shapes
    (`Kind.search_configs`: FusedAttention, squeeze-excite) has its configurations timed without
    `--tune` as well, and so do pointwise chains offered against ORT's fused kernels
-   (`Kind.search_offered`). Configurations are timed after every node's own kernel, within the budget.
+   (`Kind.search_offered`) and a kind's nodes where its heuristic is known weak (`Kind.searches`:
+   convs whose launch is less than one wave of the heuristic's tiles). Configurations are timed after every node's own kernel, within the budget.
 2. **Whole model.** The original (ORT defaults) and the optimized model are timed, with
    and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
@@ -110,7 +111,7 @@ from onnxfuse.cost import model_cost
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import Program
 from onnxfuse.kinds import KINDS
-from onnxfuse.kinds.base import FusedNode
+from onnxfuse.kinds.base import FusedNode, Kind
 from onnxfuse.layout import BODY_TRANSPOSE_PREFIX, TO_NCHW
 from onnxfuse.outputs import save_model
 from onnxfuse.rewrite import DOMAIN, unfuse
@@ -1188,8 +1189,10 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
         d.chosen = "fused"
         # offered chains compete with ORT's own fused kernels at a margin: their configurations
         # are searched in every tuning (`offered-chains-searched`)
+        # and a kind's nodes where its heuristic is known weak (`Kind.searches`: convs under one wave)
         kind = KINDS[f.kind]
-        if settings.configs or kind.search_configs or (f.measured_only and kind.search_offered):
+        if (settings.configs or (f.measured_only and kind.search_offered)
+                or _searches(kind, result, f, nodes[f.node_name], infos, conv_precision)):
             searches.append((f, nodes[f.node_name], mini, d))
         if d.loses():
             d.chosen = "original"
@@ -1356,6 +1359,20 @@ def _why(e: BaseException) -> str:
     text = str(e).strip()
     first = text.splitlines()[0][:200] if text else ""
     return first if isinstance(e, OnnxfuseError) else f"{type(e).__name__}: {first}"
+
+
+def _searches(kind, result, f, node, infos, conv_precision) -> bool:
+    """kind.searches for the node: its spec and its first output's static shape."""
+    if type(kind).searches is Kind.searches:
+        return kind.search_configs  # the kind's own flag: no spec needed
+    info = infos.get(node.output[0])
+    dims = (tuple(d.dim_value if d.HasField("dim_value") else -1 for d in info.type.tensor_type.shape.dim)
+            if info is not None else None)
+    try:
+        spec = kernel_spec(result.model, f, conv_precision)
+    except Exception:  # a spec that cannot be built is not searched (the search would fail the same way)
+        return kind.search_configs
+    return kind.searches(spec, dims)
 
 
 def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, targets, conv_precision, jobs,

@@ -27,6 +27,7 @@ from onnxfuse.expr import HEADER, parse
 from onnxfuse.layers import ConvAttrs, PoolAttrs
 from onnxfuse.pipeline import compile_pass
 from onnxfuse.runtime import library_path
+from onnxfuse.specs import kernel_spec
 from onnxfuse.tools.feeds import static_feeds
 from onnxfuse.tools.session import Run
 from onnxfuse.tune import TuneSettings, candidates, input_shapes
@@ -1116,6 +1117,40 @@ def test_offered_chains_are_searched_in_every_tuning(monkeypatch):
     searched.clear()
     _tune(r, before, dataclasses.replace(CPU, configs=True))
     assert sorted(searched) == sorted(f.node_name for f in r.fused)
+
+
+def test_convs_under_one_wave_are_searched_in_every_tuning(monkeypatch):
+    """`conv-under-one-wave`: a conv whose launch is the heuristic's plain tiles, fewer than
+    the 132 SMs (ViT-S/16's 16 x 16 patch embedding at batch 8: 78 programs), has its tiles
+    searched without `--tune configs`; a conv with a full wave, or one the launcher splits,
+    does not."""
+    from onnxfuse.kinds.conv import under_one_wave
+
+    rng = np.random.default_rng(0)
+    w_patch = (rng.standard_normal((384, 3, 16, 16)) * 0.05).astype(np.float32)
+    w_wide = (rng.standard_normal((64, 3, 3, 3)) * 0.1).astype(np.float32)
+    m = model([N("Conv", ["x", "wp"], ["p"], kernel_shape=[16, 16], strides=[16, 16]), N("Relu", ["p"], ["yp"]),
+               N("Conv", ["v", "ww"], ["q"], kernel_shape=[3, 3], pads=[1, 1, 1, 1]), N("Relu", ["q"], ["yq"])],
+              {"x": ("float32", [8, 3, 224, 224]), "v": ("float32", [8, 3, 128, 128])},
+              {"yp": ("float32", [8, 384, 14, 14]), "yq": ("float32", [8, 64, 128, 128])},
+              {"wp": w_patch, "ww": w_wide}, opset=17)
+    r, before = _optimized(m)
+    assert [f.kind for f in r.fused] == ["conv", "conv"]
+    searched = []
+
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
+        searched.append(f.node_name)
+        return None
+
+    monkeypatch.setattr(tuning, "_search_configs", search)
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.1 * _fused_nodes(mm))
+    _tune(r, before)
+    specs = {f.node_name: kernel_spec(r.model, f, "tf32") for f in r.fused}
+    assert [specs[n].conv.kernel for n in searched] == [(16, 16)]  # the patch embedding alone
+    spec = specs[searched[0]]
+    assert under_one_wave(spec, (8, 384, 14, 14))
+    assert not under_one_wave(spec, (1, 384, 14, 14)) and not under_one_wave(spec, (16, 384, 14, 14))
+    assert not under_one_wave(spec, None) and not under_one_wave(spec, (-1, 384, 14, 14))
 
 
 def test_pointwise_candidates_vary_the_block_and_warps():

@@ -245,6 +245,12 @@ class Kind(ABC):
     # are not matched: `untuned_reason`)
     anchor_ops: ClassVar[frozenset[str]] = frozenset()
 
+    def searches(self, spec, output_shape: tuple[int, ...] | None) -> bool:
+        """Whether tuning times this node's candidate configurations without `--tune configs`
+        (`search_configs`, by default the kind's); `output_shape`: the node's first output's
+        static shape, None where unknown."""
+        return self.search_configs
+
     # ---- patterns ----------------------------------------------------------------------
 
     @abstractmethod

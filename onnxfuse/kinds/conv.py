@@ -6,6 +6,7 @@ block-diagonal GEMM)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -491,6 +492,28 @@ def _conv_match(view: GraphView, ci: int, pattern: Pattern, taken: set[int], acc
                  conv_attrs=attrs, pool_attrs=pool_attrs, first_input=out, result=result)
 
 
+# Tuning times the candidate tiles of a conv whose heuristic tiles make less than one wave of
+# programs on the H200's 132 SMs, where neither split K nor the small-M tile runs
+# (`conv-under-one-wave`): ViT-S/16's 16 x 16 patch embedding at batch 8 (M = 1568, 3 -> 384
+# channels) ran on 78 programs of 24 reduction steps each, 35.8 µs alone and 36.0 in the model,
+# the largest fused node of that model, with no tile but the heuristic's timed (twenty-third
+# session). Other convs keep their heuristic tile unless `--tune configs`.
+SMS = 132
+
+
+def under_one_wave(spec: ConvSpec, output_shape: tuple[int, ...] | None) -> bool:
+    """A group-1 conv without a pool at a static output shape whose launch (`launcher_choice`:
+    neither split K nor the small-M tile) is the heuristic's plain tiles, fewer than SMS."""
+    if spec.conv.group != 1 or spec.pool is not None or not output_shape or min(output_shape) <= 0:
+        return False
+    m = math.prod(output_shape) // spec.filters
+    variants = conv_variants(spec)
+    meta = {"variants": [{"block_m": v.block_m, "block_n": v.block_n, "split": v.split, "max_m": v.max_m}
+                         for v in variants]}
+    plain = variants[launcher_choice(meta, m, spec.filters, SMS)]
+    return plain.split <= 1 and not plain.max_m and -(-m // plain.block_m) * -(-spec.filters // plain.block_n) < SMS
+
+
 class Conv(Kind):
     """A match is a 2-D Conv with constant weights, the largest group of pointwise nodes
     after it with exactly one result (the conv output itself read only inside the group),
@@ -504,6 +527,9 @@ class Conv(Kind):
     # X (input 0) and Y channels-last on their own, each extra (inputs 3, ...) too; the
     # channels-last kernels want [K, R, S, C] weights (input 1) for sm_90's TF32 wgmma
     layouts = NodeLayouts(extras=3, wants_nhwc=True, weights=1)
+
+    def searches(self, spec, output_shape: tuple[int, ...] | None) -> bool:
+        return self.search_configs or under_one_wave(spec, output_shape)
     measure_first = True  # cuDNN may be faster
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> ConvParams:
