@@ -218,13 +218,13 @@ def padded(n: int) -> int:
 HALF_TILE = {"narrow": (128, 64, 8, 3), "wide": (64, 64, 4, 2)}  # head_d, head_dv <= 128, else
 HALF_SMALL_M = (16, 128, 4, 2)  # 16 query rows, heads up to 64
 F32_BLOCK_M, F32_SCORES, F32_KV = 32, 2048, 8192
-# the tiles `--tune configs` times besides the heuristic's, in this order (up to CANDIDATES in
-# all). fp16, twenty-third session (`benchmarks/attention_tiles.py`, H200, alone, L2 warm): at
-# b8 the fastest were 128 x 128 on 8 warps, 1 stage (BERT-base 6.37 µs, ViT-S 8.64 against the
-# heuristic's 64 x 64's 7.55 and 9.25), 32 x 64 (6.51 with V first) and 32 x 128 (ViT 8.22);
-# at b1 16 x 128 (4.16-4.35) and 32 x 64 (4.46). cuDNN's 64 x 128 (4 warps) spilled where a key
-# mask was read as a [1, BLOCK_N] tile (341 local loads and stores in BERT's sm_90 SASS; 19.2 µs
-# against ViT's 8.45 without a mask), now a 1-D load (`attention-extra-loads`): back in the list.
+# the tiles tuning times besides the heuristic's, in this order (up to CANDIDATES in all).
+# fp16, twenty-third session (`benchmarks/attention_tiles.py`, H200, alone, L2 warm, the key mask
+# loaded as a vector): at b8 32 x 128 (2 stages), 64 x 128 and 128 x 128 (8 warps) on 1 stage
+# were the fastest (BERT-base 6.08, 6.27 and 6.24 µs, ViT-S 8.54, 8.58 and 8.64, against the
+# heuristic's 64 x 64's 7.62 and 9.22); at b1 the heuristic's 16 x 128 (3.36, 4.26), then 32 x
+# 128 (3.97, 5.47). cuDNN's 64 x 128 (4 warps) had spilled where a key mask was read as a
+# [1, BLOCK_N] tile (19.2 µs at BERT b8: `attention-extra-loads`), hence its earlier absence.
 ALTERNATIVES = {
     "f32": ((32, 64, 4, 2), (16, 128, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
     "f16": ((32, 64, 4, 2), (64, 64, 4, 1), (128, 128, 8, 1), (32, 128, 4, 2), (64, 128, 4, 1), (16, 128, 4, 2),
@@ -233,13 +233,12 @@ ALTERNATIVES = {
 CANDIDATES = 5  # the heuristic's tile and four others
 
 
-def _variants(tile: tuple[int, int, int, int], dtype: str) -> tuple[AttentionVariant, AttentionVariant]:
-    """The tile aligned (index 0), then unaligned (index 1); V's tile after the softmax
-    (`v_first` is not shipped: `attention-v-first`)."""
+def _variants(tile: tuple[int, int, int, int]) -> tuple[AttentionVariant, AttentionVariant]:
+    """The tile aligned (index 0), then unaligned (index 1); V loaded after the softmax (no
+    shipped variant sets `v_first`: `attention-v-first`)."""
     bm, bn, w, s = tile
-    v_first = False
-    return tuple(AttentionVariant(index=i, block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=i == 0,
-                                  v_first=v_first) for i in range(2))
+    return tuple(AttentionVariant(index=i, block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=i == 0)
+                 for i in range(2))
 
 
 def _block_m(spec: AttentionSpec, bm: int) -> int:
@@ -267,7 +266,7 @@ def attention_variants(spec: AttentionSpec) -> tuple[AttentionVariant, ...]:
     """The variants of a FusedAttention kernel: one tile, by the measured heuristic above
     (`HALF_TILE`, `F32_BLOCK_M`: BLOCK_M halved while a static grid leaves SMs idle), aligned
     then not."""
-    return _variants(_heuristic_tile(spec), spec.dtype)
+    return _variants(_heuristic_tile(spec))
 
 
 def attention_candidates(spec: AttentionSpec) -> list[tuple[str, tuple[AttentionVariant, ...]]]:
@@ -279,7 +278,7 @@ def attention_candidates(spec: AttentionSpec) -> list[tuple[str, tuple[Attention
         if tile in seen or len(out) == CANDIDATES:
             continue
         seen.add(tile)
-        vs = _variants(tile, spec.dtype)
+        vs = _variants(tile)
         out.append((vs[0].label, vs))
     return out
 

@@ -32,7 +32,8 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    (`Kind.search_configs`: FusedAttention, squeeze-excite) has its configurations timed without
    `--tune` as well, and so do pointwise chains offered against ORT's fused kernels
    (`Kind.search_offered`) and a kind's nodes where its heuristic is known weak (`Kind.searches`:
-   convs whose launch is less than one wave of the heuristic's tiles). Configurations are timed after every node's own kernel, within the budget.
+   convs whose launch is less than one wave of the heuristic's tiles). Configurations are timed
+   after every node's own kernel, within the budget.
 2. **Whole model.** The original (ORT defaults) and the optimized model are timed, with
    and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
@@ -1188,8 +1189,8 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
             d.mode, d.replicas, d.original_ms, d.fused_ms = pair
         d.chosen = "fused"
         # offered chains compete with ORT's own fused kernels at a margin: their configurations
-        # are searched in every tuning (`offered-chains-searched`)
-        # and a kind's nodes where its heuristic is known weak (`Kind.searches`: convs under one wave)
+        # are searched in every tuning (`offered-chains-searched`), and so are a kind's nodes
+        # where its heuristic is known weak (`Kind.searches`: convs under one wave)
         kind = KINDS[f.kind]
         if (settings.configs or (f.measured_only and kind.search_offered)
                 or _searches(kind, result, f, nodes[f.node_name], infos, conv_precision)):

@@ -527,10 +527,11 @@ class Conv(Kind):
     # X (input 0) and Y channels-last on their own, each extra (inputs 3, ...) too; the
     # channels-last kernels want [K, R, S, C] weights (input 1) for sm_90's TF32 wgmma
     layouts = NodeLayouts(extras=3, wants_nhwc=True, weights=1)
+    measure_first = True  # cuDNN may be faster
 
     def searches(self, spec, output_shape: tuple[int, ...] | None) -> bool:
+        """Also a conv whose launch is under one wave of the heuristic's tiles (`under_one_wave`)."""
         return self.search_configs or under_one_wave(spec, output_shape)
-    measure_first = True  # cuDNN may be faster
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> ConvParams:
         """group: 1 or "any"; pool: "none" (no MaxPool after the epilogue) or "tiling" (a
