@@ -25,7 +25,6 @@ Needs torch with CUDA and triton (not onnxruntime):
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -33,8 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.conv_kernels import _load  # noqa: E402
-from benchmarks.gemm_tiles import interpreted  # noqa: E402
-from benchmarks.rows_context import cupti_kernel_us, pick  # noqa: E402
+from benchmarks.rows_context import cupti_kernel_us, finish, pick  # noqa: E402
 from onnxfuse.codegen_attention import ALTERNATIVES, AttentionSpec, AttentionVariant, generate_attention  # noqa: E402
 from onnxfuse.expr import HEADER, parse  # noqa: E402
 
@@ -209,16 +207,7 @@ def main() -> None:
     ap.add_argument("--workloads", default="vit,bert")
     ap.add_argument("--batches", default="8")
     ap.add_argument("--dry-run", action="store_true", help="the kernels under Triton's interpreter (CPU), no timing")
-    args = ap.parse_args()
-    holder: dict = {}
-    if args.dry_run:
-        interpreted(lambda: holder.setdefault("rows", dry_run()))
-    else:
-        holder["rows"] = run(args)
-    if args.json:
-        args.json.write_text(json.dumps({"benchmark": "attention_tiles", "rows": holder["rows"]}, indent=1) + "\n")
-    from onnxfuse.cli import end_process
-    end_process(0)
+    finish("attention_tiles", ap.parse_args(), run, dry_run)
 
 
 if __name__ == "__main__":

@@ -240,6 +240,21 @@ def dry_run() -> list[dict]:
     return rows
 
 
+def finish(name: str, args, run_fn, dry_fn) -> None:
+    """A kernel sweep's last step: its rows timed (`run_fn(args)`) or, with --dry-run, its
+    kernels run under Triton's interpreter (`dry_fn()`); written to --json as {"benchmark":
+    name, "rows": ...}; the process ended as the console scripts end it."""
+    holder: dict = {}
+    if args.dry_run:
+        interpreted(lambda: holder.setdefault("rows", dry_fn()))
+    else:
+        holder["rows"] = run_fn(args)
+    if args.json:
+        args.json.write_text(json.dumps({"benchmark": name, "rows": holder["rows"]}, indent=1) + "\n")
+    from onnxfuse.cli import end_process
+    end_process(0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path)
@@ -247,16 +262,7 @@ def main() -> None:
     ap.add_argument("--batches", default="8,1")
     ap.add_argument("--copies", type=int, default=24, help="operand sets cycled in the cold context")
     ap.add_argument("--dry-run", action="store_true", help="the kernels under Triton's interpreter (CPU), no timing")
-    args = ap.parse_args()
-    holder: dict = {}
-    if args.dry_run:
-        interpreted(lambda: holder.setdefault("rows", dry_run()))
-    else:
-        holder["rows"] = run(args)
-    if args.json:
-        args.json.write_text(json.dumps({"benchmark": "rows_context", "rows": holder["rows"]}, indent=1) + "\n")
-    from onnxfuse.cli import end_process
-    end_process(0)
+    finish("rows_context", ap.parse_args(), run, dry_run)
 
 
 if __name__ == "__main__":
