@@ -189,6 +189,17 @@ PY
       done
     done
     ;;
+  attention-ncu)
+    # Nsight Compute on FusedAttention's kernel and cuDNN's (through torch) at the same inputs:
+    # where the batch-8 gap comes from (stall reasons, occupancy, L2 hits). torch and triton
+    # only, so it fits the first install call. attention-ncu [LIMIT] [attention_tiles.py arguments]
+    #   e.g. attention-ncu 300 --workloads vit,bert --batches 8 --tiles 32x128x4x2,128x128x8x1
+    limit=${2:-300}; shift $(( $# < 2 ? $# : 2 ))
+    ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+    timeout -s INT "$limit" "$ncu" --set full --csv --page details -k 'regex:onnxfuse_attention_tiles|sdpa|fmha' \
+      python3 benchmarks/attention_tiles.py --once "$@" > "$OUT/ncu_attention.csv" 2> "$OUT/ncu_attention.log"
+    echo "ncu exit $?; $(wc -l < "$OUT/ncu_attention.csv") CSV lines"; tail -5 "$OUT/ncu_attention.log"
+    ;;
   attention)
     # FusedAttention at BERT-base, GPT-2 and ViT-S/16 shapes against its roofline bound, ORT's
     # unfused nodes, ORT's MultiHeadAttention and torch's SDPA, every tile timed; JSON after each
