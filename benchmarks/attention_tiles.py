@@ -1,20 +1,22 @@
-"""FusedAttention's kernel against cuDNN's flash attention at BERT-base and ViT-S/16 shapes, over a
-wide set of tiles: where the 1.2-1.6x gap at batch 8 comes from.
+"""FusedAttention's kernel against cuDNN's flash attention at BERT-base, ViT-S/16 and GPT-2-small
+shapes, over a wide set of tiles: where the 1.2-1.6x gap at batch 8 comes from.
 
 In the twenty-third session's models (H200, fp16, CUPTI) the attention took 6.83 µs a layer in
 BERT-base b8 and 9.18 in ViT-S/16 b8 at tuning's best of four tiles, where cuDNN's fused kernel
 (through torch) took 5.2 and 5.8 alone in the fourteenth session. This times the kernel
 `onnxfuse.codegen_attention` generates for each model's attention as onnxfuse's pack pass
 leaves it (Q, K and V strided views of the packed projection [B, S, 3 * H * 64] with its bias
-added in the kernel; BERT's additive key mask [B, 1, 1, S] read as a row, the scores divided
-by 8) at every tile below, with V's tile loaded after the softmax (as shipped) and with K's
-(`AttentionVariant.v_first`); beside it torch's scaled_dot_product_attention on the same
-strided views (no bias: the peer gets the sum for free, and its error is against a reference
-without it) with each backend alone (cudnn, flash,
-efficient). Every launch is captured 20 times in a CUDA graph, replayed under torch's profiler
-(CUPTI): a kernel's time is its median duration. Inputs stay in L2 between launches (the
-model's attention reads what its projection wrote just before). Errors: max |y - ref| against
-float64 on the same inputs (the bias added and rounded as the original's Add stores it).
+added in the kernel; BERT's additive key mask [B, 1, 1, S] read as a row, GPT-2's causal mask
+computed from the indices, the scores divided by 8) at every tile below (`--tiles`), with V's
+tile loaded after the softmax (as shipped) and with K's (`AttentionVariant.v_first`); beside it
+torch's scaled_dot_product_attention on the same strided views (no bias: the peer gets the sum
+for free, and its error is against a reference without it) with each backend alone (cudnn,
+flash, efficient). Every launch is captured 20 times in a CUDA graph, replayed under torch's
+profiler (CUPTI): a kernel's time is its median duration. Inputs stay in L2 between launches
+(the model's attention reads what its projection wrote just before). Errors: max |y - ref|
+against float64 on the same inputs (the bias added and rounded as the original's Add stores
+it). `--once` launches each kernel once more instead of timing it, for Nsight Compute around
+the process (`gpu_session.sh attention-ncu`).
 
 Needs torch with CUDA and triton (not onnxruntime):
 
@@ -37,10 +39,13 @@ from onnxfuse.codegen_attention import ALTERNATIVES, AttentionSpec, AttentionVar
 from onnxfuse.expr import HEADER, parse  # noqa: E402
 
 D = 64
-# (name, heads, seq, masked): the models' attentions
-WORKLOADS = {"bert": (12, 128, True), "vit": (6, 197, False)}
-MASKED = "input %0 f16\ninput %1 f16\n%2 = mul %0 0.125\n%3 = add %2 %1\noutput %3 f16"
-PLAIN = "input %0 f16\n%1 = mul %0 0.125\noutput %1 f16"
+# name: (heads, seq, mask): the models' attentions; mask "key" (BERT's additive [B, 1, 1, S],
+# read as a row), "causal" (GPT-2's lower triangle as a Where, computed from the indices, the
+# key blocks past the diagonal skipped) or "" (ViT)
+WORKLOADS = {"bert": (12, 128, "key"), "vit": (6, 197, ""), "gpt2": (12, 128, "causal")}
+PROGRAMS = {"key": "input %0 f16\ninput %1 f16\n%2 = mul %0 0.125\n%3 = add %2 %1\noutput %3 f16",
+            "causal": "input %0 f16\ninput %1 bool\n%2 = mul %0 0.125\n%3 = select %1 %2 -10000.0\noutput %3 f16",
+            "": "input %0 f16\n%1 = mul %0 0.125\noutput %1 f16"}
 # (block_m, block_n, num_warps, num_stages): the fp16 tiles tuning times, then two more
 TILES = (*ALTERNATIVES["f16"], (64, 256, 8, 1), (32, 32, 4, 2))
 TORCH_BACKENDS = ("cudnn", "flash", "efficient")
@@ -48,16 +53,17 @@ REPS = 20
 
 
 def spec(workload: str, batch: int, name: str) -> AttentionSpec:
-    heads, seq, masked = WORKLOADS[workload]
-    prog = parse(f"{HEADER}\n{MASKED if masked else PLAIN}\n")
+    heads, seq, mask = WORKLOADS[workload]
+    prog = parse(f"{HEADER}\n{PROGRAMS[mask]}\n")
     return AttentionSpec(name, prog, D, D, "tf32", batch * heads, seq, seq, bias=(True, True, True),
-                         extras_broadcast=("m",) if masked else ())
+                         extras_broadcast={"key": ("m",), "causal": ("causal",), "": ()}[mask],
+                         causal_fill=-10000.0 if mask == "causal" else None)
 
 
 def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, orders=(False, True)):
     """(label, kernel name, launch(x, bias, mask, y)) per tile and V load order; every operand
     is aligned, so each tile is its aligned variant (what the launcher picks for them)."""
-    heads, seq, masked = WORKLOADS[workload]
+    heads, seq, mask_kind = WORKLOADS[workload]
     out = []
     for i, (bm, bn, w, s) in enumerate(tiles):
         for v_first in orders:
@@ -65,13 +71,14 @@ def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, orders=(False, Tr
             v = AttentionVariant(block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=True, v_first=v_first)
             ks = generate_attention(spec(workload, batch, name), v)
             out.append((f"{v.label}{', V first' if v_first else ''}", name,
-                        launcher(_load(ks.source, name, tmp), ks, batch, heads, seq, masked)))
+                        launcher(_load(ks.source, name, tmp), ks, batch, heads, seq, mask_kind)))
     return out
 
 
-def launcher(fn, ks, batch: int, heads: int, seq: int, masked: bool):
+def launcher(fn, ks, batch: int, heads: int, seq: int, mask_kind: str):
     """launch(x, bias, mask, y) with the strides the C++ launcher passes for the packed product
-    x [B, S, 3, H, D], its bias [3, H, D], the mask [B, 1, 1, S], y [B, S, H, D]."""
+    x [B, S, 3, H, D], its bias [3, H, D], BERT's mask [B, 1, 1, S] (GPT-2's causal one is not
+    read: a stand-in pointer, zero strides), y [B, S, H, D]."""
     v, consts = ks.variant, dict(ks.constexprs)
     hd = heads * D
 
@@ -79,18 +86,20 @@ def launcher(fn, ks, batch: int, heads: int, seq: int, masked: bool):
         q, k, vv = x[:, :, :hd], x[:, :, hd:2 * hd], x[:, :, 2 * hd:]
         sb, sm = x.stride(0), x.stride(1)
         strides = [sb, D, sm, 1, sb, D, 1, sm, sb, D, sm, 1, y.stride(0), D, y.stride(1), 1]
-        extras = [mask] if masked else []
-        if masked:
+        extras = [mask] if mask_kind else []
+        if mask_kind == "key":
             strides += [mask.stride(0), 0, 0, mask.stride(-1)]
+        elif mask_kind == "causal":
+            strides += [0, 0, 0, 0]
         fn[v.grid(seq, batch * heads)](q, k, vv, *extras, bias[:hd], bias[hd:2 * hd], bias[2 * hd:], y,
                                        heads, seq, seq, *strides, D, D, D,
                                        num_warps=ks.num_warps, num_stages=ks.num_stages, **consts)
     return launch
 
 
-def torch_launcher(backend: str, heads: int, seq: int, masked: bool):
-    """F.scaled_dot_product_attention on the strided heads of x (the bias not added), the mask
-    broadcast as attn_mask, one backend alone."""
+def torch_launcher(backend: str, heads: int, seq: int, mask_kind: str):
+    """F.scaled_dot_product_attention on the strided heads of x (the bias not added), BERT's
+    mask broadcast as attn_mask, GPT-2's as is_causal, one backend alone."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -102,11 +111,12 @@ def torch_launcher(backend: str, heads: int, seq: int, masked: bool):
         qkv = x.view(b, seq, 3, heads, D).permute(2, 0, 3, 1, 4)
         with sdpa_kernel([chosen]):
             return torch.nn.functional.scaled_dot_product_attention(
-                qkv[0], qkv[1], qkv[2], attn_mask=mask if masked else None, scale=0.125)
+                qkv[0], qkv[1], qkv[2], attn_mask=mask if mask_kind == "key" else None,
+                is_causal=mask_kind == "causal", scale=0.125)
     return launch
 
 
-def float64_reference(x, bias, mask, heads: int, seq: int, masked: bool):
+def float64_reference(x, bias, mask, heads: int, seq: int, mask_kind: str):
     """The original's attention in float64: the bias Add stored in x's dtype, scores rounded as
     the MatMul, the score program and the Softmax store them, P rounded to fp16."""
     import torch
@@ -116,8 +126,10 @@ def float64_reference(x, bias, mask, heads: int, seq: int, masked: bool):
     qkv = xb.view(b, seq, 3, heads, D).permute(2, 0, 3, 1, 4)
     s = (qkv[0] @ qkv[1].transpose(-1, -2)).to(x.dtype).double()
     s = (s * 0.125).to(x.dtype).double()
-    if masked:
+    if mask_kind == "key":
         s = (s + mask.double()).to(x.dtype).double()
+    elif mask_kind == "causal":
+        s = torch.where(torch.ones(seq, seq, dtype=torch.bool, device=s.device).tril(), s, -10000.0)
     p = torch.softmax(s, -1).to(x.dtype).double()
     return (p @ qkv[2]).permute(0, 2, 1, 3)  # [B, S, H, D]
 
@@ -148,14 +160,14 @@ def run(args) -> list[dict]:
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="attention-tiles-"))
     for workload in args.workloads.split(","):
-        heads, seq, masked = WORKLOADS[workload]
+        heads, seq, mask_kind = WORKLOADS[workload]
         for batch in (int(b) for b in args.batches.split(",")):
             x, bias, mask = draw(batch, heads, seq, "cuda")
             y = torch.empty(batch, seq, heads, D, dtype=torch.float16, device="cuda")
-            ref = float64_reference(x, bias, mask, heads, seq, masked)
-            ref_peer = float64_reference(x, bias * 0, mask, heads, seq, masked)  # torch's gets no bias
+            ref = float64_reference(x, bias, mask, heads, seq, mask_kind)
+            ref_peer = float64_reference(x, bias * 0, mask, heads, seq, mask_kind)  # torch's gets no bias
             flops = 4 * batch * heads * seq * seq * D
-            peers = [(f"torch sdpa {b}", None, torch_launcher(b, heads, seq, masked)) for b in TORCH_BACKENDS]
+            peers = [(f"torch sdpa {b}", None, torch_launcher(b, heads, seq, mask_kind)) for b in TORCH_BACKENDS]
             for label, name, launch in kernels(workload, batch, tmp, tiles, orders) + peers:
                 row = {"workload": workload, "batch": batch, "kernel": label}
                 try:
@@ -186,19 +198,18 @@ def _line(row: dict) -> str:
 
 
 def dry_run() -> list[dict]:
-    """CPU, Triton's interpreter: two tiles in both load orders per workload at batch 1 (ViT at
-    a shorter sequence), against float64; raises where the error exceeds fp16 rounding."""
+    """CPU, Triton's interpreter: two tiles in both load orders per workload at batch 1 and
+    short sequences, against float64; raises where the error exceeds fp16 rounding."""
     import torch
 
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="attention-tiles-dry-"))
     saved = dict(WORKLOADS)
     try:
-        WORKLOADS["vit"] = (2, 37, False)
-        WORKLOADS["bert"] = (2, 32, True)
-        for workload, (heads, seq, masked) in WORKLOADS.items():
+        WORKLOADS.update(vit=(2, 37, ""), bert=(2, 32, "key"), gpt2=(2, 40, "causal"))
+        for workload, (heads, seq, mask_kind) in WORKLOADS.items():
             x, bias, mask = draw(1, heads, seq, "cpu")
-            ref = float64_reference(x, bias, mask, heads, seq, masked)
+            ref = float64_reference(x, bias, mask, heads, seq, mask_kind)
             for label, _, launch in kernels(workload, 1, tmp, tiles=((16, 32, 4, 1), (32, 16, 4, 2))):
                 y = torch.empty(1, seq, heads, D, dtype=torch.float16)
                 launch(x, bias, mask, y)
@@ -216,7 +227,7 @@ def dry_run() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path)
-    ap.add_argument("--workloads", default="vit,bert")
+    ap.add_argument("--workloads", default="vit,bert,gpt2")
     ap.add_argument("--batches", default="8")
     ap.add_argument("--tiles", help="block_m x block_n x warps x stages, comma-separated (default: TILES)")
     ap.add_argument("--once", action="store_true",

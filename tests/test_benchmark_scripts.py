@@ -277,17 +277,17 @@ def test_gemm_tile_and_structure_sweeps_dry_run(script):
     """benchmarks/gemm_tiles.py, gemm_structures.py, rows_context.py and attention_tiles.py
     --dry-run: every kernel they time (the generated GemmEpilogue for each BERT-base workload,
     plain and split K; the TMA-descriptor and persistent structures; the residual + LayerNorm row
-    kernel at each tile tuning can time, fp16 and fp32; FusedAttention with BERT's key mask and
-    ViT's odd sequence, V loaded after the softmax and first) runs small under Triton's
-    interpreter within the output dtype's rounding of the float64 result (the scripts raise
-    otherwise)."""
+    kernel at each tile tuning can time, fp16 and fp32; FusedAttention with BERT's key mask,
+    GPT-2's causal one and ViT's odd sequence, V loaded after the softmax and first) runs small
+    under Triton's interpreter within the output dtype's rounding of the float64 result (the
+    scripts raise otherwise)."""
     pytest.importorskip("triton")
     root = Path(__file__).resolve().parents[1]
     r = subprocess.run([sys.executable, f"benchmarks/{script}.py", "--dry-run"], cwd=root, capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if " err " in ln]
-    assert len(lines) == {"gemm_tiles": 10, "gemm_structures": 3, "rows_context": 20, "attention_tiles": 8}[script]
+    assert len(lines) == {"gemm_tiles": 10, "gemm_structures": 3, "rows_context": 20, "attention_tiles": 12}[script]
 
 
 def test_gemm_tiles_sweeps_the_shipped_tiles_and_splits_only_small_grids():
