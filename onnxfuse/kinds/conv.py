@@ -24,6 +24,7 @@ from onnxfuse.codegen_conv import (
     next_pow2,
     prerounds_weights,
 )
+from onnxfuse.codegen_gemm import SMS
 from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, Shape
 from onnxfuse.groups import Accepted, reentering
@@ -497,8 +498,8 @@ def _conv_match(view: GraphView, ci: int, pattern: Pattern, taken: set[int], acc
 # (`conv-under-one-wave`): ViT-S/16's 16 x 16 patch embedding at batch 8 (M = 1568, 3 -> 384
 # channels) ran on 78 programs of 24 reduction steps each, 35.8 µs alone and 36.0 in the model,
 # the largest fused node of that model, with no tile but the heuristic's timed (twenty-third
-# session). Other convs keep their heuristic tile unless `--tune configs`.
-SMS = 132
+# session). Other convs keep their heuristic tile unless `--tune configs`. (SMS: the H200's
+# multiprocessors, as the GEMM kind counts them.)
 
 
 def under_one_wave(spec: ConvSpec, output_shape: tuple[int, ...] | None) -> bool:
