@@ -151,7 +151,7 @@ void CudaKernel::parse_meta(const std::string& text, const OrtKernelInfo* info) 
       if (req->kind != Json::OBJECT) throw Error("kernel_meta: " + where + ".requires is not an object");
       for (const auto& kv : req->obj) {
         if (kv.first != "n_multiple" && kv.first != "c_multiple" && kv.first != "w_multiple" &&
-            kv.first != "ptr_align" && kv.first != "max_elements")
+            kv.first != "ptr_align" && kv.first != "max_elements" && kv.first != "last_multiple")
           throw Error("kernel_meta: " + where + " requires \"" + kv.first + "\", which this library does not know");
       }
       // 0 (or absent) means no requirement.
@@ -160,6 +160,7 @@ void CudaKernel::parse_meta(const std::string& text, const OrtKernelInfo* info) 
       var.w_multiple = std::max<int64_t>(1, meta_int(*req, "w_multiple", where + ".requires", false, 1));
       var.ptr_align = std::max<int64_t>(1, meta_int(*req, "ptr_align", where + ".requires", false, 1));
       var.max_elements = std::max<int64_t>(0, meta_int(*req, "max_elements", where + ".requires", false, 0));
+      var.last_multiple = std::max<int64_t>(1, meta_int(*req, "last_multiple", where + ".requires", false, 1));
     }
     m.variants.push_back(var);
   }
@@ -372,8 +373,8 @@ Target CudaKernel::target(OrtKernelContext* ctx) {
 }
 
 int CudaKernel::choose_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest,
-                               int64_t c, int64_t w) const {
-  const int v = find_variant(t, ptrs, n, largest, c, w, /*split=*/false);
+                               int64_t c, int64_t w, int64_t last) const {
+  const int v = find_variant(t, ptrs, n, largest, c, w, /*split=*/false, 0, last);
   if (v >= 0) return v;
   std::string limits;
   for (const Variant& var : meta.variants)
@@ -385,7 +386,7 @@ int CudaKernel::choose_variant(const Target& t, const std::vector<const void*>& 
 }
 
 int CudaKernel::find_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest,
-                             int64_t c, int64_t w, bool split, int64_t m) const {
+                             int64_t c, int64_t w, bool split, int64_t m, int64_t last) const {
   for (size_t v = 0; v < meta.variants.size(); ++v) {
     if (!t.L->fn[v]) continue;
     const Variant& var = meta.variants[v];
@@ -394,6 +395,7 @@ int CudaKernel::find_variant(const Target& t, const std::vector<const void*>& pt
     if (n % var.n_multiple != 0) continue;
     if (var.c_multiple > 1 && (c <= 0 || c % var.c_multiple != 0)) continue;
     if (var.w_multiple > 1 && (w <= 0 || w % var.w_multiple != 0)) continue;
+    if (var.last_multiple > 1 && (last <= 0 || last % var.last_multiple != 0)) continue;
     if (var.max_elements > 0 && largest > var.max_elements) continue;
     if (int32_params() && largest > INT32_MAX) continue;
     bool aligned = true;

@@ -85,6 +85,7 @@ struct Variant {
   int64_t w_multiple = 1;    // the input width W a multiple of this (maxpool)
   int64_t ptr_align = 1;
   int64_t max_elements = 0;  // 0: no limit
+  int64_t last_multiple = 1; // the collapsed output's last dim a multiple of this (pointwise row variants)
   int64_t split = 0;         // > 1: a split-K variant (conv: its slices, grid z; gemm: the most slices)
   int64_t max_m = 0;         // > 0: a small-M variant (conv), for M (output pixels) up to it
 };
@@ -223,15 +224,16 @@ struct CudaKernel {
   Target target(OrtKernelContext* ctx);
   // The first variant with a binary for this device whose requirements hold: every pointer
   // a multiple of ptr_align, n a multiple of n_multiple, the channel count c and the input
-  // width w (0 where the kind has none) multiples of c_multiple and w_multiple, each tensor
-  // touched at most max_elements elements (`largest`; with int32_params also at most
-  // 2^31 - 1). Throws when there is none.
+  // width w (0 where the kind has none) multiples of c_multiple and w_multiple, the last dim
+  // (pointwise: of the output collapsed for its strided inputs; 0 where none) a multiple of
+  // last_multiple, each tensor touched at most max_elements elements (`largest`; with
+  // int32_params also at most 2^31 - 1). Throws when there is none.
   int choose_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest,
-                     int64_t c = 0, int64_t w = 0) const;
+                     int64_t c = 0, int64_t w = 0, int64_t last = 0) const;
   // choose_variant's search among the split-K variants (split), the small-M variants whose
   // max_m is at least m (m > 0), or the others (neither split K nor small M); -1 if none.
   int find_variant(const Target& t, const std::vector<const void*>& ptrs, int64_t n, int64_t largest, int64_t c,
-                   int64_t w, bool split, int64_t m = 0) const;
+                   int64_t w, bool split, int64_t m = 0, int64_t last = 0) const;
   void launch(const Target& t, int v, int64_t grid_x, int64_t grid_y, Params& params, int64_t grid_z = 1) const;
 
  private:

@@ -53,6 +53,10 @@ class Variant:
     ``ptr_align`` (bytes) and ``n_multiple`` are promises the launcher checks before it
     picks this variant (0 means no promise); they become ``tt.divisibility`` hints on
     the pointer parameters and on ``n_elements`` so that loads and stores vectorize.
+    ``last_multiple`` (a multiple of BLOCK) promises that the last of the sizes the launcher
+    passes (the output's dims collapsed for the strided inputs) is a multiple of it: a
+    program's elements then lie in one row of that dim, so an input read along it (a bias)
+    is read at contiguous, 16-element-aligned offsets, in vector loads (`row-vector-loads`).
     """
 
     index: int
@@ -61,6 +65,7 @@ class Variant:
     ptr_align: int = 0
     n_multiple: int = 0
     index_bits: int = 64  # 32: int32 offsets, for tensors of fewer than 2**31 - BLOCK elements
+    last_multiple: int = 0
 
     @property
     def even(self) -> bool:
@@ -80,6 +85,8 @@ class Variant:
             req["ptr_align"] = self.ptr_align
         if self.max_elements:
             req["max_elements"] = self.max_elements
+        if self.last_multiple:
+            req["last_multiple"] = self.last_multiple
         return req
 
 
@@ -120,6 +127,7 @@ class KernelSpec:
     rank: int
     input_modes: tuple[str, ...]
     source_nodes: tuple[str, ...] = ()
+    last_dim: int = 0  # the output's last dim where static, else 0 (`row-vector-loads`)
 
 
 def param_names(n_inputs: int, n_outputs: int, rank: int, input_modes: tuple[str, ...]) -> list[str]:
@@ -196,6 +204,9 @@ def _check_args(program: Program, name: str, rank: int, modes: tuple[str, ...], 
         raise ValueError(f"BLOCK must be a power of two, got {variant.block}")
     if variant.num_warps <= 0 or variant.num_warps & (variant.num_warps - 1):
         raise ValueError(f"num_warps must be a power of two, got {variant.num_warps}")
+    if variant.last_multiple and (variant.last_multiple % variant.block or variant.last_multiple % 16 or rank < 1):
+        raise ValueError(f"last_multiple {variant.last_multiple} must be a multiple of BLOCK ({variant.block}) "
+                         "and of 16, at rank 1 or more")
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,11 +280,16 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant)
         out.append("mask = None")
     else:
         out.append("mask = offsets < n_elements")
+    in_row = bool(variant.last_multiple) and rank >= 2
+    loads = {i: f"x{i} = {_load(i, dt, mode)}" for i, (dt, mode) in enumerate(zip(program.input_dtypes, modes,
+                                                                                    strict=True))}
     if strided:
-        out += _unravel(rank, strided, "pid * BLOCK" if variant.index_bits == 32 else "pid.to(tl.int64) * BLOCK")
+        # in_row: each branch loads the strided inputs itself, where Triton still knows their
+        # offsets' contiguity (a value merged after an if has none)
+        out += _unravel(rank, strided, "pid * BLOCK" if variant.index_bits == 32 else "pid.to(tl.int64) * BLOCK",
+                        in_row=in_row, loads=[loads.pop(i) for i in strided] if in_row else None)
     out.append("# Load the inputs and upcast to fp32.")
-    for i, (dt, mode) in enumerate(zip(program.input_dtypes, modes, strict=True)):
-        out.append(f"x{i} = {_load(i, dt, mode)}")
+    out += loads.values()
     base = len(program.input_dtypes)
     for k, ins in enumerate(program.instrs):
         n = base + k
@@ -288,7 +304,8 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant)
     return out
 
 
-def _unravel(rank: int, strided: list[int], start: str = "pid * BLOCK") -> list[str]:
+def _unravel(rank: int, strided: list[int], start: str = "pid * BLOCK", in_row: bool = False,
+             loads: list[str] | None = None) -> list[str]:
     """Each strided input's element offsets: an unrolled row-major unravel of `offsets` over
     the output's dims, and, from rank 2, two shortcuts taken at run time for a whole launch
     when every strided input reads along one contiguous dim of the output and broadcasts
@@ -307,7 +324,16 @@ def _unravel(rank: int, strided: list[int], start: str = "pid * BLOCK") -> list[
     plus the lane, less size[-1] past each crossing: a compare and a select an element for
     each possible crossing instead of a remainder (`pointwise-wraps`: BERT-base's fp16 bias +
     GELU over [1024, 3072] at BLOCK 2048, which still lost to BiasGelu, 8.1 against 6.4 µs on
-    the H200 in the twenty-first session)."""
+    the H200 in the twenty-first session).
+
+    `in_row` (a variant whose launcher checks that the last dim is a multiple of BLOCK): a
+    program's elements never cross the last dim's end, so the column is the first element's
+    (a multiple of BLOCK, said with `tl.multiple_of`: Triton infers no divisibility for a
+    remainder) plus the lane, contiguous and aligned: a bias is read in 16-byte vectors, not
+    one element a load (`row-vector-loads`; sm_90 SASS of BERT's fp16 bias + GELU: LDG.E.128
+    against 8 LDG.E.U16 a thread).
+    `loads` (rank 2 and up): lines that each branch runs after its offsets (the strided inputs'
+    loads)."""
     out = ["# Unravel the linear index into output coordinates for the strided inputs."]
     if rank == 0:
         return out + [f"x{i}_offsets = offsets * 0" for i in strided]
@@ -328,9 +354,14 @@ def _unravel(rank: int, strided: list[int], start: str = "pid * BLOCK") -> list[
     out.append("# element's and the lane where the block crosses the last dim's end at most four times,")
     out.append("# else one remainder an element.")
     out.append(f"if {along(last)}:")
-    out += [f"    if BLOCK <= {n}:", *wrapped(1), f"    elif BLOCK <= 4 * {n}:", *wrapped(4),
-            "    else:", f"        col = offsets % {n}"]
-    out += [f"    x{i}_offsets = col" for i in strided]
+    if in_row:
+        out += ["    # The last dim is a multiple of BLOCK (the launcher checks): no program crosses its end,",
+                "    # and each starts at a multiple of BLOCK within its row.",
+                f"    col = tl.multiple_of(({start}) % {n}, BLOCK) + tl.arange(0, BLOCK)"]
+    else:
+        out += [f"    if BLOCK <= {n}:", *wrapped(1), f"    elif BLOCK <= 4 * {n}:", *wrapped(4),
+                "    else:", f"        col = offsets % {n}"]
+    out += [f"    x{i}_offsets = col" for i in strided] + [f"    {ln}" for ln in loads or ()]
     out.append("# ... or along the dim before it: the row, from the program's first element's where the")
     out.append("# block crosses the last dim's end at most once, else one division and one remainder.")
     out.append(f"elif {along(before)}:")
@@ -340,7 +371,7 @@ def _unravel(rank: int, strided: list[int], start: str = "pid * BLOCK") -> list[
             f"        row = tl.where(row >= size{before}, row - size{before}, row)",
             "    else:",
             f"        row = (offsets // {n}) % size{before}"]
-    out += [f"    x{i}_offsets = row" for i in strided]
+    out += [f"    x{i}_offsets = row" for i in strided] + [f"    {ln}" for ln in loads or ()]
     out.append("else:")
     out.append("    rem = offsets")
     for d in range(rank - 1, 0, -1):
@@ -350,7 +381,7 @@ def _unravel(rank: int, strided: list[int], start: str = "pid * BLOCK") -> list[
     for i in strided:
         terms = " + ".join(f"idx{d} * stride_x{i}_{d}" for d in range(rank))
         out.append(f"    x{i}_offsets = {terms}")
-    return out
+    return out + [f"    {ln}" for ln in loads or ()]
 
 
 def _load(i: int, dtype: str, mode: str) -> str:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -53,7 +52,7 @@ from onnxfuse.kinds.attention import _broadcast_dims, _constant_where_masked
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from tests.util import interpreted_run  # noqa: E402
+from tests.util import compile_sm90, interpreted_run, sass_lines  # noqa: E402
 
 NP = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 
@@ -567,24 +566,6 @@ def test_broadcast_extras_are_loaded_as_vectors():
     assert "e0 = tl.load(e0_base + offs_m * stride_e0_m, mask=row_ok, other=0).to(tl.float32)[:, None]" in col
 
 
-def _compile_sm90(ks, tmp_path: Path):
-    """triton.compile of a generated kernel for sm_90 on the CPU, as onnxfuse.compile does."""
-    import triton
-    from triton import knobs
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from onnxfuse.compile import COMPILE_OPTIONS, _load_kernel
-
-    fn = _load_kernel(tmp_path, ks)
-    with knobs.cache.scope(), knobs.compilation.scope(), knobs.runtime.scope():
-        knobs.cache.dir = str(tmp_path / "triton-cache")
-        knobs.runtime.override_arch = None
-        src = ASTSource(fn, ks.signature, dict(ks.constexprs), ks.attrs)
-        options = dict(COMPILE_OPTIONS, num_warps=ks.num_warps, num_stages=ks.num_stages)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-
-
 @pytest.mark.parametrize("dtype", ["f32", "f16"])
 @pytest.mark.parametrize("bias", [False, True])
 def test_aot_compile_for_sm90(tmp_path, dtype, bias):
@@ -593,24 +574,11 @@ def test_aot_compile_for_sm90(tmp_path, dtype, bias):
     pytest.importorskip("triton")
     spec = _spec(dtype, precision="tf32", bias=(bias,) * 3)
     ks = generate_attention(spec, attention_variants(spec)[0])
-    ck = _compile_sm90(ks, tmp_path)
+    ck = compile_sm90(ks, tmp_path)
     ptx = ck.asm["ptx"]
     assert f".entry {spec.name}(" in ptx or f".entry {spec.name}" in ptx
     assert "mma" in ptx  # wgmma or mma.sync
     assert (ck.metadata.global_scratch_size or 0) == 0
-
-
-def _sass(cubin: bytes, tmp_path: Path) -> list[str]:
-    """The instruction lines of a cubin's SASS, by the nvdisasm that ships with triton."""
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
-    if not tool.exists():
-        pytest.skip("triton ships no nvdisasm here")
-    path = tmp_path / "k.cubin"
-    path.write_bytes(cubin)
-    text = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True, check=True).stdout
-    return [ln for ln in text.splitlines() if re.search(r"/\*[0-9a-f]{4}\*/", ln)]
 
 
 def test_key_mask_row_does_not_spill(tmp_path):
@@ -621,7 +589,7 @@ def test_key_mask_row_does_not_spill(tmp_path):
     pytest.importorskip("triton")
     spec = _spec("f16", batch_heads=96, sq=128, sk=128, bias=(True,) * 3, extras_broadcast=("m",))
     ks = generate_attention(spec, AttentionVariant(0, 64, 128, 4, 1, aligned=True))
-    sass = _sass(_compile_sm90(ks, tmp_path).asm["cubin"], tmp_path)
+    sass = sass_lines(compile_sm90(ks, tmp_path).asm["cubin"], tmp_path)
     assert any("HGMMA" in ln for ln in sass)
     assert not [ln for ln in sass if re.search(r"\b(LDL|STL)\b", ln)]
 

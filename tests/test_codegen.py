@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import ml_dtypes
@@ -63,6 +64,7 @@ class Case:
     modes: tuple[str, ...] | None = None  # default: derived from the shapes
     block: int = 256
     values: tuple[tuple[float, ...], ...] | None = None  # fixed input values (default: random)
+    row: bool = False  # launched as a row variant (`last_multiple`: the last dim a multiple of block)
 
 
 def _prog(dtypes: tuple[str, ...], body: str) -> str:
@@ -125,6 +127,12 @@ def _broadcast_cases() -> list[Case]:
         Case("bias-last-four-wraps-b", "%2 = mul %0 %1\noutput %2 f16", ((11, 70), (70,)), ("f16", "f32")),
         Case("per-channel-one-wrap", "%2 = mul %0 %1\noutput %2 f32", ((2, 3, 300), (3, 1)), ("f32", "f32")),
         Case("per-channel-one-wrap-b", "%2 = sub %0 %1\noutput %2 f32", ((3, 2, 290), (2, 1)), ("f32", "f32")),
+        # row variants (`row-vector-loads`): the last dim a multiple of BLOCK, every branch
+        Case("row-bias-last", "%2 = add %0 %1\n%3 = erf %2\noutput %3 f16", ((6, 512), (512,)), ("f16", "f16"),
+             row=True),
+        Case("row-two-along-last", add3, ((5, 3, 256), (256,), (1, 256)), ("f32", "f16", "f32"), row=True),
+        Case("row-per-channel", "%2 = mul %0 %1\noutput %2 f32", ((3, 4, 256), (4, 1)), ("f32", "bf16"), row=True),
+        Case("row-unravel", add3, ((2, 3, 256), (3, 256), (2, 1, 256)), ("f32", "f32", "f32"), row=True),
     ]
 
 
@@ -272,7 +280,10 @@ def _write_workdir(workdir: Path, cases: list[Case]) -> list[dict]:
         # Every variant kind the compiler emits: no mask when n is a multiple of the block,
         # int32 offsets on odd cases, int64 on even ones.
         n = int(np.prod(_out_shape(case), dtype=np.int64))
-        if n and n % case.block == 0 and case.block % 16 == 0:
+        if case.row:
+            assert _out_shape(case)[-1] % case.block == 0, case.id
+            variant = Variant(1, block=case.block, index_bits=32, last_multiple=case.block)
+        elif n and n % case.block == 0 and case.block % 16 == 0:
             variant = Variant(1, block=case.block, n_multiple=case.block, index_bits=32)
         else:
             variant = Variant(1, block=case.block, index_bits=32 if i % 2 else 64)
@@ -503,6 +514,7 @@ def test_cases_take_every_unravel_path():
     assert paths["per-channel"] == "before-mod"
     assert paths["per-channel-one-wrap"] == paths["per-channel-one-wrap-b"] == "before-1"
     assert paths["full-as-strided"] == paths["along-mixed"] == paths["big-rank"] == "unravel"
+    assert (paths["row-bias-last"], paths["row-per-channel"], paths["row-unravel"]) == ("last-1", "before-1", "unravel")
     program = parse(_prog(("f32", "f32", "f32"), "%3 = add %0 %1\n%4 = mul %3 %2\noutput %4 f32"))
     src = generate(program, NAME, 2, ("full", "strided", "strided"), [], Variant(0)).source
     assert "if (stride_x1_0 == 0) & (stride_x1_1 == 1) & (stride_x2_0 == 0) & (stride_x2_1 == 1):" in src
@@ -874,3 +886,87 @@ if __name__ == "__main__":
         _install_bf16_rounding_fix()
         _install_gpu_max_semantics()
         _run_cases(Path(sys.argv[2]), "cpu")
+
+
+def test_row_variant_reads_a_bias_in_vectors(tmp_path):
+    """BERT-base's fp16 bias + erf-GELU over [M, 3072] (`row-vector-loads`): the row variant
+    (block 1024, the last dim a multiple of it) reads the bias where the launch is along the
+    last dim as the input, one 16-byte load a thread; the plain variant at the same block, whose
+    programs may cross a row's end, reads it one element a load. sm_90, compiled on the CPU."""
+    pytest.importorskip("triton")
+    from onnxfuse.kinds.pointwise import choose_variants
+    from tests.util import compile_sm90, sass_lines
+
+    prog = parse(_prog(("f16", "f16"), """%2 = add %0 %1
+        %3 = mul %2 0.70710677
+        %4 = erf %3
+        %5 = add %4 1.0
+        %6 = mul %2 %5
+        %7 = mul %6 0.5
+        output %7 f16"""))
+    row, plain, _ = choose_variants(KernelSpec(prog, NAME, 2, ("full", "strided"), (), 3072))
+    assert (row.block, row.num_warps, row.last_multiple, row.requires()["last_multiple"]) == (1024, 4, 1024, 1024)
+    assert (plain.block, plain.last_multiple) == (2048, 0)
+    loads = {}
+    for label, v in (("row", row), ("plain", dataclasses.replace(plain, block=1024))):
+        ks = generate(prog, NAME, 2, ("full", "strided"), [], v)
+        sass = sass_lines(compile_sm90(ks, tmp_path / label).asm["cubin"], tmp_path / label)
+        loads[label] = Counter(re.search(r"LDG\S*", ln).group(0) for ln in sass if "LDG" in ln)
+    # the input and, in the along-last branch, the bias: a 16-byte load each; the other
+    # branches (a value per row, the full unravel) still gather, 8 halves a thread each
+    assert loads["row"] == {"LDG.E.128": 2, "LDG.E.U16": 16}, loads
+    assert loads["plain"] == {"LDG.E.128": 1, "LDG.E.U16": 8}, loads
+
+
+def test_row_variants_follow_the_last_dim():
+    """`row-vector-loads`: a chain with a strided input and a static last dim gets a row
+    variant first, its block the largest power of two dividing that dim up to the heuristic's
+    (fewer warps below 1024), none below 512 or without a strided input; tuning's candidates
+    scale it with the others and drop it where its block no longer divides the dim."""
+    from onnxfuse.kinds.pointwise import pointwise_candidates
+
+    def spec(last, dtype="f16", modes=("full", "strided")):
+        prog = parse(_prog((dtype, dtype), f"%2 = add %0 %1\n%3 = erf %2\noutput %3 {dtype}"))
+        return KernelSpec(prog, NAME, 2, modes, (), last)
+
+    def rows(last, **kw):
+        return [(v.block, v.num_warps, v.last_multiple) for v in choose_variants(spec(last, **kw)) if v.last_multiple]
+
+    assert rows(3072) == [(1024, 4, 1024)]  # BERT-base's FFN
+    assert rows(1536) == [(512, 2, 512)]  # ViT-S/16's
+    assert rows(4096) == [(2048, 4, 2048)] and rows(4096, dtype="f32") == [(1024, 4, 1024)]
+    assert rows(768) == rows(0) == rows(3072, modes=("full", "full")) == []
+    blocks = {label: [(v.block, v.num_warps, v.last_multiple) for v in vs]
+              for label, vs in pointwise_candidates(spec(3072))}
+    assert blocks["default"] == [(1024, 4, 1024), (2048, 4, 0), (2048, 4, 0)]
+    assert blocks["block 1024, 4 warps"] == [(512, 4, 512), (1024, 4, 0), (1024, 4, 0)]
+    assert blocks["block 512, 4 warps"] == [(512, 4, 0), (512, 4, 0)]  # a row block of 256 is too small
+    assert blocks["block 4096, 4 warps"] == [(4096, 4, 0), (4096, 4, 0)]  # 2048 does not divide 3072
+    assert blocks["block 2048, 8 warps"] == [(1024, 8, 1024), (2048, 8, 0), (2048, 8, 0)]
+    for _, vs in pointwise_candidates(spec(3072)):
+        assert [v.index for v in vs] == list(range(len(vs)))
+
+
+def test_the_last_dim_reaches_the_spec_and_names_the_kernel():
+    """The pointwise lowering keeps a static last dim for `row_block` (only with a strided
+    input), and the power of two dividing it names the kernel: equal programs over [N, 3072]
+    and [N, 6144] differ in their row variants (1024 and 2048), so in their names; over 3072
+    and 1024 * 5 (both 1024) they share one."""
+    from onnx import helper
+
+    from onnxfuse import optimize_model
+    from onnxfuse.kinds import KINDS
+    from tests.util import model
+
+    def fused(last, bias=True):
+        nodes = [helper.make_node("Add", ["x", "b" if bias else "x"], ["t"]), helper.make_node("Erf", ["t"], ["y"])]
+        inputs = {"x": ("float16", ["N", last]), **({"b": ("float16", [last])} if bias else {})}
+        m = model(nodes, inputs, {"y": ("float16", ["N", last])})
+        [f] = optimize_model(m, leave_to_ort=False).fused
+        return f, KINDS["pointwise"].spec(m, f, "tf32", None)
+
+    (f1, s1), (f2, s2), (f3, s3) = fused(3072), fused(6144), fused(5120)
+    assert (f1.params, s1.last_dim, s2.last_dim, s3.last_dim) == (3072, 3072, 6144, 5120)
+    assert f1.kernel_name != f2.kernel_name and f1.kernel_name == f3.kernel_name
+    f4, s4 = fused(3072, bias=False)
+    assert (f4.params, s4.last_dim, s4.input_modes) == (0, 0, ("full",))

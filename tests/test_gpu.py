@@ -76,6 +76,20 @@ CASES = {
     "fp16_multi_output": lambda: model(
         [N("Mul", ["x", "x"], ["a"]), N("Tanh", ["a"], ["b"]), N("Sub", ["b", "x"], ["y"])],
         {"x": ("float16", ["N", 1001])}, {"y": ("float16", ["N", 1001]), "b": ("float16", ["N", 1001])}),
+    # row variants (`row-vector-loads`): the last dim a multiple of their block: a bias along
+    # it (BERT's FFN, fp16), a value per row (the along-the-dim-before branch), a table over
+    # the last two dims (collapsed into one)
+    "bias_gelu_fp16_rows": lambda: model(
+        [N("Add", ["x", "b"], ["h"]), N("Div", ["h", "s"], ["d"]), N("Erf", ["d"], ["e"]),
+         N("Add", ["e", "one"], ["a"]), N("Mul", ["h", "a"], ["m"]), N("Mul", ["m", "half"], ["y"])],
+        {"x": ("float16", ["N", 3072]), "b": ("float16", [3072])}, {"y": ("float16", ["N", 3072])},
+        {"s": np.float16(1.4142), "one": np.float16(1), "half": np.float16(0.5)}),
+    "per_row_rows": lambda: model(
+        [N("Mul", ["x", "r"], ["t"]), N("Tanh", ["t"], ["y"])],
+        {"x": ("float32", ["N", 4, 1024]), "r": ("float32", [4, 1])}, {"y": ("float32", ["N", 4, 1024])}),
+    "table_rows": lambda: model(
+        [N("Add", ["x", "p"], ["t"]), N("Relu", ["t"], ["y"])],
+        {"x": ("float16", ["N", 3, 1536]), "p": ("float16", [3, 1536])}, {"y": ("float16", ["N", 3, 1536])}),
     "where_bool": lambda: model(
         [N("Neg", ["x"], ["n"]), N("Where", ["c", "x", "n"], ["w"]), N("Exp", ["w"], ["y"])],
         {"x": ("float32", ["N", 64]), "c": ("bool", ["N", 64])}, {"y": ("float32", ["N", 64])}),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -183,3 +184,35 @@ def interpreted_run(script: str, prefix: str) -> Iterator[Path]:
                               text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         yield Path(tmp)
+
+
+def compile_sm90(ks, tmp_path: Path):
+    """triton.compile of a generated kernel for sm_90 on the CPU, as onnxfuse.compile does."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from onnxfuse.compile import COMPILE_OPTIONS, _load_kernel
+
+    fn = _load_kernel(tmp_path, ks)
+    with knobs.cache.scope(), knobs.compilation.scope(), knobs.runtime.scope():
+        knobs.cache.dir = str(tmp_path / "triton-cache")
+        knobs.runtime.override_arch = None
+        src = ASTSource(fn, ks.signature, dict(ks.constexprs), ks.attrs)
+        options = dict(COMPILE_OPTIONS, num_warps=ks.num_warps, num_stages=ks.num_stages)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass_lines(cubin: bytes, tmp_path: Path) -> list[str]:
+    """The instruction lines of a cubin's SASS, by the nvdisasm that ships with triton."""
+    import pytest
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm"
+    if not tool.exists():
+        pytest.skip("triton ships no nvdisasm here")
+    path = tmp_path / "k.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([str(tool), "-c", str(path)], capture_output=True, text=True, check=True).stdout
+    return [ln for ln in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]

@@ -80,6 +80,7 @@ struct PointwiseKernel : cuda::CudaKernel {
     for (size_t j = 0; j < n_out; ++j) ptrs.push_back(io.out[j].data);
     for (const void* ptr : ptrs) p.ptr(ptr);
     p.i64(io.n);
+    int64_t last = 0;  // the collapsed last dim, for the row variants (last_multiple)
     if (any_strided) {
       std::vector<Shape> st;
       for (size_t i : strided) st.push_back(broadcast_strides(io.in[i].shape, io.out_shape));
@@ -90,6 +91,7 @@ struct PointwiseKernel : cuda::CudaKernel {
       const size_t pad = static_cast<size_t>(rank) - c.dims.size();
       for (size_t k = 0; k < pad; ++k) p.i64(1);
       for (int64_t dim : c.dims) p.i64(dim);
+      last = c.dims.empty() ? 1 : c.dims.back();
       for (size_t s = 0; s < strided.size(); ++s) {
         for (size_t k = 0; k < pad; ++k) p.i64(0);
         for (int64_t stv : c.strides[s]) p.i64(stv);
@@ -97,7 +99,7 @@ struct PointwiseKernel : cuda::CudaKernel {
     }
     p.scratch();
 
-    const int v = choose_variant(t, ptrs, io.n, io.n);
+    const int v = choose_variant(t, ptrs, io.n, io.n, 0, 0, last);
     const int64_t block = blocks[v];
     launch(t, v, (io.n + block - 1) / block, 1, p);
   }

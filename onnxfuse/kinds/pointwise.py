@@ -17,7 +17,7 @@ int64 offsets made no measurable difference, so the mask-free variant is off by 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from onnx import GraphProto, ModelProto, NodeProto, helper
@@ -42,6 +42,9 @@ from onnxfuse.ops import RULES
 from onnxfuse.rewrite import input_mode, lower_group
 
 BLOCK = 1024  # with any fp32 tensor
+# the least block of a row variant (`row_block`): 2 warps of 8 elements; a CTA of one warp
+# could not fill an SM (at most 32 CTAs an SM on sm_90, 64 warps)
+ROW_BLOCK_MIN = 512
 BLOCK_16BIT = 2048  # when every tensor is f16, bf16 or bool
 NUM_WARPS = 4  # 8 warps for long programs was 6-16% slower on the H200 (BENCHMARKS.md)
 
@@ -72,8 +75,10 @@ LONG_PROGRAM: LongProgram | None = LongProgram(min_instrs=48, block=1024, warps=
 
 def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     """The variants of a kernel, most specialized first (the launcher takes the first whose
-    requirements hold): 0: aligned, n a multiple of BLOCK, int32 offsets, no mask;
-    1: aligned, n % 16 == 0, int32 offsets; 2: anything, int64 offsets.
+    requirements hold): where `row_block` gives one, the row variant (aligned, n % 16 == 0,
+    int32 offsets, the collapsed last dim a multiple of its block); where configured, the
+    mask-free one (aligned, n a multiple of BLOCK, int32 offsets); aligned, n % 16 == 0,
+    int32 offsets; anything, int64 offsets.
 
     Programs of 48 to 191 instructions take LONG_PROGRAM's block and warps (1024 and 2:
     measured on the long chains, see LONG_PROGRAM).
@@ -88,11 +93,32 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     env_config("ONNXFUSE_POINTWISE_CONFIG", cfg)
     block, warps, bits = cfg["block"], cfg["warps"], 32 if cfg["int32"] else 64
     variants = []
+    if (row := row_block(spec, block)) and bits == 32:
+        variants.append(dict(block=row, num_warps=row_warps(row, warps), ptr_align=16, n_multiple=16,
+                             index_bits=32, last_multiple=row))
     if cfg["even"]:
         variants.append(dict(ptr_align=16, n_multiple=max(block, 16), index_bits=bits))
     variants.append(dict(ptr_align=16, n_multiple=16, index_bits=bits))
     variants.append(dict(index_bits=64))
-    return tuple(Variant(k, block=block, num_warps=warps, **v) for k, v in enumerate(variants))
+    return tuple(Variant(k, **{"block": block, "num_warps": warps, **v}) for k, v in enumerate(variants))
+
+
+def row_block(spec: KernelSpec, block: int) -> int:
+    """The block of the row variant (`row-vector-loads`), 0 for none: where some input is read
+    strided (broadcast: a bias along the last dim) and the output's last dim is static, the
+    largest power of two dividing that dim, up to `block`, from ROW_BLOCK_MIN. Its programs
+    each lie in one row, so a bias is read in vectors; the launcher takes it where the
+    collapsed last dim is a multiple of its block (BERT-base's FFN bias over 3072: 1024)."""
+    if "strided" not in spec.input_modes or spec.last_dim <= 0:
+        return 0
+    b = min(spec.last_dim & -spec.last_dim, block)
+    return b if b >= ROW_BLOCK_MIN else 0
+
+
+def row_warps(block: int, warps: int) -> int:
+    """A row variant's warps: the heuristic's, fewer where its block would give a thread fewer
+    than 8 elements (one 16-byte access of a 16-bit tensor)."""
+    return max(1, min(warps, block // 256))
 
 
 def pointwise_candidates(spec: KernelSpec) -> list[tuple[str, tuple[Variant, ...]]]:
@@ -103,18 +129,26 @@ def pointwise_candidates(spec: KernelSpec) -> list[tuple[str, tuple[Variant, ...
     (the "even" variant's multiple follows the block). Why: BERT-base's fp16 bias + GELU chain
     over [1024, 3072] took 8.13 µs against BiasGelu's 6.37, GPT-2's over [128, 3072] 3.26
     against FastGelu's 1.9 (H200, twenty-first session): every launch shape but the
-    heuristic's untimed at these sizes."""
+    heuristic's untimed at these sizes. A row variant scales its own block and warps the
+    same way, and is left out where its block no longer divides the last dim."""
     base = choose_variants(spec)
     out = [("default", base)]
-    block, warps = base[0].block, base[0].num_warps
+    plain = [v for v in base if not v.last_multiple]
+    block, warps = plain[0].block, plain[0].num_warps
     seen = {(block, warps)}
-    for b, w in ((block // 2, warps), (block // 4, warps), (block * 2, warps), (block, warps * 2)):
+    for f, g in ((2, 1), (4, 1), (0.5, 1), (1, 0.5)):
+        b, w = int(block // f), int(warps // g)
         if (b, w) in seen or not 256 <= b <= 8192 or w > 8:
             continue
         seen.add((b, w))
-        vs = tuple(Variant(v.index, block=b, num_warps=w, ptr_align=v.ptr_align, index_bits=v.index_bits,
-                           n_multiple=max(b, 16) if v.even else v.n_multiple) for v in base)
-        out.append((f"block {b}, {w} warps", vs))
+        vs = []
+        for v in base:
+            vb, vw = (int(v.block // f), int(v.num_warps // g)) if v.last_multiple else (b, w)
+            if v.last_multiple and (spec.last_dim % vb or not ROW_BLOCK_MIN <= vb or vw > 8):
+                continue  # no row variant at this block
+            vs.append(replace(v, index=len(vs), block=vb, num_warps=vw, last_multiple=vb if v.last_multiple else 0,
+                              n_multiple=max(vb, 16) if v.even else v.n_multiple))
+        out.append((f"block {b}, {w} warps", tuple(vs)))
     return out
 
 
@@ -267,11 +301,17 @@ class Pointwise(Kind):
         it exposes. The function body is the group's nodes."""
         program, inputs, folded = lower_group(view, match.nodes, match.outputs)
         shape = view.shapes[match.outputs[0]]
-        return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], {}, "", len(shape),
-                        tuple(input_mode(view, x, shape) for x in inputs))
+        modes = tuple(input_mode(view, x, shape) for x in inputs)
+        last = shape[-1] if shape and isinstance(shape[-1], int) and "strided" in modes else 0
+        # the row variants' blocks follow the largest power of two dividing the last dim
+        # (`row_block`, `pointwise_candidates`): it names the kernel too
+        row = last & -last if last > 0 else 0
+        key = f"row={row}" if row >= ROW_BLOCK_MIN else ""
+        return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], {}, key, len(shape), modes,
+                        {"params": last})
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> KernelSpec:
-        return KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes)
+        return KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes, f.params or 0)
 
     def variants(self, spec: KernelSpec) -> tuple[Variant, ...]:
         return choose_variants(spec)
