@@ -943,6 +943,7 @@ def test_row_variants_follow_the_last_dim():
     assert blocks["block 512, 4 warps"] == [(512, 4, 0), (512, 4, 0)]  # a row block of 256 is too small
     assert blocks["block 4096, 4 warps"] == [(4096, 4, 0), (4096, 4, 0)]  # 2048 does not divide 3072
     assert blocks["block 2048, 8 warps"] == [(1024, 8, 1024), (2048, 8, 0), (2048, 8, 0)]
+    assert blocks["block 2048, 2 warps"] == [(1024, 2, 1024), (2048, 2, 0), (2048, 2, 0)]  # 16 halves a thread
     for _, vs in pointwise_candidates(spec(3072)):
         assert [v.index for v in vs] == list(range(len(vs)))
 

@@ -1164,7 +1164,7 @@ def test_pointwise_candidates_vary_the_block_and_warps():
     cands = pointwise_candidates(spec)
     assert cands[0] == ("default", choose_variants(spec))
     assert [label for label, _ in cands[1:]] == ["block 1024, 4 warps", "block 512, 4 warps", "block 4096, 4 warps",
-                                                 "block 2048, 8 warps"]
+                                                 "block 2048, 8 warps", "block 2048, 2 warps"]
     for _, vs in cands:
         assert [(v.index, v.ptr_align, v.index_bits) for v in vs] == [(v.index, v.ptr_align, v.index_bits)
                                                                        for v in choose_variants(spec)]

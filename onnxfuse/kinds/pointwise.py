@@ -125,26 +125,29 @@ def pointwise_candidates(spec: KernelSpec) -> list[tuple[str, tuple[Variant, ...
     """(label, variants) per launch configuration tuning times for a chain offered to it
     against one of ONNX Runtime's own fused kernels (`Match.measured_only`: BiasGelu,
     FastGelu; `offered-chains-searched`): the heuristic's first, then half and a quarter of
-    its block, twice its block, and twice its warps, each as the heuristic's variants are
+    its block, twice its block, twice and half its warps, each as the heuristic's variants are
     (the "even" variant's multiple follows the block). Why: BERT-base's fp16 bias + GELU chain
     over [1024, 3072] took 8.13 µs against BiasGelu's 6.37, GPT-2's over [128, 3072] 3.26
     against FastGelu's 1.9 (H200, twenty-first session): every launch shape but the
     heuristic's untimed at these sizes. A row variant scales its own block and warps the
-    same way, and is left out where its block no longer divides the last dim."""
+    same way, and is left out where its block no longer divides the last dim. Half the warps
+    (twenty-fourth session): at BERT-base b8 fp16 the row variant took 6.80 µs with 8 elements
+    a thread and 7.33 with 4 (H200, tuning's timings); with 16 a thread each thread has two
+    16-byte loads of the input in flight before its math, untimed."""
     base = choose_variants(spec)
     out = [("default", base)]
     plain = [v for v in base if not v.last_multiple]
     block, warps = plain[0].block, plain[0].num_warps
     seen = {(block, warps)}
-    for f, g in ((2, 1), (4, 1), (0.5, 1), (1, 0.5)):
+    for f, g in ((2, 1), (4, 1), (0.5, 1), (1, 0.5), (1, 2)):
         b, w = int(block // f), int(warps // g)
-        if (b, w) in seen or not 256 <= b <= 8192 or w > 8:
+        if (b, w) in seen or not 256 <= b <= 8192 or not 1 <= w <= 8:
             continue
         seen.add((b, w))
         vs = []
         for v in base:
             vb, vw = (int(v.block // f), int(v.num_warps // g)) if v.last_multiple else (b, w)
-            if v.last_multiple and (spec.last_dim % vb or not ROW_BLOCK_MIN <= vb or vw > 8):
+            if v.last_multiple and (spec.last_dim % vb or not ROW_BLOCK_MIN <= vb or not 1 <= vw <= 8):
                 continue  # no row variant at this block
             vs.append(replace(v, index=len(vs), block=vb, num_warps=vw, last_multiple=vb if v.last_multiple else 0,
                               n_multiple=max(vb, 16) if v.even else v.n_multiple))
