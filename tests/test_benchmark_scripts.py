@@ -272,13 +272,14 @@ def test_gemm_roofline_dry_run(tmp_path):
     assert all(x["function_body_err"] < 1e-5 for x in rows)
 
 
-@pytest.mark.parametrize("script", ["gemm_tiles", "gemm_structures", "rows_context", "attention_tiles"])
+@pytest.mark.parametrize("script", ["gemm_tiles", "gemm_structures", "rows_context", "attention_tiles", "bias_gelu"])
 def test_gemm_tile_and_structure_sweeps_dry_run(script):
-    """benchmarks/gemm_tiles.py, gemm_structures.py, rows_context.py and attention_tiles.py
-    --dry-run: every kernel they time (the generated GemmEpilogue for each BERT-base workload,
-    plain and split K; the TMA-descriptor and persistent structures; the residual + LayerNorm row
-    kernel at each tile tuning can time, fp16 and fp32; FusedAttention with BERT's key mask,
-    GPT-2's causal one and ViT's odd sequence, V loaded after the softmax and first) runs small
+    """benchmarks/gemm_tiles.py, gemm_structures.py, rows_context.py, attention_tiles.py and
+    bias_gelu.py --dry-run: every kernel they time (the generated GemmEpilogue for each BERT-base
+    workload, plain and split K; the TMA-descriptor and persistent structures; the residual +
+    LayerNorm row kernel at each tile tuning can time, fp16 and fp32; FusedAttention with BERT's
+    key mask, GPT-2's causal one and ViT's odd sequence, V loaded after the softmax and first; the
+    FFN bias + GELU chains in their row and plain launches) runs small
     under Triton's interpreter within the output dtype's rounding of the float64 result (the
     scripts raise otherwise)."""
     pytest.importorskip("triton")
@@ -287,7 +288,8 @@ def test_gemm_tile_and_structure_sweeps_dry_run(script):
                        text=True, env={**os.environ, "PYTHONPATH": str(root), "TRITON_INTERPRET": "1"}, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if " err " in ln]
-    assert len(lines) == {"gemm_tiles": 10, "gemm_structures": 3, "rows_context": 20, "attention_tiles": 12}[script]
+    assert len(lines) == {"gemm_tiles": 10, "gemm_structures": 3, "rows_context": 20, "attention_tiles": 12,
+                          "bias_gelu": 28}[script]
 
 
 def test_gemm_tiles_sweeps_the_shipped_tiles_and_splits_only_small_grids():
