@@ -75,12 +75,12 @@ from typing import ClassVar
 
 from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, _literal, check_kernel_name
 from onnxfuse.codegen_conv import PRECISIONS, ROUND_TO_TF32
+from onnxfuse.codegen_gemm import SMS
 from onnxfuse.codegen_rows import _program_lines
 from onnxfuse.expr import Program
 
 INT_TYPE = "i32"
 MAX_ELEMENTS = 2**31 - 1
-SMS = 132  # multiprocessors of the H100 / H200
 # A score this far below its row's max has exp(score - max) = 0 in fp32 (below e^-103.3, the
 # smallest subnormal), in the kernel and in the original's Softmax: skipping it changes nothing.
 CAUSAL_MARGIN = 128.0
