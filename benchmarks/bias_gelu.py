@@ -62,7 +62,7 @@ def launches(prog, cols: int) -> list[tuple[str, Variant]]:
     """(label, variant) of every launch timed: the shipped variants' first (the row one where
     the last dim allows it), its warps halved and doubled, the plain variant at the heuristic's
     block and at the row block."""
-    row, *rest = choose_variants(KernelSpec(prog, "k", 2, ("full", "strided"), (), cols))
+    row = choose_variants(KernelSpec(prog, "k", 2, ("full", "strided"), (), cols))[0]
     plain = choose_variants(KernelSpec(prog, "k", 2, ("full", "strided")))[0]
     out = [(f"plain {plain.block}/{plain.num_warps}", plain)]
     if row.last_multiple:
