@@ -109,10 +109,15 @@ def row_block(spec: KernelSpec, block: int) -> int:
     largest power of two dividing that dim, up to `block`, from ROW_BLOCK_MIN. Its programs
     each lie in one row, so a bias is read in vectors; the launcher takes it where the
     collapsed last dim is a multiple of its block (BERT-base's FFN bias over 3072: 1024)."""
-    if "strided" not in spec.input_modes or spec.last_dim <= 0:
+    if "strided" not in spec.input_modes:
         return 0
-    b = min(spec.last_dim & -spec.last_dim, block)
+    b = min(pow2_factor(spec.last_dim), block)
     return b if b >= ROW_BLOCK_MIN else 0
+
+
+def pow2_factor(n: int) -> int:
+    """The largest power of two dividing n (0 for n <= 0: an unknown dim)."""
+    return n & -n if n > 0 else 0
 
 
 def row_warps(block: int, warps: int) -> int:
@@ -139,14 +144,15 @@ def pointwise_candidates(spec: KernelSpec) -> list[tuple[str, tuple[Variant, ...
     plain = [v for v in base if not v.last_multiple]
     block, warps = plain[0].block, plain[0].num_warps
     seen = {(block, warps)}
-    for f, g in ((2, 1), (4, 1), (0.5, 1), (1, 0.5), (1, 2)):
-        b, w = int(block // f), int(warps // g)
+    for b, w in ((block // 2, warps), (block // 4, warps), (block * 2, warps), (block, warps * 2),
+                 (block, warps // 2)):
         if (b, w) in seen or not 256 <= b <= 8192 or not 1 <= w <= 8:
             continue
         seen.add((b, w))
         vs = []
         for v in base:
-            vb, vw = (int(v.block // f), int(v.num_warps // g)) if v.last_multiple else (b, w)
+            # a row variant scales its own block and warps by the same factors
+            vb, vw = (v.block * b // block, v.num_warps * w // warps) if v.last_multiple else (b, w)
             if v.last_multiple and (spec.last_dim % vb or not ROW_BLOCK_MIN <= vb or not 1 <= vw <= 8):
                 continue  # no row variant at this block
             vs.append(replace(v, index=len(vs), block=vb, num_warps=vw, last_multiple=vb if v.last_multiple else 0,
@@ -308,7 +314,7 @@ class Pointwise(Kind):
         last = shape[-1] if shape and isinstance(shape[-1], int) and "strided" in modes else 0
         # the row variants' blocks follow the largest power of two dividing the last dim
         # (`row_block`, `pointwise_candidates`): it names the kernel too
-        row = last & -last if last > 0 else 0
+        row = pow2_factor(last)
         key = f"row={row}" if row >= ROW_BLOCK_MIN else ""
         return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], {}, key, len(shape), modes,
                         {"params": last})
