@@ -1,18 +1,22 @@
-"""The FFN's bias + GELU chain in every launch the pointwise kind offers: where its 6.8 µs goes.
+"""The FFN's bias + GELU chain in every launch the pointwise kind offers, and in three math forms.
 
 In the twenty-fourth session (H200, fp16, tuning's one-node CUPTI timings) BERT-base b8's bias +
 erf-GELU chain over [1024, 3072] took 6.80 µs in its row variant (`row-vector-loads`: the bias
 read in 16-byte vectors), 8.13 before in the plain one, against ORT's BiasGelu at 6.37 and a
-memory floor of 2.6 µs: 1.9 TB/s. This times the chain `onnxfuse.codegen` generates (16-bit
-outputs take `relax_16bit`'s forms: erf(x * RN(1/sqrt 2)), 1 + tanh) at the FFN shapes of
-BERT-base, ViT-S/16 and GPT-2-small (tanh GELU) under each launch: the row variant as shipped
-(its block the largest power of two dividing the last dim), the same with half and twice its
-warps (16 and 4 elements a thread at 1024 fp16), and the plain variants at the heuristic's block
-and at the row block; beside them torch's gelu(x + b) (its add and gelu kernels). Each launch is
-captured 20 times in a CUDA graph and replayed under CUPTI (`rows_context.cupti_kernel_us`):
-"hot" launches read one input set (L2-resident, as after the product that wrote it), "cold"
-ones walk through copies worth more than twice the L2. Errors: max |y - ref| against float64.
-ORT's BiasGelu is not here (no onnxruntime): tuning's record of the suite times it.
+memory floor of 2.6 µs: 1.9 TB/s. Its sm_90 SASS held 42 instructions an element, 34 of them
+the GELU's (libdevice's erf + 1). This times the chain `onnxfuse.codegen` generates at the FFN
+shapes of BERT-base, ViT-S/16 and GPT-2-small (tanh GELU), in the forms `relax_16bit` writes
+now (0.5 x erfc(-x RN(1/sqrt 2)) and x sigmoid(2z): in 16-bit programs the generators'
+`erfc_16bit` / `sigmoid_16bit`) under each launch: the row variant as shipped (its block the
+largest power of two dividing the last dim), the same with half and twice its warps (16 and 4
+elements a thread at 1024 fp16), and the plain variants at the heuristic's block and at the row
+block; at the shipped launch only, the forms before (erf + 1, 1 + tanh: libdevice) and the
+bias add alone (no GELU: what the launch costs without the math); beside them torch's
+gelu(x + b) (its add and gelu kernels). Each launch is captured 20 times in a CUDA graph and
+replayed under CUPTI (`rows_context.cupti_kernel_us`): "hot" launches read one input set
+(L2-resident, as after the product that wrote it), "cold" ones walk through copies worth more
+than twice the L2. Errors: max |y - ref| against float64. ORT's BiasGelu is not here (no
+onnxruntime): tuning's record of the suite times it.
 
 Needs torch with CUDA and triton:
 
@@ -40,19 +44,25 @@ from onnxfuse.codegen import KernelSpec, Variant, generate  # noqa: E402
 from onnxfuse.expr import HEADER, parse  # noqa: E402
 from onnxfuse.kinds.pointwise import choose_variants  # noqa: E402
 
-# name: (rows per batch item, columns, form): the FFN's first product's output
+# name: (rows per batch item, columns, GELU): the FFN's first product's output
 WORKLOADS = {"bert": (128, 3072, "erf"), "vit": (197, 1536, "erf"), "gpt2": (128, 3072, "tanh")}
-BODIES = {  # relax_16bit's forms; fp32 outputs keep them too here, to compare launches only
+BODIES = {  # the forms relax_16bit writes now (first per GELU), before, and the bias add alone
+    "erfc": ["%2 = add %0 %1", "%3 = mul %2 -0.70710677", "%4 = erfc %3", "%5 = mul %2 %4", "%6 = mul %5 0.5"],
     "erf": ["%2 = add %0 %1", "%3 = mul %2 0.70710677", "%4 = erf %3", "%5 = add %4 1.0", "%6 = mul %2 %5",
             "%7 = mul %6 0.5"],
+    "sigmoid": ["%2 = add %0 %1", "%3 = mul %2 %2", "%4 = mul %3 %2", "%5 = mul %4 0.044715", "%6 = add %2 %5",
+                "%7 = mul %6 1.5957692", "%8 = sigmoid %7", "%9 = mul %2 %8"],
     "tanh": ["%2 = add %0 %1", "%3 = mul %2 %2", "%4 = mul %3 %2", "%5 = mul %4 0.044715", "%6 = add %2 %5",
              "%7 = mul %6 0.7978846", "%8 = tanh %7", "%9 = add %8 1.0", "%10 = mul %2 %9", "%11 = mul %10 0.5"],
+    "add": ["%2 = add %0 %1"],
 }
+FORMS = {"erf": ("erfc", "erf", "add"), "tanh": ("sigmoid", "tanh", "add")}  # the first in every launch
 L2_BYTES = 50 * 2**20
 TORCH_KERNELS = ("elementwise", "gelu", "vectorized")
 
 
 def program(form: str, dtype: str):
+    """The chain in `form` (a key of BODIES), reading and storing `dtype`."""
     body = BODIES[form]
     last = body[-1].split()[0]
     return parse("\n".join([HEADER, f"input %0 {dtype}", f"input %1 {dtype}", *body, f"output {last} {dtype}"]) + "\n")
@@ -76,18 +86,25 @@ def launches(prog, cols: int) -> list[tuple[str, Variant]]:
 
 
 def float64_gelu(form: str, h: np.ndarray) -> np.ndarray:
-    if form == "erf":
+    """What the chain in `form` computes, in float64."""
+    if form == "add":
+        return h
+    if form in ("erf", "erfc"):
         return 0.5 * h * (1 + np.vectorize(math.erf)(h / math.sqrt(2)))
     return 0.5 * h * (1 + np.tanh(0.7978845608 * (h + 0.044715 * h**3)))
 
 
-def kernels(form: str, dtype: str, cols: int, tmp: Path) -> list[tuple[str, Variant, object]]:
-    """(label, variant, JIT function) per launch; the kernel text is the variant's (row or plain)."""
-    prog = program(form, dtype)
+def kernels(gelu: str, dtype: str, cols: int, tmp: Path) -> list[tuple[str, str, Variant, object]]:
+    """(form, label, variant, JIT function) per kernel timed: the shipped form in every launch,
+    the others in the first (the shipped variant); the text is the variant's (row or plain)."""
     out = []
-    for k, (label, v) in enumerate(launches(prog, cols)):
-        name = f"bias_gelu_{form}_{dtype}_{cols}_{k}"
-        out.append((label, v, _load(generate(prog, name, 2, ("full", "strided"), [], v).source, name, tmp)))
+    for form in FORMS[gelu]:
+        prog = program(form, dtype)
+        every = launches(prog, cols)
+        for k, (label, v) in enumerate(every if form == FORMS[gelu][0] else every[:1]):
+            name = f"bias_gelu_{form}_{dtype}_{cols}_{k}"
+            out.append((form, f"{form}: {label}", v,
+                        _load(generate(prog, name, 2, ("full", "strided"), [], v).source, name, tmp)))
     return out
 
 
@@ -125,7 +142,7 @@ def run(args) -> list[dict]:
     for dt in args.dtypes.split(","):
         dtype = {"f16": torch.float16, "f32": torch.float32}[dt]
         for name in args.workloads.split(","):
-            per_item, cols, form = WORKLOADS[name]
+            per_item, cols, gelu = WORKLOADS[name]
             for batch in (int(b) for b in args.batches.split(",")):
                 rows = batch * per_item
                 g = torch.Generator(device="cuda").manual_seed(0)
@@ -133,23 +150,24 @@ def run(args) -> list[dict]:
                 xs = [(torch.randn(rows, cols, device="cuda", generator=g) * 2).to(dtype) for _ in range(copies)]
                 b = (torch.randn(cols, device="cuda", generator=g) * 0.1).to(dtype)
                 ys = [torch.empty_like(x) for x in xs]
-                ref = float64_gelu(form, xs[0].double().cpu().numpy() + b.double().cpu().numpy())
+                h = xs[0].double().cpu().numpy() + b.double().cpu().numpy()
                 floor = (2 * rows * cols + cols) * dtype.itemsize / 4.8e12 * 1e6
-                approx = "tanh" if form == "tanh" else "none"
-                cases = [(label, v, functools.partial(launch, fn, v, b=b, rows=rows, cols=cols))
-                         for label, v, fn in kernels(form, dt, cols, tmp)]
-                cases.append(("torch gelu(x + b)", None, functools.partial(torch_gelu, b=b, approximate=approx)))
-                for label, v, step in cases:
+                approx = "tanh" if gelu == "tanh" else "none"
+                cases = [(form, label, v, functools.partial(launch, fn, v, b=b, rows=rows, cols=cols))
+                         for form, label, v, fn in kernels(gelu, dt, cols, tmp)]
+                cases.append((gelu, "torch gelu(x + b)", None,
+                              functools.partial(torch_gelu, b=b, approximate=approx)))
+                for form, label, v, step in cases:
                     times = timed(step, xs, ys, ("bias_gelu",) if v is not None else TORCH_KERNELS, tmp)
                     step(xs[0], ys[0])
                     got = ys[0] if v is not None else torch.nn.functional.gelu(xs[0] + b, approximate=approx)
                     torch.cuda.synchronize()
-                    err = float(np.max(np.abs(got.double().cpu().numpy() - ref)))
-                    out.append({"workload": name, "dtype": dt, "batch": batch, "shape": [rows, cols], "launch": label,
-                                "block": v.block if v else None, "warps": v.num_warps if v else None,
+                    err = float(np.max(np.abs(got.double().cpu().numpy() - float64_gelu(form, h))))
+                    out.append({"workload": name, "dtype": dt, "batch": batch, "shape": [rows, cols], "form": form,
+                                "launch": label, "block": v.block if v else None, "warps": v.num_warps if v else None,
                                 "hot_us": times["hot"], "cold_us": times["cold"], "floor_us": round(floor, 2),
                                 "max_abs_err_vs_float64": err})
-                    print(f"{name:5} {dt} b{batch:<2} {label:24} hot {times['hot'] or float('nan'):6.2f} µs  "
+                    print(f"{name:5} {dt} b{batch:<2} {label:32} hot {times['hot'] or float('nan'):6.2f} µs  "
                           f"cold {times['cold'] or float('nan'):6.2f}  floor {floor:5.2f}  err {err:.3g}", flush=True)
     return out
 
@@ -160,18 +178,19 @@ def dry_run() -> list[dict]:
 
     out = []
     with tempfile.TemporaryDirectory() as d:
-        for name, (_, cols, form) in WORKLOADS.items():
+        for name, (_, cols, gelu) in WORKLOADS.items():
             for dt, dtype in (("f16", torch.float16), ("f32", torch.float32)):
                 x = (torch.randn(4, cols, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
                 b = (torch.randn(cols, generator=torch.Generator().manual_seed(1)) * 0.1).to(dtype)
-                ref = float64_gelu(form, x.double().numpy() + b.double().numpy())
-                for label, v, fn in kernels(form, dt, cols, Path(d)):
+                h = x.double().numpy() + b.double().numpy()
+                for form, label, v, fn in kernels(gelu, dt, cols, Path(d)):
                     y = torch.empty_like(x)
                     launch(fn, v, x, y, b, 4, cols)
-                    err = float(np.max(np.abs(y.double().numpy() - ref)))
-                    print(f"{name:5} {dt} {label:24} err {err:.2g}")
+                    err = float(np.max(np.abs(y.double().numpy() - float64_gelu(form, h))))
+                    print(f"{name:5} {dt} {label:32} err {err:.2g}")
                     assert err < (2e-2 if dt == "f16" else 1e-5), (name, dt, label, err)
-                    out.append({"workload": name, "dtype": dt, "launch": label, "max_abs_err_vs_float64": err})
+                    out.append({"workload": name, "dtype": dt, "form": form, "launch": label,
+                                "max_abs_err_vs_float64": err})
     return out
 
 

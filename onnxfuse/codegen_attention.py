@@ -73,7 +73,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, _literal, check_kernel_name
+from onnxfuse.codegen import (
+    POINTER_TYPES,
+    TL_DTYPES,
+    KernelSource,
+    _comment_text,
+    _literal,
+    check_kernel_name,
+    helper_lines,
+)
 from onnxfuse.codegen_conv import PRECISIONS, ROUND_TO_TF32
 from onnxfuse.codegen_gemm import SMS
 from onnxfuse.codegen_rows import _program_lines
@@ -366,6 +374,7 @@ def _module(spec: AttentionSpec, names: list[str], constexprs: list[str], varian
     lines += ["#", "# Score program (%0 is Q @ K^T, rounded to Q's dtype; then the extra inputs):"]
     lines += [f"#   {ln}" for ln in spec.program.to_text().splitlines()]
     lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
+    lines += helper_lines(spec.program)
     if spec.tf32:
         lines += ["", "", *ROUND_TO_TF32]
     lines += ["", "", "@triton.jit", f"def {spec.name}("]

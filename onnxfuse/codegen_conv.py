@@ -90,6 +90,8 @@ from onnxfuse.codegen import (
     _operand_text,
     _value_name,
     check_kernel_name,
+    helper_lines,
+    stores_16bit,
 )
 from onnxfuse.expr import Program
 from onnxfuse.layers import ConvAttrs, PoolAttrs
@@ -487,6 +489,7 @@ def _header(name: str, what: str, program: Program, source_nodes, helpers: Seque
     lines += ["#", "# Program (%0 is the value the pointwise part starts from):"]
     lines += [f"#   {line}" for line in program.to_text().splitlines()]
     lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
+    lines += helper_lines(program)
     if helpers:
         lines += ["", "", *helpers]
     return lines + ["", "", "@triton.jit"]
@@ -510,12 +513,12 @@ def _signature(name: str, names: list[str], constexprs: list[str]) -> list[str]:
 
 
 def _program_lines(program: Program) -> list[str]:
-    base = len(program.input_dtypes)
+    base, sixteen_bit = len(program.input_dtypes), stores_16bit(program)
     out = []
     for k, ins in enumerate(program.instrs):
         n = base + k
         out.append(f"# %{n} = {ins.op} {' '.join(_operand_text(a) for a in ins.args)}")
-        out.append(f"tmp{n} = {_expr(ins, base)}")
+        out.append(f"tmp{n} = {_expr(ins, base, sixteen_bit)}")
     return out
 
 

@@ -64,7 +64,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, check_kernel_name
+from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, check_kernel_name, helper_lines
 from onnxfuse.codegen_conv import PRECISIONS, ROUND_TO_TF32, split_reduce
 from onnxfuse.codegen_rows import _program_lines
 from onnxfuse.expr import Program
@@ -383,6 +383,7 @@ def _module(spec: GemmSpec, variant: GemmVariant, names: list[str], constexprs: 
     lines += ["#", "# Epilogue (%0 is the product, rounded to A's dtype; then the extra inputs):"]
     lines += [f"#   {ln}" for ln in spec.program.to_text().splitlines()]
     lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
+    lines += helper_lines(spec.program)
     if spec.rounds_a or spec.rounds_b or spec.stores_rounded:
         lines += ["", "", *ROUND_TO_TF32]
     if parts > 1:

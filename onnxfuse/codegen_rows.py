@@ -61,7 +61,9 @@ from onnxfuse.codegen import (
     _operand_text,
     check_kernel_name,
     expr_text,
+    helper_lines,
     param_groups,
+    stores_16bit,
 )
 from onnxfuse.codegen_conv import ROUND_TO_TF32
 from onnxfuse.expr import Program
@@ -396,6 +398,7 @@ def _module(spec: RowsSpec, variant: RowsVariant, names: list[str], constexprs: 
     lines += ["#", f"# Epilogue (inputs: {', '.join(ROW_VALUES[spec.reduction])}, then the node's other inputs):"]
     lines += [f"#   {ln}" for ln in spec.program.to_text().splitlines()]
     lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
+    lines += helper_lines(spec.prologue, spec.program)
     if spec.reduction in ("softmax", "log_softmax"):
         lines += ["", "", *MAX_NAN]
     if spec.stores_rounded:
@@ -549,10 +552,10 @@ def _program_lines(prog: Program, value_of: Callable[[int], str], prefix: str) -
     def name(v: int) -> str:
         return value_of(v) if v < base else f"{prefix}{v}"
 
-    out = []
+    out, sixteen_bit = [], stores_16bit(prog)
     for k, ins in enumerate(prog.instrs):
         out.append(f"# %{base + k} = {ins.op} {' '.join(_operand_text(a) for a in ins.args)}")
-        out.append(f"{prefix}{base + k} = {expr_text(ins, name)}")
+        out.append(f"{prefix}{base + k} = {expr_text(ins, name, sixteen_bit)}")
     return out
 
 

@@ -27,7 +27,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, check_kernel_name, expr_text
+from onnxfuse.codegen import (
+    POINTER_TYPES,
+    TL_DTYPES,
+    KernelSource,
+    _comment_text,
+    check_kernel_name,
+    expr_text,
+    helper_lines,
+    stores_16bit,
+)
 from onnxfuse.codegen_conv import INT_TYPE, MAX_ELEMENTS, next_pow2
 from onnxfuse.expr import Program
 
@@ -115,9 +124,10 @@ def _function(name: str, program: Program, what: str) -> list[str]:
     if len(program.input_dtypes) != 1 or len(program.outputs) != 1:
         raise ValueError(f"the {what} program must have one input and one output")
     lines = ["@triton.jit", f"def {name}(x0):", f'    """The {what}: {_one_line(program)}"""']
+    sixteen_bit = stores_16bit(program)
     for k, ins in enumerate(program.instrs):
         n = 1 + k
-        lines.append(f"    tmp{n} = {expr_text(ins, lambda v: f'x{v}' if v < 1 else f'tmp{v}')}")
+        lines.append(f"    tmp{n} = {expr_text(ins, lambda v: f'x{v}' if v < 1 else f'tmp{v}', sixteen_bit)}")
     v, _ = program.outputs[0]
     return lines + [f"    return {'x0' if v == 0 else f'tmp{v}'}"]
 
@@ -172,8 +182,8 @@ def generate_squeeze(spec: SqueezeSpec, variant: SqueezeVariant) -> KernelSource
              "and the gate, in one launch (onnxfuse.codegen_squeeze's docstring).", "#",
              "# Replaces the ONNX nodes:"]
     lines += [f"#   {_comment_text(n)}" for n in spec.source_nodes] or ["#   (none listed)"]
-    lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice",
-              "", ""]
+    lines += ["", "import triton", "import triton.language as tl", "from triton.language.extra import libdevice"]
+    lines += [*helper_lines(spec.program, spec.gate), "", ""]
     lines += _function("act", spec.program, "activation") + ["", ""]
     lines += _function("gate", spec.gate, "gate") + ["", ""]
     lines += ["@triton.jit",

@@ -43,8 +43,10 @@ Ops (see `UNARY`, `BINARY`, `TERNARY`):
 The lowering writes the accurate op where a model spells out a cancelling form
 (`rewrite_tails`): 1 + erf(y) is erfc(-y) (Gelu), 1 + tanh(z) is 2 sigmoid(2z) (tanh
 Gelu), exp(x) - 1 is expm1(x) (Elu). A program whose every output is stored as fp16 or
-bf16 is instead written in the cheaper forms of ONNX Runtime's own fused kernels
-(`relax_16bit`): its fp32 arithmetic is 2^13 times finer than the 16-bit rounding after it.
+bf16 also divides by a constant as the product by its reciprocal and writes small powers as
+products (`relax_16bit`), and the GPU code generators compute its erfc and sigmoid by
+cheaper forms (`onnxfuse.codegen.SIXTEEN_BIT_FORMS`, relative errors of a few 1e-6): its fp32
+arithmetic stays 2^7 or more times finer than the 16-bit rounding after it.
 """
 
 from __future__ import annotations
@@ -314,23 +316,27 @@ SIXTEEN_BIT = ("f16", "bf16")
 
 
 def relax_16bit(prog: Program) -> Program:
-    """`prog`, every output of which is stored as fp16 or bf16, in the forms ONNX Runtime's
-    fused CUDA kernels compute (BiasGelu: erf(x * M_SQRT1_2), FastGelu's x * x * x), which take
-    half the instructions of the exact ones where the program is issue-bound (a bias + erf-GELU
-    chain in fp16: 34 SASS instructions an element against 69 for erfc and an IEEE division,
-    sm_90, compiled on the CPU; BERT-base b8 fp16 on the H200, twentieth session: 13.4 µs
-    against BiasGelu's 6.4):
+    """`prog`, every output of which is stored as fp16 or bf16, in forms of fewer instructions
+    where the program is issue-bound (a bias + erf-GELU chain in fp16: 34 SASS instructions an
+    element with erf + 1 against 69 for libdevice's erfc and an IEEE division, sm_90, compiled
+    on the CPU; BERT-base b8 fp16 on the H200, twentieth session: 13.4 µs against ORT's
+    BiasGelu's 6.4):
 
         x / c -> x * RN(1/c)    (c a literal whose fp32 reciprocal is normal: within 1.5 ulp
                                  of fp32, where the exact quotient is within 0.5)
         pow(x, 3) -> x * x * x, pow(x, 4) -> (x * x) * (x * x)
-        no `rewrite_tails`      (1 + erf(y) stays: it loses the relative accuracy of GELU's
-                                 far negative tail, below fp16's smallest normal 6.1e-5)
+        then `rewrite_tails`    (1 + erf(y) -> erfc(-y), 1 + tanh(z) -> 2 sigmoid(2z): the
+                                 code generators compute erfc and sigmoid in a program that
+                                 stores 16 bits by forms of their own, relative errors of a
+                                 few 1e-6 (`onnxfuse.codegen.SIXTEEN_BIT_FORMS`), in fewer
+                                 instructions than erf + 1 and with GELU's far negative tail
+                                 to the same relative accuracy)
 
-    Each changes the fp32 value by a few fp32 ulps (2^-22 relative), which the rounding to
-    16 bits (2^-11 for fp16) hides but for the elements within that distance of a rounding
-    boundary, which move by one 16-bit ulp, as ORT's fused kernels round them; the original
-    graph rounds every intermediate to 16 bits."""
+    Each changes the fp32 value by a few fp32 ulps (2^-22 relative; the 16-bit forms by up to
+    2^-18), which the rounding to 16 bits (2^-11 for fp16) hides but for the elements within
+    that distance of a rounding boundary, which move by one 16-bit ulp (0.2% of the fp16
+    GELUs, `benchmarks/fit_erfc16.py`); the original graph rounds every intermediate to 16
+    bits."""
     base = len(prog.input_dtypes)
     b = Builder(list(prog.input_dtypes))
     new: list[Operand] = [Ref(i) for i in range(base)]
@@ -349,7 +355,7 @@ def relax_16bit(prog: Program) -> Program:
             new.append(b.emit("mul", sq, x) if float(k) == 3.0 else b.emit("mul", sq, sq))
         else:
             new.append(b.emit(ins.op, *args))
-    return b.build([(new[v], dt) for v, dt in prog.outputs])
+    return rewrite_tails(b.build([(new[v], dt) for v, dt in prog.outputs]))
 
 
 def _fp32_reciprocal(value: float) -> float | None:

@@ -289,7 +289,7 @@ def test_gemm_tile_and_structure_sweeps_dry_run(script):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if " err " in ln]
     assert len(lines) == {"gemm_tiles": 10, "gemm_structures": 3, "rows_context": 20, "attention_tiles": 12,
-                          "bias_gelu": 28}[script]
+                          "bias_gelu": 40}[script]
 
 
 def test_gemm_tiles_sweeps_the_shipped_tiles_and_splits_only_small_grids():

@@ -193,6 +193,25 @@ def _literal_cases() -> list[Case]:
     ]
 
 
+def _sixteen_bit_cases() -> list[Case]:
+    """Programs that store 16 bits, so erfc and sigmoid take `SIXTEEN_BIT_FORMS`: GELU and SiLU
+    (as `relax_16bit` writes them) over every fp16 value in [-16, 16] and erfc itself over a
+    wide range with its specials; `test_sixteen_bit_forms_round_within_an_ulp` checks them."""
+    x = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+    x = x[np.abs(x) <= 16]
+    wide = np.concatenate([np.linspace(-12, 12, 4001, dtype=np.float32),
+                           np.float32([np.nan, np.inf, -np.inf, 0.0, -0.0, 1e30, -1e30, 1e-30, 3e38])])
+    gelu = "%1 = mul %0 -0.70710677\n%2 = erfc %1\n%3 = mul %0 %2\n%4 = mul %3 0.5"
+    tanh_gelu = ("%1 = mul %0 %0\n%2 = mul %1 %0\n%3 = mul %2 0.044715\n%4 = add %0 %3\n%5 = mul %4 1.5957692"
+                 "\n%6 = sigmoid %5\n%7 = mul %0 %6")
+    return [Case(f"sixteen-{name}-{dt}", f"{body}\noutput %{body.count(chr(10)) + 1} {dt}", ((len(v),),), ("f32",),
+                 values=(tuple(v.tolist()),))
+            for name, body, v in (("gelu", gelu, x), ("silu", "%1 = sigmoid %0\n%2 = mul %0 %1", x),
+                                  ("tanh-gelu", tanh_gelu, x), ("erfc", "%1 = erfc %0", wide),
+                                  ("sigmoid", "%1 = sigmoid %0", wide))
+            for dt in ("f16", "bf16")]
+
+
 def _tail_cases() -> list[Case]:
     """tests/test_tails.py's models as onnxfuse lowers them (the programs of their fused
     nodes), at their tail inputs: `test_interpreted_tails` checks them against the exact values."""
@@ -207,7 +226,8 @@ def _tail_cases() -> list[Case]:
     return cases
 
 
-CASES = _op_cases() + _size_cases() + _broadcast_cases() + _dtype_cases() + _literal_cases() + _tail_cases()
+CASES = (_op_cases() + _size_cases() + _broadcast_cases() + _dtype_cases() + _literal_cases() + _tail_cases()
+         + _sixteen_bit_cases())
 
 
 def _out_shape(case: Case) -> tuple[int, ...]:
@@ -337,7 +357,7 @@ def _install_libdevice_shims() -> None:
     erfc = np.vectorize(math.erfc, otypes=[np.float64])
     table = {"exp": np.exp, "log": np.log, "tanh": np.tanh, "cos": np.cos, "sin": np.sin, "pow": np.power,
              "log1p": np.log1p, "sqrt": np.sqrt, "erf": lambda x: erf(x).astype(np.float32),
-             "erfc": lambda x: erfc(x).astype(np.float32), "expm1": np.expm1}
+             "erfc": lambda x: erfc(x).astype(np.float32), "expm1": np.expm1, "fast_dividef": np.divide}
     for name, np_fn in table.items():
         setattr(libdevice, name, shim(np_fn))
 
@@ -459,6 +479,52 @@ def test_interpreted_tails(interpreted, tail):
     assert not err.exists(), err.read_text() if err.exists() else ""
     got = np.load(interpreted / f"case{index}_out.npz")["out0"]
     assert_near_exact(got, next(t for t in TAILS if f"tail-{t.id}" == tail), "Triton kernel (interpreter)")
+
+
+def _ordered(a: np.ndarray) -> np.ndarray:
+    """16-bit floats' bits as integers in the floats' order (adjacent floats differ by 1)."""
+    i = a.view(np.int16).astype(np.int32)
+    return np.where(i < 0, -32768 - i, i)
+
+
+@pytest.mark.parametrize("case_id", [c.id for c in CASES if c.id.startswith("sixteen-")])
+def test_sixteen_bit_forms_round_within_an_ulp(interpreted, case_id):
+    """erfc_16bit and sigmoid_16bit in kernels that store 16 bits: every output within one
+    16-bit ulp of the exact program's (numpy's fp32 evaluation, erfc and sigmoid exact),
+    NaN where it is NaN, and at most 1% of them differing (their few-1e-6 relative errors move
+    only the values that close to a rounding boundary). On a GPU the fast reciprocal and exp2
+    run as themselves; under the interpreter, numpy's."""
+    index = next(i for i, c in enumerate(CASES) if c.id == case_id)
+    case = CASES[index]
+    err = interpreted / f"case{index}_error.txt"
+    assert not err.exists(), err.read_text() if err.exists() else ""
+    prog = parse(_prog(case.dtypes, case.program))
+    assert any(ins.op in ("erfc", "sigmoid") for ins in prog.instrs)
+    dt = prog.outputs[0][1]
+    storage = np.float16 if dt == "f16" else ml_dtypes.bfloat16
+    want = evaluate(prog, _case_inputs(index, case))[0].astype(np.float32).astype(storage)
+    got = _from_storage(np.load(interpreted / f"case{index}_out.npz")["out0"], dt).astype(storage)
+    nan = np.isnan(want.astype(np.float32))
+    assert np.array_equal(nan, np.isnan(got.astype(np.float32))), case_id
+    d = np.abs(_ordered(got[~nan]) - _ordered(want[~nan]))
+    # +0 and -0 are one step apart here; a sign of zero is no ulp
+    d = np.where((got[~nan].astype(np.float32) == 0) & (want[~nan].astype(np.float32) == 0), 0, d)
+    assert d.max() <= 1 and np.mean(d > 0) < 0.01, (case_id, int(d.max()), float(np.mean(d > 0)))
+
+
+def test_erfc16_polynomial_is_the_fit_and_within_its_bounds():
+    """`ERFC16_Q` is what benchmarks/fit_erfc16.py fits (to fp32), and the form it computes, in
+    fp32 arithmetic, is within the relative error its docstring states (4e-6 for |x| <= 4, 1e-5
+    to fp32's underflow), every fp16 and bf16 GELU within one ulp of the exactly rounded one."""
+    from benchmarks.fit_erfc16 import fit, measure
+    from onnxfuse.codegen import ERFC16_Q
+
+    c, _ = fit()
+    assert tuple(float(v) for v in np.float32(c)) == ERFC16_Q
+    m = measure()
+    assert m["max_rel_err_abs_x_le_4"] < 4e-6 and m["max_rel_err_to_underflow"] < 1e-5, m
+    assert m["gelu_f16_max_ulps"] <= 1 and m["gelu_bf16_max_ulps"] <= 1, m
+    assert m["gelu_f16_share_differing"] < 0.005 and m["gelu_bf16_share_differing"] < 0.005, m
 
 
 def test_cases_cover_every_op_dtype_and_mode():
