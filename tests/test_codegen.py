@@ -487,29 +487,34 @@ def _ordered(a: np.ndarray) -> np.ndarray:
     return np.where(i < 0, -32768 - i, i)
 
 
-@pytest.mark.parametrize("case_id", [c.id for c in CASES if c.id.startswith("sixteen-")])
-def test_sixteen_bit_forms_round_within_an_ulp(interpreted, case_id):
-    """erfc_16bit and sigmoid_16bit in kernels that store 16 bits: every output within one
-    16-bit ulp of the exact program's (numpy's fp32 evaluation, erfc and sigmoid exact),
-    NaN where it is NaN, and at most 1% of them differing (their few-1e-6 relative errors move
-    only the values that close to a rounding boundary). On a GPU the fast reciprocal and exp2
-    run as themselves; under the interpreter, numpy's."""
-    index = next(i for i, c in enumerate(CASES) if c.id == case_id)
-    case = CASES[index]
-    err = interpreted / f"case{index}_error.txt"
-    assert not err.exists(), err.read_text() if err.exists() else ""
+def _check_sixteen(workdir: Path, index: int, case: Case) -> None:
+    """A `_sixteen_bit_cases` output within one 16-bit ulp of the exact program's (numpy's
+    fp32 evaluation, erfc and sigmoid exact), NaN where it is NaN, and at most 1% of them
+    differing (the forms' few-1e-6 relative errors move only values that close to a rounding
+    boundary)."""
     prog = parse(_prog(case.dtypes, case.program))
     assert any(ins.op in ("erfc", "sigmoid") for ins in prog.instrs)
     dt = prog.outputs[0][1]
     storage = np.float16 if dt == "f16" else ml_dtypes.bfloat16
     want = evaluate(prog, _case_inputs(index, case))[0].astype(np.float32).astype(storage)
-    got = _from_storage(np.load(interpreted / f"case{index}_out.npz")["out0"], dt).astype(storage)
+    got = _from_storage(np.load(workdir / f"case{index}_out.npz")["out0"], dt).astype(storage)
     nan = np.isnan(want.astype(np.float32))
-    assert np.array_equal(nan, np.isnan(got.astype(np.float32))), case_id
+    assert np.array_equal(nan, np.isnan(got.astype(np.float32))), case.id
     d = np.abs(_ordered(got[~nan]) - _ordered(want[~nan]))
     # +0 and -0 are one step apart here; a sign of zero is no ulp
     d = np.where((got[~nan].astype(np.float32) == 0) & (want[~nan].astype(np.float32) == 0), 0, d)
-    assert d.max() <= 1 and np.mean(d > 0) < 0.01, (case_id, int(d.max()), float(np.mean(d > 0)))
+    assert d.max() <= 1 and np.mean(d > 0) < 0.01, (case.id, int(d.max()), float(np.mean(d > 0)))
+
+
+@pytest.mark.parametrize("case_id", [c.id for c in CASES if c.id.startswith("sixteen-")])
+def test_sixteen_bit_forms_round_within_an_ulp(interpreted, case_id):
+    """erfc_16bit and sigmoid_16bit in kernels that store 16 bits (`_check_sixteen`), under
+    the interpreter (numpy's reciprocal and exp2); `test_gpu_kernels_match_reference` runs the
+    same check with the GPU's fast ones."""
+    index = next(i for i, c in enumerate(CASES) if c.id == case_id)
+    err = interpreted / f"case{index}_error.txt"
+    assert not err.exists(), err.read_text() if err.exists() else ""
+    _check_sixteen(interpreted, index, CASES[index])
 
 
 def test_erfc16_polynomial_is_the_fit_and_within_its_bounds():
@@ -831,8 +836,8 @@ def test_default_targets_are_supported():
 @pytest.mark.gpu(ort=False, torch=True)
 def test_gpu_kernels_match_reference(tmp_path):
     """Every case, JIT-compiled by Triton on the device: the real libdevice numerics; the
-    tail cases also against the exact values, as `test_interpreted_tails` (written without a
-    GPU, not yet run on one)."""
+    tail cases also against the exact values, as `test_interpreted_tails`, and the 16-bit forms
+    within an ulp (`_check_sixteen`, with the GPU's fast reciprocal and exp2)."""
     from tests.test_tails import TAILS, assert_near_exact
 
     _write_workdir(tmp_path, CASES)
@@ -845,6 +850,8 @@ def test_gpu_kernels_match_reference(tmp_path):
             if case.id in tails:
                 got = np.load(tmp_path / f"case{i}_out.npz")["out0"]
                 assert_near_exact(got, tails[case.id], "Triton kernel (libdevice)")
+            if case.id.startswith("sixteen-"):
+                _check_sixteen(tmp_path, i, case)
         except (AssertionError, pytest.fail.Exception) as e:
             failures.append(str(e)[:1500])
     assert not failures, "\n\n".join(failures)
