@@ -1134,11 +1134,15 @@ def most_accurate(runs: list, reference: dict[str, np.ndarray]) -> dict[str, np.
 
 def _fastest(models: list, times: dict[str, ModelTimes], gates: dict[str, dict], orig: ModelTimes):
     """The fastest candidate (label, result, info) that is not slower than the original and
-    passes the accuracy gate, or None."""
+    passes the accuracy gate, or None. Candidates come in order of preference (the tuned model,
+    every node decision of which was measured, first): a later one replaces an earlier one only
+    where it is faster by more than MODEL_NOISE (`model-ties-keep-tuned`)."""
     kept = None
     for label, cand, cand_info in models:
         t = times[label]
-        if t.not_slower_than(orig) and gates[label]["passed"] and (kept is None or t.best() < times[kept[0]].best()):
+        if not (t.not_slower_than(orig) and gates[label]["passed"]):
+            continue
+        if kept is None or t.best() * (1 + MODEL_NOISE) < times[kept[0]].best():
             kept = (label, cand, cand_info)
     return kept
 
