@@ -92,9 +92,14 @@ def erfc16(x: np.ndarray, q: tuple[float, ...] = ERFC16_Q) -> np.ndarray:
     return np.where(x < 0, np.float32(2) - e, e)
 
 
-def _ordered(a: np.ndarray) -> np.ndarray:
-    i = a.view(np.int16).astype(np.int32)
-    return np.where(i < 0, -32768 - i, i)
+def ulps_apart(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """How many 16-bit floats (fp16 or bf16 arrays of one dtype) lie between got and want,
+    elementwise; +0 and -0 count as equal."""
+    def ordered(a: np.ndarray) -> np.ndarray:
+        i = a.view(np.int16).astype(np.int32)
+        return np.where(i < 0, -32768 - i, i)
+    both_zero = (got.astype(np.float32) == 0) & (want.astype(np.float32) == 0)
+    return np.where(both_zero, 0, np.abs(ordered(got) - ordered(want)))
 
 
 def measure(q: tuple[float, ...] = ERFC16_Q) -> dict:
@@ -111,8 +116,7 @@ def measure(q: tuple[float, ...] = ERFC16_Q) -> dict:
     exact = 0.5 * xs.astype(np.float64) * erfc(-xs.astype(np.float64) / math.sqrt(2))
     got = np.float32(0.5) * xs * erfc16(xs * np.float32(-0.70710677), q)
     for name, dt in (("f16", np.float16), ("bf16", ml_dtypes.bfloat16)):
-        d = np.abs(_ordered(got.astype(dt)) - _ordered(exact.astype(dt)))
-        d = np.where((got.astype(dt).astype(np.float32) == 0) & (exact.astype(dt).astype(np.float32) == 0), 0, d)
+        d = ulps_apart(got.astype(dt), exact.astype(dt))
         out[f"gelu_{name}_max_ulps"] = int(d.max())
         out[f"gelu_{name}_share_differing"] = float(np.mean(d > 0))
     return out
