@@ -1,10 +1,13 @@
 """Hugging Face transformers models, which this repository does not hold: does every attention
 fuse, is the optimized model right, and (on a GPU) how fast is it against ONNX Runtime.
 
-Builds BertModel, GPT2Model and ViTModel from their configurations with random weights (no
-download; base sizes, or `--small` ones for a CPU), with each attention implementation
-(`eager`, `sdpa`), exports each with torch's TorchScript exporter (opset 17, last hidden state
-out), runs `onnxfuse optimize --shape ...` at batch `--batch` and sequence 128 (ViT: 224²), and
+Builds BertModel, GPT2Model, ViTModel, LlamaModel (RMSNorm, rotary embeddings, grouped-query
+attention, SwiGLU), T5EncoderModel (RMSNorm without the mean, a learned position bias, ReLU)
+and DistilBertModel from their configurations with random weights (no download; base sizes,
+or `--small` ones for a CPU), with each attention implementation (`eager`, `sdpa`), exports
+each with torch's TorchScript exporter (opset 17, last hidden state out; `--dtype fp16`: then
+converted as `models.fp16` converts the suite's models), runs `onnxfuse optimize --shape ...`
+at batch `--batch` and sequence 128 (ViT: 224²), and
 `onnxfuse bench` of the pair (`--provider`): both errors against the float64 reference, the gate,
 and median ms of both models (`--cuda-graph`: again under CUDA graphs; `--tf-optimizer`: ONNX
 Runtime's transformers optimizer's model of the same export beside them, the peer a user would
@@ -31,7 +34,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SEQ = 128
-ARCHS = ("bert", "gpt2", "vit")
+ARCHS = ("bert", "gpt2", "vit", "llama", "t5", "distilbert")
 
 
 def build(arch: str, attn: str, small: bool):
@@ -47,9 +50,26 @@ def build(arch: str, attn: str, small: bool):
         g = dict(n_embd=64, n_head=2, n_layer=2, vocab_size=1000) if small else {}
         cfg = tf.GPT2Config(**g, attn_implementation=attn)
         model, names = tf.GPT2Model(cfg), ["input_ids"]
-    else:
+    elif arch == "vit":
         cfg = tf.ViTConfig(**size, **(dict(image_size=32, patch_size=8) if small else {}), attn_implementation=attn)
         model, names = tf.ViTModel(cfg), ["pixel_values"]
+    elif arch == "llama":  # a BERT-base-sized LLaMA: 12 layers of 768, 4 key-value heads for 12 queries
+        shape = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
+                     num_hidden_layers=2, vocab_size=1000) if small else dict(
+            hidden_size=768, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048,
+            num_hidden_layers=12, vocab_size=32000)
+        cfg = tf.LlamaConfig(**shape, max_position_embeddings=512, use_cache=False, attn_implementation=attn)
+        model, names = tf.LlamaModel(cfg), ["input_ids", "attention_mask"]  # without a mask: aten::diff
+    elif arch == "t5":  # t5-small's encoder
+        shape = dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2, vocab_size=1000) if small else {}
+        cfg = tf.T5Config(**shape, use_cache=False, attn_implementation=attn)
+        model, names = tf.T5EncoderModel(cfg), ["input_ids", "attention_mask"]
+    elif arch == "distilbert":
+        shape = dict(dim=64, n_heads=2, hidden_dim=128, n_layers=2, vocab_size=1000) if small else {}
+        cfg = tf.DistilBertConfig(**shape, attn_implementation=attn)
+        model, names = tf.DistilBertModel(cfg), ["input_ids", "attention_mask"]
+    else:
+        raise ValueError(f"unknown arch {arch!r}: choose from {', '.join(ARCHS)}")
 
     class Hidden(torch.nn.Module):
         def __init__(self, m):
@@ -66,6 +86,12 @@ def tf_optimizer_options(arch: str, cfg) -> dict:
     """onnxruntime.transformers.optimizer.optimize_model's model_type, num_heads, hidden_size."""
     if arch == "gpt2":
         return {"model_type": "gpt2", "num_heads": cfg.n_head, "hidden_size": cfg.n_embd}
+    if arch == "t5":
+        return {"model_type": "t5", "num_heads": cfg.num_heads, "hidden_size": cfg.d_model}
+    if arch == "distilbert":
+        return {"model_type": "bert", "num_heads": cfg.n_heads, "hidden_size": cfg.dim}
+    if arch == "llama":  # no llama type: "bert" fuses SimplifiedLayerNormalization and RotaryEmbedding
+        return {"model_type": "bert", "num_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size}
     return {"model_type": arch, "num_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size}
 
 
@@ -97,10 +123,16 @@ def cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
-    tag = f"{arch}_{attn}_b{args.batch}"
+    tag = case_name(arch, attn, args)
     src, opt, js = tmp / f"{tag}.onnx", tmp / f"{tag}.opt.onnx", tmp / f"{tag}.bench.json"
     row: dict = {"case": tag}
     dims, cfg = _export(arch, attn, args.small, args.batch, src)
+    fp32_twin = None
+    if args.dtype == "fp16":  # converted as the suite converts its fp16 models
+        from models.fp16 import to_fp16
+
+        fp32_twin = onnx.load(str(src))
+        onnx.save(to_fp16(fp32_twin), str(src))
     shapes = [f"{n}={'x'.join(map(str, d))}" for n, d in dims.items()]
     models = [src, opt]
     if args.tf_optimizer:  # the peer a user would pick instead: ORT's transformers optimizer
@@ -108,7 +140,7 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
 
         tfo = tmp / f"{tag}.tfopt.onnx"
         try:
-            m, stats = ort_transformers_optimize(onnx.load(str(src)), None, tf_optimizer_options(arch, cfg),
+            m, stats = ort_transformers_optimize(onnx.load(str(src)), fp32_twin, tf_optimizer_options(arch, cfg),
                                                  dry=args.provider == "cpu")
             onnx.save(m, str(tfo))
             row["tfopt_fused"] = stats
@@ -117,7 +149,8 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
             row["tfopt_error"] = f"{type(e).__name__}: {e}"[:300]
     # on the CPU no kernels (their TF32-rounded packed weights are for the GPU's tensor cores)
     target = ["--target", "none"] if args.provider == "cpu" else []
-    r = cli("optimize", str(src), str(opt), *target, *sum((["--shape", s] for s in shapes), []))
+    budget = ["--tune-budget", str(args.tune_budget)] if args.tune_budget else []
+    r = cli("optimize", str(src), str(opt), *target, *budget, *sum((["--shape", s] for s in shapes), []))
     if r.returncode != 0:
         return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
     ops = Counter(n.op_type for n in onnx.load(str(opt)).graph.node)
@@ -144,10 +177,17 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
             *sum((["--shape", s] for s in shapes), []), "--json", str(js))
         if js.exists():
             ref, new, *peer = json.loads(js.read_text())["models"]
-            row |= {"ort_graph_ms": ref["latency_ms"]["median"], "onnxfuse_graph_ms": new["latency_ms"]["median"]}
+            # "captured": false where ONNX Runtime could not capture the model (bench then times it
+            # without graphs, with a note): HF's exports compute their masks with shape arithmetic
+            row |= {"ort_graph_ms": ref["latency_ms"]["median"], "onnxfuse_graph_ms": new["latency_ms"]["median"],
+                    "ort_captured": ref.get("cuda_graph"), "onnxfuse_captured": new.get("cuda_graph")}
             if peer:
-                row["tfopt_graph_ms"] = peer[0]["latency_ms"]["median"]
+                row |= {"tfopt_graph_ms": peer[0]["latency_ms"]["median"], "tfopt_captured": peer[0].get("cuda_graph")}
     return row
+
+
+def case_name(arch: str, attn: str, args) -> str:
+    return f"{arch}_{attn}_b{args.batch}" + ("_fp16" if args.dtype == "fp16" else "")
 
 
 def main() -> None:
@@ -158,7 +198,10 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="2-layer, width-64 configs (a CPU check)")
     ap.add_argument("--archs", default=",".join(ARCHS))
     ap.add_argument("--attn", default="eager,sdpa")
+    ap.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"),
+                    help="fp16: the export converted to float16 (weights, activations, inputs)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--tune-budget", type=float, help="onnxfuse optimize's --tune-budget (seconds; its default: 60)")
     ap.add_argument("--cuda-graph", action="store_true", help="also time the models under CUDA graphs")
     ap.add_argument("--tf-optimizer", action="store_true",
                     help="also time ONNX Runtime's transformers optimizer's model of the export (the peer)")
@@ -170,11 +213,12 @@ def main() -> None:
                 try:
                     row = run_case(arch, attn, args, Path(tmp))
                 except Exception as e:  # a model that cannot be built or exported: say so, go on
-                    row = {"case": f"{arch}_{attn}_b{args.batch}", "error": f"{type(e).__name__}: {e}"[:300]}
+                    row = {"case": case_name(arch, attn, args), "error": f"{type(e).__name__}: {e}"[:300]}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
                 if args.json:
-                    args.json.write_text(json.dumps({"provider": args.provider, "rows": rows}, indent=1) + "\n")
+                    run = {"provider": args.provider, "dtype": args.dtype, "batch": args.batch, "rows": rows}
+                    args.json.write_text(json.dumps(run, indent=1) + "\n")
     print("\n| case | Softmax before | FusedAttention | Softmax left | Transposes before → after | ORT ms | "
           "onnxfuse ms | ORT + graph ms | onnxfuse + graph ms | tf-opt. ms | tf-opt. + graph ms | ORT err | "
           "onnxfuse err | tf-opt. err | gate (onnxfuse, tf-opt.) |")
@@ -183,12 +227,14 @@ def main() -> None:
         if "error" in r:
             print(f"| {r['case']} | error: {str(r['error'])[:80]} |" + " |" * 13)
             continue
-        fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+        fmt = lambda v, captured=None: "-" if v is None else f"{v:.3f}" + (" (no graph)" if captured is False else "")  # noqa: E731
         err = lambda v: "-" if v is None else f"{v:.2g}"  # noqa: E731
         print(f"| {r['case']} | {r['softmax_before']} | {r['fused_attention']} | {r['softmax_left']} | "
               f"{r['transposes'][0]} → {r['transposes'][1]} | {fmt(r.get('ort_ms'))} | {fmt(r.get('onnxfuse_ms'))} | "
-              f"{fmt(r.get('ort_graph_ms'))} | {fmt(r.get('onnxfuse_graph_ms'))} | {fmt(r.get('tfopt_ms'))} | "
-              f"{fmt(r.get('tfopt_graph_ms'))} | {err(r.get('ort_err'))} | {err(r.get('err'))} | "
+              f"{fmt(r.get('ort_graph_ms'), r.get('ort_captured'))} | "
+              f"{fmt(r.get('onnxfuse_graph_ms'), r.get('onnxfuse_captured'))} | {fmt(r.get('tfopt_ms'))} | "
+              f"{fmt(r.get('tfopt_graph_ms'), r.get('tfopt_captured'))} | {err(r.get('ort_err'))} | "
+              f"{err(r.get('err'))} | "
               f"{err(r.get('tfopt_err'))} | {'pass' if r.get('gate') else 'FAIL'}"
               + (f", {'pass' if r['tfopt_gate'] else 'FAIL'}" if "tfopt_gate" in r else "") + " |")
 

@@ -1,0 +1,31 @@
+"""Hugging Face transformers' own models, as their exporter writes them (benchmarks/hf_attention.py
+at its `--small` sizes, on the CPU with --target none): every attention of BERT, GPT-2, ViT,
+LLaMA (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU), the T5 encoder (a
+learned position bias, RMSNorm without the mean) and DistilBERT becomes one FusedAttention, and
+the optimized model passes `onnxfuse bench`'s gate (its error against the float64 reference
+within ORT's own error's bound) on seeded inputs."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("torch")
+
+from benchmarks import hf_attention  # noqa: E402
+
+CASES = [(arch, "sdpa", "fp32") for arch in hf_attention.ARCHS] + [
+    ("bert", "eager", "fp32"), ("llama", "eager", "fp32"), ("llama", "sdpa", "fp16"), ("t5", "sdpa", "fp16")]
+
+
+@pytest.mark.parametrize("arch,attn,dtype", CASES, ids=["-".join(c) for c in CASES])
+def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, tmp_path):
+    args = argparse.Namespace(small=True, batch=2, dtype=dtype, provider="cpu", iters=3, tf_optimizer=False,
+                              cuda_graph=False, tune_budget=None)
+    row = hf_attention.run_case(arch, attn, args, tmp_path)
+    assert "error" not in row, row
+    assert row["softmax_before"] > 0 and row["fused_attention"] == row["softmax_before"], row
+    assert row["softmax_left"] == 0, row
+    assert row["gate"], row
