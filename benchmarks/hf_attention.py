@@ -153,10 +153,14 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     r = cli("optimize", str(src), str(opt), *target, *budget, *sum((["--shape", s] for s in shapes), []))
     if r.returncode != 0:
         return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
-    ops = Counter(n.op_type for n in onnx.load(str(opt)).graph.node)
+    fused = onnx.load(str(opt)).graph.node
+    ops = Counter(n.op_type for n in fused)
     original = Counter(n.op_type for n in onnx.load(str(src)).graph.node)
+    groups = {a.i for n in fused if n.op_type == "FusedAttention" for a in n.attribute if a.name == "kv_group"}
     row |= {"softmax_before": original["Softmax"], "fused_attention": ops["FusedAttention"],
-            "softmax_left": ops["Softmax"], "transposes": [original["Transpose"], ops["Transpose"]]}
+            "softmax_left": ops["Softmax"], "transposes": [original["Transpose"], ops["Transpose"]],
+            "expands": [original["Expand"], ops["Expand"]], "kv_groups": sorted(groups), "nodes": [
+                sum(original.values()), sum(ops.values())]}
     r = cli("bench", *map(str, models), "--provider", args.provider, "--iters", str(args.iters),
             *sum((["--shape", s] for s in shapes), []), "--json", str(js))
     if not js.exists():

@@ -128,6 +128,8 @@ class AttentionSpec:
     causal_fill: float | None = None
     # the value of a "causal_add" extra (an additive causal mask: 0 where kept) past the diagonal
     causal_masked: float | None = None
+    # grouped-query attention: K and V have H / kv_group heads, query head h reads head h // kv_group
+    kv_group: int = 1
 
     @property
     def dtype(self) -> str:
@@ -405,7 +407,13 @@ def _bias_load(spec: AttentionSpec, w: str) -> str:
     """The head's slice of operand w's bias: HEAD_D (HEAD_DV for V) elements from b{w}_ptr."""
     offs, dim, pad = ("offs_dv", "DV", spec.head_dv) if w == "v" else ("offs_d", "D", spec.head_d)
     mask = f", mask={offs} < {dim}, other=0.0" if pad != padded(pad) else ""
-    return f"b{w} = tl.load(b{w}_ptr + h * stride_b{w}h + {offs}{mask})"
+    head = "h" if w == "q" else _kv_head(spec)
+    return f"b{w} = tl.load(b{w}_ptr + {head} * stride_b{w}h + {offs}{mask})"
+
+
+def _kv_head(spec: AttentionSpec) -> str:
+    """The head of K and V a program reads: its own, or its group's (`kv_group`)."""
+    return "h_kv" if spec.kv_group > 1 else "h"
 
 
 def _dot(spec: AttentionSpec, a: str, b: str, acc: str | None = None) -> str:
@@ -431,9 +439,11 @@ def _body(spec: AttentionSpec, variant: AttentionVariant) -> list[str]:
            "pid_bh = tl.program_id(axis=1).to(tl.int64)",
            "b = pid_bh // H",
            "h = pid_bh % H",
+           *([f"h_kv = h // {spec.kv_group}  # grouped-query attention: {spec.kv_group} query heads share K and V"]
+             if spec.kv_group > 1 else []),
            "q_base = q_ptr + b * stride_qb + h * stride_qh",
-           "k_base = k_ptr + b * stride_kb + h * stride_kh",
-           "v_base = v_ptr + b * stride_vb + h * stride_vh",
+           f"k_base = k_ptr + b * stride_kb + {_kv_head(spec)} * stride_kh",
+           f"v_base = v_ptr + b * stride_vb + {_kv_head(spec)} * stride_vh",
            "y_base = y_ptr + b * stride_yb + h * stride_yh",
            *(f"e{i}_base = e{i}_ptr + b * stride_e{i}_b + h * stride_e{i}_h" for i in range(spec.n_extras)),
            "offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)",

@@ -103,6 +103,8 @@ class Case:
     # the "causal" extras computed from the indices, not read, and key blocks past the diagonal
     # skipped where the program's masked value is one value (AttentionSpec.causal_fill)
     causal: bool = False
+    # grouped-query attention: K and V have h / kv_group heads, query head j reads head j // kv_group
+    kv_group: int = 1
 
 
 CASES = [
@@ -163,6 +165,10 @@ CASES = [
     Case("f32-ieee-causal-masked-value-is-max", "f32",
          "input %0 {dt}\ninput %1 bool\n%2 = sub %0 20000.0\n%3 = select %1 %2 -10000.0\noutput %3 {dt}",
          sq=40, sk=40, extras=(("causal", (1, 1, 40, 40)),), causal=True),
+    Case("f16-grouped-query-mask", "f16", SCALE_MASK, h=6, kv_group=3, extras=(("additive", (2, 1, 1, 37)),),
+         broadcast=True),
+    Case("f32-tf32-grouped-query-contiguous", "f32", SCALE, h=4, kv_group=2, precision="tf32", layout="bhsd",
+         y_layout="bhsd"),
     Case("bf16-causal-and-key-mask", "bf16", "input %0 {dt}\ninput %1 {dt}\ninput %2 bool\n%3 = add %0 %1\n"
          "%4 = select %2 %3 -10000.0\noutput %4 {dt}", extras=(("additive", (2, 1, 1, 37)), ("causal", (1, 1, 20, 37))),
          broadcast=True, causal=True),
@@ -184,7 +190,7 @@ def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
             masked = float(np.finfo(NP[prog.input_dtypes[1 + at]]).min)
     spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision, nan_to_zero=case.nan_to_zero,
                          bias=(case.bias,) * 3, extras_broadcast=tuple(reads) if any(reads) else (),
-                         causal_fill=fill, causal_masked=masked)
+                         causal_fill=fill, causal_masked=masked, kv_group=case.kv_group)
     return spec, case.variant or attention_variants(spec)[0]
 
 
@@ -199,8 +205,9 @@ PERMS = {  # (base shape of Q as (S, D) -> dims, perm to the logical [B, H, S, D
 }
 
 
-def _base_shape(case: Case, s: int, d: int) -> tuple[int, ...]:
-    return {"bshd": (case.b, s, case.h, d), "bhsd": (case.b, case.h, s, d), "shd": (s, case.h, d)}[case.layout]
+def _base_shape(case: Case, s: int, d: int, h: int | None = None) -> tuple[int, ...]:
+    h = case.h if h is None else h
+    return {"bshd": (case.b, s, h, d), "bhsd": (case.b, h, s, d), "shd": (s, h, d)}[case.layout]
 
 
 def _logical4(base: np.ndarray, perm: tuple[int, ...]) -> np.ndarray:
@@ -241,8 +248,9 @@ def inputs_of(i: int, case: Case) -> tuple[list[np.ndarray], list[np.ndarray]]:
     rng = np.random.default_rng(7000 + i)
     dt = NP[case.dtype]
     q = rng.standard_normal(_base_shape(case, case.sq, case.d)).astype(dt)
-    k = rng.standard_normal(_base_shape(case, case.sk, case.d)).astype(dt)
-    v = rng.standard_normal(_base_shape(case, case.sk, case.dv)).astype(dt)
+    hkv = case.h // case.kv_group
+    k = rng.standard_normal(_base_shape(case, case.sk, case.d, hkv)).astype(dt)
+    v = rng.standard_normal(_base_shape(case, case.sk, case.dv, hkv)).astype(dt)
     spec, _ = spec_of(i, case)
     extras = []
     for (kind, shape), edt in zip(case.extras, spec.program.input_dtypes[1:], strict=True):
@@ -278,6 +286,7 @@ def reference(i: int, case: Case) -> np.ndarray:
     (q, k, v), extras = inputs_of(i, case)
     q, k, v = biased(i, case, q, k, v)
     q, kt, v = (x.astype(np.float32) for x in logical_operands(case, q, k, v))
+    kt, v = np.repeat(kt, case.kv_group, axis=1), np.repeat(v, case.kv_group, axis=1)  # head j: j // kv_group
     if spec.tf32:
         q, kt, v = round_array_to_tf32(q), round_array_to_tf32(kt), round_array_to_tf32(v)
     dt = NP[case.dtype]

@@ -106,14 +106,15 @@ def split_nodes(arrays, splits: dict, shared: bool, bias: bool = False) -> tuple
 
 def attention_model(q, k, v, extras: list[np.ndarray], program: str, score_nodes, perms: dict,
                     dyn: bool = False, y_type=None, splits: dict | None = None,
-                    shared: bool = False, bias: np.ndarray | None = None) -> onnx.ModelProto:
+                    shared: bool = False, bias: np.ndarray | None = None, kv_group: int = 1) -> onnx.ModelProto:
     """A FusedAttention node over graph inputs q, k, v, e0, e1, ... and its function body: the
     Transposes, MatMul, the score nodes (from "s" and "e<i>" to "z"), Softmax, MatMul, the output
     Transpose. dyn: the graph inputs' dims are symbolic (no static shape inference). splits:
     split_q / split_k / split_v ([offset, heads, head_dim]; q, k, v then the packed inputs, the
     body Slices or Splits them and Reshapes, split_nodes). shared: q, k and v are one tensor, the
     graph input "x" fed to inputs 0, 1 and 2; with `bias` (shared only) the graph input "b", the
-    node's last input, added to it before the split (bias_q = bias_k = bias_v)."""
+    node's last input, added to it before the split (bias_q = bias_k = bias_v). kv_group > 1: K
+    and V have H / kv_group heads, repeated in the body (Unsqueeze, Expand, Reshape; rank 4)."""
     splits = splits or {}
     assert bias is None or shared
     r = q.ndim + ("split_q" in splits)
@@ -122,10 +123,21 @@ def attention_model(q, k, v, extras: list[np.ndarray], program: str, score_nodes
     names = ["x", "x", "x", *formal[3:]] if shared else formal
     arrays = [q, k, v, *extras, *([bias] if bias is not None else [])]
     made, (qn, kn, vn) = split_nodes(arrays[:3], splits, shared, bias is not None)
+    repeat = []
+    if kv_group > 1:  # Hugging Face's repeat_kv on the logical K^T and V
+        for x, perm in (("kt", full["perm_k"]), ("vt", full["perm_v"])):
+            b_, h_, m_, n_ = (arrays[1 if x == "kt" else 2].shape[i] for i in perm)
+            consts = {"axes": [2], "shape5": [b_, h_, kv_group, m_, n_], "shape4": [b_, h_ * kv_group, m_, n_]}
+            repeat += [N("Constant", [], [f"{x}_{c}"], value=numpy_helper.from_array(np.array(v_, np.int64)))
+                       for c, v_ in consts.items()]
+            repeat += [N("Unsqueeze", [f"{x}0", f"{x}_axes"], [f"{x}1"]),
+                       N("Expand", [f"{x}1", f"{x}_shape5"], [f"{x}2"]),
+                       N("Reshape", [f"{x}2", f"{x}_shape4"], [x])]
+    g0 = "0" if kv_group > 1 else ""
     body = [*made,
             N("Transpose", [qn], ["qt"], perm=list(full["perm_q"])),
-            N("Transpose", [kn], ["kt"], perm=list(full["perm_k"])),
-            N("Transpose", [vn], ["vt"], perm=list(full["perm_v"])),
+            N("Transpose", [kn], [f"kt{g0}"], perm=list(full["perm_k"])),
+            N("Transpose", [vn], [f"vt{g0}"], perm=list(full["perm_v"])), *repeat,
             N("MatMul", ["qt", "kt"], ["s"]), *score_nodes(),
             N("Softmax", ["z"], ["p"], axis=-1), N("MatMul", ["p", "vt"], ["yl"]),
             N("Transpose", ["yl"], ["y"], perm=list(full["perm_y"]))]
@@ -133,6 +145,8 @@ def attention_model(q, k, v, extras: list[np.ndarray], program: str, score_nodes
     fn = helper.make_function("onnxfuse", "FusedAttention", formal, ["y"], body, [helper.make_opsetid("", 20)])
     fn.overload = overload
     attrs = {k_: list(v_) for k_, v_ in {**perms, **splits}.items()}
+    if kv_group > 1:
+        attrs["kv_group"] = kv_group
     if bias is not None:
         attrs.update({f"bias_{w}": 3 + len(extras) for w in "qkv"})
     node = N("FusedAttention", names, ["y"], domain="onnxfuse", name="attn", program=program, **attrs)
@@ -141,7 +155,7 @@ def attention_model(q, k, v, extras: list[np.ndarray], program: str, score_nodes
     inputs = [helper.make_tensor_value_info(n, ONNX[a.dtype],
                                             [f"{n}_{i}" for i in range(a.ndim)] if dyn else list(a.shape))
               for n, a in graph_inputs.items()]
-    ref = reference(q, k, v, extras, program, perms, splits=splits, bias=bias)
+    ref = reference(q, k, v, extras, program, perms, splits=splits, bias=bias, kv_group=kv_group)
     out = helper.make_tensor_value_info("y", y_type or ONNX[q.dtype], None if dyn else list(ref.shape))
     g = helper.make_graph([node], "attention", inputs, [out])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 20), helper.make_opsetid("onnxfuse", 1)],
@@ -159,7 +173,7 @@ def unpack(x: np.ndarray, split) -> np.ndarray:
 
 
 def reference(q, k, v, extras, program: str, perms: dict, dtype=None, splits: dict | None = None,
-              bias: np.ndarray | None = None) -> np.ndarray:
+              bias: np.ndarray | None = None, kv_group: int = 1) -> np.ndarray:
     """The node contract in numpy: float64 sums, the roundings of the original's stores; splits:
     q, k, v are the packed inputs of the operands split_q / split_k / split_v name (unpack);
     bias: added to each packed input first, the sum rounded to its dtype (the original's Add)."""
@@ -174,13 +188,16 @@ def reference(q, k, v, extras, program: str, perms: dict, dtype=None, splits: di
     def t(x, p):
         return np.transpose(x.astype(np.float64), perms.get(p, tuple(range(r))))
 
-    s = (t(q, "perm_q") @ t(k, "perm_k")).astype(dtype)
+    lk, lv = t(k, "perm_k"), t(v, "perm_v")
+    if kv_group > 1:  # query head j reads K's and V's head j // kv_group
+        lk, lv = np.repeat(lk, kv_group, axis=1), np.repeat(lv, kv_group, axis=1)
+    s = (t(q, "perm_q") @ lk).astype(dtype)
     (z,) = evaluate(Program.from_text(program), [s, *extras])
     z = z.astype(np.float64)
     with np.errstate(invalid="ignore"):
         e = np.exp(z - z.max(axis=-1, keepdims=True, initial=-np.inf))
         p = (e / e.sum(axis=-1, keepdims=True)).astype(dtype).astype(np.float64)
-    y = (p @ t(v, "perm_v")).astype(dtype)
+    y = (p @ lv).astype(dtype)
     return np.transpose(y, perms.get("perm_y", tuple(range(r))))
 
 
@@ -197,14 +214,15 @@ def _close(got: np.ndarray, want: np.ndarray, what: str) -> None:
 
 
 def check(lib, q, k, v, extras, program, score_nodes, perms, against_ort=True, splits=None, shared=False,
-          bias=None):
-    m = attention_model(q, k, v, extras, program, score_nodes, perms, splits=splits, shared=shared, bias=bias)
+          bias=None, kv_group=1):
+    m = attention_model(q, k, v, extras, program, score_nodes, perms, splits=splits, shared=shared, bias=bias,
+                        kv_group=kv_group)
     names = ["x", "x", "x"] if shared else ["q", "k", "v"]
     feeds = dict(zip([*names, *(f"e{i}" for i in range(len(extras)))], [q, k, v, *extras], strict=True))
     if bias is not None:
         feeds["b"] = bias
     got = run(m, feeds, lib)
-    _close(got, reference(q, k, v, extras, program, perms, splits=splits, bias=bias),
+    _close(got, reference(q, k, v, extras, program, perms, splits=splits, bias=bias, kv_group=kv_group),
            "library against the numpy reference")
     if against_ort:
         _close(got, run(m, feeds), "library against the function body in ONNX Runtime")
@@ -326,6 +344,25 @@ def test_multi_query_bert_layout(lib):
     prog, nodes = scale_only(0.35)
     y = check(lib, q, k, v, [], prog(np.float32), nodes(np.float32), BERT)
     assert y.shape == (2, 6, 4, 8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_grouped_query_heads(lib, dtype):
+    """kv_group 3: Q with 6 heads, K and V with 2 ([B, S, H, D] bases, BERT's perms), query head j
+    reading K's and V's head j // 3; against the reference and the body's repeat_kv in ORT."""
+    q, k, v = _x((2, 5, 6, 8), dtype, 1), _x((2, 7, 2, 8), dtype, 2), _x((2, 7, 2, 8), dtype, 3)
+    prog, nodes = scale_only(0.35)
+    y = check(lib, q, k, v, [], prog(dtype), nodes(dtype), BERT, kv_group=3)
+    assert y.shape == (2, 5, 6, 8)
+
+
+def test_grouped_query_heads_that_do_not_divide(lib):
+    q, k, v = _x((1, 4, 6, 8), seed=1), _x((1, 4, 2, 8), seed=2), _x((1, 4, 2, 8), seed=3)
+    prog, nodes = scale_only(0.35)
+    m = attention_model(q, k, v, [], prog(np.float32), nodes(np.float32), BERT, dyn=True, kv_group=3)
+    with pytest.raises(Exception) as e:
+        run(m, {"q": q, "k": _x((1, 4, 3, 8), seed=2), "v": _x((1, 4, 3, 8), seed=3)}, lib)
+    assert "Q has 6 heads, K^T 3 and V 3: with kv_group 3 K^T and V must have H / kv_group" in _one_line(e)
 
 
 def test_program_casts_to_f32_before_softmax(lib):

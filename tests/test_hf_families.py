@@ -2,7 +2,8 @@
 at its `--small` sizes, on the CPU with --target none): every attention of BERT, GPT-2, ViT,
 LLaMA (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU), the T5 encoder (a
 learned position bias, RMSNorm without the mean) and DistilBERT becomes one FusedAttention, and
-the optimized model passes `onnxfuse bench`'s gate (its error against the float64 reference
+LLaMA's repeat of the key-value heads joins the attention (kv_group); the optimized model
+passes `onnxfuse bench`'s gate (its error against the float64 reference
 within ORT's own error's bound) on seeded inputs."""
 
 from __future__ import annotations
@@ -29,3 +30,5 @@ def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, 
     assert row["softmax_before"] > 0 and row["fused_attention"] == row["softmax_before"], row
     assert row["softmax_left"] == 0, row
     assert row["gate"], row
+    if arch == "llama":  # grouped-query attention (2 query heads, 1 key-value head): repeat_kv joins the kernel
+        assert row["kv_groups"] == [2], row

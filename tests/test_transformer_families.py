@@ -48,11 +48,12 @@ def _rotate_half(x):
 
 
 class LlamaBlock(torch.nn.Module):
-    def __init__(self, attention: str):
+    def __init__(self, attention: str, kv_heads: int = H):
         super().__init__()
-        self.attention = attention
+        self.attention, self.kv_heads = attention, kv_heads
         self.n1, self.n2 = RMSNorm(True), RMSNorm(True)
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(D, D, bias=False) for _ in range(4))
+        self.q, self.o = (torch.nn.Linear(D, D, bias=False) for _ in range(2))
+        self.k, self.v = (torch.nn.Linear(D, kv_heads * HD, bias=False) for _ in range(2))
         self.gate, self.up = torch.nn.Linear(D, 3 * D, bias=False), torch.nn.Linear(D, 3 * D, bias=False)
         self.down = torch.nn.Linear(3 * D, D, bias=False)
         inv = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
@@ -63,9 +64,13 @@ class LlamaBlock(torch.nn.Module):
     def forward(self, x):
         h = self.n1(x)
         b, t, _ = h.shape
-        q, k, v = (p(h).view(b, t, H, HD).transpose(1, 2) for p in (self.q, self.k, self.v))
+        q = self.q(h).view(b, t, H, HD).transpose(1, 2)
+        k, v = (p(h).view(b, t, self.kv_heads, HD).transpose(1, 2) for p in (self.k, self.v))
         q = q * self.cos + _rotate_half(q) * self.sin
         k = k * self.cos + _rotate_half(k) * self.sin
+        if self.kv_heads != H:  # grouped-query attention: Hugging Face's repeat_kv
+            rep = H // self.kv_heads
+            k, v = (x[:, :, None].expand(b, self.kv_heads, rep, t, HD).reshape(b, H, t, HD) for x in (k, v))
         if self.attention == "sdpa":
             a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -131,15 +136,26 @@ def _check(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> Counter:
     return Counter(f.kind for f in r.fused)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "written-out"])
-def test_llama_style_decoder(attention):
+@pytest.mark.parametrize("attention,kv_heads", [("sdpa", H), ("written-out", H), ("sdpa", 1), ("written-out", 1)])
+def test_llama_style_decoder(attention, kv_heads):
     """Both layers' causal attentions fuse (the rotary products feed them), every RMSNorm that
-    ORT does not take whole fuses, and the SiLU-gated product is a pointwise chain."""
+    ORT does not take whole fuses, and the SiLU-gated product is a pointwise chain. With one
+    key-value head for the two query heads (grouped-query attention) the repeat of K and V
+    (Unsqueeze, Expand, Reshape) joins the attention as its kv_group."""
     torch.manual_seed(0)
-    module = Stack([LlamaBlock(attention), LlamaBlock(attention)], RMSNorm(True)).eval()
+    module = Stack([LlamaBlock(attention, kv_heads), LlamaBlock(attention, kv_heads)], RMSNorm(True)).eval()
     x = torch.randn(B, S, D)
-    kinds = _check(_export(module, (x,), ["x"]), {"x": x.numpy()})
+    model = _export(module, (x,), ["x"])
+    kinds = _check(model, {"x": x.numpy()})
     assert kinds["attention"] == 2, kinds
+    if kv_heads != H:
+        from onnxfuse import optimize_model
+
+        fused = optimize_model(model, static_shapes={"x": (B, S, D)}).model
+        groups = [a.i for n in fused.graph.node if n.op_type == "FusedAttention" for a in n.attribute
+                  if a.name == "kv_group"]
+        assert groups == [H // kv_heads] * 2, groups
+        assert not any(n.op_type == "Expand" for n in fused.graph.node)
     assert kinds["rows"] >= 4, kinds
     assert kinds["pointwise"] >= 2, kinds
 

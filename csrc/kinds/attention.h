@@ -89,6 +89,15 @@ inline AttentionPerms read_attention_perms(const OrtKernelInfo* info) {
   return p;
 }
 
+// The node's kv_group (absent: 1): grouped-query attention, query head h reads K's and V's head
+// h / kv_group. Throws Error unless it is positive.
+inline int64_t read_attention_kv_group(const OrtKernelInfo* info) {
+  int64_t g = 1;
+  if (get_int_attr(info, "kv_group", &g) && g < 1)
+    throw Error("kv_group " + std::to_string(g) + " must be positive");
+  return g;
+}
+
 // The node's split_q, split_k, split_v (empty: absent; else [offset, heads, head_dim]).
 struct AttentionSplits {
   std::vector<int64_t> q, k, v;
@@ -163,9 +172,10 @@ inline AttentionBiases read_attention_biases(const OrtKernelInfo* info, const At
 struct AttentionGeometry {
   size_t rank = 0;
   int64_t b = 1, h = 1, sq = 0, sk = 0, d = 0, dv = 0;
+  int64_t kv_group = 1;         // K's and V's head for query head h: h / kv_group (their strides' H)
   int64_t q[4] = {0, 0, 0, 0};  // [B, H, Sq, D]
-  int64_t k[4] = {0, 0, 0, 0};  // [B, H, D, Sk]
-  int64_t v[4] = {0, 0, 0, 0};  // [B, H, Sk, Dv]
+  int64_t k[4] = {0, 0, 0, 0};  // [B, H / kv_group, D, Sk]
+  int64_t v[4] = {0, 0, 0, 0};  // [B, H / kv_group, Sk, Dv]
   int64_t y[4] = {0, 0, 0, 0};  // [B, H, Sq, Dv], inside Y's base tensor
   // each operand's first element inside its input, in elements (a split's offset; 0 without)
   int64_t q_off = 0, k_off = 0, v_off = 0;
@@ -241,10 +251,12 @@ inline void to4(const Shape& st, int64_t out[4]) {
 // split the packed X each is read from), the extras' (`extras`, in input order), the perms and
 // the splits; throws Error naming the problem. The rank r: the perms' length when any is given,
 // else input 0's rank (+ 1 with split_q); every operand's base tensor (an input's rank, + 1 with
-// its split) must then have rank r, 3 or 4.
+// its split) must then have rank r, 3 or 4. With kv_group G > 1 (rank 4), K^T and V have H / G
+// heads (logical dim 1) where Q has H.
 inline AttentionGeometry attention_geometry(const Shape& qx, const Shape& kx, const Shape& vx,
                                             const std::vector<Shape>& extras, const AttentionPerms& perms,
-                                            const AttentionSplits& splits = AttentionSplits()) {
+                                            const AttentionSplits& splits = AttentionSplits(),
+                                            int64_t kv_group = 1) {
   using namespace attention_detail;
   AttentionGeometry g;
   const Shape* xs[3] = {&qx, &kx, &vx};
@@ -299,11 +311,20 @@ inline AttentionGeometry attention_geometry(const Shape& qx, const Shape& kx, co
   if (vs[r - 2] != g.sk)
     throw Error("K^T's last dim Sk = " + std::to_string(g.sk) + " and V's second-to-last " +
                 std::to_string(vs[r - 2]) + " differ" + shapes);
-  // the batch dims: each operand's are the broadcast's or 1
+  if (kv_group > 1) {  // K's and V's heads as the queries see them: G each
+    if (r != 4)
+      throw Error("kv_group " + std::to_string(kv_group) + " needs rank-4 operands [B, H, ., .]" + shapes);
+    if (qs[1] != ks[1] * kv_group || qs[1] != vs[1] * kv_group)
+      throw Error("Q has " + std::to_string(qs[1]) + " heads, K^T " + std::to_string(ks[1]) + " and V " +
+                  std::to_string(vs[1]) + ": with kv_group " + std::to_string(kv_group) +
+                  " K^T and V must have H / kv_group" + shapes);
+  }
+  g.kv_group = kv_group;
+  // the batch dims: each operand's are the broadcast's or 1 (K's and V's heads: G x theirs)
   for (size_t i = 0; i + 2 < r; ++i) {
     int64_t n = 1;
     for (const Shape* s : {&qs, &ks, &vs}) {
-      const int64_t x = (*s)[i];
+      const int64_t x = (*s)[i] * (i == 1 && s != &qs ? kv_group : 1);
       if (x == 1) continue;
       if (n != 1 && x != n)
         throw Error("the batch dims of Q, K^T and V do not broadcast" + shapes);

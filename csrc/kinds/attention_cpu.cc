@@ -44,6 +44,7 @@ struct AttentionKernel {
   AttentionSplits splits;
   AttentionBiases biases;
   bool nan_to_zero = false;  // attribute nan_to_zero: NaN probabilities read as 0
+  int64_t kv_group = 1;      // attribute kv_group: query head h reads K's and V's head h / kv_group
 
   void compute(OrtKernelContext* ctx) const {
     const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/true, biases.count);
@@ -51,7 +52,8 @@ struct AttentionKernel {
     std::vector<Shape> extra_shapes, shapes;
     for (size_t i = 3; i < n_in; ++i) extra_shapes.push_back(t[i].shape);
     for (const TensorRef& x : t) shapes.push_back(x.shape);
-    AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits);
+    AttentionGeometry g =
+        attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits, kv_group);
     attention_bias_geometry(shapes, perms, splits, biases, &g);
     OrtValue* yv = nullptr;
     check(g_ort->KernelContext_GetOutput(ctx, 0, g.y_base.data(), g.y_base.size(), &yv));
@@ -101,7 +103,7 @@ struct AttentionKernel {
         int64_t b, h, i;
         bh_of(row, &b, &h, &i);
         const float* qr = q + b * g.q[0] + h * g.q[1] + i * g.q[2];
-        const float* kh = k + b * g.k[0] + h * g.k[1];
+        const float* kh = k + b * g.k[0] + (h / g.kv_group) * g.k[1];
         float* out = s.data() + row * sk;
         for (int64_t j = 0; j < sk; ++j) {
           double acc = 0.0;
@@ -136,7 +138,7 @@ struct AttentionKernel {
         p[j] = round_to(dt, static_cast<float>(p[j] / sum));
         if (nan_to_zero && std::isnan(p[j])) p[j] = 0.0;  // the original's Where(IsNaN(P), 0, P)
       }
-      const float* vh = v + b * g.v[0] + h * g.v[1];
+      const float* vh = v + b * g.v[0] + (h / g.kv_group) * g.v[1];
       const int64_t yo = b * g.y[0] + h * g.y[1] + i * g.y[2];
       for (int64_t c = 0; c < dv; ++c) {
         double acc = 0.0;
@@ -160,6 +162,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     k->biases = read_attention_biases(info, k->splits, k->prog.inputs.size() - 1);
     int64_t v = 0;
     k->nan_to_zero = get_int_attr(info, "nan_to_zero", &v) && v != 0;
+    k->kv_group = read_attention_kv_group(info);
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {

@@ -40,6 +40,7 @@ struct AttentionKernel : cuda::CudaKernel {
   AttentionSplits splits;
   AttentionBiases biases;
   int64_t meta_rank = 0, head_d = 0, head_dv = 0;
+  int64_t kv_group = 1, meta_kv_group = 1;  // the node's attribute; kernel_meta's "kv_group" (absent: 1)
   std::vector<int64_t> meta_perms[4];
   int64_t meta_bias[3] = {0, 0, 0};  // kernel_meta's "bias": the kernel adds Q's, K^T's, V's bias
   // kernel_meta's "extras_broadcast", read once: per extra, what the launcher checks of it. "m"
@@ -62,6 +63,7 @@ struct AttentionKernel : cuda::CudaKernel {
     perms = read_attention_perms(info);
     splits = read_attention_splits(info);
     biases = read_attention_biases(info, splits, prog.inputs.size() - 1);
+    kv_group = read_attention_kv_group(info);
   }
 
   void read_meta(const Json& j, size_t n_inputs) override {
@@ -83,6 +85,8 @@ struct AttentionKernel : cuda::CudaKernel {
     }
     head_d = cuda::meta_positive(j, "head_d", "kernel_meta");
     head_dv = cuda::meta_positive(j, "head_dv", "kernel_meta");
+    meta_kv_group = cuda::meta_int(j, "kv_group", "kernel_meta", false, 1);
+    if (meta_kv_group < 1) throw Error("kernel_meta: kv_group must be positive");
     if (j.get("bias")) {  // absent: no operand has a bias
       const Json& b = cuda::meta_array(j, "bias", "kernel_meta");
       if (b.arr.size() != 3)
@@ -151,7 +155,11 @@ struct AttentionKernel : cuda::CudaKernel {
     std::vector<Shape> extra_shapes, shapes;
     for (size_t i = 3; i < n_in; ++i) extra_shapes.push_back(t[i].shape);
     for (const TensorRef& x : t) shapes.push_back(x.shape);
-    AttentionGeometry g = attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits);
+    if (kv_group != meta_kv_group)
+      throw Error("the node has kv_group " + std::to_string(kv_group) + ", the kernel " + meta.name +
+                  " was compiled for " + std::to_string(meta_kv_group));
+    AttentionGeometry g =
+        attention_geometry(t[0].shape, t[1].shape, t[2].shape, extra_shapes, perms, splits, kv_group);
     attention_bias_geometry(shapes, perms, splits, biases, &g);
     if (static_cast<int64_t>(g.rank) != meta_rank)
       throw Error("the inputs have rank " + std::to_string(g.rank) + ", the kernel was compiled for rank " +

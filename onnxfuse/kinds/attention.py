@@ -156,6 +156,7 @@ class AttentionParts:
     sk: int | None
     notes: tuple[str, ...] = ()
     nan_to_zero: bool = False
+    kv_group: int = 1  # grouped-query attention: query head h reads K and V's head h // kv_group
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,7 @@ class AttentionInfo:
     extras_broadcast: tuple[str, ...] = ()  # per extra: AttentionSpec.extras_broadcast
     causal_fill: float | None = None  # AttentionSpec.causal_fill
     causal_masked: float | None = None  # AttentionSpec.causal_masked
+    kv_group: int = 1  # AttentionParts.kv_group
 
 
 def _same_static_shape(view: GraphView, a: str, b: str) -> bool:
@@ -225,6 +227,41 @@ def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int],
         scale_nodes.append(t)
         reader, name = t, factor[1]
     return Operand(name, perm, tuple(transposes), reader, scale=scale, scale_nodes=tuple(scale_nodes))
+
+
+def _static(view: GraphView, name: str) -> list[int] | None:
+    shape = view.shapes.get(name)
+    return list(shape) if shape is not None and all(isinstance(e, int) for e in shape) else None
+
+
+def repeated_heads(view: GraphView, o: Operand, taken: set[int], scales: bool) -> tuple[Operand, int, tuple] | None:
+    """Grouped-query attention's repeat of the key-value heads, as Hugging Face's repeat_kv
+    exports it: o's base (rank 4, [B, H, S, D] with H logical dim 1) is Reshape(Expand(Unsqueeze(x)
+    [B, Hkv, 1, S, D], [B, Hkv, G, S, D]), [B, Hkv * G, S, D]), shape inputs constants, each
+    read by the next alone. Returns the operand over x (through x's own Transposes, and with
+    `scales` its constant factors), G, and the three nodes; None otherwise."""
+    if len(o.perm) != 4 or o.perm[:2] != (0, 1):
+        return None
+    nodes, name, reader = [], o.base, o.reader
+    for op in ("Reshape", "Expand", "Unsqueeze"):
+        i = view.producer.get(name)
+        if not _is(view, i, op) or i in taken or not _only_reader(view, name, reader):
+            return None
+        if any(x not in view.constants for x in view.nodes[i].input[1:] if x):
+            return None
+        nodes.append(i)
+        reader, name = i, view.nodes[i].input[0]
+    rs, es, us, xs = (_static(view, n) for n in (o.base, view.nodes[nodes[0]].input[0],
+                                                 view.nodes[nodes[1]].input[0], name))
+    if rs is None or es is None or us is None or xs is None or len(xs) != 4:
+        return None
+    g = es[2]
+    if g < 2 or us != xs[:2] + [1] + xs[2:] or es != xs[:2] + [g] + xs[2:] or rs != [xs[0], xs[1] * g, *xs[2:]]:
+        return None
+    inner = operand(view, name, reader, 4, taken, scales=scales)
+    perm = tuple(inner.perm[i] for i in o.perm)  # Transpose(Transpose(x, p), perm) = Transpose(x, p o perm)
+    return (Operand(inner.base, perm, o.transposes + inner.transposes, inner.reader, scale=o.scale * inner.scale,
+                    scale_nodes=o.scale_nodes + inner.scale_nodes), g, tuple(nodes))
 
 
 def _scaling(view: GraphView, t: int) -> tuple[float, str] | None:
@@ -445,6 +482,10 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     q = operand(view, view.nodes[qk].input[0], qk, rank, taken, scales=True)
     k = operand(view, view.nodes[qk].input[1], qk, rank, taken, scales=True)
     v = operand(view, view.nodes[pv].input[1], pv, rank, taken)
+    kv_group, repeat_nodes = 1, ()
+    rk, rv = repeated_heads(view, k, taken, True), repeated_heads(view, v, taken, False)
+    if rk is not None and rv is not None and rk[1] == rv[1]:  # K and V each repeated G times
+        k, v, kv_group, repeat_nodes = rk[0], rv[0], rk[1], rk[2] + rv[2]
     q, k, v = packed_operands(view, (q, k, v), taken)
     dtype = view.types.get(q.base)
     if dtype not in {DTYPE_IDS[d] for d in p.dtypes}:
@@ -460,6 +501,8 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     if any(len(s) != rank for s in shapes):
         return RANK
     lq, lk, lv = ([s[i] for i in o.perm] for s, o in zip(shapes, (q, k, v), strict=True))
+    if kv_group > 1:  # K's and V's heads as the queries see them
+        lk[1], lv[1] = lk[1] * kv_group, lv[1] * kv_group
     d, dv = _dim(lq[-1]), _dim(lv[-1])
     if d is None or dv is None or _dim(lk[-2]) != d:
         return HEAD_DIM
@@ -485,7 +528,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     elif y_reshape is not None:
         y_reshape = None
     group = sorted({*q.transposes, *k.transposes, *v.transposes, *q.split_nodes, *k.split_nodes, *v.split_nodes,
-                    *q.scale_nodes, *k.scale_nodes, qk, *score_ops, sm, *p_casts, *(nan_guard or ()), pv,
+                    *q.scale_nodes, *k.scale_nodes, *repeat_nodes, qk, *score_ops, sm, *p_casts, *(nan_guard or ()), pv,
                     *(x for x in (y_transpose, y_reshape) if x is not None)})
     if any(i in taken for i in group):
         return "a node is taken by an earlier pattern"
@@ -508,7 +551,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     if all(isinstance(e, int) for e in lead):
         bh = int(np.prod(lead, dtype=np.int64)) if lead else 1
     parts = AttentionParts(qk, sm, pv, q, k, v, tuple(score_ops), y_transpose, tuple(perm_y), result, rank, d, dv,
-                           bh, _dim(lq[-2]), _dim(lk[-1]), tuple(notes), nan_guard is not None)
+                           bh, _dim(lq[-2]), _dim(lk[-1]), tuple(notes), nan_guard is not None, kv_group)
     return Match(pattern, tuple(group), (result,), result=result, params=parts)
 
 
@@ -551,14 +594,17 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
                          parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero,
                          tuple(bool(o.bias) for o in qkv),
-                         *_extra_reads(view, program, extras, parts.sq, parts.sk, values))
+                         *_extra_reads(view, program, extras, parts.sq, parts.sk, values), parts.kv_group)
     attrs = {"perm_q": list(info.perm_q), "perm_k": list(info.perm_k), "perm_v": list(info.perm_v),
-             "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {})}
+             "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {}),
+             **({"kv_group": info.kv_group} if info.kv_group > 1 else {})}
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
            f"perm_y={info.perm_y} D={info.head_d} Dv={info.head_dv} BH={info.batch_heads} Sq={info.sq} "
            f"Sk={info.sk}")
     if info.nan_to_zero:
         key += " nan_to_zero"
+    if info.kv_group > 1:
+        key += f" kv_group={info.kv_group}"
     if any(info.extras_broadcast):
         key += f" extras_broadcast={info.extras_broadcast}"
     if info.causal_fill is not None:
@@ -805,7 +851,7 @@ class Attention(Kind):
         a: AttentionInfo = f.params
         return AttentionSpec(f.kernel_name, f.program, a.head_d, a.head_dv, precision, a.batch_heads, a.sq, a.sk,
                              f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y), a.nan_to_zero,
-                             a.bias, a.extras_broadcast, a.causal_fill, a.causal_masked)
+                             a.bias, a.extras_broadcast, a.causal_fill, a.causal_masked, a.kv_group)
 
     def decline_reason(self, spec: AttentionSpec, layout: str) -> str | None:
         """Tensors of more than 2**31 - 1 elements (32-bit index parameters), where static."""
@@ -829,6 +875,7 @@ class Attention(Kind):
             "version": META_VERSION, "kind": "attention", "name": spec.name, "n_extras": spec.n_extras,
             "rank": spec.rank, **{f"perm_{w}": p for w, p in zip("qkvy", perms, strict=True)},
             "head_d": spec.head_d, "head_dv": spec.head_dv,
+            **({"kv_group": spec.kv_group} if spec.kv_group > 1 else {}),
             **({"bias": [int(b) for b in spec.bias]} if any(spec.bias) else {}),
             **({"extras_broadcast": list(spec.extras_broadcast)} if any(spec.extras_broadcast) else {}),
             "variants": [{"requires": v.requires(), **v.meta()} for v in variants],
@@ -857,7 +904,8 @@ class Attention(Kind):
         extras = inputs[3:3 + len(program.input_dtypes) - 1]
         rank = q.ndim
         perms = [tuple(attrs.get(f"perm_{w}", range(rank))) for w in "qkvy"]
-        return [evaluate_attention(program, q, k, v, extras, *perms, nan_to_zero=bool(attrs.get("nan_to_zero", 0)))]
+        return [evaluate_attention(program, q, k, v, extras, *perms, nan_to_zero=bool(attrs.get("nan_to_zero", 0)),
+                                   kv_group=int(attrs.get("kv_group", 1)))]
 
 
 def add_bias(x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -883,9 +931,12 @@ def unpack(x: np.ndarray, split) -> np.ndarray:
 
 
 def evaluate_attention(program: Program, q: np.ndarray, k: np.ndarray, v: np.ndarray, extras: list[np.ndarray],
-                       perm_q=None, perm_k=None, perm_v=None, perm_y=None, nan_to_zero: bool = False) -> np.ndarray:
+                       perm_q=None, perm_k=None, perm_v=None, perm_y=None, nan_to_zero: bool = False,
+                       kv_group: int = 1) -> np.ndarray:
     """A FusedAttention node's output (docs/format.md) in numpy."""
     lq, lk, lv = (a if p is None else np.transpose(a, p) for a, p in ((q, perm_q), (k, perm_k), (v, perm_v)))
+    if kv_group > 1:  # query head h reads key-value head h // kv_group
+        lk, lv = np.repeat(lk, kv_group, axis=1), np.repeat(lv, kv_group, axis=1)
     dt = q.dtype
     if lk.shape[-1] == 0:  # Sk = 0: Y = 0
         shape = np.broadcast_shapes(lq.shape[:-2], lv.shape[:-2]) + (lq.shape[-2], lv.shape[-1])
