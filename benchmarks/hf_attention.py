@@ -2,7 +2,8 @@
 fuse, is the optimized model right, and (on a GPU) how fast is it against ONNX Runtime.
 
 Builds BertModel, GPT2Model, ViTModel, LlamaModel (RMSNorm, rotary embeddings, grouped-query
-attention, SwiGLU), T5EncoderModel (RMSNorm without the mean, a learned position bias, ReLU)
+attention, SwiGLU) and the decoders built like it (`DECODERS`: Qwen2, Mistral, Phi-3, GPT-NeoX,
+Gemma, Qwen3), T5EncoderModel (RMSNorm without the mean, a learned position bias, ReLU)
 and DistilBertModel from their configurations with random weights (no download; base sizes,
 or `--small` ones for a CPU), with each attention implementation (`eager`, `sdpa`), exports
 each with torch's TorchScript exporter (opset 17, last hidden state out; `--dtype fp16`: then
@@ -34,7 +35,20 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 SEQ = 128
-ARCHS = ("bert", "gpt2", "vit", "llama", "t5", "distilbert")
+# LLaMA and the decoders built like it (config, model class, config arguments): Qwen2 (biases on
+# Q, K and V), Mistral, Phi-3 (one packed QKV projection), GPT-NeoX (partial rotary, packed QKV,
+# LayerNorm, GELU), Gemma (head_dim given, RMSNorm's 1 + weight, tanh-GELU gate), Qwen3 (RMSNorm
+# on each head's Q and K)
+DECODERS = {
+    "llama": ("LlamaConfig", "LlamaModel", {}),
+    "qwen2": ("Qwen2Config", "Qwen2Model", {}),
+    "mistral": ("MistralConfig", "MistralModel", {"sliding_window": None}),
+    "phi3": ("Phi3Config", "Phi3Model", {"pad_token_id": 0}),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXModel", {"rotary_pct": 0.25}),
+    "gemma": ("GemmaConfig", "GemmaModel", {"head_dim": None}),
+    "qwen3": ("Qwen3Config", "Qwen3Model", {"head_dim": None}),
+}
+ARCHS = ("bert", "gpt2", "vit", "t5", "distilbert", *DECODERS)
 
 
 def build(arch: str, attn: str, small: bool):
@@ -53,13 +67,19 @@ def build(arch: str, attn: str, small: bool):
     elif arch == "vit":
         cfg = tf.ViTConfig(**size, **(dict(image_size=32, patch_size=8) if small else {}), attn_implementation=attn)
         model, names = tf.ViTModel(cfg), ["pixel_values"]
-    elif arch == "llama":  # a BERT-base-sized LLaMA: 12 layers of 768, 4 key-value heads for 12 queries
+    elif arch in DECODERS:  # BERT-base-sized decoders: 12 layers of 768, 4 key-value heads for 12 queries
         shape = dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, intermediate_size=128,
                      num_hidden_layers=2, vocab_size=1000) if small else dict(
             hidden_size=768, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048,
             num_hidden_layers=12, vocab_size=32000)
-        cfg = tf.LlamaConfig(**shape, max_position_embeddings=512, use_cache=False, attn_implementation=attn)
-        model, names = tf.LlamaModel(cfg), ["input_ids", "attention_mask"]  # without a mask: aten::diff
+        config, cls, extra = DECODERS[arch]
+        if arch == "gpt_neox":  # no grouped-query attention; rotary on a quarter of each head
+            shape.pop("num_key_value_heads")
+        if "head_dim" in extra:
+            extra = dict(extra, head_dim=shape["hidden_size"] // shape["num_attention_heads"])
+        cfg = getattr(tf, config)(**shape, **extra, max_position_embeddings=512, use_cache=False,
+                                  attn_implementation=attn)
+        model, names = getattr(tf, cls)(cfg), ["input_ids", "attention_mask"]  # without a mask: aten::diff
     elif arch == "t5":  # t5-small's encoder
         shape = dict(d_model=64, d_kv=32, d_ff=128, num_layers=2, num_heads=2, vocab_size=1000) if small else {}
         cfg = tf.T5Config(**shape, use_cache=False, attn_implementation=attn)
@@ -90,7 +110,7 @@ def tf_optimizer_options(arch: str, cfg) -> dict:
         return {"model_type": "t5", "num_heads": cfg.num_heads, "hidden_size": cfg.d_model}
     if arch == "distilbert":
         return {"model_type": "bert", "num_heads": cfg.n_heads, "hidden_size": cfg.dim}
-    if arch == "llama":  # no llama type: "bert" fuses SimplifiedLayerNormalization and RotaryEmbedding
+    if arch in DECODERS:  # no type of their own: "bert" fuses SimplifiedLayerNormalization and RotaryEmbedding
         return {"model_type": "bert", "num_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size}
     return {"model_type": arch, "num_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size}
 

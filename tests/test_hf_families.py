@@ -1,10 +1,11 @@
 """Hugging Face transformers' own models, as their exporter writes them (benchmarks/hf_attention.py
 at its `--small` sizes, on the CPU with --target none): every attention of BERT, GPT-2, ViT,
-LLaMA (RMSNorm, rotary embeddings, grouped-query attention, SwiGLU), the T5 encoder (a
-learned position bias, RMSNorm without the mean) and DistilBERT becomes one FusedAttention, and
-LLaMA's repeat of the key-value heads joins the attention (kv_group); the optimized model
-passes `onnxfuse bench`'s gate (its error against the float64 reference
-within ORT's own error's bound) on seeded inputs."""
+the T5 encoder (a learned position bias, RMSNorm without the mean), DistilBERT, LLaMA (RMSNorm,
+rotary embeddings, grouped-query attention, SwiGLU) and the decoders built like it (Qwen2 with
+biased projections, Mistral, Phi-3's packed QKV, GPT-NeoX's partial rotary, Gemma, Qwen3's
+per-head norms) becomes one FusedAttention, the repeat of the key-value heads joins it
+(kv_group) in every grouped-query decoder, and the optimized model passes `onnxfuse bench`'s
+gate (its error against the float64 reference within ORT's own error's bound) on seeded inputs."""
 
 from __future__ import annotations
 
@@ -30,5 +31,5 @@ def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, 
     assert row["softmax_before"] > 0 and row["fused_attention"] == row["softmax_before"], row
     assert row["softmax_left"] == 0, row
     assert row["gate"], row
-    if arch == "llama":  # grouped-query attention (2 query heads, 1 key-value head): repeat_kv joins the kernel
-        assert row["kv_groups"] == [2], row
+    if arch in hf_attention.DECODERS and arch != "gpt_neox":  # grouped-query: 2 query heads, 1 key-value head
+        assert row["kv_groups"] == [2], row  # repeat_kv joins the kernel
