@@ -169,6 +169,8 @@ CASES = [
          broadcast=True),
     Case("f32-tf32-grouped-query-contiguous", "f32", SCALE, h=4, kv_group=2, precision="tf32", layout="bhsd",
          y_layout="bhsd"),
+    Case("f16-grouped-query-bias-causal", "f16", CAUSAL, h=4, kv_group=2, extras=(("causal", (1, 1, 20, 37)),),
+         bias=True),
     Case("bf16-causal-and-key-mask", "bf16", "input %0 {dt}\ninput %1 {dt}\ninput %2 bool\n%3 = add %0 %1\n"
          "%4 = select %2 %3 -10000.0\noutput %4 {dt}", extras=(("additive", (2, 1, 1, 37)), ("causal", (1, 1, 20, 37))),
          broadcast=True, causal=True),
@@ -227,7 +229,8 @@ def bias_of(i: int, case: Case) -> np.ndarray | None:
         return None
     assert case.layout in ("bshd", "shd")  # the heads, then the head dim, last
     rng = np.random.default_rng(9000 + i)
-    return rng.standard_normal(case.h * (2 * case.d + case.dv)).astype(NP[case.dtype])
+    hkv = case.h // case.kv_group
+    return rng.standard_normal(case.h * case.d + hkv * (case.d + case.dv)).astype(NP[case.dtype])
 
 
 def biased(i: int, case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -236,9 +239,9 @@ def biased(i: int, case: Case, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> t
     bias = bias_of(i, case)
     if bias is None:
         return q, k, v
-    hd = case.h * case.d
-    parts = (bias[:hd].reshape(case.h, case.d), bias[hd:2 * hd].reshape(case.h, case.d),
-             bias[2 * hd:].reshape(case.h, case.dv))
+    hd, hkv = case.h * case.d, case.h // case.kv_group
+    kd = hd + hkv * case.d
+    parts = (bias[:hd].reshape(case.h, case.d), bias[hd:kd].reshape(hkv, case.d), bias[kd:].reshape(hkv, case.dv))
     return tuple((x.astype(np.float64) + b.astype(np.float64)).astype(x.dtype) for x, b in zip((q, k, v), parts,
                                                                                               strict=True))
 
@@ -342,7 +345,8 @@ def launch(fn, case: Case, spec: AttentionSpec, variant: AttentionVariant, const
     bias = bias_of(i, case)
     if bias is not None:
         packed, hd = tensor(bias), case.h * case.d
-        biases = [packed[0:], packed[hd:], packed[2 * hd:]]
+        kd = hd + case.h // case.kv_group * case.d
+        biases = [packed[0:], packed[hd:], packed[kd:]]
         ints += [case.d, case.d, case.dv]
     grid = variant.grid(case.sq, case.b * case.h)
     fn[grid](tensor(q), tensor(k), tensor(v), *map(tensor, extras), *biases, y, *ints, **constexprs)
