@@ -136,22 +136,33 @@ def _check(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> Counter:
     return Counter(f.kind for f in r.fused)
 
 
-@pytest.mark.parametrize("attention,kv_heads", [("sdpa", H), ("written-out", H), ("sdpa", 1), ("written-out", 1)])
-def test_llama_style_decoder(attention, kv_heads):
+def _export_dynamo(module, args, names) -> onnx.ModelProto:
+    program = torch.onnx.export(module, args, input_names=names, output_names=["y"], dynamo=True, verbose=False)
+    return program.model_proto
+
+
+@pytest.mark.parametrize("attention,kv_heads,exporter", [
+    ("sdpa", H, "torchscript"), ("written-out", H, "torchscript"), ("sdpa", 1, "torchscript"),
+    ("written-out", 1, "torchscript"), ("sdpa", H, "dynamo"), ("sdpa", 1, "dynamo")])
+def test_llama_style_decoder(attention, kv_heads, exporter):
     """Both layers' causal attentions fuse (the rotary products feed them), every RMSNorm that
     ORT does not take whole fuses, and the SiLU-gated product is a pointwise chain. With one
     key-value head for the two query heads (grouped-query attention) the repeat of K and V
-    (Unsqueeze, Expand, Reshape) joins the attention as its kv_group."""
+    (Unsqueeze, Expand, Reshape) joins the attention as its kv_group. The dynamo exporter
+    writes K^T as Reshape(Transpose(Reshape(K, [B * H, S, D]), [0, 2, 1]), [B, H, D, S]) (after
+    the Expand, with grouped queries): the attention reads it as K's transpose."""
     torch.manual_seed(0)
     module = Stack([LlamaBlock(attention, kv_heads), LlamaBlock(attention, kv_heads)], RMSNorm(True)).eval()
     x = torch.randn(B, S, D)
-    model = _export(module, (x,), ["x"])
+    model = (_export if exporter == "torchscript" else _export_dynamo)(module, (x,), ["x"])
     kinds = _check(model, {"x": x.numpy()})
     assert kinds["attention"] == 2, kinds
-    if kv_heads != H:
-        from onnxfuse import optimize_model
+    from onnxfuse import optimize_model
 
-        fused = optimize_model(model, static_shapes={"x": (B, S, D)}).model
+    fused = optimize_model(model, static_shapes={"x": (B, S, D)}).model
+    producers = {o: n.op_type for n in fused.graph.node for o in n.output}
+    assert all(producers.get(n.input[1]) != "Reshape" for n in fused.graph.node if n.op_type == "FusedAttention")
+    if kv_heads != H:
         groups = [a.i for n in fused.graph.node if n.op_type == "FusedAttention" for a in n.attribute
                   if a.name == "kv_group"]
         assert groups == [H // kv_heads] * 2, groups

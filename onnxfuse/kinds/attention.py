@@ -220,6 +220,13 @@ def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int],
             transposes.append(t)
             reader, name = t, n.input[0]
             continue
+        merged = _merged_heads_transpose(view, t, rank, taken)
+        if merged is not None:  # as a Transpose of the last two dims (the nodes absorbed with the Transposes)
+            p = (0, 1, 3, 2)
+            perm = tuple(p[i] for i in perm)
+            transposes += merged[1]
+            reader, name = merged[1][-1], merged[0]
+            continue
         factor = _scaling(view, t) if scales else None
         if factor is None:
             break
@@ -227,6 +234,31 @@ def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int],
         scale_nodes.append(t)
         reader, name = t, factor[1]
     return Operand(name, perm, tuple(transposes), reader, scale=scale, scale_nodes=tuple(scale_nodes))
+
+
+def _merged_heads_transpose(view: GraphView, t: int, rank: int, taken: set[int]) -> tuple[str, tuple] | None:
+    """(x, the three nodes) where node t is Reshape(Transpose(Reshape(x [B, H, M, N], [B * H, M, N]),
+    [0, 2, 1]), [B, H, N, M]): x's last two dims swapped, as torch's dynamo exporter writes K^T
+    (static shapes, constant shape inputs, each read by the next alone); None otherwise."""
+    if rank != 4 or not _is(view, t, "Reshape") or t in taken:
+        return None
+    tr = view.producer.get(view.nodes[t].input[0])
+    if not _is(view, tr, "Transpose") or tr in taken or not _only_reader(view, view.nodes[t].input[0], t) \
+            or _perm(view, tr, 3) != (0, 2, 1):
+        return None
+    r0 = view.producer.get(view.nodes[tr].input[0])
+    if not _is(view, r0, "Reshape") or r0 in taken or not _only_reader(view, view.nodes[tr].input[0], tr):
+        return None
+    if any(x not in view.constants for i in (t, r0) for x in view.nodes[i].input[1:] if x):
+        return None
+    x = view.nodes[r0].input[0]
+    xs, ms, ys = _static(view, x), _static(view, view.nodes[r0].output[0]), _static(view, view.nodes[t].output[0])
+    if xs is None or ms is None or ys is None or len(xs) != 4:
+        return None
+    b, h, m, n = xs
+    if ms != [b * h, m, n] or ys != [b, h, n, m]:
+        return None
+    return x, (t, tr, r0)
 
 
 def _static(view: GraphView, name: str) -> list[int] | None:
@@ -237,13 +269,25 @@ def _static(view: GraphView, name: str) -> list[int] | None:
 def repeated_heads(view: GraphView, o: Operand, taken: set[int], scales: bool) -> tuple[Operand, int, tuple] | None:
     """Grouped-query attention's repeat of the key-value heads, as Hugging Face's repeat_kv
     exports it: o's base (rank 4, [B, H, S, D] with H logical dim 1) is Reshape(Expand(Unsqueeze(x)
-    [B, Hkv, 1, S, D], [B, Hkv, G, S, D]), [B, Hkv * G, S, D]), shape inputs constants, each
-    read by the next alone. Returns the operand over x (through x's own Transposes, and with
-    `scales` its constant factors), G, and the three nodes; None otherwise."""
+    [B, Hkv, 1, S, D], [B, Hkv, G, S, D]), [B, Hkv * G, S, D]), or, as torch's dynamo exporter
+    writes K^T, Reshape(Transpose(Reshape(that Expand, [B * H, S, D]), [0, 2, 1]), [B, H, D, S]);
+    shape inputs constants, each node read by the next alone. Returns the operand over x
+    (through x's own Transposes, and with `scales` its constant factors), G, and the nodes;
+    None otherwise."""
     if len(o.perm) != 4 or o.perm[:2] != (0, 1):
         return None
-    nodes, name, reader = [], o.base, o.reader
-    for op in ("Reshape", "Expand", "Unsqueeze"):
+    nodes: list[int] = []
+    name, reader, swap = o.base, o.reader, False
+    ops = ("Reshape", "Expand", "Unsqueeze")
+    t = view.producer.get(name)
+    tr = view.producer.get(view.nodes[t].input[0]) if _is(view, t, "Reshape") else None
+    if _is(view, tr, "Transpose") and _perm(view, tr, 3) == (0, 2, 1) and t not in taken and tr not in taken \
+            and _only_reader(view, name, reader) and _only_reader(view, view.nodes[t].input[0], t) \
+            and all(x in view.constants for x in view.nodes[t].input[1:] if x):
+        # dynamo's K^T: the heads merged, the last two dims swapped
+        nodes, swap = [t, tr], True
+        reader, name = tr, view.nodes[tr].input[0]
+    for op in ops:
         i = view.producer.get(name)
         if not _is(view, i, op) or i in taken or not _only_reader(view, name, reader):
             return None
@@ -251,15 +295,19 @@ def repeated_heads(view: GraphView, o: Operand, taken: set[int], scales: bool) -
             return None
         nodes.append(i)
         reader, name = i, view.nodes[i].input[0]
-    rs, es, us, xs = (_static(view, n) for n in (o.base, view.nodes[nodes[0]].input[0],
-                                                 view.nodes[nodes[1]].input[0], name))
-    if rs is None or es is None or us is None or xs is None or len(xs) != 4:
+    xs = _static(view, name)
+    es, us = (_static(view, view.nodes[i].output[0]) for i in nodes[-2:])
+    outs = [_static(view, view.nodes[i].output[0]) for i in nodes[:-2]]  # the Reshapes (and the Transpose)
+    if xs is None or es is None or us is None or None in outs or len(xs) != 4:
         return None
+    b, hkv, sx, dx = xs
     g = es[2]
-    if g < 2 or us != xs[:2] + [1] + xs[2:] or es != xs[:2] + [g] + xs[2:] or rs != [xs[0], xs[1] * g, *xs[2:]]:
+    want = [[b, hkv * g, dx, sx], [b * hkv * g, dx, sx], [b * hkv * g, sx, dx]] if swap else [[b, hkv * g, sx, dx]]
+    if g < 2 or us != [b, hkv, 1, sx, dx] or es != [b, hkv, g, sx, dx] or outs != want:
         return None
     inner = operand(view, name, reader, 4, taken, scales=scales)
-    perm = tuple(inner.perm[i] for i in o.perm)  # Transpose(Transpose(x, p), perm) = Transpose(x, p o perm)
+    p = (0, 1, 3, 2) if swap else (0, 1, 2, 3)
+    perm = tuple(inner.perm[p[i]] for i in o.perm)  # Transpose(Transpose(x, q), perm) = Transpose(x, q o perm)
     return (Operand(inner.base, perm, o.transposes + inner.transposes, inner.reader, scale=o.scale * inner.scale,
                     scale_nodes=o.scale_nodes + inner.scale_nodes), g, tuple(nodes))
 
