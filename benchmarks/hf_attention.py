@@ -179,7 +179,8 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     groups = {a.i for n in fused if n.op_type == "FusedAttention" for a in n.attribute if a.name == "kv_group"}
     row |= {"softmax_before": original["Softmax"], "fused_attention": ops["FusedAttention"],
             "softmax_left": ops["Softmax"], "transposes": [original["Transpose"], ops["Transpose"]],
-            "expands": [original["Expand"], ops["Expand"]], "kv_groups": sorted(groups), "nodes": [
+            "expands": [original["Expand"], ops["Expand"]], "negs": [original["Neg"], ops["Neg"]],
+            "kv_groups": sorted(groups), "nodes": [
                 sum(original.values()), sum(ops.values())]}
     r = cli("bench", *map(str, models), "--provider", args.provider, "--iters", str(args.iters),
             *sum((["--shape", s] for s in shapes), []), "--json", str(js))

@@ -69,6 +69,20 @@ inline bool get_ints_attr(const OrtKernelInfo* info, const char* name, std::vect
   return true;
 }
 
+// A PointwiseChain's rotate_half (docs/format.md): per program input 0 or 1 (absent: all 0); an
+// input with 1 is read as Concat(-x[..., h:], x[..., :h]) along its last dim, h half of it.
+// Throws Error for a wrong length or value.
+inline std::vector<int64_t> read_rotate_half(const OrtKernelInfo* info, size_t n_inputs) {
+  std::vector<int64_t> flags;
+  if (!get_ints_attr(info, "rotate_half", &flags)) return std::vector<int64_t>(n_inputs, 0);
+  if (flags.size() != n_inputs)
+    throw Error("rotate_half has " + std::to_string(flags.size()) + " entries, the program " +
+                std::to_string(n_inputs) + " inputs");
+  for (int64_t f : flags)
+    if (f != 0 && f != 1) throw Error("rotate_half entries must be 0 or 1");
+  return flags;
+}
+
 inline std::string node_name(const OrtKernelInfo* info) {
   size_t size = 0;
   OrtStatus* st = g_ort->KernelInfo_GetNodeName(info, nullptr, &size);

@@ -41,7 +41,7 @@ from onnxfuse.compile import (
 )
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import BINARY, HEADER, UNARY, evaluate, parse
-from onnxfuse.kinds.pointwise import choose_variants
+from onnxfuse.kinds.pointwise import choose_variants, rotate_half
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,6 +212,19 @@ def _sixteen_bit_cases() -> list[Case]:
             for dt in ("f16", "bf16")]
 
 
+def _rotate_cases() -> list[Case]:
+    """Rotary embeddings as LLaMA-style exports compute them, the rotate_half input read rotated."""
+    rotary = "%4 = mul %0 %1\n%5 = mul %2 %3\n%6 = add %4 %5\noutput %6 {dt}"
+    return [
+        Case("rotate-half-f16", rotary.format(dt="f16"), ((2, 3, 5, 8), (5, 8), (2, 3, 5, 8), (5, 8)),
+             ("f16", "f16", "f16", "f16"), modes=("full", "strided", "rotate_half", "strided")),
+        Case("rotate-half-f32-blocks-cross-rows", rotary.format(dt="f32"), ((3, 7, 64), (7, 64), (3, 7, 64), (7, 64)),
+             ("f32", "f32", "f32", "f32"), modes=("full", "strided", "rotate_half", "strided"), block=128),
+        Case("rotate-half-bf16-alone", "%1 = add %0 0.0\noutput %1 bf16", ((4, 6),), ("bf16",),
+             modes=("rotate_half",), block=8),
+    ]
+
+
 def _tail_cases() -> list[Case]:
     """tests/test_tails.py's models as onnxfuse lowers them (the programs of their fused
     nodes), at their tail inputs: `test_interpreted_tails` checks them against the exact values."""
@@ -227,7 +240,7 @@ def _tail_cases() -> list[Case]:
 
 
 CASES = (_op_cases() + _size_cases() + _broadcast_cases() + _dtype_cases() + _literal_cases() + _tail_cases()
-         + _sixteen_bit_cases())
+         + _sixteen_bit_cases() + _rotate_cases())
 
 
 def _out_shape(case: Case) -> tuple[int, ...]:
@@ -307,7 +320,8 @@ def _write_workdir(workdir: Path, cases: list[Case]) -> list[dict]:
             variant = Variant(1, block=case.block, n_multiple=case.block, index_bits=32)
         else:
             variant = Variant(1, block=case.block, index_bits=32 if i % 2 else 64)
-        ks = generate(prog, NAME, len(_out_shape(case)), _modes(case), [f"case {case.id}"], variant)
+        ks = generate(prog, NAME, len(_out_shape(case)), _modes(case), [f"case {case.id}"], variant,
+                      _out_shape(case)[-1] if "rotate_half" in _modes(case) else 0)
         (workdir / f"case{i}.py").write_text(ks.source)
         arrays = {f"in{j}": _to_storage(a) for j, a in enumerate(_case_inputs(i, case))}
         np.savez(workdir / f"case{i}_in.npz", **arrays)
@@ -440,7 +454,9 @@ def _check_case(workdir: Path, index: int, case: Case, label: str) -> None:
     if err.exists():
         pytest.fail(f"{label}: kernel failed: {err.read_text()}")
     prog = parse(_prog(case.dtypes, case.program))
-    expected = evaluate(prog, _case_inputs(index, case))
+    inputs = [rotate_half(x) if m == "rotate_half" else x for x, m in zip(_case_inputs(index, case), _modes(case),
+                                                                           strict=True)]
+    expected = evaluate(prog, inputs)
     got = np.load(workdir / f"case{index}_out.npz")
     for j, ((_, dt), want) in enumerate(zip(prog.outputs, expected, strict=True)):
         out = _from_storage(got[f"out{j}"], dt).reshape(want.shape).astype(np.float32)
@@ -531,7 +547,7 @@ def test_cases_cover_every_op_dtype_and_mode():
     for op in (*UNARY, *BINARY, "select"):
         assert f"= {op} " in text, op
     assert {dt for c in CASES for dt in c.dtypes} == {"f32", "f16", "bf16", "bool"}
-    assert {m for c in CASES for m in _modes(c)} == {"full", "scalar", "strided"}
+    assert {m for c in CASES for m in _modes(c)} == {"full", "scalar", "strided", "rotate_half"}
 
 
 # ---------------------------------------------------------------------------------------
@@ -1004,6 +1020,24 @@ def test_sixteen_bit_gelu_takes_fewer_instructions(tmp_path):
         assert ("erfc_16bit(" in ks.source) == (label == "erfc") and "libdevice.erfc" not in ks.source
         counts[label] = len(sass_lines(compile_sm90(ks, tmp_path / label).asm["cubin"], tmp_path / label))
     assert counts["erfc"] < counts["erf"] - 32, counts
+
+
+def test_rotate_half_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """LLaMA's fp16 rotary chain (q * cos + rotate_half(q) * sin over [8, 12, 128, 64]) as the
+    pointwise kind builds it: every variant compiles for sm_90 on the CPU, the rotated input read
+    at the offsets half the last dim away (no Slice, Neg or Concat kernel before it), nothing
+    spilled."""
+    pytest.importorskip("triton")
+    from onnxfuse.kinds.pointwise import Pointwise
+    from tests.util import compile_sm90, sass_lines
+
+    prog = parse(_prog(("f16",) * 4, "%4 = mul %0 %1\n%5 = mul %2 %3\n%6 = add %4 %5\noutput %6 f16"))
+    spec = KernelSpec(prog, NAME, 4, ("full", "strided", "rotate_half", "strided"), (), 64)
+    for k, v in enumerate(choose_variants(spec)):
+        ks = Pointwise().generate(spec, v)
+        assert "x2_col = offsets % 64" in ks.source and "offsets + 32, offsets - 32" in ks.source
+        sass = sass_lines(compile_sm90(ks, tmp_path / f"v{k}").asm["cubin"], tmp_path / f"v{k}")
+        assert not [ln for ln in sass if "LDL" in ln or "STL" in ln], k
 
 
 def test_row_variants_follow_the_last_dim():

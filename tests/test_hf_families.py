@@ -4,7 +4,8 @@ the T5 encoder (a learned position bias, RMSNorm without the mean), DistilBERT, 
 rotary embeddings, grouped-query attention, SwiGLU) and the decoders built like it (Qwen2 with
 biased projections, Mistral, Phi-3's packed QKV, GPT-NeoX's partial rotary, Gemma, Qwen3's
 per-head norms) becomes one FusedAttention, the repeat of the key-value heads joins it
-(kv_group) in every grouped-query decoder, and the optimized model passes `onnxfuse bench`'s
+(kv_group) in every grouped-query decoder, every rotary embedding's rotate_half is read by its
+pointwise chain (rotate_half), and the optimized model passes `onnxfuse bench`'s
 gate (its error against the float64 reference within ORT's own error's bound) on seeded inputs."""
 
 from __future__ import annotations
@@ -33,3 +34,5 @@ def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, 
     assert row["gate"], row
     if arch in hf_attention.DECODERS and arch != "gpt_neox":  # grouped-query: 2 query heads, 1 key-value head
         assert row["kv_groups"] == [2], row  # repeat_kv joins the kernel
+    if arch in hf_attention.DECODERS:  # every rotate_half (its Neg, Slices and Concat) read by the rotary chain
+        assert row["negs"][0] > 0 and row["negs"][1] == 0, row

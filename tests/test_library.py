@@ -439,6 +439,32 @@ def test_bad_program_fails_at_session_creation(lib):
         run(model, prog, [np.zeros(3, np.float32)], lib)
 
 
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+def test_rotate_half_input(dt, lib):
+    """rotate_half [0, 1]: input 1 read as Concat(-x[..., h:], x[..., :h]) (rotary embeddings);
+    -0.0 and NaN keep their negation's sign bit, compared bit for bit with numpy."""
+    prog = expr.parse(f"{expr.HEADER}\ninput %0 {dt}\ninput %1 {dt}\n%2 = add %0 %1\noutput %2 {dt}\n"
+                      f"output %1 {dt}\n")
+    model = fused_model(prog, [(3, 8), (3, 8)])
+    model.graph.node[0].attribute.append(helper.make_attribute("rotate_half", [0, 1]))
+    x = RNG.normal(0, 2, (3, 8)).astype(np.float32)
+    x[0, 5], x[1, 6], x[2, 0] = -0.0, 0.0, np.nan
+    zeros = np.zeros((3, 8), np.float32)
+    got_sum, got_rot = (np.asarray(g, np.float32) for g in run(model, prog, [zeros, x], lib))  # bf16: through f32
+    want = np.concatenate([-x[:, 4:], x[:, :4]], axis=1).astype(NP_OF[dt]).astype(np.float32)
+    np.testing.assert_array_equal(got_rot, want)  # NaN where NaN
+    assert np.array_equal(np.signbit(got_rot), np.signbit(want))  # -0.0 and the NaN's sign too
+    np.testing.assert_array_equal(got_sum, want)
+
+
+def test_rotate_half_of_the_wrong_length_is_a_clear_error(lib):
+    prog = prog1("neg", 1)
+    model = fused_model(prog, [(4,)])
+    model.graph.node[0].attribute.append(helper.make_attribute("rotate_half", [1, 0]))
+    with pytest.raises(Exception, match="rotate_half has 2 entries, the program 1 inputs"):
+        run(model, prog, [np.zeros(4, np.float32)], lib)
+
+
 def test_dtype_mismatch_is_a_clear_error(lib):
     prog = prog1("neg", 1)  # declares an f32 input
     model = fused_model(prog, [(3,)])

@@ -150,7 +150,8 @@ def test_llama_style_decoder(attention, kv_heads, exporter):
     key-value head for the two query heads (grouped-query attention) the repeat of K and V
     (Unsqueeze, Expand, Reshape) joins the attention as its kv_group. The dynamo exporter
     writes K^T as Reshape(Transpose(Reshape(K, [B * H, S, D]), [0, 2, 1]), [B, H, D, S]) (after
-    the Expand, with grouped queries): the attention reads it as K's transpose."""
+    the Expand, with grouped queries): the attention reads it as K's transpose. The rotary
+    chains read rotate_half(Q) and rotate_half(K) from Q and K themselves (rotate_half)."""
     torch.manual_seed(0)
     module = Stack([LlamaBlock(attention, kv_heads), LlamaBlock(attention, kv_heads)], RMSNorm(True)).eval()
     x = torch.randn(B, S, D)
@@ -162,6 +163,10 @@ def test_llama_style_decoder(attention, kv_heads, exporter):
     fused = optimize_model(model, static_shapes={"x": (B, S, D)}).model
     producers = {o: n.op_type for n in fused.graph.node for o in n.output}
     assert all(producers.get(n.input[1]) != "Reshape" for n in fused.graph.node if n.op_type == "FusedAttention")
+    # rotate_half's Slices, Neg and Concat read by the rotary chains of Q and K
+    assert not any(n.op_type in ("Neg", "Concat") for n in fused.graph.node)
+    assert sum(list(a.ints) == [0, 0, 1, 0] for n in fused.graph.node for a in n.attribute
+               if a.name == "rotate_half") == 4
     if kv_heads != H:
         groups = [a.i for n in fused.graph.node if n.op_type == "FusedAttention" for a in n.attribute
                   if a.name == "kv_group"]

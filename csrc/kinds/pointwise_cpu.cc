@@ -1,12 +1,35 @@
 // CPU kernel of onnxfuse::PointwiseChain (docs/format.md): the node's program over the
 // broadcast output, with the program evaluator of cpu_ops.h. float32 tensors may stand for
 // f16/bf16 program values (ONNX Runtime's "isolated fp16 node").
+#include <algorithm>
+#include <cstring>
 #include <memory>
+#include <vector>
 
 #include "cpu_ops.h"
 
 namespace onnxfuse {
 namespace {
+
+// Concat(-x[..., h:], x[..., :h]) of a float tensor (4- or 2-byte elements) along its last dim
+// (even; h half of it), into a new buffer: the sign bit flipped is IEEE negation.
+std::vector<uint8_t> rotate_half(const void* x, DType dt, const Shape& shape) {
+  const int64_t last = shape.empty() ? 1 : shape.back();
+  if (shape.empty() || last % 2) throw Error("rotate_half needs an even last dim, the input has " + shape_str(shape));
+  const size_t es = elem_size(dt), rows = static_cast<size_t>(numel(shape) / std::max<int64_t>(last, 1));
+  const size_t h = static_cast<size_t>(last / 2);
+  std::vector<uint8_t> y(rows * static_cast<size_t>(last) * es);
+  const uint8_t* src = static_cast<const uint8_t*>(x);
+  const size_t sign_byte = es - 1;  // little endian: the sign bit is the top bit of the last byte
+  for (size_t r = 0; r < rows; ++r) {
+    const uint8_t* row = src + r * static_cast<size_t>(last) * es;
+    uint8_t* out = y.data() + r * static_cast<size_t>(last) * es;
+    std::memcpy(out, row + h * es, h * es);     // x[..., h:], negated below
+    std::memcpy(out + h * es, row, h * es);     // x[..., :h]
+    for (size_t c = 0; c < h; ++c) out[c * es + sign_byte] ^= 0x80;
+  }
+  return y;
+}
 
 struct CpuKernel {
   static constexpr const char* kOp = "PointwiseChain";
@@ -14,12 +37,24 @@ struct CpuKernel {
   static constexpr const char* kWhere = "";
   Program prog;
   std::string name;
+  std::vector<int64_t> rotate;  // attribute rotate_half, per program input
 
   void compute(OrtKernelContext* ctx) const {
     Io io = bind_io(prog, ctx, /*f32_for_half=*/true);
     std::vector<HostTensor> in, out;
-    for (size_t i = 0; i < io.in.size(); ++i)
-      in.push_back({actual_dtype(io.in[i].type, prog.inputs[i]), io.in[i].data, io.in[i].shape});
+    std::vector<std::vector<uint8_t>> rotated(io.in.size());
+    for (size_t i = 0; i < io.in.size(); ++i) {
+      const DType dt = actual_dtype(io.in[i].type, prog.inputs[i]);
+      void* data = io.in[i].data;
+      if (rotate[i]) {
+        if (io.in[i].shape != io.out_shape)
+          throw Error("input " + std::to_string(i) + " has shape " + shape_str(io.in[i].shape) +
+                      ", read rotated (rotate_half) it needs the output's " + shape_str(io.out_shape));
+        rotated[i] = rotate_half(io.in[i].data, dt, io.in[i].shape);
+        data = rotated[i].data();
+      }
+      in.push_back({dt, data, io.in[i].shape});
+    }
     for (size_t j = 0; j < io.out.size(); ++j)
       out.push_back({actual_dtype(io.out[j].type, prog.outputs[j].second), io.out[j].data, io.out_shape});
     run_program(prog, in, out, io.out_shape, ctx);
@@ -33,6 +68,9 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     auto k = std::make_unique<CpuKernel>();
     k->prog = read_program(info);
     k->name = name;
+    k->rotate = read_rotate_half(info, k->prog.inputs.size());
+    for (size_t i = 0; i < k->rotate.size(); ++i)
+      if (k->rotate[i] && k->prog.inputs[i] == DType::BOOL) throw Error("rotate_half of a bool input");
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {

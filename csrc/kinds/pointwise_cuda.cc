@@ -5,6 +5,8 @@
 
 #ifdef ONNXFUSE_WITH_CUDA
 
+#include <algorithm>
+
 namespace onnxfuse {
 namespace {
 
@@ -13,17 +15,21 @@ using cuda::thread_params;
 using cuda::Target;
 using cuda::Variant;
 
-enum class Mode { FULL, SCALAR, STRIDED };
+enum class Mode { FULL, SCALAR, STRIDED, ROTATE };
 
 struct PointwiseKernel : cuda::CudaKernel {
   static constexpr const char* kOp = "PointwiseChain";
   int rank = 0;
   std::vector<Mode> modes;  // per program input
   bool any_strided = false;
+  int64_t rotate_last = 0;       // kernel_meta "rotate_last": the last dim its rotate_half inputs were compiled for
+  std::vector<int64_t> rotate;   // the node's rotate_half
   std::vector<int64_t> blocks;  // per variant: elements per program
 
   const char* kind() const override { return "pointwise"; }
   bool int32_params() const override { return false; }
+
+  void init(const OrtKernelInfo* info) override { rotate = read_rotate_half(info, prog.inputs.size()); }
 
   void read_meta(const Json& j, size_t n_inputs) override {
     const int64_t r = cuda::meta_int(j, "rank", "kernel_meta");
@@ -38,8 +44,14 @@ struct PointwiseKernel : cuda::CudaKernel {
       if (md.str == "full") modes.push_back(Mode::FULL);
       else if (md.str == "scalar") modes.push_back(Mode::SCALAR);
       else if (md.str == "strided") modes.push_back(Mode::STRIDED), any_strided = true;
+      else if (md.str == "rotate_half") modes.push_back(Mode::ROTATE);
       else throw Error("kernel_meta: unknown input mode \"" + md.str + "\"");
     }
+    for (size_t i = 0; i < modes.size(); ++i)
+      if ((modes[i] == Mode::ROTATE) != (i < rotate.size() && rotate[i] != 0))
+        throw Error("kernel_meta's input_modes and the node's rotate_half differ at input " + std::to_string(i));
+    if (std::find(modes.begin(), modes.end(), Mode::ROTATE) != modes.end())
+      rotate_last = cuda::meta_positive(j, "rotate_last", "kernel_meta");
   }
 
   void read_variant(const Json& vj, const std::string& where, Variant*) override {
@@ -70,6 +82,13 @@ struct PointwiseKernel : cuda::CudaKernel {
                         ", its kernel reads it in mode 'scalar', which needs one element");
           break;
         case Mode::STRIDED: strided.push_back(i); break;
+        case Mode::ROTATE:
+          if (io.in[i].shape != io.out_shape || io.out_shape.empty() || io.out_shape.back() != rotate_last)
+            throw Error("input " + std::to_string(i) + " has shape " + shape_str(io.in[i].shape) +
+                        ", its kernel reads it rotated (rotate_half) over a last dim of " +
+                        std::to_string(rotate_last) + ", which needs the output's shape " +
+                        shape_str(io.out_shape) + " ending in it (the model's shapes changed since it was optimized?)");
+          break;
       }
     }
 

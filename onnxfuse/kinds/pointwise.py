@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
-from onnx import GraphProto, ModelProto, NodeProto, helper
+from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.codegen import KernelSource, KernelSpec, Variant, generate
 from onnxfuse.expr import Program, evaluate
@@ -38,7 +38,7 @@ from onnxfuse.kinds.base import (
     env_config,
 )
 from onnxfuse.match import check_node, literal_inputs, offered_reasons
-from onnxfuse.ops import RULES
+from onnxfuse.ops import FLOAT_TYPES, RULES, node_attrs
 from onnxfuse.rewrite import input_mode, lower_group
 
 BLOCK = 1024  # with any fp32 tensor
@@ -47,6 +47,7 @@ BLOCK = 1024  # with any fp32 tensor
 ROW_BLOCK_MIN = 512
 BLOCK_16BIT = 2048  # when every tensor is f16, bf16 or bool
 NUM_WARPS = 4  # 8 warps for long programs was 6-16% slower on the H200 (BENCHMARKS.md)
+DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,98 @@ def _has_tensor_input(view: GraphView, group: list[int]) -> bool:
     return False
 
 
+@dataclass(frozen=True)
+class Rotation:
+    """A group input the chain reads as rotate_half(x) = Concat(Neg(x[..., h:]), x[..., :h]) along
+    the last axis (h half of x's last dim): rotary embeddings as LLaMA-style models export them."""
+
+    tensor: str  # the Concat's output, which the group reads
+    x: str  # the tensor rotated: the fused node's input instead (attribute rotate_half)
+    nodes: tuple[int, ...]  # the two Slices, the Neg and the Concat
+
+
+def _const_ints(view: GraphView, name: str) -> list[int] | None:
+    t = view.constants.get(name) if name else None
+    if t is None:
+        return None
+    a = numpy_helper.to_array(t)
+    return [int(v) for v in a.reshape(-1)] if a.dtype.kind in "iu" else None
+
+
+def _half_slice(view: GraphView, i: int | None, x_rank: int, last: int) -> tuple[str, int, int] | None:
+    """(input, start, end) of node i when it is a Slice of its input's last axis with step 1,
+    constant starts and ends clamped to [0, last]; None otherwise."""
+    if i is None or view.nodes[i].op_type != "Slice" or view.nodes[i].domain not in DEFAULT_DOMAINS:
+        return None
+    n = view.nodes[i]
+    if len(n.input) < 4:  # opset 10+: data, starts, ends, axes[, steps]; axes needed
+        return None
+    starts, ends, axes = (_const_ints(view, x) for x in n.input[1:4])
+    steps = _const_ints(view, n.input[4]) if len(n.input) > 4 and n.input[4] else [1]
+    if not (starts and ends and axes and steps) or not len(starts) == len(ends) == len(axes) == len(steps) == 1:
+        return None
+    if axes[0] % x_rank != x_rank - 1 or steps[0] != 1:
+        return None
+
+    def clamp(v: int) -> int:
+        return min(max(v + last if v < 0 else v, 0), last)
+    return n.input[0], clamp(starts[0]), clamp(ends[0])
+
+
+def rotation_at(view: GraphView, tensor: str, readers: set[int], taken: set[int],
+                reserved: dict[int, str]) -> Rotation | None:
+    """The rotate_half subgraph making `tensor`, read only by `readers` (and not a graph
+    output): Concat(Neg(Slice(x, h, 2h)), Slice(x, 0, h)) over the last axis of x, a float tensor
+    of static shape with an even last dim 2h, each node read by the next alone, none taken or
+    left to ONNX Runtime; None otherwise."""
+    c = view.producer.get(tensor)
+    if c is None or c in taken or c in reserved or tensor in view.graph_outputs:
+        return None
+    cn = view.nodes[c]
+    if cn.op_type != "Concat" or cn.domain not in DEFAULT_DOMAINS or len(cn.input) != 2:
+        return None
+    if not set(view.consumers.get(tensor, ())) <= readers:
+        return None
+    shape = view.shapes.get(tensor)
+    if shape is None or not shape or not all(isinstance(d, int) for d in shape) or shape[-1] % 2:
+        return None
+    rank, last = len(shape), shape[-1]
+    if int(node_attrs(cn).get("axis", 0)) % rank != rank - 1:
+        return None
+    neg, lo = view.producer.get(cn.input[0]), view.producer.get(cn.input[1])
+    if neg is None or view.nodes[neg].op_type != "Neg" or view.nodes[neg].domain not in DEFAULT_DOMAINS:
+        return None
+    hi = view.producer.get(view.nodes[neg].input[0])
+    a, b = _half_slice(view, hi, rank, last), _half_slice(view, lo, rank, last)
+    h = last // 2
+    if a is None or b is None or a != (b[0], h, last) or b[1:] != (0, h):
+        return None
+    x = a[0]
+    nodes = (hi, lo, neg, c)
+    only = [(view.nodes[hi].output[0], neg), (view.nodes[neg].output[0], c), (view.nodes[lo].output[0], c)]
+    if any(i in taken or i in reserved for i in nodes) or any(
+            name in view.graph_outputs or list(view.consumers.get(name, ())) != [r] for name, r in only):
+        return None
+    if view.shapes.get(x) != shape or view.types.get(x) not in FLOAT_TYPES:
+        return None
+    return Rotation(tensor, x, nodes)
+
+
+def group_rotations(view: GraphView, group: list[int], outputs: list[str], taken: set[int],
+                    reserved: dict[int, str]) -> tuple[Rotation, ...]:
+    """The group's inputs that are rotate_half of a tensor of the group's shape (`rotation_at`)."""
+    members = set(group)
+    shape = view.shapes.get(outputs[0])
+    found = []
+    for name in dict.fromkeys(x for i in group for x in view.nodes[i].input if x):
+        if view.producer.get(name) in members or name in view.constants:
+            continue
+        r = rotation_at(view, name, members, taken, reserved)
+        if r is not None and same_shape(view.shapes.get(r.x), shape):
+            found.append(r)
+    return tuple(found)
+
+
 def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
                              accepted: Accepted | None = None, reserved: dict[int, str] | None = None) -> MatchResult:
     """Groups of this pattern among the nodes not in `taken`; `accepted` holds the groups
@@ -252,8 +345,10 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
         if not _has_tensor_input(view, group):
             result.rejected["computes only on constants"] += len(group)
             continue
-        accepted.add(group)
-        result.matches.append(Match(pattern, tuple(group), tuple(outputs),
+        rotations = group_rotations(view, group, outputs, taken, reserved)
+        nodes = sorted({*group, *(i for r in rotations for i in r.nodes)})
+        accepted.add(nodes)
+        result.matches.append(Match(pattern, tuple(nodes), tuple(outputs), params=rotations or None,
                                     measured_only=any(reserved.get(i) in offered for i in group)))
     result.matches.sort(key=lambda m: m.nodes)
     return result
@@ -308,16 +403,23 @@ class Pointwise(Kind):
     def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
         """Inputs: the group's boundary tensors in order of first use; outputs: the tensors
         it exposes. The function body is the group's nodes."""
-        program, inputs, folded = lower_group(view, match.nodes, match.outputs)
+        rotated = {r.tensor: r for r in match.params or ()}
+        absorbed = {i for r in rotated.values() for i in r.nodes}
+        program, inputs, folded = lower_group(view, tuple(i for i in match.nodes if i not in absorbed), match.outputs)
         shape = view.shapes[match.outputs[0]]
-        modes = tuple(input_mode(view, x, shape) for x in inputs)
-        last = shape[-1] if shape and isinstance(shape[-1], int) and "strided" in modes else 0
+        modes = tuple("rotate_half" if x in rotated else input_mode(view, x, shape) for x in inputs)
+        flags = [int(x in rotated) for x in inputs]
+        inputs = [rotated[x].x if x in rotated else x for x in inputs]
+        static_last = bool(shape) and isinstance(shape[-1], int)
+        last = shape[-1] if static_last and ("strided" in modes or "rotate_half" in modes) else 0
         # the row variants' blocks follow the largest power of two dividing the last dim
         # (`row_block`, `pointwise_candidates`): it names the kernel too
-        row = pow2_factor(last)
+        row = pow2_factor(last) if "strided" in modes else 0
         key = f"row={row}" if row >= ROW_BLOCK_MIN else ""
-        return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], {}, key, len(shape), modes,
-                        {"params": last})
+        if any(flags):  # the rotation's half is compiled in
+            key += f" rotate_half={flags} last={last}"
+        return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes],
+                        {"rotate_half": flags} if any(flags) else {}, key, len(shape), modes, {"params": last})
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> KernelSpec:
         return KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes, f.params or 0)
@@ -329,7 +431,8 @@ class Pointwise(Kind):
         return pointwise_candidates(spec)
 
     def generate(self, spec: KernelSpec, variant: Variant) -> KernelSource:
-        return generate(spec.program, spec.name, spec.rank, spec.input_modes, list(spec.source_nodes), variant)
+        return generate(spec.program, spec.name, spec.rank, spec.input_modes, list(spec.source_nodes), variant,
+                        spec.last_dim)
 
     def kernel_meta(self, spec: KernelSpec, variants: tuple, binaries: list[dict]) -> dict:
         return {
@@ -337,11 +440,20 @@ class Pointwise(Kind):
             "name": spec.name,
             "rank": spec.rank,
             "input_modes": list(spec.input_modes),
+            **({"rotate_last": spec.last_dim} if "rotate_half" in spec.input_modes else {}),
             "variants": [{"requires": v.requires(), "block": v.block} for v in variants],
             "binaries": binaries,
         }
 
     def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        program = Program.from_text(helper.get_attribute_value(
-            next(a for a in node.attribute if a.name == "program")).decode())
-        return evaluate(program, inputs)
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        program = Program.from_text(attrs["program"].decode())
+        flags = list(attrs.get("rotate_half", ()))
+        return evaluate(program, [rotate_half(x) if k < len(flags) and flags[k] else x for k, x in enumerate(inputs)])
+
+
+def rotate_half(x: np.ndarray) -> np.ndarray:
+    """Concat(-x[..., h:], x[..., :h]) along the last axis, h half of it (docs/format.md,
+    PointwiseChain's rotate_half)."""
+    h = x.shape[-1] // 2
+    return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
