@@ -894,3 +894,13 @@ def test_the_pass_uses_the_shapes_inferred_while_optimizing(tmp_path, monkeypatc
     ops = [n.op_type for n in r.model.graph.node]
     assert "MatMul" in ops and "GlobalAveragePool" not in ops and "Transpose" not in ops
     check_same(m, r.model, library=True)
+
+
+def test_a_chain_reading_a_rotated_input_does_not_carry_nhwc():
+    """A PointwiseChain with `rotate_half` rotates along the last axis: on a channels-last
+    tensor that axis is another one, so the NHWC pass must not pass the layout through it."""
+    plain = helper.make_node("PointwiseChain", ["a", "b"], ["y"], domain="onnxfuse", program="")
+    rotated = helper.make_node("PointwiseChain", ["a", "b"], ["y"], domain="onnxfuse", program="", rotate_half=[0, 1])
+    args = (lambda t: None, 17, lambda t: None)
+    assert layout_pass._layout_free_inputs(plain, *args) == [0, 1]
+    assert layout_pass._layout_free_inputs(rotated, *args) is None
