@@ -20,7 +20,8 @@ pytest.importorskip("torch")
 from benchmarks import hf_attention  # noqa: E402
 
 CASES = [(arch, "sdpa", "fp32") for arch in hf_attention.ARCHS] + [
-    ("bert", "eager", "fp32"), ("llama", "eager", "fp32"), ("llama", "sdpa", "fp16"), ("t5", "sdpa", "fp16")]
+    ("bert", "eager", "fp32"), ("llama", "eager", "fp32"), ("llama", "sdpa", "fp16"), ("t5", "sdpa", "fp16"),
+    ("qwen2", "sdpa", "fp16"), ("gemma", "sdpa", "fp16")]
 
 
 @pytest.mark.parametrize("arch,attn,dtype", CASES, ids=["-".join(c) for c in CASES])
