@@ -220,7 +220,7 @@ def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int],
             transposes.append(t)
             reader, name = t, n.input[0]
             continue
-        merged = _merged_heads_transpose(view, t, rank, taken)
+        merged = _merged_heads_transpose(view, name, reader, taken) if rank == 4 else None
         if merged is not None:  # as a Transpose of the last two dims (the nodes absorbed with the Transposes)
             p = (0, 1, 3, 2)
             perm = tuple(p[i] for i in perm)
@@ -236,23 +236,35 @@ def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int],
     return Operand(name, perm, tuple(transposes), reader, scale=scale, scale_nodes=tuple(scale_nodes))
 
 
-def _merged_heads_transpose(view: GraphView, t: int, rank: int, taken: set[int]) -> tuple[str, tuple] | None:
-    """(x, the three nodes) where node t is Reshape(Transpose(Reshape(x [B, H, M, N], [B * H, M, N]),
+def _walk_back(view: GraphView, name: str, reader: int, ops: tuple[str, ...],
+               taken: set[int]) -> tuple[list[int], str, int] | None:
+    """The nodes of types `ops`, in order, that make `name` for `reader`, each read by the one
+    after it alone (the last by `reader`), none taken, their inputs after the first constants
+    (shapes, axes): (the nodes, the last one's first input, the last node); None otherwise."""
+    nodes = []
+    for op in ops:
+        i = view.producer.get(name)
+        if not _is(view, i, op) or i in taken or not _only_reader(view, name, reader):
+            return None
+        if any(x not in view.constants for x in view.nodes[i].input[1:] if x):
+            return None
+        nodes.append(i)
+        reader, name = i, view.nodes[i].input[0]
+    return nodes, name, reader
+
+
+MERGED_SWAP = ("Reshape", "Transpose", "Reshape")  # torch's dynamo exporter's K^T over merged heads
+
+
+def _merged_heads_transpose(view: GraphView, name: str, reader: int, taken: set[int]) -> tuple[str, tuple] | None:
+    """(x, the three nodes) where `name` is Reshape(Transpose(Reshape(x [B, H, M, N], [B * H, M, N]),
     [0, 2, 1]), [B, H, N, M]): x's last two dims swapped, as torch's dynamo exporter writes K^T
-    (static shapes, constant shape inputs, each read by the next alone); None otherwise."""
-    if rank != 4 or not _is(view, t, "Reshape") or t in taken:
+    (static shapes, `_walk_back`'s conditions); None otherwise."""
+    walked = _walk_back(view, name, reader, MERGED_SWAP, taken)
+    if walked is None or _perm(view, walked[0][1], 3) != (0, 2, 1):
         return None
-    tr = view.producer.get(view.nodes[t].input[0])
-    if not _is(view, tr, "Transpose") or tr in taken or not _only_reader(view, view.nodes[t].input[0], t) \
-            or _perm(view, tr, 3) != (0, 2, 1):
-        return None
-    r0 = view.producer.get(view.nodes[tr].input[0])
-    if not _is(view, r0, "Reshape") or r0 in taken or not _only_reader(view, view.nodes[tr].input[0], tr):
-        return None
-    if any(x not in view.constants for i in (t, r0) for x in view.nodes[i].input[1:] if x):
-        return None
-    x = view.nodes[r0].input[0]
-    xs, ms, ys = _static(view, x), _static(view, view.nodes[r0].output[0]), _static(view, view.nodes[t].output[0])
+    (t, tr, r0), x, _ = walked
+    xs, ms, ys = _static(view, x), _static(view, view.nodes[r0].output[0]), _static(view, name)
     if xs is None or ms is None or ys is None or len(xs) != 4:
         return None
     b, h, m, n = xs
@@ -270,31 +282,19 @@ def repeated_heads(view: GraphView, o: Operand, taken: set[int], scales: bool) -
     """Grouped-query attention's repeat of the key-value heads, as Hugging Face's repeat_kv
     exports it: o's base (rank 4, [B, H, S, D] with H logical dim 1) is Reshape(Expand(Unsqueeze(x)
     [B, Hkv, 1, S, D], [B, Hkv, G, S, D]), [B, Hkv * G, S, D]), or, as torch's dynamo exporter
-    writes K^T, Reshape(Transpose(Reshape(that Expand, [B * H, S, D]), [0, 2, 1]), [B, H, D, S]);
-    shape inputs constants, each node read by the next alone. Returns the operand over x
-    (through x's own Transposes, and with `scales` its constant factors), G, and the nodes;
-    None otherwise."""
+    writes K^T, Reshape(Transpose(Reshape(that Expand, [B * H, S, D]), [0, 2, 1]), [B, H, D, S])
+    (`_walk_back`'s conditions). Returns the operand over x (through x's own Transposes, and with
+    `scales` its constant factors), G, and the nodes; None otherwise."""
     if len(o.perm) != 4 or o.perm[:2] != (0, 1):
         return None
-    nodes: list[int] = []
-    name, reader, swap = o.base, o.reader, False
-    ops = ("Reshape", "Expand", "Unsqueeze")
-    t = view.producer.get(name)
-    tr = view.producer.get(view.nodes[t].input[0]) if _is(view, t, "Reshape") else None
-    if _is(view, tr, "Transpose") and _perm(view, tr, 3) == (0, 2, 1) and t not in taken and tr not in taken \
-            and _only_reader(view, name, reader) and _only_reader(view, view.nodes[t].input[0], t) \
-            and all(x in view.constants for x in view.nodes[t].input[1:] if x):
-        # dynamo's K^T: the heads merged, the last two dims swapped
-        nodes, swap = [t, tr], True
-        reader, name = tr, view.nodes[tr].input[0]
-    for op in ops:
-        i = view.producer.get(name)
-        if not _is(view, i, op) or i in taken or not _only_reader(view, name, reader):
-            return None
-        if any(x not in view.constants for x in view.nodes[i].input[1:] if x):
-            return None
-        nodes.append(i)
-        reader, name = i, view.nodes[i].input[0]
+    repeat = ("Expand", "Unsqueeze")
+    walked = _walk_back(view, o.base, o.reader, MERGED_SWAP + repeat, taken)
+    swap = walked is not None and _perm(view, walked[0][1], 3) == (0, 2, 1)
+    if not swap:
+        walked = _walk_back(view, o.base, o.reader, ("Reshape", *repeat), taken)
+    if walked is None:
+        return None
+    nodes, name, reader = walked
     xs = _static(view, name)
     es, us = (_static(view, view.nodes[i].output[0]) for i in nodes[-2:])
     outs = [_static(view, view.nodes[i].output[0]) for i in nodes[:-2]]  # the Reshapes (and the Transpose)
