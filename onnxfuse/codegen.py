@@ -292,22 +292,22 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant,
         out.append("mask = offsets < n_elements")
     in_row = bool(variant.last_multiple) and rank >= 2
     loads = {i: f"x{i} = {_load(i, dt, mode)}" for i, (dt, mode) in enumerate(zip(program.input_dtypes, modes,
-                                                                                    strict=True))}
+                                                                                    strict=True))
+             if mode != "rotate_half"}
     if strided:
         # in_row: each branch loads the strided inputs itself, where Triton still knows their
         # offsets' contiguity (a value merged after an if has none)
         out += _unravel(rank, strided, "pid * BLOCK" if variant.index_bits == 32 else "pid.to(tl.int64) * BLOCK",
                         in_row=in_row, loads=[loads.pop(i) for i in strided] if in_row else None)
     out.append("# Load the inputs and upcast to fp32.")
-    for i, line in loads.items():
-        if modes[i] != "rotate_half":
-            out.append(line)
-            continue
+    out += loads.values()
+    for i in (i for i, m in enumerate(modes) if m == "rotate_half"):
         half = last_dim // 2
+        at = f"tl.where(x{i}_col < {half}, offsets + {half}, offsets - {half})"
         out += [f"# x{i} read rotated (rotate_half): the element {half} away along the last dim ({last_dim}),",
                 "# the first half negated",
                 f"x{i}_col = offsets % {last_dim}",
-                line.replace("offsets", f"tl.where(x{i}_col < {half}, offsets + {half}, offsets - {half})", 1),
+                f"x{i} = {_load(i, program.input_dtypes[i], 'full', at)}",
                 f"x{i} = tl.where(x{i}_col < {half}, x{i} * -1.0, x{i})"]
     base, sixteen_bit = len(program.input_dtypes), stores_16bit(program)
     for k, ins in enumerate(program.instrs):
@@ -403,11 +403,13 @@ def _unravel(rank: int, strided: list[int], start: str = "pid * BLOCK", in_row: 
     return out + [f"    {ln}" for ln in loads or ()]
 
 
-def _load(i: int, dtype: str, mode: str) -> str:
+def _load(i: int, dtype: str, mode: str, at: str = "offsets") -> str:
+    """Input i's load, upcast to fp32; `at`: a full input's element offsets (`_body` moves them
+    for a rotate_half input)."""
     if mode == "scalar":
         load = f"tl.load(x{i}_ptr)"
-    elif mode in ("full", "rotate_half"):  # rotate_half: `_body` moves the offsets
-        load = f"tl.load(x{i}_ptr + offsets, mask=mask)"
+    elif mode == "full":
+        load = f"tl.load(x{i}_ptr + {at}, mask=mask)"
     else:
         load = f"tl.load(x{i}_ptr + x{i}_offsets, mask=mask)"
     if dtype == "bool":
