@@ -305,6 +305,38 @@ def test_rmsnorm_pow_minus_half_with_residual_and_cast():
     assert "%2 = add %0 %1" in _attr(node, "prologue").decode()
 
 
+def _rms_nodes(x: str, w: str, y: str, tag: str) -> list[onnx.NodeProto]:
+    """x * (1 / sqrt(mean(x^2) + eps)) * w as torch writes Gemma 2's norms (node names tagged)."""
+    t = lambda s: f"{s}{tag}"  # noqa: E731
+    return [helper.make_node("Pow", [x, "two"], [t("sq")]), helper.make_node("ReduceMean", [t("sq")], [t("ms")], axes=[-1]),
+            helper.make_node("Add", [t("ms"), "eps"], [t("me")]), helper.make_node("Sqrt", [t("me")], [t("s")]),
+            helper.make_node("Div", ["one", t("s")], [t("inv")]), helper.make_node("Mul", [x, t("inv")], [t("n")]),
+            helper.make_node("Mul", [t("n"), w], [y])]
+
+
+@pytest.mark.parametrize("leave_to_ort", [False, True])
+def test_sandwich_norms_each_keep_their_core(leave_to_ort):
+    """Gemma 2's post-attention norm ends in the residual add whose square begins the next
+    norm (h = r + norm1(a); y = norm2(h)): the square is the second norm's, not an epilogue node
+    of the first, so both norms fuse (with leave_to_ort the second is wholly ONNX Runtime's
+    SimplifiedLayerNormalization and left to it, whole). Before, the first norm's epilogue took
+    Pow(h, 2) and left the second's ReduceMean, Add, Sqrt, Div and both Muls unfused."""
+    inits = {"two": np.array(2.0, np.float32), "eps": np.array(1e-6, np.float32), "one": np.array(1.0, np.float32),
+             "w1": _w(32), "w2": _w(32)}
+    nodes = [*_rms_nodes("a", "w1", "n1", "_a"), helper.make_node("Add", ["r", "n1"], ["h"]),
+             *_rms_nodes("h", "w2", "y", "_b")]
+    m = model(nodes, {"a": ("float32", [2, 5, 32]), "r": ("float32", [2, 5, 32])},
+              {"y": ("float32", [2, 5, 32]), "h": ("float32", [2, 5, 32])}, inits, opset=17)
+    r = check_fusion(m, expect_fused=1 if leave_to_ort else 2, leave_to_ort=leave_to_ort)
+    first = _fused(r)[0]
+    assert list(first.output) == ["h"], first  # the residual sum, not its square too
+    if leave_to_ort:
+        assert sorted(op_types(r.model)) == ["Add", "Div", "FusedRows", "Mul", "Mul", "Pow", "ReduceMean", "Sqrt"]
+    else:
+        assert op_types(r.model) == ["FusedRows", "FusedRows"]
+        assert list(_fused(r)[1].input)[0] == "h"
+
+
 def _rms_op(op: str, domain: str = "", opset: int = 17, dtype=F, scale_shape=(32,), axis=-1,
             out2: bool = False) -> onnx.ModelProto:
     outs = ["y", "inv"] if out2 else ["y"]

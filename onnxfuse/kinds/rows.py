@@ -984,6 +984,7 @@ class _Growth:
     taken: set[int]
     allowed_reserved: str | None  # the ORT fusion whose nodes may join (the core's own)
     reserved: dict[int, str]
+    others: frozenset[int] = frozenset()  # the nodes of every reduction's core in the graph
     prologue: set[int] = field(default_factory=set)
     epilogue: set[int] = field(default_factory=set)
 
@@ -991,6 +992,8 @@ class _Growth:
         v, m = self.view, self.pattern.match
         n = v.nodes[i]
         if i in self.taken or i in self.core.nodes or n.domain not in DEFAULT_DOMAINS or n.op_type not in m.ops:
+            return False
+        if i in self.others:  # (an RMSNorm's square after a residual add: the next norm's, not this epilogue's)
             return False
         if i in self.reserved and self.reserved[i] != self.allowed_reserved:
             return False
@@ -1078,6 +1081,7 @@ def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: Acc
     m: RowsParams = pattern.match
     result = MatchResult()
     reasons = result.anchors
+    others = frozenset().union(*(c.nodes for c in reduction_cores(view, pattern, taken)))
     for i, n in enumerate(view.nodes):
         if i in taken or n.op_type not in m.anchors:
             continue
@@ -1086,7 +1090,7 @@ def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: Acc
             continue
         if isinstance(core, Core) and any(c in taken for c in core.nodes):
             continue
-        found = core if isinstance(core, str) else _match(view, pattern, core, taken, accepted, reserved)
+        found = core if isinstance(core, str) else _match(view, pattern, core, taken, accepted, reserved, others)
         if isinstance(found, str):
             anchors = _anchor_nodes(view, i) if isinstance(core, str) else core.nodes
             for c in anchors:
@@ -1101,6 +1105,18 @@ def match_rows(view: GraphView, pattern: Pattern, taken: set[int], accepted: Acc
     return result
 
 
+def reduction_cores(view: GraphView, pattern: Pattern, taken: set[int]) -> list[Core]:
+    """Every normalization and softmax core in the graph, of any rows pattern's reductions, whose
+    nodes are not taken: no match's prologue or epilogue takes another's core nodes (Gemma 2's
+    post-attention norm ends in a residual add whose square, Pow(h, 2), begins the next norm: in
+    the first norm's epilogue it would leave the second one's mean unfusable)."""
+    every = dataclasses.replace(pattern, match=dataclasses.replace(pattern.match,
+                                                                   reductions=frozenset(REDUCTION_ANCHORS)))
+    anchors = every.match.anchors
+    cores = [find_core(view, i, every) for i, n in enumerate(view.nodes) if i not in taken and n.op_type in anchors]
+    return [c for c in cores if isinstance(c, Core) and not any(i in taken for i in c.nodes)]
+
+
 def _anchor_nodes(view: GraphView, i: int) -> tuple[int, ...]:
     """Node i, and the variance's ReduceMean when node i is a decomposed LayerNorm's mean (the
     reduction of x * x in the moments form)."""
@@ -1112,7 +1128,7 @@ def _anchor_nodes(view: GraphView, i: int) -> tuple[int, ...]:
 
 
 def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accepted: Accepted,
-           reserved: dict[int, str]) -> Match | str:
+           reserved: dict[int, str], others: frozenset[int] = frozenset()) -> Match | str:
     x_shape = view.shapes[core.x]
     # (a group norm's statistics have no shape of x's rank: no epilogue node is per row, but in
     # the decomposed form's [N, G, L] part, per [N, G, 1])
@@ -1125,7 +1141,7 @@ def _match(view: GraphView, pattern: Pattern, core: Core, taken: set[int], accep
             return NOT_BROADCAST
     ort = reserved
     own = next((ort[c] for c in core.nodes if c in ort), None)
-    g = _Growth(view, pattern, core, x_shape, row_shape, taken, own, ort)
+    g = _Growth(view, pattern, core, x_shape, row_shape, taken, own, ort, others)
     g.grow_epilogue()
     g.grow_prologue()
     while True:
