@@ -308,7 +308,8 @@ def test_rmsnorm_pow_minus_half_with_residual_and_cast():
 def _rms_nodes(x: str, w: str, y: str, tag: str) -> list[onnx.NodeProto]:
     """x * (1 / sqrt(mean(x^2) + eps)) * w as torch writes Gemma 2's norms (node names tagged)."""
     t = lambda s: f"{s}{tag}"  # noqa: E731
-    return [helper.make_node("Pow", [x, "two"], [t("sq")]), helper.make_node("ReduceMean", [t("sq")], [t("ms")], axes=[-1]),
+    return [helper.make_node("Pow", [x, "two"], [t("sq")]),
+            helper.make_node("ReduceMean", [t("sq")], [t("ms")], axes=[-1]),
             helper.make_node("Add", [t("ms"), "eps"], [t("me")]), helper.make_node("Sqrt", [t("me")], [t("s")]),
             helper.make_node("Div", ["one", t("s")], [t("inv")]), helper.make_node("Mul", [x, t("inv")], [t("n")]),
             helper.make_node("Mul", [t("n"), w], [y])]
