@@ -12,10 +12,16 @@ at batch `--batch` and sequence 128 (ViT: 224²), and
 `onnxfuse bench` of the pair (`--provider`): both errors against the float64 reference, the gate,
 and median ms of both models (`--cuda-graph`: again under CUDA graphs; `--tf-optimizer`: ONNX
 Runtime's transformers optimizer's model of the same export beside them, the peer a user would
-pick instead, with its own error and gate). Prints a table and writes JSON after every case:
+pick instead, with its own error and gate). `--past P` (decoders): a generation step as decoders
+are deployed, with a key-value cache of P positions (inputs `position_ids`, `past.L.key` and
+`past.L.value`, outputs `present.L.*`; `--new` tokens, 1 by default), every input's batch, new
+tokens and cached positions dynamic; optimized without the cache length (`--shape batch=B --shape
+new=T`: each step has one more) and benched at P and at a later step (batch + 1, 2P + 3 cached).
+Prints a table and writes JSON after every case:
 
     python benchmarks/hf_attention.py --provider cuda --batch 1 --cuda-graph --tf-optimizer --json hf_b1.json
     python benchmarks/hf_attention.py --small --provider cpu       # CPU (--target none): fusion, accuracy
+    python benchmarks/hf_attention.py --archs llama,qwen2 --attn sdpa --past 128 --batch 8 --dtype fp16
 
 Needs `transformers` (the GPU machine has it; here: pip install transformers).
 """
@@ -51,8 +57,11 @@ DECODERS = {
 ARCHS = ("bert", "gpt2", "vit", "t5", "distilbert", *DECODERS)
 
 
-def build(arch: str, attn: str, small: bool):
-    """(torch module returning the last hidden state, example args, input names, input dims)."""
+def build(arch: str, attn: str, small: bool, past: int = 0):
+    """(torch module returning the last hidden state, its input names, the model's configuration);
+    `past` > 0 (decoders): the module also takes `position_ids` and each layer's cached keys and
+    values (`past.L.key`, `past.L.value`, [B, kv heads, past, head dim]) and returns the updated
+    caches after the hidden state, as a generation step runs it."""
     import torch
     import transformers as tf
 
@@ -91,6 +100,12 @@ def build(arch: str, attn: str, small: bool):
     else:
         raise ValueError(f"unknown arch {arch!r}: choose from {', '.join(ARCHS)}")
 
+    if past:
+        if arch not in DECODERS:
+            raise ValueError(f"--past needs a decoder ({', '.join(DECODERS)}), not {arch!r}")
+        cfg.use_cache = True
+        return _cached_module()(model, cfg).eval(), [*names, "position_ids", *cache_names(cfg)], cfg
+
     class Hidden(torch.nn.Module):
         def __init__(self, m):
             super().__init__()
@@ -100,6 +115,37 @@ def build(arch: str, attn: str, small: bool):
             return self.m(**dict(zip(names, args, strict=True))).last_hidden_state
 
     return Hidden(model).eval(), names, cfg
+
+
+def cache_names(cfg, prefix: str = "past") -> list[str]:
+    return [f"{prefix}.{layer}.{kv}" for layer in range(cfg.num_hidden_layers) for kv in ("key", "value")]
+
+
+def _cached_module():
+    import torch
+
+    class Cached(torch.nn.Module):
+        """A decoder step with a key-value cache: (input_ids, attention_mask over past + new
+        positions, position_ids, each layer's past key and value) -> (hidden state, each layer's
+        present key and value)."""
+
+        def __init__(self, m, cfg):
+            super().__init__()
+            self.m, self.cfg = m, cfg
+
+        def forward(self, input_ids, attention_mask, position_ids, *kv):
+            import transformers as tf
+
+            cache = tf.DynamicCache(config=self.cfg)
+            for layer in range(self.cfg.num_hidden_layers):
+                cache.update(kv[2 * layer], kv[2 * layer + 1], layer)
+            o = self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, use_cache=True)
+            present = [t for layer in o.past_key_values.layers for t in (layer.keys, layer.values)]
+            return (o.last_hidden_state, *present)
+
+    return Cached
+
 
 
 def tf_optimizer_options(arch: str, cfg) -> dict:
@@ -115,27 +161,49 @@ def tf_optimizer_options(arch: str, cfg) -> dict:
     return {"model_type": arch, "num_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size}
 
 
-def export(arch: str, attn: str, small: bool, batch: int, path: Path) -> dict[str, tuple[int, ...]]:
+def export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int = 0, new: int = 1
+           ) -> dict[str, tuple[int, ...]]:
     """The model exported to `path`; its inputs' dims at this batch."""
-    return _export(arch, attn, small, batch, path)[0]
+    return _export(arch, attn, small, batch, path, past, new)[0]
 
 
-def _export(arch: str, attn: str, small: bool, batch: int, path: Path):
-    """(the inputs' dims, the model's configuration) of `export`."""
+def _export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int = 0, new: int = 1):
+    """(the inputs' dims, the model's configuration) of `export`. With a cache (`past` > 0) every
+    input's batch, the new tokens and the cached positions are dynamic axes, as a generation
+    loop feeds them (the dims returned are the export's: `new` tokens after `past`)."""
     import torch
 
-    module, names, cfg = build(arch, attn, small)
+    module, names, cfg = build(arch, attn, small, past)
     seq = 16 if small else SEQ
+    axes = {n: {0: "batch"} for n in names}
     if arch == "vit":
         dims = {"pixel_values": (batch, 3, cfg.image_size, cfg.image_size)}
         args = (torch.randn(*dims["pixel_values"]),)
+    elif past:
+        dims = cache_dims(cfg, batch, past, new)
+        args = (torch.ones(*dims["input_ids"], dtype=torch.int64),
+                torch.ones(*dims["attention_mask"], dtype=torch.int64),
+                torch.arange(past, past + new).expand(batch, new),
+                *(torch.randn(*dims[n]) for n in names[3:]))
+        axes = {"input_ids": {0: "batch", 1: "new"}, "attention_mask": {0: "batch", 1: "total"},
+                "position_ids": {0: "batch", 1: "new"}, **{n: {0: "batch", 2: "past"} for n in names[3:]}}
     else:
         dims = {n: (batch, seq) for n in names}
         args = tuple(torch.ones(batch, seq, dtype=torch.int64) for _ in names)
+    outputs = ["hidden", *cache_names(cfg, "present")] if past else ["hidden"]
     with torch.no_grad():
         torch.onnx.export(module, args, str(path), opset_version=17, dynamo=False, input_names=names,
-                          output_names=["hidden"], dynamic_axes={n: {0: "batch"} for n in names})
+                          output_names=outputs, dynamic_axes=axes)
     return dims, cfg
+
+
+def cache_dims(cfg, batch: int, past: int, new: int) -> dict[str, tuple[int, ...]]:
+    """A decoder step's input dims: `new` tokens after `past` cached positions."""
+    heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = (batch, heads, past, head_dim)
+    return {"input_ids": (batch, new), "attention_mask": (batch, past + new), "position_ids": (batch, new),
+            **dict.fromkeys(cache_names(cfg), kv)}
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
@@ -146,7 +214,8 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     tag = case_name(arch, attn, args)
     src, opt, js = tmp / f"{tag}.onnx", tmp / f"{tag}.opt.onnx", tmp / f"{tag}.bench.json"
     row: dict = {"case": tag}
-    dims, cfg = _export(arch, attn, args.small, args.batch, src)
+    past, new_tokens = getattr(args, "past", 0), getattr(args, "new", 1)
+    dims, cfg = _export(arch, attn, args.small, args.batch, src, past, new_tokens)
     fp32_twin = None
     if args.dtype == "fp16":  # converted as the suite converts its fp16 models
         from models.fp16 import to_fp16
@@ -170,7 +239,10 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     # on the CPU no kernels (their TF32-rounded packed weights are for the GPU's tensor cores)
     target = ["--target", "none"] if args.provider == "cpu" else []
     budget = ["--tune-budget", str(args.tune_budget)] if args.tune_budget else []
-    r = cli("optimize", str(src), str(opt), *target, *budget, *sum((["--shape", s] for s in shapes), []))
+    # a cached step's model stays dynamic in the cached positions (each step has one more): only the
+    # batch and the new tokens are given
+    given = [f"batch={args.batch}", f"new={new_tokens}"] if past else shapes
+    r = cli("optimize", str(src), str(opt), *target, *budget, *sum((["--shape", s] for s in given), []))
     if r.returncode != 0:
         return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
     fused = onnx.load(str(opt)).graph.node
@@ -196,6 +268,19 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
         row |= {"tfopt_ms": peer[0]["latency_ms"]["median"],
                 "tfopt_err": max(o["max_abs_err"] for o in peer[0]["outputs"]),
                 "tfopt_gate": all(o["passed"] for o in peer[0]["outputs"])}
+    if past:  # the same models at a later step: more cached positions, another batch
+        later = cache_dims(cfg, args.batch + 1, 2 * past + 3, new_tokens)
+        js.unlink()
+        r = cli("bench", str(src), str(opt), "--provider", args.provider, "--iters", str(args.iters),
+                *sum((["--shape", f"{n}={'x'.join(map(str, d))}"] for n, d in later.items()), []), "--json", str(js))
+        if not js.exists():
+            return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
+        ref, new, *_ = json.loads(js.read_text())["models"]
+        outs = new["outputs"]
+        row |= {"later_step": f"batch {args.batch + 1}, past {2 * past + 3}",
+                "later_ort_ms": ref["latency_ms"]["median"], "later_onnxfuse_ms": new["latency_ms"]["median"],
+                "later_ort_err": max(o["ort_max_abs_err"] for o in outs),
+                "later_err": max(o["max_abs_err"] for o in outs), "later_gate": all(o["passed"] for o in outs)}
     if args.cuda_graph and args.provider == "cuda":  # every model again, each replayed as one CUDA graph
         js.unlink()
         cli("bench", *map(str, models), "--provider", "cuda", "--cuda-graph", "--iters", str(args.iters),
@@ -212,7 +297,9 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
 
 
 def case_name(arch: str, attn: str, args) -> str:
-    return f"{arch}_{attn}_b{args.batch}" + ("_fp16" if args.dtype == "fp16" else "")
+    past = getattr(args, "past", 0)
+    return (f"{arch}_{attn}_b{args.batch}" + (f"_past{past}_new{args.new}" if past else "")
+            + ("_fp16" if args.dtype == "fp16" else ""))
 
 
 def main() -> None:
@@ -225,6 +312,10 @@ def main() -> None:
     ap.add_argument("--attn", default="eager,sdpa")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"),
                     help="fp16: the export converted to float16 (weights, activations, inputs)")
+    ap.add_argument("--past", type=int, default=0,
+                    help="decoders: export a generation step with a key-value cache of this many positions "
+                         "(dynamic: optimized for any cache length, benched at this one and at a later step)")
+    ap.add_argument("--new", type=int, default=1, help="with --past: the step's new tokens (1: decoding)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tune-budget", type=float, help="onnxfuse optimize's --tune-budget (seconds; its default: 60)")
     ap.add_argument("--cuda-graph", action="store_true", help="also time the models under CUDA graphs")

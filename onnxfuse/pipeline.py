@@ -33,7 +33,7 @@ from onnxfuse.outputs import Outputs
 from onnxfuse.pack import bias_after_product, pack_qkv
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.rewrite import DOMAIN, FusedNode, rewrite
-from onnxfuse.static import fold_shape_arithmetic, resolve_dims
+from onnxfuse.static import fold_known_dims, fold_shape_arithmetic, resolve_dims
 from onnxfuse.text import abbreviate
 
 
@@ -295,9 +295,13 @@ def canonicalize_pass(result: Result, options: Options) -> Result:
     if static is not None:
         model, folded = fold_shape_arithmetic(model, static)  # Shape -> ... -> Reshape: constants
         result.report.static_shapes = folded.summary()
-    else:
-        result.report.static_shapes = why
-    result.model = canonicalize(model)
+        result.model = canonicalize(model)
+        return result
+    result.model, count, ops = fold_known_dims(canonicalize(model))  # (in place: canonicalize copies)
+    if count:  # what the static dims of a dynamic model decide
+        kinds = ", ".join(f"{op} {k}" for op, k in ops.most_common())
+        why = "; ".join(x for x in (why, f"folded {count} nodes of shape arithmetic on static dims ({kinds})") if x)
+    result.report.static_shapes = why
     return result
 
 

@@ -86,6 +86,26 @@ def fold_shape_arithmetic(model: ModelProto, dims: dict[str, tuple[int, ...]]) -
     return _fresh_value_info(m), report
 
 
+def fold_known_dims(model: ModelProto) -> tuple[ModelProto, int, Counter]:
+    """A dynamic model's shape arithmetic on its static dims folded: Shape(x) and the Gather of
+    Shape(x) whose selected dims inference knows (a head dim of 64 in [batch, heads, seq, 64])
+    become constants, and what follows from constants after them, as `fold_shape_arithmetic`
+    folds it. The model keeps its inputs' dims: its symbolic dims stay symbolic. (A decoder with a
+    key-value cache changes its shape every step: its rotary embedding's Slice at half the head
+    dim, written as x.shape[-1] // 2, then has constant bounds.) Folds `model` in place; returns
+    it, the number of nodes folded and their op types."""
+    m = model
+    report = Folded({})
+    if not any(n.op_type == "Shape" and n.domain in ("", "ai.onnx") for n in m.graph.node):
+        return m, 0, report.nodes  # (no shape is read: nothing to fold, no inference run)
+    for _ in range(MAX_ROUNDS):
+        before = sum(report.nodes.values())
+        m = _fold_once(m, report, partial=True)
+        if sum(report.nodes.values()) == before:
+            break
+    return m, sum(report.nodes.values()), report.nodes
+
+
 def _fresh_value_info(m: ModelProto) -> ModelProto:
     """The exporter's value_info holds symbolic dims that the static inputs now decide: it
     is replaced by what inference gives at those inputs (kept as it is when inference fails)."""
@@ -107,19 +127,24 @@ def _fresh_value_info(m: ModelProto) -> ModelProto:
 MAX_ROUNDS = 64
 
 
-def _fold_once(m: ModelProto, report: Folded) -> ModelProto:
-    """One round: infer shapes, fold what follows from constants, count it in `report`."""
+def _fold_once(m: ModelProto, report: Folded, partial: bool = False) -> ModelProto:
+    """One round: infer shapes, fold what follows from constants, count it in `report`.
+    `partial`: also a Shape, or a Gather of a Shape, that reads only dims inference knows of a
+    tensor whose other dims it does not (`fold_known_dims`)."""
     bare = light_copy(m)  # inference reads the weights' shapes, not their values
     del bare.graph.value_info[:]  # the exporter's symbolic dims would stay as they are
     try:
         inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True)
     except Exception:  # noqa: BLE001  (onnx raises several types) a model onnx cannot infer folds nothing
         return m
-    shapes = {}
+    shapes, some = {}, {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         t = vi.type.tensor_type
         if t.HasField("shape") and all(ir.known_dim(d) is not None for d in t.shape.dim):
             shapes[vi.name] = tuple(d.dim_value for d in t.shape.dim)
+        elif partial and t.HasField("shape"):
+            some[vi.name] = tuple(ir.known_dim(d) for d in t.shape.dim)
+    shape_of: dict[str, tuple] = {}  # a Shape node's output -> the dims it holds, None where unknown
     g = m.graph
     known: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer
                                     if int(np.prod(t.dims)) <= MAX_ELEMENTS}
@@ -129,6 +154,8 @@ def _fold_once(m: ModelProto, report: Folded) -> ModelProto:
         if n.domain not in ("", "ai.onnx") or n.op_type not in FOLDABLE or _has_subgraph(n):
             continue
         values = _evaluate(n, known, shapes, opsets)
+        if values is None and partial:
+            values = _known_dims(n, known, some, shape_of)
         if values is None:
             continue
         known.update(values)
@@ -182,6 +209,29 @@ def _evaluate(n: onnx.NodeProto, known: dict[str, np.ndarray], shapes: dict, ops
     if any(v.size > max_elements or v.dtype == object for v in values.values()):
         return None
     return values
+
+
+def _known_dims(n: onnx.NodeProto, known: dict[str, np.ndarray], some: dict[str, tuple], shape_of: dict
+                ) -> dict | None:
+    """A Shape node's dims, or a Gather's from a Shape node's output at constant indices, when every
+    dim they hold is known (None otherwise); records what each unfolded Shape holds in `shape_of`."""
+    if n.op_type == "Shape" and n.input[0] in some:
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        dims = list(some[n.input[0]])[attrs.get("start", 0):attrs.get("end", None)]
+        if all(d is not None for d in dims):
+            return {n.output[0]: np.array(dims, np.int64)}
+        shape_of[n.output[0]] = tuple(dims)
+        return None
+    if n.op_type == "Gather" and n.input[0] in shape_of and n.input[1] in known:
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        dims, idx = shape_of[n.input[0]], known[n.input[1]]
+        if attrs.get("axis", 0) != 0 or idx.dtype.kind not in "iu" or np.any(idx < -len(dims)) \
+                or np.any(idx >= len(dims)):
+            return None
+        picked = [dims[int(i)] for i in idx.reshape(-1)]
+        if all(d is not None for d in picked):
+            return {n.output[0]: np.array(picked, np.int64).reshape(idx.shape)}
+    return None
 
 
 def evaluate_constant(n: onnx.NodeProto, inputs: dict[str, np.ndarray], opset: int | None,

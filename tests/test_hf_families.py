@@ -37,3 +37,21 @@ def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, 
         assert row["kv_groups"] == [2], row  # repeat_kv joins the kernel
     if arch in hf_attention.DECODERS:  # every rotate_half (its Neg, Slices and Concat) read by the rotary chain
         assert row["negs"][0] > 0 and row["negs"][1] == 0, row
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decoder_step_with_a_key_value_cache_stays_dynamic_and_fuses(arch, tmp_path):
+    """A generation step as decoders are deployed: past keys and values in, present ones out, every
+    input's batch, the new tokens and the cached positions dynamic. Optimized without the cache
+    length (each step has one more), every attention still fuses (its operands' batch dims are
+    symbolic: the library checks them at run time), each rotate_half joins its chain (its Slice
+    bounds x.shape[-1] // 2 fold on the static head dim), and the one optimized model passes the
+    gate at the exported step and at a later one (another batch, twice the cache and more)."""
+    args = argparse.Namespace(small=True, batch=2, dtype="fp32", provider="cpu", iters=3, tf_optimizer=False,
+                              cuda_graph=False, tune_budget=None, past=8, new=1)
+    row = hf_attention.run_case(arch, "sdpa", args, tmp_path)
+    assert "error" not in row, row
+    assert row["softmax_before"] > 0 and row["fused_attention"] == row["softmax_before"], row
+    assert row["negs"][0] > 0 and row["negs"][1] == 0, row
+    assert row["gate"] and row["later_gate"], row
+    assert row["later_step"] == "batch 3, past 19", row

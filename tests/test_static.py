@@ -163,3 +163,33 @@ def test_light_copy_keeps_everything_but_large_weights():
     assert list(big.dims) == [64, 64] and big.data_type == onnx.TensorProto.FLOAT and not big.raw_data
     assert big.data_location == onnx.TensorProto.EXTERNAL
     assert len(m.graph.initializer[-1].raw_data) == 64 * 64 * 4  # the model itself is untouched
+
+
+def test_dynamic_model_folds_what_its_static_dims_decide():
+    """flatten_head with a static channel dim: `x.view(N, -1, W)` keeps its N and W, read at run
+    time, but a reshape by the channels (Gather(Shape(x), 1), a static 4) folds, and the model
+    stays dynamic: it runs at two batch sizes and equals the original at both."""
+    m = flatten_head()
+    g = m.graph
+    g.initializer.append(numpy_helper.from_array(np.array(1, np.int64), "i1"))
+    g.node.extend([N("Gather", ["s", "i1"], ["c"], axis=0), N("Unsqueeze", ["c", "ax"], ["c1"]),
+                   N("Concat", ["minus1", "c1"], ["shape2"], axis=0), N("Reshape", ["x", "shape2"], ["z"])])
+    g.output.append(helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None))
+    before = m.SerializeToString()
+    r = optimize_model(m)
+    assert m.SerializeToString() == before  # the input model is not changed
+    ops = [n.op_type for n in r.model.graph.node]
+    # folded: the channel's Gather, Unsqueeze and Concat; kept: Shape, N's and W's Gathers and theirs
+    assert ops.count("Gather") == 2 and ops.count("Concat") == 1 and ops.count("Shape") == 1, ops
+    assert "folded 3 nodes of shape arithmetic on static dims (" in r.report.summary()
+    for n in (2, 5):
+        x = np.random.default_rng(n).standard_normal((n, 4, 3, 6)).astype(np.float32)
+        for a, b in zip(run(r.model, {"x": x}), run(m, {"x": x}), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_dynamic_model_without_shape_nodes_is_not_folded():
+    m = model([N("Sigmoid", ["x"], ["y"]), N("Exp", ["y"], ["z"])], {"x": ("float32", ["N", 4])},
+              {"z": ("float32", ["N", 4])}, opset=17)
+    r = optimize_model(m)
+    assert r.report.static_shapes is None or "folded" not in r.report.static_shapes

@@ -76,7 +76,7 @@ RANK = "attention operands of rank other than 3 or 4"
 UNKNOWN_SHAPE = "unknown shape"
 HEAD_DIM = "the head dims (D, Dv) are not static"
 DTYPES = "Q, K and V of different dtypes"
-BATCH = "the operands' batch dims neither equal nor 1"
+BATCH = "the operands' batch dims differ (neither 1)"
 CYCLE = "fusing would create a cycle"
 P_ROUNDED = "the probabilities pass through a dtype narrower than P's on their way to P @ V"
 FLOAT_BITS = {1: 32, 10: 16, 16: 16, 11: 64}  # float, float16, bfloat16, double
@@ -554,12 +554,17 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     d, dv = _dim(lq[-1]), _dim(lv[-1])
     if d is None or dv is None or _dim(lk[-2]) != d:
         return HEAD_DIM
+    # the batch dims: sizes that differ (neither 1) do not broadcast; symbolic or unknown ones (a
+    # dynamic export's Reshapes to computed shapes, a KV cache's) broadcast as the library checks
+    # them at run time, with numpy's rules, as the products' own broadcasting would
     lead = []
     for dims in zip(*(s[:-2] for s in (lq, lk, lv)), strict=True):
-        live = {e for e in dims if e != 1}
-        if len(live) > 1 or any(e is None for e in live):
+        sizes = {e for e in dims if isinstance(e, int) and e != 1}
+        if len(sizes) > 1:
             return BATCH
-        lead.append(next(iter(live), 1))
+        symbols = {e for e in dims if not isinstance(e, int)}
+        lead.append(next(iter(sizes)) if sizes else next(iter(symbols)) if len(symbols) == 1 else None
+                    if symbols else 1)
     # the output's Transpose, when it alone reads the product (through a Reshape to the same
     # shape, as Hugging Face transformers 5.24's sdpa attention writes it, when that alone does)
     y = view.nodes[pv].output[0]

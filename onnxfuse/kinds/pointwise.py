@@ -243,8 +243,8 @@ def rotation_at(view: GraphView, tensor: str, readers: set[int], taken: set[int]
                 reserved: dict[int, str]) -> Rotation | None:
     """The rotate_half subgraph making `tensor`, read only by `readers` (and not a graph
     output): Concat(Neg(Slice(x, h, 2h)), Slice(x, 0, h)) over the last axis of x, a float tensor
-    of static shape with an even last dim 2h, each node read by the next alone, none taken or
-    left to ONNX Runtime; None otherwise."""
+    with a static, even last dim 2h, each node read by the next alone, none taken or left to ONNX
+    Runtime; None otherwise."""
     c = view.producer.get(tensor)
     if c is None or c in taken or c in reserved or tensor in view.graph_outputs:
         return None
@@ -253,8 +253,8 @@ def rotation_at(view: GraphView, tensor: str, readers: set[int], taken: set[int]
         return None
     if not set(view.consumers.get(tensor, ())) <= readers:
         return None
-    shape = view.shapes.get(tensor)
-    if shape is None or not shape or not all(isinstance(d, int) for d in shape) or shape[-1] % 2:
+    shape = view.shapes.get(tensor)  # (its other dims may be symbolic: the library checks them)
+    if shape is None or not shape or not isinstance(shape[-1], int) or shape[-1] % 2:
         return None
     rank, last = len(shape), shape[-1]
     if int(node_attrs(cn).get("axis", 0)) % rank != rank - 1:
