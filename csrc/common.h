@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "program.h"
@@ -81,6 +82,45 @@ inline std::vector<int64_t> read_rotate_half(const OrtKernelInfo* info, size_t n
   for (int64_t f : flags)
     if (f != 0 && f != 1) throw Error("rotate_half entries must be 0 or 1");
   return flags;
+}
+
+// A PointwiseChain's transpose (docs/format.md): absent, or per program input `rank` entries (the
+// output's rank), a permutation: the input is read as Transpose(x, perm). Returns one perm per
+// input (identity where absent); throws Error for a wrong length or a non-permutation.
+inline std::vector<std::vector<int64_t>> read_transpose(const OrtKernelInfo* info, size_t n_inputs) {
+  std::vector<int64_t> flat;
+  std::vector<std::vector<int64_t>> perms(n_inputs);
+  if (!get_ints_attr(info, "transpose", &flat)) return perms;
+  if (n_inputs == 0 || flat.size() % n_inputs)
+    throw Error("transpose has " + std::to_string(flat.size()) + " entries, not a multiple of the program's " +
+                std::to_string(n_inputs) + " inputs");
+  const size_t r = flat.size() / n_inputs;
+  for (size_t i = 0; i < n_inputs; ++i) {
+    std::vector<int64_t> p(flat.begin() + i * r, flat.begin() + (i + 1) * r), seen(r, 0);
+    for (int64_t a : p) {
+      if (a < 0 || a >= static_cast<int64_t>(r) || seen[a]++)
+        throw Error("transpose of input " + std::to_string(i) + " is not a permutation of " + std::to_string(r) +
+                    " dims");
+    }
+    bool identity = true;
+    for (size_t k = 0; k < r; ++k) identity = identity && p[k] == static_cast<int64_t>(k);
+    if (!identity) perms[i] = std::move(p);
+  }
+  return perms;
+}
+
+// The shape Transpose(x, perm) has (x's shape when perm is empty) and the element strides of x
+// over it (x contiguous); throws Error when the ranks differ.
+inline std::pair<Shape, Shape> transposed_view(const Shape& x, const std::vector<int64_t>& perm) {
+  Shape st(x.size(), 1);
+  for (size_t k = x.size(); k-- > 1;) st[k - 1] = st[k] * x[k];
+  if (perm.empty()) return {x, st};
+  if (perm.size() != x.size())
+    throw Error("an input of shape " + shape_str(x) + " read through a transpose of " + std::to_string(perm.size()) +
+                " dims");
+  Shape shape(perm.size()), strides(perm.size());
+  for (size_t k = 0; k < perm.size(); ++k) shape[k] = x[perm[k]], strides[k] = st[perm[k]];
+  return {shape, strides};
 }
 
 inline std::string node_name(const OrtKernelInfo* info) {
@@ -188,7 +228,10 @@ inline TensorRef input_tensor(OrtKernelContext* ctx, size_t i) {
   return t;
 }
 
-inline Io bind_io(const Program& prog, OrtKernelContext* ctx, bool f32_for_half = false) {
+// The node's inputs and its outputs allocated at the inputs' broadcast shape (`perms`: inputs read
+// through a transpose count with their transposed shapes, read_transpose).
+inline Io bind_io(const Program& prog, OrtKernelContext* ctx, bool f32_for_half = false,
+                  const std::vector<std::vector<int64_t>>* perms = nullptr) {
   Io io;
   size_t n_in = 0, n_out = 0;
   check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
@@ -206,7 +249,8 @@ inline Io bind_io(const Program& prog, OrtKernelContext* ctx, bool f32_for_half 
     if (!type_fits(io.in[i].type, prog.inputs[i], f32_for_half))
       throw Error("input " + std::to_string(i) + " is " + elem_type_name(io.in[i].type) +
                   ", the program declares " + dtype_name(prog.inputs[i]));
-    shapes[i] = io.in[i].shape;
+    // (an input read through a transpose counts with its transposed shape)
+    shapes[i] = perms && i < perms->size() ? transposed_view(io.in[i].shape, (*perms)[i]).first : io.in[i].shape;
   }
   io.out_shape = broadcast_shapes(shapes);
   io.n = numel(io.out_shape);

@@ -13,9 +13,9 @@ The kernel reads like the Triton tutorials:
     dtype (round-to-nearest-even for f16 / bf16).
 
 Its parameters follow the launch ABI of docs/format.md: input pointers, output pointers,
-``n_elements``, then (only when some input is ``strided``) the output's ``rank`` sizes and
-each strided input's ``rank`` strides, all integers 64-bit; Triton appends the two scratch
-pointers itself. ``BLOCK`` is a constexpr and takes no parameter slot.
+``n_elements``, then (only when some input is ``strided`` or ``rotate_half_strided``) the
+output's ``rank`` sizes and each such input's ``rank`` strides, all integers 64-bit; Triton
+appends the two scratch pointers itself. ``BLOCK`` is a constexpr and takes no parameter slot.
 
 Math semantics are those of `onnxfuse.expr`: fp32 throughout, IEEE division and square
 root (``tl.div_rn``, ``tl.sqrt_rn``; a division by a power of two is the equal product),
@@ -38,7 +38,8 @@ import numpy as np
 
 from onnxfuse.expr import BINARY, SIXTEEN_BIT, TERNARY, UNARY, Instr, Operand, Program, Ref
 
-INPUT_MODES = ("full", "scalar", "strided", "rotate_half")
+INPUT_MODES = ("full", "scalar", "strided", "rotate_half", "rotate_half_strided")
+STRIDED_MODES = ("strided", "rotate_half_strided")  # inputs read at offsets from their strides
 
 # Pointer element types in Triton's signature notation. Bool tensors are bytes (0 or 1):
 # they are read as int8 and compared with 0, so any nonzero byte counts as true.
@@ -137,7 +138,7 @@ def param_names(n_inputs: int, n_outputs: int, rank: int, input_modes: tuple[str
     """Kernel parameter names in launch order (docs/format.md), without constexprs."""
     names = [f"x{i}_ptr" for i in range(n_inputs)] + [f"out{j}_ptr" for j in range(n_outputs)]
     names.append("n_elements")
-    strided = [i for i, m in enumerate(input_modes) if m == "strided"]
+    strided = [i for i, m in enumerate(input_modes) if m in STRIDED_MODES]
     if strided:
         names += [f"size{d}" for d in range(rank)]
         for i in strided:
@@ -156,11 +157,12 @@ def generate(
 ) -> KernelSource:
     """Generate the Triton kernel `name` computing `program` over an output of `rank` dims.
     `last_dim`: the output's last dim, needed (even, static) by "rotate_half" inputs, which are
-    read at the element half the last dim away along it, the first half negated."""
+    read at the element half the last dim away along it, the first half negated
+    ("rotate_half_strided": at its strided offsets moved by as much, its last dim's stride 1)."""
     program.validate()
     input_modes = tuple(input_modes)
     _check_args(program, name, rank, input_modes, variant)
-    if "rotate_half" in input_modes and (last_dim <= 0 or last_dim % 2 or rank < 1):
+    if any(m.startswith("rotate_half") for m in input_modes) and (last_dim <= 0 or last_dim % 2 or rank < 1):
         raise ValueError(f"a rotate_half input needs a static, even last dim (got {last_dim}, rank {rank})")
     n_in, n_out = len(program.input_dtypes), len(program.outputs)
     names = param_names(n_in, n_out, rank, input_modes)
@@ -278,7 +280,7 @@ def _comment_text(text: str) -> str:
 
 def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant, last_dim: int = 0) -> list[str]:
     out = ["pid = tl.program_id(axis=0)"]
-    strided = [i for i, m in enumerate(modes) if m == "strided"]
+    strided = [i for i, m in enumerate(modes) if m in STRIDED_MODES]
     if variant.index_bits == 32:
         out += ["# int32 offsets: the launcher picks this variant for fewer than 2**31 - BLOCK elements.",
                 "offsets = pid * BLOCK + tl.arange(0, BLOCK)"]
@@ -291,23 +293,26 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant,
     else:
         out.append("mask = offsets < n_elements")
     in_row = bool(variant.last_multiple) and rank >= 2
+    rotated = [i for i, m in enumerate(modes) if m.startswith("rotate_half")]
     loads = {i: f"x{i} = {_load(i, dt, mode)}" for i, (dt, mode) in enumerate(zip(program.input_dtypes, modes,
                                                                                     strict=True))
-             if mode != "rotate_half"}
+             if i not in rotated}
     if strided:
         # in_row: each branch loads the strided inputs itself, where Triton still knows their
         # offsets' contiguity (a value merged after an if has none)
         out += _unravel(rank, strided, "pid * BLOCK" if variant.index_bits == 32 else "pid.to(tl.int64) * BLOCK",
-                        in_row=in_row, loads=[loads.pop(i) for i in strided] if in_row else None)
+                        in_row=in_row, loads=[loads.pop(i) for i in strided if i in loads] if in_row else None)
     out.append("# Load the inputs and upcast to fp32.")
     out += loads.values()
-    for i in (i for i, m in enumerate(modes) if m == "rotate_half"):
+    for i in rotated:
         half = last_dim // 2
-        at = f"tl.where(x{i}_col < {half}, offsets + {half}, offsets - {half})"
+        # (a strided one: its own offsets, the launcher checks its last dim's stride is 1)
+        at = "offsets" if modes[i] == "rotate_half" else f"x{i}_offsets"
+        moved = f"tl.where(x{i}_col < {half}, {at} + {half}, {at} - {half})"
         out += [f"# x{i} read rotated (rotate_half): the element {half} away along the last dim ({last_dim}),",
                 "# the first half negated",
                 f"x{i}_col = offsets % {last_dim}",
-                f"x{i} = {_load(i, program.input_dtypes[i], 'full', at)}",
+                f"x{i} = {_load(i, program.input_dtypes[i], 'full', moved)}",
                 f"x{i} = tl.where(x{i}_col < {half}, x{i} * -1.0, x{i})"]
     base, sixteen_bit = len(program.input_dtypes), stores_16bit(program)
     for k, ins in enumerate(program.instrs):

@@ -29,7 +29,7 @@ import numpy as np
 import onnx
 import pytest
 
-from onnxfuse.codegen import KernelSpec, Variant, generate, param_names
+from onnxfuse.codegen import INPUT_MODES, STRIDED_MODES, KernelSpec, Variant, generate, param_names
 from onnxfuse.compile import (
     COMPILE_OPTIONS,
     DEFAULT_TARGETS,
@@ -65,6 +65,9 @@ class Case:
     block: int = 256
     values: tuple[tuple[float, ...], ...] | None = None  # fixed input values (default: random)
     row: bool = False  # launched as a row variant (`last_multiple`: the last dim a multiple of block)
+    # per input a permutation it is read through (a PointwiseChain's `transpose`), None for none;
+    # `shapes` are then the tensors' own shapes, before the permutation
+    perms: tuple[tuple[int, ...] | None, ...] | None = None
 
 
 def _prog(dtypes: tuple[str, ...], body: str) -> str:
@@ -222,6 +225,15 @@ def _rotate_cases() -> list[Case]:
              ("f32", "f32", "f32", "f32"), modes=("full", "strided", "rotate_half", "strided"), block=128),
         Case("rotate-half-bf16-alone", "%1 = add %0 0.0\noutput %1 bf16", ((4, 6),), ("bf16",),
              modes=("rotate_half",), block=8),
+        # LLaMA's Q read through its Transpose [B, S, H, D] -> [B, H, S, D], plainly and rotated
+        Case("transposed-rotary-f16", rotary.format(dt="f16"), ((2, 5, 3, 8), (5, 8), (2, 5, 3, 8), (5, 8)),
+             ("f16", "f16", "f16", "f16"), modes=("strided", "strided", "rotate_half_strided", "strided"),
+             perms=((0, 2, 1, 3), None, (0, 2, 1, 3), None)),
+        Case("transposed-f32-blocks-cross-rows", "%3 = add %0 %1\n%4 = mul %3 %2\noutput %4 f32",
+             ((7, 3, 64), (64,), (3, 7, 64)), ("f32", "f32", "f32"), modes=("strided", "strided", "full"),
+             block=128, perms=((1, 0, 2), None, None)),
+        Case("transposed-rotated-bf16-alone", "%1 = add %0 0.0\noutput %1 bf16", ((3, 2, 4, 6),), ("bf16",),
+             modes=("rotate_half_strided",), block=16, perms=((2, 0, 1, 3),)),
     ]
 
 
@@ -243,15 +255,28 @@ CASES = (_op_cases() + _size_cases() + _broadcast_cases() + _dtype_cases() + _li
          + _sixteen_bit_cases() + _rotate_cases())
 
 
+def _perm(case: Case, k: int) -> tuple[int, ...] | None:
+    return case.perms[k] if case.perms else None
+
+
+def _logical_shapes(case: Case) -> list[tuple[int, ...]]:
+    """Each input's shape as the kernel reads it: through its permutation."""
+    return [tuple(s[a] for a in p) if (p := _perm(case, k)) else s for k, s in enumerate(case.shapes)]
+
+
 def _out_shape(case: Case) -> tuple[int, ...]:
-    return tuple(np.broadcast_shapes(*case.shapes))
+    return tuple(np.broadcast_shapes(*_logical_shapes(case)))
 
 
 def _modes(case: Case) -> tuple[str, ...]:
     if case.modes is not None:
         return case.modes
     out = _out_shape(case)
-    return tuple("full" if s == out else "scalar" if math.prod(s) == 1 else "strided" for s in case.shapes)
+    return tuple("full" if s == out else "scalar" if math.prod(s) == 1 else "strided" for s in _logical_shapes(case))
+
+
+def _rotates(case: Case) -> bool:
+    return any(m.startswith("rotate_half") for m in _modes(case))
 
 
 SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 0.5, 2.0, -2.0, 3.0, 1e-3, 20.0, -20.0,
@@ -288,12 +313,25 @@ def _launch_ints(case: Case) -> list[int]:
     out = _out_shape(case)
     ints = [math.prod(out)]
     modes = _modes(case)
-    if "strided" in modes:
+    if set(modes) & set(STRIDED_MODES):
         ints += list(out)
-        for shape, mode in zip(case.shapes, modes, strict=True):
-            if mode == "strided":
-                ints += _broadcast_strides(shape, out)
+        for st in _input_strides(case):
+            ints += st
     return ints
+
+
+def _input_strides(case: Case) -> list[list[int]]:
+    """Each strided input's strides over the output, as the launcher computes them: 0 on
+    broadcast dims; read through a permutation, the permuted strides of the tensor's own."""
+    out, strides = _out_shape(case), []
+    for k, (shape, mode) in enumerate(zip(_logical_shapes(case), _modes(case), strict=True)):
+        if mode in STRIDED_MODES:
+            st = _broadcast_strides(shape, out)
+            if p := _perm(case, k):
+                own = _broadcast_strides(case.shapes[k], case.shapes[k])
+                st = [own[p[d]] if v else 0 for d, v in enumerate(st)]
+            strides.append(st)
+    return strides
 
 
 def _broadcast_strides(shape: tuple[int, ...], out: tuple[int, ...]) -> list[int]:
@@ -321,7 +359,7 @@ def _write_workdir(workdir: Path, cases: list[Case]) -> list[dict]:
         else:
             variant = Variant(1, block=case.block, index_bits=32 if i % 2 else 64)
         ks = generate(prog, NAME, len(_out_shape(case)), _modes(case), [f"case {case.id}"], variant,
-                      _out_shape(case)[-1] if "rotate_half" in _modes(case) else 0)
+                      _out_shape(case)[-1] if _rotates(case) else 0)
         (workdir / f"case{i}.py").write_text(ks.source)
         arrays = {f"in{j}": _to_storage(a) for j, a in enumerate(_case_inputs(i, case))}
         np.savez(workdir / f"case{i}_in.npz", **arrays)
@@ -454,8 +492,8 @@ def _check_case(workdir: Path, index: int, case: Case, label: str) -> None:
     if err.exists():
         pytest.fail(f"{label}: kernel failed: {err.read_text()}")
     prog = parse(_prog(case.dtypes, case.program))
-    inputs = [rotate_half(x) if m == "rotate_half" else x for x, m in zip(_case_inputs(index, case), _modes(case),
-                                                                           strict=True)]
+    inputs = [np.transpose(x, p) if (p := _perm(case, k)) else x for k, x in enumerate(_case_inputs(index, case))]
+    inputs = [rotate_half(x) if m.startswith("rotate_half") else x for x, m in zip(inputs, _modes(case), strict=True)]
     expected = evaluate(prog, inputs)
     got = np.load(workdir / f"case{index}_out.npz")
     for j, ((_, dt), want) in enumerate(zip(prog.outputs, expected, strict=True)):
@@ -547,7 +585,7 @@ def test_cases_cover_every_op_dtype_and_mode():
     for op in (*UNARY, *BINARY, "select"):
         assert f"= {op} " in text, op
     assert {dt for c in CASES for dt in c.dtypes} == {"f32", "f16", "bf16", "bool"}
-    assert {m for c in CASES for m in _modes(c)} == {"full", "scalar", "strided", "rotate_half"}
+    assert {m for c in CASES for m in _modes(c)} == set(INPUT_MODES)
 
 
 # ---------------------------------------------------------------------------------------
@@ -575,7 +613,7 @@ def _unravel_path(case: Case) -> str:
     """Which of the generated unravel's branches a case's launch takes (codegen._unravel):
     a shortcut with the block's wraps (1 or 4) or a remainder an element ("mod"), or the unravel."""
     out = _out_shape(case)
-    strides = [_broadcast_strides(s, out) for s, m in zip(case.shapes, _modes(case), strict=True) if m == "strided"]
+    strides = _input_strides(case)
     if len(out) < 2 or not strides:
         return "none"
     last = out[-1]
@@ -589,6 +627,7 @@ def _unravel_path(case: Case) -> str:
 
 def test_cases_take_every_unravel_path():
     paths = {c.id: _unravel_path(c) for c in CASES}
+    assert paths["transposed-rotary-f16"] == paths["transposed-f32-blocks-cross-rows"] == "unravel"
     assert paths["bias-last"] == paths["two-along-last"] == "last-mod"
     assert paths["bias-last-one-wrap"] == paths["bias-last-one-wrap-b"] == "last-1"
     assert paths["bias-last-four-wraps"] == paths["bias-last-four-wraps-b"] == "last-4"
@@ -1022,20 +1061,24 @@ def test_sixteen_bit_gelu_takes_fewer_instructions(tmp_path):
     assert counts["erfc"] < counts["erf"] - 32, counts
 
 
-def test_rotate_half_kernel_compiles_for_sm90_without_spills(tmp_path):
+@pytest.mark.parametrize("transposed", [False, True], ids=["q", "q-through-its-transpose"])
+def test_rotate_half_kernel_compiles_for_sm90_without_spills(transposed, tmp_path):
     """LLaMA's fp16 rotary chain (q * cos + rotate_half(q) * sin over [8, 12, 128, 64]) as the
     pointwise kind builds it: every variant compiles for sm_90 on the CPU, the rotated input read
     at the offsets half the last dim away (no Slice, Neg or Concat kernel before it), nothing
-    spilled."""
+    spilled; also with q read through its Transpose (strided: no Transpose kernel before it)."""
     pytest.importorskip("triton")
     from onnxfuse.kinds.pointwise import Pointwise
     from tests.util import compile_sm90, sass_lines
 
     prog = parse(_prog(("f16",) * 4, "%4 = mul %0 %1\n%5 = mul %2 %3\n%6 = add %4 %5\noutput %6 f16"))
-    spec = KernelSpec(prog, NAME, 4, ("full", "strided", "rotate_half", "strided"), (), 64)
+    modes = ("strided", "strided", "rotate_half_strided", "strided") if transposed else (
+        "full", "strided", "rotate_half", "strided")
+    spec = KernelSpec(prog, NAME, 4, modes, (), 64)
+    at = "x2_offsets" if transposed else "offsets"
     for k, v in enumerate(choose_variants(spec)):
         ks = Pointwise().generate(spec, v)
-        assert "x2_col = offsets % 64" in ks.source and "offsets + 32, offsets - 32" in ks.source
+        assert "x2_col = offsets % 64" in ks.source and f"{at} + 32, {at} - 32" in ks.source
         sass = sass_lines(compile_sm90(ks, tmp_path / f"v{k}").asm["cubin"], tmp_path / f"v{k}")
         assert not [ln for ln in sass if "LDL" in ln or "STL" in ln], k
 

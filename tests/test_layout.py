@@ -896,7 +896,7 @@ def test_the_pass_uses_the_shapes_inferred_while_optimizing(tmp_path, monkeypatc
     check_same(m, r.model, library=True)
 
 
-def test_a_chain_reading_a_rotated_input_does_not_carry_nhwc():
+def test_a_chain_reading_a_rotated_or_transposed_input_does_not_carry_nhwc():
     """A PointwiseChain with `rotate_half` rotates along the last axis: on a channels-last
     tensor that axis is another one, so the NHWC pass must not pass the layout through it."""
     plain = helper.make_node("PointwiseChain", ["a", "b"], ["y"], domain="onnxfuse", program="")
@@ -904,3 +904,7 @@ def test_a_chain_reading_a_rotated_input_does_not_carry_nhwc():
     args = (lambda t: None, 17, lambda t: None)
     assert layout_pass._layout_free_inputs(plain, *args) == [0, 1]
     assert layout_pass._layout_free_inputs(rotated, *args) is None
+    # one reading an input through a permutation (`transpose`) reads other elements of a permuted tensor
+    permuted = helper.make_node("PointwiseChain", ["a", "b"], ["y"], domain="onnxfuse", program="",
+                                transpose=[0, 2, 1, 3, 0, 1, 2, 3])
+    assert layout_pass._layout_free_inputs(permuted, *args) is None

@@ -465,6 +465,50 @@ def test_rotate_half_of_the_wrong_length_is_a_clear_error(lib):
         run(model, prog, [np.zeros(4, np.float32)], lib)
 
 
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+def test_transposed_inputs(dt, lib):
+    """transpose [(0, 2, 1, 3), identity, (0, 2, 1, 3)] with rotate_half [0, 0, 1]: inputs 0 and 2
+    (one [2, 5, 3, 8] tensor, as LLaMA's Q before its Transpose) read as [2, 3, 5, 8], input 2
+    rotated after the permutation; input 1 broadcast over the permuted shape. Bit for bit with
+    the kind's numpy reference (Pointwise.evaluate) and with numpy."""
+    from onnxfuse.kinds.pointwise import Pointwise
+
+    prog = expr.parse(f"{expr.HEADER}\ninput %0 {dt}\ninput %1 {dt}\ninput %2 {dt}\n%3 = add %0 %1\n"
+                      f"output %0 {dt}\noutput %2 {dt}\noutput %3 {dt}\n")
+    model = fused_model(prog, [(2, 3, 5, 8), (5, 8), (2, 3, 5, 8)], dynamic_shapes=True)
+    for name in ("x0", "x2"):  # the graph's inputs are the tensors before their permutation
+        vi = next(v for v in model.graph.input if v.name == name)
+        for d, v in zip(vi.type.tensor_type.shape.dim, (2, 5, 3, 8), strict=True):
+            d.Clear()
+            d.dim_value = v
+    node = model.graph.node[0]
+    perm = [0, 2, 1, 3]
+    node.attribute.extend([helper.make_attribute("transpose", perm + [0, 1, 2, 3] + perm),
+                           helper.make_attribute("rotate_half", [0, 0, 1])])
+    q = RNG.normal(0, 2, (2, 5, 3, 8)).astype(NP_OF[dt]).astype(np.float32)
+    b = RNG.normal(0, 2, (5, 8)).astype(NP_OF[dt]).astype(np.float32)
+    got = [np.asarray(g, np.float32) for g in run(model, prog, [q, b, q], lib)]
+    qt = q.transpose(perm)
+    rot = np.concatenate([-qt[..., 4:], qt[..., :4]], axis=-1)
+    ref = Pointwise().evaluate(node, [q, b, q])
+    for g, want, r in zip(got, [qt, rot, (qt + b).astype(NP_OF[dt]).astype(np.float32)], ref, strict=True):
+        np.testing.assert_array_equal(g, want)
+        np.testing.assert_array_equal(g, np.asarray(r, np.float32))
+
+
+@pytest.mark.parametrize("attr,message", [
+    ([0, 1], "transpose has 2 entries, not a multiple of the program's 3 inputs"),
+    ([0, 0, 1, 0, 1, 0], "transpose of input 0 is not a permutation of 2 dims"),
+    ([0, 1, 2, 2, 2, 0, 0, 1, 2], "transpose of input 1 is not a permutation of 3 dims")])
+def test_transpose_attribute_errors_are_clear(attr, message, lib):
+    prog = expr.parse(f"{expr.HEADER}\ninput %0 f32\ninput %1 f32\ninput %2 f32\n%3 = add %0 %1\n"
+                      "%4 = add %3 %2\noutput %4 f32\n")
+    model = fused_model(prog, [(2, 2), (2, 2), (2, 2)])
+    model.graph.node[0].attribute.append(helper.make_attribute("transpose", attr))
+    with pytest.raises(Exception, match=message):
+        run(model, prog, [np.zeros((2, 2), np.float32)] * 3, lib)
+
+
 def test_dtype_mismatch_is_a_clear_error(lib):
     prog = prog1("neg", 1)  # declares an f32 input
     model = fused_model(prog, [(3,)])

@@ -151,7 +151,8 @@ def test_llama_style_decoder(attention, kv_heads, exporter):
     (Unsqueeze, Expand, Reshape) joins the attention as its kv_group. The dynamo exporter
     writes K^T as Reshape(Transpose(Reshape(K, [B * H, S, D]), [0, 2, 1]), [B, H, D, S]) (after
     the Expand, with grouped queries): the attention reads it as K's transpose. The rotary
-    chains read rotate_half(Q) and rotate_half(K) from Q and K themselves (rotate_half)."""
+    chains read rotate_half(Q) and rotate_half(K) from Q and K themselves (rotate_half), and Q
+    and K through their Transposes to [B, H, S, D] (transpose)."""
     torch.manual_seed(0)
     module = Stack([LlamaBlock(attention, kv_heads), LlamaBlock(attention, kv_heads)], RMSNorm(True)).eval()
     x = torch.randn(B, S, D)
@@ -164,6 +165,11 @@ def test_llama_style_decoder(attention, kv_heads, exporter):
     assert not any(n.op_type in ("Neg", "Concat") for n in fused.graph.node)
     assert sum(list(a.ints) == [0, 0, 1, 0] for n in fused.graph.node for a in n.attribute
                if a.name == "rotate_half") == 4
+    # ... and read Q and K through their Transposes [B, S, H, D] -> [B, H, S, D] (transpose)
+    chains = [n for n in fused.graph.node if any(a.name == "rotate_half" for a in n.attribute)]
+    assert all(producers.get(x) != "Transpose" for n in chains for x in n.input), producers
+    assert all(list(next(a.ints for a in n.attribute if a.name == "transpose")) == [0, 2, 1, 3, 0, 1, 2, 3] * 2
+               for n in chains)
     if kv_heads != H:
         groups = [a.i for n in fused.graph.node if n.op_type == "FusedAttention" for a in n.attribute
                   if a.name == "kv_group"]

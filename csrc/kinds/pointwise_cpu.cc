@@ -31,6 +31,27 @@ std::vector<uint8_t> rotate_half(const void* x, DType dt, const Shape& shape) {
   return y;
 }
 
+// Transpose(x, perm) of a tensor of `es`-byte elements, into a new buffer (the evaluator then
+// reads it as a contiguous input).
+std::vector<uint8_t> transposed(const void* x, size_t es, const Shape& shape, const std::vector<int64_t>& perm) {
+  const auto [out_shape, strides] = transposed_view(shape, perm);
+  const int64_t n = numel(out_shape);
+  std::vector<uint8_t> y(static_cast<size_t>(n) * es);
+  const uint8_t* src = static_cast<const uint8_t*>(x);
+  std::vector<int64_t> idx(out_shape.size(), 0);
+  int64_t off = 0;  // x's element offset of output element i
+  for (int64_t i = 0; i < n; ++i) {
+    std::memcpy(y.data() + static_cast<size_t>(i) * es, src + static_cast<size_t>(off) * es, es);
+    for (size_t k = out_shape.size(); k-- > 0;) {  // the next index, row-major
+      off += strides[k];
+      if (++idx[k] < out_shape[k]) break;
+      off -= strides[k] * out_shape[k];
+      idx[k] = 0;
+    }
+  }
+  return y;
+}
+
 struct CpuKernel {
   static constexpr const char* kOp = "PointwiseChain";
   static constexpr const char* kProvider = "CPUExecutionProvider";
@@ -38,22 +59,29 @@ struct CpuKernel {
   Program prog;
   std::string name;
   std::vector<int64_t> rotate;  // attribute rotate_half, per program input
+  std::vector<std::vector<int64_t>> perms;  // attribute transpose, per program input (empty: none)
 
   void compute(OrtKernelContext* ctx) const {
-    Io io = bind_io(prog, ctx, /*f32_for_half=*/true);
+    Io io = bind_io(prog, ctx, /*f32_for_half=*/true, &perms);
     std::vector<HostTensor> in, out;
-    std::vector<std::vector<uint8_t>> rotated(io.in.size());
+    std::vector<std::vector<uint8_t>> rotated(io.in.size()), permuted(io.in.size());
     for (size_t i = 0; i < io.in.size(); ++i) {
       const DType dt = actual_dtype(io.in[i].type, prog.inputs[i]);
       void* data = io.in[i].data;
+      Shape shape = io.in[i].shape;
+      if (!perms[i].empty()) {  // Transpose(x, perm) first, then rotated
+        permuted[i] = transposed(data, elem_size(dt), shape, perms[i]);
+        data = permuted[i].data();
+        shape = transposed_view(shape, perms[i]).first;
+      }
       if (rotate[i]) {
-        if (io.in[i].shape != io.out_shape)
-          throw Error("input " + std::to_string(i) + " has shape " + shape_str(io.in[i].shape) +
+        if (shape != io.out_shape)
+          throw Error("input " + std::to_string(i) + " has shape " + shape_str(shape) +
                       ", read rotated (rotate_half) it needs the output's " + shape_str(io.out_shape));
-        rotated[i] = rotate_half(io.in[i].data, dt, io.in[i].shape);
+        rotated[i] = rotate_half(data, dt, shape);
         data = rotated[i].data();
       }
-      in.push_back({dt, data, io.in[i].shape});
+      in.push_back({dt, data, shape});
     }
     for (size_t j = 0; j < io.out.size(); ++j)
       out.push_back({actual_dtype(io.out[j].type, prog.outputs[j].second), io.out[j].data, io.out_shape});
@@ -69,6 +97,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     k->prog = read_program(info);
     k->name = name;
     k->rotate = read_rotate_half(info, k->prog.inputs.size());
+    k->perms = read_transpose(info, k->prog.inputs.size());
     for (size_t i = 0; i < k->rotate.size(); ++i)
       if (k->rotate[i] && k->prog.inputs[i] == DType::BOOL) throw Error("rotate_half of a bool input");
     *kernel = k.release();

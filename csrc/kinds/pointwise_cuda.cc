@@ -1,6 +1,6 @@
 // CUDA kernel of onnxfuse::PointwiseChain (docs/format.md, "The node", kernel_meta kind
-// "pointwise"): input modes full / scalar / strided, every integer parameter 64-bit, a
-// flat grid of `block` elements per program.
+// "pointwise"): input modes full / scalar / strided / rotate_half / rotate_half_strided, every
+// integer parameter 64-bit, a flat grid of `block` elements per program.
 #include "cuda_driver.h"
 
 #ifdef ONNXFUSE_WITH_CUDA
@@ -15,7 +15,7 @@ using cuda::thread_params;
 using cuda::Target;
 using cuda::Variant;
 
-enum class Mode { FULL, SCALAR, STRIDED, ROTATE };
+enum class Mode { FULL, SCALAR, STRIDED, ROTATE, ROTATE_STRIDED };
 
 struct PointwiseKernel : cuda::CudaKernel {
   static constexpr const char* kOp = "PointwiseChain";
@@ -24,12 +24,16 @@ struct PointwiseKernel : cuda::CudaKernel {
   bool any_strided = false;
   int64_t rotate_last = 0;       // kernel_meta "rotate_last": the last dim its rotate_half inputs were compiled for
   std::vector<int64_t> rotate;   // the node's rotate_half
+  std::vector<std::vector<int64_t>> perms;  // the node's transpose, per input (empty: none)
   std::vector<int64_t> blocks;  // per variant: elements per program
 
   const char* kind() const override { return "pointwise"; }
   bool int32_params() const override { return false; }
 
-  void init(const OrtKernelInfo* info) override { rotate = read_rotate_half(info, prog.inputs.size()); }
+  void init(const OrtKernelInfo* info) override {
+    rotate = read_rotate_half(info, prog.inputs.size());
+    perms = read_transpose(info, prog.inputs.size());
+  }
 
   void read_meta(const Json& j, size_t n_inputs) override {
     const int64_t r = cuda::meta_int(j, "rank", "kernel_meta");
@@ -45,22 +49,44 @@ struct PointwiseKernel : cuda::CudaKernel {
       else if (md.str == "scalar") modes.push_back(Mode::SCALAR);
       else if (md.str == "strided") modes.push_back(Mode::STRIDED), any_strided = true;
       else if (md.str == "rotate_half") modes.push_back(Mode::ROTATE);
+      else if (md.str == "rotate_half_strided") modes.push_back(Mode::ROTATE_STRIDED), any_strided = true;
       else throw Error("kernel_meta: unknown input mode \"" + md.str + "\"");
     }
-    for (size_t i = 0; i < modes.size(); ++i)
-      if ((modes[i] == Mode::ROTATE) != (i < rotate.size() && rotate[i] != 0))
+    bool rotates = false;
+    for (size_t i = 0; i < modes.size(); ++i) {
+      const bool rotated = modes[i] == Mode::ROTATE || modes[i] == Mode::ROTATE_STRIDED;
+      rotates = rotates || rotated;
+      if (rotated != (i < rotate.size() && rotate[i] != 0))
         throw Error("kernel_meta's input_modes and the node's rotate_half differ at input " + std::to_string(i));
-    if (std::find(modes.begin(), modes.end(), Mode::ROTATE) != modes.end())
-      rotate_last = cuda::meta_positive(j, "rotate_last", "kernel_meta");
+      if (!perms[i].empty() && modes[i] != Mode::STRIDED && modes[i] != Mode::ROTATE_STRIDED)
+        throw Error("input " + std::to_string(i) + " is read through a transpose, its kernel_meta mode is not strided");
+    }
+    if (rotates) rotate_last = cuda::meta_positive(j, "rotate_last", "kernel_meta");
   }
 
   void read_variant(const Json& vj, const std::string& where, Variant*) override {
     blocks.push_back(cuda::meta_positive(vj, "block", where));
   }
 
+  // Input i's element strides over the output (0 on broadcast dims): as numpy broadcasts its
+  // shape, or, read through a transpose, the permuted strides of the contiguous x, whose
+  // transposed shape must broadcast to the output; a rotated one's last dim must be contiguous.
+  Shape input_strides(size_t i, const Shape& x, const Shape& out) const {
+    if (perms[i].empty()) return broadcast_strides(x, out);
+    const auto [shape, strides] = transposed_view(x, perms[i]);
+    Shape st = broadcast_strides(shape, out);  // (checks that it broadcasts; 0 where it does)
+    const size_t pad = out.size() - shape.size();
+    for (size_t k = 0; k < shape.size(); ++k)
+      if (st[pad + k] != 0) st[pad + k] = strides[k];
+    if (modes[i] == Mode::ROTATE_STRIDED && (st.empty() || st.back() != 1))
+      throw Error("input " + std::to_string(i) + " of shape " + shape_str(x) +
+                  " is read rotated through a transpose that moves its last dim");
+    return st;
+  }
+
   void compute(OrtKernelContext* ctx) override {
     if (!meta_error.empty()) throw Error(meta_error);
-    Io io = bind_io(prog, ctx);
+    Io io = bind_io(prog, ctx, false, &perms);
     if (io.n == 0) return;
     const Target t = target(ctx);
 
@@ -82,8 +108,12 @@ struct PointwiseKernel : cuda::CudaKernel {
                         ", its kernel reads it in mode 'scalar', which needs one element");
           break;
         case Mode::STRIDED: strided.push_back(i); break;
+        case Mode::ROTATE_STRIDED:
+          strided.push_back(i);
+          [[fallthrough]];
         case Mode::ROTATE:
-          if (io.in[i].shape != io.out_shape || io.out_shape.empty() || io.out_shape.back() != rotate_last)
+          if (transposed_view(io.in[i].shape, perms[i]).first != io.out_shape || io.out_shape.empty() ||
+              io.out_shape.back() != rotate_last)
             throw Error("input " + std::to_string(i) + " has shape " + shape_str(io.in[i].shape) +
                         ", its kernel reads it rotated (rotate_half) over a last dim of " +
                         std::to_string(rotate_last) + ", which needs the output's shape " +
@@ -102,7 +132,7 @@ struct PointwiseKernel : cuda::CudaKernel {
     int64_t last = 0;  // the collapsed last dim, for the row variants (last_multiple)
     if (any_strided) {
       std::vector<Shape> st;
-      for (size_t i : strided) st.push_back(broadcast_strides(io.in[i].shape, io.out_shape));
+      for (size_t i : strided) st.push_back(input_strides(i, io.in[i].shape, io.out_shape));
       Collapsed c = collapse(io.out_shape, st);
       if (c.dims.size() > static_cast<size_t>(rank))
         throw Error("output shape " + shape_str(io.out_shape) + " needs rank " + std::to_string(c.dims.size()) +

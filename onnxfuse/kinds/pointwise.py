@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.codegen import KernelSource, KernelSpec, Variant, generate
+from onnxfuse.codegen import STRIDED_MODES, KernelSource, KernelSpec, Variant, generate
 from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, same_shape
 from onnxfuse.groups import Accepted, components, exit_levels, exposed_outputs, reentering
@@ -48,6 +48,7 @@ ROW_BLOCK_MIN = 512
 BLOCK_16BIT = 2048  # when every tensor is f16, bf16 or bool
 NUM_WARPS = 4  # 8 warps for long programs was 6-16% slower on the H200 (BENCHMARKS.md)
 DEFAULT_DOMAINS = ("", "ai.onnx")
+ROTATE_MODES = frozenset({"rotate_half", "rotate_half_strided"})  # input modes that read an input rotated
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,11 @@ class LongProgram:
 # 0.537 (intensity_sweep.json), so from 192 instructions the default launch returns.
 # $ONNXFUSE_POINTWISE_CONFIG still overrides it; None turns it off.
 LONG_PROGRAM: LongProgram | None = LongProgram(min_instrs=48, block=1024, warps=2, max_instrs=192)
+# 64-bit offsets a thread (elements a thread x strided inputs) the int64 variant may hold: sm_90
+# binaries compiled on the CPU (ptxas, triton 3.6), fp16 rank-4 chains of 4 inputs at 4 warps:
+# 4 strided inputs x 16 elements spilled (96-139 local stores; LLaMA's rotary chain read through
+# its Transpose), 3 x 16 and 4 x 8 did not
+INT64_MAX_OFFSETS = 48
 
 
 def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
@@ -100,7 +106,13 @@ def choose_variants(spec: KernelSpec) -> tuple[Variant, ...]:
     if cfg["even"]:
         variants.append(dict(ptr_align=16, n_multiple=max(block, 16), index_bits=bits))
     variants.append(dict(ptr_align=16, n_multiple=16, index_bits=bits))
-    variants.append(dict(index_bits=64))
+    # the int64 variant (2**31 elements or more) holds a 64-bit offset per element a thread and
+    # strided input: at most INT64_MAX_OFFSETS, its block halved down to one element a thread
+    strided = sum(m in STRIDED_MODES for m in spec.input_modes)
+    wide = block
+    while strided * (wide // (32 * warps)) > INT64_MAX_OFFSETS and wide > 32 * warps:
+        wide //= 2
+    variants.append(dict(index_bits=64, block=wide))
     return tuple(Variant(k, **{"block": block, "num_warps": warps, **v}) for k, v in enumerate(variants))
 
 
@@ -293,6 +305,57 @@ def group_rotations(view: GraphView, group: list[int], outputs: list[str], taken
     return tuple(found)
 
 
+@dataclass(frozen=True)
+class Transposed:
+    """A group input (or a rotated one's x) that a Transpose keeping the last axis makes: the chain
+    reads the Transpose's input through the permutation instead (attribute `transpose`, mode
+    strided), and the Transpose's copy goes (LLaMA-style models' Q and K before their rotary
+    embeddings: Transpose(Reshape(Q), [0, 2, 1, 3]))."""
+
+    tensor: str  # the Transpose's output, which the group (or a rotation) reads
+    x: str  # its input: the fused node's input instead
+    perm: tuple[int, ...]
+    node: int
+
+
+def group_transposes(view: GraphView, group: list[int], rotations: tuple[Rotation, ...], outputs: list[str],
+                     taken: set[int], reserved: dict[int, str]) -> tuple[Transposed, ...]:
+    """The group's inputs (and its rotations' x) that a Transpose makes of a tensor of the group's
+    rank, its permutation keeping the last axis (reads stay contiguous along it), its output of the
+    group's shape, read only inside the group and its rotations, and the Transpose not taken or
+    left to ONNX Runtime."""
+    members = set(group) | {i for r in rotations for i in r.nodes}
+    shape = view.shapes.get(outputs[0])
+    if not shape:
+        return ()
+    rank = len(shape)
+    names = [x for i in group for x in view.nodes[i].input if x and view.producer.get(x) not in members]
+    found = []
+    for name in dict.fromkeys([*names, *(r.x for r in rotations)]):
+        t = view.producer.get(name)
+        if t is None or t in taken or t in reserved or name in view.constants or name in view.graph_outputs:
+            continue
+        n = view.nodes[t]
+        if n.op_type != "Transpose" or n.domain not in DEFAULT_DOMAINS:
+            continue
+        perm = tuple(int(a) for a in node_attrs(n).get("perm", ()))
+        if len(perm) != rank or perm[-1] != rank - 1 or perm == tuple(range(rank)):
+            continue
+        if not same_shape(view.shapes.get(name), shape) or not set(view.consumers.get(name, ())) <= members:
+            continue
+        found.append(Transposed(name, n.input[0], perm, t))
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class ChainReads:
+    """What a chain's match reads other than as the graph's tensors (Match.params): inputs
+    rotated (rotate_half) and inputs read through a Transpose."""
+
+    rotations: tuple[Rotation, ...] = ()
+    transposes: tuple[Transposed, ...] = ()
+
+
 def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
                              accepted: Accepted | None = None, reserved: dict[int, str] | None = None) -> MatchResult:
     """Groups of this pattern among the nodes not in `taken`; `accepted` holds the groups
@@ -346,9 +409,11 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
             result.rejected["computes only on constants"] += len(group)
             continue
         rotations = group_rotations(view, group, outputs, taken, reserved)
-        nodes = sorted({*group, *(i for r in rotations for i in r.nodes)})
+        transposes = group_transposes(view, group, rotations, outputs, taken, reserved)
+        nodes = sorted({*group, *(i for r in rotations for i in r.nodes), *(t.node for t in transposes)})
         accepted.add(nodes)
-        result.matches.append(Match(pattern, tuple(nodes), tuple(outputs), params=rotations or None,
+        reads = ChainReads(rotations, transposes) if rotations or transposes else None
+        result.matches.append(Match(pattern, tuple(nodes), tuple(outputs), params=reads,
                                     measured_only=any(reserved.get(i) in offered for i in group)))
     result.matches.sort(key=lambda m: m.nodes)
     return result
@@ -403,23 +468,36 @@ class Pointwise(Kind):
     def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
         """Inputs: the group's boundary tensors in order of first use; outputs: the tensors
         it exposes. The function body is the group's nodes."""
-        rotated = {r.tensor: r for r in match.params or ()}
-        absorbed = {i for r in rotated.values() for i in r.nodes}
+        reads = match.params or ChainReads()
+        rotated = {r.tensor: r for r in reads.rotations}
+        transposed = {t.tensor: t for t in reads.transposes}
+        absorbed = {i for r in reads.rotations for i in r.nodes} | {t.node for t in reads.transposes}
         program, inputs, folded = lower_group(view, tuple(i for i in match.nodes if i not in absorbed), match.outputs)
         shape = view.shapes[match.outputs[0]]
-        modes = tuple("rotate_half" if x in rotated else input_mode(view, x, shape) for x in inputs)
+        rank = len(shape)
         flags = [int(x in rotated) for x in inputs]
-        inputs = [rotated[x].x if x in rotated else x for x in inputs]
+        inputs = [rotated[x].x if x in rotated else x for x in inputs]  # rotate_half(x): read x
+        perms = [transposed[x].perm if x in transposed else tuple(range(rank)) for x in inputs]
+        def mode(x: str, rotated_read: int) -> str:
+            if rotated_read:
+                return "rotate_half_strided" if x in transposed else "rotate_half"
+            return "strided" if x in transposed else input_mode(view, x, shape)
+        modes = tuple(mode(x, f) for x, f in zip(inputs, flags, strict=True))
+        inputs = [transposed[x].x if x in transposed else x for x in inputs]  # Transpose(x): read x
         static_last = bool(shape) and isinstance(shape[-1], int)
-        last = shape[-1] if static_last and ("strided" in modes or "rotate_half" in modes) else 0
+        last = shape[-1] if static_last and any(m != "full" and m != "scalar" for m in modes) else 0
         # the row variants' blocks follow the largest power of two dividing the last dim
         # (`row_block`, `pointwise_candidates`): it names the kernel too
         row = pow2_factor(last) if "strided" in modes else 0
         key = f"row={row}" if row >= ROW_BLOCK_MIN else ""
         if any(flags):  # the rotation's half is compiled in
             key += f" rotate_half={flags} last={last}"
-        return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes],
-                        {"rotate_half": flags} if any(flags) else {}, key, len(shape), modes, {"params": last})
+        attrs: dict = {"rotate_half": flags} if any(flags) else {}
+        if transposed:  # (the kernel reads them by strides the launcher derives from the perms)
+            attrs["transpose"] = [a for p in perms for a in p]
+            key += f" modes={list(modes)}"
+        return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], attrs, key, rank, modes,
+                        {"params": last})
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> KernelSpec:
         return KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes, f.params or 0)
@@ -440,7 +518,7 @@ class Pointwise(Kind):
             "name": spec.name,
             "rank": spec.rank,
             "input_modes": list(spec.input_modes),
-            **({"rotate_last": spec.last_dim} if "rotate_half" in spec.input_modes else {}),
+            **({"rotate_last": spec.last_dim} if set(spec.input_modes) & ROTATE_MODES else {}),
             "variants": [{"requires": v.requires(), "block": v.block} for v in variants],
             "binaries": binaries,
         }
@@ -449,6 +527,12 @@ class Pointwise(Kind):
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         program = Program.from_text(attrs["program"].decode())
         flags = list(attrs.get("rotate_half", ()))
+        flat = list(attrs.get("transpose", ()))
+        rank = len(flat) // max(len(inputs), 1)
+        perms = [tuple(flat[k * rank:(k + 1) * rank]) for k in range(len(inputs))] if flat else []
+        # Transpose(x, perm) first (an identity one: x as it is, of any rank), then rotate_half
+        inputs = [np.transpose(x, perms[k]) if perms and perms[k] != tuple(range(rank)) else x
+                  for k, x in enumerate(inputs)]
         return evaluate(program, [rotate_half(x) if k < len(flags) and flags[k] else x for k, x in enumerate(inputs)])
 
 
