@@ -195,6 +195,13 @@ def _is_passthrough(n: onnx.NodeProto, init: dict) -> bool:
     return False
 
 
+def remove_passthrough(model: ModelProto) -> ModelProto:
+    """`model` (changed in place) without its Identity and inference-mode Dropout nodes, as
+    `canonicalize` removes them (graph I/O names kept)."""
+    _remove_passthrough(model.graph)
+    return model
+
+
 def _remove_passthrough(g: onnx.GraphProto) -> None:
     init = {t.name: t for t in g.initializer}
     graph_inputs = {i.name for i in g.input}

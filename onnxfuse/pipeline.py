@@ -25,7 +25,7 @@ from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
 from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
 from onnxfuse.kinds import KINDS
-from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem
+from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem, remove_passthrough
 from onnxfuse.match import MatchResult, find_matches
 from onnxfuse.ort_fusions import OrtFusions, ort_fusions
 from onnxfuse.ort_fusions import reason as ort_reason
@@ -297,10 +297,13 @@ def canonicalize_pass(result: Result, options: Options) -> Result:
         result.report.static_shapes = folded.summary()
         result.model = canonicalize(model)
         return result
-    result.model, count, ops = fold_known_dims(canonicalize(model))  # (in place: canonicalize copies)
-    if count:  # what the static dims of a dynamic model decide
-        kinds = ", ".join(f"{op} {k}" for op, k in ops.most_common())
-        why = "; ".join(x for x in (why, f"folded {count} nodes of shape arithmetic on static dims ({kinds})") if x)
+    model, folded = fold_known_dims(canonicalize(model))  # (in place: canonicalize copies)
+    result.model = remove_passthrough(model)  # (the Slices of a whole axis it made Identity)
+    if folded.done():  # what the static dims of a dynamic model decide
+        kinds = ", ".join(f"{op} {k}" for op, k in folded.nodes.most_common())
+        said = [f"folded {sum(folded.nodes.values())} nodes of shape arithmetic on static dims ({kinds})"
+                if folded.nodes else "", f"dropped {folded.noops_text()}" if folded.noops else ""]
+        why = "; ".join(x for x in (why, *said) if x)
     result.report.static_shapes = why
     return result
 

@@ -49,13 +49,24 @@ class Folded:
 
     inputs: dict[str, tuple[int, ...]]
     nodes: Counter = field(default_factory=Counter)  # op type -> nodes folded
+    # what the dims make a no-op: Slices of a whole axis (now Identity), Concat inputs of size 0
+    # along its axis (dropped): Phi-3's rotary split q[..., :d], q[..., d:] with every dim rotated
+    noops: Counter = field(default_factory=Counter)
+
+    def done(self) -> int:
+        return sum(self.nodes.values()) + sum(self.noops.values())
+
+    def noops_text(self) -> str:
+        return ", ".join(f"{k} {what}" for what, k in (("Slices of a whole axis", self.noops["Slice"]),
+                                                       ("empty Concat inputs", self.noops["Concat"])) if k)
 
     def summary(self) -> str:
         shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in self.inputs.items())
         if not self.nodes:
             return f"static shapes {shapes}: no shape arithmetic to fold"
         ops = ", ".join(f"{op} {n}" for op, n in self.nodes.most_common())
-        return f"static shapes {shapes}: folded {sum(self.nodes.values())} nodes of shape arithmetic ({ops})"
+        noops = f"; dropped {self.noops_text()}" if self.noops_text() else ""
+        return f"static shapes {shapes}: folded {sum(self.nodes.values())} nodes of shape arithmetic ({ops}){noops}"
 
 
 def resolve_dims(model: ModelProto, shapes: dict[str, tuple[int, ...]], batch: int | None
@@ -79,31 +90,32 @@ def fold_shape_arithmetic(model: ModelProto, dims: dict[str, tuple[int, ...]]) -
     m = with_input_dims(model, dims)
     report = Folded({vi.name: tuple(dims[vi.name]) for vi in m.graph.input if vi.name not in inits})
     for _ in range(MAX_ROUNDS):  # a folded Reshape target lets inference size what follows
-        before = sum(report.nodes.values())
+        before = report.done()
         m = _fold_once(m, report)
-        if sum(report.nodes.values()) == before:
+        if report.done() == before:
             break
     return _fresh_value_info(m), report
 
 
-def fold_known_dims(model: ModelProto) -> tuple[ModelProto, int, Counter]:
+def fold_known_dims(model: ModelProto) -> tuple[ModelProto, Folded]:
     """A dynamic model's shape arithmetic on its static dims folded: Shape(x) and the Gather of
     Shape(x) whose selected dims inference knows (a head dim of 64 in [batch, heads, seq, 64])
     become constants, and what follows from constants after them, as `fold_shape_arithmetic`
     folds it. The model keeps its inputs' dims: its symbolic dims stay symbolic. (A decoder with a
     key-value cache changes its shape every step: its rotary embedding's Slice at half the head
-    dim, written as x.shape[-1] // 2, then has constant bounds.) Folds `model` in place; returns
-    it, the number of nodes folded and their op types."""
+    dim, written as x.shape[-1] // 2, then has constant bounds.) Folds `model` in place (an
+    Identity where a Slice takes a whole axis: `onnxfuse.load.remove_passthrough` drops them);
+    returns it and what was folded (`Folded.inputs` empty)."""
     m = model
     report = Folded({})
-    if not any(n.op_type == "Shape" and n.domain in ("", "ai.onnx") for n in m.graph.node):
-        return m, 0, report.nodes  # (no shape is read: nothing to fold, no inference run)
+    if not any(n.op_type in ("Shape", "Slice", "Concat") and n.domain in ("", "ai.onnx") for n in m.graph.node):
+        return m, report  # (nothing to fold, no inference run)
     for _ in range(MAX_ROUNDS):
-        before = sum(report.nodes.values())
+        before = report.done()
         m = _fold_once(m, report, partial=True)
-        if sum(report.nodes.values()) == before:
+        if report.done() == before:
             break
-    return m, sum(report.nodes.values()), report.nodes
+    return m, report
 
 
 def _fresh_value_info(m: ModelProto) -> ModelProto:
@@ -161,6 +173,14 @@ def _fold_once(m: ModelProto, report: Folded, partial: bool = False) -> ModelPro
         known.update(values)
         folded.add(i)
         report.nodes[n.op_type] += 1
+    orphans: set[str] = set()
+    for i, n in enumerate(g.node):
+        if i not in folded:
+            _drop_noop(n, known, {**some, **shapes}, report, orphans)
+    if orphans:  # the empty inputs' producers, now unread
+        read_now = {x for n in g.node for x in n.input} | {o.name for o in g.output} | ir.subgraph_reads(list(g.node))
+        folded |= {i for i, n in enumerate(g.node) if n.output and all(
+            o in orphans and o not in read_now for o in n.output if o)}
     if not folded:
         return m
     kept = [n for i, n in enumerate(g.node) if i not in folded]
@@ -209,6 +229,48 @@ def _evaluate(n: onnx.NodeProto, known: dict[str, np.ndarray], shapes: dict, ops
     if any(v.size > max_elements or v.dtype == object for v in values.values()):
         return None
     return values
+
+
+def _drop_noop(n: onnx.NodeProto, known: dict[str, np.ndarray], dims: dict[str, tuple], report: Folded,
+               orphans: set[str]) -> None:
+    """A Slice taking every element of its input's axes (constant starts, ends and axes, steps 1,
+    those dims known) becomes an Identity; a Concat's inputs that have 0 elements along its axis
+    (that dim known) are dropped while another remains (their names added to `orphans`).
+    Counted in `report.noops`."""
+    if n.domain not in ("", "ai.onnx"):
+        return
+    if n.op_type == "Slice" and len(n.input) >= 3 and n.input[0] in dims:
+        x = dims[n.input[0]]
+        parts = [known.get(t) if t else None for t in (list(n.input[1:]) + [""] * 4)[:4]]
+        starts, ends, axes, steps = parts
+        if starts is None or ends is None or (len(n.input) > 3 and n.input[3] and axes is None) or (
+                len(n.input) > 4 and n.input[4] and steps is None):
+            return
+        starts, ends = starts.reshape(-1).tolist(), ends.reshape(-1).tolist()
+        axes = axes.reshape(-1).tolist() if axes is not None else list(range(len(starts)))
+        steps = steps.reshape(-1).tolist() if steps is not None else [1] * len(starts)
+        if not len(starts) == len(ends) == len(axes) == len(steps) or any(s != 1 for s in steps):
+            return
+        for st, en, ax in zip(starts, ends, axes, strict=True):
+            if not -len(x) <= ax < len(x) or not isinstance(d := x[ax], int):
+                return
+            if min(max(st + d if st < 0 else st, 0), d) != 0 or min(max(en + d if en < 0 else en, 0), d) != d:
+                return
+        n.op_type = "Identity"
+        del n.input[1:]
+        report.noops["Slice"] += 1
+    elif n.op_type == "Concat" and len(n.input) > 1:
+        axis = next((a.i for a in n.attribute if a.name == "axis"), None)
+        shapes = [dims.get(t) for t in n.input]
+        if axis is None or any(sh is None for sh in shapes):
+            return
+        empty = [k for k, sh in enumerate(shapes) if -len(sh) <= axis < len(sh) and sh[axis] == 0]
+        if empty and len(empty) < len(n.input):
+            kept = [t for k, t in enumerate(n.input) if k not in empty]
+            orphans.update(t for k, t in enumerate(n.input) if k in empty)
+            del n.input[:]
+            n.input.extend(kept)
+            report.noops["Concat"] += len(empty)
 
 
 def _known_dims(n: onnx.NodeProto, known: dict[str, np.ndarray], some: dict[str, tuple], shape_of: dict

@@ -37,6 +37,8 @@ def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, 
         assert row["kv_groups"] == [2], row  # repeat_kv joins the kernel
     if arch in hf_attention.DECODERS:  # every rotate_half (its Neg, Slices and Concat) read by the rotary chain
         assert row["negs"][0] > 0 and row["negs"][1] == 0, row
+    if arch in hf_attention.DECODERS and arch != "gpt_neox":  # Q and K read through their Transposes (Phi-3's
+        assert row["transposes"][1] == 0, row  # after its whole-head rotary split [..., :d], [..., d:] is dropped)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -193,3 +193,24 @@ def test_dynamic_model_without_shape_nodes_is_not_folded():
               {"z": ("float32", ["N", 4])}, opset=17)
     r = optimize_model(m)
     assert r.report.static_shapes is None or "folded" not in r.report.static_shapes
+
+
+def test_slices_of_a_whole_axis_and_empty_concat_inputs_go():
+    """Phi-3's rotary split with every dim rotated: q[..., :d] (the whole axis) and q[..., d:] (empty),
+    concatenated back: once the dims are known the Slice is the tensor itself and the empty part
+    adds nothing, so both go with the Concat (which then has one input) and the dead Slice,
+    leaving the Sigmoid; the model computes the same, dynamic batch and all."""
+    inits = {"zero": np.array([0], np.int64), "d": np.array([8], np.int64), "big": np.array([2**62], np.int64),
+             "last": np.array([-1], np.int64)}
+    nodes = [N("Slice", ["x", "zero", "d", "last"], ["rot"]), N("Slice", ["x", "d", "big", "last"], ["pass"]),
+             N("Sigmoid", ["rot"], ["s"]), N("Concat", ["s", "pass"], ["y"], axis=-1)]
+    m = model(nodes, {"x": ("float32", ["N", 3, 8])}, {"y": ("float32", ["N", 3, 8])}, inits, opset=17)
+    r = optimize_model(m, leave_to_ort=False)
+    assert [n.op_type for n in r.model.graph.node] == ["Sigmoid"], r.report.summary()
+    assert "dropped 1 Slices of a whole axis, 1 empty Concat inputs" in r.report.summary()
+    x = np.random.default_rng(3).standard_normal((5, 3, 8)).astype(np.float32)
+    np.testing.assert_array_equal(run(r.model, {"x": x})[0], run(m, {"x": x})[0])
+    # a Slice of part of the axis stays
+    part = model([N("Slice", ["x", "zero", "d", "last"], ["y"])], {"x": ("float32", ["N", 3, 9])},
+                 {"y": ("float32", ["N", 3, 8])}, inits, opset=17)
+    assert [n.op_type for n in optimize_model(part).model.graph.node] == ["Slice"]
