@@ -173,14 +173,10 @@ def _fold_once(m: ModelProto, report: Folded, partial: bool = False) -> ModelPro
         known.update(values)
         folded.add(i)
         report.nodes[n.op_type] += 1
-    orphans: set[str] = set()
     for i, n in enumerate(g.node):
         if i not in folded:
-            _drop_noop(n, known, {**some, **shapes}, report, orphans)
-    if orphans:  # the empty inputs' producers, now unread
-        read_now = {x for n in g.node for x in n.input} | {o.name for o in g.output} | ir.subgraph_reads(list(g.node))
-        folded |= {i for i, n in enumerate(g.node) if n.output and all(
-            o in orphans and o not in read_now for o in n.output if o)}
+            _drop_noop(n, known, {**some, **shapes}, report)
+    folded |= _unread(g, folded)
     if not folded:
         return m
     kept = [n for i, n in enumerate(g.node) if i not in folded]
@@ -231,12 +227,27 @@ def _evaluate(n: onnx.NodeProto, known: dict[str, np.ndarray], shapes: dict, ops
     return values
 
 
-def _drop_noop(n: onnx.NodeProto, known: dict[str, np.ndarray], dims: dict[str, tuple], report: Folded,
-               orphans: set[str]) -> None:
+def _unread(g: onnx.GraphProto, gone: set[int]) -> set[int]:
+    """The nodes of shape arithmetic (FOLDABLE ops, pure) that nothing reads once the nodes in
+    `gone` are gone, to the end: a Shape whose Gather folded, an empty Concat input's Slice. (Their
+    readers elsewhere would block fusions: a chain does not take a Transpose whose output a Shape
+    still reads.)"""
+    graph_outputs = {o.name for o in g.output}
+    dead: set[int] = set()
+    while True:
+        alive = [n for i, n in enumerate(g.node) if i not in gone and i not in dead]
+        read = {x for n in alive for x in n.input} | graph_outputs | ir.subgraph_reads(alive)
+        more = {i for i, n in enumerate(g.node) if i not in gone and i not in dead and n.domain in ("", "ai.onnx")
+                and n.op_type in FOLDABLE and not _has_subgraph(n) and not any(o in read for o in n.output if o)}
+        if not more:
+            return dead
+        dead |= more
+
+
+def _drop_noop(n: onnx.NodeProto, known: dict[str, np.ndarray], dims: dict[str, tuple], report: Folded) -> None:
     """A Slice taking every element of its input's axes (constant starts, ends and axes, steps 1,
     those dims known) becomes an Identity; a Concat's inputs that have 0 elements along its axis
-    (that dim known) are dropped while another remains (their names added to `orphans`).
-    Counted in `report.noops`."""
+    (that dim known) are dropped while another remains. Counted in `report.noops`."""
     if n.domain not in ("", "ai.onnx"):
         return
     if n.op_type == "Slice" and len(n.input) >= 3 and n.input[0] in dims:
@@ -267,7 +278,6 @@ def _drop_noop(n: onnx.NodeProto, known: dict[str, np.ndarray], dims: dict[str, 
         empty = [k for k, sh in enumerate(shapes) if -len(sh) <= axis < len(sh) and sh[axis] == 0]
         if empty and len(empty) < len(n.input):
             kept = [t for k, t in enumerate(n.input) if k not in empty]
-            orphans.update(t for k, t in enumerate(n.input) if k in empty)
             del n.input[:]
             n.input.extend(kept)
             report.noops["Concat"] += len(empty)

@@ -47,13 +47,17 @@ def test_decoder_step_with_a_key_value_cache_stays_dynamic_and_fuses(arch, tmp_p
     input's batch, the new tokens and the cached positions dynamic. Optimized without the cache
     length (each step has one more), every attention still fuses (its operands' batch dims are
     symbolic: the library checks them at run time), each rotate_half joins its chain (its Slice
-    bounds x.shape[-1] // 2 fold on the static head dim), and the one optimized model passes the
-    gate at the exported step and at a later one (another batch, twice the cache and more)."""
+    bounds x.shape[-1] // 2 fold on the static head dim) and so do Q's and K's Transposes, and the
+    one optimized model passes the gate at the exported step and at a later one (another batch,
+    twice the cache and more)."""
     args = argparse.Namespace(small=True, batch=2, dtype="fp32", provider="cpu", iters=3, tf_optimizer=False,
                               cuda_graph=False, tune_budget=None, past=8, new=1)
     row = hf_attention.run_case(arch, "sdpa", args, tmp_path)
     assert "error" not in row, row
     assert row["softmax_before"] > 0 and row["fused_attention"] == row["softmax_before"], row
     assert row["negs"][0] > 0 and row["negs"][1] == 0, row
+    # Q's and K's Transposes read by their rotary chains, in both layers (a Shape left reading them,
+    # its Gather of the static head dim folded, goes too)
+    assert row["transposes"][1] <= row["transposes"][0] - 4, row
     assert row["gate"] and row["later_gate"], row
     assert row["later_step"] == "batch 3, past 19", row
