@@ -54,7 +54,61 @@ DECODERS = {
     "gemma": ("GemmaConfig", "GemmaModel", {"head_dim": None}),
     "qwen3": ("Qwen3Config", "Qwen3Model", {"head_dim": None}),
 }
+# More families, built from their configurations as `build` builds the others: (config, model,
+# inputs: "text" (input_ids, attention_mask), "image" (pixel_values), "features" (input_features),
+# "wave" (input_values), the attention implementation (some have only `eager`), the sizes of
+# `--small` and of the full-size run, whether every attention should become one FusedAttention).
+# Found by a CPU sweep of these families (twenty-seventh session): Gemma 2's sandwich norms (a
+# post-norm's residual add feeding the next norm), fp16 ORT CPU's fp32 chains (`test_hf_families`).
+TEXT_SMALL = dict(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, intermediate_size=128, vocab_size=1000)
+TEXT_BASE = dict(hidden_size=768, num_attention_heads=12, num_hidden_layers=12, intermediate_size=3072)
+IMAGE_SMALL = dict(TEXT_SMALL, image_size=32, patch_size=8)
+IMAGE_BASE = dict(TEXT_BASE, image_size=224, patch_size=16)
+WHISPER = dict(encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128, decoder_layers=2,
+               decoder_attention_heads=2, decoder_ffn_dim=128, d_model=64, num_mel_bins=16, max_source_positions=16,
+               vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+BART = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
+            encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=1000)
+MORE = {
+    "roberta": ("RobertaConfig", "RobertaModel", "text", "sdpa", TEXT_SMALL, TEXT_BASE, True),
+    "albert": ("AlbertConfig", "AlbertModel", "text", "sdpa", dict(TEXT_SMALL, embedding_size=32), TEXT_BASE, True),
+    "mpnet": ("MPNetConfig", "MPNetModel", "text", "eager", TEXT_SMALL, TEXT_BASE, True),  # relative position bias
+    "deberta_v2": ("DebertaV2Config", "DebertaV2Model", "text", "eager", TEXT_SMALL, TEXT_BASE, False),
+    "clip_text": ("CLIPTextConfig", "CLIPTextModel", "text", "sdpa", TEXT_SMALL, TEXT_BASE, True),  # causal + padding
+    "deit": ("DeiTConfig", "DeiTModel", "image", "sdpa", IMAGE_SMALL, IMAGE_BASE, True),
+    "beit": ("BeitConfig", "BeitModel", "image", "sdpa", dict(IMAGE_SMALL, use_relative_position_bias=True),
+             dict(IMAGE_BASE, use_relative_position_bias=True), True),
+    "dinov2": ("Dinov2Config", "Dinov2Model", "image", "sdpa", IMAGE_SMALL, IMAGE_BASE, True),
+    "clip_vision": ("CLIPVisionConfig", "CLIPVisionModel", "image", "sdpa", IMAGE_SMALL, IMAGE_BASE, True),
+    "siglip_vision": ("SiglipVisionConfig", "SiglipVisionModel", "image", "sdpa", IMAGE_SMALL, IMAGE_BASE, True),
+    "wav2vec2": ("Wav2Vec2Config", "Wav2Vec2Model", "wave", "sdpa",
+                 dict(TEXT_SMALL, conv_dim=[16, 16], conv_stride=[5, 2], conv_kernel=[10, 3],
+                      num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=2), TEXT_BASE, True),
+    "whisper_encoder": ("WhisperConfig", "WhisperModel.encoder", "features", "sdpa", WHISPER,
+                        dict(WHISPER, d_model=768, encoder_layers=12, encoder_attention_heads=12,
+                             encoder_ffn_dim=3072, num_mel_bins=80, max_source_positions=1500), True),
+    "bart": ("BartConfig", "BartModel", "text", "sdpa", BART, {}, True),  # encoder, decoder, cross-attention
+    "opt": ("OPTConfig", "OPTModel", "text", "sdpa", dict(TEXT_SMALL, ffn_dim=128, word_embed_proj_dim=64),
+            dict(TEXT_BASE, ffn_dim=3072, word_embed_proj_dim=768), True),
+    "falcon": ("FalconConfig", "FalconModel", "text", "sdpa", TEXT_SMALL, TEXT_BASE, True),
+    "phi": ("PhiConfig", "PhiModel", "text", "sdpa", dict(TEXT_SMALL, partial_rotary_factor=0.5),
+            dict(TEXT_BASE, partial_rotary_factor=0.5), True),  # partial rotary
+    "stablelm": ("StableLmConfig", "StableLmModel", "text", "sdpa", dict(TEXT_SMALL, num_key_value_heads=2),
+                 dict(TEXT_BASE, num_key_value_heads=12), True),
+    "gpt_bigcode": ("GPTBigCodeConfig", "GPTBigCodeModel", "text", "sdpa", dict(TEXT_SMALL, multi_query=True),
+                    dict(TEXT_BASE, multi_query=True), True),  # one key-value head
+    "olmo": ("OlmoConfig", "OlmoModel", "text", "sdpa", TEXT_SMALL, TEXT_BASE, True),
+    "granite": ("GraniteConfig", "GraniteModel", "text", "sdpa", TEXT_SMALL, TEXT_BASE, True),
+    "starcoder2": ("Starcoder2Config", "Starcoder2Model", "text", "sdpa", dict(TEXT_SMALL, num_key_value_heads=1),
+                   dict(TEXT_BASE, num_key_value_heads=4), True),
+    "gemma2": ("Gemma2Config", "Gemma2Model", "text", "eager", dict(TEXT_SMALL, head_dim=32, num_key_value_heads=1),
+               dict(TEXT_BASE, head_dim=64, num_key_value_heads=4), True),  # sandwich norms, soft-capped scores
+    "gptj": ("GPTJConfig", "GPTJModel", "text", "sdpa", dict(TEXT_SMALL, rotary_dim=16),
+             dict(TEXT_BASE, rotary_dim=32), True),  # interleaved, partial rotary
+    "bloom": ("BloomConfig", "BloomModel", "text", "eager", TEXT_SMALL, TEXT_BASE, False),  # ALiBi over [B * H, S, S]
+}
 ARCHS = ("bert", "gpt2", "vit", "t5", "distilbert", *DECODERS)
+ALL_ARCHS = (*ARCHS, *MORE)
 
 
 def build(arch: str, attn: str, small: bool, past: int = 0):
@@ -97,8 +151,16 @@ def build(arch: str, attn: str, small: bool, past: int = 0):
         shape = dict(dim=64, n_heads=2, hidden_dim=128, n_layers=2, vocab_size=1000) if small else {}
         cfg = tf.DistilBertConfig(**shape, attn_implementation=attn)
         model, names = tf.DistilBertModel(cfg), ["input_ids", "attention_mask"]
+    elif arch in MORE:
+        config, cls, kind, _, small_size, base_size, _ = MORE[arch]
+        cfg = getattr(tf, config)(**(small_size if small else base_size), attn_implementation=attn)
+        owner, _, part = cls.partition(".")  # "WhisperModel.encoder": the encoder alone
+        model = getattr(tf, owner)(cfg)
+        model = getattr(model, part) if part else model
+        names = {"text": ["input_ids", "attention_mask"], "image": ["pixel_values"],
+                 "features": ["input_features"], "wave": ["input_values"]}[kind]
     else:
-        raise ValueError(f"unknown arch {arch!r}: choose from {', '.join(ARCHS)}")
+        raise ValueError(f"unknown arch {arch!r}: choose from {', '.join(ALL_ARCHS)}")
 
     if past:
         if arch not in DECODERS:
@@ -158,6 +220,11 @@ def tf_optimizer_options(arch: str, cfg) -> dict:
         return {"model_type": "bert", "num_heads": cfg.n_heads, "hidden_size": cfg.dim}
     if arch in DECODERS:  # no type of their own: "bert" fuses SimplifiedLayerNormalization and RotaryEmbedding
         return {"model_type": "bert", "num_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size}
+    if arch in MORE:  # (0: the optimizer reads them from the graph)
+        kind = {"bart": "bart", "clip_text": "clip", "clip_vision": "clip", "deit": "vit", "beit": "vit",
+                "dinov2": "vit"}.get(arch, "bert")
+        return {"model_type": kind, "num_heads": getattr(cfg, "num_attention_heads", 0) or 0,
+                "hidden_size": getattr(cfg, "hidden_size", 0) or 0}
     return {"model_type": arch, "num_heads": cfg.num_attention_heads, "hidden_size": cfg.hidden_size}
 
 
@@ -176,9 +243,15 @@ def _export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int
     module, names, cfg = build(arch, attn, small, past)
     seq = 16 if small else SEQ
     axes = {n: {0: "batch"} for n in names}
-    if arch == "vit":
-        dims = {"pixel_values": (batch, 3, cfg.image_size, cfg.image_size)}
+    if names == ["pixel_values"]:
+        dims = {"pixel_values": (batch, getattr(cfg, "num_channels", 3), cfg.image_size, cfg.image_size)}
         args = (torch.randn(*dims["pixel_values"]),)
+    elif names == ["input_features"]:  # log-mel frames: twice the encoder's positions (its conv halves them)
+        dims = {"input_features": (batch, cfg.num_mel_bins, 2 * cfg.max_source_positions)}
+        args = (torch.randn(*dims["input_features"]),)
+    elif names == ["input_values"]:  # raw audio
+        dims = {"input_values": (batch, 800 if small else 16000)}
+        args = (torch.randn(*dims["input_values"]),)
     elif past:
         dims = cache_dims(cfg, batch, past, new)
         args = (torch.ones(*dims["input_ids"], dtype=torch.int64),
@@ -308,7 +381,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--small", action="store_true", help="2-layer, width-64 configs (a CPU check)")
-    ap.add_argument("--archs", default=",".join(ARCHS))
+    ap.add_argument("--archs", default=",".join(ARCHS), help=f"of {', '.join(ALL_ARCHS)}")
     ap.add_argument("--attn", default="eager,sdpa")
     ap.add_argument("--dtype", default="fp32", choices=("fp32", "fp16"),
                     help="fp16: the export converted to float16 (weights, activations, inputs)")
@@ -325,7 +398,9 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="hf_attention_") as tmp:
         for arch in args.archs.split(","):
-            for attn in args.attn.split(","):
+            # (a family with only eager attention runs it alone)
+            attns = ["eager"] if arch in MORE and MORE[arch][3] == "eager" else args.attn.split(",")
+            for attn in attns:
                 try:
                     row = run_case(arch, attn, args, Path(tmp))
                 except Exception as e:  # a model that cannot be built or exported: say so, go on

@@ -162,8 +162,9 @@ def _fold_once(m: ModelProto, report: Folded, partial: bool = False) -> ModelPro
                                     if int(np.prod(t.dims)) <= MAX_ELEMENTS}
     opsets = list(m.opset_import)
     folded: set[int] = set()
+    guarded = _control_inputs(g) if partial else set()
     for i, n in enumerate(g.node):
-        if n.domain not in ("", "ai.onnx") or n.op_type not in FOLDABLE or _has_subgraph(n):
+        if n.domain not in ("", "ai.onnx") or n.op_type not in FOLDABLE or _has_subgraph(n) or i in guarded:
             continue
         values = _evaluate(n, known, shapes, opsets)
         if values is None and partial:
@@ -225,6 +226,24 @@ def _evaluate(n: onnx.NodeProto, known: dict[str, np.ndarray], shapes: dict, ops
     if any(v.size > max_elements or v.dtype == object for v in values.values()):
         return None
     return values
+
+
+def _control_inputs(g: onnx.GraphProto) -> set[int]:
+    """The nodes an If's condition or a Loop's trip count and condition depend on. A dynamic model
+    keeps them (`fold_known_dims`): a constant condition lets ONNX Runtime inline the branch it
+    picks, and check that branch's outputs against their readers as it did not before (ONNX's
+    AffineGrid function, expanded: its Range then reads a [1] tensor where the spec says a scalar,
+    and the model no longer loads)."""
+    producer = {o: i for i, n in enumerate(g.node) for o in n.output if o}
+    work = [x for n in g.node if n.domain in ("", "ai.onnx") and n.op_type in ("If", "Loop")
+            for x in (n.input[:1] if n.op_type == "If" else n.input[:2]) if x]
+    seen: set[int] = set()
+    while work:
+        i = producer.get(work.pop())
+        if i is not None and i not in seen:
+            seen.add(i)
+            work += [x for x in g.node[i].input if x]
+    return seen
 
 
 def _unread(g: onnx.GraphProto, gone: set[int]) -> set[int]:

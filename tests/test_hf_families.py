@@ -61,3 +61,22 @@ def test_decoder_step_with_a_key_value_cache_stays_dynamic_and_fuses(arch, tmp_p
     assert row["transposes"][1] <= row["transposes"][0] - 4, row
     assert row["gate"] and row["later_gate"], row
     assert row["later_step"] == "batch 3, past 19", row
+
+
+MORE_CASES = ["gemma2", "phi", "bart", "clip_text", "beit", "gpt_bigcode", "whisper_encoder", "deberta_v2"]
+
+
+@pytest.mark.parametrize("arch", MORE_CASES)
+def test_more_families(arch, tmp_path):
+    """More of Hugging Face's families (`hf_attention.MORE`), each with a trait of its own: Gemma 2's
+    sandwich norms and soft-capped scores, Phi's partial rotary, BART's cross-attention, CLIP's
+    causal text mask with padding, BEiT's relative position bias, GPT-BigCode's one key-value
+    head, Whisper's encoder, DeBERTa-v2's disentangled attention (not an attention onnxfuse fuses:
+    the model must still pass). Every attention that should fuse does, and the gate passes."""
+    _, _, _, attn, _, _, fuses = hf_attention.MORE[arch]
+    args = argparse.Namespace(small=True, batch=2, dtype="fp32", provider="cpu", iters=2, tf_optimizer=False,
+                              cuda_graph=False, tune_budget=None)
+    row = hf_attention.run_case(arch, attn, args, tmp_path)
+    assert "error" not in row, row
+    assert row["fused_attention"] == (row["softmax_before"] if fuses else 0) and row["softmax_before"] > 0, row
+    assert row["gate"], row
