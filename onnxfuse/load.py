@@ -12,6 +12,7 @@ Steps (each a function from ModelProto to ModelProto):
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import onnx
@@ -270,6 +271,7 @@ def infer_shapes(model: ModelProto) -> ModelProto:
     their values, and models over 2 GB cannot go through the checker's protobuf otherwise."""
     light = light_copy(model)
     _name_unknown_dims(light.graph)
+    _drop_stale_symbols(light.graph)
     try:
         out = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
         if _fill_inference_gaps(out.graph):
@@ -368,6 +370,23 @@ def _fill_inference_gaps(g: onnx.GraphProto) -> bool:
 # Prefix of the names `infer_shapes` gives to graph-input dims that have neither a size nor
 # a name, so that inference can tell tensors derived from the same input have equal dims.
 UNKNOWN_DIM = "onnxfuse_unknown_"
+
+
+# the dims ONNX's shape inference names where it cannot relate a dim to another ("unk__12")
+_INFERENCE_SYMBOL = re.compile(r"unk__\d+")
+
+
+def _drop_stale_symbols(g: onnx.GraphProto) -> None:
+    """Drop the value_info entries whose shapes hold a dim an earlier run of ONNX's shape inference
+    named (a converter's, such as onnxconverter-common's fp16 conversion): such a name is fresh for
+    each tensor inference could not relate, and kept it would stay, where inference run now
+    relates the dims to the inputs' own names (a dynamic fp16 decoder's Q: ('unk__50', 'unk__51',
+    'unk__52', 32) against the rotated Q's ('unk__34', ...) made the rotary chain's shapes differ)."""
+    keep = [vi for vi in g.value_info if not any(
+        _INFERENCE_SYMBOL.fullmatch(d.dim_param) for d in vi.type.tensor_type.shape.dim if d.dim_param)]
+    if len(keep) != len(g.value_info):
+        del g.value_info[:]
+        g.value_info.extend(keep)
 
 
 def _name_unknown_dims(g: onnx.GraphProto) -> None:

@@ -41,16 +41,17 @@ def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, 
         assert row["transposes"][1] == 0, row  # after its whole-head rotary split [..., :d], [..., d:] is dropped)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_decoder_step_with_a_key_value_cache_stays_dynamic_and_fuses(arch, tmp_path):
+@pytest.mark.parametrize("arch,dtype", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "fp16")])
+def test_decoder_step_with_a_key_value_cache_stays_dynamic_and_fuses(arch, dtype, tmp_path):
     """A generation step as decoders are deployed: past keys and values in, present ones out, every
     input's batch, the new tokens and the cached positions dynamic. Optimized without the cache
     length (each step has one more), every attention still fuses (its operands' batch dims are
     symbolic: the library checks them at run time), each rotate_half joins its chain (its Slice
     bounds x.shape[-1] // 2 fold on the static head dim) and so do Q's and K's Transposes, and the
     one optimized model passes the gate at the exported step and at a later one (another batch,
-    twice the cache and more)."""
-    args = argparse.Namespace(small=True, batch=2, dtype="fp32", provider="cpu", iters=3, tf_optimizer=False,
+    twice the cache and more). In fp16 too, whose converter leaves value_info that an earlier shape
+    inference named dim by dim ("unk__50"): such names are dropped, so the chain's shapes relate."""
+    args = argparse.Namespace(small=True, batch=2, dtype=dtype, provider="cpu", iters=3, tf_optimizer=False,
                               cuda_graph=False, tune_budget=None, past=8, new=1)
     row = hf_attention.run_case(arch, "sdpa", args, tmp_path)
     assert "error" not in row, row
