@@ -15,6 +15,12 @@ nodes that would make large constants (a ConstantOfShape filling an activation-s
 tensor) stay nodes. Subgraphs (If / Loop bodies) are not entered. The model is then valid for
 those input shapes only, which its inputs now say: another shape fails in ONNX Runtime's
 input check instead of computing with stale shapes.
+
+Without `--shape`, `fold_known_dims` folds what a dynamic model's own static dims decide (a
+Shape, or a Gather of one, holding only known dims: the head dim of [batch, heads, seq, 64]),
+leaving its symbolic dims symbolic and what an If's condition or a Loop's count depends on
+alone. Both folds also drop what the known dims make a no-op (a Slice of a whole axis, a Concat
+input empty along its axis) and the shape arithmetic nothing reads any more.
 """
 
 from __future__ import annotations
@@ -62,10 +68,10 @@ class Folded:
 
     def summary(self) -> str:
         shapes = ", ".join(f"{k}={'x'.join(map(str, v))}" for k, v in self.inputs.items())
-        if not self.nodes:
-            return f"static shapes {shapes}: no shape arithmetic to fold"
-        ops = ", ".join(f"{op} {n}" for op, n in self.nodes.most_common())
         noops = f"; dropped {self.noops_text()}" if self.noops_text() else ""
+        if not self.nodes:
+            return f"static shapes {shapes}: no shape arithmetic to fold{noops}"
+        ops = ", ".join(f"{op} {n}" for op, n in self.nodes.most_common())
         return f"static shapes {shapes}: folded {sum(self.nodes.values())} nodes of shape arithmetic ({ops}){noops}"
 
 

@@ -74,7 +74,7 @@ struct PointwiseKernel : cuda::CudaKernel {
   Shape input_strides(size_t i, const Shape& x, const Shape& out) const {
     if (perms[i].empty()) return broadcast_strides(x, out);
     const auto [shape, strides] = transposed_view(x, perms[i]);
-    Shape st = broadcast_strides(shape, out);  // (checks that it broadcasts; 0 where it does)
+    Shape st = broadcast_strides(shape, out);  // (0 where it broadcasts: bind_io checked that it does)
     const size_t pad = out.size() - shape.size();
     for (size_t k = 0; k < shape.size(); ++k)
       if (st[pad + k] != 0) st[pad + k] = strides[k];

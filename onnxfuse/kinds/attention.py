@@ -563,8 +563,12 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
         if len(sizes) > 1:
             return BATCH
         symbols = {e for e in dims if not isinstance(e, int)}
-        lead.append(next(iter(sizes)) if sizes else next(iter(symbols)) if len(symbols) == 1 else None
-                    if symbols else 1)
+        if sizes:
+            lead.append(next(iter(sizes)))
+        elif symbols:  # one name they share, else unknown
+            lead.append(next(iter(symbols)) if len(symbols) == 1 else None)
+        else:
+            lead.append(1)
     # the output's Transpose, when it alone reads the product (through a Reshape to the same
     # shape, as Hugging Face transformers 5.24's sdpa attention writes it, when that alone does)
     y = view.nodes[pv].output[0]

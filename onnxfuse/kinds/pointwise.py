@@ -478,6 +478,7 @@ class Pointwise(Kind):
         flags = [int(x in rotated) for x in inputs]
         inputs = [rotated[x].x if x in rotated else x for x in inputs]  # rotate_half(x): read x
         perms = [transposed[x].perm if x in transposed else tuple(range(rank)) for x in inputs]
+
         def mode(x: str, rotated_read: int) -> str:
             if rotated_read:
                 return "rotate_half_strided" if x in transposed else "rotate_half"
