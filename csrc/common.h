@@ -112,8 +112,7 @@ inline std::vector<std::vector<int64_t>> read_transpose(const OrtKernelInfo* inf
 // The shape Transpose(x, perm) has (x's shape when perm is empty) and the element strides of x
 // over it (x contiguous); throws Error when the ranks differ.
 inline std::pair<Shape, Shape> transposed_view(const Shape& x, const std::vector<int64_t>& perm) {
-  Shape st(x.size(), 1);
-  for (size_t k = x.size(); k-- > 1;) st[k - 1] = st[k] * x[k];
+  const Shape st = contiguous_strides(x);
   if (perm.empty()) return {x, st};
   if (perm.size() != x.size())
     throw Error("an input of shape " + shape_str(x) + " read through a transpose of " + std::to_string(perm.size()) +

@@ -47,6 +47,13 @@ inline Shape broadcast_shapes(const std::vector<Shape>& shapes) {
   return out;
 }
 
+// Row-major element strides of a contiguous tensor of shape s.
+inline Shape contiguous_strides(const Shape& s) {
+  Shape st(s.size(), 1);
+  for (size_t i = s.size(); i-- > 1;) st[i - 1] = st[i] * s[i];
+  return st;
+}
+
 // Element strides of `in` (a shape that broadcasts to `out`) in the output's index space:
 // contiguous strides of `in`, left-padded to out's rank, 0 on broadcast dimensions.
 inline Shape broadcast_strides(const Shape& in, const Shape& out) {

@@ -211,12 +211,10 @@ def _evaluate(n: onnx.NodeProto, known: dict[str, np.ndarray], shapes: dict, ops
         x = n.input[0]
         if x not in shapes and x not in known:
             return None
-        dims = np.array(known[x].shape if x in known else shapes[x], np.int64)
+        dims = known[x].shape if x in known else shapes[x]
         if n.op_type == "Size":
             return {n.output[0]: np.array(int(np.prod(dims)), np.int64)}
-        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-        start, end = attrs.get("start", 0), attrs.get("end", None)
-        return {n.output[0]: dims[start:end]}
+        return {n.output[0]: np.array(_shape_slice(n, dims), np.int64)}
     inputs = [x for x in n.input if x]
     if any(x not in known for x in inputs):
         return None
@@ -308,13 +306,18 @@ def _drop_noop(n: onnx.NodeProto, known: dict[str, np.ndarray], dims: dict[str, 
             report.noops["Concat"] += len(empty)
 
 
+def _shape_slice(n: onnx.NodeProto, dims) -> list:
+    """The dims a Shape node outputs of a tensor with these dims (its start and end attributes)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    return list(dims)[attrs.get("start", 0):attrs.get("end", None)]
+
+
 def _known_dims(n: onnx.NodeProto, known: dict[str, np.ndarray], some: dict[str, tuple], shape_of: dict
                 ) -> dict | None:
     """A Shape node's dims, or a Gather's from a Shape node's output at constant indices, when every
     dim they hold is known (None otherwise); records what each unfolded Shape holds in `shape_of`."""
     if n.op_type == "Shape" and n.input[0] in some:
-        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-        dims = list(some[n.input[0]])[attrs.get("start", 0):attrs.get("end", None)]
+        dims = _shape_slice(n, some[n.input[0]])
         if all(d is not None for d in dims):
             return {n.output[0]: np.array(dims, np.int64)}
         shape_of[n.output[0]] = tuple(dims)

@@ -190,12 +190,6 @@ struct AttentionGeometry {
 
 namespace attention_detail {
 
-inline Shape contiguous_strides(const Shape& s) {
-  Shape st(s.size(), 1);
-  for (size_t i = s.size(); i-- > 1;) st[i - 1] = st[i] * s[i];
-  return st;
-}
-
 // Transpose(base, perm) of a base tensor with these strides: the logical shape and each
 // logical dim's stride.
 inline void logical(const Shape& base, const Shape& base_strides, const std::vector<int64_t>& perm, Shape* shape,
