@@ -327,39 +327,25 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
             "expands": [original["Expand"], ops["Expand"]], "negs": [original["Neg"], ops["Neg"]],
             "kv_groups": sorted(groups), "nodes": [
                 sum(original.values()), sum(ops.values())]}
-    r = cli("bench", *map(str, models), "--provider", args.provider, "--iters", str(args.iters),
-            *sum((["--shape", s] for s in shapes), []), "--json", str(js))
-    if not js.exists():
-        return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
-    d = json.loads(js.read_text())
-    ref, new, *peer = d["models"]
-    outs = new["outputs"]
-    row |= {"ort_ms": ref["latency_ms"]["median"], "onnxfuse_ms": new["latency_ms"]["median"],
-            "ort_err": max(o["ort_max_abs_err"] for o in outs), "err": max(o["max_abs_err"] for o in outs),
-            "gate": all(o["passed"] for o in outs)}
+    found, error = bench_models(models, shapes, args, js)
+    if error:
+        return row | {"error": error}
+    ref, new, *peer = found
+    row |= timings(ref, new)
     if peer:
         row |= {"tfopt_ms": peer[0]["latency_ms"]["median"],
                 "tfopt_err": max(o["max_abs_err"] for o in peer[0]["outputs"]),
                 "tfopt_gate": all(o["passed"] for o in peer[0]["outputs"])}
     if past:  # the same models at a later step: more cached positions, another batch
         later = cache_dims(cfg, args.batch + 1, 2 * past + 3, new_tokens)
-        js.unlink()
-        r = cli("bench", str(src), str(opt), "--provider", args.provider, "--iters", str(args.iters),
-                *sum((["--shape", f"{n}={'x'.join(map(str, d))}"] for n, d in later.items()), []), "--json", str(js))
-        if not js.exists():
-            return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
-        ref, new, *_ = json.loads(js.read_text())["models"]
-        outs = new["outputs"]
-        row |= {"later_step": f"batch {args.batch + 1}, past {2 * past + 3}",
-                "later_ort_ms": ref["latency_ms"]["median"], "later_onnxfuse_ms": new["latency_ms"]["median"],
-                "later_ort_err": max(o["ort_max_abs_err"] for o in outs),
-                "later_err": max(o["max_abs_err"] for o in outs), "later_gate": all(o["passed"] for o in outs)}
+        found, error = bench_models([src, opt], [f"{n}={'x'.join(map(str, d))}" for n, d in later.items()], args, js)
+        if error:
+            return row | {"error": error}
+        row |= {"later_step": f"batch {args.batch + 1}, past {2 * past + 3}", **timings(*found, "later_")}
     if args.cuda_graph and args.provider == "cuda":  # every model again, each replayed as one CUDA graph
-        js.unlink()
-        cli("bench", *map(str, models), "--provider", "cuda", "--cuda-graph", "--iters", str(args.iters),
-            *sum((["--shape", s] for s in shapes), []), "--json", str(js))
-        if js.exists():
-            ref, new, *peer = json.loads(js.read_text())["models"]
+        found, _ = bench_models(models, shapes, args, js, "--cuda-graph")
+        if found:
+            ref, new, *peer = found
             # "captured": false where ONNX Runtime could not capture the model (bench then times it
             # without graphs, with a note): HF's exports compute their masks with shape arithmetic
             row |= {"ort_graph_ms": ref["latency_ms"]["median"], "onnxfuse_graph_ms": new["latency_ms"]["median"],
@@ -367,6 +353,24 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
             if peer:
                 row |= {"tfopt_graph_ms": peer[0]["latency_ms"]["median"], "tfopt_captured": peer[0].get("cuda_graph")}
     return row
+
+
+def bench_models(models: list[Path], shapes: list[str], args, js: Path, *flags: str) -> tuple[list | None, list]:
+    """`onnxfuse bench` of the models at `shapes`: its models' entries, or the error's last line."""
+    js.unlink(missing_ok=True)
+    r = cli("bench", *map(str, models), "--provider", args.provider, *flags, "--iters", str(args.iters),
+            *sum((["--shape", s] for s in shapes), []), "--json", str(js))
+    if not js.exists():
+        return None, (r.stderr or r.stdout).strip().splitlines()[-1:]
+    return json.loads(js.read_text())["models"], []
+
+
+def timings(ref: dict, new: dict, prefix: str = "") -> dict:
+    """The original's and onnxfuse's medians, both errors against the reference and the gate."""
+    outs = new["outputs"]
+    return {f"{prefix}ort_ms": ref["latency_ms"]["median"], f"{prefix}onnxfuse_ms": new["latency_ms"]["median"],
+            f"{prefix}ort_err": max(o["ort_max_abs_err"] for o in outs),
+            f"{prefix}err": max(o["max_abs_err"] for o in outs), f"{prefix}gate": all(o["passed"] for o in outs)}
 
 
 def case_name(arch: str, attn: str, args) -> str:
