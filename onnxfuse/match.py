@@ -15,7 +15,7 @@ import numpy as np
 
 from onnxfuse.graph import GraphView, Shape, _outer_refs
 from onnxfuse.groups import Accepted, exposed_outputs, reentering
-from onnxfuse.kinds.base import Match, MatchResult, Pattern
+from onnxfuse.kinds.base import Match, MatchResult, Pattern, reason_rank
 from onnxfuse.ops import DTYPE_NAMES, RULES, node_attrs
 
 DTYPE_IDS = {"float32": 1, "float16": 10, "bfloat16": 16}
@@ -124,7 +124,9 @@ def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, s
     Dead nodes (no graph output depends on them) never join: a group computes over the
     broadcast shape of all its inputs, and a dead node could read a larger input than the
     tensors the group exposes. An anchor node (a Conv, a MaxPool) that no pattern fuses is
-    reported with the reason the last pattern that looked at it gave."""
+    reported with the most specific reason any pattern that looked at it gave (`reason_rank`:
+    an attention's "batch dims differ" over the rows kind's "nothing to fuse with it", that over
+    "no MatMul before the Softmax"), the later pattern's of two equally specific ones."""
     total = MatchResult()
     live = live_nodes(view)
     ops = {op for p in patterns for op in p.match.fused_ops}
@@ -143,7 +145,9 @@ def find_matches(view: GraphView, patterns: list[Pattern], reserved: dict[int, s
         total.matches += r.matches
         total.rejected.update(r.rejected)
         total.notes.update(r.notes)
-        anchors.update(r.anchors)
+        for i, reason in r.anchors.items():
+            if i not in anchors or reason_rank(reason) >= reason_rank(anchors[i]):
+                anchors[i] = reason
     total.rejected.update(reason for i, reason in anchors.items() if i not in taken)
     total.matches.sort(key=lambda m: m.nodes[0])
     return total

@@ -120,6 +120,23 @@ def test_reasons_for_softmax_that_is_not_attention():
     assert r.report.not_fused.get("Softmax not over the last axis") == 1, r.report.not_fused
 
 
+def test_a_declined_attention_keeps_its_reason():
+    """An attention that declines for its own reason is reported with it, not as the lone Softmax
+    the rows kind then finds; a Softmax that is no attention's (a classifier's) is reported as
+    having nothing to fuse with it, not for its missing MatMuls."""
+    nodes = [N("MatMul", ["q", "kt"], ["s"]), N("Softmax", ["s"], ["p"], axis=-1), N("MatMul", ["p", "v"], ["y"])]
+    m = model(nodes, {"q": ("float32", [B, H, S, "d"]), "kt": ("float32", [B, H, "d", S]),
+                      "v": ("float32", [B, H, S, D])}, {"y": ("float32", [B, H, S, D])}, opset=17)
+    r = optimize_model(m, PATTERNS)
+    assert "FusedAttention" not in op_types(r.model)
+    reasons = r.report.not_fused
+    assert reasons.get("the head dims (D, Dv) are not static") == 1, reasons
+    assert not any("nothing to fuse" in k for k in reasons), reasons
+    m = model([N("Softmax", ["x"], ["y"], axis=-1)], {"x": ("float32", [B, 10])}, {"y": ("float32", [B, 10])})
+    r = optimize_model(m, PATTERNS)
+    assert r.report.not_fused == {"nothing to fuse with it (ONNX Runtime's own kernel runs it)": 1}, r.report.not_fused
+
+
 def test_evaluate_follows_the_contract():
     """The numpy reference of the contract against a direct computation in float64."""
     rng = np.random.default_rng(1)

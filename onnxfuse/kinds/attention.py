@@ -57,7 +57,7 @@ from onnxfuse.codegen_attention import (
 from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, Shape, last_dim_vector
 from onnxfuse.groups import Accepted, reentering
-from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
+from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, NotMine, Pattern
 from onnxfuse.match import DTYPE_IDS, dtype_reason, match_anchored, operands, pointwise_candidate
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
 from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
@@ -67,10 +67,11 @@ DEFAULT_DOMAINS = ("", "ai.onnx")
 ANCHORS = frozenset({"Softmax"})
 MAX_SCORE_OPS = 16  # pointwise ops between the first MatMul and the Softmax, at most
 
-# Reasons in the report (Softmax node -> why it did not fuse as attention).
-NOT_LAST_AXIS = "Softmax not over the last axis"
-NO_PRODUCT = "no MatMul of two activations before the Softmax through fusible pointwise ops"
-NO_SECOND = "the Softmax's output is not read by one MatMul alone (as P in P @ V)"
+# Reasons in the report (Softmax node -> why it did not fuse as attention); the first three say
+# only that the Softmax is not an attention's: the rows kind's reason for it, if any, replaces them.
+NOT_LAST_AXIS = NotMine("Softmax not over the last axis")
+NO_PRODUCT = NotMine("no MatMul of two activations before the Softmax through fusible pointwise ops")
+NO_SECOND = NotMine("the Softmax's output is not read by one MatMul alone (as P in P @ V)")
 SCORES_ELSEWHERE = "the scores or probabilities are also read elsewhere"
 RANK = "attention operands of rank other than 3 or 4"
 UNKNOWN_SHAPE = "unknown shape"
@@ -493,11 +494,11 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     axis = int(node_attrs(node).get("axis", -1 if view.opset >= 13 else 1))
     if axis % max(rank, 1) != rank - 1:
         return NOT_LAST_AXIS
-    if rank not in (3, 4):
-        return RANK
     found = _score_path(view, x, sm, tuple(x_shape), pattern, taken)
     if found is None:
         return NO_PRODUCT
+    if rank not in (3, 4):
+        return RANK
     qk, score_ops = found
     p_casts, p_dtypes = [], [view.types.get(probs)]
     nan_guard: tuple[int, int] | None = None

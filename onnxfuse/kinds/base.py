@@ -127,13 +127,31 @@ class Match:
         return self.pattern.kind.name
 
 
+class NotMine(str):
+    """An anchor's reason that says only that the node is not of the kind's shape (a Softmax
+    without the attention's MatMuls): any other kind's reason for the same node replaces it."""
+
+
+class Alone(str):
+    """An anchor's reason that says a kind found nothing to fuse with the node: it replaces a
+    `NotMine` reason, never another kind's specific one (an attention declined for its batch dims
+    stays reported so, not as a lone Softmax)."""
+
+
+def reason_rank(reason: str) -> int:
+    """How specific an anchor's reason is (`onnxfuse.match.find_matches` keeps the most specific,
+    the later of equals): NotMine 0, Alone 1, any other 2."""
+    return 0 if isinstance(reason, NotMine) else 1 if isinstance(reason, Alone) else 2
+
+
 @dataclass
 class MatchResult:
     matches: list[Match] = field(default_factory=list)
     # reason -> number of nodes it kept out of a fusion
     rejected: Counter = field(default_factory=Counter)
     # anchor node (a Conv, a MaxPool) -> why it did not match: counted once every pattern
-    # has run, for the anchors none took (onnxfuse.match.find_matches)
+    # has run, for the anchors none took, the most specific reason (`reason_rank`) of any
+    # pattern (onnxfuse.match.find_matches)
     anchors: dict[int, str] = field(default_factory=dict)
     # what a match decided that the report says besides (which rule of ONNX Runtime's own
     # fusions applied: the rows kind) -> number of nodes fused under it

@@ -68,6 +68,7 @@ from onnxfuse.graph import GraphView, Shape, same_shape
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import (
     META_VERSION,
+    Alone,
     Fields,
     FusedNode,
     Kind,
@@ -90,7 +91,7 @@ NO_KEEPDIMS = "ReduceMean without keepdims"
 EPS_NOT_CONSTANT = "eps is not a constant"
 STAT_OUTSIDE = "a row statistic (mean, variance, max) is read outside the normalization"
 EXTRA_OUTPUTS = "its Mean / InvStdDev output is used"
-LONE = "nothing to fuse with it (ONNX Runtime's own kernel runs it)"
+LONE = Alone("nothing to fuse with it (ONNX Runtime's own kernel runs it)")
 CYCLE = "fusing would create a cycle"
 UNKNOWN_SHAPE = "unknown shape"
 # ONNX Runtime 1.32 segfaults creating a session for a model whose model-local function holds its
