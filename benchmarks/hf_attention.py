@@ -325,6 +325,7 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     row |= {"softmax_before": original["Softmax"], "fused_attention": ops["FusedAttention"],
             "softmax_left": ops["Softmax"], "transposes": [original["Transpose"], ops["Transpose"]],
             "expands": [original["Expand"], ops["Expand"]], "negs": [original["Neg"], ops["Neg"]],
+            "concats": [original["Concat"], ops["Concat"]],
             "kv_groups": sorted(groups), "nodes": [
                 sum(original.values()), sum(ops.values())]}
     found, error = bench_models(models, shapes, args, js)

@@ -227,10 +227,23 @@ inline TensorRef input_tensor(OrtKernelContext* ctx, size_t i) {
   return t;
 }
 
+// A PointwiseChain's partial (docs/format.md): absent (empty), or {r, k}: the program computes the
+// output's columns below r, input k's are copied beyond them. Throws Error for a malformed one.
+inline std::vector<int64_t> read_partial(const OrtKernelInfo* info, size_t n_inputs) {
+  std::vector<int64_t> partial;
+  if (!get_ints_attr(info, "partial", &partial)) return {};
+  if (partial.size() != 2 || partial[0] < 1 || partial[1] < 0 || partial[1] >= static_cast<int64_t>(n_inputs))
+    throw Error("partial must be [columns, input], the columns at least 1 and the input one of the program's " +
+                std::to_string(n_inputs));
+  return partial;
+}
+
 // The node's inputs and its outputs allocated at the inputs' broadcast shape (`perms`: inputs read
-// through a transpose count with their transposed shapes, read_transpose).
+// through a transpose count with their transposed shapes, read_transpose; `partial` {r, k}, read_partial:
+// inputs of r columns broadcast along the output's last dim, input k's, which must be wider).
 inline Io bind_io(const Program& prog, OrtKernelContext* ctx, bool f32_for_half = false,
-                  const std::vector<std::vector<int64_t>>* perms = nullptr) {
+                  const std::vector<std::vector<int64_t>>* perms = nullptr,
+                  const std::vector<int64_t>* partial = nullptr) {
   Io io;
   size_t n_in = 0, n_out = 0;
   check(g_ort->KernelContext_GetInputCount(ctx, &n_in));
@@ -250,6 +263,15 @@ inline Io bind_io(const Program& prog, OrtKernelContext* ctx, bool f32_for_half 
                   ", the program declares " + dtype_name(prog.inputs[i]));
     // (an input read through a transpose counts with its transposed shape)
     shapes[i] = perms && i < perms->size() ? transposed_view(io.in[i].shape, (*perms)[i]).first : io.in[i].shape;
+  }
+  if (partial && !partial->empty()) {
+    const int64_t r = (*partial)[0];
+    const Shape& wide = shapes[static_cast<size_t>((*partial)[1])];
+    if (wide.empty() || wide.back() <= r)
+      throw Error("input " + std::to_string((*partial)[1]) + " has shape " + shape_str(wide) +
+                  ", copied beyond the first " + std::to_string(r) + " columns it needs more of them");
+    for (Shape& sh : shapes)
+      if (!sh.empty() && sh.back() == r) sh.back() = 1;
   }
   io.out_shape = broadcast_shapes(shapes);
   io.n = numel(io.out_shape);

@@ -130,7 +130,7 @@ def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw, matmul
     """The input positions through which `n` can carry the NHWC layout (its outputs then turn
     NHWC too), or None when it cannot: elementwise ops and PointwiseChain nodes (but those that
     read an input rotated along its last axis, `rotate_half`, or through a permutation,
-    `transpose`) through every input that is not a
+    `transpose`, or compute only the first columns, `partial`) through every input that is not a
     constant scalar; GlobalAveragePool, with matmul_pool, through X when
     X's C, H and W and dtype are known (it becomes a MatMul, AVERAGE_ROW_DTYPES); Resize
     (opset 11 on) through X when its scales or sizes are a constant of 4 values (they get
@@ -141,8 +141,9 @@ def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw, matmul
         return d is not None and len(d) <= 4 and int(np.prod(d)) == 1
 
     kind = kind_of(n)
-    if kind is not None and kind.layout_free and any(a.name in ("rotate_half", "transpose") for a in n.attribute):
-        return None  # it rotates along the last axis, or reads through a perm: not the same on a permuted tensor
+    if kind is not None and kind.layout_free and any(a.name in ("rotate_half", "transpose", "partial")
+                                                     for a in n.attribute):
+        return None  # along the last axis, or through a perm: not the same on a permuted tensor
     if (kind is not None and kind.layout_free
             or n.domain in ("", "ai.onnx") and n.op_type in ELEMENTWISE):
         return [k for k, t in enumerate(n.input) if t and not scalar(t)] or None

@@ -68,6 +68,9 @@ class Case:
     # per input a permutation it is read through (a PointwiseChain's `transpose`), None for none;
     # `shapes` are then the tensors' own shapes, before the permutation
     perms: tuple[tuple[int, ...] | None, ...] | None = None
+    # a PointwiseChain's `partial` (r, k): the program over the first r columns, input k beyond;
+    # its narrow inputs (mode "narrow") have r columns
+    partial: tuple[int, int] | None = None
 
 
 def _prog(dtypes: tuple[str, ...], body: str) -> str:
@@ -237,6 +240,22 @@ def _rotate_cases() -> list[Case]:
     ]
 
 
+def _partial_cases() -> list[Case]:
+    """Partial rotary embeddings (Phi, GPT-NeoX, StableLM): the rotary chain over the first r
+    columns of q, q's own beyond; cos and sin of r columns read there alone."""
+    rotary = "%4 = mul %0 %1\n%5 = mul %2 %3\n%6 = add %4 %5\noutput %6 {dt}"
+    return [
+        Case("partial-rotary-f16", rotary.format(dt="f16"), ((2, 3, 5, 16), (5, 8), (2, 3, 5, 16), (5, 8)),
+             ("f16",) * 4, modes=("full", "narrow", "rotate_half", "narrow"), partial=(8, 0)),
+        Case("partial-transposed-rotary-f32-cross-rows", rotary.format(dt="f32"),
+             ((2, 5, 3, 20), (5, 6), (2, 5, 3, 20), (1, 5, 6)), ("f32",) * 4,
+             modes=("strided", "narrow", "rotate_half_strided", "narrow"), block=64,
+             perms=((0, 2, 1, 3), None, (0, 2, 1, 3), None), partial=(6, 0)),
+        Case("partial-bf16-unmasked", "%2 = mul %0 %1\n%3 = add %2 1.0\noutput %3 bf16", ((4, 8, 32), (8, 16)),
+             ("bf16", "bf16"), modes=("full", "narrow"), partial=(16, 0)),
+    ]
+
+
 def _tail_cases() -> list[Case]:
     """tests/test_tails.py's models as onnxfuse lowers them (the programs of their fused
     nodes), at their tail inputs: `test_interpreted_tails` checks them against the exact values."""
@@ -252,7 +271,7 @@ def _tail_cases() -> list[Case]:
 
 
 CASES = (_op_cases() + _size_cases() + _broadcast_cases() + _dtype_cases() + _literal_cases() + _tail_cases()
-         + _sixteen_bit_cases() + _rotate_cases())
+         + _sixteen_bit_cases() + _rotate_cases() + _partial_cases())
 
 
 def _perm(case: Case, k: int) -> tuple[int, ...] | None:
@@ -265,7 +284,11 @@ def _logical_shapes(case: Case) -> list[tuple[int, ...]]:
 
 
 def _out_shape(case: Case) -> tuple[int, ...]:
-    return tuple(np.broadcast_shapes(*_logical_shapes(case)))
+    """The inputs' broadcast shape; partial: the narrow inputs' columns broadcast to the others'."""
+    shapes = _logical_shapes(case)
+    if case.partial:
+        shapes = [s[:-1] + (1,) if m == "narrow" else s for s, m in zip(shapes, case.modes, strict=True)]
+    return tuple(np.broadcast_shapes(*shapes))
 
 
 def _modes(case: Case) -> tuple[str, ...]:
@@ -325,8 +348,8 @@ def _input_strides(case: Case) -> list[list[int]]:
     broadcast dims; read through a permutation, the permuted strides of the tensor's own."""
     out, strides = _out_shape(case), []
     for k, (shape, mode) in enumerate(zip(_logical_shapes(case), _modes(case), strict=True)):
-        if mode in STRIDED_MODES:
-            st = _broadcast_strides(shape, out)
+        if mode in STRIDED_MODES:  # (a narrow input over the first r columns)
+            st = _broadcast_strides(shape, out[:-1] + (case.partial[0],) if mode == "narrow" else out)
             if p := _perm(case, k):
                 own = _broadcast_strides(case.shapes[k], case.shapes[k])
                 st = [own[p[d]] if v else 0 for d, v in enumerate(st)]
@@ -359,7 +382,7 @@ def _write_workdir(workdir: Path, cases: list[Case]) -> list[dict]:
         else:
             variant = Variant(1, block=case.block, index_bits=32 if i % 2 else 64)
         ks = generate(prog, NAME, len(_out_shape(case)), _modes(case), [f"case {case.id}"], variant,
-                      _out_shape(case)[-1] if _rotates(case) else 0)
+                      _out_shape(case)[-1] if _rotates(case) or case.partial else 0, case.partial or ())
         (workdir / f"case{i}.py").write_text(ks.source)
         arrays = {f"in{j}": _to_storage(a) for j, a in enumerate(_case_inputs(i, case))}
         np.savez(workdir / f"case{i}_in.npz", **arrays)
@@ -493,8 +516,13 @@ def _check_case(workdir: Path, index: int, case: Case, label: str) -> None:
         pytest.fail(f"{label}: kernel failed: {err.read_text()}")
     prog = parse(_prog(case.dtypes, case.program))
     inputs = [np.transpose(x, p) if (p := _perm(case, k)) else x for k, x in enumerate(_case_inputs(index, case))]
+    wide = inputs[case.partial[1]] if case.partial else None
+    if case.partial:  # the inputs as wide as the output cut to the first r columns
+        inputs = [x if m == "narrow" else x[..., :case.partial[0]] for x, m in zip(inputs, case.modes, strict=True)]
     inputs = [rotate_half(x) if m.startswith("rotate_half") else x for x, m in zip(inputs, _modes(case), strict=True)]
     expected = evaluate(prog, inputs)
+    if case.partial:
+        expected = [np.concatenate([y, wide[..., case.partial[0]:].astype(y.dtype)], axis=-1) for y in expected]
     got = np.load(workdir / f"case{index}_out.npz")
     for j, ((_, dt), want) in enumerate(zip(prog.outputs, expected, strict=True)):
         out = _from_storage(got[f"out{j}"], dt).reshape(want.shape).astype(np.float32)
@@ -1079,6 +1107,26 @@ def test_rotate_half_kernel_compiles_for_sm90_without_spills(transposed, tmp_pat
     for k, v in enumerate(choose_variants(spec)):
         ks = Pointwise().generate(spec, v)
         assert "x2_col = offsets % 64" in ks.source and f"{at} + 32, {at} - 32" in ks.source
+        sass = sass_lines(compile_sm90(ks, tmp_path / f"v{k}").asm["cubin"], tmp_path / f"v{k}")
+        assert not [ln for ln in sass if "LDL" in ln or "STL" in ln], k
+
+
+def test_partial_rotary_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """Phi-2's fp16 partial rotary chain (the first 32 of 80 head dims, q read through its
+    Transpose) as the pointwise kind builds it: no row variant, every variant compiles for sm_90
+    on the CPU, cos and sin read under the column mask, q stored beyond, nothing spilled."""
+    pytest.importorskip("triton")
+    from onnxfuse.kinds.pointwise import Pointwise
+    from tests.util import compile_sm90, sass_lines
+
+    prog = parse(_prog(("f16",) * 4, "%4 = mul %0 %1\n%5 = mul %2 %3\n%6 = add %4 %5\noutput %6 f16"))
+    spec = KernelSpec(prog, NAME, 4, ("strided", "narrow", "rotate_half_strided", "narrow"), (), 80, (32, 0))
+    variants = choose_variants(spec)
+    assert not any(v.last_multiple for v in variants)
+    for k, v in enumerate(variants):
+        ks = Pointwise().generate(spec, v)
+        assert "inside = col < 32" in ks.source and "x2_offsets + 16, x2_offsets - 16" in ks.source
+        assert "tl.where(inside, tmp6, x0)" in ks.source and "x1_offsets, mask=mask & inside, other=0)" in ks.source
         sass = sass_lines(compile_sm90(ks, tmp_path / f"v{k}").asm["cubin"], tmp_path / f"v{k}")
         assert not [ln for ln in sass if "LDL" in ln or "STL" in ln], k
 

@@ -39,6 +39,8 @@ def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, 
         assert row["negs"][0] > 0 and row["negs"][1] == 0, row
     if arch in hf_attention.DECODERS and arch != "gpt_neox":  # Q and K read through their Transposes (Phi-3's
         assert row["transposes"][1] == 0, row  # after its whole-head rotary split [..., :d], [..., d:] is dropped)
+    if arch in hf_attention.DECODERS:  # no Concat left: rotate_half's and (GPT-NeoX) the partial rotary's,
+        assert row["concats"][1] == 0, row  # Concat(rotary(q[..., :r]), q[..., r:]), join the chain (partial)
 
 
 @pytest.mark.parametrize("arch,dtype", [("llama", "fp32"), ("qwen2", "fp32"), ("llama", "fp16")])
@@ -64,7 +66,7 @@ def test_decoder_step_with_a_key_value_cache_stays_dynamic_and_fuses(arch, dtype
     assert row["later_step"] == "batch 3, past 19", row
 
 
-MORE_CASES = ["gemma2", "phi", "bart", "clip_text", "beit", "gpt_bigcode", "whisper_encoder", "deberta_v2"]
+MORE_CASES = ["gemma2", "phi", "stablelm", "bart", "clip_text", "beit", "gpt_bigcode", "whisper_encoder", "deberta_v2"]
 
 
 @pytest.mark.parametrize("arch", MORE_CASES)
@@ -81,3 +83,5 @@ def test_more_families(arch, tmp_path):
     assert "error" not in row, row
     assert row["fused_attention"] == (row["softmax_before"] if fuses else 0) and row["softmax_before"] > 0, row
     assert row["gate"], row
+    if arch == "phi":  # the partial rotary's Slices, Concats and the Transposes before them join the chains
+        assert row["concats"][1] == 0 and row["transposes"][1] == 0 and row["negs"][1] == 0, row

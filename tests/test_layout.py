@@ -896,7 +896,7 @@ def test_the_pass_uses_the_shapes_inferred_while_optimizing(tmp_path, monkeypatc
     check_same(m, r.model, library=True)
 
 
-def test_a_chain_reading_a_rotated_or_transposed_input_does_not_carry_nhwc():
+def test_a_chain_reading_a_rotated_transposed_or_partial_input_does_not_carry_nhwc():
     """A PointwiseChain with `rotate_half` rotates along the last axis: on a channels-last
     tensor that axis is another one, so the NHWC pass must not pass the layout through it."""
     plain = helper.make_node("PointwiseChain", ["a", "b"], ["y"], domain="onnxfuse", program="")
@@ -908,3 +908,6 @@ def test_a_chain_reading_a_rotated_or_transposed_input_does_not_carry_nhwc():
     permuted = helper.make_node("PointwiseChain", ["a", "b"], ["y"], domain="onnxfuse", program="",
                                 transpose=[0, 2, 1, 3, 0, 1, 2, 3])
     assert layout_pass._layout_free_inputs(permuted, *args) is None
+    # one computing only the first columns (`partial`) would compute others of a permuted tensor
+    partial = helper.make_node("PointwiseChain", ["a", "b"], ["y"], domain="onnxfuse", program="", partial=[4, 0])
+    assert layout_pass._layout_free_inputs(partial, *args) is None

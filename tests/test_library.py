@@ -496,6 +496,46 @@ def test_transposed_inputs(dt, lib):
         np.testing.assert_array_equal(g, np.asarray(r, np.float32))
 
 
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+def test_partial_inputs(dt, lib):
+    """partial [6, 0] (Phi's partial rotary): the program (q * cos + rotate_half(q) * sin) over the
+    first 6 of q's 10 columns, cos and sin of 6 columns, q's own columns beyond; q read through
+    its transpose (0, 2, 1, 3). Bit for bit with the kind's numpy reference and with numpy."""
+    from onnxfuse.kinds.pointwise import Pointwise
+
+    prog = expr.parse(f"{expr.HEADER}\ninput %0 {dt}\ninput %1 {dt}\ninput %2 {dt}\ninput %3 {dt}\n"
+                      f"%4 = mul %0 %1\n%5 = mul %2 %3\n%6 = add %4 %5\noutput %6 {dt}\n")
+    model = fused_model(prog, [(2, 3, 5, 10), (5, 1), (2, 3, 5, 10), (5, 1)], dynamic_shapes=True)
+    for vi in model.graph.input:  # the graph's q is the tensor before its permutation
+        dims = {"x0": (2, 5, 3, 10), "x2": (2, 5, 3, 10)}.get(vi.name, (5, 6))
+        for d, v in zip(vi.type.tensor_type.shape.dim, dims, strict=True):
+            d.Clear()
+            d.dim_value = v
+    node = model.graph.node[0]
+    perm, same = [0, 2, 1, 3], [0, 1, 2, 3]
+    node.attribute.extend([helper.make_attribute("transpose", perm + same + perm + same),
+                           helper.make_attribute("rotate_half", [0, 0, 1, 0]),
+                           helper.make_attribute("partial", [6, 0])])
+    q = RNG.normal(0, 2, (2, 5, 3, 10)).astype(NP_OF[dt])
+    cos, sin = (RNG.normal(0, 1, (5, 6)).astype(NP_OF[dt]) for _ in range(2))
+    (got,) = run(model, prog, [q, cos, q, sin], lib)
+    qt = q.transpose(perm)
+    r = qt[..., :6]
+    rot = np.concatenate([-r[..., 3:], r[..., :3]], axis=-1)
+    want = np.concatenate([(r * cos + rot * sin).astype(NP_OF[dt]), qt[..., 6:]], axis=-1)
+    if dt == "f32":  # (numpy computes f16 products in f16; the program rounds once per op too)
+        np.testing.assert_array_equal(got, want)
+    (ref,) = Pointwise().evaluate(node, [q, cos, q, sin])
+    np.testing.assert_array_equal(got, np.asarray(ref).astype(got.dtype))
+    np.testing.assert_array_equal(got[..., 6:], qt[..., 6:])
+    node.attribute[-1].CopyFrom(helper.make_attribute("partial", [10, 0]))  # q no wider than its columns
+    with pytest.raises(Exception, match="copied beyond the first 10 columns it needs more of them"):
+        run(model, prog, [q, cos, q, sin], lib)
+    node.attribute[-1].CopyFrom(helper.make_attribute("partial", [6, 4]))
+    with pytest.raises(Exception, match=r"partial must be \[columns, input\]"):
+        run(model, prog, [q, cos, q, sin], lib)
+
+
 @pytest.mark.parametrize("attr,message", [
     ([0, 1], "transpose has 2 entries, not a multiple of the program's 3 inputs"),
     ([0, 0, 1, 0, 1, 0], "transpose of input 0 is not a permutation of 2 dims"),

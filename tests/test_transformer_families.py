@@ -44,19 +44,20 @@ class RMSNorm(torch.nn.Module):
 
 
 def _rotate_half(x):
-    return torch.cat((-x[..., HD // 2:], x[..., :HD // 2]), dim=-1)
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
 class LlamaBlock(torch.nn.Module):
-    def __init__(self, attention: str, kv_heads: int = H):
+    def __init__(self, attention: str, kv_heads: int = H, rotary: int = HD):
         super().__init__()
-        self.attention, self.kv_heads = attention, kv_heads
+        self.attention, self.kv_heads, self.rotary = attention, kv_heads, rotary
         self.n1, self.n2 = RMSNorm(True), RMSNorm(True)
         self.q, self.o = (torch.nn.Linear(D, D, bias=False) for _ in range(2))
         self.k, self.v = (torch.nn.Linear(D, kv_heads * HD, bias=False) for _ in range(2))
         self.gate, self.up = torch.nn.Linear(D, 3 * D, bias=False), torch.nn.Linear(D, 3 * D, bias=False)
         self.down = torch.nn.Linear(3 * D, D, bias=False)
-        inv = 1.0 / (10000 ** (torch.arange(0, HD, 2).float() / HD))
+        inv = 1.0 / (10000 ** (torch.arange(0, rotary, 2).float() / rotary))
         t = torch.arange(S).float()[:, None] * inv[None]
         self.register_buffer("cos", torch.cat((t, t), -1).cos())
         self.register_buffer("sin", torch.cat((t, t), -1).sin())
@@ -66,8 +67,13 @@ class LlamaBlock(torch.nn.Module):
         b, t, _ = h.shape
         q = self.q(h).view(b, t, H, HD).transpose(1, 2)
         k, v = (p(h).view(b, t, self.kv_heads, HD).transpose(1, 2) for p in (self.k, self.v))
-        q = q * self.cos + _rotate_half(q) * self.sin
-        k = k * self.cos + _rotate_half(k) * self.sin
+        if self.rotary == HD:
+            q = q * self.cos + _rotate_half(q) * self.sin
+            k = k * self.cos + _rotate_half(k) * self.sin
+        else:  # partial rotary (GPT-NeoX, Phi, StableLM): the first `rotary` dims of each head
+            r = self.rotary
+            q, k = (torch.cat((x[..., :r] * self.cos + _rotate_half(x[..., :r]) * self.sin, x[..., r:]), dim=-1)
+                    for x in (q, k))
         if self.kv_heads != H:  # grouped-query attention: Hugging Face's repeat_kv
             rep = H // self.kv_heads
             k, v = (x[:, :, None].expand(b, self.kv_heads, rep, t, HD).reshape(b, H, t, HD) for x in (k, v))
@@ -182,6 +188,28 @@ def test_llama_style_decoder(attention, kv_heads, exporter):
         np.testing.assert_allclose(run(fused), run(model), rtol=1e-6, atol=1e-6)  # no library: the bodies run
     assert kinds["rows"] >= 4, kinds
     assert kinds["pointwise"] >= 2, kinds
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_partial_rotary_decoder(exporter):
+    """Rotary embeddings on the first 16 of each head's 64 dims (GPT-NeoX's rotary_pct, Phi's
+    partial_rotary_factor): Concat(rotary(q[..., :16]), q[..., 16:]) becomes one chain over q's
+    shape that computes the first 16 columns and copies the rest (partial [16, k]), reading Q and
+    K through their Transposes: no Slice, Neg, Concat or Transpose of Q or K is left."""
+    torch.manual_seed(0)
+    module = Stack([LlamaBlock("sdpa", rotary=16), LlamaBlock("sdpa", rotary=16)], RMSNorm(True)).eval()
+    x = torch.randn(B, S, D)
+    model = (_export if exporter == "torchscript" else _export_dynamo)(module, (x,), ["x"])
+    kinds, fused = _check(model, {"x": x.numpy()})
+    assert kinds["attention"] == 2, kinds
+    assert not any(n.op_type in ("Neg", "Concat", "Slice") for n in fused.graph.node), Counter(
+        n.op_type for n in fused.graph.node)
+    chains = [n for n in fused.graph.node if any(a.name == "partial" for a in n.attribute)]
+    assert len(chains) == 4, Counter(n.op_type for n in fused.graph.node)
+    for n in chains:
+        attrs = {a.name: list(a.ints) for a in n.attribute if a.name in ("partial", "transpose", "rotate_half")}
+        assert attrs["partial"][0] == 16 and attrs["rotate_half"][attrs["partial"][1]] == 0, attrs
+        assert "transpose" in attrs, attrs
 
 
 def test_t5_style_encoder():

@@ -52,6 +52,16 @@ std::vector<uint8_t> transposed(const void* x, size_t es, const Shape& shape, co
   return y;
 }
 
+// x[..., :r] of a tensor of `es`-byte elements (its last dim wider than r), into a new buffer.
+std::vector<uint8_t> first_columns(const void* x, size_t es, const Shape& shape, int64_t r) {
+  const size_t last = static_cast<size_t>(shape.back()), rows = static_cast<size_t>(numel(shape)) / last;
+  const size_t width = static_cast<size_t>(r) * es;
+  std::vector<uint8_t> y(rows * width);
+  const uint8_t* src = static_cast<const uint8_t*>(x);
+  for (size_t i = 0; i < rows; ++i) std::memcpy(y.data() + i * width, src + i * last * es, width);
+  return y;
+}
+
 struct CpuKernel {
   static constexpr const char* kOp = "PointwiseChain";
   static constexpr const char* kProvider = "CPUExecutionProvider";
@@ -60,32 +70,68 @@ struct CpuKernel {
   std::string name;
   std::vector<int64_t> rotate;  // attribute rotate_half, per program input
   std::vector<std::vector<int64_t>> perms;  // attribute transpose, per program input (empty: none)
+  std::vector<int64_t> partial;  // attribute partial: {r, k}, or empty
 
   void compute(OrtKernelContext* ctx) const {
-    Io io = bind_io(prog, ctx, /*f32_for_half=*/true, &perms);
+    Io io = bind_io(prog, ctx, /*f32_for_half=*/true, &perms, &partial);
+    // partial: the program over the first r columns (the inputs as wide as the output cut to them)
+    Shape shape_p = io.out_shape;
+    if (!partial.empty()) shape_p.back() = partial[0];
     std::vector<HostTensor> in, out;
-    std::vector<std::vector<uint8_t>> rotated(io.in.size()), permuted(io.in.size());
+    std::vector<std::vector<uint8_t>> rotated(io.in.size()), permuted(io.in.size()), cut(io.in.size());
+    const void* pass = nullptr;  // partial: input k as wide as the output
     for (size_t i = 0; i < io.in.size(); ++i) {
       const DType dt = actual_dtype(io.in[i].type, prog.inputs[i]);
       void* data = io.in[i].data;
       Shape shape = io.in[i].shape;
-      if (!perms[i].empty()) {  // Transpose(x, perm) first, then rotated
+      if (!perms[i].empty()) {  // Transpose(x, perm) first, then cut, then rotated
         permuted[i] = transposed(data, elem_size(dt), shape, perms[i]);
         data = permuted[i].data();
         shape = transposed_view(shape, perms[i]).first;
       }
+      if (!partial.empty() && !shape.empty() && shape.back() == io.out_shape.back()) {
+        if (static_cast<int64_t>(i) == partial[1]) {
+          if (shape != io.out_shape)
+            throw Error("input " + std::to_string(i) + " has shape " + shape_str(shape) +
+                        ", copied beyond the first columns it needs the output's " + shape_str(io.out_shape));
+          pass = data;
+        }
+        cut[i] = first_columns(data, elem_size(dt), shape, partial[0]);
+        data = cut[i].data();
+        shape.back() = partial[0];
+      }
       if (rotate[i]) {
-        if (shape != io.out_shape)
+        if (shape != shape_p)
           throw Error("input " + std::to_string(i) + " has shape " + shape_str(shape) +
-                      ", read rotated (rotate_half) it needs the output's " + shape_str(io.out_shape));
+                      ", read rotated (rotate_half) it needs the output's " + shape_str(shape_p));
         rotated[i] = rotate_half(data, dt, shape);
         data = rotated[i].data();
       }
       in.push_back({dt, data, shape});
     }
-    for (size_t j = 0; j < io.out.size(); ++j)
-      out.push_back({actual_dtype(io.out[j].type, prog.outputs[j].second), io.out[j].data, io.out_shape});
-    run_program(prog, in, out, io.out_shape, ctx);
+    if (partial.empty()) {
+      for (size_t j = 0; j < io.out.size(); ++j)
+        out.push_back({actual_dtype(io.out[j].type, prog.outputs[j].second), io.out[j].data, io.out_shape});
+      run_program(prog, in, out, io.out_shape, ctx);
+      return;
+    }
+    // partial (one output): the program's r columns into a buffer, then each row of the output
+    // from them and the rest of input k's row
+    const DType dt = actual_dtype(io.out[0].type, prog.outputs[0].second);
+    const size_t k = static_cast<size_t>(partial[1]), es = elem_size(dt);
+    if (io.out.size() != 1 || elem_size(actual_dtype(io.in[k].type, prog.inputs[k])) != es)
+      throw Error("partial needs one output of input " + std::to_string(k) + "'s dtype");
+    std::vector<uint8_t> computed(static_cast<size_t>(numel(shape_p)) * es);
+    out.push_back({dt, computed.data(), shape_p});
+    run_program(prog, in, out, shape_p, ctx);
+    const size_t last = static_cast<size_t>(io.out_shape.back()), r = static_cast<size_t>(partial[0]);
+    const size_t rows = static_cast<size_t>(io.n) / last;
+    uint8_t* y = static_cast<uint8_t*>(io.out[0].data);
+    const uint8_t* x = static_cast<const uint8_t*>(pass);
+    for (size_t i = 0; i < rows; ++i) {
+      std::memcpy(y + i * last * es, computed.data() + i * r * es, r * es);
+      std::memcpy(y + (i * last + r) * es, x + (i * last + r) * es, (last - r) * es);
+    }
   }
 };
 
@@ -98,6 +144,7 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     k->name = name;
     k->rotate = read_rotate_half(info, k->prog.inputs.size());
     k->perms = read_transpose(info, k->prog.inputs.size());
+    k->partial = read_partial(info, k->prog.inputs.size());
     for (size_t i = 0; i < k->rotate.size(); ++i)
       if (k->rotate[i] && k->prog.inputs[i] == DType::BOOL) throw Error("rotate_half of a bool input");
     *kernel = k.release();

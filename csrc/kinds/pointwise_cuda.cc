@@ -1,6 +1,6 @@
 // CUDA kernel of onnxfuse::PointwiseChain (docs/format.md, "The node", kernel_meta kind
-// "pointwise"): input modes full / scalar / strided / rotate_half / rotate_half_strided, every
-// integer parameter 64-bit, a flat grid of `block` elements per program.
+// "pointwise"): input modes full / scalar / strided / rotate_half / rotate_half_strided / narrow,
+// every integer parameter 64-bit, a flat grid of `block` elements per program.
 #include "cuda_driver.h"
 
 #ifdef ONNXFUSE_WITH_CUDA
@@ -15,7 +15,7 @@ using cuda::thread_params;
 using cuda::Target;
 using cuda::Variant;
 
-enum class Mode { FULL, SCALAR, STRIDED, ROTATE, ROTATE_STRIDED };
+enum class Mode { FULL, SCALAR, STRIDED, ROTATE, ROTATE_STRIDED, NARROW };
 
 struct PointwiseKernel : cuda::CudaKernel {
   static constexpr const char* kOp = "PointwiseChain";
@@ -25,6 +25,8 @@ struct PointwiseKernel : cuda::CudaKernel {
   int64_t rotate_last = 0;       // kernel_meta "rotate_last": the last dim its rotate_half inputs were compiled for
   std::vector<int64_t> rotate;   // the node's rotate_half
   std::vector<std::vector<int64_t>> perms;  // the node's transpose, per input (empty: none)
+  std::vector<int64_t> partial;  // the node's partial {r, k}, or empty
+  int64_t last_dim = 0;          // kernel_meta "last_dim" (partial): the output's last dim compiled in
   std::vector<int64_t> blocks;  // per variant: elements per program
 
   const char* kind() const override { return "pointwise"; }
@@ -33,6 +35,7 @@ struct PointwiseKernel : cuda::CudaKernel {
   void init(const OrtKernelInfo* info) override {
     rotate = read_rotate_half(info, prog.inputs.size());
     perms = read_transpose(info, prog.inputs.size());
+    partial = read_partial(info, prog.inputs.size());
   }
 
   void read_meta(const Json& j, size_t n_inputs) override {
@@ -50,6 +53,7 @@ struct PointwiseKernel : cuda::CudaKernel {
       else if (md.str == "strided") modes.push_back(Mode::STRIDED), any_strided = true;
       else if (md.str == "rotate_half") modes.push_back(Mode::ROTATE);
       else if (md.str == "rotate_half_strided") modes.push_back(Mode::ROTATE_STRIDED), any_strided = true;
+      else if (md.str == "narrow") modes.push_back(Mode::NARROW), any_strided = true;
       else throw Error("kernel_meta: unknown input mode \"" + md.str + "\"");
     }
     bool rotates = false;
@@ -62,6 +66,15 @@ struct PointwiseKernel : cuda::CudaKernel {
         throw Error("input " + std::to_string(i) + " is read through a transpose, its kernel_meta mode is not strided");
     }
     if (rotates) rotate_last = cuda::meta_positive(j, "rotate_last", "kernel_meta");
+    // partial: compiled in (the columns, the input copied beyond them, the output's last dim)
+    std::vector<int64_t> compiled;
+    if (j.get("partial")) {
+      for (const Json& v : cuda::meta_array(j, "partial", "kernel_meta").arr) compiled.push_back(static_cast<int64_t>(v.num));
+      last_dim = cuda::meta_positive(j, "last_dim", "kernel_meta");
+    }
+    if (compiled != partial) throw Error("kernel_meta's partial and the node's differ");
+    for (size_t i = 0; i < modes.size(); ++i)
+      if (modes[i] == Mode::NARROW && partial.empty()) throw Error("a narrow input in a kernel without partial");
   }
 
   void read_variant(const Json& vj, const std::string& where, Variant*) override {
@@ -86,8 +99,16 @@ struct PointwiseKernel : cuda::CudaKernel {
 
   void compute(OrtKernelContext* ctx) override {
     if (!meta_error.empty()) throw Error(meta_error);
-    Io io = bind_io(prog, ctx, false, &perms);
+    Io io = bind_io(prog, ctx, false, &perms, &partial);
     if (io.n == 0) return;
+    Shape narrow_out = io.out_shape;  // partial: the shape a narrow input broadcasts to
+    if (!partial.empty()) {
+      if (io.out_shape.back() != last_dim)
+        throw Error("output shape " + shape_str(io.out_shape) + ", the kernel computes the first " +
+                    std::to_string(partial[0]) + " columns of a last dim of " + std::to_string(last_dim) +
+                    " (the model's shapes changed since it was optimized?)");
+      narrow_out.back() = partial[0];
+    }
     const Target t = target(ctx);
 
     const size_t n_in = prog.inputs.size();
@@ -108,6 +129,12 @@ struct PointwiseKernel : cuda::CudaKernel {
                         ", its kernel reads it in mode 'scalar', which needs one element");
           break;
         case Mode::STRIDED: strided.push_back(i); break;
+        case Mode::NARROW:
+          if (io.in[i].shape.empty() || io.in[i].shape.back() != partial[0])
+            throw Error("input " + std::to_string(i) + " has shape " + shape_str(io.in[i].shape) +
+                        ", its kernel reads it over the first " + std::to_string(partial[0]) + " columns alone");
+          strided.push_back(i);
+          break;
         case Mode::ROTATE_STRIDED:
           strided.push_back(i);
           [[fallthrough]];
@@ -132,7 +159,9 @@ struct PointwiseKernel : cuda::CudaKernel {
     int64_t last = 0;  // the collapsed last dim, for the row variants (last_multiple)
     if (any_strided) {
       std::vector<Shape> st;
-      for (size_t i : strided) st.push_back(input_strides(i, io.in[i].shape, io.out_shape));
+      // (a narrow input's strides over the first columns; the kernel masks the others)
+      for (size_t i : strided)
+        st.push_back(input_strides(i, io.in[i].shape, modes[i] == Mode::NARROW ? narrow_out : io.out_shape));
       Collapsed c = collapse(io.out_shape, st);
       if (c.dims.size() > static_cast<size_t>(rank))
         throw Error("output shape " + shape_str(io.out_shape) + " needs rank " + std::to_string(c.dims.size()) +

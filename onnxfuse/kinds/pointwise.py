@@ -122,7 +122,7 @@ def row_block(spec: KernelSpec, block: int) -> int:
     largest power of two dividing that dim, up to `block`, from ROW_BLOCK_MIN. Its programs
     each lie in one row, so a bias is read in vectors; the launcher takes it where the
     collapsed last dim is a multiple of its block (BERT-base's FFN bias over 3072: 1024)."""
-    if "strided" not in spec.input_modes:
+    if "strided" not in spec.input_modes or spec.partial:
         return 0
     b = min(pow2_factor(spec.last_dim), block)
     return b if b >= ROW_BLOCK_MIN else 0
@@ -319,19 +319,20 @@ class Transposed:
 
 
 def group_transposes(view: GraphView, group: list[int], rotations: tuple[Rotation, ...], outputs: list[str],
-                     taken: set[int], reserved: dict[int, str]) -> tuple[Transposed, ...]:
-    """The group's inputs (and its rotations' x) that a Transpose makes of a tensor of the group's
-    rank, its permutation keeping the last axis (reads stay contiguous along it), its output of the
-    group's shape, read only inside the group and its rotations, and the Transpose not taken or
-    left to ONNX Runtime."""
-    members = set(group) | {i for r in rotations for i in r.nodes}
+                     taken: set[int], reserved: dict[int, str],
+                     partial: Partial | None = None) -> tuple[Transposed, ...]:
+    """The group's inputs (and its rotations' x, a partial chain's x) that a Transpose makes of a
+    tensor of the group's rank, its permutation keeping the last axis (reads stay contiguous along
+    it), its output of the group's shape, read only inside the group, its rotations and its
+    partial's Slices, and the Transpose not taken or left to ONNX Runtime."""
+    members = set(group) | {i for r in rotations for i in r.nodes} | set(partial.nodes if partial else ())
     shape = view.shapes.get(outputs[0])
     if not shape:
         return ()
     rank = len(shape)
     names = [x for i in group for x in view.nodes[i].input if x and view.producer.get(x) not in members]
     found = []
-    for name in dict.fromkeys([*names, *(r.x for r in rotations)]):
+    for name in dict.fromkeys([*names, *(r.x for r in rotations), *((partial.x,) if partial else ())]):
         t = view.producer.get(name)
         if t is None or t in taken or t in reserved or name in view.constants or name in view.graph_outputs:
             continue
@@ -348,12 +349,90 @@ def group_transposes(view: GraphView, group: list[int], rotations: tuple[Rotatio
 
 
 @dataclass(frozen=True)
+class ChainInfo:
+    """What a PointwiseChain's kernel needs besides its program and modes (FusedNode.params):
+    the output's last dim where the kernel compiles it in (else 0) and the node's `partial`
+    (the columns it computes, the input it copies beyond them; () for none)."""
+
+    last_dim: int = 0
+    partial: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A chain over the first `width` columns of a tensor x whose result is put back in front of
+    x's other columns: Concat(chain(Slice(x, 0, r)), Slice(x, r, D)) over the last axis, the
+    partial rotary embeddings of GPT-NeoX, Phi and StableLM (rotary_pct, partial_rotary_factor).
+    The fused node computes over x's shape: the chain where the column is below r (its inputs of
+    r columns read there, those of x's shape read at the same element of x), x's element beyond
+    (attribute `partial`); the Slices' and the Concat's copies go."""
+
+    x: str  # the tensor sliced: the fused node reads it instead of its first columns
+    narrow: str  # Slice(x, 0, r): the chain reads it (plain, or rotated)
+    output: str  # the chain's result, of r columns
+    concat_output: str  # the fused node's output, of x's shape
+    width: int  # r
+    nodes: tuple[int, ...]  # the two Slices and the Concat
+
+
+def partial_at(view: GraphView, group: list[int], outputs: list[str], rotations: tuple[Rotation, ...],
+               taken: set[int], reserved: dict[int, str]) -> Partial | None:
+    """The group's `Partial` where its one output is the first input of a Concat over the last
+    axis whose second is Slice(x, r, D) of a float tensor x of static last dim D > r, and every
+    input of the group's shape (rotated too) is Slice(x, 0, r), read plain at least once; the
+    Slices and the Concat not taken or left to ONNX Runtime, each Slice read there alone (the
+    first inside the group); None otherwise."""
+    if len(outputs) != 1 or outputs[0] in view.graph_outputs:
+        return None
+    out, shape = outputs[0], view.shapes.get(outputs[0])
+    readers = list(view.consumers.get(out, ()))
+    if not shape or not isinstance(shape[-1], int) or len(readers) != 1:
+        return None
+    c = readers[0]
+    cn, rank, r = view.nodes[c], len(shape), shape[-1]
+    if cn.op_type != "Concat" or cn.domain not in DEFAULT_DOMAINS or list(cn.input[:1]) != [out] or len(cn.input) != 2:
+        return None
+    if int(node_attrs(cn).get("axis", 0)) % rank != rank - 1 or c in taken or c in reserved:
+        return None
+    rest = cn.input[1]
+    rs = view.producer.get(rest)
+    x = view.nodes[rs].input[0] if rs is not None and view.nodes[rs].input else None
+    xs = view.shapes.get(x) if x else None
+    if xs is None or len(xs) != rank or not isinstance(xs[-1], int) or xs[-1] <= r or r < 2:
+        return None
+    d = xs[-1]
+    if _half_slice(view, rs, rank, d) != (x, r, d) or list(view.consumers.get(rest, ())) != [c]:
+        return None
+    if view.types.get(x) not in FLOAT_TYPES or not same_shape(view.shapes.get(cn.output[0]), xs):
+        return None
+    members = set(group) | {i for rot in rotations for i in rot.nodes}
+    rotated = {rot.tensor: rot.x for rot in rotations}
+    reads = [(rotated.get(name, name), name in rotated)
+             for name in dict.fromkeys(n for i in group for n in view.nodes[i].input if n)
+             if view.producer.get(name) not in set(group) and name not in view.constants]
+    narrow = {name for name, _ in reads if same_shape(view.shapes.get(name), shape)}
+    if len(narrow) != 1 or not any(name in narrow and not was_rotated for name, was_rotated in reads):
+        return None
+    (name,) = narrow
+    ns = view.producer.get(name)
+    if _half_slice(view, ns, rank, d) != (x, 0, r) or name in view.graph_outputs:
+        return None
+    if not set(view.consumers.get(name, ())) <= members:
+        return None
+    nodes = (ns, rs, c)
+    if any(i in taken or i in reserved for i in nodes) or rest in view.graph_outputs:
+        return None
+    return Partial(x, name, out, cn.output[0], r, nodes)
+
+
+@dataclass(frozen=True)
 class ChainReads:
     """What a chain's match reads other than as the graph's tensors (Match.params): inputs
-    rotated (rotate_half) and inputs read through a Transpose."""
+    rotated (rotate_half), inputs read through a Transpose, the columns it computes (partial)."""
 
     rotations: tuple[Rotation, ...] = ()
     transposes: tuple[Transposed, ...] = ()
+    partial: Partial | None = None
 
 
 def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
@@ -409,10 +488,14 @@ def match_elementwise_groups(view: GraphView, pattern: Pattern, taken: set[int],
             result.rejected["computes only on constants"] += len(group)
             continue
         rotations = group_rotations(view, group, outputs, taken, reserved)
-        transposes = group_transposes(view, group, rotations, outputs, taken, reserved)
-        nodes = sorted({*group, *(i for r in rotations for i in r.nodes), *(t.node for t in transposes)})
+        partial = partial_at(view, group, outputs, rotations, taken, reserved)
+        if partial is not None:
+            outputs = [partial.concat_output]
+        transposes = group_transposes(view, group, rotations, outputs, taken, reserved, partial)
+        nodes = sorted({*group, *(i for r in rotations for i in r.nodes), *(t.node for t in transposes),
+                        *(partial.nodes if partial else ())})
         accepted.add(nodes)
-        reads = ChainReads(rotations, transposes) if rotations or transposes else None
+        reads = ChainReads(rotations, transposes, partial) if rotations or transposes or partial else None
         result.matches.append(Match(pattern, tuple(nodes), tuple(outputs), params=reads,
                                     measured_only=any(reserved.get(i) in offered for i in group)))
     result.matches.sort(key=lambda m: m.nodes)
@@ -471,17 +554,24 @@ class Pointwise(Kind):
         reads = match.params or ChainReads()
         rotated = {r.tensor: r for r in reads.rotations}
         transposed = {t.tensor: t for t in reads.transposes}
-        absorbed = {i for r in reads.rotations for i in r.nodes} | {t.node for t in reads.transposes}
-        program, inputs, folded = lower_group(view, tuple(i for i in match.nodes if i not in absorbed), match.outputs)
+        part = reads.partial
+        absorbed = ({i for r in reads.rotations for i in r.nodes} | {t.node for t in reads.transposes}
+                    | set(part.nodes if part else ()))
+        chain_outputs = (part.output,) if part else match.outputs
+        program, inputs, folded = lower_group(view, tuple(i for i in match.nodes if i not in absorbed), chain_outputs)
         shape = view.shapes[match.outputs[0]]
         rank = len(shape)
         flags = [int(x in rotated) for x in inputs]
         inputs = [rotated[x].x if x in rotated else x for x in inputs]  # rotate_half(x): read x
+        if part:  # Slice(x, 0, r): read x (at the same element; beyond r the node copies x)
+            inputs = [part.x if x == part.narrow else x for x in inputs]
         perms = [transposed[x].perm if x in transposed else tuple(range(rank)) for x in inputs]
 
         def mode(x: str, rotated_read: int) -> str:
             if rotated_read:
                 return "rotate_half_strided" if x in transposed else "rotate_half"
+            if part and x != part.x and (view.shapes.get(x) or (1,))[-1] == part.width:
+                return "narrow"  # (r columns, read where the column is below r)
             return "strided" if x in transposed else input_mode(view, x, shape)
         modes = tuple(mode(x, f) for x, f in zip(inputs, flags, strict=True))
         inputs = [transposed[x].x if x in transposed else x for x in inputs]  # Transpose(x): read x
@@ -489,7 +579,7 @@ class Pointwise(Kind):
         last = shape[-1] if static_last and any(m != "full" and m != "scalar" for m in modes) else 0
         # the row variants' blocks follow the largest power of two dividing the last dim
         # (`row_block`, `pointwise_candidates`): it names the kernel too
-        row = pow2_factor(last) if "strided" in modes else 0
+        row = pow2_factor(last) if "strided" in modes and not part else 0
         key = f"row={row}" if row >= ROW_BLOCK_MIN else ""
         if any(flags):  # the rotation's half is compiled in
             key += f" rotate_half={flags} last={last}"
@@ -497,11 +587,20 @@ class Pointwise(Kind):
         if transposed:  # (the kernel reads them by strides the launcher derives from the perms)
             attrs["transpose"] = [a for p in perms for a in p]
             key += f" modes={list(modes)}"
+        partial: tuple[int, int] = ()
+        if part:  # the columns computed and the input copied beyond them are compiled in
+            last = shape[-1]
+            x_read = transposed[part.x].x if part.x in transposed else part.x
+            partial = (part.width, next(k for k, x in enumerate(inputs)
+                                        if x == x_read and not flags[k] and modes[k] in ("full", "strided")))
+            attrs["partial"] = list(partial)
+            key += f" partial={list(partial)} last={last} modes={list(modes)}"
         return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], attrs, key, rank, modes,
-                        {"params": last})
+                        {"params": ChainInfo(last, partial)})
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> KernelSpec:
-        return KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes, f.params or 0)
+        info = f.params or ChainInfo()
+        return KernelSpec(f.program, f.kernel_name, f.rank, f.input_modes, f.source_nodes, info.last_dim, info.partial)
 
     def variants(self, spec: KernelSpec) -> tuple[Variant, ...]:
         return choose_variants(spec)
@@ -511,7 +610,7 @@ class Pointwise(Kind):
 
     def generate(self, spec: KernelSpec, variant: Variant) -> KernelSource:
         return generate(spec.program, spec.name, spec.rank, spec.input_modes, list(spec.source_nodes), variant,
-                        spec.last_dim)
+                        spec.last_dim, spec.partial)
 
     def kernel_meta(self, spec: KernelSpec, variants: tuple, binaries: list[dict]) -> dict:
         return {
@@ -520,6 +619,7 @@ class Pointwise(Kind):
             "rank": spec.rank,
             "input_modes": list(spec.input_modes),
             **({"rotate_last": spec.last_dim} if set(spec.input_modes) & ROTATE_MODES else {}),
+            **({"partial": list(spec.partial), "last_dim": spec.last_dim} if spec.partial else {}),
             "variants": [{"requires": v.requires(), "block": v.block} for v in variants],
             "binaries": binaries,
         }
@@ -534,7 +634,15 @@ class Pointwise(Kind):
         # Transpose(x, perm) first (an identity one: x as it is, of any rank), then rotate_half
         inputs = [np.transpose(x, perms[k]) if perms and perms[k] != tuple(range(rank)) else x
                   for k, x in enumerate(inputs)]
-        return evaluate(program, [rotate_half(x) if k < len(flags) and flags[k] else x for k, x in enumerate(inputs)])
+        partial = list(attrs.get("partial", ()))
+        if partial:  # the program over the first r columns (of the inputs as wide as x), x beyond
+            r, x = partial[0], inputs[partial[1]]
+            inputs = [v[..., :r] if v.ndim and v.shape[-1] == x.shape[-1] else v for v in inputs]
+        ys = evaluate(program, [rotate_half(x) if k < len(flags) and flags[k] else x for k, x in enumerate(inputs)])
+        if partial:
+            ys = [np.concatenate([np.broadcast_to(y, x[..., :r].shape), x[..., r:].astype(y.dtype)], axis=-1)
+                  for y in ys]
+        return ys
 
 
 def rotate_half(x: np.ndarray) -> np.ndarray:
