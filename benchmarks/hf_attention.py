@@ -234,10 +234,13 @@ def export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int 
     return _export(arch, attn, small, batch, path, past, new)[0]
 
 
-def _export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int = 0, new: int = 1):
+def _export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int = 0, new: int = 1,
+            exporter: str = "torchscript"):
     """(the inputs' dims, the model's configuration) of `export`. With a cache (`past` > 0) every
     input's batch, the new tokens and the cached positions are dynamic axes, as a generation
-    loop feeds them (the dims returned are the export's: `new` tokens after `past`)."""
+    loop feeds them (the dims returned are the export's: `new` tokens after `past`). `exporter`
+    "dynamo": torch's torch.export-based exporter (its default since torch 2.9), opset 18, static
+    shapes (no cache)."""
     import torch
 
     module, names, cfg = build(arch, attn, small, past)
@@ -265,8 +268,15 @@ def _export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int
         args = tuple(torch.ones(batch, seq, dtype=torch.int64) for _ in names)
     outputs = ["hidden", *cache_names(cfg, "present")] if past else ["hidden"]
     with torch.no_grad():
-        torch.onnx.export(module, args, str(path), opset_version=17, dynamo=False, input_names=names,
-                          output_names=outputs, dynamic_axes=axes)
+        if exporter == "dynamo":  # (static: its conversion of these dynamic axes fails for most families)
+            if past:
+                raise ValueError("--exporter dynamo exports static shapes: no --past")
+            program = torch.onnx.export(module, args, input_names=names, output_names=outputs, opset_version=18,
+                                        dynamo=True, verbose=False)
+            program.save(str(path))
+        else:
+            torch.onnx.export(module, args, str(path), opset_version=17, dynamo=False, input_names=names,
+                              output_names=outputs, dynamic_axes=axes)
     return dims, cfg
 
 
@@ -288,7 +298,8 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     src, opt, js = tmp / f"{tag}.onnx", tmp / f"{tag}.opt.onnx", tmp / f"{tag}.bench.json"
     row: dict = {"case": tag}
     past, new_tokens = getattr(args, "past", 0), getattr(args, "new", 1)
-    dims, cfg = _export(arch, attn, args.small, args.batch, src, past, new_tokens)
+    exporter = getattr(args, "exporter", "torchscript")
+    dims, cfg = _export(arch, attn, args.small, args.batch, src, past, new_tokens, exporter)
     fp32_twin = None
     if args.dtype == "fp16":  # converted as the suite converts its fp16 models
         from models.fp16 import to_fp16
@@ -377,7 +388,8 @@ def timings(ref: dict, new: dict, prefix: str = "") -> dict:
 def case_name(arch: str, attn: str, args) -> str:
     past = getattr(args, "past", 0)
     return (f"{arch}_{attn}_b{args.batch}" + (f"_past{past}_new{args.new}" if past else "")
-            + ("_fp16" if args.dtype == "fp16" else ""))
+            + ("_fp16" if args.dtype == "fp16" else "")
+            + ("_dynamo" if getattr(args, "exporter", "") == "dynamo" else ""))
 
 
 def main() -> None:
@@ -385,6 +397,8 @@ def main() -> None:
     ap.add_argument("--provider", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--exporter", default="torchscript", choices=("torchscript", "dynamo"),
+                    help="torch's exporter: TorchScript (opset 17) or dynamo (torch.export, opset 18)")
     ap.add_argument("--small", action="store_true", help="2-layer, width-64 configs (a CPU check)")
     ap.add_argument("--archs", default=",".join(ARCHS), help=f"of {', '.join(ALL_ARCHS)}")
     ap.add_argument("--attn", default="eager,sdpa")

@@ -1180,7 +1180,7 @@ def test_the_last_dim_reaches_the_spec_and_names_the_kernel():
         return f, KINDS["pointwise"].spec(m, f, "tf32", None)
 
     (f1, s1), (f2, s2), (f3, s3) = fused(3072), fused(6144), fused(5120)
-    assert (f1.params, s1.last_dim, s2.last_dim, s3.last_dim) == (3072, 3072, 6144, 5120)
+    assert (f1.params.last_dim, s1.last_dim, s2.last_dim, s3.last_dim) == (3072, 3072, 6144, 5120)
     assert f1.kernel_name != f2.kernel_name and f1.kernel_name == f3.kernel_name
     f4, s4 = fused(3072, bias=False)
-    assert (f4.params, s4.last_dim, s4.input_modes) == (0, 0, ("full",))
+    assert (f4.params.last_dim, s4.last_dim, s4.input_modes) == (0, 0, ("full",))
