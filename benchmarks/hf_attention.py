@@ -106,7 +106,15 @@ MORE = {
     "gptj": ("GPTJConfig", "GPTJModel", "text", "sdpa", dict(TEXT_SMALL, rotary_dim=16),
              dict(TEXT_BASE, rotary_dim=32), True),  # interleaved, partial rotary
     "bloom": ("BloomConfig", "BloomModel", "text", "eager", TEXT_SMALL, TEXT_BASE, False),  # ALiBi over [B * H, S, S]
+    "cohere": ("CohereConfig", "CohereModel", "text", "sdpa", dict(TEXT_SMALL, num_key_value_heads=1),
+               dict(TEXT_BASE, num_key_value_heads=4), True),  # interleaved rotary on every dim, parallel blocks
+    "glm": ("GlmConfig", "GlmModel", "text", "sdpa",
+            dict(TEXT_SMALL, num_key_value_heads=1, head_dim=32, pad_token_id=0),
+            dict(TEXT_BASE, num_key_value_heads=4, head_dim=64, pad_token_id=0), True),  # interleaved, partial rotary
 }
+# families torch's TorchScript exporter cannot export (GLM: it fails; Cohere: the model it writes
+# fails in ONNX Runtime, a Reshape to a traced size): `--exporter dynamo` only
+DYNAMO_ONLY = frozenset({"cohere", "glm"})
 ARCHS = ("bert", "gpt2", "vit", "t5", "distilbert", *DECODERS)
 ALL_ARCHS = (*ARCHS, *MORE)
 
@@ -299,6 +307,8 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     row: dict = {"case": tag}
     past, new_tokens = getattr(args, "past", 0), getattr(args, "new", 1)
     exporter = getattr(args, "exporter", "torchscript")
+    if arch in DYNAMO_ONLY and exporter != "dynamo":
+        return row | {"error": f"TorchScript cannot export {arch}: use --exporter dynamo"}
     dims, cfg = _export(arch, attn, args.small, args.batch, src, past, new_tokens, exporter)
     fp32_twin = None
     if args.dtype == "fp16":  # converted as the suite converts its fp16 models

@@ -70,18 +70,31 @@ inline bool get_ints_attr(const OrtKernelInfo* info, const char* name, std::vect
   return true;
 }
 
-// A PointwiseChain's rotate_half (docs/format.md): per program input 0 or 1 (absent: all 0); an
+// A PointwiseChain's rotate_half (or, `attr`, rotate_pairs; docs/format.md): per program input 0 or 1 (absent: all 0); an
 // input with 1 is read as Concat(-x[..., h:], x[..., :h]) along its last dim, h half of it.
 // Throws Error for a wrong length or value.
-inline std::vector<int64_t> read_rotate_half(const OrtKernelInfo* info, size_t n_inputs) {
+inline std::vector<int64_t> read_rotate_half(const OrtKernelInfo* info, size_t n_inputs,
+                                             const char* attr = "rotate_half") {
   std::vector<int64_t> flags;
-  if (!get_ints_attr(info, "rotate_half", &flags)) return std::vector<int64_t>(n_inputs, 0);
+  if (!get_ints_attr(info, attr, &flags)) return std::vector<int64_t>(n_inputs, 0);
   if (flags.size() != n_inputs)
-    throw Error("rotate_half has " + std::to_string(flags.size()) + " entries, the program " +
+    throw Error(std::string(attr) + " has " + std::to_string(flags.size()) + " entries, the program " +
                 std::to_string(n_inputs) + " inputs");
   for (int64_t f : flags)
-    if (f != 0 && f != 1) throw Error("rotate_half entries must be 0 or 1");
+    if (f != 0 && f != 1) throw Error(std::string(attr) + " entries must be 0 or 1");
   return flags;
+}
+
+// A PointwiseChain's rotate_half and rotate_pairs together: per program input 0 (as it is),
+// 1 (rotate_half) or 2 (rotate_pairs); an input may not be in both.
+inline std::vector<int64_t> read_rotations(const OrtKernelInfo* info, size_t n_inputs) {
+  std::vector<int64_t> kinds = read_rotate_half(info, n_inputs);
+  const std::vector<int64_t> pairs = read_rotate_half(info, n_inputs, "rotate_pairs");
+  for (size_t i = 0; i < n_inputs; ++i) {
+    if (pairs[i] && kinds[i]) throw Error("input " + std::to_string(i) + " is in both rotate_half and rotate_pairs");
+    if (pairs[i]) kinds[i] = 2;
+  }
+  return kinds;
 }
 
 // A PointwiseChain's transpose (docs/format.md): absent, or per program input `rank` entries (the

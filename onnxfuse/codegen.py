@@ -13,7 +13,7 @@ The kernel reads like the Triton tutorials:
     dtype (round-to-nearest-even for f16 / bf16).
 
 Its parameters follow the launch ABI of docs/format.md: input pointers, output pointers,
-``n_elements``, then (only when some input is ``strided`` or ``rotate_half_strided``) the
+``n_elements``, then (only when some input is read by strides: STRIDED_MODES) the
 output's ``rank`` sizes and each such input's ``rank`` strides, all integers 64-bit; Triton
 appends the two scratch pointers itself. ``BLOCK`` is a constexpr and takes no parameter slot.
 
@@ -38,9 +38,11 @@ import numpy as np
 
 from onnxfuse.expr import BINARY, SIXTEEN_BIT, TERNARY, UNARY, Instr, Operand, Program, Ref
 
-INPUT_MODES = ("full", "scalar", "strided", "rotate_half", "rotate_half_strided", "narrow")
+INPUT_MODES = ("full", "scalar", "strided", "rotate_half", "rotate_half_strided", "rotate_pairs",
+               "rotate_pairs_strided", "narrow")
 # inputs read at offsets from their strides ("narrow": a partial node's inputs of r columns)
-STRIDED_MODES = ("strided", "rotate_half_strided", "narrow")
+STRIDED_MODES = ("strided", "rotate_half_strided", "rotate_pairs_strided", "narrow")
+ROTATED_MODES = ("rotate_half", "rotate_half_strided", "rotate_pairs", "rotate_pairs_strided")
 
 # Pointer element types in Triton's signature notation. Bool tensors are bytes (0 or 1):
 # they are read as int8 and compared with 0, so any nonzero byte counts as true.
@@ -169,8 +171,8 @@ def generate(
     input_modes = tuple(input_modes)
     _check_args(program, name, rank, input_modes, variant)
     rotate_width = partial[0] if partial else last_dim
-    if any(m.startswith("rotate_half") for m in input_modes) and (rotate_width <= 0 or rotate_width % 2 or rank < 1):
-        raise ValueError(f"a rotate_half input needs a static, even last dim (got {rotate_width}, rank {rank})")
+    if any(m in ROTATED_MODES for m in input_modes) and (rotate_width <= 0 or rotate_width % 2 or rank < 1):
+        raise ValueError(f"a rotated input needs a static, even last dim (got {rotate_width}, rank {rank})")
     if partial and (len(partial) != 2 or not 0 < partial[0] < last_dim or len(program.outputs) != 1
                     or not 0 <= partial[1] < len(input_modes) or input_modes[partial[1]] not in ("full", "strided")
                     or variant.last_multiple):
@@ -309,7 +311,7 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant,
     else:
         out.append("mask = offsets < n_elements")
     in_row = bool(variant.last_multiple) and rank >= 2
-    rotated = [i for i, m in enumerate(modes) if m.startswith("rotate_half")]
+    rotated = [i for i, m in enumerate(modes) if m in ROTATED_MODES]
     if partial:
         out += [f"# Partial: the program where the column is below {partial[0]} (of {last_dim}), x{partial[1]} beyond;",
                 "# the narrow inputs, of as many columns, are read there alone.",
@@ -326,9 +328,16 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant,
     out.append("# Load the inputs and upcast to fp32.")
     out += loads.values()
     for i in rotated:
-        half = (partial[0] if partial else last_dim) // 2
         # (a strided one: its own offsets, the launcher checks its last dim's stride is 1)
-        at = "offsets" if modes[i] == "rotate_half" else f"x{i}_offsets"
+        at = "offsets" if modes[i] in ("rotate_half", "rotate_pairs") else f"x{i}_offsets"
+        if modes[i].startswith("rotate_pairs"):
+            out += [f"# x{i} read rotated in pairs (rotate_pairs): (x[2j], x[2j+1]) -> (-x[2j+1], x[2j]) along",
+                    f"# the last dim ({last_dim})",
+                    f"x{i}_even = (offsets % {last_dim}) % 2 == 0",
+                    f"x{i} = {_load(i, program.input_dtypes[i], 'full', f'tl.where(x{i}_even, {at} + 1, {at} - 1)')}",
+                    f"x{i} = tl.where(x{i}_even, x{i} * -1.0, x{i})"]
+            continue
+        half = (partial[0] if partial else last_dim) // 2
         moved = f"tl.where(x{i}_col < {half}, {at} + {half}, {at} - {half})"
         out += [f"# x{i} read rotated (rotate_half): the element {half} away along the last dim ({last_dim}),",
                 "# the first half negated",

@@ -141,7 +141,7 @@ def _layout_free_inputs(n: NodeProto, const_dims, opset: int, static_chw, matmul
         return d is not None and len(d) <= 4 and int(np.prod(d)) == 1
 
     kind = kind_of(n)
-    if kind is not None and kind.layout_free and any(a.name in ("rotate_half", "transpose", "partial")
+    if kind is not None and kind.layout_free and any(a.name in ("rotate_half", "rotate_pairs", "transpose", "partial")
                                                      for a in n.attribute):
         return None  # along the last axis, or through a perm: not the same on a permuted tensor
     if (kind is not None and kind.layout_free

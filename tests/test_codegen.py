@@ -41,7 +41,7 @@ from onnxfuse.compile import (
 )
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import BINARY, HEADER, UNARY, evaluate, parse
-from onnxfuse.kinds.pointwise import choose_variants, rotate_half
+from onnxfuse.kinds.pointwise import choose_variants, rotate_half, rotate_pairs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -253,6 +253,13 @@ def _partial_cases() -> list[Case]:
              perms=((0, 2, 1, 3), None, (0, 2, 1, 3), None), partial=(6, 0)),
         Case("partial-bf16-unmasked", "%2 = mul %0 %1\n%3 = add %2 1.0\noutput %3 bf16", ((4, 8, 32), (8, 16)),
              ("bf16", "bf16"), modes=("full", "narrow"), partial=(16, 0)),
+        # GPT-J's and Cohere's interleaved rotation (rotate_pairs), whole and partial, through a Transpose
+        Case("rotate-pairs-f16", rotary.format(dt="f16"), ((2, 3, 5, 8), (5, 8), (2, 3, 5, 8), (5, 8)),
+             ("f16",) * 4, modes=("full", "strided", "rotate_pairs", "strided")),
+        Case("partial-transposed-rotate-pairs-f32", rotary.format(dt="f32"),
+             ((2, 5, 3, 12), (5, 4), (2, 5, 3, 12), (5, 4)), ("f32",) * 4,
+             modes=("strided", "narrow", "rotate_pairs_strided", "narrow"), block=32,
+             perms=((0, 2, 1, 3), None, (0, 2, 1, 3), None), partial=(4, 0)),
     ]
 
 
@@ -299,7 +306,7 @@ def _modes(case: Case) -> tuple[str, ...]:
 
 
 def _rotates(case: Case) -> bool:
-    return any(m.startswith("rotate_half") for m in _modes(case))
+    return any(m.startswith("rotate_") for m in _modes(case))
 
 
 SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, 0.5, 2.0, -2.0, 3.0, 1e-3, 20.0, -20.0,
@@ -519,7 +526,8 @@ def _check_case(workdir: Path, index: int, case: Case, label: str) -> None:
     wide = inputs[case.partial[1]] if case.partial else None
     if case.partial:  # the inputs as wide as the output cut to the first r columns
         inputs = [x if m == "narrow" else x[..., :case.partial[0]] for x, m in zip(inputs, case.modes, strict=True)]
-    inputs = [rotate_half(x) if m.startswith("rotate_half") else x for x, m in zip(inputs, _modes(case), strict=True)]
+    inputs = [rotate_half(x) if m.startswith("rotate_half") else rotate_pairs(x) if m.startswith("rotate_pairs") else x
+              for x, m in zip(inputs, _modes(case), strict=True)]
     expected = evaluate(prog, inputs)
     if case.partial:
         expected = [np.concatenate([y, wide[..., case.partial[0]:].astype(y.dtype)], axis=-1) for y in expected]
@@ -1111,21 +1119,24 @@ def test_rotate_half_kernel_compiles_for_sm90_without_spills(transposed, tmp_pat
         assert not [ln for ln in sass if "LDL" in ln or "STL" in ln], k
 
 
-def test_partial_rotary_kernel_compiles_for_sm90_without_spills(tmp_path):
+@pytest.mark.parametrize("rotation", ["rotate_half", "rotate_pairs"])
+def test_partial_rotary_kernel_compiles_for_sm90_without_spills(rotation, tmp_path):
     """Phi-2's fp16 partial rotary chain (the first 32 of 80 head dims, q read through its
-    Transpose) as the pointwise kind builds it: no row variant, every variant compiles for sm_90
-    on the CPU, cos and sin read under the column mask, q stored beyond, nothing spilled."""
+    Transpose; GPT-J's interleaved form too) as the pointwise kind builds it: no row variant, every
+    variant compiles for sm_90 on the CPU, cos and sin read under the column mask, q stored
+    beyond, nothing spilled."""
     pytest.importorskip("triton")
     from onnxfuse.kinds.pointwise import Pointwise
     from tests.util import compile_sm90, sass_lines
 
     prog = parse(_prog(("f16",) * 4, "%4 = mul %0 %1\n%5 = mul %2 %3\n%6 = add %4 %5\noutput %6 f16"))
-    spec = KernelSpec(prog, NAME, 4, ("strided", "narrow", "rotate_half_strided", "narrow"), (), 80, (32, 0))
+    spec = KernelSpec(prog, NAME, 4, ("strided", "narrow", f"{rotation}_strided", "narrow"), (), 80, (32, 0))
     variants = choose_variants(spec)
     assert not any(v.last_multiple for v in variants)
+    moved = "x2_offsets + 16, x2_offsets - 16" if rotation == "rotate_half" else "x2_offsets + 1, x2_offsets - 1"
     for k, v in enumerate(variants):
         ks = Pointwise().generate(spec, v)
-        assert "inside = col < 32" in ks.source and "x2_offsets + 16, x2_offsets - 16" in ks.source
+        assert "inside = col < 32" in ks.source and moved in ks.source
         assert "tl.where(inside, tmp6, x0)" in ks.source and "x1_offsets, mask=mask & inside, other=0)" in ks.source
         sass = sass_lines(compile_sm90(ks, tmp_path / f"v{k}").asm["cubin"], tmp_path / f"v{k}")
         assert not [ln for ln in sass if "LDL" in ln or "STL" in ln], k

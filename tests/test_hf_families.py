@@ -85,3 +85,19 @@ def test_more_families(arch, tmp_path):
     assert row["gate"], row
     if arch == "phi":  # the partial rotary's Slices, Concats and the Transposes before them join the chains
         assert row["concats"][1] == 0 and row["transposes"][1] == 0 and row["negs"][1] == 0, row
+
+
+@pytest.mark.parametrize("arch,exporter", [("gptj", "torchscript"), ("cohere", "dynamo"), ("glm", "dynamo")])
+def test_interleaved_rotary_joins_its_chains(arch, exporter, tmp_path):
+    """The interleaved rotation (rotate_pairs: GPT-J's rotate_every_two on the first rotary_dim
+    dims, Cohere's on every dim, GLM's on half of them), its Slices of step 2, Neg, Unsqueezes,
+    Concat and Reshape, and the partial rotary's Slices and Concat, are read by the rotary chains:
+    none is left; every attention fuses and the gate passes (TorchScript cannot export Cohere and
+    GLM: `hf_attention.DYNAMO_ONLY`)."""
+    args = argparse.Namespace(small=True, batch=2, dtype="fp32", provider="cpu", iters=2, tf_optimizer=False,
+                              cuda_graph=False, tune_budget=None, exporter=exporter)
+    row = hf_attention.run_case(arch, "sdpa", args, tmp_path)
+    assert "error" not in row, row
+    assert row["fused_attention"] == row["softmax_before"] > 0 and row["gate"], row
+    assert row["negs"][0] > 0 and row["negs"][1] == 0 and row["concats"][1] == 0 and row["transposes"][1] == 0, row
+

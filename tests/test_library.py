@@ -536,6 +536,34 @@ def test_partial_inputs(dt, lib):
         run(model, prog, [q, cos, q, sin], lib)
 
 
+@pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
+def test_rotate_pairs_input(dt, lib):
+    """rotate_pairs [0, 1] (GPT-J's rotate_every_two, Cohere's rotate_half): input 1 read with each
+    pair (x[2j], x[2j+1]) as (-x[2j+1], x[2j]), the sign flipped bit for bit (-0.0 and NaN too); an
+    input in both rotate_half and rotate_pairs is refused."""
+    from onnxfuse.kinds.pointwise import Pointwise
+
+    prog = expr.parse(f"{expr.HEADER}\ninput %0 {dt}\ninput %1 {dt}\n%2 = mul %1 1.0\n%3 = add %0 %2\n"
+                      f"output %2 {dt}\noutput %3 {dt}\n")
+    model = fused_model(prog, [(3, 4, 6), (3, 4, 6)])
+    node = model.graph.node[0]
+    node.attribute.append(helper.make_attribute("rotate_pairs", [0, 1]))
+    x = RNG.normal(0, 2, (3, 4, 6)).astype(np.float32)
+    x[0, 0, :4] = [0.0, -0.0, np.nan, 1.5]
+    x = x.astype(NP_OF[dt]).astype(np.float32)
+    b = RNG.normal(0, 2, (3, 4, 6)).astype(NP_OF[dt]).astype(np.float32)
+    got = [np.asarray(g, np.float32) for g in run(model, prog, [b, x], lib)]
+    want = np.empty_like(x)
+    want[..., 0::2], want[..., 1::2] = -x[..., 1::2], x[..., 0::2]
+    np.testing.assert_array_equal(got[0].view(np.uint32), want.view(np.uint32))
+    ref = Pointwise().evaluate(node, [b, x])
+    for g, r in zip(got, ref, strict=True):
+        np.testing.assert_array_equal(g, np.asarray(r, np.float32))
+    node.attribute.append(helper.make_attribute("rotate_half", [0, 1]))
+    with pytest.raises(Exception, match="input 1 is in both rotate_half and rotate_pairs"):
+        run(model, prog, [b, x], lib)
+
+
 @pytest.mark.parametrize("attr,message", [
     ([0, 1], "transpose has 2 entries, not a multiple of the program's 3 inputs"),
     ([0, 0, 1, 0, 1, 0], "transpose of input 0 is not a permutation of 2 dims"),

@@ -48,10 +48,15 @@ def _rotate_half(x):
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
 
 
+def _rotate_every_two(x):  # GPT-J's (Cohere's and GLM's rotate_half): the pairs' interleaved form
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
 class LlamaBlock(torch.nn.Module):
-    def __init__(self, attention: str, kv_heads: int = H, rotary: int = HD):
+    def __init__(self, attention: str, kv_heads: int = H, rotary: int = HD, interleaved: bool = False):
         super().__init__()
         self.attention, self.kv_heads, self.rotary = attention, kv_heads, rotary
+        self.rotate = _rotate_every_two if interleaved else _rotate_half
         self.n1, self.n2 = RMSNorm(True), RMSNorm(True)
         self.q, self.o = (torch.nn.Linear(D, D, bias=False) for _ in range(2))
         self.k, self.v = (torch.nn.Linear(D, kv_heads * HD, bias=False) for _ in range(2))
@@ -59,8 +64,9 @@ class LlamaBlock(torch.nn.Module):
         self.down = torch.nn.Linear(3 * D, D, bias=False)
         inv = 1.0 / (10000 ** (torch.arange(0, rotary, 2).float() / rotary))
         t = torch.arange(S).float()[:, None] * inv[None]
-        self.register_buffer("cos", torch.cat((t, t), -1).cos())
-        self.register_buffer("sin", torch.cat((t, t), -1).sin())
+        angles = t.repeat_interleave(2, -1) if interleaved else torch.cat((t, t), -1)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
 
     def forward(self, x):
         h = self.n1(x)
@@ -68,11 +74,11 @@ class LlamaBlock(torch.nn.Module):
         q = self.q(h).view(b, t, H, HD).transpose(1, 2)
         k, v = (p(h).view(b, t, self.kv_heads, HD).transpose(1, 2) for p in (self.k, self.v))
         if self.rotary == HD:
-            q = q * self.cos + _rotate_half(q) * self.sin
-            k = k * self.cos + _rotate_half(k) * self.sin
+            q = q * self.cos + self.rotate(q) * self.sin
+            k = k * self.cos + self.rotate(k) * self.sin
         else:  # partial rotary (GPT-NeoX, Phi, StableLM): the first `rotary` dims of each head
             r = self.rotary
-            q, k = (torch.cat((x[..., :r] * self.cos + _rotate_half(x[..., :r]) * self.sin, x[..., r:]), dim=-1)
+            q, k = (torch.cat((x[..., :r] * self.cos + self.rotate(x[..., :r]) * self.sin, x[..., r:]), dim=-1)
                     for x in (q, k))
         if self.kv_heads != H:  # grouped-query attention: Hugging Face's repeat_kv
             rep = H // self.kv_heads
@@ -191,25 +197,30 @@ def test_llama_style_decoder(attention, kv_heads, exporter):
 
 
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
-def test_partial_rotary_decoder(exporter):
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "pairs"])
+def test_partial_rotary_decoder(exporter, interleaved):
     """Rotary embeddings on the first 16 of each head's 64 dims (GPT-NeoX's rotary_pct, Phi's
-    partial_rotary_factor): Concat(rotary(q[..., :16]), q[..., 16:]) becomes one chain over q's
-    shape that computes the first 16 columns and copies the rest (partial [16, k]), reading Q and
-    K through their Transposes: no Slice, Neg, Concat or Transpose of Q or K is left."""
+    partial_rotary_factor; interleaved, GPT-J's rotary_dim): Concat(rotary(q[..., :16]), q[..., 16:])
+    becomes one chain over q's shape that computes the first 16 columns and copies the rest
+    (partial [16, k]), reading Q and K through their Transposes and rotate_half(Q) (or the pairs'
+    rotation, rotate_pairs) from Q itself: no Slice, Neg, Concat, Unsqueeze or Transpose of Q or K
+    is left."""
     torch.manual_seed(0)
-    module = Stack([LlamaBlock("sdpa", rotary=16), LlamaBlock("sdpa", rotary=16)], RMSNorm(True)).eval()
+    blocks = [LlamaBlock("sdpa", rotary=16, interleaved=interleaved) for _ in range(2)]
+    module = Stack(blocks, RMSNorm(True)).eval()
     x = torch.randn(B, S, D)
     model = (_export if exporter == "torchscript" else _export_dynamo)(module, (x,), ["x"])
     kinds, fused = _check(model, {"x": x.numpy()})
     assert kinds["attention"] == 2, kinds
-    assert not any(n.op_type in ("Neg", "Concat", "Slice") for n in fused.graph.node), Counter(
+    assert not any(n.op_type in ("Neg", "Concat", "Slice", "Unsqueeze") for n in fused.graph.node), Counter(
         n.op_type for n in fused.graph.node)
     chains = [n for n in fused.graph.node if any(a.name == "partial" for a in n.attribute)]
     assert len(chains) == 4, Counter(n.op_type for n in fused.graph.node)
+    rotation = "rotate_pairs" if interleaved else "rotate_half"
     for n in chains:
-        attrs = {a.name: list(a.ints) for a in n.attribute if a.name in ("partial", "transpose", "rotate_half")}
-        assert attrs["partial"][0] == 16 and attrs["rotate_half"][attrs["partial"][1]] == 0, attrs
-        assert "transpose" in attrs, attrs
+        attrs = {a.name: list(a.ints) for a in n.attribute}
+        assert attrs["partial"][0] == 16 and attrs[rotation][attrs["partial"][1]] == 0 and sum(attrs[rotation]) == 1
+        assert "transpose" in attrs and ("rotate_half" in attrs) != interleaved, attrs
 
 
 def test_t5_style_encoder():

@@ -31,6 +31,23 @@ std::vector<uint8_t> rotate_half(const void* x, DType dt, const Shape& shape) {
   return y;
 }
 
+// The interleaved rotation of a float tensor along its last dim (even): each pair (x[2j], x[2j+1])
+// becomes (-x[2j+1], x[2j]), into a new buffer.
+std::vector<uint8_t> rotate_pairs(const void* x, DType dt, const Shape& shape) {
+  const int64_t last = shape.empty() ? 1 : shape.back();
+  if (shape.empty() || last % 2) throw Error("rotate_pairs needs an even last dim, the input has " + shape_str(shape));
+  const size_t es = elem_size(dt), pairs = static_cast<size_t>(numel(shape) / 2);
+  std::vector<uint8_t> y(pairs * 2 * es);
+  const uint8_t* src = static_cast<const uint8_t*>(x);
+  const size_t sign_byte = es - 1;
+  for (size_t p = 0; p < pairs; ++p) {
+    std::memcpy(y.data() + 2 * p * es, src + (2 * p + 1) * es, es);
+    std::memcpy(y.data() + (2 * p + 1) * es, src + 2 * p * es, es);
+    y[2 * p * es + sign_byte] ^= 0x80;
+  }
+  return y;
+}
+
 // Transpose(x, perm) of a tensor of `es`-byte elements, into a new buffer (the evaluator then
 // reads it as a contiguous input).
 std::vector<uint8_t> transposed(const void* x, size_t es, const Shape& shape, const std::vector<int64_t>& perm) {
@@ -68,7 +85,7 @@ struct CpuKernel {
   static constexpr const char* kWhere = "";
   Program prog;
   std::string name;
-  std::vector<int64_t> rotate;  // attribute rotate_half, per program input
+  std::vector<int64_t> rotate;  // per program input: 1 rotate_half, 2 rotate_pairs (read_rotations)
   std::vector<std::vector<int64_t>> perms;  // attribute transpose, per program input (empty: none)
   std::vector<int64_t> partial;  // attribute partial: {r, k}, or empty
 
@@ -102,9 +119,10 @@ struct CpuKernel {
       }
       if (rotate[i]) {
         if (shape != shape_p)
-          throw Error("input " + std::to_string(i) + " has shape " + shape_str(shape) +
-                      ", read rotated (rotate_half) it needs the output's " + shape_str(shape_p));
-        rotated[i] = rotate_half(data, dt, shape);
+          throw Error("input " + std::to_string(i) + " has shape " + shape_str(shape) + ", read rotated (" +
+                      (rotate[i] == 2 ? "rotate_pairs" : "rotate_half") + ") it needs the output's " +
+                      shape_str(shape_p));
+        rotated[i] = rotate[i] == 2 ? rotate_pairs(data, dt, shape) : rotate_half(data, dt, shape);
         data = rotated[i].data();
       }
       in.push_back({dt, data, shape});
@@ -142,11 +160,11 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     auto k = std::make_unique<CpuKernel>();
     k->prog = read_program(info);
     k->name = name;
-    k->rotate = read_rotate_half(info, k->prog.inputs.size());
+    k->rotate = read_rotations(info, k->prog.inputs.size());
     k->perms = read_transpose(info, k->prog.inputs.size());
     k->partial = read_partial(info, k->prog.inputs.size());
     for (size_t i = 0; i < k->rotate.size(); ++i)
-      if (k->rotate[i] && k->prog.inputs[i] == DType::BOOL) throw Error("rotate_half of a bool input");
+      if (k->rotate[i] && k->prog.inputs[i] == DType::BOOL) throw Error("a rotation of a bool input");
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {

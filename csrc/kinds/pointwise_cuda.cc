@@ -1,5 +1,5 @@
 // CUDA kernel of onnxfuse::PointwiseChain (docs/format.md, "The node", kernel_meta kind
-// "pointwise"): input modes full / scalar / strided / rotate_half / rotate_half_strided / narrow,
+// "pointwise"): input modes full / scalar / strided / rotate_half(_strided) / rotate_pairs(_strided) / narrow,
 // every integer parameter 64-bit, a flat grid of `block` elements per program.
 #include "cuda_driver.h"
 
@@ -15,15 +15,16 @@ using cuda::thread_params;
 using cuda::Target;
 using cuda::Variant;
 
-enum class Mode { FULL, SCALAR, STRIDED, ROTATE, ROTATE_STRIDED, NARROW };
+enum class Mode { FULL, SCALAR, STRIDED, ROTATE, ROTATE_STRIDED, NARROW };  // (rotate_pairs: as rotate_half)
 
 struct PointwiseKernel : cuda::CudaKernel {
   static constexpr const char* kOp = "PointwiseChain";
   int rank = 0;
   std::vector<Mode> modes;  // per program input
   bool any_strided = false;
-  int64_t rotate_last = 0;       // kernel_meta "rotate_last": the last dim its rotate_half inputs were compiled for
-  std::vector<int64_t> rotate;   // the node's rotate_half
+  int64_t rotate_last = 0;       // kernel_meta "rotate_last": the last dim its rotated inputs were compiled for
+  std::vector<int64_t> rotate;   // the node's rotate_half (1) and rotate_pairs (2), read_rotations
+  std::vector<int64_t> pairs;    // per input: its kernel_meta mode is rotate_pairs(_strided)
   std::vector<std::vector<int64_t>> perms;  // the node's transpose, per input (empty: none)
   std::vector<int64_t> partial;  // the node's partial {r, k}, or empty
   int64_t last_dim = 0;          // kernel_meta "last_dim" (partial): the output's last dim compiled in
@@ -33,7 +34,7 @@ struct PointwiseKernel : cuda::CudaKernel {
   bool int32_params() const override { return false; }
 
   void init(const OrtKernelInfo* info) override {
-    rotate = read_rotate_half(info, prog.inputs.size());
+    rotate = read_rotations(info, prog.inputs.size());
     perms = read_transpose(info, prog.inputs.size());
     partial = read_partial(info, prog.inputs.size());
   }
@@ -51,17 +52,20 @@ struct PointwiseKernel : cuda::CudaKernel {
       if (md.str == "full") modes.push_back(Mode::FULL);
       else if (md.str == "scalar") modes.push_back(Mode::SCALAR);
       else if (md.str == "strided") modes.push_back(Mode::STRIDED), any_strided = true;
-      else if (md.str == "rotate_half") modes.push_back(Mode::ROTATE);
-      else if (md.str == "rotate_half_strided") modes.push_back(Mode::ROTATE_STRIDED), any_strided = true;
+      else if (md.str == "rotate_half" || md.str == "rotate_pairs") modes.push_back(Mode::ROTATE);
+      else if (md.str == "rotate_half_strided" || md.str == "rotate_pairs_strided")
+        modes.push_back(Mode::ROTATE_STRIDED), any_strided = true;
       else if (md.str == "narrow") modes.push_back(Mode::NARROW), any_strided = true;
       else throw Error("kernel_meta: unknown input mode \"" + md.str + "\"");
+      pairs.push_back(md.str.rfind("rotate_pairs", 0) == 0 ? 1 : 0);
     }
     bool rotates = false;
     for (size_t i = 0; i < modes.size(); ++i) {
       const bool rotated = modes[i] == Mode::ROTATE || modes[i] == Mode::ROTATE_STRIDED;
       rotates = rotates || rotated;
-      if (rotated != (i < rotate.size() && rotate[i] != 0))
-        throw Error("kernel_meta's input_modes and the node's rotate_half differ at input " + std::to_string(i));
+      if (rotated != (i < rotate.size() && rotate[i] != 0) || (rotated && (rotate[i] == 2) != (pairs[i] != 0)))
+        throw Error("kernel_meta's input_modes and the node's rotate_half / rotate_pairs differ at input " +
+                    std::to_string(i));
       if (!perms[i].empty() && modes[i] != Mode::STRIDED && modes[i] != Mode::ROTATE_STRIDED)
         throw Error("input " + std::to_string(i) + " is read through a transpose, its kernel_meta mode is not strided");
     }

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.codegen import STRIDED_MODES, KernelSource, KernelSpec, Variant, generate
+from onnxfuse.codegen import ROTATED_MODES, STRIDED_MODES, KernelSource, KernelSpec, Variant, generate
 from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, same_shape
 from onnxfuse.groups import Accepted, components, exit_levels, exposed_outputs, reentering
@@ -48,7 +48,7 @@ ROW_BLOCK_MIN = 512
 BLOCK_16BIT = 2048  # when every tensor is f16, bf16 or bool
 NUM_WARPS = 4  # 8 warps for long programs was 6-16% slower on the H200 (BENCHMARKS.md)
 DEFAULT_DOMAINS = ("", "ai.onnx")
-ROTATE_MODES = frozenset({"rotate_half", "rotate_half_strided"})  # input modes that read an input rotated
+ROTATE_MODES = frozenset(ROTATED_MODES)  # input modes that read an input rotated (rotate_half, rotate_pairs)
 
 
 @dataclass(frozen=True)
@@ -216,11 +216,14 @@ def _has_tensor_input(view: GraphView, group: list[int]) -> bool:
 @dataclass(frozen=True)
 class Rotation:
     """A group input the chain reads as rotate_half(x) = Concat(Neg(x[..., h:]), x[..., :h]) along
-    the last axis (h half of x's last dim): rotary embeddings as LLaMA-style models export them."""
+    the last axis (h half of x's last dim): rotary embeddings as LLaMA-style models export them; or,
+    `pairs`, as its interleaved form rotate_pairs(x) = flatten(stack(-x[..., 1::2], x[..., ::2]))
+    (GPT-J's rotate_every_two, Cohere's and GLM's rotate_half)."""
 
-    tensor: str  # the Concat's output, which the group reads
-    x: str  # the tensor rotated: the fused node's input instead (attribute rotate_half)
-    nodes: tuple[int, ...]  # the two Slices, the Neg and the Concat
+    tensor: str  # the Concat's (pairs: the Reshape's) output, which the group reads
+    x: str  # the tensor rotated: the fused node's input instead (attribute rotate_half / rotate_pairs)
+    nodes: tuple[int, ...]  # the two Slices, the Neg and the Concat (pairs: the Unsqueezes, the Reshape)
+    pairs: bool = False
 
 
 def _const_ints(view: GraphView, name: str) -> list[int] | None:
@@ -231,8 +234,8 @@ def _const_ints(view: GraphView, name: str) -> list[int] | None:
     return [int(v) for v in a.reshape(-1)] if a.dtype.kind in "iu" else None
 
 
-def _half_slice(view: GraphView, i: int | None, x_rank: int, last: int) -> tuple[str, int, int] | None:
-    """(input, start, end) of node i when it is a Slice of its input's last axis with step 1,
+def _half_slice(view: GraphView, i: int | None, x_rank: int, last: int, step: int = 1) -> tuple[str, int, int] | None:
+    """(input, start, end) of node i when it is a Slice of its input's last axis with step `step`,
     constant starts and ends clamped to [0, last]; None otherwise."""
     if i is None or view.nodes[i].op_type != "Slice" or view.nodes[i].domain not in DEFAULT_DOMAINS:
         return None
@@ -243,12 +246,67 @@ def _half_slice(view: GraphView, i: int | None, x_rank: int, last: int) -> tuple
     steps = _const_ints(view, n.input[4]) if len(n.input) > 4 and n.input[4] else [1]
     if not (starts and ends and axes and steps) or not len(starts) == len(ends) == len(axes) == len(steps) == 1:
         return None
-    if axes[0] % x_rank != x_rank - 1 or steps[0] != 1:
+    if axes[0] % x_rank != x_rank - 1 or steps[0] != step:
         return None
 
     def clamp(v: int) -> int:
         return min(max(v + last if v < 0 else v, 0), last)
     return n.input[0], clamp(starts[0]), clamp(ends[0])
+
+
+def _unsqueezed_last(view: GraphView, i: int | None, rank: int) -> str | None:
+    """The input of node i when it is an Unsqueeze of a rank-`rank` tensor at its new last axis
+    (axes [-1] or [rank], as an input from opset 13, else an attribute); None otherwise."""
+    if i is None or view.nodes[i].op_type != "Unsqueeze" or view.nodes[i].domain not in DEFAULT_DOMAINS:
+        return None
+    n = view.nodes[i]
+    axes = _const_ints(view, n.input[1]) if len(n.input) > 1 else list(node_attrs(n).get("axes", ()))
+    return n.input[0] if axes is not None and len(axes) == 1 and axes[0] % (rank + 1) == rank else None
+
+
+def pairs_at(view: GraphView, tensor: str, readers: set[int], taken: set[int],
+             reserved: dict[int, str]) -> Rotation | None:
+    """The interleaved rotation making `tensor`, read only by `readers` (and not a graph output):
+    Reshape(Concat(Unsqueeze(Neg(Slice(x, 1, D, step 2)), -1), Unsqueeze(Slice(x, 0, D, step 2), -1)),
+    axis -1) to x's shape, x a float tensor with a static, even last dim D, each node read by the
+    next alone, none taken or left to ONNX Runtime; None otherwise."""
+    r = view.producer.get(tensor)
+    if r is None or r in taken or r in reserved or tensor in view.graph_outputs:
+        return None
+    rn = view.nodes[r]
+    if rn.op_type != "Reshape" or rn.domain not in DEFAULT_DOMAINS:
+        return None
+    if not set(view.consumers.get(tensor, ())) <= readers:
+        return None
+    shape = view.shapes.get(tensor)
+    if shape is None or not shape or not isinstance(shape[-1], int) or shape[-1] % 2:
+        return None
+    rank, last = len(shape), shape[-1]
+    c = view.producer.get(rn.input[0])
+    if c is None or view.nodes[c].op_type != "Concat" or view.nodes[c].domain not in DEFAULT_DOMAINS:
+        return None
+    cn = view.nodes[c]
+    if len(cn.input) != 2 or int(node_attrs(cn).get("axis", 0)) % (rank + 1) != rank:
+        return None
+    u_neg, u_even = view.producer.get(cn.input[0]), view.producer.get(cn.input[1])
+    neg_out, even = _unsqueezed_last(view, u_neg, rank), _unsqueezed_last(view, u_even, rank)
+    neg = view.producer.get(neg_out) if neg_out else None
+    if even is None or neg is None or view.nodes[neg].op_type != "Neg" or view.nodes[neg].domain not in DEFAULT_DOMAINS:
+        return None
+    odd_slice, even_slice = view.producer.get(view.nodes[neg].input[0]), view.producer.get(even)
+    a, b = _half_slice(view, odd_slice, rank, last, 2), _half_slice(view, even_slice, rank, last, 2)
+    if a is None or b is None or a != (b[0], 1, last) or b[1:] != (0, last):
+        return None
+    x = a[0]
+    nodes = (odd_slice, even_slice, neg, u_neg, u_even, c, r)
+    only = [(view.nodes[odd_slice].output[0], neg), (neg_out, u_neg), (even, u_even), (cn.input[0], c),
+            (cn.input[1], c), (rn.input[0], r)]
+    if any(i in taken or i in reserved for i in nodes) or any(
+            name in view.graph_outputs or list(view.consumers.get(name, ())) != [k] for name, k in only):
+        return None
+    if view.shapes.get(x) != shape or view.types.get(x) not in FLOAT_TYPES:
+        return None
+    return Rotation(tensor, x, nodes, pairs=True)
 
 
 def rotation_at(view: GraphView, tensor: str, readers: set[int], taken: set[int],
@@ -292,14 +350,15 @@ def rotation_at(view: GraphView, tensor: str, readers: set[int], taken: set[int]
 
 def group_rotations(view: GraphView, group: list[int], outputs: list[str], taken: set[int],
                     reserved: dict[int, str]) -> tuple[Rotation, ...]:
-    """The group's inputs that are rotate_half of a tensor of the group's shape (`rotation_at`)."""
+    """The group's inputs that are rotate_half of a tensor of the group's shape (`rotation_at`), or
+    its interleaved form (`pairs_at`)."""
     members = set(group)
     shape = view.shapes.get(outputs[0])
     found = []
     for name in dict.fromkeys(x for i in group for x in view.nodes[i].input if x):
         if view.producer.get(name) in members or name in view.constants:
             continue
-        r = rotation_at(view, name, members, taken, reserved)
+        r = rotation_at(view, name, members, taken, reserved) or pairs_at(view, name, members, taken, reserved)
         if r is not None and same_shape(view.shapes.get(r.x), shape):
             found.append(r)
     return tuple(found)
@@ -561,7 +620,8 @@ class Pointwise(Kind):
         program, inputs, folded = lower_group(view, tuple(i for i in match.nodes if i not in absorbed), chain_outputs)
         shape = view.shapes[match.outputs[0]]
         rank = len(shape)
-        flags = [int(x in rotated) for x in inputs]
+        # per input: 0 read as it is, 1 rotate_half, 2 rotate_pairs (the interleaved form)
+        flags = [(2 if rotated[x].pairs else 1) if x in rotated else 0 for x in inputs]
         inputs = [rotated[x].x if x in rotated else x for x in inputs]  # rotate_half(x): read x
         if part:  # Slice(x, 0, r): read x (at the same element; beyond r the node copies x)
             inputs = [part.x if x == part.narrow else x for x in inputs]
@@ -569,7 +629,8 @@ class Pointwise(Kind):
 
         def mode(x: str, rotated_read: int) -> str:
             if rotated_read:
-                return "rotate_half_strided" if x in transposed else "rotate_half"
+                kind = "rotate_pairs" if rotated_read == 2 else "rotate_half"
+                return kind + ("_strided" if x in transposed else "")
             if part and x != part.x and (view.shapes.get(x) or (1,))[-1] == part.width:
                 return "narrow"  # (r columns, read where the column is below r)
             return "strided" if x in transposed else input_mode(view, x, shape)
@@ -582,8 +643,12 @@ class Pointwise(Kind):
         row = pow2_factor(last) if "strided" in modes and not part else 0
         key = f"row={row}" if row >= ROW_BLOCK_MIN else ""
         if any(flags):  # the rotation's half is compiled in
-            key += f" rotate_half={flags} last={last}"
-        attrs: dict = {"rotate_half": flags} if any(flags) else {}
+            key += f" rotate={flags} last={last}"
+        attrs: dict = {}
+        if 1 in flags:
+            attrs["rotate_half"] = [int(f == 1) for f in flags]
+        if 2 in flags:
+            attrs["rotate_pairs"] = [int(f == 2) for f in flags]
         if transposed:  # (the kernel reads them by strides the launcher derives from the perms)
             attrs["transpose"] = [a for p in perms for a in p]
             key += f" modes={list(modes)}"
@@ -627,18 +692,20 @@ class Pointwise(Kind):
     def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         program = Program.from_text(attrs["program"].decode())
-        flags = list(attrs.get("rotate_half", ()))
+        halves, pairs = list(attrs.get("rotate_half", ())), list(attrs.get("rotate_pairs", ()))
         flat = list(attrs.get("transpose", ()))
         rank = len(flat) // max(len(inputs), 1)
         perms = [tuple(flat[k * rank:(k + 1) * rank]) for k in range(len(inputs))] if flat else []
-        # Transpose(x, perm) first (an identity one: x as it is, of any rank), then rotate_half
+        # Transpose(x, perm) first (an identity one: x as it is, of any rank), then cut, then rotated
         inputs = [np.transpose(x, perms[k]) if perms and perms[k] != tuple(range(rank)) else x
                   for k, x in enumerate(inputs)]
         partial = list(attrs.get("partial", ()))
         if partial:  # the program over the first r columns (of the inputs as wide as x), x beyond
             r, x = partial[0], inputs[partial[1]]
             inputs = [v[..., :r] if v.ndim and v.shape[-1] == x.shape[-1] else v for v in inputs]
-        ys = evaluate(program, [rotate_half(x) if k < len(flags) and flags[k] else x for k, x in enumerate(inputs)])
+        inputs = [rotate_half(x) if k < len(halves) and halves[k] else rotate_pairs(x) if k < len(pairs) and pairs[k]
+                  else x for k, x in enumerate(inputs)]
+        ys = evaluate(program, inputs)
         if partial:
             ys = [np.concatenate([np.broadcast_to(y, x[..., :r].shape), x[..., r:].astype(y.dtype)], axis=-1)
                   for y in ys]
@@ -650,3 +717,12 @@ def rotate_half(x: np.ndarray) -> np.ndarray:
     PointwiseChain's rotate_half)."""
     h = x.shape[-1] // 2
     return np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+
+
+def rotate_pairs(x: np.ndarray) -> np.ndarray:
+    """The interleaved rotation: each pair (x[2i], x[2i+1]) along the last axis becomes
+    (-x[2i+1], x[2i]) (docs/format.md, PointwiseChain's rotate_pairs)."""
+    y = np.empty_like(x)
+    y[..., 0::2] = -x[..., 1::2]
+    y[..., 1::2] = x[..., 0::2]
+    return y
