@@ -173,11 +173,11 @@ def generate(
     rotate_width = partial[0] if partial else last_dim
     if any(m in ROTATED_MODES for m in input_modes) and (rotate_width <= 0 or rotate_width % 2 or rank < 1):
         raise ValueError(f"a rotated input needs a static, even last dim (got {rotate_width}, rank {rank})")
-    if partial and (len(partial) != 2 or not 0 < partial[0] < last_dim or len(program.outputs) != 1
+    if partial and (len(partial) != 2 or not 0 < partial[0] < last_dim or last_dim % 2 or len(program.outputs) != 1
                     or not 0 <= partial[1] < len(input_modes) or input_modes[partial[1]] not in ("full", "strided")
                     or variant.last_multiple):
-        raise ValueError(f"partial {list(partial)} needs 0 < r < last_dim ({last_dim}), one output, a full or strided "
-                         "input k and no row variant")
+        raise ValueError(f"partial {list(partial)} needs 0 < r < last_dim ({last_dim}, even), one output, a full or "
+                         "strided input k and no row variant")
     if "narrow" in input_modes and not partial:
         raise ValueError("a narrow input needs partial")
     n_in, n_out = len(program.input_dtypes), len(program.outputs)

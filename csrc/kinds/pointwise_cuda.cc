@@ -146,7 +146,7 @@ struct PointwiseKernel : cuda::CudaKernel {
           if (transposed_view(io.in[i].shape, perms[i]).first != io.out_shape || io.out_shape.empty() ||
               io.out_shape.back() != rotate_last)
             throw Error("input " + std::to_string(i) + " has shape " + shape_str(io.in[i].shape) +
-                        ", its kernel reads it rotated (rotate_half) over a last dim of " +
+                        ", its kernel reads it rotated (rotate_half or rotate_pairs) over a last dim of " +
                         std::to_string(rotate_last) + ", which needs the output's shape " +
                         shape_str(io.out_shape) + " ending in it (the model's shapes changed since it was optimized?)");
           break;

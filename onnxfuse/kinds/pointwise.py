@@ -269,12 +269,14 @@ def pairs_at(view: GraphView, tensor: str, readers: set[int], taken: set[int],
     """The interleaved rotation making `tensor`, read only by `readers` (and not a graph output):
     Reshape(Concat(Unsqueeze(Neg(Slice(x, 1, D, step 2)), -1), Unsqueeze(Slice(x, 0, D, step 2), -1)),
     axis -1) to x's shape, x a float tensor with a static, even last dim D, each node read by the
-    next alone, none taken or left to ONNX Runtime; None otherwise."""
+    next alone, none taken or left to ONNX Runtime, the Reshape's shape a constant; None otherwise."""
     r = view.producer.get(tensor)
     if r is None or r in taken or r in reserved or tensor in view.graph_outputs:
         return None
     rn = view.nodes[r]
-    if rn.op_type != "Reshape" or rn.domain not in DEFAULT_DOMAINS:
+    if rn.op_type != "Reshape" or rn.domain not in DEFAULT_DOMAINS or len(rn.input) < 2:
+        return None
+    if rn.input[1] not in view.constants:  # (a shape computed at run time: the body would read it from outside)
         return None
     if not set(view.consumers.get(tensor, ())) <= readers:
         return None
@@ -437,7 +439,7 @@ class Partial:
 def partial_at(view: GraphView, group: list[int], outputs: list[str], rotations: tuple[Rotation, ...],
                taken: set[int], reserved: dict[int, str]) -> Partial | None:
     """The group's `Partial` where its one output is the first input of a Concat over the last
-    axis whose second is Slice(x, r, D) of a float tensor x of static last dim D > r, and every
+    axis whose second is Slice(x, r, D) of a float tensor x of static, even last dim D > r, and every
     input of the group's shape (rotated too) is Slice(x, 0, r), read plain at least once; the
     Slices and the Concat not taken or left to ONNX Runtime, each Slice read there alone (the
     first inside the group); None otherwise."""
@@ -457,8 +459,8 @@ def partial_at(view: GraphView, group: list[int], outputs: list[str], rotations:
     rs = view.producer.get(rest)
     x = view.nodes[rs].input[0] if rs is not None and view.nodes[rs].input else None
     xs = view.shapes.get(x) if x else None
-    if xs is None or len(xs) != rank or not isinstance(xs[-1], int) or xs[-1] <= r or r < 2:
-        return None
+    if xs is None or len(xs) != rank or not isinstance(xs[-1], int) or xs[-1] <= r or r < 2 or xs[-1] % 2:
+        return None  # (D even: a pair rotation's read beyond r stays in its row)
     d = xs[-1]
     if _half_slice(view, rs, rank, d) != (x, r, d) or list(view.consumers.get(rest, ())) != [c]:
         return None
