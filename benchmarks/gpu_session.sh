@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # A folder carried to the device in one call is gone in the next: every call that runs models
 # with the library must carry .devlib again (the eighth session lost a whole suite run to it).
 case "${1:-tests}" in
-  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder|attention)
+  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder|attention|hf-rotary)
     if [ -z "${ONNXFUSE_LIBRARY:-}" ] && [ -z "${ONNXFUSE_ORT_INCLUDE:-}" ]; then
       echo "gpu_session.sh ${1}: no .devlib here (carry [\".devlib\"] in this call): stopping" >&2; exit 2
     fi ;;
@@ -208,6 +208,19 @@ PY
     limit=${2:-560}; tag=${3:+_$3}; shift $(( $# < 3 ? $# : 3 ))
     timeout -s INT "$limit" python3 benchmarks/attention_roofline.py --json "$OUT/attention_roofline$tag.json" "$@" \
       2>&1 | grep -v "W:onnxruntime" | tee "$OUT/attention_roofline$tag.log"
+    ;;
+  hf-rotary)
+    # the rotary work of the twenty-sixth to twenty-eighth sessions, first on a GPU: every interpreter
+    # case under Triton on the GPU (rotate-half-*, transposed-*, partial-*, rotate-pairs-* among them),
+    # then Hugging Face decoders at full size against ORT, ORT + graphs and the tf-optimizer, errors beside:
+    # LLaMA and Qwen2 (rotate_half, Q and K read through their Transposes), Phi, StableLM and GPT-NeoX
+    # (partial), GPT-J (interleaved and partial); JSON after each case.   hf-rotary [LIMIT] [BATCH] [DTYPE] [ARCHS]
+    limit=${2:-560}; b=${3:-8}; dt=${4:-fp16}
+    timeout -s INT 150 python3 -m pytest -m gpu tests/test_codegen.py -q -p no:cacheprovider -rf \
+      -k "gpu_kernels_match_reference" 2>&1 | tee "$OUT/gpu_tests_rotary.log" | tail -4
+    timeout -s INT "$limit" python3 benchmarks/hf_attention.py --archs "${5:-llama,qwen2,phi,stablelm,gpt_neox,gptj}" \
+      --attn sdpa --batch "$b" --dtype "$dt" --cuda-graph --tf-optimizer --tune-budget 3 \
+      --json "$OUT/hf_rotary_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | grep "^|" | tee "$OUT/hf_rotary_b${b}_${dt}.md"
     ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)
