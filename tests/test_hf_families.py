@@ -101,3 +101,19 @@ def test_interleaved_rotary_joins_its_chains(arch, exporter, tmp_path):
     assert row["fused_attention"] == row["softmax_before"] > 0 and row["gate"], row
     assert row["negs"][0] > 0 and row["negs"][1] == 0 and row["concats"][1] == 0 and row["transposes"][1] == 0, row
 
+
+@pytest.mark.parametrize("arch", ["bert", "llama", "vit"])
+def test_dynamo_exports_fuse_as_torchscript_ones_do(arch, tmp_path):
+    """torch's dynamo exporter (torch.export, its default since torch 2.9, opset 18) writes other
+    graphs than TorchScript (K^T as Reshape(Transpose(Reshape(K))), its own Slice and Concat forms):
+    every attention still fuses with its head Transposes, LLaMA's rotate_half and key-value repeat
+    join their nodes, and the gate passes."""
+    args = argparse.Namespace(small=True, batch=2, dtype="fp32", provider="cpu", iters=2, tf_optimizer=False,
+                              cuda_graph=False, tune_budget=None, exporter="dynamo")
+    row = hf_attention.run_case(arch, "sdpa", args, tmp_path)
+    assert "error" not in row, row
+    assert row["fused_attention"] == row["softmax_before"] > 0 and row["gate"], row
+    assert row["transposes"][1] <= (1 if arch == "vit" else 0), row  # (ViT: its patch embedding's)
+    if arch == "llama":
+        assert row["negs"][1] == 0 and row["expands"][1] == 0 and row["kv_groups"] == [2], row
+
