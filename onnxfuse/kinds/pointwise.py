@@ -48,7 +48,6 @@ ROW_BLOCK_MIN = 512
 BLOCK_16BIT = 2048  # when every tensor is f16, bf16 or bool
 NUM_WARPS = 4  # 8 warps for long programs was 6-16% slower on the H200 (BENCHMARKS.md)
 DEFAULT_DOMAINS = ("", "ai.onnx")
-ROTATE_MODES = frozenset(ROTATED_MODES)  # input modes that read an input rotated (rotate_half, rotate_pairs)
 
 
 @dataclass(frozen=True)
@@ -639,7 +638,7 @@ class Pointwise(Kind):
         modes = tuple(mode(x, f) for x, f in zip(inputs, flags, strict=True))
         inputs = [transposed[x].x if x in transposed else x for x in inputs]  # Transpose(x): read x
         static_last = bool(shape) and isinstance(shape[-1], int)
-        last = shape[-1] if static_last and any(m != "full" and m != "scalar" for m in modes) else 0
+        last = shape[-1] if static_last and (part or any(m != "full" and m != "scalar" for m in modes)) else 0
         # the row variants' blocks follow the largest power of two dividing the last dim
         # (`row_block`, `pointwise_candidates`): it names the kernel too
         row = pow2_factor(last) if "strided" in modes and not part else 0
@@ -653,15 +652,15 @@ class Pointwise(Kind):
             attrs["rotate_pairs"] = [int(f == 2) for f in flags]
         if transposed:  # (the kernel reads them by strides the launcher derives from the perms)
             attrs["transpose"] = [a for p in perms for a in p]
+        if transposed or part:
             key += f" modes={list(modes)}"
         partial: tuple[int, int] = ()
         if part:  # the columns computed and the input copied beyond them are compiled in
-            last = shape[-1]
             x_read = transposed[part.x].x if part.x in transposed else part.x
             partial = (part.width, next(k for k, x in enumerate(inputs)
                                         if x == x_read and not flags[k] and modes[k] in ("full", "strided")))
             attrs["partial"] = list(partial)
-            key += f" partial={list(partial)} last={last} modes={list(modes)}"
+            key += f" partial={list(partial)} last={last}"
         return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], attrs, key, rank, modes,
                         {"params": ChainInfo(last, partial)})
 
@@ -685,7 +684,7 @@ class Pointwise(Kind):
             "name": spec.name,
             "rank": spec.rank,
             "input_modes": list(spec.input_modes),
-            **({"rotate_last": spec.last_dim} if set(spec.input_modes) & ROTATE_MODES else {}),
+            **({"rotate_last": spec.last_dim} if set(spec.input_modes) & set(ROTATED_MODES) else {}),
             **({"partial": list(spec.partial), "last_dim": spec.last_dim} if spec.partial else {}),
             "variants": [{"requires": v.requires(), "block": v.block} for v in variants],
             "binaries": binaries,
