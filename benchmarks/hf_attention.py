@@ -17,6 +17,8 @@ are deployed, with a key-value cache of P positions (inputs `position_ids`, `pas
 `past.L.value`, outputs `present.L.*`; `--new` tokens, 1 by default), every input's batch, new
 tokens and cached positions dynamic; optimized without the cache length (`--shape batch=B --shape
 new=T`: each step has one more) and benched at P and at a later step (batch + 1, 2P + 3 cached).
+`--dynamic`: exported with a dynamic batch and sequence (as deployed models are: no `--shape`),
+optimized so, and benched at the export's shape and at another (batch + 1, 2 seq - 3).
 Prints a table and writes JSON after every case:
 
     python benchmarks/hf_attention.py --provider cuda --batch 1 --cuda-graph --tf-optimizer --json hf_b1.json
@@ -243,17 +245,20 @@ def export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int 
 
 
 def _export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int = 0, new: int = 1,
-            exporter: str = "torchscript"):
+            exporter: str = "torchscript", dynamic: bool = False):
     """(the inputs' dims, the model's configuration) of `export`. With a cache (`past` > 0) every
     input's batch, the new tokens and the cached positions are dynamic axes, as a generation
     loop feeds them (the dims returned are the export's: `new` tokens after `past`). `exporter`
-    "dynamo": torch's torch.export-based exporter (its default since torch 2.9), opset 18, static
-    shapes (no cache)."""
+    "dynamo": torch's torch.export-based exporter (its default since torch 2.9), opset 18 (no
+    cache). `dynamic`: the batch and the sequence (tokens; audio samples) are dynamic axes named
+    "batch" and "seq" (torch.export.Dim for dynamo), as deployed models are exported; otherwise
+    only TorchScript's batch is (dynamo's export is static)."""
     import torch
 
     module, names, cfg = build(arch, attn, small, past)
     seq = 16 if small else SEQ
-    axes = {n: {0: "batch"} for n in names}
+    axes = {n: {0: "batch", **({1: "seq"} if dynamic and names not in (["pixel_values"], ["input_features"]) else {})}
+            for n in names}
     if names == ["pixel_values"]:
         dims = {"pixel_values": (batch, getattr(cfg, "num_channels", 3), cfg.image_size, cfg.image_size)}
         args = (torch.randn(*dims["pixel_values"]),)
@@ -276,11 +281,15 @@ def _export(arch: str, attn: str, small: bool, batch: int, path: Path, past: int
         args = tuple(torch.ones(batch, seq, dtype=torch.int64) for _ in names)
     outputs = ["hidden", *cache_names(cfg, "present")] if past else ["hidden"]
     with torch.no_grad():
-        if exporter == "dynamo":  # (static: its conversion of these dynamic axes fails for most families)
+        if exporter == "dynamo":  # (its conversion of TorchScript's dynamic axes fails for most families)
             if past:
-                raise ValueError("--exporter dynamo exports static shapes: no --past")
+                raise ValueError("--exporter dynamo: no --past")
+            dims_of = None
+            if dynamic:  # torch.export's own dims, per input of the module's *args
+                b, s = torch.export.Dim("batch", min=1, max=1024), torch.export.Dim("seq", min=2, max=4096)
+                dims_of = {"args": tuple({k: (b if v == "batch" else s) for k, v in axes[n].items()} for n in names)}
             program = torch.onnx.export(module, args, input_names=names, output_names=outputs, opset_version=18,
-                                        dynamo=True, verbose=False)
+                                        dynamo=True, verbose=False, dynamic_shapes=dims_of)
             program.save(str(path))
         else:
             torch.onnx.export(module, args, str(path), opset_version=17, dynamo=False, input_names=names,
@@ -309,7 +318,8 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     exporter = getattr(args, "exporter", "torchscript")
     if arch in DYNAMO_ONLY and exporter != "dynamo":
         return row | {"error": f"TorchScript cannot export {arch}: use --exporter dynamo"}
-    dims, cfg = _export(arch, attn, args.small, args.batch, src, past, new_tokens, exporter)
+    dynamic = getattr(args, "dynamic", False)
+    dims, cfg = _export(arch, attn, args.small, args.batch, src, past, new_tokens, exporter, dynamic)
     fp32_twin = None
     if args.dtype == "fp16":  # converted as the suite converts its fp16 models
         from models.fp16 import to_fp16
@@ -334,8 +344,8 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     target = ["--target", "none"] if args.provider == "cpu" else []
     budget = ["--tune-budget", str(args.tune_budget)] if args.tune_budget else []
     # a cached step's model stays dynamic in the cached positions (each step has one more): only the
-    # batch and the new tokens are given
-    given = [f"batch={args.batch}", f"new={new_tokens}"] if past else shapes
+    # batch and the new tokens are given; --dynamic: nothing is
+    given = [] if dynamic else [f"batch={args.batch}", f"new={new_tokens}"] if past else shapes
     r = cli("optimize", str(src), str(opt), *target, *budget, *sum((["--shape", s] for s in given), []))
     if r.returncode != 0:
         return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
@@ -346,7 +356,7 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     row |= {"softmax_before": original["Softmax"], "fused_attention": ops["FusedAttention"],
             "softmax_left": ops["Softmax"], "transposes": [original["Transpose"], ops["Transpose"]],
             "expands": [original["Expand"], ops["Expand"]], "negs": [original["Neg"], ops["Neg"]],
-            "concats": [original["Concat"], ops["Concat"]],
+            "concats": [original["Concat"], ops["Concat"]], "splits": [original["Split"], ops["Split"]],
             "kv_groups": sorted(groups), "nodes": [
                 sum(original.values()), sum(ops.values())]}
     found, error = bench_models(models, shapes, args, js)
@@ -364,6 +374,15 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
         if error:
             return row | {"error": error}
         row |= {"later_step": f"batch {args.batch + 1}, past {2 * past + 3}", **timings(*found, "later_")}
+    elif dynamic:  # the same models at another batch and sequence
+        later = {n: (args.batch + 1, *d[1:]) if axes_of(n, d) == 1 else (args.batch + 1, 2 * d[1] - 3, *d[2:])
+                 for n, d in dims.items()}
+        found, error = bench_models([src, opt], [f"{n}={'x'.join(map(str, d))}" for n, d in later.items()], args, js)
+        if error:
+            return row | {"error": error}
+        row |= {"later_step": f"batch {args.batch + 1}" + ("" if all(axes_of(n, d) == 1 for n, d in dims.items())
+                                                            else f", seq {2 * next(iter(dims.values()))[1] - 3}"),
+                **timings(*found, "later_")}
     if args.cuda_graph and args.provider == "cuda":  # every model again, each replayed as one CUDA graph
         found, _ = bench_models(models, shapes, args, js, "--cuda-graph")
         if found:
@@ -375,6 +394,11 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
             if peer:
                 row |= {"tfopt_graph_ms": peer[0]["latency_ms"]["median"], "tfopt_captured": peer[0].get("cuda_graph")}
     return row
+
+
+def axes_of(name: str, dims: tuple[int, ...]) -> int:
+    """How many leading axes of input `name` `--dynamic` exports make dynamic (batch; and seq)."""
+    return 1 if name in ("pixel_values", "input_features") or len(dims) < 2 else 2
 
 
 def bench_models(models: list[Path], shapes: list[str], args, js: Path, *flags: str) -> tuple[list | None, list]:
@@ -398,6 +422,7 @@ def timings(ref: dict, new: dict, prefix: str = "") -> dict:
 def case_name(arch: str, attn: str, args) -> str:
     past = getattr(args, "past", 0)
     return (f"{arch}_{attn}_b{args.batch}" + (f"_past{past}_new{args.new}" if past else "")
+            + ("_dynamic" if getattr(args, "dynamic", False) else "")
             + ("_fp16" if args.dtype == "fp16" else "")
             + ("_dynamo" if getattr(args, "exporter", "") == "dynamo" else ""))
 
@@ -418,6 +443,9 @@ def main() -> None:
                     help="decoders: export a generation step with a key-value cache of this many positions "
                          "(dynamic: optimized for any cache length, benched at this one and at a later step)")
     ap.add_argument("--new", type=int, default=1, help="with --past: the step's new tokens (1: decoding)")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="export with a dynamic batch and sequence, optimize without --shape, bench at the "
+                         "export's shape and at another (batch + 1, 2 seq - 3)")
     ap.add_argument("--json", type=Path)
     ap.add_argument("--tune-budget", type=float, help="onnxfuse optimize's --tune-budget (seconds; its default: 60)")
     ap.add_argument("--cuda-graph", action="store_true", help="also time the models under CUDA graphs")

@@ -11,8 +11,9 @@ import onnx
 from onnx import GraphProto, ModelProto, NodeProto, TensorProto, numpy_helper
 
 from onnxfuse import ir
+from onnxfuse.dims import canonical
 
-Dim = int | str | None  # a size, a symbolic name, or unknown
+Dim = int | str | None  # a size, a symbolic name (or a product of names, `onnxfuse.dims`), or unknown
 Shape = tuple[Dim, ...]
 
 
@@ -139,7 +140,7 @@ def _dim(d: onnx.TensorShapeProto.Dimension) -> Dim:
     if ir.known_dim(d) is not None:
         return d.dim_value
     if d.HasField("dim_param") and d.dim_param:
-        return d.dim_param
+        return canonical(d.dim_param)  # one spelling of a product: "batch*12" is "12*batch"
     return None
 
 
@@ -179,3 +180,70 @@ def last_dim_vector(t: TensorProto, n: int, max_rank: int | None = None) -> bool
     dims = [int(d) for d in t.dims]
     return bool(dims) and dims[-1] == n and all(d == 1 for d in dims[:-1]) \
         and (max_rank is None or len(dims) <= max_rank)
+
+
+def shape_input_spec(view: GraphView, node: NodeProto) -> list[int | tuple[int]] | None:
+    """What can stand for a Reshape's or an Expand's computed shape input (a dynamic export's
+    Concat of Shape reads), read from the known shapes of its data input x and its output: per
+    output dim a size (Reshape's 0 keeps x's dim there unless its allowzero is set, one -1 is
+    inferred; Expand's 1 keeps x's dim) or (j,), x's dim j at run time, where the output's named
+    dim is x's dim j. None where the shapes do not decide it, or for other nodes. A fused node's
+    function body computes it from x (`shape_input_nodes`) instead of the shape arithmetic the
+    node took it from."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("Reshape", "Expand") or len(node.input) < 2:
+        return None
+    x, y = view.shapes.get(node.input[0]), view.shapes.get(node.output[0])
+    if x is None or y is None or any(d is None for d in (*x, *y)):
+        return None
+    spec: list[int | tuple[int]] = []
+    if node.op_type == "Reshape":
+        zero_is_zero = any(a.name == "allowzero" and a.i for a in node.attribute)  # (torch's dynamo exporter's)
+        inferred = False
+        for i, d in enumerate(y):
+            if isinstance(d, int) and d != 0:
+                spec.append(d)
+            elif i < len(x) and x[i] == d:
+                spec.append((i,) if zero_is_zero else 0)
+            elif d in x:
+                spec.append((x.index(d),))
+            elif not inferred and d != 0:
+                spec.append(-1)
+                inferred = True
+            else:
+                return None
+        return spec
+    lead = len(y) - len(x)
+    if lead < 0:
+        return None
+    for i, d in enumerate(y):
+        if i >= lead and x[i - lead] == d:
+            spec.append(1)
+        elif isinstance(d, int):
+            spec.append(d)
+        elif d in x:
+            spec.append((x.index(d),))
+        else:
+            return None
+    return spec
+
+
+def shape_input_nodes(spec: list[int | tuple[int]], x: str, out: str, prefix: str) -> list[NodeProto]:
+    """Nodes computing `shape_input_spec`'s `spec` into `out`: one Constant where it holds sizes
+    alone, else x's Shape, the Gathers of its dims and a Concat (names begin with `prefix`)."""
+    if all(isinstance(e, int) for e in spec):
+        return [onnx.helper.make_node("Constant", [], [out], value=numpy_helper.from_array(
+            np.array(spec, np.int64), ""))]
+    nodes = [onnx.helper.make_node("Shape", [x], [f"{prefix}_shape"])]
+    parts = []
+    for k, e in enumerate(spec):
+        part = f"{prefix}_{k}"
+        if isinstance(e, int):
+            nodes.append(onnx.helper.make_node("Constant", [], [part], value=numpy_helper.from_array(
+                np.array([e], np.int64), "")))
+        else:
+            nodes.append(onnx.helper.make_node("Constant", [], [f"{part}_at"], value=numpy_helper.from_array(
+                np.array([e[0]], np.int64), "")))
+            nodes.append(onnx.helper.make_node("Gather", [f"{prefix}_shape", f"{part}_at"], [part], axis=0))
+        parts.append(part)
+    nodes.append(onnx.helper.make_node("Concat", parts, [out], axis=0))
+    return nodes

@@ -272,13 +272,118 @@ def infer_shapes(model: ModelProto) -> ModelProto:
     light = light_copy(model)
     _name_unknown_dims(light.graph)
     _drop_stale_symbols(light.graph)
+    return infer_light(light)
+
+
+def infer_light(light: ModelProto) -> ModelProto:
+    """`infer_shapes` of a model whose weights are stand-ins already (`light_copy`): ONNX's
+    shape inference, its gaps filled (`_fill_inference_gaps`), then the dims it could not
+    relate filled from ONNX Runtime's symbolic shape inference where that is installed
+    (`_fill_symbolic_dims`); `light` itself when ONNX's inference fails."""
     try:
         out = onnx.shape_inference.infer_shapes(light, strict_mode=False, data_prop=True)
         if _fill_inference_gaps(out.graph):
             out = onnx.shape_inference.infer_shapes(out, strict_mode=False, data_prop=True)
-        return out
     except Exception:  # inference is best effort: unknown shapes only block fusion
         return light
+    _fill_symbolic_dims(out, light)
+    return out
+
+
+def _ort_symbolic_shapes(light: ModelProto) -> ModelProto | None:
+    """ONNX Runtime's symbolic shape inference of `light` (what it infers: it may leave some
+    tensors unknown), or None: not installed, it failed, or it assumed what a valid model need
+    not hold. With auto merge it equates the dims a broadcast meets: a computed dim and an
+    input's named one ([seq] against position ids' [Min(512, seq)]) are equal in any valid run,
+    but two inputs' dims ([batch] against [batch_b]) or a dim and a size (seq against 512) need
+    not be (either may be 1): such a merge drops the whole result. Run as its static
+    `infer_shapes` runs it, but without the file that writes to the working directory where
+    some tensor stays unknown."""
+    try:
+        import contextlib
+        import io
+        import logging
+
+        from onnxruntime.tools import symbolic_shape_infer as ssi
+    except Exception:  # noqa: BLE001 -- onnxruntime or sympy not installed
+        return None
+    shaped = ModelProto()  # the weights' stand-ins as graph inputs: it reads their shapes, never their values
+    _copy_fields(light, shaped, skip="graph")
+    _copy_fields(light.graph, shaped.graph, skip="initializer")
+    for t in light.graph.initializer:
+        if t.data_location == onnx.TensorProto.EXTERNAL and any(
+                e.key == "location" and e.value == PLACEHOLDER for e in t.external_data):
+            shaped.graph.input.append(onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+        else:
+            shaped.graph.initializer.append(t)
+    light = shaped
+    quiet = logging.getLogger(ssi.__name__)  # (its merges' warnings)
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            run = ssi.SymbolicShapeInference(2**31 - 1, True, False, 0)
+            run._preprocess(light)
+            while run.run_:
+                run._infer_impl()
+            run._update_output_from_vi()
+        named = {d.dim_param for vi in light.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param}
+        if any(ssi.is_literal(to) or merged in named for merged, to in run.suggested_merge_.items()):
+            return None
+        return run.out_mp_
+    except Exception:  # noqa: BLE001 -- it fails on this model (or its internals changed): ONNX's shapes
+        return None
+    finally:
+        quiet.setLevel(level)
+
+
+def _unknown(d: onnx.TensorShapeProto.Dimension) -> bool:
+    return not d.HasField("dim_value") and (not d.dim_param or bool(_INFERENCE_SYMBOL.fullmatch(d.dim_param)))
+
+
+def _fill_symbolic_dims(out: ModelProto, light: ModelProto) -> int:
+    """Where ONNX's inference left a dim unknown (no size, or a name of its own such as
+    "unk__9"), take the shape ONNX Runtime's symbolic shape inference gives, when it agrees
+    with every size ONNX's gives; returns how many shapes changed. ONNX's inference does not
+    multiply or divide symbolic dims: a Reshape of [batch, seq, 768] to [batch, seq, -1, 64]
+    (every exporter's head split when the batch is dynamic) leaves it the heads unknown, and all
+    that follows (the attention's Transposes, repeat_kv, B * H) with them; ORT's (sympy) knows
+    12, and B * H as "12*batch" (`_ort_symbolic_shapes`: which of its merges it trusts).
+    Optional: it needs onnxruntime and sympy (`pip install onnxfuse[cpu]` or `[gpu]`);
+    without them, or where it fails, ONNX's shapes stay as they are."""
+    infos = {vi.name: vi for vi in [*out.graph.value_info, *out.graph.output]}
+    if all(not _unknown(d) for vi in infos.values() for d in vi.type.tensor_type.shape.dim) \
+            and all(o in infos for n in out.graph.node for o in n.output if o):
+        return 0
+    sym = _ort_symbolic_shapes(light)
+    if sym is None:
+        return 0
+    changed = 0
+    for vi in [*sym.graph.value_info, *sym.graph.output]:
+        t = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type") or not t.HasField("shape") or any(
+                not d.HasField("dim_value") and not d.dim_param for d in t.shape.dim):
+            continue
+        mine = infos.get(vi.name)
+        if mine is None:
+            out.graph.value_info.append(vi)
+            changed += 1
+            continue
+        m = mine.type.tensor_type
+        if not m.HasField("shape"):
+            m.shape.CopyFrom(t.shape)
+            changed += 1
+            continue
+        if len(m.shape.dim) != len(t.shape.dim) or not any(_unknown(d) for d in m.shape.dim):
+            continue
+        if any(d.HasField("dim_value") and (not e.HasField("dim_value") or e.dim_value != d.dim_value)
+               for d, e in zip(m.shape.dim, t.shape.dim, strict=True)):
+            continue  # the two disagree: ONNX's stays
+        for d, e in zip(m.shape.dim, t.shape.dim, strict=True):
+            if _unknown(d):
+                d.CopyFrom(e)
+        changed += 1
+    return changed
 
 
 def light_copy(model: ModelProto) -> ModelProto:
@@ -399,6 +504,9 @@ def _name_unknown_dims(g: onnx.GraphProto) -> None:
                     k += 1
 
 
+PLACEHOLDER = "onnxfuse-placeholder"  # the location of a stand-in's (absent) external data
+
+
 def _make_placeholder(t: onnx.TensorProto) -> None:
     """Drop a tensor's values, keeping name, type and shape (as an empty external tensor)."""
     t.ClearField("raw_data")
@@ -407,4 +515,4 @@ def _make_placeholder(t: onnx.TensorProto) -> None:
     t.data_location = onnx.TensorProto.EXTERNAL
     del t.external_data[:]
     kv = t.external_data.add()
-    kv.key, kv.value = "location", "onnxfuse-placeholder"
+    kv.key, kv.value = "location", PLACEHOLDER

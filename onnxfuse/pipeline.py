@@ -299,10 +299,11 @@ def canonicalize_pass(result: Result, options: Options) -> Result:
         return result
     model, folded = fold_known_dims(canonicalize(model))  # (in place: canonicalize copies)
     result.model = remove_passthrough(model)  # (the Slices of a whole axis it made Identity)
-    if folded.done():  # what the static dims of a dynamic model decide
+    if folded.done() or folded.anchored:  # what the static dims of a dynamic model decide
         kinds = ", ".join(f"{op} {k}" for op, k in folded.nodes.most_common())
         said = [f"folded {sum(folded.nodes.values())} nodes of shape arithmetic on static dims ({kinds})"
-                if folded.nodes else "", f"dropped {folded.noops_text()}" if folded.noops else ""]
+                if folded.nodes else "", f"dropped {folded.noops_text()}" if folded.noops else "",
+                f"{folded.anchored} Shapes read the graph inputs' named dims" if folded.anchored else ""]
         why = "; ".join(x for x in (why, *said) if x)
     result.report.static_shapes = why
     return result

@@ -18,7 +18,7 @@ from onnx import FunctionProto, ModelProto, NodeProto, helper, numpy_helper
 from onnxfuse import ir
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.expr import SIXTEEN_BIT, Builder, Operand, Program, Ref, relax_16bit, rewrite_tails
-from onnxfuse.graph import GraphView, same_shape
+from onnxfuse.graph import GraphView, same_shape, shape_input_nodes, shape_input_spec
 from onnxfuse.kinds.base import FusedNode, Match
 from onnxfuse.load import UNKNOWN_DIM, default_opset
 from onnxfuse.match import literal_inputs, numel, operands
@@ -147,6 +147,12 @@ def _function_body(view: GraphView, nodes: list[NodeProto], inputs: list[str], o
         n.CopyFrom(src)
         n.name = f"n{j}"
         for k, name in enumerate(n.input):
+            if name and name not in names:  # a computed shape the fused node took its Reshape or Expand with
+                spec = shape_input_spec(view, src)
+                if spec is None or k != 1:
+                    raise ValueError(f"{src.name}: input {name} is neither the fused node's nor a constant")
+                names[name] = f"s{j}"
+                body += shape_input_nodes(spec, n.input[0], f"s{j}", f"s{j}")  # (input 0 renamed already)
             if name:
                 n.input[k] = names[name]
         for k, name in enumerate(n.output):

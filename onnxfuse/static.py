@@ -34,7 +34,7 @@ from onnx import ModelProto, helper, numpy_helper
 
 from onnxfuse import ir
 from onnxfuse.errors import OnnxfuseError
-from onnxfuse.load import light_copy
+from onnxfuse.load import default_opset, infer_light, light_copy
 from onnxfuse.tools.shapes import input_dims, with_input_dims
 
 MAX_ELEMENTS = 4096
@@ -58,6 +58,7 @@ class Folded:
     # what the dims make a no-op: Slices of a whole axis (now Identity), Concat inputs of size 0
     # along its axis (dropped): Phi-3's rotary split q[..., :d], q[..., d:] with every dim rotated
     noops: Counter = field(default_factory=Counter)
+    anchored: int = 0  # Shapes of computed tensors that read the graph inputs' named dims instead
 
     def done(self) -> int:
         return sum(self.nodes.values()) + sum(self.noops.values())
@@ -116,12 +117,153 @@ def fold_known_dims(model: ModelProto) -> tuple[ModelProto, Folded]:
     report = Folded({})
     if not any(n.op_type in ("Shape", "Slice", "Concat") and n.domain in ("", "ai.onnx") for n in m.graph.node):
         return m, report  # (nothing to fold, no inference run)
+    last: list[ModelProto] = []
     for _ in range(MAX_ROUNDS):
         before = report.done()
-        m = _fold_once(m, report, partial=True)
-        if report.done() == before:
+        m = _fold_once(m, report, partial=True, inferred_out=last)
+        if report.done() == before:  # (then `last` holds this unchanged model's shapes)
             break
+    _anchor_shape_reads(m, report, last[-1] if last else None)
     return m, report
+
+
+def _anchor_shape_reads(m: ModelProto, report: Folded, inferred: ModelProto | None = None) -> None:
+    """Shape reads of computed tensors whose dims the graph inputs name ("batch", "seq") read
+    them from the graph inputs instead. A dynamic export's shape arithmetic reads its
+    intermediates' shapes (the attention output's Reshape to [batch, seq, 768] takes batch and
+    seq from Shape(q)): such a reader alone keeps a Transpose that a fused node would read
+    through (the Transpose must then run). Gather(Shape(t), i) of named dims becomes a Gather of
+    one Shape of the input (per input); a Shape whose other readers take it whole reads the input
+    (Shape with start and end, or a Concat of such reads and sizes). In place; counts the
+    rewritten reads in `report.anchored`. `inferred`: `m`'s shapes, when inferred already."""
+    g = m.graph
+    inits = {t.name: t for t in g.initializer}
+    inputs = {vi.name for vi in g.input}
+    source: dict[str, tuple[str, int]] = {}  # a named input dim -> (the first graph input naming it, its axis)
+    for vi in g.input:
+        if vi.name not in inits and vi.type.tensor_type.HasField("shape"):
+            for axis, d in enumerate(vi.type.tensor_type.shape.dim):
+                name = ir.dim_symbol(d)
+                if name is not None and ir.known_dim(d) is None:
+                    source.setdefault(name, (vi.name, axis))
+    shapes = {i: n for i, n in enumerate(g.node) if n.op_type == "Shape" and n.domain in ("", "ai.onnx")
+              and n.input[0] not in inits and n.input[0] not in inputs}
+    if not source or not shapes:
+        return
+    if inferred is None:
+        bare = light_copy(m)
+        del bare.graph.value_info[:]
+        inferred = infer_light(bare)
+    dims = {vi.name: [ir.known_dim(d) if ir.known_dim(d) is not None else ir.dim_symbol(d)
+                      for d in vi.type.tensor_type.shape.dim]
+            for vi in [*inferred.graph.value_info, *inferred.graph.output]
+            if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape")}
+    names = {o for n in g.node for o in n.output} | inputs | set(inits) | {n.name for n in g.node}
+    opset = default_opset(m) or 1
+    held = {n.output[0]: _shape_slice(n, dims.get(n.input[0], [None])) for n in shapes.values()}
+    whole: dict[str, str] = {}  # graph input -> the output of the one Shape of it the Gathers read
+    first_nodes: list[onnx.NodeProto] = []
+    moved: set[int] = set()
+
+    def shape_of(x: str) -> str:  # the graph's own Shape(x) where it has one (moved first), else a new one
+        if x not in whole:
+            own = next((i for i, n in enumerate(g.node) if n.op_type == "Shape" and n.domain in ("", "ai.onnx")
+                        and n.input[0] == x and not n.attribute), None)
+            if own is not None:
+                whole[x] = g.node[own].output[0]
+                moved.add(own)
+                first_nodes.append(g.node[own])
+            else:
+                whole[x] = _fresh(f"{x}_shape", names)
+                first_nodes.append(helper.make_node("Shape", [x], [whole[x]], _fresh(f"{x}_Shape", names)))
+        return whole[x]
+
+    anchored = 0
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in g.node:
+        for x in n.input:
+            if x in held:
+                readers.setdefault(x, []).append(n)
+    for n in g.node:  # Gather(Shape(t), constant indices) of one input's named dims
+        if n.op_type != "Gather" or n.domain not in ("", "ai.onnx") or n.input[0] not in held \
+                or n.input[1] not in inits or any(a.name == "axis" and a.i != 0 for a in n.attribute):
+            continue
+        dims_held, idx = held[n.input[0]], numpy_helper.to_array(inits[n.input[1]])
+        if idx.dtype.kind not in "iu" or np.any(idx < -len(dims_held)) or np.any(idx >= len(dims_held)):
+            continue
+        picked = [dims_held[int(i)] for i in idx.reshape(-1)]
+        reads = [source.get(d) if isinstance(d, str) else None for d in picked]
+        if not reads or None in reads or len({r[0] for r in reads}) != 1:
+            continue
+        axes = _fresh(f"{n.input[1]}_axes", names)
+        g.initializer.append(numpy_helper.from_array(
+            np.array([r[1] for r in reads], np.int64).reshape(idx.shape), axes))
+        n.input[0], n.input[1] = shape_of(reads[0][0]), axes
+        anchored += 1
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for i, n in shapes.items():  # a Shape something else still reads whole
+        out = n.output[0]
+        if not any(out in r.input for r in readers.get(out, ())) and out not in {o.name for o in g.output}:
+            continue
+        picked = held[out]
+        if not picked or any(d is None or (isinstance(d, str) and d not in source) for d in picked) \
+                or all(isinstance(d, int) for d in picked):
+            continue
+        reads = [source[d] if isinstance(d, str) else d for d in picked]
+        first = reads[0]
+        if all(isinstance(r, tuple) and r == (first[0], first[1] + k) for k, r in enumerate(reads)):
+            # one input's consecutive dims: the Shape reads that input
+            replaced[i] = _read_dims(first[0], first[1], len(reads), out, n.name, opset, names, g)
+            anchored += 1
+            continue
+        parts, nodes = [], []
+        for k, r in enumerate(reads):
+            part = _fresh(f"{out}_dim{k}", names)
+            if isinstance(r, int):
+                g.initializer.append(numpy_helper.from_array(np.array([r], np.int64), part))
+            else:
+                nodes += _read_dims(r[0], r[1], 1, part, _fresh(f"{n.name}_dim{k}", names), opset, names, g)
+            parts.append(part)
+        nodes.append(helper.make_node("Concat", parts, [out], n.name, axis=0))
+        replaced[i] = nodes
+        anchored += 1
+    if not anchored:
+        return
+    kept = [onnx.NodeProto() for _ in first_nodes]
+    for k, n in zip(kept, first_nodes, strict=True):
+        k.CopyFrom(n)
+    for i, n in enumerate(g.node):
+        if i not in moved:
+            kept += replaced.get(i, [n])
+    del g.node[:]
+    g.node.extend(kept)
+    dead = _unread(g, set())
+    if dead:
+        kept = [n for i, n in enumerate(g.node) if i not in dead]
+        del g.node[:]
+        g.node.extend(kept)
+    report.anchored += anchored
+
+
+def _read_dims(x: str, start: int, count: int, out: str, name: str, opset: int, names: set[str],
+               g: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Nodes writing dims start .. start + count of x's shape to `out`: a Shape with start and end
+    (opset 15 on), else a Shape and a Gather of those indices."""
+    if opset >= 15:
+        return [helper.make_node("Shape", [x], [out], name, start=start, end=start + count)]
+    whole, idx = _fresh(f"{out}_shape", names), _fresh(f"{out}_indices", names)
+    g.initializer.append(numpy_helper.from_array(np.arange(start, start + count, dtype=np.int64), idx))
+    return [helper.make_node("Shape", [x], [whole], _fresh(f"{name}_shape", names)),
+            helper.make_node("Gather", [whole, idx], [out], name, axis=0)]
+
+
+def _fresh(base: str, names: set[str]) -> str:
+    name, k = base, 0
+    while name in names:
+        k += 1
+        name = f"{base}_{k}"
+    names.add(name)
+    return name
 
 
 def _fresh_value_info(m: ModelProto) -> ModelProto:
@@ -129,9 +271,8 @@ def _fresh_value_info(m: ModelProto) -> ModelProto:
     is replaced by what inference gives at those inputs (kept as it is when inference fails)."""
     bare = light_copy(m)
     del bare.graph.value_info[:]
-    try:
-        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001
+    inferred = infer_light(bare)
+    if inferred is bare:  # inference failed
         return m
     del m.graph.value_info[:]
     m.graph.value_info.extend(inferred.graph.value_info)
@@ -145,16 +286,19 @@ def _fresh_value_info(m: ModelProto) -> ModelProto:
 MAX_ROUNDS = 64
 
 
-def _fold_once(m: ModelProto, report: Folded, partial: bool = False) -> ModelProto:
+def _fold_once(m: ModelProto, report: Folded, partial: bool = False,
+               inferred_out: list[ModelProto] | None = None) -> ModelProto:
     """One round: infer shapes, fold what follows from constants, count it in `report`.
     `partial`: also a Shape, or a Gather of a Shape, that reads only dims inference knows of a
-    tensor whose other dims it does not (`fold_known_dims`)."""
+    tensor whose other dims it does not (`fold_known_dims`). The shapes inferred are appended
+    to `inferred_out` when given."""
     bare = light_copy(m)  # inference reads the weights' shapes, not their values
     del bare.graph.value_info[:]  # the exporter's symbolic dims would stay as they are
-    try:
-        inferred = onnx.shape_inference.infer_shapes(bare, strict_mode=False, data_prop=True)
-    except Exception:  # noqa: BLE001  (onnx raises several types) a model onnx cannot infer folds nothing
+    inferred = infer_light(bare)
+    if inferred is bare:  # a model ONNX cannot infer folds nothing
         return m
+    if inferred_out is not None:
+        inferred_out.append(inferred)
     shapes, some = {}, {}
     for vi in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         t = vi.type.tensor_type

@@ -117,3 +117,25 @@ def test_dynamo_exports_fuse_as_torchscript_ones_do(arch, tmp_path):
     if arch == "llama":
         assert row["negs"][1] == 0 and row["expands"][1] == 0 and row["kv_groups"] == [2], row
 
+
+
+@pytest.mark.parametrize("arch,exporter", [("bert", "torchscript"), ("llama", "torchscript"), ("llama", "dynamo"),
+                                           ("vit", "dynamo")])
+def test_dynamic_exports_fuse_as_static_ones_do(arch, exporter, tmp_path):
+    """Exported as deployed models are, with a dynamic batch and sequence, and optimized without
+    --shape: the heads' Reshapes to computed shapes ([batch, seq, -1, 32]: ONNX Runtime's symbolic
+    inference knows the -1), the Shape reads of intermediates (read from the inputs instead) and
+    dynamo's B * H no longer keep the heads' Transposes, repeat_kv or the packed QKV Split out of
+    the attention; the one optimized model passes the gate at the export's shape and another."""
+    pytest.importorskip("onnxruntime.tools.symbolic_shape_infer")
+    args = argparse.Namespace(small=True, batch=2, dtype="fp32", provider="cpu", iters=2, tf_optimizer=False,
+                              cuda_graph=False, tune_budget=None, exporter=exporter, dynamic=True)
+    row = hf_attention.run_case(arch, "sdpa", args, tmp_path)
+    assert "error" not in row, row
+    assert row["fused_attention"] == row["softmax_before"] > 0 and row["gate"] and row["later_gate"], row
+    assert row["later_step"] == ("batch 3" if arch == "vit" else "batch 3, seq 29"), row
+    assert row["transposes"][1] == (1 if arch == "vit" else 0), row  # (ViT: its patch embedding's)
+    assert row["splits"][1] == 0, row  # (BERT, ViT: the packed Q, K, V's Split read in place)
+    if arch == "llama":
+        assert row["negs"][1] == 0 and row["kv_groups"] == [2], row
+        assert row["expands"][1] == row["expands"][0] - 4, row  # both layers' K and V repeats joined

@@ -214,3 +214,80 @@ def test_slices_of_a_whole_axis_and_empty_concat_inputs_go():
     part = model([N("Slice", ["x", "zero", "d", "last"], ["y"])], {"x": ("float32", ["N", 3, 9])},
                  {"y": ("float32", ["N", 3, 8])}, inits, opset=17)
     assert [n.op_type for n in optimize_model(part).model.graph.node] == ["Slice"]
+
+
+def head_split(opset: int = 17) -> onnx.ModelProto:
+    """A dynamic export's attention heads without the attention: x [batch, seq, 64] viewed as
+    [batch, seq, -1, 32] (a shape computed from Shape(x)), transposed to the heads, a sigmoid,
+    transposed back and merged to [batch, seq, -1] with batch and seq read from Shape(t), the
+    transposed tensor, as the exporters write `t.size()`."""
+    nodes = [N("Shape", ["x"], ["s"]), N("Gather", ["s", "i0"], ["b"], axis=0), N("Gather", ["s", "i1"], ["q"], axis=0),
+             N("Unsqueeze", ["b", "ax"], ["b1"]), N("Unsqueeze", ["q", "ax"], ["q1"]),
+             N("Concat", ["b1", "q1", "minus1", "d"], ["split"], axis=0), N("Reshape", ["x", "split"], ["r"]),
+             N("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3]),
+             N("Shape", ["t"], ["st"]), N("Gather", ["st", "i0"], ["tb"], axis=0),
+             N("Gather", ["st", "i2"], ["ts"], axis=0), N("Unsqueeze", ["tb", "ax"], ["tb1"]),
+             N("Unsqueeze", ["ts", "ax"], ["ts1"]), N("Concat", ["tb1", "ts1", "minus1"], ["merge"], axis=0),
+             N("Sigmoid", ["t"], ["u"]), N("Transpose", ["u"], ["v"], perm=[0, 2, 1, 3]),
+             N("Reshape", ["v", "merge"], ["y"])]
+    inits = {"i0": np.array(0, np.int64), "i1": np.array(1, np.int64), "i2": np.array(2, np.int64),
+             "ax": np.array([0], np.int64), "minus1": np.array([-1], np.int64), "d": np.array([32], np.int64)}
+    if opset < 13:  # Unsqueeze's axes an attribute
+        nodes = [N("Unsqueeze", [n.input[0]], n.output, axes=[0]) if n.op_type == "Unsqueeze" else n for n in nodes]
+    return model(nodes, {"x": ("float32", ["batch", "seq", 64])}, {"y": ("float32", ["batch", "seq", 64])}, inits,
+                 opset=opset)
+
+
+def test_symbolic_inference_knows_the_heads_of_a_dynamic_reshape():
+    """ONNX's shape inference cannot divide symbolic dims: Reshape([batch, seq, 64], [batch, seq,
+    -1, 32]) leaves it the heads unknown; ONNX Runtime's symbolic inference fills them in (2)."""
+    pytest.importorskip("onnxruntime.tools.symbolic_shape_infer")
+    from onnxfuse.graph import GraphView
+    from onnxfuse.load import infer_shapes
+
+    m = head_split()
+    onnx_only = onnx.shape_inference.infer_shapes(m, data_prop=True)
+    dims = {vi.name: [d.dim_value or d.dim_param for d in vi.type.tensor_type.shape.dim]
+            for vi in onnx_only.graph.value_info}
+    assert dims["r"][2] != 2  # (what this fills in)
+    view = GraphView.build(m, infer_shapes(m))
+    assert view.shapes["r"] == ("batch", "seq", 2, 32) and view.shapes["t"] == ("batch", 2, "seq", 32)
+
+
+@pytest.mark.parametrize("opset", [11, 17])
+def test_shape_reads_of_intermediates_read_the_graph_inputs(opset):
+    """Gather(Shape(t), 0) and Gather(Shape(t), 2) of the transposed heads are the input's batch and
+    seq: after the fold they read one Shape of x, nothing reads t's shape (which would keep its
+    Transpose out of a fused node), and the model computes what it did at two shapes."""
+    pytest.importorskip("onnxruntime.tools.symbolic_shape_infer")
+    from onnxfuse.static import fold_known_dims
+
+    m = head_split(opset)
+    folded, report = fold_known_dims(onnx.load_from_string(m.SerializeToString()))
+    readers = [n for n in folded.graph.node if n.op_type == "Shape"]
+    assert [n.input[0] for n in readers] == ["x"], [(n.input, n.output) for n in readers]
+    assert report.anchored == 2
+    for shape in ((2, 5, 64), (1, 3, 64)):
+        x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+        for a, b in zip(run(folded, {"x": x}), run(m, {"x": x}), strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_whole_shape_read_reads_the_inputs_dims():
+    """Shape(t) read whole (by an Expand) of t [batch, 2, seq, 32]: a Concat of the input's dims and
+    the sizes, or one Shape of the input with start and end where its dims are consecutive."""
+    pytest.importorskip("onnxruntime.tools.symbolic_shape_infer")
+    from onnxfuse.static import fold_known_dims
+
+    m = head_split()
+    g = m.graph
+    g.node.extend([N("Shape", ["t"], ["whole"]), N("Expand", ["b1", "whole"], ["e"]),
+                   N("Shape", ["t"], ["lead"], start=0, end=1), N("Expand", ["b1", "lead"], ["f"])])
+    g.output.extend([helper.make_tensor_value_info("e", onnx.TensorProto.INT64, None),
+                     helper.make_tensor_value_info("f", onnx.TensorProto.INT64, None)])
+    folded, report = fold_known_dims(onnx.load_from_string(m.SerializeToString()))
+    assert not any(n.op_type == "Shape" and n.input[0] == "t" for n in folded.graph.node)
+    assert report.anchored == 4
+    x = np.zeros((3, 7, 64), np.float32)
+    for a, b in zip(run(folded, {"x": x}), run(m, {"x": x}), strict=True):
+        np.testing.assert_array_equal(a, b)

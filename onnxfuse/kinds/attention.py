@@ -54,8 +54,9 @@ from onnxfuse.codegen_attention import (
     attention_variants,
     generate_attention,
 )
+from onnxfuse.dims import product
 from onnxfuse.expr import Program, evaluate
-from onnxfuse.graph import GraphView, Shape, last_dim_vector
+from onnxfuse.graph import GraphView, Shape, last_dim_vector, shape_input_spec
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, NotMine, Pattern
 from onnxfuse.match import DTYPE_IDS, dtype_reason, match_anchored, operands, pointwise_candidate
@@ -182,10 +183,10 @@ class AttentionInfo:
     kv_group: int = 1  # AttentionParts.kv_group
 
 
-def _same_static_shape(view: GraphView, a: str, b: str) -> bool:
-    """Whether tensors a and b have one static shape (a Reshape between them is a copy)."""
-    sa = view.shapes.get(a)
-    return sa is not None and all(isinstance(e, int) for e in sa) and view.shapes.get(b) == sa
+def _same_known_shape(view: GraphView, a: str, b: str) -> bool:
+    """Whether tensors a and b have one known shape, sizes or names (a Reshape between them is a copy)."""
+    sa = _known(view, a)
+    return sa is not None and view.shapes.get(b) == tuple(sa)
 
 
 def _is(view: GraphView, i: int | None, op: str) -> bool:
@@ -240,14 +241,16 @@ def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int],
 def _walk_back(view: GraphView, name: str, reader: int, ops: tuple[str, ...],
                taken: set[int]) -> tuple[list[int], str, int] | None:
     """The nodes of types `ops`, in order, that make `name` for `reader`, each read by the one
-    after it alone (the last by `reader`), none taken, their inputs after the first constants
-    (shapes, axes): (the nodes, the last one's first input, the last node); None otherwise."""
+    after it alone (the last by `reader`), none taken: (the nodes, the last one's first input, the
+    last node); None otherwise. Their other inputs (shapes, axes) are constants, or shape
+    arithmetic the data input's shape decides (`shape_input_spec`: the function body computes it so)."""
     nodes = []
     for op in ops:
         i = view.producer.get(name)
         if not _is(view, i, op) or i in taken or not _only_reader(view, name, reader):
             return None
-        if any(x not in view.constants for x in view.nodes[i].input[1:] if x):
+        if any(x not in view.constants for x in view.nodes[i].input[1:] if x) \
+                and shape_input_spec(view, view.nodes[i]) is None:
             return None
         nodes.append(i)
         reader, name = i, view.nodes[i].input[0]
@@ -260,23 +263,25 @@ MERGED_SWAP = ("Reshape", "Transpose", "Reshape")  # torch's dynamo exporter's K
 def _merged_heads_transpose(view: GraphView, name: str, reader: int, taken: set[int]) -> tuple[str, tuple] | None:
     """(x, the three nodes) where `name` is Reshape(Transpose(Reshape(x [B, H, M, N], [B * H, M, N]),
     [0, 2, 1]), [B, H, N, M]): x's last two dims swapped, as torch's dynamo exporter writes K^T
-    (static shapes, `_walk_back`'s conditions); None otherwise."""
+    (known shapes, sizes or names: B * H is "12*batch" where the batch is dynamic; `_walk_back`'s
+    conditions); None otherwise."""
     walked = _walk_back(view, name, reader, MERGED_SWAP, taken)
     if walked is None or _perm(view, walked[0][1], 3) != (0, 2, 1):
         return None
     (t, tr, r0), x, _ = walked
-    xs, ms, ys = _static(view, x), _static(view, view.nodes[r0].output[0]), _static(view, name)
+    xs, ms, ys = _known(view, x), _known(view, view.nodes[r0].output[0]), _known(view, name)
     if xs is None or ms is None or ys is None or len(xs) != 4:
         return None
     b, h, m, n = xs
-    if ms != [b * h, m, n] or ys != [b, h, n, m]:
+    if ms != [product(b, h), m, n] or ys != [b, h, n, m]:
         return None
     return x, (t, tr, r0)
 
 
-def _static(view: GraphView, name: str) -> list[int] | None:
+def _known(view: GraphView, name: str) -> list[int | str] | None:
+    """`name`'s shape when every dim is known, a size or a name ("batch", "12*batch")."""
     shape = view.shapes.get(name)
-    return list(shape) if shape is not None and all(isinstance(e, int) for e in shape) else None
+    return list(shape) if shape is not None and all(e is not None for e in shape) else None
 
 
 def repeated_heads(view: GraphView, o: Operand, taken: set[int], scales: bool) -> tuple[Operand, int, tuple] | None:
@@ -296,15 +301,18 @@ def repeated_heads(view: GraphView, o: Operand, taken: set[int], scales: bool) -
     if walked is None:
         return None
     nodes, name, reader = walked
-    xs = _static(view, name)
-    es, us = (_static(view, view.nodes[i].output[0]) for i in nodes[-2:])
-    outs = [_static(view, view.nodes[i].output[0]) for i in nodes[:-2]]  # the Reshapes (and the Transpose)
-    if xs is None or es is None or us is None or None in outs or len(xs) != 4:
+    xs = _known(view, name)
+    es, us = (_known(view, view.nodes[i].output[0]) for i in nodes[-2:])
+    outs = [_known(view, view.nodes[i].output[0]) for i in nodes[:-2]]  # the Reshapes (and the Transpose)
+    if xs is None or es is None or us is None or None in outs or len(xs) != 4 or len(es) != 5:
         return None
     b, hkv, sx, dx = xs
     g = es[2]
-    want = [[b, hkv * g, dx, sx], [b * hkv * g, dx, sx], [b * hkv * g, sx, dx]] if swap else [[b, hkv * g, sx, dx]]
-    if g < 2 or us != [b, hkv, 1, sx, dx] or es != [b, hkv, g, sx, dx] or outs != want:
+    if not isinstance(g, int) or g < 2:
+        return None
+    heads, rows = product(hkv, g), product(b, hkv, g)
+    want = [[b, heads, dx, sx], [rows, dx, sx], [rows, sx, dx]] if swap else [[b, heads, sx, dx]]
+    if us != [b, hkv, 1, sx, dx] or es != [b, hkv, g, sx, dx] or outs != want:
         return None
     inner = operand(view, name, reader, 4, taken, scales=scales)
     p = (0, 1, 3, 2) if swap else (0, 1, 2, 3)
@@ -340,8 +348,9 @@ def _split_view(view: GraphView, o: Operand, taken: set[int]) -> tuple[int, int,
     sp = view.producer.get(part)
     if not _is(view, sp, "Split") or sp in taken or not _only_reader(view, part, r):
         return None
-    if len(view.nodes[r].input) < 2 or view.nodes[r].input[1] not in view.constants:
-        return None  # a shape computed at run time would leave the function body an outer input
+    if len(view.nodes[r].input) < 2 or (view.nodes[r].input[1] not in view.constants
+                                         and shape_input_spec(view, view.nodes[r]) is None):
+        return None  # a shape computed at run time that the function body cannot compute from the part
     x = view.nodes[sp].input[0]
     xs, ps, bs = view.shapes.get(x), view.shapes.get(part), view.shapes.get(o.base)
     if xs is None or ps is None or bs is None or len(ps) != len(xs) or len(bs) != len(xs) + 1:
@@ -551,7 +560,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
         return RANK
     lq, lk, lv = ([s[i] for i in o.perm] for s, o in zip(shapes, (q, k, v), strict=True))
     if kv_group > 1:  # K's and V's heads as the queries see them
-        lk[1], lv[1] = lk[1] * kv_group, lv[1] * kv_group
+        lk[1], lv[1] = product(lk[1], kv_group), product(lv[1], kv_group)
     d, dv = _dim(lq[-1]), _dim(lv[-1])
     if d is None or dv is None or _dim(lk[-2]) != d:
         return HEAD_DIM
@@ -575,7 +584,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     y = view.nodes[pv].output[0]
     y_transpose, perm_y, result, y_reshape = None, tuple(range(rank)), y, None
     t = next(iter(view.consumers.get(y, ())), None)
-    if _is(view, t, "Reshape") and t not in taken and _only_reader(view, y, t) and _same_static_shape(
+    if _is(view, t, "Reshape") and t not in taken and _only_reader(view, y, t) and _same_known_shape(
             view, y, view.nodes[t].output[0]):
         after = view.nodes[t].output[0]
         t2 = next(iter(view.consumers.get(after, ())), None)
