@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # A folder carried to the device in one call is gone in the next: every call that runs models
 # with the library must carry .devlib again (the eighth session lost a whole suite run to it).
 case "${1:-tests}" in
-  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder|attention|hf-rotary)
+  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder|attention|hf-rotary|hf-dynamic)
     if [ -z "${ONNXFUSE_LIBRARY:-}" ] && [ -z "${ONNXFUSE_ORT_INCLUDE:-}" ]; then
       echo "gpu_session.sh ${1}: no .devlib here (carry [\".devlib\"] in this call): stopping" >&2; exit 2
     fi ;;
@@ -221,6 +221,17 @@ PY
     timeout -s INT "$limit" python3 benchmarks/hf_attention.py --archs "${5:-llama,qwen2,phi,stablelm,gpt_neox,gptj}" \
       --attn sdpa --batch "$b" --dtype "$dt" --cuda-graph --tf-optimizer --tune-budget 3 \
       --json "$OUT/hf_rotary_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | grep "^|" | tee "$OUT/hf_rotary_b${b}_${dt}.md"
+    ;;
+  hf-dynamic)
+    # the twenty-ninth session's dynamic exports (batch and sequence), optimized without --shape as a
+    # deployed model is, against ORT and the tf-optimizer (no CUDA graphs: the models stay dynamic),
+    # at the export's shape and another; each exporter half the limit.   hf-dynamic [LIMIT] [BATCH] [DTYPE] [ARCHS]
+    limit=${2:-500}; b=${3:-8}; dt=${4:-fp16}
+    for e in torchscript dynamo; do
+      timeout -s INT $((limit / 2)) python3 benchmarks/hf_attention.py --archs "${5:-bert,llama,gpt2,vit}" --attn sdpa \
+        --batch "$b" --dtype "$dt" --dynamic --exporter "$e" --tf-optimizer --tune-budget 3 \
+        --json "$OUT/hf_dynamic_${e}_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | grep "^|" | tee "$OUT/hf_dynamic_${e}_b${b}_${dt}.md"
+    done
     ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)

@@ -1,7 +1,8 @@
 """Symbolic dims: a dim is a size (int), a name ("batch"), a product of names and a size
 ("2*batch", as symbolic shape inference writes B * H), or unknown (None). Products are kept
 in one spelling, the size first, then the names in code-point order, so that equal products
-compare equal as strings: `canonical` spells a dim so, `product` multiplies dims."""
+compare equal as strings: `canonical` spells a dim so, `product` multiplies dims.
+(A dim_param with no "*" is a name, spelled as the model spells it.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def _factors(d: int | str) -> tuple[int, list[str]] | None:
     if isinstance(d, int):
         return d, []
     size, names = 1, []
-    for f in d.replace(" ", "").split("*"):
+    for f in (x.strip() for x in d.split("*")):
         if f.isdigit():
             size *= int(f)
         elif _NAME.fullmatch(f):
@@ -38,8 +39,8 @@ def _spell(size: int, names: list[str]) -> Dim:
 def canonical(d: Dim) -> Dim:
     """`d` in the one spelling of its product ("batch*2" and "2*batch" are "2*batch"); a dim
     that is not a product of sizes and names (a sum, a Min) as it is."""
-    if d is None or isinstance(d, int):
-        return d
+    if d is None or isinstance(d, int) or "*" not in d:
+        return d  # (a name stays as it is spelled)
     f = _factors(d)
     return d if f is None else _spell(*f)
 
@@ -54,22 +55,4 @@ def product(*dims: Dim) -> Dim:
         size *= f[0]
         names += f[1]
     return _spell(size, names)
-
-
-def quotient(a: Dim, b: Dim) -> Dim:
-    """a / b when b's names are among a's and its size divides a's (None otherwise)."""
-    fa, fb = (None if d is None else _factors(d) for d in (a, b))
-    if fa is None or fb is None or fb[0] == 0 or fa[0] % fb[0]:
-        return None
-    names = list(fa[1])
-    for n in fb[1]:
-        if n not in names:
-            return None
-        names.remove(n)
-    return _spell(fa[0] // fb[0], names)
-
-
-def numel(shape) -> Dim:
-    """The number of elements of `shape` (a dim: symbolic when a dim is), None when unknown."""
-    return product(*shape) if shape is not None else None
 
