@@ -25,7 +25,7 @@ from onnx import ModelProto, NodeProto, helper, numpy_helper
 from onnxfuse.bias import BIAS_TAKERS, BiasMove, gemm_move, gemm_without_c, matmul_move
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
-from onnxfuse.ir import copy_and_namer
+from onnxfuse.ir import copy_and_namer, subgraph_reads
 from onnxfuse.kinds.attention import AttentionParts, find_attention
 from onnxfuse.kinds.base import Pattern
 from onnxfuse.load import infer_shapes
@@ -159,6 +159,157 @@ def pack_qkv(model: ModelProto, view: GraphView, pattern: Pattern) -> tuple[Mode
     del g.initializer[:]
     g.initializer.extend(alive)
     return out, len(trios)
+
+
+# ---------------------------------------------------------------------------------------
+# Per-head interleaved projections
+# ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Interleaved:
+    """A packed projection whose columns interleave Q, K and V head by head, as GPT-NeoX's
+    query_key_value: x @ w (+ b) viewed as [B, S, H, 3D], transposed to [B, H, S, 3D] and cut
+    along the last axis into its 3 parts of D (Slices, or one Split), the third read as P @ V's
+    V."""
+
+    proj: Projection
+    reshape: int
+    transpose: int
+    cuts: tuple[int, ...]  # the Slices in the order of their columns, or the one Split
+    outputs: tuple[str, ...]  # the parts, in that order
+    heads: int
+    head_dim: int
+
+
+def _ints(view: GraphView, name: str | None) -> list[int] | None:
+    if not name:
+        return None
+    t = view.constants.get(name)
+    return None if t is None else [int(v) for v in numpy_helper.to_array(t).reshape(-1)]
+
+
+def _cut_bounds(view: GraphView, i: int, width: int) -> list[tuple[int, int, str]] | None:
+    """(start, end, output) of each part node i cuts from the last axis (of `width`): a Slice with
+    constant bounds, or a Split with constant or equal sizes; None for anything else."""
+    n = view.nodes[i]
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    if n.op_type == "Slice" and n.domain in ("", "ai.onnx") and view.opset >= 10:
+        starts, ends = _ints(view, n.input[1]), _ints(view, n.input[2])
+        axes = _ints(view, n.input[3]) if len(n.input) > 3 and n.input[3] else [0]
+        steps = _ints(view, n.input[4]) if len(n.input) > 4 and n.input[4] else [1]
+        if None in (starts, ends, axes, steps) or len(starts) != 1 or axes[0] % 4 != 3 or steps != [1]:
+            return None
+        lo, hi = (min(max(v + width if v < 0 else v, 0), width) for v in (starts[0], ends[0]))
+        return [(lo, hi, n.output[0])]
+    if n.op_type == "Split" and n.domain in ("", "ai.onnx") and int(attrs.get("axis", 0)) % 4 == 3:
+        sizes = _ints(view, n.input[1]) if len(n.input) > 1 and n.input[1] else attrs.get("split")
+        if sizes is None:
+            if width % len(n.output):
+                return None
+            sizes = [width // len(n.output)] * len(n.output)
+        starts = np.cumsum([0, *sizes])
+        return [(int(a), int(b), o) for a, b, o in zip(starts[:-1], starts[1:], n.output, strict=True)]
+    return None
+
+
+def _interleaved(view: GraphView, t: int) -> Interleaved | None:
+    """The interleaved projection whose Transpose is node t (each node read by the next alone)."""
+    n = view.nodes[t]
+    if n.op_type != "Transpose" or n.domain not in ("", "ai.onnx"):
+        return None
+    perm = [int(v) for a in n.attribute if a.name == "perm" for v in a.ints]
+    r_out, t_out = n.input[0], n.output[0]
+    if perm != [0, 2, 1, 3] or list(view.consumers.get(r_out, ())) != [t] or r_out in view.graph_outputs \
+            or t_out in view.graph_outputs:
+        return None
+    proj = _projection(view, r_out)
+    rs, ps = view.shapes.get(r_out), view.shapes.get(proj.out) if proj else None
+    if proj is None or rs is None or ps is None or len(rs) != 4 or len(ps) != 3 or list(rs[:2]) != list(ps[:2]) \
+            or any(d is None for d in rs[:2]) or not all(isinstance(d, int) for d in rs[2:]):
+        return None
+    heads, packed = rs[2], rs[3]
+    readers = list(view.consumers.get(t_out, ()))
+    if heads * packed != proj.width or not readers:
+        return None
+    cuts = [_cut_bounds(view, i, packed) for i in readers]
+    if any(c is None for c in cuts) or (len(readers) > 1 and any(view.nodes[i].op_type != "Slice" for i in readers)):
+        return None
+    parts = sorted((lo, hi, out, i) for c, i in zip(cuts, readers, strict=True) for lo, hi, out in c)
+    d = packed // 3
+    if len(parts) != 3 or any((lo, hi) != (k * d, (k + 1) * d) for k, (lo, hi, _, _) in enumerate(parts)):
+        return None
+    v = parts[2][2]  # V: read as P @ V's second operand (not a rotary embedding's halves, as GLM's q is cut)
+    if not any(view.nodes[j].op_type == "MatMul" and view.nodes[j].input[1] == v for j in view.consumers.get(v, ())):
+        return None
+    order = tuple(dict.fromkeys(i for *_, i in parts))
+    return Interleaved(proj, view.producer[r_out], t, order, tuple(out for _, _, out, _ in parts), heads, d)
+
+
+def unpack_interleaved(model: ModelProto, view: GraphView) -> tuple[ModelProto, int]:
+    """`model` with each per-head interleaved projection (`Interleaved`) made a packed one as
+    pack_qkv writes it: its weight's (and bias's) columns reordered part by part, [Wq | Wk | Wv]
+    over all heads (the same sums of the same products per output element, exactly), a Split
+    into the parts and each part's own Reshape to [B, S, H, D] and Transpose, which write the
+    cuts' outputs. The attention then reads the parts in place from the product as it reads
+    BERT's packed projection (the Reshape to [B, S, H, 3D], its Transpose and the Slices, a copy
+    each, are gone), and the rotary chains read Q and K through their Transposes. Returns how
+    many projections were reordered."""
+    found = [f for f in (_interleaved(view, i) for i, n in enumerate(view.nodes) if n.op_type == "Transpose") if f]
+    if not found:
+        return model, 0
+    out, fresh = copy_and_namer(model)
+    g = out.graph
+    replace: dict[int, list[NodeProto]] = {}
+    drop: set[int] = set()
+    for f in found:
+        p, k = f.proj, len(f.outputs)
+        mm = view.nodes[p.matmul]
+        stem = mm.name or "qkv"
+        # new column j * H * D + h * D + c is old column h * k * D + j * D + c
+        order = np.arange(p.width).reshape(f.heads, k, f.head_dim).transpose(1, 0, 2).reshape(-1)
+        w = numpy_helper.to_array(view.constants[p.weight])[:, order]
+        w_name = fresh(f"{stem}.parts_weight")
+        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w), w_name))
+        prod = fresh(f"{stem}.parts")
+        nodes = [helper.make_node("MatMul", [mm.input[0], w_name], [prod], name=fresh(f"{stem}.parts_matmul"))]
+        if p.bias is not None:
+            c = view.constants[p.bias]
+            b = numpy_helper.to_array(c).reshape(-1)[order].reshape(tuple(c.dims))
+            b_name = fresh(f"{stem}.parts_bias")
+            g.initializer.append(numpy_helper.from_array(b, b_name))
+            biased = fresh(f"{stem}.parts_biased")
+            nodes.append(helper.make_node("Add", [prod, b_name], [biased], name=fresh(f"{stem}.parts_add")))
+            prod = biased
+        parts = [fresh(f"{stem}.part{j}") for j in range(k)]
+        if view.opset >= 13:
+            sizes = fresh(f"{stem}.parts_sizes")
+            g.initializer.append(numpy_helper.from_array(np.full(k, f.heads * f.head_dim, np.int64), sizes))
+            nodes.append(helper.make_node("Split", [prod, sizes], parts, name=fresh(f"{stem}.parts_split"), axis=-1))
+        else:
+            nodes.append(helper.make_node("Split", [prod], parts, name=fresh(f"{stem}.parts_split"), axis=-1,
+                                          split=[f.heads * f.head_dim] * k))
+        heads = fresh(f"{stem}.heads_shape")
+        g.initializer.append(numpy_helper.from_array(np.array([0, 0, f.heads, f.head_dim], np.int64), heads))
+        for j, (part, cut_out) in enumerate(zip(parts, f.outputs, strict=True)):
+            viewed = fresh(f"{part}_heads")
+            nodes.append(helper.make_node("Reshape", [part, heads], [viewed], name=fresh(f"{stem}.part{j}_reshape")))
+            nodes.append(helper.make_node("Transpose", [viewed], [cut_out], name=fresh(f"{stem}.part{j}_transpose"),
+                                          perm=[0, 2, 1, 3]))
+        replace[min(j for j in (p.matmul, p.add) if j is not None)] = nodes
+        drop |= {j for j in (p.matmul, p.add, f.reshape, f.transpose, *f.cuts) if j is not None}
+    kept = []
+    for j, n in enumerate(g.node):
+        kept += replace.get(j, [])
+        if j not in drop:
+            kept.append(n)
+    del g.node[:]
+    g.node.extend(kept)
+    read = {t for n in g.node for t in n.input} | {o.name for o in g.output} | subgraph_reads(g.node)
+    gone = {x for f in found for x in (f.proj.weight, f.proj.bias) if x} - read
+    alive = [t for t in g.initializer if t.name not in gone]
+    del g.initializer[:]
+    g.initializer.extend(alive)
+    return out, len(found)
 
 
 # ---------------------------------------------------------------------------------------

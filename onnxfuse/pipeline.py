@@ -30,7 +30,7 @@ from onnxfuse.match import MatchResult, find_matches
 from onnxfuse.ort_fusions import OrtFusions, ort_fusions
 from onnxfuse.ort_fusions import reason as ort_reason
 from onnxfuse.outputs import Outputs
-from onnxfuse.pack import bias_after_product, pack_qkv
+from onnxfuse.pack import bias_after_product, pack_qkv, unpack_interleaved
 from onnxfuse.pattern import Pattern, load_patterns
 from onnxfuse.rewrite import DOMAIN, FusedNode, rewrite
 from onnxfuse.static import fold_known_dims, fold_shape_arithmetic, resolve_dims
@@ -209,6 +209,7 @@ class Result:
     untuned: dict[str, frozenset[str]] = field(default_factory=dict)
     # - pack: how many attentions had their Q, K and V projections packed into one product
     packed: int = 0
+    unpacked: int = 0  # per-head interleaved projections reordered into packed ones (pack_pass)
     # - align: the products padded to 16-byte rows for cuBLAS (their node names)
     padded: list[str] = field(default_factory=list)
     # - bias: how many products had their bias moved after them, into one of ORT's fusions, and
@@ -354,12 +355,21 @@ PACKED = ("attentions whose Q, K and V projections were packed into one MatMul (
           "them in place)")
 
 
+UNPACKED = ("projections whose Q, K and V columns interleaved head by head were reordered into one packed "
+            "product (its Reshape, Transpose and Slices gone)")
+
+
 def pack_pass(result: Result, options: Options) -> Result:
     """Where the attention pattern is applied: each attention's Q, K and V projections (three
     MatMuls of one input) packed into one product and a Split that the attention then reads in
-    place (`onnxfuse.pack`); the shapes inferred again when anything was packed."""
+    place (`onnxfuse.pack`), after each per-head interleaved projection (GPT-NeoX's) is reordered
+    into that packed form (`unpack_interleaved`); the shapes inferred again after each change."""
     attention = next((p for p in result.patterns if p.kind.name == "attention"), None)
     if result.unchanged is None and attention is not None:
+        model, unpacked = unpack_interleaved(result.model, result.view)
+        if unpacked:
+            result.model, result.unpacked = model, unpacked
+            infer_shapes_pass(result, options)
         model, packed = pack_qkv(result.model, result.view, attention)
         if packed:
             result.model, result.packed = model, packed
@@ -443,6 +453,8 @@ def match_pass(result: Result, options: Options) -> Result:
         result.report.notes = dict(result.found.notes)
         if result.packed:
             result.report.notes[PACKED] = result.packed
+        if result.unpacked:
+            result.report.notes[UNPACKED] = result.unpacked
         if result.biased_after:
             result.report.notes[BIAS_AFTER] = result.biased_after
         if result.padded:

@@ -547,3 +547,53 @@ def test_causal_mask_computed_from_constants_is_recognized():
     want = run(m, feeds)[0]
     np.testing.assert_allclose(_run_with_library(r.model, feeds)[0], want, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(run(inline_local_functions(r.model), feeds)[0], want, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------
+# a per-head interleaved projection (GPT-NeoX's query_key_value)
+# ---------------------------------------------------------------------------------------
+
+def _interleaved(cut: str = "slices", bias: bool = True, v_elsewhere: bool = False):
+    """x [B, S, E] @ W [E, 3E] (+ b) viewed as [B, S, H, 3D] (each head's q, k, v side by side),
+    transposed to [B, H, S, 3D], cut into q, k, v along the last axis (three Slices, as GPT-NeoX's
+    chunk exports, or one Split), then the attention; v_elsewhere: v is a graph output too."""
+    e = H * D
+    rng = np.random.default_rng(7)
+    inits = {"w": (rng.standard_normal((e, 3 * e)) / np.sqrt(e)).astype(np.float32),
+             "b": (0.5 * rng.standard_normal(3 * e)).astype(np.float32),
+             "shape": np.array([0, 0, H, 3 * D], np.int64), "scale": np.array(np.sqrt(D), np.float32),
+             "axes": np.array([-1], np.int64), **{f"at{k}": np.array([k * D], np.int64) for k in range(4)}}
+    nodes = [N("MatMul", ["x", "w"], ["xw"]), *([N("Add", ["b", "xw"], ["qkv"])] if bias else []),
+             N("Reshape", ["qkv" if bias else "xw", "shape"], ["per_head"]),
+             N("Transpose", ["per_head"], ["t"], perm=[0, 2, 1, 3])]
+    if cut == "slices":
+        nodes += [N("Slice", ["t", f"at{k}", f"at{k + 1}", "axes"], [w]) for k, w in enumerate("qkv")]
+    else:
+        nodes.append(N("Split", ["t"], ["q", "k", "v"], axis=3, num_outputs=3))
+    nodes += [N("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]), N("MatMul", ["q", "kt"], ["s"]),
+              N("Div", ["s", "scale"], ["d"]), N("Softmax", ["d"], ["p"], axis=-1), N("MatMul", ["p", "v"], ["o"]),
+              N("Transpose", ["o"], ["y"], perm=[0, 2, 1, 3])]
+    outputs = {"y": ("float32", [B, S, H, D]), **({"v": ("float32", [B, H, S, D])} if v_elsewhere else {})}
+    return model(nodes, {"x": ("float32", [B, S, e])}, outputs, inits, opset=18)
+
+
+@pytest.mark.parametrize("cut,bias", [("slices", True), ("split", True), ("slices", False)])
+def test_per_head_interleaved_projection_is_read_in_place(cut, bias):
+    """The interleaved projection's columns are reordered into a packed [Wq | Wk | Wv] (pack.
+    unpack_interleaved): the attention then reads q, k and v in place from one product and adds
+    the bias itself; the Reshape, the Transpose and the cuts (copies each) are gone."""
+    m = _interleaved(cut, bias)
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
+    assert op_types(r.model) == ["MatMul", "FusedAttention"], r.report.summary()
+    assert "interleaved head by head were reordered" in r.report.summary()
+    feeds = _feeds(m)
+    for w, g in zip(run(m, feeds), _run_with_library(r.model, feeds), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
+
+
+def test_per_head_interleaved_projection_read_elsewhere():
+    """v also a graph output: the reordered projection's parts still write q, k and v (the Split
+    then runs, v keeps its name), and the model computes what it did."""
+    m = _interleaved(v_elsewhere=True)
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
+    assert "Transpose" in op_types(r.model) and "Slice" not in op_types(r.model), op_types(r.model)

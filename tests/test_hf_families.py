@@ -37,8 +37,9 @@ def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, 
         assert row["kv_groups"] == [2], row  # repeat_kv joins the kernel
     if arch in hf_attention.DECODERS:  # every rotate_half (its Neg, Slices and Concat) read by the rotary chain
         assert row["negs"][0] > 0 and row["negs"][1] == 0, row
-    if arch in hf_attention.DECODERS and arch != "gpt_neox":  # Q and K read through their Transposes (Phi-3's
-        assert row["transposes"][1] == 0, row  # after its whole-head rotary split [..., :d], [..., d:] is dropped)
+    if arch in hf_attention.DECODERS:  # Q and K read through their Transposes (Phi-3's after its whole-head
+        assert row["transposes"][1] == 0, row  # rotary split [..., :d], [..., d:] is dropped; GPT-NeoX's after its
+        # per-head interleaved QKV is reordered into a packed one: pack.unpack_interleaved)
     if arch in hf_attention.DECODERS:  # no Concat left: rotate_half's and (GPT-NeoX) the partial rotary's,
         assert row["concats"][1] == 0, row  # Concat(rotary(q[..., :r]), q[..., r:]), join the chain (partial)
 

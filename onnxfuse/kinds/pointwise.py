@@ -24,7 +24,7 @@ from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.codegen import ROTATED_MODES, STRIDED_MODES, KernelSource, KernelSpec, Variant, generate
 from onnxfuse.expr import Program, evaluate
-from onnxfuse.graph import GraphView, same_shape
+from onnxfuse.graph import GraphView, same_shape, shape_input_spec
 from onnxfuse.groups import Accepted, components, exit_levels, exposed_outputs, reentering
 from onnxfuse.kinds.base import (
     META_VERSION,
@@ -268,15 +268,16 @@ def pairs_at(view: GraphView, tensor: str, readers: set[int], taken: set[int],
     """The interleaved rotation making `tensor`, read only by `readers` (and not a graph output):
     Reshape(Concat(Unsqueeze(Neg(Slice(x, 1, D, step 2)), -1), Unsqueeze(Slice(x, 0, D, step 2), -1)),
     axis -1) to x's shape, x a float tensor with a static, even last dim D, each node read by the
-    next alone, none taken or left to ONNX Runtime, the Reshape's shape a constant; None otherwise."""
+    next alone, none taken or left to ONNX Runtime, the Reshape's shape a constant or one its input's
+    shape decides (`shape_input_spec`, a dynamic export's); None otherwise."""
     r = view.producer.get(tensor)
     if r is None or r in taken or r in reserved or tensor in view.graph_outputs:
         return None
     rn = view.nodes[r]
     if rn.op_type != "Reshape" or rn.domain not in DEFAULT_DOMAINS or len(rn.input) < 2:
         return None
-    if rn.input[1] not in view.constants:  # (a shape computed at run time: the body would read it from outside)
-        return None
+    if rn.input[1] not in view.constants and shape_input_spec(view, rn) is None:
+        return None  # (a shape computed at run time that the body cannot compute from the Concat's output)
     if not set(view.consumers.get(tensor, ())) <= readers:
         return None
     shape = view.shapes.get(tensor)
