@@ -134,7 +134,9 @@ def _anchor_shape_reads(m: ModelProto, report: Folded, inferred: ModelProto | No
     seq from Shape(q)): such a reader alone keeps a Transpose that a fused node would read
     through (the Transpose must then run). Gather(Shape(t), i) of named dims becomes a Gather of
     one Shape of the input (per input); a Shape whose other readers take it whole reads the input
-    (Shape with start and end, or a Concat of such reads and sizes). In place; counts the
+    (Shape with start and end, or a Concat of such reads and sizes), unless a Reshape or Expand
+    takes it as its shape (to t's shape: torch's GroupNorm export, which the rows kind reads
+    so) or it is a graph output. In place; counts the
     rewritten reads in `report.anchored`. `inferred`: `m`'s shapes, when inferred already."""
     g = m.graph
     inits = {t.name: t for t in g.initializer}
@@ -203,8 +205,10 @@ def _anchor_shape_reads(m: ModelProto, report: Folded, inferred: ModelProto | No
     replaced: dict[int, list[onnx.NodeProto]] = {}
     for i, n in shapes.items():  # a Shape something else still reads whole
         out = n.output[0]
-        if not any(out in r.input for r in readers.get(out, ())) and out not in {o.name for o in g.output}:
-            continue
+        if not any(out in r.input for r in readers.get(out, ())) or out in {o.name for o in g.output}:
+            continue  # (read by the Gathers alone, or a graph output: what the user reads stays as it is)
+        if any(r.op_type in ("Reshape", "Expand") and r.input[1] == out for r in readers.get(out, ())):
+            continue  # Reshape(y, Shape(t)), "as t": an idiom matchers read (torch's GroupNorm export)
         picked = held[out]
         if not picked or any(d is None or (isinstance(d, str) and d not in source) for d in picked) \
                 or all(isinstance(d, int) for d in picked):
