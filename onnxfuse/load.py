@@ -293,12 +293,10 @@ def infer_light(light: ModelProto) -> ModelProto:
 def _ort_symbolic_shapes(light: ModelProto) -> ModelProto | None:
     """ONNX Runtime's symbolic shape inference of `light` (what it infers: it may leave some
     tensors unknown), or None: not installed, it failed, or it assumed what a valid model need
-    not hold. With auto merge it equates the dims a broadcast meets: a computed dim and an
-    input's named one ([seq] against position ids' [Min(512, seq)]) are equal in any valid run,
-    but two inputs' dims ([batch] against [batch_b]) or a dim and a size (seq against 512) need
-    not be (either may be 1): such a merge drops the whole result. Run as its static
-    `infer_shapes` runs it, but without the file that writes to the working directory where
-    some tensor stays unknown."""
+    not hold. With auto merge it equates the dims a broadcast meets, which need not be equal where
+    one of them is 1: a merge `_merge_holds` cannot show to hold drops the whole result. Run as
+    its static `infer_shapes` runs it, but without the file that writes to the working directory
+    where some tensor stays unknown."""
     try:
         import contextlib
         import io
@@ -328,13 +326,42 @@ def _ort_symbolic_shapes(light: ModelProto) -> ModelProto | None:
                 run._infer_impl()
             run._update_output_from_vi()
         named = {d.dim_param for vi in light.graph.input for d in vi.type.tensor_type.shape.dim if d.dim_param}
-        if any(ssi.is_literal(to) or merged in named for merged, to in run.suggested_merge_.items()):
+        if not all(_merge_holds(merged, to, named) for merged, to in run.suggested_merge_.items()):
             return None
         return run.out_mp_
     except Exception:  # noqa: BLE001 -- it fails on this model (or its internals changed): ONNX's shapes
         return None
     finally:
         quiet.setLevel(level)
+
+
+def _merge_holds(merged: str, to, named: set[str]) -> bool:
+    """Whether ONNX Runtime's merge of dim `merged` into `to` (a broadcast met them) holds in every
+    run the model can make: `to` an input's named dim s and `merged` an expression of s alone that
+    equals s wherever either is 1 (a broadcast of 1 against the other would succeed with them
+    unequal), and elsewhere equals s or is another size than 1, which a broadcast refuses. Position
+    ids' Min(512, seq) against seq holds; Min(2, a) - 1 against b, or s - 1 against s, does not;
+    neither does any merge into a size or of two inputs' dims."""
+    if not isinstance(to, str) or to not in named or merged in named:
+        return False
+    import sympy
+
+    s = sympy.Symbol(to, integer=True, positive=True)
+    try:
+        e = sympy.sympify(merged, locals={to: s})
+    except (sympy.SympifyError, TypeError, SyntaxError):
+        return False
+    if e.free_symbols != {s}:
+        return False
+    f = sympy.lambdify(s, e, "math")
+    for v in range(1, 4097):  # (far enough for exports' Min(512, seq), Min(2048, seq))
+        try:
+            ev = f(v)
+        except (ArithmeticError, ValueError, TypeError):
+            return False
+        if ev != int(ev) or (int(ev) != v and (int(ev) == 1 or v == 1)):
+            return False
+    return True
 
 
 def _unknown(d: onnx.TensorShapeProto.Dimension) -> bool:

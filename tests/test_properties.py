@@ -715,6 +715,25 @@ REGRESSIONS: dict[str, tuple[str, dict]] = {
             m = Max (d, c)
             y = Relu (d)
         }""", {"x": np.array([[[0.2515, -0.2642, 1.281], [0.2098, -1.071, 0.723]]], F16)}),
+    # ONNX Runtime's symbolic shape inference merged the Slice's Min(2, in1's dim) - 1 into in0's
+    # dim where the last Add broadcast them (1 against 2 here): the shapes given to every tensor
+    # then named two sizes alike, and ONNX Runtime's allocation planner failed on them ("Shape
+    # mismatch attempting to re-use buffer"). onnxfuse.load._merge_holds now refuses that merge.
+    "symbolic inference merged a 1 into an input's dim": ("""
+        g (float16[?] in0, float16[?] in1) => (float16[?] y) <int64[1] c0 = {1}, int64[1] c1 = {2},
+                                                             int64[1] c2 = {0}, int64[1] c3 = {0}> {
+            v0 = Relu (in1)
+            v1 = Slice (v0, c0, c1, c2)
+            v2 = ReduceMean <keepdims: int = 1> (v1, c3)
+            v3 = Sum (v2, in0, v2)
+            v4 = Relu (v3)
+            v5 = Sum (v4)
+            r6 = Cast <to: int = 1> (v1)
+            v7 = Cast <to: int = 10> (r6)
+            v8 = Relu (v7)
+            v9 = Add (v5, v8)
+            y = Relu (v9)
+        }""", {"in0": np.array([0.2515, -0.2642], F16), "in1": np.array([1.281, 0.2098], F16)}),
 }
 
 
