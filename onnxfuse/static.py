@@ -135,9 +135,9 @@ def _anchor_shape_reads(m: ModelProto, report: Folded, inferred: ModelProto | No
     through (the Transpose must then run). Gather(Shape(t), i) of named dims becomes a Gather of
     one Shape of the input (per input); a Shape whose other readers take it whole reads the input
     (Shape with start and end, or a Concat of such reads and sizes), unless a Reshape or Expand
-    takes it as its shape (to t's shape: torch's GroupNorm export, which the rows kind reads
-    so) or it is a graph output. In place; counts the
-    rewritten reads in `report.anchored`. `inferred`: `m`'s shapes, when inferred already."""
+    takes it as its shape (to t's shape: torch's GroupNorm export, which the rows kind reads so)
+    or it is a graph output. In place; counts the rewritten reads in `report.anchored`.
+    `inferred`: `m`'s shapes, when inferred already."""
     g = m.graph
     inits = {t.name: t for t in g.initializer}
     inputs = {vi.name for vi in g.input}
