@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # A folder carried to the device in one call is gone in the next: every call that runs models
 # with the library must carry .devlib again (the eighth session lost a whole suite run to it).
 case "${1:-tests}" in
-  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder|attention|hf-rotary|hf-dynamic)
+  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder|attention|hf-rotary|hf-dynamic|hf)
     if [ -z "${ONNXFUSE_LIBRARY:-}" ] && [ -z "${ONNXFUSE_ORT_INCLUDE:-}" ]; then
       echo "gpu_session.sh ${1}: no .devlib here (carry [\".devlib\"] in this call): stopping" >&2; exit 2
     fi ;;
@@ -232,6 +232,15 @@ PY
         --batch "$b" --dtype "$dt" --dynamic --exporter "$e" --tf-optimizer --tune-budget 3 \
         --json "$OUT/hf_dynamic_${e}_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | grep "^|" | tee "$OUT/hf_dynamic_${e}_b${b}_${dt}.md"
     done
+    ;;
+  hf)
+    # Hugging Face families at full size, static shapes (--shape: CUDA graphs) against ORT, ORT + graphs
+    # and the tf-optimizer, errors beside; default: the thirtieth session's attentions over merged heads
+    # (BLOOM's ALiBi, DeBERTa-v3's disentangled attention).   hf [LIMIT] [BATCH] [DTYPE] [ARCHS]
+    limit=${2:-400}; b=${3:-8}; dt=${4:-fp16}
+    timeout -s INT "$limit" python3 benchmarks/hf_attention.py --archs "${5:-bloom,deberta_v2}" \
+      --attn sdpa --batch "$b" --dtype "$dt" --cuda-graph --tf-optimizer --tune-budget 3 \
+      --json "$OUT/hf_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | grep "^|" | tee "$OUT/hf_b${b}_${dt}.md"
     ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)

@@ -71,11 +71,17 @@ WHISPER = dict(encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=128,
                vocab_size=1000, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
 BART = dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
             encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=1000)
+# DeBERTa-v3's attention as microsoft/deberta-v3-base configures it: content-to-position and
+# position-to-content terms over log-bucketed relative positions, keys shared with the content
+DEBERTA_V3 = dict(relative_attention=True, pos_att_type=["p2c", "c2p"], max_relative_positions=-1,
+                  norm_rel_ebd="layer_norm", share_att_key=True)
 MORE = {
     "roberta": ("RobertaConfig", "RobertaModel", "text", "sdpa", TEXT_SMALL, TEXT_BASE, True),
     "albert": ("AlbertConfig", "AlbertModel", "text", "sdpa", dict(TEXT_SMALL, embedding_size=32), TEXT_BASE, True),
     "mpnet": ("MPNetConfig", "MPNetModel", "text", "eager", TEXT_SMALL, TEXT_BASE, True),  # relative position bias
-    "deberta_v2": ("DebertaV2Config", "DebertaV2Model", "text", "eager", TEXT_SMALL, TEXT_BASE, False),
+    "deberta_v2": ("DebertaV2Config", "DebertaV2Model", "text", "eager",  # disentangled attention over [B * H, S, S]
+                   dict(TEXT_SMALL, **DEBERTA_V3, position_buckets=8),
+                   dict(TEXT_BASE, **DEBERTA_V3, position_buckets=256), True),
     "clip_text": ("CLIPTextConfig", "CLIPTextModel", "text", "sdpa", TEXT_SMALL, TEXT_BASE, True),  # causal + padding
     "deit": ("DeiTConfig", "DeiTModel", "image", "sdpa", IMAGE_SMALL, IMAGE_BASE, True),
     "beit": ("BeitConfig", "BeitModel", "image", "sdpa", dict(IMAGE_SMALL, use_relative_position_bias=True),
@@ -107,7 +113,7 @@ MORE = {
                dict(TEXT_BASE, head_dim=64, num_key_value_heads=4), True),  # sandwich norms, soft-capped scores
     "gptj": ("GPTJConfig", "GPTJModel", "text", "sdpa", dict(TEXT_SMALL, rotary_dim=16),
              dict(TEXT_BASE, rotary_dim=32), True),  # interleaved, partial rotary
-    "bloom": ("BloomConfig", "BloomModel", "text", "eager", TEXT_SMALL, TEXT_BASE, False),  # ALiBi over [B * H, S, S]
+    "bloom": ("BloomConfig", "BloomModel", "text", "eager", TEXT_SMALL, TEXT_BASE, True),  # ALiBi over [B * H, S, S]
     "cohere": ("CohereConfig", "CohereModel", "text", "sdpa", dict(TEXT_SMALL, num_key_value_heads=1),
                dict(TEXT_BASE, num_key_value_heads=4), True),  # interleaved rotary on every dim, parallel blocks
     "glm": ("GlmConfig", "GlmModel", "text", "sdpa",

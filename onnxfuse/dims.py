@@ -28,6 +28,12 @@ def _factors(d: int | str) -> tuple[int, list[str]] | None:
     return size, names
 
 
+def factors(d: Dim) -> tuple[int, list[str]] | None:
+    """(size, names) of a product of sizes and names ("2*batch": (2, ["batch"])); None for an
+    unknown dim or any other expression."""
+    return None if d is None else _factors(d)
+
+
 def _spell(size: int, names: list[str]) -> Dim:
     if not names:
         return size

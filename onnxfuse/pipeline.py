@@ -23,8 +23,12 @@ from onnxfuse.align import pad_columns
 from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
+from onnxfuse.groups import Accepted
+from onnxfuse.heads import lift_merged_heads
 from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
 from onnxfuse.kinds import KINDS
+from onnxfuse.kinds.attention import find_attention
+from onnxfuse.kinds.base import Match
 from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem, remove_passthrough
 from onnxfuse.match import MatchResult, find_matches
 from onnxfuse.ort_fusions import OrtFusions, ort_fusions
@@ -210,6 +214,7 @@ class Result:
     # - pack: how many attentions had their Q, K and V projections packed into one product
     packed: int = 0
     unpacked: int = 0  # per-head interleaved projections reordered into packed ones (pack_pass)
+    lifted: int = 0  # attentions over merged heads rewritten over [B, H, ...] (pack_pass, lift_pass)
     # - align: the products padded to 16-byte rows for cuBLAS (their node names)
     padded: list[str] = field(default_factory=list)
     # - bias: how many products had their bias moved after them, into one of ORT's fusions, and
@@ -358,6 +363,9 @@ PACKED = ("attentions whose Q, K and V projections were packed into one MatMul (
 UNPACKED = ("projections whose Q, K and V columns interleaved head by head were reordered into one packed "
             "product (its Reshape, Transpose and Slices gone)")
 
+LIFTED = ("attentions over merged heads ([B * H, S, D] products, Reshapes around the mask) rewritten over "
+          "[B, H, S, D] (onnxfuse.heads), so that they fuse")
+
 
 def pack_pass(result: Result, options: Options) -> Result:
     """Where the attention pattern is applied: each attention's Q, K and V projections (three
@@ -366,6 +374,7 @@ def pack_pass(result: Result, options: Options) -> Result:
     into that packed form (`unpack_interleaved`); the shapes inferred again after each change."""
     attention = next((p for p in result.patterns if p.kind.name == "attention"), None)
     if result.unchanged is None and attention is not None:
+        lift_pass(result, options, attention)
         model, unpacked = unpack_interleaved(result.model, result.view)
         if unpacked:
             result.model, result.unpacked = model, unpacked
@@ -374,6 +383,28 @@ def pack_pass(result: Result, options: Options) -> Result:
         if packed:
             result.model, result.packed = model, packed
             infer_shapes_pass(result, options)
+    return result
+
+
+def lift_pass(result: Result, options: Options, attention: Pattern) -> Result:
+    """Attentions over merged heads ([B * H, S, D] products, `onnxfuse.heads`) rewritten over
+    [B, H, ...], kept only for those that then match as attentions (the others as they were);
+    the shapes inferred again where any was."""
+    before = result.model
+    model, lifted = lift_merged_heads(before, result.view, attention)
+    if not lifted:
+        return result
+    view = GraphView.build(model, infer_shapes(model))
+    index = {n.name: i for i, n in enumerate(view.nodes)}
+    matched = {old for old, new in lifted.items()
+               if isinstance(find_attention(view, index[new], attention, set(), Accepted(len(view.nodes)), {}), Match)}
+    if matched != set(lifted):
+        model, lifted = lift_merged_heads(before, result.view, attention, matched) if matched else (before, {})
+        if not lifted:
+            return result
+        view = GraphView.build(model, infer_shapes(model))
+    result.model, result.lifted = model, len(lifted)
+    _set_view(result, view)
     return result
 
 
@@ -455,6 +486,8 @@ def match_pass(result: Result, options: Options) -> Result:
             result.report.notes[PACKED] = result.packed
         if result.unpacked:
             result.report.notes[UNPACKED] = result.unpacked
+        if result.lifted:
+            result.report.notes[LIFTED] = result.lifted
         if result.biased_after:
             result.report.notes[BIAS_AFTER] = result.biased_after
         if result.padded:

@@ -26,6 +26,7 @@ input empty along its axis) and the shape arithmetic nothing reads any more.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,7 @@ import onnx
 from onnx import ModelProto, helper, numpy_helper
 
 from onnxfuse import ir
+from onnxfuse.dims import factors as dim_factors
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.load import default_opset, infer_light, light_copy
 from onnxfuse.tools.shapes import input_dims, with_input_dims
@@ -186,23 +188,32 @@ def _anchor_shape_reads(m: ModelProto, report: Folded, inferred: ModelProto | No
         for x in n.input:
             if x in held:
                 readers.setdefault(x, []).append(n)
-    for n in g.node:  # Gather(Shape(t), constant indices) of one input's named dims
-        if n.op_type != "Gather" or n.domain not in ("", "ai.onnx") or n.input[0] not in held \
-                or n.input[1] not in inits or any(a.name == "axis" and a.i != 0 for a in n.attribute):
+    replaced: dict[int, list[onnx.NodeProto]] = {}
+    for j, n in enumerate(g.node):  # Gather(Shape(t), constant indices), Slice(Shape(t), constant bounds)
+        if n.domain not in ("", "ai.onnx") or not n.input or n.input[0] not in held:
             continue
-        dims_held, idx = held[n.input[0]], numpy_helper.to_array(inits[n.input[1]])
-        if idx.dtype.kind not in "iu" or np.any(idx < -len(dims_held)) or np.any(idx >= len(dims_held)):
+        dims_held = held[n.input[0]]
+        idx = _dims_taken(n, len(dims_held), lambda x: numpy_helper.to_array(inits[x]) if x in inits else None)
+        if idx is None:
             continue
         picked = [dims_held[int(i)] for i in idx.reshape(-1)]
+        factors = dim_factors(picked[0]) if len(picked) == 1 and isinstance(picked[0], str) else None
+        if factors is not None and len(factors[1]) + (factors[0] != 1) > 1 and all(f in source for f in factors[1]):
+            # one product of named dims and a size (B * H of merged heads): read each name, multiply
+            replaced[j] = _product_read(n, idx.shape, factors, source, shape_of, names, g)
+            anchored += 1
+            continue
         reads = [source.get(d) if isinstance(d, str) else None for d in picked]
         if not reads or None in reads or len({r[0] for r in reads}) != 1:
             continue
-        axes = _fresh(f"{n.input[1]}_axes", names)
+        axes = _fresh(f"{n.name or n.output[0]}_axes", names)
         g.initializer.append(numpy_helper.from_array(
             np.array([r[1] for r in reads], np.int64).reshape(idx.shape), axes))
-        n.input[0], n.input[1] = shape_of(reads[0][0]), axes
+        if n.op_type == "Gather":
+            n.input[0], n.input[1] = shape_of(reads[0][0]), axes
+        else:
+            replaced[j] = [helper.make_node("Gather", [shape_of(reads[0][0]), axes], [n.output[0]], n.name)]
         anchored += 1
-    replaced: dict[int, list[onnx.NodeProto]] = {}
     for i, n in shapes.items():  # a Shape something else still reads whole
         out = n.output[0]
         if not any(out in r.input for r in readers.get(out, ())) or out in {o.name for o in g.output}:
@@ -247,6 +258,62 @@ def _anchor_shape_reads(m: ModelProto, report: Folded, inferred: ModelProto | No
         del g.node[:]
         g.node.extend(kept)
     report.anchored += anchored
+
+
+def _dims_taken(n: onnx.NodeProto, rank: int, value: Callable[[str], np.ndarray | None]) -> np.ndarray | None:
+    """The indices of a shape's dims (of `rank`) that node n reads from it: a Gather on axis 0
+    with constant indices (`value` of a name: the constant, else None; its shape kept), a Slice
+    with constant bounds and step 1 (1-D); None for other nodes."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+    if n.op_type == "Gather":
+        idx = value(n.input[1]) if len(n.input) > 1 else None
+        if idx is None or attrs.get("axis", 0) != 0:
+            return None
+        if idx.dtype.kind not in "iu" or np.any(idx < -rank) or np.any(idx >= rank):
+            return None
+        return np.where(idx < 0, idx + rank, idx).astype(np.int64)
+    if n.op_type != "Slice":
+        return None
+    if "starts" in attrs:  # opset 1-9
+        bounds = [attrs["starts"], attrs["ends"], attrs.get("axes", [0]), [1]]
+    else:
+        bounds = [None if (c := value(x) if x else None) is None else c.reshape(-1).tolist()
+                  for x in (*n.input[1:5], *[""] * (5 - len(n.input)))]
+        if bounds[0] is None or bounds[1] is None or (len(n.input) > 3 and n.input[3] and bounds[2] is None) \
+                or (len(n.input) > 4 and n.input[4] and bounds[3] is None):
+            return None
+        bounds[2] = bounds[2] if len(n.input) > 3 and n.input[3] else [0]
+        bounds[3] = bounds[3] if len(n.input) > 4 and n.input[4] else [1]
+    starts, ends, axes, steps = bounds
+    if len(starts) != 1 or len(ends) != 1 or axes not in ([0], [-1]) or steps != [1]:
+        return None
+    lo, hi = (min(max(v + rank if v < 0 else v, 0), rank) for v in (starts[0], ends[0]))
+    return np.arange(lo, hi, dtype=np.int64) if hi > lo else None
+
+
+def _product_read(n: onnx.NodeProto, shape: tuple[int, ...], factors: tuple[int, list[str]],
+                  source: dict[str, tuple[str, int]], shape_of, names: set[str],
+                  g: onnx.GraphProto) -> list[onnx.NodeProto]:
+    """Nodes writing Gather node n's output (one dim, index of `shape`) as the product of
+    `factors` (size, names): each name's dim read from the Shape of the input that names it."""
+    nodes, acc = [], None
+    for k, name in enumerate(factors[1]):
+        x, axis = source[name]
+        idx, out = _fresh(f"{n.input[1]}_factor{k}", names), _fresh(f"{n.output[0]}_factor{k}", names)
+        g.initializer.append(numpy_helper.from_array(np.full(shape, axis, np.int64), idx))
+        nodes.append(helper.make_node("Gather", [shape_of(x), idx], [out], _fresh(f"{n.name}_factor{k}", names)))
+        if acc is not None:
+            prod = _fresh(f"{n.output[0]}_product{k}", names)
+            nodes.append(helper.make_node("Mul", [acc, out], [prod], _fresh(f"{n.name}_product{k}", names)))
+            out = prod
+        acc = out
+    if factors[0] != 1:
+        size = _fresh(f"{n.output[0]}_size", names)
+        g.initializer.append(numpy_helper.from_array(np.array(factors[0], np.int64), size))
+        nodes.append(helper.make_node("Mul", [acc, size], [n.output[0]], _fresh(f"{n.name}_size", names)))
+    else:
+        nodes[-1].output[0] = n.output[0]
+    return nodes
 
 
 def _read_dims(x: str, start: int, count: int, out: str, name: str, opset: int, names: set[str],
@@ -462,7 +529,7 @@ def _shape_slice(n: onnx.NodeProto, dims) -> list:
 
 def _known_dims(n: onnx.NodeProto, known: dict[str, np.ndarray], some: dict[str, tuple], shape_of: dict
                 ) -> dict | None:
-    """A Shape node's dims, or a Gather's from a Shape node's output at constant indices, when every
+    """A Shape node's dims, or a Gather's or Slice's from a Shape node's output at constant indices, when every
     dim they hold is known (None otherwise); records what each unfolded Shape holds in `shape_of`."""
     if n.op_type == "Shape" and n.input[0] in some:
         dims = _shape_slice(n, some[n.input[0]])
@@ -470,11 +537,10 @@ def _known_dims(n: onnx.NodeProto, known: dict[str, np.ndarray], some: dict[str,
             return {n.output[0]: np.array(dims, np.int64)}
         shape_of[n.output[0]] = tuple(dims)
         return None
-    if n.op_type == "Gather" and n.input[0] in shape_of and n.input[1] in known:
-        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
-        dims, idx = shape_of[n.input[0]], known[n.input[1]]
-        if attrs.get("axis", 0) != 0 or idx.dtype.kind not in "iu" or np.any(idx < -len(dims)) \
-                or np.any(idx >= len(dims)):
+    if n.op_type in ("Gather", "Slice") and n.input[0] in shape_of:
+        dims = shape_of[n.input[0]]
+        idx = _dims_taken(n, len(dims), known.get)
+        if idx is None:
             return None
         picked = [dims[int(i)] for i in idx.reshape(-1)]
         if all(d is not None for d in picked):

@@ -67,7 +67,8 @@ def test_decoder_step_with_a_key_value_cache_stays_dynamic_and_fuses(arch, dtype
     assert row["later_step"] == "batch 3, past 19", row
 
 
-MORE_CASES = ["gemma2", "phi", "stablelm", "bart", "clip_text", "beit", "gpt_bigcode", "whisper_encoder", "deberta_v2"]
+MORE_CASES = ["gemma2", "phi", "stablelm", "bart", "clip_text", "beit", "gpt_bigcode", "whisper_encoder", "deberta_v2",
+              "bloom"]
 
 
 @pytest.mark.parametrize("arch", MORE_CASES)
@@ -75,8 +76,9 @@ def test_more_families(arch, tmp_path):
     """More of Hugging Face's families (`hf_attention.MORE`), each with a trait of its own: Gemma 2's
     sandwich norms and soft-capped scores, Phi's partial rotary, BART's cross-attention, CLIP's
     causal text mask with padding, BEiT's relative position bias, GPT-BigCode's one key-value
-    head, Whisper's encoder, DeBERTa-v2's disentangled attention (not an attention onnxfuse fuses:
-    the model must still pass). Every attention that should fuse does, and the gate passes."""
+    head, Whisper's encoder, DeBERTa-v3's disentangled attention and BLOOM's ALiBi (both over merged
+    heads, [B * H, S, S]: lifted, `onnxfuse.heads`). Every attention that should fuse does, and the
+    gate passes."""
     _, _, _, attn, _, _, fuses = hf_attention.MORE[arch]
     args = argparse.Namespace(small=True, batch=2, dtype="fp32", provider="cpu", iters=2, tf_optimizer=False,
                               cuda_graph=False, tune_budget=None)

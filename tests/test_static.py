@@ -295,3 +295,30 @@ def test_a_whole_shape_read_reads_the_inputs_dims():
     x = np.zeros((3, 7, 64), np.float32)
     for a, b in zip(run(folded, {"x": x}), run(m, {"x": x}), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_slices_and_products_of_shape_reads():
+    """torch's exporter reads t.size(-1) as Slice(Shape(t)) + Squeeze, and a view over merged
+    heads has a leading dim 2 * batch: the Slices of t's named dims read the input's Shape, the
+    product is Gather(Shape(x), 0) * 2, the static dim folds; nothing reads the merged tensor's
+    Shape and the model computes what it did at two shapes."""
+    pytest.importorskip("onnxruntime.tools.symbolic_shape_infer")
+    from onnxfuse.static import fold_known_dims
+
+    m = head_split()
+    g = m.graph
+    g.initializer.extend(numpy_helper.from_array(np.array(v, np.int64), k) for k, v in
+                         {"k0": [0], "k1": [1], "k2": [2], "kend": [2 ** 62], "kneg": [-1]}.items())
+    g.node.extend([N("Concat", ["minus1", "ts1", "d"], ["merge3"], axis=0), N("Reshape", ["t", "merge3"], ["m3"]),
+                   N("Shape", ["m3"], ["sm"]), N("Slice", ["sm", "k0", "k1"], ["lead"]),
+                   N("Slice", ["sm", "k1", "k2"], ["rows"]), N("Slice", ["sm", "kneg", "kend"], ["last"]),
+                   N("Concat", ["lead", "rows", "last"], ["back"], axis=0), N("Sigmoid", ["m3"], ["u3"]),
+                   N("Reshape", ["u3", "back"], ["y3"])])
+    g.output.append(helper.make_tensor_value_info("y3", onnx.TensorProto.FLOAT, None))
+    folded, report = fold_known_dims(onnx.load_from_string(m.SerializeToString()))
+    assert [n.input[0] for n in folded.graph.node if n.op_type == "Shape"] == ["x"]
+    assert report.anchored == 4 and report.nodes["Slice"] >= 1, (report.anchored, report.nodes)
+    for shape in ((2, 5, 64), (3, 4, 64)):
+        x = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
+        for a, b in zip(run(folded, {"x": x}), run(m, {"x": x}), strict=True):
+            np.testing.assert_array_equal(a, b)
