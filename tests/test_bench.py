@@ -1021,3 +1021,22 @@ def test_suite_shards_split_the_models_between_processes():
     r = subprocess.run([sys.executable, "benchmarks/compare.py", "--suite", "--shard", "5/2", "--dry-run"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--shard '5/2'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_mask_input_is_a_padding_mask(tmp_path):
+    """An integer input named like Hugging Face's attention_mask gets ones with padding, not
+    integers in [0, 10): transformers 4's (1 - mask) * finfo(float32).min overflowed on those to
+    inf, the softmax gave NaN, and both models' errors read nan/inf (the gate compared nothing)."""
+    N = helper.make_node
+    lowest = np.array(np.finfo(np.float32).min, np.float32)
+    nodes = [N("Cast", ["attention_mask"], ["m"], to=TensorProto.FLOAT), N("Sub", ["one", "m"], ["inv"]),
+             N("Mul", ["inv", "lowest"], ["add"]), N("Add", ["x", "add"], ["s"]), N("Softmax", ["s"], ["y"], axis=-1)]
+    m = make_model(nodes, {"x": ("float32", [2, 8]), "attention_mask": ("int64", [2, 8])},
+                   {"y": ("float32", [2, 8])}, {"one": np.array(1.0, np.float32), "lowest": lowest}, opset=17)
+    path = tmp_path / "mask.onnx"
+    onnx.save(m, str(path))
+    js = tmp_path / "b.json"
+    r = cli(str(path), str(path), *FAST, "--json", str(js))
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = json.loads(js.read_text())
+    assert np.isfinite(d["reference"]["ort_max_abs_err"]["y"]) and d["models"][1]["outputs"][0]["passed"], d

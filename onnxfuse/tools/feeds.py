@@ -2,7 +2,11 @@
 
 Floats are N(0, 1), integers in [0, 10) (or 0: indices and ids that must stay in range),
 booleans fair coins, drawn in input order from one generator, so the same seed gives the
-same inputs in bench, bisect, tune and the benchmarks.
+same inputs in bench, bisect, tune and the benchmarks. An integer or boolean input whose name
+holds "mask" (Hugging Face's attention_mask) is a padding mask instead: ones, and in the first
+sequence its last quarter of positions 0 (`padding_mask`). A model that does arithmetic with the
+mask (transformers 4's (1 - mask) * finfo.min) overflows on other integers: its output and the
+float64 reference's were inf and NaN, and the gate compared nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +34,15 @@ def random_array(rng: np.random.Generator, dtype: np.dtype, shape: tuple[int, ..
     return np.ascontiguousarray(a)
 
 
+def padding_mask(dtype: np.dtype, shape: tuple[int, ...] | list[int]) -> np.ndarray:
+    """Ones of `dtype`, with the last quarter of the last axis 0 in the first row (a padded
+    sequence; no padding where the last axis is under 4 long)."""
+    a = np.ones(shape, dtype=dtype)
+    if len(shape) >= 2 and shape[-1] >= 4 and a.size:
+        a[(0,) * (len(shape) - 1)][shape[-1] - shape[-1] // 4:] = 0
+    return a
+
+
 def make_feeds(specs: Iterable[InputSpec], seed: int = 0, given: Mapping[str, str] | None = None,
                zero_integers: bool = False) -> dict[str, np.ndarray]:
     """Seeded random inputs for `specs`; ``--input NAME=FILE.npy`` or ``NAME=NUMBER`` where
@@ -43,6 +56,8 @@ def make_feeds(specs: Iterable[InputSpec], seed: int = 0, given: Mapping[str, st
             feeds[s.name] = given_input(s, value)
         else:
             feeds[s.name] = random_array(rng, np.dtype(s.dtype), s.shape, zero_integers)
+            if "mask" in s.name.lower() and np.dtype(s.dtype).kind in "biu":  # (drawn all the same: the
+                feeds[s.name] = padding_mask(np.dtype(s.dtype), s.shape)   # inputs after it stay as they were)
     return feeds
 
 
