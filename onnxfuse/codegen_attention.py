@@ -51,6 +51,12 @@ skipping those blocks changes nothing; a row that is itself all masked (Sk < Sq)
 scores lie below c keeps every block. An additive causal mask gets no skipping: a NaN or inf
 score stays what it is under the addition.
 
+With `zero_where` (the original's Where(m, 0, P) after its Softmax, m a bool extra: DeBERTa's
+XSoftmax in Hugging Face transformers 4), each key block's p are added to the row's sum first
+and then set to 0 where m is true, before P @ V: the softmax's denominator holds every key, the
+product only the kept ones; a row whose keys are all so masked gives Y = acc (the sum of 0 * V),
+not acc / l (0 / 0 where its scores were all -inf), as the original's zeroed P gives.
+
 Special values as ONNX's Softmax: a row whose scores are all -inf gives 0 / 0 = NaN (its
 running max stays -inf: the shift is 0 then, so that exp gives 0, not exp(-inf + inf)); a NaN
 score makes its exp NaN and so its row's sum and Y (tl.max may drop the NaN from the running
@@ -130,6 +136,9 @@ class AttentionSpec:
     causal_masked: float | None = None
     # grouped-query attention: K and V have H / kv_group heads, query head h reads head h // kv_group
     kv_group: int = 1
+    # the extra m of a Where(m, 0, P) after the softmax (a bool mask the score program need not
+    # read): each p where m is true set to 0 after its row's sum took it (None: no such Where)
+    zero_where: int | None = None
 
     @property
     def dtype(self) -> str:
@@ -321,6 +330,10 @@ def _check(spec: AttentionSpec, variant: AttentionVariant) -> None:
     if len(spec.extras_broadcast) > spec.n_extras or not set(spec.extras_broadcast) <= set(EXTRA_READS):
         raise ValueError(f"{spec.name}: extras_broadcast {spec.extras_broadcast} is not one of {EXTRA_READS} "
                          f"per extra ({spec.n_extras})")
+    if spec.zero_where is not None and not (0 <= spec.zero_where < spec.n_extras
+                                            and spec.program.input_dtypes[1 + spec.zero_where] == "bool"):
+        raise ValueError(f"{spec.name}: zero_where {spec.zero_where} is not one of the {spec.n_extras} extras, "
+                         "or not a bool one")
     causal = [i for i, b in enumerate(spec.extras_broadcast) if b == "causal"]
     if causal and spec.program.input_dtypes[1 + causal[0]] != "bool":
         raise ValueError(f"{spec.name}: a causal extra must be bool")
@@ -470,7 +483,9 @@ def _body(spec: AttentionSpec, variant: AttentionVariant) -> list[str]:
             "# exp(score - m_i), acc the running P @ V (unnormalized).",
             'm_i = tl.full([BLOCK_M], float("-inf"), tl.float32)',
             "l_i = tl.zeros([BLOCK_M], dtype=tl.float32)",
-            "acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)"]
+            "acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)",
+            *(["kept_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # keys not zeroed by Where(m, 0, P)"]
+              if spec.zero_where is not None else [])]
     loop = _key_block(spec, step, k_mask, v_mask, variant.v_first)
     if spec.causal_fill is None:
         out += ["for start_n in range(0, SK, BLOCK_N):", *_indent(loop)]
@@ -488,6 +503,9 @@ def _body(spec: AttentionSpec, variant: AttentionVariant) -> list[str]:
     out += ["",
             "# Normalize (a row of -inf: 0 / 0 = NaN) and store, cast to Y's dtype.",
             "y = tl.div_rn(acc, l_i[:, None])",
+            *(["# Every p of the row zeroed by Where(m, 0, P): Y is the sum of 0 * V (0 where V is finite),",
+               "# not 0 / l_i (NaN where the row's scores were all -inf).",
+               "y = tl.where((kept_i > 0.0)[:, None], y, acc)"] if spec.zero_where is not None else []),
             *(["# NaN probabilities read as 0 (the original's Where(IsNaN(P), 0, P)): a row's softmax is NaN",
                "# in all its elements or in none, and its sum is then 0 (a row of -inf) or NaN.",
                "y = tl.where(((l_i == 0.0) | (l_i != l_i))[:, None], 0.0, y)"] if spec.nan_to_zero else []),
@@ -534,6 +552,13 @@ def _key_block(spec: AttentionSpec, step, k_mask: str, v_mask: str, v_first: boo
             "l_i = l_i * alpha + tl.sum(p, axis=1)",
             "acc = acc * alpha[:, None]",
             "m_i = m_new"]
+    if spec.zero_where is not None:
+        z = f"e{spec.zero_where}"
+        out += ["# The original's Where(m, 0, P) after its Softmax: those p are 0 in P @ V; the row's sum",
+                "# (the softmax's denominator) took them first. kept_i counts the keys left.",
+                f"kept_i += tl.sum(tl.where(({z} == 0.0) & col_ok[None, :], 1.0, 0.0)"
+                " + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), axis=1)",
+                f"p = tl.where({z} != 0.0, 0.0, p)"]
     if not v_first:
         out += v_load
     if dt == "f32":

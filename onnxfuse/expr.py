@@ -135,6 +135,18 @@ class Program:
                 raise ValueError(f"bad output dtype {dt!r}")
 
 
+def with_input(prog: Program, dtype: str) -> Program:
+    """`prog` with one more input of `dtype` after its others, which it does not read (its
+    instructions' values renumbered after it)."""
+    n = len(prog.input_dtypes)
+
+    def shifted(a: Operand) -> Operand:
+        return Ref(a.index + 1) if isinstance(a, Ref) and a.index >= n else a
+    return Program((*prog.input_dtypes, dtype), tuple(Instr(i.op, tuple(shifted(a) for a in i.args))
+                                                      for i in prog.instrs),
+                   tuple((v + 1 if v >= n else v, dt) for v, dt in prog.outputs))
+
+
 def _fmt_operand(a: Operand) -> str:
     if isinstance(a, Ref):
         return f"%{a.index}"

@@ -39,8 +39,8 @@ MAX_PATH = 24  # nodes between the two products, at most
 @dataclass(frozen=True)
 class Merged:
     """One attention over merged heads: its products, the nodes between them in order
-    (pointwise score ops, Reshapes between [B * H, ...] and [B, H, ...], the Softmax, Casts),
-    and the heads' split."""
+    (pointwise score ops, Reshapes between [B * H, ...] and [B, H, ...], the Softmax, Casts and
+    Wheres of P), and the heads' split."""
 
     qk: int
     pv: int
@@ -129,7 +129,8 @@ def find_merged(view: GraphView, sm: int, pattern: Pattern) -> Merged | None:
         r = readers[0]
         if _is(view, r, "MatMul") and view.nodes[r].input[0] == probs:
             break
-        if not (_is(view, r, "Cast") or head_split(view, r) is not None):
+        zeroing = _is(view, r, "Where") and list(view.nodes[r].input[2:]) == [probs]  # Where(m, 0, P)
+        if not (_is(view, r, "Cast") or zeroing or head_split(view, r) is not None):
             return None
         path.append(r)
         probs = view.nodes[r].output[0]

@@ -105,7 +105,15 @@ class Case:
     causal: bool = False
     # grouped-query attention: K and V have h / kv_group heads, query head j reads head j // kv_group
     kv_group: int = 1
+    # the extra whose true elements zero P after the softmax (AttentionSpec.zero_where; its kind
+    # "padding": DeBERTa's mask over padded queries and keys, rows 16.. of batch 0 all masked)
+    zero_where: int | None = None
 
+
+# DeBERTa's XSoftmax as transformers 4 exports it: the masked scores set to the dtype's lowest,
+# then (the node's zero_where) those probabilities to 0; and the zeroing mask alone
+PADDED = "input %0 {dt}\ninput %1 bool\n%2 = div %0 8.0\n%3 = select %1 {lowest} %2\noutput %3 {dt}"
+ZERO_ONLY = "input %0 {dt}\ninput %1 bool\n%2 = div %0 8.0\noutput %2 {dt}"
 
 CASES = [
     Case("f32-ieee-scale-odd", "f32", SCALE),
@@ -174,11 +182,18 @@ CASES = [
     Case("bf16-causal-and-key-mask", "bf16", "input %0 {dt}\ninput %1 {dt}\ninput %2 bool\n%3 = add %0 %1\n"
          "%4 = select %2 %3 -10000.0\noutput %4 {dt}", extras=(("additive", (2, 1, 1, 37)), ("causal", (1, 1, 20, 37))),
          broadcast=True, causal=True),
+    Case("f32-ieee-zero-where-padded", "f32", PADDED, extras=(("padding", (2, 1, 20, 37)),), zero_where=0),
+    Case("f16-zero-where-padded-lowest", "f16", PADDED, extras=(("padding", (2, 1, 20, 37)),), zero_where=0),
+    Case("f16-zero-where-padded-inf", "f16", PADDED.replace("{lowest}", "-inf"), extras=(("padding", (2, 1, 20, 37)),),
+         zero_where=0),
+    Case("bf16-zero-where-unread-key-rows", "bf16", ZERO_ONLY, extras=(("padding", (2, 1, 1, 37)),), zero_where=0,
+         broadcast=True),
 ]
 
 
 def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
-    prog = parse(f"{HEADER}\n{case.program.format(dt=case.dtype)}\n")
+    lowest = float(np.finfo(NP[case.dtype]).min)
+    prog = parse(f"{HEADER}\n{case.program.replace('{lowest}', repr(lowest)).format(dt=case.dtype)}\n")
     reads = [("row" if kind == "key-rows" else _broadcast_dims(shape)) if case.broadcast else ""
              for kind, shape in case.extras]
     fill = masked = None
@@ -192,7 +207,7 @@ def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
             masked = float(np.finfo(NP[prog.input_dtypes[1 + at]]).min)
     spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision, nan_to_zero=case.nan_to_zero,
                          bias=(case.bias,) * 3, extras_broadcast=tuple(reads) if any(reads) else (),
-                         causal_fill=fill, causal_masked=masked, kv_group=case.kv_group)
+                         causal_fill=fill, causal_masked=masked, kv_group=case.kv_group, zero_where=case.zero_where)
     return spec, case.variant or attention_variants(spec)[0]
 
 
@@ -265,6 +280,11 @@ def inputs_of(i: int, case: Case) -> tuple[list[np.ndarray], list[np.ndarray]]:
             keep = np.tri(case.sq, case.sk, case.sk - case.sq, dtype=bool)
             extras.append(np.broadcast_to(np.where(keep, 0, lowest).astype(NP[edt]), shape).copy())
             continue
+        if kind == "padding":  # queries 16.. and keys 30.. of batch 0 padded: true where either is
+            keep_q, keep_k = np.ones((shape[0], shape[2]), bool), np.ones((shape[0], shape[3]), bool)
+            keep_q[0, 16:], keep_k[0, 30:] = False, False
+            extras.append(~(keep_q[:, None, :, None] & keep_k[:, None, None, :]))
+            continue
         mask = np.where(rng.random(shape) < 0.25, -10000.0, 0.0)
         if kind == "key-rows":  # one key mask row, the same for every query
             mask = np.broadcast_to(mask[..., :1, :], shape).copy()
@@ -303,6 +323,8 @@ def reference(i: int, case: Case) -> np.ndarray:
     p = p.astype(dt).astype(np.float32)  # as the original's Softmax stores it (V's dtype)
     if spec.nan_to_zero:
         p = np.where(np.isnan(p), 0, p)
+    if spec.zero_where is not None:
+        p = np.where(np.broadcast_to(ex[spec.zero_where], p.shape), 0, p)
     if spec.tf32:
         p = round_array_to_tf32(p)
     return np.matmul(p.astype(np.float64), v.astype(np.float64)).astype(dt).astype(np.float32)
@@ -408,6 +430,8 @@ def test_attention_kernel_matches_reference(interpreted, index):
         assert np.isnan(got[:, :, nan_rows]).all()
     else:
         assert nan_rows == []
+    if case.zero_where is not None and case.extras[0][1][2] > 1:  # batch 0's padded queries: Y = 0
+        assert not got[0, :, 16:].any() and got[1, :, 16:].any()
 
 
 def test_tolerances_see_the_rounding():
@@ -604,6 +628,19 @@ def test_key_mask_row_does_not_spill(tmp_path):
     ks = generate_attention(spec, AttentionVariant(0, 64, 128, 4, 1, aligned=True))
     sass = sass_lines(compile_sm90(ks, tmp_path).asm["cubin"], tmp_path)
     assert any("HGMMA" in ln for ln in sass)
+    assert not [ln for ln in sass if re.search(r"\b(LDL|STL)\b", ln)]
+
+
+def test_zero_where_compiles_for_sm90_without_spills(tmp_path):
+    """DeBERTa-v3-base's attention (fp16, 12 heads of 64, a [B, 1, S, S] padding mask read as a
+    tile for the score program and again for Where(m, 0, P)) on the b8 heuristic tile: ptxas
+    compiles it with tensor-core products and no local loads or stores."""
+    pytest.importorskip("triton")
+    prog = parse(f"{HEADER}\n{PADDED.replace('{lowest}', '-65504.0').format(dt='f16')}\n")
+    spec = AttentionSpec("k_attention_zero", prog, 64, 64, batch_heads=96, sq=128, sk=128, zero_where=0)
+    ks = generate_attention(spec, attention_variants(spec)[0])
+    sass = sass_lines(compile_sm90(ks, tmp_path).asm["cubin"], tmp_path)
+    assert any("HGMMA" in ln or "HMMA" in ln for ln in sass)
     assert not [ln for ln in sass if re.search(r"\b(LDL|STL)\b", ln)]
 
 

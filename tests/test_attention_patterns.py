@@ -597,3 +597,37 @@ def test_per_head_interleaved_projection_read_elsewhere():
     m = _interleaved(v_elsewhere=True)
     r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS)
     assert "Transpose" in op_types(r.model) and "Slice" not in op_types(r.model), op_types(r.model)
+
+
+@pytest.mark.parametrize("dtype,fill", [("float32", "lowest"), ("float16", "lowest"), ("float16", "-inf")])
+def test_probabilities_zeroed_where_masked(dtype, fill):
+    """DeBERTa's XSoftmax (Hugging Face transformers 4): Where(m, lowest, scores), Softmax,
+    Where(m, 0, P) with m true for padded queries and keys. The second Where joins the node
+    (attribute zero_where: P zeroed after its row's sum); the padded queries' rows, whose keys
+    are all masked, give 0 (with a -inf fill the softmax there is NaN, and still 0 after the
+    Where). The library's CPU kernel and the numpy definition against the original."""
+    from onnxfuse.kinds.attention import Attention
+    b, h, s, d = 2, 2, 6, 4
+    low = np.array(np.finfo(dtype).min if fill == "lowest" else -np.inf, dtype)
+    nodes = [N("MatMul", ["q", "k"], ["sc"]), N("Where", ["m", "low", "sc"], ["a"]),
+             N("Softmax", ["a"], ["p"], axis=-1), N("Where", ["m2", "zero", "p"], ["pz"]),
+             N("MatMul", ["pz", "v"], ["y"])]
+    m = model(nodes, {"q": (dtype, [b, h, s, d]), "k": (dtype, [b, h, d, s]), "v": (dtype, [b, h, s, d]),
+                      "m": ("bool", [b, 1, s, s]), "m2": ("bool", [b, 1, s, s])}, {"y": (dtype, [b, h, s, d])},
+              {"low": low, "zero": np.array(0, dtype)}, opset=17)
+    r = optimize_model(m, options=build_options(target="none", tune="off"))
+    assert op_types(r.model) == ["FusedAttention"], r.report.summary()
+    node = r.model.graph.node[0]
+    assert any(a.name == "zero_where" for a in node.attribute)
+    rng = np.random.default_rng(0)
+    keep = np.ones((b, s), bool)
+    keep[0, 4:] = False
+    mask = ~(keep[:, None, :, None] & keep[:, None, None, :])
+    feeds = {"q": rng.standard_normal((b, h, s, d)).astype(dtype), "k": rng.standard_normal((b, h, d, s)).astype(dtype),
+             "v": rng.standard_normal((b, h, s, d)).astype(dtype), "m": mask, "m2": mask.copy()}
+    (want,) = run(m, feeds)
+    assert not want[0, :, 4:].any() and np.isfinite(want).all()
+    tol = 1e-5 if dtype == "float32" else 2e-3
+    for got in (_run_with_library(r.model, feeds)[0], Attention().evaluate(node, [feeds[i] for i in node.input])[0]):
+        assert not got[0, :, 4:].any()
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=tol, atol=tol)

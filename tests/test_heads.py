@@ -28,8 +28,10 @@ def _module(style: str):
     class MergedHeads(nn.Module):
         """One attention block over merged heads. "bart": transformers 4's BartAttention (q
         scaled before the product, the mask added to a [B, H, S, S] view, the softmax over [B * H,
-        S, S]); "alibi": BLOOM's (baddbmm of an ALiBi bias [B * H, 1, S] and the scaled product,
-        the causal mask added to the view, the softmax in float32 on it)."""
+        S, S]); "xsoftmax": transformers 4's DeBERTa-v2 (the masked scores set to the lowest
+        float, the softmax, then the masked probabilities set to 0); "alibi": BLOOM's (baddbmm of
+        an ALiBi bias [B * H, 1, S] and the scaled product, the causal mask added to the view, the
+        softmax in float32 on it)."""
 
         def __init__(self):
             super().__init__()
@@ -49,6 +51,11 @@ def _module(style: str):
                 w = torch.bmm(q * D ** -0.5, k.transpose(1, 2))
                 w = w.view(b, H, s, s) + (1.0 - keep) * -10000.0
                 p = torch.softmax(w.view(b * H, s, s), dim=-1)
+            elif style == "xsoftmax":  # padded queries' rows all masked: their probabilities 0
+                rmask = ~(mask[:, None, :, None] * mask[:, None, None, :]).bool()
+                w = torch.bmm(q, k.transpose(1, 2) / D ** 0.5).view(b, H, s, s)
+                p = torch.softmax(w.masked_fill(rmask, torch.finfo(x.dtype).min), dim=-1)
+                p = p.masked_fill(rmask, 0.0).view(b * H, s, s)
             else:
                 pos = (torch.cumsum(mask, dim=-1) - 1).to(x.dtype)[:, None, :]  # [b, 1, s]
                 alibi = (self.slopes[None, :, None] * pos).reshape(b * H, 1, s)
@@ -84,7 +91,7 @@ def _export(style: str, exporter: str, dynamic: bool) -> onnx.ModelProto:
 def _feeds(b: int, s: int, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     mask = np.ones((b, s), np.int64)
-    mask[0, s - 2:] = 0  # padding in the first sequence
+    mask[0, s - 2:] = 0  # padding in the first sequence (xsoftmax: its last two rows all masked)
     return {"x": rng.standard_normal((b, s, H * D)).astype(np.float32), "mask": mask}
 
 
@@ -98,7 +105,7 @@ def _run_with_library(m, feeds: dict) -> list[np.ndarray]:
     return sess.run(None, feeds)
 
 
-@pytest.mark.parametrize("style", ["bart", "alibi"])
+@pytest.mark.parametrize("style", ["bart", "xsoftmax", "alibi"])
 @pytest.mark.parametrize("exporter,dynamic", [("torchscript", False), ("torchscript", True), ("dynamo", False)])
 def test_merged_heads_fuse_as_one_attention(style, exporter, dynamic):
     """The block's attention becomes one FusedAttention: no Softmax, no product of the scores,

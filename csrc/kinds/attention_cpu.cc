@@ -44,6 +44,7 @@ struct AttentionKernel {
   AttentionSplits splits;
   AttentionBiases biases;
   bool nan_to_zero = false;  // attribute nan_to_zero: NaN probabilities read as 0
+  int64_t zero_where = -1;   // attribute zero_where: the bool extra whose true elements zero P's
   int64_t kv_group = 1;      // attribute kv_group: query head h reads K's and V's head h / kv_group
 
   void compute(OrtKernelContext* ctx) const {
@@ -113,12 +114,24 @@ struct AttentionKernel {
       });
 
     // 2. the score program over [batch..., Sq, Sk], rounded as it stores its output
-    std::vector<float> z(s.size());
+    std::vector<float> z(s.size()), zeroed;
     if (!s.empty()) {
       std::vector<HostTensor> in;
       in.push_back({DType::F32, s.data(), g.scores});
       for (size_t i = 3; i < n_in; ++i) in.push_back({actual_dtype(t[i].type, prog.inputs[i - 2]), t[i].data, t[i].shape});
       run_program(prog, in, {{DType::F32, z.data(), g.scores}}, g.scores, ctx);
+      if (zero_where >= 0) {  // the extra broadcast to the scores: 1 where P is zeroed (Where(m, 0, P))
+        Program pick;
+        pick.inputs = prog.inputs;
+        Instr sel{Op::SELECT, 3, {}};
+        sel.args[0].ref = static_cast<int32_t>(1 + zero_where);
+        sel.args[1].lit = 1.0f;
+        sel.args[2].lit = 0.0f;
+        pick.instrs.push_back(sel);
+        pick.outputs.push_back({pick.n_values() - 1, DType::F32});
+        zeroed.resize(s.size());
+        run_program(pick, in, {{DType::F32, zeroed.data(), g.scores}}, g.scores, ctx);
+      }
     }
 
     // 3. softmax, P @ V, the store through Y's strides
@@ -137,6 +150,7 @@ struct AttentionKernel {
       for (int64_t j = 0; j < sk; ++j) {
         p[j] = round_to(dt, static_cast<float>(p[j] / sum));
         if (nan_to_zero && std::isnan(p[j])) p[j] = 0.0;  // the original's Where(IsNaN(P), 0, P)
+        if (!zeroed.empty() && zeroed[row * sk + j] != 0.0f) p[j] = 0.0;  // its Where(m, 0, P)
       }
       const float* vh = v + b * g.v[0] + (h / g.kv_group) * g.v[1];
       const int64_t yo = b * g.y[0] + h * g.y[1] + i * g.y[2];
@@ -162,6 +176,13 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     k->biases = read_attention_biases(info, k->splits, k->prog.inputs.size() - 1);
     int64_t v = 0;
     k->nan_to_zero = get_int_attr(info, "nan_to_zero", &v) && v != 0;
+    if (get_int_attr(info, "zero_where", &v)) {
+      const int64_t n_extras = static_cast<int64_t>(k->prog.inputs.size()) - 1;
+      if (v < 0 || v >= n_extras || k->prog.inputs[static_cast<size_t>(1 + v)] != DType::BOOL)
+        throw Error("zero_where " + std::to_string(v) + " is not the index of one of the " +
+                    std::to_string(n_extras) + " extras, or not of a bool one");
+      k->zero_where = v;
+    }
     k->kv_group = read_attention_kv_group(info);
     *kernel = k.release();
     return nullptr;

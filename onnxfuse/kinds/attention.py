@@ -43,7 +43,7 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
+from onnx import GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
 from onnxfuse.codegen import KernelSource
 from onnxfuse.codegen_attention import (
@@ -55,7 +55,7 @@ from onnxfuse.codegen_attention import (
     generate_attention,
 )
 from onnxfuse.dims import product
-from onnxfuse.expr import Program, evaluate
+from onnxfuse.expr import Program, evaluate, with_input
 from onnxfuse.graph import GraphView, Shape, last_dim_vector, shape_input_spec
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, NotMine, Pattern
@@ -159,6 +159,7 @@ class AttentionParts:
     notes: tuple[str, ...] = ()
     nan_to_zero: bool = False
     kv_group: int = 1  # grouped-query attention: query head h reads K and V's head h // kv_group
+    zero_where: str = ""  # the bool tensor m of a Where(m, 0, P) between the Softmax and P @ V
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,7 @@ class AttentionInfo:
     causal_fill: float | None = None  # AttentionSpec.causal_fill
     causal_masked: float | None = None  # AttentionSpec.causal_masked
     kv_group: int = 1  # AttentionParts.kv_group
+    zero_where: int | None = None  # the extra that is AttentionParts.zero_where (AttentionSpec.zero_where)
 
 
 def _same_known_shape(view: GraphView, a: str, b: str) -> bool:
@@ -475,6 +477,22 @@ def _nan_guard(view: GraphView, probs: str, readers: list[int]) -> tuple[int, in
     return isnan, where
 
 
+def _zeroing_where(view: GraphView, probs: str, readers: list[int], target: Shape) -> int | None:
+    """The Where when `probs` is read only by Where(m, 0, probs), m a bool tensor that
+    broadcasts to the scores (DeBERTa's XSoftmax in Hugging Face transformers 4: the masked
+    probabilities set to 0 after the softmax, a fully masked row's too); None otherwise."""
+    if len(readers) != 1 or not _is(view, readers[0], "Where"):
+        return None
+    w = view.nodes[readers[0]]
+    if len(w.input) != 3 or w.input[2] != probs or view.scalar_constant(w.input[1]) != 0.0:
+        return None
+    if view.types.get(w.input[0]) != TensorProto.BOOL or not fits(view.shapes.get(w.input[0]), target):
+        return None
+    if view.types.get(w.output[0]) != view.types.get(probs) or view.shapes.get(w.output[0]) != view.shapes.get(probs):
+        return None
+    return readers[0]
+
+
 def fits(shape: Shape | None, target: Shape) -> bool:
     """A tensor of `shape` may broadcast to `target` without enlarging it: each of its dims
     (right-aligned) is 1, equal to target's, or symbolic where target's is not 1 (dynamic
@@ -511,6 +529,7 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     qk, score_ops = found
     p_casts, p_dtypes = [], [view.types.get(probs)]
     nan_guard: tuple[int, int] | None = None
+    zeroing: int | None = None
     while True:  # Casts between the Softmax and P @ V (HF: softmax(..., dtype=float32).to(query.dtype))
         readers = list(view.consumers.get(probs, ()))
         if probs in view.graph_outputs or any(r in taken for r in readers):
@@ -519,6 +538,11 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
         if guard is not None:  # torch's scaled_dot_product_attention export: Where(IsNaN(P), 0, P)
             nan_guard = guard
             probs = view.nodes[guard[1]].output[0]
+            continue
+        zero = _zeroing_where(view, probs, readers, tuple(x_shape)) if zeroing is None else None
+        if zero is not None:  # Where(m, 0, P): the kernel zeroes those p after their row's sum
+            zeroing = zero
+            probs = view.nodes[zero].output[0]
             continue
         if len(readers) != 1:
             return NO_SECOND
@@ -595,7 +619,8 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     elif y_reshape is not None:
         y_reshape = None
     group = sorted({*q.transposes, *k.transposes, *v.transposes, *q.split_nodes, *k.split_nodes, *v.split_nodes,
-                    *q.scale_nodes, *k.scale_nodes, *repeat_nodes, qk, *score_ops, sm, *p_casts, *(nan_guard or ()), pv,
+                    *q.scale_nodes, *k.scale_nodes, *repeat_nodes, qk, *score_ops, sm, *p_casts, *(nan_guard or ()),
+                    *((zeroing,) if zeroing is not None else ()), pv,
                     *(x for x in (y_transpose, y_reshape) if x is not None)})
     if any(i in taken for i in group):
         return "a node is taken by an earlier pattern"
@@ -618,7 +643,8 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     if all(isinstance(e, int) for e in lead):
         bh = int(np.prod(lead, dtype=np.int64)) if lead else 1
     parts = AttentionParts(qk, sm, pv, q, k, v, tuple(score_ops), y_transpose, tuple(perm_y), result, rank, d, dv,
-                           bh, _dim(lq[-2]), _dim(lk[-1]), tuple(notes), nan_guard is not None, kv_group)
+                           bh, _dim(lq[-2]), _dim(lk[-1]), tuple(notes), nan_guard is not None, kv_group,
+                           view.nodes[zeroing].input[0] if zeroing is not None else "")
     return Match(pattern, tuple(group), (result,), result=result, params=parts)
 
 
@@ -658,13 +684,24 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
     body = [view.nodes[i] for i in match.nodes]
     qkv = (parts.q, parts.k, parts.v)
     values: dict = {}  # the extras' values that follow from constants, evaluated once (`_constant_value`)
+    reads, fill, masked = _extra_reads(view, program, extras, parts.sq, parts.sk, values)
+    zero = None
+    if parts.zero_where:  # Where(m, 0, P)'s m: an extra the score program does not read (unless it is one)
+        if parts.zero_where in extras:
+            zero = extras.index(parts.zero_where)
+        else:
+            zero = len(extras)
+            extras = [*extras, parts.zero_where]
+            program = with_input(program, "bool")
+            r = _broadcast_dims(view.shapes.get(parts.zero_where))
+            reads = (*reads, "row" if r == "" and _rows_equal(view, parts.zero_where, {}) else r)
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
                          parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero,
-                         tuple(bool(o.bias) for o in qkv),
-                         *_extra_reads(view, program, extras, parts.sq, parts.sk, values), parts.kv_group)
+                         tuple(bool(o.bias) for o in qkv), reads, fill, masked, parts.kv_group, zero)
     attrs = {"perm_q": list(info.perm_q), "perm_k": list(info.perm_k), "perm_v": list(info.perm_v),
              "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {}),
-             **({"kv_group": info.kv_group} if info.kv_group > 1 else {})}
+             **({"kv_group": info.kv_group} if info.kv_group > 1 else {}),
+             **({"zero_where": info.zero_where} if info.zero_where is not None else {})}
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
            f"perm_y={info.perm_y} D={info.head_d} Dv={info.head_dv} BH={info.batch_heads} Sq={info.sq} "
            f"Sk={info.sk}")
@@ -672,6 +709,8 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
         key += " nan_to_zero"
     if info.kv_group > 1:
         key += f" kv_group={info.kv_group}"
+    if info.zero_where is not None:
+        key += f" zero_where={info.zero_where}"
     if any(info.extras_broadcast):
         key += f" extras_broadcast={info.extras_broadcast}"
     if info.causal_fill is not None:
@@ -918,7 +957,7 @@ class Attention(Kind):
         a: AttentionInfo = f.params
         return AttentionSpec(f.kernel_name, f.program, a.head_d, a.head_dv, precision, a.batch_heads, a.sq, a.sk,
                              f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y), a.nan_to_zero,
-                             a.bias, a.extras_broadcast, a.causal_fill, a.causal_masked, a.kv_group)
+                             a.bias, a.extras_broadcast, a.causal_fill, a.causal_masked, a.kv_group, a.zero_where)
 
     def decline_reason(self, spec: AttentionSpec, layout: str) -> str | None:
         """Tensors of more than 2**31 - 1 elements (32-bit index parameters), where static."""
@@ -972,7 +1011,7 @@ class Attention(Kind):
         rank = q.ndim
         perms = [tuple(attrs.get(f"perm_{w}", range(rank))) for w in "qkvy"]
         return [evaluate_attention(program, q, k, v, extras, *perms, nan_to_zero=bool(attrs.get("nan_to_zero", 0)),
-                                   kv_group=int(attrs.get("kv_group", 1)))]
+                                   kv_group=int(attrs.get("kv_group", 1)), zero_where=attrs.get("zero_where"))]
 
 
 def add_bias(x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -999,7 +1038,7 @@ def unpack(x: np.ndarray, split) -> np.ndarray:
 
 def evaluate_attention(program: Program, q: np.ndarray, k: np.ndarray, v: np.ndarray, extras: list[np.ndarray],
                        perm_q=None, perm_k=None, perm_v=None, perm_y=None, nan_to_zero: bool = False,
-                       kv_group: int = 1) -> np.ndarray:
+                       kv_group: int = 1, zero_where: int | None = None) -> np.ndarray:
     """A FusedAttention node's output (docs/format.md) in numpy."""
     lq, lk, lv = (a if p is None else np.transpose(a, p) for a, p in ((q, perm_q), (k, perm_k), (v, perm_v)))
     if kv_group > 1:  # query head h reads key-value head h // kv_group
@@ -1017,5 +1056,7 @@ def evaluate_attention(program: Program, q: np.ndarray, k: np.ndarray, v: np.nda
         probs = (e / e.sum(axis=-1, keepdims=True)).astype(lv.dtype)
     if nan_to_zero:
         probs = np.where(np.isnan(probs), 0, probs).astype(lv.dtype)
+    if zero_where is not None:  # Where(m, 0, P)
+        probs = np.where(np.broadcast_to(extras[int(zero_where)] != 0, probs.shape), 0, probs).astype(lv.dtype)
     y = np.matmul(probs.astype(np.float64), lv.astype(np.float64)).astype(dt)
     return np.ascontiguousarray(y if perm_y is None else np.transpose(y, perm_y))
