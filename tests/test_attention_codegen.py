@@ -192,7 +192,7 @@ CASES = [
 
 
 def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
-    lowest = float(np.finfo(NP[case.dtype]).min)
+    lowest = float(ml_dtypes.finfo(NP[case.dtype]).min)
     prog = parse(f"{HEADER}\n{case.program.replace('{lowest}', repr(lowest)).format(dt=case.dtype)}\n")
     reads = [("row" if kind == "key-rows" else _broadcast_dims(shape)) if case.broadcast else ""
              for kind, shape in case.extras]
