@@ -11,7 +11,8 @@ fp16's range are clamped (|x| to [1e-7, 1e4]). Two repairs, each a no-op where n
 - after converting, a Cast to float32 whose output the converter retyped to float16 casts to
   float16 (onnxconverter-common 1.15 and 1.16 leave its ``to`` attribute, and ONNX Runtime
   refuses the model: issue microsoft/onnxconverter-common#320; 1.14, which had it right, pins
-  protobuf 3.20.2, which onnx 1.23 cannot use). YOLOv8n's anchor arithmetic has such Casts.
+  protobuf 3.20.2, which onnx 1.23 cannot use). YOLOv8n's anchor arithmetic has such Casts, and
+  DeBERTa's If branches (transformers 5.17's export) too: subgraphs are repaired alike.
 """
 
 from __future__ import annotations
@@ -105,7 +106,10 @@ def _drop_unread(graph: onnx.GraphProto, names: set[str]) -> None:
 
 
 def _retarget_casts(graph: onnx.GraphProto) -> None:
-    """Cast nodes to float32 whose output value_info says float16 cast to float16 (in place)."""
+    """Cast nodes to float32 whose output value_info says float16 cast to float16 (in place), in
+    the subgraphs of If and Loop nodes too (DeBERTa's relative-position If, as transformers 5.17
+    exports it: ORT refused the converted model, "Type (tensor(float16)) of output arg ... of node
+    Cast_736 does not match expected type")."""
     fp16 = {v.name for v in graph.value_info if v.type.tensor_type.elem_type == TensorProto.FLOAT16}
     fp16 |= {v.name for v in graph.output if v.type.tensor_type.elem_type == TensorProto.FLOAT16}
     for node in graph.node:
@@ -113,3 +117,6 @@ def _retarget_casts(graph: onnx.GraphProto) -> None:
             for a in node.attribute:
                 if a.name == "to" and a.i == TensorProto.FLOAT:
                     a.i = TensorProto.FLOAT16
+        for a in node.attribute:
+            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+                _retarget_casts(sub)

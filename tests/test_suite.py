@@ -231,6 +231,34 @@ def test_to_fp16_retargets_casts_to_float():
     assert fp16.convert(m, "fp32") is m
 
 
+def test_to_fp16_retargets_casts_in_subgraphs():
+    """The same Cast inside an If branch (DeBERTa's relative positions, transformers 5.17's
+    export: ONNX Runtime refused the converted model until subgraphs were repaired too)."""
+    pytest.importorskip("onnxconverter_common")
+    vi = helper.make_tensor_value_info
+    branch = helper.make_graph([helper.make_node("Shape", ["x"], ["s"]),
+                                helper.make_node("Cast", ["s"], ["sf"], to=TensorProto.FLOAT),
+                                helper.make_node("ReduceMax", ["sf"], ["m"], keepdims=1),
+                                helper.make_node("Div", ["half", "m"], ["t"])], "then",
+                               [], [vi("t", TensorProto.FLOAT, [1])],
+                               [numpy_helper.from_array(np.array([0.5], np.float32), "half")])
+    other = helper.make_graph([helper.make_node("Identity", ["one"], ["u"])], "else", [],
+                              [vi("u", TensorProto.FLOAT, [1])],
+                              [numpy_helper.from_array(np.array([1.0], np.float32), "one")])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["r"], keepdims=0),
+             helper.make_node("Greater", ["r", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["f"], then_branch=branch, else_branch=other),
+             helper.make_node("Mul", ["x", "f"], ["y"])]
+    g = helper.make_graph(nodes, "if", [vi("x", TensorProto.FLOAT, ["N", 3])], [vi("y", TensorProto.FLOAT, ["N", 3])],
+                          [numpy_helper.from_array(np.array(0.0, np.float32), "zero")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m16 = fp16.to_fp16(m)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = _run(m16, {"x": x.astype(np.float16)})[0]  # (loads: before the repair ONNX Runtime refused it)
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), x * (0.5 / 3), rtol=2e-3)
+
+
 def test_fetch_pretrained_prints_the_size_and_drops_the_wheels(tmp_path, monkeypatch):
     (tmp_path / "wheels").mkdir()
     (tmp_path / "wheels" / "some-1.0-py3-none-any.whl").write_bytes(b"w" * 100)
