@@ -178,3 +178,68 @@ def test_no_lift_where_the_attention_would_not_fuse(case):
     feeds = _random(m)
     for w, g in zip(run(m, feeds), run(r.model, feeds), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_cached_decoder_step_over_merged_heads_fuses(masked):
+    """transformers 4's BART decoder step with a key-value cache (as optimum exported
+    decoder_model_merged / with_past): the cached keys and values [B, H, P, D] concatenated with
+    the new ones, merged to [B * H, P + 1, D] for the products; batch and cache length dynamic.
+    Without a mask no Reshape sits between the products: the attention fuses over [B * H, ...]
+    as it is (rank 3), and one optimized model computes what the original does at two cache
+    lengths and batches. With a mask (added to the [B, H, 1, P + 1] view, its length an input dim
+    of its own) the attention is lifted first, at given shapes (`--shape`): dynamic, the mask's
+    length and P + 1 meet in the Add, ONNX Runtime's symbolic inference merges them, that merge
+    is refused (`load._merge_holds`: two inputs' dims), and B * H stays unknown."""
+    torch = pytest.importorskip("torch")
+    nn = torch.nn
+
+    class Step(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.q, self.k, self.v, self.o = (nn.Linear(H * D, H * D) for _ in range(4))
+
+        def forward(self, x, past_k, past_v, mask):
+            b, s, _ = x.shape
+
+            def split(t):
+                return t.view(b, s, H, D).transpose(1, 2)
+
+            k = torch.cat([past_k, split(self.k(x))], dim=2)  # [b, H, P + s, D]
+            v = torch.cat([past_v, split(self.v(x))], dim=2)
+            total = k.shape[2]
+            q = (split(self.q(x)) * D ** -0.5).reshape(b * H, s, D)
+            w = torch.bmm(q, k.reshape(b * H, total, D).transpose(1, 2))
+            if masked:
+                w = (w.view(b, H, s, total) + mask).view(b * H, s, total)
+            p = torch.softmax(w, dim=-1)
+            y = torch.bmm(p, v.reshape(b * H, total, D)).view(b, H, s, D).transpose(1, 2).reshape(b, s, H * D)
+            return self.o(y), k, v
+
+    mod = Step().eval()
+    args = (torch.randn(B, 1, H * D), torch.randn(B, H, 5, D), torch.randn(B, H, 5, D), torch.zeros(B, 1, 1, 6))
+    f = io.BytesIO()
+    with torch.no_grad():
+        torch.onnx.export(mod, args, f, opset_version=17, dynamo=False,
+                          input_names=["x", "past_k", "past_v", "mask"], output_names=["y", "k", "v"],
+                          dynamic_axes={"x": {0: "batch"}, "past_k": {0: "batch", 2: "past"},
+                                        "past_v": {0: "batch", 2: "past"}, "mask": {0: "batch", 3: "total"}})
+    m = onnx.load_from_string(f.getvalue())
+    shapes = {"x": (B, 1, H * D), "past_k": (B, H, 5, D), "past_v": (B, H, 5, D), "mask": (B, 1, 1, 6)}
+    r = optimize_model(m, options=build_options(target="none", tune="off", shapes=shapes if masked else None))
+    ops = op_types(r.model)
+    assert ops.count("FusedAttention") == 1 and "Softmax" not in ops and ops.count("MatMul") <= 4, r.report.summary()
+    assert (LIFTED in r.report.summary()) == masked
+    rng = np.random.default_rng(2)
+    for b, past in ((B, 5),) if masked else ((B, 5), (3, 11)):
+        feeds = {"x": rng.standard_normal((b, 1, H * D)).astype(np.float32),
+                 "past_k": rng.standard_normal((b, H, past, D)).astype(np.float32),
+                 "past_v": rng.standard_normal((b, H, past, D)).astype(np.float32)}
+        if masked:  # the first sequence's oldest two positions masked
+            feeds["mask"] = np.zeros((b, 1, 1, past + 1), np.float32)
+            feeds["mask"][0, ..., :2] = -10000.0
+        else:
+            feeds = {k: v for k, v in feeds.items() if k in {i.name for i in m.graph.input}}
+        for w, g in zip(run(m, feeds), _run_with_library(r.model, feeds), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5 * float(np.abs(w).max()))
