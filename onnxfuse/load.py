@@ -421,7 +421,7 @@ def light_copy(model: ModelProto) -> ModelProto:
     g, lg = model.graph, light.graph
     _copy_fields(g, lg, skip="initializer")
     for t in g.initializer:
-        if _declared_bytes(t) <= 4096:
+        if declared_bytes(t) <= 4096:
             lg.initializer.add().CopyFrom(t)
         else:
             stand_in = lg.initializer.add(name=t.name, data_type=t.data_type)
@@ -443,7 +443,7 @@ def _copy_fields(src, dst, skip: str) -> None:
             setattr(dst, fd.name, value)
 
 
-def _declared_bytes(t: onnx.TensorProto) -> int:
+def declared_bytes(t: onnx.TensorProto) -> int:
     """A tensor's size by its dims and type (its data is not read; strings count 8 bytes each)."""
     try:
         size = onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
