@@ -55,7 +55,7 @@ def product(*dims: Dim) -> Dim:
     """The product of `dims` (None when one is unknown or not a product of sizes and names)."""
     size, names = 1, []
     for d in dims:
-        f = None if d is None else _factors(d)
+        f = factors(d)
         if f is None:
             return None
         size *= f[0]

@@ -29,10 +29,10 @@ from onnx import ModelProto, NodeProto, helper, numpy_helper
 from onnxfuse.dims import canonical, product
 from onnxfuse.graph import Dim, GraphView, Shape
 from onnxfuse.ir import copy_and_namer, subgraph_reads
+from onnxfuse.kinds.attention import _is, _only_reader
 from onnxfuse.kinds.base import Pattern
 from onnxfuse.match import pointwise_candidate
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
 MAX_PATH = 24  # nodes between the two products, at most
 
 
@@ -49,14 +49,6 @@ class Merged:
     batch: Dim  # B
     heads: int  # H
     merged: Dim  # B * H
-
-
-def _is(view: GraphView, i: int | None, op: str) -> bool:
-    return i is not None and view.nodes[i].op_type == op and view.nodes[i].domain in DEFAULT_DOMAINS
-
-
-def _only_reader(view: GraphView, name: str, reader: int) -> bool:
-    return name not in view.graph_outputs and list(view.consumers.get(name, ())) == [reader]
 
 
 def _same(a: Dim, b: Dim) -> bool:
@@ -169,10 +161,9 @@ class _Lifter:
         self.nodes.append(helper.make_node(op, inputs, [y], name=self.fresh(f"{stem}_node"), **attrs))
         return y
 
-    def target(self, name: str, lead: list[int], keep_from: int, stem: str) -> str:
-        """A shape input: `lead`, then `name`'s dims from keep_from on (constants where sizes,
-        else read from its Shape at run time)."""
-        s = self.view.shapes[name]
+    def target(self, name: str, s: Shape, lead: list[int], keep_from: int, stem: str) -> str:
+        """A shape input: `lead`, then the dims of `name` (of shape `s`) from keep_from on
+        (constants where sizes, else read from its Shape at run time)."""
         rest = list(s[keep_from:])
         if all(isinstance(d, int) for d in rest):
             return self.const([*lead, *rest], f"{stem}_shape")
@@ -184,7 +175,8 @@ class _Lifter:
     def to_heads(self, name: str, m: Merged) -> str:
         """[B * H, a, b] `name` viewed as [B, H, a, b]."""
         lead = [m.batch if isinstance(m.batch, int) else -1, m.heads]
-        return self.node("Reshape", [name, self.target(name, lead, 1, f"{name}_heads")], f"{name}_heads")
+        return self.node("Reshape", [name, self.target(name, self.view.shapes[name], lead, 1, f"{name}_heads")],
+                         f"{name}_heads")
 
     def operand(self, name: str, m: Merged) -> str:
         """A product's 3-D operand as [B, H, ...]: the tensor a head Reshape merged it from,
@@ -279,18 +271,9 @@ class _Lifter:
             return self.nodes, renames
         y4 = self.node("MatMul", [probs, vv], "context_heads")
         merged = m.merged if isinstance(m.merged, int) else -1
-        self.nodes.append(helper.make_node("Reshape", [y4, self._merge_target(y4, y_shape, merged)], [y_old],
-                                           name=self.fresh("context_merge")))
+        shape = self.target(y4, (m.batch, m.heads, *y_shape[1:]), [merged], 2, "context_merge")
+        self.nodes.append(helper.make_node("Reshape", [y4, shape], [y_old], name=self.fresh("context_merge")))
         return self.nodes, renames
-
-    def _merge_target(self, y4: str, y_shape: Shape, merged: int) -> str:
-        rest = list(y_shape[1:])
-        if all(isinstance(d, int) for d in rest):
-            return self.const([merged, *rest], "context_merge_shape")
-        dims = self.node("Shape", [y4], "context_dims")
-        tail = self.node("Slice", [dims, self.const([2], "context_from"), self.const([4], "context_to")],
-                         "context_tail")
-        return self.node("Concat", [self.const([merged], "context_lead"), tail], "context_merge_shape", axis=0)
 
 
 def lift_merged_heads(model: ModelProto, view: GraphView, pattern: Pattern,

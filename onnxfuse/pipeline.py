@@ -374,7 +374,7 @@ def pack_pass(result: Result, options: Options) -> Result:
     into that packed form (`unpack_interleaved`); the shapes inferred again after each change."""
     attention = next((p for p in result.patterns if p.kind.name == "attention"), None)
     if result.unchanged is None and attention is not None:
-        lift_pass(result, options, attention)
+        lift_pass(result, attention)
         model, unpacked = unpack_interleaved(result.model, result.view)
         if unpacked:
             result.model, result.unpacked = model, unpacked
@@ -386,7 +386,7 @@ def pack_pass(result: Result, options: Options) -> Result:
     return result
 
 
-def lift_pass(result: Result, options: Options, attention: Pattern) -> Result:
+def lift_pass(result: Result, attention: Pattern) -> Result:
     """Attentions over merged heads ([B * H, S, D] products, `onnxfuse.heads`) rewritten over
     [B, H, ...], kept only for those that then match as attentions (the others as they were);
     the shapes inferred again where any was."""

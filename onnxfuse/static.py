@@ -294,8 +294,9 @@ def _dims_taken(n: onnx.NodeProto, rank: int, value: Callable[[str], np.ndarray 
 def _product_read(n: onnx.NodeProto, shape: tuple[int, ...], factors: tuple[int, list[str]],
                   source: dict[str, tuple[str, int]], shape_of, names: set[str],
                   g: onnx.GraphProto) -> list[onnx.NodeProto]:
-    """Nodes writing Gather node n's output (one dim, index of `shape`) as the product of
-    `factors` (size, names): each name's dim read from the Shape of the input that names it."""
+    """Nodes writing the output of node n (a Gather or Slice of one dim of a Shape; its
+    indices' shape `shape`) as the product of `factors` (size, names): each name's dim read
+    from the Shape of the input that names it."""
     nodes, acc = [], None
     for k, name in enumerate(factors[1]):
         x, axis = source[name]

@@ -14,6 +14,7 @@ from onnx import helper
 
 from onnxfuse import optimize_model
 from onnxfuse.pipeline import build_options
+from tests.test_attention_patterns import _run_with_library
 from tests.util import model, op_types, run
 
 N = helper.make_node
@@ -93,16 +94,6 @@ def _feeds(b: int, s: int, seed: int = 0) -> dict:
     mask = np.ones((b, s), np.int64)
     mask[0, s - 2:] = 0  # padding in the first sequence (xsoftmax: its last two rows all masked)
     return {"x": rng.standard_normal((b, s, H * D)).astype(np.float32), "mask": mask}
-
-
-def _run_with_library(m, feeds: dict) -> list[np.ndarray]:
-    import onnxruntime as ort
-
-    from onnxfuse import runtime
-    so = ort.SessionOptions()
-    so.register_custom_ops_library(runtime.library_path())
-    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CPUExecutionProvider"])
-    return sess.run(None, feeds)
 
 
 @pytest.mark.parametrize("style", ["bart", "xsoftmax", "alibi"])

@@ -693,8 +693,7 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
             zero = len(extras)
             extras = [*extras, parts.zero_where]
             program = with_input(program, "bool")
-            r = _broadcast_dims(view.shapes.get(parts.zero_where))
-            reads = (*reads, "row" if r == "" and _rows_equal(view, parts.zero_where, {}) else r)
+            reads = (*reads, _read_of(view, parts.zero_where))
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
                          parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero,
                          tuple(bool(o.bias) for o in qkv), reads, fill, masked, parts.kv_group, zero)
@@ -744,18 +743,25 @@ def _extra_reads(view: GraphView, program, extras: list[str], sq: int | None, sk
     one value whatever the scores and the other extras; the masked value of the additive causal
     masks (causal_masked: one value for all of them, else only the first is computed). `values`
     memoizes `_constant_value`."""
-    reads = [_broadcast_dims(view.shapes.get(e)) for e in extras]
+    reads = []
     masked: float | None = None
-    for i, e in enumerate(extras):
+    for e in extras:
         kind, value = _causal(view, e, sq, sk, values)
         if kind and (kind == "causal" or masked in (None, value)):
-            reads[i] = kind
+            reads.append(kind)
             masked = value if kind == "causal_add" else masked
-        elif reads[i] == "" and _rows_equal(view, e, {}):
-            reads[i] = "row"
+        else:
+            reads.append(_read_of(view, e))
     causal = [i for i, r in enumerate(reads) if r == "causal"]
     fill = _constant_where_masked(program, 1 + causal[0]) if len(causal) == 1 else None
     return tuple(reads), fill, masked
+
+
+def _read_of(view: GraphView, extra: str) -> str:
+    """How the kernel reads an extra that is not computed as a causal mask: as what its shape
+    broadcasts as, or as its first row where its rows are shown equal (`_rows_equal`)."""
+    r = _broadcast_dims(view.shapes.get(extra))
+    return "row" if r == "" and _rows_equal(view, extra, {}) else r
 
 
 # the most elements a mask may have to be evaluated at optimize time (`_constant_value`): 2048^2,
