@@ -220,7 +220,8 @@ PY
       -k "gpu_kernels_match_reference" 2>&1 | tee "$OUT/gpu_tests_rotary.log" | tail -4
     timeout -s INT "$limit" python3 benchmarks/hf_attention.py --archs "${5:-llama,qwen2,phi,stablelm,gpt_neox,gptj}" \
       --attn sdpa --batch "$b" --dtype "$dt" --cuda-graph --tf-optimizer --tune-budget 3 \
-      --json "$OUT/hf_rotary_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | grep "^|" | tee "$OUT/hf_rotary_b${b}_${dt}.md"
+      --json "$OUT/hf_rotary_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | tee "$OUT/hf_rotary_b${b}_${dt}.log" \
+      | grep "^|" | tee "$OUT/hf_rotary_b${b}_${dt}.md"
     ;;
   hf-dynamic)
     # the twenty-ninth session's dynamic exports (batch and sequence), optimized without --shape as a
@@ -230,17 +231,20 @@ PY
     for e in torchscript dynamo; do
       timeout -s INT $((limit / 2)) python3 benchmarks/hf_attention.py --archs "${5:-bert,llama,gpt2,vit}" --attn sdpa \
         --batch "$b" --dtype "$dt" --dynamic --exporter "$e" --tf-optimizer --tune-budget 3 \
-        --json "$OUT/hf_dynamic_${e}_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | grep "^|" | tee "$OUT/hf_dynamic_${e}_b${b}_${dt}.md"
+        --json "$OUT/hf_dynamic_${e}_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | tee "$OUT/hf_dynamic_${e}_b${b}_${dt}.log" \
+        | grep "^|" | tee "$OUT/hf_dynamic_${e}_b${b}_${dt}.md"
     done
     ;;
   hf)
     # Hugging Face families at full size, static shapes (--shape: CUDA graphs) against ORT, ORT + graphs
     # and the tf-optimizer, errors beside; default: the thirtieth session's attentions over merged heads
-    # (BLOOM's ALiBi, DeBERTa-v3's disentangled attention).   hf [LIMIT] [BATCH] [DTYPE] [ARCHS]
+    # (BLOOM's ALiBi, DeBERTa-v3's disentangled attention). The whole log beside the table: each case's
+    # stages and their seconds (a case cut off by LIMIT says where its time went).   hf [LIMIT] [BATCH] [DTYPE] [ARCHS]
     limit=${2:-400}; b=${3:-8}; dt=${4:-fp16}
     timeout -s INT "$limit" python3 benchmarks/hf_attention.py --archs "${5:-bloom,deberta_v2}" \
       --attn sdpa --batch "$b" --dtype "$dt" --cuda-graph --tf-optimizer --tune-budget 3 \
-      --json "$OUT/hf_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | grep "^|" | tee "$OUT/hf_b${b}_${dt}.md"
+      --json "$OUT/hf_b${b}_${dt}.json" 2>&1 | grep -v "W:onnxruntime" | tee "$OUT/hf_b${b}_${dt}.log" \
+      | grep "^|" | tee "$OUT/hf_b${b}_${dt}.md"
     ;;
   all-tests)
     # every GPU-marked test (pointwise, conv, pools, layouts, --tune, reliability)

@@ -35,6 +35,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -316,22 +317,40 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "onnxfuse.cli", *args], capture_output=True, text=True)
 
 
+class _Clock:
+    """The seconds each stage of a case took, kept in its row (`stage_s`) and printed to stderr as the
+    stage ends: a run its time limit cuts off still says where its time went."""
+
+    def __init__(self, row: dict):
+        self.row, self.t = row, time.perf_counter()
+        row["stage_s"] = {}
+
+    def done(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.row["stage_s"][stage] = round(now - self.t, 1)
+        self.t = now
+        print(f"{self.row['case']}: {stage} {self.row['stage_s'][stage]} s", file=sys.stderr, flush=True)
+
+
 def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     tag = case_name(arch, attn, args)
     src, opt, js = tmp / f"{tag}.onnx", tmp / f"{tag}.opt.onnx", tmp / f"{tag}.bench.json"
     row: dict = {"case": tag}
+    clock = _Clock(row)
     past, new_tokens = getattr(args, "past", 0), getattr(args, "new", 1)
     exporter = getattr(args, "exporter", "torchscript")
     if arch in DYNAMO_ONLY and exporter != "dynamo":
         return row | {"error": f"TorchScript cannot export {arch}: use --exporter dynamo"}
     dynamic = getattr(args, "dynamic", False)
     dims, cfg = _export(arch, attn, args.small, args.batch, src, past, new_tokens, exporter, dynamic)
+    clock.done("export")
     fp32_twin = None
     if args.dtype == "fp16":  # converted as the suite converts its fp16 models
         from models.fp16 import to_fp16
 
         fp32_twin = onnx.load(str(src))
         onnx.save(to_fp16(fp32_twin), str(src))
+        clock.done("fp16")
     shapes = [f"{n}={'x'.join(map(str, d))}" for n, d in dims.items()]
     models = [src, opt]
     if args.tf_optimizer:  # the peer a user would pick instead: ORT's transformers optimizer
@@ -346,6 +365,7 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
             models.append(tfo)
         except Exception as e:  # noqa: BLE001 -- the optimizer raises its own types: say so, go on
             row["tfopt_error"] = f"{type(e).__name__}: {e}"[:300]
+        clock.done("tf-optimizer")
     # on the CPU no kernels (their TF32-rounded packed weights are for the GPU's tensor cores)
     target = ["--target", "none"] if args.provider == "cpu" else []
     budget = ["--tune-budget", str(args.tune_budget)] if args.tune_budget else []
@@ -353,6 +373,7 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
     # batch and the new tokens are given; --dynamic: nothing is
     given = [] if dynamic else [f"batch={args.batch}", f"new={new_tokens}"] if past else shapes
     r = cli("optimize", str(src), str(opt), *target, *budget, *sum((["--shape", s] for s in given), []))
+    clock.done("optimize")
     if r.returncode != 0:
         return row | {"error": (r.stderr or r.stdout).strip().splitlines()[-1:]}
     fused = onnx.load(str(opt)).graph.node
@@ -366,6 +387,7 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
             "kv_groups": sorted(groups), "nodes": [
                 sum(original.values()), sum(ops.values())]}
     found, error = bench_models(models, shapes, args, js)
+    clock.done("bench")
     if error:
         return row | {"error": error}
     ref, new, *peer = found
@@ -391,6 +413,7 @@ def run_case(arch: str, attn: str, args, tmp: Path) -> dict:
                 **timings(*found, "later_")}
     if args.cuda_graph and args.provider == "cuda":  # every model again, each replayed as one CUDA graph
         found, _ = bench_models(models, shapes, args, js, "--cuda-graph")
+        clock.done("bench --cuda-graph")
         if found:
             ref, new, *peer = found
             # "captured": false where ONNX Runtime could not capture the model (bench then times it
@@ -433,6 +456,20 @@ def case_name(arch: str, attn: str, args) -> str:
             + ("_dynamo" if getattr(args, "exporter", "") == "dynamo" else ""))
 
 
+def run_or_eager(arch: str, attn: str, args, tmp: Path, fallback: bool = True) -> dict:
+    """run_case; where the installed transformers has no `attn` implementation for the family (GPT-J's
+    sdpa in 5.17, the GPU machine's), its eager attention instead, said in the row's `note`."""
+    try:
+        return run_case(arch, attn, args, tmp)
+    except ValueError as e:
+        if not fallback or attn == "eager" or "does not support an attention implementation" not in str(e):
+            raise
+    import transformers
+
+    return run_case(arch, "eager", args, tmp) | {
+        "note": f"transformers {transformers.__version__} has no {attn} attention for {arch}: eager"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--provider", default="cuda", choices=("cuda", "cpu"))
@@ -465,7 +502,7 @@ def main() -> None:
             attns = ["eager"] if arch in MORE and MORE[arch][3] == "eager" else args.attn.split(",")
             for attn in attns:
                 try:
-                    row = run_case(arch, attn, args, Path(tmp))
+                    row = run_or_eager(arch, attn, args, Path(tmp), fallback="eager" not in attns)
                 except Exception as e:  # a model that cannot be built or exported: say so, go on
                     row = {"case": case_name(arch, attn, args), "error": f"{type(e).__name__}: {e}"[:300]}
                 rows.append(row)

@@ -33,6 +33,7 @@ def test_every_attention_fuses_and_the_model_passes_the_gate(arch, attn, dtype, 
     assert row["softmax_before"] > 0 and row["fused_attention"] == row["softmax_before"], row
     assert row["softmax_left"] == 0, row
     assert row["gate"], row
+    assert set(row["stage_s"]) == {"export", "optimize", "bench"} | ({"fp16"} if dtype == "fp16" else set()), row
     if arch in hf_attention.DECODERS and arch != "gpt_neox":  # grouped-query: 2 query heads, 1 key-value head
         assert row["kv_groups"] == [2], row  # repeat_kv joins the kernel
     if arch in hf_attention.DECODERS:  # every rotate_half (its Neg, Slices and Concat) read by the rotary chain
@@ -142,3 +143,25 @@ def test_dynamic_exports_fuse_as_static_ones_do(arch, exporter, tmp_path):
     if arch == "llama":
         assert row["negs"][1] == 0 and row["kv_groups"] == [2], row
         assert row["expands"][1] == row["expands"][0] - 4, row  # both layers' K and V repeats joined
+
+
+def test_a_family_without_the_asked_attention_runs_eager(monkeypatch, tmp_path):
+    """A transformers version with no sdpa for a family (GPT-J in 5.17, the GPU machine's) raises a
+    ValueError at the model's construction: the bench runs its eager attention and says so, rather
+    than losing the row; any other error, and sdpa where eager runs too, stays an error."""
+    calls = []
+
+    def fake(arch, attn, args, tmp):
+        calls.append(attn)
+        if attn == "sdpa":
+            raise ValueError(f"{arch} does not support an attention implementation through sdpa yet")
+        return {"case": f"{arch}_{attn}"}
+
+    monkeypatch.setattr(hf_attention, "run_case", fake)
+    row = hf_attention.run_or_eager("gptj", "sdpa", None, tmp_path)
+    assert calls == ["sdpa", "eager"] and row["case"] == "gptj_eager" and "no sdpa attention" in row["note"], row
+    with pytest.raises(ValueError):
+        hf_attention.run_or_eager("gptj", "sdpa", None, tmp_path, fallback=False)
+    monkeypatch.setattr(hf_attention, "run_case", lambda *a: (_ for _ in ()).throw(ValueError("bad config")))
+    with pytest.raises(ValueError, match="bad config"):
+        hf_attention.run_or_eager("gptj", "sdpa", None, tmp_path)
