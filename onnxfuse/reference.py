@@ -26,6 +26,9 @@ combinations run the reference's own code):
   loops in Python per output element.
 - Erf, Gelu: float64 erf (scipy's when installed, else math.erf per element); the
   reference rounds erf to float32, and runs Gelu as its function body with that Erf.
+- GatherElements: indices smaller than the data on the other axes read its leading part,
+  as ONNX Runtime and torch.gather do (DeBERTa's relative-position gathers); the reference
+  refuses them.
 
 Model-local functions are inlined first (the evaluator runs a function with its own kernels,
 not these).
@@ -167,6 +170,7 @@ def _make_fast_ops() -> list[type]:
     from onnx.reference.ops.op_conv import Conv as _Conv
     from onnx.reference.ops.op_conv_transpose import ConvTranspose as _ConvTranspose
     from onnx.reference.ops.op_erf import Erf as _Erf
+    from onnx.reference.ops.op_gather_elements import GatherElements as _GatherElements
     from onnx.reference.ops.op_max_pool import MaxPool as _MaxPool
 
     class Conv(_Conv):
@@ -275,7 +279,23 @@ def _make_fast_ops() -> list[type]:
                 y = 0.5 * x64 * erfc(-x64 / math.sqrt(2.0))
             return (y.astype(x.dtype),)
 
-    return [Conv, ConvTranspose, MaxPool, AveragePool, BatchNormalization, Erf, Gelu]
+    class GatherElements(_GatherElements):
+        # indices may be smaller than data on the other axes (ONNX Runtime and torch.gather read
+        # the leading part; DeBERTa's relative-position gathers): the evaluator requires them equal
+        op_domain = ""
+
+        def _run(self, data, indices, axis=None):
+            axis = int(axis or 0) % data.ndim
+            if indices.ndim != data.ndim or any(i > d for a, (i, d) in enumerate(zip(indices.shape, data.shape))
+                                                if a != axis):
+                return super()._run(data, indices, axis=axis)
+            part = data[tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(indices.shape))]
+            size = data.shape[axis]
+            if indices.size and (indices.min() < -size or indices.max() >= size):
+                raise IndexError(f"GatherElements index out of [-{size}, {size - 1}]")
+            return (np.take_along_axis(part, np.where(indices < 0, indices + size, indices), axis=axis),)
+
+    return [Conv, ConvTranspose, MaxPool, AveragePool, BatchNormalization, Erf, Gelu, GatherElements]
 
 
 def erf(x: np.ndarray) -> np.ndarray:

@@ -151,6 +151,31 @@ def test_float64_model_converts_types_constants_casts_subgraphs_and_functions():
     assert reference.evaluate(m, {"x": x, "c": np.array(False)})["i"].tolist() == [2.0, 3.0]
 
 
+@pytest.mark.parametrize("data_shape,index_shape,axis", [
+    ((2, 3, 40), (2, 2, 5), -1),   # DeBERTa's relative-position gather: fewer rows than the data, > 32 positions
+    ((2, 3, 40), (2, 3, 40), 2),   # the same shape (the evaluator's np.choose takes at most 32 choices)
+    ((6, 4), (3, 2), 0),           # another axis, indices smaller on both
+])
+def test_gather_elements_reads_the_leading_part_as_onnxruntime_does(data_shape, index_shape, axis):
+    vi = helper.make_tensor_value_info
+    size = data_shape[axis]
+    data = RNG.standard_normal(data_shape)
+    idx = RNG.integers(-size, size, index_shape).astype(np.int64)
+    g = helper.make_graph([N("GatherElements", ["x", "i"], ["y"], axis=axis)], "g",
+                          [vi("x", TensorProto.FLOAT, data_shape), vi("i", TensorProto.INT64, index_shape)],
+                          [vi("y", TensorProto.FLOAT, None)])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    got = reference.evaluate(m, {"x": data, "i": idx})["y"]
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    want = sess.run(None, {"x": data.astype(np.float32), "i": idx})[0]
+    assert got.dtype == np.float64 and got.shape == index_shape
+    np.testing.assert_array_equal(got.astype(np.float32), want)
+    bad = idx.copy()
+    bad.flat[0] = size
+    with pytest.raises(reference.Unavailable, match="out of"):
+        reference.evaluate(m, {"x": data, "i": bad})
+
+
 def test_unavailable_names_the_reason():
     vi = helper.make_tensor_value_info
     g = helper.make_graph([N("Gelu", ["x"], ["y"], domain="com.microsoft")], "g",
