@@ -135,6 +135,14 @@ class GraphView:
         s = self.shapes.get(name)
         return None if s is None else len(s)
 
+    def is_op(self, i: int | None, op: str) -> bool:
+        """Node `i` exists and is the default domain's `op`."""
+        return i is not None and self.nodes[i].op_type == op and self.nodes[i].domain in ("", "ai.onnx")
+
+    def only_reader(self, name: str, reader: int) -> bool:
+        """`name` is no graph output and node `reader` alone reads it."""
+        return name not in self.graph_outputs and list(self.consumers.get(name, ())) == [reader]
+
 
 def _dim(d: onnx.TensorShapeProto.Dimension) -> Dim:
     if ir.known_dim(d) is not None:

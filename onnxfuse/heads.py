@@ -29,7 +29,6 @@ from onnx import ModelProto, NodeProto, helper, numpy_helper
 from onnxfuse.dims import canonical, product
 from onnxfuse.graph import Dim, GraphView, Shape
 from onnxfuse.ir import copy_and_namer, subgraph_reads
-from onnxfuse.kinds.attention import _is, _only_reader
 from onnxfuse.kinds.base import Pattern
 from onnxfuse.match import pointwise_candidate
 
@@ -58,7 +57,7 @@ def _same(a: Dim, b: Dim) -> bool:
 def head_split(view: GraphView, i: int) -> tuple[Dim, int, Dim] | None:
     """(B, H, B * H) when node i is a Reshape between [B * H, a, b] and [B, H, a, b] (either
     way) with H a size: a view of the same elements that splits or merges the leading dim."""
-    if not _is(view, i, "Reshape"):
+    if not view.is_op(i, "Reshape"):
         return None
     x, y = view.shapes.get(view.nodes[i].input[0]), view.shapes.get(view.nodes[i].output[0])
     if x is None or y is None or {len(x), len(y)} != {3, 4}:
@@ -81,9 +80,9 @@ def _back(view: GraphView, name: str, reader: int, pattern: Pattern, path: list[
     pointwise ops of the attention pattern or head Reshapes, through operands of the
     node's own element count (the scores, not a mask)."""
     p = view.producer.get(name)
-    if p is None or not _only_reader(view, name, reader) or len(path) > MAX_PATH:
+    if p is None or not view.only_reader(name, reader) or len(path) > MAX_PATH:
         return None
-    if _is(view, p, "MatMul"):
+    if view.is_op(p, "MatMul"):
         return p, path[::-1]
     if head_split(view, p) is not None:
         return _back(view, view.nodes[p].input[0], p, pattern, [*path, p])
@@ -119,15 +118,15 @@ def find_merged(view: GraphView, sm: int, pattern: Pattern) -> Merged | None:
         if len(readers) != 1 or probs in view.graph_outputs or len(path) > MAX_PATH:
             return None
         r = readers[0]
-        if _is(view, r, "MatMul") and view.nodes[r].input[0] == probs:
+        if view.is_op(r, "MatMul") and view.nodes[r].input[0] == probs:
             break
-        zeroing = _is(view, r, "Where") and list(view.nodes[r].input[2:]) == [probs]  # Where(m, 0, P)
-        if not (_is(view, r, "Cast") or zeroing or head_split(view, r) is not None):
+        zeroing = view.is_op(r, "Where") and list(view.nodes[r].input[2:]) == [probs]  # Where(m, 0, P)
+        if not (view.is_op(r, "Cast") or zeroing or head_split(view, r) is not None):
             return None
         path.append(r)
         probs = view.nodes[r].output[0]
     pv = r
-    reshapes = frozenset(i for i in path if _is(view, i, "Reshape"))
+    reshapes = frozenset(i for i in path if view.is_op(i, "Reshape"))
     splits = {(canonical(b), h, canonical(bh)) for i in reshapes for b, h, bh in [head_split(view, i)]}
     if len(splits) != 1:  # no Reshape (nothing to lift), or two that split differently
         return None
@@ -190,11 +189,11 @@ class _Lifter:
         if p is not None and _splits_as(head_split(v, p), m) and len(v.shapes[v.nodes[p].input[0]]) == 4:
             self.bypassed.add(p)
             return v.nodes[p].input[0]
-        if _is(v, p, "Transpose") and [int(x) for a in v.nodes[p].attribute if a.name == "perm" for x in a.ints] \
+        if v.is_op(p, "Transpose") and [int(x) for a in v.nodes[p].attribute if a.name == "perm" for x in a.ints] \
                 == [0, 2, 1]:
             self.bypassed.add(p)
             return self.node("Transpose", [self.operand(v.nodes[p].input[0], m)], f"{name}_heads", perm=[0, 1, 3, 2])
-        if (_is(v, p, "Mul") or _is(v, p, "Div")) and v.scalar_constant(v.nodes[p].input[1]) is not None:
+        if (v.is_op(p, "Mul") or v.is_op(p, "Div")) and v.scalar_constant(v.nodes[p].input[1]) is not None:
             self.bypassed.add(p)
             n = v.nodes[p]
             return self.node(n.op_type, [self.operand(n.input[0], m), n.input[1]], f"{name}_heads")
@@ -281,7 +280,7 @@ def lift_merged_heads(model: ModelProto, view: GraphView, pattern: Pattern,
     """`model` with each attention over merged heads (`find_merged`; with `only`, those whose
     Softmax is in it) computed over [B, H, ...] (module docstring); returns the new model and,
     per Softmax lifted (its index in `view`), the name of the Softmax that replaces it."""
-    found = [m for i, n in enumerate(view.nodes) if _is(view, i, "Softmax") and (only is None or i in only)
+    found = [m for i, n in enumerate(view.nodes) if view.is_op(i, "Softmax") and (only is None or i in only)
              for m in [find_merged(view, i, pattern)] if m is not None]
     if not found:
         return model, {}

@@ -286,8 +286,8 @@ def _make_fast_ops() -> list[type]:
 
         def _run(self, data, indices, axis=None):
             axis = int(axis or 0) % data.ndim
-            if indices.ndim != data.ndim or any(i > d for a, (i, d) in enumerate(zip(indices.shape, data.shape))
-                                                if a != axis):
+            if indices.ndim != data.ndim or any(
+                    i > d for a, (i, d) in enumerate(zip(indices.shape, data.shape, strict=True)) if a != axis):
                 return super()._run(data, indices, axis=axis)
             part = data[tuple(slice(None) if a == axis else slice(0, n) for a, n in enumerate(indices.shape))]
             size = data.shape[axis]

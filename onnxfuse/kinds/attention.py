@@ -191,14 +191,6 @@ def _same_known_shape(view: GraphView, a: str, b: str) -> bool:
     return sa is not None and view.shapes.get(b) == tuple(sa)
 
 
-def _is(view: GraphView, i: int | None, op: str) -> bool:
-    return i is not None and view.nodes[i].op_type == op and view.nodes[i].domain in DEFAULT_DOMAINS
-
-
-def _only_reader(view: GraphView, name: str, reader: int) -> bool:
-    return name not in view.graph_outputs and list(view.consumers.get(name, ())) == [reader]
-
-
 def _perm(view: GraphView, t: int, rank: int) -> tuple[int, ...]:
     p = node_attrs(view.nodes[t]).get("perm")
     return tuple(int(x) for x in p) if p else tuple(reversed(range(rank)))
@@ -213,10 +205,10 @@ def operand(view: GraphView, name: str, reader: int, rank: int, taken: set[int],
     scale, scale_nodes = 1.0, []
     while True:
         t = view.producer.get(name)
-        if t is None or t in taken or not _only_reader(view, name, reader):
+        if t is None or t in taken or not view.only_reader(name, reader):
             break
         n = view.nodes[t]
-        if _is(view, t, "Transpose"):
+        if view.is_op(t, "Transpose"):
             p = _perm(view, t, rank)
             if len(p) != rank:
                 break
@@ -249,7 +241,7 @@ def _walk_back(view: GraphView, name: str, reader: int, ops: tuple[str, ...],
     nodes = []
     for op in ops:
         i = view.producer.get(name)
-        if not _is(view, i, op) or i in taken or not _only_reader(view, name, reader):
+        if not view.is_op(i, op) or i in taken or not view.only_reader(name, reader):
             return None
         if any(x not in view.constants for x in view.nodes[i].input[1:] if x) \
                 and shape_input_spec(view, view.nodes[i]) is None:
@@ -344,11 +336,11 @@ def _split_view(view: GraphView, o: Operand, taken: set[int]) -> tuple[int, int,
     base is a Reshape to [..., heads, head_dim] of one output of a Split on the last axis,
     each read only by the chain; None otherwise."""
     r = view.producer.get(o.base)
-    if not _is(view, r, "Reshape") or r in taken or not _only_reader(view, o.base, o.reader):
+    if not view.is_op(r, "Reshape") or r in taken or not view.only_reader(o.base, o.reader):
         return None
     part = view.nodes[r].input[0]
     sp = view.producer.get(part)
-    if not _is(view, sp, "Split") or sp in taken or not _only_reader(view, part, r):
+    if not view.is_op(sp, "Split") or sp in taken or not view.only_reader(part, r):
         return None
     if len(view.nodes[r].input) < 2 or (view.nodes[r].input[1] not in view.constants
                                          and shape_input_spec(view, view.nodes[r]) is None):
@@ -408,7 +400,7 @@ def _bias_add(view: GraphView, x: str, sp: int, taken: set[int]) -> tuple[int, s
     reads is Add(y, bias) (either order) with `bias` a constant of x's dtype and shape [N] or
     [1, ..., 1, N], N x's last dim (broadcast only along it: x has y's shape); None otherwise."""
     a = view.producer.get(x)
-    if not _is(view, a, "Add") or a in taken or not _only_reader(view, x, sp) or len(view.nodes[a].input) != 2:
+    if not view.is_op(a, "Add") or a in taken or not view.only_reader(x, sp) or len(view.nodes[a].input) != 2:
         return None
     xs = view.shapes.get(x)
     if xs is None or not xs or not isinstance(xs[-1], int):
@@ -442,9 +434,9 @@ def _score_path(view: GraphView, x: str, sm: int, target: Shape, pattern: Patter
     Softmax `sm`), found depth first through the operands of the scores' shape."""
     def walk(name: str, reader: int, path: list[int]) -> tuple[int, list[int]] | None:
         p = view.producer.get(name)
-        if p is None or p in taken or not _only_reader(view, name, reader):
+        if p is None or p in taken or not view.only_reader(name, reader):
             return None
-        if _is(view, p, "MatMul"):
+        if view.is_op(p, "MatMul"):
             return p, path[::-1]
         if len(path) >= MAX_SCORE_OPS or not pointwise_candidate(view, p, pattern, taken):
             return None
@@ -464,15 +456,15 @@ def _nan_guard(view: GraphView, probs: str, readers: list[int]) -> tuple[int, in
     Where's output NaN probabilities set to 0; None otherwise."""
     if len(readers) != 2:
         return None
-    isnan = next((r for r in readers if _is(view, r, "IsNaN")), None)
-    where = next((r for r in readers if _is(view, r, "Where")), None)
+    isnan = next((r for r in readers if view.is_op(r, "IsNaN")), None)
+    where = next((r for r in readers if view.is_op(r, "Where")), None)
     if isnan is None or where is None:
         return None
     flag = view.nodes[isnan].output[0]
     w = view.nodes[where]
     if list(w.input) != [flag, w.input[1], probs] or view.scalar_constant(w.input[1]) != 0.0:
         return None
-    if not _only_reader(view, flag, where) or view.shapes.get(w.output[0]) != view.shapes.get(probs):
+    if not view.only_reader(flag, where) or view.shapes.get(w.output[0]) != view.shapes.get(probs):
         return None
     return isnan, where
 
@@ -481,7 +473,7 @@ def _zeroing_where(view: GraphView, probs: str, readers: list[int], target: Shap
     """The Where when `probs` is read only by Where(m, 0, probs), m a bool tensor that
     broadcasts to the scores (DeBERTa's XSoftmax in Hugging Face transformers 4: the masked
     probabilities set to 0 after the softmax, a fully masked row's too); None otherwise."""
-    if len(readers) != 1 or not _is(view, readers[0], "Where"):
+    if len(readers) != 1 or not view.is_op(readers[0], "Where"):
         return None
     w = view.nodes[readers[0]]
     if len(w.input) != 3 or w.input[2] != probs or view.scalar_constant(w.input[1]) != 0.0:
@@ -546,16 +538,16 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
             continue
         if len(readers) != 1:
             return NO_SECOND
-        if not _is(view, readers[0], "Cast"):
+        if not view.is_op(readers[0], "Cast"):
             break
         p_casts.append(readers[0])
         probs = view.nodes[readers[0]].output[0]
         p_dtypes.append(view.types.get(probs))
-    if not _is(view, readers[0], "MatMul") or view.nodes[readers[0]].input[0] != probs:
+    if not view.is_op(readers[0], "MatMul") or view.nodes[readers[0]].input[0] != probs:
         return NO_SECOND
     pv = readers[0]
     scores = view.nodes[qk].output[0]
-    if not _only_reader(view, scores, score_ops[0] if score_ops else sm):
+    if not view.only_reader(scores, score_ops[0] if score_ops else sm):
         return SCORES_ELSEWHERE
     inside = {scores, *(view.nodes[j].output[0] for j in score_ops)}
     for j in score_ops:
@@ -608,13 +600,13 @@ def find_attention(view: GraphView, sm: int, pattern: Pattern, taken: set[int], 
     y = view.nodes[pv].output[0]
     y_transpose, perm_y, result, y_reshape = None, tuple(range(rank)), y, None
     t = next(iter(view.consumers.get(y, ())), None)
-    if _is(view, t, "Reshape") and t not in taken and _only_reader(view, y, t) and _same_known_shape(
+    if view.is_op(t, "Reshape") and t not in taken and view.only_reader(y, t) and _same_known_shape(
             view, y, view.nodes[t].output[0]):
         after = view.nodes[t].output[0]
         t2 = next(iter(view.consumers.get(after, ())), None)
-        if _is(view, t2, "Transpose") and t2 not in taken and _only_reader(view, after, t2):
+        if view.is_op(t2, "Transpose") and t2 not in taken and view.only_reader(after, t2):
             y_reshape, y, t = t, after, t2
-    if _is(view, t, "Transpose") and t not in taken and _only_reader(view, y, t) and len(_perm(view, t, rank)) == rank:
+    if view.is_op(t, "Transpose") and t not in taken and view.only_reader(y, t) and len(_perm(view, t, rank)) == rank:
         y_transpose, perm_y, result = t, _perm(view, t, rank), view.nodes[t].output[0]
     elif y_reshape is not None:
         y_reshape = None

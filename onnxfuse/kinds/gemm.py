@@ -151,10 +151,6 @@ class GemmInfo:
     batch: int | None
 
 
-def _is(view: GraphView, i: int | None, op: str) -> bool:
-    return i is not None and view.nodes[i].op_type == op and view.nodes[i].domain in DEFAULT_DOMAINS
-
-
 def _last_two_swapped(view: GraphView, t: int) -> bool:
     n = view.nodes[t]
     rank = view.rank(n.input[0])
@@ -169,7 +165,7 @@ def _last_two_swapped(view: GraphView, t: int) -> bool:
 def _absorbed(view: GraphView, name: str, user: int, taken: set[int]) -> int | None:
     """The Transpose of the last two dims producing `name` that only node `user` reads."""
     t = view.producer.get(name)
-    if not _is(view, t, "Transpose") or t in taken or name in view.graph_outputs:
+    if not view.is_op(t, "Transpose") or t in taken or name in view.graph_outputs:
         return None
     if view.consumers.get(name, []) != [user] or not _last_two_swapped(view, t):
         return None
