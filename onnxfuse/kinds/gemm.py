@@ -69,7 +69,6 @@ from onnxfuse.ops import FLOAT_TYPES, node_attrs
 from onnxfuse.ort_fusions import reason
 from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
 
-DEFAULT_DOMAINS = ("", "ai.onnx")
 ANCHORS = frozenset({"MatMul", "Gemm"})
 # ONNX Runtime's fusions around a product, which a gemm match takes whole (ort_fusions.FUSED_OPS names)
 PRODUCT_FUSIONS = ("MatMul + Add into Gemm", "FusedMatMul", "BiasGelu", "Gelu", "FastGelu")
