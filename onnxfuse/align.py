@@ -29,7 +29,7 @@ import numpy as np
 from onnx import ModelProto, TensorProto, helper, numpy_helper
 
 from onnxfuse.graph import GraphView
-from onnxfuse.ir import copy_and_namer, subgraph_reads
+from onnxfuse.ir import copy_and_namer, graph_reads
 from onnxfuse.ops import RULES
 
 FLOAT_TYPES = (TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -105,7 +105,7 @@ def pad_columns(model: ModelProto, view: GraphView) -> tuple[ModelProto, list[st
     del g.node[:]
     g.node.extend(nodes)
     replaced = {view.nodes[p.node].input[1] for p in pads}
-    read = {x for n in g.node for x in n.input} | {o.name for o in g.output} | subgraph_reads(g.node)
+    read = graph_reads(g)
     unread = replaced - read  # the original weights, where nothing else reads them
     kept = [t for t in g.initializer if t.name not in unread]
     del g.initializer[:]

@@ -28,7 +28,7 @@ from onnx import ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.dims import canonical, product
 from onnxfuse.graph import Dim, GraphView, Shape
-from onnxfuse.ir import copy_and_namer, subgraph_reads
+from onnxfuse.ir import copy_and_namer, graph_reads
 from onnxfuse.kinds.base import Pattern
 from onnxfuse.match import pointwise_candidate
 
@@ -310,14 +310,14 @@ def lift_merged_heads(model: ModelProto, view: GraphView, pattern: Pattern,
     gone = set(drop)
     while True:
         alive = [n for _, n in kept]
-        read = {x for n in alive for x in n.input} | {o.name for o in g.output} | subgraph_reads(alive)
+        read = graph_reads(g, alive)
         dead = {j for j, n in kept if j in lifter.bypassed and not any(o in read for o in n.output)}
         if not dead:
             break
         gone |= dead
         kept = [(j, n) for j, n in kept if j not in dead]
     alive = [n for _, n in kept]
-    read = {x for n in alive for x in n.input} | {o.name for o in g.output} | subgraph_reads(alive)
+    read = graph_reads(g, alive)
     unread = {x for j in gone for x in view.nodes[j].input if x in view.constants} - read
     present = read | {x for n in alive for x in n.output}
     del g.node[:]

@@ -147,6 +147,29 @@ def subgraph_reads(nodes) -> set[str]:
     return names
 
 
+def graph_reads(g: onnx.GraphProto, nodes=None) -> set[str]:
+    """Every name that `nodes` (default: g's), their subgraphs and g's outputs read: what
+    a pass that removes nodes or initializers must keep."""
+    nodes = g.node if nodes is None else nodes
+    return {x for n in nodes for x in n.input} | {o.name for o in g.output} | subgraph_reads(nodes)
+
+
+def unproduced_reads(g: onnx.GraphProto, outer: frozenset[str] = frozenset()) -> list[str]:
+    """Names that g's nodes (their subgraphs too, from the scopes around them) and outputs read
+    but nothing before them gives (an input, an initializer, an earlier node's output, `outer`):
+    empty for a well-formed graph. onnx.checker does not look into the subgraphs' outer reads."""
+    known = set(outer) | {i.name for i in g.input} | {t.name for t in g.initializer} | {""}
+    missing: list[str] = []
+    for n in g.node:
+        missing += [x for x in n.input if x not in known]
+        for a in n.attribute:
+            for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+                missing += unproduced_reads(sg, frozenset(known))
+        known.update(n.output)
+    missing += [o.name for o in g.output if o.name not in known]
+    return list(dict.fromkeys(missing))
+
+
 def copy_and_namer(model: ModelProto) -> tuple[ModelProto, Callable[[str], str]]:
     """A copy of `model` to edit, and a function giving names no tensor of it has yet (`base`,
     else `base_1`, `base_2`, ...), each name once."""

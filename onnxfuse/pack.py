@@ -25,7 +25,7 @@ from onnx import ModelProto, NodeProto, helper, numpy_helper
 from onnxfuse.bias import BIAS_TAKERS, BiasMove, gemm_move, gemm_without_c, matmul_move
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
-from onnxfuse.ir import copy_and_namer, subgraph_reads
+from onnxfuse.ir import copy_and_namer, graph_reads
 from onnxfuse.kinds.attention import AttentionParts, find_attention
 from onnxfuse.kinds.base import Pattern
 from onnxfuse.load import infer_shapes
@@ -154,7 +154,7 @@ def pack_qkv(model: ModelProto, view: GraphView, pattern: Pattern) -> tuple[Mode
     del g.node[:]
     g.node.extend(kept)
     # weights and biases no node reads any more
-    read = {t for n in g.node for t in n.input}
+    read = graph_reads(g)
     alive = [t for t in g.initializer if t.name in read or t.name not in inits]
     del g.initializer[:]
     g.initializer.extend(alive)
@@ -304,7 +304,7 @@ def unpack_interleaved(model: ModelProto, view: GraphView) -> tuple[ModelProto, 
             kept.append(n)
     del g.node[:]
     g.node.extend(kept)
-    read = {t for n in g.node for t in n.input} | {o.name for o in g.output} | subgraph_reads(g.node)
+    read = graph_reads(g)
     gone = {x for f in found for x in (f.proj.weight, f.proj.bias) if x} - read
     alive = [t for t in g.initializer if t.name not in gone]
     del g.initializer[:]
@@ -370,7 +370,7 @@ def _moved(model: ModelProto, view: GraphView, moves: list[BiasMove]) -> tuple[M
             kept.append(n)
     del g.node[:]
     g.node.extend(kept)
-    read = {t for n in g.node for t in n.input}
+    read = graph_reads(g)
     inits = {t.name for t in model.graph.initializer}
     alive = [t for t in g.initializer if t.name in read or t.name not in inits]
     del g.initializer[:]

@@ -25,6 +25,7 @@ from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
 from onnxfuse.heads import lift_merged_heads
+from onnxfuse.ir import unproduced_reads
 from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
 from onnxfuse.kinds import KINDS
 from onnxfuse.kinds.attention import find_attention
@@ -628,9 +629,16 @@ def compile_result(result: Result, targets: list[int], options: Options, conv_pr
 
 
 def run_passes(result: Result, options: Options, passes=PASSES) -> Result:
-    """`result` through `passes` in order."""
+    """`result` through `passes` in order. A pass after which the model reads a tensor that
+    nothing gives (and the input did not) is an internal error, named, rather than a model
+    ONNX Runtime refuses to load (onnx.checker does not see a subgraph's outer reads)."""
+    broken = set(unproduced_reads(result.model.graph))
     for step in passes:
         result = step(result, options)
+        lost = [x for x in unproduced_reads(result.model.graph) if x not in broken]
+        if lost:
+            raise OnnxfuseError(f"internal error: after {step.__name__} the model reads {', '.join(lost[:3])}"
+                                f"{' and more' if len(lost) > 3 else ''}, which nothing gives; please report it")
     return result
 
 

@@ -403,7 +403,7 @@ def _fold_once(m: ModelProto, report: Folded, partial: bool = False,
     if not folded:
         return m
     kept = [n for i, n in enumerate(g.node) if i not in folded]
-    read = {x for n in kept for x in n.input} | {o.name for o in g.output} | ir.subgraph_reads(kept)
+    read = ir.graph_reads(g, kept)
     produced = {o for i in folded for o in g.node[i].output if o}
     graph_inputs = {vi.name for vi in g.input}
     for k in reversed(range(len(g.initializer))):  # in place: the weights are not copied again
@@ -471,11 +471,10 @@ def _unread(g: onnx.GraphProto, gone: set[int]) -> set[int]:
     `gone` are gone, to the end: a Shape whose Gather folded, an empty Concat input's Slice. (Their
     readers elsewhere would block fusions: a chain does not take a Transpose whose output a Shape
     still reads.)"""
-    graph_outputs = {o.name for o in g.output}
     dead: set[int] = set()
     while True:
         alive = [n for i, n in enumerate(g.node) if i not in gone and i not in dead]
-        read = {x for n in alive for x in n.input} | graph_outputs | ir.subgraph_reads(alive)
+        read = ir.graph_reads(g, alive)
         more = {i for i, n in enumerate(g.node) if i not in gone and i not in dead and n.domain in ("", "ai.onnx")
                 and n.op_type in FOLDABLE and not _has_subgraph(n) and not any(o in read for o in n.output if o)}
         if not more:

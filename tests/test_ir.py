@@ -103,3 +103,23 @@ def test_output_is_byte_deterministic_across_processes():
     first, second = _digest_in_fresh_process(), _digest_in_fresh_process()
     here = hashlib.sha256(optimize_model(mb.vgg_stack(blocks=2, channels=8, size=16)).model.SerializeToString())
     assert first == second == here.hexdigest()
+
+
+def test_unproduced_reads_sees_a_branchs_outer_reads():
+    """A name an If's branch reads from the graph around it counts only where a node before the
+    If, an input or an initializer gives it; a name the branch gives itself is its own."""
+    branch = helper.make_graph([helper.make_node("Add", ["x", "y"], ["t"]), helper.make_node("Neg", ["t"], ["u"])],
+                               "b", [], [helper.make_tensor_value_info("u", TensorProto.FLOAT, [1])])
+
+    def graph(order):
+        nodes = {"if": helper.make_node("If", ["c"], ["z"], then_branch=branch, else_branch=branch),
+                 "y": helper.make_node("Relu", ["x"], ["y"])}
+        return helper.make_graph([nodes[k] for k in order], "g",
+                                 [helper.make_tensor_value_info("c", TensorProto.BOOL, []),
+                                  helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                                 [helper.make_tensor_value_info("z", TensorProto.FLOAT, [1])])
+
+    assert ir.unproduced_reads(graph(["y", "if"])) == []
+    assert ir.unproduced_reads(graph(["if", "y"])) == ["y"]
+    assert ir.unproduced_reads(graph(["if"])) == ["y"]
+    assert ir.graph_reads(graph(["y", "if"])) == {"c", "x", "y", "t", "z"}

@@ -195,3 +195,28 @@ def test_bias_moves_into_a_pointwise_chain(tmp_path):
     assert [op for op, _ in _ort_ops(r.model, tmp_path) if op not in ("Reshape",)] == ["Gemm", "PointwiseChain"]
     (gemm,) = [n for n in r.model.graph.node if n.op_type == "Gemm"]
     assert len(gemm.input) == 2
+
+
+def test_a_bias_move_keeps_what_a_subgraph_reads(tmp_path):
+    """An initializer that only an If's branch reads (DeBERTa's relative positions as
+    transformers 5.17 exports them, once --shape has folded their main-graph readers) stays
+    when the bias moves: the model ONNX Runtime loads computes what the original does. (It
+    was dropped, and ORT refused the model: "Nodes in a graph must be topologically sorted".)"""
+    from onnxfuse.ir import unproduced_reads
+    from onnxfuse.pipeline import BIAS_AFTER
+
+    m = _layer("matmul", "residual")
+    g = m.graph
+    k = np.arange(4, dtype=np.float32)
+    g.initializer.extend([helper.make_tensor("k", 1, [4], k), helper.make_tensor("k2", 1, [4], -k)])
+    branch = lambda name: helper.make_graph([N("Identity", [name], [f"{name}_out"])], f"{name}_branch", [],  # noqa: E731
+                                           [helper.make_tensor_value_info(f"{name}_out", 1, [4])])
+    g.input.append(helper.make_tensor_value_info("c", 9, []))
+    g.node.append(N("If", ["c"], ["z"], then_branch=branch("k"), else_branch=branch("k2")))
+    g.output.append(helper.make_tensor_value_info("z", 1, [4]))
+    for c in (True, False):
+        feeds = random_feeds(m) | {"c": np.array(c)}
+        r = check_fusion(m, expect_fused=0, feeds=feeds)
+        assert r.report.notes[BIAS_AFTER] == 1
+        assert not unproduced_reads(r.model.graph)
+        np.testing.assert_array_equal(run(r.model, feeds)[1], k if c else -k)
