@@ -3,7 +3,7 @@
 
 Its defaults are kept: ops without fp16 kernels in most runtimes (Resize, TopK, Range, Min,
 Max, ...; its DEFAULT_OP_BLOCK_LIST) stay fp32 between Cast nodes, and fp32 constants outside
-fp16's range are clamped (|x| to [1e-7, 1e4]). Two repairs, each a no-op where not needed:
+fp16's range are clamped (|x| to [1e-7, 1e4]). Three repairs, each a no-op where not needed:
 
 - before converting, a BatchNormalization whose statistics the clamp would change (PP-OCR's
   detectors carry running variances up to 1e8) is rewritten, exactly in fp32, as its scale and
@@ -13,6 +13,9 @@ fp16's range are clamped (|x| to [1e-7, 1e4]). Two repairs, each a no-op where n
   refuses the model: issue microsoft/onnxconverter-common#320; 1.14, which had it right, pins
   protobuf 3.20.2, which onnx 1.23 cannot use). YOLOv8n's anchor arithmetic has such Casts, and
   DeBERTa's If branches (transformers 5.17's export) too: subgraphs are repaired alike.
+- after converting, a main-graph tensor the converter declared float16 but whose node makes
+  float32 (a blocked Resize's fp32 constant or output read by another op: BEiT's and DINOv2's
+  position tables as transformers 5.17 exports them) gets a Cast to float16 after that node.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ import warnings
 
 import numpy as np
 import onnx
-from onnx import TensorProto, numpy_helper
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+from onnxfuse.ir import graph_reads
 
 DTYPES = ("fp32", "fp16")
 MAX_FINITE = 1e4     # convert_float_to_float16's max_finite_val default
@@ -42,6 +47,7 @@ def to_fp16(model: onnx.ModelProto) -> onnx.ModelProto:
         m = float16.convert_float_to_float16(rescale_batchnorm(model), keep_io_types=False,
                                              max_finite_val=MAX_FINITE)
     _retarget_casts(m.graph)
+    _cast_mistyped(m)
     m.producer_name = model.producer_name
     return m
 
@@ -95,7 +101,7 @@ def rescale_batchnorm(model: onnx.ModelProto, limit: float = MAX_FINITE) -> onnx
 
 def _drop_unread(graph: onnx.GraphProto, names: set[str]) -> None:
     """Remove the initializers and Constant nodes among `names` that nothing reads (in place)."""
-    read = {i for n in graph.node for i in n.input} | {o.name for o in graph.output}
+    read = graph_reads(graph)
     dead = names - read
     keep_nodes = [n for n in graph.node if not (n.op_type == "Constant" and n.output[0] in dead)]
     keep_inits = [t for t in graph.initializer if t.name not in dead]
@@ -120,3 +126,38 @@ def _retarget_casts(graph: onnx.GraphProto) -> None:
         for a in node.attribute:
             for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
                 _retarget_casts(sub)
+
+
+def _cast_mistyped(model: onnx.ModelProto, rounds: int = 8) -> None:
+    """Where the converter declared a main-graph tensor float16 that its node makes float32 (in
+    place): a Cast to float16 after that node. onnxconverter-common 1.16 keeps an fp32 constant
+    fp32 for a blocked op (Resize) and still retypes another reader's output (BEiT's Identity of
+    the relative-position table), or leaves a Resize's renamed fp32 output without its Cast
+    (DINOv2's position embedding); transformers 5.17's exports; ORT refuses both ("Type
+    (tensor(float16)) of output arg ... does not match expected type (tensor(float))"). The types
+    are onnx's inference on the graph without its value_info; a mismatch is cast where it starts
+    (no input of the node mistyped too), then inferred again."""
+    g = model.graph
+    for _ in range(rounds):
+        bare = onnx.ModelProto()
+        bare.CopyFrom(model)
+        del bare.graph.value_info[:]
+        inferred = {v.name: v.type.tensor_type.elem_type
+                    for v in shape_inference.infer_shapes(bare, strict_mode=False).graph.value_info}
+        wrong = {v.name for v in g.value_info if v.type.tensor_type.elem_type == TensorProto.FLOAT16
+                 and inferred.get(v.name) == TensorProto.FLOAT}
+        if not wrong:
+            return
+        nodes = []
+        for n in g.node:
+            nodes.append(n)
+            if any(x in wrong for x in n.input):
+                continue
+            for k, y in enumerate(n.output):
+                if y in wrong:
+                    n.output[k] = f"{y}.fp32"
+                    nodes.append(helper.make_node("Cast", [n.output[k]], [y], name=f"{y}.fp16_cast",
+                                                  to=TensorProto.FLOAT16))
+        del g.node[:]
+        g.node.extend(nodes)
+

@@ -259,6 +259,32 @@ def test_to_fp16_retargets_casts_in_subgraphs():
     np.testing.assert_allclose(got.astype(np.float32), x * (0.5 / 3), rtol=2e-3)
 
 
+def test_to_fp16_casts_what_a_blocked_ops_constant_feeds():
+    """An fp32 constant that a Resize (kept fp32: the converter's block list) and an Identity both
+    read: the converter keeps it fp32 and still declares the Identity's output float16 (BEiT's
+    relative-position table, transformers 5.17's export), and ONNX Runtime refused the model. A
+    Cast to float16 after the Identity makes it load and compute what the fp32 model does."""
+    pytest.importorskip("onnxconverter_common")
+    vi = helper.make_tensor_value_info
+    table = np.arange(4, dtype=np.float32).reshape(1, 1, 2, 2)
+    nodes = [helper.make_node("Resize", ["T", "", "scales"], ["r"], mode="nearest"),
+             helper.make_node("Identity", ["T"], ["u"]),
+             helper.make_node("Mul", ["x", "u"], ["p"]),
+             helper.make_node("ReduceSum", ["r"], ["q"], keepdims=1),
+             helper.make_node("Add", ["p", "q"], ["y"])]
+    g = helper.make_graph(nodes, "resize", [vi("x", TensorProto.FLOAT, [1, 1, 2, 2])],
+                          [vi("y", TensorProto.FLOAT, [1, 1, 2, 2])],
+                          [numpy_helper.from_array(table, "T"),
+                           numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m16 = fp16.to_fp16(m)
+    assert [n.op_type for n in m16.graph.node if n.name == "u.fp16_cast"] == ["Cast"]
+    x = np.random.default_rng(3).standard_normal((1, 1, 2, 2)).astype(np.float32)
+    got = _run(m16, {"x": x.astype(np.float16)})[0]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float32), _run(m, {"x": x})[0], rtol=2e-3, atol=2e-3)
+
+
 def test_fetch_pretrained_prints_the_size_and_drops_the_wheels(tmp_path, monkeypatch):
     (tmp_path / "wheels").mkdir()
     (tmp_path / "wheels" / "some-1.0-py3-none-any.whl").write_bytes(b"w" * 100)
