@@ -24,6 +24,8 @@ from onnxfuse.errors import OnnxfuseError, OnnxfuseWarning
 from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
+from onnxfuse.headbias import NOTE as HEAD_BIAS_NOTE
+from onnxfuse.headbias import sink_head_biases
 from onnxfuse.heads import lift_merged_heads
 from onnxfuse.ir import unproduced_reads
 from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
@@ -216,6 +218,8 @@ class Result:
     packed: int = 0
     unpacked: int = 0  # per-head interleaved projections reordered into packed ones (pack_pass)
     lifted: int = 0  # attentions over merged heads rewritten over [B, H, ...] (pack_pass, lift_pass)
+    # - head bias: projection biases moved below their head split into a rotary chain
+    head_biased: int = 0
     # - align: the products padded to 16-byte rows for cuBLAS (their node names)
     padded: list[str] = field(default_factory=list)
     # - bias: how many products had their bias moved after them, into one of ORT's fusions, and
@@ -409,6 +413,18 @@ def lift_pass(result: Result, attention: Pattern) -> Result:
     return result
 
 
+def head_bias_pass(result: Result, options: Options) -> Result:
+    """Where the pointwise patterns are applied: each projection bias added before a head split
+    that a rotary embedding rotates moved below the split, where the rotary chain takes it in
+    (`onnxfuse.headbias`: Qwen2's query and key biases); the shapes inferred again after."""
+    if result.unchanged is None and any(p.kind.name == "pointwise" for p in result.patterns):
+        model, moved = sink_head_biases(result.model, result.view)
+        if moved:
+            result.model, result.head_biased = model, moved
+            infer_shapes_pass(result, options)
+    return result
+
+
 def align_pass(result: Result, options: Options) -> Result:
     """For the GPU (a kernel target): each large product whose output rows are not a multiple of
     16 bytes (a vocabulary of 50257 tokens) padded to one, and sliced back, so that cuBLAS runs
@@ -489,6 +505,8 @@ def match_pass(result: Result, options: Options) -> Result:
             result.report.notes[UNPACKED] = result.unpacked
         if result.lifted:
             result.report.notes[LIFTED] = result.lifted
+        if result.head_biased:
+            result.report.notes[HEAD_BIAS_NOTE] = result.head_biased
         if result.biased_after:
             result.report.notes[BIAS_AFTER] = result.biased_after
         if result.padded:
@@ -597,6 +615,7 @@ PASSES: tuple[Callable[[Result, Options], Result], ...] = (
     infer_shapes_pass,    # types and shapes, for matching and for the NHWC layout
     choose_layout_pass,   # the patterns for the layout (nchw, or nhwc when kernels are compiled)
     pack_pass,            # attention's Q, K and V projections: one product, read in place
+    head_bias_pass,       # a rotated head split's projection bias: below the split, into the rotary chain
     align_pass,           # for the GPU: products of unaligned output rows padded for cuBLAS
     bias_pass,            # a product's bias after it, where ORT's fusions or a fused node take it
     match_pass,           # the groups each pattern fuses, and why other nodes do not

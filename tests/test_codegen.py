@@ -221,6 +221,7 @@ def _sixteen_bit_cases() -> list[Case]:
 def _rotate_cases() -> list[Case]:
     """Rotary embeddings as LLaMA-style exports compute them, the rotate_half input read rotated."""
     rotary = "%4 = mul %0 %1\n%5 = mul %2 %3\n%6 = add %4 %5\noutput %6 {dt}"
+    head_bias = "%6 = add %0 %1\n%7 = mul %6 %2\n%8 = add %3 %4\n%9 = mul %8 %5\n%10 = add %7 %9\noutput %10 {dt}"
     return [
         Case("rotate-half-f16", rotary.format(dt="f16"), ((2, 3, 5, 8), (5, 8), (2, 3, 5, 8), (5, 8)),
              ("f16", "f16", "f16", "f16"), modes=("full", "strided", "rotate_half", "strided")),
@@ -237,6 +238,15 @@ def _rotate_cases() -> list[Case]:
              block=128, perms=((1, 0, 2), None, None)),
         Case("transposed-rotated-bf16-alone", "%1 = add %0 0.0\noutput %1 bf16", ((3, 2, 4, 6),), ("bf16",),
              modes=("rotate_half_strided",), block=16, perms=((2, 0, 1, 3),)),
+        # Qwen2's Q with its projection bias below the head split (onnxfuse.headbias): (q + b) * cos +
+        # (rotate_half(q) + rotate_half(b)) * sin, b and its rotation [1, H, 1, D] constants
+        Case("head-bias-transposed-rotary-f16", head_bias.format(dt="f16"),
+             ((2, 5, 3, 8), (1, 3, 1, 8), (5, 8), (2, 5, 3, 8), (1, 3, 1, 8), (5, 8)), ("f16",) * 6,
+             modes=("strided", "strided", "strided", "rotate_half_strided", "strided", "strided"),
+             perms=((0, 2, 1, 3), None, None, (0, 2, 1, 3), None, None)),
+        Case("head-bias-rotate-pairs-f32-cross-rows", head_bias.format(dt="f32"),
+             ((3, 2, 7, 16), (1, 2, 1, 16), (7, 16), (3, 2, 7, 16), (1, 2, 1, 16), (7, 16)), ("f32",) * 6,
+             modes=("full", "strided", "strided", "rotate_pairs", "strided", "strided"), block=64),
     ]
 
 
