@@ -99,6 +99,30 @@ def test_cross_attention_is_not_packed():
     assert op_types(r.model).count("MatMul") == 3 and PACKED not in r.report.notes
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_cross_attentions_biases_are_added_in_the_kernel(dtype):
+    """Nothing to pack, but each projection's bias Add before its head Reshape is absorbed: the
+    attention reads each product as a split [0, H, D] of it and adds the bias as it loads the
+    operand (BART's and OPT's per-operand projections, Qwen2's V); the same values in the
+    function bodies, the numpy reference and the library's CPU kernel."""
+    from tests.test_attention_patterns import _run_with_library
+
+    m = _bert_attention(cross=True, dtype=dtype)
+    r = check_fusion(m, expect_fused=1, patterns=PATTERNS)
+    assert op_types(r.model) == ["MatMul", "MatMul", "MatMul", "FusedAttention"], op_types(r.model)
+    node = next(n for n in r.model.graph.node if n.op_type == "FusedAttention")
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    assert [attrs[f"split_{w}"] for w in "qkv"] == [[0, H, D]] * 3
+    assert [attrs[f"bias_{w}"] for w in "qkv"] == [3, 4, 5]
+    assert list(node.input[:3]) == [n.output[0] for n in r.model.graph.node[:3]]  # the products, before their bias
+    assert any(note.startswith(BIAS_NOTE) for note in r.report.notes), r.report.notes
+    feeds = random_feeds(m)
+    (want,), (got,) = run(m, feeds), _run_with_library(r.model, feeds)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    w64 = want.astype(np.float64)
+    np.testing.assert_allclose(got.astype(np.float64), w64, rtol=tol, atol=tol * float(np.abs(w64).max()))
+
+
 def test_nothing_packed_without_the_attention_pattern():
     m = _bert_attention()
     r = optimize_model(m, [p for p in PATTERNS if p.name != "attention"])

@@ -366,12 +366,38 @@ def _split_view(view: GraphView, o: Operand, taken: set[int]) -> tuple[int, int,
     return None
 
 
+def _biased_heads(view: GraphView, o: Operand, which: int, taken: set[int]) -> Operand | None:
+    """Operand `o` read from the product before its bias where its base is a Reshape to [...,
+    heads, head_dim] of Add(y, bias), y [..., heads * head_dim] with the same leading dims, each
+    read only by the chain: as the one part of a split [0, heads, head_dim] of y, the node adding
+    the bias as it loads the operand (the Add and the Reshape among the operand's nodes; BART's,
+    OPT's, Whisper's and DeBERTa's per-operand projections, Qwen2's V); None otherwise."""
+    r = view.producer.get(o.base)
+    if not view.is_op(r, "Reshape") or r in taken or not view.only_reader(o.base, o.reader):
+        return None
+    if len(view.nodes[r].input) < 2 or (view.nodes[r].input[1] not in view.constants
+                                         and shape_input_spec(view, view.nodes[r]) is None):
+        return None
+    x = view.nodes[r].input[0]
+    add = _bias_add(view, x, r, taken)
+    xs, bs = view.shapes.get(x), view.shapes.get(o.base)
+    if add is None or xs is None or bs is None or len(bs) != len(xs) + 1 or list(bs[:-2]) != list(xs[:-1]):
+        return None
+    heads, head_dim = bs[-2], bs[-1]
+    if not all(isinstance(v, int) for v in (heads, head_dim)) or heads * head_dim != xs[-1]:
+        return None
+    out = dataclasses.replace(o, packed=add[1], split=(0, heads, head_dim), split_nodes=(r, add[0]),
+                              bias=add[2], bias_add=add[0])
+    return out if _bias_fits(out, which) else None
+
+
 def packed_operands(view: GraphView, ops: tuple[Operand, ...], taken: set[int]) -> tuple[Operand, ...]:
     """The operands, each read in place from its Split's input where the Splits they come from
     are absorbed whole: every output of each such Split is the base of one of them (through
     its Reshape). The first operand of a Split carries the Split among its nodes, and the
     Split input's bias Add when that is absorbed too (`_bias_add`, `_bias_fits`: the operands
-    then read the Add's tensor input and carry its bias)."""
+    then read the Add's tensor input and carry its bias). An operand from no Split whose head
+    Reshape reads a biased product reads the product and adds the bias (`_biased_heads`)."""
     views = [_split_view(view, o, taken) for o in ops]
     by_split: dict[int, list[int]] = {}
     for i, v in enumerate(views):
@@ -392,6 +418,9 @@ def packed_operands(view: GraphView, ops: tuple[Operand, ...], taken: set[int]) 
             if add is not None:
                 o = dataclasses.replace(o, packed=add[1], bias=add[2], bias_add=add[0])
             out[i] = o
+    for i, o in enumerate(ops):
+        if views[i] is None and (biased := _biased_heads(view, o, i, taken)) is not None:
+            out[i] = biased
     return tuple(out)
 
 
