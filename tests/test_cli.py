@@ -294,8 +294,8 @@ def test_the_pass_list_is_the_documented_one():
     head = "Passes (`onnxfuse.pipeline.PASSES`):"
     (line,) = [ln.strip() for ln in readme.splitlines() if ln.strip().startswith(head)]
     assert line.split(":", 1)[1].strip().rstrip(".").split(" → ") == names
-    assert names == ["canonicalize", "fold", "infer shapes", "choose layout", "pack", "align", "bias", "match",
-                     "rewrite", "compile", "tune"]
+    assert names == ["canonicalize", "fold", "infer shapes", "choose layout", "pack", "head bias", "align", "bias",
+                     "match", "rewrite", "compile", "tune"]
 
 
 def test_python_optimize_has_the_command_lines_defaults(tmp_path, monkeypatch):
