@@ -154,19 +154,21 @@ def graph_reads(g: onnx.GraphProto, nodes=None) -> set[str]:
     return {x for n in nodes for x in n.input} | {o.name for o in g.output} | subgraph_reads(nodes)
 
 
-def unproduced_reads(g: onnx.GraphProto, outer: frozenset[str] = frozenset()) -> list[str]:
+def unproduced_reads(g: onnx.GraphProto, outer: tuple[set[str], ...] = ()) -> list[str]:
     """Names that g's nodes (their subgraphs too, from the scopes around them) and outputs read
-    but nothing before them gives (an input, an initializer, an earlier node's output, `outer`):
-    empty for a well-formed graph. onnx.checker does not look into the subgraphs' outer reads."""
-    known = set(outer) | {i.name for i in g.input} | {t.name for t in g.initializer} | {""}
+    but nothing before them gives (an input, an initializer, an earlier node's output, or the
+    same in the `outer` scopes): empty for a well-formed graph. onnx.checker does not look into
+    the subgraphs' outer reads."""
+    known = {i.name for i in g.input} | {t.name for t in g.initializer} | {""}
+    scopes = (known, *outer)
     missing: list[str] = []
     for n in g.node:
-        missing += [x for x in n.input if x not in known]
+        missing += [x for x in n.input if not any(x in s for s in scopes)]
         for a in n.attribute:
             for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
-                missing += unproduced_reads(sg, frozenset(known))
+                missing += unproduced_reads(sg, scopes)
         known.update(n.output)
-    missing += [o.name for o in g.output if o.name not in known]
+    missing += [o.name for o in g.output if not any(o.name in s for s in scopes)]
     return list(dict.fromkeys(missing))
 
 
