@@ -19,15 +19,17 @@ E = H * D
 
 
 def _rotary(rotation: str = "half", transpose: bool = True, bias_first: bool = False, bias_read: bool = False,
-            dtype: str = "float32"):
+            dtype: str = "float32", dynamic: bool = False):
     """x [B, S, E] @ W + b -> Reshape [B, S, H, D] (-> Transpose [B, H, S, D]) -> q * cos +
     rotate(q) * sin, rotate_half (`rotation` "half") or GPT-J's interleaved rotate_every_two
-    ("pairs"); `bias_first`: Add(b, p); `bias_read`: the biased product is a graph output too."""
+    ("pairs"); `bias_first`: Add(b, p); `bias_read`: the biased product is a graph output too;
+    `dynamic`: x's batch and sequence symbolic, the Reshape to [0, 0, H, D], cos and sin graph
+    inputs of the symbolic sequence (as a dynamic export computes them from the positions)."""
     rng = np.random.default_rng(7)
     np_dt = np.float16 if dtype == "float16" else np.float32
     rot_shape = [S, D] if transpose else [S, 1, D]
     inits = {"w": (rng.standard_normal((E, E)) / 4).astype(np_dt), "b": rng.standard_normal(E).astype(np_dt),
-             "heads": np.array([B, S, H, D], np.int64),
+             "heads": np.array([0, 0, H, D] if dynamic else [B, S, H, D], np.int64),
              "cos": np.cos(rng.standard_normal(rot_shape)).astype(np_dt),
              "sin": np.sin(rng.standard_normal(rot_shape)).astype(np_dt),
              "lo": np.array([0], np.int64), "mid": np.array([D // 2], np.int64), "end": np.array([D], np.int64),
@@ -49,9 +51,15 @@ def _rotary(rotation: str = "half", transpose: bool = True, bias_first: bool = F
                   N("Reshape", ["pairs", "shape_q"], ["rot"])]
         inits["shape_q"] = np.array([B, H, S, D] if transpose else [B, S, H, D], np.int64)
     nodes += [N("Mul", [q, "cos"], ["qc"]), N("Mul", ["rot", "sin"], ["rs"]), N("Add", ["qc", "rs"], ["y"])]
-    out_shape = [B, H, S, D] if transpose else [B, S, H, D]
-    outputs = {"y": (dtype, out_shape)} | ({"a": (dtype, [B, S, E])} if bias_read else {})
-    return model(nodes, {"x": (dtype, [B, S, E])}, outputs, inits, opset=17)
+    b, s = ("batch", "seq") if dynamic else (B, S)
+    outputs = {"y": (dtype, [b, H, s, D] if transpose else [b, s, H, D])}
+    if bias_read:
+        outputs["a"] = (dtype, [b, s, E])
+    inputs = {"x": (dtype, [b, s, E])}
+    if dynamic:
+        del inits["cos"], inits["sin"]
+        inputs |= {w: (dtype, [s, D] if transpose else [s, 1, D]) for w in ("cos", "sin")}
+    return model(nodes, inputs, outputs, inits, opset=17)
 
 
 @pytest.mark.parametrize("rotation", ["half", "pairs"])
@@ -67,6 +75,18 @@ def test_the_bias_joins_the_rotary_chain(rotation, transpose):
     attrs = {a.name for a in chain.attribute}
     assert ("rotate_half" if rotation == "half" else "rotate_pairs") in attrs
     assert ("transpose" in attrs) == transpose
+
+
+def test_symbolic_batch_and_sequence():
+    """A dynamic export's head split, Reshape to [0, 0, H, D] over symbolic batch and sequence:
+    moved alike (the leading dims the same symbols); the same values at the export's shape."""
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((B, S, E)).astype(np.float32),
+             "cos": np.cos(rng.standard_normal((S, D))).astype(np.float32),
+             "sin": np.sin(rng.standard_normal((S, D))).astype(np.float32)}
+    r = check_fusion(_rotary(dynamic=True), expect_fused=1, feeds=feeds)
+    assert r.report.notes[NOTE] == 1
+    assert op_types(r.model) == ["MatMul", "Reshape", "PointwiseChain"], op_types(r.model)
 
 
 def test_bias_before_the_product_in_float16():
