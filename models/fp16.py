@@ -160,4 +160,3 @@ def _cast_mistyped(model: onnx.ModelProto, rounds: int = 8) -> None:
                                                   to=TensorProto.FLOAT16))
         del g.node[:]
         g.node.extend(nodes)
-
