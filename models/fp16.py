@@ -142,8 +142,11 @@ def _cast_mistyped(model: onnx.ModelProto, rounds: int = 8) -> None:
         bare = onnx.ModelProto()
         bare.CopyFrom(model)
         del bare.graph.value_info[:]
-        inferred = {v.name: v.type.tensor_type.elem_type
-                    for v in shape_inference.infer_shapes(bare, strict_mode=False).graph.value_info}
+        try:
+            typed = shape_inference.infer_shapes(bare, strict_mode=False)
+        except Exception:  # noqa: BLE001 -- a model onnx cannot infer (over 2 GB, say) is left as converted
+            return
+        inferred = {v.name: v.type.tensor_type.elem_type for v in typed.graph.value_info}
         wrong = {v.name for v in g.value_info if v.type.tensor_type.elem_type == TensorProto.FLOAT16
                  and inferred.get(v.name) == TensorProto.FLOAT}
         if not wrong:
