@@ -3,7 +3,7 @@ onnx-graphsurgeon import), constants, types and shapes."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -255,3 +255,27 @@ def shape_input_nodes(spec: list[int | tuple[int]], x: str, out: str, prefix: st
         parts.append(part)
     nodes.append(onnx.helper.make_node("Concat", parts, [out], axis=0))
     return nodes
+
+
+def bias_add(view: GraphView, x: str, reader: int, taken: Collection[int] = ()) -> tuple[int, str, str] | None:
+    """(the Add, its tensor input y, the bias) when `x`, which node `reader` alone reads, is
+    Add(y, bias) (either order) with `bias` a constant of x's dtype and shape [N] or [1, ..., 1,
+    N], N x's last dim (broadcast only along it: x has y's shape), the Add not in `taken`; None
+    otherwise. A projection's bias: the attention kind absorbs it, `onnxfuse.headbias` moves it."""
+    a = view.producer.get(x)
+    if not view.is_op(a, "Add") or a in taken or not view.only_reader(x, reader) or len(view.nodes[a].input) != 2:
+        return None
+    xs = view.shapes.get(x)
+    if xs is None or not xs or not isinstance(xs[-1], int):
+        return None
+    for k in (1, 0):
+        b, y = view.nodes[a].input[k], view.nodes[a].input[1 - k]
+        c = view.constants.get(b)
+        if c is None or y in view.constants or view.shapes.get(y) != xs:
+            continue
+        if not last_dim_vector(c, xs[-1], len(xs)):
+            continue
+        if c.data_type != view.types.get(x) or view.types.get(y) != view.types.get(x):
+            continue
+        return a, y, b
+    return None

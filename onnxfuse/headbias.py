@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import ModelProto, helper, numpy_helper
 
-from onnxfuse.graph import GraphView, last_dim_vector
+from onnxfuse.graph import GraphView, bias_add
 from onnxfuse.ir import copy_and_namer, graph_reads
 from onnxfuse.kinds.pointwise import Rotation, pairs_at, rotate_half, rotate_pairs, rotation_at
 from onnxfuse.ops import node_attrs
@@ -47,6 +47,7 @@ class HeadBias:
 
     add: int  # Add(p, b) before the view
     product: str  # p
+    bias_name: str  # b
     view: int  # the Reshape reading the Add's output
     last: int  # the Transpose after it, or the Reshape itself: makes `split`
     split: str  # the head split's output (the rotation's x, and the chain's input)
@@ -68,9 +69,10 @@ def head_bias_at(view: GraphView, rot: Rotation) -> HeadBias | None:
         r = view.producer.get(view.nodes[last].input[0])
         if not view.is_op(r, "Reshape") or not view.only_reader(view.nodes[r].output[0], last):
             return None
-    a = view.producer.get(view.nodes[r].input[0])
-    if not view.is_op(a, "Add") or not view.only_reader(view.nodes[a].output[0], r):
+    add = bias_add(view, view.nodes[r].input[0], r)
+    if add is None:
         return None
+    a, product, bias_name = add
     p_shape, s_shape = view.shapes.get(view.nodes[a].output[0]), view.shapes.get(view.nodes[r].output[0])
     if not p_shape or not s_shape or len(s_shape) != len(p_shape) + 1 or any(d is None for d in (*p_shape, *s_shape)):
         return None
@@ -80,14 +82,10 @@ def head_bias_at(view: GraphView, rot: Rotation) -> HeadBias | None:
     rank = len(s_shape)
     if perm is not None and (sorted(perm) != list(range(rank)) or perm[-1] != rank - 1):
         return None
-    ins = list(view.nodes[a].input)
-    k = next((j for j, x in enumerate(ins) if x in view.constants and last_dim_vector(view.constants[x], n)), None)
-    if k is None or ins[1 - k] in view.constants or view.types.get(ins[1 - k]) != view.types.get(rot.x):
-        return None
-    b = numpy_helper.to_array(view.constants[ins[k]]).reshape([1] * (rank - 2) + [h, d])
+    b = numpy_helper.to_array(view.constants[bias_name]).reshape([1] * (rank - 2) + [h, d])
     if perm is not None:
         b = b.transpose(perm)
-    return HeadBias(a, ins[1 - k], r, last, rot.x, b, rot)
+    return HeadBias(a, product, bias_name, r, last, rot.x, b, rot)
 
 
 def _rotations(view: GraphView) -> list[Rotation]:
@@ -119,10 +117,9 @@ def sink_head_biases(model: ModelProto, view: GraphView) -> tuple[ModelProto, in
         stem = nodes[mv.add].name or mv.split
         bare = fresh(f"{mv.split}.unbiased")
         b_name, rb_name = fresh(f"{stem}.head_bias"), fresh(f"{stem}.head_bias_rotated")
-        dtype = numpy_helper.to_array(view.constants[next(x for x in nodes[mv.add].input if x in view.constants)]).dtype
         rotated = rotate_pairs(mv.bias) if mv.rotation.pairs else rotate_half(mv.bias)
-        g.initializer.extend([numpy_helper.from_array(mv.bias.astype(dtype), b_name),
-                              numpy_helper.from_array(np.ascontiguousarray(rotated).astype(dtype), rb_name)])
+        g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(mv.bias), b_name),
+                              numpy_helper.from_array(np.ascontiguousarray(rotated), rb_name)])
         # every tensor whose value changes gets a name of its own (bisect and the tests compare
         # tensors by name with the original's)
         nodes[mv.view].input[0] = mv.product
@@ -145,7 +142,7 @@ def sink_head_biases(model: ModelProto, view: GraphView) -> tuple[ModelProto, in
     kept = [m for j, n in enumerate(nodes) if j not in drop for m in (n, *after.get(j, ()))]
     del g.node[:]
     g.node.extend(kept)
-    gone = {x for mv in moves for x in nodes[mv.add].input if x in view.constants}
+    gone = {mv.bias_name for mv in moves}
     read = graph_reads(g)
     alive = [t for t in g.initializer if t.name not in gone or t.name in read]
     del g.initializer[:]

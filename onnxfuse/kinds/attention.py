@@ -56,7 +56,7 @@ from onnxfuse.codegen_attention import (
 )
 from onnxfuse.dims import product
 from onnxfuse.expr import Program, evaluate, with_input
-from onnxfuse.graph import GraphView, Shape, last_dim_vector, shape_input_spec
+from onnxfuse.graph import GraphView, Shape, bias_add, shape_input_spec
 from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, NotMine, Pattern
 from onnxfuse.match import DTYPE_IDS, dtype_reason, match_anchored, operands, pointwise_candidate
@@ -331,20 +331,29 @@ def _scaling(view: GraphView, t: int) -> tuple[float, str] | None:
     return None
 
 
+def _head_reshape(view: GraphView, o: Operand, taken: set[int]) -> int | None:
+    """The Reshape making operand `o`'s base, read by the chain alone, its shape a constant or one
+    its input's shape decides (the function body computes it from that input); None otherwise."""
+    r = view.producer.get(o.base)
+    if not view.is_op(r, "Reshape") or r in taken or not view.only_reader(o.base, o.reader):
+        return None
+    if len(view.nodes[r].input) < 2 or (view.nodes[r].input[1] not in view.constants
+                                         and shape_input_spec(view, view.nodes[r]) is None):
+        return None  # a shape computed at run time that the function body cannot compute from its input
+    return r
+
+
 def _split_view(view: GraphView, o: Operand, taken: set[int]) -> tuple[int, int, str, tuple[int, int, int]] | None:
     """(the Reshape, the Split, the packed tensor, [offset, heads, head_dim]) when operand `o`'s
     base is a Reshape to [..., heads, head_dim] of one output of a Split on the last axis,
     each read only by the chain; None otherwise."""
-    r = view.producer.get(o.base)
-    if not view.is_op(r, "Reshape") or r in taken or not view.only_reader(o.base, o.reader):
+    r = _head_reshape(view, o, taken)
+    if r is None:
         return None
     part = view.nodes[r].input[0]
     sp = view.producer.get(part)
     if not view.is_op(sp, "Split") or sp in taken or not view.only_reader(part, r):
         return None
-    if len(view.nodes[r].input) < 2 or (view.nodes[r].input[1] not in view.constants
-                                         and shape_input_spec(view, view.nodes[r]) is None):
-        return None  # a shape computed at run time that the function body cannot compute from the part
     x = view.nodes[sp].input[0]
     xs, ps, bs = view.shapes.get(x), view.shapes.get(part), view.shapes.get(o.base)
     if xs is None or ps is None or bs is None or len(ps) != len(xs) or len(bs) != len(xs) + 1:
@@ -372,14 +381,11 @@ def _biased_heads(view: GraphView, o: Operand, which: int, taken: set[int]) -> O
     read only by the chain: as the one part of a split [0, heads, head_dim] of y, the node adding
     the bias as it loads the operand (the Add and the Reshape among the operand's nodes; BART's,
     OPT's, Whisper's and DeBERTa's per-operand projections, Qwen2's V); None otherwise."""
-    r = view.producer.get(o.base)
-    if not view.is_op(r, "Reshape") or r in taken or not view.only_reader(o.base, o.reader):
-        return None
-    if len(view.nodes[r].input) < 2 or (view.nodes[r].input[1] not in view.constants
-                                         and shape_input_spec(view, view.nodes[r]) is None):
+    r = _head_reshape(view, o, taken)
+    if r is None:
         return None
     x = view.nodes[r].input[0]
-    add = _bias_add(view, x, r, taken)
+    add = bias_add(view, x, r, taken)
     xs, bs = view.shapes.get(x), view.shapes.get(o.base)
     if add is None or xs is None or bs is None or len(bs) != len(xs) + 1 or list(bs[:-2]) != list(xs[:-1]):
         return None
@@ -395,7 +401,7 @@ def packed_operands(view: GraphView, ops: tuple[Operand, ...], taken: set[int]) 
     """The operands, each read in place from its Split's input where the Splits they come from
     are absorbed whole: every output of each such Split is the base of one of them (through
     its Reshape). The first operand of a Split carries the Split among its nodes, and the
-    Split input's bias Add when that is absorbed too (`_bias_add`, `_bias_fits`: the operands
+    Split input's bias Add when that is absorbed too (`graph.bias_add`, `_bias_fits`: the operands
     then read the Add's tensor input and carry its bias). An operand from no Split whose head
     Reshape reads a biased product reads the product and adds the bias (`_biased_heads`)."""
     views = [_split_view(view, o, taken) for o in ops]
@@ -408,7 +414,7 @@ def packed_operands(view: GraphView, ops: tuple[Operand, ...], taken: set[int]) 
         if len(members) != len(view.nodes[sp].output):
             continue
         x = views[members[0]][2]
-        add = _bias_add(view, x, sp, taken)
+        add = bias_add(view, x, sp, taken)
         if add is not None and not all(_bias_fits(ops[i], i) for i in members):
             add = None
         for k, i in enumerate(members):
@@ -422,29 +428,6 @@ def packed_operands(view: GraphView, ops: tuple[Operand, ...], taken: set[int]) 
         if views[i] is None and (biased := _biased_heads(view, o, i, taken)) is not None:
             out[i] = biased
     return tuple(out)
-
-
-def _bias_add(view: GraphView, x: str, sp: int, taken: set[int]) -> tuple[int, str, str] | None:
-    """(the Add, its tensor input y, the bias) when the packed tensor `x` that Split `sp` alone
-    reads is Add(y, bias) (either order) with `bias` a constant of x's dtype and shape [N] or
-    [1, ..., 1, N], N x's last dim (broadcast only along it: x has y's shape); None otherwise."""
-    a = view.producer.get(x)
-    if not view.is_op(a, "Add") or a in taken or not view.only_reader(x, sp) or len(view.nodes[a].input) != 2:
-        return None
-    xs = view.shapes.get(x)
-    if xs is None or not xs or not isinstance(xs[-1], int):
-        return None
-    for k in (1, 0):
-        b, y = view.nodes[a].input[k], view.nodes[a].input[1 - k]
-        c = view.constants.get(b)
-        if c is None or y in view.constants or view.shapes.get(y) != xs:
-            continue
-        if not last_dim_vector(c, xs[-1], len(xs)):
-            continue
-        if c.data_type != view.types.get(x) or view.types.get(y) != view.types.get(x):
-            continue
-        return a, y, b
-    return None
 
 
 def _bias_fits(o: Operand, which: int) -> bool:
