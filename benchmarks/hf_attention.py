@@ -4,8 +4,11 @@ fuse, is the optimized model right, and (on a GPU) how fast is it against ONNX R
 Builds BertModel, GPT2Model, ViTModel, LlamaModel (RMSNorm, rotary embeddings, grouped-query
 attention, SwiGLU) and the decoders built like it (`DECODERS`: Qwen2, Mistral, Phi-3, GPT-NeoX,
 Gemma, Qwen3), T5EncoderModel (RMSNorm without the mean, a learned position bias, ReLU)
-and DistilBertModel from their configurations with random weights (no download; base sizes,
-or `--small` ones for a CPU), with each attention implementation (`eager`, `sdpa`), exports
+and DistilBertModel from their configurations with seeded random weights (`seeded`: Hugging
+Face's initialization from seed 0, then every bias N(0, 0.1) and every normalization's scale
+1 + N(0, 0.1) and shift N(0, 0.1), where Hugging Face would leave zeros and ones that hide a
+dropped or misplaced bias; no download; base sizes, or `--small` ones for a CPU), with each
+attention implementation (`eager`, `sdpa`), exports
 each with torch's TorchScript exporter (opset 17, last hidden state out; `--dtype fp16`: then
 converted as `models.fp16` converts the suite's models), runs `onnxfuse optimize --shape ...`
 at batch `--batch` and sequence 128 (ViT: 224²), and
@@ -137,6 +140,7 @@ def build(arch: str, attn: str, small: bool, past: int = 0):
     import transformers as tf
 
     size = dict(hidden_size=64, num_attention_heads=2, intermediate_size=128, num_hidden_layers=2) if small else {}
+    torch.manual_seed(0)  # Hugging Face's initialization draws from torch's global generator
     if arch == "bert":
         cfg = tf.BertConfig(**size, vocab_size=1000 if small else 30522, attn_implementation=attn)
         model, names = tf.BertModel(cfg), ["input_ids", "attention_mask"]
@@ -179,6 +183,7 @@ def build(arch: str, attn: str, small: bool, past: int = 0):
     else:
         raise ValueError(f"unknown arch {arch!r}: choose from {', '.join(ALL_ARCHS)}")
 
+    seeded(model)
     if past:
         if arch not in DECODERS:
             raise ValueError(f"--past needs a decoder ({', '.join(DECODERS)}), not {arch!r}")
@@ -194,6 +199,24 @@ def build(arch: str, attn: str, small: bool, past: int = 0):
             return self.m(**dict(zip(names, args, strict=True))).last_hidden_state
 
     return Hidden(model).eval(), names, cfg
+
+
+def seeded(model, seed: int = 1) -> None:
+    """Every bias N(0, 0.1), every normalization's (a module whose class name has "Norm") scale
+    1 + N(0, 0.1) and shift N(0, 0.1), from `seed`, in place: Hugging Face initializes biases to
+    zeros and scales to ones, and a model whose projections add zeros cannot show a bias the
+    optimizer dropped or added twice."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            owner = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            noise = 0.1 * torch.randn(p.shape, generator=g)
+            if "Norm" in type(owner).__name__ and p.dim() == 1:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + noise)
+            elif name.endswith("bias"):
+                p.copy_(noise)
 
 
 def cache_names(cfg, prefix: str = "past") -> list[str]:
