@@ -240,14 +240,17 @@ inline TensorRef input_tensor(OrtKernelContext* ctx, size_t i) {
   return t;
 }
 
-// A PointwiseChain's partial (docs/format.md): absent (empty), or {r, k}: the program computes the
-// output's columns below r, input k's are copied beyond them. Throws Error for a malformed one.
+// A PointwiseChain's partial (docs/format.md): absent (empty), {r, k} or {r, k, j}: the program
+// computes the output's columns below r, input k's are copied beyond them (plus input j's).
+// Throws Error for a malformed one.
 inline std::vector<int64_t> read_partial(const OrtKernelInfo* info, size_t n_inputs) {
   std::vector<int64_t> partial;
   if (!get_ints_attr(info, "partial", &partial)) return {};
-  if (partial.size() != 2 || partial[0] < 1 || partial[1] < 0 || partial[1] >= static_cast<int64_t>(n_inputs))
-    throw Error("partial must be [columns, input], the columns at least 1 and the input one of the program's " +
-                std::to_string(n_inputs));
+  const auto input = [n_inputs](int64_t k) { return k >= 0 && k < static_cast<int64_t>(n_inputs); };
+  if ((partial.size() != 2 && partial.size() != 3) || partial[0] < 1 || !input(partial[1]) ||
+      (partial.size() == 3 && (!input(partial[2]) || partial[2] == partial[1])))
+    throw Error("partial must be [columns, input] or [columns, input, input added], the columns at least 1 and "
+                "the inputs two of the program's " + std::to_string(n_inputs));
   return partial;
 }
 

@@ -135,7 +135,7 @@ class KernelSpec:
     input_modes: tuple[str, ...]
     source_nodes: tuple[str, ...] = ()
     last_dim: int = 0  # the output's last dim where static, else 0 (`row-vector-loads`)
-    partial: tuple[int, ...] = ()  # (r, k): columns below r computed, input k's copied beyond
+    partial: tuple[int, ...] = ()  # (r, k[, j]): columns below r computed, input k's (+ j's) beyond
 
 
 def param_names(n_inputs: int, n_outputs: int, rank: int, input_modes: tuple[str, ...]) -> list[str]:
@@ -164,20 +164,24 @@ def generate(
     `last_dim`: the output's last dim, needed (even, static) by "rotate_half" inputs, which are
     read at the element half the last dim away along it, the first half negated
     ("rotate_half_strided": at its strided offsets moved by as much, its last dim's stride 1).
-    `partial` (r, k): the program only where the output's column (of `last_dim`, static) is below
-    r, input k (a full or strided one) stored beyond; "narrow" inputs, of r columns, are read
-    there alone, and a rotate_half input rotates within the r columns."""
+    `partial` (r, k) or (r, k, j): the program only where the output's column (of `last_dim`,
+    static) is below r, input k (a full or strided one) stored beyond, or x_k + x_j (j another
+    full or strided input, read at the same element: a bias the columns beyond r add); "narrow"
+    inputs, of r columns, are read there alone, and a rotate_half input rotates within the r
+    columns."""
     program.validate()
     input_modes = tuple(input_modes)
     _check_args(program, name, rank, input_modes, variant)
     rotate_width = partial[0] if partial else last_dim
     if any(m in ROTATED_MODES for m in input_modes) and (rotate_width <= 0 or rotate_width % 2 or rank < 1):
         raise ValueError(f"a rotated input needs a static, even last dim (got {rotate_width}, rank {rank})")
-    if partial and (len(partial) != 2 or not 0 < partial[0] < last_dim or last_dim % 2 or len(program.outputs) != 1
-                    or not 0 <= partial[1] < len(input_modes) or input_modes[partial[1]] not in ("full", "strided")
+    if partial and (len(partial) not in (2, 3) or not 0 < partial[0] < last_dim or last_dim % 2
+                    or len(program.outputs) != 1 or len(set(partial[1:])) != len(partial) - 1
+                    or any(not 0 <= k < len(input_modes) or input_modes[k] not in ("full", "strided")
+                           for k in partial[1:])
                     or variant.last_multiple):
         raise ValueError(f"partial {list(partial)} needs 0 < r < last_dim ({last_dim}, even), one output, a full or "
-                         "strided input k and no row variant")
+                         "strided input k (and j, another) and no row variant")
     if "narrow" in input_modes and not partial:
         raise ValueError("a narrow input needs partial")
     n_in, n_out = len(program.input_dtypes), len(program.outputs)
@@ -313,7 +317,8 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant,
     in_row = bool(variant.last_multiple) and rank >= 2
     rotated = [i for i, m in enumerate(modes) if m in ROTATED_MODES]
     if partial:
-        out += [f"# Partial: the program where the column is below {partial[0]} (of {last_dim}), x{partial[1]} beyond;",
+        beyond = " + ".join(f"x{k}" for k in partial[1:])
+        out += [f"# Partial: the program where the column is below {partial[0]} (of {last_dim}), {beyond} beyond;",
                 "# the narrow inputs, of as many columns, are read there alone.",
                 f"col = offsets % {last_dim}",
                 f"inside = col < {partial[0]}"]
@@ -353,7 +358,7 @@ def _body(program: Program, rank: int, modes: tuple[str, ...], variant: Variant,
     for j, (v, dt) in enumerate(program.outputs):
         val = _value_name(v, base)
         if partial:
-            val = f"tl.where(inside, {val}, x{partial[1]})"
+            val = f"tl.where(inside, {val}, {' + '.join(f'x{k}' for k in partial[1:])})"
         if dt != "f32":
             val = f'{val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne")'
         out.append(f"tl.store(out{j}_ptr + offsets, {val}, mask=mask)")

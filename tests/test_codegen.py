@@ -68,9 +68,9 @@ class Case:
     # per input a permutation it is read through (a PointwiseChain's `transpose`), None for none;
     # `shapes` are then the tensors' own shapes, before the permutation
     perms: tuple[tuple[int, ...] | None, ...] | None = None
-    # a PointwiseChain's `partial` (r, k): the program over the first r columns, input k beyond;
-    # its narrow inputs (mode "narrow") have r columns
-    partial: tuple[int, int] | None = None
+    # a PointwiseChain's `partial` (r, k) or (r, k, j): the program over the first r columns, input k
+    # (plus input j) beyond; its narrow inputs (mode "narrow") have r columns
+    partial: tuple[int, ...] | None = None
 
 
 def _prog(dtypes: tuple[str, ...], body: str) -> str:
@@ -254,6 +254,7 @@ def _partial_cases() -> list[Case]:
     """Partial rotary embeddings (Phi, GPT-NeoX, StableLM): the rotary chain over the first r
     columns of q, q's own beyond; cos and sin of r columns read there alone."""
     rotary = "%4 = mul %0 %1\n%5 = mul %2 %3\n%6 = add %4 %5\noutput %6 {dt}"
+    biased = "%7 = add %0 %1\n%8 = mul %7 %2\n%9 = add %3 %4\n%10 = mul %9 %5\n%11 = add %8 %10\noutput %11 {dt}"
     return [
         Case("partial-rotary-f16", rotary.format(dt="f16"), ((2, 3, 5, 16), (5, 8), (2, 3, 5, 16), (5, 8)),
              ("f16",) * 4, modes=("full", "narrow", "rotate_half", "narrow"), partial=(8, 0)),
@@ -263,6 +264,15 @@ def _partial_cases() -> list[Case]:
              perms=((0, 2, 1, 3), None, (0, 2, 1, 3), None), partial=(6, 0)),
         Case("partial-bf16-unmasked", "%2 = mul %0 %1\n%3 = add %2 1.0\noutput %3 bf16", ((4, 8, 32), (8, 16)),
              ("bf16", "bf16"), modes=("full", "narrow"), partial=(16, 0)),
+        # a projection's bias below the head split (onnxfuse.headbias): the chain adds its first r
+        # columns (narrow, and rotated), the columns beyond add x6 (the bias over all D, read there)
+        Case("partial-bias-rotary-f16", biased.format(dt="f16"),
+             ((2, 3, 5, 16), (3, 1, 8), (5, 8), (2, 3, 5, 16), (3, 1, 8), (5, 8), (1, 3, 1, 16)), ("f16",) * 7,
+             modes=("full", "narrow", "narrow", "rotate_half", "narrow", "narrow", "strided"), partial=(8, 0, 6)),
+        Case("partial-bias-transposed-rotary-f32", biased.format(dt="f32"),
+             ((2, 5, 3, 20), (3, 1, 6), (5, 6), (2, 5, 3, 20), (3, 1, 6), (1, 5, 6), (3, 1, 20)), ("f32",) * 7,
+             modes=("strided", "narrow", "narrow", "rotate_half_strided", "narrow", "narrow", "strided"), block=64,
+             perms=((0, 2, 1, 3), None, None, (0, 2, 1, 3), None, None, None), partial=(6, 0, 6)),
         # GPT-J's and Cohere's interleaved rotation (rotate_pairs), whole and partial, through a Transpose
         Case("rotate-pairs-f16", rotary.format(dt="f16"), ((2, 3, 5, 8), (5, 8), (2, 3, 5, 8), (5, 8)),
              ("f16",) * 4, modes=("full", "strided", "rotate_pairs", "strided")),
@@ -533,14 +543,16 @@ def _check_case(workdir: Path, index: int, case: Case, label: str) -> None:
         pytest.fail(f"{label}: kernel failed: {err.read_text()}")
     prog = parse(_prog(case.dtypes, case.program))
     inputs = [np.transpose(x, p) if (p := _perm(case, k)) else x for k, x in enumerate(_case_inputs(index, case))]
-    wide = inputs[case.partial[1]] if case.partial else None
+    wide = [inputs[k] for k in case.partial[1:]] if case.partial else []
     if case.partial:  # the inputs as wide as the output cut to the first r columns
         inputs = [x if m == "narrow" else x[..., :case.partial[0]] for x, m in zip(inputs, case.modes, strict=True)]
     inputs = [rotate_half(x) if m.startswith("rotate_half") else rotate_pairs(x) if m.startswith("rotate_pairs") else x
               for x, m in zip(inputs, _modes(case), strict=True)]
     expected = evaluate(prog, inputs)
-    if case.partial:
-        expected = [np.concatenate([y, wide[..., case.partial[0]:].astype(y.dtype)], axis=-1) for y in expected]
+    if case.partial:  # input k beyond r, plus input j (in float32, rounded once to the output's type)
+        beyond = sum(x[..., case.partial[0]:].astype(np.float32) for x in wide)
+        expected = [np.concatenate([y, np.broadcast_to(beyond, y.shape[:-1] + beyond.shape[-1:]).astype(y.dtype)],
+                                   axis=-1) for y in expected]
     got = np.load(workdir / f"case{index}_out.npz")
     for j, ((_, dt), want) in enumerate(zip(prog.outputs, expected, strict=True)):
         out = _from_storage(got[f"out{j}"], dt).reshape(want.shape).astype(np.float32)

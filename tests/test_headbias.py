@@ -11,7 +11,7 @@ from onnx import helper
 
 from onnxfuse import optimize_model
 from onnxfuse.headbias import NOTE
-from tests.util import check_fusion, model, op_types
+from tests.util import check_fusion, model, op_types, random_feeds, run
 
 N = helper.make_node
 B, S, H, D = 2, 5, 3, 8
@@ -19,26 +19,33 @@ E = H * D
 
 
 def _rotary(rotation: str = "half", transpose: bool = True, bias_first: bool = False, bias_read: bool = False,
-            dtype: str = "float32", dynamic: bool = False):
+            dtype: str = "float32", dynamic: bool = False, partial: int = 0):
     """x [B, S, E] @ W + b -> Reshape [B, S, H, D] (-> Transpose [B, H, S, D]) -> q * cos +
     rotate(q) * sin, rotate_half (`rotation` "half") or GPT-J's interleaved rotate_every_two
     ("pairs"); `bias_first`: Add(b, p); `bias_read`: the biased product is a graph output too;
     `dynamic`: x's batch and sequence symbolic, the Reshape to [0, 0, H, D], cos and sin graph
-    inputs of the symbolic sequence (as a dynamic export computes them from the positions)."""
+    inputs of the symbolic sequence (as a dynamic export computes them from the positions);
+    `partial` r: the rotary embedding of the first r columns alone, Concat(rotary(q[..., :r]),
+    q[..., r:]) (Phi's, StableLM's)."""
     rng = np.random.default_rng(7)
     np_dt = np.float16 if dtype == "float16" else np.float32
-    rot_shape = [S, D] if transpose else [S, 1, D]
+    width = partial or D  # the columns rotated
+    rot_shape = [S, width] if transpose else [S, 1, width]
     inits = {"w": (rng.standard_normal((E, E)) / 4).astype(np_dt), "b": rng.standard_normal(E).astype(np_dt),
              "heads": np.array([0, 0, H, D] if dynamic else [B, S, H, D], np.int64),
              "cos": np.cos(rng.standard_normal(rot_shape)).astype(np_dt),
              "sin": np.sin(rng.standard_normal(rot_shape)).astype(np_dt),
-             "lo": np.array([0], np.int64), "mid": np.array([D // 2], np.int64), "end": np.array([D], np.int64),
+             "lo": np.array([0], np.int64), "mid": np.array([width // 2], np.int64),
+             "end": np.array([width], np.int64), "all": np.array([D], np.int64),
              "last": np.array([-1], np.int64), "one": np.array([1], np.int64), "two": np.array([2], np.int64)}
     nodes = [N("MatMul", ["x", "w"], ["p"]), N("Add", ["b", "p"] if bias_first else ["p", "b"], ["a"]),
              N("Reshape", ["a", "heads"], ["r"])]
     if transpose:
         nodes.append(N("Transpose", ["r"], ["q"], perm=[0, 2, 1, 3]))
     q = "q" if transpose else "r"
+    if partial:  # the columns rotated, and the rest
+        nodes += [N("Slice", [q, "lo", "end", "last"], ["q_rot"]), N("Slice", [q, "end", "all", "last"], ["q_pass"])]
+        q = "q_rot"
     if rotation == "half":
         nodes += [N("Slice", [q, "mid", "end", "last"], ["hi"]), N("Slice", [q, "lo", "mid", "last"], ["lo_half"]),
                   N("Neg", ["hi"], ["neg"]), N("Concat", ["neg", "lo_half"], ["rot"], axis=-1)]
@@ -49,8 +56,11 @@ def _rotary(rotation: str = "half", transpose: bool = True, bias_first: bool = F
                   N("Unsqueeze", ["neg", "last"], ["neg_u"]), N("Unsqueeze", ["even", "last"], ["even_u"]),
                   N("Concat", ["neg_u", "even_u"], ["pairs"], axis=4),
                   N("Reshape", ["pairs", "shape_q"], ["rot"])]
-        inits["shape_q"] = np.array([B, H, S, D] if transpose else [B, S, H, D], np.int64)
-    nodes += [N("Mul", [q, "cos"], ["qc"]), N("Mul", ["rot", "sin"], ["rs"]), N("Add", ["qc", "rs"], ["y"])]
+        inits["shape_q"] = np.array([B, H, S, width] if transpose else [B, S, H, width], np.int64)
+    nodes += [N("Mul", [q, "cos"], ["qc"]), N("Mul", ["rot", "sin"], ["rs"]),
+              N("Add", ["qc", "rs"], ["y_rot" if partial else "y"])]
+    if partial:
+        nodes.append(N("Concat", ["y_rot", "q_pass"], ["y"], axis=-1))
     b, s = ("batch", "seq") if dynamic else (B, S)
     outputs = {"y": (dtype, [b, H, s, D] if transpose else [b, s, H, D])}
     if bias_read:
@@ -100,5 +110,41 @@ def test_a_bias_read_elsewhere_stays():
     """A biased product something else reads (here a graph output) keeps its Add: the rotary
     chain reads the head split as before."""
     r = optimize_model(_rotary(bias_read=True))
+    assert NOTE not in r.report.notes
+    assert op_types(r.model).count("Add") == 1
+
+
+@pytest.mark.parametrize("rotation", ["half", "pairs"])
+@pytest.mark.parametrize("transpose", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_partial_rotations_bias_is_cut_with_its_columns(rotation, transpose, dtype):
+    """Partial rotary (the first 4 of 8 columns): the Add before the head split goes, each Slice
+    of the split adds its columns of the bias, and one partial chain takes both in: the rotated
+    columns' bias in its program, the others' as its last input, added beyond r (`partial` [r, k,
+    j]). The same values in the function bodies, the numpy reference and the library's CPU
+    kernel."""
+    from tests.test_attention_patterns import _run_with_library
+
+    m = _rotary(rotation, transpose, dtype=dtype, partial=4)
+    r = check_fusion(m, expect_fused=1)
+    assert r.report.notes[NOTE] == 1
+    assert op_types(r.model) == ["MatMul", "Reshape", "PointwiseChain"], op_types(r.model)
+    (chain,) = [n for n in r.model.graph.node if n.op_type == "PointwiseChain"]
+    attrs = {a.name: helper.get_attribute_value(a) for a in chain.attribute}
+    assert list(attrs["partial"]) == [4, 0, len(chain.input) - 1], attrs["partial"]
+    feeds = random_feeds(m)
+    (want,), (got,) = run(m, feeds), _run_with_library(r.model, feeds)
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    w64 = want.astype(np.float64)
+    np.testing.assert_allclose(got.astype(np.float64), w64, rtol=tol, atol=tol * float(np.abs(w64).max()))
+
+
+def test_a_partial_split_read_elsewhere_keeps_its_bias():
+    """A partial rotation's split that something other than a Slice of its last axis reads (here
+    a graph output) keeps its Add: nothing moves."""
+    m = _rotary(partial=4)
+    m.graph.output.append(helper.make_tensor_value_info("q", m.graph.output[0].type.tensor_type.elem_type,
+                                                         [B, H, S, D]))
+    r = optimize_model(m)
     assert NOTE not in r.report.notes
     assert op_types(r.model).count("Add") == 1

@@ -536,6 +536,48 @@ def test_partial_inputs(dt, lib):
         run(model, prog, [q, cos, q, sin], lib)
 
 
+@pytest.mark.parametrize("dt", ["f32", "f16"])
+def test_partial_adds_an_input_beyond(dt, lib):
+    """partial [6, 0, 4] (a projection bias below the head split, onnxfuse.headbias): as
+    test_partial_inputs, but the columns beyond 6 are q's plus input 4's (a bias [1, 3, 1, 10]
+    broadcast over the batch and the sequence, not read by the program), added in fp32 and rounded
+    once. Bit for bit with the kind's numpy reference and with numpy; a j that is k, or no input,
+    is refused."""
+    from onnxfuse.kinds.pointwise import Pointwise
+
+    prog = expr.parse(f"{expr.HEADER}\ninput %0 {dt}\ninput %1 {dt}\ninput %2 {dt}\ninput %3 {dt}\ninput %4 {dt}\n"
+                      f"%5 = mul %0 %1\n%6 = mul %2 %3\n%7 = add %5 %6\noutput %7 {dt}\n")
+    model = fused_model(prog, [(2, 3, 5, 10), (5, 1), (2, 3, 5, 10), (5, 1), (1, 3, 1, 10)], dynamic_shapes=True)
+    for vi in model.graph.input:
+        dims = {"x0": (2, 5, 3, 10), "x2": (2, 5, 3, 10), "x4": (1, 3, 1, 10)}.get(vi.name, (5, 6))
+        for d, v in zip(vi.type.tensor_type.shape.dim, dims, strict=True):
+            d.Clear()
+            d.dim_value = v
+    node = model.graph.node[0]
+    perm, same = [0, 2, 1, 3], [0, 1, 2, 3]
+    node.attribute.extend([helper.make_attribute("transpose", perm + same + perm + same + same),
+                           helper.make_attribute("rotate_half", [0, 0, 1, 0, 0]),
+                           helper.make_attribute("partial", [6, 0, 4])])
+    q = RNG.normal(0, 2, (2, 5, 3, 10)).astype(NP_OF[dt])
+    cos, sin = (RNG.normal(0, 1, (5, 6)).astype(NP_OF[dt]) for _ in range(2))
+    c = RNG.normal(0, 1, (1, 3, 1, 10)).astype(NP_OF[dt])
+    (got,) = run(model, prog, [q, cos, q, sin, c], lib)
+    qt = q.transpose(perm)
+    r = qt[..., :6]
+    rot = np.concatenate([-r[..., 3:], r[..., :3]], axis=-1)
+    beyond = (qt[..., 6:].astype(np.float32) + c[..., 6:].astype(np.float32)).astype(NP_OF[dt])
+    np.testing.assert_array_equal(got[..., 6:], beyond)
+    assert not np.array_equal(got[..., 6:], qt[..., 6:])
+    if dt == "f32":
+        np.testing.assert_array_equal(got[..., :6], r * cos + rot * sin)
+    (ref,) = Pointwise().evaluate(node, [q, cos, q, sin, c])
+    np.testing.assert_array_equal(got, np.asarray(ref).astype(got.dtype))
+    for bad in ([6, 0, 0], [6, 0, 5]):
+        node.attribute[-1].CopyFrom(helper.make_attribute("partial", bad))
+        with pytest.raises(Exception, match=r"partial must be \[columns, input\] or \[columns, input, input added\]"):
+            run(model, prog, [q, cos, q, sin, c], lib)
+
+
 @pytest.mark.parametrize("dt", ["f32", "f16", "bf16"])
 def test_rotate_pairs_input(dt, lib):
     """rotate_pairs [0, 1] (GPT-J's rotate_every_two, Cohere's rotate_half): input 1 read with each

@@ -69,13 +69,13 @@ std::vector<uint8_t> transposed(const void* x, size_t es, const Shape& shape, co
   return y;
 }
 
-// x[..., :r] of a tensor of `es`-byte elements (its last dim wider than r), into a new buffer.
-std::vector<uint8_t> first_columns(const void* x, size_t es, const Shape& shape, int64_t r) {
+// x[..., a:b] of a tensor of `es`-byte elements (0 <= a < b <= its last dim), into a new buffer.
+std::vector<uint8_t> columns(const void* x, size_t es, const Shape& shape, int64_t a, int64_t b) {
   const size_t last = static_cast<size_t>(shape.back()), rows = static_cast<size_t>(numel(shape)) / last;
-  const size_t width = static_cast<size_t>(r) * es;
+  const size_t width = static_cast<size_t>(b - a) * es, skip = static_cast<size_t>(a) * es;
   std::vector<uint8_t> y(rows * width);
   const uint8_t* src = static_cast<const uint8_t*>(x);
-  for (size_t i = 0; i < rows; ++i) std::memcpy(y.data() + i * width, src + i * last * es, width);
+  for (size_t i = 0; i < rows; ++i) std::memcpy(y.data() + i * width, src + i * last * es + skip, width);
   return y;
 }
 
@@ -87,7 +87,8 @@ struct CpuKernel {
   std::string name;
   std::vector<int64_t> rotate;  // per program input: 1 rotate_half, 2 rotate_pairs (read_rotations)
   std::vector<std::vector<int64_t>> perms;  // attribute transpose, per program input (empty: none)
-  std::vector<int64_t> partial;  // attribute partial: {r, k}, or empty
+  std::vector<int64_t> partial;  // attribute partial: {r, k}, {r, k, j} or empty
+  Program beyond;                // partial {r, k, j}: x_k + x_j, the output beyond r
 
   void compute(OrtKernelContext* ctx) const {
     Io io = bind_io(prog, ctx, /*f32_for_half=*/true, &perms, &partial);
@@ -97,6 +98,7 @@ struct CpuKernel {
     std::vector<HostTensor> in, out;
     std::vector<std::vector<uint8_t>> rotated(io.in.size()), permuted(io.in.size()), cut(io.in.size());
     const void* pass = nullptr;  // partial: input k as wide as the output
+    HostTensor added;             // partial {r, k, j}: input j, as wide as the output
     for (size_t i = 0; i < io.in.size(); ++i) {
       const DType dt = actual_dtype(io.in[i].type, prog.inputs[i]);
       void* data = io.in[i].data;
@@ -113,7 +115,8 @@ struct CpuKernel {
                         ", copied beyond the first columns it needs the output's " + shape_str(io.out_shape));
           pass = data;
         }
-        cut[i] = first_columns(data, elem_size(dt), shape, partial[0]);
+        if (partial.size() == 3 && static_cast<int64_t>(i) == partial[2]) added = {dt, data, shape};
+        cut[i] = columns(data, elem_size(dt), shape, 0, partial[0]);
         data = cut[i].data();
         shape.back() = partial[0];
       }
@@ -146,9 +149,29 @@ struct CpuKernel {
     const size_t rows = static_cast<size_t>(io.n) / last;
     uint8_t* y = static_cast<uint8_t*>(io.out[0].data);
     const uint8_t* x = static_cast<const uint8_t*>(pass);
+    size_t x_row = last, x_at = r;  // where row i's columns beyond r are: x + (i * x_row + x_at) * es
+    std::vector<uint8_t> sum;       // {r, k, j}: x_k + x_j over the columns beyond r
+    if (partial.size() == 3) {
+      if (!added.data)
+        throw Error("input " + std::to_string(partial[2]) + ", added beyond the first " + std::to_string(r) +
+                    " columns, needs the output's last dim " + std::to_string(last));
+      Shape rest = io.out_shape;
+      rest.back() = static_cast<int64_t>(last - r);
+      const int64_t d = io.out_shape.back();
+      std::vector<uint8_t> xk = columns(pass, es, io.out_shape, static_cast<int64_t>(r), d);
+      std::vector<uint8_t> xj = columns(added.data, elem_size(added.dtype), added.shape, static_cast<int64_t>(r), d);
+      Shape j_shape = added.shape;
+      j_shape.back() = rest.back();
+      sum.resize(static_cast<size_t>(numel(rest)) * es);
+      run_program(beyond, {{in[k].dtype, xk.data(), rest}, {added.dtype, xj.data(), j_shape}}, {{dt, sum.data(), rest}},
+                  rest, ctx);
+      x = sum.data();
+      x_row = last - r;
+      x_at = 0;
+    }
     for (size_t i = 0; i < rows; ++i) {
       std::memcpy(y + i * last * es, computed.data() + i * r * es, r * es);
-      std::memcpy(y + (i * last + r) * es, x + (i * last + r) * es, (last - r) * es);
+      std::memcpy(y + (i * last + r) * es, x + (i * x_row + x_at) * es, (last - r) * es);
     }
   }
 };
@@ -163,6 +186,13 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
     k->rotate = read_rotations(info, k->prog.inputs.size());
     k->perms = read_transpose(info, k->prog.inputs.size());
     k->partial = read_partial(info, k->prog.inputs.size());
+    if (k->partial.size() == 3) {  // x_k + x_j in fp32, rounded once to the output's type
+      const DType xk = k->prog.inputs[static_cast<size_t>(k->partial[1])];
+      const DType xj = k->prog.inputs[static_cast<size_t>(k->partial[2])];
+      k->beyond = parse_program(std::string("onnxfuse.pointwise v1\ninput %0 ") + dtype_name(xk) + "\ninput %1 " +
+                                dtype_name(xj) + "\n%2 = add %0 %1\noutput %2 " +
+                                dtype_name(k->prog.outputs[0].second) + "\n");
+    }
     for (size_t i = 0; i < k->rotate.size(); ++i)
       if (k->rotate[i] && k->prog.inputs[i] == DType::BOOL) throw Error("a rotation of a bool input");
     *kernel = k.release();

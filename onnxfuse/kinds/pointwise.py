@@ -23,7 +23,7 @@ import numpy as np
 from onnx import GraphProto, ModelProto, NodeProto, helper, numpy_helper
 
 from onnxfuse.codegen import ROTATED_MODES, STRIDED_MODES, KernelSource, KernelSpec, Variant, generate
-from onnxfuse.expr import Program, evaluate
+from onnxfuse.expr import Program, evaluate, with_input
 from onnxfuse.graph import GraphView, same_shape, shape_input_spec
 from onnxfuse.groups import Accepted, components, exit_levels, exposed_outputs, reentering
 from onnxfuse.kinds.base import (
@@ -39,7 +39,7 @@ from onnxfuse.kinds.base import (
 )
 from onnxfuse.match import check_node, literal_inputs, offered_reasons
 from onnxfuse.ops import FLOAT_TYPES, RULES, node_attrs
-from onnxfuse.rewrite import input_mode, lower_group
+from onnxfuse.rewrite import input_mode, lower_group, unique_name
 
 BLOCK = 1024  # with any fp32 tensor
 # the least block of a row variant (`row_block`): 2 warps of 8 elements; a CTA of one warp
@@ -233,7 +233,8 @@ def _const_ints(view: GraphView, name: str) -> list[int] | None:
     return [int(v) for v in a.reshape(-1)] if a.dtype.kind in "iu" else None
 
 
-def _half_slice(view: GraphView, i: int | None, x_rank: int, last: int, step: int = 1) -> tuple[str, int, int] | None:
+def last_axis_slice(view: GraphView, i: int | None, x_rank: int, last: int,
+                    step: int = 1) -> tuple[str, int, int] | None:
     """(input, start, end) of node i when it is a Slice of its input's last axis with step `step`,
     constant starts and ends clamped to [0, last]; None otherwise."""
     if i is None or view.nodes[i].op_type != "Slice" or view.nodes[i].domain not in DEFAULT_DOMAINS:
@@ -296,7 +297,7 @@ def pairs_at(view: GraphView, tensor: str, readers: set[int], taken: set[int],
     if even is None or neg is None or view.nodes[neg].op_type != "Neg" or view.nodes[neg].domain not in DEFAULT_DOMAINS:
         return None
     odd_slice, even_slice = view.producer.get(view.nodes[neg].input[0]), view.producer.get(even)
-    a, b = _half_slice(view, odd_slice, rank, last, 2), _half_slice(view, even_slice, rank, last, 2)
+    a, b = last_axis_slice(view, odd_slice, rank, last, 2), last_axis_slice(view, even_slice, rank, last, 2)
     if a is None or b is None or a != (b[0], 1, last) or b[1:] != (0, last):
         return None
     x = a[0]
@@ -335,7 +336,7 @@ def rotation_at(view: GraphView, tensor: str, readers: set[int], taken: set[int]
     if neg is None or view.nodes[neg].op_type != "Neg" or view.nodes[neg].domain not in DEFAULT_DOMAINS:
         return None
     hi = view.producer.get(view.nodes[neg].input[0])
-    a, b = _half_slice(view, hi, rank, last), _half_slice(view, lo, rank, last)
+    a, b = last_axis_slice(view, hi, rank, last), last_axis_slice(view, lo, rank, last)
     h = last // 2
     if a is None or b is None or a != (b[0], h, last) or b[1:] != (0, h):
         return None
@@ -426,14 +427,18 @@ class Partial:
     partial rotary embeddings of GPT-NeoX, Phi and StableLM (rotary_pct, partial_rotary_factor).
     The fused node computes over x's shape: the chain where the column is below r (its inputs of
     r columns read there, those of x's shape read at the same element of x), x's element beyond
-    (attribute `partial`); the Slices' and the Concat's copies go."""
+    (attribute `partial`); the Slices' and the Concat's copies go. The columns beyond may add a
+    constant, Concat(chain(...), Add(Slice(x, r, D), c)): a projection's bias below the head split
+    (`onnxfuse.headbias`); the node then reads c over all D columns (zeros below r) as one more
+    input and adds it beyond r."""
 
     x: str  # the tensor sliced: the fused node reads it instead of its first columns
     narrow: str  # Slice(x, 0, r): the chain reads it (plain, or rotated)
     output: str  # the chain's result, of r columns
     concat_output: str  # the fused node's output, of x's shape
     width: int  # r
-    nodes: tuple[int, ...]  # the two Slices and the Concat
+    nodes: tuple[int, ...]  # the two Slices and the Concat (and the Add of c)
+    addend: str = ""  # c, a constant the columns beyond r add; "" for none
 
 
 def partial_at(view: GraphView, group: list[int], outputs: list[str], rotations: tuple[Rotation, ...],
@@ -457,12 +462,18 @@ def partial_at(view: GraphView, group: list[int], outputs: list[str], rotations:
         return None
     rest = cn.input[1]
     rs = view.producer.get(rest)
+    add, addend = _added_constant(view, rs, c)
+    if add is not None:  # Add(Slice(x, r, D), c)
+        rest = next(t for t in view.nodes[add].input if t != addend)
+        rs = view.producer.get(rest)
     x = view.nodes[rs].input[0] if rs is not None and view.nodes[rs].input else None
     xs = view.shapes.get(x) if x else None
     if xs is None or len(xs) != rank or not isinstance(xs[-1], int) or xs[-1] <= r or r < 2 or xs[-1] % 2:
         return None  # (D even: a pair rotation's read beyond r stays in its row)
     d = xs[-1]
-    if _half_slice(view, rs, rank, d) != (x, r, d) or list(view.consumers.get(rest, ())) != [c]:
+    if last_axis_slice(view, rs, rank, d) != (x, r, d) or not view.only_reader(rest, c if add is None else add):
+        return None
+    if addend and not _fits_beyond(view.shapes.get(addend), xs, d - r):
         return None
     if view.types.get(x) not in FLOAT_TYPES or not same_shape(view.shapes.get(cn.output[0]), xs):
         return None
@@ -476,14 +487,48 @@ def partial_at(view: GraphView, group: list[int], outputs: list[str], rotations:
         return None
     (name,) = narrow
     ns = view.producer.get(name)
-    if _half_slice(view, ns, rank, d) != (x, 0, r) or name in view.graph_outputs:
+    if last_axis_slice(view, ns, rank, d) != (x, 0, r) or name in view.graph_outputs:
         return None
     if not set(view.consumers.get(name, ())) <= members:
         return None
-    nodes = (ns, rs, c)
+    nodes = (ns, rs, c) + ((add,) if add is not None else ())
     if any(i in taken or i in reserved for i in nodes) or rest in view.graph_outputs:
         return None
-    return Partial(x, name, out, cn.output[0], r, nodes)
+    return Partial(x, name, out, cn.output[0], r, nodes, addend)
+
+
+def _widened_addend(view: GraphView, part: Partial, node_name: str, names: set[str],
+                    graph: GraphProto) -> tuple[str, tuple[int, ...]]:
+    """The node's input for a partial chain's constant c added beyond r: c over all D columns,
+    zeros below r (its last dim of 1 repeated), added to `graph`; its name and shape. The
+    function body reads c itself."""
+    c = numpy_helper.to_array(view.constants[part.addend])
+    d = view.shapes[part.x][-1]
+    c = np.broadcast_to(c, c.shape[:-1] + (d - part.width,))
+    wide = np.concatenate([np.zeros(c.shape[:-1] + (part.width,), c.dtype), c], axis=-1)
+    name = unique_name(f"{node_name}.beyond", names)
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(wide), name))
+    return name, wide.shape
+
+
+def _added_constant(view: GraphView, i: int | None, reader: int) -> tuple[int | None, str]:
+    """(i, c) when node i is an Add of a float constant c and a computed tensor, its output read by
+    `reader` alone and not a graph output; (None, "") otherwise."""
+    if not view.is_op(i, "Add") or len(view.nodes[i].input) != 2:
+        return None, ""
+    n = view.nodes[i]
+    consts = [x for x in n.input if x in view.constants]
+    if len(consts) != 1 or view.types.get(consts[0]) not in FLOAT_TYPES:
+        return None, ""
+    return (i, consts[0]) if view.only_reader(n.output[0], reader) else (None, "")
+
+
+def _fits_beyond(shape, x_shape, width: int) -> bool:
+    """Whether a constant of `shape` broadcasts over x's shape with `width` columns without
+    widening it: as many dims or fewer, each 1 or x's (its last `width` or 1)."""
+    if shape is None or not 0 < len(shape) <= len(x_shape) or shape[-1] not in (1, width):
+        return False
+    return all(a == 1 or a == b for a, b in zip(shape[-2::-1], x_shape[-2::-1], strict=False))
 
 
 @dataclass(frozen=True)
@@ -627,12 +672,18 @@ class Pointwise(Kind):
         inputs = [rotated[x].x if x in rotated else x for x in inputs]  # rotate_half(x): read x
         if part:  # Slice(x, 0, r): read x (at the same element; beyond r the node copies x)
             inputs = [part.x if x == part.narrow else x for x in inputs]
+        widened = _widened_addend(view, part, node_name, names, graph) if part and part.addend else None
+        if widened is not None:  # the constant beyond r, read over all D columns (the program not)
+            program = with_input(program, FLOAT_TYPES[view.types[part.addend]])
+            inputs, flags = [*inputs, widened[0]], [*flags, 0]
         perms = [transposed[x].perm if x in transposed else tuple(range(rank)) for x in inputs]
 
         def mode(x: str, rotated_read: int) -> str:
             if rotated_read:
                 kind = "rotate_pairs" if rotated_read == 2 else "rotate_half"
                 return kind + ("_strided" if x in transposed else "")
+            if widened is not None and x == widened[0]:
+                return "full" if same_shape(widened[1], shape) else "strided"
             if part and x != part.x and (view.shapes.get(x) or (1,))[-1] == part.width:
                 return "narrow"  # (r columns, read where the column is below r)
             return "strided" if x in transposed else input_mode(view, x, shape)
@@ -655,11 +706,13 @@ class Pointwise(Kind):
             attrs["transpose"] = [a for p in perms for a in p]
         if transposed or part:
             key += f" modes={list(modes)}"
-        partial: tuple[int, int] = ()
+        partial: tuple[int, ...] = ()
         if part:  # the columns computed and the input copied beyond them are compiled in
             x_read = transposed[part.x].x if part.x in transposed else part.x
             partial = (part.width, next(k for k, x in enumerate(inputs)
                                         if x == x_read and not flags[k] and modes[k] in ("full", "strided")))
+            if widened is not None:  # x + c beyond r, c the node's last input
+                partial += (len(inputs) - 1,)
             attrs["partial"] = list(partial)
             key += f" partial={list(partial)} last={last}"
         return Lowering(program, folded, inputs, [view.nodes[i] for i in match.nodes], attrs, key, rank, modes,
@@ -702,14 +755,17 @@ class Pointwise(Kind):
         inputs = [np.transpose(x, perms[k]) if perms and perms[k] != tuple(range(rank)) else x
                   for k, x in enumerate(inputs)]
         partial = list(attrs.get("partial", ()))
-        if partial:  # the program over the first r columns (of the inputs as wide as x), x beyond
+        if partial:  # the program over the first r columns (of the inputs as wide as x), x (+ c) beyond
             r, x = partial[0], inputs[partial[1]]
+            beyond = x[..., r:]
+            if len(partial) > 2:  # in float32, rounded once to x's type as the kernel stores it
+                beyond = (beyond.astype(np.float32) + inputs[partial[2]][..., r:]).astype(x.dtype)
             inputs = [v[..., :r] if v.ndim and v.shape[-1] == x.shape[-1] else v for v in inputs]
         inputs = [rotate_half(x) if k < len(halves) and halves[k] else rotate_pairs(x) if k < len(pairs) and pairs[k]
                   else x for k, x in enumerate(inputs)]
         ys = evaluate(program, inputs)
         if partial:
-            ys = [np.concatenate([np.broadcast_to(y, x[..., :r].shape), x[..., r:].astype(y.dtype)], axis=-1)
+            ys = [np.concatenate([np.broadcast_to(y, x[..., :r].shape), beyond.astype(y.dtype)], axis=-1)
                   for y in ys]
         return ys
 
