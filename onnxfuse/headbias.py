@@ -30,6 +30,12 @@ split reads the unbiased split and adds its columns of b' after it,
 
 and the partial chain takes the columns beyond r with their Add (`Partial.addend`).
 
+A bias added to a packed product before its Split into Q, K and V (GPT-NeoX's query_key_value,
+packed and reordered by `onnxfuse.pack`) is first cut with the Split (`split_head_biases`): each
+part adds its columns after the Split, so Q's and K's move as above and V's joins the attention
+(its per-operand bias); only where every part but one at most is rotated, so no more Adds are left
+than before.
+
 Only where the head split's output is rotated (the chain then takes the Adds in), and, for a
 partial rotation, where every reader of the split is a Slice of its last axis; other readers of
 the bias are left as they are.
@@ -88,6 +94,20 @@ def _cuts(view: GraphView, rot: Rotation) -> tuple[str, tuple[tuple[int, int, in
     return s, tuple(cuts)
 
 
+def _head_reshape(view: GraphView, split: str) -> tuple[int, int, list[int] | None] | None:
+    """(the Reshape, the node making `split`, the Transpose's perm or None) where `split` is
+    [Transpose of] Reshape(x), the Reshape read by the Transpose alone; None otherwise."""
+    last = view.producer.get(split)
+    if view.is_op(last, "Reshape"):
+        return last, last, None
+    if not view.is_op(last, "Transpose"):
+        return None
+    r = view.producer.get(view.nodes[last].input[0])
+    if not view.is_op(r, "Reshape") or not view.only_reader(view.nodes[r].output[0], last):
+        return None
+    return r, last, [int(a) for a in node_attrs(view.nodes[last]).get("perm", ())]
+
+
 def head_bias_at(view: GraphView, rot: Rotation) -> HeadBias | None:
     """The move for rotation `rot` when its x is a head split of a biased product, or a Slice of
     one's last axis whose every reader is such a Slice (`_cuts`): the split = [Transpose keeping
@@ -98,15 +118,10 @@ def head_bias_at(view: GraphView, rot: Rotation) -> HeadBias | None:
     if found is None:
         return None
     split, cuts = found
-    last = view.producer.get(split)
-    if not (view.is_op(last, "Transpose") or view.is_op(last, "Reshape")):
+    head = _head_reshape(view, split)
+    if head is None:
         return None
-    perm, r = None, last
-    if view.nodes[last].op_type == "Transpose":
-        perm = [int(a) for a in node_attrs(view.nodes[last]).get("perm", ())]
-        r = view.producer.get(view.nodes[last].input[0])
-        if not view.is_op(r, "Reshape") or not view.only_reader(view.nodes[r].output[0], last):
-            return None
+    r, last, perm = head
     add = bias_add(view, view.nodes[r].input[0], r)
     if add is None:
         return None
@@ -138,6 +153,70 @@ def _rotations(view: GraphView) -> list[Rotation]:
             if rot is not None:
                 found.setdefault(rot.x, rot)
     return list(found.values())
+
+
+def _split_sizes(view: GraphView, i: int, n: int) -> list[int] | None:
+    """The sizes of Split node i over the last axis of its input (last dim n), every output
+    named: from its second input or its `split` attribute, else equal parts; None otherwise."""
+    node = view.nodes[i]
+    shape = view.shapes.get(node.input[0])
+    if not shape or int(node_attrs(node).get("axis", 0)) % len(shape) != len(shape) - 1 or not all(node.output):
+        return None
+    if len(node.input) > 1 and node.input[1]:
+        c = view.constants.get(node.input[1])
+        sizes = [int(v) for v in numpy_helper.to_array(c).reshape(-1)] if c is not None else None
+    else:
+        sizes = [int(v) for v in node_attrs(node).get("split", ())] or (
+            [n // len(node.output)] * len(node.output) if n % len(node.output) == 0 else None)
+    return sizes if sizes and len(sizes) == len(node.output) and sum(sizes) == n else None
+
+
+def split_head_biases(model: ModelProto, view: GraphView) -> tuple[ModelProto, int]:
+    """`model` with each bias Add before a Split of its last axis (graph.bias_add, the Split its
+    one reader) cut with the Split, every part but one at most a rotated head split's input (each
+    part's Add then moves below its heads or joins the attention): each part adds its columns of
+    the bias after the Split; how many were cut; `model` itself where none was."""
+    rotated = set()
+    for rot in _rotations(view):
+        found = _cuts(view, rot)
+        head = _head_reshape(view, found[0]) if found is not None else None
+        if head is not None:
+            rotated.add(view.nodes[head[0]].input[0])
+    cuts = []
+    for i, node in enumerate(view.nodes):
+        if not view.is_op(i, "Split") or not node.input:
+            continue
+        add = bias_add(view, node.input[0], i)
+        shape = view.shapes.get(node.input[0])
+        sizes = _split_sizes(view, i, shape[-1]) if add is not None else None
+        turned = sum(y in rotated for y in node.output)
+        if sizes is None or turned == 0 or turned < len(sizes) - 1:
+            continue
+        cuts.append((i, add, sizes))
+    if not cuts:
+        return model, 0
+    out, fresh = copy_and_namer(model)
+    g = out.graph
+    nodes = list(g.node)
+    after: dict[int, list] = {}
+    drop: set[int] = set()  # the Adds before the Splits
+    for i, (a, product, bias_name), sizes in cuts:
+        bias = numpy_helper.to_array(view.constants[bias_name]).reshape(-1)
+        nodes[i].input[0] = product
+        for k, (y, lo) in enumerate(zip(list(nodes[i].output), np.cumsum([0, *sizes[:-1]]), strict=True)):
+            nodes[i].output[k] = part = fresh(f"{y}.unbiased")
+            name = fresh(f"{y}.bias")
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(bias[lo:lo + sizes[k]]), name))
+            after.setdefault(i, []).append(helper.make_node("Add", [part, name], [y], name=fresh(f"{y}.below_split")))
+        drop.add(a)
+    kept = [m for j, n in enumerate(nodes) if j not in drop for m in (n, *after.get(j, ()))]
+    del g.node[:]
+    g.node.extend(kept)
+    gone, read = {bias_name for _, (_, _, bias_name), _ in cuts}, graph_reads(g)
+    alive = [t for t in g.initializer if t.name not in gone or t.name in read]
+    del g.initializer[:]
+    g.initializer.extend(alive)
+    return out, len(cuts)
 
 
 def sink_head_biases(model: ModelProto, view: GraphView) -> tuple[ModelProto, int]:

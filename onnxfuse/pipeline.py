@@ -25,7 +25,7 @@ from onnxfuse.fold import fold_batchnorm
 from onnxfuse.graph import GraphView
 from onnxfuse.groups import Accepted
 from onnxfuse.headbias import NOTE as HEAD_BIAS_NOTE
-from onnxfuse.headbias import sink_head_biases
+from onnxfuse.headbias import sink_head_biases, split_head_biases
 from onnxfuse.heads import lift_merged_heads
 from onnxfuse.ir import unproduced_reads
 from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
@@ -418,8 +418,10 @@ def head_bias_pass(result: Result, options: Options) -> Result:
     that a rotary embedding rotates moved below the split, where the rotary chain takes it in
     (`onnxfuse.headbias`: Qwen2's query and key biases); the shapes inferred again after."""
     if result.unchanged is None and any(p.kind.name == "pointwise" for p in result.patterns):
-        model, moved = sink_head_biases(result.model, result.view)
-        if moved:
+        model, cut = split_head_biases(result.model, result.view)
+        view = GraphView.build(model, infer_shapes(model)) if cut else result.view
+        model, moved = sink_head_biases(model, view)
+        if moved or cut:
             result.model, result.head_biased = model, moved
             infer_shapes_pass(result, options)
     return result

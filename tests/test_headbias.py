@@ -148,3 +148,63 @@ def test_a_partial_split_read_elsewhere_keeps_its_bias():
     r = optimize_model(m)
     assert NOTE not in r.report.notes
     assert op_types(r.model).count("Add") == 1
+
+
+def _packed(rotated: int = 2, partial: int = 0):
+    """x [B, S, E] @ W [E, 3E] + b -> Split into three [B, S, E] parts (GPT-NeoX's query_key_value
+    after onnxfuse.pack), each Reshape [B, S, H, D] -> Transpose [B, H, S, D]; the first `rotated`
+    parts rotated (rotate_half, of the first `partial` columns when given), the others graph
+    outputs as they are."""
+    rng = np.random.default_rng(3)
+    width = partial or D
+    inits = {"w": (rng.standard_normal((E, 3 * E)) / 4).astype(np.float32),
+             "b": rng.standard_normal(3 * E).astype(np.float32), "sizes": np.array([E, E, E], np.int64),
+             "heads": np.array([B, S, H, D], np.int64),
+             "cos": np.cos(rng.standard_normal((S, width))).astype(np.float32),
+             "sin": np.sin(rng.standard_normal((S, width))).astype(np.float32),
+             "lo": np.array([0], np.int64), "mid": np.array([width // 2], np.int64),
+             "end": np.array([width], np.int64), "all": np.array([D], np.int64), "last": np.array([-1], np.int64)}
+    nodes = [N("MatMul", ["x", "w"], ["p"]), N("Add", ["p", "b"], ["a"]),
+             N("Split", ["a", "sizes"], ["s0", "s1", "s2"], axis=-1)]
+    outputs = {}
+    for k in range(3):
+        nodes += [N("Reshape", [f"s{k}", "heads"], [f"r{k}"]), N("Transpose", [f"r{k}"], [f"q{k}"], perm=[0, 2, 1, 3])]
+        if k >= rotated:
+            outputs[f"q{k}"] = ("float32", [B, H, S, D])
+            continue
+        q = f"q{k}"
+        if partial:
+            nodes += [N("Slice", [q, "lo", "end", "last"], [f"qr{k}"]), N("Slice", [q, "end", "all", "last"], [f"qp{k}"])]
+            q = f"qr{k}"
+        nodes += [N("Slice", [q, "mid", "end", "last"], [f"hi{k}"]), N("Slice", [q, "lo", "mid", "last"], [f"lh{k}"]),
+                  N("Neg", [f"hi{k}"], [f"neg{k}"]), N("Concat", [f"neg{k}", f"lh{k}"], [f"rot{k}"], axis=-1),
+                  N("Mul", [q, "cos"], [f"qc{k}"]), N("Mul", [f"rot{k}", "sin"], [f"rs{k}"]),
+                  N("Add", [f"qc{k}", f"rs{k}"], [f"yr{k}" if partial else f"y{k}"])]
+        if partial:
+            nodes.append(N("Concat", [f"yr{k}", f"qp{k}"], [f"y{k}"], axis=-1))
+        outputs[f"y{k}"] = ("float32", [B, H, S, D])
+    return model(nodes, {"x": ("float32", [B, S, E])}, outputs, inits, opset=17)
+
+
+@pytest.mark.parametrize("partial", [0, 4])
+def test_a_packed_bias_is_cut_with_its_split(partial):
+    """GPT-NeoX's packed query_key_value: the bias Add before the Split goes, each part adds its
+    columns after it; Q's and K's then move into their rotary chains, V keeps an Add of its own
+    third (here no attention takes it). The same values."""
+    m = _packed(partial=partial)
+    r = check_fusion(m, expect_fused=2)
+    assert r.report.notes[NOTE] == 2
+    ops = op_types(r.model)
+    assert ops.count("Add") == 1 and ops.count("PointwiseChain") == 2, ops
+    split = next(n for n in r.model.graph.node if n.op_type == "Split")
+    assert split.input[0] == "p"  # the product itself
+    (add,) = [n for n in r.model.graph.node if n.op_type == "Add"]
+    assert add.output[0] == "s2"  # V's part, with its third of the bias
+
+
+def test_a_packed_bias_stays_where_two_parts_are_not_rotated():
+    """Cutting the bias where two of three parts would keep their Adds would leave more Adds than
+    the one before the Split: nothing is cut."""
+    r = optimize_model(_packed(rotated=1))
+    assert NOTE not in r.report.notes
+    assert r.model.graph.node[1].op_type == "Add" and r.model.graph.node[2].op_type == "Split"
