@@ -209,13 +209,7 @@ def split_head_biases(model: ModelProto, view: GraphView) -> tuple[ModelProto, i
             g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(bias[lo:lo + sizes[k]]), name))
             after.setdefault(i, []).append(helper.make_node("Add", [part, name], [y], name=fresh(f"{y}.below_split")))
         drop.add(a)
-    kept = [m for j, n in enumerate(nodes) if j not in drop for m in (n, *after.get(j, ()))]
-    del g.node[:]
-    g.node.extend(kept)
-    gone, read = {bias_name for _, (_, _, bias_name), _ in cuts}, graph_reads(g)
-    alive = [t for t in g.initializer if t.name not in gone or t.name in read]
-    del g.initializer[:]
-    g.initializer.extend(alive)
+    _rebuild(g, nodes, after, drop, {bias_name for _, (_, _, bias_name), _ in cuts})
     return out, len(cuts)
 
 
@@ -270,12 +264,17 @@ def sink_head_biases(model: ModelProto, view: GraphView) -> tuple[ModelProto, in
         nodes[end].output[0] = turned
         add_after(end, turned, rotate_pairs(cut) if mv.rotation.pairs else rotate_half(cut), mv.rotation.tensor,
                   stem, "head_bias_rotated")
+    _rebuild(g, nodes, after, drop, {mv.bias_name for mv in moves})
+    return out, len(moves)
+
+
+def _rebuild(g, nodes: list, after: dict[int, list], drop: set[int], gone: set[str]) -> None:
+    """g's nodes as `nodes` without those in `drop`, each followed by its `after` nodes; the
+    initializers named in `gone` that nothing reads any more swept."""
     kept = [m for j, n in enumerate(nodes) if j not in drop for m in (n, *after.get(j, ()))]
     del g.node[:]
     g.node.extend(kept)
-    gone = {mv.bias_name for mv in moves}
     read = graph_reads(g)
     alive = [t for t in g.initializer if t.name not in gone or t.name in read]
     del g.initializer[:]
     g.initializer.extend(alive)
-    return out, len(moves)

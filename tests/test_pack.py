@@ -15,7 +15,7 @@ from onnxfuse import optimize_model
 from onnxfuse.kinds.attention import BIAS_NOTE
 from onnxfuse.pipeline import PACKED
 from tests.test_attention_patterns import PATTERNS
-from tests.util import check_fusion, model, op_types, random_feeds, run
+from tests.util import check_fusion, check_library, model, op_types, random_feeds, run
 
 N = helper.make_node
 B, S, H, D = 2, 6, 2, 8
@@ -105,8 +105,6 @@ def test_a_cross_attentions_biases_are_added_in_the_kernel(dtype):
     attention reads each product as a split [0, H, D] of it and adds the bias as it loads the
     operand (BART's and OPT's per-operand projections, Qwen2's V); the same values in the
     function bodies, the numpy reference and the library's CPU kernel."""
-    from tests.test_attention_patterns import _run_with_library
-
     m = _bert_attention(cross=True, dtype=dtype)
     r = check_fusion(m, expect_fused=1, patterns=PATTERNS)
     assert op_types(r.model) == ["MatMul", "MatMul", "MatMul", "FusedAttention"], op_types(r.model)
@@ -116,11 +114,7 @@ def test_a_cross_attentions_biases_are_added_in_the_kernel(dtype):
     assert [attrs[f"bias_{w}"] for w in "qkv"] == [3, 4, 5]
     assert list(node.input[:3]) == [n.output[0] for n in r.model.graph.node[:3]]  # the products, before their bias
     assert any(note.startswith(BIAS_NOTE) for note in r.report.notes), r.report.notes
-    feeds = random_feeds(m)
-    (want,), (got,) = run(m, feeds), _run_with_library(r.model, feeds)
-    tol = 1e-5 if dtype == "float32" else 1e-2
-    w64 = want.astype(np.float64)
-    np.testing.assert_allclose(got.astype(np.float64), w64, rtol=tol, atol=tol * float(np.abs(w64).max()))
+    check_library(m, r.model, dtype)
 
 
 def test_nothing_packed_without_the_attention_pattern():
