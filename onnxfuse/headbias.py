@@ -108,6 +108,21 @@ def _head_reshape(view: GraphView, split: str) -> tuple[int, int, list[int] | No
     return r, last, [int(a) for a in node_attrs(view.nodes[last]).get("perm", ())]
 
 
+def _heads(view: GraphView, r: int, perm: list[int] | None) -> tuple[int, int, int] | None:
+    """(rank, H, D) where Reshape r makes [..., H, D] of its input [..., N] (the same leading
+    dims, H * D = N, all static) and `perm` (if any) keeps the last axis; None otherwise."""
+    p_shape, s_shape = view.shapes.get(view.nodes[r].input[0]), view.shapes.get(view.nodes[r].output[0])
+    if not p_shape or not s_shape or len(s_shape) != len(p_shape) + 1 or any(d is None for d in (*p_shape, *s_shape)):
+        return None
+    n, (h, d) = p_shape[-1], s_shape[-2:]
+    if not all(isinstance(v, int) for v in (n, h, d)) or h * d != n or list(p_shape[:-1]) != list(s_shape[:-2]):
+        return None
+    rank = len(s_shape)
+    if perm is not None and (sorted(perm) != list(range(rank)) or perm[-1] != rank - 1):
+        return None
+    return rank, h, d
+
+
 def head_bias_at(view: GraphView, rot: Rotation) -> HeadBias | None:
     """The move for rotation `rot` when its x is a head split of a biased product, or a Slice of
     one's last axis whose every reader is such a Slice (`_cuts`): the split = [Transpose keeping
@@ -126,15 +141,10 @@ def head_bias_at(view: GraphView, rot: Rotation) -> HeadBias | None:
     if add is None:
         return None
     a, product, bias_name = add
-    p_shape, s_shape = view.shapes.get(view.nodes[a].output[0]), view.shapes.get(view.nodes[r].output[0])
-    if not p_shape or not s_shape or len(s_shape) != len(p_shape) + 1 or any(d is None for d in (*p_shape, *s_shape)):
+    heads = _heads(view, r, perm)
+    if heads is None:
         return None
-    n, (h, d) = p_shape[-1], s_shape[-2:]
-    if not all(isinstance(v, int) for v in (n, h, d)) or h * d != n or list(p_shape[:-1]) != list(s_shape[:-2]):
-        return None
-    rank = len(s_shape)
-    if perm is not None and (sorted(perm) != list(range(rank)) or perm[-1] != rank - 1):
-        return None
+    rank, h, d = heads
     b = numpy_helper.to_array(view.constants[bias_name]).reshape([1] * (rank - 2) + [h, d])
     if perm is not None:
         b = b.transpose(perm)
@@ -173,14 +183,15 @@ def _split_sizes(view: GraphView, i: int, n: int) -> list[int] | None:
 
 def split_head_biases(model: ModelProto, view: GraphView) -> tuple[ModelProto, int]:
     """`model` with each bias Add before a Split of its last axis (graph.bias_add, the Split its
-    one reader) cut with the Split, every part but one at most a rotated head split's input (each
-    part's Add then moves below its heads or joins the attention): each part adds its columns of
-    the bias after the Split; how many were cut; `model` itself where none was."""
+    one reader) cut with the Split, every part but one at most the input of a rotated head split
+    that `head_bias_at` would take (each part's Add then moves below its heads or joins the
+    attention): each part adds its columns of the bias after the Split; how many were cut; `model`
+    itself where none was."""
     rotated = set()
     for rot in _rotations(view):
         found = _cuts(view, rot)
         head = _head_reshape(view, found[0]) if found is not None else None
-        if head is not None:
+        if head is not None and _heads(view, head[0], head[2]) is not None:
             rotated.add(view.nodes[head[0]].input[0])
     cuts = []
     for i, node in enumerate(view.nodes):

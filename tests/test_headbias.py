@@ -144,27 +144,33 @@ def test_a_partial_split_read_elsewhere_keeps_its_bias():
     assert op_types(r.model).count("Add") == 1
 
 
-def _packed(rotated: int = 2, partial: int = 0):
+def _packed(rotated: int = 2, partial: int = 0, flat: bool = False):
     """x [B, S, E] @ W [E, 3E] + b -> Split into three [B, S, E] parts (GPT-NeoX's query_key_value
     after onnxfuse.pack), each Reshape [B, S, H, D] -> Transpose [B, H, S, D]; the first `rotated`
     parts rotated (rotate_half, of the first `partial` columns when given), the others graph
-    outputs as they are."""
+    outputs as they are. `flat`: each part Reshape [B, S * H, D] instead, no Transpose (rotated
+    alike, but not a head split of [..., N] to [..., H, D])."""
     rng = np.random.default_rng(3)
     width = partial or D
     inits = {"w": (rng.standard_normal((E, 3 * E)) / 4).astype(np.float32),
              "b": rng.standard_normal(3 * E).astype(np.float32), "sizes": np.array([E, E, E], np.int64),
-             "heads": np.array([B, S, H, D], np.int64),
-             "cos": np.cos(rng.standard_normal((S, width))).astype(np.float32),
-             "sin": np.sin(rng.standard_normal((S, width))).astype(np.float32),
+             "heads": np.array([B, S * H, D] if flat else [B, S, H, D], np.int64),
+             "cos": np.cos(rng.standard_normal((S * H if flat else S, width))).astype(np.float32),
+             "sin": np.sin(rng.standard_normal((S * H if flat else S, width))).astype(np.float32),
              "lo": np.array([0], np.int64), "mid": np.array([width // 2], np.int64),
              "end": np.array([width], np.int64), "all": np.array([D], np.int64), "last": np.array([-1], np.int64)}
     nodes = [N("MatMul", ["x", "w"], ["p"]), N("Add", ["p", "b"], ["a"]),
              N("Split", ["a", "sizes"], ["s0", "s1", "s2"], axis=-1)]
     outputs = {}
     for k in range(3):
-        nodes += [N("Reshape", [f"s{k}", "heads"], [f"r{k}"]), N("Transpose", [f"r{k}"], [f"q{k}"], perm=[0, 2, 1, 3])]
+        if flat:
+            nodes.append(N("Reshape", [f"s{k}", "heads"], [f"q{k}"]))
+        else:
+            nodes += [N("Reshape", [f"s{k}", "heads"], [f"r{k}"]),
+                      N("Transpose", [f"r{k}"], [f"q{k}"], perm=[0, 2, 1, 3])]
+        shape = [B, S * H, D] if flat else [B, H, S, D]
         if k >= rotated:
-            outputs[f"q{k}"] = ("float32", [B, H, S, D])
+            outputs[f"q{k}"] = ("float32", shape)
             continue
         q = f"q{k}"
         if partial:
@@ -177,7 +183,7 @@ def _packed(rotated: int = 2, partial: int = 0):
                   N("Add", [f"qc{k}", f"rs{k}"], [f"yr{k}" if partial else f"y{k}"])]
         if partial:
             nodes.append(N("Concat", [f"yr{k}", f"qp{k}"], [f"y{k}"], axis=-1))
-        outputs[f"y{k}"] = ("float32", [B, H, S, D])
+        outputs[f"y{k}"] = ("float32", shape)
     return model(nodes, {"x": ("float32", [B, S, E])}, outputs, inits, opset=17)
 
 
@@ -197,9 +203,11 @@ def test_a_packed_bias_is_cut_with_its_split(partial):
     assert add.output[0] == "s2"  # V's part, with its third of the bias
 
 
-def test_a_packed_bias_stays_where_two_parts_are_not_rotated():
+@pytest.mark.parametrize("case", ["two parts not rotated", "no head split"])
+def test_a_packed_bias_stays_where_its_parts_would_keep_their_adds(case):
     """Cutting the bias where two of three parts would keep their Adds would leave more Adds than
-    the one before the Split: nothing is cut."""
-    r = optimize_model(_packed(rotated=1))
+    the one before the Split: nothing is cut, whether two parts are not rotated or the rotated
+    ones' Reshapes are no head split that the move takes ([B, S, E] to [B, S * H, D])."""
+    r = optimize_model(_packed(rotated=1) if case == "two parts not rotated" else _packed(flat=True))
     assert NOTE not in r.report.notes
-    assert r.model.graph.node[1].op_type == "Add" and r.model.graph.node[2].op_type == "Split"
+    assert [n.op_type for n in r.model.graph.node[1:3]] == ["Add", "Split"], op_types(r.model)
