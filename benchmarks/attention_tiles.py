@@ -15,7 +15,8 @@ flash, efficient). Every launch is captured 20 times in a CUDA graph, replayed u
 profiler (CUPTI): a kernel's time is its median duration. Inputs stay in L2 between launches
 (the model's attention reads what its projection wrote just before). Errors: max |y - ref|
 against float64 on the same inputs (the bias added and rounded as the original's Add stores
-it). `--once` launches each kernel once more instead of timing it, for Nsight Compute around
+it): `err` against the original's roundings (scores and P stored in fp16), `err_math` against
+the math itself. `--once` launches each kernel once more instead of timing it, for Nsight Compute around
 the process (`gpu_session.sh attention-ncu`).
 
 Needs torch with CUDA and triton (not onnxruntime):
@@ -60,17 +61,26 @@ def spec(workload: str, batch: int, name: str) -> AttentionSpec:
                          causal_fill=-10000.0 if mask == "causal" else None)
 
 
-def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, orders=(False, True)):
-    """(label, kernel name, launch(x, bias, mask, y)) per tile and V load order; every operand
+# AttentionVariant's options a tile is timed with (--options): "" as shipped, "v_first", and
+# the inner-loop options `peel`, `exp2`, `exact_scores`, joined by "+"
+OPTIONS = ("", "v_first")
+FLAGS = ("v_first", "peel", "exp2", "exact_scores")
+
+
+def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, options=OPTIONS):
+    """(label, kernel name, launch(x, bias, mask, y)) per tile and option set; every operand
     is aligned, so each tile is its aligned variant (what the launcher picks for them)."""
     heads, seq, mask_kind = WORKLOADS[workload]
     out = []
     for i, (bm, bn, w, s) in enumerate(tiles):
-        for v_first in orders:
-            name = f"onnxfuse_attention_tiles_{workload}_b{batch}_{i}{'_vfirst' if v_first else ''}"
-            v = AttentionVariant(block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=True, v_first=v_first)
+        for k, opt in enumerate(options):
+            flags = {f: True for f in opt.split("+") if f}
+            if not set(flags) <= set(FLAGS):
+                raise SystemExit(f"attention_tiles: options {opt!r}: each of {FLAGS}, joined by '+'")
+            name = f"onnxfuse_attention_tiles_{workload}_b{batch}_{i}_{k}"
+            v = AttentionVariant(block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=True, **flags)
             ks = generate_attention(spec(workload, batch, name), v)
-            out.append((f"{v.label}{', V first' if v_first else ''}", name,
+            out.append((v.label + (", V first" if v.v_first else ""), name,
                         launcher(_load(ks.source, name, tmp), ks, batch, heads, seq, mask_kind)))
     return out
 
@@ -116,21 +126,26 @@ def torch_launcher(backend: str, heads: int, seq: int, mask_kind: str):
     return launch
 
 
-def float64_reference(x, bias, mask, heads: int, seq: int, mask_kind: str):
+def float64_reference(x, bias, mask, heads: int, seq: int, mask_kind: str, rounded: bool = True):
     """The original's attention in float64: the bias Add stored in x's dtype, scores rounded as
-    the MatMul, the score program and the Softmax store them, P rounded to fp16."""
+    the MatMul, the score program and the Softmax store them, P rounded to fp16; `rounded`
+    False: the math itself on the biased operands (no rounding after the bias Add), what an
+    fp32 model's output approaches."""
     import torch
+
+    def r(t):
+        return t.to(x.dtype).double() if rounded else t
 
     b = x.shape[0]
     xb = (x.double() + bias.double()).to(x.dtype).double()
     qkv = xb.view(b, seq, 3, heads, D).permute(2, 0, 3, 1, 4)
-    s = (qkv[0] @ qkv[1].transpose(-1, -2)).to(x.dtype).double()
-    s = (s * 0.125).to(x.dtype).double()
+    s = r(qkv[0] @ qkv[1].transpose(-1, -2))
+    s = r(s * 0.125)
     if mask_kind == "key":
-        s = (s + mask.double()).to(x.dtype).double()
+        s = r(s + mask.double())
     elif mask_kind == "causal":
         s = torch.where(torch.ones(seq, seq, dtype=torch.bool, device=s.device).tril(), s, -10000.0)
-    p = torch.softmax(s, -1).to(x.dtype).double()
+    p = r(torch.softmax(s, -1))
     return (p @ qkv[2]).permute(0, 2, 1, 3)  # [B, S, H, D]
 
 
@@ -156,7 +171,8 @@ def _tile_list(text: str | None) -> tuple[tuple[int, int, int, int], ...]:
 def run(args) -> list[dict]:
     import torch
 
-    tiles, orders = _tile_list(args.tiles), (False,) if args.once else (False, True)
+    tiles = _tile_list(args.tiles)
+    options = tuple(args.options.split(",")) if args.options is not None else ("",) if args.once else OPTIONS
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="attention-tiles-"))
     for workload in args.workloads.split(","):
@@ -166,15 +182,18 @@ def run(args) -> list[dict]:
             y = torch.empty(batch, seq, heads, D, dtype=torch.float16, device="cuda")
             ref = float64_reference(x, bias, mask, heads, seq, mask_kind)
             ref_peer = float64_reference(x, bias * 0, mask, heads, seq, mask_kind)  # torch's gets no bias
+            math = float64_reference(x, bias, mask, heads, seq, mask_kind, rounded=False)
+            math_peer = float64_reference(x, bias * 0, mask, heads, seq, mask_kind, rounded=False)
             flops = 4 * batch * heads * seq * seq * D
             peers = [(f"torch sdpa {b}", None, torch_launcher(b, heads, seq, mask_kind)) for b in TORCH_BACKENDS]
-            for label, name, launch in kernels(workload, batch, tmp, tiles, orders) + peers:
+            for label, name, launch in kernels(workload, batch, tmp, tiles, options) + peers:
                 row = {"workload": workload, "batch": batch, "kernel": label}
                 try:
                     out = launch(x, bias, mask, y)
                     torch.cuda.synchronize()
                     got = y if out is None else out.permute(0, 2, 1, 3)
                     row["err"] = float((got.double() - (ref if name else ref_peer)).abs().max())
+                    row["err_math"] = float((got.double() - (math if name else math_peer)).abs().max())
                     if args.once:  # one launch more, untimed: for a profiler (ncu) around the process
                         launch(x, bias, mask, y)
                         torch.cuda.synchronize()
@@ -192,9 +211,10 @@ def run(args) -> list[dict]:
 
 def _line(row: dict) -> str:
     if "error" in row:
-        return f"{row['workload']} b{row['batch']:<2} {row['kernel']:42} {row['error']}"
+        return f"{row['workload']} b{row['batch']:<2} {row['kernel']:60} {row['error']}"
     us = "-" if row.get("us") is None else f"{row['us']:.2f}"
-    return f"{row['workload']} b{row['batch']:<2} {row['kernel']:42} {us:>7} us  err {row['err']:.2g}"
+    return (f"{row['workload']} b{row['batch']:<2} {row['kernel']:60} {us:>7} us  err {row['err']:.2g}"
+            f"  err_math {row['err_math']:.2g}")
 
 
 def dry_run() -> list[dict]:
@@ -210,13 +230,16 @@ def dry_run() -> list[dict]:
         for workload, (heads, seq, mask_kind) in WORKLOADS.items():
             x, bias, mask = draw(1, heads, seq, "cpu")
             ref = float64_reference(x, bias, mask, heads, seq, mask_kind)
-            for label, _, launch in kernels(workload, 1, tmp, tiles=((16, 32, 4, 1), (32, 16, 4, 2))):
+            math = float64_reference(x, bias, mask, heads, seq, mask_kind, rounded=False)
+            for label, _, launch in kernels(workload, 1, tmp, tiles=((16, 32, 4, 1), (32, 16, 4, 2)),
+                                            options=(*OPTIONS, "peel+exp2+exact_scores")):
                 y = torch.empty(1, seq, heads, D, dtype=torch.float16)
                 launch(x, bias, mask, y)
                 err = float((y.double() - ref).abs().max())
                 bound = float(ref.abs().max()) * 2.0**-8
-                rows.append({"workload": workload, "kernel": label, "err": err})
-                print(f"{workload} {label:42} err {err:.2g} (bound {bound:.2g})")
+                err_math = float((y.double() - math).abs().max())
+                rows.append({"workload": workload, "kernel": label, "err": err, "err_math": err_math})
+                print(f"{workload} {label:60} err {err:.2g} err_math {err_math:.2g} (bound {bound:.2g})")
                 if not err <= bound:
                     raise AssertionError(f"{workload} {label}: error {err:.3g} above {bound:.3g}")
     finally:
@@ -230,6 +253,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="vit,bert,gpt2")
     ap.add_argument("--batches", default="8")
     ap.add_argument("--tiles", help="block_m x block_n x warps x stages, comma-separated (default: TILES)")
+    ap.add_argument("--options", help="option sets per tile, comma-separated, each of "
+                    f"{', '.join(FLAGS)} joined by '+', '' as shipped (default: as shipped, then v_first)")
     ap.add_argument("--once", action="store_true",
                     help="each kernel launched twice (the check, then once more), V after the softmax only, no "
                          "timing: for `ncu --set full python benchmarks/attention_tiles.py --once ...`")

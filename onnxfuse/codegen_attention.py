@@ -98,6 +98,7 @@ MAX_ELEMENTS = 2**31 - 1
 # A score this far below its row's max has exp(score - max) = 0 in fp32 (below e^-103.3, the
 # smallest subnormal), in the kernel and in the original's Softmax: skipping it changes nothing.
 CAUSAL_MARGIN = 128.0
+LOG2E = 1.4426950408889634
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,14 @@ class AttentionVariant:
     aligned: bool = False
     # V's tile loaded with K^T's, before the scores (`attention-v-first`), not after the softmax
     v_first: bool = False
+    # the key blocks wholly inside Sk swept without key masks, the last partial one after them
+    # (`attention-peel`)
+    peel: bool = False
+    # p = exp2(s * log2(e) - m * log2(e)): one FMA and the ex2 an element (`attention-exp2`)
+    exp2: bool = False
+    # the scores kept in fp32 from the product to the softmax, not rounded to Q's dtype after the
+    # product and before the softmax as the original stores them (`attention-exact-scores`)
+    exact_scores: bool = False
 
     def requires(self) -> dict[str, int]:
         return {"max_elements": MAX_ELEMENTS, **({"ptr_align": 16} if self.aligned else {})}
@@ -194,7 +203,9 @@ class AttentionVariant:
 
     @property
     def label(self) -> str:
-        return f"tile {self.block_m}x{self.block_n}, {self.num_warps} warps, {self.num_stages} stages"
+        opts = [n for n in ("peel", "exp2", "exact_scores") if getattr(self, n)]
+        return (f"tile {self.block_m}x{self.block_n}, {self.num_warps} warps, {self.num_stages} stages"
+                + "".join(f", {n}" for n in opts))
 
 
 def attention_param_names(spec: AttentionSpec) -> list[str]:
@@ -486,8 +497,15 @@ def _body(spec: AttentionSpec, variant: AttentionVariant) -> list[str]:
             "acc = tl.zeros([BLOCK_M, HEAD_DV], dtype=tl.float32)",
             *(["kept_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # keys not zeroed by Where(m, 0, P)"]
               if spec.zero_where is not None else [])]
-    loop = _key_block(spec, step, k_mask, v_mask, variant.v_first)
-    if spec.causal_fill is None:
+    loop = _key_block(spec, variant, step, k_mask, v_mask)
+    if spec.causal_fill is None and variant.peel:
+        full = _key_block(spec, variant, step, "(offs_d[:, None] < D)" if d_mask else None,
+                          "(offs_dv[None, :] < DV)" if dv_mask else None, full=True)
+        out += ["# The key blocks wholly inside SK without key masks, then the partial one (if any).",
+                "full_n = (SK // BLOCK_N) * BLOCK_N",
+                "for start_n in range(0, full_n, BLOCK_N):", *_indent(full),
+                "if full_n < SK:", *_indent(["start_n = full_n", *loop])]
+    elif spec.causal_fill is None:
         out += ["for start_n in range(0, SK, BLOCK_N):", *_indent(loop)]
     else:
         out += ["# Causal (module docstring): the key blocks up to this program's last row's diagonal, then",
@@ -519,18 +537,24 @@ def _indent(lines: list[str]) -> list[str]:
     return [f"    {ln}" if ln else ln for ln in lines]
 
 
-def _key_block(spec: AttentionSpec, step, k_mask: str, v_mask: str, v_first: bool = False) -> list[str]:
+def _masked(mask: str | None) -> str:
+    return f", mask={mask}, other=0.0" if mask else ""
+
+
+def _key_block(spec: AttentionSpec, variant: AttentionVariant, step, k_mask: str | None, v_mask: str | None,
+               full: bool = False) -> list[str]:
     """One key block of the loop (unindented): K^T, the scores, the online softmax, P @ V; with
-    v_first, V's tile is loaded with K^T's, so that its latency overlaps the scores."""
-    dt = spec.dtype
-    v_load = [f"v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]{step('stride_vd')}, "
-              f"mask={v_mask}, other=0.0)"]
+    v_first, V's tile is loaded with K^T's, so that its latency overlaps the scores. `full`: a
+    block wholly inside Sk (`peel`), its keys not masked (the masks given hold the head dims' only)."""
+    dt, v_first = spec.dtype, variant.v_first
+    v_load = [f"v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]{step('stride_vd')}"
+              f"{_masked(v_mask)})"]
     if "v" in spec.biased:
         v_load += _bias_lines(spec, "v", "v", "[None, :]")
     out = ["offs_n = start_n + tl.arange(0, BLOCK_N)",
-           "col_ok = offs_n < SK",
-           f"kt = tl.load(k_base + offs_d[:, None]{step('stride_kd')} + offs_n[None, :] * stride_kn, "
-           f"mask={k_mask}, other=0.0)"]
+           *([] if full else ["col_ok = offs_n < SK"]),
+           f"kt = tl.load(k_base + offs_d[:, None]{step('stride_kd')} + offs_n[None, :] * stride_kn"
+           f"{_masked(k_mask)})"]
     if v_first:
         out += ["# V's tile now, with K^T's: its latency overlaps the scores and the softmax.", *v_load]
     if "k" in spec.biased:
@@ -538,17 +562,24 @@ def _key_block(spec: AttentionSpec, step, k_mask: str, v_mask: str, v_first: boo
     if spec.tf32:
         out += ["kt = round_to_tf32(kt)"]
     out += [f"qk = {_dot(spec, 'q', 'kt')}"]
-    out += _score_lines(spec)
-    out += ["s = tl.where(col_ok[None, :], s, float(\"-inf\"))  # keys past SK take no share",
-            "",
+    out += _score_lines(spec, variant, full)
+    if not full:
+        out += ["s = tl.where(col_ok[None, :], s, float(\"-inf\"))  # keys past SK take no share"]
+    out += ["",
             "# A row whose max is still -inf (every score so far -inf) shifts by 0, so that its",
             "# exp(-inf) are 0, not exp(NaN); at the end its sum is 0 and Y = 0 / 0 = NaN, as ONNX's",
             "# Softmax gives for a row of -inf. A NaN score makes its p NaN (exp(NaN)), and so its",
             "# row's sum and Y; a +inf score makes the max +inf and its p exp(inf - inf) = NaN.",
             "m_new = tl.maximum(m_i, tl.max(s, axis=1))",
-            'm_shift = tl.where(m_new == float("-inf"), 0.0, m_new)',
-            "alpha = tl.exp(m_i - m_shift)",
-            "p = tl.exp(s - m_shift[:, None])",
+            'm_shift = tl.where(m_new == float("-inf"), 0.0, m_new)']
+    if variant.exp2:
+        out += ["# exp(x) = 2^(x log2(e)): one FMA and the ex2 an element.",
+                f"alpha = tl.math.exp2((m_i - m_shift) * {LOG2E!r})",
+                f"p = tl.math.exp2(tl.fma(s, {LOG2E!r}, -(m_shift * {LOG2E!r})[:, None]))"]
+    else:
+        out += ["alpha = tl.exp(m_i - m_shift)",
+                "p = tl.exp(s - m_shift[:, None])"]
+    out += [
             "l_i = l_i * alpha + tl.sum(p, axis=1)",
             "acc = acc * alpha[:, None]",
             "m_i = m_new"]
@@ -556,7 +587,7 @@ def _key_block(spec: AttentionSpec, step, k_mask: str, v_mask: str, v_first: boo
         z = f"e{spec.zero_where}"
         out += ["# The original's Where(m, 0, P) after its Softmax: those p are 0 in P @ V; the row's sum",
                 "# (the softmax's denominator) took them first. kept_i counts the keys left.",
-                f"kept_i += tl.sum(tl.where(({z} == 0.0) & col_ok[None, :], 1.0, 0.0)"
+                f"kept_i += tl.sum(tl.where(({z} == 0.0){'' if full else ' & col_ok[None, :]'}, 1.0, 0.0)"
                 " + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), axis=1)",
                 f"p = tl.where({z} != 0.0, 0.0, p)"]
     if not v_first:
@@ -572,15 +603,16 @@ def _key_block(spec: AttentionSpec, step, k_mask: str, v_mask: str, v_first: boo
                 f'acc = tl.dot(p.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne"), v, acc)']
     return out
 
-def _score_lines(spec: AttentionSpec) -> list[str]:
+def _score_lines(spec: AttentionSpec, variant: AttentionVariant, full: bool = False) -> list[str]:
     """The score program on the tile `qk` (fp32 sums): `s`, fp32, as the original stores the
-    Softmax's input."""
-    prog = spec.program
-    out = ["# %0: the product as the original's MatMul stores it."]
-    out.append("s0 = qk" if spec.dtype == "f32" else
+    Softmax's input (unrounded with `exact_scores`); `full`: a block with no key past SK."""
+    prog, exact = spec.program, variant.exact_scores
+    out = ["# %0: the product, fp32" if exact else "# %0: the product as the original's MatMul stores it."]
+    out.append("s0 = qk" if spec.dtype == "f32" or exact else
                f's0 = qk.to({TL_DTYPES[spec.dtype]}, fp_downcast_rounding="rtne").to(tl.float32)')
+    col_ok = "" if full else "col_ok"
     if any(spec.broadcast(i) == "" for i in range(spec.n_extras)):
-        out.append("e_mask = row_ok[:, None] & col_ok[None, :]")
+        out.append("e_mask = row_ok[:, None]" + ("" if full else " & col_ok[None, :]"))
     for i, dt in enumerate(prog.input_dtypes[1:]):
         # an extra that broadcasts over a dim is loaded as the vector (or element) it is, not as
         # a [BLOCK_M, BLOCK_N] tile of repeats (the launcher checks its stride there is 0)
@@ -593,7 +625,7 @@ def _score_lines(spec: AttentionSpec) -> list[str]:
             continue
         # a row (column) is loaded as a vector and then broadcast: loaded as a [1, BLOCK_N] tile,
         # BERT's key mask made the 64 x 128 tile spill (module docstring, `attention-extra-loads`)
-        row = f"tl.load(e{i}_base + offs_n * stride_e{i}_n, mask=col_ok, other=0)"
+        row = f"tl.load(e{i}_base + offs_n * stride_e{i}_n" + (f", mask={col_ok}, other=0)" if col_ok else ")")
         col = f"tl.load(e{i}_base + offs_m * stride_e{i}_m, mask=row_ok, other=0)"
         load = {"m": row, "row": row, "n": col, "mn": f"tl.load(e{i}_base)"}.get(spec.broadcast(i), (
                     f"tl.load(e{i}_base + offs_m[:, None] * stride_e{i}_m + offs_n[None, :] * stride_e{i}_n, "
@@ -612,7 +644,7 @@ def _score_lines(spec: AttentionSpec) -> list[str]:
     v, dt = prog.outputs[0]
     val = value_of(v) if v < len(prog.input_dtypes) else f"t{v}"
     out.append("# The Softmax's input as the original stores it, widened to fp32.")
-    if dt == "f32":
+    if dt == "f32" or exact:
         out.append(f"s = {val}")
     else:
         out.append(f's = {val}.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne").to(tl.float32)')

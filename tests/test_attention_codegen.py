@@ -188,6 +188,22 @@ CASES = [
          zero_where=0),
     Case("bf16-zero-where-unread-key-rows", "bf16", ZERO_ONLY, extras=(("padding", (2, 1, 1, 37)),), zero_where=0,
          broadcast=True),
+    # the inner loop's options: full key blocks swept without key masks, then the partial one
+    # (`peel`: Sk 37 leaves one of 5 keys, 32 and 130 none and two), exps as exp2 with log2(e)
+    # in one FMA (`exp2`); with padded head dims, a key-mask row, special values, zeroing
+    Case("f16-peel-exp2-mask-d40-dv72", "f16", SCALE_MASK, d=40, dv=72, extras=(("additive", (2, 1, 1, 37)),),
+         broadcast=True, variant=dataclasses.replace(SMALL_ALIGNED, peel=True, exp2=True)),
+    Case("f16-peel-wide-kv-tile-bias", "f16", SCALE_MASK, sq=70, sk=130, extras=(("additive", (2, 1, 1, 130)),),
+         broadcast=True, bias=True, variant=AttentionVariant(block_m=64, block_n=128, num_warps=4, num_stages=2,
+                                                             aligned=True, peel=True)),
+    Case("f32-ieee-special-rows-peel-exp2", "f32", MASK_F32, extras=(("special", (1, 1, 20, 37)),),
+         variant=dataclasses.replace(SMALL, peel=True, exp2=True)),
+    Case("f16-exp2-causal-skip", "f16", CAUSAL, sq=45, sk=45, extras=(("causal", (1, 1, 45, 45)),), causal=True,
+         variant=dataclasses.replace(SMALL, peel=True, exp2=True)),
+    Case("bf16-peel-exp2-no-tail-zero-where", "bf16", PADDED, sk=32, extras=(("padding", (2, 1, 20, 32)),),
+         zero_where=0, variant=dataclasses.replace(SMALL, peel=True, exp2=True)),
+    Case("f32-tf32-peel-exp2-tile-mask", "f32", SCALE_MASK, precision="tf32", extras=(("additive", (2, 2, 20, 37)),),
+         variant=dataclasses.replace(SMALL_ALIGNED, peel=True, exp2=True)),
 ]
 
 
