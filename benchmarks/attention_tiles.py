@@ -62,7 +62,7 @@ def spec(workload: str, batch: int, name: str) -> AttentionSpec:
 
 
 # AttentionVariant's options a tile is timed with (--options): "" as shipped, "v_first", and
-# the inner-loop options `peel`, `exp2`, `exact_scores`, joined by "+"
+# the inner-loop options `peel`, `exp2`, `exact_scores`, `tailN` (tail_n N, with peel), joined by "+"
 OPTIONS = ("", "v_first")
 FLAGS = ("v_first", "peel", "exp2", "exact_scores")
 
@@ -74,9 +74,12 @@ def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, options=OPTIONS):
     out = []
     for i, (bm, bn, w, s) in enumerate(tiles):
         for k, opt in enumerate(options):
-            flags = {f: True for f in opt.split("+") if f}
-            if not set(flags) <= set(FLAGS):
-                raise SystemExit(f"attention_tiles: options {opt!r}: each of {FLAGS}, joined by '+'")
+            flags = {f: True for f in opt.split("+") if f and not f.startswith("tail")}
+            tails = [int(f[4:]) for f in opt.split("+") if f.startswith("tail")]
+            if not set(flags) <= set(FLAGS) or any(t >= bn for t in tails):
+                raise SystemExit(f"attention_tiles: options {opt!r}: each of {FLAGS} or tailN (N < BLOCK_N), "
+                                 "joined by '+'")
+            flags.update({"tail_n": tails[0]} if tails else {})
             name = f"onnxfuse_attention_tiles_{workload}_b{batch}_{i}_{k}"
             v = AttentionVariant(block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=True, **flags)
             ks = generate_attention(spec(workload, batch, name), v)
@@ -231,8 +234,8 @@ def dry_run() -> list[dict]:
             x, bias, mask = draw(1, heads, seq, "cpu")
             ref = float64_reference(x, bias, mask, heads, seq, mask_kind)
             math = float64_reference(x, bias, mask, heads, seq, mask_kind, rounded=False)
-            for label, _, launch in kernels(workload, 1, tmp, tiles=((16, 32, 4, 1), (32, 16, 4, 2)),
-                                            options=(*OPTIONS, "peel+exp2+exact_scores")):
+            for label, _, launch in kernels(workload, 1, tmp, tiles=((16, 32, 4, 1), (32, 64, 4, 2)),
+                                            options=(*OPTIONS, "peel+exp2+exact_scores+tail16")):
                 y = torch.empty(1, seq, heads, D, dtype=torch.float16)
                 launch(x, bias, mask, y)
                 err = float((y.double() - ref).abs().max())

@@ -190,6 +190,9 @@ class AttentionVariant:
     # the scores kept in fp32 from the product to the softmax, not rounded to Q's dtype after the
     # product and before the softmax as the original stores them (`attention-exact-scores`)
     exact_scores: bool = False
+    # with peel: the partial key block swept in blocks of this many keys (16, 32, ...; below
+    # BLOCK_N), not one of BLOCK_N: ViT's 197 keys as 128 + 5 x 16, not 2 x 128 (`attention-peel`)
+    tail_n: int = 0
 
     def requires(self) -> dict[str, int]:
         return {"max_elements": MAX_ELEMENTS, **({"ptr_align": 16} if self.aligned else {})}
@@ -204,6 +207,7 @@ class AttentionVariant:
     @property
     def label(self) -> str:
         opts = [n for n in ("peel", "exp2", "exact_scores") if getattr(self, n)]
+        opts += [f"tail {self.tail_n}"] if self.tail_n else []
         return (f"tile {self.block_m}x{self.block_n}, {self.num_warps} warps, {self.num_stages} stages"
                 + "".join(f", {n}" for n in opts))
 
@@ -336,6 +340,9 @@ def _check(spec: AttentionSpec, variant: AttentionVariant) -> None:
             raise ValueError(f"tile sizes and num_warps must be powers of two: {variant}")
     if min(variant.block_m, variant.block_n) < 16:
         raise ValueError(f"tl.dot needs tiles of at least 16: {variant}")
+    if variant.tail_n and not (variant.peel and 16 <= variant.tail_n < variant.block_n
+                               and not variant.tail_n & (variant.tail_n - 1)):
+        raise ValueError(f"tail_n needs peel and a power of two from 16 below BLOCK_N: {variant}")
     if variant.num_stages < 1:
         raise ValueError(f"num_stages must be at least 1: {variant}")
     if len(spec.extras_broadcast) > spec.n_extras or not set(spec.extras_broadcast) <= set(EXTRA_READS):
@@ -503,8 +510,12 @@ def _body(spec: AttentionSpec, variant: AttentionVariant) -> list[str]:
                           "(offs_dv[None, :] < DV)" if dv_mask else None, full=True)
         out += ["# The key blocks wholly inside SK without key masks, then the partial one (if any).",
                 "full_n = (SK // BLOCK_N) * BLOCK_N",
-                "for start_n in range(0, full_n, BLOCK_N):", *_indent(full),
-                "if full_n < SK:", *_indent(["start_n = full_n", *loop])]
+                "for start_n in range(0, full_n, BLOCK_N):", *_indent(full)]
+        if variant.tail_n:
+            tail = _key_block(spec, variant, step, k_mask, v_mask, block=str(variant.tail_n))
+            out += [f"for start_n in range(full_n, SK, {variant.tail_n}):", *_indent(tail)]
+        else:
+            out += ["if full_n < SK:", *_indent(["start_n = full_n", *loop])]
     elif spec.causal_fill is None:
         out += ["for start_n in range(0, SK, BLOCK_N):", *_indent(loop)]
     else:
@@ -542,16 +553,17 @@ def _masked(mask: str | None) -> str:
 
 
 def _key_block(spec: AttentionSpec, variant: AttentionVariant, step, k_mask: str | None, v_mask: str | None,
-               full: bool = False) -> list[str]:
+               full: bool = False, block: str = "BLOCK_N") -> list[str]:
     """One key block of the loop (unindented): K^T, the scores, the online softmax, P @ V; with
     v_first, V's tile is loaded with K^T's, so that its latency overlaps the scores. `full`: a
-    block wholly inside Sk (`peel`), its keys not masked (the masks given hold the head dims' only)."""
+    block wholly inside Sk (`peel`), its keys not masked (the masks given hold the head dims' only);
+    `block`: its number of keys (`tail_n`'s blocks)."""
     dt, v_first = spec.dtype, variant.v_first
     v_load = [f"v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :]{step('stride_vd')}"
               f"{_masked(v_mask)})"]
     if "v" in spec.biased:
         v_load += _bias_lines(spec, "v", "v", "[None, :]")
-    out = ["offs_n = start_n + tl.arange(0, BLOCK_N)",
+    out = [f"offs_n = start_n + tl.arange(0, {block})",
            *([] if full else ["col_ok = offs_n < SK"]),
            f"kt = tl.load(k_base + offs_d[:, None]{step('stride_kd')} + offs_n[None, :] * stride_kn"
            f"{_masked(k_mask)})"]
@@ -588,7 +600,7 @@ def _key_block(spec: AttentionSpec, variant: AttentionVariant, step, k_mask: str
         out += ["# The original's Where(m, 0, P) after its Softmax: those p are 0 in P @ V; the row's sum",
                 "# (the softmax's denominator) took them first. kept_i counts the keys left.",
                 f"kept_i += tl.sum(tl.where(({z} == 0.0){'' if full else ' & col_ok[None, :]'}, 1.0, 0.0)"
-                " + tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), axis=1)",
+                f" + tl.zeros([BLOCK_M, {block}], dtype=tl.float32), axis=1)",
                 f"p = tl.where({z} != 0.0, 0.0, p)"]
     if not v_first:
         out += v_load

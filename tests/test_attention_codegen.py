@@ -204,6 +204,13 @@ CASES = [
          zero_where=0, variant=dataclasses.replace(SMALL, peel=True, exp2=True)),
     Case("f32-tf32-peel-exp2-tile-mask", "f32", SCALE_MASK, precision="tf32", extras=(("additive", (2, 2, 20, 37)),),
          variant=dataclasses.replace(SMALL_ALIGNED, peel=True, exp2=True)),
+    # the partial block in blocks of 16 (`tail_n`): Sk 37 as 32 + 3 x 16, Sk 20 as 4 x 16 after no full block
+    Case("f16-peel-tail16-mask-bias-d40", "f16", SCALE_MASK, d=40, extras=(("additive", (2, 1, 1, 37)),),
+         broadcast=True, bias=True, variant=AttentionVariant(block_m=16, block_n=32, num_warps=4, num_stages=2,
+                                                             aligned=True, peel=True, exp2=True, tail_n=16)),
+    Case("f32-ieee-special-rows-tail16-zero-where", "f32", PADDED, sk=20, extras=(("padding", (2, 1, 20, 20)),),
+         zero_where=0, variant=AttentionVariant(block_m=16, block_n=32, num_warps=4, num_stages=1, peel=True,
+                                                tail_n=16)),
 ]
 
 
