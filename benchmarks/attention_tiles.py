@@ -28,6 +28,7 @@ Needs torch with CUDA and triton (not onnxruntime):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import tempfile
 from pathlib import Path
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.conv_kernels import _load  # noqa: E402
 from benchmarks.rows_context import cupti_kernel_us, finish, pick  # noqa: E402
-from onnxfuse.codegen_attention import ALTERNATIVES, AttentionSpec, AttentionVariant, generate_attention  # noqa: E402
+from onnxfuse.codegen_attention import ALTERNATIVES, PEEL, AttentionSpec, _variants, generate_attention  # noqa: E402
 from onnxfuse.expr import HEADER, parse  # noqa: E402
 
 D = 64
@@ -62,9 +63,10 @@ def spec(workload: str, batch: int, name: str) -> AttentionSpec:
 
 
 # AttentionVariant's options a tile is timed with (--options): "" as shipped, "v_first", and
-# the inner-loop options `peel`, `exp2`, `exact_scores`, `tailN` (tail_n N, with peel), joined by "+"
+# the inner-loop options `peel`, `exact_scores`, `tailN` (tail_n N, with peel), `exp` (tl.exp,
+# not the shipped exp2), joined by "+"
 OPTIONS = ("", "v_first")
-FLAGS = ("v_first", "peel", "exp2", "exact_scores")
+FLAGS = ("v_first", "peel", "exp", "exact_scores")
 
 
 def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, options=OPTIONS):
@@ -72,16 +74,19 @@ def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, options=OPTIONS):
     is aligned, so each tile is its aligned variant (what the launcher picks for them)."""
     heads, seq, mask_kind = WORKLOADS[workload]
     out = []
-    for i, (bm, bn, w, s) in enumerate(tiles):
+    for i, tile in enumerate(tiles):
         for k, opt in enumerate(options):
             flags = {f: True for f in opt.split("+") if f and not f.startswith("tail")}
             tails = [int(f[4:]) for f in opt.split("+") if f.startswith("tail")]
-            if not set(flags) <= set(FLAGS) or any(t >= bn for t in tails):
+            if not set(flags) <= set(FLAGS) or any(t >= tile[1] for t in tails):
                 raise SystemExit(f"attention_tiles: options {opt!r}: each of {FLAGS} or tailN (N < BLOCK_N), "
                                  "joined by '+'")
             flags.update({"tail_n": tails[0]} if tails else {})
+            if "exp" in flags:  # tl.exp, not exp2 (the shipped kernels' exp2 is on)
+                flags.pop("exp")
+                flags["exp2"] = False
             name = f"onnxfuse_attention_tiles_{workload}_b{batch}_{i}_{k}"
-            v = AttentionVariant(block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=True, **flags)
+            v = dataclasses.replace(_variants(tile)[0], **flags)  # the tile as tuning builds it, aligned
             ks = generate_attention(spec(workload, batch, name), v)
             out.append((v.label + (", V first" if v.v_first else ""), name,
                         launcher(_load(ks.source, name, tmp), ks, batch, heads, seq, mask_kind)))
@@ -164,11 +169,12 @@ def draw(batch: int, heads: int, seq: int, device: str):
     return x, bias, mask
 
 
-def _tile_list(text: str | None) -> tuple[tuple[int, int, int, int], ...]:
-    """--tiles "32x128x4x2,64x64x4x1" (block_m x block_n x warps x stages), default TILES."""
+def _tile_list(text: str | None) -> tuple[tuple, ...]:
+    """--tiles "32x128x4x2,64x64x4x1xpeel" (block_m x block_n x warps x stages [x peel: as tuning
+    peels it]), default TILES."""
     if not text:
         return TILES
-    return tuple(tuple(int(v) for v in t.split("x")) for t in text.split(","))  # type: ignore[misc]
+    return tuple(tuple(v if v == PEEL else int(v) for v in t.split("x")) for t in text.split(","))
 
 
 def run(args) -> list[dict]:
@@ -235,7 +241,7 @@ def dry_run() -> list[dict]:
             ref = float64_reference(x, bias, mask, heads, seq, mask_kind)
             math = float64_reference(x, bias, mask, heads, seq, mask_kind, rounded=False)
             for label, _, launch in kernels(workload, 1, tmp, tiles=((16, 32, 4, 1), (32, 64, 4, 2)),
-                                            options=(*OPTIONS, "peel+exp2+exact_scores+tail16")):
+                                            options=(*OPTIONS, "peel+exact_scores+tail16", "exp")):
                 y = torch.empty(1, seq, heads, D, dtype=torch.float16)
                 launch(x, bias, mask, y)
                 err = float((y.double() - ref).abs().max())

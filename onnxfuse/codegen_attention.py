@@ -185,8 +185,9 @@ class AttentionVariant:
     # the key blocks wholly inside Sk swept without key masks, the last partial one after them
     # (`attention-peel`)
     peel: bool = False
-    # p = exp2(s * log2(e) - m * log2(e)): one FMA and the ex2 an element (`attention-exp2`)
-    exp2: bool = False
+    # p = exp2(s * log2(e) - m * log2(e)): one FMA and the ex2 an element, for 16-bit Q only
+    # (float32 keeps exp(s - m): `attention-exp2`)
+    exp2: bool = True
     # the scores kept in fp32 from the product to the softmax, not rounded to Q's dtype after the
     # product and before the softmax as the original stores them (`attention-exact-scores`)
     exact_scores: bool = False
@@ -206,8 +207,9 @@ class AttentionVariant:
 
     @property
     def label(self) -> str:
-        opts = [n for n in ("peel", "exp2", "exact_scores") if getattr(self, n)]
+        opts = [n for n in ("peel", "exact_scores") if getattr(self, n)]
         opts += [f"tail {self.tail_n}"] if self.tail_n else []
+        opts += [] if self.exp2 else ["exp"]
         return (f"tile {self.block_m}x{self.block_n}, {self.num_warps} warps, {self.num_stages} stages"
                 + "".join(f", {n}" for n in opts))
 
@@ -259,20 +261,30 @@ F32_BLOCK_M, F32_SCORES, F32_KV = 32, 2048, 8192
 # heuristic's 64 x 64's 7.62 and 9.22); at b1 the heuristic's 16 x 128 (3.36, 4.26), then 32 x
 # 128 (3.97, 5.47). cuDNN's 64 x 128 (4 warps) had spilled where a key mask was read as a
 # [1, BLOCK_N] tile (19.2 µs at BERT b8: `attention-extra-loads`), hence its earlier absence.
+# Thirty-fourth session (H100, `attention_tiles.py --options`, exp2 in every tile): the 1-stage
+# tiles with the full key blocks unmasked and the partial one in blocks of BLOCK_N / 4
+# (`attention-peel`: "peel" below) were the fastest at b8: BERT-base 64 x 128 5.63 µs against
+# 6.05 for the best unpeeled tile (cuDNN 5.10), ViT-S 64 x 64 7.20 against 8.38 (cuDNN 5.76);
+# at b1 16 x 128 peeled 3.20 against 3.26 at BERT-base, but 6.14 against 4.10 at ViT-S (its 69
+# keys past 128 in five blocks), so both stay candidates.
+PEEL = "peel"
 ALTERNATIVES = {
     "f32": ((32, 64, 4, 2), (16, 128, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
-    "f16": ((32, 64, 4, 2), (64, 64, 4, 1), (128, 128, 8, 1), (32, 128, 4, 2), (64, 128, 4, 1), (16, 128, 4, 2),
-            (64, 64, 4, 3), (128, 64, 8, 3)),
+    "f16": ((64, 128, 4, 1, PEEL), (64, 64, 4, 1, PEEL), (32, 128, 4, 2), (16, 128, 4, 2, PEEL),
+            (128, 128, 8, 1, PEEL), (32, 64, 4, 2), (64, 64, 4, 1), (128, 128, 8, 1), (64, 128, 4, 1),
+            (16, 128, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3)),
 }
 CANDIDATES = 5  # the heuristic's tile and four others
 
 
-def _variants(tile: tuple[int, int, int, int]) -> tuple[AttentionVariant, AttentionVariant]:
-    """The tile aligned (index 0), then unaligned (index 1); V loaded after the softmax (no
-    shipped variant sets `v_first`: `attention-v-first`)."""
-    bm, bn, w, s = tile
-    return tuple(AttentionVariant(index=i, block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=i == 0)
-                 for i in range(2))
+def _variants(tile: tuple) -> tuple[AttentionVariant, AttentionVariant]:
+    """The tile (block_m, block_n, num_warps, num_stages[, PEEL]) aligned (index 0), then
+    unaligned (index 1); V loaded after the softmax (no shipped variant sets `v_first`:
+    `attention-v-first`); peeled, the partial key block in blocks of BLOCK_N / 4 (16 at least)."""
+    bm, bn, w, s, *opt = tile
+    peel = {"peel": True, "tail_n": max(16, bn // 4)} if opt == [PEEL] and bn > 16 else {}
+    return tuple(AttentionVariant(index=i, block_m=bm, block_n=bn, num_warps=w, num_stages=s, aligned=i == 0,
+                                  **peel) for i in range(2))
 
 
 def _block_m(spec: AttentionSpec, bm: int) -> int:
@@ -584,8 +596,10 @@ def _key_block(spec: AttentionSpec, variant: AttentionVariant, step, k_mask: str
             "# row's sum and Y; a +inf score makes the max +inf and its p exp(inf - inf) = NaN.",
             "m_new = tl.maximum(m_i, tl.max(s, axis=1))",
             'm_shift = tl.where(m_new == float("-inf"), 0.0, m_new)']
-    if variant.exp2:
-        out += ["# exp(x) = 2^(x log2(e)): one FMA and the ex2 an element.",
+    if variant.exp2 and dt != "f32":
+        out += ["# exp(x) = 2^(x log2(e)): one FMA and the ex2 an element (16-bit P only: the",
+                "# product s log2(e) loses |m| log2(e) 2^-24 to the subtraction, a part in 2^11 of p",
+                "# where |m| reaches 10^4, below what P's rounding to 16 bits loses).",
                 f"alpha = tl.math.exp2((m_i - m_shift) * {LOG2E!r})",
                 f"p = tl.math.exp2(tl.fma(s, {LOG2E!r}, -(m_shift * {LOG2E!r})[:, None]))"]
     else:

@@ -580,12 +580,15 @@ def test_variant_choice():
         assert cands[0][1] == attention_variants(spec)
         assert all([(v.index, v.aligned) for v in vs] == [(0, True), (1, False)] for _, vs in cands)
         assert not any(v.v_first for _, vs in cands for v in vs)  # `attention-v-first`: not shipped
-        tiles = [(v.block_m, v.block_n, v.num_warps, v.num_stages) for _, (v, _) in cands]
+        tiles = [(v.block_m, v.block_n, v.num_warps, v.num_stages, v.peel) for _, (v, _) in cands]
         assert len(set(tiles)) == n
-    # BERT-base at batch 8: the heuristic's 64 x 64, then the b8 bests of the twenty-third session
-    bert8_tiles = [(v.block_m, v.block_n, v.num_warps, v.num_stages)
+        assert all(v.tail_n == (max(16, v.block_n // 4) if v.peel else 0) for _, vs in cands for v in vs)
+    # BERT-base at batch 8: the heuristic's 64 x 64, then the thirty-fourth session's b8 and b1
+    # bests (peeled: the full key blocks without key masks)
+    bert8_tiles = [(v.block_m, v.block_n, v.num_warps, v.num_stages, v.peel)
                    for _, (v, _) in attention_candidates(_spec("f16", sq=128, batch_heads=96))]
-    assert bert8_tiles == [(64, 64, 4, 3), (32, 64, 4, 2), (64, 64, 4, 1), (128, 128, 8, 1), (32, 128, 4, 2)]
+    assert bert8_tiles == [(64, 64, 4, 3, False), (64, 128, 4, 1, True), (64, 64, 4, 1, True), (32, 128, 4, 2, False),
+                           (16, 128, 4, 2, True)]
 
 
 def test_rejected_specs():
