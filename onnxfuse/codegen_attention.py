@@ -140,6 +140,10 @@ class AttentionSpec:
     # the extra m of a Where(m, 0, P) after the softmax (a bool mask the score program need not
     # read): each p where m is true set to 0 after its row's sum took it (None: no such Where)
     zero_where: int | None = None
+    # the node's exact_scores: the scores kept in fp32 from the product through the score program
+    # to the softmax, not rounded to Q's dtype after the product and at the program's output as
+    # the original stores them (`attention-exact-scores`)
+    exact_scores: bool = False
 
     @property
     def dtype(self) -> str:
@@ -188,9 +192,6 @@ class AttentionVariant:
     # p = exp2(s * log2(e) - m * log2(e)): one FMA and the ex2 an element, for 16-bit Q only
     # (float32 keeps exp(s - m): `attention-exp2`)
     exp2: bool = True
-    # the scores kept in fp32 from the product to the softmax, not rounded to Q's dtype after the
-    # product and before the softmax as the original stores them (`attention-exact-scores`)
-    exact_scores: bool = False
     # with peel: the partial key block swept in blocks of this many keys (16, 32, ...; below
     # BLOCK_N), not one of BLOCK_N: ViT's 197 keys as 128 + 5 x 16, not 2 x 128 (`attention-peel`)
     tail_n: int = 0
@@ -207,7 +208,7 @@ class AttentionVariant:
 
     @property
     def label(self) -> str:
-        opts = [n for n in ("peel", "exact_scores") if getattr(self, n)]
+        opts = ["peel"] if self.peel else []
         opts += [f"tail {self.tail_n}"] if self.tail_n else []
         opts += [] if self.exp2 else ["exp"]
         return (f"tile {self.block_m}x{self.block_n}, {self.num_warps} warps, {self.num_stages} stages"
@@ -632,7 +633,7 @@ def _key_block(spec: AttentionSpec, variant: AttentionVariant, step, k_mask: str
 def _score_lines(spec: AttentionSpec, variant: AttentionVariant, full: bool = False) -> list[str]:
     """The score program on the tile `qk` (fp32 sums): `s`, fp32, as the original stores the
     Softmax's input (unrounded with `exact_scores`); `full`: a block with no key past SK."""
-    prog, exact = spec.program, variant.exact_scores
+    prog, exact = spec.program, spec.exact_scores
     out = ["# %0: the product, fp32" if exact else "# %0: the product as the original's MatMul stores it."]
     out.append("s0 = qk" if spec.dtype == "f32" or exact else
                f's0 = qk.to({TL_DTYPES[spec.dtype]}, fp_downcast_rounding="rtne").to(tl.float32)')

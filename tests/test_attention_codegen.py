@@ -108,6 +108,9 @@ class Case:
     # the extra whose true elements zero P after the softmax (AttentionSpec.zero_where; its kind
     # "padding": DeBERTa's mask over padded queries and keys, rows 16.. of batch 0 all masked)
     zero_where: int | None = None
+    # the node's exact_scores: the product and the score program's output kept in fp32
+    exact: bool = False
+    qk_scale: float = 1.0  # Q and K drawn N(0, qk_scale²): large scores, whose rounding shows
 
 
 # DeBERTa's XSoftmax as transformers 4 exports it: the masked scores set to the dtype's lowest,
@@ -211,6 +214,24 @@ CASES = [
     Case("f32-ieee-special-rows-tail16-zero-where", "f32", PADDED, sk=20, extras=(("padding", (2, 1, 20, 20)),),
          zero_where=0, variant=AttentionVariant(block_m=16, block_n=32, num_warps=4, num_stages=1, peel=True,
                                                 tail_n=16)),
+    # exact_scores (16-bit nodes, as onnxfuse writes them): the scores unrounded to the softmax,
+    # against a reference without those roundings; special values, causal skipping, zeroing, peeling
+    Case("f16-exact-mask-row-bias", "f16", SCALE_MASK, extras=(("additive", (2, 1, 1, 37)),), broadcast=True,
+         bias=True, exact=True),
+    Case("f16-exact-large-scores", "f16", SCALE_MASK, extras=(("additive", (2, 1, 1, 37)),), broadcast=True,
+         exact=True, qk_scale=4.0),
+    # a score program adding a large constant (softmax ignores it): its rounding to 16 bits would
+    # quantize the scores to steps of 0.5
+    Case("f16-exact-offset-scores", "f16", "input %0 {dt}\n%1 = div %0 8.0\n%2 = add %1 1000.0\noutput %2 {dt}",
+         exact=True),
+    Case("bf16-exact-offset-scores-peel", "bf16", "input %0 {dt}\n%1 = div %0 8.0\n%2 = add %1 100.0\noutput %2 {dt}",
+         exact=True, variant=dataclasses.replace(SMALL_ALIGNED, peel=True, tail_n=0)),
+    Case("f16-exact-special-rows", "f16", MASK_F32, extras=(("special", (1, 1, 20, 37)),), exact=True),
+    Case("bf16-exact-causal-skip-peel", "bf16", CAUSAL, sq=45, sk=45, extras=(("causal", (1, 1, 45, 45)),),
+         causal=True, exact=True, variant=dataclasses.replace(SMALL, peel=True, tail_n=0)),
+    Case("f16-exact-zero-where-lowest-tail16", "f16", PADDED, extras=(("padding", (2, 1, 20, 37)),), zero_where=0,
+         exact=True, variant=AttentionVariant(block_m=16, block_n=32, num_warps=4, num_stages=2, aligned=True,
+                                              peel=True, tail_n=16)),
 ]
 
 
@@ -230,7 +251,8 @@ def spec_of(i: int, case: Case) -> tuple[AttentionSpec, AttentionVariant]:
             masked = float(np.finfo(NP[prog.input_dtypes[1 + at]]).min)
     spec = AttentionSpec(f"k_attention_{i}", prog, case.d, case.dv, case.precision, nan_to_zero=case.nan_to_zero,
                          bias=(case.bias,) * 3, extras_broadcast=tuple(reads) if any(reads) else (),
-                         causal_fill=fill, causal_masked=masked, kv_group=case.kv_group, zero_where=case.zero_where)
+                         causal_fill=fill, causal_masked=masked, kv_group=case.kv_group, zero_where=case.zero_where,
+                         exact_scores=case.exact)
     return spec, case.variant or attention_variants(spec)[0]
 
 
@@ -288,9 +310,9 @@ def inputs_of(i: int, case: Case) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(base Q, K, V arrays, extras) as the node gets them."""
     rng = np.random.default_rng(7000 + i)
     dt = NP[case.dtype]
-    q = rng.standard_normal(_base_shape(case, case.sq, case.d)).astype(dt)
+    q = (rng.standard_normal(_base_shape(case, case.sq, case.d)) * case.qk_scale).astype(dt)
     hkv = case.h // case.kv_group
-    k = rng.standard_normal(_base_shape(case, case.sk, case.d, hkv)).astype(dt)
+    k = (rng.standard_normal(_base_shape(case, case.sk, case.d, hkv)) * case.qk_scale).astype(dt)
     v = rng.standard_normal(_base_shape(case, case.sk, case.dv, hkv)).astype(dt)
     spec, _ = spec_of(i, case)
     extras = []
@@ -336,9 +358,12 @@ def reference(i: int, case: Case) -> np.ndarray:
     if spec.tf32:
         q, kt, v = round_array_to_tf32(q), round_array_to_tf32(kt), round_array_to_tf32(v)
     dt = NP[case.dtype]
-    scores = np.matmul(q.astype(np.float64), kt.astype(np.float64)).astype(dt)
+    scores = np.matmul(q.astype(np.float64), kt.astype(np.float64)).astype(np.float32 if case.exact else dt)
     ex = [x.reshape((1,) * (4 - x.ndim) + x.shape) for x in extras]
-    (s,) = evaluate(spec.program, [scores, *ex])
+    prog = spec.program
+    if case.exact:  # the program's output unrounded too
+        prog = dataclasses.replace(prog, outputs=tuple((v, "f32") for v, _ in prog.outputs))
+    (s,) = evaluate(prog, [scores, *ex])
     s = s.astype(np.float64)
     with np.errstate(invalid="ignore"):
         e = np.exp(s - s.max(axis=-1, keepdims=True))
@@ -455,6 +480,18 @@ def test_attention_kernel_matches_reference(interpreted, index):
         assert nan_rows == []
     if case.zero_where is not None and case.extras[0][1][2] > 1:  # batch 0's padded queries: Y = 0
         assert not got[0, :, 16:].any() and got[1, :, 16:].any()
+
+
+@pytest.mark.parametrize("case_id", ["f16-exact-offset-scores", "bf16-exact-offset-scores-peel"])
+def test_exact_scores_cases_see_the_roundings(case_id):
+    """The offset exact_scores cases test something: their reference (scores unrounded)
+    differs from the rounded contract's by more than the tolerance, so a kernel that rounded the
+    scores would fail them."""
+    i = next(i for i, c in enumerate(CASES) if c.id == case_id)
+    case = CASES[i]
+    exact, rounded = reference(i, case), reference(i, dataclasses.replace(case, exact=False))
+    scale = float(np.abs(exact).max(initial=1.0))
+    assert np.abs(exact - rounded).max() > 4 * TOL[(case.dtype, "ieee")] * scale
 
 
 def test_tolerances_see_the_rounding():

@@ -376,6 +376,30 @@ def test_program_casts_to_f32_before_softmax(lib):
     _close(got, reference(q, k, v, [], prog, {}), "f32 scores against the reference")
 
 
+def test_exact_scores_keeps_the_scores_in_fp32(lib):
+    """exact_scores (onnxfuse writes it on 16-bit nodes): the product and the program's output
+    stay fp32 up to the softmax. A program adding 1000 to the scores (the softmax ignores it)
+    shows it: rounded to f16 there, the scores would move in steps of 0.5. The library matches
+    the numpy contract (`kinds.attention.evaluate_attention`) and a float64 reference without
+    those roundings, and is far from the rounded contract's result."""
+    from onnxfuse.kinds.attention import evaluate_attention
+
+    dt = np.float16
+    q, k, v = _x((2, 3, 9, 16), dt, 1), _x((2, 3, 16, 11), dt, 2), _x((2, 3, 11, 16), dt, 3)
+    prog = score_program(dt, [], ["%1 = div %0 4.0", "%2 = add %1 1000.0"], 2)
+    m = attention_model(q, k, v, [], prog, lambda: [], {})
+    m.graph.node[0].attribute.append(helper.make_attribute("exact_scores", 1))
+    got = run(m, {"q": q, "k": k, "v": v}, lib)
+    s = q.astype(np.float64) @ k.astype(np.float64) / 4.0
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    p = (e / e.sum(axis=-1, keepdims=True)).astype(dt).astype(np.float64)
+    _close(got, (p @ v.astype(np.float64)).astype(dt), "exact scores against float64")
+    contract = evaluate_attention(Program.from_text(prog), q, k, v, [], exact_scores=True)
+    _close(got, contract, "against the numpy contract")
+    rounded = reference(q, k, v, [], prog, {})
+    assert np.abs(got.astype(np.float64) - rounded).max() > 0.05
+
+
 def test_sk_zero_gives_zeros(lib):
     q, k, v = _x((2, 3, 5, 8), seed=1), np.zeros((2, 3, 8, 0), np.float32), np.zeros((2, 3, 0, 4), np.float32)
     prog, nodes = scale_only(0.35)

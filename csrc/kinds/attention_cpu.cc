@@ -46,6 +46,7 @@ struct AttentionKernel {
   bool nan_to_zero = false;  // attribute nan_to_zero: NaN probabilities read as 0
   int64_t zero_where = -1;   // attribute zero_where: the bool extra whose true elements zero P's
   int64_t kv_group = 1;      // attribute kv_group: query head h reads K's and V's head h / kv_group
+  bool exact_scores = false;  // attribute exact_scores: the scores kept in fp32 up to the softmax
 
   void compute(OrtKernelContext* ctx) const {
     const std::vector<TensorRef> t = read_attention_inputs(ctx, prog, /*f32_for_half=*/true, biases.count);
@@ -97,7 +98,7 @@ struct AttentionKernel {
       *b = row / (sq * g.h);
     };
 
-    // 1. the scores [B, H, Sq, Sk], rounded to Q's dtype
+    // 1. the scores [B, H, Sq, Sk], rounded to Q's dtype (fp32 with exact_scores)
     std::vector<float> s(static_cast<size_t>(rows * sk));
     if (sk > 0)
       parallel_for(ctx, rows, [&](int64_t row) {
@@ -109,11 +110,12 @@ struct AttentionKernel {
         for (int64_t j = 0; j < sk; ++j) {
           double acc = 0.0;
           for (int64_t c = 0; c < d; ++c) acc += static_cast<double>(qr[c * g.q[3]]) * kh[c * g.k[2] + j * g.k[3]];
-          out[j] = round_to(dt, static_cast<float>(acc));
+          out[j] = exact_scores ? static_cast<float>(acc) : round_to(dt, static_cast<float>(acc));
         }
       });
 
-    // 2. the score program over [batch..., Sq, Sk], rounded as it stores its output
+    // 2. the score program over [batch..., Sq, Sk], rounded as it stores its output (its output
+    //    declared fp32 at creation with exact_scores)
     std::vector<float> z(s.size()), zeroed;
     if (!s.empty()) {
       std::vector<HostTensor> in;
@@ -184,6 +186,9 @@ OrtStatus* ORT_API_CALL create_kernel(const OrtCustomOp*, const OrtApi*, const O
       k->zero_where = v;
     }
     k->kv_group = read_attention_kv_group(info);
+    k->exact_scores = get_int_attr(info, "exact_scores", &v) && v != 0;
+    if (k->exact_scores)
+      for (auto& out : k->prog.outputs) out.second = DType::F32;  // the Softmax's input unrounded
     *kernel = k.release();
     return nullptr;
   } catch (const std::exception& e) {

@@ -67,6 +67,12 @@ from onnxfuse.static import evaluate_constant
 DEFAULT_DOMAINS = ("", "ai.onnx")
 ANCHORS = frozenset({"Softmax"})
 MAX_SCORE_OPS = 16  # pointwise ops between the first MatMul and the Softmax, at most
+# Attentions whose scores stay fp32 from the product to the softmax (the node's exact_scores),
+# not rounded to their dtype twice as the original stores them: 16-bit ones, whose roundings
+# made most of the kernel's error (thirty-fourth session, H100, BERT-base and ViT-S heads: max
+# error against the math 0.0014 -> 0.00048 and 0.0011 -> 0.0003; cuDNN's 0.00043 and 0.00027)
+# and cost two conversions a score (`attention-exact-scores`)
+EXACT_SCORES_DTYPES = frozenset({"f16", "bf16"})
 
 # Reasons in the report (Softmax node -> why it did not fuse as attention); the first three say
 # only that the Softmax is not an attention's: the rows kind's reason for it, if any, replaces them.
@@ -183,6 +189,7 @@ class AttentionInfo:
     causal_masked: float | None = None  # AttentionSpec.causal_masked
     kv_group: int = 1  # AttentionParts.kv_group
     zero_where: int | None = None  # the extra that is AttentionParts.zero_where (AttentionSpec.zero_where)
+    exact_scores: bool = False  # AttentionSpec.exact_scores: 16-bit attentions' scores unrounded
 
 
 def _same_known_shape(view: GraphView, a: str, b: str) -> bool:
@@ -700,11 +707,13 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
             reads = (*reads, _read_of(view, parts.zero_where))
     info = AttentionInfo(parts.rank, parts.q.perm, parts.k.perm, parts.v.perm, parts.perm_y, parts.head_d,
                          parts.head_dv, parts.batch_heads, parts.sq, parts.sk, parts.nan_to_zero,
-                         tuple(bool(o.bias) for o in qkv), reads, fill, masked, parts.kv_group, zero)
+                         tuple(bool(o.bias) for o in qkv), reads, fill, masked, parts.kv_group, zero,
+                         exact_scores=dt in EXACT_SCORES_DTYPES)
     attrs = {"perm_q": list(info.perm_q), "perm_k": list(info.perm_k), "perm_v": list(info.perm_v),
              "perm_y": list(info.perm_y), **({"nan_to_zero": 1} if info.nan_to_zero else {}),
              **({"kv_group": info.kv_group} if info.kv_group > 1 else {}),
-             **({"zero_where": info.zero_where} if info.zero_where is not None else {})}
+             **({"zero_where": info.zero_where} if info.zero_where is not None else {}),
+             **({"exact_scores": 1} if info.exact_scores else {})}
     key = (f"attention rank={info.rank} perm_q={info.perm_q} perm_k={info.perm_k} perm_v={info.perm_v} "
            f"perm_y={info.perm_y} D={info.head_d} Dv={info.head_dv} BH={info.batch_heads} Sq={info.sq} "
            f"Sk={info.sk}")
@@ -714,6 +723,8 @@ def lower_attention(view: GraphView, match: Match, node_name: str, names: set[st
         key += f" kv_group={info.kv_group}"
     if info.zero_where is not None:
         key += f" zero_where={info.zero_where}"
+    if info.exact_scores:
+        key += " exact_scores"
     if any(info.extras_broadcast):
         key += f" extras_broadcast={info.extras_broadcast}"
     if info.causal_fill is not None:
@@ -967,7 +978,8 @@ class Attention(Kind):
         a: AttentionInfo = f.params
         return AttentionSpec(f.kernel_name, f.program, a.head_d, a.head_dv, precision, a.batch_heads, a.sq, a.sk,
                              f.source_nodes, a.rank, (a.perm_q, a.perm_k, a.perm_v, a.perm_y), a.nan_to_zero,
-                             a.bias, a.extras_broadcast, a.causal_fill, a.causal_masked, a.kv_group, a.zero_where)
+                             a.bias, a.extras_broadcast, a.causal_fill, a.causal_masked, a.kv_group, a.zero_where,
+                             a.exact_scores)
 
     def decline_reason(self, spec: AttentionSpec, layout: str) -> str | None:
         """Tensors of more than 2**31 - 1 elements (32-bit index parameters), where static."""
@@ -1021,7 +1033,8 @@ class Attention(Kind):
         rank = q.ndim
         perms = [tuple(attrs.get(f"perm_{w}", range(rank))) for w in "qkvy"]
         return [evaluate_attention(program, q, k, v, extras, *perms, nan_to_zero=bool(attrs.get("nan_to_zero", 0)),
-                                   kv_group=int(attrs.get("kv_group", 1)), zero_where=attrs.get("zero_where"))]
+                                   kv_group=int(attrs.get("kv_group", 1)), zero_where=attrs.get("zero_where"),
+                                   exact_scores=bool(attrs.get("exact_scores", 0)))]
 
 
 def add_bias(x: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
@@ -1048,8 +1061,9 @@ def unpack(x: np.ndarray, split) -> np.ndarray:
 
 def evaluate_attention(program: Program, q: np.ndarray, k: np.ndarray, v: np.ndarray, extras: list[np.ndarray],
                        perm_q=None, perm_k=None, perm_v=None, perm_y=None, nan_to_zero: bool = False,
-                       kv_group: int = 1, zero_where: int | None = None) -> np.ndarray:
-    """A FusedAttention node's output (docs/format.md) in numpy."""
+                       kv_group: int = 1, zero_where: int | None = None, exact_scores: bool = False) -> np.ndarray:
+    """A FusedAttention node's output (docs/format.md) in numpy; `exact_scores`: the product
+    and the program's output not rounded to their dtypes (fp32)."""
     lq, lk, lv = (a if p is None else np.transpose(a, p) for a, p in ((q, perm_q), (k, perm_k), (v, perm_v)))
     if kv_group > 1:  # query head h reads key-value head h // kv_group
         lk, lv = np.repeat(lk, kv_group, axis=1), np.repeat(lv, kv_group, axis=1)
@@ -1058,7 +1072,9 @@ def evaluate_attention(program: Program, q: np.ndarray, k: np.ndarray, v: np.nda
         shape = np.broadcast_shapes(lq.shape[:-2], lv.shape[:-2]) + (lq.shape[-2], lv.shape[-1])
         y0 = np.zeros(shape, dt)
         return y0 if perm_y is None else np.ascontiguousarray(np.transpose(y0, perm_y))
-    s = np.matmul(lq.astype(np.float64), lk.astype(np.float64)).astype(dt)
+    s = np.matmul(lq.astype(np.float64), lk.astype(np.float64)).astype(np.float32 if exact_scores else dt)
+    if exact_scores:
+        program = dataclasses.replace(program, outputs=tuple((v, "f32") for v, _ in program.outputs))
     (x,) = evaluate(program, [s, *extras])
     x = np.broadcast_to(x, s.shape).astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
