@@ -16,7 +16,10 @@ rows and columns of a tile then hold the bias instead of 0: keys past Sk are mas
 the scores (their p is 0), and query rows past Sq are never stored; padded head dims stay 0.
 
 Per key block: the K^T tile [HEAD_D, BLOCK_N] and `tl.dot` with the Q tile (loaded once), fp32
-sums; %0 is that product rounded to Q's dtype, as the original's MatMul stores it; the score
+sums; %0 is that product rounded to Q's dtype, as the original's MatMul stores it (kept fp32
+with the node's `exact_scores`, and so is the program's output below: the two roundings make
+most of a 16-bit kernel's error against the math; not written by default,
+`kinds.attention.EXACT_SCORES_DTYPES`); the score
 program on the [BLOCK_M, BLOCK_N] tile in fp32, its extras read through their four strides over
 [B, H, Sq, Sk] (0 on a broadcast dim; a bool extra as int8, != 0; one whose static shape has 1
 on the query or key dim loaded as the vector over the keys or queries it is, then broadcast:
@@ -64,8 +67,10 @@ max, but the NaN reaches the sum through p); a +inf score makes the max +inf and
 exp(inf - inf) NaN, so the row is NaN, as numpy's and ONNX Runtime's softmax give.
 
 The exps are `tl.exp` (ex2.approx of x * log2(e) on the GPU: a few ulp where the probability
-matters, the arguments being <= 0). Not yet timed on a GPU. Compiled for sm_90 on the CPU
-(ptxas -v on the PTX, the heuristic's tiles, an additive mask): both products on wgmma, no
+matters, the arguments being <= 0); for 16-bit Q, exp2 of s * log2(e) - m * log2(e), one FMA
+(`AttentionVariant.exp2`). With `peel`, the key blocks wholly inside Sk run without key masks
+and the partial one after them (in blocks of `tail_n` keys where set). Compiled for sm_90 on
+the CPU (ptxas -v on the PTX, the heuristic's tiles, an additive mask): both products on wgmma, no
 spills; float16 D 64 (128 x 64, 8 warps) 209 registers, float32 tf32 D 64 (64 x 32, 4 warps)
 205, D 128 254 and 255. Every stride is a run-time value (the ABI), so a unit stride along D is
 not known to the compiler: float16 / bfloat16 tiles are loaded element by element (ld.global.b16,

@@ -85,7 +85,24 @@ def test_attention_becomes_one_node(mask, scale):
 
 def test_float16_attention():
     m = _heads("add", dtype="float16")
-    check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS, rtol=1e-2)
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS, rtol=1e-2)
+    node = next(n for n in r.model.graph.node if n.op_type == "FusedAttention")
+    assert "exact_scores" not in {a.name for a in node.attribute}  # off by default (EXACT_SCORES_DTYPES)
+
+
+def test_float16_attention_with_exact_scores(monkeypatch):
+    """Where EXACT_SCORES_DTYPES holds the dtype, the node says exact_scores; its numpy contract
+    (check_fusion's program check) and the library's CPU kernel stay within fp16's tolerance of
+    the original."""
+    from onnxfuse.kinds import attention
+    from tests.util import check_library
+
+    monkeypatch.setattr(attention, "EXACT_SCORES_DTYPES", frozenset({"f16"}))
+    m = _heads("add", dtype="float16")
+    r = check_fusion(m, expect_fused=1, feeds=_feeds(m), patterns=PATTERNS, rtol=1e-2)
+    node = next(n for n in r.model.graph.node if n.op_type == "FusedAttention")
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["exact_scores"] == 1
+    check_library(m, r.model, "float16")
 
 
 def test_keys_transposed_twice_and_output_left_as_heads():

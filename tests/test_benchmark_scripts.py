@@ -279,7 +279,7 @@ def test_gemm_tile_and_structure_sweeps_dry_run(script):
     workload, plain and split K; the TMA-descriptor and persistent structures; the residual +
     LayerNorm row kernel at each tile tuning can time, fp16 and fp32; FusedAttention with BERT's
     key mask, GPT-2's causal one and ViT's odd sequence, V loaded after the softmax and first, and
-    with the inner-loop options peel, exact_scores and a tail together and with tl.exp; the
+    with the inner-loop options peel, exact scores and a tail together and with tl.exp; the
     FFN bias + GELU chains in their row and plain launches) runs small
     under Triton's interpreter within the output dtype's rounding of the float64 result (the
     scripts raise otherwise)."""
