@@ -592,7 +592,7 @@ def _key_block(spec: AttentionSpec, variant: AttentionVariant, step, k_mask: str
     if spec.tf32:
         out += ["kt = round_to_tf32(kt)"]
     out += [f"qk = {_dot(spec, 'q', 'kt')}"]
-    out += _score_lines(spec, variant, full)
+    out += _score_lines(spec, full)
     if not full:
         out += ["s = tl.where(col_ok[None, :], s, float(\"-inf\"))  # keys past SK take no share"]
     out += ["",
@@ -603,16 +603,15 @@ def _key_block(spec: AttentionSpec, variant: AttentionVariant, step, k_mask: str
             "m_new = tl.maximum(m_i, tl.max(s, axis=1))",
             'm_shift = tl.where(m_new == float("-inf"), 0.0, m_new)']
     if variant.exp2 and dt != "f32":
-        out += ["# exp(x) = 2^(x log2(e)): one FMA and the ex2 an element (16-bit P only: the",
-                "# product s log2(e) loses |m| log2(e) 2^-24 to the subtraction, a part in 2^11 of p",
-                "# where |m| reaches 10^4, below what P's rounding to 16 bits loses).",
+        out += ["# exp(x) = 2^(x log2(e)): one FMA and the ex2 an element (16-bit P only: the product",
+                "# s log2(e) loses up to |m| log2(e) 2^-24 of p to the subtraction, less than P's rounding",
+                "# to fp16 (2^-11) while |m| < 5000).",
                 f"alpha = tl.math.exp2((m_i - m_shift) * {LOG2E!r})",
                 f"p = tl.math.exp2(tl.fma(s, {LOG2E!r}, -(m_shift * {LOG2E!r})[:, None]))"]
     else:
         out += ["alpha = tl.exp(m_i - m_shift)",
                 "p = tl.exp(s - m_shift[:, None])"]
-    out += [
-            "l_i = l_i * alpha + tl.sum(p, axis=1)",
+    out += ["l_i = l_i * alpha + tl.sum(p, axis=1)",
             "acc = acc * alpha[:, None]",
             "m_i = m_new"]
     if spec.zero_where is not None:
@@ -635,7 +634,7 @@ def _key_block(spec: AttentionSpec, variant: AttentionVariant, step, k_mask: str
                 f'acc = tl.dot(p.to({TL_DTYPES[dt]}, fp_downcast_rounding="rtne"), v, acc)']
     return out
 
-def _score_lines(spec: AttentionSpec, variant: AttentionVariant, full: bool = False) -> list[str]:
+def _score_lines(spec: AttentionSpec, full: bool = False) -> list[str]:
     """The score program on the tile `qk` (fp32 sums): `s`, fp32, as the original stores the
     Softmax's input (unrounded with `exact_scores`); `full`: a block with no key past SK."""
     prog, exact = spec.program, spec.exact_scores
@@ -675,7 +674,8 @@ def _score_lines(spec: AttentionSpec, variant: AttentionVariant, full: bool = Fa
     out += _program_lines(prog, value_of, "t")
     v, dt = prog.outputs[0]
     val = value_of(v) if v < len(prog.input_dtypes) else f"t{v}"
-    out.append("# The Softmax's input as the original stores it, widened to fp32.")
+    out.append("# The Softmax's input, fp32." if exact
+               else "# The Softmax's input as the original stores it, widened to fp32.")
     if dt == "f32" or exact:
         out.append(f"s = {val}")
     else:
