@@ -694,6 +694,25 @@ def test_key_mask_row_does_not_spill(tmp_path):
     assert not [ln for ln in sass if re.search(r"\b(LDL|STL)\b", ln)]
 
 
+def test_peeled_candidates_compile_without_spills(tmp_path):
+    """Tuning's first peeled candidate, 64 x 128 (1 stage, the partial block in blocks of 32), at
+    ViT-S/16's shape (197 keys, the packed bias) and BERT-base's (the key mask row): wgmma, no
+    local loads or stores (peeled with its partial block under an `if` and tl.exp, ViT's spilled
+    38 times in the thirty-fourth session's SASS count)."""
+    pytest.importorskip("triton")
+    from onnxfuse.codegen_attention import ALTERNATIVES, _variants
+
+    tile = ALTERNATIVES["f16"][0]
+    for kw in (dict(batch_heads=48, sq=197, sk=197, bias=(True,) * 3),
+               dict(batch_heads=96, sq=128, sk=128, bias=(True,) * 3, extras_broadcast=("m",))):
+        variant = _variants(tile)[0]
+        assert (variant.peel, variant.tail_n) == (True, 32)
+        ks = generate_attention(_spec("f16", **kw), variant)
+        sass = sass_lines(compile_sm90(ks, tmp_path).asm["cubin"], tmp_path)
+        assert any("HGMMA" in ln for ln in sass)
+        assert not [ln for ln in sass if re.search(r"\b(LDL|STL)\b", ln)]
+
+
 def test_zero_where_compiles_for_sm90_without_spills(tmp_path):
     """DeBERTa-v3-base's attention (fp16, 12 heads of 64, a [B, 1, S, S] padding mask read as a
     tile for the score program and again for Where(m, 0, P)) on the b8 heuristic tile: ptxas
