@@ -76,16 +76,16 @@ def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, options=OPTIONS):
     out = []
     for i, tile in enumerate(tiles):
         for k, opt in enumerate(options):
-            flags = {f: True for f in opt.split("+") if f and not f.startswith("tail")}
-            tails = [int(f[4:]) for f in opt.split("+") if f.startswith("tail")]
-            if not set(flags) <= set(FLAGS) or any(t >= tile[1] for t in tails):
+            parts = {f for f in opt.split("+") if f}
+            tails = [int(f[4:]) for f in parts if f.startswith("tail")]
+            names = {f for f in parts if not f.startswith("tail")}
+            if not names <= set(FLAGS) or any(t >= tile[1] for t in tails):
                 raise SystemExit(f"attention_tiles: options {opt!r}: each of {FLAGS} or tailN (N < BLOCK_N), "
                                  "joined by '+'")
+            flags = {f: True for f in names & {"v_first", "peel"}}
             flags.update({"tail_n": tails[0]} if tails else {})
-            if "exp" in flags:  # tl.exp, not exp2 (the shipped kernels' exp2 is on)
-                flags.pop("exp")
-                flags["exp2"] = False
-            exact = bool(flags.pop("exact", False))
+            flags.update({"exp2": False} if "exp" in names else {})  # tl.exp, not the shipped exp2
+            exact = "exact" in names
             name = f"onnxfuse_attention_tiles_{workload}_b{batch}_{i}_{k}"
             v = dataclasses.replace(_variants(tile)[0], **flags)  # the tile as tuning builds it, aligned
             ks = generate_attention(spec(workload, batch, name, exact_scores=exact), v)
