@@ -106,11 +106,100 @@ def ptr_persistent_kernel(a_ptr, b_ptr, bias_ptr, y_ptr, M, N, K, BLOCK_M: tl.co
         tl.store(y_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], bias_gelu(acc, bias), mask=mask)
 
 
+@triton.jit
+def ws_tiles(a_desc, b_desc, y_desc, bias_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
+             STAGES: tl.constexpr):
+    """Warp-specialized tiles (Triton's automatic warp specialization, which Hopper has had since
+    Triton 3.5 at 4 warps): a producer warp issues the TMA loads of A and of B (K-major: [N, K],
+    as the packed weights would be), the consumer warps run wgmma and the epilogue. Persistent:
+    the loop over tiles is specialized (a tile's epilogue overlaps the next tile's loads); else
+    the K loop of one tile a program."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    if PERSISTENT:
+        for tile_id in tl.range(tl.program_id(0), num_tiles_of(M, N, BLOCK_M, BLOCK_N), NUM_SMS,
+                                warp_specialize=True, num_stages=STAGES):
+            pid_m, pid_n = tile_of(tile_id, num_pid_m, num_pid_n, GROUP_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k in range(k_tiles):
+                a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+                b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+                acc = tl.dot(a, b.T, acc)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+            y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], bias_gelu(acc, bias))
+    else:
+        pid_m, pid_n = tile_of(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in tl.range(k_tiles, warp_specialize=True, num_stages=STAGES):
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
+            acc = tl.dot(a, b.T, acc)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], bias_gelu(acc, bias))
+
+
+@triton.jit
+def num_tiles_of(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    return tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+
+
+@triton.jit
+def desc_ws_kernel(a_ptr, bt_ptr, bias_ptr, y_ptr, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
+                   STAGES: tl.constexpr):
+    """`ws_tiles` through device-side descriptors (what an AOT launcher without host-side
+    cuTensorMapEncode would run; each program writes its three descriptors first)."""
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[K, 1], block_shape=[BLOCK_M, BLOCK_K])
+    b_desc = tl.make_tensor_descriptor(bt_ptr, shape=[N, K], strides=[K, 1], block_shape=[BLOCK_N, BLOCK_K])
+    y_desc = tl.make_tensor_descriptor(y_ptr, shape=[M, N], strides=[N, 1], block_shape=[BLOCK_M, BLOCK_N])
+    ws_tiles(a_desc, b_desc, y_desc, bias_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PERSISTENT, NUM_SMS,
+             STAGES)
+
+
+@triton.jit
+def host_ws_kernel(a_desc, b_desc, bias_ptr, y_desc, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PERSISTENT: tl.constexpr, NUM_SMS: tl.constexpr,
+                   STAGES: tl.constexpr):
+    """`ws_tiles` through descriptors encoded on the host (passed as kernel parameters)."""
+    ws_tiles(a_desc, b_desc, y_desc, bias_ptr, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, PERSISTENT, NUM_SMS,
+             STAGES)
+
+
 STRUCTURES = {"desc": (desc_kernel, False), "desc-persistent": (desc_kernel, True),
               "ptr-persistent": (ptr_persistent_kernel, True)}
+# the warp-specialized ones: (kernel, persistent, descriptors made on the host); B passed K-major
+WS_STRUCTURES = {"desc-ws": (desc_ws_kernel, False, False), "desc-persistent-ws": (desc_ws_kernel, True, False),
+                 "host-ws": (host_ws_kernel, False, True), "host-persistent-ws": (host_ws_kernel, True, True)}
 TILES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
          (128, 64, 64, 4, 4), (64, 256, 64, 4, 3)]
-SHAPES = {"ffn1_b8": (1024, 768, 3072), "ffn1_b1": (128, 768, 3072), "qkv_b8_gelu": (1024, 768, 2304)}
+# Hopper's warp specialization takes 4 warps (at 8 Triton leaves the loop unspecialized)
+WS_TILES = [(128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
+            (128, 256, 64, 4, 3), (64, 256, 64, 4, 3), (128, 128, 128, 4, 3)]
+SHAPES = {"ffn1_b8": (1024, 768, 3072), "ffn1_b1": (128, 768, 3072), "qkv_b8_gelu": (1024, 768, 2304),
+          "proj_b8_gelu": (1024, 768, 768), "ffn2_b8_gelu": (1024, 3072, 768)}
+
+
+def ws_launcher(kern, persistent: bool, host: bool, m: int, k: int, n: int, tile: tuple, sms: int):
+    """A callable (x, w_t, b, y) launching a warp-specialized structure at one tile, w_t = W^T
+    ([N, K], contiguous); with host descriptors, encoded at each call (as a launcher would)."""
+    bm, bn, bk, warps, stages = tile
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
+    grid = (min(sms, tiles) if persistent else tiles,)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=persistent, NUM_SMS=sms, STAGES=stages,
+                num_warps=warps)
+
+    def launch(x, w_t, b, y):
+        if host:
+            from triton.tools.tensor_descriptor import TensorDescriptor
+            kern[grid](TensorDescriptor.from_tensor(x, [bm, bk]), TensorDescriptor.from_tensor(w_t, [bn, bk]), b,
+                       TensorDescriptor.from_tensor(y, [bm, bn]), m, n, k, **meta)
+        else:
+            kern[grid](x, w_t, b, y, m, n, k, **meta)
+    return launch
 
 
 def dry_run() -> list[dict]:
@@ -131,12 +220,20 @@ def dry_run() -> list[dict]:
         tiles = triton.cdiv(m, 32) * triton.cdiv(n, 32)
         kern[(3 if persistent else tiles,)](x, w, b, y, m, n, k, BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2,
                                             PERSISTENT=persistent, NUM_SMS=3)
-        err, bound = float((y.double() - ref).abs().max()), float(ref.abs().max()) * 2.0**-10
-        rows.append({"kernel": name, "err": err, "bound": bound})
-        print(f"{name:16} err {err:.2g} (bound {bound:.2g})")
-        if not err <= bound:
-            raise AssertionError(f"{name}: error {err:.3g} above {bound:.3g}")
+        rows.append(_checked(name, y, ref))
+    for name, (kern, persistent, host) in WS_STRUCTURES.items():
+        y = torch.zeros(m, n, dtype=torch.float16)
+        ws_launcher(kern, persistent, host, m, k, n, (32, 32, 32, 4, 2), 3)(x, w.t().contiguous(), b, y)
+        rows.append(_checked(name, y, ref))
     return rows
+
+
+def _checked(name: str, y, ref) -> dict:
+    err, bound = float((y.double() - ref).abs().max()), float(ref.abs().max()) * 2.0**-10
+    print(f"{name:20} err {err:.2g} (bound {bound:.2g})")
+    if not err <= bound:
+        raise AssertionError(f"{name}: error {err:.3g} above {bound:.3g}")
+    return {"kernel": name, "err": err, "bound": bound}
 
 
 def main() -> None:
@@ -144,6 +241,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--copies", type=int, default=12)
     ap.add_argument("--rep", type=int, default=50)
+    ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
+    ap.add_argument("--structures", default="all", help="'ws' for the warp-specialized ones only")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU: run each structure small under Triton's interpreter (TRITON_INTERPRET=1)")
     args = ap.parse_args()
@@ -155,7 +254,8 @@ def main() -> None:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
     rows = []
-    for shape, (m, k, n) in SHAPES.items():
+    for shape in args.shapes.split(","):
+        m, k, n = SHAPES[shape]
         gen = torch.Generator(device="cuda").manual_seed(3)
         sets = [((torch.randn(m, k, generator=gen, device="cuda")).half(),
                  (torch.randn(k, n, generator=gen, device="cuda") / math.sqrt(k)).half(),
@@ -168,7 +268,7 @@ def main() -> None:
                                 return_mode="median") * 1e3
         # ORT's MatMul + BiasGelu, as torch: the product, then bias + exact GELU in one kernel is not
         # available, so the peer here is cuBLAS's product alone (add BiasGelu's CUPTI 6.4 us at b8)
-        for name, (kern, persistent) in STRUCTURES.items():
+        for name, (kern, persistent) in (STRUCTURES.items() if args.structures == "all" else ()):
             for bm, bn, bk, w_, s in TILES:
                 label = f"{name} {bm}x{bn}x{bk} w{w_} s{s}"
                 tiles = triton.cdiv(m, bm) * triton.cdiv(n, bn)
@@ -192,6 +292,34 @@ def main() -> None:
                              "cublas_mm_us": mm, "tflops": 2.0 * m * n * k / (us * 1e-6) / 1e12})
                 print(f"{shape:12} {label:36} {us:7.2f} us {rows[-1]['tflops']:5.0f} TF/s  cuBLAS mm {mm:6.2f} "
                       f"({mm / us:.2f}x)  err {err:.2g}", flush=True)
+        lt = do_bench_cudagraph(cycled(sets, lambda x, w, b: torch._addmm_activation(b, x, w, use_gelu=True)),
+                                rep=args.rep, return_mode="median") * 1e3
+        lt_err = float((torch._addmm_activation(b, x, w, use_gelu=True).double() - ref).abs().max())
+        rows.append({"shape": shape, "m": m, "k": k, "n": n, "kernel": "cublasLt bias+gelu(tanh)", "us": lt,
+                     "err": lt_err, "cublas_mm_us": mm})
+        print(f"{shape:12} {'cublasLt bias + tanh-GELU epilogue':36} {lt:7.2f} us  cuBLAS mm {mm:6.2f}  "
+              f"err {lt_err:.2g}", flush=True)
+        ws_sets = [(x, w.t().contiguous(), b) for x, w, b in sets]
+        for name, (kern, persistent, host) in WS_STRUCTURES.items():
+            for tile in WS_TILES:
+                label = f"{name} {tile[0]}x{tile[1]}x{tile[2]} w{tile[3]} s{tile[4]}"
+                launch = ws_launcher(kern, persistent, host, m, k, n, tile, sms)
+                outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in ws_sets]
+                try:
+                    launch(*ws_sets[0], outs[0])
+                    torch.cuda.synchronize()
+                    err = float((outs[0].double() - ref).abs().max())
+                    us = do_bench_cudagraph(cycled(ws_sets, launch, outs), rep=args.rep, return_mode="median") * 1e3
+                except Exception as e:  # noqa: BLE001 -- reported
+                    rows.append({"shape": shape, "kernel": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                    print(shape, label, "ERROR", rows[-1]["error"], flush=True)
+                    continue
+                rows.append({"shape": shape, "m": m, "k": k, "n": n, "kernel": label, "us": us, "err": err,
+                             "cublas_mm_us": mm, "tflops": 2.0 * m * n * k / (us * 1e-6) / 1e12})
+                print(f"{shape:12} {label:36} {us:7.2f} us {rows[-1]['tflops']:5.0f} TF/s  cuBLAS mm {mm:6.2f} "
+                      f"({mm / us:.2f}x)  err {err:.2g}", flush=True)
+        if args.json:  # after every shape: a run cut off keeps what it timed
+            args.json.write_text(json.dumps({"rows": rows}, indent=1))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
 
