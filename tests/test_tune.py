@@ -346,6 +346,40 @@ def test_a_slower_optimized_model_gives_back_the_original(monkeypatch):
     assert any(k.startswith(tuning.KEPT_ORIGINAL) for k in r.report.not_fused)
 
 
+def test_a_library_that_cannot_load_stops_tuning_before_any_timing(monkeypatch, tmp_path):
+    """ONNXFUSE_LIBRARY naming no file: tuning fails at once, naming it (`onnxfuse optimize` warns
+    "not tuned: ..." and keeps the heuristics' model, or with --tune exits with it), instead of every
+    candidate failing to load and the original written as "slower"."""
+    m = vgg_stack(2, 8, 3, 16)
+    r, before = _optimized(m)
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 + _fused_nodes(mm))
+    monkeypatch.setattr(tuning.Timer, "time", lambda *a, **k: pytest.fail("timed without a library"))
+    missing = tmp_path / "libonnxfuse_ops.so"
+    monkeypatch.setenv("ONNXFUSE_LIBRARY", str(missing))
+    with pytest.raises(OnnxfuseError, match=f"custom-op library cannot be used .*ONNXFUSE_LIBRARY={missing} does not"):
+        _tune(r, before)
+    assert r.fused  # nothing decided
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_missing_library_leaves_the_heuristics_model_or_stops_tune(monkeypatch, tmp_path, explicit):
+    """Through the tune pass: a warning and the heuristics' fused model (tuning was the default),
+    or, asked for with --tune, an error naming the library."""
+    from onnxfuse.pipeline import build_options, tune_pass
+
+    r, before = _optimized(vgg_stack(2, 8, 3, 16))
+    r.before_compile = before
+    monkeypatch.setenv("ONNXFUSE_LIBRARY", str(tmp_path / "missing.so"))
+    opts = dataclasses.replace(build_options(target="sm_90"), tune=dataclasses.replace(CPU, explicit=explicit))
+    if explicit:
+        with pytest.raises(OnnxfuseError, match="^--tune: the custom-op library cannot be used"):
+            tune_pass(r, opts)
+        return
+    with pytest.warns(OnnxfuseWarning, match="not tuned: the custom-op library cannot be used"):
+        out = tune_pass(r, opts)
+    assert out.fused and _fused_nodes(out.model) == len(out.fused)
+
+
 def test_per_node_decisions_that_slow_the_model_are_dropped(monkeypatch):
     """The model from before the per-node decisions is kept when it is the faster one."""
     m = vgg_stack(2, 8, 3, 16)
