@@ -18,8 +18,9 @@ it beside the gs graph and puts it back on export:
 - the model's other fields (IR version, opset imports, producer, doc string, metadata_props,
   model version), the graph's metadata_props, and the graph inputs' and outputs' own
   ValueInfoProtos (doc strings, denotations) are the source model's;
-- initializers stay the TensorProtos they were (gs `LazyValues`: external data stays
-  external, bytes unchanged); new ones join the same way (`constant`).
+- initializers stay the TensorProtos they were (gs `LazyValues` of the source model's own
+  protos, not copied on import: external data stays external, bytes unchanged); new ones join
+  the same way (`constant`).
 Export is deterministic: the same graph gives the same bytes.
 """
 
@@ -83,7 +84,9 @@ def import_model(model: ModelProto) -> Model:
     shell = ModelProto()
     shell.ir_version = model.ir_version
     shell.opset_import.extend(model.opset_import)
-    shell.graph.CopyFrom(model.graph)
+    # the graph without its initializers, which become Constants of the source's own TensorProtos
+    # below (gs's LazyValues: no copy of the weights for each pass that imports the model)
+    copy_fields(model.graph, shell.graph, skip="initializer")
     kept: list[int] = []  # nodes whose proto export needs
     read: set[str] = set()
     binary: dict[int, dict[str, bytes | list[bytes]]] = {}
@@ -106,6 +109,12 @@ def import_model(model: ModelProto) -> Model:
             kept.append(i)
     with _quiet():
         graph = gs.import_onnx(shell)
+    tensors = graph.tensors()
+    for t in model.graph.initializer:  # as gs imports an initializer, but of the source's proto
+        v = tensors.get(t.name)
+        if isinstance(v, gs.Variable):
+            v.to_constant(LazyValues(t))
+            v.data_location = int(t.data_location) if t.HasField("data_location") else None
     nodes = graph.nodes
     if len(nodes) != len(model.graph.node):
         raise AssertionError("onnx-graphsurgeon imported a different number of nodes")
@@ -115,6 +124,19 @@ def import_model(model: ModelProto) -> Model:
         nodes[i].attrs.update(attrs)
     unread = tuple(t.name for t in model.graph.initializer if t.name not in read)
     return Model(graph, model, unread)
+
+
+def copy_fields(src, dst, skip: str) -> None:
+    """Every set field of message `src` but `skip` into `dst` (repeated ones appended)."""
+    for fd, value in src.ListFields():
+        if fd.name == skip:
+            continue
+        if hasattr(value, "extend"):  # a repeated field
+            getattr(dst, fd.name).extend(value)
+        elif fd.message_type is not None:
+            getattr(dst, fd.name).CopyFrom(value)
+        else:
+            setattr(dst, fd.name, value)
 
 
 def all_names(model: ModelProto) -> set[str]:
@@ -299,7 +321,11 @@ def cleanup(m: Model, toposort: bool = True) -> None:
 
 def export_model(m: Model) -> ModelProto:
     """The model: the gs graph as the main graph, everything else as the source model has
-    it (functions included: the caller adjusts them)."""
+    it (functions included: the caller adjusts them). The source is not changed (gs's exporter
+    names an imported Constant's TensorProto after the tensor: a renamed one gets a copy)."""
+    for t in m.graph.tensors().values():
+        if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues) and t._values.tensor.name != t.name:
+            t._values = LazyValues(renamed(t._values.tensor, t.name))
     with _quiet():
         out = gs.export_onnx(m.graph, do_type_check=False)
     src = m.source
@@ -324,11 +350,13 @@ def export_model(m: Model) -> ModelProto:
     inits = sorted([*g.initializer, *(t for t in sg.initializer if t.name in unread)],
                    key=lambda t: order.get(t.name, len(order)))
     if [t.name for t in inits] != [t.name for t in g.initializer]:
-        copies = [TensorProto() for _ in inits]
-        for c, t in zip(copies, inits, strict=True):
-            c.CopyFrom(t)
-        del g.initializer[:]
-        g.initializer.extend(copies)
+        # into a new model: protobuf (upb) frees a message's memory only with its whole tree, so
+        # initializers removed from `out` would hold a copy of the weights for as long as it lives
+        fresh = ModelProto()
+        copy_fields(out, fresh, skip="graph")
+        copy_fields(g, fresh.graph, skip="initializer")
+        fresh.graph.initializer.extend(inits)
+        out, g = fresh, fresh.graph
     # the graph's inputs and outputs as they were (no pass changes them): gs drops an input
     # that is also an initializer (an overridable default) and rebuilds the others' types
     for own, mine in ((sg.input, g.input), (sg.output, g.output)):

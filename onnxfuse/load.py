@@ -21,6 +21,7 @@ from onnx import ModelProto, numpy_helper
 
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.files import record_read
+from onnxfuse.ir import copy_fields
 
 # Oldest and newest default-domain opsets the optimizer accepts.
 MIN_OPSET = 7
@@ -306,8 +307,8 @@ def _ort_symbolic_shapes(light: ModelProto) -> ModelProto | None:
     except Exception:  # noqa: BLE001 -- onnxruntime or sympy not installed
         return None
     shaped = ModelProto()  # the weights' stand-ins as graph inputs: it reads their shapes, never their values
-    _copy_fields(light, shaped, skip="graph")
-    _copy_fields(light.graph, shaped.graph, skip="initializer")
+    copy_fields(light, shaped, skip="graph")
+    copy_fields(light.graph, shaped.graph, skip="initializer")
     for t in light.graph.initializer:
         if t.data_location == onnx.TensorProto.EXTERNAL and any(
                 e.key == "location" and e.value == PLACEHOLDER for e in t.external_data):
@@ -417,9 +418,9 @@ def light_copy(model: ModelProto) -> ModelProto:
     """A copy of `model` whose initializers of more than 4096 bytes are empty stand-ins (name,
     type and shape kept): what shape inference reads of them, without copying the weights."""
     light = ModelProto()
-    _copy_fields(model, light, skip="graph")  # field by field: the weights are never read
+    copy_fields(model, light, skip="graph")  # field by field: the weights are never read
     g, lg = model.graph, light.graph
-    _copy_fields(g, lg, skip="initializer")
+    copy_fields(g, lg, skip="initializer")
     for t in g.initializer:
         if declared_bytes(t) <= 4096:
             lg.initializer.add().CopyFrom(t)
@@ -428,19 +429,6 @@ def light_copy(model: ModelProto) -> ModelProto:
             stand_in.dims.extend(t.dims)
             _make_placeholder(stand_in)
     return light
-
-
-def _copy_fields(src, dst, skip: str) -> None:
-    """Every set field of message `src` but `skip` into `dst` (repeated ones appended)."""
-    for fd, value in src.ListFields():
-        if fd.name == skip:
-            continue
-        if hasattr(value, "extend"):  # a repeated field
-            getattr(dst, fd.name).extend(value)
-        elif fd.message_type is not None:
-            getattr(dst, fd.name).CopyFrom(value)
-        else:
-            setattr(dst, fd.name, value)
 
 
 def declared_bytes(t: onnx.TensorProto) -> int:

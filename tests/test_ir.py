@@ -72,6 +72,20 @@ def test_round_trip_keeps_external_data(tmp_path):
     assert out.SerializeToString(deterministic=True) == ext.SerializeToString(deterministic=True)
 
 
+def test_import_reads_the_weights_in_place_and_export_leaves_them_unchanged():
+    """The gs Constants are the source's own TensorProtos (no copy of the weights for each pass
+    that imports a model); a pass that renames one changes the export, not the source."""
+    m = _rich_model()
+    before = m.SerializeToString(deterministic=True)
+    mi = ir.import_model(m)
+    w = mi.tensors()["c"]
+    assert isinstance(w, ir.gs.Constant) and ir.tensor_proto(w) is m.graph.initializer[1]
+    w.name = "c_renamed"
+    out = ir.export_model(mi)
+    assert m.SerializeToString(deterministic=True) == before
+    assert [t.name for t in out.graph.initializer] == ["w", "unused", "c_renamed"]
+
+
 def test_cleanup_drops_detached_nodes_and_keeps_the_rest():
     m = _rich_model()
     model = ir.import_model(m)
