@@ -38,6 +38,7 @@ from onnx import ModelProto
 
 from onnxfuse.bench import check_same_inputs, count_onnxfuse_nodes, settings_from_args, validate
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.ir import serialized_bytes
 from onnxfuse.load import load_model, read_model
 from onnxfuse.outputs import EXTERNAL_DATA_THRESHOLD, Outputs, save_model
 from onnxfuse.rewrite import DOMAIN, unfuse_node, unique_name
@@ -131,7 +132,7 @@ class _Evaluator:
             return self.cache[unfused]
         m = self.model(unfused)
         library = self.settings.library and count_onnxfuse_nodes(m) > 0
-        if m.ByteSize() < EXTERNAL_DATA_THRESHOLD:
+        if serialized_bytes(m) < EXTERNAL_DATA_THRESHOLD:
             source: str | bytes = m.SerializeToString()
         else:
             source = str(self.tmp / "candidate.onnx")

@@ -139,6 +139,18 @@ def copy_fields(src, dst, skip: str) -> None:
             setattr(dst, fd.name, value)
 
 
+def serialized_bytes(model: ModelProto) -> int:
+    """`model.ByteSize()`, at most 11 bytes a main-graph initializer above it, without a
+    serialization of the whole model: protobuf's upb computes a message's size by encoding it,
+    a transient copy of all its weights (or two); here one tensor at a time."""
+    light = ModelProto()
+    copy_fields(model, light, skip="graph")
+    copy_fields(model.graph, light.graph, skip="initializer")
+    # each initializer adds its own bytes, a 1-byte tag and a length of at most 10; the graph's
+    # own length may take up to 10 bytes more than in `light`
+    return light.ByteSize() + 10 + sum(t.ByteSize() + 11 for t in model.graph.initializer)
+
+
 def all_names(model: ModelProto) -> set[str]:
     """Every tensor name of the main graph and its subgraphs."""
     names: set[str] = set()
@@ -323,11 +335,22 @@ def export_model(m: Model) -> ModelProto:
     """The model: the gs graph as the main graph, everything else as the source model has
     it (functions included: the caller adjusts them). The source is not changed (gs's exporter
     names an imported Constant's TensorProto after the tensor: a renamed one gets a copy)."""
+    # gs's exporter copies each initializer twice (into its GraphProto, then into the model):
+    # it exports empty stand-ins, and the weights are copied once, into `out`, below
+    weights: dict[str, TensorProto] = {}
+    lazy: list[tuple[gs.Constant, LazyValues]] = []
     for t in m.graph.tensors().values():
-        if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues) and t._values.tensor.name != t.name:
-            t._values = LazyValues(renamed(t._values.tensor, t.name))
-    with _quiet():
-        out = gs.export_onnx(m.graph, do_type_check=False)
+        if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues):
+            proto = t._values.tensor
+            weights[t.name] = proto if proto.name == t.name else renamed(proto, t.name)
+            lazy.append((t, t._values))
+            t._values = LazyValues(TensorProto(name=t.name, data_type=proto.data_type, dims=proto.dims))
+    try:
+        with _quiet():
+            out = gs.export_onnx(m.graph, do_type_check=False)
+    finally:
+        for t, values in lazy:
+            t._values = values
     src = m.source
     for field in [fd.name for fd, _ in out.ListFields() if fd.name != "graph"]:
         out.ClearField(field)
@@ -344,19 +367,16 @@ def export_model(m: Model) -> ModelProto:
     g.metadata_props.extend(sg.metadata_props)
     # initializers in the source's order, new ones after them; gs exports only those the
     # main graph's nodes read: the others are kept (unused ones, those subgraphs read)
+    # (sorted in place: protobuf's upb frees a message's memory only with its whole tree, so
+    # initializers removed from `out` and added again would hold a second copy of the weights)
     order = {t.name: k for k, t in enumerate(sg.initializer)}
     present = {t.name for t in g.initializer}
     unread = set(m.unread) - present
-    inits = sorted([*g.initializer, *(t for t in sg.initializer if t.name in unread)],
-                   key=lambda t: order.get(t.name, len(order)))
-    if [t.name for t in inits] != [t.name for t in g.initializer]:
-        # into a new model: protobuf (upb) frees a message's memory only with its whole tree, so
-        # initializers removed from `out` would hold a copy of the weights for as long as it lives
-        fresh = ModelProto()
-        copy_fields(out, fresh, skip="graph")
-        copy_fields(g, fresh.graph, skip="initializer")
-        fresh.graph.initializer.extend(inits)
-        out, g = fresh, fresh.graph
+    g.initializer.extend(t for t in sg.initializer if t.name in unread)
+    g.initializer.sort(key=lambda t: order.get(t.name, len(order)))
+    for t in g.initializer:
+        if t.name in weights:  # the stand-in gets its weight (one copy: the output's)
+            t.CopyFrom(weights[t.name])
     # the graph's inputs and outputs as they were (no pass changes them): gs drops an input
     # that is also an initializer (an overridable default) and rebuilds the others' types
     for own, mine in ((sg.input, g.input), (sg.output, g.output)):

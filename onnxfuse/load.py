@@ -21,7 +21,7 @@ from onnx import ModelProto, numpy_helper
 
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.files import record_read
-from onnxfuse.ir import copy_fields
+from onnxfuse.ir import copy_fields, serialized_bytes
 
 # Oldest and newest default-domain opsets the optimizer accepts.
 MIN_OPSET = 7
@@ -64,7 +64,7 @@ def load_model(path: str | os.PathLike) -> ModelProto:
     if opset_problem(model) is not None:
         return model  # an opset newer than onnx knows cannot be checked; optimize leaves it unchanged
     try:
-        if model.ByteSize() < 2**31 - 1:
+        if serialized_bytes(model) < 2**31 - 1:
             onnx.checker.check_model(model)
         else:
             onnx.checker.check_model(str(p))
@@ -291,6 +291,32 @@ def infer_light(light: ModelProto) -> ModelProto:
     return out
 
 
+_SSI = "onnxfuse._ort_symbolic_shape_infer"
+
+
+def _symbolic_shape_infer():
+    """ONNX Runtime's `onnxruntime/tools/symbolic_shape_infer.py`, loaded from its file: the
+    package `onnxruntime.tools` imports torch wherever torch is installed (a quarter of a GB and
+    a second or two for an optimize that needs none of it); the module imports only onnx,
+    numpy, sympy and packaging. Through the package where the file is not found."""
+    import importlib.util
+    import sys
+
+    if _SSI in sys.modules:
+        return sys.modules[_SSI]
+    spec = importlib.util.find_spec("onnxruntime")
+    path = Path(spec.origin).parent / "tools" / "symbolic_shape_infer.py" if spec and spec.origin else None
+    if path is None or not path.is_file():
+        from onnxruntime.tools import symbolic_shape_infer
+
+        return symbolic_shape_infer
+    module_spec = importlib.util.spec_from_file_location(_SSI, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    sys.modules[_SSI] = module
+    return module
+
+
 def _ort_symbolic_shapes(light: ModelProto) -> ModelProto | None:
     """ONNX Runtime's symbolic shape inference of `light` (what it infers: it may leave some
     tensors unknown), or None: not installed, it failed, or it assumed what a valid model need
@@ -303,7 +329,7 @@ def _ort_symbolic_shapes(light: ModelProto) -> ModelProto | None:
         import io
         import logging
 
-        from onnxruntime.tools import symbolic_shape_infer as ssi
+        ssi = _symbolic_shape_infer()
     except Exception:  # noqa: BLE001 -- onnxruntime or sympy not installed
         return None
     shaped = ModelProto()  # the weights' stand-ins as graph inputs: it reads their shapes, never their values

@@ -42,6 +42,7 @@ import numpy as np
 import onnx
 from onnx import GraphProto, ModelProto, TensorProto
 
+from onnxfuse.ir import serialized_bytes
 from onnxfuse.load import declared_bytes, light_copy
 from onnxfuse.retype import Retype, holds
 
@@ -129,7 +130,10 @@ def ort_fusions(model: ModelProto) -> OrtFusions:
     except ImportError:
         return OrtFusions(problem="onnxruntime is not installed", missing_ort=True)
     try:
-        optimized = _optimize(ort, as_float32(model))
+        # a large float16 model: the weights' stand-ins first, so that the float32 copy the probe
+        # reads holds none of them (as `_optimize` gives ORT a large float32 model)
+        light = _weight_bytes(model, as_float32=True) > STAND_IN_BYTES and holds(model, _LOW_FLOATS)
+        optimized = _optimize(ort, as_float32(light_copy(model) if light else model))
     except Exception as e:  # noqa: BLE001 -- ORT raises its own types (Fail, InvalidGraph, ...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return OrtFusions(problem=f"ONNX Runtime could not optimize the model ({first[:200]})",
@@ -145,8 +149,10 @@ def ort_fusions(model: ModelProto) -> OrtFusions:
 STAND_IN_BYTES = 256 << 20
 
 
-def _weight_bytes(model: ModelProto) -> int:
-    return sum(declared_bytes(t) for t in model.graph.initializer)
+def _weight_bytes(model: ModelProto, as_float32: bool = False) -> int:
+    """The initializers' bytes (`as_float32`: after `as_float32`, float16 ones twice theirs)."""
+    return sum(declared_bytes(t) * (2 if as_float32 and t.data_type in _LOW_FLOATS else 1)
+               for t in model.graph.initializer)
 
 
 def _stand_ins(model: ModelProto, folder: Path) -> str:
@@ -185,7 +191,7 @@ def _optimize(ort, model: ModelProto) -> ModelProto:
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "256")
         if _weight_bytes(model) > STAND_IN_BYTES and not holds(model, _LOW_FLOATS):
             source: str | bytes = _stand_ins(model, Path(tmp))
-        elif model.ByteSize() < 2**31 - 1:
+        elif serialized_bytes(model) < 2**31 - 1:
             source = model.SerializeToString()
         else:
             source = str(Path(tmp) / "model.onnx")

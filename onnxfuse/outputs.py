@@ -14,11 +14,11 @@ from pathlib import Path
 
 import onnx
 from onnx import ModelProto
-from onnx.external_data_helper import _get_all_tensors
 
 from onnxfuse import files
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.files import check_output, check_paths
+from onnxfuse.ir import copy_fields, serialized_bytes
 
 # Protobuf cannot serialize a message of 2 GiB or more: larger models go to external data.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24
@@ -70,25 +70,18 @@ class Outputs:
         it (<name>.data, a second output)."""
         path = Path(path)
         final = self._check(path)
-        big = model.ByteSize() > EXTERNAL_DATA_THRESHOLD
+        big = serialized_bytes(model) > EXTERNAL_DATA_THRESHOLD
         data_name = final.name + ".data"
         try:
             tmp = self._temp_for(final)
+            release_freed_memory()  # serializing takes one more copy of the weights
             if big:
                 data_final = final.parent / data_name
                 check_output(data_final)
                 tmp_data = self._temp_for(data_final)
-                m = ModelProto()
-                m.CopyFrom(model)
-                onnx.save_model(m, tmp, save_as_external_data=True, all_tensors_to_one_file=True,
-                                location=Path(tmp_data).name, size_threshold=1024)
-                # Point the tensors at the final data file name; both are renamed into place.
-                m2 = onnx.load(tmp, load_external_data=False)
-                for t in _external_tensors(m2):
-                    for kv in t.external_data:
-                        if kv.key == "location":
-                            kv.value = data_name
-                _write_file(tmp, m2.SerializeToString())
+                # The tensors point at the final data file name; both are renamed into place.
+                light = _with_external_weights(model, tmp_data, data_name)
+                _write_file(tmp, light.SerializeToString(deterministic=True))
                 _keep_permissions(tmp_data, data_final)
                 self._staged.append((tmp_data, data_final, path.parent / (path.name + ".data")))
             else:
@@ -232,6 +225,57 @@ def _backup(final: Path, tmp: str) -> str | None:
     return name
 
 
+EXTERNAL_MIN_BYTES = 1024  # a tensor of more bytes than this goes to the data file
+EXTERNAL_ALIGNMENT = 4096  # each at a page-aligned offset (as ONNX Runtime maps them)
+
+
+def _with_external_weights(model: ModelProto, data_path: str, location: str) -> ModelProto:
+    """The main graph's initializers of more than EXTERNAL_MIN_BYTES written to `data_path`
+    one after the other (page-aligned), and `model` with them as external tensors at
+    `location`: built field by field, so that no copy of the weights is made but the one
+    tensor being written. Tensors elsewhere (subgraphs, attributes) stay as they are."""
+    from onnx import numpy_helper
+
+    light = ModelProto()
+    copy_fields(model, light, skip="graph")
+    copy_fields(model.graph, light.graph, skip="initializer")
+    offset = 0
+    with open(data_path, "wb") as f:
+        for t in model.graph.initializer:
+            if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type == onnx.TensorProto.STRING:
+                light.graph.initializer.add().CopyFrom(t)
+                continue
+            data = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            if len(data) <= EXTERNAL_MIN_BYTES:
+                light.graph.initializer.add().CopyFrom(t)
+                continue
+            pad = -offset % EXTERNAL_ALIGNMENT
+            f.write(b"\0" * pad + data)
+            offset += pad
+            out = light.graph.initializer.add(name=t.name, data_type=t.data_type, doc_string=t.doc_string)
+            out.dims.extend(t.dims)
+            out.data_location = onnx.TensorProto.EXTERNAL
+            for k, v in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
+                kv = out.external_data.add()
+                kv.key, kv.value = k, v
+            offset += len(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return light
+
+
+def release_freed_memory() -> None:
+    """Give the memory freed so far back to the system (glibc's malloc keeps much of what a
+    dropped model held, so that serializing the output would stack its copy on top); nothing
+    where the C library has no malloc_trim."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _write_file(path: str, data: bytes) -> None:
     """Write and flush to disk (a full disk shows up here, not after the rename)."""
     with open(path, "wb") as f:
@@ -246,6 +290,3 @@ def _unlink(path: str | os.PathLike) -> None:
     except FileNotFoundError:
         pass
 
-
-def _external_tensors(model: ModelProto):
-    return [t for t in _get_all_tensors(model) if t.data_location == onnx.TensorProto.EXTERNAL]

@@ -736,8 +736,8 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
                                 pattern_dirs, exclude, leave_to_ort)
     t0 = time.perf_counter()
     with Outputs([output_path, json_path], [input_path]) as out:
-        model = load_model(input_path)
-        result = optimize_model(model, options=options)
+        result = optimize_model(load_model(input_path), options=options)
+        result.original = None  # the input's weights are not needed to write: serialized, the output is one more copy
         out.model(output_path, result.model)
         result.report.seconds = time.perf_counter() - t0
         if json_path is not None:

@@ -71,6 +71,9 @@ class Retype:
     def tensor(self, t: TensorProto) -> None:
         if t.data_type not in self.source:
             return
+        if _is_stand_in(t):  # a weight's stand-in (`load.light_copy`): it has no values to convert
+            t.data_type = self.target
+            return
         a = numpy_helper.to_array(t).astype(self.np_target)
         if self.convert is not None:
             a = self.convert(a)
@@ -100,6 +103,13 @@ class Retype:
         if n.op_type == "ConstantOfShape" and not any(a.name == "value" for a in n.attribute):
             # the default value is a float32 0
             n.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.zeros(1, self.np_target))))
+
+
+def _is_stand_in(t: TensorProto) -> bool:
+    from onnxfuse.load import PLACEHOLDER  # (load imports the IR, which retype's users import first)
+
+    return t.data_location == TensorProto.EXTERNAL and any(
+        kv.key == "location" and kv.value == PLACEHOLDER for kv in t.external_data)
 
 
 def holds(model: ModelProto, types: frozenset[int]) -> bool:

@@ -249,13 +249,13 @@ def test_full_disk_leaves_no_partial_file_and_keeps_the_old_output(tmp_path, mon
 def test_full_disk_with_external_data(tmp_path, monkeypatch):
     """The >2 GB path (external data): a failure while writing the data leaves nothing."""
     monkeypatch.setattr(outputs, "EXTERNAL_DATA_THRESHOLD", 1000)
-    real_save = onnx.save_model
+    real_write = outputs._with_external_weights
 
-    def save(m, path, *a, **kw):
-        real_save(m, path, *a, **kw)
+    def write(model, data_path, location):  # the data file written, then the disk is full
+        real_write(model, data_path, location)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(onnx, "save_model", save)
+    monkeypatch.setattr(outputs, "_with_external_weights", write)
     with pytest.raises(OnnxfuseError, match="No space left on device"):
         pipeline.optimize(EXAMPLE, tmp_path / "big.onnx", target="none")
     assert leftovers(tmp_path, set()) == []

@@ -86,6 +86,14 @@ def test_import_reads_the_weights_in_place_and_export_leaves_them_unchanged():
     assert [t.name for t in out.graph.initializer] == ["w", "unused", "c_renamed"]
 
 
+def test_serialized_bytes_bounds_the_size_without_serializing_the_model():
+    m = _rich_model()
+    for k in range(3):
+        m.graph.initializer.append(numpy_helper.from_array(np.arange(300 * (k + 1), dtype=np.float32), f"big{k}"))
+    size = ir.serialized_bytes(m)
+    assert m.ByteSize() <= size <= m.ByteSize() + 10 + 11 * len(m.graph.initializer)
+
+
 def test_cleanup_drops_detached_nodes_and_keeps_the_rest():
     m = _rich_model()
     model = ir.import_model(m)

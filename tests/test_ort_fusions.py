@@ -290,3 +290,25 @@ def test_stand_in_weights_give_the_same_fusions(torch_encoder, kind, monkeypatch
     assert (tmp_path / "zeros.data").stat().st_size >= sum(of.declared_bytes(t) for t in m.graph.initializer
                                                             if of.declared_bytes(t) > 4096)
     assert onnx.load(path, load_external_data=False).ByteSize() < 100_000
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_a_large_float16_model_is_retyped_with_stand_in_weights(torch_encoder, kind, monkeypatch):
+    """A float16 model whose float32 twin's weights pass STAND_IN_BYTES: the stand-ins are made
+    before the float32 conversion (which then converts no weight: a 14 GB float16 model no longer
+    makes a 28 GB float32 copy to be probed), and ORT absorbs the same nodes."""
+    import onnxfuse.ort_fusions as of
+    from models.fp16 import to_fp16
+    from onnxfuse.load import PLACEHOLDER
+
+    m = to_fp16(onnx.load(str(torch_encoder[kind])))
+    real = of.ort_fusions(m).absorbed
+    monkeypatch.setattr(of, "STAND_IN_BYTES", of._weight_bytes(m, as_float32=True) - 1)
+    probed = []
+    retype = of.as_float32
+    monkeypatch.setattr(of, "as_float32", lambda model: probed.append(model) or retype(model))
+    assert of.ort_fusions(m).absorbed == real and real
+    (light,) = probed
+    assert any(kv.value == PLACEHOLDER for t in light.graph.initializer for kv in t.external_data)
+    assert of._weight_bytes(m, as_float32=True) > of._weight_bytes(m)
+

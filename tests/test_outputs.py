@@ -297,6 +297,34 @@ def test_replaced_files_keep_their_mode(tmp_path, src, umask, old_mode):
     assert out.read_bytes() != b"previous"
 
 
+def test_external_weights_are_written_once_each_page_aligned(tmp_path, monkeypatch):
+    """The >2 GB path: each main-graph tensor over 1 KiB (raw or in typed fields) in the data
+    file at a page-aligned offset, the small ones and strings inline; reloaded, every value as
+    it was."""
+    monkeypatch.setattr(outputs, "EXTERNAL_DATA_THRESHOLD", 1000)
+    tp = onnx.TensorProto
+    weights = [numpy_helper.from_array(np.arange(3000, dtype=np.float32).reshape(30, 100), "raw"),
+               helper.make_tensor("typed", tp.FLOAT, [600], np.linspace(0, 1, 600).tolist()),
+               numpy_helper.from_array(np.arange(900, dtype=np.float16), "half"),
+               numpy_helper.from_array(np.ones(4, np.float32), "small"),
+               helper.make_tensor("names", tp.STRING, [2], [b"a", b"b"])]
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", tp.FLOAT, [2])],
+                          [helper.make_tensor_value_info("y", tp.FLOAT, [2])], weights)
+    m = helper.make_model(g)
+    before = m.SerializeToString()
+    outputs.save_model(m, tmp_path / "m.onnx")
+    assert m.SerializeToString() == before  # the model written is not changed
+    light = onnx.load(str(tmp_path / "m.onnx"), load_external_data=False)
+    ext = {t.name: {kv.key: kv.value for kv in t.external_data} for t in light.graph.initializer
+           if t.data_location == tp.EXTERNAL}
+    assert sorted(ext) == ["half", "raw", "typed"]
+    assert all(e["location"] == "m.onnx.data" and int(e["offset"]) % 4096 == 0 for e in ext.values())
+    full = {t.name: t for t in onnx.load(str(tmp_path / "m.onnx")).graph.initializer}
+    for t in weights:
+        np.testing.assert_array_equal(numpy_helper.to_array(full[t.name]), numpy_helper.to_array(t))
+
+
 def test_external_data_file_gets_the_mode_too(tmp_path, src, umask, monkeypatch):
     monkeypatch.setattr(outputs, "EXTERNAL_DATA_THRESHOLD", 1000)
     umask(0o022)

@@ -39,6 +39,20 @@ def test_float16_to_float32_everywhere_and_the_input_kept():
     assert out.graph.input[0].type.tensor_type.elem_type == TensorProto.FLOAT  # float32 stays float32
 
 
+def test_stand_ins_are_retyped_without_values():
+    """A weight's stand-in (`load.light_copy`: no values) changes its type only."""
+    from onnxfuse.load import PLACEHOLDER, light_copy
+
+    w = numpy_helper.from_array(np.ones((64, 64), np.float16), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [2, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [2, 64])], [w])
+    light = light_copy(helper.make_model(g))
+    (t,) = Retype(frozenset({TensorProto.FLOAT16}), TensorProto.FLOAT).model(light).graph.initializer
+    assert t.data_type == TensorProto.FLOAT and list(t.dims) == [64, 64] and not t.raw_data
+    assert [(kv.key, kv.value) for kv in t.external_data] == [("location", PLACEHOLDER)]
+
+
 def test_float64_drops_value_info_and_types_float32_defaults():
     """With float32 a source type, Constant value_float and ConstantOfShape's default 0 (both
     float32 by definition) become the target type; value_info can be dropped."""

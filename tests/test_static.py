@@ -254,6 +254,23 @@ def test_symbolic_inference_knows_the_heads_of_a_dynamic_reshape():
     assert view.shapes["r"] == ("batch", "seq", 2, 32) and view.shapes["t"] == ("batch", 2, "seq", 32)
 
 
+def test_symbolic_inference_does_not_import_torch():
+    """ONNX Runtime's symbolic inference is loaded from its file: the package onnxruntime.tools
+    imports torch wherever it is installed (about 240 MB of memory for an optimize that needs
+    none of it); shapes as through the package."""
+    pytest.importorskip("onnxruntime.tools.symbolic_shape_infer")
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from onnxfuse.load import _symbolic_shape_infer; m = _symbolic_shape_infer(); "
+            "print(hasattr(m, 'SymbolicShapeInference'), 'torch' in sys.modules)")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+                         env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}, check=True).stdout.split()
+    assert out == ["True", "False"]
+
+
 @pytest.mark.parametrize("opset", [11, 17])
 def test_shape_reads_of_intermediates_read_the_graph_inputs(opset):
     """Gather(Shape(t), 0) and Gather(Shape(t), 2) of the transposed heads are the input's batch and
