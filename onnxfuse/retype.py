@@ -20,6 +20,8 @@ import numpy as np
 import onnx
 from onnx import AttributeProto, GraphProto, ModelProto, NodeProto, TensorProto, helper, numpy_helper
 
+from onnxfuse.load import PLACEHOLDER
+
 CAST_ATTRS = ("to", "dtype", "output_dtype")
 
 
@@ -106,8 +108,6 @@ class Retype:
 
 
 def _is_stand_in(t: TensorProto) -> bool:
-    from onnxfuse.load import PLACEHOLDER  # (load imports the IR, which retype's users import first)
-
     return t.data_location == TensorProto.EXTERNAL and any(
         kv.key == "location" and kv.value == PLACEHOLDER for kv in t.external_data)
 

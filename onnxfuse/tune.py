@@ -892,10 +892,8 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
     if not available(settings.provider):
         raise OnnxfuseError("tuning needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
     if result.fused:  # every fused candidate runs through the library: one that cannot load fails here, named
-        from onnxfuse.runtime import library_path
-
         try:
-            library_path()
+            runtime.library_path()
         except OnnxfuseError as e:
             raise OnnxfuseError(f"the custom-op library cannot be used ({e})") from None
     t0 = time.perf_counter()
