@@ -257,8 +257,15 @@ def padded(n: int) -> int:
 #   most 8192 elements (BLOCK_N * D). Batch 8 ran 10.3-14.6 µs at 32 x 64 against 15.3-21.6 at
 #   the 64 x 32 used before; batch 1 4.4-6.4 at 16 x 128 against 5.6-9.0 at 16 x 32.
 # Where Sq or B * H is not static the grid is unknown and BLOCK_M is not halved.
+PEEL = "peel"  # a tile's fifth field: the full key blocks without key masks (`AttentionVariant.peel`)
 HALF_TILE = {"narrow": (128, 64, 8, 3), "wide": (64, 64, 4, 2)}  # head_d, head_dv <= 128, else
 HALF_SMALL_M = (16, 128, 4, 2)  # 16 query rows, heads up to 64
+# Thirty-fifth session (H100, tuning's bundled CUPTI times of the kernel in the model, fp16): where
+# the halving gives 64 query rows of a narrow head, the tile that took them, 64 x 64 on 3 stages,
+# ran 10.3 µs a layer at BERT-base b8 and 10.7 at ViT-S b8 against 6.9 and 7.9 for 64 x 64 on one
+# stage with the full key blocks unmasked (`attention-peel`; the best of five: 6.5 and 7.9); alone
+# (thirty-fourth session) GPT-2's causal 64 x 64 5.92 µs on one stage against 6.50 on three.
+HALF_64 = (64, 64, 4, 1, PEEL)
 F32_BLOCK_M, F32_SCORES, F32_KV = 32, 2048, 8192
 # the tiles tuning times besides the heuristic's, in this order (up to CANDIDATES in all).
 # fp16, twenty-third session (`benchmarks/attention_tiles.py`, H200, alone, L2 warm, the key mask
@@ -274,7 +281,6 @@ F32_BLOCK_M, F32_SCORES, F32_KV = 32, 2048, 8192
 # at b1 16 x 128 peeled 3.20 against 3.26 at BERT-base, but 6.14 against 4.10 at ViT-S (its 69
 # keys past 128 in five blocks), so both stay candidates. Errors as unpeeled (max against the
 # math 0.0014 at BERT-base b8, 0.0011 at ViT-S b8; cuDNN's 0.00043, 0.00027).
-PEEL = "peel"
 ALTERNATIVES = {
     "f32": ((32, 64, 4, 2), (16, 128, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
     "f16": ((64, 128, 4, 1, PEEL), (64, 64, 4, 1, PEEL), (32, 128, 4, 2), (16, 128, 4, 2, PEEL),
@@ -302,7 +308,7 @@ def _block_m(spec: AttentionSpec, bm: int) -> int:
     return bm
 
 
-def _heuristic_tile(spec: AttentionSpec) -> tuple[int, int, int, int]:
+def _heuristic_tile(spec: AttentionSpec) -> tuple:
     d = padded(max(spec.head_d, spec.head_dv))
     if spec.dtype == "f32":
         bm = _block_m(spec, F32_BLOCK_M)
@@ -312,6 +318,8 @@ def _heuristic_tile(spec: AttentionSpec) -> tuple[int, int, int, int]:
     bm = _block_m(spec, bm)
     if bm == 16 and d <= 64:
         return HALF_SMALL_M
+    if bm == 64 and d <= 128:
+        return HALF_64
     return bm, bn, (w if bm >= 128 else min(w, 4)), s
 
 

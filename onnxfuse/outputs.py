@@ -254,6 +254,8 @@ def _with_external_weights(model: ModelProto, data_path: str, location: str) -> 
             offset += pad
             out = light.graph.initializer.add(name=t.name, data_type=t.data_type, doc_string=t.doc_string)
             out.dims.extend(t.dims)
+            if hasattr(t, "metadata_props"):  # (onnx >= 1.17)
+                out.metadata_props.extend(t.metadata_props)
             out.data_location = onnx.TensorProto.EXTERNAL
             for k, v in (("location", location), ("offset", str(offset)), ("length", str(len(data)))):
                 kv = out.external_data.add()

@@ -593,7 +593,9 @@ def test_variant_choice():
                                                 AttentionVariant(1, 128, 64, 8, 3))
     assert attention_variants(_spec("f16", sq=512, batch_heads=96))[0].block_m == 128  # 4 * 96 programs
     bert8 = attention_variants(_spec("f16", sq=128, batch_heads=96))[0]  # BERT-base at batch 8
-    assert (bert8.block_m, bert8.block_n, bert8.num_warps, bert8.num_stages) == (64, 64, 4, 3)
+    # 64 query rows: one stage, the full key blocks unmasked (thirty-fifth session, `HALF_64`)
+    assert (bert8.block_m, bert8.block_n, bert8.num_warps, bert8.num_stages, bert8.peel, bert8.tail_n) == (
+        64, 64, 4, 1, True, 16)
     assert attention_variants(_spec("f16", sq=128, batch_heads=48))[0].block_m == 32  # 4 * 48 >= SMS
     assert -(-128 // 32) * 48 >= SMS > -(-128 // 64) * 48
     # 16 query rows (BERT-base at batch 1: 96 programs) take 128-wide key blocks, up to D 64
@@ -620,12 +622,15 @@ def test_variant_choice():
         tiles = [(v.block_m, v.block_n, v.num_warps, v.num_stages, v.peel) for _, (v, _) in cands]
         assert len(set(tiles)) == n
         assert all(v.tail_n == (max(16, v.block_n // 4) if v.peel else 0) for _, vs in cands for v in vs)
-    # BERT-base at batch 8: the heuristic's 64 x 64, then the thirty-fourth session's b8 and b1
-    # bests (peeled: the full key blocks without key masks)
+    # BERT-base at batch 8: the heuristic's peeled 64 x 64, then the thirty-fourth session's b8 and
+    # b1 bests (peeled: the full key blocks without key masks), the heuristic's not twice
     bert8_tiles = [(v.block_m, v.block_n, v.num_warps, v.num_stages, v.peel)
                    for _, (v, _) in attention_candidates(_spec("f16", sq=128, batch_heads=96))]
-    assert bert8_tiles == [(64, 64, 4, 3, False), (64, 128, 4, 1, True), (64, 64, 4, 1, True), (32, 128, 4, 2, False),
-                           (16, 128, 4, 2, True)]
+    assert bert8_tiles == [(64, 64, 4, 1, True), (64, 128, 4, 1, True), (32, 128, 4, 2, False), (16, 128, 4, 2, True),
+                           (128, 128, 8, 1, True)]
+    # wide heads and 32-row grids keep their tiles (not measured peeled)
+    assert attention_variants(_spec("f16", 256, 256, sq=128, batch_heads=96))[0].peel is False
+    assert attention_variants(_spec("f16", sq=128, batch_heads=48))[0].num_stages == 3
 
 
 def test_rejected_specs():
