@@ -127,9 +127,7 @@ def ws_tiles(a_desc, b_desc, y_desc, bias_ptr, M, N, K, BLOCK_M: tl.constexpr, B
                 a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
                 b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
                 acc = tl.dot(a, b.T, acc)
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-            y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], bias_gelu(acc, bias))
+            store_tile(y_desc, bias_ptr, acc, pid_m, pid_n, N, BLOCK_M, BLOCK_N)
     else:
         pid_m, pid_n = tile_of(tl.program_id(0), num_pid_m, num_pid_n, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -137,9 +135,15 @@ def ws_tiles(a_desc, b_desc, y_desc, bias_ptr, M, N, K, BLOCK_M: tl.constexpr, B
             a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
             b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K])
             acc = tl.dot(a, b.T, acc)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
-        y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], bias_gelu(acc, bias))
+        store_tile(y_desc, bias_ptr, acc, pid_m, pid_n, N, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def store_tile(y_desc, bias_ptr, acc, pid_m, pid_n, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The epilogue (bias + erf-GELU in fp16) of one output tile, stored through its descriptor."""
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+    y_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], bias_gelu(acc, bias))
 
 
 @triton.jit
@@ -266,6 +270,22 @@ def main() -> None:
 
         mm = do_bench_cudagraph(cycled(sets, lambda x, w, b: torch.mm(x, w)), rep=args.rep,
                                 return_mode="median") * 1e3
+
+        def time_kernel(label, launch, sets, outs, shape=shape, m=m, k=k, n=n, ref=ref, mm=mm):
+            """One kernel checked against float64 and timed (a row), or its error (a row too)."""
+            try:
+                launch(*sets[0], outs[0])
+                torch.cuda.synchronize()
+                err = float((outs[0].double() - ref).abs().max())
+                us = do_bench_cudagraph(cycled(sets, launch, outs), rep=args.rep, return_mode="median") * 1e3
+            except Exception as e:  # noqa: BLE001 -- reported
+                rows.append({"shape": shape, "kernel": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
+                print(shape, label, "ERROR", rows[-1]["error"], flush=True)
+                return
+            rows.append({"shape": shape, "m": m, "k": k, "n": n, "kernel": label, "us": us, "err": err,
+                         "cublas_mm_us": mm, "tflops": 2.0 * m * n * k / (us * 1e-6) / 1e12})
+            print(f"{shape:12} {label:36} {us:7.2f} us {rows[-1]['tflops']:5.0f} TF/s  cuBLAS mm {mm:6.2f} "
+                  f"({mm / us:.2f}x)  err {err:.2g}", flush=True)
         # ORT's MatMul + BiasGelu, as torch: the product, then bias + exact GELU in one kernel is not
         # available, so the peer here is cuBLAS's product alone (add BiasGelu's CUPTI 6.4 us at b8)
         for name, (kern, persistent) in (STRUCTURES.items() if args.structures == "all" else ()):
@@ -279,19 +299,7 @@ def main() -> None:
                            k=k):
                     kern[grid](x, w, b, y, m, n, k, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PERSISTENT=p,
                                NUM_SMS=sms, num_warps=w_, num_stages=s)
-                try:
-                    launch(*sets[0], outs[0])
-                    torch.cuda.synchronize()
-                    err = float((outs[0].double() - ref).abs().max())
-                    us = do_bench_cudagraph(cycled(sets, launch, outs), rep=args.rep, return_mode="median") * 1e3
-                except Exception as e:  # noqa: BLE001 -- reported
-                    rows.append({"shape": shape, "kernel": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                    print(shape, label, "ERROR", rows[-1]["error"], flush=True)
-                    continue
-                rows.append({"shape": shape, "m": m, "k": k, "n": n, "kernel": label, "us": us, "err": err,
-                             "cublas_mm_us": mm, "tflops": 2.0 * m * n * k / (us * 1e-6) / 1e12})
-                print(f"{shape:12} {label:36} {us:7.2f} us {rows[-1]['tflops']:5.0f} TF/s  cuBLAS mm {mm:6.2f} "
-                      f"({mm / us:.2f}x)  err {err:.2g}", flush=True)
+                time_kernel(label, launch, sets, outs)
         lt = do_bench_cudagraph(cycled(sets, lambda x, w, b: torch._addmm_activation(b, x, w, use_gelu=True)),
                                 rep=args.rep, return_mode="median") * 1e3
         lt_err = float((torch._addmm_activation(b, x, w, use_gelu=True).double() - ref).abs().max())
@@ -303,21 +311,8 @@ def main() -> None:
         for name, (kern, persistent, host) in WS_STRUCTURES.items():
             for tile in WS_TILES:
                 label = f"{name} {tile[0]}x{tile[1]}x{tile[2]} w{tile[3]} s{tile[4]}"
-                launch = ws_launcher(kern, persistent, host, m, k, n, tile, sms)
                 outs = [torch.empty(m, n, dtype=torch.float16, device="cuda") for _ in ws_sets]
-                try:
-                    launch(*ws_sets[0], outs[0])
-                    torch.cuda.synchronize()
-                    err = float((outs[0].double() - ref).abs().max())
-                    us = do_bench_cudagraph(cycled(ws_sets, launch, outs), rep=args.rep, return_mode="median") * 1e3
-                except Exception as e:  # noqa: BLE001 -- reported
-                    rows.append({"shape": shape, "kernel": label, "error": f"{type(e).__name__}: {str(e)[:300]}"})
-                    print(shape, label, "ERROR", rows[-1]["error"], flush=True)
-                    continue
-                rows.append({"shape": shape, "m": m, "k": k, "n": n, "kernel": label, "us": us, "err": err,
-                             "cublas_mm_us": mm, "tflops": 2.0 * m * n * k / (us * 1e-6) / 1e12})
-                print(f"{shape:12} {label:36} {us:7.2f} us {rows[-1]['tflops']:5.0f} TF/s  cuBLAS mm {mm:6.2f} "
-                      f"({mm / us:.2f}x)  err {err:.2g}", flush=True)
+                time_kernel(label, ws_launcher(kern, persistent, host, m, k, n, tile, sms), ws_sets, outs)
         if args.json:  # after every shape: a run cut off keeps what it timed
             args.json.write_text(json.dumps({"rows": rows}, indent=1))
     if args.json:
