@@ -129,14 +129,18 @@ def import_model(model: ModelProto) -> Model:
 def copy_fields(src, dst, skip: str) -> None:
     """Every set field of message `src` but `skip` into `dst` (repeated ones appended)."""
     for fd, value in src.ListFields():
-        if fd.name == skip:
-            continue
-        if hasattr(value, "extend"):  # a repeated field
-            getattr(dst, fd.name).extend(value)
-        elif fd.message_type is not None:
-            getattr(dst, fd.name).CopyFrom(value)
-        else:
-            setattr(dst, fd.name, value)
+        if fd.name != skip:
+            copy_field(dst, fd, value)
+
+
+def copy_field(dst, fd, value) -> None:
+    """One field (`fd`, `value`: an item of a message's ListFields()) into message `dst`."""
+    if hasattr(value, "extend"):  # a repeated field
+        getattr(dst, fd.name).extend(value)
+    elif fd.message_type is not None:
+        getattr(dst, fd.name).CopyFrom(value)
+    else:
+        setattr(dst, fd.name, value)
 
 
 def serialized_bytes(model: ModelProto) -> int:

@@ -18,7 +18,7 @@ from onnx import ModelProto
 from onnxfuse import files
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.files import check_output, check_paths
-from onnxfuse.ir import copy_fields, serialized_bytes
+from onnxfuse.ir import copy_field, copy_fields, serialized_bytes
 
 # Protobuf cannot serialize a message of 2 GiB or more: larger models go to external data.
 EXTERNAL_DATA_THRESHOLD = 2**31 - 2**24
@@ -85,7 +85,7 @@ class Outputs:
                 _keep_permissions(tmp_data, data_final)
                 self._staged.append((tmp_data, data_final, path.parent / (path.name + ".data")))
             else:
-                _write_file(tmp, model.SerializeToString(deterministic=True))
+                _write_file(tmp, serialized_parts(model))
             _keep_permissions(tmp, final)
         except OSError as e:
             raise OnnxfuseError(f"{path}: cannot write ({e.strerror or e})") from None
@@ -233,9 +233,8 @@ def _with_external_weights(model: ModelProto, data_path: str, location: str) -> 
     """The main graph's initializers of more than EXTERNAL_MIN_BYTES written to `data_path`
     one after the other (page-aligned), and `model` with them as external tensors at
     `location`: built field by field, so that no copy of the weights is made but the one
-    tensor being written. Tensors elsewhere (subgraphs, attributes) stay as they are."""
-    from onnx import numpy_helper
-
+    tensor being written. Strings, tensors already external and tensors elsewhere (subgraphs,
+    attributes) stay as they are."""
     light = ModelProto()
     copy_fields(model, light, skip="graph")
     copy_fields(model.graph, light.graph, skip="initializer")
@@ -245,7 +244,7 @@ def _with_external_weights(model: ModelProto, data_path: str, location: str) -> 
             if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type == onnx.TensorProto.STRING:
                 light.graph.initializer.add().CopyFrom(t)
                 continue
-            data = t.raw_data if t.HasField("raw_data") else numpy_helper.to_array(t).tobytes()
+            data = t.raw_data if t.HasField("raw_data") else onnx.numpy_helper.to_array(t).tobytes()
             if len(data) <= EXTERNAL_MIN_BYTES:
                 light.graph.initializer.add().CopyFrom(t)
                 continue
@@ -266,6 +265,55 @@ def _with_external_weights(model: ModelProto, data_path: str, location: str) -> 
     return light
 
 
+def serialized_parts(model: ModelProto):
+    """`model.SerializeToString(deterministic=True)` in pieces whose concatenation is those bytes,
+    each weight serialized on its own: the model's fields before its graph, the graph's before
+    its initializers, each initializer, the rest of the graph, the rest of the model (protobuf
+    writes a message's fields in field-number order; a field of a message is its tag, its
+    length, its bytes). Writing them in turn holds one weight's bytes at a time, not a second
+    copy of the model. The whole serialization where the model or its graph carries fields
+    this onnx does not know (their place in the bytes is not theirs to split)."""
+    try:
+        from google.protobuf.unknown_fields import UnknownFieldSet
+    except ImportError:  # an older protobuf
+        yield model.SerializeToString(deterministic=True)
+        return
+    if len(UnknownFieldSet(model)) or len(UnknownFieldSet(model.graph)):
+        yield model.SerializeToString(deterministic=True)
+        return
+    graph_no = ModelProto.DESCRIPTOR.fields_by_name["graph"].number
+    init_no = onnx.GraphProto.DESCRIPTOR.fields_by_name["initializer"].number
+    head, tail, g_head, g_tail = ModelProto(), ModelProto(), onnx.GraphProto(), onnx.GraphProto()
+    for src, skip, number, before, after in ((model, "graph", graph_no, head, tail),
+                                             (model.graph, "initializer", init_no, g_head, g_tail)):
+        for fd, value in src.ListFields():
+            if fd.name != skip:
+                copy_field(before if fd.number < number else after, fd, value)
+    sizes = [t.ByteSize() for t in model.graph.initializer]
+    parts = [g_head.SerializeToString(deterministic=True), g_tail.SerializeToString(deterministic=True)]
+    graph_len = sum(len(p) for p in parts) + sum(len(_field_key(init_no, n)) + n for n in sizes)
+    yield head.SerializeToString(deterministic=True)
+    if model.HasField("graph"):
+        yield _field_key(graph_no, graph_len)
+        yield parts[0]
+        for t, n in zip(model.graph.initializer, sizes, strict=True):
+            yield _field_key(init_no, n)
+            yield t.SerializeToString(deterministic=True)
+        yield parts[1]
+    yield tail.SerializeToString(deterministic=True)
+
+
+def _field_key(number: int, length: int) -> bytes:
+    """A length-delimited field's tag and length, as protobuf writes them (varints)."""
+    out = bytearray()
+    for n in ((number << 3) | 2, length):
+        while n > 0x7F:
+            out.append((n & 0x7F) | 0x80)
+            n >>= 7
+        out.append(n)
+    return bytes(out)
+
+
 def release_freed_memory() -> None:
     """Give the memory freed so far back to the system (glibc's malloc keeps much of what a
     dropped model held, so that serializing the output would stack its copy on top); nothing
@@ -278,10 +326,12 @@ def release_freed_memory() -> None:
         pass
 
 
-def _write_file(path: str, data: bytes) -> None:
-    """Write and flush to disk (a full disk shows up here, not after the rename)."""
+def _write_file(path: str, data) -> None:
+    """Write `data` (bytes, or pieces of bytes written in turn) and flush to disk (a full disk
+    shows up here, not after the rename)."""
     with open(path, "wb") as f:
-        f.write(data)
+        for part in [data] if isinstance(data, bytes) else data:
+            f.write(part)
         f.flush()
         os.fsync(f.fileno())
 

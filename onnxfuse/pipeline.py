@@ -737,7 +737,7 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
     t0 = time.perf_counter()
     with Outputs([output_path, json_path], [input_path]) as out:
         result = optimize_model(load_model(input_path), options=options)
-        result.original = None  # the input's weights are not needed to write: serialized, the output is one more copy
+        result.original = None  # the input is not needed to write: its memory can take the output's serialization
         out.model(output_path, result.model)
         result.report.seconds = time.perf_counter() - t0
         if json_path is not None:

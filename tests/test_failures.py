@@ -227,6 +227,7 @@ def _full_disk(after: int = 100):
     """A _write_file that writes `after` bytes, then fails like a full disk."""
 
     def write(path, data):
+        data = data if isinstance(data, bytes) else b"".join(data)  # (a model comes in pieces)
         with open(path, "wb") as f:
             f.write(data[:after])
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
@@ -338,7 +339,7 @@ def test_real_sigint_while_writing(tmp_path, parent):
         from onnxfuse import cli, outputs
         def slow(path, data):
             with open(path, "wb") as f:
-                f.write(data[:10])
+                f.write(next(iter([data] if isinstance(data, bytes) else data))[:10])
                 f.flush()
             print("writing", flush=True)
             for _ in range(600):  # (short sleeps: a SIGINT that lands on another thread, ONNX

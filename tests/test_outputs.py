@@ -297,6 +297,28 @@ def test_replaced_files_keep_their_mode(tmp_path, src, umask, old_mode):
     assert out.read_bytes() != b"previous"
 
 
+def test_a_model_is_written_weight_by_weight_as_protobuf_serializes_it():
+    """`serialized_parts` (each weight serialized on its own) joins into exactly the bytes of
+    `SerializeToString(deterministic=True)`: models with functions, subgraphs, metadata, unused
+    initializers and external tensors, an empty one; fields this onnx does not know (here one of
+    number 100 on the model) go through the whole serialization, kept."""
+    from tests.test_ir import _rich_model
+
+    rich = _rich_model()
+    rich.graph.initializer.append(numpy_helper.from_array(np.arange(5000, dtype=np.float32), "big"))
+    ext = onnx.ModelProto()
+    ext.CopyFrom(rich)
+    ext.graph.initializer[0].data_location = onnx.TensorProto.EXTERNAL
+    ext.graph.initializer[0].external_data.add(key="location", value="w.bin")
+    unknown = onnx.ModelProto()
+    unknown.ParseFromString(rich.SerializeToString() + b"\xa2\x06\x03abc")  # field 100, 3 bytes
+    for m in (rich, ext, optimize_model(model([helper.make_node("Relu", ["x"], ["y"])], {"x": ("float32", [4])},
+                                               {"y": ("float32", [4])})).model, onnx.ModelProto(), unknown):
+        parts = list(outputs.serialized_parts(m))
+        assert b"".join(parts) == m.SerializeToString(deterministic=True)
+        assert len(parts) == (1 if m is unknown else 2 + (3 + 2 * len(m.graph.initializer)) * m.HasField("graph"))
+
+
 def test_external_weights_are_written_once_each_page_aligned(tmp_path, monkeypatch):
     """The >2 GB path: each main-graph tensor over 1 KiB (raw or in typed fields) in the data
     file at a page-aligned offset, the small ones and strings inline; reloaded, every value as
