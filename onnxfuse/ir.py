@@ -143,16 +143,18 @@ def copy_field(dst, fd, value) -> None:
         setattr(dst, fd.name, value)
 
 
-def serialized_bytes(model: ModelProto) -> int:
+def serialized_bytes(model: ModelProto, sizes: list[int] | None = None) -> int:
     """`model.ByteSize()`, at most 11 bytes a main-graph initializer above it, without a
     serialization of the whole model: protobuf's upb computes a message's size by encoding it,
-    a transient copy of all its weights (or two); here one tensor at a time."""
+    a transient copy of all its weights (or two); here one tensor at a time (`sizes`: the
+    initializers' ByteSize() where the caller has them)."""
     light = ModelProto()
     copy_fields(model, light, skip="graph")
     copy_fields(model.graph, light.graph, skip="initializer")
+    sizes = [t.ByteSize() for t in model.graph.initializer] if sizes is None else sizes
     # each initializer adds its own bytes, a 1-byte tag and a length of at most 10; the graph's
     # own length may take up to 10 bytes more than in `light`
-    return light.ByteSize() + 10 + sum(t.ByteSize() + 11 for t in model.graph.initializer)
+    return light.ByteSize() + 10 + sum(n + 11 for n in sizes)
 
 
 def all_names(model: ModelProto) -> set[str]:

@@ -130,10 +130,9 @@ def ort_fusions(model: ModelProto) -> OrtFusions:
     except ImportError:
         return OrtFusions(problem="onnxruntime is not installed", missing_ort=True)
     try:
-        # a large float16 model: the weights' stand-ins first, so that the float32 copy the probe
-        # reads holds none of them (as `_optimize` gives ORT a large float32 model)
-        light = _weight_bytes(model, as_float32=True) > STAND_IN_BYTES and holds(model, _LOW_FLOATS)
-        optimized = _optimize(ort, as_float32(light_copy(model) if light else model))
+        # a large model's weights are stand-ins from here on: the float32 copy holds none of them
+        big = _weight_bytes(model) > STAND_IN_BYTES
+        optimized = _optimize(ort, as_float32(light_copy(model) if big else model), stand_ins=big)
     except Exception as e:  # noqa: BLE001 -- ORT raises its own types (Fail, InvalidGraph, ...)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return OrtFusions(problem=f"ONNX Runtime could not optimize the model ({first[:200]})",
@@ -142,17 +141,17 @@ def ort_fusions(model: ModelProto) -> OrtFusions:
     return OrtFusions(found, seconds=time.perf_counter() - t0)
 
 
-# A float32 model whose weights exceed this many bytes is probed with stand-in weights: its
+# A model whose weights exceed this many bytes as float32 is probed with stand-in weights: its
 # initializers over 4096 bytes read as zeros from a sparse file (`_stand_ins`), so that the probe
 # copies no weight (full-size BLOOM, 1.1 GB: the probe took 2.9 GB and 21.6 s with its copies,
-# thirtieth session). ORT's fusions read the weights' shapes and small constants' values only.
+# thirtieth session), nor converts a float16 one to float32 (a 2x copy). ORT's fusions read the
+# weights' shapes and small constants' values only.
 STAND_IN_BYTES = 256 << 20
 
 
-def _weight_bytes(model: ModelProto, as_float32: bool = False) -> int:
-    """The initializers' bytes (`as_float32`: after `as_float32`, float16 ones twice theirs)."""
-    return sum(declared_bytes(t) * (2 if as_float32 and t.data_type in _LOW_FLOATS else 1)
-               for t in model.graph.initializer)
+def _weight_bytes(model: ModelProto) -> int:
+    """The initializers' bytes after `as_float32` (float16 ones twice theirs)."""
+    return sum(declared_bytes(t) * (2 if t.data_type in _LOW_FLOATS else 1) for t in model.graph.initializer)
 
 
 def _stand_ins(model: ModelProto, folder: Path) -> str:
@@ -176,9 +175,9 @@ def _stand_ins(model: ModelProto, folder: Path) -> str:
     return str(path)
 
 
-def _optimize(ort, model: ModelProto) -> ModelProto:
+def _optimize(ort, model: ModelProto, stand_ins: bool = False) -> ModelProto:
     """`model` as ORT's CPU EP optimizes it at ORT_ENABLE_EXTENDED (initializers left in a
-    file that is not read back); a large float32 model with stand-in weights (`_stand_ins`)."""
+    file that is not read back); with `stand_ins`, its weights read as zeros (`_stand_ins`)."""
     with tempfile.TemporaryDirectory(prefix="onnxfuse-ort-") as tmp:
         so = ort.SessionOptions()
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
@@ -189,7 +188,7 @@ def _optimize(ort, model: ModelProto) -> ModelProto:
         so.add_session_config_entry("session.disable_prepacking", "1")
         so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "optimized.data")
         so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "256")
-        if _weight_bytes(model) > STAND_IN_BYTES and not holds(model, _LOW_FLOATS):
+        if stand_ins:
             source: str | bytes = _stand_ins(model, Path(tmp))
         elif serialized_bytes(model) < 2**31 - 1:
             source = model.SerializeToString()

@@ -70,7 +70,8 @@ class Outputs:
         it (<name>.data, a second output)."""
         path = Path(path)
         final = self._check(path)
-        big = serialized_bytes(model) > EXTERNAL_DATA_THRESHOLD
+        sizes = [t.ByteSize() for t in model.graph.initializer]  # (each tensor encoded once to be measured)
+        big = serialized_bytes(model, sizes) > EXTERNAL_DATA_THRESHOLD
         data_name = final.name + ".data"
         try:
             tmp = self._temp_for(final)
@@ -85,7 +86,7 @@ class Outputs:
                 _keep_permissions(tmp_data, data_final)
                 self._staged.append((tmp_data, data_final, path.parent / (path.name + ".data")))
             else:
-                _write_file(tmp, serialized_parts(model))
+                _write_file(tmp, serialized_parts(model, sizes))
             _keep_permissions(tmp, final)
         except OSError as e:
             raise OnnxfuseError(f"{path}: cannot write ({e.strerror or e})") from None
@@ -249,7 +250,8 @@ def _with_external_weights(model: ModelProto, data_path: str, location: str) -> 
                 light.graph.initializer.add().CopyFrom(t)
                 continue
             pad = -offset % EXTERNAL_ALIGNMENT
-            f.write(b"\0" * pad + data)
+            f.write(b"\0" * pad)
+            f.write(data)
             offset += pad
             out = light.graph.initializer.add(name=t.name, data_type=t.data_type, doc_string=t.doc_string)
             out.dims.extend(t.dims)
@@ -265,14 +267,15 @@ def _with_external_weights(model: ModelProto, data_path: str, location: str) -> 
     return light
 
 
-def serialized_parts(model: ModelProto):
+def serialized_parts(model: ModelProto, sizes: list[int] | None = None):
     """`model.SerializeToString(deterministic=True)` in pieces whose concatenation is those bytes,
     each weight serialized on its own: the model's fields before its graph, the graph's before
     its initializers, each initializer, the rest of the graph, the rest of the model (protobuf
     writes a message's fields in field-number order; a field of a message is its tag, its
     length, its bytes). Writing them in turn holds one weight's bytes at a time, not a second
     copy of the model. The whole serialization where the model or its graph carries fields
-    this onnx does not know (their place in the bytes is not theirs to split)."""
+    this onnx does not know (their place in the bytes is not theirs to split). `sizes`: the
+    initializers' ByteSize() where the caller has them."""
     try:
         from google.protobuf.unknown_fields import UnknownFieldSet
     except ImportError:  # an older protobuf
@@ -289,7 +292,7 @@ def serialized_parts(model: ModelProto):
         for fd, value in src.ListFields():
             if fd.name != skip:
                 copy_field(before if fd.number < number else after, fd, value)
-    sizes = [t.ByteSize() for t in model.graph.initializer]
+    sizes = [t.ByteSize() for t in model.graph.initializer] if sizes is None else sizes
     parts = [g_head.SerializeToString(deterministic=True), g_tail.SerializeToString(deterministic=True)]
     graph_len = sum(len(p) for p in parts) + sum(len(_field_key(init_no, n)) + n for n in sizes)
     yield head.SerializeToString(deterministic=True)
