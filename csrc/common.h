@@ -57,6 +57,16 @@ inline bool get_int_attr(const OrtKernelInfo* info, const char* name, int64_t* o
   return true;
 }
 
+// A float attribute; false if the node has no such attribute.
+inline bool get_float_attr(const OrtKernelInfo* info, const char* name, float* out) {
+  OrtStatus* st = g_ort->KernelInfoGetAttribute_float(info, name, out);
+  if (st) {
+    g_ort->ReleaseStatus(st);
+    return false;
+  }
+  return true;
+}
+
 // An ints attribute; false if the node has no such attribute.
 inline bool get_ints_attr(const OrtKernelInfo* info, const char* name, std::vector<int64_t>* out) {
   size_t size = 0;

@@ -75,6 +75,8 @@ std::string Meta::embedded() const {
     s += std::string(b.cubin ? "cubin" : "ptx") + " sm_" + std::to_string(b.arch) + " (variant " +
          std::to_string(b.variant) + ")";
   }
+  for (size_t v = 0; v < variants.size(); ++v)
+    if (variants[v].library) s += (s.empty() ? "" : ", ") + std::string("cuBLASLt (variant ") + std::to_string(v) + ")";
   return s.empty() ? "none" : s;
 }
 
@@ -196,7 +198,9 @@ void CudaKernel::parse_meta(const std::string& text, const OrtKernelInfo* info) 
     if (b.code.empty()) throw Error("attribute '" + attr + "' is empty");
     m.binaries.push_back(std::move(b));
   }
-  if (m.binaries.empty()) throw Error("kernel_meta lists no binaries");
+  bool library = false;
+  for (const Variant& v : m.variants) library |= v.library;
+  if (m.binaries.empty() && !library) throw Error("kernel_meta lists no binaries");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -347,6 +351,7 @@ std::unique_ptr<Loaded> CudaKernel::load(CUcontext ctx) {
       l->bin[v] = pick;
       any = true;
     }
+    for (const Variant& var : meta.variants) any |= var.library;
     if (!any)
       throw Error("kernel " + meta.name + " has no binary for this GPU: compute capability " +
                   std::to_string(major) + "." + std::to_string(minor) + " (sm_" + std::to_string(cc) +

@@ -88,6 +88,7 @@ struct Variant {
   int64_t last_multiple = 1; // the collapsed output's last dim a multiple of this (pointwise row variants)
   int64_t split = 0;         // > 1: a split-K variant (conv: its slices, grid z; gemm: the most slices)
   int64_t max_m = 0;         // > 0: a small-M variant (conv), for M (output pixels) up to it
+  bool library = false;      // run by a vendor library, no binary (gemm: cuBLASLt, csrc/cublaslt.h)
 };
 
 struct Meta {

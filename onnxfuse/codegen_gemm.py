@@ -37,6 +37,20 @@ The epilogue's extra inputs are read by mode (`INPUT_MODES`) over Y's [G, M, N] 
 ``full`` (Y's shape), ``row`` (varies along N only: a bias), ``scalar``, ``strided`` (any other
 shape that broadcasts to Y and collapses to three strides, given at run time).
 
+A 16-bit product whose epilogue cuBLASLt's own can compute (`library_epilogue`: a bias over
+N, then nothing, ReLU or GELU, erf's form or tanh's, into a 16-bit Y of A's dtype, one GEMM)
+gets a "library" variant first (`GemmVariant.library`): no Triton source, cuBLASLt runs the
+product and applies the bias and the activation to the fp32 accumulator before the one 16-bit
+store (csrc/cublaslt.h). No Triton tile reached cuBLAS's product at BERT-base's fp16 shapes on
+the H200 or the H100 (0.62-0.77x, warp-specialized 0.37-0.53x); cuBLASLt's epilogue cost 0.8-1.3
+µs over the bare product where ONNX Runtime's BiasGelu after it cost 5-7 (BENCHMARKS.md,
+Decisions, `gemm-library`). cuBLASLt's GELU is the tanh form, within 4.7e-4 of erf's (at x =
+-2.7), the product unrounded before the bias: the node's error against float64 was half the
+exported graph's at FFN1 b8 (0.0019 against 0.0037); so it serves 16-bit outputs only, where
+fp16 rounds a unit value by 4.9e-4. The heuristic tile's variants follow it, for where cuBLASLt
+cannot run (G > 1 at run time, a bias not 16-byte aligned, no algorithm). ``ONNXFUSE_GEMM_LIBRARY=0``
+leaves it out.
+
 Split K (GemmVariant.split > 1), FusedConv's design (codegen_conv's module docstring): for
 products whose tiles are too few to fill the GPU (BERT-base at batch 1: M = 128 rows make 6
 to 24 tiles for 132 SMs, each running the whole K loop), the grid's third axis splits the K
@@ -61,13 +75,17 @@ slices, evened out to cdiv(K_BLOCKS, cdiv(K_BLOCKS, split)) so that none is empt
 
 from __future__ import annotations
 
+import math
+import os
 from dataclasses import dataclass
 from typing import ClassVar
+
+import numpy as np
 
 from onnxfuse.codegen import POINTER_TYPES, TL_DTYPES, KernelSource, _comment_text, check_kernel_name, helper_lines
 from onnxfuse.codegen_conv import PRECISIONS, ROUND_TO_TF32, split_reduce
 from onnxfuse.codegen_rows import _program_lines
-from onnxfuse.expr import Program
+from onnxfuse.expr import Instr, Program, evaluate
 
 INPUT_MODES = ("full", "row", "scalar", "strided")
 # Epilogue ops of many instructions per element (libdevice polynomials, IEEE division and its
@@ -83,6 +101,68 @@ MAX_ELEMENTS = 2**31 - 1
 SPLIT_MAX = 16
 SPLIT_MIN_BLOCKS = 4
 MAX_GRID_Z = 65535  # CUDA's grid z limit: the most slices a launch can have
+
+
+LIBRARY_ACTIVATIONS = ("none", "relu", "gelu")  # cuBLASLt's epilogues (GELU: the tanh form)
+
+
+@dataclass(frozen=True)
+class LibraryEpilogue:
+    """What cuBLASLt's epilogue computes for a node: Y = activation(product + bias)."""
+
+    activation: str  # one of LIBRARY_ACTIVATIONS
+    bias: int  # the extra input (0-based) added as the bias over N; -1: none
+    form: str  # what the program computes: "none", "relu", "gelu_erf" or "gelu_tanh"
+
+
+def library_enabled() -> bool:
+    return os.environ.get("ONNXFUSE_GEMM_LIBRARY", "1") != "0"
+
+
+def _gelu_erf(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.vectorize(math.erf)(x / math.sqrt(2.0)))
+
+
+def _gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(0.7978845608028654 * (x + 0.044715 * x ** 3)))
+
+
+# The forms cuBLASLt's epilogue can take, as functions of x = product + bias (float64).
+_FORMS = (("none", "none", lambda x: x), ("relu", "relu", lambda x: np.maximum(x, 0.0)),
+          ("gelu", "gelu_erf", _gelu_erf), ("gelu", "gelu_tanh", _gelu_tanh))
+# Products the forms are told apart on (exact in fp16 and bf16), and the biases over 3 columns.
+_PRODUCTS = np.concatenate([np.arange(-1280, 1281) / 128.0, [30.0, -30.0, 100.0, -100.0, 1000.0, -1000.0]])
+_BIASES = np.array([0.0, 0.375, -1.25])
+
+
+def library_epilogue(program: Program, input_modes: tuple[str, ...]) -> LibraryEpilogue | None:
+    """The cuBLASLt epilogue computing a GemmEpilogue's program, or None: a 16-bit product,
+    Y of its dtype, at most one extra input, a bias of the same dtype read by row (over N),
+    and the program, its roundings to 16 bits left out, equal in fp32 to one of `_FORMS` of
+    product + bias on `_PRODUCTS` x `_BIASES` within 1e-4 (relative and absolute: an fp16
+    export's 1 / sqrt(2) is 1 / 1.4140625, 3.2e-5 off at worst; erf's and tanh's GELU differ by
+    up to 4.7e-4, x sigmoid(1.702 x) from erf's GELU by 4.5e-3 at x = 1). Told by values, not
+    node types, so that every exporter's spelling of GELU (erf, erfc, tanh, sigmoid, the Gelu
+    op) is one."""
+    dt = program.input_dtypes[0]
+    extras = program.input_dtypes[1:]
+    if dt not in ("f16", "bf16") or len(program.outputs) != 1 or program.outputs[0][1] != dt or len(extras) > 1:
+        return None
+    if extras and (tuple(input_modes) != ("row",) or extras[0] != dt):
+        return None
+    exact = Program(program.input_dtypes, tuple(Instr("add", (ins.args[0], 0.0)) if ins.op.startswith("round_")
+                                                else ins for ins in program.instrs),
+                    tuple((v, "f32") for v, _ in program.outputs))
+    p = _PRODUCTS[:, None]
+    b = _BIASES if extras else np.zeros(1)
+    inputs = [p.astype(np.float32), *([b.astype(np.float32)] if extras else [])]
+    (y,) = evaluate(exact, inputs)
+    x = p + b
+    for activation, form, f in _FORMS:
+        want = f(x)
+        if np.allclose(y.astype(np.float64), want, rtol=1e-4, atol=1e-4):
+            return LibraryEpilogue(activation, 0 if extras else -1, form)
+    return None
 
 
 @dataclass(frozen=True)
@@ -108,6 +188,7 @@ class GemmSpec:
     source_nodes: tuple[str, ...] = ()
     x_rounded: bool = False
     round_y: bool = False
+    library: LibraryEpilogue | None = None  # cuBLASLt's epilogue computes the program (`library_epilogue`)
 
     @property
     def dtype(self) -> str:
@@ -156,18 +237,23 @@ class GemmVariant:
     aligned: bool = False
     max_m: int = 0
     split: int = 0  # 0 / 1: no split K
+    library: LibraryEpilogue | None = None  # cuBLASLt runs it (no Triton source, no binary)
 
     @property
     def split_k(self) -> bool:
         return self.split > 1
 
     def requires(self) -> dict[str, int]:
+        if self.library is not None:  # the launcher checks what cuBLASLt takes
+            return {}
         req = {"max_elements": MAX_ELEMENTS}
         if self.aligned:
             req["ptr_align"] = 16
         return req
 
-    def meta(self) -> dict[str, int]:
+    def meta(self) -> dict:
+        if self.library is not None:
+            return {"library": "cublaslt", "activation": self.library.activation, "bias": self.library.bias}
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
                 "stride_multiple": 16 if self.aligned else 1, "max_m": self.max_m,
                 **({"split": self.split} if self.split_k else {})}
@@ -199,6 +285,8 @@ class GemmVariant:
 
     @property
     def label(self) -> str:
+        if self.library is not None:
+            return f"cuBLASLt, epilogue {self.library.form}" + (" + bias" if self.library.bias >= 0 else "")
         return (f"tile {self.block_m}x{self.block_n}x{self.block_k}, {self.num_warps} warps, "
                 f"{self.num_stages} stages" + (f", split K up to {self.split}" if self.split_k else ""))
 
@@ -256,11 +344,16 @@ def split_variant(spec: GemmSpec, tile: str) -> GemmVariant | None:
 
 def gemm_variants(spec: GemmSpec) -> tuple[GemmVariant, ...]:
     """The variants of a GemmEpilogue kernel, most specialized first (the launcher takes the
-    first whose requirements hold): M known, the split-K variant of the heuristic's tile
+    first whose requirements hold): cuBLASLt's where it computes the epilogue (`library`,
+    module docstring), then the heuristic tile aligned and not; else M known, the split-K
+    variant of the heuristic's tile
     (where it can help: `split_variant`), then the tile aligned, then not; M unknown (a
     dynamic batch), the small-M tile for M <= SMALL_M, the split-K variant of the medium
     tile, then the large tile, each aligned, and the large tile unaligned last. A split-K
     variant's requirements include the launcher's own: its tiles at most half the SMs."""
+    if spec.library is not None and library_enabled():
+        tile = _heuristic_tile(spec)
+        return _numbered([GemmVariant(library=spec.library), _tile(spec, tile, aligned=True), _tile(spec, tile)])
     if spec.m is not None:
         tile = _heuristic_tile(spec)
         split = split_variant(spec, tile)
@@ -273,8 +366,11 @@ def gemm_variants(spec: GemmSpec) -> tuple[GemmVariant, ...]:
 
 def gemm_candidates(spec: GemmSpec) -> list[tuple[str, tuple]]:
     """(label, variants) per configuration `--tune` times: the heuristic's variants first,
-    then each tile of `TILES` (aligned, with its unaligned fallback)."""
+    then each tile of `TILES` (aligned, with its unaligned fallback); cuBLASLt's alone where
+    the heuristic's variants start with it."""
     out = [("default", gemm_variants(spec))]
+    if out[0][1][0].library is not None:  # no Triton tile came near cuBLAS's 16-bit product
+        return out
     for name in TILES:
         v = _tile(spec, name, aligned=True)
         out.append((v.label, _numbered([v, _tile(spec, name)])))
@@ -329,7 +425,9 @@ def _check(spec: GemmSpec, variant: GemmVariant) -> None:
 
 
 def generate_gemm(spec: GemmSpec, variant: GemmVariant) -> KernelSource:
-    """The Triton kernel of a GemmEpilogue node for one variant."""
+    """The Triton kernel of a GemmEpilogue node for one variant (not a library one)."""
+    if variant.library is not None:
+        raise ValueError(f"{spec.name}: variant {variant.index} is cuBLASLt's, it has no Triton source")
     _check(spec, variant)
     split = variant.split_k
     names = gemm_param_names(spec, split)

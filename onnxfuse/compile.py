@@ -212,7 +212,8 @@ def compile_kernels(
             kind = KINDS[spec.kind]
             variants = (variant_overrides[i] if variant_overrides is not None
                         else variant_override if variant_override is not None else kind.variants(spec))
-            kernels = [kind.generate(spec, v) for v in variants]
+            # a library variant (cuBLASLt's GEMM) has no source and no binary
+            kernels = [kind.generate(spec, v) for v in variants if getattr(v, "library", None) is None]
         except ValueError as e:  # a kernel this code generator cannot write
             if errors != "collect":
                 raise OnnxfuseError(f"kernel {spec.name}: {e}") from None
@@ -257,6 +258,8 @@ def compile_kernels(
             continue
         binaries: list[Binary] = []
         for v in variants:
+            if getattr(v, "library", None) is not None:
+                continue
             mine = [(a, results[key]) for k, a, key in entries if k.variant == v]
             binaries += [_binary(v.index, a, r, "cubin") for a, r in mine]
             binaries.append(_ptx_binary(spec, v.index, mine))

@@ -12,7 +12,10 @@
   batched product, where the launcher's rule (`kinds.gemm.launcher_choice`, its mirror) takes
   the split-K variant, through the CUDA EP with and without CUDA graphs; the split variants
   of the kernel cases above launched directly with their workspace and counters;
-- the CUDA kernel's kernel_meta checks on "split" (clear errors for bad values)."""
+- the CUDA kernel's kernel_meta checks on "split" (clear errors for bad values);
+- cuBLASLt's variants (16-bit product + bias + GELU / ReLU / nothing): run alone (the Triton
+  variants taken out of kernel_meta), with and without CUDA graphs, against ORT running the
+  original, and their error against float64 no larger than ORT's own."""
 
 from __future__ import annotations
 
@@ -187,6 +190,8 @@ def test_cuda_op_matches_onnx_runtime(index, precision, tmp_path, monkeypatch):
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
     monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")
     name, m, feeds, dynamic_b = MODELS[index]
+    if name.startswith("split-"):  # the Triton split-K variants, not cuBLASLt's (test_library_variants)
+        monkeypatch.setenv("ONNXFUSE_GEMM_LIBRARY", "0")
     pats = [dataclasses.replace(GEMM, match=dataclasses.replace(GEMM.match, dynamic_b=True))] if dynamic_b else None
     r = optimize_model(m, pats)
     info, _ = compile_fused(r.model, r.fused, local_gpu_archs(), conv_precision=precision)
@@ -309,3 +314,94 @@ def evaluate_ffn(m: onnx.ModelProto, feeds: dict) -> np.ndarray:
     from onnxfuse.reference import evaluate
 
     return np.asarray(evaluate(m, feeds)[m.graph.output[0].name], np.float32)
+
+
+def _library_models() -> list[tuple[str, onnx.ModelProto, dict, bool]]:
+    """(name, fp16 model, feeds, whether cuBLASLt must take it): products + bias + erf-GELU at
+    BERT-base's b8 and b1 FFN1 shapes, + ReLU, the bias alone, tanh-GELU without a bias, and
+    sizes that are not multiples of 8 (cuBLASLt may decline them: the Triton variant then runs)."""
+    from tests.test_gemm_patterns import erf_consts, erf_gelu
+
+    rng = np.random.default_rng(3)
+    h = np.float16
+    out = []
+    for b in (8, 1):
+        out.append((f"bias-gelu-b{b}", ffn1("float16", s=128, k=768, n=3072),
+                    {"x": rng.standard_normal((b, 128, 768)).astype(h)}, True))
+    nodes = [N("MatMul", ["x", "w"], ["p"]), N("Add", ["p", "b"], ["pb"]), N("Relu", ["pb"], ["y"])]
+    out.append(("bias-relu", model(nodes, {"x": ("float16", [4, 64, 256])}, {"y": ("float16", [4, 64, 512])},
+                                   {"w": _w((256, 512), 1, h), "b": _w((512,), 2, h)}),
+                {"x": rng.standard_normal((4, 64, 256)).astype(h)}, True))
+    nodes = [N("MatMul", ["x", "w"], ["p"]), N("Add", ["p", "b"], ["y"])]
+    out.append(("bias", model(nodes, {"x": ("float16", [256, 384])}, {"y": ("float16", [256, 1152])},
+                              {"w": _w((384, 1152), 1, h), "b": _w((1152,), 2, h)}),
+                {"x": rng.standard_normal((256, 384)).astype(h)}, True))
+    c = {"c3": np.array(0.044715, h), "ck": np.array(0.7978846, h), "one": np.array(1.0, h), "half": np.array(0.5, h)}
+    nodes = [N("MatMul", ["x", "w"], ["p"]), N("Mul", ["p", "p"], ["p2"]), N("Mul", ["p2", "p"], ["p3"]),
+             N("Mul", ["p3", "c3"], ["t"]), N("Add", ["p", "t"], ["u"]), N("Mul", ["u", "ck"], ["v"]),
+             N("Tanh", ["v"], ["th"]), N("Add", ["th", "one"], ["th1"]), N("Mul", ["p", "th1"], ["m"]),
+             N("Mul", ["m", "half"], ["y"])]
+    out.append(("tanh-gelu", model(nodes, {"x": ("float16", [2, 128, 768])}, {"y": ("float16", [2, 128, 3072])},
+                                   {"w": _w((768, 3072), 1, h), **c}),
+                {"x": rng.standard_normal((2, 128, 768)).astype(h)}, True))
+    nodes = [N("MatMul", ["x", "w"], ["p"]), N("Add", ["p", "b"], ["pb"]), *erf_gelu("pb", "y")]
+    out.append(("odd-sizes", model(nodes, {"x": ("float16", [37, 70])}, {"y": ("float16", [37, 45])},
+                                   {"w": _w((70, 45), 1, h), "b": _w((45,), 2, h), **erf_consts(dtype=h)}),
+                {"x": rng.standard_normal((37, 70)).astype(h)}, False))
+    return out
+
+
+LIBRARY_MODELS = _library_models()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(LIBRARY_MODELS)), ids=[m[0] for m in LIBRARY_MODELS])
+def test_library_variants(index, tmp_path, monkeypatch):
+    import json
+
+    import onnxruntime as ort
+
+    from onnxfuse import library_path, optimize_model
+    from onnxfuse.compile import local_gpu_archs
+    from onnxfuse.kernels import compile_fused
+    from onnxfuse.reference import evaluate
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")
+    name, m, feeds, must = LIBRARY_MODELS[index]
+    r = optimize_model(m)
+    info, _ = compile_fused(r.model, r.fused, local_gpu_archs())
+    (node,) = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
+    attr = next(a for a in node.attribute if a.name == "kernel_meta")
+    meta = json.loads(attr.s)
+    assert not info["failed"] and meta["variants"][0].get("library") == "cublaslt", (name, meta["variants"])
+
+    def session(mm, library, graph=False):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if library:
+            so.register_custom_ops_library(library_path())
+            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        opts = {"enable_cuda_graph": "1"} if graph else {}
+        return ort.InferenceSession(mm.SerializeToString(), so, providers=[("CUDAExecutionProvider", opts)])
+
+    want = session(m, False).run(None, feeds)[0]
+    ref = np.asarray(evaluate(m, feeds)[m.graph.output[0].name], np.float64)
+    ort_err = float(np.abs(want.astype(np.float64) - ref).max())
+    runs = [("with the Triton fallbacks", r.model)]
+    if must:  # cuBLASLt alone: a node it declined would fail ("no variant ... takes this product")
+        alone = onnx.ModelProto()
+        alone.CopyFrom(r.model)
+        (n2,) = [n for n in alone.graph.node if n.op_type == "GemmEpilogue"]
+        a2 = next(a for a in n2.attribute if a.name == "kernel_meta")
+        a2.s = json.dumps({**meta, "variants": meta["variants"][:1], "binaries": []}).encode()
+        runs.append(("cuBLASLt alone", alone))
+    scale = float(np.abs(ref).max())
+    for what, mm in runs:
+        for graph in (False, True):
+            got = session(mm, True, graph).run(None, feeds)[0]
+            assert got.dtype == want.dtype and got.shape == want.shape
+            err = float(np.abs(got.astype(np.float64) - ref).max())
+            # fp16 against float64: no further than ORT's own fp16 run, with a floor of an fp16
+            # unit at the output's scale (cuBLASLt's GELU is the tanh form: 4.7e-4 from erf's)
+            assert err <= max(ort_err, 2 ** -10 * scale), f"{name}, {what}, CUDA graph {graph}: {err} vs ORT {ort_err}"

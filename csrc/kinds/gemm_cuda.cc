@@ -10,6 +10,12 @@
 // variant is taken where its tiles · G are at most half the SMs, with min("split", SMs / (tiles
 // · G), K blocks) slices (evened out so that none is empty), its workspace lent by the CUDA EP
 // (codegen_gemm's module docstring).
+//
+// A "library" variant (kernel_meta {"library": "cublaslt", "activation", "bias"}) has no
+// binary: cuBLASLt runs the product with its own epilogue (csrc/cublaslt.h), where the
+// product is one 16-bit GEMM (G = 1), the bias (if any) a contiguous row of N values 16-byte
+// aligned and cuBLASLt has an algorithm for it; else the next variant runs.
+#include "cublaslt.h"
 #include "cuda_driver.h"
 #include "gemm.h"
 
@@ -30,6 +36,9 @@ constexpr int64_t kMaxSlices = 65535;  // split K: CUDA's grid z limit
 
 // A variant's tile and the launcher's own requirements (kernel_meta keys besides "requires").
 struct GemmTile {
+  bool library = false;  // cuBLASLt (act, bias), not a binary
+  cublaslt::Activation act = cublaslt::Activation::NONE;
+  int64_t bias = -1;  // the extra input (0-based) cuBLASLt adds as its bias; -1: none
   int64_t block_m = 1, block_n = 1;
   int64_t block_k = 0;          // read for split-K variants (their K blocks), else 0
   int64_t stride_multiple = 1;  // the strides passed, N and K are multiples of this (hinted to the compiler)
@@ -60,9 +69,11 @@ int64_t collapse_dims(const Shape& y, const Shape& st, size_t lo, size_t hi, siz
 struct GemmKernel : cuda::CudaKernel {
   static constexpr const char* kOp = kGemmEpilogue;
   bool trans_a = false, trans_b = false;
+  float alpha = 1.0f;  // the node's alpha (the Triton kernels have it compiled in; cuBLASLt takes it)
   int64_t meta_trans_a = -1, meta_trans_b = -1;
   std::vector<ExtraMode> modes;  // per extra input, from kernel_meta
   std::vector<GemmTile> tiles;   // per variant
+  cublaslt::Matmuls blas;        // the library variants' plans
 
   const char* kind() const override { return "gemm"; }
 
@@ -70,6 +81,7 @@ struct GemmKernel : cuda::CudaKernel {
     int64_t v = 0;
     if (get_int_attr(info, "trans_a", &v)) trans_a = v != 0;
     if (get_int_attr(info, "trans_b", &v)) trans_b = v != 0;
+    get_float_attr(info, "alpha", &alpha);
   }
 
   void read_meta(const Json& j, size_t n_inputs) override {
@@ -88,6 +100,19 @@ struct GemmKernel : cuda::CudaKernel {
 
   void read_variant(const Json& vj, const std::string& where, Variant* var) override {
     GemmTile t;
+    if (vj.get("library")) {
+      const std::string lib = cuda::meta_str(vj, "library", where);
+      if (lib != "cublaslt") throw Error("kernel_meta: " + where + ".library \"" + lib + "\" is unknown");
+      const std::string act = cuda::meta_str(vj, "activation", where);
+      if (act == "none") t.act = cublaslt::Activation::NONE;
+      else if (act == "relu") t.act = cublaslt::Activation::RELU;
+      else if (act == "gelu") t.act = cublaslt::Activation::GELU;
+      else throw Error("kernel_meta: " + where + ".activation \"" + act + "\" is unknown (none, relu, gelu)");
+      t.bias = cuda::meta_int(vj, "bias", where, false, -1);
+      t.library = var->library = true;
+      tiles.push_back(t);
+      return;
+    }
     t.block_m = cuda::meta_positive(vj, "block_m", where);
     t.block_n = cuda::meta_positive(vj, "block_n", where);
     t.stride_multiple = std::max<int64_t>(1, cuda::meta_int(vj, "stride_multiple", where, false, 1));
@@ -115,6 +140,9 @@ struct GemmKernel : cuda::CudaKernel {
                    ", trans_b " + std::to_string(trans_b ? 1 : 0) + ", " + std::to_string(prog.inputs.size() - 1) +
                    " extra inputs)";
     if (prog.outputs.size() != 1) meta_error = "the program must have exactly one output";
+    for (const GemmTile& t : tiles)
+      if (t.library && (t.bias < -1 || t.bias + 1 >= static_cast<int64_t>(prog.inputs.size())))
+        meta_error = "kernel_meta: a cuBLASLt variant's bias " + std::to_string(t.bias) + " is not an extra input";
   }
 
   void check_mode(size_t e, const Shape& s, const GemmGeometry& geo) const {
@@ -179,8 +207,14 @@ struct GemmKernel : cuda::CudaKernel {
     }
     for (size_t start = 0;;) {
       int64_t slices = 0;
-      const int v = choose(tg, ptrs, geo, largest, start, &slices);
+      cublaslt::Problem lt;
+      const int v = choose(tg, t, y, geo, ptrs, largest, start, &slices, &lt);
       const GemmTile& tile = tiles[v];
+      if (tile.library) {
+        blas.run(lt, t[0].data, t[1].data, tile.bias >= 0 ? t[tile.bias + 2].data : nullptr, y.data, tg.stream, ctx,
+                 tg.L->device);
+        return;
+      }
       const int64_t grid_x = ((geo.m + tile.block_m - 1) / tile.block_m) * ((geo.n + tile.block_n - 1) / tile.block_n);
       if (slices > 1) {  // split K: [G * tiles] counters, [slices, G * tiles, BLOCK_M * BLOCK_N] partials
         const cuda::SplitBuffers sb(ctx, tg.L->device, grid_x * geo.g, slices, tile.block_m * tile.block_n);
@@ -197,6 +231,37 @@ struct GemmKernel : cuda::CudaKernel {
       launch(tg, v, grid_x, geo.g, p);
       return;
     }
+  }
+
+  // The cuBLASLt problem of a library variant, or false where it cannot take this product:
+  // G > 1, A, B and Y not all of the node's 16-bit type, or the bias not a contiguous row of N.
+  bool library_problem(const GemmTile& tile, const std::vector<TensorRef>& t, const TensorRef& y,
+                       const GemmGeometry& geo, cublaslt::Problem* p) const {
+    const ONNXTensorElementDataType type = y.type;
+    if (geo.g != 1 || t[0].type != type || t[1].type != type ||
+        (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16))
+      return false;
+    p->m = geo.m;
+    p->n = geo.n;
+    p->k = geo.k;
+    p->lda = geo.stride_a;
+    p->ldb = geo.stride_b;
+    p->trans_a = trans_a;
+    p->trans_b = trans_b;
+    p->type = type;
+    p->act = tile.act;
+    p->bias = tile.bias >= 0;
+    p->alpha = alpha;
+    p->align_a = cublaslt::alignment(t[0].data);
+    p->align_b = cublaslt::alignment(t[1].data);
+    p->align_y = cublaslt::alignment(y.data);
+    p->align_bias = 256;
+    if (p->bias) {
+      const TensorRef& b = t[tile.bias + 2];
+      if (b.type != type || numel(b.shape) != geo.n || modes[tile.bias] != ExtraMode::ROW) return false;
+      p->align_bias = cublaslt::alignment(b.data);
+    }
+    return true;
   }
 
   // The K slices split-K variant v runs with for this product on this device (codegen_gemm,
@@ -217,10 +282,18 @@ struct GemmKernel : cuda::CudaKernel {
   // The first variant from `start` on with a binary for this device that takes M rows, whose
   // strides, N, K and pointers are as aligned as it was compiled for, whose tensors fit its
   // 32-bit indices, and, split K, that gets at least 2 slices (*slices; 0 for the others).
-  int choose(const Target& tg, const std::vector<const void*>& ptrs, const GemmGeometry& geo, int64_t largest,
-             size_t start, int64_t* slices) const {
+  int choose(const Target& tg, const std::vector<TensorRef>& t, const TensorRef& y, const GemmGeometry& geo,
+             const std::vector<const void*>& ptrs, int64_t largest, size_t start, int64_t* slices,
+             cublaslt::Problem* lt) {
     for (size_t v = start; v < tiles.size(); ++v) {
       const GemmTile& tile = tiles[v];
+      if (tile.library) {
+        if (library_problem(tile, t, y, geo, lt) && blas.supports(*lt)) {
+          *slices = 0;
+          return static_cast<int>(v);
+        }
+        continue;
+      }
       if (!tg.L->fn[v] || (tile.max_m > 0 && geo.m > tile.max_m)) continue;
       const int64_t sm = tile.stride_multiple;
       if (geo.stride_ag % sm || geo.stride_a % sm || geo.stride_bg % sm || geo.stride_b % sm || geo.n % sm ||

@@ -50,6 +50,8 @@ from onnxfuse.codegen_gemm import (
     gemm_candidates,
     gemm_variants,
     generate_gemm,
+    library_enabled,
+    library_epilogue,
 )
 from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, Shape, last_dim_vector, same_shape
@@ -311,6 +313,45 @@ def _bias_for_a_taker(view: GraphView, core: Core, epilogue: set[int], result: s
     return bool(readers) and result not in view.graph_outputs and all(reserved.get(j) in takers for j in readers)
 
 
+def _library_core(view: GraphView, core: Core) -> bool:
+    """A product cuBLASLt's epilogue may take: a MatMul of 16-bit operands, B constant 2-D,
+    one GEMM (A 2-D, or batched and flattened into M)."""
+    b_shape, a_shape = view.shapes.get(core.b), view.shapes.get(core.a)
+    return (view.nodes[core.node].op_type == "MatMul" and core.b_const and core.c is None
+            and view.types.get(core.a) in (DTYPE_IDS["float16"], DTYPE_IDS["bfloat16"])
+            and b_shape is not None and len(b_shape) == 2 and a_shape is not None
+            and (core.flatten or len(a_shape) == 2))
+
+
+def _library_group(view: GraphView, i: int, core: Core, pattern: Pattern, taken: set[int], accepted: Accepted,
+                   reserved: dict[int, str]) -> tuple[set[int], str] | None:
+    """The epilogue with the nodes of ONNX Runtime's GELU fusions offered to tuning
+    (`onnxfuse.match.Reserved`; a pointwise chain takes them otherwise), and its result, where
+    the group is one cuBLASLt's epilogue computes (`codegen_gemm.library_epilogue`: bias +
+    GELU after a 16-bit product, BERT's and ViT's FFN1): cuBLASLt's product with its own bias
+    + GELU took 11.3 µs at BERT-base b8 fp16 on an H100 where cuBLAS's product and BiasGelu
+    took 10.0 + 7.0 (BENCHMARKS.md, Decisions, `gemm-library`); tuning still times the node
+    against ONNX Runtime's. None where that does not apply."""
+    offered = offered_reasons(reserved)
+    if not offered or not library_enabled() or not _library_core(view, core):
+        return None
+    blocked = taken | {j for j, r in reserved.items()
+                       if r not in offered and not any(r.endswith(f"{f} fusion") for f in PRODUCT_FUSIONS)}
+    out = view.nodes[i].output[0]
+    epilogue = grow_epilogue(view, i, core.y_shape, pattern, blocked)
+    if not any(reserved.get(j) in offered for j in epilogue) or out in view.graph_outputs \
+            or any(c not in epilogue for c in view.consumers.get(out, ())):
+        return None
+    epilogue, result = single_result(view, i, out, epilogue, accepted)
+    if not any(reserved.get(j) in offered for j in epilogue) or result is None:
+        return None
+    program, inputs, _ = lower_nodes(view, tuple(sorted(epilogue)), (result,), [(out, ir_dtype(view, core.a))])
+    modes = tuple(extra_mode(view.shapes.get(x), core) for x in inputs[1:])
+    if None in modes or library_epilogue(program, modes) is None:
+        return None
+    return epilogue, result
+
+
 def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accepted: Accepted,
               reserved: dict[int, str]) -> Match | str:
     m: GemmParams = pattern.match
@@ -318,16 +359,20 @@ def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accept
     if isinstance(core, str):
         return core
     out = view.nodes[i].output[0]
-    blocked = _candidate_taken(view, taken, reserved)
-    epilogue = grow_epilogue(view, i, core.y_shape, pattern, blocked)
-    direct = [c for c in view.consumers.get(out, ()) if c not in epilogue]
-    if epilogue and (out in view.graph_outputs or direct):
-        return OUTPUT_ELSEWHERE
-    grown = bool(epilogue)
     anchor_group = {i, *core.transposes}
-    epilogue, result = single_result(view, i, out, epilogue, accepted)
-    if grown and not epilogue:
-        return OUTPUT_ELSEWHERE
+    library = _library_group(view, i, core, pattern, taken, accepted, reserved)
+    if library is not None:
+        epilogue, result = library
+    else:
+        blocked = _candidate_taken(view, taken, reserved)
+        epilogue = grow_epilogue(view, i, core.y_shape, pattern, blocked)
+        direct = [c for c in view.consumers.get(out, ()) if c not in epilogue]
+        if epilogue and (out in view.graph_outputs or direct):
+            return OUTPUT_ELSEWHERE
+        grown = bool(epilogue)
+        epilogue, result = single_result(view, i, out, epilogue, accepted)
+        if grown and not epilogue:
+            return OUTPUT_ELSEWHERE
     if len(epilogue) < m.min_nodes:
         return NO_EPILOGUE
     result = result or out
@@ -490,9 +535,13 @@ class Gemm(Kind):
 
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> GemmSpec:
         g: GemmInfo = f.params
-        return GemmSpec(f.kernel_name, f.program, tuple(f.input_modes[1:]), g.trans_a, g.trans_b, g.alpha,
+        modes = tuple(f.input_modes[1:])
+        # cuBLASLt runs one GEMM: a static G above 1 never takes its variant
+        library = library_epilogue(f.program, modes) if g.batch in (1, None) else None
+        return GemmSpec(f.kernel_name, f.program, modes, g.trans_a, g.trans_b, g.alpha,
                         precision, g.packed and precision == "tf32" and f.program.input_dtypes[0] == "f32",
-                        g.m, g.n, g.k, g.batch, f.source_nodes, x_rounded=f.x_rounded, round_y=f.round_y)
+                        g.m, g.n, g.k, g.batch, f.source_nodes, x_rounded=f.x_rounded, round_y=f.round_y,
+                        library=library)
 
     def decline_reason(self, spec: GemmSpec, layout: str) -> str | None:
         """A GEMM with a tensor of more than 2**31 - 1 elements (32-bit index parameters)."""
@@ -563,16 +612,21 @@ def evaluate_gemm(program: Program, a: np.ndarray, b: np.ndarray, extras: list[n
 
 
 def launcher_choice(meta: dict, m: int, n: int, k: int, g: int = 1, sms: int = SMS, aligned: bool = True,
-                    workspace: bool = True) -> tuple[int, int]:
+                    workspace: bool = True, library: bool = True) -> tuple[int, int]:
     """(variant, K slices) that csrc/kinds/gemm_cuda.cc launches for a GemmEpilogue of
     kernel_meta `meta` running G products [M, K] x [K, N] on a GPU of `sms` multiprocessors,
     every variant having a binary: the first variant in order that takes M rows (max_m), whose
     stride_multiple holds (`aligned`: the strides, N and K multiples of 16 and the pointers
     16-byte aligned), and, for a split-K variant, that gets at least two slices
     (`GemmVariant.slices`: its tiles · G at most half the SMs) and its workspace from the EP
-    (`workspace`). Slices are 0 for the other variants. A mirror of the C++ rule, for tests
-    and benchmarks."""
+    (`workspace`). Slices are 0 for the other variants. A cuBLASLt variant is taken for one
+    GEMM (G = 1) where cuBLASLt runs (`library`: it loaded and has an algorithm for the
+    product). A mirror of the C++ rule, for tests and benchmarks."""
     for i, v in enumerate(meta["variants"]):
+        if v.get("library"):
+            if library and g == 1:
+                return i, 0
+            continue
         if v.get("max_m", 0) and m > v["max_m"]:
             continue
         if v.get("stride_multiple", 1) > 1 and (not aligned or n % v["stride_multiple"] or k % v["stride_multiple"]):
