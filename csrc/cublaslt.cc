@@ -32,7 +32,7 @@ struct HeuristicResult {
   int reserved[4];
 };
 
-constexpr int kComputeF32 = 68;  // CUBLAS_COMPUTE_32F
+constexpr int kComputeF32 = 68, kComputeTF32 = 77;  // CUBLAS_COMPUTE_32F, CUBLAS_COMPUTE_32F_FAST_TF32
 constexpr int kR32F = 0, kR16F = 2, kR16BF = 14;  // cudaDataType_t
 constexpr int kOpN = 0, kOpT = 1;                 // cublasOperation_t
 // cublasLtMatmulDescAttributes_t
@@ -139,7 +139,8 @@ int data_type(ONNXTensorElementDataType t) {
   switch (t) {
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return kR16F;
     case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return kR16BF;
-    default: throw Error(std::string("cuBLASLt variants run 16-bit products, not ") + elem_type_name(t));
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return kR32F;
+    default: throw Error(std::string("cuBLASLt variants run float products, not ") + elem_type_name(t));
   }
 }
 
@@ -191,7 +192,7 @@ Matmuls::Plan* Matmuls::plan(const Problem& p) {
   plans.emplace(p.key(), pl);  // kept when no algorithm fits, so the search runs once
   pl->handle = handle_for_current_context();
   const int type = data_type(p.type);
-  ok(x.MatmulDescCreate(&pl->desc, kComputeF32, kR32F), "cublasLtMatmulDescCreate");
+  ok(x.MatmulDescCreate(&pl->desc, p.tf32 ? kComputeTF32 : kComputeF32, kR32F), "cublasLtMatmulDescCreate");
   const int32_t op_a = p.trans_b ? kOpT : kOpN, op_b = p.trans_a ? kOpT : kOpN;
   ok(x.MatmulDescSetAttribute(pl->desc, kDescTransA, &op_a, sizeof op_a), "setting TRANSA");
   ok(x.MatmulDescSetAttribute(pl->desc, kDescTransB, &op_b, sizeof op_b), "setting TRANSB");

@@ -1,7 +1,7 @@
-// cuBLASLt for GemmEpilogue's "library" variants (docs/format.md, kind gemm): one 16-bit
-// product Y[M, N] = act(alpha op(A) op(B) + bias) where cuBLASLt's own epilogue applies the
-// bias and the activation (none, ReLU, GELU in its tanh form) to the fp32 accumulator before
-// the 16-bit store, so Y is written once.
+// cuBLASLt for GemmEpilogue's "library" variants (docs/format.md, kind gemm): one product
+// Y[M, N] = act(alpha op(A) op(B) + bias) of 16-bit operands (or float32 ones, in TF32 or in
+// full fp32) where cuBLASLt's own epilogue applies the bias and the activation (none, ReLU,
+// GELU in its tanh form) to the fp32 accumulator before the store, so Y is written once.
 //
 // libcublasLt is opened with dlopen on first use: the one the CUDA execution provider has
 // loaded already when there is one (RTLD_NOLOAD), else the first of the sonames below that
@@ -37,6 +37,7 @@ struct Problem {
   int64_t lda = 0, ldb = 0;  // the row-major strides of A's and B's non-contiguous dims (GemmGeometry)
   bool trans_a = false, trans_b = false;
   ONNXTensorElementDataType type = ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;  // A, B, bias and Y
+  bool tf32 = false;  // float32: cuBLAS's TF32 tensor-core product (operands rounded), else full fp32
   Activation act = Activation::NONE;
   bool bias = false;
   float alpha = 1.0f;
@@ -45,7 +46,7 @@ struct Problem {
   int align_a = 256, align_b = 256, align_y = 256, align_bias = 256;
 
   auto key() const {
-    return std::make_tuple(m, n, k, lda, ldb, trans_a, trans_b, static_cast<int>(type), static_cast<int>(act), bias,
+    return std::make_tuple(m, n, k, lda, ldb, trans_a, trans_b, static_cast<int>(type), tf32, static_cast<int>(act), bias,
                            alpha, std::make_tuple(align_a, align_b, align_y, align_bias));
   }
 };

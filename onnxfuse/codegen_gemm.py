@@ -38,7 +38,8 @@ The epilogue's extra inputs are read by mode (`INPUT_MODES`) over Y's [G, M, N] 
 shape that broadcasts to Y and collapses to three strides, given at run time).
 
 A 16-bit product whose epilogue cuBLASLt's own can compute (`library_epilogue`: a bias over
-N, then nothing, ReLU or GELU, erf's form or tanh's, into a 16-bit Y of A's dtype, one GEMM)
+N, then nothing, ReLU or GELU, erf's form or tanh's, into a 16-bit Y of A's dtype, one GEMM;
+float32 ones at "tf32" or "ieee" with the forms `F32_FORMS` lists, not storing Y rounded)
 gets a "library" variant first (`GemmVariant.library`): no Triton source, cuBLASLt runs the
 product and applies the bias and the activation to the fp32 accumulator before the one 16-bit
 store (csrc/cublaslt.h). No Triton tile reached cuBLAS's product at BERT-base's fp16 shapes on
@@ -113,6 +114,7 @@ class LibraryEpilogue:
     activation: str  # one of LIBRARY_ACTIVATIONS
     bias: int  # the extra input (0-based) added as the bias over N; -1: none
     form: str  # what the program computes: "none", "relu", "gelu_erf" or "gelu_tanh"
+    precision: str = ""  # float32 products: "tf32" (cuBLAS's TF32, as ONNX Runtime's default) or "ieee"
 
 
 def library_enabled() -> bool:
@@ -135,9 +137,17 @@ _PRODUCTS = np.concatenate([np.arange(-1280, 1281) / 128.0, [30.0, -30.0, 100.0,
 _BIASES = np.array([0.0, 0.375, -1.25])
 
 
-def library_epilogue(program: Program, input_modes: tuple[str, ...]) -> LibraryEpilogue | None:
-    """The cuBLASLt epilogue computing a GemmEpilogue's program, or None: a 16-bit product,
-    Y of its dtype, at most one extra input, a bias of the same dtype read by row (over N),
+# The forms cuBLASLt's epilogue computes for float32 products at each precision: the same
+# functions only (its GELU is the tanh form, 4.7e-4 from erf's: a 16-bit unit, not a float32
+# one), and at "ieee" none but the exact ones (cuBLASLt's tanh is not documented to an ulp).
+F32_FORMS = {"tf32": frozenset({"none", "relu", "gelu_tanh"}), "ieee": frozenset({"none", "relu"})}
+
+
+def library_epilogue(program: Program, input_modes: tuple[str, ...], precision: str = "tf32"
+                     ) -> LibraryEpilogue | None:
+    """The cuBLASLt epilogue computing a GemmEpilogue's program, or None: a 16-bit product
+    (or a float32 one at a precision of `F32_FORMS`, with a form it lists), Y of its dtype, at
+    most one extra input, a bias of the same dtype read by row (over N),
     and the program, its roundings to 16 bits left out, equal in fp32 to one of `_FORMS` of
     product + bias on `_PRODUCTS` x `_BIASES` within 1e-4 (relative and absolute: an fp16
     export's 1 / sqrt(2) is 1 / 1.4140625, 3.2e-5 off at worst; erf's and tanh's GELU differ by
@@ -146,7 +156,9 @@ def library_epilogue(program: Program, input_modes: tuple[str, ...]) -> LibraryE
     op) is one."""
     dt = program.input_dtypes[0]
     extras = program.input_dtypes[1:]
-    if dt not in ("f16", "bf16") or len(program.outputs) != 1 or program.outputs[0][1] != dt or len(extras) > 1:
+    f32_forms = F32_FORMS.get(precision, frozenset()) if dt == "f32" else None
+    if (dt not in ("f16", "bf16") and not f32_forms) or len(program.outputs) != 1 \
+            or program.outputs[0][1] != dt or len(extras) > 1:
         return None
     if extras and (tuple(input_modes) != ("row",) or extras[0] != dt):
         return None
@@ -161,6 +173,8 @@ def library_epilogue(program: Program, input_modes: tuple[str, ...]) -> LibraryE
     for activation, form, f in _FORMS:
         want = f(x)
         if np.allclose(y.astype(np.float64), want, rtol=1e-4, atol=1e-4):
+            if f32_forms is not None:
+                return LibraryEpilogue(activation, 0 if extras else -1, form, precision) if form in f32_forms else None
             return LibraryEpilogue(activation, 0 if extras else -1, form)
     return None
 
@@ -253,7 +267,8 @@ class GemmVariant:
 
     def meta(self) -> dict:
         if self.library is not None:
-            return {"library": "cublaslt", "activation": self.library.activation, "bias": self.library.bias}
+            return {"library": "cublaslt", "activation": self.library.activation, "bias": self.library.bias,
+                    **({"precision": self.library.precision} if self.library.precision else {})}
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
                 "stride_multiple": 16 if self.aligned else 1, "max_m": self.max_m,
                 **({"split": self.split} if self.split_k else {})}

@@ -13,7 +13,8 @@
   the split-K variant, through the CUDA EP with and without CUDA graphs; the split variants
   of the kernel cases above launched directly with their workspace and counters;
 - the CUDA kernel's kernel_meta checks on "split" (clear errors for bad values);
-- cuBLASLt's variants (16-bit product + bias + GELU / ReLU / nothing): run alone (the Triton
+- cuBLASLt's variants (16-bit product + bias + GELU / ReLU / nothing, float32 + bias at "tf32"
+  and "ieee"): run alone (the Triton
   variants taken out of kernel_meta), with and without CUDA graphs, against ORT running the
   original, and their error against float64 no larger than ORT's own."""
 
@@ -317,9 +318,10 @@ def evaluate_ffn(m: onnx.ModelProto, feeds: dict) -> np.ndarray:
 
 
 def _library_models() -> list[tuple[str, onnx.ModelProto, dict, bool]]:
-    """(name, fp16 model, feeds, whether cuBLASLt must take it): products + bias + erf-GELU at
-    BERT-base's b8 and b1 FFN1 shapes, + ReLU, the bias alone, tanh-GELU without a bias, and
-    sizes that are not multiples of 8 (cuBLASLt may decline them: the Triton variant then runs)."""
+    """(name, model, feeds, whether cuBLASLt must take it): fp16 products + bias + erf-GELU at
+    BERT-base's b8 and b1 FFN1 shapes, + ReLU, the bias alone, tanh-GELU without a bias; float32
+    products + bias at ViT-S's FFN1 shape, at "tf32" and "ieee" (names ending so); fp16 sizes
+    that are not multiples of 8 (cuBLASLt may decline them: the Triton variant then runs)."""
     from tests.test_gemm_patterns import erf_consts, erf_gelu
 
     rng = np.random.default_rng(3)
@@ -344,6 +346,12 @@ def _library_models() -> list[tuple[str, onnx.ModelProto, dict, bool]]:
     out.append(("tanh-gelu", model(nodes, {"x": ("float16", [2, 128, 768])}, {"y": ("float16", [2, 128, 3072])},
                                    {"w": _w((768, 3072), 1, h), **c}),
                 {"x": rng.standard_normal((2, 128, 768)).astype(h)}, True))
+    nodes = [N("MatMul", ["x", "w"], ["p"]), N("Add", ["p", "b"], ["y"])]
+    for precision in ("tf32", "ieee"):  # float32: ViT's out-projection and FFN2 (their bias alone)
+        out.append((f"f32-bias-{precision}", model(nodes, {"x": ("float32", [8, 197, 384])},
+                                                   {"y": ("float32", [8, 197, 1536])},
+                                                   {"w": _w((384, 1536), 1), "b": _w((1536,), 2)}),
+                    {"x": rng.standard_normal((8, 197, 384)).astype(np.float32)}, True))
     nodes = [N("MatMul", ["x", "w"], ["p"]), N("Add", ["p", "b"], ["pb"]), *erf_gelu("pb", "y")]
     out.append(("odd-sizes", model(nodes, {"x": ("float16", [37, 70])}, {"y": ("float16", [37, 45])},
                                    {"w": _w((70, 45), 1, h), "b": _w((45,), 2, h), **erf_consts(dtype=h)}),
@@ -369,8 +377,9 @@ def test_library_variants(index, tmp_path, monkeypatch):
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
     monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")
     name, m, feeds, must = LIBRARY_MODELS[index]
+    precision = "ieee" if name.endswith("ieee") else "tf32"
     r = optimize_model(m)
-    info, _ = compile_fused(r.model, r.fused, local_gpu_archs())
+    info, _ = compile_fused(r.model, r.fused, local_gpu_archs(), conv_precision=precision)
     (node,) = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
     attr = next(a for a in node.attribute if a.name == "kernel_meta")
     meta = json.loads(attr.s)
@@ -382,7 +391,7 @@ def test_library_variants(index, tmp_path, monkeypatch):
         if library:
             so.register_custom_ops_library(library_path())
             so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        opts = {"enable_cuda_graph": "1"} if graph else {}
+        opts = {"use_tf32": "0" if precision == "ieee" else "1", **({"enable_cuda_graph": "1"} if graph else {})}
         return ort.InferenceSession(mm.SerializeToString(), so, providers=[("CUDAExecutionProvider", opts)])
 
     want = session(m, False).run(None, feeds)[0]
@@ -402,6 +411,9 @@ def test_library_variants(index, tmp_path, monkeypatch):
             got = session(mm, True, graph).run(None, feeds)[0]
             assert got.dtype == want.dtype and got.shape == want.shape
             err = float(np.abs(got.astype(np.float64) - ref).max())
-            # fp16 against float64: no further than ORT's own fp16 run, with a floor of an fp16
-            # unit at the output's scale (cuBLASLt's GELU is the tanh form: 4.7e-4 from erf's)
-            assert err <= max(ort_err, 2 ** -10 * scale), f"{name}, {what}, CUDA graph {graph}: {err} vs ORT {ort_err}"
+            # against float64: no further than ORT's own run (TF32 for float32 at "tf32", as ORT's
+            # default; full fp32 at "ieee"), with a floor of a unit of the product's precision at
+            # the output's scale (fp16 and TF32: 2^-10; cuBLASLt's GELU is the tanh form, 4.7e-4
+            # from erf's), 2^-20 at "ieee"
+            floor = (2 ** -20 if precision == "ieee" and want.dtype == np.float32 else 2 ** -10) * scale
+            assert err <= max(ort_err, floor), f"{name}, {what}, CUDA graph {graph}: {err} vs ORT {ort_err}"

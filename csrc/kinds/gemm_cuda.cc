@@ -11,9 +11,10 @@
 // · G), K blocks) slices (evened out so that none is empty), its workspace lent by the CUDA EP
 // (codegen_gemm's module docstring).
 //
-// A "library" variant (kernel_meta {"library": "cublaslt", "activation", "bias"}) has no
-// binary: cuBLASLt runs the product with its own epilogue (csrc/cublaslt.h), where the
-// product is one 16-bit GEMM (G = 1), the bias (if any) a contiguous row of N values 16-byte
+// A "library" variant (kernel_meta {"library": "cublaslt", "activation", "bias", and for float32
+// "precision"}) has no binary: cuBLASLt runs the product with its own epilogue
+// (csrc/cublaslt.h), where the product is one GEMM (G = 1) of 16-bit operands (float32 ones
+// where the variant has a precision), the bias (if any) a contiguous row of N values 16-byte
 // aligned and cuBLASLt has an algorithm for it; else the next variant runs.
 #include "cublaslt.h"
 #include "cuda_driver.h"
@@ -39,6 +40,7 @@ struct GemmTile {
   bool library = false;  // cuBLASLt (act, bias), not a binary
   cublaslt::Activation act = cublaslt::Activation::NONE;
   int64_t bias = -1;  // the extra input (0-based) cuBLASLt adds as its bias; -1: none
+  std::string precision;  // float32 products: "tf32" or "ieee" (empty: 16-bit only)
   int64_t block_m = 1, block_n = 1;
   int64_t block_k = 0;          // read for split-K variants (their K blocks), else 0
   int64_t stride_multiple = 1;  // the strides passed, N and K are multiples of this (hinted to the compiler)
@@ -109,6 +111,11 @@ struct GemmKernel : cuda::CudaKernel {
       else if (act == "gelu") t.act = cublaslt::Activation::GELU;
       else throw Error("kernel_meta: " + where + ".activation \"" + act + "\" is unknown (none, relu, gelu)");
       t.bias = cuda::meta_int(vj, "bias", where, false, -1);
+      if (vj.get("precision")) {
+        t.precision = cuda::meta_str(vj, "precision", where);
+        if (t.precision != "tf32" && t.precision != "ieee")
+          throw Error("kernel_meta: " + where + ".precision \"" + t.precision + "\" is unknown (tf32, ieee)");
+      }
       t.library = var->library = true;
       tiles.push_back(t);
       return;
@@ -234,13 +241,16 @@ struct GemmKernel : cuda::CudaKernel {
   }
 
   // The cuBLASLt problem of a library variant, or false where it cannot take this product:
-  // G > 1, A, B and Y not all of the node's 16-bit type, or the bias not a contiguous row of N.
+  // G > 1, A, B and Y not all of one type (16-bit, or float32 where the variant has a
+  // precision), or the bias not a contiguous row of N.
   bool library_problem(const GemmTile& tile, const std::vector<TensorRef>& t, const TensorRef& y,
                        const GemmGeometry& geo, cublaslt::Problem* p) const {
     const ONNXTensorElementDataType type = y.type;
+    const bool f32 = type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT && !tile.precision.empty();
     if (geo.g != 1 || t[0].type != type || t[1].type != type ||
-        (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16))
+        (type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 && type != ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16 && !f32))
       return false;
+    p->tf32 = f32 && tile.precision == "tf32";
     p->m = geo.m;
     p->n = geo.n;
     p->k = geo.k;

@@ -314,11 +314,11 @@ def _bias_for_a_taker(view: GraphView, core: Core, epilogue: set[int], result: s
 
 
 def _library_core(view: GraphView, core: Core) -> bool:
-    """A product cuBLASLt's epilogue may take: a MatMul of 16-bit operands, B constant 2-D,
+    """A product cuBLASLt's epilogue may take: a MatMul of float operands, B constant 2-D,
     one GEMM (A 2-D, or batched and flattened into M)."""
     b_shape, a_shape = view.shapes.get(core.b), view.shapes.get(core.a)
     return (view.nodes[core.node].op_type == "MatMul" and core.b_const and core.c is None
-            and view.types.get(core.a) in (DTYPE_IDS["float16"], DTYPE_IDS["bfloat16"])
+            and view.types.get(core.a) in (DTYPE_IDS["float16"], DTYPE_IDS["bfloat16"], DTYPE_IDS["float32"])
             and b_shape is not None and len(b_shape) == 2 and a_shape is not None
             and (core.flatten or len(a_shape) == 2))
 
@@ -536,8 +536,10 @@ class Gemm(Kind):
     def spec(self, model: ModelProto, f: FusedNode, precision: str, weight_dims: dict | None) -> GemmSpec:
         g: GemmInfo = f.params
         modes = tuple(f.input_modes[1:])
-        # cuBLASLt runs one GEMM: a static G above 1 never takes its variant
-        library = library_epilogue(f.program, modes) if g.batch in (1, None) else None
+        # cuBLASLt runs one GEMM: a static G above 1 never takes its variant; nor does a float32
+        # product that stores Y rounded to TF32 for its readers (`gemm-tf32-at-producer`)
+        library = (library_epilogue(f.program, modes, precision) if g.batch in (1, None) and not f.round_y
+                   else None)
         return GemmSpec(f.kernel_name, f.program, modes, g.trans_a, g.trans_b, g.alpha,
                         precision, g.packed and precision == "tf32" and f.program.input_dtypes[0] == "f32",
                         g.m, g.n, g.k, g.batch, f.source_nodes, x_rounded=f.x_rounded, round_y=f.round_y,
@@ -589,7 +591,8 @@ class Gemm(Kind):
         return spec.tf32
 
     def may_store_tf32(self, spec: GemmSpec) -> bool:
-        return spec.tf32 and spec.program.outputs[0][1] == "f32"
+        # cuBLASLt's variant stores Y as it is
+        return spec.tf32 and spec.program.outputs[0][1] == "f32" and spec.library is None
 
     def evaluate(self, node: NodeProto, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """alpha * op(A) @ op(B) in float64, rounded to A's dtype, then the program."""
