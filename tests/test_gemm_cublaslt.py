@@ -1,0 +1,168 @@
+"""cuBLASLt's variants of GemmEpilogue (codegen_gemm's module docstring), on the CPU: which
+programs cuBLASLt's epilogue computes (`library_epilogue`, told by values), the variants and
+kernel_meta a 16-bit product + bias + GELU gets (float32 ones: the exact forms), and the match that takes ONNX Runtime's GELU
+fusion into the product where tuning will time it (`kinds.gemm._library_group`). The kernels
+run on the GPU in tests/test_gemm_gpu.py (`test_library_variants`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from onnxfuse.codegen_gemm import GemmSpec, gemm_candidates, gemm_variants, library_epilogue
+from onnxfuse.expr import parse
+from onnxfuse.kinds.gemm import launcher_choice
+
+HEADER = "onnxfuse.pointwise v1\n"
+
+
+def program(dt: str, body: str, extras: int = 1):
+    inputs = "".join(f"input %{i} {dt}\n" for i in range(1 + extras))
+    return parse(HEADER + inputs + body)
+
+
+ERF_GELU = "%2 = add %0 %1\n%3 = round_{dt}\n%4 = mul %3 0.7071823477745056\n%5 = neg %4\n%6 = erfc %5\n" \
+           "%7 = mul %3 %6\n%8 = mul %7 0.5\noutput %8 {dt}\n"
+
+
+def erf_gelu(dt: str = "f16"):
+    rounded = f"round_{dt} %2" if dt != "f32" else "add %2 0.0"
+    return program(dt, ERF_GELU.replace("round_{dt}", rounded).replace("{dt}", dt))
+
+
+def test_forms_are_told_apart_by_their_values():
+    g = library_epilogue(erf_gelu(), ("row",))
+    assert (g.activation, g.bias, g.form) == ("gelu", 0, "gelu_erf")
+    assert library_epilogue(erf_gelu("bf16"), ("row",)).form == "gelu_erf"
+    relu = program("f16", "%2 = add %0 %1\n%3 = max %2 0.0\noutput %3 f16\n")
+    assert library_epilogue(relu, ("row",)).activation == "relu"
+    bias = program("f16", "%2 = add %1 %0\noutput %2 f16\n")
+    assert library_epilogue(bias, ("row",)).activation == "none"
+    tanh = program("f16", "%1 = mul %0 %0\n%2 = mul %1 %0\n%3 = mul %2 0.044715\n%4 = add %0 %3\n"
+                          "%5 = mul %4 0.7978845608028654\n%6 = tanh %5\n%7 = add %6 1.0\n%8 = mul %0 %7\n"
+                          "%9 = mul %8 0.5\noutput %9 f16\n", extras=0)
+    assert library_epilogue(tanh, ()) == library_epilogue(tanh, ()).__class__("gelu", -1, "gelu_tanh")
+
+
+@pytest.mark.parametrize("dt", ["f16", "bf16"])
+def test_what_cublaslt_cannot_compute_is_refused(dt):
+    # QuickGELU x sigmoid(1.702 x): within bf16's rounding of GELU at x = 1, not within 1e-4
+    quick = program(dt, f"%2 = add %0 %1\n%3 = mul %2 1.702\n%4 = sigmoid %3\n%5 = mul %2 %4\noutput %5 {dt}\n")
+    assert library_epilogue(quick, ("row",)) is None
+    silu = program(dt, f"%2 = add %0 %1\n%3 = sigmoid %2\n%4 = mul %2 %3\noutput %4 {dt}\n")
+    assert library_epilogue(silu, ("row",)) is None
+    scaled = program(dt, f"%2 = mul %0 %1\noutput %2 {dt}\n")  # a product by the extra, not a bias
+    assert library_epilogue(scaled, ("row",)) is None
+    g = erf_gelu(dt)
+    assert library_epilogue(g, ("full",)) is None  # a residual, not a bias over N
+    assert library_epilogue(g, ("strided",)) is None
+    leaky = program(dt, f"%2 = add %0 %1\n%3 = mul %2 0.01\n%4 = max %2 %3\noutput %4 {dt}\n")
+    assert library_epilogue(leaky, ("row",)) is None
+
+
+def test_float32_takes_the_exact_forms_only():
+    relu = program("f32", "%2 = add %0 %1\n%3 = max %2 0.0\noutput %3 f32\n")
+    assert library_epilogue(relu, ("row",)) == library_epilogue(relu, ("row",)).__class__("relu", 0, "relu", "tf32")
+    assert library_epilogue(relu, ("row",), "ieee").precision == "ieee"
+    assert library_epilogue(relu, ("row",), "tf32x3") is None
+    # erf's GELU: cuBLASLt's tanh form is 4.7e-4 away, a 16-bit unit, not a float32 one
+    assert library_epilogue(erf_gelu("f32"), ("row",)) is None
+    tanh = program("f32", "%1 = mul %0 %0\n%2 = mul %1 %0\n%3 = mul %2 0.044715\n%4 = add %0 %3\n"
+                          "%5 = mul %4 0.7978845608028654\n%6 = tanh %5\n%7 = add %6 1.0\n%8 = mul %0 %7\n"
+                          "%9 = mul %8 0.5\noutput %9 f32\n", extras=0)
+    assert library_epilogue(tanh, ()).form == "gelu_tanh"
+    assert library_epilogue(tanh, (), "ieee") is None
+
+
+def test_other_outputs_stay_triton():
+    cast = program("f16", "%2 = add %0 %1\noutput %2 f32\n")  # Y of another dtype
+    assert library_epilogue(cast, ("row",)) is None
+    mixed = parse(HEADER + "input %0 f16\ninput %1 f32\n%2 = add %0 %1\noutput %2 f16\n")  # an fp32 bias
+    assert library_epilogue(mixed, ("row",)) is None
+
+
+def _spec(**kw) -> GemmSpec:
+    g = erf_gelu()
+    return GemmSpec("k", g, ("row",), m=1024, n=3072, k=768, batch=1, library=library_epilogue(g, ("row",)), **kw)
+
+
+def test_variants_and_meta_of_a_library_spec(monkeypatch):
+    from onnxfuse.kinds.gemm import Gemm
+
+    spec = _spec()
+    variants = gemm_variants(spec)
+    assert variants[0].library is not None and all(v.library is None for v in variants[1:])
+    assert [v.index for v in variants] == list(range(len(variants)))
+    assert gemm_candidates(spec) == [("default", variants)]  # no Triton tile is timed against it
+    meta = Gemm().kernel_meta(spec, variants, [])
+    assert meta["variants"][0] == {"requires": {}, "library": "cublaslt", "activation": "gelu", "bias": 0}
+    assert "block_m" in meta["variants"][1]
+    assert launcher_choice(meta, 1024, 3072, 768) == (0, 0)
+    assert launcher_choice(meta, 1024, 3072, 768, library=False) == (1, 0)
+    assert launcher_choice(meta, 128, 3072, 768, g=2)[0] == 1
+    monkeypatch.setenv("ONNXFUSE_GEMM_LIBRARY", "0")
+    assert all(v.library is None for v in gemm_variants(spec))
+    with pytest.raises(ValueError, match="cuBLASLt's"):
+        from onnxfuse.codegen_gemm import generate_gemm
+        generate_gemm(spec, variants[0])
+
+
+def test_compile_leaves_the_library_variant_without_binaries(tmp_path):
+    from onnxfuse.compile import compile_kernels
+
+    spec = dataclasses.replace(_spec(), name="lib_gelu_kernel")
+    (ck,) = compile_kernels([spec], [90], cache_dir=tmp_path)
+    meta = ck.kernel_meta()
+    assert meta["variants"][0]["library"] == "cublaslt"
+    assert {b["variant"] for b in meta["binaries"]} == {1, 2}
+
+
+def _matches(dtype):
+    from models import transformers as mt
+    from models.fp16 import to_fp16
+    from onnxfuse import tune as tuning
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, match_pass, run_passes
+
+    m = mt.export("bert_base", small=True)
+    if dtype == "float16":
+        m = to_fp16(m)
+    dims = {k: (2, *v) for k, v in mt.input_dims("bert_base", small=True).items()}
+    options = dataclasses.replace(build_options(target="none", tune="off", shapes=dims),
+                                  tune=tuning.TuneSettings(budget_s=1.0))
+    upto = PASSES[:PASSES.index(match_pass) + 1]
+    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    return r, [[r.view.nodes[i].op_type for i in x.nodes] for x in r.found.matches if x.kind == "gemm"]
+
+
+def test_with_tuning_a_16bit_ffn1_takes_its_gelu_into_the_product():
+    """BERT's fp16 FFN1 where the tune pass will run: the gemm kind takes MatMul + bias + GELU
+    (ORT's MatMul + Add into Gemm and Gelu fusions, whole), whose program cuBLASLt computes; the
+    bias stays where it was (no Reshape, Gemm, Reshape from the bias pass) and no chain is left."""
+    pytest.importorskip("torch")
+    r, gemms = _matches("float16")
+    assert gemms == [["MatMul", "Add", "Div", "Erf", "Add", "Mul", "Mul"]] * 2, r.report.summary()
+    assert not [x for x in r.found.matches if x.kind == "pointwise" and x.measured_only]
+    assert r.biased_after == 4  # the out-projections and FFN2s; FFN1's bias stays in the product's epilogue
+
+
+def test_with_tuning_a_float32_ffn1_keeps_its_gelu_chain():
+    pytest.importorskip("torch")
+    r, gemms = _matches("float32")
+    assert not gemms  # erf's GELU in float32: no cuBLASLt form, the chain is timed against BiasGelu
+    assert len([x for x in r.found.matches if x.kind == "pointwise" and x.measured_only]) == 2
+
+
+def test_library_variant_off_leaves_the_chain(monkeypatch):
+    pytest.importorskip("torch")
+    monkeypatch.setenv("ONNXFUSE_GEMM_LIBRARY", "0")
+    r, gemms = _matches("float16")
+    assert not gemms and len([x for x in r.found.matches if x.kind == "pointwise" and x.measured_only]) == 2
+
+
+def test_values_are_exact_in_16_bits():
+    from onnxfuse.codegen_gemm import _BIASES, _PRODUCTS
+
+    for v in (_PRODUCTS, _BIASES):
+        assert np.array_equal(v.astype(np.float16).astype(np.float64), v)
