@@ -1,8 +1,9 @@
 """cuBLASLt's variants of GemmEpilogue (codegen_gemm's module docstring), on the CPU: which
 programs cuBLASLt's epilogue computes (`library_epilogue`, told by values), the variants and
-kernel_meta a 16-bit product + bias + GELU gets (float32 ones: the exact forms), and the match that takes ONNX Runtime's GELU
-fusion into the product where tuning will time it (`kinds.gemm._library_group`). The kernels
-run on the GPU in tests/test_gemm_gpu.py (`test_library_variants`)."""
+kernel_meta a 16-bit product + bias + GELU gets (float32 ones: the exact forms), and the match
+that takes ONNX Runtime's GELU fusion into the product where tuning will time it
+(`kinds.gemm._library_group`). The kernels run on the GPU in tests/test_gemm_gpu.py
+(`test_library_variants`)."""
 
 from __future__ import annotations
 
