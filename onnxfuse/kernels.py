@@ -140,6 +140,10 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     built = sum(c.compiled for c in compiled)
     names = ",".join(f"sm_{t}" for t in targets)
     summary = f"kernels: {len(compiled)} for {names}: {built} compiled in {seconds:.1f} s, {hits} cache hits"
+    # GemmEpilogue nodes whose first variant is cuBLASLt's product with its own epilogue
+    library = sum(1 for c in compiled if c.variants and getattr(c.variants[0], "library", None) is not None)
+    if library:
+        summary += f"; {library} run cuBLASLt's product and epilogue first (Triton where it declines)"
     if failed:
         summary += f", {len(failed)} failed (left unfused)"
     if declined:
@@ -148,7 +152,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
             for r in dict.fromkeys(d["reason"] for d in declined)) + ")"
     return {
         "summary": summary, "kernels": len(compiled), "targets": list(targets), "compile_seconds": seconds,
-        "cache_hits": hits, "compiled": built, "failed": failed, "declined": declined,
+        "cache_hits": hits, "compiled": built, "failed": failed, "declined": declined, "library": library,
     }, everything
 
 

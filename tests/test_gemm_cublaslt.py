@@ -167,3 +167,22 @@ def test_values_are_exact_in_16_bits():
 
     for v in (_PRODUCTS, _BIASES):
         assert np.array_equal(v.astype(np.float16).astype(np.float64), v)
+
+
+def test_the_report_says_which_nodes_run_cublaslt(tmp_path, monkeypatch):
+    """`onnxfuse optimize`'s kernel summary counts the nodes whose first variant is cuBLASLt's,
+    and their kernel_meta names it; a float32 erf-GELU product has none."""
+    import json
+
+    from onnxfuse.pipeline import build_options, optimize_model
+    from tests.test_gemm_patterns import ffn1
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")
+    for dtype, want in (("float16", 1), ("float32", 0)):
+        r = optimize_model(ffn1(dtype), leave_to_ort=False, options=build_options(target="sm_90", tune="off"))
+        assert r.report.compile["library"] == want, r.report.compile["summary"]
+        assert ("run cuBLASLt's product" in r.report.compile["summary"]) == bool(want)
+        (node,) = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
+        meta = json.loads(next(a.s for a in node.attribute if a.name == "kernel_meta"))
+        assert (meta["variants"][0].get("library") == "cublaslt") == bool(want)
