@@ -186,3 +186,53 @@ def test_the_report_says_which_nodes_run_cublaslt(tmp_path, monkeypatch):
         (node,) = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
         meta = json.loads(next(a.s for a in node.attribute if a.name == "kernel_meta"))
         assert (meta["variants"][0].get("library") == "cublaslt") == bool(want)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_gpt2_conv1d_is_read_through_its_reshapes(dtype, tmp_path, monkeypatch):
+    """GPT-2's FFN1 (Conv1D: Reshape, Gemm, Reshape; the bias pass puts its bias after the
+    second Reshape) with its tanh-GELU where tuning will time it: one GemmEpilogue reading the
+    3-D input as a batched product (`kinds.gemm._read_through`), cuBLASLt's variant first (at
+    float32 too: tanh's GELU is cuBLASLt's own form, at TF32), and the model on the CPU (the
+    library's kernels, compiled for sm_90 but not run) computes what the original does."""
+    pytest.importorskip("torch")
+    import json
+
+    import onnxruntime as ort
+
+    from models import transformers as mt
+    from models.fp16 import to_fp16
+    from onnxfuse import runtime
+    from onnxfuse import tune as tuning
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, compile_pass, run_passes
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    m = mt.export("gpt2_small", small=True)
+    npdt = np.float16 if dtype == "float16" else np.float32
+    if dtype == "float16":
+        m = to_fp16(m)
+    dims = {k: (2, *v) for k, v in mt.input_dims("gpt2_small", small=True).items()}
+    options = dataclasses.replace(build_options(target="sm_90", tune="off", shapes=dims),
+                                  tune=tuning.TuneSettings(budget_s=1.0))
+    upto = PASSES[:PASSES.index(compile_pass) + 1]
+    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    assert r.report.compile["library"] == 2, r.report.compile["summary"]
+    nodes = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
+    (body,) = [f for f in r.model.functions if f.name == "GemmEpilogue"]
+    # the body: the flattening Reshape, the product (float32: of the packed weights transposed back), ...
+    assert [b.op_type for b in body.node if b.op_type not in ("Constant", "Transpose")][:4] == \
+        ["Reshape", "Gemm", "Reshape", "Add"]
+    assert len(nodes) == 2
+    producers = {o: p.op_type for p in r.model.graph.node for o in p.output}
+    for n in nodes:  # A is the 3-D input itself (the LayerNorm's output), not its flattened rows
+        assert producers[n.input[0]] == "FusedRows"
+        meta = json.loads(next(a.s for a in n.attribute if a.name == "kernel_meta"))
+        assert meta["variants"][0]["activation"] == "gelu"
+        assert meta["variants"][0].get("precision") == (None if dtype == "float16" else "tf32")
+    feeds = mt.feeds("gpt2_small", dims, npdt, small=True, seed=1)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = runtime.InferenceSession(r.model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    scale = float(np.abs(want).max())
+    # fp16: as tests/test_transformers.py's fp16 twins; float32: the packed weights are rounded to TF32
+    tol = 2e-2 * scale if dtype == "float16" else 1e-3 * scale
+    assert float(np.abs(got.astype(np.float64) - want).max()) <= tol

@@ -34,6 +34,7 @@ for tests and benchmarks).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -126,6 +127,15 @@ class Core:
     y_shape: Shape  # the product's shape
     flatten: bool  # a batched A times a 2-D B: one GEMM of M = batch * rows
     b_const: bool
+    product: str = ""  # the tensor the epilogue reads: the node's output, or reshape_out's
+    # a 2-D Gemm read through the Reshapes around it (`_read_through`): A's rows flattened
+    # before it, Y's unflattened after it (GPT-2's Conv1D), as one batched product
+    reshape_in: int | None = None
+    reshape_out: int | None = None
+
+    @property
+    def reshapes(self) -> tuple[int, ...]:
+        return tuple(r for r in (self.reshape_in, self.reshape_out) if r is not None)
 
 
 @dataclass(frozen=True)
@@ -226,7 +236,32 @@ def find_core(view: GraphView, i: int, pattern: Pattern, taken: set[int]) -> Cor
                 return "Gemm's C has another dtype or an unknown shape"
     else:
         alpha = 1.0
-    return Core(i, a, b, c, trans_a, trans_b, alpha, beta, tuple(transposes), tuple(y_shape), flatten, b_const)
+    return Core(i, a, b, c, trans_a, trans_b, alpha, beta, tuple(transposes), tuple(y_shape), flatten, b_const,
+                n.output[0])
+
+
+def _read_through(view: GraphView, core: Core, taken: set[int]) -> Core | None:
+    """A 2-D Gemm (no C, no transA) between a Reshape that flattens x [..., K] into its rows
+    and one that gives them back [..., N], each read by the other alone (GPT-2's Conv1D, its
+    bias moved after the second Reshape by the bias pass), as the batched product of x that
+    it computes: the core with A = x, Y of the second Reshape's shape. None otherwise."""
+    n = view.nodes[core.node]
+    if n.op_type != "Gemm" or core.c is not None or core.trans_a or core.transposes:
+        return None
+    r_in, r_out = view.producer.get(n.input[0]), view.consumers.get(n.output[0], [])
+    if not view.is_op(r_in, "Reshape") or len(r_out) != 1 or not view.is_op(r_out[0], "Reshape") \
+            or r_in in taken or r_out[0] in taken or n.output[0] in view.graph_outputs \
+            or n.input[0] in view.graph_outputs or view.consumers.get(n.input[0], []) != [core.node]:
+        return None
+    x = view.nodes[r_in].input[0]
+    out = view.nodes[r_out[0]].output[0]
+    xs, ys, rows = view.shapes.get(x), view.shapes.get(out), view.shapes.get(n.input[0])
+    if xs is None or ys is None or rows is None or len(xs) < 2 or view.types.get(x) != view.types.get(n.input[0]):
+        return None
+    if not same_shape(tuple(xs[-1:]), tuple(rows[-1:])) or not same_shape(tuple(ys), (*xs[:-1], core.y_shape[-1])):
+        return None
+    return dataclasses.replace(core, a=x, y_shape=tuple(ys), flatten=True, product=out, reshape_in=r_in,
+                               reshape_out=r_out[0])
 
 
 def _groups(core: Core) -> tuple[range, range]:
@@ -304,7 +339,7 @@ def _bias_for_a_taker(view: GraphView, core: Core, epilogue: set[int], result: s
     if len(epilogue) != 1 or result is None:
         return False
     add = view.nodes[next(iter(epilogue))]
-    bias = next((x for x in add.input if x != view.nodes[core.node].output[0]), None)
+    bias = next((x for x in add.input if x != core.product), None)
     if add.op_type != "Add" or bias not in view.constants or not isinstance(core.y_shape[-1], int) \
             or not last_dim_vector(view.constants[bias], core.y_shape[-1]):
         return False
@@ -314,42 +349,50 @@ def _bias_for_a_taker(view: GraphView, core: Core, epilogue: set[int], result: s
 
 
 def _library_core(view: GraphView, core: Core) -> bool:
-    """A product cuBLASLt's epilogue may take: a MatMul of float operands, B constant 2-D,
-    one GEMM (A 2-D, or batched and flattened into M)."""
+    """A product cuBLASLt's epilogue may take: a MatMul of float operands (or a Gemm read
+    through its Reshapes), B constant 2-D, one GEMM (A 2-D, or batched and flattened into M)."""
     b_shape, a_shape = view.shapes.get(core.b), view.shapes.get(core.a)
-    return (view.nodes[core.node].op_type == "MatMul" and core.b_const and core.c is None
+    return ((view.nodes[core.node].op_type == "MatMul" or core.reshape_out is not None) and core.b_const
+            and core.c is None
             and view.types.get(core.a) in (DTYPE_IDS["float16"], DTYPE_IDS["bfloat16"], DTYPE_IDS["float32"])
             and b_shape is not None and len(b_shape) == 2 and a_shape is not None
             and (core.flatten or len(a_shape) == 2))
 
 
 def _library_group(view: GraphView, i: int, core: Core, pattern: Pattern, taken: set[int], accepted: Accepted,
-                   reserved: dict[int, str]) -> tuple[set[int], str] | None:
+                   reserved: dict[int, str]) -> tuple[set[int], str, Core] | None:
     """The epilogue with the nodes of ONNX Runtime's GELU fusions offered to tuning
     (`onnxfuse.match.Reserved`; a pointwise chain takes them otherwise), and its result, where
     the group is one cuBLASLt's epilogue computes (`codegen_gemm.library_epilogue`: bias +
     GELU after a 16-bit product, BERT's and ViT's FFN1): cuBLASLt's product with its own bias
     + GELU took 11.3 µs at BERT-base b8 fp16 on an H100 where cuBLAS's product and BiasGelu
     took 10.0 + 7.0 (BENCHMARKS.md, Decisions, `gemm-library`); tuning still times the node
-    against ONNX Runtime's. None where that does not apply."""
+    against ONNX Runtime's. A 2-D Gemm is read through the Reshapes around it (`_read_through`:
+    GPT-2's Conv1D). None where that does not apply; else the epilogue, its result and the core."""
     offered = offered_reasons(reserved)
-    if not offered or not library_enabled() or not _library_core(view, core):
+    if not offered or not library_enabled():
+        return None
+    if view.nodes[i].op_type == "Gemm":
+        core = _read_through(view, core, taken)
+        if core is None:
+            return None
+    if not _library_core(view, core):
         return None
     blocked = taken | {j for j, r in reserved.items()
                        if r not in offered and not any(r.endswith(f"{f} fusion") for f in PRODUCT_FUSIONS)}
-    out = view.nodes[i].output[0]
-    epilogue = grow_epilogue(view, i, core.y_shape, pattern, blocked)
+    out, anchor = core.product, core.reshape_out if core.reshape_out is not None else i
+    epilogue = grow_epilogue(view, anchor, core.y_shape, pattern, blocked)
     if not any(reserved.get(j) in offered for j in epilogue) or out in view.graph_outputs \
             or any(c not in epilogue for c in view.consumers.get(out, ())):
         return None
-    epilogue, result = single_result(view, i, out, epilogue, accepted)
+    epilogue, result = single_result(view, anchor, out, epilogue, accepted)
     if not any(reserved.get(j) in offered for j in epilogue) or result is None:
         return None
     program, inputs, _ = lower_nodes(view, tuple(sorted(epilogue)), (result,), [(out, ir_dtype(view, core.a))])
     modes = tuple(extra_mode(view.shapes.get(x), core) for x in inputs[1:])
     if None in modes or library_epilogue(program, modes) is None:
         return None
-    return epilogue, result
+    return epilogue, result, core
 
 
 def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accepted: Accepted,
@@ -358,12 +401,12 @@ def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accept
     core = find_core(view, i, pattern, taken)
     if isinstance(core, str):
         return core
-    out = view.nodes[i].output[0]
-    anchor_group = {i, *core.transposes}
     library = _library_group(view, i, core, pattern, taken, accepted, reserved)
     if library is not None:
-        epilogue, result = library
-    else:
+        epilogue, result, core = library
+    out = core.product
+    anchor_group = {i, *core.transposes, *core.reshapes}
+    if library is None:
         blocked = _candidate_taken(view, taken, reserved)
         epilogue = grow_epilogue(view, i, core.y_shape, pattern, blocked)
         direct = [c for c in view.consumers.get(out, ()) if c not in epilogue]
@@ -445,16 +488,16 @@ def lower_gemm(view: GraphView, match: Match, node_name: str, names: set[str], g
                 v = b.emit("add", v, cv)
                 if dt != "f32":  # the original stores Gemm's output in its dtype
                     v = b.emit(f"round_{dt}", v)
-            env[node.output[0]] = v
+            env[core.product] = v  # a Reshape between (`_read_through`) moves no value
         program, inputs, folded = lower_nodes(view, parts.epilogue, (parts.result,), fixed, prelude,
-                                              {node.output[0]})
+                                              {core.product})
     else:
-        program, inputs, folded = lower_nodes(view, parts.epilogue, (parts.result,), [(node.output[0], dt)])
+        program, inputs, folded = lower_nodes(view, parts.epilogue, (parts.result,), [(core.product, dt)])
     extras = inputs[1:]
     modes = tuple(extra_mode(view.shapes.get(x), core) or "strided" for x in extras)
     a_shape = view.shapes[core.a]
     b_dims = view.shapes[core.b]
-    body: list[NodeProto] = [view.nodes[t] for t in core.transposes]
+    body: list[NodeProto] = [view.nodes[t] for t in (*core.transposes, *core.reshapes[:1])]
     b_input, trans_b, packed = core.b, core.trans_b, False
     if core.b_const and dt == "f32" and len(b_dims) == 2:
         # float32 weights packed K-major ([N, K]): TF32 tensor cores read B K-major; this copy
@@ -465,7 +508,8 @@ def lower_gemm(view: GraphView, match: Match, node_name: str, names: set[str], g
         graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(op_b.T), b_input))
         trans_b, packed = True, True
         unpacked = f"{b_input}\0onnx_weights"
-        body = [view.nodes[t] for t in core.transposes if view.nodes[t].output[0] != node.input[1]]
+        body = [view.nodes[t] for t in (*core.transposes, *core.reshapes[:1])
+                if view.nodes[t].output[0] != node.input[1]]
         body.append(helper.make_node("Transpose", [b_input], [unpacked], perm=[1, 0]))
         copy = NodeProto()
         copy.CopyFrom(node)
@@ -483,6 +527,8 @@ def lower_gemm(view: GraphView, match: Match, node_name: str, names: set[str], g
         moved = after_product_in_body(view, core.node, body[-1], names)
         if moved is not None:
             body[-1:] = moved
+    if core.reshape_out is not None:
+        body.append(view.nodes[core.reshape_out])
     body += [view.nodes[j] for j in parts.epilogue]
     m, n, k, g = geometry(core, a_shape)
     attrs = {"trans_a": int(core.trans_a), "trans_b": int(trans_b)}
