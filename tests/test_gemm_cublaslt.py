@@ -120,20 +120,28 @@ def test_compile_leaves_the_library_variant_without_binaries(tmp_path):
     assert {b["variant"] for b in meta["binaries"]} == {1, 2}
 
 
-def _matches(dtype):
+def _tuned_passes(arch: str, dtype: str, last, target: str = "none"):
+    """The small twin of a suite transformer (fp16 through models.fp16) run through the passes
+    up to `last` as they run where tuning will time the fused nodes (batch 2)."""
     from models import transformers as mt
     from models.fp16 import to_fp16
     from onnxfuse import tune as tuning
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, match_pass, run_passes
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, run_passes
 
-    m = mt.export("bert_base", small=True)
+    m = mt.export(arch, small=True)
     if dtype == "float16":
         m = to_fp16(m)
-    dims = {k: (2, *v) for k, v in mt.input_dims("bert_base", small=True).items()}
-    options = dataclasses.replace(build_options(target="none", tune="off", shapes=dims),
+    dims = {k: (2, *v) for k, v in mt.input_dims(arch, small=True).items()}
+    options = dataclasses.replace(build_options(target=target, tune="off", shapes=dims),
                                   tune=tuning.TuneSettings(budget_s=1.0))
-    upto = PASSES[:PASSES.index(match_pass) + 1]
-    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    upto = PASSES[:PASSES.index(last) + 1]
+    return m, dims, run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+
+
+def _matches(dtype):
+    from onnxfuse.pipeline import match_pass
+
+    _, _, r = _tuned_passes("bert_base", dtype, match_pass)
     return r, [[r.view.nodes[i].op_type for i in x.nodes] for x in r.found.matches if x.kind == "gemm"]
 
 
@@ -201,21 +209,12 @@ def test_gpt2_conv1d_is_read_through_its_reshapes(dtype, tmp_path, monkeypatch):
     import onnxruntime as ort
 
     from models import transformers as mt
-    from models.fp16 import to_fp16
     from onnxfuse import runtime
-    from onnxfuse import tune as tuning
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, compile_pass, run_passes
+    from onnxfuse.pipeline import compile_pass
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
-    m = mt.export("gpt2_small", small=True)
+    m, dims, r = _tuned_passes("gpt2_small", dtype, compile_pass, target="sm_90")
     npdt = np.float16 if dtype == "float16" else np.float32
-    if dtype == "float16":
-        m = to_fp16(m)
-    dims = {k: (2, *v) for k, v in mt.input_dims("gpt2_small", small=True).items()}
-    options = dataclasses.replace(build_options(target="sm_90", tune="off", shapes=dims),
-                                  tune=tuning.TuneSettings(budget_s=1.0))
-    upto = PASSES[:PASSES.index(compile_pass) + 1]
-    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
     assert r.report.compile["library"] == 2, r.report.compile["summary"]
     nodes = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
     (body,) = [f for f in r.model.functions if f.name == "GemmEpilogue"]
