@@ -179,17 +179,16 @@ int alignment(const void* p) {
 
 const std::string& unavailable() { return api().error; }
 
-Matmuls::~Matmuls() {
-  for (auto& kv : plans) delete kv.second;
-}
+Matmuls::Matmuls() = default;
+Matmuls::~Matmuls() = default;
 
 Matmuls::Plan* Matmuls::plan(const Problem& p) {
   auto it = plans.find(p.key());
-  if (it != plans.end()) return it->second->found ? it->second : nullptr;
+  if (it != plans.end()) return it->second->found ? it->second.get() : nullptr;
   const Api& x = api();
   if (!x.error.empty()) throw Error(x.error);
-  auto pl = new Plan();
-  plans.emplace(p.key(), pl);  // kept when no algorithm fits, so the search runs once
+  // kept when no algorithm fits (or cuBLASLt fails to describe the problem), so the search runs once
+  Plan* pl = plans.emplace(p.key(), std::make_unique<Plan>()).first->second.get();
   pl->handle = handle_for_current_context();
   const int type = data_type(p.type);
   ok(x.MatmulDescCreate(&pl->desc, p.tf32 ? kComputeTF32 : kComputeF32, kR32F), "cublasLtMatmulDescCreate");
@@ -200,9 +199,11 @@ Matmuls::Plan* Matmuls::plan(const Problem& p) {
   ok(x.MatmulDescSetAttribute(pl->desc, kDescEpilogue, &epi, sizeof epi), "setting the epilogue");
   // column-major: our B stored [K, N] is N x K (ld N), stored [N, K] (trans_b) K x N (ld K);
   // our A stored [M, K] is K x M (ld K), stored [K, M] (trans_a) M x K (ld M); Y^T is N x M
-  ok(p.trans_b ? x.MatrixLayoutCreate(&pl->a, type, p.k, p.n, p.ldb) : x.MatrixLayoutCreate(&pl->a, type, p.n, p.k, p.ldb),
+  ok(p.trans_b ? x.MatrixLayoutCreate(&pl->a, type, p.k, p.n, p.ldb)
+                : x.MatrixLayoutCreate(&pl->a, type, p.n, p.k, p.ldb),
      "cublasLtMatrixLayoutCreate (B)");
-  ok(p.trans_a ? x.MatrixLayoutCreate(&pl->b, type, p.m, p.k, p.lda) : x.MatrixLayoutCreate(&pl->b, type, p.k, p.m, p.lda),
+  ok(p.trans_a ? x.MatrixLayoutCreate(&pl->b, type, p.m, p.k, p.lda)
+                : x.MatrixLayoutCreate(&pl->b, type, p.k, p.m, p.lda),
      "cublasLtMatrixLayoutCreate (A)");
   ok(x.MatrixLayoutCreate(&pl->d, type, p.n, p.m, p.n), "cublasLtMatrixLayoutCreate (Y)");
   Preference pref = nullptr;
@@ -233,7 +234,11 @@ bool Matmuls::supports(const Problem& p) {
   if (!unavailable().empty()) return false;
   if (p.bias && p.align_bias < 16) return false;
   std::lock_guard<std::mutex> lock(mu);
-  return plan(p) != nullptr;
+  try {
+    return plan(p) != nullptr;
+  } catch (const std::exception&) {
+    return false;  // kept as a plan without an algorithm: the next variant runs
+  }
 }
 
 void Matmuls::run(const Problem& p, const void* a, const void* b, const void* bias, void* y, CUstream stream,

@@ -22,6 +22,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <tuple>
@@ -46,8 +47,8 @@ struct Problem {
   int align_a = 256, align_b = 256, align_y = 256, align_bias = 256;
 
   auto key() const {
-    return std::make_tuple(m, n, k, lda, ldb, trans_a, trans_b, static_cast<int>(type), tf32, static_cast<int>(act), bias,
-                           alpha, std::make_tuple(align_a, align_b, align_y, align_bias));
+    return std::make_tuple(m, n, k, lda, ldb, trans_a, trans_b, static_cast<int>(type), tf32, static_cast<int>(act),
+                           bias, alpha, std::make_tuple(align_a, align_b, align_y, align_bias));
   }
 };
 
@@ -62,12 +63,13 @@ const std::string& unavailable();
 // no launch, so a CUDA graph capture may include it).
 class Matmuls {
  public:
-  Matmuls() = default;
+  Matmuls();
   Matmuls(const Matmuls&) = delete;
   Matmuls& operator=(const Matmuls&) = delete;
   ~Matmuls();
 
-  // Whether cuBLASLt has an algorithm for the problem on the current device (cached).
+  // Whether cuBLASLt has an algorithm for the problem on the current device (cached); false
+  // too where cuBLASLt fails to describe it (the launcher then takes the next variant).
   bool supports(const Problem& p);
   // Queues Y = act(alpha op(A) op(B) + bias) on `stream`; workspace, when the algorithm wants
   // some, from the CUDA EP's allocator for this Compute (cuda::Workspace). Throws on failure.
@@ -78,7 +80,7 @@ class Matmuls {
   struct Plan;
   Plan* plan(const Problem& p);  // null where no algorithm fits; mu held
   std::mutex mu;
-  std::map<decltype(Problem{}.key()), Plan*> plans;
+  std::map<decltype(Problem{}.key()), std::unique_ptr<Plan>> plans;
 };
 
 }  // namespace cublaslt

@@ -76,7 +76,8 @@ std::string Meta::embedded() const {
          std::to_string(b.variant) + ")";
   }
   for (size_t v = 0; v < variants.size(); ++v)
-    if (variants[v].library) s += (s.empty() ? "" : ", ") + std::string("cuBLASLt (variant ") + std::to_string(v) + ")";
+    if (variants[v].library)
+      s += (s.empty() ? "" : ", ") + std::string("cuBLASLt (variant ") + std::to_string(v) + ")";
   return s.empty() ? "none" : s;
 }
 
