@@ -41,14 +41,14 @@ A 16-bit product whose epilogue cuBLASLt's own can compute (`library_epilogue`: 
 N, then nothing, ReLU or GELU, erf's form or tanh's, into a 16-bit Y of A's dtype, one GEMM;
 float32 ones at "tf32" or "ieee" with the forms `F32_FORMS` lists, not storing Y rounded)
 gets a "library" variant first (`GemmVariant.library`): no Triton source, cuBLASLt runs the
-product and applies the bias and the activation to the fp32 accumulator before the one 16-bit
-store (csrc/cublaslt.h). No Triton tile reached cuBLAS's product at BERT-base's fp16 shapes on
-the H200 or the H100 (0.62-0.77x, warp-specialized 0.37-0.53x); cuBLASLt's epilogue cost 0.8-1.3
+product and applies the bias and the activation to the fp32 accumulator before the one store
+(csrc/cublaslt.h). No Triton tile reached cuBLAS's product at BERT-base's fp16 shapes on
+the H200 or the H100 (0.62-0.77x, warp-specialized 0.37-0.54x); cuBLASLt's epilogue cost 0.8-1.3
 µs over the bare product where ONNX Runtime's BiasGelu after it cost 5-7 (BENCHMARKS.md,
 Decisions, `gemm-library`). cuBLASLt's GELU is the tanh form, within 4.7e-4 of erf's (at x =
 -2.7), the product unrounded before the bias: the node's error against float64 was half the
-exported graph's at FFN1 b8 (0.0019 against 0.0037); so it serves 16-bit outputs only, where
-fp16 rounds a unit value by 4.9e-4. The heuristic tile's variants follow it, for where cuBLASLt
+exported graph's at FFN1 b8 (0.0019 against 0.0037); so it stands for erf's GELU at 16-bit
+outputs only, where fp16 rounds a unit value by 4.9e-4. The heuristic tile's variants follow it, for where cuBLASLt
 cannot run (G > 1 at run time, a bias not 16-byte aligned, no algorithm). ``ONNXFUSE_GEMM_LIBRARY=0``
 leaves it out.
 
@@ -384,7 +384,7 @@ def gemm_candidates(spec: GemmSpec) -> list[tuple[str, tuple]]:
     then each tile of `TILES` (aligned, with its unaligned fallback); cuBLASLt's alone where
     the heuristic's variants start with it."""
     out = [("default", gemm_variants(spec))]
-    if out[0][1][0].library is not None:  # no Triton tile came near cuBLAS's 16-bit product
+    if out[0][1][0].library is not None:  # no Triton tile came near cuBLAS's product (`gemm-tiles`)
         return out
     for name in TILES:
         v = _tile(spec, name, aligned=True)
