@@ -417,3 +417,56 @@ def test_library_variants(index, tmp_path, monkeypatch):
             # from erf's), 2^-20 at "ieee"
             floor = (2 ** -20 if precision == "ieee" and want.dtype == np.float32 else 2 ** -10) * scale
             assert err <= max(ort_err, floor), f"{name}, {what}, CUDA graph {graph}: {err} vs ORT {ort_err}"
+
+
+@pytest.mark.gpu(torch=True)
+def test_cuda_kernel_meta_library_checks(tmp_path, monkeypatch):
+    """The CUDA kernel's kernel_meta reader rejects a bad library variant with a clear error on
+    the node's first run (csrc/kinds/gemm_cuda.cc, read_variant and check_meta), and a library
+    variant of a product it cannot take (here: cuBLASLt asked for float32 without a precision)
+    falls to the Triton variant after it."""
+    import json
+
+    import onnxruntime as ort
+
+    from onnxfuse import library_path, optimize_model
+    from onnxfuse.compile import local_gpu_archs
+    from onnxfuse.kernels import compile_fused
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")
+    name, m, feeds, _ = next(x for x in LIBRARY_MODELS if x[0] == "f32-bias-tf32")
+    r = optimize_model(m)
+    info, _ = compile_fused(r.model, r.fused, local_gpu_archs())
+    assert not info["failed"]
+    (node,) = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
+    attr = next(a for a in node.attribute if a.name == "kernel_meta")
+    good = json.loads(attr.s)
+    assert good["variants"][0]["library"] == "cublaslt"
+
+    def run_with(**keys):
+        meta = json.loads(json.dumps(good))
+        meta["variants"][0].update(keys)
+        meta["variants"][0] = {k: v for k, v in meta["variants"][0].items() if v is not None}
+        attr.s = json.dumps(meta).encode()
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.register_custom_ops_library(library_path())
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        sess = ort.InferenceSession(r.model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+        return sess.run(None, feeds)[0]
+
+    where = r"GemmEpilogue node '[^']*' \(CUDA\): kernel_meta: variants\[0\]"
+    with pytest.raises(Exception, match=where + r"\.library \"cutlass\" is unknown"):
+        run_with(library="cutlass")
+    with pytest.raises(Exception, match=where + r"\.activation \"silu\" is unknown"):
+        run_with(activation="silu")
+    with pytest.raises(Exception, match=where + r"\.precision \"tf32x3\" is unknown"):
+        run_with(precision="tf32x3")
+    with pytest.raises(Exception, match=r"a cuBLASLt variant's bias 3 is not an extra input"):
+        run_with(bias=3)
+    want = evaluate_ffn(m, feeds)
+    scale = float(np.abs(want).max())
+    # float32 without a precision: cuBLASLt does not take it, the Triton tile runs (TF32, rounded)
+    np.testing.assert_allclose(run_with(precision=None), want, rtol=0, atol=1e-2 * scale)
+    np.testing.assert_allclose(run_with(), want, rtol=0, atol=1e-2 * scale)
