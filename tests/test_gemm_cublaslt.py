@@ -238,3 +238,45 @@ def test_gpt2_conv1d_is_read_through_its_reshapes(dtype, tmp_path, monkeypatch):
     tol = 2e-2 * scale if dtype == "float16" else 1e-3 * scale
     for y in (got, body):
         assert float(np.abs(y.astype(np.float64) - want).max()) <= tol
+
+
+def _conv1d(out_shape=(2, 5, 16), c: bool = False, extra_reader: bool = False):
+    """x [2, 5, 8] -> Reshape [-1, 8] -> Gemm (W [8, 16], C when `c`) -> Reshape `out_shape` -> y."""
+    from onnx import helper
+
+    from tests.util import model
+
+    rng = np.random.default_rng(0)
+    N = helper.make_node
+    nodes = [N("Reshape", ["x", "rows"], ["xr"]), N("Gemm", ["xr", "w", *(["c"] if c else [])], ["h"]),
+             N("Reshape", ["h", "back"], ["y"])]
+    outputs = {"y": ("float16", list(out_shape))}
+    if extra_reader:
+        nodes.append(N("Neg", ["xr"], ["z"]))
+        outputs["z"] = ("float16", [10, 8])
+    inits = {"rows": np.array([-1, 8], np.int64), "back": np.array(out_shape, np.int64),
+             "w": rng.standard_normal((8, 16)).astype(np.float16),
+             **({"c": rng.standard_normal(16).astype(np.float16)} if c else {})}
+    return model(nodes, {"x": ("float16", [2, 5, 8])}, outputs, inits)
+
+
+def test_read_through_takes_only_a_gemm_between_rows_and_back():
+    from onnxfuse.graph import GraphView
+    from onnxfuse.kinds.gemm import _read_through, find_core
+    from onnxfuse.load import infer_shapes
+    from onnxfuse.pattern import load_patterns
+
+    gemm = next(p for p in load_patterns() if p.kind.name == "gemm")
+
+    def read(m):
+        view = GraphView.build(m, infer_shapes(m))
+        i = next(k for k, n in enumerate(view.nodes) if n.op_type == "Gemm")
+        return view, _read_through(view, find_core(view, i, gemm, set()), set())
+
+    view, core = read(_conv1d())
+    assert core is not None and core.a == "x" and core.flatten and core.product == "y"
+    assert tuple(core.y_shape) == (2, 5, 16) and [view.nodes[r].op_type for r in core.reshapes] == ["Reshape"] * 2
+    assert read(_conv1d(out_shape=(10, 16)))[1] is None  # the rows not given back as x's leading dims
+    assert read(_conv1d(out_shape=(5, 2, 16)))[1] is None
+    assert read(_conv1d(c=True))[1] is None  # C: the bias pass moves it after the Reshape first
+    assert read(_conv1d(extra_reader=True))[1] is None  # the flattened rows read elsewhere too
