@@ -265,9 +265,7 @@ def test_cuda_kernel_meta_split_checks(tmp_path, monkeypatch):
     node's first run (csrc/kinds/gemm_cuda.cc, read_variant)."""
     import json
 
-    import onnxruntime as ort
-
-    from onnxfuse import library_path, optimize_model
+    from onnxfuse import optimize_model
     from onnxfuse.compile import local_gpu_archs
     from onnxfuse.kernels import compile_fused
 
@@ -283,16 +281,7 @@ def test_cuda_kernel_meta_split_checks(tmp_path, monkeypatch):
     split_at = next(i for i, v in enumerate(good["variants"]) if v.get("split"))
 
     def run_with(**keys):
-        meta = json.loads(json.dumps(good))
-        meta["variants"][split_at].update(keys)
-        meta["variants"][split_at] = {k: v for k, v in meta["variants"][split_at].items() if v is not None}
-        attr.s = json.dumps(meta).encode()
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.register_custom_ops_library(library_path())
-        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        sess = ort.InferenceSession(r.model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
-        return sess.run(None, feeds)[0]
+        return _run_with_variant(r.model, attr, good, split_at, feeds, keys)
 
     where = rf"GemmEpilogue node '[^']*' \(CUDA\): kernel_meta: variants\[{split_at}\]"
     for bad in (-1, 65536, 10**6):
@@ -309,6 +298,27 @@ def test_cuda_kernel_meta_split_checks(tmp_path, monkeypatch):
     want = evaluate_ffn(m, feeds)
     for ok in (good["variants"][split_at]["split"], 2):
         np.testing.assert_allclose(run_with(split=ok), want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def _run_with_variant(m: onnx.ModelProto, attr, good: dict, at: int, feeds: dict, keys: dict) -> np.ndarray:
+    """Runs `m` on the CUDA EP with the library, its GemmEpilogue's kernel_meta attribute `attr`
+    set to `good` with variant `at`'s keys replaced by `keys` (None: removed)."""
+    import json
+
+    import onnxruntime as ort
+
+    from onnxfuse import library_path
+
+    meta = json.loads(json.dumps(good))
+    meta["variants"][at].update(keys)
+    meta["variants"][at] = {k: v for k, v in meta["variants"][at].items() if v is not None}
+    attr.s = json.dumps(meta).encode()
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.register_custom_ops_library(library_path())
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    sess = ort.InferenceSession(m.SerializeToString(), so, providers=["CUDAExecutionProvider"])
+    return sess.run(None, feeds)[0]
 
 
 def evaluate_ffn(m: onnx.ModelProto, feeds: dict) -> np.ndarray:
@@ -427,9 +437,7 @@ def test_cuda_kernel_meta_library_checks(tmp_path, monkeypatch):
     falls to the Triton variant after it."""
     import json
 
-    import onnxruntime as ort
-
-    from onnxfuse import library_path, optimize_model
+    from onnxfuse import optimize_model
     from onnxfuse.compile import local_gpu_archs
     from onnxfuse.kernels import compile_fused
 
@@ -445,16 +453,7 @@ def test_cuda_kernel_meta_library_checks(tmp_path, monkeypatch):
     assert good["variants"][0]["library"] == "cublaslt"
 
     def run_with(**keys):
-        meta = json.loads(json.dumps(good))
-        meta["variants"][0].update(keys)
-        meta["variants"][0] = {k: v for k, v in meta["variants"][0].items() if v is not None}
-        attr.s = json.dumps(meta).encode()
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        so.register_custom_ops_library(library_path())
-        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        sess = ort.InferenceSession(r.model.SerializeToString(), so, providers=["CUDAExecutionProvider"])
-        return sess.run(None, feeds)[0]
+        return _run_with_variant(r.model, attr, good, 0, feeds, keys)
 
     where = r"GemmEpilogue node '[^']*' \(CUDA\): kernel_meta: variants\[0\]"
     with pytest.raises(Exception, match=where + r"\.library \"cutlass\" is unknown"):
