@@ -365,8 +365,9 @@ def _library_group(view: GraphView, i: int, core: Core, pattern: Pattern, taken:
     (`onnxfuse.match.Reserved`; a pointwise chain takes them otherwise), and its result, where
     the group is one cuBLASLt's epilogue computes (`codegen_gemm.library_epilogue`: bias +
     GELU after a 16-bit product, BERT's and ViT's FFN1): cuBLASLt's product with its own bias
-    + GELU took 11.3 µs at BERT-base b8 fp16 on an H100 where cuBLAS's product and BiasGelu
-    took 10.0 + 7.0 (BENCHMARKS.md, Decisions, `gemm-library`); tuning still times the node
+    + GELU took 11.3 µs at BERT-base b8 fp16 on an H100 (0.0019 from float64's erf-GELU) where
+    cuBLAS's product and BiasGelu took 10.0 + 7.0 (the graph's roundings: 0.0037; BENCHMARKS.md,
+    Decisions, `gemm-library`); tuning still times the node
     against ONNX Runtime's. A 2-D Gemm is read through the Reshapes around it (`_read_through`:
     GPT-2's Conv1D). None where that does not apply; else the epilogue, its result and the core."""
     offered = offered_reasons(reserved)
