@@ -19,6 +19,11 @@ it): `err` against the original's roundings (scores and P stored in fp16), `err_
 the math itself. `--once` launches each kernel once more instead of timing it, for Nsight Compute around
 the process (`gpu_session.sh attention-ncu`).
 
+`--dtype fp32` times the float32 kernel at precision tf32 (ONNX Runtime's default math; Q, K^T,
+P and V rounded to nearest TF32 in the kernel) over `F32_TILES`; its peers are torch's
+memory-efficient SDPA (float32 FMA), and torch's unfused attention with TF32 products (two batched
+cuBLAS products around a softmax: what ONNX Runtime's fp32 Attention runs at 128 tokens).
+
 Needs torch with CUDA and triton (not onnxruntime):
 
     python benchmarks/attention_tiles.py --json attention_tiles.json
@@ -45,18 +50,23 @@ D = 64
 # read as a row), "causal" (GPT-2's lower triangle as a Where, computed from the indices, the
 # key blocks past the diagonal skipped) or "" (ViT)
 WORKLOADS = {"bert": (12, 128, "key"), "vit": (6, 197, ""), "gpt2": (12, 128, "causal")}
-PROGRAMS = {"key": "input %0 f16\ninput %1 f16\n%2 = mul %0 0.125\n%3 = add %2 %1\noutput %3 f16",
-            "causal": "input %0 f16\ninput %1 bool\n%2 = mul %0 0.125\n%3 = select %1 %2 -10000.0\noutput %3 f16",
-            "": "input %0 f16\n%1 = mul %0 0.125\noutput %1 f16"}
+PROGRAMS = {"key": "input %0 {dt}\ninput %1 {dt}\n%2 = mul %0 0.125\n%3 = add %2 %1\noutput %3 {dt}",
+            "causal": "input %0 {dt}\ninput %1 bool\n%2 = mul %0 0.125\n%3 = select %1 %2 -10000.0\noutput %3 {dt}",
+            "": "input %0 {dt}\n%1 = mul %0 0.125\noutput %1 {dt}"}
 # (block_m, block_n, num_warps, num_stages): the fp16 tiles tuning times, then two more
 TILES = (*ALTERNATIVES["f16"], (64, 256, 8, 1), (32, 32, 4, 2))
-TORCH_BACKENDS = ("cudnn", "flash", "efficient")
+# float32: the tiles tuning times, then wider and one-stage ones (a tile's fifth field PEEL as
+# tuning peels it)
+F32_TILES = (*ALTERNATIVES["f32"], (32, 32, 4, 1), (32, 64, 4, 1), (64, 32, 4, 2), (64, 64, 4, 1), (64, 64, 8, 2),
+             (32, 128, 4, 2), (16, 32, 4, 2), (32, 32, 2, 2))
+TORCH_BACKENDS = {"fp16": ("cudnn", "flash", "efficient"), "fp32": ("efficient", "unfused_tf32")}
+DTYPES = {"fp16": "f16", "fp32": "f32"}
 REPS = 20
 
 
-def spec(workload: str, batch: int, name: str, exact_scores: bool = False) -> AttentionSpec:
+def spec(workload: str, batch: int, name: str, exact_scores: bool = False, dtype: str = "fp16") -> AttentionSpec:
     heads, seq, mask = WORKLOADS[workload]
-    prog = parse(f"{HEADER}\n{PROGRAMS[mask]}\n")
+    prog = parse(f"{HEADER}\n{PROGRAMS[mask].format(dt=DTYPES[dtype])}\n")
     return AttentionSpec(name, prog, D, D, "tf32", batch * heads, seq, seq, bias=(True, True, True),
                          extras_broadcast={"key": ("m",), "causal": ("causal",), "": ()}[mask],
                          causal_fill=-10000.0 if mask == "causal" else None, exact_scores=exact_scores)
@@ -69,7 +79,7 @@ OPTIONS = ("", "v_first")
 FLAGS = ("v_first", "peel", "exp", "exact")
 
 
-def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, options=OPTIONS):
+def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, options=OPTIONS, dtype: str = "fp16"):
     """(label, kernel name, launch(x, bias, mask, y)) per tile and option set; every operand
     is aligned, so each tile is its aligned variant (what the launcher picks for them)."""
     heads, seq, mask_kind = WORKLOADS[workload]
@@ -86,9 +96,9 @@ def kernels(workload: str, batch: int, tmp: Path, tiles=TILES, options=OPTIONS):
             flags.update({"tail_n": tails[0]} if tails else {})
             flags.update({"exp2": False} if "exp" in names else {})  # tl.exp, not the shipped exp2
             exact = "exact" in names
-            name = f"onnxfuse_attention_tiles_{workload}_b{batch}_{i}_{k}"
+            name = f"onnxfuse_attention_tiles_{workload}_{dtype}_b{batch}_{i}_{k}"
             v = dataclasses.replace(_variants(tile)[0], **flags)  # the tile as tuning builds it, aligned
-            ks = generate_attention(spec(workload, batch, name, exact_scores=exact), v)
+            ks = generate_attention(spec(workload, batch, name, exact_scores=exact, dtype=dtype), v)
             out.append((v.label + (", V first" if v.v_first else "") + (", exact scores" if exact else ""), name,
                         launcher(_load(ks.source, name, tmp), ks, batch, heads, seq, mask_kind)))
     return out
@@ -118,10 +128,13 @@ def launcher(fn, ks, batch: int, heads: int, seq: int, mask_kind: str):
 
 def torch_launcher(backend: str, heads: int, seq: int, mask_kind: str):
     """F.scaled_dot_product_attention on the strided heads of x (the bias not added), BERT's
-    mask broadcast as attn_mask, GPT-2's as is_causal, one backend alone."""
+    mask broadcast as attn_mask, GPT-2's as is_causal, one backend alone; "unfused_tf32": the
+    scores, softmax and P @ V as separate kernels, the products at TF32."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    if backend == "unfused_tf32":
+        return unfused_launcher(heads, seq, mask_kind)
     chosen = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
               "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
 
@@ -135,9 +148,31 @@ def torch_launcher(backend: str, heads: int, seq: int, mask_kind: str):
     return launch
 
 
+def unfused_launcher(heads: int, seq: int, mask_kind: str):
+    """The attention as ONNX Runtime's unfused path runs it (no bias: as the SDPA peers): Q @ K^T
+    (a batched cuBLAS product, TF32 allowed), the scale and mask, the softmax, P @ V (TF32)."""
+    import torch
+
+    def launch(x, bias, mask, y):
+        b = x.shape[0]
+        qkv = x.view(b, seq, 3, heads, D).permute(2, 0, 3, 1, 4)
+        saved = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = True
+        try:
+            s = torch.matmul(qkv[0], qkv[1].transpose(-1, -2)) * 0.125
+            if mask_kind == "key":
+                s = s + mask
+            elif mask_kind == "causal":
+                s = s.masked_fill(~torch.ones(seq, seq, dtype=torch.bool, device=s.device).tril(), -10000.0)
+            return torch.matmul(torch.softmax(s, -1), qkv[2])
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = saved
+    return launch
+
+
 def float64_reference(x, bias, mask, heads: int, seq: int, mask_kind: str, rounded: bool = True):
     """The original's attention in float64: the bias Add stored in x's dtype, scores rounded as
-    the MatMul, the score program and the Softmax store them, P rounded to fp16; `rounded`
+    the MatMul, the score program and the Softmax store them, P rounded to x's dtype; `rounded`
     False: the math itself on the biased operands (no rounding after the bias Add), what an
     fp32 model's output approaches."""
     import torch
@@ -158,46 +193,49 @@ def float64_reference(x, bias, mask, heads: int, seq: int, mask_kind: str, round
     return (p @ qkv[2]).permute(0, 2, 1, 3)  # [B, S, H, D]
 
 
-def draw(batch: int, heads: int, seq: int, device: str):
+def draw(batch: int, heads: int, seq: int, device: str, dtype: str = "fp16"):
     import torch
 
+    dt = {"fp16": torch.float16, "fp32": torch.float32}[dtype]
     gen = torch.Generator(device=device).manual_seed(23)
-    x = torch.randn(batch, seq, 3 * heads * D, generator=gen, device=device).half()
-    bias = (torch.randn(3 * heads * D, generator=gen, device=device) * 0.1).half()
+    x = torch.randn(batch, seq, 3 * heads * D, generator=gen, device=device).to(dt)
+    bias = (torch.randn(3 * heads * D, generator=gen, device=device) * 0.1).to(dt)
     keep = torch.rand(batch, 1, 1, seq, generator=gen, device=device) > 0.1
     keep[..., 0] = True  # every row keeps a key
-    mask = torch.where(keep, 0.0, -10000.0).half()
+    mask = torch.where(keep, 0.0, -10000.0).to(dt)
     return x, bias, mask
 
 
-def _tile_list(text: str | None) -> tuple[tuple, ...]:
+def _tile_list(text: str | None, dtype: str = "fp16") -> tuple[tuple, ...]:
     """--tiles "32x128x4x2,64x64x4x1xpeel" (block_m x block_n x warps x stages [x peel: as tuning
-    peels it]), default TILES."""
+    peels it]), default TILES (F32_TILES for fp32)."""
     if not text:
-        return TILES
+        return F32_TILES if dtype == "fp32" else TILES
     return tuple(tuple(v if v == PEEL else int(v) for v in t.split("x")) for t in text.split(","))
 
 
 def run(args) -> list[dict]:
     import torch
 
-    tiles = _tile_list(args.tiles)
+    tiles = _tile_list(args.tiles, args.dtype)
+    dt = {"fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     options = tuple(args.options.split(",")) if args.options is not None else ("",) if args.once else OPTIONS
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="attention-tiles-"))
     for workload in args.workloads.split(","):
         heads, seq, mask_kind = WORKLOADS[workload]
         for batch in (int(b) for b in args.batches.split(",")):
-            x, bias, mask = draw(batch, heads, seq, "cuda")
-            y = torch.empty(batch, seq, heads, D, dtype=torch.float16, device="cuda")
+            x, bias, mask = draw(batch, heads, seq, "cuda", args.dtype)
+            y = torch.empty(batch, seq, heads, D, dtype=dt, device="cuda")
             ref = float64_reference(x, bias, mask, heads, seq, mask_kind)
             ref_peer = float64_reference(x, bias * 0, mask, heads, seq, mask_kind)  # torch's gets no bias
             math = float64_reference(x, bias, mask, heads, seq, mask_kind, rounded=False)
             math_peer = float64_reference(x, bias * 0, mask, heads, seq, mask_kind, rounded=False)
             flops = 4 * batch * heads * seq * seq * D
-            peers = [(f"torch sdpa {b}", None, torch_launcher(b, heads, seq, mask_kind)) for b in TORCH_BACKENDS]
-            for label, name, launch in kernels(workload, batch, tmp, tiles, options) + peers:
-                row = {"workload": workload, "batch": batch, "kernel": label}
+            peers = [(f"torch {b}" if b == "unfused_tf32" else f"torch sdpa {b}", None,
+                      torch_launcher(b, heads, seq, mask_kind)) for b in TORCH_BACKENDS[args.dtype]]
+            for label, name, launch in kernels(workload, batch, tmp, tiles, options, args.dtype) + peers:
+                row = {"workload": workload, "batch": batch, "dtype": args.dtype, "kernel": label}
                 try:
                     out = launch(x, bias, mask, y)
                     torch.cuda.synchronize()
@@ -221,15 +259,17 @@ def run(args) -> list[dict]:
 
 def _line(row: dict) -> str:
     if "error" in row:
-        return f"{row['workload']} b{row['batch']:<2} {row['kernel']:60} {row['error']}"
+        return f"{row['workload']} {row.get('dtype', 'fp16')} b{row['batch']:<2} {row['kernel']:60} {row['error']}"
     us = "-" if row.get("us") is None else f"{row['us']:.2f}"
-    return (f"{row['workload']} b{row['batch']:<2} {row['kernel']:60} {us:>7} us  err {row['err']:.2g}"
+    return (f"{row['workload']} {row.get('dtype', 'fp16')} b{row['batch']:<2} {row['kernel']:60} {us:>7} us  "
+            f"err {row['err']:.2g}"
             f"  err_math {row['err_math']:.2g}")
 
 
 def dry_run() -> list[dict]:
     """CPU, Triton's interpreter: two tiles in both load orders per workload at batch 1 and
-    short sequences, against float64; raises where the error exceeds fp16 rounding."""
+    short sequences, against float64; raises where the error exceeds 2^-8 of the output's
+    scale; then float32 at tf32, unpeeled and peeled."""
     import torch
 
     rows = []
@@ -237,19 +277,22 @@ def dry_run() -> list[dict]:
     saved = dict(WORKLOADS)
     try:
         WORKLOADS.update(vit=(2, 37, ""), bert=(2, 32, "key"), gpt2=(2, 40, "causal"))
-        for workload, (heads, seq, mask_kind) in WORKLOADS.items():
-            x, bias, mask = draw(1, heads, seq, "cpu")
+        runs = [(w, "fp16", (*OPTIONS, "peel+exact+tail16", "exp")) for w in WORKLOADS]
+        runs += [(w, "fp32", ("", "peel")) for w in WORKLOADS]
+        for workload, dtype, options in runs:
+            heads, seq, mask_kind = WORKLOADS[workload]
+            x, bias, mask = draw(1, heads, seq, "cpu", dtype)
             ref = float64_reference(x, bias, mask, heads, seq, mask_kind)
             math = float64_reference(x, bias, mask, heads, seq, mask_kind, rounded=False)
             for label, _, launch in kernels(workload, 1, tmp, tiles=((16, 32, 4, 1), (32, 64, 4, 2)),
-                                            options=(*OPTIONS, "peel+exact+tail16", "exp")):
-                y = torch.empty(1, seq, heads, D, dtype=torch.float16)
+                                            options=options, dtype=dtype):
+                y = torch.empty(1, seq, heads, D, dtype=x.dtype)
                 launch(x, bias, mask, y)
                 err = float((y.double() - ref).abs().max())
                 bound = float(ref.abs().max()) * 2.0**-8
                 err_math = float((y.double() - math).abs().max())
-                rows.append({"workload": workload, "kernel": label, "err": err, "err_math": err_math})
-                print(f"{workload} {label:60} err {err:.2g} err_math {err_math:.2g} (bound {bound:.2g})")
+                rows.append({"workload": workload, "dtype": dtype, "kernel": label, "err": err, "err_math": err_math})
+                print(f"{workload} {dtype} {label:60} err {err:.2g} err_math {err_math:.2g} (bound {bound:.2g})")
                 own = err_math if "exact" in label else err  # against the node's own contract
                 if not own <= bound:
                     raise AssertionError(f"{workload} {label}: error {own:.3g} above {bound:.3g}")
@@ -263,6 +306,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--workloads", default="vit,bert,gpt2")
     ap.add_argument("--batches", default="8")
+    ap.add_argument("--dtype", choices=tuple(DTYPES), default="fp16",
+                    help="fp32: the float32 kernel at precision tf32, its tiles F32_TILES")
     ap.add_argument("--tiles", help="block_m x block_n x warps x stages, comma-separated (default: TILES)")
     ap.add_argument("--options", help="option sets per tile, comma-separated, each of "
                     f"{', '.join(FLAGS)} joined by '+', '' as shipped (default: as shipped, then v_first)")

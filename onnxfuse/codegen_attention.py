@@ -253,9 +253,13 @@ def padded(n: int) -> int:
 #   At 16 rows the key blocks widen to 128 (2 stages) for heads up to 64: batch 1 ran 3.5-4.3 µs
 #   against 3.9-4.8 at 16 x 64.
 # - float32 holds its tiles in registers at twice the bytes: 32 query rows (16 where that grid
-#   leaves SMs idle) and a score tile of 2048 elements (32 x 64, 16 x 128), K and V blocks of at
-#   most 8192 elements (BLOCK_N * D). Batch 8 ran 10.3-14.6 µs at 32 x 64 against 15.3-21.6 at
-#   the 64 x 32 used before; batch 1 4.4-6.4 at 16 x 128 against 5.6-9.0 at 16 x 32.
+#   leaves SMs idle), K and V blocks of at most 8192 elements (BLOCK_N * D). 16 rows take key
+#   blocks of 128 (16 x 128: batch 1 ran 4.4-6.4 µs against 5.6-9.0 at 16 x 32, fourteenth
+#   session). 32 rows took 64 keys (10.3-14.6 µs at batch 8 against 15.3-21.6 at 64 x 32, the
+#   fourteenth session's kernel); since the kernel adds the projections' biases and rounds Q,
+#   K^T, P and V to nearest TF32 in registers, 32 x 32 has been the fastest in the models
+#   (thirty-sixth session, H100, tuning's bundled CUPTI times: BERT-base b8 14.3 µs against
+#   22.6 at 32 x 64, ViT-S/16 b8 17.4 against 25.6; twenty-first session, H200: 40% faster).
 # Where Sq or B * H is not static the grid is unknown and BLOCK_M is not halved.
 PEEL = "peel"  # a tile's fifth field: the full key blocks without key masks (`AttentionVariant.peel`)
 HALF_TILE = {"narrow": (128, 64, 8, 3), "wide": (64, 64, 4, 2)}  # head_d, head_dv <= 128, else
@@ -266,7 +270,8 @@ HALF_SMALL_M = (16, 128, 4, 2)  # 16 query rows, heads up to 64
 # stage with the full key blocks unmasked (`attention-peel`; the best of five: 6.5 and 7.9); alone
 # (thirty-fourth session) GPT-2's causal 64 x 64 5.92 µs on one stage against 6.50 on three.
 HALF_64 = (64, 64, 4, 1, PEEL)
-F32_BLOCK_M, F32_SCORES, F32_KV = 32, 2048, 8192
+F32_BLOCK_M, F32_KV = 32, 8192
+F32_BLOCK_N = {32: 32, 16: 128}  # key block by query rows, before the K / V bound
 # the tiles tuning times besides the heuristic's, in this order (up to CANDIDATES in all).
 # fp16, twenty-third session (`benchmarks/attention_tiles.py`, H200, alone, L2 warm, the key mask
 # loaded as a vector): at b8 32 x 128 (2 stages), 64 x 128 and 128 x 128 (8 warps) on 1 stage
@@ -281,13 +286,17 @@ F32_BLOCK_M, F32_SCORES, F32_KV = 32, 2048, 8192
 # at b1 16 x 128 peeled 3.20 against 3.26 at BERT-base, but 6.14 against 4.10 at ViT-S (its 69
 # keys past 128 in five blocks), so both stay candidates. Errors as unpeeled (max against the
 # math 0.0014 at BERT-base b8, 0.0011 at ViT-S b8; cuDNN's 0.00043, 0.00027).
+# float32 (thirty-seventh session): the tiles the models' tuning picked (32 x 32 at b8, 16 x 128
+# and 16 x 64 at b1, above), the same peeled (BERT's 128 keys then run without key masks), two
+# warps, and the tiles tuned before.
 ALTERNATIVES = {
-    "f32": ((32, 64, 4, 2), (16, 128, 4, 2), (32, 32, 4, 2), (16, 64, 4, 2)),
+    "f32": ((32, 32, 4, 2), (16, 128, 4, 2), (16, 64, 4, 2), (32, 32, 4, 1, PEEL), (16, 128, 4, 2, PEEL),
+            (32, 32, 2, 2), (16, 64, 4, 2, PEEL), (32, 64, 4, 2), (16, 32, 4, 2)),
     "f16": ((64, 128, 4, 1, PEEL), (64, 64, 4, 1, PEEL), (32, 128, 4, 2), (16, 128, 4, 2, PEEL),
             (128, 128, 8, 1, PEEL), (32, 64, 4, 2), (64, 64, 4, 1), (128, 128, 8, 1), (64, 128, 4, 1),
             (16, 128, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3)),
 }
-CANDIDATES = 5  # the heuristic's tile and four others
+CANDIDATES = {"f16": 5, "f32": 8}  # the heuristic's tile and four (seven) others
 
 
 def _variants(tile: tuple) -> tuple[AttentionVariant, AttentionVariant]:
@@ -312,7 +321,7 @@ def _heuristic_tile(spec: AttentionSpec) -> tuple:
     d = padded(max(spec.head_d, spec.head_dv))
     if spec.dtype == "f32":
         bm = _block_m(spec, F32_BLOCK_M)
-        bn = max(16, min(128, F32_SCORES // bm, F32_KV // d))
+        bn = max(16, min(F32_BLOCK_N[bm], F32_KV // d))
         return bm, bn, 4, 2
     bm, bn, w, s = HALF_TILE["narrow" if d <= 128 else "wide"]
     bm = _block_m(spec, bm)
@@ -335,8 +344,9 @@ def attention_candidates(spec: AttentionSpec) -> list[tuple[str, tuple[Attention
     CANDIDATES - 1 alternative tiles (each aligned then not) other than the heuristic's."""
     out: list[tuple[str, tuple[AttentionVariant, ...]]] = [("default", attention_variants(spec))]
     seen = {_heuristic_tile(spec)}
-    for tile in ALTERNATIVES["f32" if spec.dtype == "f32" else "f16"]:
-        if tile in seen or len(out) == CANDIDATES:
+    kind = "f32" if spec.dtype == "f32" else "f16"
+    for tile in ALTERNATIVES[kind]:
+        if tile in seen or len(out) == CANDIDATES[kind]:
             continue
         seen.add(tile)
         vs = _variants(tile)

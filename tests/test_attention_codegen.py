@@ -604,17 +604,18 @@ def test_variant_choice():
     assert attention_variants(_spec("f16", 128, 128, sq=128, batch_heads=12))[0].block_n == 64
     # wide heads: the half tile
     assert attention_variants(_spec("bf16", 256, 256))[0] == AttentionVariant(0, 64, 64, 4, 2, aligned=True)
-    # float32: 32 query rows and a 2048-element score tile, K / V blocks of at most 8192 elements
-    assert attention_variants(_spec("f32"))[0] == AttentionVariant(0, 32, 64, 4, 2, aligned=True)
+    # float32: 32 query rows and 32 keys (16 rows: 128 keys), K / V blocks of at most 8192 elements
+    assert attention_variants(_spec("f32"))[0] == AttentionVariant(0, 32, 32, 4, 2, aligned=True)
     assert attention_variants(_spec("f32", sq=128, batch_heads=96))[0].block_m == 32  # 4 * 96 programs
     f32_b1 = attention_variants(_spec("f32", sq=128, batch_heads=12))[0]
     assert (f32_b1.block_m, f32_b1.block_n) == (16, 128)
     assert attention_variants(_spec("f32", 128, 128, sq=128, batch_heads=12))[0].block_n == 64
-    assert attention_variants(_spec("f32", 32, 32))[0].block_n == 64
+    assert attention_variants(_spec("f32", 32, 32))[0].block_n == 32
+    assert attention_variants(_spec("f32", 256, 256, sq=128, batch_heads=12))[0].block_n == 32
     for spec in (_spec("f16"), _spec("f32"), _spec("f16", sq=128, batch_heads=12)):
         cands = attention_candidates(spec)
         labels = [label for label, _ in cands]
-        n = CANDIDATES if spec.dtype != "f32" else 4  # f32: its heuristic tile and three others
+        n = CANDIDATES["f32" if spec.dtype == "f32" else "f16"]
         assert labels[0] == "default" and len(labels) == len(set(labels)) == n
         assert cands[0][1] == attention_variants(spec)
         assert all([(v.index, v.aligned) for v in vs] == [(0, True), (1, False)] for _, vs in cands)
