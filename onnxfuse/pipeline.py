@@ -32,6 +32,7 @@ from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
 from onnxfuse.kinds import KINDS
 from onnxfuse.kinds.attention import find_attention
 from onnxfuse.kinds.base import Match
+from onnxfuse.kmajor import kmajor_weights
 from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem, remove_passthrough
 from onnxfuse.match import MatchResult, find_matches
 from onnxfuse.ort_fusions import OrtFusions, ort_fusions
@@ -537,6 +538,24 @@ def rewrite_pass(result: Result, options: Options) -> Result:
     return result
 
 
+KMAJOR = ("float32 products left to ONNX Runtime given their constant weights K-major (Gemm with transB 1), "
+          "which cuBLAS's TF32 kernels read faster (onnxfuse.kmajor)")
+
+
+def kmajor_pass(result: Result, options: Options) -> Result:
+    """For the GPU (a kernel target), where float32 products multiply in TF32 (precision tf32,
+    ONNX Runtime's default math): the float32 MatMul / Gemm nodes ONNX Runtime runs itself
+    given their constant weights K-major (`onnxfuse.kmajor`)."""
+    if result.unchanged is not None or options.target == "none" or options.conv_precision != "tf32":
+        return result
+    model, done = kmajor_weights(result.model, result.shapes)
+    if done:
+        result.model = model
+        result.report.notes[KMAJOR] = len(done)
+        describe_graph(result)
+    return result
+
+
 def compile_pass(result: Result, options: Options) -> Result:
     """Every fused node's kernel compiled for options.target and attached (no kernels with
     target "none"; a note without Triton): convs the heuristics expect cuDNN to run faster
@@ -622,6 +641,7 @@ PASSES: tuple[Callable[[Result, Options], Result], ...] = (
     bias_pass,            # a product's bias after it, where ORT's fusions or a fused node take it
     match_pass,           # the groups each pattern fuses, and why other nodes do not
     rewrite_pass,         # custom nodes in domain onnxfuse + their original subgraphs as functions
+    kmajor_pass,          # for the GPU: float32 weights of ORT's own products K-major (TF32 kernels)
     compile_pass,         # decline slow convs, lay out NHWC, compile and attach kernels, unfuse failures
     tune_pass,            # on a GPU: measure, keep what is faster and as accurate as ONNX Runtime
 )

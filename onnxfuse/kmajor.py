@@ -1,0 +1,131 @@
+"""Float32 weights handed to cuBLAS K-major.
+
+ONNX Runtime multiplies float32 products in TF32 by default (CUDA EP `use_tf32`). On Hopper a
+TF32 tensor-core product (wgmma) reads both operands K-major from shared memory: only 16-bit
+operands may be transposed there. An exported MatMul's constant weight W [K, N] is N-major,
+and cuBLAS then runs it with an "nn" kernel that is much slower than the "tn" one it uses for
+the same product with W stored transposed. Measured on an H100 (thirty-seventh session,
+BENCHMARKS.md, Decisions, `kmajor-weights`; CUPTI, ORT 1.31.1): BERT-base's FFN1 at batch 8
+(1024 x 768 x 3072) 29.3 µs as MatMul, 29.8 as Gemm, **21.1 as Gemm with the weight
+transposed and transB = 1**; FFN2 (1024 x 3072 x 768) 24.0 / 24.2 / 19.9; float16 the same
+within 5% either way (9.6 / 9.6 / 9.6, 11.3 / 11.3 / 10.8): 16-bit wgmma transposes in shared
+memory.
+
+`kmajor_weights` rewrites the float32 products ONNX Runtime runs itself (not fused nodes, whose
+GemmEpilogue packs its own weights K-major) so that cuBLAS gets that layout: a Gemm with a
+constant W and transB = 0 reads a transposed copy of W with transB = 1; a MatMul of a constant
+2-D W becomes that Gemm, between Reshapes to [M, K] and back where A has more than two dims
+(static ones only). The product is the same sum of the same TF32-rounded terms (cuBLAS rounds
+either operand layout alike); only its kernel changes.
+
+Left as they are, so that none of ONNX Runtime's own fusions around a product is lost: a
+MatMul read by an Add, Sub, Mul or Div (MatMul + Add into Gemm, SkipLayerNormalization's bias,
+MatMul + scale into FusedMatMul) or whose A is a Transpose, Mul or Div (FusedMatMul); a weight
+that another node reads too (a tied embedding would be copied); A with symbolic dims beyond
+two.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import ModelProto, NodeProto, helper, numpy_helper
+
+from onnxfuse.ir import copy_and_namer, graph_reads
+from onnxfuse.ops import node_attrs
+
+FLOAT = 1  # TensorProto.FLOAT
+# ops whose reading a MatMul's output (or feeding its A) lets ONNX Runtime fuse it with them
+_FUSING_READERS = frozenset({"Add", "Sub", "Mul", "Div"})
+_FUSING_WRITERS = frozenset({"Transpose", "Mul", "Div"})
+
+
+def _static(shape) -> bool:
+    return shape is not None and all(isinstance(d, int) and d > 0 for d in shape)
+
+
+def kmajor_weights(model: ModelProto, shapes: dict[str, tuple]) -> tuple[ModelProto, list[str]]:
+    """`model` with its float32 MatMul / Gemm products over constant weights given those
+    weights K-major (module notes), and the names of the nodes rewritten. `shapes`: tensor ->
+    (dims, elem_type) as the pipeline inferred them (`Result.shapes`). The model given is not
+    changed; where nothing applies it is returned as it is."""
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for x in n.input:
+            readers[x] = readers.get(x, 0) + 1
+    for x in graph_reads(g) - {x for n in g.node for x in n.input}:  # subgraphs' and outputs' reads
+        readers[x] = readers.get(x, 0) + 1
+    producer = {o: n for n in g.node for o in n.output}
+    consumers: dict[str, list[NodeProto]] = {}
+    for n in g.node:
+        for x in n.input:
+            consumers.setdefault(x, []).append(n)
+
+    plan: dict[int, str] = {}  # node index -> "gemm" or "matmul"
+    for i, n in enumerate(g.node):
+        if n.domain not in ("", "ai.onnx") or n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2:
+            continue
+        w = inits.get(n.input[1])
+        if w is None or w.data_type != FLOAT or len(w.dims) != 2 or readers.get(w.name, 0) != 1:
+            continue
+        if n.op_type == "Gemm":
+            if not node_attrs(n).get("transB", 0):
+                plan[i] = "gemm"
+            continue
+        a_shape, a_type = shapes.get(n.input[0], (None, 0))
+        if a_type != FLOAT or a_shape is None or len(a_shape) < 2 or (len(a_shape) > 2 and not _static(a_shape[:-1])):
+            continue
+        a_writer = producer.get(n.input[0])
+        if a_writer is not None and a_writer.op_type in _FUSING_WRITERS:
+            continue
+        if any(c.op_type in _FUSING_READERS for c in consumers.get(n.output[0], ())):
+            continue
+        plan[i] = "matmul"
+    if not plan:
+        return model, []
+
+    out, fresh = copy_and_namer(model)
+    g = out.graph
+    replace: dict[int, list[NodeProto]] = {}
+    done: list[str] = []
+    for i, how in plan.items():
+        n = g.node[i]
+        stem = n.name or n.output[0]
+        wt = fresh(f"{n.input[1]}.kmajor")
+        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[n.input[1]]).T),
+                                                     wt))
+        done.append(n.name or n.output[0])
+        if how == "gemm":
+            m = NodeProto()
+            m.CopyFrom(n)
+            m.input[1] = wt
+            del m.attribute[:]
+            m.attribute.extend(a for a in n.attribute if a.name != "transB")
+            m.attribute.append(helper.make_attribute("transB", 1))
+            replace[i] = [m]
+            continue
+        a_shape = shapes[n.input[0]][0]
+        k, width = (int(d) for d in inits[n.input[1]].dims)
+        if len(a_shape) == 2:
+            replace[i] = [helper.make_node("Gemm", [n.input[0], wt], list(n.output), name=n.name or None, transB=1)]
+            continue
+        rows, product = fresh(f"{stem}.kmajor_rows"), fresh(f"{stem}.kmajor_product")
+        shape_in, shape_out = fresh(f"{stem}.kmajor_rows_shape"), fresh(f"{stem}.kmajor_out_shape")
+        g.initializer.append(numpy_helper.from_array(np.array([-1, k], np.int64), shape_in))
+        g.initializer.append(numpy_helper.from_array(np.array([*a_shape[:-1], width], np.int64), shape_out))
+        replace[i] = [helper.make_node("Reshape", [n.input[0], shape_in], [rows], name=fresh(f"{stem}.kmajor_flatten")),
+                      helper.make_node("Gemm", [rows, wt], [product], name=n.name or fresh(f"{stem}.kmajor_gemm"),
+                                       transB=1),
+                      helper.make_node("Reshape", [product, shape_out], list(n.output),
+                                       name=fresh(f"{stem}.kmajor_unflatten"))]
+    kept: list[NodeProto] = []
+    for i, n in enumerate(g.node):
+        kept += replace.get(i, [n])
+    del g.node[:]
+    g.node.extend(kept)
+    gone = {model.graph.node[i].input[1] for i in plan} - graph_reads(g)
+    alive = [t for t in g.initializer if t.name not in gone]
+    del g.initializer[:]
+    g.initializer.extend(alive)
+    return out, done

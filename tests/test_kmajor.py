@@ -1,0 +1,142 @@
+"""The kmajor pass (onnxfuse/kmajor.py): the float32 products ONNX Runtime runs itself get their
+constant weights K-major (Gemm, transB 1), and compute what they computed; products whose
+neighbours ORT fuses with them, shared weights, 16-bit weights and symbolic batched inputs are
+left as they are. Its speed is measured on the GPU (BENCHMARKS.md, `kmajor-weights`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxfuse.graph import GraphView
+from onnxfuse.kmajor import kmajor_weights
+from onnxfuse.load import infer_shapes
+
+
+def _shapes(m: onnx.ModelProto) -> dict:
+    v = GraphView.build(m, infer_shapes(m))
+    return {k: (s, v.types.get(k, 0)) for k, s in v.shapes.items()}
+
+
+def _run(m: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _model(x_dims=(2, 3, 16), dtype=TensorProto.FLOAT):
+    """x -> MatMul W1 (3-D A) -> Relu -> Reshape [-1, 32] -> Gemm W2 (+ C) -> MatMul W3 -> Add (read by an
+    Add: left) ; x -> Transpose -> MatMul W4 (A a Transpose: left); W5 read by two MatMuls (left)."""
+    npdt = onnx.helper.tensor_dtype_to_np_dtype(dtype)
+    rng = np.random.default_rng(0)
+
+    def w(name, *dims):
+        return numpy_helper.from_array((rng.standard_normal(dims) * 0.3).astype(npdt), name)
+    inits = [w("W1", 16, 32), w("W2", 32, 8), w("C2", 8), w("W3", 8, 8), w("W4", 3, 5), w("W5", 8, 4),
+             numpy_helper.from_array(np.array([-1, 32], np.int64), "rows")]
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["a"], name="mm1"),
+             helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Reshape", ["b", "rows"], ["b2"]),
+             helper.make_node("Gemm", ["b2", "W2", "C2"], ["c"], name="gemm2", alpha=0.5),
+             helper.make_node("MatMul", ["c", "W3"], ["d"], name="mm3_read_by_add"),
+             helper.make_node("Add", ["d", "c"], ["y"]),
+             helper.make_node("Transpose", ["x"], ["xt"], perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["xt", "W4"], ["y2"], name="mm4_after_transpose"),
+             helper.make_node("MatMul", ["c", "W5"], ["y3"], name="mm5_shared"),
+             helper.make_node("MatMul", ["d", "W5"], ["y4"], name="mm5_shared_too")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", dtype, list(x_dims))],
+                          [helper.make_tensor_value_info(n, dtype, d) for n, d in
+                           (("y", [None, 8]), ("y2", [None, 16, 5]), ("y3", [None, 4]), ("y4", [None, 4]))], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_float32_products_get_kmajor_weights_and_compute_the_same():
+    m = _model()
+    before = m.SerializeToString()
+    out, done = kmajor_weights(m, _shapes(m))
+    assert m.SerializeToString() == before  # the input is not changed
+    assert done == ["mm1", "gemm2"]
+    onnx.checker.check_model(out)
+    by_name = {n.name: n for n in out.graph.node}
+    for name in ("mm1", "gemm2"):
+        n = by_name[name]
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        assert n.op_type == "Gemm" and attrs["transB"] == 1
+    assert {a.name: helper.get_attribute_value(a) for a in by_name["gemm2"].attribute}["alpha"] == 0.5
+    assert by_name["gemm2"].input[2] == "C2"
+    # the left ones: read by an Add, A a Transpose, a weight two nodes read
+    for name in ("mm3_read_by_add", "mm4_after_transpose", "mm5_shared", "mm5_shared_too"):
+        assert by_name[name].op_type == "MatMul"
+    inits = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    assert "W1" not in inits and "W2" not in inits  # replaced, not kept beside their copies
+    w1 = numpy_helper.to_array(next(t for t in m.graph.initializer if t.name == "W1"))
+    assert np.array_equal(inits[by_name["mm1"].input[1]], w1.T)
+    x = np.random.default_rng(1).standard_normal((2, 3, 16)).astype(np.float32)
+    for want, got in zip(_run(m, {"x": x}), _run(out, {"x": x}), strict=True):
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_what_is_left_as_it_is():
+    # float16 weights: 16-bit tensor-core products read either layout alike
+    m16 = _model(dtype=TensorProto.FLOAT16)
+    out, done = kmajor_weights(m16, _shapes(m16))
+    assert done == [] and out is m16
+    # a symbolic batch: the 3-D MatMul cannot be flattened to static rows; the 2-D Gemm still is
+    ms = _model(x_dims=("batch", 3, 16))
+    _, done = kmajor_weights(ms, _shapes(ms))
+    assert done == ["gemm2"]
+    # a Gemm already K-major
+    mt = _model()
+    gemm = next(n for n in mt.graph.node if n.name == "gemm2")
+    w2 = next(t for t in mt.graph.initializer if t.name == "W2")
+    w2.CopyFrom(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(w2).T), "W2"))
+    gemm.attribute.append(helper.make_attribute("transB", 1))
+    _, done = kmajor_weights(mt, _shapes(mt))
+    assert done == ["mm1"]
+
+
+def _passes(arch: str, target: str = "sm_90", **kw):
+    pytest.importorskip("torch")
+    from models import transformers as mt
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, kmajor_pass, run_passes
+
+    m = mt.export(arch, small=True)
+    dims = {k: (2, *v) for k, v in mt.input_dims(arch, small=True).items()}
+    options = build_options(target=target, tune="off", shapes=dims, **kw)
+    upto = PASSES[:PASSES.index(kmajor_pass) + 1]
+    return m, dims, run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+
+
+@pytest.mark.parametrize("arch", ["bert_base", "gpt2_small"])
+def test_a_transformers_products_left_to_onnx_runtime(arch):
+    """BERT's and GPT-2's small float32 twins at a static batch, untuned (every product left to
+    ONNX Runtime): each projection's weight K-major (BERT's packed QKV MatMul between Reshapes,
+    the Gemms the bias pass made, GPT-2's Conv1D Gemms), the report says how many, and ORT on the
+    CPU (the fused nodes through their function bodies) computes what the original does."""
+    from models import transformers as mt
+    from onnxfuse.pipeline import KMAJOR
+
+    m, dims, r = _passes(arch)
+    products = [n for n in r.model.graph.node if n.op_type in ("MatMul", "Gemm")]
+    kmajor = [n for n in products if n.op_type == "Gemm"
+              and any(a.name == "transB" and a.i == 1 for a in n.attribute)]
+    assert r.report.notes[KMAJOR] == len(kmajor) >= 4 * 2  # four products a layer, two layers
+    left = [n.name for n in products if n not in kmajor]
+    assert all(n.op_type == "MatMul" for n in products if n not in kmajor), left
+    feeds = mt.feeds(arch, dims, np.float32, small=True, seed=1)
+    want = _run(m, feeds)[0]
+    got = _run(r.model, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_not_where_products_multiply_in_full_float32_or_no_kernels_are_built():
+    from onnxfuse.pipeline import KMAJOR
+
+    for kw in ({"conv_precision": "ieee"}, {"target": "none"}):
+        _, _, r = _passes("bert_base", **kw)
+        assert KMAJOR not in r.report.notes
+        assert not any(".kmajor" in t.name for t in r.model.graph.initializer)
