@@ -1,7 +1,8 @@
 """The kmajor pass (onnxfuse/kmajor.py): the float32 products ONNX Runtime runs itself get their
 constant weights K-major (Gemm, transB 1), and compute what they computed; products whose
 neighbours ORT fuses with them, shared weights, 16-bit weights and symbolic batched inputs are
-left as they are. Its speed is measured on the GPU (BENCHMARKS.md, `kmajor-weights`)."""
+left as they are, and products under MIN_FLOPS unless `$ONNXFUSE_KMAJOR=all` (the tests' models are
+small). Its speed is measured on the GPU (BENCHMARKS.md, `kmajor-weights`)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,12 @@ def _model(x_dims=(2, 3, 16), dtype=TensorProto.FLOAT):
     return m
 
 
-def test_float32_products_get_kmajor_weights_and_compute_the_same():
+@pytest.fixture
+def small_too(monkeypatch):
+    monkeypatch.setenv("ONNXFUSE_KMAJOR", "all")
+
+
+def test_float32_products_get_kmajor_weights_and_compute_the_same(small_too):
     m = _model()
     before = m.SerializeToString()
     out, done = kmajor_weights(m, _shapes(m))
@@ -80,15 +86,31 @@ def test_float32_products_get_kmajor_weights_and_compute_the_same():
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
-def test_what_is_left_as_it_is():
+def test_small_products_and_the_switch(monkeypatch):
+    """By default only products of at least MIN_FLOPS: the small model's are all below it, a
+    batch of 4096 rows lifts its 3-D MatMul (2 * 4096 * 16 * 32 = 4.2 MFLOP) over a lowered bar;
+    ONNXFUSE_KMAJOR=0 turns the pass off."""
+    from onnxfuse import kmajor
+
+    m = _model()
+    monkeypatch.delenv("ONNXFUSE_KMAJOR", raising=False)
+    assert kmajor_weights(m, _shapes(m)) == (m, [])
+    big = _model(x_dims=(2, 2048, 16))
+    monkeypatch.setattr(kmajor, "MIN_FLOPS", 2 * 4096 * 16 * 32)
+    assert kmajor_weights(big, _shapes(big))[1] == ["mm1"]  # the Gemm's 4096 x 32 x 8 is below
+    monkeypatch.setenv("ONNXFUSE_KMAJOR", "0")
+    assert kmajor_weights(big, _shapes(big)) == (big, [])
+
+
+def test_what_is_left_as_it_is(small_too):
     # float16 weights: 16-bit tensor-core products read either layout alike
     m16 = _model(dtype=TensorProto.FLOAT16)
     out, done = kmajor_weights(m16, _shapes(m16))
     assert done == [] and out is m16
-    # a symbolic batch: the 3-D MatMul cannot be flattened to static rows; the 2-D Gemm still is
+    # a symbolic batch: M unknown, neither product is rewritten
     ms = _model(x_dims=("batch", 3, 16))
     _, done = kmajor_weights(ms, _shapes(ms))
-    assert done == ["gemm2"]
+    assert done == []
     # a Gemm already K-major
     mt = _model()
     gemm = next(n for n in mt.graph.node if n.name == "gemm2")
@@ -112,7 +134,7 @@ def _passes(arch: str, target: str = "sm_90", **kw):
 
 
 @pytest.mark.parametrize("arch", ["bert_base", "gpt2_small"])
-def test_a_transformers_products_left_to_onnx_runtime(arch):
+def test_a_transformers_products_left_to_onnx_runtime(arch, small_too):
     """BERT's and GPT-2's small float32 twins at a static batch, untuned (every product left to
     ONNX Runtime): each projection's weight K-major (BERT's packed QKV MatMul between Reshapes,
     the Gemms the bias pass made, GPT-2's Conv1D Gemms), the report says how many, and ORT on the
@@ -133,7 +155,7 @@ def test_a_transformers_products_left_to_onnx_runtime(arch):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
 
 
-def test_not_where_products_multiply_in_full_float32_or_no_kernels_are_built():
+def test_not_where_products_multiply_in_full_float32_or_no_kernels_are_built(small_too):
     from onnxfuse.pipeline import KMAJOR
 
     for kw in ({"conv_precision": "ieee"}, {"target": "none"}):
