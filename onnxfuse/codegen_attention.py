@@ -286,12 +286,13 @@ F32_BLOCK_N = {32: 32, 16: 128}  # key block by query rows, before the K / V bou
 # at b1 16 x 128 peeled 3.20 against 3.26 at BERT-base, but 6.14 against 4.10 at ViT-S (its 69
 # keys past 128 in five blocks), so both stay candidates. Errors as unpeeled (max against the
 # math 0.0014 at BERT-base b8, 0.0011 at ViT-S b8; cuDNN's 0.00043, 0.00027).
-# float32 (thirty-seventh session): the tiles the models' tuning picked (32 x 32 at b8, 16 x 128
-# and 16 x 64 at b1, above), the same peeled (BERT's 128 keys then run without key masks), two
-# warps, and the tiles tuned before.
+# float32 (thirty-seventh session, H100, `attention_tiles.py --dtype fp32`, alone, L2 warm): BERT-base
+# b8 32 x 64 10.3 µs (32 x 32 11.1), ViT-S b8 32 x 64 peeled 15.8 (unpeeled 23.3, 32 x 32 16.5), b1
+# 16 x 128 4.4 / 6.7 (16 x 64 5.5 / 7.2); in the models tuning's times differ (32 x 64 took 20.9
+# µs at BERT-base b8, 32 x 32 15.8; GPT-2 b8 32 x 64 13.2, 32 x 32 14.9), so these are timed there:
 ALTERNATIVES = {
-    "f32": ((32, 32, 4, 2), (16, 128, 4, 2), (16, 64, 4, 2), (32, 32, 4, 1, PEEL), (16, 128, 4, 2, PEEL),
-            (32, 32, 2, 2), (16, 64, 4, 2, PEEL), (32, 64, 4, 2), (16, 32, 4, 2)),
+    "f32": ((32, 64, 4, 2), (32, 64, 4, 2, PEEL), (16, 128, 4, 2), (16, 64, 4, 2), (32, 32, 4, 2),
+            (16, 64, 4, 2, PEEL), (16, 128, 4, 2, PEEL), (32, 32, 4, 2, PEEL)),
     "f16": ((64, 128, 4, 1, PEEL), (64, 64, 4, 1, PEEL), (32, 128, 4, 2), (16, 128, 4, 2, PEEL),
             (128, 128, 8, 1, PEEL), (32, 64, 4, 2), (64, 64, 4, 1), (128, 128, 8, 1), (64, 128, 4, 1),
             (16, 128, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3)),
