@@ -28,7 +28,8 @@ off, ``=all`` rewrites small products too (for measuring).
 Left as they are, so that none of ONNX Runtime's own fusions around a product is lost: a
 MatMul read by an Add, Sub, Mul or Div (MatMul + Add into Gemm, SkipLayerNormalization's bias,
 MatMul + scale into FusedMatMul) or whose A is a Transpose, Mul or Div (FusedMatMul); a weight
-that another node reads too (a tied embedding would be copied); A with symbolic dims (M unknown).
+that another node, a subgraph or the graph's outputs read too (a tied embedding would be copied),
+or that is also a graph input (the caller may feed another); A with symbolic dims (M unknown).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import os
 import numpy as np
 from onnx import ModelProto, NodeProto, helper, numpy_helper
 
-from onnxfuse.ir import copy_and_namer, graph_reads
+from onnxfuse.ir import copy_and_namer, graph_reads, subgraph_reads
 from onnxfuse.ops import node_attrs
 
 FLOAT = 1  # TensorProto.FLOAT
@@ -68,7 +69,9 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple]) -> tuple[ModelPr
     for n in g.node:
         for x in n.input:
             readers[x] = readers.get(x, 0) + 1
-    for x in graph_reads(g) - {x for n in g.node for x in n.input}:  # subgraphs' and outputs' reads
+    # a subgraph's read, a graph output or a graph input of the same name (a default the caller
+    # may override) also counts as a reader
+    for x in (subgraph_reads(g.node) | {o.name for o in g.output} | {i.name for i in g.input}):
         readers[x] = readers.get(x, 0) + 1
     producer = {o: n for n in g.node for o in n.output}
     consumers: dict[str, list[NodeProto]] = {}

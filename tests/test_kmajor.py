@@ -111,6 +111,12 @@ def test_what_is_left_as_it_is(small_too):
     ms = _model(x_dims=("batch", 3, 16))
     _, done = kmajor_weights(ms, _shapes(ms))
     assert done == []
+    # a weight that is also a graph input (a default the caller may override)
+    mi = _model()
+    w1 = next(t for t in mi.graph.initializer if t.name == "W1")
+    mi.graph.input.append(helper.make_tensor_value_info("W1", TensorProto.FLOAT, list(w1.dims)))
+    _, done = kmajor_weights(mi, _shapes(mi))
+    assert done == ["gemm2"]
     # a Gemm already K-major
     mt = _model()
     gemm = next(n for n in mt.graph.node if n.name == "gemm2")
