@@ -32,6 +32,7 @@ from onnxfuse.kernels import FAILED_REASON, compile_fused, failure_warning
 from onnxfuse.kinds import KINDS
 from onnxfuse.kinds.attention import find_attention
 from onnxfuse.kinds.base import Match
+from onnxfuse.kmajor import NOTE as KMAJOR_NOTE
 from onnxfuse.kmajor import kmajor_weights
 from onnxfuse.load import canonicalize, infer_shapes, load_model, opset_problem, remove_passthrough
 from onnxfuse.match import MatchResult, find_matches
@@ -538,15 +539,16 @@ def rewrite_pass(result: Result, options: Options) -> Result:
     return result
 
 
-KMAJOR = ("float32 products left to ONNX Runtime given their constant weights K-major (Gemm with transB 1), "
-          "which cuBLAS's TF32 kernels read faster (onnxfuse.kmajor)")
+KMAJOR = KMAJOR_NOTE
 
 
 def kmajor_pass(result: Result, options: Options) -> Result:
     """For the GPU (a kernel target), where float32 products multiply in TF32 (precision tf32,
-    ONNX Runtime's default math): the float32 MatMul / Gemm nodes ONNX Runtime runs itself
-    given their constant weights K-major (`onnxfuse.kmajor`)."""
-    if result.unchanged is not None or options.target == "none" or options.conv_precision != "tf32":
+    ONNX Runtime's default math), untuned: the float32 MatMul / Gemm nodes ONNX Runtime runs
+    itself of at least `kmajor.MIN_FLOPS` given their constant weights K-major (`onnxfuse.kmajor`);
+    where the tune pass runs, it measures that change instead (every size, `onnxfuse.tune`)."""
+    if result.unchanged is not None or options.target == "none" or options.conv_precision != "tf32" \
+            or options.tune is not None:
         return result
     model, done = kmajor_weights(result.model, result.shapes)
     if done:

@@ -38,9 +38,11 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    and without ORT's CUDA graphs. The optimized model is kept only when it is not slower
    than the original in either mode (within `MODEL_NOISE`); when per-node decisions were
    made, the model before them is tried as well, and when the budget left nodes unmeasured,
-   the model fusing only the measured winners too; the fastest that passes is kept. When
-   none passes, the original model is written unchanged, and the report and a warning say
-   so with the times.
+   the model fusing only the measured winners too, and, where float32 products multiply in
+   TF32, the first of these with the products ONNX Runtime runs itself given K-major weights
+   (`onnxfuse.kmajor`, last: kept only where faster by more than MODEL_NOISE, and gated); the
+   fastest that passes is kept. When none passes, the original model is written unchanged,
+   and the report and a warning say so with the times.
 3. **Accuracy.** When float32 convs run at "tf32" (the default), every candidate also
    meets `onnxfuse bench`'s gate, on two input sets (`accuracy_feeds`: the tuning's N(0, 1)
    inputs, and floats uniform in [0, 1) as images are; up to GATE_MAX_DRAWS of each where the
@@ -106,7 +108,7 @@ import numpy as np
 import onnx
 from onnx import ModelProto, helper
 
-from onnxfuse import bundle, ir, reference, runtime
+from onnxfuse import bundle, ir, kmajor, reference, runtime
 from onnxfuse import compile as aot
 from onnxfuse.cost import model_cost
 from onnxfuse.errors import OnnxfuseError
@@ -925,6 +927,7 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
                 winners_info = recompile(winners)
             _copy_kernels(result.model, winners.model, {d.node for d in decisions if d.candidates})
             models.append(("measured only", winners, winners_info))
+        kmajor_done = _kmajor_candidate(result, models, conv_precision)
         graphs = (False, True) if settings.provider == "cuda" else (False,)
         with phases("models"):
             measured = timer.time_models({"original": (original, False),
@@ -936,7 +939,8 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         times = {label: _times(measured, label, graphs) for label, _, _ in models}
         # the gate guards the choice of TF32 (float32 convs at "tf32": their kind says so);
         # other fusions compute in fp32, float16 convs as cuDNN's do
-        checked = any(KINDS[f.kind].multiplies_in_tf32(f, conv_precision) for f in result.fused)
+        # (and the K-major candidate: ORT's own TF32 products, summed by other kernels)
+        checked = bool(kmajor_done) or any(KINDS[f.kind].multiplies_in_tf32(f, conv_precision) for f in result.fused)
         feed_sets: dict[str, dict[str, np.ndarray]] = {}
         with phases("accuracy"):
             if checked:
@@ -984,6 +988,8 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         record["kept"] = label
         if cand is not result:
             _adopt(result, cand)
+        if label.endswith(KMAJOR_LABEL):
+            result.report.notes[kmajor.NOTE] = len(kmajor_done)
         out = dict(cand_info)
         if label.startswith("precise"):
             why = next(g["failure"] for g in gates.values() if not g["passed"])
@@ -1010,6 +1016,26 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
     out["tune"] = record
     out["summary"] = out.get("summary", "") + "\n" + summary(record)
     return out
+
+
+KMAJOR_LABEL = " + K-major"
+
+
+def _kmajor_candidate(result, models: list, conv_precision: str) -> list[str]:
+    """Where float32 products multiply in TF32 (`conv_precision` tf32, ORT's default): the
+    first candidate (the tuned model, or the optimized one) with every float32 product ONNX
+    Runtime runs itself given its weights K-major (`onnxfuse.kmajor`, no size floor: measured
+    here) appended to `models` as "<label> + K-major", last, so that it is kept only where
+    faster than the others by more than MODEL_NOISE (`_fastest`). The products rewritten."""
+    if conv_precision != "tf32" or not models:
+        return []
+    label, first, info = models[0]
+    model, done = kmajor.kmajor_weights(first.model, result.shapes, min_flops=0.0)
+    if done:
+        cand = snapshot(first)
+        cand.model = model
+        models.append((label + KMAJOR_LABEL, cand, info))
+    return done
 
 
 class Phases:

@@ -168,3 +168,60 @@ def test_not_where_products_multiply_in_full_float32_or_no_kernels_are_built(sma
         _, _, r = _passes("bert_base", **kw)
         assert KMAJOR not in r.report.notes
         assert not any(".kmajor" in t.name for t in r.model.graph.initializer)
+
+
+def _matmul_silu():
+    """x [2, 64, 16] -> MatMul W [16, 32] -> SiLU (a pointwise chain): the product stays ONNX
+    Runtime's (untuned, the gemm kind matches nothing), a candidate for K-major weights."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array((rng.standard_normal((16, 32)) * 0.3).astype(np.float32), "W")
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["a"], name="mm"), helper.make_node("Sigmoid", ["a"], ["s"]),
+             helper.make_node("Mul", ["a", "s"], ["y"])]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 64, 32])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def _has_kmajor(m: onnx.ModelProto) -> bool:
+    return any(t.name.endswith(".kmajor") for t in m.graph.initializer)
+
+
+@pytest.mark.parametrize("kmajor_ms, kept", [(0.2, "optimized + K-major"), (0.6, "optimized"),
+                                             (0.495, "optimized")])
+def test_tuning_keeps_kmajor_weights_only_where_measured_faster(monkeypatch, kmajor_ms, kept):
+    """Where the tune pass runs, the K-major rewrite (every size) is one more candidate, after
+    the others: kept where its model is faster than the optimized one by more than the noise
+    (0.2 against 0.5 ms), not where slower or within 2% (0.495), and gated like the others; the
+    kept model computes what the original does."""
+    from onnxfuse import tune as tuning
+    from onnxfuse.kmajor import NOTE
+    from tests.test_tune import CPU, NOT_COMPILED, _fake_outputs, _fake_timer, _fused_nodes, _optimized
+
+    m = _matmul_silu()
+    r, before = _optimized(m)
+    assert not _has_kmajor(r.model)  # untuned, the 2-MFLOP product is under the floor
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2},
+                lambda mm: (kmajor_ms if _has_kmajor(mm) else 0.5) if _fused_nodes(mm) else 1.0)
+    _fake_outputs(monkeypatch, {"ort": 1e-3})
+    rec = tuning.tune(r, before, dict(NOT_COMPILED), lambda res: dict(NOT_COMPILED), CPU, [90])["tune"]
+    assert set(rec["models"]) == {"optimized", "optimized + K-major"}
+    assert rec["accuracy"]["optimized + K-major"]["passed"]  # the gate ran on it
+    assert rec["kept"] == kept
+    assert _has_kmajor(r.model) == (kept != "optimized")
+    assert (NOTE in r.report.notes) == (kept != "optimized")
+    x = np.random.default_rng(1).standard_normal((2, 64, 16)).astype(np.float32)
+    np.testing.assert_allclose(_run(r.model, {"x": x})[0], _run(m, {"x": x})[0], rtol=1e-5, atol=1e-5)
+
+
+def test_tuning_without_the_switch_adds_no_kmajor_candidate(monkeypatch):
+    from onnxfuse import tune as tuning
+    from tests.test_tune import CPU, NOT_COMPILED, _fake_outputs, _fake_timer, _fused_nodes, _optimized
+
+    monkeypatch.setenv("ONNXFUSE_KMAJOR", "0")
+    r, before = _optimized(_matmul_silu())
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 0.5 if _fused_nodes(mm) else 1.0)
+    _fake_outputs(monkeypatch, {"ort": 1e-3})
+    rec = tuning.tune(r, before, dict(NOT_COMPILED), lambda res: dict(NOT_COMPILED), CPU, [90])["tune"]
+    assert set(rec["models"]) == {"optimized"} and not _has_kmajor(r.model)
