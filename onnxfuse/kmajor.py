@@ -26,7 +26,8 @@ MIN_FLOPS (2 M N K, M static) are rewritten: in BERT-base fp32 on the H100 the r
 batch 8 from 1.491 to 1.287 ms under CUDA graphs and from 1.614 to 1.409 without them, but batch
 1 (M = 128, every product under 1 GFLOP) from 0.694 to 0.661 under graphs and from 0.943 to
 1.092 *without* them (tuning's model timings; where that CPU-side cost comes from was not
-measured). ``$ONNXFUSE_KMAJOR=0`` turns it off everywhere, ``=all`` drops the floor.
+measured). ``$ONNXFUSE_KMAJOR=0`` turns it off everywhere, ``=all`` drops the floors (the
+candidate's, MEASURED_MIN_FLOPS, only spares tuning a model for products too small to matter).
 
 Left as they are, so that none of ONNX Runtime's own fusions around a product is lost: a
 MatMul read by an Add, Sub, Mul or Div (MatMul + Add into Gemm, SkipLayerNormalization's bias,
@@ -51,6 +52,9 @@ FLOAT = 1  # TensorProto.FLOAT
 _FUSING_READERS = frozenset({"Add", "Sub", "Mul", "Div"})
 _FUSING_WRITERS = frozenset({"Transpose", "Mul", "Div"})
 MIN_FLOPS = 1e9  # BERT-base's products at batch 8 (1.2-4.8 GFLOP) gained; at batch 1 (0.15-0.6) see above
+# where tuning measures the rewrite, products below this are left out only to spare it a candidate
+# for a CNN's classifier head (ResNet's 512 x 1000 at batch 16: 16 MFLOP, a few µs either way)
+MEASURED_MIN_FLOPS = 1e8
 # the report's note (Report.notes) on the products rewritten
 NOTE = ("float32 products left to ONNX Runtime given their constant weights K-major (Gemm with transB 1), "
         "which cuBLAS's TF32 kernels read faster (onnxfuse.kmajor)")
@@ -60,18 +64,18 @@ def _static(shape) -> bool:
     return shape is not None and all(isinstance(d, int) and d > 0 for d in shape)
 
 
-def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], min_flops: float | None = None
+def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool = False
                    ) -> tuple[ModelProto, list[str]]:
     """`model` with its float32 MatMul / Gemm products over constant weights given those
     weights K-major (module notes), and the names of the nodes rewritten. `shapes`: tensor ->
-    (dims, elem_type) as the pipeline inferred them (`Result.shapes`); `min_flops`: the smallest
-    product rewritten (default MIN_FLOPS, 0 with ``$ONNXFUSE_KMAJOR=all``). The model given is
-    not changed; where nothing applies it is returned as it is."""
+    (dims, elem_type) as the pipeline inferred them (`Result.shapes`); `measured`: for tuning's
+    candidate (products from MEASURED_MIN_FLOPS, not MIN_FLOPS; none left out with
+    ``$ONNXFUSE_KMAJOR=all``). The model given is not changed; where nothing applies it is
+    returned as it is."""
     mode = os.environ.get("ONNXFUSE_KMAJOR", "")
     if mode == "0":
         return model, []
-    if min_flops is None:
-        min_flops = 0.0 if mode == "all" else MIN_FLOPS
+    min_flops = 0.0 if mode == "all" else MEASURED_MIN_FLOPS if measured else MIN_FLOPS
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     readers: dict[str, int] = {}

@@ -546,7 +546,7 @@ def kmajor_pass(result: Result, options: Options) -> Result:
     """For the GPU (a kernel target), where float32 products multiply in TF32 (precision tf32,
     ONNX Runtime's default math), untuned: the float32 MatMul / Gemm nodes ONNX Runtime runs
     itself of at least `kmajor.MIN_FLOPS` given their constant weights K-major (`onnxfuse.kmajor`);
-    where the tune pass runs, it measures that change instead (every size, `onnxfuse.tune`)."""
+    where the tune pass runs, it measures that change instead (from `kmajor.MEASURED_MIN_FLOPS`, `onnxfuse.tune`)."""
     if result.unchanged is not None or options.target == "none" or options.conv_precision != "tf32" \
             or options.tune is not None:
         return result

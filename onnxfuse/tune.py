@@ -1023,14 +1023,15 @@ KMAJOR_LABEL = " + K-major"
 
 def _kmajor_candidate(result, models: list, conv_precision: str) -> list[str]:
     """Where float32 products multiply in TF32 (`conv_precision` tf32, ORT's default): the
-    first candidate (the tuned model, or the optimized one) with every float32 product ONNX
-    Runtime runs itself given its weights K-major (`onnxfuse.kmajor`, no size floor: measured
-    here) appended to `models` as "<label> + K-major", last, so that it is kept only where
-    faster than the others by more than MODEL_NOISE (`_fastest`). The products rewritten."""
+    first candidate (the tuned model, or the optimized one) with the float32 products ONNX
+    Runtime runs itself given their weights K-major (`onnxfuse.kmajor`, from
+    `kmajor.MEASURED_MIN_FLOPS`: measured here) appended to `models` as "<label> + K-major",
+    last, so that it is kept only where faster than the others by more than MODEL_NOISE
+    (`_fastest`). The products rewritten."""
     if conv_precision != "tf32" or not models:
         return []
     label, first, info = models[0]
-    model, done = kmajor.kmajor_weights(first.model, result.shapes, min_flops=0.0)
+    model, done = kmajor.kmajor_weights(first.model, result.shapes, measured=True)
     if done:
         cand = snapshot(first)
         cand.model = model

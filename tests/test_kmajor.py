@@ -191,17 +191,19 @@ def _has_kmajor(m: onnx.ModelProto) -> bool:
 @pytest.mark.parametrize("kmajor_ms, kept", [(0.2, "optimized + K-major"), (0.6, "optimized"),
                                              (0.495, "optimized")])
 def test_tuning_keeps_kmajor_weights_only_where_measured_faster(monkeypatch, kmajor_ms, kept):
-    """Where the tune pass runs, the K-major rewrite (every size) is one more candidate, after
+    """Where the tune pass runs, the K-major rewrite (products from MEASURED_MIN_FLOPS) is one more candidate, after
     the others: kept where its model is faster than the optimized one by more than the noise
     (0.2 against 0.5 ms), not where slower or within 2% (0.495), and gated like the others; the
     kept model computes what the original does."""
+    from onnxfuse import kmajor
     from onnxfuse import tune as tuning
     from onnxfuse.kmajor import NOTE
     from tests.test_tune import CPU, NOT_COMPILED, _fake_outputs, _fake_timer, _fused_nodes, _optimized
 
     m = _matmul_silu()
     r, before = _optimized(m)
-    assert not _has_kmajor(r.model)  # untuned, the 2-MFLOP product is under the floor
+    assert not _has_kmajor(r.model)  # untuned, the 131-kFLOP product is under the floor
+    monkeypatch.setattr(kmajor, "MEASURED_MIN_FLOPS", 0.0)  # and under the candidate's
     _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2},
                 lambda mm: (kmajor_ms if _has_kmajor(mm) else 0.5) if _fused_nodes(mm) else 1.0)
     _fake_outputs(monkeypatch, {"ort": 1e-3})
@@ -216,12 +218,20 @@ def test_tuning_keeps_kmajor_weights_only_where_measured_faster(monkeypatch, kma
 
 
 def test_tuning_without_the_switch_adds_no_kmajor_candidate(monkeypatch):
+    """ONNXFUSE_KMAJOR=0: no candidate; nor one for products under MEASURED_MIN_FLOPS."""
+    from onnxfuse import kmajor
     from onnxfuse import tune as tuning
     from tests.test_tune import CPU, NOT_COMPILED, _fake_outputs, _fake_timer, _fused_nodes, _optimized
 
+    monkeypatch.setattr(kmajor, "MEASURED_MIN_FLOPS", 0.0)
     monkeypatch.setenv("ONNXFUSE_KMAJOR", "0")
     r, before = _optimized(_matmul_silu())
     _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 0.5 if _fused_nodes(mm) else 1.0)
     _fake_outputs(monkeypatch, {"ort": 1e-3})
     rec = tuning.tune(r, before, dict(NOT_COMPILED), lambda res: dict(NOT_COMPILED), CPU, [90])["tune"]
     assert set(rec["models"]) == {"optimized"} and not _has_kmajor(r.model)
+    monkeypatch.delenv("ONNXFUSE_KMAJOR")
+    monkeypatch.setattr(kmajor, "MEASURED_MIN_FLOPS", 2 * 128 * 16 * 32 + 1)
+    r, before = _optimized(_matmul_silu())
+    rec = tuning.tune(r, before, dict(NOT_COMPILED), lambda res: dict(NOT_COMPILED), CPU, [90])["tune"]
+    assert set(rec["models"]) == {"optimized"}
