@@ -295,7 +295,7 @@ def test_the_pass_list_is_the_documented_one():
     (line,) = [ln.strip() for ln in readme.splitlines() if ln.strip().startswith(head)]
     assert line.split(":", 1)[1].strip().rstrip(".").split(" → ") == names
     assert names == ["canonicalize", "fold", "infer shapes", "choose layout", "pack", "head bias", "align", "bias",
-                     "match", "rewrite", "compile", "tune"]
+                     "match", "rewrite", "kmajor", "compile", "tune"]
 
 
 def test_python_optimize_has_the_command_lines_defaults(tmp_path, monkeypatch):
