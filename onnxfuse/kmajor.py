@@ -18,16 +18,17 @@ constant W and transB = 0 reads a transposed copy of W with transB = 1; a MatMul
 (static dims only). The product is the same sum of the same TF32-rounded terms (cuBLAS rounds
 either operand layout alike); only its kernel changes.
 
-Whether it pays is measured where the tune pass runs: the tuned model with every such product
-rewritten is one more candidate (`onnxfuse.tune`), kept as any candidate is (not slower than the
-original in either mode, through the accuracy gate, faster than the model without it by more
-than the noise, by its best of plain and CUDA-graph runs). Untuned, only products of at least
-MIN_FLOPS (2 M N K, M static) are rewritten: in BERT-base fp32 on the H100 the rewrite took
-batch 8 from 1.491 to 1.287 ms under CUDA graphs and from 1.614 to 1.409 without them, but batch
-1 (M = 128, every product under 1 GFLOP) from 0.694 to 0.661 under graphs and from 0.943 to
-1.092 *without* them (tuning's model timings; where that CPU-side cost comes from was not
-measured). ``$ONNXFUSE_KMAJOR=0`` turns it off everywhere, ``=all`` drops the floors (the
-candidate's, MEASURED_MIN_FLOPS, only spares tuning a model for products too small to matter).
+Whether it pays is measured where the tune pass runs: the tuned model with such products
+rewritten (from MEASURED_MIN_FLOPS) is one more candidate (`onnxfuse.tune`), kept as any
+candidate is (not slower than the original in either mode, through the accuracy gate, faster
+than the model without it by more than the noise, by its best of plain and CUDA-graph runs).
+Untuned, only products of at least MIN_FLOPS (2 M N K, M static) are rewritten: in BERT-base
+fp32 on the H100 the rewrite took batch 8 from 1.491 to 1.287 ms under CUDA graphs and from
+1.614 to 1.409 without them, but batch 1 (M = 128, every product under 1 GFLOP) from 0.694 to
+0.661 under graphs and from 0.943 to 1.092 *without* them (tuning's model timings; where that
+CPU-side cost comes from was not measured). ``$ONNXFUSE_KMAJOR=0`` turns it off everywhere,
+``=all`` drops the floors (the candidate's, MEASURED_MIN_FLOPS, only spares tuning a model for
+products too small to matter).
 
 Left as they are, so that none of ONNX Runtime's own fusions around a product is lost: a
 MatMul read by an Add, Sub, Mul or Div (MatMul + Add into Gemm, SkipLayerNormalization's bias,
