@@ -189,6 +189,15 @@ PY
       done
     done
     ;;
+  gemm-layouts)
+    # cuBLAS's products by the weight's layout in ONNX Runtime (MatMul, Gemm, Gemm over K-major
+    # weights: latency per product with and without CUDA graphs, device time, launches) and in
+    # torch: the `kmajor-weights` decision and its batch-1 cost without graphs.
+    #   gemm-layouts [LIMIT] [gemm_layouts.py arguments]
+    limit=${2:-300}; shift $(( $# < 2 ? $# : 2 ))
+    timeout "$limit" python3 benchmarks/gemm_layouts.py --json "$OUT/gemm_layouts.json" "$@" 2>&1 \
+      | grep -v "W:onnxruntime" | tee "$OUT/gemm_layouts.log" | tail -40
+    ;;
   attention-ncu)
     # Nsight Compute on FusedAttention's kernel and cuDNN's (through torch) at the same inputs:
     # where the batch-8 gap comes from (stall reasons, occupancy, L2 hits). torch and triton
