@@ -13,7 +13,11 @@ A Hopper TF32 tensor-core product reads both operands K-major; an exported MatMu
   with them, the kernels' device time per product (CUPTI) and how many GPU activities one
   product launches (a split-K kernel's memset or reduction shows there).
 - torch alone: mm(a, W) ("nn"), mm(a, Wt.T) ("tn"), addmm(bias, a, Wt.T) (cuBLASLt's bias
-  epilogue), CUDA-graph replays of REPS calls timed with events.
+  epilogue), the kernels' median CUPTI times over REPS calls captured in a CUDA graph
+  (`rows_context.cupti_kernel_us`).
+
+Every time has its error beside it: the first product's max |y - ref| against float64 on the
+same operands (`err`; TF32 for float32, as ONNX Runtime's default and torch's matmul here).
 
     python benchmarks/gemm_layouts.py --json gemm_layouts.json [--rows 1024,128] [--dtypes fp32,fp16]
     python benchmarks/gemm_layouts.py --dry-run   # the three forms on the CPU: equal outputs, no timing
@@ -41,18 +45,22 @@ REPS = 50
 DTYPES = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16}
 
 
+def weights(k: int, n: int, dtype: str, length: int, seed: int = 0) -> list[np.ndarray]:
+    """The products' weights [K, N], seeded."""
+    npdt = helper.tensor_dtype_to_np_dtype(DTYPES[dtype])
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal((k, n)) / np.sqrt(k)).astype(npdt) for _ in range(length)]
+
+
 def build(form: str, rows: int, k: int, n: int, dtype: str, length: int, seed: int = 0) -> onnx.ModelProto:
     """`length` products of x [rows / SEQ, SEQ, K] in `form` (module notes), each with its own
-    weight (seeded), each output a graph output [rows / SEQ, SEQ, N]."""
+    weight (`weights`), each output a graph output [rows / SEQ, SEQ, N]."""
     elem = DTYPES[dtype]
-    npdt = helper.tensor_dtype_to_np_dtype(elem)
-    rng = np.random.default_rng(seed)
     batch = rows // SEQ
     inits = [] if form == "matmul" else [numpy_helper.from_array(np.array([-1, k], np.int64), "rows_shape"),
                                          numpy_helper.from_array(np.array([batch, SEQ, n], np.int64), "out_shape")]
     nodes, outputs = [], []
-    for i in range(length):
-        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(npdt)
+    for i, w in enumerate(weights(k, n, dtype, length, seed)):
         y = f"y{i}"
         outputs.append(helper.make_tensor_value_info(y, elem, [batch, SEQ, n]))
         if form == "matmul":
@@ -71,28 +79,20 @@ def build(form: str, rows: int, k: int, n: int, dtype: str, length: int, seed: i
     return m
 
 
-def _activities(fn, iters: int = 10) -> dict[str, int]:
-    """GPU activities (kernels, memsets) per call of fn, by name (CUPTI through torch)."""
+def _err(y, x, w: np.ndarray, bias=None) -> float:
+    """max |y - (x @ w + bias)| against float64 (y, x, bias torch tensors; w numpy [K, N])."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    counts: dict[str, int] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            counts[e.name] = counts.get(e.name, 0) + 1
-    return {k: v // iters for k, v in counts.items() if v >= iters}
+    ref = x.double() @ torch.from_numpy(w.astype(np.float64)).to(x.device)
+    if bias is not None:
+        ref = ref + bias.double()
+    return float((y.double() - ref).abs().max())
 
 
 def ort_rows(rows: int, dtype: str, iters: int) -> list[dict]:
     import torch
 
-    from benchmarks.gpu_timing import BoundSession, gpu_time_per_call, time_cuda
+    from benchmarks.gpu_timing import BoundSession, gpu_activities, time_cuda
 
     out = []
     tdt = torch.float32 if dtype == "fp32" else torch.float16
@@ -107,44 +107,26 @@ def ort_rows(rows: int, dtype: str, iters: int) -> list[dict]:
                     s = BoundSession(m, {"x": x}, cuda_graph=graph)
                     lat[length, graph] = time_cuda(s.run, iters, warmup=10).median_ms
                     if length == LENGTHS[-1] and not graph:
-                        row["device_us"] = round(gpu_time_per_call(s.run) / length * 1e3, 2)
-                        acts = _activities(s.run)
-                        row["activities_per_product"] = round(sum(acts.values()) / length, 2)
+                        acts = {a: v for a, v in gpu_activities(s.run).items() if "memcpy" not in a.lower()}
+                        row["device_us"] = round(sum(us for _, us in acts.values()) / length, 2)
+                        row["activities_per_product"] = round(sum(c for c, _ in acts.values()) / length, 2)
                         row["kernels"] = sorted(acts)[:4]
+                        row["err"] = _err(s.result()["y0"], x, weights(k, n, dtype, 1)[0])
                     del s
             span = LENGTHS[-1] - LENGTHS[0]
             row["plain_us"] = round((lat[LENGTHS[-1], False] - lat[LENGTHS[0], False]) / span * 1e3, 2)
             row["graph_us"] = round((lat[LENGTHS[-1], True] - lat[LENGTHS[0], True]) / span * 1e3, 2)
             out.append(row)
             print(f"ort   {dtype} M={rows:<5} {name:5} {form:8} device {row['device_us']:7.2f} µs  plain "
-                  f"{row['plain_us']:7.2f}  graph {row['graph_us']:7.2f}  activities {row['activities_per_product']}",
-                  flush=True)
+                  f"{row['plain_us']:7.2f}  graph {row['graph_us']:7.2f}  activities {row['activities_per_product']}"
+                  f"  err {row['err']:.2g}", flush=True)
     return out
 
 
-def torch_rows(rows: int, dtype: str) -> list[dict]:
+def torch_rows(rows: int, dtype: str, tmp: Path) -> list[dict]:
     import torch
 
-    def timed(fn) -> float:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(REPS):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        e0.record()
-        for _ in range(5):
-            g.replay()
-        e1.record()
-        torch.cuda.synchronize()
-        return e0.elapsed_time(e1) * 1e3 / (5 * REPS)
+    from benchmarks.rows_context import cupti_kernel_us
 
     tdt = torch.float32 if dtype == "fp32" else torch.float16
     saved = torch.backends.cuda.matmul.allow_tf32
@@ -153,17 +135,19 @@ def torch_rows(rows: int, dtype: str) -> list[dict]:
     try:
         for name, (k, n) in PRODUCTS.items():
             a = torch.randn(rows, k, device="cuda").to(tdt)
-            wt = torch.randn(n, k, device="cuda").to(tdt)  # [N, K]: K-major
-            w = wt.t().contiguous()  # [K, N]: N-major, as exported
+            w = torch.from_numpy(weights(k, n, dtype, 1)[0]).cuda()  # [K, N]: N-major, as exported
+            wt = w.t().contiguous()  # [N, K]: K-major
             b = torch.randn(n, device="cuda").to(tdt)
-            row = {"dtype": dtype, "rows": rows, "product": name,
-                   "nn_us": timed(lambda a=a, w=w: torch.mm(a, w)),
-                   "tn_us": timed(lambda a=a, wt=wt: torch.mm(a, wt.t())),
-                   "addmm_tn_us": timed(lambda a=a, wt=wt, b=b: torch.addmm(b, a, wt.t()))}
-            row = {k2: round(v, 2) if isinstance(v, float) else v for k2, v in row.items()}
+            variants = {"nn": lambda a=a, w=w: torch.mm(a, w), "tn": lambda a=a, wt=wt: torch.mm(a, wt.t()),
+                        "addmm_tn": lambda a=a, wt=wt, b=b: torch.addmm(b, a, wt.t())}
+            row = {"dtype": dtype, "rows": rows, "product": name}
+            for label, fn in variants.items():
+                row[f"{label}_us"] = round(sum(cupti_kernel_us(fn, tmp, REPS).values()), 2)
+                row[f"{label}_err"] = _err(fn(), a, weights(k, n, dtype, 1)[0], b if label == "addmm_tn" else None)
             out.append(row)
-            print(f"torch {dtype} M={rows:<5} {name:5} nn {row['nn_us']:7.2f} µs  tn {row['tn_us']:7.2f}  "
-                  f"addmm tn {row['addmm_tn_us']:7.2f}", flush=True)
+            print(f"torch {dtype} M={rows:<5} {name:5} " + "  ".join(
+                f"{label} {row[f'{label}_us']:7.2f} µs (err {row[f'{label}_err']:.2g})" for label in variants),
+                flush=True)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
     return out
@@ -206,20 +190,24 @@ def main() -> None:
     if args.dry_run:
         result = {"benchmark": "gemm_layouts", "rows": dry_run()}
     else:
+        import tempfile
+
         import torch
 
         ort_out, torch_out = [], []
+        tmp = Path(tempfile.mkdtemp(prefix="gemm-layouts-"))
         for dtype in args.dtypes.split(","):
             for rows in (int(r) for r in args.rows.split(",")):
-                torch_out += torch_rows(rows, dtype)
+                torch_out += torch_rows(rows, dtype, tmp)
                 ort_out += ort_rows(rows, dtype, args.iters)
         result = {"benchmark": "gemm_layouts", "device": torch.cuda.get_device_name(), "ort": ort_out,
                   "torch": torch_out}
-        print("\n| dtype | M | product | form | device µs | activities | plain µs / product | graph µs / product |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| dtype | M | product | form | device µs | activities | plain µs / product | graph µs / product "
+              "| err vs float64 |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in ort_out:
             print(f"| {r['dtype']} | {r['rows']} | {r['product']} | {r['form']} | {r['device_us']} | "
-                  f"{r['activities_per_product']} | {r['plain_us']} | {r['graph_us']} |")
+                  f"{r['activities_per_product']} | {r['plain_us']} | {r['graph_us']} | {r['err']:.2g} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
 

@@ -10,7 +10,7 @@ Three timings, each meaning one thing for every contender:
   for every contender (ONNX Runtime's ``run_with_iobinding`` synchronizes by itself;
   torch's asynchronous calls would otherwise queue behind the previous call and hide it).
 - `time_throughput`: back-to-back calls, wall clock per call (host work overlaps the GPU).
-- `gpu_time_per_call`: the kernels' device time alone (CUPTI).
+- `gpu_time_per_call`: the kernels' device time alone (CUPTI; `gpu_activities` by name).
 """
 
 from __future__ import annotations
@@ -167,10 +167,10 @@ def copy_bandwidth(n_bytes: int = 1 << 30) -> float:
     return 2 * n_bytes / (t.median_ms * 1e-3)
 
 
-def gpu_time_per_call(fn: Callable[[], object], iters: int = 20, prefix: str | None = None) -> float:
-    """Device time (ms) of the GPU kernels one call of fn launches, from CUPTI (torch's
-    profiler sees every kernel in the process, ONNX Runtime's included); host overhead is
-    not counted. prefix: only kernels whose name starts with it."""
+def gpu_activities(fn: Callable[[], object], iters: int = 20) -> dict[str, tuple[float, float]]:
+    """The GPU activities (kernels, memsets, copies) one call of fn launches, from CUPTI
+    (torch's profiler sees every kernel in the process, ONNX Runtime's included), by name:
+    (how many per call, device µs per call); host overhead is not counted."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -179,10 +179,18 @@ def gpu_time_per_call(fn: Callable[[], object], iters: int = 20, prefix: str | N
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total_us = 0.0
+    out: dict[str, tuple[float, float]] = {}
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CUDA or "memcpy" in e.name.lower():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        if prefix is None or e.name.startswith(prefix):
-            total_us += e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
-    return total_us / iters / 1e3
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        count, total = out.get(e.name, (0.0, 0.0))
+        out[e.name] = (count + 1 / iters, total + us / iters)
+    return out
+
+
+def gpu_time_per_call(fn: Callable[[], object], iters: int = 20, prefix: str | None = None) -> float:
+    """Device time (ms) of the GPU kernels one call of fn launches (`gpu_activities`, copies
+    left out). prefix: only kernels whose name starts with it."""
+    return sum(us for name, (_, us) in gpu_activities(fn, iters).items()
+               if "memcpy" not in name.lower() and (prefix is None or name.startswith(prefix))) / 1e3

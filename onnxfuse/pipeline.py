@@ -539,9 +539,6 @@ def rewrite_pass(result: Result, options: Options) -> Result:
     return result
 
 
-KMAJOR = KMAJOR_NOTE
-
-
 def kmajor_pass(result: Result, options: Options) -> Result:
     """For the GPU (a kernel target), where float32 products multiply in TF32 (precision tf32,
     ONNX Runtime's default math), untuned: the float32 MatMul / Gemm nodes ONNX Runtime runs
@@ -553,7 +550,7 @@ def kmajor_pass(result: Result, options: Options) -> Result:
     model, done = kmajor_weights(result.model, result.shapes)
     if done:
         result.model = model
-        result.report.notes[KMAJOR] = len(done)
+        result.report.notes[KMAJOR_NOTE] = len(done)
         describe_graph(result)
     return result
 
