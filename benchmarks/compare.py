@@ -8,7 +8,9 @@ models/pretrained.py), on the same seeded inputs:
 - ``ort_nhwc``       the same with the CUDA EP's ``prefer_nhwc``
 - ``onnxfuse``       the onnxfuse model (kernels compiled for the local GPU, library registered;
   `optimize`'s defaults there: channels-last between fused convs, tuned)
-- ``onnxfuse_graph`` the same under ONNX Runtime's CUDA graphs
+- ``onnxfuse_graph`` the same under ONNX Runtime's CUDA graphs; where tuning runs, the model of
+  ``onnxfuse optimize --cuda-graph`` (whole models compared by their times under graphs), the
+  ``onnxfuse`` variant's being the default's (a model kept only where slower in neither mode)
 - ``torch_eager`` / ``torch_compile``  the same PyTorch module (where one exists: the
   synthetic models, whose ONNX weights it loads, and the torchvision ones, exported from it)
 - ``torch_compile_graph``  torch.compile with ``mode="reduce-overhead"`` (Inductor's CUDA
@@ -283,6 +285,7 @@ class CaseResult:
     ort_max_abs_err: float | None = None  # the "ort" variant's error vs the reference
     gate_passed: bool | None = None       # every onnxfuse variant that ran passed (None: none gated)
     tune: dict | None = None              # what optimize's tuning measured and kept (onnxfuse.tune)
+    tune_graph: dict | None = None        # the same for onnxfuse_graph's model (--cuda-graph)
     profile: dict | None = None           # --profile: per model, kernel time by op type (`profile_summary`)
 
 
@@ -436,6 +439,14 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     compiled = _fuse(model, orig, fused, shapes, dry, tune, tune_budget, lambda w: log(f"  {case.name:<20} {w}"))
     res.compile, res.tune = compiled.get("summary", ""), compiled.get("tune")
     res.fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused), load_external_data=False))
+    fused_graph, graph_nodes = fused, res.fused_nodes  # onnxfuse_graph's model
+    if tune and not dry and "onnxfuse_graph" in variants:
+        fused_graph = workdir / f"{case.name}.onnxfuse.graph.onnx"
+        res.tune_graph = _fuse(model, orig, fused_graph, shapes, dry, tune, tune_budget,
+                               lambda w: log(f"  {case.name:<20} (--cuda-graph) {w}"), cuda_graph=True).get("tune")
+        graph_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused_graph), load_external_data=False))
+        kept = [(t or {}).get("kept", "not tuned") for t in (res.tune, res.tune_graph)]
+        log(f"  {case.name:<20} tuning kept: {kept[0]} (default), {kept[1]} (--cuda-graph)")
     # ONNX Runtime's transformers optimizer, and onnxfuse on its model
     tf_paths: dict[str, Path] = {}
     tf_error = None
@@ -473,8 +484,11 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
                  and (v not in TFOPT_VARIANTS or model_variant(v) in tf_paths)]
     paths = {v: str(tf_paths.get(model_variant(v)) or (fused if v.startswith("onnxfuse") else orig))
              for v in ort_based}
+    if "onnxfuse_graph" in paths:
+        paths["onnxfuse_graph"] = str(fused_graph)
     libraries = {v: v.startswith("onnxfuse")
-                 and (res.tfopt_fused_nodes if model_variant(v) in tf_paths else res.fused_nodes) > 0
+                 and (res.tfopt_fused_nodes if model_variant(v) in tf_paths
+                      else graph_nodes if v == "onnxfuse_graph" else res.fused_nodes) > 0
                  for v in ort_based}
     ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu)
     module = None
@@ -553,17 +567,19 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
 
 
 def _fuse(model: onnx.ModelProto, src: Path, dst: Path, shapes: dict[str, tuple[int, ...]], dry: bool, tune: bool,
-          tune_budget: float | None, warn: Callable[[str], None]) -> dict:
+          tune_budget: float | None, warn: Callable[[str], None], cuda_graph: bool | None = None) -> dict:
     """onnxfuse of `model` (saved at `src`) into `dst`, as `onnxfuse optimize --shape ...` writes
     it at the case's shapes: static, its shape arithmetic folded (the original stays as
-    exported); on a GPU channels-last and tuned unless `tune` is off. The report's compile
-    section ({} on a dry run: CPU, no kernels, no layout pass, no tuning)."""
+    exported); on a GPU channels-last and tuned unless `tune` is off (`cuda_graph`: as
+    `--cuda-graph` / `--no-cuda-graph`). The report's compile section ({} on a dry run: CPU, no
+    kernels, no layout pass, no tuning)."""
     if dry:
         save_model(optimize_model(model, static_shapes=dict(shapes)).model, dst)
         return {}
     settings = None
     if tune:
-        settings = TuneSettings(shapes=dict(shapes), **({"budget_s": tune_budget} if tune_budget else {}))
+        settings = TuneSettings(shapes=dict(shapes), cuda_graph=cuda_graph,
+                                **({"budget_s": tune_budget} if tune_budget else {}))
     options = dataclasses.replace(build_options("auto", "nhwc", tune="off", shapes=dict(shapes)), tune=settings)
     report = optimize(src, dst, options=options)
     for w in report.warnings:

@@ -47,7 +47,7 @@ def options_from_args(args: argparse.Namespace) -> Options:
     return build_options(args.target, args.layout, args.conv_precision,
                          "off" if args.no_tune else "configs" if args.tune else "auto",
                          parse_shapes(args.shape), args.batch, args.tune_budget, args.jobs,
-                         args.patterns or (), args.exclude_pattern or (), args.leave_to_ort)
+                         args.patterns or (), args.exclude_pattern or (), args.leave_to_ort, args.cuda_graph)
 
 
 def _cmd_patterns(args: argparse.Namespace) -> int:
@@ -95,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "has an NVIDIA GPU and onnxruntime-gpu)")
     p.add_argument("--tune-budget", type=float, metavar="SECONDS",
                    help="per-node timing stops after this long (default 60); the whole-model check always runs")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="how the written model will run: --cuda-graph under ONNX Runtime's CUDA graphs "
+                        "(enable_cuda_graph), --no-cuda-graph without; tuning compares whole models in that mode "
+                        "alone (default: a candidate is kept only where it is slower in neither mode)")
     p.add_argument("--shape", action="append", metavar="NAME=DIMS",
                    help="the input shape the model will run at, of an input (x=32,3,224,224) or a named dim "
                         "(seq=128): tuning measures there, and when --shape/--batch give every symbolic dim the "

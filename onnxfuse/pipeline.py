@@ -144,15 +144,17 @@ def build_options(target: str = "auto", layout: str = "auto", conv_precision: st
                   shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None,
                   tune_budget: float | None = None, jobs: int | None = None,
                   pattern_dirs: list[str | os.PathLike] | tuple = (), exclude: list[str] | tuple = (),
-                  leave_to_ort: bool = True) -> Options:
+                  leave_to_ort: bool = True, cuda_graph: bool | None = None) -> Options:
     """The Options of `onnxfuse optimize` from its flags; `onnxfuse.optimize` builds them
     here too, from the same defaults. Every inconsistent choice is a one-line OnnxfuseError.
 
     layout: "auto" is "nhwc" when kernels are compiled and Triton is installed, else "nchw".
     tune: "auto" (measure when this machine has an NVIDIA GPU and onnxruntime-gpu and kernels
     are compiled), "off", or "configs" (also search kernel configurations; an error where it
-    cannot run). pattern_dirs / exclude: the pattern set is loaded once to check them (the
-    choose-layout pass loads it again, for the layout)."""
+    cannot run). cuda_graph: how the written model will run, for tuning's whole-model
+    comparison (`TuneSettings.cuda_graph`; without tuning nothing reads it). pattern_dirs /
+    exclude: the pattern set is loaded once to check them (the choose-layout pass loads it
+    again, for the layout)."""
     if layout not in ("auto", "nchw", "nhwc"):
         raise OnnxfuseError(f"--layout {layout}: choose auto, nchw or nhwc")
     if tune not in TUNE_MODES:
@@ -179,7 +181,8 @@ def build_options(target: str = "auto", layout: str = "auto", conv_precision: st
             raise OnnxfuseError("--tune needs an NVIDIA GPU and onnxruntime-gpu (CUDA execution provider)")
     if tune == "configs" or (tune == "auto" and target != "none" and tuning.available()):
         settings = tuning.TuneSettings(shapes=dict(shapes), batch=batch, configs=tune == "configs",
-                                       explicit=tune == "configs", budget_s=tune_budget or tuning.BUDGET_S)
+                                       explicit=tune == "configs", budget_s=tune_budget or tuning.BUDGET_S,
+                                       cuda_graph=cuda_graph)
     if target not in ("none", "auto") and not kernels.triton_available():
         raise OnnxfuseError("--target needs Triton: pip install 'onnxfuse[compile]' (or use --target none)")
     pattern_dirs = tuple(os.fspath(d) for d in pattern_dirs)
@@ -741,7 +744,7 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
              shapes: dict[str, tuple[int, ...]] | None = None, batch: int | None = None, *,
              target: str = "auto", conv_precision: str = "tf32", tune: str = "auto",
              tune_budget: float | None = None, jobs: int | None = None, leave_to_ort: bool = True,
-             options: Options | None = None) -> Report:
+             cuda_graph: bool | None = None, options: Options | None = None) -> Report:
     """Read, fuse (PASSES) and atomically write a model file, and with `json_path` the report
     as JSON: both or neither (`Outputs`; no output may be the input).
 
@@ -752,7 +755,7 @@ def optimize(input_path: str | os.PathLike, output_path: str | os.PathLike,
     when given, replaces them all."""
     if options is None:
         options = build_options(target, layout, conv_precision, tune, shapes, batch, tune_budget, jobs,
-                                pattern_dirs, exclude, leave_to_ort)
+                                pattern_dirs, exclude, leave_to_ort, cuda_graph)
     t0 = time.perf_counter()
     with Outputs([output_path, json_path], [input_path]) as out:
         result = optimize_model(load_model(input_path), options=options)

@@ -18,7 +18,7 @@ from onnx import helper
 from models.build import conv_relu_maxpool, vgg_stack
 from onnxfuse import optimize_model
 from onnxfuse import tune as tuning
-from onnxfuse.cli import main
+from onnxfuse.cli import build_parser, main, options_from_args
 from onnxfuse.codegen import KernelSpec
 from onnxfuse.codegen_conv import ConvSpec, MaxPoolSpec
 from onnxfuse.compile import local_gpu_archs
@@ -408,6 +408,52 @@ def test_a_heuristic_model_within_the_noise_keeps_the_tuned_one(monkeypatch):
     rec = _tune(r, before)["tune"]
     assert rec["kept"] == "tuned" and set(rec["models"]) == {"tuned", "heuristic"}
     assert all(d["chosen"] == "original" for d in rec["nodes"]) and _fused_nodes(r.model) == 0
+
+
+# BERT-base fp32 batch 1 on an H100 (thirty-seventh session, ms without / with CUDA graphs): the
+# tuned model, the same with K-major weights (faster under graphs, slower without), the original
+BERT_B1 = {"tuned": tuning.ModelTimes(0.943, 0.694), "tuned + K-major": tuning.ModelTimes(1.092, 0.661),
+           "faster in both": tuning.ModelTimes(0.900, 0.650)}
+ORIGINAL_B1 = tuning.ModelTimes(2.457, 1.323)
+
+
+@pytest.mark.parametrize("later, cuda_graph, kept", [
+    ("tuned + K-major", None, "tuned"),  # not said: 5% faster under graphs, 16% slower without
+    ("tuned + K-major", True, "tuned + K-major"),
+    ("tuned + K-major", False, "tuned"),
+    ("faster in both", None, "faster in both"),
+    ("faster in both", False, "faster in both"),
+])
+def test_models_are_compared_in_the_deployments_mode(later, cuda_graph, kept):
+    """`model-modes`: a later candidate replaces an earlier one where it is faster in the mode the
+    model will run in (`--cuda-graph`, `--no-cuda-graph`), or, not said, where it is faster in its
+    faster mode and slower in neither."""
+    models = [(label, label, {}) for label in ("tuned", later)]
+    gates = {label: {"passed": True} for label in BERT_B1}
+    assert tuning._fastest(models, BERT_B1, gates, ORIGINAL_B1, cuda_graph)[0] == kept
+
+
+@pytest.mark.parametrize("cuda_graph, kept", [(None, None), (True, "graphs only"), (False, None)])
+def test_a_model_slower_than_the_original_only_in_the_other_mode(cuda_graph, kept):
+    """Against the original too, only the deployment's mode counts where it is given; a mode
+    the original cannot run under graphs is compared without them."""
+    times = {"graphs only": tuning.ModelTimes(2.6, 1.0)}
+    models = [("graphs only", None, {})]
+    gates = {"graphs only": {"passed": True}}
+    assert (tuning._fastest(models, times, gates, ORIGINAL_B1, cuda_graph) or [None])[0] == kept
+    no_graphs = tuning.ModelTimes(2.457, None)
+    assert not times["graphs only"].not_slower_than(no_graphs, True)
+    assert tuning.ModelTimes(2.4, None).not_slower_than(no_graphs, True)
+    assert tuning.ModelTimes(2.4, None).best(True) == 2.4 and BERT_B1["tuned"].best(True) == 0.694
+
+
+@pytest.mark.parametrize("flags, cuda_graph", [([], None), (["--cuda-graph"], True), (["--no-cuda-graph"], False)])
+def test_the_cuda_graph_flag_reaches_tuning(monkeypatch, tmp_path, flags, cuda_graph):
+    monkeypatch.setattr(tuning, "available", lambda provider="cuda": True)
+    args = build_parser().parse_args(["optimize", "in.onnx", "out.onnx", "--target", "sm_90", *flags])
+    assert options_from_args(args).tune.cuda_graph is cuda_graph
+    args = build_parser().parse_args(["optimize", "in.onnx", "out.onnx", "--target", "sm_90", "--no-tune", *flags])
+    assert options_from_args(args).tune is None  # nothing to compare: the flag changes nothing
 
 
 def test_the_budget_leaves_nodes_unmeasured(monkeypatch):
