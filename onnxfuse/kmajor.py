@@ -15,8 +15,11 @@ memory. (Kernel times alone, no error measured; the models' errors are below.)
 GemmEpilogue packs its own weights K-major) so that cuBLAS gets that layout: a Gemm with a
 constant W and transB = 0 reads a transposed copy of W with transB = 1; a MatMul of a constant
 2-D W becomes that Gemm, between Reshapes to [M, K] and back where A has more than two dims
-(static dims only). The product is the same sum of the same TF32-rounded terms (cuBLAS rounds
-either operand layout alike); only its kernel changes.
+(static dims only); a MatMul whose B is Transpose(W^T) of a constant W^T (a weight stored
+K-major: torch's dynamo export of a Linear, a GemmEpilogue's packed weight where tuning gave the
+node back), which ORT would fold into an N-major copy, becomes the Gemm reading W^T itself.
+The product is the same sum of the same TF32-rounded terms (cuBLAS rounds either operand
+layout alike); only its kernel changes.
 
 Whether it pays is measured where the tune pass runs: the tuned model with such products
 rewritten (from MEASURED_MIN_FLOPS) is one more candidate (`onnxfuse.tune`), kept as any
@@ -65,6 +68,18 @@ def _static(shape) -> bool:
     return shape is not None and all(isinstance(d, int) and d > 0 for d in shape)
 
 
+def _transposed_weight(b: str, producer: dict[str, NodeProto], inits: dict, readers: dict[str, int]) -> bool:
+    """B is Transpose(W^T) of a constant 2-D W^T, neither read elsewhere (a MatMul weight
+    stored K-major: torch's dynamo export of a Linear, or a GemmEpilogue's packed weight where
+    tuning gave the node back), which ONNX Runtime would fold into an N-major copy."""
+    t = producer.get(b)
+    if t is None or t.op_type != "Transpose" or t.domain not in ("", "ai.onnx") or readers.get(b, 0) != 1:
+        return False
+    w = inits.get(t.input[0])
+    perm = list(node_attrs(t).get("perm", [1, 0]))
+    return w is not None and len(w.dims) == 2 and perm == [1, 0] and readers.get(w.name, 0) == 1
+
+
 def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool = False
                    ) -> tuple[ModelProto, list[str]]:
     """`model` with its float32 MatMul / Gemm products over constant weights given those
@@ -93,11 +108,15 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
         for x in n.input:
             consumers.setdefault(x, []).append(n)
 
-    plan: dict[int, str] = {}  # node index -> "gemm" or "matmul"
+    plan: dict[int, str] = {}  # node index -> "gemm", "matmul" or "matmul_t"
     for i, n in enumerate(g.node):
         if n.domain not in ("", "ai.onnx") or n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2:
             continue
         w = inits.get(n.input[1])
+        kmajor_already = (w is None and n.op_type == "MatMul"
+                          and _transposed_weight(n.input[1], producer, inits, readers))
+        if kmajor_already:  # B = Transpose(W^T): W^T is the K-major weight
+            w = inits[producer[n.input[1]].input[0]]
         if w is None or w.data_type != FLOAT or len(w.dims) != 2 or readers.get(w.name, 0) != 1:
             continue
         a_shape, a_type = shapes.get(n.input[0], (None, 0))
@@ -105,7 +124,8 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
             continue
         attrs = node_attrs(n)
         rows = a_shape[-1] if n.op_type == "Gemm" and attrs.get("transA", 0) else math.prod(a_shape[:-1])
-        k, width = (int(d) for d in w.dims)
+        dims = [int(d) for d in w.dims]
+        k, width = dims[::-1] if kmajor_already else dims
         if 2 * rows * k * width < min_flops:
             continue
         if n.op_type == "Gemm":
@@ -117,7 +137,7 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
             continue
         if any(c.op_type in _FUSING_READERS for c in consumers.get(n.output[0], ())):
             continue
-        plan[i] = "matmul"
+        plan[i] = "matmul_t" if kmajor_already else "matmul"
     if not plan:
         return model, []
 
@@ -125,13 +145,20 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
     g = out.graph
     replace: dict[int, list[NodeProto]] = {}
     done: list[str] = []
+    transposes: set[str] = set()  # the Transposes whose input a "matmul_t" product reads directly
     for i, how in plan.items():
         n = g.node[i]
         stem = n.name or n.output[0]
-        wt = fresh(f"{n.input[1]}.kmajor")
-        g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(inits[n.input[1]]).T),
-                                                     wt))
         done.append(n.name or n.output[0])
+        if how == "matmul_t":
+            wt = producer[n.input[1]].input[0]
+            transposes.add(n.input[1])
+            width, k = (int(d) for d in inits[wt].dims)
+        else:
+            wt = fresh(f"{n.input[1]}.kmajor")
+            w = numpy_helper.to_array(inits[n.input[1]])
+            g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), wt))
+            k, width = w.shape
         if how == "gemm":
             m = NodeProto()
             m.CopyFrom(n)
@@ -142,7 +169,6 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
             replace[i] = [m]
             continue
         a_shape = shapes[n.input[0]][0]
-        k, width = (int(d) for d in inits[n.input[1]].dims)
         if len(a_shape) == 2:
             replace[i] = [helper.make_node("Gemm", [n.input[0], wt], list(n.output), name=n.name or None, transB=1)]
             continue
@@ -157,10 +183,11 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
                                        name=fresh(f"{stem}.kmajor_unflatten"))]
     kept: list[NodeProto] = []
     for i, n in enumerate(g.node):
-        kept += replace.get(i, [n])
+        if not (n.op_type == "Transpose" and n.output[0] in transposes):
+            kept += replace.get(i, [n])
     del g.node[:]
     g.node.extend(kept)
-    gone = {model.graph.node[i].input[1] for i in plan} - graph_reads(g)
+    gone = {model.graph.node[i].input[1] for i in plan if plan[i] != "matmul_t"} - graph_reads(g)
     alive = [t for t in g.initializer if t.name not in gone]
     del g.initializer[:]
     g.initializer.extend(alive)

@@ -86,6 +86,43 @@ def test_float32_products_get_kmajor_weights_and_compute_the_same(small_too):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
 
 
+def _transposed_weight_model(shared: str = ""):
+    """x [2, 3, 16] -> MatMul(x, Transpose(Wt)), Wt [32, 16] stored K-major (a dynamo export's
+    Linear, a packed weight given back by tuning); `shared`: "weight" (Wt read by another
+    node too) or "transpose" (its output read by another node too)."""
+    wt = numpy_helper.from_array((np.random.default_rng(0).standard_normal((32, 16)) * 0.3).astype(np.float32), "Wt")
+    nodes = [helper.make_node("Transpose", ["Wt"], ["W"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["x", "W"], ["y"], name="mm")]
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 32])]
+    if shared:
+        nodes.append(helper.make_node("Relu", ["Wt" if shared == "weight" else "W"], ["z"]))
+        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, None))
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 16])],
+                          outputs, [wt])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_a_weight_stored_kmajor_behind_a_transpose_is_read_as_it_is(small_too):
+    """MatMul(x, Transpose(Wt)): ORT would fold the Transpose into an N-major copy; the Gemm
+    reads Wt itself with transB 1 (no copy, the Transpose gone) and computes the same. Where Wt
+    or the Transpose's output is read elsewhere, the product is left as it is."""
+    m = _transposed_weight_model()
+    out, done = kmajor_weights(m, _shapes(m))
+    assert done == ["mm"]
+    onnx.checker.check_model(out)
+    gemm = next(n for n in out.graph.node if n.op_type == "Gemm")
+    assert gemm.input[1] == "Wt" and {a.name: a.i for a in gemm.attribute} == {"transB": 1}
+    assert [t.name for t in out.graph.initializer if t.data_type == TensorProto.FLOAT] == ["Wt"]
+    assert "Transpose" not in {n.op_type for n in out.graph.node}
+    x = np.random.default_rng(1).standard_normal((2, 3, 16)).astype(np.float32)
+    np.testing.assert_allclose(_run(out, {"x": x})[0], _run(m, {"x": x})[0], rtol=1e-5, atol=1e-5)
+    for shared in ("weight", "transpose"):
+        m = _transposed_weight_model(shared)
+        assert kmajor_weights(m, _shapes(m)) == (m, [])
+
+
 def test_small_products_and_the_switch(monkeypatch):
     """By default only products of at least MIN_FLOPS: the small model's are all below it, a
     batch of 4096 rows lifts its 3-D MatMul (2 * 4096 * 16 * 32 = 4.2 MFLOP) over a lowered bar;
