@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include "cuda_driver.h"
 
@@ -216,15 +217,19 @@ Matmuls::Plan* Matmuls::plan(const Problem& p) {
   if (s == 0) s = x.PreferenceSetAttribute(pref, kPrefAlignB, &al_b, sizeof al_b);
   if (s == 0) s = x.PreferenceSetAttribute(pref, kPrefAlignC, &al_d, sizeof al_d);
   if (s == 0) s = x.PreferenceSetAttribute(pref, kPrefAlignD, &al_d, sizeof al_d);
-  HeuristicResult best{};
+  // the heuristic's ranking down to the rank asked for (the first where it ranks fewer)
+  std::vector<HeuristicResult> ranked(static_cast<size_t>(p.rank) + 1);
   int found = 0;
-  if (s == 0) s = x.AlgoGetHeuristic(pl->handle, pl->desc, pl->a, pl->b, pl->d, pl->d, pref, 1, &best, &found);
+  if (s == 0)
+    s = x.AlgoGetHeuristic(pl->handle, pl->desc, pl->a, pl->b, pl->d, pl->d, pref, static_cast<int>(ranked.size()),
+                           ranked.data(), &found);
   x.PreferenceDestroy(pref);
   // NOT_SUPPORTED: no algorithm for this problem (a bias or pointer alignment it cannot take)
   if (s != 0 && s != 15) ok(s, "cublasLtMatmulAlgoGetHeuristic");
-  if (s == 0 && found > 0 && best.state == 0) {
-    pl->algo = best.algo;
-    pl->workspace = best.workspace_size;
+  const HeuristicResult& pick = ranked[found > p.rank ? p.rank : 0];
+  if (s == 0 && found > 0 && pick.state == 0) {
+    pl->algo = pick.algo;
+    pl->workspace = pick.workspace_size;
     pl->found = true;
   }
   return pl->found ? pl : nullptr;

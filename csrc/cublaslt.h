@@ -45,10 +45,13 @@ struct Problem {
   // the largest power of two (at most 256) dividing each pointer: cuBLASLt's heuristic
   // assumes 256-byte alignment unless told otherwise
   int align_a = 256, align_b = 256, align_y = 256, align_bias = 256;
+  // which of the heuristic's algorithms runs: 0 its first, r its (r + 1)-th (tuning times a
+  // few); the first where it ranks r or fewer
+  int rank = 0;
 
   auto key() const {
     return std::make_tuple(m, n, k, lda, ldb, trans_a, trans_b, static_cast<int>(type), tf32, static_cast<int>(act),
-                           bias, alpha, std::make_tuple(align_a, align_b, align_y, align_bias));
+                           bias, alpha, std::make_tuple(align_a, align_b, align_y, align_bias), rank);
   }
 };
 
@@ -59,8 +62,8 @@ int alignment(const void* p);
 const std::string& unavailable();
 
 // The cuBLASLt matmuls of one kernel instance: per problem its descriptors and the algorithm
-// cuBLASLt's heuristic ranks first (found on the first run of that problem: host work only,
-// no launch, so a CUDA graph capture may include it).
+// cuBLASLt's heuristic ranks first, or at the problem's rank (found on the first run of that
+// problem: host work only, no launch, so a CUDA graph capture may include it).
 class Matmuls {
  public:
   Matmuls();

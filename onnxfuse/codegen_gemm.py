@@ -252,6 +252,7 @@ class GemmVariant:
     max_m: int = 0
     split: int = 0  # 0 / 1: no split K
     library: LibraryEpilogue | None = None  # cuBLASLt runs it (no Triton source, no binary)
+    rank: int = 0  # library: the algorithm cuBLASLt's heuristic ranks here (0: its first)
 
     @property
     def split_k(self) -> bool:
@@ -268,7 +269,8 @@ class GemmVariant:
     def meta(self) -> dict:
         if self.library is not None:
             return {"library": "cublaslt", "activation": self.library.activation, "bias": self.library.bias,
-                    **({"precision": self.library.precision} if self.library.precision else {})}
+                    **({"precision": self.library.precision} if self.library.precision else {}),
+                    **({"rank": self.rank} if self.rank else {})}
         return {"block_m": self.block_m, "block_n": self.block_n, "block_k": self.block_k,
                 "stride_multiple": 16 if self.aligned else 1, "max_m": self.max_m,
                 **({"split": self.split} if self.split_k else {})}
@@ -301,7 +303,8 @@ class GemmVariant:
     @property
     def label(self) -> str:
         if self.library is not None:
-            return f"cuBLASLt, epilogue {self.library.form}" + (" + bias" if self.library.bias >= 0 else "")
+            return (f"cuBLASLt, epilogue {self.library.form}" + (" + bias" if self.library.bias >= 0 else "")
+                    + (f", algorithm ranked {self.rank + 1}" if self.rank else ""))
         return (f"tile {self.block_m}x{self.block_n}x{self.block_k}, {self.num_warps} warps, "
                 f"{self.num_stages} stages" + (f", split K up to {self.split}" if self.split_k else ""))
 
@@ -357,6 +360,10 @@ def split_variant(spec: GemmSpec, tile: str) -> GemmVariant | None:
     return GemmVariant(**{**v.__dict__, "split": most})
 
 
+# cuBLASLt's algorithms tuning times for a library variant: its heuristic's first this many
+LIBRARY_RANKS = 4
+
+
 def gemm_variants(spec: GemmSpec) -> tuple[GemmVariant, ...]:
     """The variants of a GemmEpilogue kernel, most specialized first (the launcher takes the
     first whose requirements hold): cuBLASLt's where it computes the epilogue (`library`,
@@ -380,11 +387,17 @@ def gemm_variants(spec: GemmSpec) -> tuple[GemmVariant, ...]:
 
 
 def gemm_candidates(spec: GemmSpec) -> list[tuple[str, tuple]]:
-    """(label, variants) per configuration `--tune` times: the heuristic's variants first,
-    then each tile of `TILES` (aligned, with its unaligned fallback); cuBLASLt's alone where
-    the heuristic's variants start with it."""
+    """(label, variants) per configuration tuning times: the heuristic's variants first, then
+    each tile of `TILES` (aligned, with its unaligned fallback); where the heuristic's
+    variants start with cuBLASLt's, its algorithms ranked 2 to LIBRARY_RANKS by its own
+    heuristic instead (no Triton tile came near cuBLAS's product, `gemm-tiles`; the first
+    ranked is not always the fastest at a few rows, `gemm-library-ranks`)."""
     out = [("default", gemm_variants(spec))]
-    if out[0][1][0].library is not None:  # no Triton tile came near cuBLAS's product (`gemm-tiles`)
+    first, *rest = out[0][1]
+    if first.library is not None:
+        for rank in range(1, LIBRARY_RANKS):
+            v = GemmVariant(library=first.library, rank=rank)
+            out.append((v.label, _numbered([v, *rest])))
         return out
     for name in TILES:
         v = _tile(spec, name, aligned=True)

@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from onnxfuse.codegen_gemm import GemmSpec, gemm_candidates, gemm_variants, library_epilogue
+from onnxfuse.codegen_gemm import LIBRARY_RANKS, GemmSpec, gemm_candidates, gemm_variants, library_epilogue
 from onnxfuse.expr import parse
 from onnxfuse.kinds.gemm import launcher_choice
 
@@ -96,9 +96,17 @@ def test_variants_and_meta_of_a_library_spec(monkeypatch):
     variants = gemm_variants(spec)
     assert variants[0].library is not None and all(v.library is None for v in variants[1:])
     assert [v.index for v in variants] == list(range(len(variants)))
-    assert gemm_candidates(spec) == [("default", variants)]  # no Triton tile is timed against it
+    # no Triton tile is timed against it: cuBLASLt's algorithms ranked 2 to LIBRARY_RANKS are
+    # (`gemm-library-ranks`), each followed by the default's Triton fallbacks, in every tuning
+    cands = gemm_candidates(spec)
+    assert cands[0] == ("default", variants) and len(cands) == LIBRARY_RANKS
+    assert [c[1][0].rank for c in cands] == list(range(LIBRARY_RANKS))
+    assert all(c[1][1:] == variants[1:] for c in cands)
+    assert cands[1][0] == "cuBLASLt, epilogue gelu_erf + bias, algorithm ranked 2"
+    assert Gemm().searches(spec, None) and not Gemm().searches(dataclasses.replace(spec, library=None), None)
     meta = Gemm().kernel_meta(spec, variants, [])
     assert meta["variants"][0] == {"requires": {}, "library": "cublaslt", "activation": "gelu", "bias": 0}
+    assert Gemm().kernel_meta(spec, cands[2][1], [])["variants"][0]["rank"] == 2
     assert "block_m" in meta["variants"][1]
     assert launcher_choice(meta, 1024, 3072, 768) == (0, 0)
     assert launcher_choice(meta, 1024, 3072, 768, library=False) == (1, 0)

@@ -415,6 +415,14 @@ def test_library_variants(index, tmp_path, monkeypatch):
         a2 = next(a for a in n2.attribute if a.name == "kernel_meta")
         a2.s = json.dumps({**meta, "variants": meta["variants"][:1], "binaries": []}).encode()
         runs.append(("cuBLASLt alone", alone))
+        # the heuristic's other algorithms (`gemm-library-ranks`); 15: past those it ranks, its first
+        for rank in (1, 3, 15):
+            ranked = onnx.ModelProto()
+            ranked.CopyFrom(alone)
+            (n3,) = [n for n in ranked.graph.node if n.op_type == "GemmEpilogue"]
+            a3 = next(a for a in n3.attribute if a.name == "kernel_meta")
+            a3.s = json.dumps({**meta, "variants": [{**meta["variants"][0], "rank": rank}], "binaries": []}).encode()
+            runs.append((f"cuBLASLt alone, rank {rank}", ranked))
     scale = float(np.abs(ref).max())
     for what, mm in runs:
         for graph in (False, True):
@@ -464,6 +472,8 @@ def test_cuda_kernel_meta_library_checks(tmp_path, monkeypatch):
         run_with(precision="tf32x3")
     with pytest.raises(Exception, match=r"a cuBLASLt variant's bias 3 is not an extra input"):
         run_with(bias=3)
+    with pytest.raises(Exception, match=where + r"\.rank must be from 0 to 15"):
+        run_with(rank=16)
     want = evaluate_ffn(m, feeds)
     scale = float(np.abs(want).max())
     # float32 without a precision: cuBLASLt does not take it, the Triton tile runs (TF32, rounded)

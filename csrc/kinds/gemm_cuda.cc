@@ -11,8 +11,9 @@
 // · G), K blocks) slices (evened out so that none is empty), its workspace lent by the CUDA EP
 // (codegen_gemm's module docstring).
 //
-// A "library" variant (kernel_meta {"library": "cublaslt", "activation", "bias", and for float32
-// "precision"}) has no binary: cuBLASLt runs the product with its own epilogue
+// A "library" variant (kernel_meta {"library": "cublaslt", "activation", "bias", for float32
+// "precision", and "rank", which of the heuristic's algorithms, default 0: its first}) has no
+// binary: cuBLASLt runs the product with its own epilogue
 // (csrc/cublaslt.h), where the product is one GEMM (G = 1) of 16-bit operands (float32 ones
 // where the variant has a precision), the bias (if any) a contiguous row of N values 16-byte
 // aligned and cuBLASLt has an algorithm for it; else the next variant runs.
@@ -34,6 +35,7 @@ using cuda::thread_params;
 enum class ExtraMode { FULL, ROW, SCALAR, STRIDED };
 
 constexpr int64_t kMaxSlices = 65535;  // split K: CUDA's grid z limit
+constexpr int64_t kMaxRank = 16;       // a library variant's algorithm: one of the heuristic's first 16
 
 // A variant's tile and the launcher's own requirements (kernel_meta keys besides "requires").
 struct GemmTile {
@@ -41,6 +43,7 @@ struct GemmTile {
   cublaslt::Activation act = cublaslt::Activation::NONE;
   int64_t bias = -1;  // the extra input (0-based) cuBLASLt adds as its bias; -1: none
   std::string precision;  // float32 products: "tf32" or "ieee" (empty: 16-bit only)
+  int64_t rank = 0;       // cuBLASLt's algorithm: its heuristic's first (0) or the (rank + 1)-th
   int64_t block_m = 1, block_n = 1;
   int64_t block_k = 0;          // read for split-K variants (their K blocks), else 0
   int64_t stride_multiple = 1;  // the strides passed, N and K are multiples of this (hinted to the compiler)
@@ -116,6 +119,9 @@ struct GemmKernel : cuda::CudaKernel {
         if (t.precision != "tf32" && t.precision != "ieee")
           throw Error("kernel_meta: " + where + ".precision \"" + t.precision + "\" is unknown (tf32, ieee)");
       }
+      t.rank = cuda::meta_int(vj, "rank", where, false, 0);
+      if (t.rank < 0 || t.rank >= kMaxRank)
+        throw Error("kernel_meta: " + where + ".rank must be from 0 to " + std::to_string(kMaxRank - 1));
       t.library = var->library = true;
       tiles.push_back(t);
       return;
@@ -262,6 +268,7 @@ struct GemmKernel : cuda::CudaKernel {
     p->act = tile.act;
     p->bias = tile.bias >= 0;
     p->alpha = alpha;
+    p->rank = static_cast<int>(tile.rank);
     p->align_a = cublaslt::alignment(t[0].data);
     p->align_b = cublaslt::alignment(t[1].data);
     p->align_y = cublaslt::alignment(y.data);

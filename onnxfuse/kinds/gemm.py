@@ -577,6 +577,11 @@ class Gemm(Kind):
     def lower(self, view: GraphView, match: Match, node_name: str, names: set[str], graph: GraphProto) -> Lowering:
         return lower_gemm(view, match, node_name, names, graph)
 
+    def searches(self, spec: GemmSpec, output_shape: tuple[int, ...] | None) -> bool:
+        """cuBLASLt's variant: the algorithms its heuristic ranks after the first are timed in
+        every tuning (`gemm_candidates`, `gemm-library-ranks`); Triton tiles only with --tune."""
+        return spec.library is not None and library_enabled()
+
     def untuned_reason(self) -> str | None:
         return None if os.environ.get("ONNXFUSE_GEMM_ALL") == "1" else UNTUNED
 
