@@ -69,7 +69,8 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    session, so a model that leaves it a conv is as accurate as the session it runs in.
 
 This is the guarantee: after `optimize` on a GPU, the model is not slower than the original
-and no less accurate than ONNX Runtime's own default, at the measured shapes and inputs.
+(in the mode `--cuda-graph` / `--no-cuda-graph` said, else in either) and no less accurate than
+ONNX Runtime's own default, at the measured shapes and inputs.
 
 Shapes: every tensor a one-node model needs comes from shape inference at the fixed input
 shapes; tensors it cannot type (data-dependent Reshapes, custom ops) are filled by running
