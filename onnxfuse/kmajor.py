@@ -108,7 +108,7 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
         for x in n.input:
             consumers.setdefault(x, []).append(n)
 
-    plan: dict[int, str] = {}  # node index -> "gemm", "matmul" or "matmul_t"
+    plan: dict[int, tuple[str, int, int]] = {}  # node index -> ("gemm", "matmul" or "matmul_t", K, N)
     for i, n in enumerate(g.node):
         if n.domain not in ("", "ai.onnx") or n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2:
             continue
@@ -130,14 +130,14 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
             continue
         if n.op_type == "Gemm":
             if not attrs.get("transB", 0):
-                plan[i] = "gemm"
+                plan[i] = ("gemm", k, width)
             continue
         a_writer = producer.get(n.input[0])
         if a_writer is not None and a_writer.op_type in _FUSING_WRITERS:
             continue
         if any(c.op_type in _FUSING_READERS for c in consumers.get(n.output[0], ())):
             continue
-        plan[i] = "matmul_t" if kmajor_already else "matmul"
+        plan[i] = ("matmul_t" if kmajor_already else "matmul", k, width)
     if not plan:
         return model, []
 
@@ -146,19 +146,17 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
     replace: dict[int, list[NodeProto]] = {}
     done: list[str] = []
     transposes: set[str] = set()  # the Transposes whose input a "matmul_t" product reads directly
-    for i, how in plan.items():
+    for i, (how, k, width) in plan.items():
         n = g.node[i]
         stem = n.name or n.output[0]
         done.append(n.name or n.output[0])
         if how == "matmul_t":
             wt = producer[n.input[1]].input[0]
             transposes.add(n.input[1])
-            width, k = (int(d) for d in inits[wt].dims)
         else:
             wt = fresh(f"{n.input[1]}.kmajor")
             w = numpy_helper.to_array(inits[n.input[1]])
             g.initializer.append(numpy_helper.from_array(np.ascontiguousarray(w.T), wt))
-            k, width = w.shape
         if how == "gemm":
             m = NodeProto()
             m.CopyFrom(n)
@@ -187,7 +185,7 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
             kept += replace.get(i, [n])
     del g.node[:]
     g.node.extend(kept)
-    gone = {model.graph.node[i].input[1] for i in plan if plan[i] != "matmul_t"} - graph_reads(g)
+    gone = {model.graph.node[i].input[1] for i, (how, _, _) in plan.items() if how != "matmul_t"} - graph_reads(g)
     alive = [t for t in g.initializer if t.name not in gone]
     del g.initializer[:]
     g.initializer.extend(alive)
