@@ -198,6 +198,15 @@ PY
     timeout "$limit" python3 benchmarks/gemm_layouts.py --json "$OUT/gemm_layouts.json" "$@" 2>&1 \
       | grep -v "W:onnxruntime" | tee "$OUT/gemm_layouts.log" | tail -40
     ;;
+  gemm-ranks)
+    # cuBLASLt's ranked algorithms for BERT-base's products + bias as GemmEpilogues against
+    # ORT's MatMul and MatMul + Add (device µs, kernels, graph call, error against float64):
+    # whether the products left to ORT would gain from a searched rank.
+    #   gemm-ranks [LIMIT] [gemm_ranks.py arguments]
+    limit=${2:-300}; shift $(( $# < 2 ? $# : 2 ))
+    timeout "$limit" python3 benchmarks/gemm_ranks.py --json "$OUT/gemm_ranks.json" "$@" 2>&1 \
+      | grep -v "W:onnxruntime" | tee "$OUT/gemm_ranks.log" | tail -60
+    ;;
   attention-ncu)
     # Nsight Compute on FusedAttention's kernel and cuDNN's (through torch) at the same inputs:
     # where the batch-8 gap comes from (stall reasons, occupancy, L2 hits). torch and triton

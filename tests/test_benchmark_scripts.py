@@ -273,7 +273,7 @@ def test_gemm_roofline_dry_run(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["gemm_tiles", "gemm_structures", "rows_context", "attention_tiles", "bias_gelu",
-                                    "gemm_layouts"])
+                                    "gemm_layouts", "gemm_ranks"])
 def test_gemm_tile_and_structure_sweeps_dry_run(script):
     """benchmarks/gemm_tiles.py, gemm_structures.py, rows_context.py, attention_tiles.py and
     bias_gelu.py --dry-run: every kernel they time (the generated GemmEpilogue for each BERT-base
@@ -284,7 +284,8 @@ def test_gemm_tile_and_structure_sweeps_dry_run(script):
     with the inner-loop options peel, exact scores and a tail together and with tl.exp, and the
     float32 kernel at TF32 unpeeled and peeled; the
     FFN bias + GELU chains in their row and plain launches; the three product forms of
-    gemm_layouts.py, MatMul, Gemm and Gemm over K-major weights, on ORT's CPU provider) runs small
+    gemm_layouts.py, MatMul, Gemm and Gemm over K-major weights, on ORT's CPU provider; the
+    GemmEpilogue of each BERT-base product + bias that gemm_ranks.py times, in onnxfuse's reference) runs small
     under Triton's interpreter within the output dtype's rounding of the float64 result (the
     scripts raise otherwise)."""
     pytest.importorskip("triton")
@@ -294,7 +295,8 @@ def test_gemm_tile_and_structure_sweeps_dry_run(script):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     lines = [ln for ln in r.stdout.splitlines() if " err " in ln]
     assert len(lines) == {"gemm_tiles": 10, "gemm_structures": 7, "rows_context": 20, "attention_tiles": 36,
-                          "bias_gelu": 40, "gemm_layouts": 6}[script]
+                          "bias_gelu": 40, "gemm_layouts": 6,
+                          "gemm_ranks": 8}[script]
 
 
 def test_gemm_tiles_sweeps_the_shipped_tiles_and_splits_only_small_grids():
