@@ -196,3 +196,42 @@ def test_disagreement():
     assert "NaN or infinite" in reference.disagreement({"y": np.array([np.nan, 1.0])}, {"y": np.float32([0, 1])})
     # ORT's own overflow (float16) is its error, not the reference's
     assert reference.disagreement({"y": np.array([7e4, 1.0])}, {"y": np.float16([np.inf, 1])}) is None
+
+
+def test_evaluate_remembers_a_model_on_the_same_feeds(monkeypatch):
+    """A second evaluation of the same model bytes on the same feed values returns the first
+    one's arrays (read-only, so no caller can change what a later one gets); another weight,
+    another feed value or another model is evaluated afresh; an evaluation the reference
+    cannot do fails again with its reason; past MEMO_BYTES the oldest results go first."""
+    monkeypatch.setattr(reference, "_memo", type(reference._memo)())
+    calls = []
+    real = reference._evaluate
+    monkeypatch.setattr(reference, "_evaluate", lambda m, f: calls.append(1) or real(m, f))
+    w = RNG.standard_normal((4, 3)).astype(np.float32)
+    x = RNG.standard_normal((2, 4)).astype(np.float32)
+
+    def model(weight: np.ndarray) -> onnx.ModelProto:
+        g = helper.make_graph([N("MatMul", ["x", "w"], ["y"])], "t",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                              [numpy_helper.from_array(weight, "w")])
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+
+    first = reference.evaluate(model(w), {"x": x})
+    again = reference.evaluate(model(w), {"x": x.copy()})
+    assert len(calls) == 1 and again["y"] is first["y"] and not first["y"].flags.writeable
+    np.testing.assert_allclose(first["y"], x.astype(np.float64) @ w.astype(np.float64), rtol=1e-12)
+    other_w = reference.evaluate(model(w + 1), {"x": x})
+    other_x = reference.evaluate(model(w), {"x": x + 1})
+    assert len(calls) == 3
+    np.testing.assert_allclose(other_w["y"], x.astype(np.float64) @ (w + 1).astype(np.float64), rtol=1e-12)
+    np.testing.assert_allclose(other_x["y"], (x + 1).astype(np.float64) @ w.astype(np.float64), rtol=1e-12)
+    bad = one_node(N("Relu", ["x"], ["y"], domain="com.microsoft"), {"x": x})
+    for _ in range(2):
+        with pytest.raises(reference.Unavailable, match="reference evaluator cannot run it"):
+            reference.evaluate(bad, {"x": x})
+    assert len(calls) == 4
+    monkeypatch.setattr(reference, "MEMO_BYTES", first["y"].nbytes * 2)  # room for two results
+    reference.evaluate(model(w + 2), {"x": x})
+    reference.evaluate(model(w), {"x": x})  # the oldest result went out: evaluated again
+    assert len(calls) == 6
