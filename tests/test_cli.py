@@ -65,7 +65,7 @@ def test_patterns_command(tmp_path):
     names = [line.split()[0] for line in r.stdout.splitlines()]
     assert names == ["squeeze_excite", "conv_relu_maxpool", "conv_relu", "conv_grouped", "relu_maxpool",  # by
                      "maxpool", "conv_alone", "attention", "layer_norm", "rms_norm", "softmax",  # priority
-                     "group_norm", "gemm_epilogue", "pointwise_chain"]
+                     "group_norm", "gemm_epilogue", "gemm_library", "pointwise_chain"]
 
 
 def bad(tmp_path: Path, *args: str) -> str:

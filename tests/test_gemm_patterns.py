@@ -516,3 +516,52 @@ def test_an_epilogue_along_a_residual_stream_is_bounded():
     r = check_fusion(m, expect_fused=2, patterns=PATTERNS)  # the rest of the stream: a pointwise chain
     (f,) = [f for f in r.fused if f.kind == "gemm"]
     assert len(f.source_nodes) == 1 + MAX_EPILOGUE_NODES
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_bare_16_bit_product_is_offered_to_cublaslt(dtype):
+    """A MatMul with nothing after it to fuse (`gemm_library`, `library_only`): in 16 bits one
+    GemmEpilogue whose first variant is cuBLASLt's with no epilogue (tuning times its ranked
+    algorithms against ORT's MatMul), computing what the MatMul did; in float32 it stays ORT's,
+    reported as before (the library pattern's own reasons do not replace the general one's)."""
+    from onnxfuse.codegen_gemm import library_epilogue
+
+    m = model([N("MatMul", ["x", "w"], ["y"])], {"x": (dtype, [2, 16, 32])}, {"y": (dtype, [2, 16, 24])},
+              {"w": _w((32, 24), 0, np.float16 if dtype == "float16" else np.float32)})
+    if dtype == "float32":
+        r = optimize_model(m, PATTERNS)
+        assert not r.fused and r.report.not_fused.get(gk.NO_EPILOGUE) == 1, r.report.not_fused
+        return
+    r = check_fusion(m, 1)
+    (f,) = r.fused
+    assert f.kind == "gemm" and not f.program.instrs and op_types(r.model) == ["GemmEpilogue"]
+    lib = library_epilogue(f.program, tuple(f.input_modes[1:]))
+    assert lib is not None and lib.activation == "none" and lib.bias == -1
+
+
+def test_bert_out_projection_and_ffn2_products_are_offered_bare():
+    """BERT's out-projection and FFN2 in fp16 where the tune pass will time them: the bias pass
+    makes each a Gemm between Reshapes with its bias after, which ORT's SkipLayerNormalization
+    takes with the residual add; the library pattern reads the Gemm through its Reshapes and
+    offers the bare product (one node per product, the bias Add left outside), while FFN1 keeps
+    its bias + GELU in gemm_epilogue's cuBLASLt node (the passes up to matching, on the CPU)."""
+    pytest.importorskip("onnxconverter_common")
+    import models.transformers as mt
+    from models.fp16 import to_fp16
+    from onnxfuse import tune as tuning
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, match_pass, run_passes
+
+    m = to_fp16(mt.export("bert_base", small=True))
+    dims = {k: (2, *v) for k, v in mt.input_dims("bert_base", small=True).items()}
+    options = dataclasses.replace(build_options(target="none", tune="off", shapes=dims),
+                                  tune=tuning.TuneSettings(budget_s=1.0))
+    upto = PASSES[:PASSES.index(match_pass) + 1]
+    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    nodes = r.model.graph.node
+    bare = [x for x in r.found.matches if x.pattern.name == "gemm_library"]
+    names = sorted(n.name for x in bare for n in (nodes[i] for i in x.nodes) if n.op_type == "Gemm")
+    assert names == [f"/layers.{k}/{p}/MatMul.gemm" for k in (0, 1) for p in ("attention/out", "fc2")], names
+    for x in bare:
+        assert not x.pointwise and sorted(nodes[i].op_type for i in x.nodes) == ["Gemm", "Reshape", "Reshape"]
+    ffn1 = [x for x in r.found.matches if x.pattern.name == "gemm_epilogue"]
+    assert len(ffn1) == 2 and all(any(nodes[i].op_type == "Erf" for i in x.nodes) for x in ffn1)

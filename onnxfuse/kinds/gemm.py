@@ -57,7 +57,7 @@ from onnxfuse.codegen_gemm import (
 from onnxfuse.expr import Program, evaluate
 from onnxfuse.graph import GraphView, Shape, last_dim_vector, same_shape
 from onnxfuse.groups import Accepted, reentering
-from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, Pattern
+from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, NotMine, Pattern
 from onnxfuse.match import (
     DTYPE_IDS,
     dtype_reason,
@@ -83,6 +83,10 @@ NO_EPILOGUE = "MatMul / Gemm without a fusible epilogue (cuBLAS runs it alone)"
 DYNAMIC_B = ("B is not a constant (a product of two activations, as attention's): left to cuBLAS "
              "(pattern dynamic_b: false)")
 OUTPUT_ELSEWHERE = "MatMul / Gemm output is also read elsewhere"
+LIBRARY_OFF = "cuBLASLt's variants are off (ONNXFUSE_GEMM_LIBRARY=0)"
+NOT_LIBRARY_PRODUCT = ("not a product cuBLASLt runs alone (a MatMul of a constant 2-D B, A 2-D or flattened "
+                       "into rows)")
+NOT_LIBRARY_EPILOGUE = "an epilogue cuBLASLt does not compute"
 PARTIAL_BATCH = "batch dims broadcast partially (only equal batch dims or a 2-D operand are fused)"
 LOW_RANK = "a 1-D operand"
 UNKNOWN_SHAPE = "unknown shape"
@@ -105,6 +109,7 @@ class GemmParams:
     dtypes: frozenset[str]
     min_nodes: int = 1  # epilogue nodes at least
     dynamic_b: bool = False  # also products of two activations
+    library_only: bool = False  # only products cuBLASLt computes with their epilogue (`_library_match`)
 
     @property
     def fused_ops(self) -> frozenset[str]:
@@ -396,6 +401,22 @@ def _library_group(view: GraphView, i: int, core: Core, pattern: Pattern, taken:
     return epilogue, result, core
 
 
+def _not_for_library(view: GraphView, core: Core, epilogue: set[int], result: str) -> str | None:
+    """Why cuBLASLt would not compute this product and epilogue (a `library_only` pattern's
+    reason), or None: it must be a product `_library_core` takes whose epilogue is one of
+    `codegen_gemm.library_epilogue`'s (a bare product included) at ONNX Runtime's default
+    precision, cuBLASLt enabled."""
+    if not library_enabled():
+        return LIBRARY_OFF
+    if not _library_core(view, core):
+        return NOT_LIBRARY_PRODUCT
+    program, inputs, _ = lower_nodes(view, tuple(sorted(epilogue)), (result,), [(core.product, ir_dtype(view, core.a))])
+    modes = tuple(extra_mode(view.shapes.get(x), core) for x in inputs[1:])
+    if None in modes or library_epilogue(program, modes) is None:
+        return NOT_LIBRARY_EPILOGUE
+    return None
+
+
 def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accepted: Accepted,
               reserved: dict[int, str]) -> Match | str:
     m: GemmParams = pattern.match
@@ -405,16 +426,21 @@ def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accept
     library = _library_group(view, i, core, pattern, taken, accepted, reserved)
     if library is not None:
         epilogue, result, core = library
+    elif m.library_only and view.nodes[i].op_type == "Gemm":
+        core = _read_through(view, core, taken)  # a bare product the bias pass made a Gemm between Reshapes
+        if core is None:
+            return NOT_LIBRARY_PRODUCT
     out = core.product
     anchor_group = {i, *core.transposes, *core.reshapes}
     if library is None:
+        anchor = core.reshape_out if core.reshape_out is not None else i
         blocked = _candidate_taken(view, taken, reserved)
-        epilogue = grow_epilogue(view, i, core.y_shape, pattern, blocked)
+        epilogue = grow_epilogue(view, anchor, core.y_shape, pattern, blocked)
         direct = [c for c in view.consumers.get(out, ()) if c not in epilogue]
         if epilogue and (out in view.graph_outputs or direct):
             return OUTPUT_ELSEWHERE
         grown = bool(epilogue)
-        epilogue, result = single_result(view, i, out, epilogue, accepted)
+        epilogue, result = single_result(view, anchor, out, epilogue, accepted)
         if grown and not epilogue:
             return OUTPUT_ELSEWHERE
     if len(epilogue) < m.min_nodes:
@@ -437,6 +463,8 @@ def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accept
                 return EXTRA_LAYOUT
     if core.c is not None and extra_mode(view.shapes.get(core.c), core) is None:
         return EXTRA_LAYOUT
+    if m.library_only and library is None and (why := _not_for_library(view, core, epilogue, result)):
+        return why
     return Match(pattern, tuple(nodes), (result,), pointwise=tuple(sorted(epilogue)), first_input=out,
                  result=result, params=GemmParts(core, tuple(sorted(epilogue)), result))
 
@@ -444,9 +472,14 @@ def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accept
 def match_gemm(view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
                reserved: dict[int, str]) -> MatchResult:
     """Matches at every MatMul / Gemm not taken yet, in topological order; the result's
-    `anchors` say why each other one did not match."""
-    return match_anchored(view, pattern, taken, accepted, ANCHORS,
-                          lambda v, i, p, t, a: match_one(v, i, p, t, a, reserved))
+    `anchors` say why each other one did not match (a `library_only` pattern's reasons as
+    `NotMine`: the report keeps the general pattern's, "without a fusible epilogue" rather than
+    "float32 dtype")."""
+    r = match_anchored(view, pattern, taken, accepted, ANCHORS,
+                       lambda v, i, p, t, a: match_one(v, i, p, t, a, reserved))
+    if pattern.match.library_only:
+        r.anchors = {i: NotMine(why) for i, why in r.anchors.items()}
+    return r
 
 
 # ---------------------------------------------------------------------------------------
@@ -554,7 +587,7 @@ class Gemm(Kind):
     name = "gemm"
     op_type = "GemmEpilogue"
     match_kind = "gemm_epilogue"
-    params = frozenset({"min_nodes", "dynamic_b"})
+    params = frozenset({"min_nodes", "dynamic_b", "library_only"})
     # timed after the other kinds: on the H200 every GemmEpilogue of a 4-layer encoder lost to
     # cuBLAS (1.7-5.5x), and timed first they spent the budget that the row kernels, which win,
     # then lacked; one not reached is unfused in the "measured only" candidate (BENCHMARKS.md,
@@ -564,11 +597,13 @@ class Gemm(Kind):
 
     def parse(self, m: Fields, ops: frozenset[str], dtypes: frozenset[str]) -> GemmParams:
         """min_nodes (default 1: epilogue nodes at least), dynamic_b (default false: B must
-        be a constant)."""
+        be a constant), library_only (default false: also products whose kernel would be a
+        Triton GEMM)."""
         min_nodes = m.get("min_nodes", int, 1)
         if min_nodes < 0:
             m.fail("match.min_nodes", "must be at least 0")
-        return GemmParams(ops, dtypes, min_nodes, m.get("dynamic_b", bool, False))
+        return GemmParams(ops, dtypes, min_nodes, m.get("dynamic_b", bool, False),
+                          m.get("library_only", bool, False))
 
     def match(self, view: GraphView, pattern: Pattern, taken: set[int], accepted: Accepted,
               reserved: dict[int, str]) -> MatchResult:
