@@ -109,7 +109,7 @@ class GemmParams:
     dtypes: frozenset[str]
     min_nodes: int = 1  # epilogue nodes at least
     dynamic_b: bool = False  # also products of two activations
-    library_only: bool = False  # only products cuBLASLt computes with their epilogue (`_library_match`)
+    library_only: bool = False  # only products cuBLASLt computes with their epilogue (`_not_for_library`)
 
     @property
     def fused_ops(self) -> frozenset[str]:
