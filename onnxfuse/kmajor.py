@@ -108,7 +108,7 @@ def kmajor_weights(model: ModelProto, shapes: dict[str, tuple], measured: bool =
         for x in n.input:
             consumers.setdefault(x, []).append(n)
 
-    plan: dict[int, tuple[str, int, int]] = {}  # node index -> ("gemm", "matmul" or "matmul_t", K, N)
+    plan: dict[int, tuple[str, int, int]] = {}  # node index -> (how: "gemm", "matmul" or "matmul_t"; K; N)
     for i, n in enumerate(g.node):
         if n.domain not in ("", "ai.onnx") or n.op_type not in ("MatMul", "Gemm") or len(n.input) < 2:
             continue

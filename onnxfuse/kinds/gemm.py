@@ -392,13 +392,18 @@ def _library_group(view: GraphView, i: int, core: Core, pattern: Pattern, taken:
             or any(c not in epilogue for c in view.consumers.get(out, ())):
         return None
     epilogue, result = single_result(view, anchor, out, epilogue, accepted)
-    if not any(reserved.get(j) in offered for j in epilogue) or result is None:
-        return None
-    program, inputs, _ = lower_nodes(view, tuple(sorted(epilogue)), (result,), [(out, ir_dtype(view, core.a))])
-    modes = tuple(extra_mode(view.shapes.get(x), core) for x in inputs[1:])
-    if None in modes or library_epilogue(program, modes) is None:
+    if not any(reserved.get(j) in offered for j in epilogue) or result is None \
+            or not _library_computes(view, core, epilogue, result):
         return None
     return epilogue, result, core
+
+
+def _library_computes(view: GraphView, core: Core, epilogue: set[int], result: str) -> bool:
+    """Whether cuBLASLt's epilogue computes the program of `epilogue` (ending at `result`)
+    after the product (`codegen_gemm.library_epilogue`; an empty one: the bare product)."""
+    program, inputs, _ = lower_nodes(view, tuple(sorted(epilogue)), (result,), [(core.product, ir_dtype(view, core.a))])
+    modes = tuple(extra_mode(view.shapes.get(x), core) for x in inputs[1:])
+    return None not in modes and library_epilogue(program, modes) is not None
 
 
 def _not_for_library(view: GraphView, core: Core, epilogue: set[int], result: str) -> str | None:
@@ -410,11 +415,7 @@ def _not_for_library(view: GraphView, core: Core, epilogue: set[int], result: st
         return LIBRARY_OFF
     if not _library_core(view, core):
         return NOT_LIBRARY_PRODUCT
-    program, inputs, _ = lower_nodes(view, tuple(sorted(epilogue)), (result,), [(core.product, ir_dtype(view, core.a))])
-    modes = tuple(extra_mode(view.shapes.get(x), core) for x in inputs[1:])
-    if None in modes or library_epilogue(program, modes) is None:
-        return NOT_LIBRARY_EPILOGUE
-    return None
+    return None if _library_computes(view, core, epilogue, result) else NOT_LIBRARY_EPILOGUE
 
 
 def match_one(view: GraphView, i: int, pattern: Pattern, taken: set[int], accepted: Accepted,
