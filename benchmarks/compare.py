@@ -71,6 +71,7 @@ without running anything.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -96,6 +97,7 @@ from onnxfuse import reference as float64_reference  # noqa: E402
 from onnxfuse.cli import end_process  # noqa: E402
 from onnxfuse.outputs import save_model, write_text  # noqa: E402
 from onnxfuse.pipeline import build_options, optimize, optimize_model  # noqa: E402
+from onnxfuse.tools.clocks import ClockWatch  # noqa: E402
 from onnxfuse.tools.cuda import CudaDriver  # noqa: E402
 from onnxfuse.tools.feeds import make_feeds  # noqa: E402
 from onnxfuse.tools.gate import compare_output, gate_output  # noqa: E402
@@ -118,6 +120,7 @@ SUITE_VARIANTS = ("ort", "ort_graph", "ort_tfopt", "ort_tfopt_graph", "onnxfuse"
 # and the ORT variant each onnxfuse variant is gated against (default "ort")
 TFOPT_VARIANTS = ("ort_tfopt", "ort_tfopt_graph", "onnxfuse_tfopt", "onnxfuse_tfopt_graph")
 GATE_BASE = {"onnxfuse_tfopt": "ort_tfopt", "onnxfuse_tfopt_graph": "ort_tfopt"}
+ROUNDS = 5  # interleave: rounds per case, round_spread over them
 
 
 def model_variant(v: str) -> str:
@@ -259,6 +262,7 @@ class VariantResult:
     p10_ms: float | None = None
     p90_ms: float | None = None
     min_ms: float | None = None
+    round_spread_pct: float | None = None  # the rounds' medians (interleave): (highest - lowest) / median
     first_ms: float | None = None
     load_ms: float | None = None
     peak_gpu_mem_mb: float | None = None
@@ -287,6 +291,7 @@ class CaseResult:
     tune: dict | None = None              # what optimize's tuning measured and kept (onnxfuse.tune)
     tune_graph: dict | None = None        # the same for onnxfuse_graph's model (--cuda-graph)
     profile: dict | None = None           # --profile: per model, kernel time by op type (`profile_summary`)
+    clocks: dict | None = None            # the GPU's clocks while the variants were timed (ClockWatch)
 
 
 def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProto,
@@ -343,10 +348,12 @@ def _gate(ref: dict[str, np.ndarray], ort: dict[str, np.ndarray], outs: dict[str
 
 
 def _ort_variants(paths: dict[str, str], feeds, provider: str, libraries: dict[str, bool], warmup: int, iters: int,
-                  gpu=None, log=print) -> dict[str, tuple[VariantResult, dict[str, np.ndarray] | None]]:
+                  gpu=None, log=print, watch: ClockWatch | None = None
+                  ) -> dict[str, tuple[VariantResult, dict[str, np.ndarray] | None]]:
     """The ONNX Runtime variants (name -> model path), all sessions open at once and their
     timed runs interleaved (`onnxfuse.tools.session.interleave`): a drift of the GPU's speed during the
-    case reaches every variant alike. Each gives its result and its outputs."""
+    case reaches every variant alike. Each gives its result and its outputs; `watch` samples
+    the GPU's clocks over the timed runs only."""
     bound, out = {}, {}
     try:
         for v, path in paths.items():
@@ -358,18 +365,30 @@ def _ort_variants(paths: dict[str, str], feeds, provider: str, libraries: dict[s
             except Exception as e:  # one failing variant must not lose the others' numbers
                 bound.pop(v, None)
                 out[v] = (VariantResult(error=_error_text(e)), None)
-        for v, times in interleave(bound, iters).items():
+        with watch or contextlib.nullcontext():
+            timed = interleave(bound, iters, ROUNDS)
+        for v, times in timed.items():
             b = bound[v]
             if isinstance(times, str):
                 out[v] = (VariantResult(error=times[:300]), None)
                 continue
             lat = ob.Latency.of(times)
-            out[v] = (VariantResult(lat.median, lat.p10, lat.p90, lat.min, b.first_ms, b.load_ms, b.peak_mb()),
-                      b.outputs())
+            out[v] = (VariantResult(lat.median, lat.p10, lat.p90, lat.min, round_spread(times, ROUNDS), b.first_ms,
+                                    b.load_ms, b.peak_mb()), b.outputs())
     finally:
         for b in bound.values():
             b.close()
     return {v: out[v] for v in paths}
+
+
+def round_spread(times: list[float], rounds: int) -> float | None:
+    """How far the medians of `interleave`'s rounds lie apart, in percent of the median of all
+    the runs: a difference between variants smaller than this is noise."""
+    per_round = len(times) // rounds
+    if per_round < 1 or rounds < 2:
+        return None
+    medians = [float(np.median(times[i * per_round:(i + 1) * per_round])) for i in range(rounds)]
+    return 100 * (max(medians) - min(medians)) / float(np.median(times))
 
 
 def _torch_variant(module, feeds, cuda: bool, compile_mode: str | None, warmup: int,
@@ -407,7 +426,7 @@ def _torch_variant(module, feeds, cuda: bool, compile_mode: str | None, warmup: 
             times.append((time.perf_counter() - t0) * 1e3)
     lat = ob.Latency.of(times)
     del fn, args, y, ys
-    return VariantResult(lat.median, lat.p10, lat.p90, lat.min, first), outs
+    return VariantResult(lat.median, lat.p10, lat.p90, lat.min, first_ms=first), outs
 
 
 def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], warmup: int, iters: int,
@@ -490,7 +509,12 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
                  and (res.tfopt_fused_nodes if model_variant(v) in tf_paths
                       else graph_nodes if v == "onnxfuse_graph" else res.fused_nodes) > 0
                  for v in ort_based}
-    ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu)
+    watch = None if dry else ClockWatch()
+    ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu, watch=watch)
+    if watch is not None and watch.result is not None:
+        res.clocks = watch.result.to_dict()
+        log(f"  {case.name:<20} {'clocks while timed':<32} {watch.result.text()}"
+            + ("  (held down: these times are not the device's best)" if watch.result.held_down() else ""))
     module = None
     ort_outs = ran["ort"][1] if "ort" in ran else None
     if res.reference == "" and ort_outs is not None and ref is not None:
@@ -534,6 +558,7 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
         res.variants[v] = r
         gate = {True: ", gate pass", False: ", gate FAIL", None: ""}[r.gate_passed]
         log(f"  {case.name:<20} {LABELS[v]:<32} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error)
+            + (f" (rounds within {r.round_spread_pct:.0f}%)" if r.round_spread_pct is not None else "")
             + (f", err vs ref {r.max_abs_err:.2g}" if r.max_abs_err is not None else "") + gate)
         gc.collect()
     gated = [r.gate_passed for v, r in res.variants.items() if v.startswith("onnxfuse") and r.gate_passed is not None]

@@ -113,8 +113,8 @@ case "${1:-tests}" in
     tag=${2:-a}; limit=${3:-580}; shift 3
     mkdir -p /tmp/pre && cp models/build/pretrained/*.onnx /tmp/pre/ 2>/dev/null
     ONNXFUSE_MODELS=/tmp/pre timeout "$limit" python3 benchmarks/compare.py --suite --model-cache /tmp/suite-models \
-      --iters 30 --warmup 5 --json "$OUT/suite_$tag.json" "$@" 2>&1 \
-      | grep -v "W:onnxruntime" | tee "$OUT/suite_$tag.log" | grep -E "^\S|gate|error|Error|warning" | tail -60
+      --iters 60 --warmup 5 --json "$OUT/suite_$tag.json" "$@" 2>&1 \
+      | grep -v "W:onnxruntime" | tee "$OUT/suite_$tag.log" | grep -E "^\S|gate|error|Error|warning|clocks" | tail -60
     ;;
   suite-sharded)
     # the suite on every GPU of the machine at once (nvidia-h200-x4: 68 rows in about a quarter
