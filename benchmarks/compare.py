@@ -33,6 +33,13 @@ monotonic clock. PyTorch calls are timed the same way (call, then ``torch.cuda.s
 under ``torch.inference_mode``, with TF32 allowed and cuDNN autotuning on (ORT's CUDA EP
 defaults: ``use_tf32`` 1, exhaustive cuDNN algorithm search).
 
+The ONNX Runtime variants' timed runs come in `ROUNDS` interleaved rounds. Each variant's
+``round_spread_pct`` says how far its rounds' medians lie apart: a difference between variants
+smaller than that is noise. A case's ``clocks`` are the SM and memory clocks sampled through
+NVML every 20 ms while those runs went (`onnxfuse.tools.clocks.ClockWatch`), with any
+throttling reason NVML gave. The log flags a case whose median SM clock was under 90% of the
+device's maximum. Nothing is set: the card is measured as found.
+
 The gate, as in ``onnxfuse bench``: a speedup counts only at equal accuracy. The reference
 is the original (an fp16 case's fp32 twin) evaluated in float64 on the CPU
 (`onnxfuse.reference`; a few seconds for a CNN at batch 16 on the GPU host's cores). Where it
@@ -97,7 +104,7 @@ from onnxfuse import reference as float64_reference  # noqa: E402
 from onnxfuse.cli import end_process  # noqa: E402
 from onnxfuse.outputs import save_model, write_text  # noqa: E402
 from onnxfuse.pipeline import build_options, optimize, optimize_model  # noqa: E402
-from onnxfuse.tools.clocks import ClockWatch  # noqa: E402
+from onnxfuse.tools.clocks import Clocks, ClockWatch  # noqa: E402
 from onnxfuse.tools.cuda import CudaDriver  # noqa: E402
 from onnxfuse.tools.feeds import make_feeds  # noqa: E402
 from onnxfuse.tools.gate import compare_output, gate_output  # noqa: E402
@@ -793,7 +800,21 @@ def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
                 if r.get("gate_passed") is False]
     if failures:
         lines += ["", "Gate failures:"] + [f"- {m} / {LABELS[v]}: {why}" for m, v, why in failures]
+    lines += _clocks_lines(result["cases"])
     return "\n".join(lines) + "\n"
+
+
+def _clocks_lines(cases: list[dict]) -> list[str]:
+    """The GPU's SM clock over the cases' timed runs (`ClockWatch`), and the cases it was held down in."""
+    clocks = {c["model"]: Clocks(**{**c["clocks"], "reasons": tuple(c["clocks"]["reasons"])})
+              for c in cases if c.get("clocks")}
+    if not clocks:
+        return []
+    medians = [k.sm_median_mhz for k in clocks.values()]
+    top = max(k.sm_max_mhz for k in clocks.values())
+    held = [f"{m} ({k.sm_median_mhz:.0f} MHz)" for m, k in clocks.items() if k.held_down()]
+    return ["", f"SM clock while timed (NVML, {len(clocks)} cases): median {min(medians):.0f} to {max(medians):.0f} MHz"
+            + (f" of {top}" if top else "") + (f"; held down in {', '.join(held)}" if held else "")]
 
 
 def _reference_text(result: dict) -> str:

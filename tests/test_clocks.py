@@ -78,3 +78,15 @@ def test_round_spread_is_the_distance_between_the_rounds_medians():
     times = [1.0, 1.0, 1.0, 1.0, 1.1, 1.1, 1.0, 1.0, 0.9, 0.9]
     assert round_spread(times, 5) == pytest.approx(20.0)
     assert round_spread([1.0, 2.0], 5) is None   # fewer runs than rounds
+
+
+def test_the_table_names_the_cases_timed_at_a_held_down_clock():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.compare import _clocks_lines
+
+    def case(model: str, sm: int) -> dict:
+        return {"model": model, "clocks": Clocks.of([Sample(sm, 2619, 0)], 1980).to_dict()}
+
+    (_, line) = _clocks_lines([case("a", 1980), case("b", 1410), {"model": "c"}])
+    assert line == "SM clock while timed (NVML, 2 cases): median 1410 to 1980 MHz of 1980; held down in b (1410 MHz)"
+    assert _clocks_lines([{"model": "c"}]) == []
