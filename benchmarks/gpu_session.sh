@@ -11,7 +11,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 # A folder carried to the device in one call is gone in the next: every call that runs models
 # with the library must carry .devlib again (the eighth session lost a whole suite run to it).
 case "${1:-tests}" in
-  suite|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder|attention|hf-rotary|hf-dynamic|hf)
+  suite|suite-shapes|new-gpu-tests|all-tests|kernels|tests|final|nhwc|layout-models|compare|conv|nhwc-models|encoder|attention|hf-rotary|hf-dynamic|hf)
     if [ -z "${ONNXFUSE_LIBRARY:-}" ] && [ -z "${ONNXFUSE_ORT_INCLUDE:-}" ]; then
       echo "gpu_session.sh ${1}: no .devlib here (carry [\".devlib\"] in this call): stopping" >&2; exit 2
     fi ;;
@@ -206,6 +206,25 @@ PY
     limit=${2:-300}; shift $(( $# < 2 ? $# : 2 ))
     timeout "$limit" python3 benchmarks/gemm_ranks.py --json "$OUT/gemm_ranks.json" "$@" 2>&1 \
       | grep -v "W:onnxruntime" | tee "$OUT/gemm_ranks.log" | tail -60
+    ;;
+  suite-shapes)
+    # what moved onnxfuse + graphs by 5-8% between two calls of one lease (fortieth session,
+    # clocks at their maximum in both): the rows timed four ways in one call, the variant set
+    # (all six, or the three graph variants) crossed with the runs per variant (60, 150); the
+    # tuning and models come from the first pass's caches.
+    #   suite-shapes LIMIT [compare.py arguments: --models ..., --batches ..., --dtypes ...]
+    limit=${2:-580}; shift $(( $# < 2 ? $# : 2 ))
+    all=ort,ort_graph,ort_tfopt,ort_tfopt_graph,onnxfuse,onnxfuse_graph; graphs=ort_graph,ort_tfopt_graph,onnxfuse_graph
+    end=$(( $(date +%s) + limit ))
+    for shape in "six60 $all 60" "three150 $graphs 150" "six150 $all 150" "three60 $graphs 60"; do
+      set -- $shape "$@"; tag=$1 variants=$2 iters=$3; shift 3
+      left=$(( end - $(date +%s) )); [ "$left" -gt 20 ] || break
+      mkdir -p /tmp/pre && cp models/build/pretrained/*.onnx /tmp/pre/ 2>/dev/null
+      ONNXFUSE_MODELS=/tmp/pre timeout "$left" python3 benchmarks/compare.py --suite --model-cache /tmp/suite-models \
+        --warmup 5 --tune-budget 20 --variants "$variants" --iters "$iters" --json "$OUT/suite_shapes_$tag.json" "$@" 2>&1 \
+        | grep -v "W:onnxruntime" > "$OUT/suite_shapes_$tag.log"
+      grep -E "^\| |clocks" "$OUT/suite_shapes_$tag.log" | sed "s/^/$tag /" | tail -12
+    done
     ;;
   attention-ncu)
     # Nsight Compute on FusedAttention's kernel and cuDNN's (through torch) at the same inputs:

@@ -78,3 +78,32 @@ def test_kernels_too_large_for_one_file_travel_in_parts(tmp_path):
                                                             "CACHE_MAX_PARTS": "2"},
                        check=True, capture_output=True, text=True, cwd=ROOT)
     assert "kernels left out (3 parts)" in r.stdout and [p.name for p in few.iterdir()] == ["onnxfuse_cache.tgz"]
+
+
+def test_suite_shapes_times_the_rows_four_ways_in_one_call(tmp_path):
+    """suite-shapes: the variant set (all six, or the three graph variants) crossed with the runs
+    per variant (60, 150), each pass its own JSON, the caller's compare.py arguments passed to
+    every pass; without .devlib it stops before running anything."""
+    import subprocess
+
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"  # stands in for compare.py: says what it was asked
+    fake.write_text('#!/bin/bash\necho "| asked | $* |"\n')
+    fake.chmod(0o755)
+    script = str(ROOT / "benchmarks" / "gpu_session.sh")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out)}
+    args = ["bash", script, "suite-shapes", "100", "--models", "bert_base", "--batches", "1"]
+    r = subprocess.run(args, env={**env, "ONNXFUSE_LIBRARY": "lib.so"}, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    asked = {p.stem.removeprefix("suite_shapes_"): p.read_text() for p in out.glob("suite_shapes_*.log")}
+    assert sorted(asked) == ["six150", "six60", "three150", "three60"]
+    for tag, text in asked.items():
+        variants = "ort_graph,ort_tfopt_graph,onnxfuse_graph" if tag.startswith("three") else \
+            "ort,ort_graph,ort_tfopt,ort_tfopt_graph,onnxfuse,onnxfuse_graph"
+        assert f"--variants {variants} --iters {tag.removeprefix('six').removeprefix('three')} " in text
+        assert f"--json {out}/suite_shapes_{tag}.json --models bert_base --batches 1 |" in text
+    assert r.stdout.count("| asked |") == 4
+    env.pop("OUT")
+    r = subprocess.run(args, env={**env, "OUT": str(tmp_path / "o2")}, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2 and "no .devlib" in r.stderr and not any((tmp_path / "o2").glob("suite_shapes_*"))
