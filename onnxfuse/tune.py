@@ -8,7 +8,9 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    and its kernel; library registered) against what ONNX Runtime would run for the same
    nodes: the node's original subgraph as a model of its own, in NCHW (the channels-last
    Transposes that the function body holds for the NHWC layout are left out: they are
-   how the body reads onnxfuse's storage, not work the original did). Both run in ORT's
+   how the body reads onnxfuse's storage, not work the original did; so are the views that
+   write its outputs, which ORT copies into a graph output and aliases in the model:
+   `_without_output_views`). Both run in ORT's
    CUDA EP with its defaults (TF32 allowed). On CUDA with torch's CUPTI at hand, all of them
    at once (`onnxfuse.bundle`): every one-node model side by side in one session, each timed
    by the GPU time of the kernels its nodes launch (median of `bundle.ITERS` runs), plus a
@@ -538,6 +540,54 @@ def original_model(model: ModelProto, node: onnx.NodeProto, infos: dict) -> Mode
     opsets.update({o.domain: o.version for o in fn.opset_import if o.domain != "onnxfuse"})
     m = helper.make_model(g, opset_imports=[helper.make_opsetid(d, v) for d, v in sorted(opsets.items())])
     m.ir_version = model.ir_version
+    model_outputs = {o.name for o in model.graph.output}
+    return _without_output_views(m, {formal for formal, name in zip(fn.output, node.output, strict=False)
+                                     if name in model_outputs})
+
+
+# ops that ONNX Runtime runs as an alias of their input inside a model, and as a copy when
+# they write a graph output (its allocation planner gives a graph output a buffer of its own)
+VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+
+def _without_output_views(m: ModelProto, keep: set[str]) -> ModelProto:
+    """The one-node original without the views that write its outputs (`VIEW_OPS`): cut out
+    alone, such a view writes a graph output and ORT copies it, where in the model it reads
+    the same buffer and costs nothing, so the original would be timed one copy kernel (and a
+    launch gap) slower than it runs (`tune-output-views`). Each such output becomes the view's
+    input, its shape inferred. Outputs in `keep` (the model's own outputs, copied in the model
+    too), views of a graph input, and tensors whose shape cannot be inferred stay as they are."""
+    g = m.graph
+    try:
+        inferred = {vi.name: vi for vi in onnx.shape_inference.infer_shapes(m).graph.value_info}
+    except Exception:  # shapes unknown: the model as it is (timed as before)
+        return m
+    changed, stripped = True, False
+    while changed:
+        changed = False
+        producer = {x: n for n in g.node for x in n.output}
+        read = {x for n in g.node for x in n.input}
+        outs = [o.name for o in g.output]
+        for k, name in enumerate(outs):
+            n = producer.get(name)
+            if name in keep or n is None or n.op_type not in VIEW_OPS or name in read:
+                continue
+            src = n.input[0]
+            vi = inferred.get(src)
+            if src not in producer or src in outs or vi is None or not _static(vi):
+                continue
+            g.output[k].CopyFrom(vi)
+            g.node.remove(n)
+            changed = stripped = True
+            break
+    # what only the views read (their shapes' Constant nodes) goes with them
+    while stripped:
+        used = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+        dead = [n for n in g.node if not any(x in used for x in n.output)]
+        if not dead:
+            break
+        for n in dead:
+            g.node.remove(n)
     return m
 
 

@@ -1275,3 +1275,38 @@ def test_ort_default_error_is_the_most_accurate_session_output_by_output():
     s2 = {"a": np.array([1.0, 2.01]), "b": np.array([np.nan, np.nan])}
     best = tuning.most_accurate([s1, "cannot run", s2], ref)
     assert best["a"] is s2["a"] and best["b"] is s1["b"]
+
+
+def test_the_original_is_timed_without_the_views_that_write_its_outputs():
+    """ONNX Runtime copies a Reshape (Squeeze, Identity, ...) that writes a graph output, where
+    inside the model the same view aliases its input: a one-node original ending in one would
+    be timed a copy kernel slower than it runs. Such views go and the output is the view's
+    input (its shape inferred), computing the same values; a view of a graph input, a view
+    another body node reads, and an output the model itself returns (copied there too) stay."""
+    n = helper.make_node
+    w = np.random.RandomState(0).randn(32, 24).astype(np.float32)
+    m = model([n("MatMul", ["x", "w"], ["p"]), n("Reshape", ["p", "s"], ["q"]), n("Squeeze", ["q"], ["y"]),
+               n("Reshape", ["x", "s2"], ["v"]), n("Identity", ["p"], ["u"]), n("Relu", ["u"], ["r"]),
+               n("Identity", ["p"], ["k"])],
+              {"x": ("float32", [32, 32])},
+              {"y": ("float32", [2, 16, 24]), "v": ("float32", [1024]), "u": ("float32", [32, 24]),
+               "r": ("float32", [32, 24]), "k": ("float32", [32, 24])},
+              {"w": w, "s": np.array([1, 2, 16, 24], np.int64), "s2": np.array([1024], np.int64)})
+    before = _run(m, {"x": np.random.RandomState(1).randn(32, 32).astype(np.float32)})
+    stripped = tuning._without_output_views(onnx.ModelProto.FromString(m.SerializeToString()), {"k"})
+    # y's Squeeze and Reshape went (a chain of views); v (a view of x), u (read by Relu), k (kept) stayed
+    assert [x.op_type for x in stripped.graph.node] == ["MatMul", "Reshape", "Identity", "Relu", "Identity"]
+    assert [o.name for o in stripped.graph.output] == ["p", "v", "u", "r", "k"]
+    assert [d.dim_value for d in stripped.graph.output[0].type.tensor_type.shape.dim] == [32, 24]
+    after = _run(stripped, {"x": np.random.RandomState(1).randn(32, 32).astype(np.float32)})
+    for a, b in zip(before, after, strict=True):
+        np.testing.assert_array_equal(a.reshape(-1), b.reshape(-1))
+
+
+def test_a_views_output_of_unknown_shape_stays():
+    """Without an inferable shape for the view's input the original is timed as it is."""
+    n = helper.make_node
+    m = model([n("Reshape", ["x", "s"], ["p"]), n("Relu", ["p"], ["q"]), n("Reshape", ["q", "t"], ["y"])],
+              {"x": ("float32", [4, 6]), "s": ("int64", [2]), "t": ("int64", [1])}, {"y": ("float32", [24])})
+    stripped = tuning._without_output_views(onnx.ModelProto.FromString(m.SerializeToString()), set())
+    assert [x.op_type for x in stripped.graph.node] == ["Reshape", "Relu", "Reshape"]
