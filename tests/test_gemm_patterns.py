@@ -539,24 +539,32 @@ def test_a_bare_16_bit_product_is_offered_to_cublaslt(dtype):
     assert lib is not None and lib.activation == "none" and lib.bias == -1
 
 
+def _small_bert_fp16_through(last_pass):
+    """The small BERT in fp16 through the passes up to `last_pass`, as where the tune pass will
+    time its nodes (on the CPU, nothing compiled); the result and the input dims."""
+    pytest.importorskip("onnxconverter_common")
+    import models.transformers as mt
+    from models.fp16 import to_fp16
+    from onnxfuse import tune as tuning
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, run_passes
+
+    m = to_fp16(mt.export("bert_base", small=True))
+    dims = {k: (2, *v) for k, v in mt.input_dims("bert_base", small=True).items()}
+    options = dataclasses.replace(build_options(target="none", tune="off", shapes=dims),
+                                  tune=tuning.TuneSettings(budget_s=1.0))
+    upto = PASSES[:PASSES.index(last_pass) + 1]
+    return run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto), dims
+
+
 def test_bert_out_projection_and_ffn2_products_are_offered_bare():
     """BERT's out-projection and FFN2 in fp16 where the tune pass will time them: the bias pass
     makes each a Gemm between Reshapes with its bias after, which ORT's SkipLayerNormalization
     takes with the residual add; the library pattern reads the Gemm through its Reshapes and
     offers the bare product (one node per product, the bias Add left outside), while FFN1 keeps
     its bias + GELU in gemm_epilogue's cuBLASLt node (the passes up to matching, on the CPU)."""
-    pytest.importorskip("onnxconverter_common")
-    import models.transformers as mt
-    from models.fp16 import to_fp16
-    from onnxfuse import tune as tuning
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, match_pass, run_passes
+    from onnxfuse.pipeline import match_pass
 
-    m = to_fp16(mt.export("bert_base", small=True))
-    dims = {k: (2, *v) for k, v in mt.input_dims("bert_base", small=True).items()}
-    options = dataclasses.replace(build_options(target="none", tune="off", shapes=dims),
-                                  tune=tuning.TuneSettings(budget_s=1.0))
-    upto = PASSES[:PASSES.index(match_pass) + 1]
-    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    r, _ = _small_bert_fp16_through(match_pass)
     nodes = r.model.graph.node
     bare = [x for x in r.found.matches if x.pattern.name == "gemm_library"]
     names = sorted(n.name for x in bare for n in (nodes[i] for i in x.nodes) if n.op_type == "Gemm")
@@ -571,18 +579,10 @@ def test_a_bare_products_original_is_timed_without_its_output_reshape():
     """The Gemm between Reshapes that gemm_library takes: cut out alone, its original would end
     in the Reshape back to [B, S, N], which ONNX Runtime copies into the graph output (in the
     model it is an alias): tuning times the Reshape and the Gemm, the output [B*S, N]."""
-    pytest.importorskip("onnxconverter_common")
-    import models.transformers as mt
-    from models.fp16 import to_fp16
     from onnxfuse import tune as tuning
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, rewrite_pass, run_passes
+    from onnxfuse.pipeline import rewrite_pass
 
-    m = to_fp16(mt.export("bert_base", small=True))
-    dims = {k: (2, *v) for k, v in mt.input_dims("bert_base", small=True).items()}
-    options = dataclasses.replace(build_options(target="none", tune="off", shapes=dims),
-                                  tune=tuning.TuneSettings(budget_s=1.0))
-    upto = PASSES[:PASSES.index(rewrite_pass) + 1]
-    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    r, dims = _small_bert_fp16_through(rewrite_pass)
     bare = [f for f in r.fused if f.pattern == "gemm_library"]
     assert len(bare) == 4
     feeds = {k: np.ones(v, np.int64) for k, v in dims.items()}  # token ids and a mask
