@@ -90,3 +90,17 @@ def test_the_table_names_the_cases_timed_at_a_held_down_clock():
     (_, line) = _clocks_lines([case("a", 1980), case("b", 1410), {"model": "c"}])
     assert line == "SM clock while timed (NVML, 2 cases): median 1410 to 1980 MHz of 1980; held down in b (1410 MHz)"
     assert _clocks_lines([{"model": "c"}]) == []
+
+
+def test_an_nvml_without_a_function_answers_none():
+    """A query this NVML does not have (an older or newer library) gives None, not an error
+    in the sampling thread."""
+    class Lib:
+        def nvmlDeviceGetClockInfo(self, dev, kind, out):  # noqa: N802 (NVML's name)
+            out._obj.value = {1: 1980, 2: 2619}[kind]
+            return 0
+
+    nvml = Nvml.__new__(Nvml)
+    nvml.lib, nvml.dev, nvml.ok = Lib(), None, True
+    assert nvml.sample() == Sample(1980, 2619, 0)     # no throttle-reasons function: reasons 0
+    assert nvml.max_sm_mhz() == 0                      # no max-clock function: unknown

@@ -95,8 +95,10 @@ class Nvml:
             pass
 
     def _read(self, fn: str, *args) -> int | None:
+        """One NVML query's value, None where it fails or this NVML lacks the function."""
+        f = getattr(self.lib, fn, None)
         out = ctypes.c_ulonglong() if fn.endswith("Reasons") else ctypes.c_uint()
-        return out.value if getattr(self.lib, fn)(self.dev, *args, ctypes.byref(out)) == 0 else None
+        return out.value if f is not None and f(self.dev, *args, ctypes.byref(out)) == 0 else None
 
     def max_sm_mhz(self) -> int:
         return self._read("nvmlDeviceGetMaxClockInfo", _SM) or 0
