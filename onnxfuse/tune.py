@@ -558,6 +558,9 @@ def _without_output_views(m: ModelProto, keep: set[str]) -> ModelProto:
     input, its shape inferred. Outputs in `keep` (the model's own outputs, copied in the model
     too), views of a graph input, and tensors whose shape cannot be inferred stay as they are."""
     g = m.graph
+    views = {x for n in g.node if n.op_type in VIEW_OPS for x in n.output}
+    if not any(o.name in views and o.name not in keep for o in g.output):
+        return m  # nothing to strip: no shape inference (it copies the weights)
     try:
         inferred = {vi.name: vi for vi in onnx.shape_inference.infer_shapes(m).graph.value_info}
     except Exception:  # shapes unknown: the model as it is (timed as before)
