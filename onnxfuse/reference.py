@@ -73,6 +73,13 @@ FLOAT_TYPES = frozenset({TensorProto.FLOAT, TensorProto.FLOAT16, TensorProto.BFL
 CHUNK_ELEMENTS = 1 << 25
 
 
+def is_float(dtype) -> bool:
+    """Whether numpy `dtype` is a float that the float64 copy widens: numpy's floats, and
+    bfloat16 (ml_dtypes', as onnx and the tests make it: its numpy kind is "V", not "f")."""
+    d = np.dtype(dtype)
+    return d.kind == "f" or d.name == "bfloat16"
+
+
 class Unavailable(OnnxfuseError):
     """The float64 reference cannot be computed for this model (the message says why)."""
 
@@ -143,7 +150,7 @@ def _memo_key(model: ModelProto, feeds: dict[str, np.ndarray]) -> str | None:
     for name in sorted(feeds):
         a = np.ascontiguousarray(feeds[name])
         h.update(f"|{name}:{a.dtype}:{a.shape}|".encode())
-        h.update(a.data)
+        h.update(a.reshape(-1).view(np.uint8).data)  # bytes: a buffer of bfloat16 (ml_dtypes) is refused
     return h.hexdigest()
 
 
@@ -165,7 +172,7 @@ def _evaluate(model: ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.n
     missing = [n for n in names if n not in feeds]
     if missing:
         raise Unavailable(f"input {missing[0]!r} has no value")
-    wide = {n: (feeds[n].astype(np.float64) if feeds[n].dtype.kind == "f" else feeds[n]) for n in names}
+    wide = {n: (feeds[n].astype(np.float64) if is_float(feeds[n].dtype) else feeds[n]) for n in names}
     try:
         ev = ReferenceEvaluator(m64, new_ops=FAST_OPS)
         with np.errstate(all="ignore"):

@@ -323,7 +323,7 @@ def accuracy_feeds(feeds: dict[str, np.ndarray], seed: int = 1, draws: int = 1) 
     rng = np.random.default_rng(seed)
 
     def draw(sample: Callable) -> dict[str, np.ndarray]:
-        return {k: sample(v.shape).astype(v.dtype) if v.dtype.kind == "f" else v for k, v in feeds.items()}
+        return {k: sample(v.shape).astype(v.dtype) if reference.is_float(v.dtype) else v for k, v in feeds.items()}
 
     images = [draw(rng.random)]  # first, so that one draw gives the sets it always gave
     normal = [feeds] + [draw(rng.standard_normal) for _ in range(draws - 1)]
@@ -376,7 +376,7 @@ def smallest_output(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: 
         return None
     sizes = [int(np.prod([d.dim_value for d in vi.type.tensor_type.shape.dim]))
              for name, vi in infos.items() if name in outputs
-             and helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type).kind == "f"]
+             and reference.is_float(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))]
     return min(sizes) if sizes else None
 
 

@@ -437,6 +437,101 @@ def test_library_variants(index, tmp_path, monkeypatch):
             assert err <= max(ort_err, floor), f"{name}, {what}, CUDA graph {graph}: {err} vs ORT {ort_err}"
 
 
+def _bf16_library_models() -> list[tuple[str, onnx.ModelProto]]:
+    """bfloat16 products cuBLASLt takes: + bias (ViT-S's FFN2 at batch 2), + bias + ReLU, bare
+    (gemm_library's kind: BERT-base's out-projection at batch 2)."""
+    import ml_dtypes
+
+    bf = ml_dtypes.bfloat16
+    out = []
+    for name, (s, k, n), extra in (("bf16-bias", (197, 1536, 384), ["b"]),
+                                   ("bf16-bias-relu", (128, 768, 3072), ["b", "relu"]),
+                                   ("bf16-bare", (128, 768, 768), [])):
+        nodes = [N("MatMul", ["x", "w"], ["p" if extra else "y"])]
+        inits = {"w": _w((k, n), 1, bf)}
+        if extra:
+            nodes.append(N("Add", ["p", "b"], ["pb" if "relu" in extra else "y"]))
+            inits["b"] = _w((n,), 2, bf)
+        if "relu" in extra:
+            nodes.append(N("Relu", ["pb"], ["y"]))
+        out.append((name, model(nodes, {"x": ("bfloat16", [2, s, k])}, {"y": ("bfloat16", [2, s, n])}, inits)))
+    return out
+
+
+BF16_LIBRARY_MODELS = _bf16_library_models()
+
+
+def _output_as_f32(m: onnx.ModelProto) -> onnx.ModelProto:
+    """`m` with its bfloat16 output leaving through an exact Cast to float32 (ONNX Runtime's
+    Python API returns no bfloat16 array), added after fusion so that no fusion takes it."""
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    (o,) = out.graph.output
+    shape = [d.dim_value for d in o.type.tensor_type.shape.dim]
+    out.graph.node.append(N("Cast", [o.name], [o.name + "_f32"], to=TensorProto.FLOAT))
+    out.graph.value_info.append(o)
+    out.graph.output.pop()
+    out.graph.output.append(helper.make_tensor_value_info(o.name + "_f32", TensorProto.FLOAT, shape))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("index", range(len(BF16_LIBRARY_MODELS)), ids=[m[0] for m in BF16_LIBRARY_MODELS])
+def test_library_variants_bf16(index, tmp_path, monkeypatch):
+    """cuBLASLt's bfloat16 products (csrc/cublaslt.cc's CUDA_R_16BF), alone (the Triton
+    variants taken out of kernel_meta) and with them, with and without CUDA graphs: no further
+    from the float64 reference than ORT's own run of the original, or a bfloat16 unit (2^-8)
+    of the output's scale."""
+    import json
+
+    import ml_dtypes
+    import onnxruntime as ort
+
+    from onnxfuse import library_path, optimize_model
+    from onnxfuse.compile import local_gpu_archs
+    from onnxfuse.kernels import compile_fused
+    from onnxfuse.reference import evaluate
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    monkeypatch.setenv("ONNXFUSE_GEMM_ALL", "1")
+    name, m = BF16_LIBRARY_MODELS[index]
+    r = optimize_model(m)
+    info, _ = compile_fused(r.model, r.fused, local_gpu_archs())
+    (node,) = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
+    meta = json.loads(next(a for a in node.attribute if a.name == "kernel_meta").s)
+    assert not info["failed"] and meta["variants"][0].get("library") == "cublaslt", (name, meta["variants"])
+    alone = onnx.ModelProto()
+    alone.CopyFrom(r.model)
+    (n2,) = [n for n in alone.graph.node if n.op_type == "GemmEpilogue"]
+    a2 = next(a for a in n2.attribute if a.name == "kernel_meta")
+    a2.s = json.dumps({**meta, "variants": meta["variants"][:1], "binaries": []}).encode()
+
+    shape = [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]
+    x = np.random.default_rng(5).standard_normal(shape).astype(ml_dtypes.bfloat16)
+    feed = {"x": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(x.view(np.uint16), TensorProto.BFLOAT16)}
+
+    def run(mm, library, graph=False):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if library:
+            so.register_custom_ops_library(library_path())
+            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+        opts = {"enable_cuda_graph": "1"} if graph else {}
+        sess = ort.InferenceSession(_output_as_f32(mm).SerializeToString(), so,
+                                    providers=[("CUDAExecutionProvider", opts), "CPUExecutionProvider"])
+        return sess.run_with_ort_values(None, feed)[0].numpy().astype(np.float64)
+
+    ref = np.asarray(evaluate(m, {"x": x})[m.graph.output[0].name], np.float64)
+    ort_err = float(np.abs(run(m, False) - ref).max())
+    floor = 2 ** -8 * float(np.abs(ref).max())
+    for what, mm in (("with the Triton fallbacks", r.model), ("cuBLASLt alone", alone)):
+        for graph in (False, True):
+            got = run(mm, True, graph)
+            assert got.shape == ref.shape
+            err = float(np.abs(got - ref).max())
+            assert err <= max(ort_err, floor), f"{name}, {what}, CUDA graph {graph}: {err} vs ORT {ort_err}"
+
+
 @pytest.mark.gpu(torch=True)
 def test_cuda_kernel_meta_library_checks(tmp_path, monkeypatch):
     """The CUDA kernel's kernel_meta reader rejects a bad library variant with a clear error on

@@ -235,3 +235,29 @@ def test_evaluate_remembers_a_model_on_the_same_feeds(monkeypatch):
     reference.evaluate(model(w + 2), {"x": x})
     reference.evaluate(model(w), {"x": x})  # the oldest result went out: evaluated again
     assert len(calls) == 6
+
+
+def test_bfloat16_feeds_are_widened_and_gated():
+    """bfloat16 inputs (ml_dtypes', numpy kind "V") are widened to float64 like numpy's floats,
+    hashed for the memo like them (a bfloat16 buffer is refused by hashlib), and the gate takes
+    a bfloat16 output against its float64 reference."""
+    import ml_dtypes
+
+    from onnxfuse.tools.gate import gate_output
+
+    bf = ml_dtypes.bfloat16
+    w = RNG.standard_normal((8, 5)).astype(bf)
+    x = RNG.standard_normal((3, 8)).astype(bf)
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph([N("MatMul", ["x", "w"], ["y"])], "t", [vi("x", TensorProto.BFLOAT16, [3, 8])],
+                          [vi("y", TensorProto.BFLOAT16, [3, 5])], [numpy_helper.from_array(w, "w")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=9)
+    assert reference.is_float(bf) and reference.is_float(np.float16) and not reference.is_float(np.int64)
+    y = reference.evaluate(m, {"x": x})["y"]
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    assert y.dtype == np.float64
+    np.testing.assert_allclose(y, want, rtol=1e-12)
+    assert reference.evaluate(m, {"x": x})["y"] is y  # remembered by the bfloat16 feed's bytes
+    check = gate_output("y", y, want.astype(bf), (want * 1.001).astype(bf))
+    assert check.passed and check.ort_max_abs_err is not None
+    assert not gate_output("y", y, want.astype(bf), (want + 1.0).astype(bf)).passed

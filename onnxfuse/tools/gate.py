@@ -144,7 +144,7 @@ def gate_output(name: str, ref: np.ndarray | None, ort: np.ndarray | None, actua
 
 def _widened(ref: np.dtype, dtype: np.dtype) -> bool:
     """Whether `ref` is the float64 reference of an output of float dtype `dtype`."""
-    return ref == np.float64 and dtype != np.float64 and np.dtype(dtype).kind == "f"
+    return ref == np.float64 and dtype != np.float64 and reference.is_float(dtype)
 
 
 def _abs_diff(ref: np.ndarray, x: np.ndarray) -> np.ndarray:
