@@ -1040,3 +1040,16 @@ def test_a_mask_input_is_a_padding_mask(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     d = json.loads(js.read_text())
     assert np.isfinite(d["reference"]["ort_max_abs_err"]["y"]) and d["models"][1]["outputs"][0]["passed"], d
+
+
+def test_a_number_given_for_a_bfloat16_input_is_a_float():
+    """``--input NAME=0.5`` fills a bfloat16 input with 0.5 (ml_dtypes' bfloat16 has numpy kind
+    "V": it was read as an integer and refused)."""
+    import ml_dtypes
+
+    from onnxfuse.tools.feeds import given_input
+    from onnxfuse.tools.shapes import InputSpec
+
+    a = given_input(InputSpec("x", np.dtype(ml_dtypes.bfloat16), (2, 3)), "0.5")
+    assert a.dtype == ml_dtypes.bfloat16 and a.shape == (2, 3) and (a.astype(np.float32) == 0.5).all()
+    assert (given_input(InputSpec("k", np.dtype(np.int64), (2,)), "7") == 7).all()

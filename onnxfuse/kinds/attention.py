@@ -61,6 +61,7 @@ from onnxfuse.groups import Accepted, reentering
 from onnxfuse.kinds.base import META_VERSION, Fields, FusedNode, Kind, Lowering, Match, MatchResult, NotMine, Pattern
 from onnxfuse.match import DTYPE_IDS, dtype_reason, match_anchored, operands, pointwise_candidate
 from onnxfuse.ops import FLOAT_TYPES, node_attrs
+from onnxfuse.reference import is_float
 from onnxfuse.rewrite import ir_dtype, lower_nodes, unique_name
 from onnxfuse.static import evaluate_constant
 
@@ -863,7 +864,7 @@ def _rows_equal(view: GraphView, name: str, memo: dict[str, bool], depth: int = 
         a = numpy_helper.to_array(view.constants[name])
         first = a[..., :1, :] if a.ndim >= 2 else a
         same = a == first
-        if a.dtype.kind == "f":
+        if is_float(a.dtype):
             same |= np.isnan(a) & np.isnan(first)
         memo[name] = a.ndim < 2 or bool(same.all())
     elif (i := view.producer.get(name)) is not None and depth < 32:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 from onnx import ModelProto, helper
 
-from onnxfuse import files
+from onnxfuse import files, reference
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.tools.shapes import InputSpec
 
@@ -87,7 +87,7 @@ def given_input(spec: InputSpec, value: str) -> np.ndarray:
             raise OnnxfuseError(f"--input {spec.name}: {value} holds {a.dtype}, the input is {dtype}")
         return np.ascontiguousarray(a)
     try:
-        number = float(value) if dtype.kind == "f" else int(value)
+        number = float(value) if reference.is_float(dtype) else int(value)
     except ValueError:
         raise OnnxfuseError(f"--input {spec.name}={value}: expected a number or a .npy file") from None
     return np.full(spec.shape, number, dtype=dtype)
