@@ -372,14 +372,46 @@ def _library_models() -> list[tuple[str, onnx.ModelProto, dict, bool]]:
 LIBRARY_MODELS = _library_models()
 
 
+def _library_meta(m: onnx.ModelProto) -> dict:
+    """The kernel_meta of `m`'s one GemmEpilogue node."""
+    import json
+
+    (node,) = [n for n in m.graph.node if n.op_type == "GemmEpilogue"]
+    return json.loads(next(a for a in node.attribute if a.name == "kernel_meta").s)
+
+
+def _with_variants(m: onnx.ModelProto, variants: list[dict]) -> onnx.ModelProto:
+    """A copy of `m` whose GemmEpilogue runs `variants` alone (no Triton binaries)."""
+    import json
+
+    out = onnx.ModelProto()
+    out.CopyFrom(m)
+    (node,) = [n for n in out.graph.node if n.op_type == "GemmEpilogue"]
+    attr = next(a for a in node.attribute if a.name == "kernel_meta")
+    attr.s = json.dumps({**json.loads(attr.s), "variants": variants, "binaries": []}).encode()
+    return out
+
+
+def _library_session(m: onnx.ModelProto, library: bool, graph: bool = False, **cuda_options: str):
+    """An ONNX Runtime session of `m` on the CUDA EP; with the custom-op library, no CPU fallback."""
+    import onnxruntime as ort
+
+    from onnxfuse import library_path
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if library:
+        so.register_custom_ops_library(library_path())
+        so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    opts = {**cuda_options, **({"enable_cuda_graph": "1"} if graph else {})}
+    return ort.InferenceSession(m.SerializeToString(), so, providers=[("CUDAExecutionProvider", opts),
+                                                                      "CPUExecutionProvider"])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("index", range(len(LIBRARY_MODELS)), ids=[m[0] for m in LIBRARY_MODELS])
 def test_library_variants(index, tmp_path, monkeypatch):
-    import json
-
-    import onnxruntime as ort
-
-    from onnxfuse import library_path, optimize_model
+    from onnxfuse import optimize_model
     from onnxfuse.compile import local_gpu_archs
     from onnxfuse.kernels import compile_fused
     from onnxfuse.reference import evaluate
@@ -390,43 +422,24 @@ def test_library_variants(index, tmp_path, monkeypatch):
     precision = "ieee" if name.endswith("ieee") else "tf32"
     r = optimize_model(m)
     info, _ = compile_fused(r.model, r.fused, local_gpu_archs(), conv_precision=precision)
-    (node,) = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
-    attr = next(a for a in node.attribute if a.name == "kernel_meta")
-    meta = json.loads(attr.s)
+    meta = _library_meta(r.model)
     assert not info["failed"] and meta["variants"][0].get("library") == "cublaslt", (name, meta["variants"])
+    tf32 = "0" if precision == "ieee" else "1"
 
-    def session(mm, library, graph=False):
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        if library:
-            so.register_custom_ops_library(library_path())
-            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        opts = {"use_tf32": "0" if precision == "ieee" else "1", **({"enable_cuda_graph": "1"} if graph else {})}
-        return ort.InferenceSession(mm.SerializeToString(), so, providers=[("CUDAExecutionProvider", opts)])
-
-    want = session(m, False).run(None, feeds)[0]
+    want = _library_session(m, False, use_tf32=tf32).run(None, feeds)[0]
     ref = np.asarray(evaluate(m, feeds)[m.graph.output[0].name], np.float64)
     ort_err = float(np.abs(want.astype(np.float64) - ref).max())
     runs = [("with the Triton fallbacks", r.model)]
     if must:  # cuBLASLt alone: a node it declined would fail ("no variant ... takes this product")
-        alone = onnx.ModelProto()
-        alone.CopyFrom(r.model)
-        (n2,) = [n for n in alone.graph.node if n.op_type == "GemmEpilogue"]
-        a2 = next(a for a in n2.attribute if a.name == "kernel_meta")
-        a2.s = json.dumps({**meta, "variants": meta["variants"][:1], "binaries": []}).encode()
-        runs.append(("cuBLASLt alone", alone))
+        runs.append(("cuBLASLt alone", _with_variants(r.model, meta["variants"][:1])))
         # the heuristic's other algorithms (`gemm-library-ranks`); 15: past those it ranks, its first
         for rank in (1, 3, 15):
-            ranked = onnx.ModelProto()
-            ranked.CopyFrom(alone)
-            (n3,) = [n for n in ranked.graph.node if n.op_type == "GemmEpilogue"]
-            a3 = next(a for a in n3.attribute if a.name == "kernel_meta")
-            a3.s = json.dumps({**meta, "variants": [{**meta["variants"][0], "rank": rank}], "binaries": []}).encode()
-            runs.append((f"cuBLASLt alone, rank {rank}", ranked))
+            runs.append((f"cuBLASLt alone, rank {rank}",
+                         _with_variants(r.model, [{**meta["variants"][0], "rank": rank}])))
     scale = float(np.abs(ref).max())
     for what, mm in runs:
         for graph in (False, True):
-            got = session(mm, True, graph).run(None, feeds)[0]
+            got = _library_session(mm, True, graph, use_tf32=tf32).run(None, feeds)[0]
             assert got.dtype == want.dtype and got.shape == want.shape
             err = float(np.abs(got.astype(np.float64) - ref).max())
             # against float64: no further than ORT's own run (TF32 for float32 at "tf32", as ORT's
@@ -482,12 +495,10 @@ def test_library_variants_bf16(index, tmp_path, monkeypatch):
     variants taken out of kernel_meta) and with them, with and without CUDA graphs: no further
     from the float64 reference than ORT's own run of the original, or a bfloat16 unit (2^-8)
     of the output's scale."""
-    import json
-
     import ml_dtypes
     import onnxruntime as ort
 
-    from onnxfuse import library_path, optimize_model
+    from onnxfuse import optimize_model
     from onnxfuse.compile import local_gpu_archs
     from onnxfuse.kernels import compile_fused
     from onnxfuse.reference import evaluate
@@ -497,33 +508,20 @@ def test_library_variants_bf16(index, tmp_path, monkeypatch):
     name, m = BF16_LIBRARY_MODELS[index]
     r = optimize_model(m)
     info, _ = compile_fused(r.model, r.fused, local_gpu_archs())
-    (node,) = [n for n in r.model.graph.node if n.op_type == "GemmEpilogue"]
-    meta = json.loads(next(a for a in node.attribute if a.name == "kernel_meta").s)
+    meta = _library_meta(r.model)
     assert not info["failed"] and meta["variants"][0].get("library") == "cublaslt", (name, meta["variants"])
-    alone = onnx.ModelProto()
-    alone.CopyFrom(r.model)
-    (n2,) = [n for n in alone.graph.node if n.op_type == "GemmEpilogue"]
-    a2 = next(a for a in n2.attribute if a.name == "kernel_meta")
-    a2.s = json.dumps({**meta, "variants": meta["variants"][:1], "binaries": []}).encode()
-
     shape = [d.dim_value for d in m.graph.input[0].type.tensor_type.shape.dim]
     x = np.random.default_rng(5).standard_normal(shape).astype(ml_dtypes.bfloat16)
     feed = {"x": ort.OrtValue.ortvalue_from_numpy_with_onnx_type(x.view(np.uint16), TensorProto.BFLOAT16)}
 
     def run(mm, library, graph=False):
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        if library:
-            so.register_custom_ops_library(library_path())
-            so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
-        opts = {"enable_cuda_graph": "1"} if graph else {}
-        sess = ort.InferenceSession(_output_as_f32(mm).SerializeToString(), so,
-                                    providers=[("CUDAExecutionProvider", opts), "CPUExecutionProvider"])
+        sess = _library_session(_output_as_f32(mm), library, graph)
         return sess.run_with_ort_values(None, feed)[0].numpy().astype(np.float64)
 
     ref = np.asarray(evaluate(m, {"x": x})[m.graph.output[0].name], np.float64)
     ort_err = float(np.abs(run(m, False) - ref).max())
     floor = 2 ** -8 * float(np.abs(ref).max())
+    alone = _with_variants(r.model, meta["variants"][:1])
     for what, mm in (("with the Triton fallbacks", r.model), ("cuBLASLt alone", alone)):
         for graph in (False, True):
             got = run(mm, True, graph)
