@@ -13,6 +13,11 @@ timings under CUDA graphs measure it but without the gaps between one model's ke
 the caller counts apart (`Timed.kernels`). On the H200 every fused node of the suite's CNNs,
 with its original, was timed in one to seven sessions, 0.5-8.4 s a model (seventeenth session).
 
+The session runs in a worker process (`onnxfuse.tools.worker`): CUPTI stays attached to a
+process once torch's profiler has run there, and every later launch in it pays (forty-first
+session: ORT's BERT-base fp16 b1 7.5% slower with CUDA graphs, 19% without), so the tuning
+process, and a caller of the Python API, never profile.
+
 Every name of model i is prefixed ``b<i>~`` so that nothing collides; a node that ONNX Runtime
 creates when it optimizes the bundle (its own fusions) is traced back to its model by the
 prefix in its name or, failing that, in its tensors' names (the optimized graph ORT saves).
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import statistics
 import tempfile
@@ -38,6 +44,7 @@ from onnx import ModelProto, helper
 from onnxfuse import ir, trace
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.outputs import save_model
+from onnxfuse.tools import worker
 from onnxfuse.tools.feeds import random_array
 from onnxfuse.tools.session import first_line
 
@@ -75,6 +82,7 @@ class BundleRun:
     load_s: float = 0.0
     first_run_s: float = 0.0
     profiled_s: float = 0.0
+    pid: int = 0  # the process that ran it (a worker's: `run_bundle`)
 
 
 def prefixed(i: int, name: str) -> str:
@@ -215,36 +223,52 @@ def run_bundle(m: ModelProto, feeds: dict[str, np.ndarray], library: bool, iters
     """Load `m` (a `bundle`) in ONNX Runtime's CUDA EP with its defaults (TF32 allowed) and
     its profiler on, the onnxfuse library registered when `library`; run it `warmup` times,
     then `iters` times under CUPTI; attribute the GPU activities to the bundled models.
+    All of it runs in a worker process (`onnxfuse.tools.worker`: CUPTI stays attached to a
+    process once torch's profiler has run, and slows every later launch there), unless
+    ``ONNXFUSE_BUNDLE_WORKER=0`` or off POSIX (in this process, as before the forty-first session).
     Raises OnnxfuseError when it cannot load or run, or when the attribution is not trusted
     (more than MAX_UNATTRIBUTED of the GPU time, and UNATTRIBUTED_FLOOR_US per run, found no
     node)."""
+    with tempfile.TemporaryDirectory(prefix="onnxfuse-bundle-") as tmp:
+        save_model(m, Path(tmp) / "bundle.onnx")  # external data beside it past protobuf's 2 GB
+        with open(Path(tmp) / "feeds.pkl", "wb") as f:
+            pickle.dump(feeds, f, protocol=pickle.HIGHEST_PROTOCOL)
+        if os.environ.get("ONNXFUSE_BUNDLE_WORKER") == "0" or os.name != "posix":  # the worker waits by select()
+            return run_saved(tmp, library, iters, warmup)
+        return worker.shared().call("onnxfuse.bundle", "run_saved", tmp, library, iters, warmup)
+
+
+def run_saved(folder: str, library: bool, iters: int = ITERS, warmup: int = WARMUP) -> BundleRun:
+    """`run_bundle` of the bundle and feeds it saved in `folder` (bundle.onnx, feeds.pkl), in
+    this process."""
     import onnxruntime as ort
     import torch
 
-    with tempfile.TemporaryDirectory(prefix="onnxfuse-bundle-") as tmp:
-        folder = Path(tmp)
-        path = folder / "bundle.onnx"
-        save_model(m, path)  # external data beside it past protobuf's 2 GB
-        providers = [("CUDAExecutionProvider", {"device_id": "0", "use_tf32": "1"}), "CPUExecutionProvider"]
+    folder_path = Path(folder)
+    path = folder_path / "bundle.onnx"
+    m = onnx.load(str(path), load_external_data=False)
+    with open(folder_path / "feeds.pkl", "rb") as f:
+        feeds = pickle.load(f)
+    providers = [("CUDAExecutionProvider", {"device_id": "0", "use_tf32": "1"}), "CPUExecutionProvider"]
+    t0 = time.perf_counter()
+    try:
+        sess, dump = trace.profiling_session(ort, path, folder_path, providers, library)
+        load_s = time.perf_counter() - t0
+        run = trace.bound_runner(ort, sess, feeds, "cuda")
         t0 = time.perf_counter()
-        try:
-            sess, dump = trace.profiling_session(ort, path, folder, providers, library)
-            load_s = time.perf_counter() - t0
-            run = trace.bound_runner(ort, sess, feeds, "cuda")
-            t0 = time.perf_counter()
-            for _ in range(warmup):
-                run()
-            first_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            cupti = trace.run_under_cupti(torch, run, iters, folder)
-            profiled_s = time.perf_counter() - t0
-            start_ns = sess.get_profiling_start_time_ns()
-            events = json.loads(Path(sess.end_profiling()).read_text())
-        except OnnxfuseError:
-            raise
-        except Exception as e:  # noqa: BLE001  onnxruntime's and torch's exception types
-            raise OnnxfuseError(f"a bundle of one-node models did not run: {first_line(e)}") from None
-        optimized = onnx.load(str(dump), load_external_data=False) if dump is not None and dump.is_file() else None
+        for _ in range(warmup):
+            run()
+        first_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        cupti = trace.run_under_cupti(torch, run, iters, folder_path)
+        profiled_s = time.perf_counter() - t0
+        start_ns = sess.get_profiling_start_time_ns()
+        events = json.loads(Path(sess.end_profiling()).read_text())
+    except OnnxfuseError:
+        raise
+    except Exception as e:  # noqa: BLE001  onnxruntime's and torch's exception types
+        raise OnnxfuseError(f"a bundle of one-node models did not run: {first_line(e)}") from None
+    optimized = onnx.load(str(dump), load_external_data=False) if dump is not None and dump.is_file() else None
     parsed = trace.parse_ort_profile(events, warmup)
     if cupti is None or len(parsed.runs) != iters:
         raise OnnxfuseError("a bundle's profile is incomplete (CUPTI saw no runs)")
@@ -256,4 +280,4 @@ def run_bundle(m: ModelProto, feeds: dict[str, np.ndarray], library: bool, iters
     owner = owners(list(parsed.nodes), optimized)
     host = {name for name, t in parsed.nodes.items() if t.provider == "CPUExecutionProvider"}
     times = group_times(att.kernel_us, att.counts, iters, owner, host)
-    return BundleRun(times, att.unattributed_us / iters, load_s, first_s, profiled_s)
+    return BundleRun(times, att.unattributed_us / iters, load_s, first_s, profiled_s, os.getpid())

@@ -12,7 +12,8 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    write its outputs, which ORT copies into a graph output and aliases in the model:
    `_without_output_views`). Both run in ORT's
    CUDA EP with its defaults (TF32 allowed). On CUDA with torch's CUPTI at hand, all of them
-   at once (`onnxfuse.bundle`): every one-node model side by side in one session, each timed
+   at once (`onnxfuse.bundle`): every one-node model side by side in one session (in a worker
+   process, `onnxfuse.tools.worker`, so that CUPTI never slows this one's later timings), each timed
    by the GPU time of the kernels its nodes launch (median of `bundle.ITERS` runs), plus a
    launch gap per kernel (`graph_gap`: what a CUDA graph spends between two kernels on this
    device) so that a fused node's fewer kernels count as they do in a graph. A session per model cost

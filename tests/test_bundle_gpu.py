@@ -58,3 +58,32 @@ def test_tuning_times_every_node_in_one_bundle(monkeypatch, tmp_path):
     # the nodes' pairs, and the two chains that measured the graph gap
     assert timer.bundled["models"] == 2 * len(decisions) + len(tuning.GAP_CHAINS) and not timer.bundled["errors"]
     assert all(d.original_ms > 0 and d.fused_ms > 0 and d.fused_kernels >= 1 for d in decisions)
+
+
+def test_bundles_profile_in_a_worker_and_cupti_stays_out_of_this_process(monkeypatch, tmp_path):
+    """A bundle runs in the worker process (`onnxfuse.tools.worker`), and the process that asked
+    never loads CUPTI (it stays attached once loaded and slows every later launch: forty-first
+    session); with ONNXFUSE_BUNDLE_WORKER=0 it runs here, and CUPTI is loaded here. Each checked
+    in a fresh interpreter, since other tests in this one may have profiled."""
+    import os
+    import subprocess
+    import sys
+
+    import onnx
+
+    r = _compiled(monkeypatch, tmp_path, "nchw")
+    paths = [str(tmp_path / f"{k}.onnx") for k in ("original", "fused")]
+    for m, path in zip(one_node_pairs(r, CUDA)[0], paths, strict=True):
+        onnx.save(m, path)
+    script = (
+        "import os, onnx\n"
+        "from onnxfuse import bundle\n"
+        f"ms = [onnx.load(p) for p in {paths!r}]\n"
+        "run = bundle.run_bundle(bundle.bundle(ms), bundle.bundle_feeds(ms), library=True)\n"
+        "cupti = 'libcupti' in open('/proc/self/maps').read()\n"
+        "print(run.pid != os.getpid(), cupti, len(run.times))\n")
+    for flag, want in (("1", "True False 2"), ("0", "False True 2")):
+        env = {**os.environ, "ONNXFUSE_BUNDLE_WORKER": flag}
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        assert p.stdout.strip().splitlines()[-1] == want, (flag, p.stdout, p.stderr[-2000:])
