@@ -22,6 +22,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
+from onnxfuse.tools.cuda import pci_bus_id
+
 # nvmlClockType_t
 _SM, _MEM = 1, 2
 # nvmlClocksEventReasons bits (the names NVML's header gives them), idle and the
@@ -86,7 +88,7 @@ class Nvml:
             if self.lib.nvmlInit_v2() != 0:
                 return
             self.dev = ctypes.c_void_p()
-            bus = _pci_bus_id(device_id)
+            bus = pci_bus_id(device_id)
             if bus is None or self.lib.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(self.dev)) != 0:
                 if self.lib.nvmlDeviceGetHandleByIndex_v2(_visible_index(device_id), ctypes.byref(self.dev)) != 0:
                     return
@@ -121,19 +123,6 @@ def _visible_index(device_id: int) -> int:
     if device_id < len(visible) and visible[device_id].strip().isdigit():
         return int(visible[device_id])
     return device_id
-
-
-def _pci_bus_id(device_id: int) -> bytes | None:
-    """CUDA device `device_id`'s PCI bus id, the key NVML and CUDA share."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-        dev, buf = ctypes.c_int(), ctypes.create_string_buffer(32)
-        if (cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device_id) != 0
-                or cuda.cuDeviceGetPCIBusId(buf, 32, dev) != 0):
-            return None
-        return buf.value
-    except (OSError, AttributeError):
-        return None
 
 
 class ClockWatch:

@@ -1,8 +1,9 @@
 """The one libcuda wrapper: the CUDA driver API through ctypes (no torch, no CUDA toolkit).
 
 `CudaDriver` names a device and reads the memory in use in its primary context, the one
-ONNX Runtime uses; `local_gpu_archs` lists the compute capabilities of the visible devices.
-Both answer "nothing" (None, []) on a machine without libcuda or a device.
+ONNX Runtime uses; `local_gpu_archs` lists the compute capabilities of the visible devices;
+`pci_bus_id` gives a device's PCI bus id (the key NVML shares: `onnxfuse.tools.clocks`).
+All answer "nothing" (None, []) on a machine without libcuda or a device.
 """
 
 from __future__ import annotations
@@ -87,3 +88,18 @@ def local_gpu_archs() -> list[int]:
                 and cuda.cuDeviceGetAttribute(ctypes.byref(minor), _CC_MINOR, dev) == 0):
             archs.add(major.value * 10 + minor.value)
     return sorted(archs)
+
+
+def pci_bus_id(device_id: int) -> bytes | None:
+    """CUDA device `device_id`'s PCI bus id, the key NVML and CUDA share; None without one."""
+    cuda = _libcuda()
+    if cuda is None:
+        return None
+    try:
+        dev, buf = ctypes.c_int(), ctypes.create_string_buffer(32)
+        if (cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device_id) != 0
+                or cuda.cuDeviceGetPCIBusId(buf, 32, dev) != 0):
+            return None
+        return buf.value
+    except AttributeError:
+        return None
