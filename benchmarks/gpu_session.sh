@@ -211,8 +211,8 @@ PY
     # the rows timed four ways in one call, the variant set (all six, or the three graph
     # variants) crossed with the runs per variant (60, 150); the tuning and models come from
     # the first pass's caches. Built to find what moved onnxfuse + graphs by 5-8% between two
-    # calls of one lease (fortieth session); neither did (forty-first: 0.396-0.399 ms all four
-    # ways): the slower call had tuned in its own process, under the profiler (bundle-worker).
+    # calls of one lease (fortieth session); neither did (forty-first: 0.396-0.399 ms three
+    # ways from the cache): the slower call had tuned in its own process, under the profiler (bundle-worker).
     #   suite-shapes LIMIT [compare.py arguments: --models ..., --batches ..., --dtypes ...]
     limit=${2:-580}; shift $(( $# < 2 ? $# : 2 ))
     all=ort,ort_graph,ort_tfopt,ort_tfopt_graph,onnxfuse,onnxfuse_graph; graphs=ort_graph,ort_tfopt_graph,onnxfuse_graph
