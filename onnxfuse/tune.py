@@ -980,11 +980,12 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
     original = result.original
     dims = input_shapes(original, settings)
     feeds = feeds_for(original, dims)
-    phases = Phases()
+    phases, node_steps = Phases(), Phases()
     with tempfile.TemporaryDirectory(prefix="onnxfuse-tune-") as tmp:
         timer = Timer(settings, Path(tmp))
         with phases("nodes"):
-            decisions = time_nodes(result, feeds, dims, timer, settings, targets, conv_precision, jobs, t0)
+            decisions = time_nodes(result, feeds, dims, timer, settings, targets, conv_precision, jobs, t0,
+                                   node_steps)
         losers = {d.node for d in decisions if d.chosen == "original"}
         models: list[tuple[str, object, dict]] = []
         if losers:
@@ -1051,7 +1052,7 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         timer.save()
     record = {
         "shapes": {k: list(v) for k, v in dims.items()}, "seconds": round(time.perf_counter() - t0, 2),
-        "phases": phases.rounded(),
+        "phases": phases.rounded(), "node_steps": node_steps.rounded(),
         "measured": timer.measured, "cache_hits": timer.hits, "cache": str(timer.path) if timer.path else None,
         "node_runs": {k: round(v, 3) for k, v in timer.spent.items()},
         "bundles": {k: (round(v, 3) if isinstance(v, float) else v) for k, v in timer.bundled.items()},
@@ -1264,25 +1265,31 @@ def _fastest(models: list, times: dict[str, ModelTimes], gates: dict[str, dict],
 
 
 def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, targets, conv_precision, jobs,
-               t0: float) -> list[NodeDecision]:
-    """Per-node timings and decisions (module docstring, step 1)."""
+               t0: float, steps: Phases | None = None) -> list[NodeDecision]:
+    """Per-node timings and decisions (module docstring, step 1). `steps`, when given, gets the
+    seconds of each step (the record's "node_steps": where a budget's overrun went)."""
     if not result.fused:
         return []
+    steps = steps if steps is not None else Phases()
     nodes = {n.name: n for n in result.model.graph.node}
     needed = {x for f in result.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
-    infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
+    with steps("shapes"):
+        infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
     decisions = [NodeDecision(f.node_name, f.kind, offered=f.measured_only) for f in result.fused]
     order = measure_order(result, dims)
     built: dict[int, tuple[ModelProto, ModelProto]] = {}  # index -> (original, fused) one-node models
-    for i in order:
-        node = nodes[result.fused[i].node_name]
-        try:
-            built[i] = (original_model(result.model, node, infos), fused_model(result.model, node, infos))
-        except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
-            decisions[i].chosen = f"not measured ({_why(e)})"
-    bundled = (_time_bundled(timer, built, t0 + settings.budget_s)
-               if settings.provider == "cuda" and bundle.available() else {})
-    gap = graph_gap(timer) if bundled else 0.0
+    with steps("one-node models"):
+        for i in order:
+            node = nodes[result.fused[i].node_name]
+            try:
+                built[i] = (original_model(result.model, node, infos), fused_model(result.model, node, infos))
+            except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
+                decisions[i].chosen = f"not measured ({_why(e)})"
+    with steps("bundles"):
+        bundled = (_time_bundled(timer, built, t0 + settings.budget_s)
+                   if settings.provider == "cuda" and bundle.available() else {})
+    with steps("graph gap"):
+        gap = graph_gap(timer) if bundled else 0.0
     searches = []  # (fused node, node, its one-node model, decision) whose configurations are timed
     for i in order:
         if i not in built:
@@ -1299,7 +1306,8 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
             # the same shapes as one measured, or an earlier tuning): that costs no GPU time
             spent = time.perf_counter() - t0 > settings.budget_s
             try:
-                pair = _time_pair(timer, orig, mini, settings.provider == "cuda", cached_only=spent)
+                with steps("pairs"):
+                    pair = _time_pair(timer, orig, mini, settings.provider == "cuda", cached_only=spent)
             except Exception as e:  # a node that cannot be measured keeps the heuristics' decision
                 d.chosen = f"not measured ({_why(e)})"
                 continue
@@ -1334,7 +1342,8 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
         if spent and key not in searched:
             continue
         searched.add(key)
-        best = _search_configs(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=spent)
+        best = _search_configs(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=spent,
+                               steps=steps)
         if best is not None:
             d.fused_ms, d.chosen = best
             if d.loses():
@@ -1497,18 +1506,21 @@ def _searches(kind, result, f, node, infos, conv_precision) -> bool:
 
 
 def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, targets, conv_precision, jobs,
-                    cached_only: bool = False) -> tuple[float, str] | None:
+                    cached_only: bool = False, steps: Phases | None = None) -> tuple[float, str] | None:
     """--tune: time each candidate configuration of the node's kernel as the node itself was
     timed (in one bundle, or a pair's way); attach the fastest to the node in result.model
     (bundled: its kernel count to `d`). Returns (ms, label) of the fastest, or None.
-    `cached_only`: remembered timings alone (none run); a candidate without one is not timed."""
+    `cached_only`: remembered timings alone (none run); a candidate without one is not timed.
+    `steps` gets the seconds spent compiling and timing them."""
+    steps = steps if steps is not None else Phases()
     spec = kernel_spec(result.model, f, conv_precision)
     configs = candidates(spec)
     # every candidate compiled in one call, in parallel: compiled one at a time, the searches of
     # four squeeze-excite nodes took most of EfficientNet-B0's 10 s budget on the H200 (17th session)
     try:
-        compiled = aot.compile_kernels([spec] * len(configs), targets, jobs=jobs, errors="collect",
-                                       variant_overrides=[variants for _, variants in configs])
+        with steps("search compiles"):
+            compiled = aot.compile_kernels([spec] * len(configs), targets, jobs=jobs, errors="collect",
+                                           variant_overrides=[variants for _, variants in configs])
     except Exception as e:  # a kernel generator that fails on every configuration
         compiled = [e] * len(configs)
     trials = []  # (label, one-node model, compiled kernel)
@@ -1521,20 +1533,21 @@ def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, target
         trial.CopyFrom(mini)
         aot.attach(trial.graph.node[0], ck)
         trials.append((label, trial, ck))
-    if d.mode == BUNDLED:
-        timed = timer.time_bundled([(t, True) for _, t, _ in trials],
-                                   deadline=time.perf_counter() if cached_only else None)
-        scored = [(label, None if t is None else (t.us / 1e3, t.kernels), ck)
-                  for (label, _, ck), t in zip(trials, timed, strict=True)]
-    else:
-        scored = []
-        for label, trial, ck in trials:
-            try:
-                # looked up before its inputs are made: a layer of the same shapes timed it already
-                ms = _timed(timer, replicated(trial, d.replicas), True, d.mode == "CUDA graph", cached_only)
-                scored.append((label, None if ms is None else (ms / d.replicas, None), ck))
-            except Exception as e:  # a configuration that does not run is skipped
-                d.candidates.append({"config": label, "error": _why(e)})
+    with steps("search timings"):
+        if d.mode == BUNDLED:
+            timed = timer.time_bundled([(t, True) for _, t, _ in trials],
+                                       deadline=time.perf_counter() if cached_only else None)
+            scored = [(label, None if t is None else (t.us / 1e3, t.kernels), ck)
+                      for (label, _, ck), t in zip(trials, timed, strict=True)]
+        else:
+            scored = []
+            for label, trial, ck in trials:
+                try:
+                    # looked up before its inputs are made: a layer of the same shapes timed it already
+                    ms = _timed(timer, replicated(trial, d.replicas), True, d.mode == "CUDA graph", cached_only)
+                    scored.append((label, None if ms is None else (ms / d.replicas, None), ck))
+                except Exception as e:  # a configuration that does not run is skipped
+                    d.candidates.append({"config": label, "error": _why(e)})
     best = None
     for label, got, ck in scored:
         if got is None:
@@ -1666,6 +1679,8 @@ def summary(record: dict) -> str:
              f"{record['seconds']:.1f} s"
              + (" (" + ", ".join(f"{k} {v:.1f} s" for k, v in record["phases"].items()) + ")"
                 if record.get("phases") else "")]
+    if record.get("node_steps"):
+        lines.append("  nodes: " + ", ".join(f"{k} {v:.1f} s" for k, v in record["node_steps"].items()))
     b = record.get("bundles") or {}
     if b.get("sessions") or b.get("errors"):
         lines.append(f"  bundled: {b['models']} one-node models in {b['sessions']} session(s), {b['total_s']:.1f} s"

@@ -35,6 +35,7 @@ from onnxfuse.compile import (
     DEFAULT_TARGETS,
     SUPPORTED_ARCHS,
     attach,
+    code_lines,
     compile_kernels,
     default_targets,
     parse_targets,
@@ -1217,3 +1218,17 @@ def test_the_last_dim_reaches_the_spec_and_names_the_kernel():
     assert f1.kernel_name != f2.kernel_name and f1.kernel_name == f3.kernel_name
     f4, s4 = fused(3072, bias=False)
     assert (f4.params.last_dim, s4.last_dim, s4.input_modes) == (0, 0, ("full",))
+
+
+def test_kernels_that_differ_only_in_their_comments_compile_once(aot):
+    """Two layers of one encoder: the same program, other nodes named in the header. The second
+    is a cache hit, and the binaries are the first's, under its own source."""
+    first, _, cache = aot
+    other = KernelSpec(parse(GOLDEN_PROGRAM), NAME, 2, ("full", "strided", "scalar"), ("Mul /block.1/mul",))
+    [again] = compile_kernels([other], [90], cache_dir=cache)
+    assert (again.compiled, again.cache_hits) == (0, 2)
+    assert again.kernels() == first.kernels()
+    variant = first.variants[0]
+    mine, theirs = (generate(s.program, NAME, 2, s.input_modes, s.source_nodes, variant).source
+                    for s in (other, first.spec))
+    assert mine != theirs and code_lines(mine) == code_lines(theirs)

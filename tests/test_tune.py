@@ -691,6 +691,11 @@ def test_the_record_says_where_the_seconds_went(monkeypatch):
     phases = out["tune"]["phases"]
     assert set(phases) == {"nodes", "recompile", "models", "accuracy"} and all(v >= 0 for v in phases.values())
     assert "(nodes " in out["summary"] and "models " in out["summary"]
+    # and the nodes phase's own steps: the shapes, the one-node models and their pairs' timings
+    steps = out["tune"]["node_steps"]
+    assert {"shapes", "one-node models", "pairs"} <= set(steps) and all(v >= 0 for v in steps.values())
+    assert sum(steps.values()) <= phases["nodes"] + 0.01
+    assert "\n  nodes: shapes " in out["summary"]
 
 
 def test_shapes_learned_by_running_a_model_with_fused_convs(tmp_path, monkeypatch):
@@ -1080,7 +1085,7 @@ def test_attention_tiles_are_searched_without_tune_configs(monkeypatch):
     assert sorted(f.kind for f in r.fused) == ["attention", "pointwise"]
     searched = []
 
-    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False, steps=None):
         searched.append(f.kind)
         return 0.05, "tile 16x16"
 
@@ -1104,7 +1109,7 @@ def test_configurations_are_timed_after_every_nodes_own_kernel(monkeypatch):
         events.append("pair")
         return time_pair(timer, orig, mini, graphs, cached_only)
 
-    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False, steps=None):
         events.append("search")
         return 0.3, "tile 16x16"  # slower than the original's 0.2
 
@@ -1142,7 +1147,7 @@ def test_past_the_budget_a_layer_like_a_searched_one_is_searched_from_the_cache(
     assert [f.kind for f in r.fused] == ["conv", "conv"]
     searched = []
 
-    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False, steps=None):
         searched.append((f.node_name, cached_only))
         return (0.04, "tile 16x16") if not cached_only or same_shapes else None
 
@@ -1173,7 +1178,7 @@ def test_configurations_of_the_longest_nodes_are_searched_first(monkeypatch):
         ch = max(d.dim_value for o in mm.graph.output for d in o.type.tensor_type.shape.dim[1:2])
         return 0.05 * (24 - ch)
 
-    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False, steps=None):
         searched.append(d.fused_ms)
         return None
 
@@ -1190,7 +1195,7 @@ def _recorded_searches(monkeypatch) -> list[str]:
     under a fake timer that finds every fused node faster."""
     searched: list[str] = []
 
-    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False):
+    def search(result, f, node, mini, d, timer, targets, conv_precision, jobs, cached_only=False, steps=None):
         searched.append(f.node_name)
         return None
 
