@@ -110,7 +110,7 @@ from onnxfuse.tools.feeds import make_feeds  # noqa: E402
 from onnxfuse.tools.gate import compare_output, gate_output  # noqa: E402
 from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate_model, interleave  # noqa: E402
 from onnxfuse.tools.shapes import resolve_inputs, signature  # noqa: E402
-from onnxfuse.tune import TuneSettings  # noqa: E402
+from onnxfuse.tune import Phases, TuneSettings  # noqa: E402
 
 VARIANTS = ("ort", "ort_nhwc", "ort_graph", "ort_tfopt", "ort_tfopt_graph", "onnxfuse", "onnxfuse_graph",
             "onnxfuse_tfopt", "onnxfuse_tfopt_graph", "torch_eager", "torch_compile", "torch_compile_graph")
@@ -299,6 +299,7 @@ class CaseResult:
     tune_graph: dict | None = None        # the same for onnxfuse_graph's model (--cuda-graph)
     profile: dict | None = None           # --profile: per model, kernel time by op type (`profile_summary`)
     clocks: dict | None = None            # the GPU's clocks while the variants were timed (ClockWatch)
+    seconds: dict[str, float] = field(default_factory=dict)  # wall seconds of each step of the case (`steps`)
 
 
 def _feeds(case: Case, shapes: dict[str, tuple[int, ...]], model: onnx.ModelProto,
@@ -445,6 +446,21 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     model's kernel time by op type too (`profile_summary`)."""
     shapes = case.dry_shapes if dry else case.shapes
     res = CaseResult(case.name, case.kind, {k: list(v) for k, v in shapes.items()})
+    steps = Phases()  # where a case's wall time goes: what a GPU session's plan needs
+    started = time.perf_counter()
+    try:
+        return _run_case(case, workdir, dry, variants, warmup, iters, log, tune, tune_budget, reference, profile,
+                         res, shapes, steps)
+    finally:
+        res.seconds = {**steps.rounded(), "total": round(time.perf_counter() - started, 2)}
+        if res.skipped is None:
+            log(f"  {case.name:<20} {'seconds':<32} " + ", ".join(f"{k} {v:.1f}" for k, v in res.seconds.items()))
+
+
+def _run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], warmup: int, iters: int, log,
+              tune: bool, tune_budget: float | None, reference: str, profile: bool, res: CaseResult,
+              shapes: dict[str, tuple[int, ...]], steps: Phases) -> CaseResult:
+    """run_case's body; `steps` gets the seconds of its steps."""
     try:
         if case.onnx is None:  # a pretrained model of the legacy list
             name = case.pretrained or case.name
@@ -462,14 +478,16 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     orig = workdir / f"{case.name}.onnx"
     fused = workdir / f"{case.name}.onnxfuse.onnx"
     save_model(model, orig)
-    compiled = _fuse(model, orig, fused, shapes, dry, tune, tune_budget, lambda w: log(f"  {case.name:<20} {w}"))
+    with steps("onnxfuse"):
+        compiled = _fuse(model, orig, fused, shapes, dry, tune, tune_budget, lambda w: log(f"  {case.name:<20} {w}"))
     res.compile, res.tune = compiled.get("summary", ""), compiled.get("tune")
     res.fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused), load_external_data=False))
     fused_graph, graph_nodes = fused, res.fused_nodes  # onnxfuse_graph's model
     if tune and not dry and "onnxfuse_graph" in variants:
         fused_graph = workdir / f"{case.name}.onnxfuse.graph.onnx"
-        res.tune_graph = _fuse(model, orig, fused_graph, shapes, dry, tune, tune_budget,
-                               lambda w: log(f"  {case.name:<20} (--cuda-graph) {w}"), cuda_graph=True).get("tune")
+        with steps("onnxfuse --cuda-graph"):
+            res.tune_graph = _fuse(model, orig, fused_graph, shapes, dry, tune, tune_budget,
+                                   lambda w: log(f"  {case.name:<20} (--cuda-graph) {w}"), cuda_graph=True).get("tune")
         graph_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused_graph), load_external_data=False))
         kept = [(t or {}).get("kept", "not tuned") for t in (res.tune, res.tune_graph)]
         log(f"  {case.name:<20} tuning kept: {kept[0]} (default), {kept[1]} (--cuda-graph)")
@@ -478,14 +496,17 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     tf_error = None
     if case.ort_optimizer is not None and any(v in TFOPT_VARIANTS for v in variants):
         try:
-            tf_model, res.tfopt_ops = ort_transformers_optimize(model, reference_model, case.ort_optimizer(dry), dry)
+            with steps("tf-optimizer"):
+                tf_model, res.tfopt_ops = ort_transformers_optimize(model, reference_model, case.ort_optimizer(dry),
+                                                                    dry)
             tf_paths["ort_tfopt"] = workdir / f"{case.name}.tfopt.onnx"
             save_model(tf_model, tf_paths["ort_tfopt"])
             log(f"  {case.name:<20} ORT tf-optimizer fused: {res.tfopt_ops}")
             if any(model_variant(v) == "onnxfuse_tfopt" for v in variants):
                 tf_fused = workdir / f"{case.name}.tfopt.onnxfuse.onnx"
-                _fuse(tf_model, tf_paths["ort_tfopt"], tf_fused, shapes, dry, tune, tune_budget,
-                      lambda w: log(f"  {case.name:<20} (on tf-optimizer) {w}"))
+                with steps("onnxfuse on tf-optimizer"):
+                    _fuse(tf_model, tf_paths["ort_tfopt"], tf_fused, shapes, dry, tune, tune_budget,
+                          lambda w: log(f"  {case.name:<20} (on tf-optimizer) {w}"))
                 res.tfopt_fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(tf_fused), load_external_data=False))
                 tf_paths["onnxfuse_tfopt"] = tf_fused
         except Exception as e:  # the other variants still run
@@ -498,7 +519,8 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     why_not = "--reference fp32"
     if reference == "float64":
         try:
-            ref, seconds = float64_reference.timed_evaluate(reference_model or model, feeds)
+            with steps("reference"):
+                ref, seconds = float64_reference.timed_evaluate(reference_model or model, feeds)
             log(f"  {case.name:<20} {'float64 reference':<32} {seconds:.1f} s")
         except float64_reference.Unavailable as e:
             why_not = str(e)
@@ -517,7 +539,8 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
                       else graph_nodes if v == "onnxfuse_graph" else res.fused_nodes) > 0
                  for v in ort_based}
     watch = None if dry else ClockWatch()
-    ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu, watch=watch)
+    with steps("timing"):
+        ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu, watch=watch)
     if watch is not None and watch.result is not None:
         res.clocks = watch.result.to_dict()
         log(f"  {case.name:<20} {'clocks while timed':<32} {watch.result.text()}"

@@ -5,6 +5,7 @@ reference of --reference fp32) with a fake runner; and compare.py's dry run and 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import subprocess
@@ -1053,3 +1054,20 @@ def test_a_number_given_for_a_bfloat16_input_is_a_float():
     a = given_input(InputSpec("x", np.dtype(ml_dtypes.bfloat16), (2, 3)), "0.5")
     assert a.dtype == ml_dtypes.bfloat16 and a.shape == (2, 3) and (a.astype(np.float32) == 0.5).all()
     assert (given_input(InputSpec("k", np.dtype(np.int64), (2,)), "7") == 7).all()
+
+
+def test_compare_records_where_a_cases_seconds_went(tmp_path):
+    """Each case's wall seconds by step (onnxfuse, the reference, the timing) and in all, in its
+    record and its log: a GPU session plans its calls on them."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    lines = []
+    case = next(c for c in compare.cases() if c.name == "cos_cos")
+    res = compare.run_case(case, tmp_path, True, ("ort", "onnxfuse"), 0, 2, log=lines.append)
+    assert {"onnxfuse", "reference", "timing", "total"} <= set(res.seconds)
+    assert all(v >= 0 for v in res.seconds.values())
+    assert sum(v for k, v in res.seconds.items() if k != "total") <= res.seconds["total"] + 0.05
+    [line] = [ln for ln in lines if " seconds " in ln]
+    assert "onnxfuse " in line and line.rstrip().split(", ")[-1].startswith("total ")
+    assert dataclasses.asdict(res)["seconds"] == res.seconds
