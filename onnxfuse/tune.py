@@ -64,7 +64,8 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    cuDNN picks fp32 algorithms for some layers (PP-OCR's direction classifier at batch 1 on
    the H200: 2.2e-5, where onnxfuse's tf32 convs gave 1.2e-3), and for small convs it picks
    them in one session and not in the next, so ORT's own error is the smallest of three fresh
-   sessions' (`ORT_DEFAULT_SESSIONS`), output by output. When the only candidates
+   sessions' (`ORT_DEFAULT_SESSIONS`; one for a model without convs: `ort_default_sessions`),
+   output by output. When the only candidates
    fast enough fail the gate, the same fusions are compiled at PRECISE (tf32x3) and kept if
    they pass and are not slower; otherwise the original is written, with a warning. In that
    precise model, the nodes that per-node timing gave to ORT go back to it only where ORT
@@ -181,6 +182,10 @@ FLOAT64_MAX_FLOPS = 20e9
 # batch 1 on the H200: 2.2e-5 in the suite's sessions, 1.8e-4 in the one tuning ran, whose gate
 # then passed a model (1.4e-4) that failed the suite's (sixteenth session)
 ORT_DEFAULT_SESSIONS = 3
+# The ops whose algorithm cuDNN picks per session by timing (ORT's default search, EXHAUSTIVE):
+# a model without them computes the same in every session (cuBLAS's heuristics pick per shape),
+# so one session gives ORT's error, and a GPT-2-small fp32 tuning loads its 0.5 GB twice less
+SEARCHED_OPS = frozenset({"Conv", "ConvTranspose"})
 # The conv precision tried when the tf32 candidates fail the accuracy gate: as accurate as
 # fp32 to about 1e-7 relative, 1.1-2.5x a tf32 kernel's time (BENCHMARKS.md, "Conv precision")
 PRECISE = "tf32x3"
@@ -1166,9 +1171,24 @@ def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProt
     each output is within 2x the original's own error under ORT's defaults (TF32 allowed)
     plus the dtype's floor. Per label: passed, max_abs_err, ort_max_abs_err, the first
     failure's text (or the error that stopped the run) and which reference it was. On CUDA,
-    ORT's own error is the smallest of ORT_DEFAULT_SESSIONS sessions', output by output."""
+    ORT's own error is the smallest of `ort_default_sessions` sessions', output by output."""
     gates = accuracy_on(timer, original, candidates, {"": feeds})
     return {label: {k: v for k, v in g.items() if k != "inputs"} for label, g in gates.items()}
+
+
+def ort_default_sessions(model: ModelProto) -> int:
+    """How many fresh sessions give ORT's own error (`accuracy_on`): ORT_DEFAULT_SESSIONS where
+    the model has a SEARCHED_OPS node (in its graph, a subgraph or a function), else one."""
+    def graphs(g: onnx.GraphProto):
+        yield g
+        for n in g.node:
+            for a in n.attribute:
+                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
+                    yield from graphs(sub)
+
+    ops = {n.op_type for g in graphs(model.graph) for n in g.node if n.domain in ("", "ai.onnx")}
+    ops |= {n.op_type for f in model.functions for n in f.node if n.domain in ("", "ai.onnx")}
+    return ORT_DEFAULT_SESSIONS if ops & SEARCHED_OPS else 1
 
 
 def accuracy_on(timer: Timer, original: ModelProto, candidates: dict[str, ModelProto],
@@ -1180,7 +1200,7 @@ def accuracy_on(timer: Timer, original: ModelProto, candidates: dict[str, ModelP
     ort_runs = [timer.original_outputs(original, feed_sets, "ort", True)]
     if timer.settings.provider == "cuda":
         ort_runs += [timer.outputs({"ort": (original, False, True)}, feed_sets)["ort"]
-                     for _ in range(ORT_DEFAULT_SESSIONS - 1)]
+                     for _ in range(ort_default_sessions(original) - 1)]
     runs = timer.outputs({label: (m, True, True) for label, m in candidates.items()}, feed_sets)
     per_set = {name: _gate_set(timer, original, feed_sets, name, [r[name] for r in ort_runs],
                                {label: runs[label][name] for label in candidates})

@@ -1282,6 +1282,35 @@ def test_ort_default_error_is_the_most_accurate_session_output_by_output():
     assert best["a"] is s2["a"] and best["b"] is s1["b"]
 
 
+def test_several_ort_sessions_only_where_cudnn_searches_per_session(monkeypatch, tmp_path):
+    """ORT's own error takes three fresh sessions where cuDNN picks a conv's algorithm in each
+    (a Conv in the graph, a branch or a function), one where cuBLAS's heuristics decide alone."""
+    mm = model([N("MatMul", ["x", "w"], ["y"])], {"x": ("float32", [2, 4])}, {"y": ("float32", [2, 3])},
+               {"w": np.ones((4, 3), np.float32)})
+    conv = model([N("Conv", ["x", "w"], ["y"])], {"x": ("float32", [1, 2, 4, 4])}, {"y": ("float32", [1, 3, 4, 4])},
+                 {"w": np.ones((3, 2, 1, 1), np.float32)})
+    branch = onnx.ModelProto()
+    branch.CopyFrom(mm)
+    inner = helper.make_graph([N("Conv", ["x", "w"], ["c"])], "then", [],
+                              [helper.make_tensor_value_info("c", onnx.TensorProto.FLOAT, None)])
+    branch.graph.node.append(N("If", ["flag"], ["z"], then_branch=inner, else_branch=inner))
+    in_function = onnx.ModelProto()
+    in_function.CopyFrom(mm)
+    body = [N("ConvTranspose", ["a", "b"], ["c"])]
+    in_function.functions.append(helper.make_function("local", "F", ["a", "b"], ["c"], body,
+                                                      [helper.make_opsetid("", 17)]))
+    assert [tuning.ort_default_sessions(m) for m in (mm, conv, branch, in_function)] == [
+        1, tuning.ORT_DEFAULT_SESSIONS, tuning.ORT_DEFAULT_SESSIONS, tuning.ORT_DEFAULT_SESSIONS]
+    # and accuracy_on opens that many for the original on CUDA
+    opened = []
+    monkeypatch.setattr(tuning.Timer, "outputs", lambda self, models, sets: opened.extend(models) or {
+        label: {name: {"y": np.zeros((2, 3), np.float32)} for name in sets} for label in models})
+    monkeypatch.setattr(tuning.Timer, "float64_reference", lambda self, m, feeds: (None, "not here"))
+    timer = tuning.Timer(TuneSettings(provider="cuda", cache=False), tmp_path)
+    tuning.accuracy_on(timer, mm, {"optimized": mm}, {"": {"x": np.ones((2, 4), np.float32)}})
+    assert opened.count("ort") == 1
+
+
 def test_the_original_is_timed_without_the_views_that_write_its_outputs():
     """ONNX Runtime copies a Reshape (Squeeze, Identity, ...) that writes a graph output, where
     inside the model the same view aliases its input: a one-node original ending in one would
