@@ -34,6 +34,12 @@ def _die(code: int) -> None:
     os._exit(code)
 
 
+def _noise_then_die(n_bytes: int) -> None:
+    sys.stderr.write("x" * (n_bytes - 1) + "\n" + "the last words after much noise\n")
+    sys.stderr.flush()
+    os._exit(4)
+
+
 def _slow(seconds: float) -> float:
     time.sleep(seconds)
     return seconds
@@ -79,6 +85,13 @@ def test_a_worker_that_dies_or_hangs_is_replaced(w):
     with pytest.raises(worker.WorkerError, match="did not answer"):
         w.call("tests.test_worker", "_slow", 30.0, timeout=0.5)
     assert w.call("tests.test_worker", "_slow", 0.0) == 0.0 and w.pid not in (pid, again)
+
+
+def test_a_death_after_much_printing_still_names_its_last_line(w, monkeypatch):
+    """Only the tail of the worker's stderr is read: its size does not matter."""
+    monkeypatch.setattr(worker, "LOG_TAIL_BYTES", 1024)
+    with pytest.raises(worker.WorkerError, match=r"\(the last words after much noise\)"):
+        w.call("tests.test_worker", "_noise_then_die", 10 * 1024)
 
 
 def test_the_shared_worker_is_one():

@@ -39,6 +39,7 @@ from onnxfuse.errors import OnnxfuseError
 
 TIMEOUT_S = 600.0  # one call at most: a bundle of the largest models ran 8.4 s on the H200
 ENV_PREFIX = "ONNXFUSE_"
+LOG_TAIL_BYTES = 65536  # of the worker's stderr, read for a death's last line
 
 
 class WorkerError(OnnxfuseError):
@@ -90,8 +91,8 @@ class Worker:
     def _last_error_line(self) -> str:
         if self._log is None:
             return ""
-        try:
-            self._log.seek(0)
+        try:  # the file holds every print of a long-lived worker: its tail has the last line
+            self._log.seek(max(0, self._log.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
             lines = [ln for ln in self._log.read().decode(errors="replace").splitlines() if ln.strip()]
         except (OSError, ValueError):
             return ""
