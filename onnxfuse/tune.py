@@ -85,7 +85,10 @@ is not the leading one and is not given is not measured (a warning asks for `--s
 Cache: every measured time is kept under ``~/.cache/onnxfuse/tune`` (``$ONNXFUSE_CACHE``
 moves the root), one JSON file per device, ONNX Runtime, onnxfuse and kernel cache format,
 keyed by a hash of the exact one-node (or whole) model and its input shapes, so a second
-`optimize` of the same model at the same shapes measures nothing again.
+`optimize` of the same model at the same shapes measures nothing again. The accuracy gate's
+records are kept there too, keyed by the original's and the candidate's whole bytes and the
+input sets' values (`Timer.gate_keys`): the same candidates, built again (a second `optimize`,
+or one per deployment mode), are not gated again.
 
 Budget: per-node timing stops after `budget_s` seconds (default `BUDGET_S`); a bundle begun
 before then runs to its end (every node of the suite's CNNs fit in one to seven, 0.5-8.4 s on
@@ -95,8 +98,9 @@ and are listed as not measured; the whole-model check always runs. Candidate con
 (`--tune configs`, `Kind.search_configs`) are timed after every node's own kernel, with what is
 left of the budget; past it, a node whose one-node model equals one already searched (a layer
 of the same shapes) is searched from the remembered timings alone. The record's "phases" say
-where the seconds went (node timing, recompiling, whole-model timing, accuracy); "bundles" and
-"node_runs" split the node timing.
+where the seconds went (node timing, recompiling, whole-model timing, accuracy); "node_steps"
+(shapes, one-node models, bundles, graph gap, pairs, search compiles and timings), "bundles"
+and "node_runs" split the node timing.
 """
 
 from __future__ import annotations
@@ -116,7 +120,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import ModelProto, helper
+from onnx import ModelProto, helper, numpy_helper
 
 from onnxfuse import bundle, ir, kmajor, reference, runtime
 from onnxfuse import compile as aot
@@ -167,6 +171,8 @@ UNMEASURED_REASON = ("left to ONNX Runtime: not measured within the tuning budge
 KEPT_ORIGINAL = "kept the original model: the optimized one measured slower (tuning)"
 KEPT_INACCURATE = "kept the original model: the optimized one was less accurate than ONNX Runtime's default (tuning)"
 UNCHECKED = {"passed": True, "max_abs_err": None, "ort_max_abs_err": None, "failure": None}
+# the gate's rule and record (`accuracy_on`) as remembered in the tuning cache: bump when either changes
+GATE_VERSION = 1
 # The accuracy gate's reference is the original evaluated in float64 on the CPU
 # (onnxfuse.reference, as in `onnxfuse bench`) up to this many FLOPs at the tuning's shapes
 # (onnxfuse.cost's count). Measured on 2 cores (benchmarks/reference_cost.py): YOLOv8n at
@@ -884,6 +890,29 @@ class Timer:
             self._original_runs[key] = self.outputs({label: (model, False, tf32)}, feed_sets)[label]
         return self._original_runs[key]
 
+    def gate_keys(self, original: ModelProto, candidates: dict[str, ModelProto],
+                  feed_sets: dict[str, dict[str, np.ndarray]]) -> dict[str, str]:
+        """Per candidate, the cache key of its gate (`accuracy_on`): the original's and the
+        candidate's whole bytes, weights included, and the input sets' values. A gate is
+        remembered as a timing is (per device and software): `optimize` run again on the same
+        model, or once per deployment mode (`--cuda-graph`), builds the same candidates, and
+        the suite's second tuning of a GPT-2-small fp32 row spent 44 s gating them again."""
+        h = hashlib.sha256(f"gate|{GATE_VERSION}|sessions={ort_default_sessions(original)}".encode())
+        _hash_model(h, original)
+        for name, feeds in feed_sets.items():
+            h.update(f"|set {name}".encode())
+            for k in sorted(feeds):
+                a = np.ascontiguousarray(feeds[k])
+                h.update(f"|{k}:{a.dtype}:{a.shape}|".encode())
+                h.update(a.tobytes())
+        keys = {}
+        for label, m in candidates.items():
+            c = h.copy()
+            c.update(b"|candidate|")
+            _hash_model(c, m)
+            keys[label] = c.hexdigest()
+        return keys
+
     def save(self) -> None:
         if self.path is not None and self.measured:
             _write_cache(self.path, self.entries)
@@ -902,6 +931,21 @@ def _without_weights(m: ModelProto) -> bytes:
                          "string_data", "external_data"):
                 t.ClearField(name)
     return c.SerializeToString(deterministic=True)
+
+
+def _hash_model(h, m: ModelProto) -> None:
+    """Feed `h` the whole model, weights included, a large initializer at a time (one
+    serialization of a model over 2 GB would fail)."""
+    h.update(_without_weights(m))
+    for t in m.graph.initializer:
+        if int(np.prod(t.dims)) > SMALL_CONSTANT:
+            h.update(f"|{t.name}|".encode())
+            if t.HasField("raw_data"):
+                h.update(t.raw_data)
+            elif t.external_data:  # not loaded: where its bytes are
+                h.update(str([(e.key, e.value) for e in t.external_data]).encode())
+            else:
+                h.update(numpy_helper.to_array(t).tobytes())
 
 
 def cache_path(provider: str) -> Path:
@@ -1197,25 +1241,33 @@ def accuracy_on(timer: Timer, original: ModelProto, candidates: dict[str, ModelP
     candidate passes when it passes on every set; its record is that of the first set it fails
     on, else of the set where its error is largest against ORT's own, with the set's name
     ("inputs")."""
+    keys = timer.gate_keys(original, candidates, feed_sets)
+    out = {label: dict(timer.entries[key]["gate"]) for label, key in keys.items() if key in timer.entries}
+    timer.hits += len(out)
+    todo = {label: m for label, m in candidates.items() if label not in out}
+    if not todo:
+        return out
     ort_runs = [timer.original_outputs(original, feed_sets, "ort", True)]
     if timer.settings.provider == "cuda":
         ort_runs += [timer.outputs({"ort": (original, False, True)}, feed_sets)["ort"]
                      for _ in range(ort_default_sessions(original) - 1)]
-    runs = timer.outputs({label: (m, True, True) for label, m in candidates.items()}, feed_sets)
+    runs = timer.outputs({label: (m, True, True) for label, m in todo.items()}, feed_sets)
     per_set = {name: _gate_set(timer, original, feed_sets, name, [r[name] for r in ort_runs],
-                               {label: runs[label][name] for label in candidates})
+                               {label: runs[label][name] for label in todo})
                for name in feed_sets}
 
     def ratio(g: dict) -> float:
         err, ort = g["max_abs_err"], g["ort_max_abs_err"]
         return -1.0 if err is None else err / ort if ort else float("inf") if err else 0.0
 
-    out = {}
-    for label in candidates:
+    for label in todo:
         sets = [{**g[label], "inputs": name} for name, g in per_set.items()]
         failed = [g for g in sets if not g["passed"]]
         out[label] = failed[0] if failed else max(sets, key=ratio)
-    return out
+        if all(not isinstance(runs[label][name], str) for name in feed_sets):  # one that could not run is not
+            timer.entries[keys[label]] = {"gate": out[label]}
+            timer.measured += 1
+    return {label: out[label] for label in candidates}
 
 
 def _gate_set(timer: Timer, original: ModelProto, feed_sets: dict[str, dict[str, np.ndarray]], name: str,

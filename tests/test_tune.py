@@ -744,6 +744,8 @@ def _fake_outputs(monkeypatch, errors: dict[str, float]):
 def _tune_precise(r, before, recompiled: list):
     def precise(res):
         recompiled.append(res)
+        # other kernels, as a real recompile at tf32x3 attaches: other bytes (the gate's cache key)
+        onnx.helper.set_model_props(res.model, {"kernels": "tf32x3"})
         return dict(NOT_COMPILED, summary="kernels: precise")
 
     return tuning.tune(r, before, dict(NOT_COMPILED), lambda res: dict(NOT_COMPILED), CPU, [90],
@@ -1010,6 +1012,45 @@ def test_both_input_sets_run_in_one_session_per_model(monkeypatch, tmp_path):
     assert sessions == [2, 2]  # the original under ORT's defaults, the candidate
     g = gates["optimized"]
     assert g["passed"] and g["reference"] == "float64" and g["inputs"] in sets
+
+
+def test_gates_are_remembered_for_the_same_bytes_and_inputs(monkeypatch, tmp_path):
+    """A gate is cached as a timing is: the same original, candidate and input sets (optimize
+    again, or the suite's second tuning for --cuda-graph) give the remembered record with no
+    session; other weights, other inputs or a candidate that could not run are gated anew.
+    Real runs on the CPU provider."""
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    settings = TuneSettings(provider="cpu", batch=2, cache=True)
+    m = vgg_stack(2, 8, 3, 16)
+    sets = tuning.accuracy_feeds(tuning.feeds_for(m, {"x": (2, 3, 16, 16)}))
+    real = tuning.evaluate_model_on
+    sessions = []
+    monkeypatch.setattr(tuning, "evaluate_model_on", lambda *a, **k: sessions.append(1) or real(*a, **k))
+    first = tuning.Timer(settings, tmp_path / "a")
+    (tmp_path / "a").mkdir()
+    gates = tuning.accuracy_on(first, m, {"optimized": m}, sets)
+    assert len(sessions) == 2 and first.measured == 1 and gates["optimized"]["passed"]
+    first.save()
+    again = tuning.Timer(settings, tmp_path / "a")  # a later process: from the cache file
+    sessions.clear()
+    assert tuning.accuracy_on(again, m, {"optimized": m}, sets) == gates
+    assert sessions == [] and again.hits == 1
+    other = onnx.ModelProto()
+    other.CopyFrom(m)
+    w = other.graph.initializer[0]
+    w.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(w) * 1.001, w.name))
+    tuning.accuracy_on(again, m, {"optimized": other}, sets)
+    assert len(sessions) == 2  # the original under ORT's defaults, then the candidate
+    sessions.clear()
+    tuning.accuracy_on(again, m, {"optimized": m}, tuning.accuracy_feeds(tuning.feeds_for(m, {"x": (2, 3, 16, 16)}),
+                                                                           seed=7))
+    assert len(sessions) == 2
+    broken = onnx.ModelProto()
+    broken.CopyFrom(m)
+    broken.graph.node[0].op_type = "NoSuchOp"
+    before = dict(again.entries)
+    assert not tuning.accuracy_on(again, m, {"broken": broken}, sets)["broken"]["passed"]
+    assert again.entries == before
 
 
 def test_accuracy_is_gated_only_where_tf32_was_chosen(monkeypatch):
