@@ -1264,7 +1264,7 @@ def accuracy_on(timer: Timer, original: ModelProto, candidates: dict[str, ModelP
         sets = [{**g[label], "inputs": name} for name, g in per_set.items()]
         failed = [g for g in sets if not g["passed"]]
         out[label] = failed[0] if failed else max(sets, key=ratio)
-        if all(not isinstance(runs[label][name], str) for name in feed_sets):  # one that could not run is not
+        if all(not isinstance(runs[label][name], str) for name in feed_sets):  # a candidate that ran
             timer.entries[keys[label]] = {"gate": out[label]}
             timer.measured += 1
     return {label: out[label] for label in candidates}
