@@ -928,6 +928,23 @@ def shard_names(names: list[str], shard: str) -> list[str]:
     return names[k::n]
 
 
+def done_cases(paths: list[Path]) -> dict[str, str]:
+    """--skip-done: case name -> the file whose run holds it, not skipped and with every variant
+    timed (none failed); a file that does not exist or cannot be read holds none (the first
+    call of a run cut into several has nothing done yet)."""
+    done: dict[str, str] = {}
+    for path in paths:
+        try:
+            cases = json.loads(path.read_text())["cases"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        for c in cases:
+            variants = c.get("variants") or {}
+            if not c.get("skipped") and variants and all(not (v or {}).get("error") for v in variants.values()):
+                done[c["model"]] = path.name
+    return done
+
+
 def merge_results(results: list[tuple[str, dict]]) -> dict:
     """Several runs' results as one: each case from the last run (in the order given) that has
     it, tagged with that run's name (`run`); the header fields are the last run's, with every
@@ -1009,6 +1026,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="per-node timing budget of optimize's tuning (default: optimize's own, 60 s)")
     ap.add_argument("--model-cache", type=Path, metavar="DIR",
                     help="--suite: keep built models in DIR (fp32 exports, fp16 conversions) and load them from there")
+    ap.add_argument("--skip-done", type=Path, nargs="+", metavar="FILE",
+                    help="skip the cases an earlier run's JSON already holds with every variant timed (files that "
+                         "do not exist hold none): a run cut off by a time limit goes on where it stopped, and "
+                         "--from-json merges the runs into one table")
     ap.add_argument("--prepare", action="store_true",
                     help="--suite: only build every model and compile its kernels (fills the model and kernel "
                          "caches; needs Triton, not a GPU runtime), then stop")
@@ -1098,10 +1119,14 @@ def main(argv: list[str] | None = None) -> int:
                 "per dtype, float32 1e-5, 1e-5): onnxfuse.tools.gate.gate_output",
         "cases": [],
     }
+    done = done_cases(args.skip_done or [])
     with tempfile.TemporaryDirectory(prefix="onnxfuse-compare-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
         for case in picked:
+            if case.name in done:
+                print(f"{case.name} ({case.kind}): done in {done[case.name]}, skipped (--skip-done)", flush=True)
+                continue
             print(f"{case.name} ({case.kind})", flush=True)
             res = run_case(case, workdir, args.dry_run, variants, warmup, iters, tune=not args.no_tune,
                            tune_budget=args.tune_budget, reference=args.reference, profile=args.profile)

@@ -1071,3 +1071,26 @@ def test_compare_records_where_a_cases_seconds_went(tmp_path):
     [line] = [ln for ln in lines if " seconds " in ln]
     assert "onnxfuse " in line and line.rstrip().split(", ")[-1].startswith("total ")
     assert dataclasses.asdict(res)["seconds"] == res.seconds
+
+
+def test_compare_skip_done_goes_on_where_an_earlier_run_stopped(tmp_path):
+    """--skip-done: a case an earlier run's JSON holds with every variant timed is not run
+    again; one with a failed variant, one that was skipped and a missing file count as not
+    done."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    first = tmp_path / "a.json"
+    ok = {"ort": {"median_ms": 1.0, "error": None}, "onnxfuse": {"median_ms": 0.5, "error": None}}
+    first.write_text(json.dumps({"cases": [
+        {"model": "cos_cos", "variants": ok, "skipped": None},
+        {"model": "mlp_block", "variants": {**ok, "onnxfuse": {"median_ms": None, "error": "boom"}}, "skipped": None},
+        {"model": "conv_relu", "variants": {}, "skipped": "no torch"}]}))
+    assert compare.done_cases([first, tmp_path / "missing.json"]) == {"cos_cos": "a.json"}
+    second = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "benchmarks/compare.py", "--dry-run", "--models", "cos_cos,mlp_block",
+                        "--skip-done", str(first), str(tmp_path / "missing.json"), "--json", str(second)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "cos_cos (intensity): done in a.json, skipped (--skip-done)" in r.stdout
+    assert [c["model"] for c in json.loads(second.read_text())["cases"]] == ["mlp_block"]

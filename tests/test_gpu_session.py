@@ -107,3 +107,30 @@ def test_suite_shapes_times_the_rows_four_ways_in_one_call(tmp_path):
     env.pop("OUT")
     r = subprocess.run(args, env={**env, "OUT": str(tmp_path / "o2")}, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 2 and "no .devlib" in r.stderr and not any((tmp_path / "o2").glob("suite_shapes_*"))
+
+
+def test_suite_resume_goes_on_where_the_last_call_stopped(tmp_path):
+    """suite-resume: the first call skips nothing; its JSON is kept (numbered in call order) and
+    the next call passes it to --skip-done; each call ends with the merged table of all."""
+    import subprocess
+
+    bin_dir, out, done = tmp_path / "bin", tmp_path / "out", tmp_path / "done"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"  # stands in for compare.py: says what it was asked, writes its --json
+    fake.write_text('#!/bin/bash\necho "| asked | $* |"\nprev=""\nfor a in "$@"; do\n'
+                    '  [ "$prev" = "--json" ] && echo \'{"cases": []}\' > "$a"\n  prev="$a"\ndone\n')
+    fake.chmod(0o755)
+    script = str(ROOT / "benchmarks" / "gpu_session.sh")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out), "RESUME_DIR": str(done),
+           "ONNXFUSE_LIBRARY": "lib.so"}
+    runs = []
+    for tag in ("a", "b"):
+        r = subprocess.run(["bash", script, "suite-resume", tag, "100", "--models", "bert_base"], env=env,
+                           capture_output=True, text=True, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        runs.append([ln for ln in r.stdout.splitlines() if ln.startswith("| asked |")])
+    first, second = runs
+    assert "--skip-done" not in first[0] and f"--json {out}/suite_a.json --models bert_base |" in first[0]
+    assert f"--skip-done {done}/00_suite_a.json --models bert_base |" in second[0]
+    assert sorted(p.name for p in done.iterdir()) == ["00_suite_a.json", "01_suite_b.json"]
+    assert f"--from-json {done}/00_suite_a.json {done}/01_suite_b.json --markdown {out}/suite_b_merged.md" in second[1]
