@@ -893,11 +893,13 @@ class Timer:
     def gate_keys(self, original: ModelProto, candidates: dict[str, ModelProto],
                   feed_sets: dict[str, dict[str, np.ndarray]]) -> dict[str, str]:
         """Per candidate, the cache key of its gate (`accuracy_on`): the original's and the
-        candidate's whole bytes, weights included, and the input sets' values. A gate is
-        remembered as a timing is (per device and software): `optimize` run again on the same
-        model, or once per deployment mode (`--cuda-graph`), builds the same candidates, and
-        the suite's second tuning of a GPT-2-small fp32 row spent 44 s gating them again."""
+        candidate's whole bytes, weights included, the input sets' values and the custom-op
+        library's bytes (a library rebuilt with a fix gates anew). A gate is remembered as a
+        timing is (per device and software): `optimize` run again on the same model, or once
+        per deployment mode (`--cuda-graph`), builds the same candidates, and the suite's
+        second tuning of a GPT-2-small fp32 row spent 44 s gating them again."""
         h = hashlib.sha256(f"gate|{GATE_VERSION}|sessions={ort_default_sessions(original)}".encode())
+        h.update(f"|library {_library_digest()}".encode())
         _hash_model(h, original)
         for name, feeds in feed_sets.items():
             h.update(f"|set {name}".encode())
@@ -931,6 +933,15 @@ def _without_weights(m: ModelProto) -> bytes:
                          "string_data", "external_data"):
                 t.ClearField(name)
     return c.SerializeToString(deterministic=True)
+
+
+def _library_digest() -> str:
+    """sha256 of the custom-op library the candidates run with, built as their runs would build
+    it ("none" where there is none)."""
+    try:
+        return hashlib.sha256(Path(runtime.library_path()).read_bytes()).hexdigest()
+    except (OnnxfuseError, OSError):
+        return "none"
 
 
 def _hash_model(h, m: ModelProto) -> None:

@@ -1017,8 +1017,8 @@ def test_both_input_sets_run_in_one_session_per_model(monkeypatch, tmp_path):
 def test_gates_are_remembered_for_the_same_bytes_and_inputs(monkeypatch, tmp_path):
     """A gate is cached as a timing is: the same original, candidate and input sets (optimize
     again, or the suite's second tuning for --cuda-graph) give the remembered record with no
-    session; other weights, other inputs or a candidate that could not run are gated anew.
-    Real runs on the CPU provider."""
+    session; other weights, other inputs or another library are gated anew, and a candidate
+    that could not run is not remembered. Real runs on the CPU provider."""
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     settings = TuneSettings(provider="cpu", batch=2, cache=True)
     m = vgg_stack(2, 8, 3, 16)
@@ -1045,6 +1045,10 @@ def test_gates_are_remembered_for_the_same_bytes_and_inputs(monkeypatch, tmp_pat
     tuning.accuracy_on(again, m, {"optimized": m}, tuning.accuracy_feeds(tuning.feeds_for(m, {"x": (2, 3, 16, 16)}),
                                                                            seed=7))
     assert len(sessions) == 2
+    monkeypatch.setattr(tuning, "_library_digest", lambda: "another build of the library")
+    sessions.clear()
+    tuning.accuracy_on(again, m, {"optimized": m}, sets)
+    assert len(sessions) == 1  # gated anew (the original's ORT runs are this Timer's already)
     broken = onnx.ModelProto()
     broken.CopyFrom(m)
     broken.graph.node[0].op_type = "NoSuchOp"
