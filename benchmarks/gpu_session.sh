@@ -106,34 +106,31 @@ case "${1:-tests}" in
     ONNXFUSE_MODELS=/tmp/pre timeout "$limit" python3 benchmarks/compare.py --suite --prepare \
       --model-cache /tmp/suite-models "$@" 2>&1 | grep -v "W:onnxruntime" | tee -a "$OUT/suite_prep.log"
     ;;
-  suite)
+  suite|suite-resume)
     # the suite timed: ORT / ORT + graph / onnxfuse (tuned at the case's shapes) / onnxfuse +
     # graph, both errors and the gate; JSON after every case.
     #   suite TAG LIMIT [compare.py arguments: --models ..., --batches ..., --dtypes ..., --tune-budget S]
-    tag=${2:-a}; limit=${3:-580}; shift 3
+    # suite-resume: the same, cut into calls of one lease: the same command again goes on where
+    # the last call stopped (rows every earlier call of this machine timed whole are skipped:
+    # compare.py --skip-done over $RESUME_DIR), and each call ends with the table of every row
+    # done so far (suite_TAG_merged.md).
+    mode=$1; tag=${2:-a}; limit=${3:-580}; shift 3
     mkdir -p /tmp/pre && cp models/build/pretrained/*.onnx /tmp/pre/ 2>/dev/null
-    ONNXFUSE_MODELS=/tmp/pre timeout "$limit" python3 benchmarks/compare.py --suite --model-cache /tmp/suite-models \
-      --iters 60 --warmup 5 --json "$OUT/suite_$tag.json" "$@" 2>&1 \
-      | grep -v "W:onnxruntime" | tee "$OUT/suite_$tag.log" | grep -E "^\S|gate|error|Error|warning|clocks" | tail -60
-    ;;
-  suite-resume)
-    # the suite as `suite` runs it, cut into calls of one lease: the same command again goes on
-    # where the last call stopped (rows every earlier call of this machine timed whole are
-    # skipped: compare.py --skip-done over $RESUME_DIR), and each call ends with the table of
-    # every row done so far (suite_TAG_merged.md).
-    #   suite-resume TAG LIMIT [compare.py arguments as for suite]
-    tag=${2:-a}; limit=${3:-560}; shift 3
-    done_dir=${RESUME_DIR:-/tmp/suite-done}; mkdir -p "$done_dir" /tmp/pre
-    cp models/build/pretrained/*.onnx /tmp/pre/ 2>/dev/null
-    shopt -s nullglob; earlier=("$done_dir"/*.json); shopt -u nullglob
+    earlier=()
+    if [ "$mode" = suite-resume ]; then
+      done_dir=${RESUME_DIR:-/tmp/suite-done}; mkdir -p "$done_dir"
+      shopt -s nullglob; earlier=("$done_dir"/*.json); shopt -u nullglob
+    fi
     ONNXFUSE_MODELS=/tmp/pre timeout "$limit" python3 benchmarks/compare.py --suite --model-cache /tmp/suite-models \
       --iters 60 --warmup 5 --json "$OUT/suite_$tag.json" ${earlier[@]:+--skip-done "${earlier[@]}"} "$@" 2>&1 \
       | grep -v "W:onnxruntime" | tee "$OUT/suite_$tag.log" | grep -E "^\S|gate|error|Error|warning|clocks" | tail -60
-    # numbered in call order: --from-json takes each row from the last file that has it
-    [ -f "$OUT/suite_$tag.json" ] && cp "$OUT/suite_$tag.json" "$done_dir/$(printf %02d ${#earlier[@]})_suite_$tag.json"
-    shopt -s nullglob; all=("$done_dir"/*.json); shopt -u nullglob
-    [ ${#all[@]} -gt 0 ] && python3 benchmarks/compare.py --from-json "${all[@]}" --markdown "$OUT/suite_${tag}_merged.md" \
-      | tail -30
+    if [ "$mode" = suite-resume ]; then
+      # numbered in call order: --from-json takes each row from the last file that has it
+      [ -f "$OUT/suite_$tag.json" ] && cp "$OUT/suite_$tag.json" "$done_dir/$(printf %02d ${#earlier[@]})_suite_$tag.json"
+      shopt -s nullglob; all=("$done_dir"/*.json); shopt -u nullglob
+      [ ${#all[@]} -gt 0 ] && python3 benchmarks/compare.py --from-json "${all[@]}" \
+        --markdown "$OUT/suite_${tag}_merged.md" | tail -30
+    fi
     ;;
   suite-sharded)
     # the suite on every GPU of the machine at once (nvidia-h200-x4: 68 rows in about a quarter

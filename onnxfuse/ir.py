@@ -157,6 +157,11 @@ def serialized_bytes(model: ModelProto, sizes: list[int] | None = None) -> int:
     return light.ByteSize() + 10 + sum(n + 11 for n in sizes)
 
 
+def subgraphs(n: NodeProto) -> list[onnx.GraphProto]:
+    """The graphs `n`'s attributes hold (If's branches, Loop's and Scan's bodies)."""
+    return [sg for a in n.attribute for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))]
+
+
 def all_names(model: ModelProto) -> set[str]:
     """Every tensor name of the main graph and its subgraphs."""
     names: set[str] = set()
@@ -168,9 +173,8 @@ def all_names(model: ModelProto) -> set[str]:
         names.update(v.name for v in g.value_info)
         for n in g.node:
             names.update(x for x in list(n.input) + list(n.output) if x)
-            for a in n.attribute:
-                for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
-                    walk(sg)
+            for sg in subgraphs(n):
+                walk(sg)
 
     walk(model.graph)
     return names
@@ -180,10 +184,9 @@ def subgraph_reads(nodes) -> set[str]:
     """Names that the subgraphs (If / Loop / Scan bodies) of `nodes`, and theirs, read."""
     names: set[str] = set()
     for n in nodes:
-        for a in n.attribute:
-            for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
-                names.update(x for m in sg.node for x in m.input)
-                names |= subgraph_reads(sg.node)
+        for sg in subgraphs(n):
+            names.update(x for m in sg.node for x in m.input)
+            names |= subgraph_reads(sg.node)
     return names
 
 
@@ -204,9 +207,8 @@ def unproduced_reads(g: onnx.GraphProto, outer: tuple[set[str], ...] = ()) -> li
     missing: list[str] = []
     for n in g.node:
         missing += [x for x in n.input if not any(x in s for s in scopes)]
-        for a in n.attribute:
-            for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
-                missing += unproduced_reads(sg, scopes)
+        for sg in subgraphs(n):
+            missing += unproduced_reads(sg, scopes)
         known.update(n.output)
     missing += [o.name for o in g.output if not any(o.name in s for s in scopes)]
     return list(dict.fromkeys(missing))

@@ -147,11 +147,16 @@ def _memo_key(model: ModelProto, feeds: dict[str, np.ndarray]) -> str | None:
     except ValueError:
         return None
     h = hashlib.sha256(data)
-    for name in sorted(feeds):
-        a = np.ascontiguousarray(feeds[name])
+    hash_arrays(h, feeds)
+    return h.hexdigest()
+
+
+def hash_arrays(h, arrays: dict[str, np.ndarray]) -> None:
+    """Feed hashlib object `h` each array's name, dtype, shape and values, in name order."""
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
         h.update(f"|{name}:{a.dtype}:{a.shape}|".encode())
         h.update(a.reshape(-1).view(np.uint8).data)  # bytes: a buffer of bfloat16 (ml_dtypes) is refused
-    return h.hexdigest()
 
 
 def _remember(key: str, value: dict[str, np.ndarray] | str) -> None:

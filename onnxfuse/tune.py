@@ -903,10 +903,7 @@ class Timer:
         _hash_model(h, original)
         for name, feeds in feed_sets.items():
             h.update(f"|set {name}".encode())
-            for k in sorted(feeds):
-                a = np.ascontiguousarray(feeds[k])
-                h.update(f"|{k}:{a.dtype}:{a.shape}|".encode())
-                h.update(a.tobytes())
+            reference.hash_arrays(h, feeds)
         keys = {}
         for label, m in candidates.items():
             c = h.copy()
@@ -923,12 +920,17 @@ class Timer:
 SMALL_CONSTANT = 64  # initializers of at most this many elements (shapes, axes, scalars) keep their values in keys
 
 
+def _large(t: onnx.TensorProto) -> bool:
+    """An initializer whose values `_without_weights` drops (more than SMALL_CONSTANT elements)."""
+    return int(np.prod(t.dims)) > SMALL_CONSTANT
+
+
 def _without_weights(m: ModelProto) -> bytes:
     """m serialized with the data of its large initializers dropped (their dims and types stay)."""
     c = ModelProto()
     c.CopyFrom(m)
     for t in c.graph.initializer:
-        if int(np.prod(t.dims)) > SMALL_CONSTANT:
+        if _large(t):
             for name in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data",
                          "string_data", "external_data"):
                 t.ClearField(name)
@@ -949,7 +951,7 @@ def _hash_model(h, m: ModelProto) -> None:
     serialization of a model over 2 GB would fail)."""
     h.update(_without_weights(m))
     for t in m.graph.initializer:
-        if int(np.prod(t.dims)) > SMALL_CONSTANT:
+        if _large(t):
             h.update(f"|{t.name}|".encode())
             if t.HasField("raw_data"):
                 h.update(t.raw_data)
@@ -1237,9 +1239,8 @@ def ort_default_sessions(model: ModelProto) -> int:
     def graphs(g: onnx.GraphProto):
         yield g
         for n in g.node:
-            for a in n.attribute:
-                for sub in ([a.g] if a.HasField("g") else []) + list(a.graphs):
-                    yield from graphs(sub)
+            for sub in ir.subgraphs(n):
+                yield from graphs(sub)
 
     ops = {n.op_type for g in graphs(model.graph) for n in g.node if n.domain in ("", "ai.onnx")}
     ops |= {n.op_type for f in model.functions for n in f.node if n.domain in ("", "ai.onnx")}
