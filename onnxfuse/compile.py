@@ -51,6 +51,7 @@ from onnxfuse.errors import OnnxfuseError
 from onnxfuse.kinds import KINDS
 from onnxfuse.kinds.base import Spec
 from onnxfuse.tools.cuda import local_gpu_archs
+from onnxfuse.tools.worker import child_pythonpath
 
 CACHE_FORMAT = 1  # bump when the cache entry layout or the compile options change
 DEFAULT_TARGETS = (80, 90)  # A100 and H100/H200, when no local GPU reports its arch
@@ -303,7 +304,7 @@ def _run_jobs(todo: list[_Job], jobs: int | None) -> tuple[dict[str, float], dic
 def _run_workers(groups: list[list[_Job]], parallel: int, tmp: Path, tag: str):
     """Run each group of jobs in one worker process, at most `parallel` at a time. Returns
     (timings, failures, jobs of workers that died without a result)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env = dict(os.environ, PYTHONPATH=child_pythonpath())
     env.pop("TRITON_INTERPRET", None)
     timings: dict[str, float] = {}
     failures: dict[str, str] = {}

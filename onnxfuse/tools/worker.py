@@ -42,6 +42,12 @@ ENV_PREFIX = "ONNXFUSE_"
 LOG_TAIL_BYTES = 65536  # of the worker's stderr, read for a death's last line
 
 
+def child_pythonpath() -> str:
+    """This process's ``sys.path`` as a PYTHONPATH for a Python child (absolute: the child
+    imports what this process imports, whatever its working directory)."""
+    return os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
+
+
 class WorkerError(OnnxfuseError):
     """The worker process died, or did not answer in time."""
 
@@ -57,8 +63,7 @@ class Worker:
         return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
 
     def _start(self) -> None:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) if p else os.getcwd() for p in sys.path)
+        env = dict(os.environ, PYTHONPATH=child_pythonpath())
         self._log = tempfile.TemporaryFile()
         self._proc = subprocess.Popen([sys.executable, "-m", "onnxfuse.tools.worker"], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=self._log, env=env)
