@@ -15,11 +15,17 @@ whether loads that wait for the reductions cost a memory round trip), in three c
              [M, 768], w [768, 768]), r written the launch before: as in the model, where the
              attention's output projection (or FFN2) writes the row kernel's input.
 Beside it, torch's own fp32-accumulating `layer_norm` after `x + r` (two kernels, the peer a
-framework runs). Every context is captured in a CUDA graph (20 launches; the cold one a
-launch per copy) and replayed under
-torch's profiler (CUPTI): a kernel's time is its median duration over the replays, as
-`onnxfuse profile` and tuning's bundles measure it. The memory floor is the bytes moved (x, r,
-y, gamma, beta) at 4.8 TB/s. Each kernel's output is compared with float64 (max |y - ref|).
+framework runs), and two floors no LayerNorm kernel can beat, to tell a kernel's distance from
+the roofline bound apart from the distance every kernel has at these sizes:
+- ``torch add``: `x + r` into y alone, torch's elementwise kernel: the same three row tensors
+  moved with no reduction (the bytes alone, a copy's cost);
+- ``empty kernel``: a Triton kernel of one program that does nothing (the launch alone).
+Every context is captured in a CUDA graph (20 launches; the cold one a launch per copy) and
+replayed under torch's profiler (CUPTI): a kernel's time is its median duration over the
+replays, as `onnxfuse profile` and tuning's bundles measure it. The roofline bound is the bytes
+moved (x, r, y, gamma, beta) at 4.8 TB/s; each row prints its share of it (bound / hot time).
+Each kernel's output is compared with float64 (max |y - ref|). Batches beyond BERT's 1 and 8
+(`--batches 8,1,32,128`) show where a kernel leaves the launch-bound regime.
 
 Needs torch with CUDA and triton (not onnxruntime):
 
@@ -172,8 +178,40 @@ def pick(times: dict[str, float], keys: tuple[str, ...]) -> float | None:
     return sum(found) if found else None
 
 
+def timed(ctxs: dict, copies: int, keys: tuple[str, ...], tmp: Path) -> dict[str, float | None]:
+    """{context}_us: the summed median time of the kernels named by `keys` in each context's graph
+    (the cold one a launch per operand set: one graph walks through every copy)."""
+    out = {}
+    for ctx, fn_ctx in ctxs.items():
+        us = pick(cupti_kernel_us(fn_ctx, tmp, copies if ctx == "cold" else REPS), keys)
+        out[f"{ctx}_us"] = None if us is None else round(us, 3)
+    return out
+
+
 # torch's kernels for the peer (the add, layer_norm), not the product
 TORCH_KERNELS = ("elementwise", "layer_norm")
+
+EMPTY = """import triton
+
+
+@triton.jit
+def onnxfuse_rows_context_empty(x_ptr, m):
+    pass
+"""
+
+
+def floors(tmp: Path) -> list[tuple[str, tuple[str, ...], object]]:
+    """(label, kernel-name keys, launcher factory) of the two floors (module docstring)."""
+    import torch
+    empty = _load(EMPTY, "onnxfuse_rows_context_empty", tmp)
+
+    def add(m: int):
+        return lambda x, r, g, b, y: torch.add(x, r, out=y)
+
+    def nothing(m: int):
+        return lambda x, r, g, b, y: empty[(1,)](x, m)
+    return [("floor: torch add (the bytes alone)", ("elementwise",), add),
+            ("floor: empty kernel (the launch alone)", ("onnxfuse_rows_context_empty",), nothing)]
 
 
 def run(args) -> list[dict]:
@@ -199,12 +237,15 @@ def run(args) -> list[dict]:
                 out = launch(x0, r0, g, b, ys[0])  # torch's returns its output; ours write ys[0]
                 torch.cuda.synchronize()
                 err = float(((ys[0] if out is None else out).double() - ref).abs().max())
-                ctxs = contexts(launch, sets, g, b, ys, (a, w))
                 row = {"dtype": dt, "batch": batch, "kernel": label, "err": err, "floor_us": round(floor_us, 3)}
-                for ctx, fn_ctx in ctxs.items():
-                    reps = len(sets) if ctx == "cold" else REPS  # one graph walks through every copy
-                    us = pick(cupti_kernel_us(fn_ctx, tmp, reps), (name,) if name else TORCH_KERNELS)
-                    row[f"{ctx}_us"] = None if us is None else round(us, 3)
+                keys = (name,) if name else TORCH_KERNELS
+                row.update(timed(contexts(launch, sets, g, b, ys, (a, w)), len(sets), keys, tmp))
+                rows.append(row)
+                print(_line(row), flush=True)
+            for label, keys, at in floors(tmp):
+                launch = at(m)
+                row = {"dtype": dt, "batch": batch, "kernel": label, "err": None, "floor_us": round(floor_us, 3)}
+                row.update(timed(contexts(launch, sets, g, b, ys, (a, w)), len(sets), keys, tmp))
                 rows.append(row)
                 print(_line(row), flush=True)
     return rows
@@ -213,8 +254,11 @@ def run(args) -> list[dict]:
 def _line(row: dict) -> str:
     def f(k):
         return "-" if row.get(k) is None else f"{row[k]:.2f}"
-    return (f"{row['dtype']} b{row['batch']:<2} {row['kernel']:37} hot {f('hot_us'):>6}  cold {f('cold_us'):>6}  "
-            f"after gemm {f('after_gemm_us'):>6} us  (floor {row['floor_us']:.2f})  err {row['err']:.2g}")
+    hot = row.get("hot_us")
+    share = f"{100 * row['floor_us'] / hot:3.0f}%" if hot else "  -"
+    err = "-" if row["err"] is None else f"{row['err']:.2g}"
+    return (f"{row['dtype']} b{row['batch']:<3} {row['kernel']:38} hot {f('hot_us'):>6} ({share} of bound)  "
+            f"cold {f('cold_us'):>6}  after gemm {f('after_gemm_us'):>6} us  (bound {row['floor_us']:.2f})  err {err}")
 
 
 def dry_run() -> list[dict]:
