@@ -25,6 +25,11 @@ and writes JSON:
     python benchmarks/gemm_roofline.py --json gemm_roofline.json
     python benchmarks/gemm_roofline.py --batch 1 --json gemm_roofline_b1.json   # M = 128: split K
     python benchmarks/gemm_roofline.py --dry-run   # CPU: builds, optimizes (no kernels) and checks the models
+    python benchmarks/gemm_roofline.py --ceiling --json gemm_ceiling.json   # cuBLAS's own share of the peak
+
+``--ceiling`` times torch.mm alone (cuBLAS; TF32 for fp32) at BERT-base's products and at
+square sizes up to 8192, as TFLOP/s and the share of the datasheet peak the bound divides by:
+the most a product reaches on this chip, to read the workloads' shares against.
 """
 
 from __future__ import annotations
@@ -135,6 +140,33 @@ def torch_peer(name: str, dtype: str, model: onnx.ModelProto, batch: int = BATCH
     return time_queued(fn, iters=100, warmup=20).median_ms * 1e3
 
 
+CEILING_SHAPES = ((128, 3072, 768), (1024, 3072, 768), (1024, 768, 3072), (4096, 4096, 4096), (8192, 8192, 8192))
+
+
+def ceiling(dtypes: list[str]) -> list[dict]:
+    """torch.mm's TFLOP/s at CEILING_SHAPES (M, N, K), CUDA events over calls queued back to back,
+    and its share of the H200 datasheet's peak (TF32 for fp32, as ORT's default)."""
+    import torch
+
+    from benchmarks.gpu_timing import time_queued
+    from onnxfuse.roofline import DEVICES
+
+    torch.backends.cuda.matmul.allow_tf32 = True
+    rows = []
+    for dtype in dtypes:
+        tdt, peak = (torch.float32, "tf32") if dtype == "fp32" else (torch.float16, "fp16")
+        for m, n, k in CEILING_SHAPES:
+            a, b = torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(k, n, device="cuda", dtype=tdt)
+            c = torch.empty(m, n, device="cuda", dtype=tdt)
+            us = time_queued(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), iters=50, warmup=10).median_ms * 1e3
+            tflops = 2 * m * n * k / us / 1e6
+            rows.append({"dtype": dtype, "M": m, "N": n, "K": k, "us": round(us, 2), "tflops": round(tflops, 1),
+                         "pct_peak": round(100 * tflops / DEVICES["h200"].peak_tflops[peak], 1)})
+            print(f"cuBLAS {dtype} {m}x{n}x{k}: {us:.1f} us, {tflops:.0f} TFLOP/s, {rows[-1]['pct_peak']:.0f}% of the "
+                  f"{peak} peak", flush=True)
+    return rows
+
+
 def dry_run() -> list[dict]:
     """CPU: each workload (small K and N) optimized without kernels; one GemmEpilogue node whose
     function body gives the original's outputs."""
@@ -165,7 +197,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=BATCH,
                     help=f"batch of seq-{SEQ} rows (default {BATCH}: M = {BATCH * SEQ}; 1 gives BERT-base's M = 128)")
     ap.add_argument("--dry-run", action="store_true", help="CPU: build and optimize the models, no timing")
+    ap.add_argument("--ceiling", action="store_true", help="cuBLAS's product alone at BERT-base and square sizes")
     args = ap.parse_args()
+    if args.ceiling:
+        rows = ceiling(args.dtypes.split(","))
+        if args.json:
+            args.json.write_text(json.dumps({"ceiling": True, "rows": rows}, indent=1) + "\n")
+        return
     if args.dry_run:
         rows = dry_run()
         if args.json:
