@@ -132,6 +132,14 @@ case "${1:-tests}" in
         --markdown "$OUT/suite_${tag}_merged.md" | tail -30
     fi
     ;;
+  floors)
+    # issue 17's roofline bars beside the floors every kernel has: the residual + LayerNorm tiles
+    # against torch's add of the same row tensors and an empty kernel, at BERT's batches and
+    # beyond; cuBLAS's product alone against the datasheet peak the GEMM bar divides by
+    timeout "${FLOORS_LIMIT:-300}" python3 benchmarks/rows_context.py --batches 8,1,32,128 --loads first \
+      --json "$OUT/rows_context_floors.json" > "$OUT/rows_context_floors.log" 2>&1; grep -E "^f(16|32) " "$OUT/rows_context_floors.log"
+    timeout 120 python3 benchmarks/gemm_roofline.py --ceiling --json "$OUT/gemm_ceiling.json" 2>&1 | tee "$OUT/gemm_ceiling.log"
+    ;;
   suite-sharded)
     # the suite on every GPU of the machine at once (nvidia-h200-x4: 68 rows in about a quarter
     # of one GPU's time): one compare.py per GPU, each every N-th model (--shard K/N; a model's

@@ -67,15 +67,15 @@ def spec(dt: str, name: str = "onnxfuse_rows_context") -> RowsSpec:
     return RowsSpec(name, "layer_norm", prog(PROLOGUE), prog(EPILOGUE), ("full", "full", "last", "last"), 1, HIDDEN)
 
 
-def kernels(dt: str, tmp: Path) -> list[tuple[str, str, object]]:
+def kernels(dt: str, tmp: Path, loads: str = "both") -> list[tuple[str, str, object]]:
     """(label, kernel name, launcher factory) for every tile tuning can time: its single-pass
     variant (the one the C++ launcher picks for 16-byte aligned rows of 768) with gamma and beta
     loaded after the statistics (as before `rows-early-loads`) and first (`early_loads`, as
-    shipped), each under its own name. Triton's JIT specializes on the pointers' alignment as
-    the ahead-of-time compile's hints do."""
+    shipped), each under its own name; `loads` ("first", "after", "both") picks which. Triton's
+    JIT specializes on the pointers' alignment as the ahead-of-time compile's hints do."""
     out = []
     for i, (label, variants) in enumerate(rows_candidates(spec(dt))):
-        for early in (False, True):
+        for early in {"first": (True,), "after": (False,), "both": (False, True)}[loads]:
             name = f"onnxfuse_rows_context_{dt}_{i}{'_early' if early else ''}"
             ks = generate_rows(spec(dt, name), dataclasses.replace(variants[0], early_loads=early))
             out.append((label + (", loads first" if early else ", loads after sums"), name,
@@ -231,7 +231,7 @@ def run(args) -> list[dict]:
             w = (torch.randn(HIDDEN, HIDDEN, device="cuda") * HIDDEN ** -0.5).to(dtype)
             floor_us = (3 * m * HIDDEN + 2 * HIDDEN) * dtype.itemsize / HBM_BYTES_S * 1e6
             x0, r0 = sets[0]
-            for label, name, at in kernels(dt, tmp) + [("torch add + layer_norm", None, torch_launcher)]:
+            for label, name, at in kernels(dt, tmp, args.loads) + [("torch add + layer_norm", None, torch_launcher)]:
                 ref = float64_reference(x0, r0, g, b)  # x0 as the last after_gemm context left it
                 launch = at(m)
                 out = launch(x0, r0, g, b, ys[0])  # torch's returns its output; ours write ys[0]
@@ -304,6 +304,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--dtypes", default="f16,f32")
     ap.add_argument("--batches", default="8,1")
+    ap.add_argument("--loads", choices=("first", "after", "both"), default="both",
+                    help="gamma and beta loaded before the row (as shipped), after the statistics, or both")
     ap.add_argument("--copies", type=int, default=24, help="operand sets cycled in the cold context")
     ap.add_argument("--dry-run", action="store_true", help="the kernels under Triton's interpreter (CPU), no timing")
     finish("rows_context", ap.parse_args(), run, dry_run)
