@@ -145,12 +145,14 @@ CEILING_SHAPES = ((128, 3072, 768), (1024, 3072, 768), (1024, 768, 3072), (4096,
 
 def ceiling(dtypes: list[str]) -> list[dict]:
     """torch.mm's TFLOP/s at CEILING_SHAPES (M, N, K), CUDA events over calls queued back to back,
-    and its share of the H200 datasheet's peak (TF32 for fp32, as ORT's default)."""
+    and its share of the GPU's datasheet peak (TF32 for fp32, as ORT's default)."""
     import torch
 
     from benchmarks.gpu_timing import time_queued
+    from onnxfuse.profile import detect_device
     from onnxfuse.roofline import DEVICES
 
+    device = DEVICES[detect_device("cuda")[0]]
     torch.backends.cuda.matmul.allow_tf32 = True
     rows = []
     for dtype in dtypes:
@@ -161,7 +163,7 @@ def ceiling(dtypes: list[str]) -> list[dict]:
             us = time_queued(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), iters=50, warmup=10).median_ms * 1e3
             tflops = 2 * m * n * k / us / 1e6
             rows.append({"dtype": dtype, "M": m, "N": n, "K": k, "us": round(us, 2), "tflops": round(tflops, 1),
-                         "pct_peak": round(100 * tflops / DEVICES["h200"].peak_tflops[peak], 1)})
+                         "pct_peak": round(100 * tflops / device.peak_tflops[peak], 1), "device": device.key})
             print(f"cuBLAS {dtype} {m}x{n}x{k}: {us:.1f} us, {tflops:.0f} TFLOP/s, {rows[-1]['pct_peak']:.0f}% of the "
                   f"{peak} peak", flush=True)
     return rows

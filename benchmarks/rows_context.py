@@ -23,9 +23,10 @@ the roofline bound apart from the distance every kernel has at these sizes:
 Every context is captured in a CUDA graph (20 launches; the cold one a launch per copy) and
 replayed under torch's profiler (CUPTI): a kernel's time is its median duration over the
 replays, as `onnxfuse profile` and tuning's bundles measure it. The roofline bound is the bytes
-moved (x, r, y, gamma, beta) at 4.8 TB/s; each row prints its share of it (bound / hot time).
-Each kernel's output is compared with float64 (max |y - ref|). Batches beyond BERT's 1 and 8
-(`--batches 8,1,32,128`) show where a kernel leaves the launch-bound regime.
+moved (x, r, y, gamma, beta) at the datasheet's bandwidth (H200 4.8 TB/s, H100 3.35); each row
+prints its share of it (bound / hot time). Each kernel's output is compared with float64
+(max |y - ref|). Batches beyond BERT's 1 and 8 (`--batches 8,1,32,128`) show where a kernel
+leaves the launch-bound regime.
 
 Needs torch with CUDA and triton (not onnxruntime):
 
@@ -52,8 +53,7 @@ from onnxfuse.expr import HEADER, parse  # noqa: E402
 
 SEQ, HIDDEN, EPS = 128, 768, 1e-5
 REPS = 20  # launches per captured graph
-HBM_BYTES_S = 4.8e12
-L2_BYTES = 50 * 2**20  # the H200's
+L2_BYTES = 50 * 2**20  # the H200's (the H100's: 50 MB too)
 PROLOGUE = "input %0 {dt}\ninput %1 {dt}\n%2 = add %0 %1\noutput %2 {dt}"
 EPILOGUE = ("input %0 f32\ninput %1 f32\ninput %2 f32\ninput %3 {dt}\ninput %4 {dt}\n%5 = sub %0 %1\n"
             "%6 = add %2 1e-05\n%7 = sqrt %6\n%8 = div 1.0 %7\n%9 = mul %5 %8\n%10 = mul %9 %3\n%11 = add %10 %4\n"
@@ -217,6 +217,10 @@ def floors(tmp: Path) -> list[tuple[str, tuple[str, ...], object]]:
 def run(args) -> list[dict]:
     import torch
 
+    from onnxfuse.profile import detect_device
+    from onnxfuse.roofline import DEVICES
+
+    bandwidth_tbps = DEVICES[detect_device("cuda")[0]].bandwidth_tbps  # the datasheet's, as `onnxfuse profile`
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="rows-context-"))
     for dt in args.dtypes.split(","):
@@ -229,7 +233,7 @@ def run(args) -> list[dict]:
             ys = [torch.empty(m, HIDDEN, dtype=dtype, device="cuda") for _ in sets]
             a = torch.randn(m, HIDDEN, device="cuda").to(dtype)
             w = (torch.randn(HIDDEN, HIDDEN, device="cuda") * HIDDEN ** -0.5).to(dtype)
-            floor_us = (3 * m * HIDDEN + 2 * HIDDEN) * dtype.itemsize / HBM_BYTES_S * 1e6
+            floor_us = (3 * m * HIDDEN + 2 * HIDDEN) * dtype.itemsize / (bandwidth_tbps * 1e12) * 1e6
             x0, r0 = sets[0]
             for label, name, at in kernels(dt, tmp, args.loads) + [("torch add + layer_norm", None, torch_launcher)]:
                 ref = float64_reference(x0, r0, g, b)  # x0 as the last after_gemm context left it
