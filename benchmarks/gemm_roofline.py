@@ -144,23 +144,27 @@ CEILING_SHAPES = ((128, 3072, 768), (1024, 3072, 768), (1024, 768, 3072), (4096,
 
 
 def ceiling(dtypes: list[str]) -> list[dict]:
-    """torch.mm's TFLOP/s at CEILING_SHAPES (M, N, K), CUDA events over calls queued back to back,
-    and its share of the GPU's datasheet peak (TF32 for fp32, as ORT's default)."""
+    """torch.mm's TFLOP/s at CEILING_SHAPES (M, N, K) and its share of the GPU's datasheet peak
+    (TF32 for fp32, as ORT's default). Each product is captured in a CUDA graph and replayed under
+    CUPTI (`rows_context.cupti_kernel_us`): the kernels' device time, the host's launch left out
+    (calls queued from Python are launch-bound below about 30 µs: the H100 run of the forty-third
+    session read 30 µs for every BERT-base product that way)."""
     import torch
 
-    from benchmarks.gpu_timing import time_queued
+    from benchmarks.rows_context import cupti_kernel_us
     from onnxfuse.profile import detect_device
     from onnxfuse.roofline import DEVICES
 
     device = DEVICES[detect_device("cuda")[0]]
     torch.backends.cuda.matmul.allow_tf32 = True
+    tmp = Path(tempfile.mkdtemp(prefix="gemm_ceiling_"))
     rows = []
     for dtype in dtypes:
         tdt, peak = (torch.float32, "tf32") if dtype == "fp32" else (torch.float16, "fp16")
         for m, n, k in CEILING_SHAPES:
             a, b = torch.randn(m, k, device="cuda", dtype=tdt), torch.randn(k, n, device="cuda", dtype=tdt)
             c = torch.empty(m, n, device="cuda", dtype=tdt)
-            us = time_queued(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), iters=50, warmup=10).median_ms * 1e3
+            us = sum(cupti_kernel_us(lambda a=a, b=b, c=c: torch.mm(a, b, out=c), tmp, reps=10).values())
             tflops = 2 * m * n * k / us / 1e6
             rows.append({"dtype": dtype, "M": m, "N": n, "K": k, "us": round(us, 2), "tflops": round(tflops, 1),
                          "pct_peak": round(100 * tflops / device.peak_tflops[peak], 1), "device": device.key})
