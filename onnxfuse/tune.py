@@ -695,6 +695,7 @@ class Timer:
                         "profiled_s": 0.0, "total_s": 0.0, "unattributed_us": 0.0, "errors": []}
         self._float64: dict[tuple[int, int], tuple[dict[str, np.ndarray] | None, str | None]] = {}
         self._original_runs: dict[tuple, dict[str, dict[str, np.ndarray] | str]] = {}
+        self._gate_prefix: dict[tuple, object] = {}  # gate_keys' hash of the original and the input sets
 
     def _key(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool | str) -> str:
         """A model's cache key: its bytes without the values of its large initializers (layers
@@ -898,12 +899,16 @@ class Timer:
         timing is (per device and software): `optimize` run again on the same model, or once
         per deployment mode (`--cuda-graph`), builds the same candidates, and the suite's
         second tuning of a GPT-2-small fp32 row spent 44 s gating them again."""
-        h = hashlib.sha256(f"gate|{GATE_VERSION}|sessions={ort_default_sessions(original)}".encode())
+        memo = (id(original), tuple((name, id(f)) for name, f in feed_sets.items()))
+        if memo not in self._gate_prefix:  # the original hashed once a tuning: its candidates are gated one by one
+            h = hashlib.sha256(f"gate|{GATE_VERSION}|sessions={ort_default_sessions(original)}".encode())
+            _hash_model(h, original)
+            for name, feeds in feed_sets.items():
+                h.update(f"|set {name}".encode())
+                reference.hash_arrays(h, feeds)
+            self._gate_prefix[memo] = h
+        h = self._gate_prefix[memo].copy()
         h.update(f"|library {_library_digest()}".encode())
-        _hash_model(h, original)
-        for name, feeds in feed_sets.items():
-            h.update(f"|set {name}".encode())
-            reference.hash_arrays(h, feeds)
         keys = {}
         for label, m in candidates.items():
             c = h.copy()
@@ -1083,17 +1088,21 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         # (and the K-major candidate: ORT's own TF32 products, summed by other kernels)
         checked = bool(kmajor_done) or any(KINDS[f.kind].multiplies_in_tf32(f, conv_precision) for f in result.fused)
         feed_sets: dict[str, dict[str, np.ndarray]] = {}
-        with phases("accuracy"):
-            if checked:
+        gates: dict[str, dict] = {} if checked else {label: UNCHECKED for label, _, _ in models}
+        if checked:
+            with phases("accuracy"):
                 draws = gate_draws(smallest_output(original, dims, feeds, settings.provider))
                 feed_sets = accuracy_feeds(feeds, draws=min(draws, affordable_draws(original, feeds)))
-                gates = accuracy_on(timer, original, {label: cand.model for label, cand, _ in models}, feed_sets)
-            else:
-                gates = {label: UNCHECKED for label, _, _ in models}
-        kept = _fastest(models, times, gates, orig_times, settings.cuda_graph)
+        candidates = {label: cand.model for label, cand, _ in models}
+
+        def gate(label: str) -> dict:
+            """One candidate's gate, when `_fastest` would keep it on its times (`lazy-gates`)."""
+            with phases("accuracy"):
+                return accuracy_on(timer, original, {label: candidates[label]}, feed_sets)[label]
+        kept = _fastest(models, times, gates, orig_times, settings.cuda_graph, gate)
         if kept is None and recompile_precise is not None and any(
-                times[label].not_slower_than(orig_times, settings.cuda_graph) and not gates[label]["passed"]
-                for label, _, _ in models):
+                times[label].not_slower_than(orig_times, settings.cuda_graph)
+                and not gates.get(label, {"passed": True})["passed"] for label, _, _ in models):
             # fast enough but less accurate than ORT: the same fusions with exact-ish convs
             precise = snapshot(before)
             # nodes that ORT might run in TF32 stay fused: it decides per session
@@ -1107,10 +1116,9 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
                 extra = timer.time_models({"original": (original, False),
                                            label: (precise.model, bool(precise.fused))}, feeds, graphs)
             times[label] = _times(extra, label, graphs)
-            with phases("accuracy"):
-                gates.update(accuracy_on(timer, original, {label: precise.model}, feed_sets))
+            candidates[label] = precise.model
             models.append((label, precise, precise_info))
-            kept = _fastest(models[-1:], times, gates, orig_times, settings.cuda_graph)
+            kept = _fastest(models[-1:], times, gates, orig_times, settings.cuda_graph, gate)
         timer.save()
     record = {
         "shapes": {k: list(v) for k, v in dims.items()}, "seconds": round(time.perf_counter() - t0, 2),
@@ -1330,20 +1338,30 @@ def most_accurate(runs: list, reference: dict[str, np.ndarray]) -> dict[str, np.
 
 
 def _fastest(models: list, times: dict[str, ModelTimes], gates: dict[str, dict], orig: ModelTimes,
-             cuda_graph: bool | None = None):
+             cuda_graph: bool | None = None, gate: Callable[[str], dict] | None = None):
     """The fastest candidate (label, result, info) that is not slower than the original in the
     deployment's mode (`TuneSettings.cuda_graph`) and passes the accuracy gate, or None.
     Candidates come in order of preference (the tuned model, every node decision of which was
     measured, first): a later one replaces an earlier one only where it is faster by more than
     MODEL_NOISE (`model-ties-keep-tuned`), in the deployment's mode, or, where that is not
-    known, in its faster mode and slower in neither (`model-modes`)."""
+    known, in its faster mode and slower in neither (`model-modes`).
+
+    `gates` holds the gate records known; `gate(label)`, when given, gates a candidate missing
+    from them and `gates` keeps its record (`lazy-gates`). Only a candidate its times would make
+    the one kept is gated: one slower than the original or not faster than the one kept cannot
+    change the choice whatever its accuracy, so the choice is the one every candidate gated
+    gives at the cost of the gates that could change it."""
     kept = None
     for label, cand, cand_info in models:
         t = times[label]
-        if not (t.not_slower_than(orig, cuda_graph) and gates[label]["passed"]):
+        if not t.not_slower_than(orig, cuda_graph):
             continue
-        if kept is None or (t.best(cuda_graph) * (1 + MODEL_NOISE) < times[kept[0]].best(cuda_graph)
-                            and t.not_slower_than(times[kept[0]], cuda_graph)):
+        if kept is not None and not (t.best(cuda_graph) * (1 + MODEL_NOISE) < times[kept[0]].best(cuda_graph)
+                                     and t.not_slower_than(times[kept[0]], cuda_graph)):
+            continue
+        if label not in gates and gate is not None:
+            gates[label] = gate(label)
+        if gates[label]["passed"]:
             kept = (label, cand, cand_info)
     return kept
 
@@ -1784,10 +1802,11 @@ def summary(record: dict) -> str:
     sets = record.get("gate_inputs") or []
     if len(sets) > 2:
         lines.append(f"  accuracy gate on {len(sets)} input sets (few output elements: one set's max error is noise)")
-    gates = record.get("accuracy") or {}
+    gates = record.get("accuracy")
     for k, t in record["models"].items():
-        g = gates.get(k)
-        acc = "" if g is None else (
+        g = (gates or {}).get(k)
+        ungated = "; not gated (its times could not make it the model kept)" if gates is not None else ""
+        acc = ungated if g is None else (
             f"; max abs err {_err(g['max_abs_err'])} vs ORT's own {_err(g['ort_max_abs_err'])}"
             + (f" (inputs {g['inputs']})" if g.get("inputs") else "") + ", "
             + ("accurate" if g["passed"] else "LESS ACCURATE than ORT"))

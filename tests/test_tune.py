@@ -1389,3 +1389,44 @@ def test_a_views_output_of_unknown_shape_stays():
               {"x": ("float32", [4, 6]), "s": ("int64", [2]), "t": ("int64", [1])}, {"y": ("float32", [24])})
     stripped = tuning._without_output_views(onnx.ModelProto.FromString(m.SerializeToString()), set())
     assert [x.op_type for x in stripped.graph.node] == ["Reshape", "Relu", "Reshape"]
+
+
+def test_only_candidates_that_could_be_kept_are_gated():
+    """`lazy-gates`: `_fastest` with a gate on demand keeps the model that gating every
+    candidate first keeps, and gates no candidate whose times could not make it the one kept
+    (slower than the original, or not faster than the one kept by MODEL_NOISE): 2000 seeded
+    draws of four candidates' times and gates, in each deployment mode."""
+    rng = np.random.default_rng(17)
+    orig = tuning.ModelTimes(1.0, 0.8)
+    labels = ("tuned", "heuristic", "measured only", "tuned + K-major")
+    for _ in range(2000):
+        times = {k: tuning.ModelTimes(float(rng.uniform(0.5, 1.2)), float(rng.uniform(0.4, 1.0))) for k in labels}
+        passed = {k: bool(rng.random() < 0.7) for k in labels}
+        models = [(k, k, {}) for k in labels]
+        for cuda_graph in (None, True, False):
+            every = tuning._fastest(models, times, {k: {"passed": passed[k]} for k in labels}, orig, cuda_graph)
+            asked: list[str] = []
+
+            def gate(label, asked=asked, passed=passed):
+                asked.append(label)
+                return {"passed": passed[label]}
+            gates: dict = {}
+            lazy = tuning._fastest(models, times, gates, orig, cuda_graph, gate)
+            assert (lazy or [None])[0] == (every or [None])[0]
+            assert set(gates) == set(asked) and len(asked) == len(set(asked))
+            assert all(times[k].not_slower_than(orig, cuda_graph) for k in asked)
+
+
+def test_a_candidate_slower_than_the_one_kept_is_not_gated(monkeypatch):
+    """In a tuning whose gate runs (a float32 conv in TF32): the tuned model is kept, and the
+    heuristic's, slower, is timed but never gated, and the summary says so."""
+    m = vgg_stack(2, 8, 3, 16)
+    r, before = _optimized(m)
+    fused = _fused_nodes(r.model)
+    _fake_timer(monkeypatch, {"fused": 0.5, "original": 0.2},
+                lambda mm: 1.0 if mm is m else {0: 0.8, fused: 0.9}[_fused_nodes(mm)])
+    _fake_outputs(monkeypatch, {"ort": 1e-3, "tuned": 1.5e-3, "heuristic": 1.5e-3})
+    rec = _tune_precise(r, before, [])["tune"]
+    assert rec["kept"] == "tuned" and set(rec["models"]) == {"tuned", "heuristic"}
+    assert set(rec["accuracy"]) == {"tuned"} and rec["accuracy"]["tuned"]["passed"]
+    assert "heuristic: " in tuning.summary(rec) and "not gated (its times could not make it" in tuning.summary(rec)
