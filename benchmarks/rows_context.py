@@ -223,6 +223,7 @@ def run(args) -> list[dict]:
     bandwidth_tbps = DEVICES[detect_device("cuda")[0]].bandwidth_tbps  # the datasheet's, as `onnxfuse profile`
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="rows-context-"))
+    floor_kernels = floors(tmp)
     for dt in args.dtypes.split(","):
         dtype = {"f16": torch.float16, "f32": torch.float32}[dt]
         for batch in (int(b) for b in args.batches.split(",")):
@@ -246,7 +247,7 @@ def run(args) -> list[dict]:
                 row.update(timed(contexts(launch, sets, g, b, ys, (a, w)), len(sets), keys, tmp))
                 rows.append(row)
                 print(_line(row), flush=True)
-            for label, keys, at in floors(tmp):
+            for label, keys, at in floor_kernels:
                 launch = at(m)
                 row = {"dtype": dt, "batch": batch, "kernel": label, "err": None, "floor_us": round(floor_us, 3)}
                 row.update(timed(contexts(launch, sets, g, b, ys, (a, w)), len(sets), keys, tmp))

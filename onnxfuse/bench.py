@@ -109,6 +109,7 @@ import numpy as np
 import onnx
 
 from onnxfuse.errors import OnnxfuseError
+from onnxfuse.ir import graphs
 from onnxfuse.load import read_model
 from onnxfuse.outputs import Outputs
 from onnxfuse.tools.cuda import CudaDriver
@@ -303,18 +304,7 @@ def _finite(obj: Any) -> Any:
 
 def count_onnxfuse_nodes(model: Any) -> int:
     """Nodes in domain onnxfuse, in the graph and its subgraphs."""
-    def walk(graph) -> int:
-        n = 0
-        for node in graph.node:
-            n += node.domain == "onnxfuse"
-            for a in node.attribute:
-                if a.g.node:
-                    n += walk(a.g)
-                for g in a.graphs:
-                    n += walk(g)
-        return n
-
-    return walk(model.graph)
+    return sum(node.domain == "onnxfuse" for g in graphs(model.graph) for node in g.node)
 
 
 # ---------------------------------------------------------------------------------------

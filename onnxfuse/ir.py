@@ -162,21 +162,24 @@ def subgraphs(n: NodeProto) -> list[onnx.GraphProto]:
     return [sg for a in n.attribute for sg in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs))]
 
 
+def graphs(g: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """g, then every graph its nodes hold, and theirs, depth first."""
+    yield g
+    for n in g.node:
+        for sg in subgraphs(n):
+            yield from graphs(sg)
+
+
 def all_names(model: ModelProto) -> set[str]:
     """Every tensor name of the main graph and its subgraphs."""
     names: set[str] = set()
-
-    def walk(g: onnx.GraphProto) -> None:
+    for g in graphs(model.graph):
         names.update(i.name for i in g.input)
         names.update(o.name for o in g.output)
         names.update(t.name for t in g.initializer)
         names.update(v.name for v in g.value_info)
         for n in g.node:
             names.update(x for x in list(n.input) + list(n.output) if x)
-            for sg in subgraphs(n):
-                walk(sg)
-
-    walk(model.graph)
     return names
 
 

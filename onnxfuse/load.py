@@ -21,7 +21,7 @@ from onnx import ModelProto, numpy_helper
 
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.files import record_read
-from onnxfuse.ir import copy_fields, serialized_bytes
+from onnxfuse.ir import copy_fields, serialized_bytes, subgraphs
 
 # Oldest and newest default-domain opsets the optimizer accepts.
 MIN_OPSET = 7
@@ -251,19 +251,17 @@ def _remove_passthrough(g: onnx.GraphProto) -> None:
 
 
 def _rename_in_subgraphs(n: onnx.NodeProto, resolve) -> None:
-    for a in n.attribute:
-        graphs = [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)
-        for sg in graphs:
-            local = {i.name for i in sg.input} | {t.name for t in sg.initializer}
-            local |= {o for sn in sg.node for o in sn.output}
-            for sn in sg.node:
-                for k, name in enumerate(sn.input):
-                    if name and name not in local:
-                        sn.input[k] = resolve(name)
-                _rename_in_subgraphs(sn, resolve)
-            for o in sg.output:
-                if o.name not in local:
-                    o.name = resolve(o.name)
+    for sg in subgraphs(n):
+        local = {i.name for i in sg.input} | {t.name for t in sg.initializer}
+        local |= {o for sn in sg.node for o in sn.output}
+        for sn in sg.node:
+            for k, name in enumerate(sn.input):
+                if name and name not in local:
+                    sn.input[k] = resolve(name)
+            _rename_in_subgraphs(sn, resolve)
+        for o in sg.output:
+            if o.name not in local:
+                o.name = resolve(o.name)
 
 
 def infer_shapes(model: ModelProto) -> ModelProto:

@@ -1244,13 +1244,7 @@ def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProt
 def ort_default_sessions(model: ModelProto) -> int:
     """How many fresh sessions give ORT's own error (`accuracy_on`): ORT_DEFAULT_SESSIONS where
     the model has a SEARCHED_OPS node (in its graph, a subgraph or a function), else one."""
-    def graphs(g: onnx.GraphProto):
-        yield g
-        for n in g.node:
-            for sub in ir.subgraphs(n):
-                yield from graphs(sub)
-
-    ops = {n.op_type for g in graphs(model.graph) for n in g.node if n.domain in ("", "ai.onnx")}
+    ops = {n.op_type for g in ir.graphs(model.graph) for n in g.node if n.domain in ("", "ai.onnx")}
     ops |= {n.op_type for f in model.functions for n in f.node if n.domain in ("", "ai.onnx")}
     return ORT_DEFAULT_SESSIONS if ops & SEARCHED_OPS else 1
 
