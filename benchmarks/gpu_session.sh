@@ -97,14 +97,32 @@ case "${1:-tests}" in
       --json "$OUT/compare_nhwc_models.json" --markdown "$OUT/compare_nhwc_models.md" 2>&1 | grep -v "W:onnxruntime" | tail -14
     ;;
   suite-prep)
-    # the accuracy-and-speed issue, parts of one session. Before onnxruntime-gpu is installed
-    # (torch, triton and onnx only): export the CNN suite and convert it to fp16 (model cache
-    # /tmp/suite-models), compile every model's kernels (kernel cache).
+    # the accuracy-and-speed issue, parts of one session: export the suite and convert it to
+    # fp16 (model cache /tmp/suite-models), compile every model's kernels (kernel cache), and
+    # once onnxruntime is installed, run its transformers optimizer on each transformer (kept
+    # in the model cache too). Needs torch, triton and onnx only; with --models, one process per
+    # model at once (exports, fp16 conversion and compiles use about one core each; the caches
+    # are written by rename, so the processes share them).
     #   suite-prep LIMIT [compare.py arguments: --models ..., --dtypes ...]
     limit=${2:-400}; shift 2
     mkdir -p /tmp/pre && cp models/build/pretrained/*.onnx /tmp/pre/ 2>/dev/null
-    ONNXFUSE_MODELS=/tmp/pre timeout "$limit" python3 benchmarks/compare.py --suite --prepare \
-      --model-cache /tmp/suite-models "$@" 2>&1 | grep -v "W:onnxruntime" | tee -a "$OUT/suite_prep.log"
+    models=""; rest=()
+    while [ $# -gt 0 ]; do
+      if [ "$1" = --models ] && [ $# -ge 2 ]; then models=$2; shift 2; else rest+=("$1"); shift; fi
+    done
+    if [ -z "$models" ]; then
+      ONNXFUSE_MODELS=/tmp/pre timeout "$limit" python3 benchmarks/compare.py --suite --prepare \
+        --model-cache /tmp/suite-models "${rest[@]}" 2>&1 | grep -v "W:onnxruntime" | tee -a "$OUT/suite_prep.log"
+    else
+      names=(${models//,/ })
+      threads=$(( $(nproc) / ${#names[@]} )); [ "$threads" -ge 1 ] || threads=1
+      for m in "${names[@]}"; do
+        OMP_NUM_THREADS=$threads ONNXFUSE_MODELS=/tmp/pre timeout "$limit" python3 benchmarks/compare.py --suite \
+          --prepare --model-cache /tmp/suite-models --models "$m" "${rest[@]}" > "/tmp/suite_prep_$m.log" 2>&1 &
+      done
+      wait
+      for m in "${names[@]}"; do grep -v "W:onnxruntime" "/tmp/suite_prep_$m.log"; done | tee -a "$OUT/suite_prep.log"
+    fi
     ;;
   suite|suite-resume)
     # the suite timed: ORT / ORT + graph / onnxfuse (tuned at the case's shapes) / onnxfuse +

@@ -388,3 +388,34 @@ def test_ort_transformers_optimizer_reads_shape_initializers():
     assert m.SerializeToString() == before
     (s,) = out.graph.initializer
     assert s.data_location != TensorProto.EXTERNAL and list(numpy_helper.to_array(s)) == [-1, 2]
+
+
+def test_suite_runs_the_tf_optimizer_once_per_model_and_dtype(monkeypatch, tmp_path):
+    """ORT's transformers optimizer does not depend on the batch: a suite case's
+    `tf_optimized` runs it once per model and dtype, keeps it in the model cache, and a later
+    run (a new process: new cases) loads it from there instead of running it again."""
+    pytest.importorskip("onnxruntime.transformers.optimizer")
+    from benchmarks import compare
+
+    calls = []
+    real = compare.ort_transformers_optimize
+
+    def counted(model, twin, options, dry):
+        calls.append((model.graph.name, options["num_heads"], dry))
+        return real(model, twin, options, dry)
+
+    monkeypatch.setattr(compare, "ort_transformers_optimize", counted)
+    b1, b2 = compare.suite_cases((1, 2), ("fp32",), ["bert_base"], tmp_path)
+    first, second = b1.tf_optimized(True), b2.tf_optimized(True)
+    assert len(calls) == 1 and first is second
+    assert first[1]["Attention"] == 2
+    assert (tmp_path / "bert_base_fp32_dry_tfopt.onnx").is_file()
+    (later,) = compare.suite_cases((2,), ("fp32",), ["bert_base"], tmp_path)
+    again = later.tf_optimized(True)
+    assert len(calls) == 1   # from the cache
+    assert again[1] == first[1] and again[0].SerializeToString() == first[0].SerializeToString()
+    # and the case runs it through this, not on its own
+    (uncached,) = compare.suite_cases((2,), ("fp32",), ["vit_s16"])
+    assert uncached.tf_optimized is not None
+    cnn = [c for c in compare.suite_cases((1,), ("fp32",), None) if c.ort_optimizer is None]
+    assert cnn and all(c.tf_optimized is None for c in cnn)
