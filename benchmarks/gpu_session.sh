@@ -408,38 +408,6 @@ PY
     [ -z "$kparts" ] || cat $kparts | tar xzf - -C "$root" || exit 1
     du -sh "$root"/* 2>/dev/null
     ;;
-  bg)
-    # a long plan in the background, so that no row is lost where a call's time limit cuts it:
-    # the device ends a call's processes when it returns, except one in a new process session
-    # (setsid), and replaces the working tree (and the carried .devlib) at each call; so the
-    # plan runs from a copy in /tmp/bg/tree, writes to /tmp/bg/out, and each later call only
-    # waits on it (bg-wait), bringing back what it has written so far.
-    #   bg 'MODE ARGS ; MODE ARGS ; ...'   (each part a gpu_session.sh command, run in order)
-    [ -n "${2:-}" ] || { echo "bg: no plan given" >&2; exit 2; }
-    [ -f /tmp/bg/pid ] && kill -0 "$(cat /tmp/bg/pid)" 2>/dev/null && { echo "bg: a plan is running" >&2; exit 2; }
-    rm -rf /tmp/bg && mkdir -p /tmp/bg/out && cp -r "$PWD" /tmp/bg/tree && rm -rf /tmp/bg/tree/.ort
-    printf '%s\n' "$2" | tr ';' '\n' > /tmp/bg/plan
-    (cd /tmp/bg/tree && OUT=/tmp/bg/out setsid nohup bash -c '
-       while read -r step; do
-         [ -n "${step// }" ] || continue
-         echo "== $(date +%T) $step"; bash benchmarks/gpu_session.sh $step
-       done < /tmp/bg/plan; echo "== $(date +%T) plan done"; touch /tmp/bg/done' \
-       > /tmp/bg/log 2>&1 < /dev/null & echo $! > /tmp/bg/pid)
-    echo "bg: started $(cat /tmp/bg/pid): $(wc -l < /tmp/bg/plan) steps"
-    ;;
-  bg-wait)
-    # wait for the background plan up to LIMIT seconds (default 570), then copy what it wrote
-    # so far into $OUT and show the log's tail
-    #   bg-wait [LIMIT]
-    [ -f /tmp/bg/pid ] || { echo "bg-wait: no plan was started on this machine" >&2; exit 2; }
-    end=$((SECONDS + ${2:-570}))
-    while [ ! -f /tmp/bg/done ] && [ $SECONDS -lt $end ] && kill -0 "$(cat /tmp/bg/pid)" 2>/dev/null; do sleep 5; done
-    cp -r /tmp/bg/out/. "$OUT/" 2>/dev/null; cp /tmp/bg/log "$OUT/bg.log"
-    grep -E "^==|^\S|gate|rror|clocks|seconds" /tmp/bg/log | grep -v "W:onnxruntime" | tail -${BG_TAIL:-60}
-    if [ -f /tmp/bg/done ]; then echo "bg-wait: done"
-    elif kill -0 "$(cat /tmp/bg/pid)" 2>/dev/null; then echo "bg-wait: still running"
-    else echo "bg-wait: the plan stopped without finishing"; fi
-    ;;
   sweep)
     [ -f "$OUT/best.txt" ] && export ONNXFUSE_POINTWISE_CONFIG=$(cat "$OUT/best.txt")
     echo "ONNXFUSE_POINTWISE_CONFIG=${ONNXFUSE_POINTWISE_CONFIG:-default}"
