@@ -1430,3 +1430,107 @@ def test_a_candidate_slower_than_the_one_kept_is_not_gated(monkeypatch):
     assert rec["kept"] == "tuned" and set(rec["models"]) == {"tuned", "heuristic"}
     assert set(rec["accuracy"]) == {"tuned"} and rec["accuracy"]["tuned"]["passed"]
     assert "heuristic: " in tuning.summary(rec) and "not gated (its times could not make it" in tuning.summary(rec)
+
+
+# ---- a losing product epilogue: its epilogue as a chain, its product to ORT ------------------
+
+def _ffn1_dynamo_gelu(k: int = 32, n: int = 48) -> onnx.ModelProto:
+    """FFN1 as torch's dynamo exporter writes it: x @ w + b, then erf's GELU in the order
+    hb * ((erf(hb / sqrt 2) + 1) * 0.5), a form ONNX Runtime does not fuse (BiasGelu)."""
+    rng = np.random.default_rng(3)
+    f = np.float32
+    return model([N("MatMul", ["x", "w"], ["h"], name="mm"), N("Add", ["h", "b"], ["hb"], name="bias"),
+                  N("Div", ["hb", "s2"], ["s"], name="div"), N("Erf", ["s"], ["e"], name="erf"),
+                  N("Add", ["e", "one"], ["e1"], name="add1"), N("Mul", ["e1", "half"], ["e2"], name="halve"),
+                  N("Mul", ["hb", "e2"], ["y"], name="gelu")],
+                 {"x": ("float32", [2, 5, k])}, {"y": ("float32", [2, 5, n])},
+                 {"w": (rng.standard_normal((k, n)) / k ** 0.5).astype(f), "b": rng.standard_normal(n).astype(f),
+                  "s2": f(2 ** 0.5), "one": f(1.0), "half": f(0.5)})
+
+
+def _tuned_matched(m: onnx.ModelProto):
+    """`m` through the passes up to the rewrite as they run where tuning follows on a GPU (the
+    gemm kind matched), and the snapshot tuning starts from."""
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, rewrite_pass, run_passes
+
+    options = dataclasses.replace(build_options(target="sm_90", layout="nchw", tune="off"),
+                                  tune=TuneSettings(budget_s=1.0))
+    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options,
+                   PASSES[:PASSES.index(rewrite_pass) + 1])
+    return r, tuning.snapshot(r)
+
+
+def test_a_losing_gemm_epilogue_is_split_into_its_product_and_a_chain():
+    """`split_epilogues`: the GemmEpilogue that lost goes back to its original nodes, and its
+    bias + GELU, matched alone, becomes one pointwise chain; the product stays ONNX Runtime's.
+    The model computes what the original does; the report counts the product alone as left to
+    ORT; the snapshot tuning started from is not changed."""
+    m = _ffn1_dynamo_gelu()
+    r, before = _tuned_matched(m)
+    assert [(f.kind, len(f.source_nodes)) for f in r.fused] == [("gemm", 7)], r.report.summary()
+    (name,) = [f.node_name for f in r.fused]
+    assert tuning.split_epilogues(before, set()) is None
+    split = tuning.split_epilogues(before, {name})
+    assert [f.kind for f in split.fused] == ["pointwise"] and len(split.fused[0].source_nodes) == 6
+    ops = [n.op_type for n in split.model.graph.node if n.op_type != "Constant"]
+    assert "GemmEpilogue" not in ops and ops.count("PointwiseChain") == 1
+    assert {"MatMul", "Gemm"} & set(ops) and not {"Erf", "Div"} & set(ops)
+    assert split.report.not_fused[tuning.REASON] == 1     # the product
+    assert [f.kind for f in before.fused] == ["gemm"] and _fused_nodes(before.model) == 1  # before untouched
+    feeds = {"x": np.random.default_rng(0).standard_normal((2, 5, 32)).astype(np.float32)}
+    (want,), (got,) = _run(m, feeds), _run(split.model, feeds)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_an_epilogue_of_one_bias_add_is_not_split():
+    """A product whose epilogue is its bias alone: no chain of two nodes forms (ORT fuses the
+    bias with the product), so there is no split candidate; with a Relu after the bias there is
+    one, the product alone left to ORT."""
+    rng = np.random.default_rng(4)
+    w, b = rng.standard_normal((32, 48)).astype(np.float32), rng.standard_normal(48).astype(np.float32)
+    io = {"x": ("float32", [2, 5, 32])}, {"y": ("float32", [2, 5, 48])}
+    bias = model([N("MatMul", ["x", "w"], ["h"]), N("Add", ["h", "b"], ["y"])], *io, {"w": w, "b": b})
+    r, before = _tuned_matched(bias)
+    assert [(f.kind, len(f.source_nodes)) for f in r.fused] == [("gemm", 2)], r.report.summary()
+    assert tuning.split_epilogues(before, {r.fused[0].node_name}) is None
+    relu = model([N("MatMul", ["x", "w"], ["h"]), N("Add", ["h", "b"], ["hb"]), N("Relu", ["hb"], ["y"])], *io,
+                 {"w": w, "b": b})
+    r, before = _tuned_matched(relu)
+    assert [(f.kind, len(f.source_nodes)) for f in r.fused] == [("gemm", 3)], r.report.summary()
+    split = tuning.split_epilogues(before, {r.fused[0].node_name})
+    assert [(f.kind, len(f.source_nodes)) for f in split.fused] == [("pointwise", 2)]
+
+
+def test_tuning_keeps_the_split_model_where_it_is_faster(monkeypatch):
+    """The split model is a whole-model candidate after the tuned one: kept where faster than
+    it by more than MODEL_NOISE, and the written model is then the product + chain."""
+    m = _ffn1_dynamo_gelu()
+    r, before = _tuned_matched(m)
+
+    def model_ms(mm):
+        ops = {n.op_type for n in mm.graph.node}
+        return 0.8 if "PointwiseChain" in ops else 1.1 if "GemmEpilogue" in ops else 1.0
+
+    _fake_timer(monkeypatch, {"fused": 0.5, "original": 0.2}, model_ms)
+    rec = _tune(r, before)["tune"]
+    assert set(rec["models"]) >= {"tuned", "tuned" + tuning.SPLIT_LABEL}, rec["models"]
+    assert rec["kept"] == "tuned" + tuning.SPLIT_LABEL
+    assert [f.kind for f in r.fused] == ["pointwise"]
+    assert "PointwiseChain" in {n.op_type for n in r.model.graph.node}
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 5, 32)).astype(np.float32)}
+    (want,), (got,) = _run(m, feeds), _run(r.model, feeds)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+
+
+def test_tuning_keeps_the_tuned_model_where_the_split_one_is_not_faster(monkeypatch):
+    m = _ffn1_dynamo_gelu()
+    r, before = _tuned_matched(m)
+
+    def model_ms(mm):
+        ops = {n.op_type for n in mm.graph.node}
+        return 0.995 if "PointwiseChain" in ops else 1.1 if "GemmEpilogue" in ops else 1.0  # within MODEL_NOISE
+
+    _fake_timer(monkeypatch, {"fused": 0.5, "original": 0.2}, model_ms)
+    rec = _tune(r, before)["tune"]
+    assert "tuned" + tuning.SPLIT_LABEL in rec["models"] and rec["kept"] == "tuned"
+    assert not r.fused and _fused_nodes(r.model) == 0
