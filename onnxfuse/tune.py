@@ -49,10 +49,11 @@ shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
    float32 products multiply in TF32, the first of these with the products ONNX Runtime runs
    itself given K-major weights (`onnxfuse.kmajor`, last: kept only where faster by more
    than MODEL_NOISE, and gated); the fastest that passes is kept. Which time counts depends
-   on how the model will run (`TuneSettings.cuda_graph`, `--cuda-graph` / `--no-cuda-graph`): under CUDA graphs, the
-   time with them; without, the time without; not said, a candidate replaces an earlier one
-   only where it is faster in its faster mode and slower in neither (`model-modes`: K-major
-   weights at BERT-base batch 1 fp32 were 5% faster under graphs and 16% slower without).
+   on how the model will run (`TuneSettings.cuda_graph`, `--cuda-graph` / `--no-cuda-graph`):
+   under CUDA graphs, the time with them; without, the time without; not said, a candidate
+   replaces an earlier one only where it is faster in its faster mode and slower in neither
+   (`model-modes`: K-major weights at BERT-base batch 1 fp32 were 5% faster under graphs and
+   16% slower without).
    When none passes, the original model is written unchanged, and the report and a warning
    say so with the times.
 3. **Accuracy.** When float32 convs run at "tf32" (the default), every candidate also
