@@ -419,3 +419,38 @@ def test_suite_runs_the_tf_optimizer_once_per_model_and_dtype(monkeypatch, tmp_p
     assert uncached.tf_optimized is not None
     cnn = [c for c in compare.suite_cases((1,), ("fp32",), None) if c.ort_optimizer is None]
     assert cnn and all(c.tf_optimized is None for c in cnn)
+
+
+def test_dynamo_ffn1_split_into_its_product_and_a_gelu_chain():
+    """torch's dynamo exporter writes erf's GELU as hb * ((erf(hb / sqrt 2) + 1) * 0.5), which
+    ONNX Runtime does not fuse: where tuning follows, the gemm kind takes FFN1's product, bias
+    and GELU (7 nodes) into one GemmEpilogue. Where that loses, tuning's split candidate
+    (`tune.split_epilogues`) gives the product back to ORT and fuses the bias + GELU as one
+    chain; the model computes what the export does."""
+    import dataclasses
+
+    from onnxfuse import tune as tuning
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, rewrite_pass, run_passes
+    from onnxfuse.runtime import library_path
+
+    if (why := mt.dynamo_available()) is not None:
+        pytest.skip(why)
+    m = mt.export("vit_s16", small=True, exporter="dynamo")
+    dims = {k: (2, *v) for k, v in mt.input_dims("vit_s16", small=True).items()}
+    options = dataclasses.replace(build_options(target="sm_90", layout="nchw", tune="off", shapes=dims),
+                                  tune=tuning.TuneSettings(budget_s=1.0))
+    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options,
+                   PASSES[:PASSES.index(rewrite_pass) + 1])
+    gemm = {f.node_name: len(f.source_nodes) for f in r.fused if f.kind == "gemm"}
+    assert sorted(gemm.values()).count(7) == 2, r.report.summary()   # each layer's FFN1 with its GELU
+    split = tuning.split_epilogues(tuning.snapshot(r), set(gemm))
+    chains = [f for f in split.fused if f.kind == "pointwise"]
+    assert [len(f.source_nodes) for f in chains] == [6, 6] and not [f for f in split.fused if f.kind == "gemm"]
+    assert {f.kind for f in split.fused} == {"rows", "attention", "pointwise"}
+    feeds = _feeds("vit_s16", batch=2)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    so.register_custom_ops_library(library_path())
+    session = ort.InferenceSession(split.model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    got = session.run(None, feeds)[0]
+    _assert_close(got, _run(m, feeds), what="vit_s16 dynamo, FFN1 split")
