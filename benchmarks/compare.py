@@ -964,21 +964,51 @@ def shard_names(names: list[str], shard: str) -> list[str]:
     return names[k::n]
 
 
-def done_cases(paths: list[Path]) -> dict[str, str]:
-    """--skip-done: case name -> the file whose run holds it, not skipped and with every variant
-    timed (none failed); a file that does not exist or cannot be read holds none (the first
-    call of a run cut into several has nothing done yet)."""
-    done: dict[str, str] = {}
+def _earlier_cases(paths: list[Path]) -> list[tuple[Path, dict]]:
+    """(file, case) of every case in earlier runs' JSON; a file that does not exist or cannot be
+    read holds none (the first call of a run cut into several has nothing done yet)."""
+    out = []
     for path in paths:
         try:
             cases = json.loads(path.read_text())["cases"]
         except (OSError, ValueError, KeyError, TypeError):
             continue
-        for c in cases:
-            variants = c.get("variants") or {}
-            if not c.get("skipped") and variants and all(not (v or {}).get("error") for v in variants.values()):
-                done[c["model"]] = path.name
+        out += [(path, c) for c in cases]
+    return out
+
+
+def done_cases(paths: list[Path]) -> dict[str, str]:
+    """--skip-done: case name -> the file whose run holds it, not skipped and with every variant
+    timed (none failed)."""
+    done: dict[str, str] = {}
+    for path, c in _earlier_cases(paths):
+        variants = c.get("variants") or {}
+        if not c.get("skipped") and variants and all(not (v or {}).get("error") for v in variants.values()):
+            done[c["model"]] = path.name
     return done
+
+
+def case_seconds(paths: list[Path]) -> dict[str, float]:
+    """Case name -> the wall seconds it took (`CaseResult.seconds`' total) in earlier runs' JSON."""
+    return {c["model"]: float(c["seconds"]["total"]) for _, c in _earlier_cases(paths)
+            if isinstance(c.get("seconds"), dict) and isinstance(c["seconds"].get("total"), (int, float))}
+
+
+def row_estimate(name: str, seconds: dict[str, float]) -> float | None:
+    """--stop-after: the seconds case `name` should take: the longest of the rows that ran
+    (`seconds`: case name -> seconds) of its model and dtype, else of its model, else of any;
+    None before any ran. A suite case is named <model>_b<batch>_<dtype>; another case's model
+    is its whole name, and it has no dtype."""
+    def parts(n: str) -> tuple[str, str | None]:
+        m = re.fullmatch(r"(.+)_b\d+_(\w+)", n)
+        return (m.group(1), m.group(2)) if m else (n, None)
+
+    model, dtype = parts(name)
+    for same in (lambda n: parts(n) == (model, dtype), lambda n: parts(n)[0] == model, lambda n: True):
+        took = [s for n, s in seconds.items() if same(n)]
+        if took:
+            return max(took)
+    return None
 
 
 def merge_results(results: list[tuple[str, dict]]) -> dict:
@@ -1066,6 +1096,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="skip the cases an earlier run's JSON already holds with every variant timed (files that "
                          "do not exist hold none): a run cut off by a time limit goes on where it stopped, and "
                          "--from-json merges the runs into one table")
+    ap.add_argument("--stop-after", type=float, metavar="SECONDS",
+                    help="start no case that would end past SECONDS from the first case's start, by the longest "
+                         "time rows like it took (this run's and --skip-done's: `row_estimate`), but go on to "
+                         "shorter ones; a time limit instead cuts the case in flight and loses it")
     ap.add_argument("--prepare", action="store_true",
                     help="--suite: only build every model and compile its kernels (fills the model and kernel "
                          "caches; needs Triton, not a GPU runtime), then stop")
@@ -1156,6 +1190,8 @@ def main(argv: list[str] | None = None) -> int:
         "cases": [],
     }
     done = done_cases(args.skip_done or [])
+    took = case_seconds(args.skip_done or [])
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="onnxfuse-compare-") as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -1163,9 +1199,17 @@ def main(argv: list[str] | None = None) -> int:
             if case.name in done:
                 print(f"{case.name} ({case.kind}): done in {done[case.name]}, skipped (--skip-done)", flush=True)
                 continue
+            need = row_estimate(case.name, took) if args.stop_after is not None else None
+            left = (args.stop_after or 0.0) - (time.perf_counter() - started)
+            if need is not None and need > left:
+                print(f"{case.name} ({case.kind}): not started, {max(left, 0):.0f} s left (--stop-after) where rows "
+                      f"like it took up to {need:.0f} s", flush=True)
+                continue
             print(f"{case.name} ({case.kind})", flush=True)
             res = run_case(case, workdir, args.dry_run, variants, warmup, iters, tune=not args.no_tune,
                            tune_budget=args.tune_budget, reference=args.reference, profile=args.profile)
+            if res.skipped is None and "total" in res.seconds:
+                took[case.name] = res.seconds["total"]
             if res.skipped:
                 print(f"  skipped: {res.skipped}")
             result["cases"].append(ob._finite(dataclasses.asdict(res)))

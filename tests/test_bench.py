@@ -1094,3 +1094,44 @@ def test_compare_skip_done_goes_on_where_an_earlier_run_stopped(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "cos_cos (intensity): done in a.json, skipped (--skip-done)" in r.stdout
     assert [c["model"] for c in json.loads(second.read_text())["cases"]] == ["mlp_block"]
+
+
+def test_row_estimate_takes_the_longest_row_like_the_case():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    took = {"bert_base_b8_fp32": 110.0, "bert_base_b1_fp32": 90.0, "bert_base_b8_fp16": 60.0,
+            "vit_s16_dynamo_b8_fp16": 37.0}
+    assert compare.row_estimate("bert_base_b1_fp32", {}) is None
+    assert compare.row_estimate("bert_base_b1_fp32", took) == 110.0      # same model and dtype
+    assert compare.row_estimate("bert_base_b1_fp16", took) == 60.0
+    assert compare.row_estimate("vit_s16_dynamo_b1_fp32", took) == 37.0  # same model, other dtype
+    assert compare.row_estimate("vit_s16_b1_fp32", took) == 110.0        # another model: the longest of all
+
+
+def test_compare_stop_after_starts_no_case_that_would_end_past_it(tmp_path):
+    """--stop-after: a case that rows like it (here an earlier run's, through --skip-done) say
+    would not end in the seconds left is not started, and the run goes on to shorter ones. The
+    first case of a run with nothing to go by always starts."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+
+    first = tmp_path / "a.json"
+    cut = {"ort": {"error": "cut"}}  # neither is done: both run again, each as long as it took
+    first.write_text(json.dumps({"cases": [
+        {"model": "mlp_block", "variants": cut, "skipped": None, "seconds": {"total": 900.0}},
+        {"model": "cos_cos", "variants": cut, "skipped": None, "seconds": {"total": 5.0}}]}))
+    assert compare.case_seconds([first, tmp_path / "missing.json"]) == {"mlp_block": 900.0, "cos_cos": 5.0}
+    second = tmp_path / "b.json"
+    r = subprocess.run([sys.executable, "benchmarks/compare.py", "--dry-run", "--models", "mlp_block,cos_cos",
+                        "--skip-done", str(first), "--stop-after", "300", "--json", str(second)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "mlp_block (synthetic): not started, 300 s left (--stop-after) where rows like it took up to 900 s" \
+        in r.stdout, r.stdout
+    assert [c["model"] for c in json.loads(second.read_text())["cases"]] == ["cos_cos"]
+    r = subprocess.run([sys.executable, "benchmarks/compare.py", "--dry-run", "--models", "mlp_block",
+                        "--stop-after", "1", "--json", str(second)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert [c["model"] for c in json.loads(second.read_text())["cases"]] == ["mlp_block"]

@@ -134,3 +134,31 @@ def test_suite_resume_goes_on_where_the_last_call_stopped(tmp_path):
     assert f"--skip-done {done}/00_suite_a.json --models bert_base |" in second[0]
     assert sorted(p.name for p in done.iterdir()) == ["00_suite_a.json", "01_suite_b.json"]
     assert f"--from-json {done}/00_suite_a.json {done}/01_suite_b.json --markdown {out}/suite_b_merged.md" in second[1]
+
+
+def test_suite_prep_runs_one_process_per_model(tmp_path):
+    """suite-prep with --models: one compare.py --prepare per model, at once, each given the
+    other arguments, their logs in suite_prep.log in the order of the models; without
+    --models, one process for the whole suite."""
+    import subprocess
+
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"  # stands in for compare.py: says what it was asked
+    fake.write_text('#!/bin/bash\necho "| asked | $* | OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} |"\n')
+    fake.chmod(0o755)
+    script = str(ROOT / "benchmarks" / "gpu_session.sh")
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out)}
+    args = ["bash", script, "suite-prep", "100", "--models", "bert_base,vit_s16_dynamo", "--dtypes", "fp16"]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    asked = [ln for ln in (out / "suite_prep.log").read_text().splitlines() if ln.startswith("| asked |")]
+    assert len(asked) == 2
+    for line, name in zip(asked, ("bert_base", "vit_s16_dynamo"), strict=True):
+        assert f"--prepare --model-cache /tmp/suite-models --models {name} --dtypes fp16 |" in line
+        assert "OMP_NUM_THREADS=unset" not in line
+    r = subprocess.run(["bash", script, "suite-prep", "100", "--dtypes", "fp32"], env=env, capture_output=True,
+                       text=True, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (line,) = [ln for ln in r.stdout.splitlines() if ln.startswith("| asked |")]
+    assert "--prepare --model-cache /tmp/suite-models --dtypes fp32 |" in line and "--models" not in line
