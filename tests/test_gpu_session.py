@@ -80,19 +80,25 @@ def test_kernels_too_large_for_one_file_travel_in_parts(tmp_path):
     assert "kernels left out (3 parts)" in r.stdout and [p.name for p in few.iterdir()] == ["onnxfuse_cache.tgz"]
 
 
+def _fake_python(tmp_path: Path, body: str = 'echo "| asked | $* |"') -> tuple[Path, dict[str, str]]:
+    """A python3 first on PATH that stands in for compare.py (a bash script: `body`, by default
+    saying what it was asked); the OUT folder and the environment to run gpu_session.sh in."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "out"
+    bin_dir.mkdir()
+    fake = bin_dir / "python3"
+    fake.write_text(f"#!/bin/bash\n{body}\n")
+    fake.chmod(0o755)
+    return out, {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out)}
+
+
 def test_suite_shapes_times_the_rows_four_ways_in_one_call(tmp_path):
     """suite-shapes: the variant set (all six, or the three graph variants) crossed with the runs
     per variant (60, 150), each pass its own JSON, the caller's compare.py arguments passed to
     every pass; without .devlib it stops before running anything."""
     import subprocess
 
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
-    fake = bin_dir / "python3"  # stands in for compare.py: says what it was asked
-    fake.write_text('#!/bin/bash\necho "| asked | $* |"\n')
-    fake.chmod(0o755)
+    out, env = _fake_python(tmp_path)
     script = str(ROOT / "benchmarks" / "gpu_session.sh")
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out)}
     args = ["bash", script, "suite-shapes", "100", "--models", "bert_base", "--batches", "1"]
     r = subprocess.run(args, env={**env, "ONNXFUSE_LIBRARY": "lib.so"}, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
@@ -114,15 +120,12 @@ def test_suite_resume_goes_on_where_the_last_call_stopped(tmp_path):
     the next call passes it to --skip-done; each call ends with the merged table of all."""
     import subprocess
 
-    bin_dir, out, done = tmp_path / "bin", tmp_path / "out", tmp_path / "done"
-    bin_dir.mkdir()
-    fake = bin_dir / "python3"  # stands in for compare.py: says what it was asked, writes its --json
-    fake.write_text('#!/bin/bash\necho "| asked | $* |"\nprev=""\nfor a in "$@"; do\n'
-                    '  [ "$prev" = "--json" ] && echo \'{"cases": []}\' > "$a"\n  prev="$a"\ndone\n')
-    fake.chmod(0o755)
+    done = tmp_path / "done"
+    # says what it was asked, writes its --json
+    out, env = _fake_python(tmp_path, 'echo "| asked | $* |"\nprev=""\nfor a in "$@"; do\n'
+                                      '  [ "$prev" = "--json" ] && echo \'{"cases": []}\' > "$a"\n  prev="$a"\ndone')
     script = str(ROOT / "benchmarks" / "gpu_session.sh")
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out), "RESUME_DIR": str(done),
-           "ONNXFUSE_LIBRARY": "lib.so"}
+    env.update(RESUME_DIR=str(done), ONNXFUSE_LIBRARY="lib.so")
     runs = []
     for tag in ("a", "b"):
         r = subprocess.run(["bash", script, "suite-resume", tag, "100", "--models", "bert_base"], env=env,
@@ -142,13 +145,8 @@ def test_suite_prep_runs_one_process_per_model(tmp_path):
     --models, one process for the whole suite."""
     import subprocess
 
-    bin_dir, out = tmp_path / "bin", tmp_path / "out"
-    bin_dir.mkdir()
-    fake = bin_dir / "python3"  # stands in for compare.py: says what it was asked
-    fake.write_text('#!/bin/bash\necho "| asked | $* | OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} |"\n')
-    fake.chmod(0o755)
+    out, env = _fake_python(tmp_path, 'echo "| asked | $* | OMP_NUM_THREADS=${OMP_NUM_THREADS:-unset} |"')
     script = str(ROOT / "benchmarks" / "gpu_session.sh")
-    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(tmp_path), "OUT": str(out)}
     args = ["bash", script, "suite-prep", "100", "--models", "bert_base,vit_s16_dynamo", "--dtypes", "fp16"]
     r = subprocess.run(args, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
