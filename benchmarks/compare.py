@@ -100,10 +100,23 @@ from models import build as mb  # noqa: E402
 from models import pretrained, suite  # noqa: E402
 from models.fp16 import DTYPES, to_fp16  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
+from onnxfuse import compile as aot  # noqa: E402
 from onnxfuse import reference as float64_reference  # noqa: E402
+from onnxfuse import tune as tuning  # noqa: E402
 from onnxfuse.cli import end_process  # noqa: E402
+from onnxfuse.load import load_model  # noqa: E402
 from onnxfuse.outputs import save_model, write_text  # noqa: E402
-from onnxfuse.pipeline import build_options, optimize, optimize_model  # noqa: E402
+from onnxfuse.pipeline import (
+    PASSES,
+    Options,
+    Report,
+    Result,
+    build_options,
+    optimize,
+    optimize_model,
+    run_passes,
+    tune_pass,  # noqa: E402
+)
 from onnxfuse.tools.clocks import Clocks, ClockWatch  # noqa: E402
 from onnxfuse.tools.cuda import CudaDriver  # noqa: E402
 from onnxfuse.tools.feeds import make_feeds  # noqa: E402
@@ -647,6 +660,18 @@ def _run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], w
     return res
 
 
+def fuse_options(shapes: dict[str, tuple[int, ...]], tune: bool, tune_budget: float | None,
+                 cuda_graph: bool | None = None) -> Options:
+    """The options `onnxfuse optimize --shape ...` runs with on a GPU for a case: channels-last,
+    tuned at the case's shapes unless `tune` is off (`cuda_graph`: as `--cuda-graph` /
+    `--no-cuda-graph`)."""
+    settings = None
+    if tune:
+        settings = TuneSettings(shapes=dict(shapes), cuda_graph=cuda_graph,
+                                **({"budget_s": tune_budget} if tune_budget else {}))
+    return dataclasses.replace(build_options("auto", "nhwc", tune="off", shapes=dict(shapes)), tune=settings)
+
+
 def _fuse(model: onnx.ModelProto, src: Path, dst: Path, shapes: dict[str, tuple[int, ...]], dry: bool, tune: bool,
           tune_budget: float | None, warn: Callable[[str], None], cuda_graph: bool | None = None) -> dict:
     """onnxfuse of `model` (saved at `src`) into `dst`, as `onnxfuse optimize --shape ...` writes
@@ -657,12 +682,7 @@ def _fuse(model: onnx.ModelProto, src: Path, dst: Path, shapes: dict[str, tuple[
     if dry:
         save_model(optimize_model(model, static_shapes=dict(shapes)).model, dst)
         return {}
-    settings = None
-    if tune:
-        settings = TuneSettings(shapes=dict(shapes), cuda_graph=cuda_graph,
-                                **({"budget_s": tune_budget} if tune_budget else {}))
-    options = dataclasses.replace(build_options("auto", "nhwc", tune="off", shapes=dict(shapes)), tune=settings)
-    report = optimize(src, dst, options=options)
+    report = optimize(src, dst, options=fuse_options(shapes, tune, tune_budget, cuda_graph))
     for w in report.warnings:
         warn(f"warning: {w[:300]}")
     return report.compile or {}
@@ -728,36 +748,45 @@ def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto
     return opt.model, stats
 
 
-def prepare(picked: list[Case]) -> int:
-    """Build each case's model once per dtype and compile its kernels (`optimize` without
-    tuning), and where onnxruntime is installed run its transformers optimizer on it
-    (`Case.tf_optimized`), so that the timed run that follows hits the model and kernel caches."""
+def prepare(picked: list[Case], tune_budget: float | None = None) -> int:
+    """What each case's timed run would otherwise build on the device, without a GPU runtime:
+    its model (once per dtype, into the model cache); at the case's shapes, the passes up to
+    the compile pass as its `onnxfuse optimize` runs them where tuning follows (`fuse_options`:
+    the kernels, the gemm kind's too, into the kernel cache) and the candidate configurations
+    tuning will search (`tune.precompile_searches`); and where onnxruntime is installed, its
+    transformers optimizer's model (`Case.tf_optimized`, once per dtype)."""
+    assert PASSES[-1] is tune_pass
     try:
         import onnxruntime.transformers.optimizer  # noqa: F401
         tf_optimizer = True
     except ImportError:  # suite-prep before onnxruntime-gpu is installed: the timed run builds it
         tf_optimizer = False
-    done = set()
+    optimized = set()
     with tempfile.TemporaryDirectory(prefix="onnxfuse-prepare-") as tmp:
         for case in picked:
-            key = case.name.rsplit("_b", 1)[0] + "_" + case.name.rsplit("_", 1)[1]
-            if key in done:
-                continue
-            done.add(key)
             t0 = time.perf_counter()
             try:
-                src, dst = Path(tmp) / "m.onnx", Path(tmp) / "o.onnx"
+                src = Path(tmp) / "m.onnx"
                 save_model(case.onnx(False), src)
                 t1 = time.perf_counter()
-                report = optimize(src, dst, layout="nhwc", tune="off")
+                options = fuse_options(case.shapes, True, tune_budget)
+                model = load_model(src)
+                result = run_passes(Result(model, Report(nodes_before=len(model.graph.node)), original=model), options,
+                                    PASSES[:-1])
+                searched = tuning.precompile_searches(result, dict(case.shapes), aot.default_targets(),
+                                                      options.conv_precision, options.jobs)
                 t2 = time.perf_counter()
-                print(f"{key}: built in {t1 - t0:.1f} s; {report.compile.get('summary', '') if report.compile else ''} "
-                      f"({t2 - t1:.1f} s)", flush=True)
-                if tf_optimizer and case.tf_optimized is not None:
+                compiled = result.report.compile.get("summary", "") if result.report.compile else ""
+                print(f"{case.name}: built in {t1 - t0:.1f} s; {compiled}; {searched['candidates']} search candidates: "
+                      f"{searched['compiled']} compiled in {searched['seconds']:.1f} s, {searched['cache_hits']} cache "
+                      f"hits, {searched['failed']} failed ({t2 - t1:.1f} s)", flush=True)
+                key = case.name.rsplit("_b", 1)[0] + "_" + case.name.rsplit("_", 1)[1]
+                if tf_optimizer and case.tf_optimized is not None and key not in optimized:
+                    optimized.add(key)
                     case.tf_optimized(False)
                     print(f"{key}: ORT's transformers optimizer in {time.perf_counter() - t2:.1f} s", flush=True)
             except Exception as e:  # the timed run reports it again
-                print(f"{key}: {_error_text(e)}", flush=True)
+                print(f"{case.name}: {_error_text(e)}", flush=True)
     return 0
 
 
@@ -1101,8 +1130,9 @@ def main(argv: list[str] | None = None) -> int:
                          "time rows like it took (this run's and --skip-done's: `row_estimate`), but go on to "
                          "shorter ones; a time limit instead cuts the case in flight and loses it")
     ap.add_argument("--prepare", action="store_true",
-                    help="--suite: only build every model and compile its kernels (fills the model and kernel "
-                         "caches; needs Triton, not a GPU runtime), then stop")
+                    help="--suite: only build every model and, at each case's shapes, compile its kernels and "
+                         "the candidates tuning will search (fills the model and kernel caches; needs Triton, not "
+                         "a GPU runtime), then stop")
     args = ap.parse_args(argv)
     table = tuple(args.table.split(",")) if args.table else None
     if table and any(v not in VARIANTS for v in table):
@@ -1138,7 +1168,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyError) as e:
             ap.error(f"--suite: {e}")
         if args.prepare:
-            return prepare(picked)
+            return prepare(picked, args.tune_budget)
     else:
         all_cases = cases()
         picked = all_cases

@@ -98,9 +98,10 @@ case "${1:-tests}" in
     ;;
   suite-prep)
     # the accuracy-and-speed issue, parts of one session: export the suite and convert it to
-    # fp16 (model cache /tmp/suite-models), compile every model's kernels (kernel cache), and
-    # once onnxruntime is installed, run its transformers optimizer on each transformer (kept
-    # in the model cache too). Needs torch, triton and onnx only; with --models, one process per
+    # fp16 (model cache /tmp/suite-models), compile each case's kernels at its shapes and the
+    # candidates its tuning will search (kernel cache: compare.py prepare), and once
+    # onnxruntime is installed, run its transformers optimizer on each transformer (kept in the
+    # model cache too). Needs torch, triton and onnx only; with --models, one process per
     # model at once (exports, fp16 conversion and compiles use about one core each; the caches
     # are written by rename, so the processes share them).
     #   suite-prep LIMIT [compare.py arguments: --models ..., --dtypes ...]

@@ -1655,6 +1655,48 @@ def _searches(kind, result, f, node, infos, conv_precision) -> bool:
     return kind.searches(spec, dims)
 
 
+def precompile_searches(result, dims: dict[str, tuple[int, ...]], targets: list[int], conv_precision: str = "tf32",
+                        jobs: int | None = None) -> dict:
+    """Compile, without a GPU, the candidate configurations that tuning would search for the
+    fused nodes of `result` (the passes up to the compile pass, run as where tuning follows, at
+    the input dims `dims` tuning will use): every node whose kind searches by itself
+    (`Kind.search_configs`, `Kind.searches` from its spec and output shape, at the shapes shape
+    inference gives) or that was offered from ORT's fusions to a kind that searches those
+    (`Kind.search_offered`), all in one parallel compile, so that tuning's "search compiles"
+    are kernel-cache hits. Those took 6-20 s of each of a suite row's two tunings on the
+    H100 (forty-fourth session's dynamo rows) and spent the nodes phase's budget: the second
+    tuning searched what the first had no time left for. The nodes tuning only searches with
+    `--tune` configs are not compiled. Returns the kernels and candidates compiled and the
+    seconds the compile took."""
+    m = with_input_dims(result.model, dims)
+    del m.graph.value_info[:]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False)
+    except Exception:  # no output shapes: the kinds that search by themselves still do
+        inferred = m
+    infos = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    nodes = {n.name: n for n in result.model.graph.node}
+    specs, variants = [], []
+    for f in result.fused:
+        node, kind = nodes.get(f.node_name), KINDS[f.kind]
+        if node is None or not ((f.measured_only and kind.search_offered)
+                                or _searches(kind, result, f, node, infos, conv_precision)):
+            continue
+        try:
+            spec = kernel_spec(result.model, f, conv_precision)
+        except Exception:  # tuning cannot search it either
+            continue
+        for _, v in candidates(spec):
+            specs.append(spec)
+            variants.append(v)
+    compiled = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect", variant_overrides=variants) \
+        if specs else []
+    done = [c for c in compiled if isinstance(c, aot.CompiledKernel)]
+    return {"candidates": len(specs), "compiled": sum(c.compiled for c in done),
+            "cache_hits": sum(c.cache_hits for c in done), "failed": len(compiled) - len(done),
+            "seconds": round(sum(c.compile_seconds for c in done), 2)}
+
+
 def _search_configs(result, f, node, mini, d: NodeDecision, timer: Timer, targets, conv_precision, jobs,
                     cached_only: bool = False, steps: Phases | None = None) -> tuple[float, str] | None:
     """--tune: time each candidate configuration of the node's kernel as the node itself was

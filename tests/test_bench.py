@@ -1135,3 +1135,23 @@ def test_compare_stop_after_starts_no_case_that_would_end_past_it(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert [c["model"] for c in json.loads(second.read_text())["cases"]] == ["mlp_block"]
+
+
+def test_compare_prepare_fills_the_kernel_cache_the_timed_run_reads(tmp_path, monkeypatch, capsys):
+    """--prepare builds, at the case's shapes and with the options its timed run's `onnxfuse
+    optimize` uses (`fuse_options`), the kernels and tuning's search candidates: the passes run
+    again as the timed run does compile nothing."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import compare
+    from onnxfuse.pipeline import PASSES, Report, Result, run_passes
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
+    (case,) = [c for c in compare.cases() if c.name == "cos_cos"]
+    assert compare.prepare([case]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("cos_cos: built in ") and " search candidates: " in line and " 0 failed " in line, line
+    m = case.onnx(False)
+    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m),
+                   compare.fuse_options(case.shapes, True, None), PASSES[:-1])
+    assert r.fused and " 0 compiled in " in r.report.compile["summary"], r.report.compile["summary"]

@@ -1534,3 +1534,32 @@ def test_tuning_keeps_the_tuned_model_where_the_split_one_is_not_faster(monkeypa
     rec = _tune(r, before)["tune"]
     assert "tuned" + tuning.SPLIT_LABEL in rec["models"] and rec["kept"] == "tuned"
     assert not r.fused and _fused_nodes(r.model) == 0
+
+
+def test_prepared_search_candidates_are_cache_hits_for_tuning(tmp_path, monkeypatch):
+    """`precompile_searches` (compare.py --prepare, without a GPU) compiles what tuning's search
+    will: the candidates of every node tuning searches in every tuning (here FFN1's bias + GELU
+    chain, offered against ORT's BiasGelu); after it, compiling a searched node's candidates as
+    `_search_configs` does compiles nothing."""
+    pytest.importorskip("triton")
+    from onnxfuse import compile as aot
+    from onnxfuse.pipeline import PASSES, Report, Result, build_options, run_passes
+    from tests.test_gemm_patterns import ffn1
+
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    m, dims = ffn1(), {"x": (2, 5, 32)}
+    options = dataclasses.replace(build_options(target="sm_90", layout="nhwc", tune="off", shapes=dims),
+                                  tune=TuneSettings(shapes=dims))
+    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, PASSES[:-1])
+    offered = [f for f in r.fused if f.measured_only]
+    assert [f.kind for f in offered] == ["pointwise"], r.report.summary()
+    specs = [kernel_spec(r.model, f, "tf32") for f in offered]
+    got = tuning.precompile_searches(r, dims, [90])
+    assert got["candidates"] == sum(len(tuning.candidates(s)) for s in specs) > 1
+    assert got["compiled"] > 0 and got["failed"] == 0
+    for spec in specs:  # as tuning's search compiles them
+        configs = tuning.candidates(spec)
+        out = aot.compile_kernels([spec] * len(configs), [90], errors="collect",
+                                  variant_overrides=[v for _, v in configs])
+        assert all(isinstance(c, aot.CompiledKernel) and c.compiled == 0 and c.cache_hits > 0 for c in out)
+    assert tuning.precompile_searches(r, dims, [90])["compiled"] == 0
