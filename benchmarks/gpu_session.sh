@@ -101,7 +101,9 @@ case "${1:-tests}" in
     # fp16 (model cache /tmp/suite-models), compile each case's kernels at its shapes and the
     # candidates its tuning will search (kernel cache: compare.py prepare), and once
     # onnxruntime is installed, run its transformers optimizer on each transformer (kept in the
-    # model cache too). Needs torch, triton and onnx only; with --models, one process per
+    # model cache too). Run it once onnxruntime is installed: which nodes are matched depends
+    # on ORT's own fusions (onnxfuse.ort_fusions), so without it the kernels compiled are not
+    # all the timed run's. Needs torch, triton and onnx besides; with --models, one process per
     # model at once (exports, fp16 conversion and compiles use about one core each; the caches
     # are written by rename, so the processes share them).
     #   suite-prep LIMIT [compare.py arguments: --models ..., --dtypes ...]
