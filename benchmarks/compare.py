@@ -755,7 +755,7 @@ def prepare(picked: list[Case], tune_budget: float | None = None) -> int:
     the kernels, the gemm kind's too, into the kernel cache) and the candidate configurations
     tuning will search (`tune.precompile_searches`); and where onnxruntime is installed, its
     transformers optimizer's model (`Case.tf_optimized`, once per dtype)."""
-    assert PASSES[-1] is tune_pass
+    upto = PASSES[:PASSES.index(tune_pass)]  # every pass the timed run's tuning follows
     try:
         import onnxruntime.transformers.optimizer  # noqa: F401
         tf_optimizer = True
@@ -772,7 +772,7 @@ def prepare(picked: list[Case], tune_budget: float | None = None) -> int:
                 options = fuse_options(case.shapes, True, tune_budget)
                 model = load_model(src)
                 result = run_passes(Result(model, Report(nodes_before=len(model.graph.node)), original=model), options,
-                                    PASSES[:-1])
+                                    upto)
                 searched = tuning.precompile_searches(result, dict(case.shapes), aot.default_targets(),
                                                       options.conv_precision, options.jobs)
                 t2 = time.perf_counter()
