@@ -102,7 +102,6 @@ from models.fp16 import DTYPES, to_fp16  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
 from onnxfuse import compile as aot  # noqa: E402
 from onnxfuse import reference as float64_reference  # noqa: E402
-from onnxfuse import tune as tuning  # noqa: E402
 from onnxfuse.cli import end_process  # noqa: E402
 from onnxfuse.load import load_model  # noqa: E402
 from onnxfuse.outputs import save_model, write_text  # noqa: E402
@@ -123,7 +122,7 @@ from onnxfuse.tools.feeds import make_feeds  # noqa: E402
 from onnxfuse.tools.gate import compare_output, gate_output  # noqa: E402
 from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate_model, interleave  # noqa: E402
 from onnxfuse.tools.shapes import resolve_inputs, signature  # noqa: E402
-from onnxfuse.tune import Phases, TuneSettings  # noqa: E402
+from onnxfuse.tune import Phases, TuneSettings, precompile_searches  # noqa: E402
 
 VARIANTS = ("ort", "ort_nhwc", "ort_graph", "ort_tfopt", "ort_tfopt_graph", "onnxfuse", "onnxfuse_graph",
             "onnxfuse_tfopt", "onnxfuse_tfopt_graph", "torch_eager", "torch_compile", "torch_compile_graph")
@@ -761,7 +760,6 @@ def prepare(picked: list[Case], tune_budget: float | None = None) -> int:
         tf_optimizer = True
     except ImportError:  # suite-prep before onnxruntime-gpu is installed: the timed run builds it
         tf_optimizer = False
-    optimized = set()
     with tempfile.TemporaryDirectory(prefix="onnxfuse-prepare-") as tmp:
         for case in picked:
             t0 = time.perf_counter()
@@ -773,18 +771,16 @@ def prepare(picked: list[Case], tune_budget: float | None = None) -> int:
                 model = load_model(src)
                 result = run_passes(Result(model, Report(nodes_before=len(model.graph.node)), original=model), options,
                                     upto)
-                searched = tuning.precompile_searches(result, dict(case.shapes), aot.default_targets(),
-                                                      options.conv_precision, options.jobs)
+                searched = precompile_searches(result, dict(case.shapes), aot.default_targets(),
+                                               options.conv_precision, options.jobs)
                 t2 = time.perf_counter()
                 compiled = result.report.compile.get("summary", "") if result.report.compile else ""
                 print(f"{case.name}: built in {t1 - t0:.1f} s; {compiled}; {searched['candidates']} search candidates: "
                       f"{searched['compiled']} compiled in {searched['seconds']:.1f} s, {searched['cache_hits']} cache "
                       f"hits, {searched['failed']} failed ({t2 - t1:.1f} s)", flush=True)
-                key = case.name.rsplit("_b", 1)[0] + "_" + case.name.rsplit("_", 1)[1]
-                if tf_optimizer and case.tf_optimized is not None and key not in optimized:
-                    optimized.add(key)
+                if tf_optimizer and case.tf_optimized is not None:  # once per model and dtype: the later batches hit
                     case.tf_optimized(False)
-                    print(f"{key}: ORT's transformers optimizer in {time.perf_counter() - t2:.1f} s", flush=True)
+                    print(f"{case.name}: ORT's transformers optimizer in {time.perf_counter() - t2:.1f} s", flush=True)
             except Exception as e:  # the timed run reports it again
                 print(f"{case.name}: {_error_text(e)}", flush=True)
     return 0

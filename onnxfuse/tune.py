@@ -400,18 +400,24 @@ def smallest_output(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: 
     return min(sizes) if sizes else None
 
 
+def inferred_infos(model: ModelProto, dims: dict[str, tuple[int, ...]]) -> dict[str, onnx.ValueInfoProto]:
+    """The ValueInfo shape inference gives every tensor of `model` at the fixed input dims
+    (its own value_info dropped first); none but the inputs' where onnx cannot infer it."""
+    m = with_input_dims(model, dims)
+    del m.graph.value_info[:]
+    try:
+        inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False)
+    except Exception:  # callers fill in or do without what inference cannot give
+        inferred = m
+    return {v.name: v for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]}
+
+
 def tensor_infos(model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: dict[str, np.ndarray],
                  needed: set[str], provider: str) -> dict[str, onnx.ValueInfoProto]:
     """A typed, static ValueInfo for every tensor in `needed` (not initializers): shape
     inference at the fixed input dims, and for what it leaves unknown one run of the model
     at those inputs with the unknown tensors as extra outputs."""
-    m = with_input_dims(model, dims)
-    del m.graph.value_info[:]
-    try:
-        inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False)
-    except Exception:  # a model onnx cannot infer is filled by running it
-        inferred = m
-    infos = {v.name: v for v in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]}
+    infos = inferred_infos(model, dims)
     inits = {t.name for t in model.graph.initializer}
     missing = sorted(n for n in needed if n not in inits and not (n in infos and _static(infos[n])))
     if missing:
@@ -1669,13 +1675,7 @@ def precompile_searches(result, dims: dict[str, tuple[int, ...]], targets: list[
     tuning searched what the first had no time left for. The nodes tuning only searches with
     `--tune` configs are not compiled. Returns the kernels and candidates compiled and the
     seconds the compile took."""
-    m = with_input_dims(result.model, dims)
-    del m.graph.value_info[:]
-    try:
-        inferred = onnx.shape_inference.infer_shapes(m, strict_mode=False)
-    except Exception:  # no output shapes: the kinds that search by themselves still do
-        inferred = m
-    infos = {v.name: v for v in [*inferred.graph.value_info, *inferred.graph.output]}
+    infos = inferred_infos(result.model, dims)  # none inferred: the kinds that search by themselves still do
     nodes = {n.name: n for n in result.model.graph.node}
     specs, variants = [], []
     for f in result.fused:
