@@ -133,17 +133,13 @@ def _tuned_passes(arch: str, dtype: str, last, target: str = "none"):
     up to `last` as they run where tuning will time the fused nodes (batch 2)."""
     from models import transformers as mt
     from models.fp16 import to_fp16
-    from onnxfuse import tune as tuning
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, run_passes
+    from tests.util import passes_upto, tuned_options
 
     m = mt.export(arch, small=True)
     if dtype == "float16":
         m = to_fp16(m)
     dims = {k: (2, *v) for k, v in mt.input_dims(arch, small=True).items()}
-    options = dataclasses.replace(build_options(target=target, tune="off", shapes=dims),
-                                  tune=tuning.TuneSettings(budget_s=1.0))
-    upto = PASSES[:PASSES.index(last) + 1]
-    return m, dims, run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    return m, dims, passes_upto(m, tuned_options(target, dims), last)
 
 
 def _matches(dtype):

@@ -545,15 +545,11 @@ def _small_bert_fp16_through(last_pass):
     pytest.importorskip("onnxconverter_common")
     import models.transformers as mt
     from models.fp16 import to_fp16
-    from onnxfuse import tune as tuning
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, run_passes
+    from tests.util import passes_upto, tuned_options
 
     m = to_fp16(mt.export("bert_base", small=True))
     dims = {k: (2, *v) for k, v in mt.input_dims("bert_base", small=True).items()}
-    options = dataclasses.replace(build_options(target="none", tune="off", shapes=dims),
-                                  tune=tuning.TuneSettings(budget_s=1.0))
-    upto = PASSES[:PASSES.index(last_pass) + 1]
-    return run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto), dims
+    return passes_upto(m, tuned_options("none", dims), last_pass), dims
 
 
 def test_bert_out_projection_and_ffn2_products_are_offered_bare():

@@ -167,13 +167,12 @@ def test_what_is_left_as_it_is(small_too):
 def _passes(arch: str, target: str = "sm_90", **kw):
     pytest.importorskip("torch")
     from models import transformers as mt
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, kmajor_pass, run_passes
+    from onnxfuse.pipeline import build_options, kmajor_pass
+    from tests.util import passes_upto
 
     m = mt.export(arch, small=True)
     dims = {k: (2, *v) for k, v in mt.input_dims(arch, small=True).items()}
-    options = build_options(target=target, tune="off", shapes=dims, **kw)
-    upto = PASSES[:PASSES.index(kmajor_pass) + 1]
-    return m, dims, run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    return m, dims, passes_upto(m, build_options(target=target, tune="off", shapes=dims, **kw), kmajor_pass)
 
 
 @pytest.mark.parametrize("arch", ["bert_base", "gpt2_small"])

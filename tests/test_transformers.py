@@ -164,17 +164,13 @@ def test_with_tuning_a_gelu_after_a_product_is_a_chain_timed_against_bias_gelu()
     leaves the GELU to a chain (`gemm.BIAS_TO_TAKER`), the bias pass puts the bias after the
     product, and one chain per layer takes the bias Add with the GELU, marked to be kept only
     where tuning measures it faster than ORT's BiasGelu (the passes up to matching, on the CPU)."""
-    import dataclasses
 
-    from onnxfuse import tune as tuning
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, match_pass, run_passes
+    from onnxfuse.pipeline import match_pass
+    from tests.util import passes_upto, tuned_options
 
     m = mt.export("bert_base", small=True)
     dims = {k: (2, *v) for k, v in mt.input_dims("bert_base", small=True).items()}
-    options = dataclasses.replace(build_options(target="none", tune="off", shapes=dims),
-                                  tune=tuning.TuneSettings(budget_s=1.0))
-    upto = PASSES[:PASSES.index(match_pass) + 1]
-    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, upto)
+    r = passes_upto(m, tuned_options("none", dims), match_pass)
     gelu = [x for x in r.found.matches if x.kind == "pointwise" and x.measured_only]
     assert len(gelu) == 2, r.report.summary()
     for x in gelu:
@@ -427,20 +423,16 @@ def test_dynamo_ffn1_split_into_its_product_and_a_gelu_chain():
     and GELU (7 nodes) into one GemmEpilogue. Where that loses, tuning's split candidate
     (`tune.split_epilogues`) gives the product back to ORT and fuses the bias + GELU as one
     chain; the model computes what the export does."""
-    import dataclasses
-
     from onnxfuse import tune as tuning
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, rewrite_pass, run_passes
+    from onnxfuse.pipeline import rewrite_pass
     from onnxfuse.runtime import library_path
+    from tests.util import passes_upto, tuned_options
 
     if (why := mt.dynamo_available()) is not None:
         pytest.skip(why)
     m = mt.export("vit_s16", small=True, exporter="dynamo")
     dims = {k: (2, *v) for k, v in mt.input_dims("vit_s16", small=True).items()}
-    options = dataclasses.replace(build_options(target="sm_90", layout="nchw", tune="off", shapes=dims),
-                                  tune=tuning.TuneSettings(budget_s=1.0))
-    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options,
-                   PASSES[:PASSES.index(rewrite_pass) + 1])
+    r = passes_upto(m, tuned_options("sm_90", dims, layout="nchw"), rewrite_pass)
     gemm = {f.node_name: len(f.source_nodes) for f in r.fused if f.kind == "gemm"}
     assert sorted(gemm.values()).count(7) == 2, r.report.summary()   # each layer's FFN1 with its GELU
     split = tuning.split_epilogues(tuning.snapshot(r), set(gemm))

@@ -1451,12 +1451,10 @@ def _ffn1_dynamo_gelu(k: int = 32, n: int = 48) -> onnx.ModelProto:
 def _tuned_matched(m: onnx.ModelProto):
     """`m` through the passes up to the rewrite as they run where tuning follows on a GPU (the
     gemm kind matched), and the snapshot tuning starts from."""
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, rewrite_pass, run_passes
+    from onnxfuse.pipeline import rewrite_pass
+    from tests.util import passes_upto, tuned_options
 
-    options = dataclasses.replace(build_options(target="sm_90", layout="nchw", tune="off"),
-                                  tune=TuneSettings(budget_s=1.0))
-    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options,
-                   PASSES[:PASSES.index(rewrite_pass) + 1])
+    r = passes_upto(m, tuned_options("sm_90", None, layout="nchw"), rewrite_pass)
     return r, tuning.snapshot(r)
 
 
@@ -1543,14 +1541,13 @@ def test_prepared_search_candidates_are_cache_hits_for_tuning(tmp_path, monkeypa
     `_search_configs` does compiles nothing."""
     pytest.importorskip("triton")
     from onnxfuse import compile as aot
-    from onnxfuse.pipeline import PASSES, Report, Result, build_options, run_passes
+    from onnxfuse.pipeline import compile_pass
     from tests.test_gemm_patterns import ffn1
+    from tests.util import passes_upto, tuned_options
 
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
     m, dims = ffn1(), {"x": (2, 5, 32)}
-    options = dataclasses.replace(build_options(target="sm_90", layout="nhwc", tune="off", shapes=dims),
-                                  tune=TuneSettings(shapes=dims))
-    r = run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options, PASSES[:-1])
+    r = passes_upto(m, tuned_options("sm_90", dims, layout="nhwc"), compile_pass)
     offered = [f for f in r.fused if f.measured_only]
     assert [f.kind for f in offered] == ["pointwise"], r.report.summary()
     specs = [kernel_spec(r.model, f, "tf32") for f in offered]

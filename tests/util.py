@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -20,7 +21,8 @@ from onnx import TensorProto, helper, numpy_helper
 from onnxfuse import optimize_model
 from onnxfuse.kinds import KINDS
 from onnxfuse.load import canonicalize, infer_shapes
-from onnxfuse.pipeline import Options, Result, build_options
+from onnxfuse.pipeline import PASSES, Options, Report, Result, build_options, run_passes
+from onnxfuse.tune import TuneSettings
 
 NP = {TensorProto.FLOAT: np.float32, TensorProto.FLOAT16: np.float16, TensorProto.DOUBLE: np.float64,
       TensorProto.BOOL: np.bool_, TensorProto.INT64: np.int64, TensorProto.INT32: np.int32,
@@ -171,6 +173,20 @@ def kernel_options(target: str, layout: str = "nchw", conv_precision: str = "tf3
     """Options for compiling a Result of `optimize_model` with `onnxfuse.pipeline.compile_pass`:
     kernels for `target`, the NHWC pass with layout "nhwc", no tuning."""
     return build_options(target, layout, conv_precision, "off", jobs=jobs)
+
+
+def tuned_options(target: str, dims: dict[str, tuple[int, ...]] | None, layout: str = "auto") -> Options:
+    """Options as where the tune pass will run (`optimize --shape` on a GPU: the gemm kind
+    matched, nothing fused only where measured given back yet), for the passes before it."""
+    return dataclasses.replace(build_options(target=target, layout=layout, tune="off", shapes=dims),
+                               tune=TuneSettings(budget_s=1.0))
+
+
+def passes_upto(m: onnx.ModelProto, options: Options, last) -> Result:
+    """`m` through the pipeline's passes with `options`, as `optimize_model` runs them, up to
+    and with the pass `last`."""
+    return run_passes(Result(m, Report(nodes_before=len(m.graph.node)), original=m), options,
+                      PASSES[:PASSES.index(last) + 1])
 
 
 @contextlib.contextmanager
