@@ -515,19 +515,30 @@ def _run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], w
     orig = workdir / f"{case.name}.onnx"
     fused = workdir / f"{case.name}.onnxfuse.onnx"
     save_model(model, orig)
-    with steps("onnxfuse"):
-        compiled = _fuse(model, orig, fused, shapes, dry, tune, tune_budget, lambda w: log(f"  {case.name:<20} {w}"))
-    res.compile, res.tune = compiled.get("summary", ""), compiled.get("tune")
-    res.fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused), load_external_data=False))
+    # tuned, onnxfuse_graph's model is tuned for CUDA graphs (--cuda-graph), the plain one is
+    # optimized only where its variant runs (a tuning each: the longest steps of a row)
+    graph_own = tune and not dry and "onnxfuse_graph" in variants
+    plain = "onnxfuse" in variants or not graph_own
+    if plain:
+        with steps("onnxfuse"):
+            compiled = _fuse(model, orig, fused, shapes, dry, tune, tune_budget,
+                             lambda w: log(f"  {case.name:<20} {w}"))
+        res.compile, res.tune = compiled.get("summary", ""), compiled.get("tune")
+        res.fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused), load_external_data=False))
     fused_graph, graph_nodes = fused, res.fused_nodes  # onnxfuse_graph's model
-    if tune and not dry and "onnxfuse_graph" in variants:
+    if graph_own:
         fused_graph = workdir / f"{case.name}.onnxfuse.graph.onnx"
         with steps("onnxfuse --cuda-graph"):
-            res.tune_graph = _fuse(model, orig, fused_graph, shapes, dry, tune, tune_budget,
-                                   lambda w: log(f"  {case.name:<20} (--cuda-graph) {w}"), cuda_graph=True).get("tune")
+            compiled = _fuse(model, orig, fused_graph, shapes, dry, tune, tune_budget,
+                             lambda w: log(f"  {case.name:<20} (--cuda-graph) {w}"), cuda_graph=True)
+        res.tune_graph = compiled.get("tune")
+        res.compile = res.compile or compiled.get("summary", "")
         graph_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused_graph), load_external_data=False))
+        if not plain:
+            res.fused_nodes = graph_nodes
         kept = [(t or {}).get("kept", "not tuned") for t in (res.tune, res.tune_graph)]
-        log(f"  {case.name:<20} tuning kept: {kept[0]} (default), {kept[1]} (--cuda-graph)")
+        log(f"  {case.name:<20} tuning kept: " + (f"{kept[0]} (default), " if plain else "")
+            + f"{kept[1]} (--cuda-graph)")
     # ONNX Runtime's transformers optimizer, and onnxfuse on its model
     tf_paths: dict[str, Path] = {}
     tf_error = None
@@ -543,8 +554,10 @@ def _run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], w
             if any(model_variant(v) == "onnxfuse_tfopt" for v in variants):
                 tf_fused = workdir / f"{case.name}.tfopt.onnxfuse.onnx"
                 with steps("onnxfuse on tf-optimizer"):
+                    # tuned for CUDA graphs where only its graph variant runs
                     _fuse(tf_model, tf_paths["ort_tfopt"], tf_fused, shapes, dry, tune, tune_budget,
-                          lambda w: log(f"  {case.name:<20} (on tf-optimizer) {w}"))
+                          lambda w: log(f"  {case.name:<20} (on tf-optimizer) {w}"),
+                          cuda_graph=True if "onnxfuse_tfopt" not in variants else None)
                 res.tfopt_fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(tf_fused), load_external_data=False))
                 tf_paths["onnxfuse_tfopt"] = tf_fused
         except Exception as e:  # the other variants still run
@@ -660,15 +673,15 @@ def _run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], w
 
 
 def fuse_options(shapes: dict[str, tuple[int, ...]], tune: bool, tune_budget: float | None,
-                 cuda_graph: bool | None = None) -> Options:
+                 cuda_graph: bool | None = None, target: str = "auto") -> Options:
     """The options `onnxfuse optimize --shape ...` runs with on a GPU for a case: channels-last,
     tuned at the case's shapes unless `tune` is off (`cuda_graph`: as `--cuda-graph` /
-    `--no-cuda-graph`)."""
+    `--no-cuda-graph`; `target`: as `--target`, the local GPUs' archs by default)."""
     settings = None
     if tune:
         settings = TuneSettings(shapes=dict(shapes), cuda_graph=cuda_graph,
                                 **({"budget_s": tune_budget} if tune_budget else {}))
-    return dataclasses.replace(build_options("auto", "nhwc", tune="off", shapes=dict(shapes)), tune=settings)
+    return dataclasses.replace(build_options(target, "nhwc", tune="off", shapes=dict(shapes)), tune=settings)
 
 
 def _fuse(model: onnx.ModelProto, src: Path, dst: Path, shapes: dict[str, tuple[int, ...]], dry: bool, tune: bool,
@@ -747,13 +760,16 @@ def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto
     return opt.model, stats
 
 
-def prepare(picked: list[Case], tune_budget: float | None = None) -> int:
+def prepare(picked: list[Case], tune_budget: float | None = None, target: str = "auto") -> int:
     """What each case's timed run would otherwise build on the device, without a GPU runtime:
     its model (once per dtype, into the model cache); at the case's shapes, the passes up to
     the compile pass as its `onnxfuse optimize` runs them where tuning follows (`fuse_options`:
     the kernels, the gemm kind's too, into the kernel cache) and the candidate configurations
     tuning will search (`tune.precompile_searches`); and where onnxruntime is installed, its
-    transformers optimizer's model (`Case.tf_optimized`, once per dtype)."""
+    transformers optimizer's model (`Case.tf_optimized`, once per dtype). `target`: the GPU
+    archs to compile for (`--target`: "sm_90" fills a kernel cache for an H100/H200 on a machine
+    without one, to carry there; "auto" is the local GPUs')."""
+    targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
     upto = PASSES[:PASSES.index(tune_pass)]  # every pass the timed run's tuning follows
     try:
         import onnxruntime.transformers.optimizer  # noqa: F401
@@ -767,11 +783,11 @@ def prepare(picked: list[Case], tune_budget: float | None = None) -> int:
                 src = Path(tmp) / "m.onnx"
                 save_model(case.onnx(False), src)
                 t1 = time.perf_counter()
-                options = fuse_options(case.shapes, True, tune_budget)
+                options = fuse_options(case.shapes, True, tune_budget, target=target)
                 model = load_model(src)
                 result = run_passes(Result(model, Report(nodes_before=len(model.graph.node)), original=model), options,
                                     upto)
-                searched = precompile_searches(result, dict(case.shapes), aot.default_targets(),
+                searched = precompile_searches(result, dict(case.shapes), targets,
                                                options.conv_precision, options.jobs)
                 t2 = time.perf_counter()
                 compiled = result.report.compile.get("summary", "") if result.report.compile else ""
@@ -1129,6 +1145,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="--suite: only build every model and, at each case's shapes, compile its kernels and "
                          "the candidates tuning will search (fills the model and kernel caches; needs Triton, not "
                          "a GPU runtime), then stop")
+    ap.add_argument("--target", default="auto",
+                    help="--prepare: the GPU archs to compile for, as `onnxfuse optimize --target` (default: the "
+                         "local GPUs'; e.g. sm_90 to fill a kernel cache on a machine without a GPU)")
     args = ap.parse_args(argv)
     table = tuple(args.table.split(",")) if args.table else None
     if table and any(v not in VARIANTS for v in table):
@@ -1164,7 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyError) as e:
             ap.error(f"--suite: {e}")
         if args.prepare:
-            return prepare(picked, args.tune_budget)
+            return prepare(picked, args.tune_budget, args.target)
     else:
         all_cases = cases()
         picked = all_cases

@@ -408,9 +408,16 @@ PY
   cache-load)
     # cache-load ARCHIVE: what cache-save wrote, unpacked under ~/.cache/onnxfuse, with the
     # kernels' parts beside it (onnxfuse_kernels.tgz.NN) where there are any. A suite run after
-    # it re-measures nothing it remembers: its tune records say so (measured, cache_hits)
+    # it re-measures nothing it remembers: its tune records say so (measured, cache_hits).
+    # ARCHIVE may be a kernel cache filled on the CPU machine instead, carried in .devcache/
+    # (xz: about 1/30 of its size, the PTX repeats; gzip only 1/4), so that suite-prep's and the
+    # suite's compiles are hits instead of device time. Fill it with the device's triton and
+    # onnxruntime (which nodes are matched depends on ORT's fusions) for its arch:
+    #   PYTHONPATH=<onnxruntime 1.31.1>:$PWD ONNXFUSE_CACHE=$PWD/.devcache/kernels python3 benchmarks/compare.py \
+    #     --suite --prepare --target sm_90 --models ... --batches 1,8 --dtypes fp32,fp16
+    #   tar cJf .devcache/kernels.tar.xz -C .devcache kernels
     root=${ONNXFUSE_CACHE:-$HOME/.cache/onnxfuse}; archive=${2:?cache-load ARCHIVE}
-    mkdir -p "$root" && tar xzf "$archive" -C "$root" || exit 1
+    mkdir -p "$root" && tar xf "$archive" -C "$root" || exit 1
     kparts=$(ls "$(dirname "$archive")"/onnxfuse_kernels.tgz.[0-9][0-9] 2>/dev/null)
     [ -z "$kparts" ] || cat $kparts | tar xzf - -C "$root" || exit 1
     du -sh "$root"/* 2>/dev/null

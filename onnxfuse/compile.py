@@ -24,7 +24,7 @@ sm_110 is not known to either. From sm_90 on, Triton compiles for the arch-speci
 Misses compile in parallel, in `jobs` worker processes (default: one per CPU core).
 
 Cache: one entry per (kernel source, variant, target) under ``~/.cache/onnxfuse/kernels``
-(``$ONNXFUSE_CACHE`` overrides the root), keyed by a hash of the source, signature,
+(``$ONNXFUSE_CACHE/kernels`` where it is set), keyed by a hash of the source, signature,
 hints, options, target and Triton version. Generated modules are written under the same
 root (``src/``), because ``@triton.jit`` reads its function's source file.
 """
@@ -163,13 +163,12 @@ def default_targets() -> list[int]:
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
-    """`cache_dir`, else ``$ONNXFUSE_CACHE``, else ``~/.cache/onnxfuse/kernels``."""
+    """`cache_dir`, else ``kernels`` under ``$ONNXFUSE_CACHE``, else ``~/.cache/onnxfuse/kernels``:
+    the same root as the tuning cache's and the library's (`onnxfuse.build.cache_dir`), which
+    the GPU session's cache-save and cache-load carry as ``tune`` and ``kernels``."""
     if cache_dir is not None:
         return Path(cache_dir)
-    env = os.environ.get("ONNXFUSE_CACHE")
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "onnxfuse" / "kernels"
+    return Path(os.environ.get("ONNXFUSE_CACHE") or Path.home() / ".cache" / "onnxfuse") / "kernels"
 
 
 @dataclass(frozen=True)

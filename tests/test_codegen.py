@@ -886,6 +886,19 @@ def test_aot_second_compile_is_a_cache_hit(aot):
     assert second.kernel_meta_json() == first.kernel_meta_json()
 
 
+def test_aot_cache_lives_under_kernels_of_the_cache_root(aot, tmp_path, monkeypatch):
+    """$ONNXFUSE_CACHE is the root of every cache (tune/, lib/, ...): the kernels go under its
+    kernels/, where the GPU session's cache-save packs them from and cache-load unpacks them to,
+    and a compile there after one into that layout is a hit."""
+    _, _, cache = aot
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    (tmp_path / "kernels").symlink_to(cache)
+    spec = KernelSpec(parse(GOLDEN_PROGRAM), NAME, 2, ("full", "strided", "scalar"), ("Mul /block/mul",))
+    [ck] = compile_kernels([spec], [90])
+    assert (ck.compiled, ck.cache_hits) == (0, 2)
+    assert not any(p.name != "kernels" for p in tmp_path.iterdir())
+
+
 def test_ptx_assembles_for_newer_archs(aot, tmp_path):
     """The embedded PTX (relaxed to sm_90) is what a newer driver JITs: ptxas must take it."""
     from triton import knobs
