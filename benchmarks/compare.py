@@ -760,15 +760,17 @@ def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto
     return opt.model, stats
 
 
-def prepare(picked: list[Case], tune_budget: float | None = None, target: str = "auto") -> int:
+def prepare(picked: list[Case], tune_budget: float | None = None, target: str = "auto",
+            on_tfopt: bool = False) -> int:
     """What each case's timed run would otherwise build on the device, without a GPU runtime:
     its model (once per dtype, into the model cache); at the case's shapes, the passes up to
     the compile pass as its `onnxfuse optimize` runs them where tuning follows (`fuse_options`:
     the kernels, the gemm kind's too, into the kernel cache) and the candidate configurations
     tuning will search (`tune.precompile_searches`); and where onnxruntime is installed, its
-    transformers optimizer's model (`Case.tf_optimized`, once per dtype). `target`: the GPU
-    archs to compile for (`--target`: "sm_90" fills a kernel cache for an H100/H200 on a machine
-    without one, to carry there; "auto" is the local GPUs')."""
+    transformers optimizer's model (`Case.tf_optimized`, once per dtype), and with `on_tfopt`
+    (an onnxfuse_tfopt variant asked for) the same passes and searches on that model.
+    `target`: the GPU archs to compile for (`--target`: "sm_90" fills a kernel cache for an
+    H100/H200 on a machine without one, to carry there; "auto" is the local GPUs')."""
     targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
     upto = PASSES[:PASSES.index(tune_pass)]  # every pass the timed run's tuning follows
     try:
@@ -776,27 +778,33 @@ def prepare(picked: list[Case], tune_budget: float | None = None, target: str = 
         tf_optimizer = True
     except ImportError:  # suite-prep before onnxruntime-gpu is installed: the timed run builds it
         tf_optimizer = False
+
+    def compile_for(name: str, model: onnx.ModelProto, case: Case, src: Path) -> None:
+        t1 = time.perf_counter()
+        save_model(model, src)
+        options = fuse_options(case.shapes, True, tune_budget, target=target)
+        loaded = load_model(src)
+        result = run_passes(Result(loaded, Report(nodes_before=len(loaded.graph.node)), original=loaded), options,
+                            upto)
+        searched = precompile_searches(result, dict(case.shapes), targets, options.conv_precision, options.jobs)
+        compiled = result.report.compile.get("summary", "") if result.report.compile else ""
+        print(f"{name}: {compiled}; {searched['candidates']} search candidates: {searched['compiled']} compiled in "
+              f"{searched['seconds']:.1f} s, {searched['cache_hits']} cache hits, {searched['failed']} failed "
+              f"({time.perf_counter() - t1:.1f} s)", flush=True)
+
     with tempfile.TemporaryDirectory(prefix="onnxfuse-prepare-") as tmp:
         for case in picked:
             t0 = time.perf_counter()
             try:
-                src = Path(tmp) / "m.onnx"
-                save_model(case.onnx(False), src)
-                t1 = time.perf_counter()
-                options = fuse_options(case.shapes, True, tune_budget, target=target)
-                model = load_model(src)
-                result = run_passes(Result(model, Report(nodes_before=len(model.graph.node)), original=model), options,
-                                    upto)
-                searched = precompile_searches(result, dict(case.shapes), targets,
-                                               options.conv_precision, options.jobs)
-                t2 = time.perf_counter()
-                compiled = result.report.compile.get("summary", "") if result.report.compile else ""
-                print(f"{case.name}: built in {t1 - t0:.1f} s; {compiled}; {searched['candidates']} search candidates: "
-                      f"{searched['compiled']} compiled in {searched['seconds']:.1f} s, {searched['cache_hits']} cache "
-                      f"hits, {searched['failed']} failed ({t2 - t1:.1f} s)", flush=True)
+                model = case.onnx(False)
+                print(f"{case.name}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+                compile_for(case.name, model, case, Path(tmp) / "m.onnx")
                 if tf_optimizer and case.tf_optimized is not None:  # once per model and dtype: the later batches hit
-                    case.tf_optimized(False)
+                    t2 = time.perf_counter()
+                    tf_model, _ = case.tf_optimized(False)
                     print(f"{case.name}: ORT's transformers optimizer in {time.perf_counter() - t2:.1f} s", flush=True)
+                    if on_tfopt:
+                        compile_for(f"{case.name} (on tf-optimizer)", tf_model, case, Path(tmp) / "t.onnx")
             except Exception as e:  # the timed run reports it again
                 print(f"{case.name}: {_error_text(e)}", flush=True)
     return 0
@@ -1183,7 +1191,8 @@ def main(argv: list[str] | None = None) -> int:
         except (ValueError, KeyError) as e:
             ap.error(f"--suite: {e}")
         if args.prepare:
-            return prepare(picked, args.tune_budget, args.target)
+            on_tfopt = any(v.startswith("onnxfuse_tfopt") for v in (args.variants or "").split(","))
+            return prepare(picked, args.tune_budget, args.target, on_tfopt)
     else:
         all_cases = cases()
         picked = all_cases

@@ -1150,8 +1150,9 @@ def test_compare_prepare_fills_the_kernel_cache_the_timed_run_reads(tmp_path, mo
     monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path / "cache"))
     (case,) = [c for c in compare.cases() if c.name == "cos_cos"]
     assert compare.prepare([case]) == 0
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line.startswith("cos_cos: built in ") and " search candidates: " in line and " 0 failed " in line, line
+    built, line = capsys.readouterr().out.strip().splitlines()[-2:]
+    assert built.startswith("cos_cos: built in "), built
+    assert line.startswith("cos_cos: kernels: ") and " search candidates: " in line and " 0 failed " in line, line
     m = case.onnx(False)
     r = passes_upto(m, compare.fuse_options(case.shapes, True, None), compile_pass)
     assert r.fused and " 0 compiled in " in r.report.compile["summary"], r.report.compile["summary"]
