@@ -101,6 +101,7 @@ from models import pretrained, suite  # noqa: E402
 from models.fp16 import DTYPES, to_fp16  # noqa: E402
 from onnxfuse import bench as ob  # noqa: E402
 from onnxfuse import compile as aot  # noqa: E402
+from onnxfuse import ir  # noqa: E402
 from onnxfuse import reference as float64_reference  # noqa: E402
 from onnxfuse.cli import end_process  # noqa: E402
 from onnxfuse.load import load_model  # noqa: E402
@@ -691,8 +692,8 @@ def _fuse(model: onnx.ModelProto, src: Path, dst: Path, shapes: dict[str, tuple[
     exported); on a GPU channels-last and tuned unless `tune` is off (`cuda_graph`: as
     `--cuda-graph` / `--no-cuda-graph`). The report's compile section ({} on a dry run: CPU, no
     kernels, no layout pass, no tuning)."""
-    if dry:
-        save_model(optimize_model(model, static_shapes=dict(shapes)).model, dst)
+    if dry:  # from the file, as optimize reads it: a model it would reject fails here too
+        save_model(optimize_model(load_model(src), static_shapes=dict(shapes)).model, dst)
         return {}
     report = optimize(src, dst, options=fuse_options(shapes, tune, tune_budget, cuda_graph))
     for w in report.warnings:
@@ -757,6 +758,12 @@ def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto
     if fp32_twin is not None:
         opt.convert_float_to_float16(keep_io_types=False)
     stats = {k: int(v) for k, v in opt.get_fused_operator_statistics().items() if v}
+    # the model as the optimizer writes it to a file (what a user hands onnxfuse): its nodes of
+    # other domains (com.microsoft's Attention, SkipLayerNormalization, ...) get the opset
+    # import the in-memory model lacks, and without which the model is not valid ONNX
+    used = {n.domain for g in ir.graphs(opt.model.graph) for n in g.node} - {"", "ai.onnx"}
+    for domain in sorted(used - {o.domain for o in opt.model.opset_import}):
+        opt.model.opset_import.append(onnx.helper.make_opsetid(domain, 1))
     return opt.model, stats
 
 

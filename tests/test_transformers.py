@@ -309,6 +309,25 @@ def test_suite_group():
     assert suite.entry("gpt2_small").torch_module(dry=True).ln_f.normalized_shape == (64,)
 
 
+def test_tf_optimizer_model_is_valid_onnx_for_onnxfuse(tmp_path):
+    """ORT's transformers optimizer's in-memory model has com.microsoft nodes (Attention,
+    SkipLayerNormalization) but, where no ORT session optimized it first (use_gpu without a GPU:
+    suite-prep on the CPU machine), not that domain's opset import, which its
+    save_model_to_file adds: `ort_transformers_optimize` gives the model as that file has it,
+    which onnxfuse loads (it rejected every suite model's without)."""
+    pytest.importorskip("onnxruntime.transformers.optimizer")
+    from benchmarks import compare
+    from onnxfuse.load import load_model
+    from onnxfuse.outputs import save_model
+
+    (case,) = compare.suite_cases((2,), ("fp32",), ["bert_base"])
+    model, stats = compare.ort_transformers_optimize(case.onnx(True), None, case.ort_optimizer(True), dry=False)
+    assert stats["Attention"] == 2 and {n.domain for n in model.graph.node} >= {"com.microsoft"}
+    assert ("com.microsoft", 1) in {(o.domain, o.version) for o in model.opset_import}
+    save_model(model, tmp_path / "m.onnx")
+    assert len(load_model(tmp_path / "m.onnx").graph.node) == len(model.graph.node)
+
+
 def test_compare_dry_run_on_a_transformer(tmp_path):
     import json
 
