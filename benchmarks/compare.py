@@ -740,10 +740,11 @@ def profile_line(p: dict) -> str:
 def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto | None, options: dict,
                               dry: bool) -> tuple[onnx.ModelProto, dict[str, int]]:
     """`model` after ONNX Runtime's transformers optimizer as its docs use it: optimize_model
-    with `options` (model_type, num_heads, hidden_size), use_gpu except on a dry run, default
-    opt_level; an fp16 model (`fp32_twin` given) is its fp32 twin optimized, then converted by
+    with `options` (model_type, num_heads, hidden_size), use_gpu where the CUDA EP is (not on a
+    dry run), default opt_level; an fp16 model (`fp32_twin` given) is its fp32 twin optimized, then converted by
     the optimizer's convert_float_to_float16(keep_io_types=False). Also the counts of the fused
     op types it wrote (the nonzero ones of get_fused_operator_statistics)."""
+    import onnxruntime
     from onnxruntime.transformers.optimizer import optimize_model as ort_optimize
 
     src = fp32_twin if fp32_twin is not None else model
@@ -754,7 +755,11 @@ def ort_transformers_optimize(model: onnx.ModelProto, fp32_twin: onnx.ModelProto
     with tempfile.TemporaryDirectory(prefix="onnxfuse-tfopt-") as tmp:
         path = Path(tmp) / "model.onnx"
         onnx.save_model(src, str(path), save_as_external_data=src.ByteSize() >= 2**31 - 1)
-        opt = ort_optimize(str(path), use_gpu=not dry, **options)
+        # use_gpu without a CUDA EP would skip the optimizer's ORT session (constant folding,
+        # ...) that it runs first on the GPU machine: this machine's CPU one is closer to that
+        # (suite-prep on the CPU machine compiles onnxfuse's kernels for the device's model)
+        gpu = not dry and "CUDAExecutionProvider" in onnxruntime.get_available_providers()
+        opt = ort_optimize(str(path), use_gpu=gpu, **options)
     if fp32_twin is not None:
         opt.convert_float_to_float16(keep_io_types=False)
     stats = {k: int(v) for k, v in opt.get_fused_operator_statistics().items() if v}
