@@ -346,7 +346,7 @@ def test_compare_dry_run_on_a_transformer(tmp_path):
 
 def test_compare_tfopt_graph_variants_run_the_tfopt_models(tmp_path, monkeypatch):
     """ort_tfopt_graph and onnxfuse_tfopt_graph (asked alone) run ort_tfopt's and onnxfuse_tfopt's
-    models, onnxfuse_tfopt_graph gated against ort_tfopt's outputs. No CUDA graphs on the CPU:
+    models, onnxfuse_tfopt_graph gated against ort_tfopt's outputs; the original is not optimized. No CUDA graphs on the CPU:
     _ort_variants runs them under other names (cuda_graph comes from a name ending in graph)."""
     pytest.importorskip("onnxruntime.transformers.optimizer")
     from benchmarks import compare
@@ -378,6 +378,7 @@ def test_compare_tfopt_graph_variants_run_the_tfopt_models(tmp_path, monkeypatch
     assert paths["ort_tfopt_graph"] == paths["ort_tfopt"] == str(tmp_path / f"{case.name}.tfopt.onnx")
     assert paths["onnxfuse_tfopt_graph"] == str(tmp_path / f"{case.name}.tfopt.onnxfuse.onnx")
     assert libraries["onnxfuse_tfopt_graph"] == (res.tfopt_fused_nodes > 0) and not libraries["ort_tfopt_graph"]
+    assert not (tmp_path / f"{case.name}.onnxfuse.onnx").exists()  # no variant runs onnxfuse of the original
     ((base, r),) = gated
     assert r is res.variants["onnxfuse_tfopt_graph"] and base is seen["outs"]["ort_tfopt"]
     assert r.gate_passed is True and res.gate_passed is True and res.tfopt_ops["Attention"] == 2
