@@ -4,7 +4,7 @@ fail `onnxfuse bench`'s accuracy gate.
     onnxfuse bisect model.onnx model.opt.onnx --provider cuda --batch 16 --write model.fixed.onnx
 
 Every onnxfuse node carries its original subgraph as a model-local function; unfusing a node
-inlines that body with the node's tensor names (`onnxfuse.rewrite.unfuse_node`), from the
+inlines that body with the node's tensor names (`onnxfuse.rewrite.unfuse_named`), from the
 saved model alone. Inputs, reference and gate are bench's, with the same options
 (`onnxfuse.tools.gate.gate_outputs`; the reference is ORIGINAL evaluated in float64 unless it
 cannot be, `onnxfuse.tools.gate.untimed_references`). The steps:
@@ -41,7 +41,7 @@ from onnxfuse.errors import OnnxfuseError
 from onnxfuse.ir import serialized_bytes
 from onnxfuse.load import load_model, read_model
 from onnxfuse.outputs import EXTERNAL_DATA_THRESHOLD, Outputs, save_model
-from onnxfuse.rewrite import DOMAIN, unfuse_node, unique_name
+from onnxfuse.rewrite import DOMAIN, unfuse_named, unique_name
 from onnxfuse.text import abbreviate
 from onnxfuse.tools.feeds import input_files, make_feeds
 from onnxfuse.tools.gate import OutputCheck, fmt_err, gate_outputs, nan_high, untimed_references
@@ -122,9 +122,7 @@ class _Evaluator:
     def model(self, unfused: frozenset[str]) -> ModelProto:
         m = ModelProto()
         m.CopyFrom(self.base)
-        for name in self.names:
-            if name in unfused:
-                unfuse_node(m, name)
+        unfuse_named(m, [(name, ()) for name in self.names if name in unfused])
         return m
 
     def checks(self, unfused: frozenset[str]) -> list[OutputCheck]:

@@ -13,7 +13,7 @@ from onnxfuse.codegen_conv import round_array_to_tf32
 from onnxfuse.errors import OnnxfuseError
 from onnxfuse.kinds import KINDS
 from onnxfuse.layout import apply_layouts
-from onnxfuse.rewrite import unfuse
+from onnxfuse.rewrite import unfuse_all
 from onnxfuse.specs import kernel_spec
 
 
@@ -73,7 +73,7 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     `onnxfuse.pipeline.compile_result`).
 
     A fused node whose kernel fails to compile for any target is turned back into its
-    original nodes (`onnxfuse.rewrite.unfuse`): a node without kernels would fail on CUDA at
+    original nodes (`onnxfuse.rewrite.unfuse_all`): a node without kernels would fail on CUDA at
     run time. It is listed under "failed" (node, kernel, targets, error, nodes); the
     caller updates its report.
 
@@ -92,15 +92,16 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     weight_dims = {t.name: tuple(t.dims) for t in model.graph.initializer}
     declined = []
     if decline_slow_convs:
-        keep = []
+        keep, back = [], []
         for f in fused:
             reason = KINDS[f.kind].decline_reason(kernel_spec(model, f, conv_precision, weight_dims), layout)
             if reason:
-                unfuse(model, f)
+                back.append(f)
                 declined.append({"node": f.node_name, "kernel": f.kernel_name, "nodes": len(f.source_nodes),
                                  "reason": reason})
             else:
                 keep.append(f)
+        unfuse_all(model, back)
         fused = keep
     if layout == "nhwc":
         fused = apply_layouts(model, fused, tensors, conv_precision)
@@ -112,9 +113,9 @@ def compile_fused(model, fused: list, targets: list[int], jobs: int | None = Non
     results = aot.compile_kernels(specs, targets, jobs=jobs, errors="collect")
     failed = []
     while bad := {i for i, ck in enumerate(results) if isinstance(ck, aot.CompileFailure)}:
+        unfuse_all(model, [fused[i] for i in sorted(bad)])
         for i in sorted(bad):
             f, ck = fused[i], results[i]
-            unfuse(model, f)
             failed.append({"node": f.node_name, "kernel": f.kernel_name, "targets": list(ck.targets),
                            "error": ck.message, "nodes": len(f.source_nodes)})
         keep = [i for i in range(len(fused)) if i not in bad]

@@ -139,7 +139,7 @@ from onnxfuse.layout import BODY_TRANSPOSE_PREFIX, TO_NCHW
 from onnxfuse.load import infer_shapes
 from onnxfuse.match import find_matches
 from onnxfuse.outputs import save_model
-from onnxfuse.rewrite import DOMAIN, rewrite, unfuse
+from onnxfuse.rewrite import DOMAIN, rewrite, unfuse_all
 from onnxfuse.roofline import make_roof
 from onnxfuse.specs import kernel_spec
 from onnxfuse.tools.cuda import CudaDriver, local_gpu_archs
@@ -1231,10 +1231,8 @@ def split_epilogues(before, losers: set[str]):
     if not gemm:
         return None
     cand = snapshot(before)
-    present = {n.name for n in cand.model.graph.node}
-    unfuse_nodes(cand, gemm)
-    freed = {n.name for n in cand.model.graph.node if n.name and n.name not in present}
-    unfuse_nodes(cand, losers - gemm)
+    bodies = unfuse_nodes(cand, losers)
+    freed = {name for g in gemm for name in bodies[g] if name}
     view = GraphView.build(cand.model, infer_shapes(cand.model))
     patterns = [p for p in cand.patterns if p.kind.name == "pointwise"]
     found = find_matches(view, patterns, {i: SPLIT_ONLY for i, n in enumerate(view.nodes) if n.name not in freed})
@@ -1784,12 +1782,12 @@ def snapshot(result):
     return dataclasses.replace(result, model=m, report=copy.deepcopy(result.report), fused=list(result.fused))
 
 
-def unfuse_nodes(result, names: set[str], reason: str = REASON) -> None:
-    """Turn the fused nodes `names` of result back into their original nodes."""
-    for f in result.fused:
-        if f.node_name in names:
-            unfuse(result.model, f)
+def unfuse_nodes(result, names: set[str], reason: str = REASON) -> dict[str, list[str]]:
+    """Turn the fused nodes `names` of result back into their original nodes, all at once
+    (`unfuse_all`); returns each one's name -> the names of the nodes it became."""
+    bodies = unfuse_all(result.model, [f for f in result.fused if f.node_name in names])
     result.drop_fused(names, reason)
+    return bodies
 
 
 def _adopt(result, other) -> None:

@@ -24,7 +24,7 @@ from onnxfuse import bisect as obs
 from onnxfuse.cli import main
 from onnxfuse.outputs import save_model
 from onnxfuse.pipeline import optimize_model
-from onnxfuse.rewrite import inline_function_node, unfuse, unfuse_node
+from onnxfuse.rewrite import inline_function_node, unfuse, unfuse_all, unfuse_node
 from onnxfuse.tools import gate
 from tests.util import model as make_model
 from tests.util import one_line_error
@@ -315,3 +315,44 @@ def test_unfuse_node_from_the_saved_model_matches_unfuse(tmp_path):
     assert not saved.functions and all(i.domain != "onnxfuse" for i in saved.opset_import)
     with pytest.raises(ob.OnnxfuseError, match="no nodes named"):
         unfuse_node(saved, f.node_name)
+
+
+def test_unfuse_all_at_once_matches_one_at_a_time():
+    """unfuse_all (tuning's losers, one import and export of the graph) gives the model that
+    unfusing the same nodes one by one gives, and names the nodes each became; a function
+    two fused nodes share goes only with the last of them."""
+    from onnx import TensorProto, numpy_helper
+
+    nodes, prev = [], "x"
+    for i in range(3):  # Mul + Relu, three times, square Transposes between (not fused)
+        nodes += [helper.make_node("Mul", [prev, "two"], [f"a{i}"], name=f"mul{i}"),
+                  helper.make_node("Relu", [f"a{i}"], [f"b{i}"], name=f"relu{i}")]
+        prev = f"b{i}"
+        if i < 2:
+            nodes.append(helper.make_node("Transpose", [prev], [f"t{i}"], name=f"t{i}", perm=[1, 0]))
+            prev = f"t{i}"
+    nodes[-1].output[0] = "y"
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8, 8])],
+                          [numpy_helper.from_array(np.float32(2.0), "two")])
+    r = optimize_model(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    assert len(r.fused) == 3 and len(r.model.functions) == 1  # one kernel for the three chains
+    one, many = onnx.ModelProto(), onnx.ModelProto()
+    one.CopyFrom(r.model)
+    many.CopyFrom(r.model)
+    picked = r.fused[:2]
+    for f in picked:
+        unfuse(one, f)
+    bodies = unfuse_all(many, picked)
+    assert many == one and len(many.functions) == 1  # the third node still calls it
+    assert list(bodies) == [f.node_name for f in picked]
+    names = {n.name for n in many.graph.node}
+    for f in picked:
+        assert {"Mul", "Relu"} <= {n.op_type for n in many.graph.node if n.name in bodies[f.node_name]}
+        assert f.node_name not in names
+    assert unfuse_all(many, []) == {} and many == one
+    unfuse_all(many, r.fused[2:])
+    assert not many.functions and all(i.domain != "onnxfuse" for i in many.opset_import)
+    x = np.random.default_rng(1).standard_normal((8, 8)).astype(np.float32)
+    want = ort.InferenceSession(r.original.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_allclose(ort.InferenceSession(many.SerializeToString()).run(None, {"x": x})[0], want, rtol=1e-6)
