@@ -270,7 +270,7 @@ def unique_name(name: str, used: set[str]) -> str:
 
 
 def unfuse(model: ModelProto, fused: FusedNode) -> None:
-    """Turn a fused node of `model` back into its original nodes, in place (`unfuse_node`),
+    """Turn a fused node of `model` back into its original nodes, in place (`unfuse_named`),
     with the original node names of `fused.source_nodes`."""
     unfuse_all(model, [fused])
 
