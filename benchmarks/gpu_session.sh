@@ -418,8 +418,9 @@ PY
     #   tar cJf .devcache/kernels.tar.xz -C .devcache kernels
     # A call carries 64 MiB with the working tree: 442 MB of kernels were 30 MB of xz, carried
     # in a call of their own as two archives (kernels/[0-7]? and kernels/[89a-f]?), one
-    # cache-load each (forty-fifth session). Exports differ between torch versions: fill it
-    # with the device's torch too, or the dynamo exports' kernels miss.
+    # cache-load each (forty-fifth session). There the dynamo exports' kernels mostly missed
+    # (their search candidates hit): likely because this machine exported them with torch
+    # 2.13 and the device with 2.11; fill it with the device's torch too.
     root=${ONNXFUSE_CACHE:-$HOME/.cache/onnxfuse}; archive=${2:?cache-load ARCHIVE}
     mkdir -p "$root" && tar xf "$archive" -C "$root" || exit 1
     kparts=$(ls "$(dirname "$archive")"/onnxfuse_kernels.tgz.[0-9][0-9] 2>/dev/null)
