@@ -1204,9 +1204,7 @@ def _kmajor_candidate(result, models: list, conv_precision: str) -> list[str]:
     label, first, info = models[0]
     model, done = kmajor.kmajor_weights(first.model, result.shapes, measured=True)
     if done:
-        cand = snapshot(first)
-        cand.model = model
-        models.append((label + KMAJOR_LABEL, cand, info))
+        models.append((label + KMAJOR_LABEL, snapshot(first, model), info))
     return done
 
 
@@ -1775,11 +1773,13 @@ def _times(measured: dict, label: str, graphs: tuple[bool, ...]) -> ModelTimes:
 # Changing the result
 # ---------------------------------------------------------------------------------------
 
-def snapshot(result):
-    """A copy of an `onnxfuse.pipeline.Result` that later steps do not change."""
-    m = ModelProto()
-    m.CopyFrom(result.model)
-    return dataclasses.replace(result, model=m, report=copy.deepcopy(result.report), fused=list(result.fused))
+def snapshot(result, model: ModelProto | None = None):
+    """A copy of an `onnxfuse.pipeline.Result` that later steps do not change; with `model`,
+    one whose model is that one instead (not copied: a transformer's is hundreds of MB)."""
+    if model is None:
+        model = ModelProto()
+        model.CopyFrom(result.model)
+    return dataclasses.replace(result, model=model, report=copy.deepcopy(result.report), fused=list(result.fused))
 
 
 def unfuse_nodes(result, names: set[str], reason: str = REASON) -> dict[str, list[str]]:
