@@ -346,8 +346,9 @@ def test_compare_dry_run_on_a_transformer(tmp_path):
 
 def test_compare_tfopt_graph_variants_run_the_tfopt_models(tmp_path, monkeypatch):
     """ort_tfopt_graph and onnxfuse_tfopt_graph (asked alone) run ort_tfopt's and onnxfuse_tfopt's
-    models, onnxfuse_tfopt_graph gated against ort_tfopt's outputs; the original is not optimized. No CUDA graphs on the CPU:
-    _ort_variants runs them under other names (cuda_graph comes from a name ending in graph)."""
+    models, onnxfuse_tfopt_graph gated against ort_tfopt's outputs; the original is not
+    optimized. No CUDA graphs on the CPU: _ort_variants runs them under other names (cuda_graph
+    comes from a name ending in graph)."""
     pytest.importorskip("onnxruntime.transformers.optimizer")
     from benchmarks import compare
 
