@@ -1071,12 +1071,13 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         models: list[tuple[str, object, dict]] = []
         if losers:
             tuned = snapshot(before)
-            unfuse_nodes(tuned, losers)
+            bodies = unfuse_nodes(tuned, losers)
+            gemm = _gemm_losers(before, losers)
+            split = _split_chains(snapshot(tuned), bodies, gemm) if gemm else None  # before tuned's kernels
             with phases("recompile"):
                 tuned_info = recompile(tuned)
             _copy_kernels(result.model, tuned.model, {d.node for d in decisions if d.candidates})
             models.append(("tuned", tuned, tuned_info))
-            split = split_epilogues(before, losers)
             if split is not None:
                 with phases("recompile"):
                     split_info = recompile(split)
@@ -1225,11 +1226,22 @@ def split_epilogues(before, losers: set[str]):
     form), and the model read 1.12x the best peer (error 0.0022 against ORT's 0.0020) where the
     TorchScript export's, whose FFN1 ran cuBLASLt's product and a bias + GELU chain, read 1.37x
     (0.0023 against 0.0020)."""
-    gemm = {f.node_name for f in before.fused if f.node_name in losers and f.kind == "gemm"}
+    gemm = _gemm_losers(before, losers)
     if not gemm:
         return None
     cand = snapshot(before)
-    bodies = unfuse_nodes(cand, losers)
+    return _split_chains(cand, unfuse_nodes(cand, losers), gemm)
+
+
+def _gemm_losers(before, losers: set[str]) -> set[str]:
+    """The fused nodes of the gemm kind among `losers`."""
+    return {f.node_name for f in before.fused if f.node_name in losers and f.kind == "gemm"}
+
+
+def _split_chains(cand, bodies: dict[str, list[str]], gemm: set[str]):
+    """`split_epilogues` on `cand`, a snapshot whose losers `unfuse_nodes` already turned back
+    into `bodies` (fused node -> the nodes it became): the pointwise chains over the nodes of
+    the `gemm` ones' bodies fused into it, or None where none forms."""
     freed = {name for g in gemm for name in bodies[g] if name}
     view = GraphView.build(cand.model, infer_shapes(cand.model))
     patterns = [p for p in cand.patterns if p.kind.name == "pointwise"]
