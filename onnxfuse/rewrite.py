@@ -122,6 +122,21 @@ def lower_nodes(view: GraphView, nodes: tuple[int, ...], outputs: tuple[str, ...
     return rewrite_tails(prog), inputs, folded
 
 
+def _node_content(node: NodeProto) -> bytes:
+    """What a function body's node computes, for the kernel's name: without its doc string and
+    metadata. The dynamo exporter writes each node's Python stack trace into its metadata, with
+    the paths of the torch that exported it; keyed on those, one model exported on two machines
+    named (so cached) every kernel differently (the forty-fifth session's dynamo rows missed
+    the kernel cache filled on the CPU machine: 134 of 158 ViT-S/16 binaries compiled again)."""
+    if not node.metadata_props and not node.doc_string:
+        return node.SerializeToString(deterministic=True)
+    bare = NodeProto()
+    bare.CopyFrom(node)
+    del bare.metadata_props[:]
+    bare.ClearField("doc_string")
+    return bare.SerializeToString(deterministic=True)
+
+
 def _function_body(view: GraphView, nodes: list[NodeProto], inputs: list[str], outputs: tuple[str, ...],
                    folded: dict[str, float]) -> tuple[list[NodeProto], list[str], list[str]]:
     """Copies of `nodes` with names normalized: x<i> inputs, y<i> outputs, t<i> internals,
@@ -210,7 +225,7 @@ def rewrite(model: ModelProto, view: GraphView, matches: list[Match]) -> tuple[M
         body, fin, fout = _function_body(view, low.body, low.body_inputs or low.inputs, m.outputs, low.folded)
         digest = hashlib.sha256(program.to_text().encode())
         for n in body:
-            digest.update(n.SerializeToString(deterministic=True))
+            digest.update(_node_content(n))
         digest.update(low.key.encode())
         kernel_name = f"onnxfuse_{m.pattern.name}_{digest.hexdigest()[:12]}"
         if kernel_name not in functions:

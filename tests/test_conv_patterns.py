@@ -239,6 +239,20 @@ def test_identical_layers_share_one_function_and_other_shapes_do_not():
     assert len(r.model.functions) == 3
 
 
+def test_kernel_names_ignore_the_exporters_metadata():
+    """The dynamo exporter writes each node's stack trace (the exporting torch's paths) into its
+    metadata: one model exported on two machines must name, so cache, its kernels the same."""
+    def exported(where):
+        m = conv_then([N("Relu", ["c0"], ["r"]), N("Sigmoid", ["r"], ["y"])])
+        for n in m.graph.node:
+            n.doc_string = f"{n.op_type} from {where}"
+            helper.set_metadata_props(n, {"pkg.torch.onnx.stack_trace": f'File "{where}/torch/nn/conv.py"'})
+        return m
+
+    here, there = (optimize_model(exported(p)) for p in ("/usr/lib/python3", "/tmp/venv/lib"))
+    assert [f.kernel_name for f in here.fused] == [f.kernel_name for f in there.fused] != []
+
+
 # ---------------------------------------------------------------------------------------
 # What does not fuse, and why
 # ---------------------------------------------------------------------------------------
