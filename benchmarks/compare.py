@@ -120,7 +120,7 @@ from onnxfuse.pipeline import (
 from onnxfuse.tools.clocks import Clocks, ClockWatch  # noqa: E402
 from onnxfuse.tools.cuda import CudaDriver  # noqa: E402
 from onnxfuse.tools.feeds import make_feeds  # noqa: E402
-from onnxfuse.tools.gate import compare_output, gate_output  # noqa: E402
+from onnxfuse.tools.gate import compare_output, gate_output, nan_high  # noqa: E402
 from onnxfuse.tools.session import BenchSettings, BoundModel, cpu_name, evaluate_model, interleave  # noqa: E402
 from onnxfuse.tools.shapes import resolve_inputs, signature  # noqa: E402
 from onnxfuse.tune import Phases, TuneSettings, precompile_searches  # noqa: E402
@@ -313,6 +313,7 @@ class VariantResult:
     peak_gpu_mem_mb: float | None = None
     max_abs_err: float | None = None      # vs the reference (CaseResult.reference), max over outputs
     max_rel_err: float | None = None
+    rms_err: float | None = None          # root mean square error vs the reference, max over outputs
     error: str | None = None
     gate_passed: bool | None = None       # onnxfuse variants: the gate against the reference and ort's error
     gate_failure: str | None = None       # the first failing output, why
@@ -366,6 +367,7 @@ def _errors(ref: dict[str, np.ndarray] | None, outs: dict[str, np.ndarray], res:
     checks = [compare_output(name, e, outs.get(name)) for name, e in ref.items()]
     res.max_abs_err = max((np.inf if c.max_abs_err is None else c.max_abs_err for c in checks), default=0.0)
     res.max_rel_err = max((np.inf if c.max_rel_err is None else c.max_rel_err for c in checks), default=0.0)
+    res.rms_err = max((np.inf if c.rms_err is None else c.rms_err for c in checks), default=0.0)
 
 
 def _as_reference(ref: dict[str, np.ndarray], outs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -642,7 +644,8 @@ def _run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], w
         gate = {True: ", gate pass", False: ", gate FAIL", None: ""}[r.gate_passed]
         log(f"  {case.name:<20} {LABELS[v]:<32} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error)
             + (f" (rounds within {r.round_spread_pct:.0f}%)" if r.round_spread_pct is not None else "")
-            + (f", err vs ref {r.max_abs_err:.2g}" if r.max_abs_err is not None else "") + gate)
+            + (f", err vs ref {r.max_abs_err:.2g} (rms {r.rms_err:.2g})" if r.max_abs_err is not None else "")
+            + gate)
         gc.collect()
     gated = [r.gate_passed for v, r in res.variants.items() if v.startswith("onnxfuse") and r.gate_passed is not None]
     res.gate_passed = all(gated) if gated else None
@@ -892,7 +895,8 @@ def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
     lines = [f"{result['device']}, {when}: onnxruntime {ver['onnxruntime']}, torch {ver['torch']}, "
              f"triton {ver['triton']}, onnxfuse {ver['onnxfuse']}, Python {ver['python']}. Median ms over "
              f"{result['settings']['iters']} runs after {result['settings']['warmup']} warmup runs "
-             f"(synchronized wall clock, IO binding). Errors: max abs vs {_reference_text(result)}; "
+             f"(synchronized wall clock, IO binding). Errors: max abs vs {_reference_text(result)} "
+             f"(and root mean square, where measured); "
              f"gate: every onnxfuse output within 2 x ORT's own error plus the per-dtype floor "
              f"(onnxfuse.tools.gate.gate_output); speedups only where it passes.", "",
              "| model | inputs | fused nodes | " + " | ".join(head) + " |",
@@ -955,10 +959,14 @@ def _time_cell(r: dict | None) -> str:
     return "error" if r.get("error") else f"{r['median_ms']:.3f}"
 
 
-def _err_cell(v: float | None, ran: bool) -> str:
+def _err_cell(v: float | None, ran: bool, rms: float | None = None) -> str:
+    """A max abs error, and its variant's RMS error where the result has one (results from
+    before the forty-sixth session do not)."""
     if not ran:
         return ""
-    return "nan/inf" if v is None else f"{v:.2g}"
+    if v is None:
+        return "nan/inf"
+    return f"{v:.2g}" + (f" (rms {rms:.2g})" if rms is not None and np.isfinite(rms) else "")
 
 
 def _gate_cells(c: dict) -> list[str]:
@@ -967,9 +975,9 @@ def _gate_cells(c: dict) -> list[str]:
     fz = {v: r for v, r in ok.items() if v.startswith("onnxfuse")}
     # errors vs the reference exist only with a reference run (not in results from before the gate)
     has_ref = "ort_max_abs_err" in c and not c.get("reference_error")
-    ort_err = _err_cell(c.get("ort_max_abs_err"), has_ref and "ort" in ok)
-    errs = [r.get("max_abs_err") for r in fz.values()]
-    fz_err = _err_cell(max(errs, key=lambda e: np.inf if e is None else e) if errs else None, has_ref and bool(errs))
+    ort_err = _err_cell(c.get("ort_max_abs_err"), has_ref and "ort" in ok, ok.get("ort", {}).get("rms_err"))
+    worst = max(fz.values(), key=lambda r: nan_high(r.get("max_abs_err")), default={})
+    fz_err = _err_cell(worst.get("max_abs_err"), has_ref and bool(worst), worst.get("rms_err"))
     failed = [LABELS[v] for v, r in fz.items() if r.get("gate_passed") is False]
     gate = c.get("gate_passed")
     gate_s = "pass" if gate else ("**FAIL**: " + ", ".join(failed) if gate is False else "not gated" if fz else "")

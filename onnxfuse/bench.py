@@ -47,12 +47,12 @@ input (unreadable model, unknown input name, a model ONNX Runtime cannot load or
 A model with ``onnxfuse`` nodes gets the onnxfuse custom-op library registered
 (`onnxfuse.runtime`); ``--no-library`` runs their function bodies instead.
 
-JSON (``--json FILE``), schema ``onnxfuse.bench/1.3``; keys are only ever added under a new
+JSON (``--json FILE``), schema ``onnxfuse.bench/1.4``; keys are only ever added under a new
 minor revision, never renamed (1.1 added ``reference``, ``ort_max_abs_err`` and ``gate_atol``;
 1.2 ``settings.reference`` and ``reference.float64``, ``fallback_reason``, ``seconds``; 1.3
-``models[].cuda_graph``)::
+``models[].cuda_graph``; 1.4 ``outputs[].rms_err`` and ``ort_rms_err``)::
 
-    {"schema": "onnxfuse.bench/1.3", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
+    {"schema": "onnxfuse.bench/1.4", "date": ISO-8601 UTC, "provider": "cpu" | "cuda",
      "device": str, "versions": {"onnxfuse", "onnxruntime", "onnx", "numpy", "python": str},
      "settings": {"warmup", "iters", "batch", "seed", "cuda_graph", "tf32", "threads", "atol",
                   "rtol", "library", "opt_level", "shapes", "inputs", "provider_options",
@@ -80,6 +80,9 @@ minor revision, never renamed (1.1 added ``reference``, ``ort_max_abs_err`` and 
         "outputs": [{"name", "dtype", "shape", "max_abs_err", "max_rel_err", "atol", "rtol",
                      "mismatches": int, "passed": bool, "note": str | null,
                      "ort_max_abs_err": float | null,    # ort_err of this output
+                     "rms_err", "ort_rms_err": float | null,  # root mean square |y - reference|
+                                                         # of this model's and of the first
+                                                         # model's run (1.4)
                      "gate_atol": float}],               # 2 * ort_err + atol (scaled): the
                                                          # limit is gate_atol + rtol * |reference|
                                                          # [] for the first model
@@ -150,7 +153,7 @@ from onnxfuse.tools.shapes import (
 )
 from onnxfuse.version import __version__
 
-SCHEMA = "onnxfuse.bench/1.3"
+SCHEMA = "onnxfuse.bench/1.4"
 
 GATE_HELP = (
     "A speedup counts only at equal accuracy. The reference is the first model (the original) evaluated in "

@@ -184,7 +184,7 @@ def _bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graph", action="store_true",
                    help="run with ONNX Runtime's CUDA graphs (a model they cannot capture runs without, "
                         "marked \"(no graph)\")")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1.3)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema onnxfuse.bench/1.4)")
     p.add_argument("--markdown", nargs="?", const="-", metavar="FILE",
                    help="print the table as Markdown (or write it to FILE)")
 

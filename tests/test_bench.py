@@ -67,7 +67,7 @@ def one_constant_changed(src: Path, dst: Path) -> str:
 MODEL_KEYS = {"name", "path", "onnxfuse_nodes", "library", "load_ms", "first_run_ms", "latency_ms", "runs_per_s",
               "samples_per_s", "peak_gpu_mem_mb", "speedup", "outputs", "passed", "cuda_graph"}  # 1.3: cuda_graph
 OUTPUT_KEYS = {"name", "dtype", "shape", "max_abs_err", "max_rel_err", "atol", "rtol", "mismatches", "passed", "note",
-               "ort_max_abs_err", "gate_atol"}
+               "ort_max_abs_err", "gate_atol", "rms_err", "ort_rms_err"}  # 1.4: the RMS errors
 
 
 def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimized):
@@ -78,7 +78,7 @@ def test_original_vs_optimized_passes_and_json_schema_is_stable(tmp_path, optimi
     d = json.loads(js.read_text())
     assert list(d) == ["schema", "date", "provider", "device", "versions", "settings", "inputs", "batch",
                        "reference", "models", "passed"]
-    assert d["schema"] == "onnxfuse.bench/1.3" and d["provider"] == "cpu" and d["passed"] is True
+    assert d["schema"] == "onnxfuse.bench/1.4" and d["provider"] == "cpu" and d["passed"] is True
     # the reference is the first model in float64: ORT's own error is its float32 rounding
     ref = d["reference"]
     assert list(ref) == ["path", "tf32", "separate_run", "float64", "fallback_reason", "seconds", "description",
@@ -346,6 +346,21 @@ def test_compare_output_rules():
     assert not gate.compare_output("y", i, i + np.array([0, 0, 1])).passed
     assert gate.compare_output("y", i, i + np.array([0, 0, 1]), atol=1).passed
     assert gate.compare_output("y", np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32)).passed
+
+
+def test_rms_error_is_the_bulk_of_the_error_not_one_element():
+    """Two runs with one max error: the one wrong in one element has a quarter of the other's RMS."""
+    ref = np.zeros(16, np.float32)
+    one = ref.copy()
+    one[3] = 1e-3
+    every = ref + np.float32(1e-3)
+    a, b = gate.compare_output("y", ref, one), gate.compare_output("y", ref, every)
+    assert a.max_abs_err == pytest.approx(b.max_abs_err)
+    assert a.rms_err == pytest.approx(1e-3 / 4) and b.rms_err == pytest.approx(1e-3)
+    nan = one.copy()
+    nan[0] = np.nan
+    assert gate.compare_output("y", ref, nan).rms_err is None          # not finite: reported so
+    assert gate.compare_output("y", ref[:0], ref[:0]).rms_err == 0.0
 
 
 def test_gate_allows_twice_orts_own_error():
@@ -619,7 +634,7 @@ def test_compare_dry_run(tmp_path):
                        cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "| model | inputs | fused nodes | ORT | onnxfuse | ORT err vs ref |" in r.stdout
-    assert "Errors: max abs vs the original evaluated in float64;" in r.stdout
+    assert "Errors: max abs vs the original evaluated in float64 (and root mean square" in r.stdout
 
 
 def _compare_result(cases: list[dict]) -> dict:
@@ -659,6 +674,13 @@ def test_compare_table_shows_no_speedup_past_the_gate():
                         "onnxfuse + graph | fails gate | fails gate |")
     assert lines[6].endswith("| **FAIL**: onnxfuse + graph | fails gate | fails gate |")
     assert "Gate failures:" in text and "- bad / onnxfuse: output 'y': too far" in text
+    # with the RMS errors (results from the forty-sixth session on): beside each max, from its variant
+    rms = _case("rms", True)
+    for v, e in {"ort": 2e-5, "ort_graph": 2e-5, "onnxfuse": 3e-5, "onnxfuse_graph": 1e-5}.items():
+        rms["variants"][v]["rms_err"] = e
+    rms["variants"]["onnxfuse"]["max_abs_err"] = 2e-4
+    row = compare.markdown(_compare_result([rms]), ("ort", "onnxfuse", "onnxfuse_graph")).splitlines()[4]
+    assert "| 0.0001 (rms 2e-05) | 0.0002 (rms 3e-05) | pass |" in row
     # not gated (no reference run): no speedup either
     old = _case("old", None)
     for key in ("ort_max_abs_err", "gate_passed"):

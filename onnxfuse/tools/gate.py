@@ -47,6 +47,8 @@ class OutputCheck:
     note: str | None = None
     ort_max_abs_err: float | None = 0.0   # the original under ORT's defaults vs the reference
     gate_atol: float = 0.0                # 2 * ort_err + atol
+    rms_err: float | None = None          # sqrt(mean((y - ref)^2)): the error's bulk, not one element's
+    ort_rms_err: float | None = 0.0       # the same for the original under ORT's defaults
 
     def failure(self) -> str:
         """Why this output fails the gate, in one line."""
@@ -126,9 +128,10 @@ def gate_output(name: str, ref: np.ndarray | None, ort: np.ndarray | None, actua
         slack = float(finite.max()) if finite.size else 0.0
         ort_err = float(ort_diff.max()) if ort_diff.size else 0.0
         ort_err = ort_err if np.isfinite(ort_err) else None
+        base.update(ort_rms_err=rms_error(ort_diff))
     base.update(gate_atol=2 * slack + a, ort_max_abs_err=ort_err)
     if ref.size == 0:
-        return OutputCheck(**base, max_abs_err=0.0, max_rel_err=0.0, mismatches=0, passed=True)
+        return OutputCheck(**base, max_abs_err=0.0, max_rel_err=0.0, mismatches=0, passed=True, rms_err=0.0)
     e = ref.astype(np.float64)
     diff = _abs_diff(ref, actual)
     with np.errstate(invalid="ignore", over="ignore"):
@@ -139,7 +142,19 @@ def gate_output(name: str, ref: np.ndarray | None, ort: np.ndarray | None, actua
     max_rel = float(rel.max()) if rel.size else 0.0
     n_bad = int(bad.sum())
     return OutputCheck(**base, max_abs_err=max_abs if np.isfinite(max_abs) else None,
-                       max_rel_err=max_rel if np.isfinite(max_rel) else None, mismatches=n_bad, passed=n_bad == 0)
+                       max_rel_err=max_rel if np.isfinite(max_rel) else None, mismatches=n_bad, passed=n_bad == 0,
+                       rms_err=rms_error(diff))
+
+
+def rms_error(diff: np.ndarray) -> float | None:
+    """The root mean square of |y - ref| (`_abs_diff`); None where an element is not finite.
+    The max is one element's luck: two products rounded in another order can trade the largest
+    error between them, while the RMS error moves only when most elements got worse."""
+    if not diff.size:
+        return 0.0
+    with np.errstate(over="ignore"):
+        v = float(np.sqrt(np.mean(np.square(diff))))
+    return v if np.isfinite(v) else None
 
 
 def _widened(ref: np.dtype, dtype: np.dtype) -> bool:
