@@ -909,7 +909,7 @@ def markdown(result: dict, columns: tuple[str, ...] | None = None) -> str:
             continue
         cells = [_time_cell(c["variants"].get(v)) for v in variants]
         cells += _gate_cells(c) + ([c.get("run", "")] if runs else [])
-        lines.append(f"| {c['model']} | {ins} | {c['fused_nodes']} | " + " | ".join(cells) + " |")
+        lines.append(f"| {c['model']} | {ins} | {_fused_cell(c)} | " + " | ".join(cells) + " |")
     errors = [(c["model"], v, r["error"]) for c in result["cases"] for v, r in c["variants"].items() if r.get("error")]
     errors += [(c["model"], "ort_fp32", c["reference_error"]) for c in result["cases"] if c.get("reference_error")]
     if runs:
@@ -951,6 +951,17 @@ def _reference_text(result: dict) -> str:
     if "float64" in kinds:
         return "the original evaluated in float64 (where a case's reference says ort_fp32: in ORT with TF32 off)"
     return "the original in ORT with TF32 off"
+
+
+def _fused_cell(c: dict) -> str:
+    """onnxfuse nodes in the original's optimized model, and in the tf-optimizer's where an
+    onnxfuse_tfopt variant ran ("on tf-optimizer"; alone where only those ran)."""
+    ran = [v for v in c["variants"] if v.startswith("onnxfuse")]
+    on_tf = [v for v in ran if v in TFOPT_VARIANTS]
+    if not on_tf:
+        return str(c["fused_nodes"])
+    tf = f"{c.get('tfopt_fused_nodes', 0)} on tf-optimizer"
+    return f"{c['fused_nodes']}; {tf}" if len(on_tf) < len(ran) else tf
 
 
 def _time_cell(r: dict | None) -> str:

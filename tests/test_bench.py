@@ -705,7 +705,7 @@ def test_best_of_compares_without_graphs_where_ort_cannot_capture():
 def _tfopt_case(name: str, fz_tfopt_graph_gate: bool | None = True, ort_tfopt_error: str | None = None) -> dict:
     """_case plus the four tf-optimizer variants: ort_tfopt_graph the fastest ORT (0.9 ms) and
     onnxfuse_tfopt_graph the fastest onnxfuse (0.3 ms, gated as given)."""
-    c = _case(name, True)
+    c = _case(name, True) | {"tfopt_fused_nodes": 3}
     v = c["variants"]
     v["ort_tfopt"] = {"median_ms": 1.2, "max_abs_err": 1e-4, "error": ort_tfopt_error, "gate_passed": None}
     v["ort_tfopt_graph"] = {"median_ms": 0.9, "max_abs_err": 1e-4, "error": None, "gate_passed": None}
@@ -738,19 +738,25 @@ def test_compare_table_with_the_tfopt_graph_variants():
                         "onnxfuse on tf-optimizer + graph | ORT err vs ref | onnxfuse err vs ref | gate | "
                         "onnxfuse vs ORT | best onnxfuse vs best ORT |")
     # best ORT: ort_tfopt_graph 0.9; best onnxfuse: onnxfuse_tfopt_graph 0.3
-    assert lines[4] == ("| tf | 1x4 | 1 | 2.000 | 1.500 | 1.200 | 0.900 | 1.000 | 0.800 | 0.600 | 0.300 | "
-                        "0.0001 | 0.0001 | pass | 2.00x | 3.00x |")
+    assert lines[4] == ("| tf | 1x4 | 1; 3 on tf-optimizer | 2.000 | 1.500 | 1.200 | 0.900 | 1.000 | 0.800 | "
+                        "0.600 | 0.300 | 0.0001 | 0.0001 | pass | 2.00x | 3.00x |")
     assert lines[5].endswith("| **FAIL**: onnxfuse on tf-optimizer + graph | fails gate | fails gate |")
     assert "- tf_bad / onnxfuse on tf-optimizer + graph: output 'y': far" in text
     # ort_tfopt failed: the tf-optimizer onnxfuse variants are ungated and left out of the best
     # (onnxfuse_graph's 0.8 against ort_tfopt_graph's 0.9), though their times are shown
-    assert lines[6] == ("| tf_no_base | 1x4 | 1 | 2.000 | 1.500 | error | 0.900 | 1.000 | 0.800 | 0.600 | 0.300 | "
+    assert lines[6] == ("| tf_no_base | 1x4 | 1; 3 on tf-optimizer | 2.000 | 1.500 | error | 0.900 | 1.000 | 0.800 | "
+                        "0.600 | 0.300 | "
                         "0.0001 | 0.0001 | pass | 2.00x | 1.12x |")
     assert "- tf_no_base / ORT tf-optimizer: RuntimeError: no" in text
     # the chosen columns
     head = compare.markdown(result, ("ort_tfopt_graph", "onnxfuse_tfopt_graph")).splitlines()[2]
     assert head.startswith("| model | inputs | fused nodes | ORT tf-optimizer + graph | "
                            "onnxfuse on tf-optimizer + graph | ORT err vs ref |")
+    # only the tf-optimizer's onnxfuse variants ran: the fused nodes are theirs
+    only = _tfopt_case("only")
+    for v in ("onnxfuse", "onnxfuse_graph", "onnxfuse_tfopt"):
+        del only["variants"][v]
+    assert compare.markdown(_compare_result([only])).splitlines()[4].startswith("| only | 1x4 | 3 on tf-optimizer |")
 
 
 def test_compare_variant_resolution():
