@@ -409,9 +409,10 @@ def test_unaligned_head_dry_run(tmp_path):
     assert max(errs) < 2e-3 and max(errs) - min(errs) < 1e-3, row
 
 
-def test_tf32_emulation_rounds_convs_only(tmp_path):
+def test_tf32_emulation_rounds_convs_and_products(tmp_path):
     """benchmarks/tf32_emulation.py: a conv's TF32-emulated output differs from the exact one
-    by TF32's rounding (about 2**-11 of |X| |W| per product), a model without a conv not at
+    by TF32's rounding (about 2**-11 of |X| |W| per product) where convs are emulated and not
+    where only the products are, a MatMul's the other way round, a model with neither not at
     all; its CLI writes one row per input set, the suite's image first."""
     import numpy as np
     import onnx
@@ -429,16 +430,71 @@ def test_tf32_emulation_rounds_convs_only(tmp_path):
     feeds = {"x": rng.standard_normal((1, 4, 8, 8)).astype(np.float32)}
     row = tf32_emulation.emulate(conv, {"n": feeds})[0]
     bound = 36 * 2.0 ** -10 * float(np.abs(feeds["x"]).max() * np.abs(w).max())
-    assert 0 < row["group-1 convs"] == row["every conv"] < bound
-    assert tf32_emulation.emulate(relu, {"n": feeds})[0] == {"inputs": "n", "group-1 convs": 0.0, "every conv": 0.0}
+    assert 0 < row["group-1 convs"] == row["every conv"] == row["matmuls + every conv"] < bound
+    assert row["matmuls"] == row["matmuls rms"] == 0.0
+    assert 0 < row["every conv rms"] < row["every conv"]
+    mm = model([helper.make_node("MatMul", ["a", "b"], ["y"])], {"a": ("float32", [2, 16])},
+               {"y": ("float32", [2, 8])}, {"b": rng.standard_normal((16, 8)).astype(np.float32)})
+    row = tf32_emulation.emulate(mm, {"n": {"a": rng.standard_normal((2, 16)).astype(np.float32)}})[0]
+    assert row["every conv"] == 0.0 and 0 < row["matmuls"] == row["matmuls + every conv"]
+    none = tf32_emulation.emulate(relu, {"n": feeds})[0]
+    assert set(none) == {"inputs", *tf32_emulation.EMULATIONS, *(f"{k} rms" for k in tf32_emulation.EMULATIONS)}
+    assert not any(v for k, v in none.items() if k != "inputs")
     path = tmp_path / "conv.onnx"
     onnx.save(conv, str(path))
     out = tmp_path / "rows.json"
-    assert tf32_emulation.main([str(path), "--shape", "x=1,4,8,8", "--draws", "2", "--json", str(out)]) == 0
+    assert tf32_emulation.main([str(path), "--shape", "x=1,4,8,8", "--draws", "2", "--emulate", "MatMul",
+                                "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["inputs"] for r in rows] == ["suite image (seed 0)", "N(0, 1)", "N(0, 1) #2", "uniform [0, 1)",
                                           "uniform [0, 1) #2"]
-    assert all(r["group-1 convs"] > 0 for r in rows)
+    assert all(r["group-1 convs"] > 0 and r["MatMul"] == 0.0 for r in rows)
+    with pytest.raises(SystemExit):
+        tf32_emulation.main([str(path), "--shape", "x=1,4,8,8", "--emulate", "Matmul"])
+
+
+def test_ort_precision_tells_tf32_products_from_fp32_ones(tmp_path, monkeypatch):
+    """benchmarks/ort_precision.py: each Conv, MatMul and Gemm alone against float64 and the
+    TF32 emulation. On the CPU EP every product is fp32 (error ~1000x below TF32's); an ORT
+    whose Conv rounds its operands to TF32 reads "tf32" for the Conv alone."""
+    import numpy as np
+    import onnx
+    from onnx import helper
+
+    from benchmarks import ort_precision
+    from benchmarks.tf32_emulation import tf32_ops
+    from tests.util import model
+
+    rng = np.random.default_rng(0)
+    inits = {"w": rng.standard_normal((8, 4, 3, 3)).astype(np.float32),
+             "m": rng.standard_normal((8, 16)).astype(np.float32), "g": rng.standard_normal((16, 5)).astype(np.float32)}
+    m = model([helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+               helper.make_node("Relu", ["c"], ["r"]),
+               helper.make_node("Reshape", ["r", "s"], ["r2"]),
+               helper.make_node("MatMul", ["r2", "m"], ["p"]),
+               helper.make_node("Gemm", ["p", "g"], ["y"])],
+              {"x": ("float32", ["N", 4, 8, 8])}, {"y": ("float32", ["M", 5])},
+              inits | {"s": np.array([-1, 8], np.int64)})
+    rows = ort_precision.probe(m, {"x": (2, 4, 8, 8)}, "cpu")
+    assert [(r["op"], r["inputs"][0]) for r in rows] == [("Conv", [2, 4, 8, 8]), ("MatMul", [128, 8]),
+                                                         ("Gemm", [128, 16])]
+    assert all(r["multiplies"] == "fp32" and r["tf32_rms_err"] > 0 and r["ratio"] < 0.01 for r in rows), rows
+
+    real = ort_precision.run_for_values
+
+    def tf32_conv(one, feeds, names, provider, *a):  # an ORT whose Conv multiplies in TF32
+        if [n.op_type for n in one.graph.node] != ["Conv"]:
+            return real(one, feeds, names, provider, *a)
+        from onnx.reference import ReferenceEvaluator
+        return dict(zip(names, ReferenceEvaluator(one, new_ops=tf32_ops(("Conv",))).run(names, feeds), strict=True))
+
+    monkeypatch.setattr(ort_precision, "run_for_values", tf32_conv)
+    path = tmp_path / "m.onnx"
+    onnx.save(m, str(path))
+    out = tmp_path / "p.json"
+    assert ort_precision.main([str(path), "--shape", "x=2,4,8,8", "--provider", "cpu", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["multiplies"] for r in rows] == ["tf32", "fp32", "fp32"] and rows[0]["ratio"] > 0.5, rows
 
 
 def test_tune_fidelity_pairs_one_node_and_in_model_times(tmp_path, capsys):

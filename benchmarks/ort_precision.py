@@ -1,0 +1,135 @@
+"""Which of a float32 model's products ONNX Runtime multiplies in TF32, node by node: each Conv,
+MatMul and Gemm run alone in ORT (CUDA EP, its defaults: TF32 allowed, cuDNN's exhaustive
+algorithm search) on the inputs it gets inside the model, against the node evaluated in float64
+(`onnxfuse.reference`) and against the same with its two multiplied operands first rounded to
+the nearest TF32 value (`tf32_emulation.tf32_ops`, as cuBLAS and cuDNN round them).
+
+    python -m benchmarks.ort_precision model.onnx --shape pixel_values=1,3,224,224 --json out.json
+
+Per node: ORT's RMS error, the TF32-emulated RMS error, their ratio, and what the ratio says:
+"tf32" (ORT's error is TF32's, ratio at least TF32_RATIO) or "fp32" (below it: CUDA-core
+FMA). cuDNN chooses its algorithm per convolution by timing them, so a conv's answer holds
+for the shapes and machine it was measured on. The forty-sixth session's ViT-S/16 fp32: the
+whole model's error under ORT matched the emulation that rounds every MatMul and not the
+patch-embedding Conv (benchmarks/tf32_emulation.py); this script asks each node.
+
+The inputs: the suite's image (uniform [0, 1), `numpy.random.default_rng(0)`) for float
+inputs, tuning's feeds for the others (`onnxfuse.tune.feeds_for`); the nodes' own inputs come
+from one run of the whole model on ORT's CPU EP. `--provider cpu` runs the same on the CPU EP
+(no TF32 there: every node reads "fp32"; for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.tf32_emulation import tf32_ops  # noqa: E402
+from onnxfuse import reference  # noqa: E402
+from onnxfuse.tools.shapes import parse_shapes, with_input_dims  # noqa: E402
+from onnxfuse.tune import feeds_for, run_for_values  # noqa: E402
+
+PRODUCTS = ("Conv", "MatMul", "Gemm")
+# ORT's error over the TF32 emulation's at or above which a node reads "tf32": two TF32
+# products round alike (ratio about 1), an fp32 one is about 1000x closer (2**-23 against
+# 2**-10 per operand); 0.25 leaves room for either's luck on a small output
+TF32_RATIO = 0.25
+
+
+def product_nodes(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The float32 Conv, MatMul and Gemm nodes of the main graph, in order (their first
+    input's element type, where the model or its initializers say it, is float32)."""
+    types = {v.name: v.type.tensor_type.elem_type for v in [*model.graph.input, *model.graph.value_info]}
+    types |= {t.name: t.data_type for t in model.graph.initializer}
+    return [n for n in model.graph.node if n.op_type in PRODUCTS and n.domain in ("", "ai.onnx")
+            and types.get(n.input[0], onnx.TensorProto.FLOAT) == onnx.TensorProto.FLOAT]
+
+
+def one_node_model(model: onnx.ModelProto, node: onnx.NodeProto, values: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """`node` alone: its initializers as initializers, every other input a graph input shaped
+    as its value in `values`."""
+    inits = {t.name: t for t in model.graph.initializer}
+    ins, consts = [], []
+    for name in dict.fromkeys(x for x in node.input if x):
+        if name in inits:
+            consts.append(inits[name])
+        else:
+            v = values[name]
+            ins.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(v.dtype), v.shape))
+    outs = [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, None) for o in node.output if o]
+    m = helper.make_model(helper.make_graph([node], "product", ins, outs, consts),
+                          opset_imports=[o for o in model.opset_import if o.domain in ("", "ai.onnx")])
+    m.ir_version = model.ir_version
+    return m
+
+
+def _rms(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.square(np.asarray(a, np.float64) - np.asarray(b, np.float64)))))
+
+
+def probe(model: onnx.ModelProto, dims: dict[str, tuple[int, ...]], provider: str = "cuda") -> list[dict]:
+    """One row per product node (`product_nodes`): name, op, input shapes, ORT's and the TF32
+    emulation's RMS error against float64, their ratio and "tf32" or "fp32"."""
+    from onnx.reference import ReferenceEvaluator
+
+    model = with_input_dims(model, dims)
+    feeds = {k: np.random.default_rng(0).random(v.shape, dtype=np.float32).astype(v.dtype, copy=False)
+             if v.dtype.kind == "f" else v for k, v in feeds_for(model, dims).items()}
+    nodes = product_nodes(model)
+    inits = {t.name: list(t.dims) for t in model.graph.initializer}
+    wanted = sorted({x for n in nodes for x in n.input if x and x not in inits and x not in feeds})
+    values = {**feeds, **(run_for_values(model, feeds, wanted, "cpu") if wanted else {})}
+    rows = []
+    for node in nodes:
+        one = one_node_model(model, node, values)
+        inputs = {i.name: values[i.name] for i in one.graph.input}
+        m64 = reference.float64_model(one)
+        wide = {k: v.astype(np.float64) for k, v in inputs.items()}
+        exact = ReferenceEvaluator(m64, new_ops=tf32_ops()).run(None, wide)[0]
+        tf32 = ReferenceEvaluator(m64, new_ops=tf32_ops(PRODUCTS)).run(None, wide)[0]
+        ort_y = run_for_values(one, inputs, [node.output[0]], provider)[node.output[0]]
+        ort_err, tf32_err = _rms(ort_y, exact), _rms(tf32, exact)
+        ratio = ort_err / tf32_err if tf32_err > 0 else None
+        rows.append({"node": node.name, "op": node.op_type,
+                     "inputs": [list(values[x].shape) if x in values else inits[x] for x in node.input if x],
+                     "ort_rms_err": ort_err, "tf32_rms_err": tf32_err, "ratio": ratio,
+                     "multiplies": "tf32" if ratio is not None and ratio >= TF32_RATIO else "fp32"})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--shape", action="append", default=[], help="NAME=DIMS, as onnxfuse optimize takes it")
+    ap.add_argument("--provider", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    model = onnx.load(str(args.model))
+    rows = probe(model, parse_shapes(args.shape), args.provider)
+    print(f"{args.model.name} ({args.provider}): RMS error against float64, alone in ORT and TF32-emulated")
+    print("| node | op | inputs | ORT | TF32 | ratio | multiplies |\n|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.3g}"
+        print(f"| {r['node']} | {r['op']} | {' x '.join('x'.join(map(str, s)) for s in r['inputs'])} | "
+              f"{r['ort_rms_err']:.2e} | {r['tf32_rms_err']:.2e} | {ratio} | {r['multiplies']} |")
+    counts = {k: sum(r["multiplies"] == k for r in rows) for k in ("tf32", "fp32")}
+    print(f"{counts['tf32']} in TF32, {counts['fp32']} in fp32")
+    if args.json:
+        args.json.write_text(json.dumps({"model": args.model.name, "provider": args.provider,
+                                         "shapes": {k: list(v) for k, v in parse_shapes(args.shape).items()},
+                                         "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
