@@ -480,15 +480,15 @@ def test_ort_precision_tells_tf32_products_from_fp32_ones(tmp_path, monkeypatch)
                                                          ("Gemm", [128, 16])]
     assert all(r["multiplies"] == "fp32" and r["tf32_rms_err"] > 0 and r["ratio"] < 0.01 for r in rows), rows
 
-    real = ort_precision.run_for_values
+    real = ort_precision.run
 
-    def tf32_conv(one, feeds, names, provider, *a):  # an ORT whose Conv multiplies in TF32
+    def tf32_conv(one, feeds, names, provider):  # an ORT whose Conv multiplies in TF32
         if [n.op_type for n in one.graph.node] != ["Conv"]:
-            return real(one, feeds, names, provider, *a)
+            return real(one, feeds, names, provider)
         from onnx.reference import ReferenceEvaluator
         return dict(zip(names, ReferenceEvaluator(one, new_ops=tf32_ops(("Conv",))).run(names, feeds), strict=True))
 
-    monkeypatch.setattr(ort_precision, "run_for_values", tf32_conv)
+    monkeypatch.setattr(ort_precision, "run", tf32_conv)
     path = tmp_path / "m.onnx"
     onnx.save(m, str(path))
     out = tmp_path / "p.json"
