@@ -1303,9 +1303,10 @@ def accuracy(timer: Timer, original: ModelProto, candidates: dict[str, ModelProt
     candidate, at one set of inputs: the reference is the original in float64
     (`Timer.float64_reference`), else the original with TF32 off, and a candidate passes when
     each output is within 2x the original's own error under ORT's defaults (TF32 allowed)
-    plus the dtype's floor. Per label: passed, max_abs_err, ort_max_abs_err, the first
-    failure's text (or the error that stopped the run) and which reference it was. On CUDA,
-    ORT's own error is the smallest of `ort_default_sessions` sessions', output by output."""
+    plus the dtype's floor. Per label: passed, max_abs_err, ort_max_abs_err, rms_err and
+    ort_rms_err (reported, not gated), the first failure's text (or the error that stopped the
+    run) and which reference it was. On CUDA, ORT's own error is the smallest of
+    `ort_default_sessions` sessions', output by output."""
     gates = accuracy_on(timer, original, candidates, {"": feeds})
     return {label: {k: v for k, v in g.items() if k != "inputs"} for label, g in gates.items()}
 
@@ -1372,17 +1373,22 @@ def _gate_set(timer: Timer, original: ModelProto, feed_sets: dict[str, dict[str,
     for label, got in runs.items():
         if isinstance(got, str):
             out[label] = {"passed": False, "max_abs_err": None, "ort_max_abs_err": None, "failure": got,
-                          "reference": what}
+                          "reference": what, "rms_err": None, "ort_rms_err": None}
             continue
         checks = gate_outputs(reference, ort, got)
         failed = [c for c in checks if not c.passed]
-        errs = [c.max_abs_err for c in checks if c.max_abs_err is not None]
-        ort_errs = [c.ort_max_abs_err for c in checks if c.ort_max_abs_err is not None]
-        out[label] = {"passed": not failed, "max_abs_err": max(errs, default=None),
-                      "ort_max_abs_err": max(ort_errs, default=None),
+        out[label] = {"passed": not failed, "max_abs_err": _largest(checks, "max_abs_err"),
+                      "ort_max_abs_err": _largest(checks, "ort_max_abs_err"),
                       "failure": f"output {failed[0].name!r}: {failed[0].failure()}" if failed else None,
-                      "reference": what}
+                      "reference": what,
+                      # the bulk of the error beside one element's (gate.rms_error): reported, not gated
+                      "rms_err": _largest(checks, "rms_err"), "ort_rms_err": _largest(checks, "ort_rms_err")}
     return out
+
+
+def _largest(checks: list, key: str) -> float | None:
+    """The largest of the outputs' `key` (an OutputCheck field) that is known, or None."""
+    return max((getattr(c, key) for c in checks if getattr(c, key) is not None), default=None)
 
 
 def most_accurate(runs: list, reference: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -1909,6 +1915,7 @@ def summary(record: dict) -> str:
         ungated = "; not gated (its times could not make it the model kept)" if gates is not None else ""
         acc = ungated if g is None else (
             f"; max abs err {_err(g['max_abs_err'])} vs ORT's own {_err(g['ort_max_abs_err'])}"
+            + (f", RMS {_err(g['rms_err'])} vs {_err(g.get('ort_rms_err'))}" if g.get("rms_err") is not None else "")
             + (f" (inputs {g['inputs']})" if g.get("inputs") else "") + ", "
             + ("accurate" if g["passed"] else "LESS ACCURATE than ORT"))
         lines.append(f"  {k}: {_fmt(ModelTimes(**t))}{acc}" + (" <- kept" if k == record["kept"] else ""))

@@ -761,6 +761,10 @@ def test_a_candidate_as_accurate_as_ort_is_kept(monkeypatch):
     assert rec["kept"] == "optimized" and not recompiled
     assert rec["accuracy"]["optimized"]["passed"] and rec["accuracy"]["optimized"]["ort_max_abs_err"] == \
         pytest.approx(1e-3, rel=1e-3)
+    # every element off by the same amount: the RMS errors are the max ones, reported beside them
+    g = rec["accuracy"]["optimized"]
+    assert g["rms_err"] == pytest.approx(1.5e-3, rel=1e-3) and g["ort_rms_err"] == pytest.approx(1e-3, rel=1e-3)
+    assert "max abs err 0.0015 vs ORT's own 0.001, RMS 0.0015 vs 0.001" in tuning.summary(rec)
     assert "accurate <- kept" in tuning.summary(rec)
 
 
@@ -970,7 +974,8 @@ def test_accuracy_runs_the_reference_with_tf32_off(monkeypatch):
     gates = tuning.accuracy(tuning.Timer(CPU, None), m, {"optimized": m}, {})
     assert seen == {"reference": (False, False), "ort": (False, True), "optimized": (True, True)}
     assert gates["optimized"] == {"passed": True, "max_abs_err": 0.0, "ort_max_abs_err": 0.0, "failure": None,
-                                  "reference": "TF32 off (input 'x' has no value)"}
+                                  "reference": "TF32 off (input 'x' has no value)", "rms_err": 0.0,
+                                  "ort_rms_err": 0.0}
 
 
 def test_accuracy_against_the_float64_reference_where_it_is_cheap(monkeypatch, tmp_path):
