@@ -1072,8 +1072,7 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         if losers:
             tuned = snapshot(before)
             bodies = unfuse_nodes(tuned, losers)
-            gemm = _gemm_losers(before, losers)
-            split = _split_chains(snapshot(tuned), bodies, gemm) if gemm else None  # before tuned's kernels
+            split = split_epilogues(before, tuned, bodies)  # before tuned's kernels
             with phases("recompile"):
                 tuned_info = recompile(tuned)
             _copy_kernels(result.model, tuned.model, {d.node for d in decisions if d.candidates})
@@ -1213,12 +1212,13 @@ SPLIT_LABEL = " + split epilogues"
 SPLIT_ONLY = "not an epilogue measured slower with its product (tuning's split epilogues)"
 
 
-def split_epilogues(before, losers: set[str]):
-    """`before` (a `snapshot`) with the fused nodes `losers` turned back into their original
-    nodes, and the epilogues of the gemm kind's among them fused again on their own: the
-    pointwise patterns matched over those nodes alone, so that the product goes to ONNX Runtime
-    (cuBLAS) and its bias and activation run as one chain. None where no loser is of the gemm
-    kind or no chain forms (an epilogue of one bias Add: ORT fuses that with the product).
+def split_epilogues(before, tuned, bodies: dict[str, list[str]]):
+    """A copy of `tuned` (a `snapshot` of `before` whose losing fused nodes `unfuse_nodes`
+    turned back into `bodies`: fused node -> the nodes it became) with the epilogues of the
+    gemm kind's among them fused again on their own: the pointwise patterns matched over those
+    nodes alone, so that the product goes to ONNX Runtime (cuBLAS) and its bias and activation
+    run as one chain. None where no loser is of the gemm kind or no chain forms (an epilogue
+    of one bias Add: ORT fuses that with the product). `tuned` is not changed.
     The chains were not timed one by one: this is a whole-model candidate, kept only where the
     model is measured faster (`_fastest`). ViT-S/16 from torch's dynamo exporter at batch 1
     fp32 (forty-fourth session, H100): 11 of 12 FFN1 Triton GEMMs with their erf-GELU lost
@@ -1226,22 +1226,10 @@ def split_epilogues(before, losers: set[str]):
     form), and the model read 1.12x the best peer (error 0.0022 against ORT's 0.0020) where the
     TorchScript export's, whose FFN1 ran cuBLASLt's product and a bias + GELU chain, read 1.37x
     (0.0023 against 0.0020)."""
-    gemm = _gemm_losers(before, losers)
+    gemm = {f.node_name for f in before.fused if f.node_name in bodies and f.kind == "gemm"}
     if not gemm:
         return None
-    cand = snapshot(before)
-    return _split_chains(cand, unfuse_nodes(cand, losers), gemm)
-
-
-def _gemm_losers(before, losers: set[str]) -> set[str]:
-    """The fused nodes of the gemm kind among `losers`."""
-    return {f.node_name for f in before.fused if f.node_name in losers and f.kind == "gemm"}
-
-
-def _split_chains(cand, bodies: dict[str, list[str]], gemm: set[str]):
-    """`split_epilogues` on `cand`, a snapshot whose losers `unfuse_nodes` already turned back
-    into `bodies` (fused node -> the nodes it became): the pointwise chains over the nodes of
-    the `gemm` ones' bodies fused into it, or None where none forms."""
+    cand = snapshot(tuned)
     freed = {name for g in gemm for name in bodies[g] if name}
     view = GraphView.build(cand.model, infer_shapes(cand.model))
     patterns = [p for p in cand.patterns if p.kind.name == "pointwise"]

@@ -457,7 +457,8 @@ def test_dynamo_ffn1_split_into_its_product_and_a_gelu_chain():
     r = passes_upto(m, tuned_options("sm_90", dims, layout="nchw"), rewrite_pass)
     gemm = {f.node_name: len(f.source_nodes) for f in r.fused if f.kind == "gemm"}
     assert sorted(gemm.values()).count(7) == 2, r.report.summary()   # each layer's FFN1 with its GELU
-    split = tuning.split_epilogues(tuning.snapshot(r), set(gemm))
+    tuned = tuning.snapshot(r)
+    split = tuning.split_epilogues(r, tuned, tuning.unfuse_nodes(tuned, set(gemm)))
     chains = [f for f in split.fused if f.kind == "pointwise"]
     assert [len(f.source_nodes) for f in chains] == [6, 6] and not [f for f in split.fused if f.kind == "gemm"]
     assert {f.kind for f in split.fused} == {"rows", "attention", "pointwise"}

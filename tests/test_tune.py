@@ -1463,6 +1463,12 @@ def _tuned_matched(m: onnx.ModelProto):
     return r, tuning.snapshot(r)
 
 
+def _split(before, losers: set[str]):
+    """`split_epilogues` as tuning builds it: from `before` with `losers` unfused."""
+    tuned = tuning.snapshot(before)
+    return tuning.split_epilogues(before, tuned, tuning.unfuse_nodes(tuned, losers))
+
+
 def test_a_losing_gemm_epilogue_is_split_into_its_product_and_a_chain():
     """`split_epilogues`: the GemmEpilogue that lost goes back to its original nodes, and its
     bias + GELU, matched alone, becomes one pointwise chain; the product stays ONNX Runtime's.
@@ -1472,8 +1478,8 @@ def test_a_losing_gemm_epilogue_is_split_into_its_product_and_a_chain():
     r, before = _tuned_matched(m)
     assert [(f.kind, len(f.source_nodes)) for f in r.fused] == [("gemm", 7)], r.report.summary()
     (name,) = [f.node_name for f in r.fused]
-    assert tuning.split_epilogues(before, set()) is None
-    split = tuning.split_epilogues(before, {name})
+    assert _split(before, set()) is None
+    split = _split(before, {name})
     assert [f.kind for f in split.fused] == ["pointwise"] and len(split.fused[0].source_nodes) == 6
     ops = [n.op_type for n in split.model.graph.node if n.op_type != "Constant"]
     assert "GemmEpilogue" not in ops and ops.count("PointwiseChain") == 1
@@ -1495,12 +1501,12 @@ def test_an_epilogue_of_one_bias_add_is_not_split():
     bias = model([N("MatMul", ["x", "w"], ["h"]), N("Add", ["h", "b"], ["y"])], *io, {"w": w, "b": b})
     r, before = _tuned_matched(bias)
     assert [(f.kind, len(f.source_nodes)) for f in r.fused] == [("gemm", 2)], r.report.summary()
-    assert tuning.split_epilogues(before, {r.fused[0].node_name}) is None
+    assert _split(before, {r.fused[0].node_name}) is None
     relu = model([N("MatMul", ["x", "w"], ["h"]), N("Add", ["h", "b"], ["hb"]), N("Relu", ["hb"], ["y"])], *io,
                  {"w": w, "b": b})
     r, before = _tuned_matched(relu)
     assert [(f.kind, len(f.source_nodes)) for f in r.fused] == [("gemm", 3)], r.report.summary()
-    split = tuning.split_epilogues(before, {r.fused[0].node_name})
+    split = _split(before, {r.fused[0].node_name})
     assert [(f.kind, len(f.source_nodes)) for f in split.fused] == [("pointwise", 2)]
 
 
