@@ -296,12 +296,6 @@ def unfuse_all(model: ModelProto, fused: list[FusedNode]) -> dict[str, list[str]
     return unfuse_named(model, [(f.node_name, f.source_nodes) for f in fused])
 
 
-def unfuse_node(model: ModelProto, node_name: str, source_nodes: tuple[str, ...] = ()) -> None:
-    """Turn the onnxfuse node `node_name` of `model` back into its original nodes, in place,
-    from the model alone (`unfuse_named`)."""
-    unfuse_named(model, [(node_name, source_nodes)])
-
-
 def unfuse_named(model: ModelProto, nodes: list[tuple[str, tuple[str, ...]]]) -> dict[str, list[str]]:
     """Turn the onnxfuse nodes of `model` named in `nodes` ((node name, its source nodes) each)
     back into their original nodes, in place, from the model alone: each function body inlined

@@ -1,7 +1,7 @@
 """`onnxfuse bisect` on the CPU: a miscompiled fused node is named, --write gives a model that
 passes bench, a good model exits 0, a failure outside the fused nodes is said to be; bad input
 exits 2 with one line; the search itself on fake predicates; the CUDA path with a fake runner;
-and the generic inliner behind unfuse_node."""
+and the generic inliner behind unfuse_named."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from onnxfuse import bisect as obs
 from onnxfuse.cli import main
 from onnxfuse.outputs import save_model
 from onnxfuse.pipeline import optimize_model
-from onnxfuse.rewrite import inline_function_node, unfuse, unfuse_all, unfuse_node
+from onnxfuse.rewrite import inline_function_node, unfuse, unfuse_all, unfuse_named
 from onnxfuse.tools import gate
 from tests.util import model as make_model
 from tests.util import one_line_error
@@ -299,7 +299,7 @@ def test_inline_function_node_binds_inputs_outputs_and_attributes():
     np.testing.assert_allclose(got, np.where(x > 0, x, 0.5 * x))
 
 
-def test_unfuse_node_from_the_saved_model_matches_unfuse(tmp_path):
+def test_unfuse_named_from_the_saved_model_matches_unfuse(tmp_path):
     from models import build as mb
 
     r = optimize_model(mb.conv_relu_maxpool(8, 16))
@@ -308,13 +308,13 @@ def test_unfuse_node_from_the_saved_model_matches_unfuse(tmp_path):
     saved = onnx.load(str(path))
     (f,) = r.fused
     unfuse(r.model, f)
-    unfuse_node(saved, f.node_name)
+    unfuse_named(saved, [(f.node_name, ())])
     assert [n.op_type for n in saved.graph.node] == [n.op_type for n in r.model.graph.node]
     assert "Transpose" not in {n.op_type for n in saved.graph.node}          # ONNX weights again
     assert saved.graph.initializer == r.model.graph.initializer
     assert not saved.functions and all(i.domain != "onnxfuse" for i in saved.opset_import)
     with pytest.raises(ob.OnnxfuseError, match="no nodes named"):
-        unfuse_node(saved, f.node_name)
+        unfuse_named(saved, [(f.node_name, ())])
 
 
 def test_unfuse_all_at_once_matches_one_at_a_time():
