@@ -34,8 +34,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.tf32_emulation import tf32_ops  # noqa: E402
+from benchmarks.tf32_emulation import fmt_sci, suite_image, tf32_ops  # noqa: E402
 from onnxfuse import reference  # noqa: E402
+from onnxfuse.tools.gate import rms_error  # noqa: E402
 from onnxfuse.tools.shapes import parse_shapes, with_input_dims  # noqa: E402
 from onnxfuse.tune import feeds_for  # noqa: E402
 
@@ -94,18 +95,13 @@ def one_node_model(model: onnx.ModelProto, node: onnx.NodeProto, values: dict[st
     return m
 
 
-def _rms(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.sqrt(np.mean(np.square(np.asarray(a, np.float64) - np.asarray(b, np.float64)))))
-
-
 def probe(model: onnx.ModelProto, dims: dict[str, tuple[int, ...]], provider: str = "cuda") -> list[dict]:
     """One row per product node (`product_nodes`): name, op, input shapes, ORT's and the TF32
     emulation's RMS error against float64, their ratio and "tf32" or "fp32"."""
     from onnx.reference import ReferenceEvaluator
 
     model = with_input_dims(model, dims)
-    feeds = {k: np.random.default_rng(0).random(v.shape, dtype=np.float32).astype(v.dtype, copy=False)
-             if v.dtype.kind == "f" else v for k, v in feeds_for(model, dims).items()}
+    feeds = suite_image(feeds_for(model, dims))
     inits = {t.name: list(t.dims) for t in model.graph.initializer}
     wanted = sorted({x for n in model.graph.node if n.op_type in PRODUCTS
                      for x in n.input if x and x not in inits and x not in feeds})
@@ -120,8 +116,9 @@ def probe(model: onnx.ModelProto, dims: dict[str, tuple[int, ...]], provider: st
         exact = ReferenceEvaluator(m64, new_ops=tf32_ops()).run(None, wide)[0]
         tf32 = ReferenceEvaluator(m64, new_ops=tf32_ops(PRODUCTS)).run(None, wide)[0]
         ort_y = run(one, inputs, [node.output[0]], provider)[node.output[0]]
-        ort_err, tf32_err = _rms(ort_y, exact), _rms(tf32, exact)
-        ratio = ort_err / tf32_err if tf32_err > 0 else None
+        ort_err = rms_error(np.asarray(ort_y, np.float64) - exact)
+        tf32_err = rms_error(tf32 - exact)
+        ratio = ort_err / tf32_err if ort_err is not None and tf32_err else None
         rows.append({"node": node.name, "op": node.op_type,
                      "inputs": [list(values[x].shape) if x in values else inits[x] for x in node.input if x],
                      "ort_rms_err": ort_err, "tf32_rms_err": tf32_err, "ratio": ratio,
@@ -143,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         ratio = "" if r["ratio"] is None else f"{r['ratio']:.3g}"
         print(f"| {r['node']} | {r['op']} | {' x '.join('x'.join(map(str, s)) for s in r['inputs'])} | "
-              f"{r['ort_rms_err']:.2e} | {r['tf32_rms_err']:.2e} | {ratio} | {r['multiplies']} |")
+              f"{fmt_sci(r['ort_rms_err'])} | {fmt_sci(r['tf32_rms_err'])} | {ratio} | {r['multiplies']} |")
     counts = {k: sum(r["multiplies"] == k for r in rows) for k in ("tf32", "fp32")}
     print(f"{counts['tf32']} in TF32, {counts['fp32']} in fp32")
     if args.json:

@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
 
 from onnxfuse import reference  # noqa: E402
 from onnxfuse.codegen_conv import round_array_to_tf32  # noqa: E402
+from onnxfuse.tools.gate import rms_error  # noqa: E402
 from onnxfuse.tools.shapes import parse_shapes  # noqa: E402
 from onnxfuse.tune import accuracy_feeds, feeds_for  # noqa: E402
 
@@ -104,9 +105,21 @@ def emulate(model: onnx.ModelProto, sets: dict[str, dict[str, np.ndarray]],
             diffs = [np.abs(np.asarray(g) - np.asarray(r)).ravel() for g, r in zip(got, ref, strict=True)]
             d = np.concatenate(diffs) if diffs else np.zeros(0)
             row[label] = float(d.max()) if d.size else 0.0
-            row[f"{label} rms"] = float(np.sqrt(np.mean(np.square(d)))) if d.size else 0.0
+            row[f"{label} rms"] = rms_error(d)
         rows.append(row)
     return rows
+
+
+def fmt_sci(v: float | None) -> str:
+    """An error for the table: two decimals, "nan/inf" where it is not finite (None)."""
+    return "nan/inf" if v is None else f"{v:.2e}"
+
+
+def suite_image(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`feeds` with each float input replaced as models/suite.py makes an image: uniform in
+    [0, 1), `numpy.random.default_rng(0)`, in the input's dtype."""
+    return {k: np.random.default_rng(0).random(v.shape, dtype=np.float32).astype(v.dtype, copy=False)
+            if v.dtype.kind == "f" else v for k, v in feeds.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,14 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     model = onnx.load(str(args.model))
     dims = parse_shapes(args.shape)
     feeds = feeds_for(model, dims)
-    image = {k: np.random.default_rng(0).random(v.shape, dtype=np.float32).astype(v.dtype, copy=False)
-             if v.dtype.kind == "f" else v for k, v in feeds.items()}
-    sets = {"suite image (seed 0)": image, **accuracy_feeds(feeds, draws=args.draws)}
+    sets = {"suite image (seed 0)": suite_image(feeds), **accuracy_feeds(feeds, draws=args.draws)}
     rows = emulate(model, sets, emulations)
     print(f"{args.model.name}: |TF32-emulated - exact| over the outputs, max (RMS), multiplied in TF32:")
     print("| inputs | " + " | ".join(emulations) + " |\n" + "|---" * (len(emulations) + 1) + "|")
     for r in rows:
-        print(f"| {r['inputs']} | " + " | ".join(f"{r[k]:.2e} ({r[k + ' rms']:.2e})" for k in emulations) + " |")
+        print(f"| {r['inputs']} | " + " | ".join(f"{r[k]:.2e} ({fmt_sci(r[k + ' rms'])})" for k in emulations) + " |")
     if args.json:
         args.json.write_text(json.dumps({"model": args.model.name, "shapes": {k: list(v) for k, v in dims.items()},
                                          "emulations": emulations, "rows": rows}, indent=1))
