@@ -4,6 +4,14 @@ When a GPU and onnxruntime-gpu are present, `optimize` tunes by default (`--no-t
 skips it; without a GPU the documented heuristics decide alone). At one set of input
 shapes (`--shape` / `--batch`; without them batch 1 and the model's own dims):
 
+0. **Precision.** ONNX Runtime's default allows TF32 but does not always use it: cuDNN times
+   its algorithms per conv (an fp32 one wins some shapes: ViT-S/16's patch-embedding conv on the
+   H100) and cuBLAS picks per shape. Every fused node whose kernel would multiply float32 in
+   TF32 has its original subgraph probed (`onnxfuse.tf32probe`: ORT's CUDA error against the
+   CPU's float32 and against a TF32 emulation, in two fresh sessions; remembered in the cache,
+   keyed as a timing is); where ORT multiplied it in fp32, the node compiles at PRECISE
+   (`FusedNode.precision`; every node of the same kernel name alike) before anything is timed,
+   so that the fused node is as accurate as what it replaces node by node.
 1. **Per node.** Every fused node is timed as a one-node model (the node, its function
    and its kernel; library registered) against what ONNX Runtime would run for the same
    nodes: the node's original subgraph as a model of its own, in NCHW (the channels-last
@@ -127,7 +135,7 @@ import numpy as np
 import onnx
 from onnx import ModelProto, helper, numpy_helper
 
-from onnxfuse import bundle, ir, kmajor, reference, runtime
+from onnxfuse import bundle, ir, kmajor, reference, runtime, tf32probe
 from onnxfuse import compile as aot
 from onnxfuse.cost import model_cost
 from onnxfuse.errors import OnnxfuseError
@@ -141,7 +149,7 @@ from onnxfuse.match import find_matches
 from onnxfuse.outputs import save_model
 from onnxfuse.rewrite import DOMAIN, rewrite, unfuse_all
 from onnxfuse.roofline import make_roof
-from onnxfuse.specs import kernel_spec
+from onnxfuse.specs import kernel_spec, precision_of
 from onnxfuse.tools.cuda import CudaDriver, local_gpu_archs
 from onnxfuse.tools.feeds import make_feeds, static_feeds
 from onnxfuse.tools.gate import gate_outputs, plausible_float64
@@ -260,6 +268,9 @@ class NodeDecision:
     # Match.measured_only: nodes ONNX Runtime fuses itself (a SkipLayerNormalization, a
     # BiasGelu), offered to tuning rather than matched outright; kept only where faster
     offered: bool = False
+    # the precision its kernel multiplies at where the TF32 probe set one (PRECISE: ONNX Runtime
+    # multiplied its original in fp32), else ""
+    precision: str = ""
 
     def loses(self) -> bool:
         """Whether the fused node goes back to ONNX Runtime: its original is faster by more than
@@ -821,6 +832,21 @@ class Timer:
             out.append(bundle.Timed(float(e["us"]), int(e["kernels"])) if e and "us" in e else None)
         return out
 
+    def tf32_probe(self, m: ModelProto) -> dict:
+        """What ONNX Runtime multiplies the one-node original `m` in (`onnxfuse.tf32probe.probe`
+        on seeded inputs): {"multiplies": "fp32" or "tf32", "ratios": [...]}, remembered under
+        the model's key as a timing is (layers of the same shapes: one probe; cuDNN and cuBLAS
+        choose by shapes, not values)."""
+        key = self._key(m, _shape_only_feeds(m), False, "tf32 probe")
+        if key in self.entries:
+            self.hits += 1
+            return dict(self.entries[key])
+        p = tf32probe.probe(m, static_feeds(m), self.settings.provider)
+        self.measured += 1
+        self.entries[key] = {"multiplies": p.multiplies, "ratios": [None if r is None else round(r, 5)
+                                                                     for r in p.ratios]}
+        return dict(self.entries[key])
+
     def _runs_plainly(self, path: Path, feeds: dict[str, np.ndarray], library: bool) -> bool:
         """Whether the model at `path` runs once without CUDA graphs."""
         try:
@@ -1064,9 +1090,23 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
     phases, node_steps = Phases(), Phases()
     with tempfile.TemporaryDirectory(prefix="onnxfuse-tune-") as tmp:
         timer = Timer(settings, Path(tmp))
-        with phases("nodes"):
-            decisions = time_nodes(result, feeds, dims, timer, settings, targets, conv_precision, jobs, t0,
-                                   node_steps)
+        with phases("precision"):
+            probed = probe_precisions(result, dims, feeds, timer, settings, conv_precision)
+        if not probed:  # nothing to probe (no TF32 kernel, or the CPU provider): no phase to report
+            del phases.seconds["precision"]
+        precise_names = precise_nodes(before, probed)
+        if precise_names:  # compiled at PRECISE before anything is timed (module docstring, step 0)
+            set_precision(before, precise_names, PRECISE)
+            fresh = snapshot(before)
+            with phases("recompile"):
+                info = recompile(fresh)
+            _adopt(result, fresh)
+        with phases("nodes"):  # the budget is the node timing's: it starts here
+            decisions = time_nodes(result, feeds, dims, timer, settings, targets, conv_precision, jobs,
+                                   time.perf_counter(), node_steps)
+        for d in decisions:
+            if d.node in precise_names:
+                d.precision = PRECISE
         losers = {d.node for d in decisions if d.chosen == "original"}
         models: list[tuple[str, object, dict]] = []
         if losers:
@@ -1106,7 +1146,8 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         # the gate guards the choice of TF32 (float32 convs at "tf32": their kind says so);
         # other fusions compute in fp32, float16 convs as cuDNN's do
         # (and the K-major candidate: ORT's own TF32 products, summed by other kernels)
-        checked = bool(kmajor_done) or any(KINDS[f.kind].multiplies_in_tf32(f, conv_precision) for f in result.fused)
+        checked = bool(kmajor_done) or any(KINDS[f.kind].multiplies_in_tf32(f, precision_of(f, conv_precision))
+                                           for f in result.fused)
         feed_sets: dict[str, dict[str, np.ndarray]] = {}
         gates: dict[str, dict] = {} if checked else {label: UNCHECKED for label, _, _ in models}
         if checked:
@@ -1150,6 +1191,7 @@ def tune(result, before, info: dict, recompile: Callable, settings: TuneSettings
         "cuda_graph": settings.cuda_graph,
         "original": dataclasses.asdict(orig_times), "models": {k: dataclasses.asdict(v) for k, v in times.items()},
         "accuracy": gates if checked else None, "gate_inputs": list(feed_sets),
+        "tf32_probe": probed, "precise": sorted(precise_names),
     }
     if kept is None:
         record["kept"] = "original"
@@ -1421,6 +1463,44 @@ def _fastest(models: list, times: dict[str, ModelTimes], gates: dict[str, dict],
         if gates[label]["passed"]:
             kept = (label, cand, cand_info)
     return kept
+
+
+def probe_precisions(result, dims: dict[str, tuple[int, ...]], feeds: dict[str, np.ndarray], timer: Timer,
+                     settings: TuneSettings, conv_precision: str) -> dict[str, dict]:
+    """Step 0 (module docstring): for each fused node of `result` whose kernel would multiply
+    float32 in TF32, what ONNX Runtime multiplies its original subgraph in (`Timer.tf32_probe`),
+    by node name; {"error": why} where it cannot be probed (that node keeps the model's
+    precision). None on the CPU provider, which multiplies nothing in TF32."""
+    if settings.provider != "cuda":
+        return {}
+    todo = [f for f in result.fused if KINDS[f.kind].multiplies_in_tf32(f, precision_of(f, conv_precision))]
+    if not todo:
+        return {}
+    nodes = {n.name: n for n in result.model.graph.node}
+    needed = {x for f in todo for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
+    infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
+    out = {}
+    for f in todo:
+        try:
+            out[f.node_name] = timer.tf32_probe(original_model(result.model, nodes[f.node_name], infos))
+        except Exception as e:  # a node that cannot be probed keeps the model's precision
+            out[f.node_name] = {"error": _why(e)}
+    return out
+
+
+def precise_nodes(before, probed: dict[str, dict]) -> set[str]:
+    """The fused nodes of `before` (an `onnxfuse.pipeline.Result`) that compile at PRECISE:
+    those whose original ONNX Runtime multiplied in fp32 (`probe_precisions`), and every node
+    that shares a kernel name with one (one kernel, one precision)."""
+    fp32 = {name for name, p in probed.items() if p.get("multiplies") == "fp32"}
+    kernels = {f.kernel_name for f in before.fused if f.node_name in fp32}
+    return {f.node_name for f in before.fused if f.kernel_name in kernels}
+
+
+def set_precision(result, names: set[str], precision: str) -> None:
+    """The fused nodes `names` of `result` multiply at `precision` (`FusedNode.precision`)
+    when it is next compiled."""
+    result.fused = [dataclasses.replace(f, precision=precision) if f.node_name in names else f for f in result.fused]
 
 
 def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, targets, conv_precision, jobs,
@@ -1890,6 +1970,16 @@ def summary(record: dict) -> str:
             lines.append(f"  {d['node']}: {d['chosen']}")
         elif d["candidates"]:
             lines.append(f"  {d['node']}: {d['chosen']} ({d['fused_ms']:.4f} ms; original {d['original_ms']:.4f})")
+    if record.get("precise"):
+        names = record["precise"]
+        lines.append(f"  {len(names)} node(s) multiply at {PRECISE}, where ONNX Runtime multiplied their originals in "
+                     f"fp32 (TF32 probe): " + ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8
+                                                                     else ""))
+    failed = {k: v["error"] for k, v in (record.get("tf32_probe") or {}).items() if "error" in v}
+    if failed:
+        first = next(iter(failed.items()))
+        lines.append(f"  TF32 probe failed for {len(failed)} node(s), which keep the model's precision: "
+                     f"{first[0]}: {first[1]}")
     o = ModelTimes(**record["original"])
     mode = {True: "under CUDA graphs (--cuda-graph)", False: "without CUDA graphs (--no-cuda-graph)"}.get(
         record.get("cuda_graph"), "in both modes, slower in neither")

@@ -27,7 +27,7 @@ from onnxfuse.expr import HEADER, parse
 from onnxfuse.layers import ConvAttrs, PoolAttrs
 from onnxfuse.pipeline import compile_pass
 from onnxfuse.runtime import library_path
-from onnxfuse.specs import kernel_spec
+from onnxfuse.specs import kernel_spec, precision_of
 from onnxfuse.tools.feeds import static_feeds
 from onnxfuse.tools.session import Run
 from onnxfuse.tune import TuneSettings, candidates, input_shapes
@@ -1571,3 +1571,89 @@ def test_prepared_search_candidates_are_cache_hits_for_tuning(tmp_path, monkeypa
                                   variant_overrides=[v for _, v in configs])
         assert all(isinstance(c, aot.CompiledKernel) and c.compiled == 0 and c.cache_hits > 0 for c in out)
     assert tuning.precompile_searches(r, dims, [90])["compiled"] == 0
+
+
+# ---- the TF32 probe (step 0): nodes whose original ORT multiplies in fp32 compile precise ----
+
+def _probed(verdicts: dict[str, str]) -> Callable:
+    """probe_precisions answering from a table: node name -> "fp32" / "tf32" / an error."""
+    def probe(result, dims, feeds, timer, settings, conv_precision):
+        return {name: ({"error": v} if v not in ("fp32", "tf32") else {"multiplies": v, "ratios": [0.5]})
+                for name, v in verdicts.items()}
+    return probe
+
+
+def test_a_node_ort_multiplies_in_fp32_compiles_precise_before_it_is_timed(monkeypatch):
+    """ViT-S/16's patch conv: ORT's cuDNN ran it in fp32 (forty-sixth session), so its fused node
+    compiles at tf32x3 before the per-node timing, and is timed and kept at that precision; the
+    node ORT runs in TF32 keeps the model's precision. The record and the summary say which."""
+    r, before = _optimized(vgg_stack(2, 8, 3, 16))
+    first, second = (f.node_name for f in r.fused)
+    monkeypatch.setattr(tuning, "probe_precisions", _probed({first: "fp32", second: "tf32"}))
+    compiled, timed = [], []
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+    real_time_nodes = tuning.time_nodes
+
+    def time_nodes(result, *args, **kwargs):
+        timed.append({f.node_name: f.precision for f in result.fused})
+        return real_time_nodes(result, *args, **kwargs)
+
+    monkeypatch.setattr(tuning, "time_nodes", time_nodes)
+    _fake_outputs(monkeypatch, {"ort": 1e-3})
+
+    def recompile(res):
+        compiled.append({f.node_name: f.precision for f in res.fused})
+        return dict(NOT_COMPILED, summary="kernels: recompiled")
+
+    out = tuning.tune(r, before, dict(NOT_COMPILED), recompile, CPU, [90])
+    rec = out["tune"]
+    assert compiled[0] == {first: "tf32x3", second: None} and timed == [compiled[0]]
+    assert {f.node_name: f.precision for f in r.fused} == {first: "tf32x3", second: None}
+    assert rec["kept"] == "optimized" and rec["precise"] == [first]
+    assert {d["node"]: d["precision"] for d in rec["nodes"]} == {first: "tf32x3", second: ""}
+    assert f"1 node(s) multiply at tf32x3, where ONNX Runtime multiplied their originals in fp32 (TF32 probe): " \
+           f"{first}" in out["summary"] and out["summary"].startswith("kernels: recompiled")
+    # the spec the kernel is compiled from: the node's precision, not the model's
+    f = next(f for f in r.fused if f.node_name == first)
+    assert kernel_spec(r.model, f, "tf32").precision == "tf32x3" and precision_of(f, "tf32") == "tf32x3"
+    assert not tuning.KINDS["conv"].multiplies_in_tf32(f, precision_of(f, "tf32"))
+
+
+def test_nodes_of_one_kernel_share_the_probes_answer(monkeypatch):
+    """Two layers of one kernel name (same shapes, weights aside): one read fp32, both compile
+    at tf32x3 (one kernel, one precision); a probe that failed leaves its node as it was."""
+    r, before = _optimized(vgg_stack(3, 8, 3, 16))
+    first, second, third = (f.node_name for f in r.fused)
+    assert r.fused[1].kernel_name == r.fused[2].kernel_name != r.fused[0].kernel_name
+    probed = _probed({first: "cannot run", second: "tf32", third: "fp32"})(r, None, None, None, None, "tf32")
+    assert tuning.precise_nodes(before, probed) == {second, third}
+    monkeypatch.setattr(tuning, "probe_precisions", _probed({first: "cannot run", third: "fp32"}))
+    _fake_timer(monkeypatch, {"fused": 0.1, "original": 0.2}, lambda mm: 1.0 - 0.5 * bool(_fused_nodes(mm)))
+    _fake_outputs(monkeypatch, {"ort": 1e-3})
+    out = _tune(r, before)
+    assert out["tune"]["precise"] == [second, third]
+    assert f"TF32 probe failed for 1 node(s), which keep the model's precision: {first}: cannot run" in out["summary"]
+    assert "precision" in out["tune"]["phases"]
+
+
+def test_the_probe_runs_on_cuda_only_and_is_remembered(tmp_path, monkeypatch):
+    """On the CPU provider nothing multiplies in TF32: nothing is probed. A probe is remembered
+    under its one-node model's key, weights aside: a layer of the same shapes is a cache hit."""
+    monkeypatch.setenv("ONNXFUSE_CACHE", str(tmp_path))
+    r, _ = _optimized(vgg_stack(2, 8, 3, 16))
+    timer = tuning.Timer(TuneSettings(provider="cpu"), tmp_path)
+    feeds = {"x": np.zeros((1, 3, 16, 16), np.float32)}
+    assert tuning.probe_precisions(r, {"x": (1, 3, 16, 16)}, feeds, timer, timer.settings, "tf32") == {}
+    conv = _conv_then_chain()
+    one = model([conv.graph.node[0]], {"x": ("float32", [2, 4, 8, 8])}, {"c": ("float32", [2, 8, 8, 8])},
+                {"w": onnx.numpy_helper.to_array(conv.graph.initializer[0])})
+    first = timer.tf32_probe(one)
+    assert first["multiplies"] == "fp32" and all(r < 0.01 for r in first["ratios"]) and timer.measured == 1
+    other = onnx.ModelProto()
+    other.CopyFrom(one)
+    w = onnx.numpy_helper.to_array(other.graph.initializer[0])
+    other.graph.initializer[0].CopyFrom(onnx.numpy_helper.from_array(w * 2, other.graph.initializer[0].name))
+    assert timer.tf32_probe(other) == first and timer.hits == 1 and timer.measured == 1
+    timer.save()
+    again = tuning.Timer(TuneSettings(provider="cpu"), tmp_path)
+    assert again.tf32_probe(one) == first and again.hits == 1 and again.measured == 0

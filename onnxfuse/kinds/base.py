@@ -208,6 +208,9 @@ class FusedNode:
     round_y: bool = False
     params: Any = None  # what else a kind keeps about its node (conv: ConvNodeInfo; rows: RowsInfo)
     measured_only: bool = False  # Match.measured_only: goes back to ONNX Runtime when not tuned
+    # the precision its kernel multiplies float32 at in place of the model's (`--conv-precision`):
+    # tuning's PRECISE where ONNX Runtime multiplied the node's original in fp32 (onnxfuse.tf32probe)
+    precision: str | None = None
 
 
 @dataclass(frozen=True)
