@@ -19,8 +19,9 @@ the same seeded inputs:
   nearest TF32 value inside the graph (`with_tf32_operands`), as TF32 tensor cores see them
   (products of two 11-bit significands are exact in float32, and the sums are float32).
 
-Ratio = RMS(CUDA - exact) / RMS(TF32-emulated - exact). A TF32 product reads 0.99-1.01 (the same
-rounding as the emulation's; H100, forty-sixth session), an fp32 one 0.0004-0.002. Below
+Ratio = RMS(CUDA - exact) / RMS(TF32-emulated - exact). A TF32 product reads 0.9996-1.0011 (the
+same rounding as the emulation's), an fp32 one 0.0-0.0025 (H100, forty-seventh session: 644
+nodes probed over 30 suite rows; ViT-S/16's attentions at batch 1, 0.705, the only one between). Below
 `FP32_RATIO` the subgraph reads "fp32": ORT is measurably more accurate there than TF32
 would be. The threshold sits near 1 on purpose: a subgraph where ORT runs one product in fp32
 and another in TF32 (an attention's two) reads between, and a fused node in TF32 would be less
@@ -103,12 +104,14 @@ def with_tf32_operands(model: ModelProto) -> ModelProto:
 
 
 def _rms(outputs: dict[str, np.ndarray], exact: dict[str, np.ndarray]) -> float:
-    """RMS over every float output's elements of outputs - exact (float64)."""
+    """RMS over every float output's elements of outputs - exact (float64), where both are
+    finite (an epilogue's inf or NaN says nothing about how the products multiplied)."""
     sq, n = 0.0, 0
     for name, e in exact.items():
         if e.dtype.kind != "f":
             continue
         d = np.asarray(outputs[name], np.float64) - np.asarray(e, np.float64)
+        d = d[np.isfinite(d)]
         sq += float(np.sum(d * d))
         n += d.size
     return float(np.sqrt(sq / n)) if n else 0.0

@@ -1470,7 +1470,7 @@ def probe_precisions(result, dims: dict[str, tuple[int, ...]], feeds: dict[str, 
     """Step 0 (module docstring): for each fused node of `result` whose kernel would multiply
     float32 in TF32, what ONNX Runtime multiplies its original subgraph in (`Timer.tf32_probe`),
     by node name; {"error": why} where it cannot be probed (that node keeps the model's
-    precision). None on the CPU provider, which multiplies nothing in TF32."""
+    precision). Empty on the CPU provider, which multiplies nothing in TF32."""
     if settings.provider != "cuda":
         return {}
     todo = [f for f in result.fused if KINDS[f.kind].multiplies_in_tf32(f, precision_of(f, conv_precision))]
