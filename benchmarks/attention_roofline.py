@@ -576,7 +576,9 @@ def measure(name: str, dtype: str, batch: int, args, tmp: Path, save) -> dict:
                                          tmp))
 
     tiles = tile_list(spec, args.tiles)
-    targets = _targets(args.target)
+    from onnxfuse import compile as aot
+
+    targets = aot.targets(args.target)
 
     def time_tiles() -> list[dict]:
         tile_models(result, spec, tiles, targets, tmp, tag)
@@ -600,10 +602,6 @@ def measure(name: str, dtype: str, batch: int, args, tmp: Path, save) -> dict:
     return row
 
 
-def _targets(target: str) -> list[int]:
-    from onnxfuse import compile as aot
-
-    return aot.default_targets() if target == "auto" else aot.parse_targets(target)
 
 
 def run_case_process(case: tuple[str, str, int], args, tmp: Path) -> dict:

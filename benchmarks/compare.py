@@ -787,7 +787,7 @@ def prepare(picked: list[Case], tune_budget: float | None = None, target: str = 
     (an onnxfuse_tfopt variant asked for) the same passes and searches on that model.
     `target`: the GPU archs to compile for (`--target`: "sm_90" fills a kernel cache for an
     H100/H200 on a machine without one, to carry there; "auto" is the local GPUs')."""
-    targets = aot.default_targets() if target == "auto" else aot.parse_targets(target)
+    targets = aot.targets(target)
     upto = PASSES[:PASSES.index(tune_pass)]  # every pass the timed run's tuning follows
     try:
         import onnxruntime.transformers.optimizer  # noqa: F401

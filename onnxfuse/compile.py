@@ -143,6 +143,12 @@ def parse_targets(text: str) -> list[int]:
     return archs
 
 
+def targets(text: str) -> list[int]:
+    """What `--target` names: "auto" the local GPUs' archs (`default_targets`), else the
+    list `parse_targets` reads."""
+    return default_targets() if text == "auto" else parse_targets(text)
+
+
 def default_targets() -> list[int]:
     """The local GPUs' archs if the CUDA driver reports any, else `DEFAULT_TARGETS`.
 

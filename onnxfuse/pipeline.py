@@ -650,7 +650,7 @@ PASSES: tuple[Callable[[Result, Options], Result], ...] = (
 
 
 def _targets(options: Options) -> list[int]:
-    return aot.default_targets() if options.target == "auto" else aot.parse_targets(options.target)
+    return aot.targets(options.target)
 
 
 def compile_result(result: Result, targets: list[int], options: Options, conv_precision: str) -> dict:
