@@ -350,7 +350,7 @@ PY
     else
       timeout -s INT "${2:-560}" $P tests/test_gpu_conv.py tests/test_gpu_reliability.py tests/test_gemm_gpu.py \
         tests/test_rows_groupnorm_gpu.py tests/test_conv_small_m.py tests/test_bench.py tests/test_codegen.py \
-        tests/test_tails.py tests/test_gemm_codegen.py tests/test_rows_groupnorm_codegen.py tests/test_squeeze_gpu.py tests/test_bundle_gpu.py 2>&1 \
+        tests/test_tails.py tests/test_gemm_codegen.py tests/test_rows_groupnorm_codegen.py tests/test_squeeze_gpu.py tests/test_bundle_gpu.py tests/test_tf32probe.py 2>&1 \
         | tee "$OUT/gpu_tests_b.log" | grep -v '^\.*\s*\[' | tail -30
     fi
     ;;
