@@ -487,194 +487,195 @@ def run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], wa
     shapes = case.dry_shapes if dry else case.shapes
     res = CaseResult(case.name, case.kind, {k: list(v) for k, v in shapes.items()})
     steps = Phases()  # where a case's wall time goes: what a GPU session's plan needs
+    with _case_seconds(res, steps, case.name, log):
+        try:
+            if case.onnx is None:  # a pretrained model of the legacy list
+                name = case.pretrained or case.name
+                cached = pretrained.cache_dir() / f"{name}.onnx"
+                if dry and not cached.is_file():
+                    res.skipped = "not in the cache (run python -m models.pretrained)"
+                    return res
+                model = onnx.load(str(pretrained.fetch(name)))
+            else:
+                model = case.onnx(dry)
+            reference_model = case.reference(dry) if case.reference is not None else None
+        except (mb.TorchUnavailable, pretrained.RegistryUnavailable, ImportError) as e:
+            res.skipped = str(e)
+            return res
+        orig = workdir / f"{case.name}.onnx"
+        fused = workdir / f"{case.name}.onnxfuse.onnx"
+        save_model(model, orig)
+        # tuned, onnxfuse_graph's model is tuned for CUDA graphs (--cuda-graph), the plain one is
+        # optimized only where a variant runs it (a tuning each: the longest steps of a row; the
+        # forty-fifth session's onnxfuse_tfopt_graph row spent 27 s of its 51 on one no variant ran)
+        graph_own = tune and not dry and "onnxfuse_graph" in variants
+        plain = "onnxfuse" in variants or ("onnxfuse_graph" in variants and not graph_own)
+        if plain:
+            with steps("onnxfuse"):
+                compiled = _fuse(model, orig, fused, shapes, dry, tune, tune_budget,
+                                 lambda w: log(f"  {case.name:<20} {w}"))
+            res.compile, res.tune = compiled.get("summary", ""), compiled.get("tune")
+            res.fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused), load_external_data=False))
+        fused_graph, graph_nodes = fused, res.fused_nodes  # onnxfuse_graph's model
+        if graph_own:
+            fused_graph = workdir / f"{case.name}.onnxfuse.graph.onnx"
+            with steps("onnxfuse --cuda-graph"):
+                compiled = _fuse(model, orig, fused_graph, shapes, dry, tune, tune_budget,
+                                 lambda w: log(f"  {case.name:<20} (--cuda-graph) {w}"), cuda_graph=True)
+            res.tune_graph = compiled.get("tune")
+            res.compile = res.compile or compiled.get("summary", "")
+            graph_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused_graph), load_external_data=False))
+            if not plain:
+                res.fused_nodes = graph_nodes
+            kept = [(t or {}).get("kept", "not tuned") for t in (res.tune, res.tune_graph)]
+            log(f"  {case.name:<20} tuning kept: " + (f"{kept[0]} (default), " if plain else "")
+                + f"{kept[1]} (--cuda-graph)")
+        # ONNX Runtime's transformers optimizer, and onnxfuse on its model
+        tf_paths: dict[str, Path] = {}
+        tf_error = None
+        if case.ort_optimizer is not None and any(v in TFOPT_VARIANTS for v in variants):
+            try:
+                with steps("tf-optimizer"):
+                    tf_model, res.tfopt_ops = (
+                        case.tf_optimized(dry) if case.tf_optimized is not None else
+                        ort_transformers_optimize(model, reference_model, case.ort_optimizer(dry), dry))
+                tf_paths["ort_tfopt"] = workdir / f"{case.name}.tfopt.onnx"
+                save_model(tf_model, tf_paths["ort_tfopt"])
+                log(f"  {case.name:<20} ORT tf-optimizer fused: {res.tfopt_ops}")
+                if any(model_variant(v) == "onnxfuse_tfopt" for v in variants):
+                    tf_fused = workdir / f"{case.name}.tfopt.onnxfuse.onnx"
+                    with steps("onnxfuse on tf-optimizer"):
+                        # tuned for CUDA graphs where only its graph variant runs
+                        _fuse(tf_model, tf_paths["ort_tfopt"], tf_fused, shapes, dry, tune, tune_budget,
+                              lambda w: log(f"  {case.name:<20} (on tf-optimizer) {w}"),
+                              cuda_graph=True if "onnxfuse_tfopt" not in variants else None)
+                    res.tfopt_fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(tf_fused), load_external_data=False))
+                    tf_paths["onnxfuse_tfopt"] = tf_fused
+            except Exception as e:  # the other variants still run
+                tf_error = _error_text(e)
+                log(f"  {case.name:<20} ORT tf-optimizer: {tf_error}")
+        feeds = _feeds(case, shapes, model, dry)
+        provider = "cpu" if dry else "cuda"
+        # the reference: the original (or an fp16 case's fp32 twin) in float64, else ort_fp32
+        ref: dict[str, np.ndarray] | None = None
+        why_not = "--reference fp32"
+        if reference == "float64":
+            try:
+                with steps("reference"):
+                    ref, seconds = float64_reference.timed_evaluate(reference_model or model, feeds)
+                log(f"  {case.name:<20} {'float64 reference':<32} {seconds:.1f} s")
+            except float64_reference.Unavailable as e:
+                why_not = str(e)
+        if ref is None:
+            ref = _fp32_reference(res, case, orig, reference_model, feeds, provider, log)
+        gpu = None if dry else CudaDriver()
+        # a _graph variant runs its plain twin's model (BoundModel captures it; _ort_variants: cuda_graph)
+        ort_based = [v for v in variants if not v.startswith("torch")
+                     and (v not in TFOPT_VARIANTS or model_variant(v) in tf_paths)]
+        paths = {v: str(tf_paths.get(model_variant(v)) or (fused if v.startswith("onnxfuse") else orig))
+                 for v in ort_based}
+        if "onnxfuse_graph" in paths:
+            paths["onnxfuse_graph"] = str(fused_graph)
+        libraries = {v: v.startswith("onnxfuse")
+                     and (res.tfopt_fused_nodes if model_variant(v) in tf_paths
+                          else graph_nodes if v == "onnxfuse_graph" else res.fused_nodes) > 0
+                     for v in ort_based}
+        watch = None if dry else ClockWatch()
+        with steps("timing"):
+            ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu, watch=watch)
+        if watch is not None and watch.result is not None:
+            res.clocks = watch.result.to_dict()
+            log(f"  {case.name:<20} {'clocks while timed':<32} {watch.result.text()}"
+                + ("  (held down: these times are not the device's best)" if watch.result.held_down() else ""))
+        module = None
+        ort_outs = ran["ort"][1] if "ort" in ran else None
+        if res.reference == "" and ort_outs is not None and ref is not None:
+            problem = float64_reference.disagreement(ref, _by_reference_names(ref, ort_outs))
+            if problem:
+                why_not = f"the float64 reference looks wrong: {problem}"
+                ref = _fp32_reference(res, case, orig, reference_model, feeds, provider, log)
+        if res.reference == "" and ref is not None:
+            res.reference = "float64"
+        elif reference == "float64":
+            res.reference += f" (float64 not used: {why_not})"
+            log(f"  {case.name:<20} reference: {res.reference}")
+        if ort_outs is not None:
+            res.ort_max_abs_err = None
+        for v in variants:
+            try:
+                if v in TFOPT_VARIANTS and v not in ran:
+                    if tf_error is None:   # not a transformer (or its ORT variant did not run)
+                        continue
+                    raise RuntimeError(f"ORT transformers optimizer: {tf_error}")
+                if v.startswith("torch"):
+                    if case.torch is None:
+                        continue
+                    if module is None:
+                        module = case.torch(model, dry)
+                    mode = {"torch_compile": "default", "torch_compile_graph": "reduce-overhead"}.get(v)
+                    r, outs = _torch_variant(module, feeds, not dry, mode, warmup, iters)
+                else:
+                    r, outs = ran[v]
+                if outs is not None:
+                    _errors(ref, outs, r)
+                    if v == "ort":
+                        res.ort_max_abs_err = r.max_abs_err
+                    elif v.startswith("onnxfuse") and ref is not None:
+                        base = ran.get(GATE_BASE.get(v, "ort"), (None, None))[1]
+                        if base is not None:
+                            _gate(ref, base, outs, r)
+                del outs
+            except Exception as e:  # one failing variant must not lose the others' numbers
+                r = VariantResult(error=_error_text(e))
+            res.variants[v] = r
+            gate = {True: ", gate pass", False: ", gate FAIL", None: ""}[r.gate_passed]
+            log(f"  {case.name:<20} {LABELS[v]:<32} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error)
+                + (f" (rounds within {r.round_spread_pct:.0f}%)" if r.round_spread_pct is not None else "")
+                + (f", err vs ref {r.max_abs_err:.2g} (rms {r.rms_err:.2g})" if r.max_abs_err is not None else "")
+                + gate)
+            gc.collect()
+        gated = [r.gate_passed for v, r in res.variants.items()
+                 if v.startswith("onnxfuse") and r.gate_passed is not None]
+        res.gate_passed = all(gated) if gated else None
+        if profile:
+            res.profile = {}
+            for v in ort_based:  # each model once, under its plain variant's name
+                name = model_variant(v)
+                if name in res.profile:
+                    continue
+                try:
+                    res.profile[name] = profile_summary(paths[v], provider, shapes)
+                except Exception as e:  # the timings above stand without it
+                    res.profile[name] = {"error": _error_text(e)}
+                log(f"  {case.name:<20} profile {LABELS.get(name, name):<24} " + profile_line(res.profile[name]))
+        del ort_outs, ref, ran
+        if gpu is not None:
+            gpu.close()
+        if module is not None:
+            module.to("cpu")  # a torchvision case keeps its module: give the GPU memory back
+        del module
+        gc.collect()
+        if not dry:
+            try:
+                import torch
+
+                torch.cuda.empty_cache()
+            except ImportError:
+                pass
+        return res
+
+
+@contextlib.contextmanager
+def _case_seconds(res: CaseResult, steps: Phases, name: str, log):
+    """Where a case's wall time went (`steps`, and the total), into res.seconds and the log,
+    however the case ends."""
     started = time.perf_counter()
     try:
-        return _run_case(case, workdir, dry, variants, warmup, iters, log, tune, tune_budget, reference, profile,
-                         res, shapes, steps)
+        yield
     finally:
         res.seconds = {**steps.rounded(), "total": round(time.perf_counter() - started, 2)}
         if res.skipped is None:
-            log(f"  {case.name:<20} {'seconds':<32} " + ", ".join(f"{k} {v:.1f}" for k, v in res.seconds.items()))
-
-
-def _run_case(case: Case, workdir: Path, dry: bool, variants: tuple[str, ...], warmup: int, iters: int, log,
-              tune: bool, tune_budget: float | None, reference: str, profile: bool, res: CaseResult,
-              shapes: dict[str, tuple[int, ...]], steps: Phases) -> CaseResult:
-    """run_case's body; `steps` gets the seconds of its steps."""
-    try:
-        if case.onnx is None:  # a pretrained model of the legacy list
-            name = case.pretrained or case.name
-            cached = pretrained.cache_dir() / f"{name}.onnx"
-            if dry and not cached.is_file():
-                res.skipped = "not in the cache (run python -m models.pretrained)"
-                return res
-            model = onnx.load(str(pretrained.fetch(name)))
-        else:
-            model = case.onnx(dry)
-        reference_model = case.reference(dry) if case.reference is not None else None
-    except (mb.TorchUnavailable, pretrained.RegistryUnavailable, ImportError) as e:
-        res.skipped = str(e)
-        return res
-    orig = workdir / f"{case.name}.onnx"
-    fused = workdir / f"{case.name}.onnxfuse.onnx"
-    save_model(model, orig)
-    # tuned, onnxfuse_graph's model is tuned for CUDA graphs (--cuda-graph), the plain one is
-    # optimized only where a variant runs it (a tuning each: the longest steps of a row; the
-    # forty-fifth session's onnxfuse_tfopt_graph row spent 27 s of its 51 on one no variant ran)
-    graph_own = tune and not dry and "onnxfuse_graph" in variants
-    plain = "onnxfuse" in variants or ("onnxfuse_graph" in variants and not graph_own)
-    if plain:
-        with steps("onnxfuse"):
-            compiled = _fuse(model, orig, fused, shapes, dry, tune, tune_budget,
-                             lambda w: log(f"  {case.name:<20} {w}"))
-        res.compile, res.tune = compiled.get("summary", ""), compiled.get("tune")
-        res.fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused), load_external_data=False))
-    fused_graph, graph_nodes = fused, res.fused_nodes  # onnxfuse_graph's model
-    if graph_own:
-        fused_graph = workdir / f"{case.name}.onnxfuse.graph.onnx"
-        with steps("onnxfuse --cuda-graph"):
-            compiled = _fuse(model, orig, fused_graph, shapes, dry, tune, tune_budget,
-                             lambda w: log(f"  {case.name:<20} (--cuda-graph) {w}"), cuda_graph=True)
-        res.tune_graph = compiled.get("tune")
-        res.compile = res.compile or compiled.get("summary", "")
-        graph_nodes = ob.count_onnxfuse_nodes(onnx.load(str(fused_graph), load_external_data=False))
-        if not plain:
-            res.fused_nodes = graph_nodes
-        kept = [(t or {}).get("kept", "not tuned") for t in (res.tune, res.tune_graph)]
-        log(f"  {case.name:<20} tuning kept: " + (f"{kept[0]} (default), " if plain else "")
-            + f"{kept[1]} (--cuda-graph)")
-    # ONNX Runtime's transformers optimizer, and onnxfuse on its model
-    tf_paths: dict[str, Path] = {}
-    tf_error = None
-    if case.ort_optimizer is not None and any(v in TFOPT_VARIANTS for v in variants):
-        try:
-            with steps("tf-optimizer"):
-                tf_model, res.tfopt_ops = (case.tf_optimized(dry) if case.tf_optimized is not None else
-                                           ort_transformers_optimize(model, reference_model, case.ort_optimizer(dry),
-                                                                     dry))
-            tf_paths["ort_tfopt"] = workdir / f"{case.name}.tfopt.onnx"
-            save_model(tf_model, tf_paths["ort_tfopt"])
-            log(f"  {case.name:<20} ORT tf-optimizer fused: {res.tfopt_ops}")
-            if any(model_variant(v) == "onnxfuse_tfopt" for v in variants):
-                tf_fused = workdir / f"{case.name}.tfopt.onnxfuse.onnx"
-                with steps("onnxfuse on tf-optimizer"):
-                    # tuned for CUDA graphs where only its graph variant runs
-                    _fuse(tf_model, tf_paths["ort_tfopt"], tf_fused, shapes, dry, tune, tune_budget,
-                          lambda w: log(f"  {case.name:<20} (on tf-optimizer) {w}"),
-                          cuda_graph=True if "onnxfuse_tfopt" not in variants else None)
-                res.tfopt_fused_nodes = ob.count_onnxfuse_nodes(onnx.load(str(tf_fused), load_external_data=False))
-                tf_paths["onnxfuse_tfopt"] = tf_fused
-        except Exception as e:  # the other variants still run
-            tf_error = _error_text(e)
-            log(f"  {case.name:<20} ORT tf-optimizer: {tf_error}")
-    feeds = _feeds(case, shapes, model, dry)
-    provider = "cpu" if dry else "cuda"
-    # the reference: the original (or an fp16 case's fp32 twin) in float64, else ort_fp32
-    ref: dict[str, np.ndarray] | None = None
-    why_not = "--reference fp32"
-    if reference == "float64":
-        try:
-            with steps("reference"):
-                ref, seconds = float64_reference.timed_evaluate(reference_model or model, feeds)
-            log(f"  {case.name:<20} {'float64 reference':<32} {seconds:.1f} s")
-        except float64_reference.Unavailable as e:
-            why_not = str(e)
-    if ref is None:
-        ref = _fp32_reference(res, case, orig, reference_model, feeds, provider, log)
-    gpu = None if dry else CudaDriver()
-    # a _graph variant runs its plain twin's model (BoundModel captures it; _ort_variants: cuda_graph)
-    ort_based = [v for v in variants if not v.startswith("torch")
-                 and (v not in TFOPT_VARIANTS or model_variant(v) in tf_paths)]
-    paths = {v: str(tf_paths.get(model_variant(v)) or (fused if v.startswith("onnxfuse") else orig))
-             for v in ort_based}
-    if "onnxfuse_graph" in paths:
-        paths["onnxfuse_graph"] = str(fused_graph)
-    libraries = {v: v.startswith("onnxfuse")
-                 and (res.tfopt_fused_nodes if model_variant(v) in tf_paths
-                      else graph_nodes if v == "onnxfuse_graph" else res.fused_nodes) > 0
-                 for v in ort_based}
-    watch = None if dry else ClockWatch()
-    with steps("timing"):
-        ran = _ort_variants(paths, feeds, provider, libraries, warmup, iters, gpu, watch=watch)
-    if watch is not None and watch.result is not None:
-        res.clocks = watch.result.to_dict()
-        log(f"  {case.name:<20} {'clocks while timed':<32} {watch.result.text()}"
-            + ("  (held down: these times are not the device's best)" if watch.result.held_down() else ""))
-    module = None
-    ort_outs = ran["ort"][1] if "ort" in ran else None
-    if res.reference == "" and ort_outs is not None and ref is not None:
-        problem = float64_reference.disagreement(ref, _by_reference_names(ref, ort_outs))
-        if problem:
-            why_not = f"the float64 reference looks wrong: {problem}"
-            ref = _fp32_reference(res, case, orig, reference_model, feeds, provider, log)
-    if res.reference == "" and ref is not None:
-        res.reference = "float64"
-    elif reference == "float64":
-        res.reference += f" (float64 not used: {why_not})"
-        log(f"  {case.name:<20} reference: {res.reference}")
-    if ort_outs is not None:
-        res.ort_max_abs_err = None
-    for v in variants:
-        try:
-            if v in TFOPT_VARIANTS and v not in ran:
-                if tf_error is None:   # not a transformer (or its ORT variant did not run)
-                    continue
-                raise RuntimeError(f"ORT transformers optimizer: {tf_error}")
-            if v.startswith("torch"):
-                if case.torch is None:
-                    continue
-                if module is None:
-                    module = case.torch(model, dry)
-                mode = {"torch_compile": "default", "torch_compile_graph": "reduce-overhead"}.get(v)
-                r, outs = _torch_variant(module, feeds, not dry, mode, warmup, iters)
-            else:
-                r, outs = ran[v]
-            if outs is not None:
-                _errors(ref, outs, r)
-                if v == "ort":
-                    res.ort_max_abs_err = r.max_abs_err
-                elif v.startswith("onnxfuse") and ref is not None:
-                    base = ran.get(GATE_BASE.get(v, "ort"), (None, None))[1]
-                    if base is not None:
-                        _gate(ref, base, outs, r)
-            del outs
-        except Exception as e:  # one failing variant must not lose the others' numbers
-            r = VariantResult(error=_error_text(e))
-        res.variants[v] = r
-        gate = {True: ", gate pass", False: ", gate FAIL", None: ""}[r.gate_passed]
-        log(f"  {case.name:<20} {LABELS[v]:<32} " + (f"{r.median_ms:.3f} ms" if r.error is None else r.error)
-            + (f" (rounds within {r.round_spread_pct:.0f}%)" if r.round_spread_pct is not None else "")
-            + (f", err vs ref {r.max_abs_err:.2g} (rms {r.rms_err:.2g})" if r.max_abs_err is not None else "")
-            + gate)
-        gc.collect()
-    gated = [r.gate_passed for v, r in res.variants.items() if v.startswith("onnxfuse") and r.gate_passed is not None]
-    res.gate_passed = all(gated) if gated else None
-    if profile:
-        res.profile = {}
-        for v in ort_based:  # each model once, under its plain variant's name
-            name = model_variant(v)
-            if name in res.profile:
-                continue
-            try:
-                res.profile[name] = profile_summary(paths[v], provider, shapes)
-            except Exception as e:  # the timings above stand without it
-                res.profile[name] = {"error": _error_text(e)}
-            log(f"  {case.name:<20} profile {LABELS.get(name, name):<24} " + profile_line(res.profile[name]))
-    del ort_outs, ref, ran
-    if gpu is not None:
-        gpu.close()
-    if module is not None:
-        module.to("cpu")  # a torchvision case keeps its module: give the GPU memory back
-    del module
-    gc.collect()
-    if not dry:
-        try:
-            import torch
-
-            torch.cuda.empty_cache()
-        except ImportError:
-            pass
-    return res
+            log(f"  {name:<20} {'seconds':<32} " + ", ".join(f"{k} {v:.1f}" for k, v in res.seconds.items()))
 
 
 def fuse_options(shapes: dict[str, tuple[int, ...]], tune: bool, tune_budget: float | None,
