@@ -7,8 +7,8 @@ the nearest TF32 value (`tf32_emulation.tf32_ops`, as cuBLAS and cuDNN round the
     python -m benchmarks.ort_precision model.onnx --shape pixel_values=1,3,224,224 --json out.json
 
 Per node: ORT's RMS error, the TF32-emulated RMS error, their ratio, and what the ratio says:
-"tf32" (ORT's error is TF32's, ratio at least TF32_RATIO) or "fp32" (below it: CUDA-core
-FMA). cuDNN chooses its algorithm per convolution by timing them, so a conv's answer holds
+"tf32" (ORT's error is TF32's: ratio at least tuning's `onnxfuse.tf32probe.FP32_RATIO`) or
+"fp32" (below it: CUDA-core FMA). cuDNN chooses its algorithm per convolution by timing them, so a conv's answer holds
 for the shapes and machine it was measured on. The forty-sixth session's ViT-S/16 fp32: the
 whole model's error under ORT matched the emulation that rounds every MatMul and not the
 patch-embedding Conv (benchmarks/tf32_emulation.py); this script asks each node.
@@ -36,16 +36,16 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.tf32_emulation import fmt_sci, suite_image, tf32_ops  # noqa: E402
 from onnxfuse import reference  # noqa: E402
+from onnxfuse.tf32probe import FP32_RATIO  # noqa: E402
 from onnxfuse.tools.gate import rms_error  # noqa: E402
 from onnxfuse.tools.shapes import parse_shapes, with_input_dims  # noqa: E402
 from onnxfuse.tune import feeds_for  # noqa: E402
 
-PRODUCTS = ("Conv", "MatMul", "Gemm")
-# ORT's error over the TF32 emulation's at or above which a node reads "tf32": two TF32
-# products round alike (0.99-1.01 on the H100, forty-sixth session), an fp32 one is 500-2500x
+PRODUCTS = ("Conv", "MatMul", "Gemm")  # the products tf32_emulation.tf32_ops emulates
+# the verdict is tuning's (onnxfuse.tf32probe.FP32_RATIO): at or above it a node reads "tf32"; two
+# TF32 products round alike (0.99-1.01 on the H100, forty-sixth session), an fp32 one is 500-2500x
 # closer (0.0004-0.002 there: its error is its sums', TF32's the rounding of each operand by up
-# to 2**-11); 0.25 leaves room for either's luck on a small output
-TF32_RATIO = 0.25
+# to 2**-11)
 
 
 def product_nodes(model: onnx.ModelProto, values: dict[str, np.ndarray]) -> list[onnx.NodeProto]:
@@ -122,7 +122,7 @@ def probe(model: onnx.ModelProto, dims: dict[str, tuple[int, ...]], provider: st
         rows.append({"node": node.name, "op": node.op_type,
                      "inputs": [list(values[x].shape) if x in values else inits[x] for x in node.input if x],
                      "ort_rms_err": ort_err, "tf32_rms_err": tf32_err, "ratio": ratio,
-                     "multiplies": "tf32" if ratio is not None and ratio >= TF32_RATIO else "fp32"})
+                     "multiplies": "tf32" if ratio is not None and ratio >= FP32_RATIO else "fp32"})
     return rows
 
 
