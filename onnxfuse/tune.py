@@ -721,6 +721,21 @@ class Timer:
         self._float64: dict[tuple[int, int], tuple[dict[str, np.ndarray] | None, str | None]] = {}
         self._original_runs: dict[tuple, dict[str, dict[str, np.ndarray] | str]] = {}
         self._gate_prefix: dict[tuple, object] = {}  # gate_keys' hash of the original and the input sets
+        self._infos: dict[int, tuple[ModelProto, dict]] = {}  # tensor_infos' answers, by model
+
+    def tensor_infos(self, model: ModelProto, dims: dict[str, tuple[int, ...]], feeds: dict[str, np.ndarray],
+                     needed: set[str]) -> dict[str, onnx.ValueInfoProto]:
+        """`tensor_infos` of `model`, once per model a tuning: the TF32 probe and the node timing
+        ask it of the same model (a transformer's shape inference: seconds), and the second reuses
+        the first's answer where it types every tensor asked for."""
+        seen = self._infos.get(id(model))
+        if seen is not None and seen[0] is model:
+            inits = {t.name for t in model.graph.initializer}
+            if all(n in inits or (n in seen[1] and _static(seen[1][n])) for n in needed):
+                return seen[1]
+        infos = tensor_infos(model, dims, feeds, needed, self.settings.provider)
+        self._infos[id(model)] = (model, infos)  # the model kept: its id is not reused while here
+        return infos
 
     def _key(self, m: ModelProto, feeds: dict[str, np.ndarray], library: bool, graph: bool | str) -> str:
         """A model's cache key: its bytes without the values of its large initializers (layers
@@ -1478,7 +1493,7 @@ def probe_precisions(result, dims: dict[str, tuple[int, ...]], feeds: dict[str, 
         return {}
     nodes = {n.name: n for n in result.model.graph.node}
     needed = {x for f in todo for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
-    infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
+    infos = timer.tensor_infos(result.model, dims, feeds, needed)
     out = {}
     for f in todo:
         try:
@@ -1513,7 +1528,7 @@ def time_nodes(result, feeds, dims, timer: Timer, settings: TuneSettings, target
     nodes = {n.name: n for n in result.model.graph.node}
     needed = {x for f in result.fused for x in (*nodes[f.node_name].input, *nodes[f.node_name].output) if x}
     with steps("shapes"):
-        infos = tensor_infos(result.model, dims, feeds, needed, settings.provider)
+        infos = timer.tensor_infos(result.model, dims, feeds, needed)
     decisions = [NodeDecision(f.node_name, f.kind, offered=f.measured_only) for f in result.fused]
     order = measure_order(result, dims)
     built: dict[int, tuple[ModelProto, ModelProto]] = {}  # index -> (original, fused) one-node models
