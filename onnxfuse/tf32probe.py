@@ -36,6 +36,7 @@ import numpy as np
 import onnx
 from onnx import ModelProto, helper
 
+from onnxfuse.tools.gate import rms_error
 from onnxfuse.tools.session import BenchSettings, evaluate_model_on
 
 # ops whose float32 products ORT's CUDA EP may run in TF32 (cuDNN, cuBLAS)
@@ -104,17 +105,12 @@ def with_tf32_operands(model: ModelProto) -> ModelProto:
 
 
 def _rms(outputs: dict[str, np.ndarray], exact: dict[str, np.ndarray]) -> float:
-    """RMS over every float output's elements of outputs - exact (float64), where both are
-    finite (an epilogue's inf or NaN says nothing about how the products multiplied)."""
-    sq, n = 0.0, 0
-    for name, e in exact.items():
-        if e.dtype.kind != "f":
-            continue
-        d = np.asarray(outputs[name], np.float64) - np.asarray(e, np.float64)
-        d = d[np.isfinite(d)]
-        sq += float(np.sum(d * d))
-        n += d.size
-    return float(np.sqrt(sq / n)) if n else 0.0
+    """RMS over every float output's elements of outputs - exact (`gate.rms_error`), where both
+    are finite (an epilogue's inf or NaN says nothing about how the products multiplied)."""
+    diffs = [np.abs(np.asarray(outputs[name], np.float64) - np.asarray(e, np.float64)).ravel()
+             for name, e in exact.items() if e.dtype.kind == "f"]
+    d = np.concatenate(diffs) if diffs else np.zeros(0)
+    return rms_error(d[np.isfinite(d)])
 
 
 def probe(model: ModelProto, feeds: dict[str, np.ndarray], provider: str = "cuda",
